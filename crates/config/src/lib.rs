@@ -1,0 +1,628 @@
+//! Job configuration for ganymede, shaped like TorchTitan's job config: one TOML document with
+//! sections (`[model]`, `[training]`, `[optimizer]`, `[data]`, `[checkpoint]`, `[metrics]`,
+//! `[activation_checkpoint]`, `[parallelism]`), named presets, and `section.key=value` overrides.
+//!
+//! Every consumer (trainer, planner, exporter) reads the same [`JobConfig`]; [`JobConfig::validate`]
+//! is the one place that rejects impossible values, with the key and the reason.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+mod presets;
+pub use presets::{preset, PRESETS};
+
+/// A configuration problem, always naming where it came from.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid config {origin}: {message}")]
+    Parse { origin: String, message: String },
+    #[error("unknown preset '{0}' (known: {known})", known = PRESETS.join(", "))]
+    UnknownPreset(String),
+    #[error("bad override '{0}': expected section.key=value")]
+    BadOverride(String),
+    #[error("invalid value for {key} = {value}: {reason}")]
+    Invalid {
+        key: String,
+        value: String,
+        reason: String,
+    },
+}
+
+fn invalid(key: &str, value: impl ToString, reason: impl ToString) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        value: value.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Shape of the decoder-only MoE transformer (Qwen3-MoE semantics).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention); must divide `heads`.
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Routed experts per MoE layer.
+    pub experts: usize,
+    pub top_k: usize,
+    /// Hidden size of each routed expert's SwiGLU.
+    pub expert_hidden: usize,
+    /// Shared experts every token uses, added to the routed output (0 = none).
+    #[serde(default)]
+    pub shared_experts: usize,
+    /// Hidden size of each shared expert (0 = same as `expert_hidden`).
+    #[serde(default)]
+    pub shared_expert_hidden: usize,
+    /// The first `dense_layers` layers use a dense SwiGLU instead of experts.
+    #[serde(default)]
+    pub dense_layers: usize,
+    /// Hidden size of the dense SwiGLU in dense layers.
+    #[serde(default)]
+    pub dense_hidden: usize,
+    /// Training sequence length (tokens per sequence).
+    pub seq_len: usize,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+    /// Renormalise the top-k routing weights to sum to one (Qwen3's `norm_topk_prob`).
+    #[serde(default = "default_true")]
+    pub norm_topk_prob: bool,
+    /// Switch-style load-balancing auxiliary loss coefficient (0 = off).
+    #[serde(default = "default_aux")]
+    pub aux_loss_coef: f64,
+    /// DeepSeek-V3 auxiliary-loss-free balancing: per-expert selection bias updated by
+    /// `coeff * sign(mean_load - load)` after each step (0 = off).
+    #[serde(default)]
+    pub router_bias_update: f64,
+    /// Standard deviation of the normal initialisation of weight matrices.
+    #[serde(default = "default_init_std")]
+    pub init_std: f64,
+}
+
+fn default_rope_theta() -> f64 {
+    1_000_000.0
+}
+fn default_norm_eps() -> f64 {
+    1e-6
+}
+fn default_true() -> bool {
+    true
+}
+fn default_aux() -> f64 {
+    0.001
+}
+fn default_init_std() -> f64 {
+    0.02
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    pub fn shared_hidden(&self) -> usize {
+        if self.shared_expert_hidden == 0 {
+            self.expert_hidden
+        } else {
+            self.shared_expert_hidden
+        }
+    }
+    /// Whether layer `l` is an MoE layer (the first `dense_layers` are dense).
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        l >= self.dense_layers
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("model.vocab_size", self.vocab_size),
+            ("model.hidden", self.hidden),
+            ("model.layers", self.layers),
+            ("model.heads", self.heads),
+            ("model.kv_heads", self.kv_heads),
+            ("model.head_dim", self.head_dim),
+            ("model.experts", self.experts),
+            ("model.top_k", self.top_k),
+            ("model.expert_hidden", self.expert_hidden),
+            ("model.seq_len", self.seq_len),
+        ];
+        for (k, v) in positive {
+            if v == 0 {
+                return Err(invalid(k, v, "must be at least 1"));
+            }
+        }
+        if self.top_k > self.experts {
+            return Err(invalid(
+                "model.top_k",
+                self.top_k,
+                format!("larger than model.experts = {}", self.experts),
+            ));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(invalid(
+                "model.kv_heads",
+                self.kv_heads,
+                format!("must divide model.heads = {}", self.heads),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(invalid(
+                "model.head_dim",
+                self.head_dim,
+                "RoPE needs an even head dimension",
+            ));
+        }
+        if self.dense_layers > self.layers {
+            return Err(invalid(
+                "model.dense_layers",
+                self.dense_layers,
+                format!("more than model.layers = {}", self.layers),
+            ));
+        }
+        if self.dense_layers > 0 && self.dense_hidden == 0 {
+            return Err(invalid(
+                "model.dense_hidden",
+                0,
+                "dense layers need a hidden size",
+            ));
+        }
+        if self.rope_theta.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return Err(invalid(
+                "model.rope_theta",
+                self.rope_theta,
+                "must be positive",
+            ));
+        }
+        if self.norm_eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return Err(invalid("model.norm_eps", self.norm_eps, "must be positive"));
+        }
+        if !(self.aux_loss_coef >= 0.0) {
+            return Err(invalid(
+                "model.aux_loss_coef",
+                self.aux_loss_coef,
+                "must be >= 0",
+            ));
+        }
+        if !(self.router_bias_update >= 0.0) {
+            return Err(invalid(
+                "model.router_bias_update",
+                self.router_bias_update,
+                "must be >= 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingConfig {
+    pub steps: usize,
+    /// Sequences per optimizer step (the global batch).
+    pub batch_size: usize,
+    pub seed: u64,
+    /// Global gradient-norm clipping threshold (0 = off).
+    pub grad_clip: f64,
+    /// Worker threads for the CPU backend (0 = all cores).
+    pub threads: usize,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        Self {
+            steps: 300,
+            batch_size: 8,
+            seed: 42,
+            grad_clip: 1.0,
+            threads: 0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerName {
+    /// Muon for hidden weight matrices, AdamW for the rest.
+    Muon,
+    /// AdamW everywhere (baseline).
+    Adamw,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MuonScale {
+    /// Moonlight: 0.2 * sqrt(max(rows, cols)), matching AdamW's update RMS.
+    MatchRmsAdamw,
+    /// Keller Jordan's original: max(1, rows/cols)^0.5.
+    Original,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Constant,
+    Cosine,
+    /// Warmup-stable-decay: flat after warmup, linear decay over the last `decay_fraction`.
+    Wsd,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub name: OptimizerName,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Muon's Nesterov momentum.
+    pub momentum: f64,
+    pub ns_steps: usize,
+    pub muon_scale: MuonScale,
+    pub schedule: Schedule,
+    pub warmup_steps: usize,
+    /// Final learning rate as a fraction of `lr` (cosine and wsd).
+    pub min_lr_ratio: f64,
+    /// Share of steps spent decaying under `wsd`.
+    pub decay_fraction: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            name: OptimizerName::Muon,
+            lr: 0.01,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            momentum: 0.95,
+            ns_steps: 5,
+            muon_scale: MuonScale::MatchRmsAdamw,
+            schedule: Schedule::Cosine,
+            warmup_steps: 20,
+            min_lr_ratio: 0.1,
+            decay_fraction: 0.2,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Training text: a file or folder of `.txt`/`.jsonl` files, or a `.bin` file of
+    /// little-endian u32 tokens. Empty: the built-in generated corpus.
+    pub path: String,
+    /// `byte` (built in), `bpe` (train a BPE tokenizer of `model.vocab_size` on the corpus), or a
+    /// path to a Hugging Face `tokenizer.json`.
+    pub tokenizer: String,
+    /// Share of the corpus held out for validation (taken from its end).
+    pub val_fraction: f64,
+    /// Size in bytes of the built-in generated corpus.
+    pub builtin_bytes: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            tokenizer: "byte".into(),
+            val_fraction: 0.05,
+            builtin_bytes: 4 << 20,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Save every `interval` steps (0 = only at the end).
+    pub interval: usize,
+    /// Whether to save at all.
+    pub enable: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            interval: 0,
+            enable: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Print a log line every `log_every` steps (without a terminal).
+    pub log_every: usize,
+    /// Validation loss every `val_every` steps (0 = only at the end).
+    pub val_every: usize,
+    /// Batches of `training.batch_size` sequences per validation.
+    pub val_batches: usize,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            log_every: 10,
+            val_every: 50,
+            val_batches: 4,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AcMode {
+    /// Keep each block's input only; recompute its internals in backward.
+    Full,
+    /// Keep every activation.
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActivationCheckpointConfig {
+    pub mode: AcMode,
+    /// Share of layers whose boundary activation is offloaded to host memory (GPU backends).
+    pub offload_fraction: f64,
+}
+
+impl Default for ActivationCheckpointConfig {
+    fn default() -> Self {
+        Self {
+            mode: AcMode::Full,
+            offload_fraction: 0.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelismConfig {
+    /// FSDP degree (data-parallel shards).
+    pub dp_shard: usize,
+    /// Expert-parallel degree; divides `dp_shard` and `model.experts`.
+    pub ep: usize,
+}
+
+impl Default for ParallelismConfig {
+    fn default() -> Self {
+        Self { dp_shard: 1, ep: 1 }
+    }
+}
+
+/// The whole job: what `ganymede train` runs and the planner reads.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub training: TrainingConfig,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    #[serde(default)]
+    pub data: DataConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub activation_checkpoint: ActivationCheckpointConfig,
+    #[serde(default)]
+    pub parallelism: ParallelismConfig,
+}
+
+impl JobConfig {
+    /// Parse a TOML document; `origin` names it in errors (a file path, "preset tiny", ...).
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.into(),
+            message: e.to_string(),
+        })?;
+        Self::from_value(value, origin)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    fn from_value(value: toml::Value, origin: &str) -> Result<Self, ConfigError> {
+        value
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                origin: origin.into(),
+                message: e.message().to_string(),
+            })
+    }
+
+    /// Build a config from an optional preset or file, then apply `section.key=value` overrides.
+    /// With neither preset nor file, the `tiny` preset is used.
+    pub fn load(
+        preset_name: Option<&str>,
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let base = match (preset_name, file) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::Parse {
+                    origin: "command line".into(),
+                    message: "give either --preset or --config, not both".into(),
+                })
+            }
+            (_, Some(f)) => Self::from_file(f)?,
+            (p, None) => preset(p.unwrap_or("tiny"))?,
+        };
+        base.with_overrides(overrides)
+    }
+
+    /// Apply `section.key=value` overrides. Values are parsed as TOML (numbers, booleans);
+    /// anything that does not parse is taken as a string.
+    pub fn with_overrides(&self, overrides: &[String]) -> Result<Self, ConfigError> {
+        if overrides.is_empty() {
+            return Ok(self.clone());
+        }
+        let mut root = toml::Value::try_from(self).expect("config serialises");
+        for o in overrides {
+            let (path, raw) = o
+                .split_once('=')
+                .ok_or_else(|| ConfigError::BadOverride(o.clone()))?;
+            let path = path.trim();
+            let parts: Vec<&str> = path.split('.').collect();
+            if parts.len() != 2 || parts.iter().any(|p| p.is_empty()) {
+                return Err(ConfigError::BadOverride(o.clone()));
+            }
+            let value = parse_scalar(raw.trim());
+            let table = root.as_table_mut().expect("root is a table");
+            let section = table
+                .entry(parts[0].to_string())
+                .or_insert_with(|| toml::Value::Table(Default::default()));
+            let Some(section) = section.as_table_mut() else {
+                return Err(ConfigError::BadOverride(o.clone()));
+            };
+            section.insert(parts[1].to_string(), value);
+        }
+        Self::from_value(root, "--set overrides")
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// Check every cross-field constraint; errors name the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()?;
+        let t = &self.training;
+        if t.steps == 0 {
+            return Err(invalid("training.steps", 0, "must be at least 1"));
+        }
+        if t.batch_size == 0 {
+            return Err(invalid("training.batch_size", 0, "must be at least 1"));
+        }
+        if !(t.grad_clip >= 0.0) {
+            return Err(invalid("training.grad_clip", t.grad_clip, "must be >= 0"));
+        }
+        let o = &self.optimizer;
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return Err(invalid("optimizer.lr", o.lr, "must be a positive number"));
+        }
+        if !(o.weight_decay >= 0.0) {
+            return Err(invalid(
+                "optimizer.weight_decay",
+                o.weight_decay,
+                "must be >= 0",
+            ));
+        }
+        for (k, v) in [
+            ("optimizer.beta1", o.beta1),
+            ("optimizer.beta2", o.beta2),
+            ("optimizer.momentum", o.momentum),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(invalid(k, v, "must be in [0, 1)"));
+            }
+        }
+        if o.ns_steps == 0 {
+            return Err(invalid("optimizer.ns_steps", 0, "must be at least 1"));
+        }
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+            return Err(invalid(
+                "optimizer.min_lr_ratio",
+                o.min_lr_ratio,
+                "must be in [0, 1]",
+            ));
+        }
+        if !(0.0..=1.0).contains(&o.decay_fraction) {
+            return Err(invalid(
+                "optimizer.decay_fraction",
+                o.decay_fraction,
+                "must be in [0, 1]",
+            ));
+        }
+        let d = &self.data;
+        if !(d.val_fraction > 0.0 && d.val_fraction < 0.5) {
+            return Err(invalid(
+                "data.val_fraction",
+                d.val_fraction,
+                "must be in (0, 0.5)",
+            ));
+        }
+        if d.tokenizer.is_empty() {
+            return Err(invalid(
+                "data.tokenizer",
+                "\"\"",
+                "use byte, bpe, or a tokenizer.json path",
+            ));
+        }
+        if d.tokenizer == "byte" && self.model.vocab_size < 256 {
+            return Err(invalid(
+                "model.vocab_size",
+                self.model.vocab_size,
+                "the byte tokenizer needs at least 256",
+            ));
+        }
+        if !d.path.is_empty() && !Path::new(&d.path).exists() {
+            return Err(invalid("data.path", &d.path, "no such file or directory"));
+        }
+        let a = &self.activation_checkpoint;
+        if !(0.0..=1.0).contains(&a.offload_fraction) {
+            return Err(invalid(
+                "activation_checkpoint.offload_fraction",
+                a.offload_fraction,
+                "must be in [0, 1]",
+            ));
+        }
+        let p = &self.parallelism;
+        if p.dp_shard == 0 {
+            return Err(invalid("parallelism.dp_shard", 0, "must be at least 1"));
+        }
+        if p.ep == 0 {
+            return Err(invalid("parallelism.ep", 0, "must be at least 1"));
+        }
+        if self.model.experts % p.ep != 0 {
+            return Err(invalid(
+                "parallelism.ep",
+                p.ep,
+                format!("must divide model.experts = {}", self.model.experts),
+            ));
+        }
+        if p.dp_shard % p.ep != 0 {
+            return Err(invalid(
+                "parallelism.ep",
+                p.ep,
+                format!("must divide parallelism.dp_shard = {}", p.dp_shard),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn parse_scalar(raw: &str) -> toml::Value {
+    // Parse as the value of a one-key TOML document so integers, floats, booleans and quoted
+    // strings keep their types; bare words become strings.
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v").expect("key v"),
+        Err(_) => toml::Value::String(raw.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

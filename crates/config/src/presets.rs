@@ -1,0 +1,89 @@
+//! Named model and job shapes ("flavors").
+
+use crate::{ConfigError, JobConfig};
+
+pub const PRESETS: &[&str] = &["tiny", "small", "europa-1t"];
+
+const TINY: &str = r#"
+# About 0.45M parameters: byte vocabulary, the default for `ganymede train`.
+[model]
+vocab_size = 256
+hidden = 64
+layers = 2
+heads = 4
+kv_heads = 2
+head_dim = 16
+experts = 8
+top_k = 2
+expert_hidden = 128
+seq_len = 128
+
+[training]
+steps = 600
+batch_size = 8
+
+[optimizer]
+lr = 0.01
+warmup_steps = 30
+"#;
+
+const SMALL: &str = r#"
+# About 15.5M parameters: a 4096-token BPE vocabulary trained on the corpus. For benchmarks.
+[model]
+vocab_size = 4096
+hidden = 256
+layers = 4
+heads = 8
+kv_heads = 4
+head_dim = 32
+experts = 16
+top_k = 4
+expert_hidden = 256
+seq_len = 256
+
+[training]
+steps = 200
+batch_size = 8
+
+[data]
+tokenizer = "bpe"
+"#;
+
+const EUROPA_1T: &str = r#"
+# The write-up's ~1T model. The write-up gives layers, hidden, experts, top-k, expert hidden,
+# vocabulary and sequence; the attention shape and the shared expert are our reconstruction:
+# 48 query and 16 KV heads of dimension 128 plus one shared expert of hidden 1792 give
+# 951.80B total / 32.77B active parameters with vocabulary 256,000 (the write-up: 951.9B / 32.8B).
+# Every layer is MoE: total - active = 74 * 376 * 3 * 6144 * 1792 pins that.
+[model]
+vocab_size = 256000
+hidden = 6144
+layers = 74
+heads = 48
+kv_heads = 16
+head_dim = 128
+experts = 384
+top_k = 8
+expert_hidden = 1792
+shared_experts = 1
+shared_expert_hidden = 1792
+seq_len = 65536
+
+[training]
+batch_size = 384
+
+[parallelism]
+dp_shard = 384
+ep = 4
+"#;
+
+/// The job config of a named preset.
+pub fn preset(name: &str) -> Result<JobConfig, ConfigError> {
+    let text = match name {
+        "tiny" => TINY,
+        "small" => SMALL,
+        "europa-1t" => EUROPA_1T,
+        other => return Err(ConfigError::UnknownPreset(other.to_string())),
+    };
+    JobConfig::from_toml_str(text, &format!("preset {name}"))
+}

@@ -1,0 +1,93 @@
+use super::*;
+
+#[test]
+fn presets_parse_and_validate() {
+    for name in PRESETS {
+        let c = preset(name).unwrap();
+        c.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    assert_eq!(preset("tiny").unwrap().model.hidden, 64);
+    assert_eq!(preset("europa-1t").unwrap().model.experts, 384);
+}
+
+#[test]
+fn overrides_apply_with_types() {
+    let c = JobConfig::load(
+        Some("tiny"),
+        None,
+        &[
+            "optimizer.lr=0.003".into(),
+            "optimizer.name=adamw".into(),
+            "model.top_k=3".into(),
+            "activation_checkpoint.mode=none".into(),
+            "data.path=\"x y\"".into(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.optimizer.lr, 0.003);
+    assert_eq!(c.optimizer.name, OptimizerName::Adamw);
+    assert_eq!(c.model.top_k, 3);
+    assert_eq!(c.activation_checkpoint.mode, AcMode::None);
+    assert_eq!(c.data.path, "x y");
+    // An integer given for a float key is accepted.
+    let c = c.with_overrides(&["optimizer.lr=1".into()]).unwrap();
+    assert_eq!(c.optimizer.lr, 1.0);
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let e = JobConfig::load(Some("tiny"), None, &["optimizer.lrr=0.1".into()]).unwrap_err();
+    assert!(e.to_string().contains("lrr"), "{e}");
+    let e = JobConfig::load(Some("tiny"), None, &["nosection.k=1".into()]).unwrap_err();
+    assert!(e.to_string().contains("nosection"), "{e}");
+    let e = JobConfig::load(Some("tiny"), None, &["optimizer.name=sgd".into()]).unwrap_err();
+    assert!(e.to_string().contains("sgd"), "{e}");
+    let e = JobConfig::load(Some("huge"), None, &[]).unwrap_err();
+    assert!(e.to_string().contains("huge"), "{e}");
+    let e = JobConfig::load(Some("tiny"), None, &["garbage".into()]).unwrap_err();
+    assert!(e.to_string().contains("garbage"), "{e}");
+}
+
+#[test]
+fn invalid_values_name_key_and_reason() {
+    let cases = [
+        ("model.top_k=9", "model.top_k", "larger than model.experts"),
+        ("model.kv_heads=3", "model.kv_heads", "divide"),
+        ("model.head_dim=15", "model.head_dim", "even"),
+        ("optimizer.lr=0", "optimizer.lr", "positive"),
+        ("parallelism.ep=3", "parallelism.ep", "divide model.experts"),
+        (
+            "parallelism.ep=4",
+            "parallelism.ep",
+            "divide parallelism.dp_shard",
+        ),
+        ("data.path=/no/such/file.txt", "data.path", "no such file"),
+        ("training.steps=0", "training.steps", "at least 1"),
+    ];
+    for (o, key, reason) in cases {
+        let c = JobConfig::load(Some("tiny"), None, &[o.to_string()]).unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains(reason), "{o}: {e}");
+    }
+}
+
+#[test]
+fn toml_round_trip() {
+    let c = preset("small").unwrap();
+    let back = JobConfig::from_toml_str(&c.to_toml(), "round trip").unwrap();
+    assert_eq!(c, back);
+}
+
+#[test]
+fn file_errors_name_the_file() {
+    let dir = std::env::temp_dir().join(format!("gm-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("bad.toml");
+    std::fs::write(&f, "[model]\nhidden = \"wide\"\n").unwrap();
+    let e = JobConfig::from_file(&f).unwrap_err().to_string();
+    assert!(e.contains("bad.toml"), "{e}");
+    let e = JobConfig::from_file(&dir.join("missing.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing.toml"), "{e}");
+}
