@@ -1,0 +1,106 @@
+//! The backend interface. Split by concern so each can grow on its own:
+//! [`Memory`] (allocation and transfers), [`Blas`] (GEMM and vector ops),
+//! [`NnOps`] (the model's kernels) and [`OptimOps`] (optimizer kernels).
+//! [`Backend`] is all of them; model and optimizer code take `&dyn Backend` or `&impl Backend`.
+
+mod nn;
+mod optim;
+
+pub use nn::NnOps;
+pub use optim::OptimOps;
+
+use crate::ledger::{Category, Device, Ledger};
+use crate::tensor::{TMut, Tensor, T};
+use std::sync::Arc;
+
+pub trait Memory: Send + Sync {
+    fn device(&self) -> Device;
+    fn ledger(&self) -> &Arc<Ledger>;
+    /// A zero-filled tensor charged to `category`.
+    fn zeros(&self, shape: &[usize], category: Category) -> Tensor;
+    /// A tensor holding `data` (host to device copy).
+    fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor;
+    /// Like `upload`, from f64 data (exact on an f64 backend).
+    fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor;
+    /// Device to host copy.
+    fn download(&self, src: T) -> Vec<f32>;
+    /// Device to host copy in f64 (exact on an f64 backend).
+    fn download_f64(&self, src: T) -> Vec<f64>;
+    /// Host to device copy into an existing view.
+    fn write(&self, dst: TMut, data: &[f32]);
+    fn copy(&self, dst: TMut, src: T);
+    fn fill(&self, dst: TMut, value: f32);
+    /// Wait for queued work (a no-op on the CPU).
+    fn synchronize(&self) {}
+}
+
+/// Shape of one GEMM: `C[m,n] = alpha * op(A)[m,k] · op(B)[k,n] + beta * C`, all row-major with
+/// leading dimensions (row strides) so that sub-matrices (one attention head's columns, say)
+/// are views too. `op(A) = Aᵀ` when `trans_a`, where A is then stored `[k, m]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub alpha: f32,
+    pub beta: f32,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+impl Gemm {
+    /// Dense row-major GEMM with leading dimensions implied by the shapes, alpha 1, beta 0.
+    pub fn new(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool) -> Self {
+        Gemm {
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b,
+            alpha: 1.0,
+            beta: 0.0,
+            lda: if trans_a { m } else { k },
+            ldb: if trans_b { k } else { n },
+            ldc: n,
+        }
+    }
+    pub fn alpha(mut self, alpha: f32) -> Self {
+        self.alpha = alpha;
+        self
+    }
+    pub fn beta(mut self, beta: f32) -> Self {
+        self.beta = beta;
+        self
+    }
+    /// Override leading dimensions (strided sub-matrix views).
+    pub fn ld(mut self, lda: usize, ldb: usize, ldc: usize) -> Self {
+        self.lda = lda;
+        self.ldb = ldb;
+        self.ldc = ldc;
+        self
+    }
+    pub fn flops(&self) -> u64 {
+        2 * (self.m * self.n * self.k) as u64
+    }
+}
+
+pub trait Blas: Send + Sync {
+    fn gemm(&self, c: TMut, a: T, b: T, g: Gemm);
+    /// `y += alpha * x`
+    fn axpy(&self, y: TMut, alpha: f32, x: T);
+    /// `y *= alpha`
+    fn scale(&self, y: TMut, alpha: f32);
+    /// `y += x` elementwise (residual connections).
+    fn add(&self, y: TMut, x: T) {
+        self.axpy(y, 1.0, x)
+    }
+    /// Σ x², accumulated in f64.
+    fn sumsq(&self, x: T) -> f64;
+}
+
+/// Everything a training step needs from a device.
+pub trait Backend: Memory + Blas + NnOps + OptimOps {}
+impl<B: Memory + Blas + NnOps + OptimOps> Backend for B {}

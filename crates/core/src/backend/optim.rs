@@ -1,0 +1,3 @@
+//! Kernels of the optimizers (fused elementwise updates).
+
+pub trait OptimOps: Send + Sync {}

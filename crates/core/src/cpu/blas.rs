@@ -1,0 +1,301 @@
+//! GEMM and vector kernels. GEMMs above a size are split across rayon's threads along the longer
+//! output dimension; each piece is one `matrixmultiply` call, which packs and runs AVX2/FMA
+//! micro-kernels.
+
+use super::{CpuBackend, PAR_MIN};
+use crate::backend::{Blas, Gemm};
+use crate::tensor::{Scalar, TMut, T};
+use rayon::prelude::*;
+
+/// Below this many multiply-adds a GEMM runs on one thread.
+const GEMM_PAR_MIN: usize = 1 << 17;
+
+#[derive(Clone, Copy)]
+struct Ptr<S>(*mut S);
+unsafe impl<S> Send for Ptr<S> {}
+unsafe impl<S> Sync for Ptr<S> {}
+
+/// The element types `matrixmultiply` has kernels for.
+pub trait GemmScalar: Scalar {
+    /// # Safety
+    /// The pointers and strides must describe valid matrices, as for `matrixmultiply::sgemm`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: Self,
+        a: *const Self,
+        rsa: isize,
+        csa: isize,
+        b: *const Self,
+        rsb: isize,
+        csb: isize,
+        beta: Self,
+        c: *mut Self,
+        rsc: isize,
+        csc: isize,
+    );
+}
+
+impl GemmScalar for f32 {
+    unsafe fn raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f32,
+        a: *const f32,
+        rsa: isize,
+        csa: isize,
+        b: *const f32,
+        rsb: isize,
+        csb: isize,
+        beta: f32,
+        c: *mut f32,
+        rsc: isize,
+        csc: isize,
+    ) {
+        matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    }
+}
+
+impl GemmScalar for f64 {
+    unsafe fn raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f64,
+        a: *const f64,
+        rsa: isize,
+        csa: isize,
+        b: *const f64,
+        rsb: isize,
+        csb: isize,
+        beta: f64,
+        c: *mut f64,
+        rsc: isize,
+        csc: isize,
+    ) {
+        matrixmultiply::dgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    }
+}
+
+fn extent(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
+}
+
+/// Row-major GEMM on host slices, with bounds checked once up front.
+pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
+    let Gemm {
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+        alpha,
+        beta,
+        lda,
+        ldb,
+        ldc,
+    } = g;
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (a_rows, a_cols) = if trans_a { (k, m) } else { (m, k) };
+    let (b_rows, b_cols) = if trans_b { (n, k) } else { (k, n) };
+    assert!(
+        a_cols <= lda && a.len() >= extent(a_rows, a_cols, lda),
+        "gemm: A too small {g:?}"
+    );
+    assert!(
+        b_cols <= ldb && b.len() >= extent(b_rows, b_cols, ldb),
+        "gemm: B too small {g:?}"
+    );
+    assert!(
+        n <= ldc && c.len() >= extent(m, n, ldc),
+        "gemm: C too small {g:?}"
+    );
+    // (row stride, column stride) of op(A) and op(B).
+    let (rsa, csa) = if trans_a { (1, lda) } else { (lda, 1) };
+    let (rsb, csb) = if trans_b { (1, ldb) } else { (ldb, 1) };
+    let threads = rayon::current_num_threads();
+    let work = m * n * k;
+    let cp = Ptr(c.as_mut_ptr());
+    let (ap, bp) = (a.as_ptr() as usize, b.as_ptr() as usize);
+    let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
+    // Safety: bounds were checked above; pieces write disjoint blocks of C.
+    let run = move |i0: usize, i1: usize, j0: usize, j1: usize| unsafe {
+        let cp = cp;
+        S::raw(
+            i1 - i0,
+            k,
+            j1 - j0,
+            alpha,
+            (ap as *const S).add(i0 * rsa),
+            rsa as isize,
+            csa as isize,
+            (bp as *const S).add(j0 * csb),
+            rsb as isize,
+            csb as isize,
+            beta,
+            cp.0.add(i0 * ldc + j0),
+            ldc as isize,
+            1,
+        )
+    };
+    if threads == 1 || work < GEMM_PAR_MIN || k == 0 {
+        run(0, m, 0, n);
+        return;
+    }
+    // Split the longer side in pieces that keep micro-kernel tiles (8x8) whole.
+    let split_m = m >= n;
+    let len = if split_m { m } else { n };
+    let pieces = threads.min(len.div_ceil(16)).max(1);
+    let step = len.div_ceil(pieces).next_multiple_of(8);
+    (0..len.div_ceil(step)).into_par_iter().for_each(|p| {
+        let s = p * step;
+        let e = (s + step).min(len);
+        if split_m {
+            run(s, e, 0, n)
+        } else {
+            run(0, m, s, e)
+        }
+    });
+}
+
+fn axpy<S: Scalar>(y: TMut, alpha: f32, x: T) {
+    let (y, x): (&mut [S], &[S]) = (y.host(), x.host());
+    assert_eq!(y.len(), x.len(), "axpy length");
+    let alpha = S::of_f64(alpha as f64);
+    if y.len() < PAR_MIN {
+        y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x);
+    } else {
+        y.par_chunks_mut(PAR_MIN)
+            .zip(x.par_chunks(PAR_MIN))
+            .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x));
+    }
+}
+
+fn scale<S: Scalar>(y: TMut, alpha: f32) {
+    let y: &mut [S] = y.host();
+    let alpha = S::of_f64(alpha as f64);
+    if y.len() < PAR_MIN {
+        y.iter_mut().for_each(|y| *y *= alpha);
+    } else {
+        y.par_chunks_mut(PAR_MIN)
+            .for_each(|y| y.iter_mut().for_each(|y| *y *= alpha));
+    }
+}
+
+fn sumsq<S: Scalar>(x: T) -> f64 {
+    let x: &[S] = x.host();
+    let chunk = |c: &[S]| c.iter().map(|&v| v.as_f64() * v.as_f64()).sum::<f64>();
+    if x.len() < PAR_MIN {
+        chunk(x)
+    } else {
+        // Fixed chunking keeps the sum's rounding independent of the thread count.
+        let parts: Vec<f64> = x.par_chunks(PAR_MIN).map(chunk).collect();
+        parts.iter().sum()
+    }
+}
+
+fn gemm<S: GemmScalar>(c: TMut, a: T, b: T, g: Gemm) {
+    gemm_host::<S>(c.host(), a.host(), b.host(), g)
+}
+
+impl Blas for CpuBackend {
+    fn gemm(&self, c: TMut, a: T, b: T, g: Gemm) {
+        crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
+    }
+    fn axpy(&self, y: TMut, alpha: f32, x: T) {
+        crate::by_dtype!(y.dtype(), axpy(y, alpha, x))
+    }
+    fn scale(&self, y: TMut, alpha: f32) {
+        crate::by_dtype!(y.dtype(), scale(y, alpha))
+    }
+    fn sumsq(&self, x: T) -> f64 {
+        crate::by_dtype!(x.dtype(), sumsq(x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], g: Gemm, c: &mut [f32]) {
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut s = 0.0f64;
+                for p in 0..g.k {
+                    let av = if g.trans_a {
+                        a[p * g.lda + i]
+                    } else {
+                        a[i * g.lda + p]
+                    };
+                    let bv = if g.trans_b {
+                        b[j * g.ldb + p]
+                    } else {
+                        b[p * g.ldb + j]
+                    };
+                    s += av as f64 * bv as f64;
+                }
+                let cv = &mut c[i * g.ldc + j];
+                *cv = g.alpha * s as f32 + g.beta * *cv;
+            }
+        }
+    }
+
+    fn rand(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gemm_matches_naive_all_transposes_and_strides() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for &(m, n, k) in &[(3, 5, 7), (64, 96, 80), (130, 17, 65), (9, 200, 33)] {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    // Leading dimensions larger than the matrices: strided views.
+                    let g = Gemm::new(m, n, k, ta, tb).alpha(0.7).beta(0.3);
+                    let g = g.ld(g.lda + 3, g.ldb + 2, g.ldc + 5);
+                    let a = rand(
+                        extent(if ta { k } else { m }, if ta { m } else { k }, g.lda),
+                        1,
+                    );
+                    let b = rand(
+                        extent(if tb { n } else { k }, if tb { k } else { n }, g.ldb),
+                        2,
+                    );
+                    let c0 = rand(extent(m, n, g.ldc), 3);
+                    let mut want = c0.clone();
+                    naive(&a, &b, g, &mut want);
+                    let mut got = c0.clone();
+                    pool.install(|| gemm_host(&mut got, &a, &b, g));
+                    for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (x - y).abs() < 1e-4,
+                            "{m}x{n}x{k} ta={ta} tb={tb} at {i}: {x} vs {y}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
