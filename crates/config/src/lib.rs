@@ -5,6 +5,9 @@
 //! Every consumer (trainer, planner, exporter) reads the same [`JobConfig`]; [`JobConfig::validate`]
 //! is the one place that rejects impossible values, with the key and the reason.
 
+// `!(x >= 0.0)` is deliberate below: NaN must fail every range check.
+#![allow(clippy::neg_cmp_op_on_partial_ord)]
+
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -151,14 +154,14 @@ impl ModelConfig {
                 format!("larger than model.experts = {}", self.experts),
             ));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid(
                 "model.kv_heads",
                 self.kv_heads,
                 format!("must divide model.heads = {}", self.heads),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 "model.head_dim",
                 self.head_dim,
@@ -597,14 +600,14 @@ impl JobConfig {
         if p.ep == 0 {
             return Err(invalid("parallelism.ep", 0, "must be at least 1"));
         }
-        if self.model.experts % p.ep != 0 {
+        if !self.model.experts.is_multiple_of(p.ep) {
             return Err(invalid(
                 "parallelism.ep",
                 p.ep,
                 format!("must divide model.experts = {}", self.model.experts),
             ));
         }
-        if p.dp_shard % p.ep != 0 {
+        if !p.dp_shard.is_multiple_of(p.ep) {
             return Err(invalid(
                 "parallelism.ep",
                 p.ep,
