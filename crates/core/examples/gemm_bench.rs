@@ -1,0 +1,42 @@
+//! GEMM throughput of the CPU backend: `cargo run --release -p ganymede-core --example gemm_bench`.
+//! Prints the median GFLOP/s over repeated runs for square and training-shaped problems, at the
+//! rayon thread count given by RAYON_NUM_THREADS (default: all cores).
+
+use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory};
+use std::time::Instant;
+
+fn main() {
+    let be = CpuBackend::default();
+    let shapes: &[(usize, usize, usize, bool, bool)] = &[
+        (1024, 1024, 1024, false, false),
+        (512, 512, 512, false, false),
+        (256, 256, 256, false, false),
+        // tiny/small training shapes: tokens x in -> out (weights [out, in], B transposed)
+        (1024, 128, 64, false, true),
+        (2048, 256, 256, false, true),
+        (2048, 4096, 256, false, true),
+        (512, 256, 256, false, true),
+    ];
+    println!("threads {}", rayon::current_num_threads());
+    for &(m, n, k, ta, tb) in shapes {
+        let a = be.upload(&vec![0.5; m * k], &[m * k], Category::Buffers);
+        let b = be.upload(&vec![0.25; k * n], &[k * n], Category::Buffers);
+        let mut c = be.zeros(&[m * n], Category::Buffers);
+        let g = Gemm::new(m, n, k, ta, tb);
+        let reps = (2e9 / g.flops() as f64).clamp(3.0, 200.0) as usize;
+        let mut times = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                be.gemm(c.vm(), a.v(), b.v(), g);
+            }
+            times.push(t.elapsed().as_secs_f64() / reps as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        let med = times[times.len() / 2];
+        println!(
+            "{m:>5}x{n:>5}x{k:>5} ta={ta} tb={tb}: {:7.1} GFLOP/s",
+            g.flops() as f64 / med / 1e9
+        );
+    }
+}
