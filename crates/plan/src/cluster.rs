@@ -1,0 +1,366 @@
+//! Cluster descriptions: presets and TOML files.
+//!
+//! Every rate is a nominal number times an achieved fraction; the presets say where each number
+//! comes from. Bytes are bytes (not GiB) and rates are per second, per GPU, per direction.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+pub const CLUSTERS: &[&str] = &["jupiter", "dgx-h100", "dgx-h200", "local"];
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// One accelerator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSpec {
+    pub name: String,
+    /// Device memory in bytes.
+    pub memory_bytes: f64,
+    /// Device memory the runtime keeps for itself (CUDA context, NCCL, allocator headroom).
+    pub reserved_bytes: f64,
+    /// Dense bf16 peak, FLOP/s (the denominator of MFU).
+    pub peak_flops: f64,
+    /// Achieved fraction of peak for the model's matrix multiplies.
+    pub gemm_efficiency: f64,
+    /// Achieved fraction of peak for attention (fused flash-style kernels).
+    pub attention_efficiency: f64,
+    /// Device memory bandwidth, bytes/s (element-wise optimizer updates).
+    pub memory_bytes_per_s: f64,
+}
+
+/// The host memory and CPU cores that serve one GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSpec {
+    /// Host memory a job can use, per GPU, in bytes.
+    pub usable_bytes_per_gpu: f64,
+    pub cores_per_gpu: f64,
+    /// f32 peak of those cores, FLOP/s.
+    pub peak_f32_flops_per_gpu: f64,
+    /// Achieved fraction of that peak for Newton–Schulz matrix multiplies.
+    pub gemm_efficiency: f64,
+    /// Host memory bandwidth per GPU's share, bytes/s (achieved, for element-wise updates).
+    pub memory_bytes_per_s: f64,
+}
+
+/// Links, per GPU and per direction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSpec {
+    /// Aggregate GPU–GPU bandwidth inside a node, bytes/s per direction.
+    pub nvlink_bytes_per_s: f64,
+    pub nvlink_efficiency: f64,
+    /// Inter-node bandwidth per GPU (its share of the node's adapters), bytes/s per direction.
+    pub ib_bytes_per_s: f64,
+    pub ib_efficiency: f64,
+    /// Achieved device-to-host and host-to-device copy rates, bytes/s.
+    pub d2h_bytes_per_s: f64,
+    pub h2d_bytes_per_s: f64,
+    /// Fixed cost of one collective across nodes, seconds.
+    pub collective_latency_s: f64,
+}
+
+/// A cluster: nodes of identical GPUs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// Nodes a job gets when the layout does not say.
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub gpu: GpuSpec,
+    pub host: HostSpec,
+    pub links: LinkSpec,
+}
+
+/// A cluster file or preset that cannot be used, naming the file and key.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("unknown cluster '{0}' (presets: {known}; or give a .toml file)", known = CLUSTERS.join(", "))]
+    Unknown(String),
+    #[error("cannot read cluster file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid cluster file {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid cluster {origin}: {key} = {value}: {reason}")]
+    Invalid {
+        origin: String,
+        key: String,
+        value: String,
+        reason: String,
+    },
+}
+
+const JUPITER: &str = r#"
+name = "jupiter"
+description = """JUPITER Booster (write-up): 4 GH200 per node. HBM 96 GB; 120 GB LPDDR5X per Grace of \
+which about 108 GiB usable; NVLink-C2C 900 GB/s but measured D2H 170 / H2D 415 GB/s; NVLink 4 \
+150 GB/s per direction to each of the 3 other GPUs; 4 x InfiniBand NDR200, 25 GB/s per GPU; \
+989 TFLOP/s dense bf16; 72 Grace cores per GPU."""
+nodes = 96
+gpus_per_node = 4
+
+[gpu]
+name = "GH200 (96 GB HBM3)"
+memory_bytes = 96e9
+reserved_bytes = 2147483648        # 2 GiB: CUDA context, NCCL buffers (assumption)
+peak_flops = 989e12                # dense bf16 (H100/GH200 spec)
+gemm_efficiency = 0.8              # 790 of 989 TFLOP/s: large bf16 GEMM measured on an H200 (same SM)
+attention_efficiency = 0.55        # flash attention forward+backward, published H100 range (assumption)
+memory_bytes_per_s = 4.0e12        # HBM3 4 TB/s
+
+[host]
+usable_bytes_per_gpu = 115964116992  # 108 GiB (write-up)
+cores_per_gpu = 72
+peak_f32_flops_per_gpu = 6.9e12      # 72 Neoverse V2 cores x 3.0 GHz x 32 f32 FLOP/cycle
+gemm_efficiency = 0.5                # assumption; one Zen 3 core reaches 0.7 on 1024^3 here
+memory_bytes_per_s = 3.0e11          # 60% of ~500 GB/s LPDDR5X (assumption)
+
+[links]
+nvlink_bytes_per_s = 450e9         # 3 peer links x 150 GB/s per direction
+nvlink_efficiency = 0.8            # assumption
+ib_bytes_per_s = 25e9              # NDR200 adapter per GPU
+ib_efficiency = 0.9                # assumption
+d2h_bytes_per_s = 170e9            # measured publicly on GH200
+h2d_bytes_per_s = 415e9            # measured publicly on GH200
+collective_latency_s = 1e-4        # 100 us per collective across ~100 nodes (assumption)
+"#;
+
+const DGX_H100: &str = r#"
+name = "dgx-h100"
+description = "DGX H100: 8 H100 SXM 80 GB per node on NVSwitch; 8 x 400 Gb/s InfiniBand; 2 TB host memory; PCIe Gen5 host links."
+nodes = 1
+gpus_per_node = 8
+
+[gpu]
+name = "H100 SXM (80 GB)"
+memory_bytes = 85899345920         # 80 GiB
+reserved_bytes = 2147483648
+peak_flops = 989e12
+gemm_efficiency = 0.8
+attention_efficiency = 0.55
+memory_bytes_per_s = 3.35e12
+
+[host]
+usable_bytes_per_gpu = 214748364800  # 200 GiB of the 2 TB node
+cores_per_gpu = 14                   # 2 x 56 Xeon cores / 8
+peak_f32_flops_per_gpu = 1.8e12      # 14 cores x 2.0 GHz x 64 f32 FLOP/cycle (AVX-512)
+gemm_efficiency = 0.5
+memory_bytes_per_s = 4.0e10
+
+[links]
+nvlink_bytes_per_s = 450e9
+nvlink_efficiency = 0.8
+ib_bytes_per_s = 50e9
+ib_efficiency = 0.9
+d2h_bytes_per_s = 50e9             # PCIe Gen5 x16, achieved (assumption)
+h2d_bytes_per_s = 50e9
+collective_latency_s = 1e-4
+"#;
+
+const DGX_H200: &str = r#"
+name = "dgx-h200"
+description = "DGX H200: 8 H200 SXM 141 GB per node on NVSwitch; 8 x 400 Gb/s InfiniBand; 2 TB host memory; PCIe Gen5 host links."
+nodes = 1
+gpus_per_node = 8
+
+[gpu]
+name = "H200 SXM (141 GB)"
+memory_bytes = 141e9
+reserved_bytes = 2147483648
+peak_flops = 989e12
+gemm_efficiency = 0.8              # 790 TFLOP/s bf16 GEMM measured in this workplace
+attention_efficiency = 0.55
+memory_bytes_per_s = 4.3e12        # device copy measured in this workplace
+
+[host]
+usable_bytes_per_gpu = 214748364800
+cores_per_gpu = 14
+peak_f32_flops_per_gpu = 1.8e12
+gemm_efficiency = 0.5
+memory_bytes_per_s = 4.0e10
+
+[links]
+nvlink_bytes_per_s = 450e9
+nvlink_efficiency = 0.8
+ib_bytes_per_s = 50e9
+ib_efficiency = 0.9
+d2h_bytes_per_s = 50e9
+h2d_bytes_per_s = 50e9
+collective_latency_s = 1e-4
+"#;
+
+const LOCAL: &str = r#"
+name = "local"
+description = "This machine: 2 Zen 3 cores and 24 GiB, no accelerator. The 'GPU' is the CPU in f32; host and device memory are one pool, so host capacity is 0."
+nodes = 1
+gpus_per_node = 1
+
+[gpu]
+name = "2 x Zen 3 cores (f32)"
+memory_bytes = 25769803776         # 24 GiB
+reserved_bytes = 2147483648        # OS and process
+peak_flops = 1.92e11               # 2 cores x 3.0 GHz x 32 f32 FLOP/cycle (AVX2 FMA)
+gemm_efficiency = 0.7              # 68 GFLOP/s f32 GEMM 1024^3 measured on one core
+attention_efficiency = 0.3         # assumption
+memory_bytes_per_s = 2.0e10
+
+[host]
+usable_bytes_per_gpu = 0
+cores_per_gpu = 2
+peak_f32_flops_per_gpu = 1.92e11
+gemm_efficiency = 0.7
+memory_bytes_per_s = 2.0e10
+
+[links]
+nvlink_bytes_per_s = 1e10
+nvlink_efficiency = 1.0
+ib_bytes_per_s = 1e9
+ib_efficiency = 1.0
+d2h_bytes_per_s = 2e10
+h2d_bytes_per_s = 2e10
+collective_latency_s = 1e-5
+"#;
+
+impl Cluster {
+    /// A named preset.
+    pub fn preset(name: &str) -> Result<Self, ClusterError> {
+        let text = match name {
+            "jupiter" => JUPITER,
+            "dgx-h100" => DGX_H100,
+            "dgx-h200" => DGX_H200,
+            "local" => LOCAL,
+            other => return Err(ClusterError::Unknown(other.to_string())),
+        };
+        Self::from_toml_str(text, &format!("preset {name}"))
+    }
+
+    /// A preset name, or a path to a TOML file (anything ending in `.toml` or naming a file).
+    pub fn resolve(name_or_path: &str) -> Result<Self, ClusterError> {
+        if CLUSTERS.contains(&name_or_path) {
+            return Self::preset(name_or_path);
+        }
+        let p = Path::new(name_or_path);
+        if name_or_path.ends_with(".toml") || p.exists() {
+            return Self::from_file(p);
+        }
+        Err(ClusterError::Unknown(name_or_path.to_string()))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, ClusterError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ClusterError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Parse and validate; `origin` names the document in errors.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ClusterError> {
+        let c: Cluster = toml::from_str(text).map_err(|e| ClusterError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        c.validate(origin)?;
+        Ok(c)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("cluster serialises")
+    }
+
+    pub fn validate(&self, origin: &str) -> Result<(), ClusterError> {
+        let bad = |key: &str, value: f64, reason: &str| ClusterError::Invalid {
+            origin: origin.to_string(),
+            key: key.to_string(),
+            value: value.to_string(),
+            reason: reason.to_string(),
+        };
+        if self.nodes == 0 {
+            return Err(bad("nodes", 0.0, "must be at least 1"));
+        }
+        if self.gpus_per_node == 0 {
+            return Err(bad("gpus_per_node", 0.0, "must be at least 1"));
+        }
+        let positive = [
+            ("gpu.memory_bytes", self.gpu.memory_bytes),
+            ("gpu.peak_flops", self.gpu.peak_flops),
+            ("gpu.memory_bytes_per_s", self.gpu.memory_bytes_per_s),
+            (
+                "host.peak_f32_flops_per_gpu",
+                self.host.peak_f32_flops_per_gpu,
+            ),
+            ("host.memory_bytes_per_s", self.host.memory_bytes_per_s),
+            ("links.nvlink_bytes_per_s", self.links.nvlink_bytes_per_s),
+            ("links.ib_bytes_per_s", self.links.ib_bytes_per_s),
+            ("links.d2h_bytes_per_s", self.links.d2h_bytes_per_s),
+            ("links.h2d_bytes_per_s", self.links.h2d_bytes_per_s),
+        ];
+        for (k, v) in positive {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be a positive number"));
+            }
+        }
+        let fractions = [
+            ("gpu.gemm_efficiency", self.gpu.gemm_efficiency),
+            ("gpu.attention_efficiency", self.gpu.attention_efficiency),
+            ("host.gemm_efficiency", self.host.gemm_efficiency),
+            ("links.nvlink_efficiency", self.links.nvlink_efficiency),
+            ("links.ib_efficiency", self.links.ib_efficiency),
+        ];
+        for (k, v) in fractions {
+            if !(v > 0.0 && v <= 1.0) {
+                return Err(bad(k, v, "must be in (0, 1]"));
+            }
+        }
+        let non_negative = [
+            ("gpu.reserved_bytes", self.gpu.reserved_bytes),
+            ("host.usable_bytes_per_gpu", self.host.usable_bytes_per_gpu),
+            ("host.cores_per_gpu", self.host.cores_per_gpu),
+            (
+                "links.collective_latency_s",
+                self.links.collective_latency_s,
+            ),
+        ];
+        for (k, v) in non_negative {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be >= 0"));
+            }
+        }
+        if self.gpu.reserved_bytes >= self.gpu.memory_bytes {
+            return Err(bad(
+                "gpu.reserved_bytes",
+                self.gpu.reserved_bytes,
+                "must be below gpu.memory_bytes",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn gpus(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+
+    /// HBM a job can allocate.
+    pub fn gpu_usable_bytes(&self) -> f64 {
+        self.gpu.memory_bytes - self.gpu.reserved_bytes
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{}: {} node(s) x {} {}; {:.0} GiB HBM, {:.0} GiB host per GPU",
+            self.name,
+            self.nodes,
+            self.gpus_per_node,
+            self.gpu.name,
+            self.gpu.memory_bytes / GIB,
+            self.host.usable_bytes_per_gpu / GIB
+        )
+    }
+}

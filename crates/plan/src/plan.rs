@@ -1,0 +1,1006 @@
+//! The plan: parameters, FLOPs, memory, communication and step time of one layout.
+//!
+//! Units: bytes, seconds, FLOPs; everything per GPU and per step unless a name says otherwise.
+//! Every modelling assumption is written next to the line that makes it.
+
+use crate::cluster::Cluster;
+use crate::params::{self, LayerShape, ParamCounts};
+use ganymede_config::{AcMode, JobConfig, OptimizerName};
+use serde::{Deserialize, Serialize};
+
+/// How the model is laid out over the cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layout {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    /// FSDP degree: every rank holds a 1/dp_shard shard of every parameter.
+    pub dp_shard: usize,
+    /// Expert-parallel degree, carved out of `dp_shard` (experts are FSDP-sharded over
+    /// `dp_shard / ep` ranks).
+    pub ep: usize,
+    pub seq_len: usize,
+    /// Sequences per GPU per forward/backward.
+    pub micro_batch: usize,
+    /// Sequences per optimizer step, over all GPUs.
+    pub global_batch: usize,
+}
+
+impl Layout {
+    /// The job config's own layout: `[parallelism]`, `[training] batch_size`, `model.seq_len`,
+    /// one sequence per microbatch; nodes follow from `dp_shard` and the cluster's node size.
+    pub fn from_job(job: &JobConfig, cluster: &Cluster) -> Layout {
+        let dp = job.parallelism.dp_shard.max(1);
+        let gpn = cluster.gpus_per_node;
+        let (nodes, gpus_per_node) = if dp.is_multiple_of(gpn) {
+            (dp / gpn, gpn)
+        } else if dp < gpn {
+            (1, dp)
+        } else {
+            (dp.div_ceil(gpn), gpn)
+        };
+        Layout {
+            nodes,
+            gpus_per_node,
+            dp_shard: dp,
+            ep: job.parallelism.ep.max(1),
+            seq_len: job.model.seq_len,
+            micro_batch: 1,
+            global_batch: job.training.batch_size,
+        }
+    }
+    pub fn gpus(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+    /// Forward/backward passes per GPU per step (gradient accumulation).
+    pub fn microbatches(&self) -> usize {
+        self.global_batch / (self.dp_shard * self.micro_batch).max(1)
+    }
+    pub fn tokens_per_step(&self) -> u64 {
+        self.global_batch as u64 * self.seq_len as u64
+    }
+}
+
+/// Where memory goes: checkpointing, offload, buffers, precisions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPolicy {
+    pub ac: AcMode,
+    /// Share of layers whose boundary activation is copied to host memory (full AC only).
+    pub offload_fraction: f64,
+    /// FSDP CPU offload: parameter shards, gradients and optimizer state live on the host and
+    /// the optimizer's element-wise update runs there.
+    pub param_offload: bool,
+    /// Layers gathered ahead of the one computing.
+    pub prefetch: usize,
+    /// All-gather buffers allocated on the compute stream (FSDP's `unshard_async_op`). Without
+    /// it the caching allocator keeps the gather stream's blocks apart from the compute
+    /// stream's, which the planner counts as one more set of unsharded layer buffers.
+    pub unshard_async_op: bool,
+    /// Bytes per element of the gathered compute copies (2: bf16).
+    pub param_bytes: f64,
+    /// Bytes per element of the gradient reduce-scatter (4: fp32, TorchTitan's default).
+    pub reduce_bytes: f64,
+    /// Tokens per chunk of the LM head + cross-entropy (logits are never materialised for more).
+    pub loss_chunk_tokens: usize,
+}
+
+impl MemoryPolicy {
+    pub fn from_job(job: &JobConfig) -> Self {
+        MemoryPolicy {
+            ac: job.activation_checkpoint.mode,
+            offload_fraction: job.activation_checkpoint.offload_fraction,
+            param_offload: false,
+            prefetch: 1,
+            unshard_async_op: true,
+            param_bytes: 2.0,
+            reduce_bytes: 4.0,
+            loss_chunk_tokens: 4096,
+        }
+    }
+}
+
+/// How Muon's whole-matrix Newton–Schulz meets FSDP's shards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Every Muon matrix gathered to one owner rank (owners balanced) and scattered back.
+    Naive,
+    /// Routed experts owned whole (no traffic); dense matrices gathered on owners while the
+    /// experts' Newton–Schulz runs.
+    Flexshard,
+}
+
+/// Where Newton–Schulz runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NsOn {
+    Gpu,
+    Cpu,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerSetup {
+    pub name: OptimizerName,
+    pub placement: Placement,
+    pub ns_on: NsOn,
+    pub ns_steps: usize,
+}
+
+impl OptimizerSetup {
+    pub fn from_job(job: &JobConfig) -> Self {
+        OptimizerSetup {
+            name: job.optimizer.name,
+            placement: Placement::Flexshard,
+            ns_on: NsOn::Gpu,
+            ns_steps: job.optimizer.ns_steps,
+        }
+    }
+}
+
+/// A layout that cannot run at all, naming the value and why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    #[error("invalid job config: {0}")]
+    Config(String),
+    #[error("FSDP degree dp_shard = {dp_shard} must equal the GPU count nodes x gpus_per_node = {nodes} x {gpus_per_node} = {gpus} (no other parallelism is modelled)")]
+    GpuCount {
+        dp_shard: usize,
+        nodes: usize,
+        gpus_per_node: usize,
+        gpus: usize,
+    },
+    #[error("expert parallelism ep = {ep} must divide model.experts = {experts}")]
+    EpExperts { ep: usize, experts: usize },
+    #[error("expert parallelism ep = {ep} must divide the FSDP degree dp_shard = {dp_shard}")]
+    EpShard { ep: usize, dp_shard: usize },
+    #[error("expert-parallel groups must tile nodes: ep = {ep} must divide gpus_per_node = {gpus_per_node} or be a multiple of it")]
+    EpNode { ep: usize, gpus_per_node: usize },
+    #[error("global batch {global_batch} sequences is not a multiple of dp_shard x micro_batch = {dp_shard} x {micro_batch}")]
+    Batch {
+        global_batch: usize,
+        dp_shard: usize,
+        micro_batch: usize,
+    },
+    #[error("{key} = {value}: {reason}")]
+    Value {
+        key: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+    #[error("a sequence of {seq_len} tokens (x {micro_batch} per microbatch) cannot be held: even with full checkpointing, every boundary activation and all parameter state offloaded, one GPU needs {need_gib:.1} GiB of {have_gib:.1} GiB")]
+    SequenceTooLong {
+        seq_len: usize,
+        micro_batch: usize,
+        need_gib: f64,
+        have_gib: f64,
+    },
+}
+
+/// FLOPs per token and per step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Flops {
+    /// 6 · active matmul parameters (embedding lookup excluded, LM head included).
+    pub matmul_per_token: f64,
+    /// Causal attention, forward + backward: 6 · s · heads · head_dim · layers (QKᵀ and AV,
+    /// each 2·(s/2)·q_dim per token forward, x3 for backward).
+    pub attention_per_token: f64,
+    /// The same without causal halving (TorchTitan's 12 · L · H · Q · T convention).
+    pub attention_per_token_noncausal: f64,
+    /// Model FLOPs per token: matmul + causal attention (no recompute).
+    pub model_per_token: f64,
+    /// The extra forward full checkpointing recomputes (layers only, not the LM head).
+    pub recompute_per_token: f64,
+    /// Hardware FLOPs per token: model + recompute.
+    pub hardware_per_token: f64,
+    /// Model FLOPs per step, all GPUs.
+    pub model_per_step: f64,
+}
+
+/// Bytes by category; the same categories serve the GPU and the host.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MemoryCategories {
+    /// fp32 master parameter shards.
+    pub master_params: f64,
+    /// fp32 gradient shards.
+    pub grads: f64,
+    /// Optimizer state shards (Muon one fp32 per parameter, AdamW two).
+    pub optimizer_states: f64,
+    /// bf16 compute copies: unsharded layer parameters, (1 + prefetch) layers, plus the larger
+    /// of embedding and LM head.
+    pub unsharded_params: f64,
+    /// One layer's unsharded gradients (bf16 as computed plus the reduce-dtype copy).
+    pub unsharded_grads: f64,
+    /// Boundary activations kept here (layers × tokens × hidden × 2 bytes, less what is
+    /// offloaded).
+    pub boundary_activations: f64,
+    /// Activations inside layers: one layer's recompute working set under full AC; every
+    /// layer's under no AC.
+    pub layer_activations: f64,
+    /// Expert-dispatch all-to-all send and receive buffers.
+    pub dispatch_buffers: f64,
+    /// One chunk of fp32 logits and their gradient.
+    pub logits: f64,
+    /// Gather-stream blocks the allocator cannot reuse (without `unshard_async_op`).
+    pub allocator_slack: f64,
+    /// Newton–Schulz workspace for the largest Muon matrix (four fp32 copies).
+    pub ns_workspace: f64,
+    /// Runtime reserve (GPU only).
+    pub reserved: f64,
+}
+
+impl MemoryCategories {
+    pub fn total(&self) -> f64 {
+        self.master_params
+            + self.grads
+            + self.optimizer_states
+            + self.unsharded_params
+            + self.unsharded_grads
+            + self.boundary_activations
+            + self.layer_activations
+            + self.dispatch_buffers
+            + self.logits
+            + self.allocator_slack
+            + self.ns_workspace
+            + self.reserved
+    }
+    /// (name, bytes) in a fixed order, for tables.
+    pub fn rows(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("master params (fp32)", self.master_params),
+            ("grads (fp32)", self.grads),
+            ("optimizer states", self.optimizer_states),
+            ("unsharded params (bf16)", self.unsharded_params),
+            ("unsharded grads", self.unsharded_grads),
+            ("boundary activations", self.boundary_activations),
+            ("layer activations", self.layer_activations),
+            ("dispatch buffers", self.dispatch_buffers),
+            ("logits chunk", self.logits),
+            ("allocator slack", self.allocator_slack),
+            ("NS workspace", self.ns_workspace),
+            ("runtime reserve", self.reserved),
+        ]
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Memory {
+    pub gpu: MemoryCategories,
+    pub host: MemoryCategories,
+    pub gpu_total: f64,
+    pub host_total: f64,
+    pub gpu_capacity: f64,
+    pub host_capacity: f64,
+    /// All boundary activations of one microbatch, before offload.
+    pub boundary_activation_bytes: f64,
+    pub offloaded_layers: usize,
+    /// Smallest offload fraction (whole layers) with which GPU and host both fit; `None` when
+    /// none does (or checkpointing is off).
+    pub min_offload_fraction: Option<f64>,
+}
+
+/// Bytes one GPU sends per step, by kind.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Communication {
+    /// FSDP all-gathers: forward, and again in backward (which also feeds the recompute).
+    pub fsdp_all_gather_fwd: f64,
+    pub fsdp_all_gather_bwd: f64,
+    pub fsdp_reduce_scatter: f64,
+    /// Expert-dispatch all-to-all (dispatch + combine, forward, backward and recompute).
+    pub ep_all_to_all: f64,
+    /// Optimizer traffic of the chosen optimizer and placement.
+    pub optimizer: f64,
+    /// Optimizer traffic under each alternative, for comparison.
+    pub optimizer_naive_muon: f64,
+    pub optimizer_flexshard: f64,
+    pub optimizer_adamw: f64,
+    /// Collectives the optimizer issues per step (naive / FlexShard).
+    pub optimizer_collectives_naive: u64,
+    pub optimizer_collectives_flexshard: u64,
+    /// The chosen step's bytes by link.
+    pub ib_bytes: f64,
+    pub nvlink_bytes: f64,
+    /// Host–device copies (activation offload, offloaded parameters and gradients).
+    pub d2h_bytes: f64,
+    pub h2d_bytes: f64,
+    /// Whether the expert all-to-all stays inside a node.
+    pub ep_on_nvlink: bool,
+}
+
+/// Seconds per step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepTime {
+    /// Compute alone (GPU, all microbatches), and the exposed all-to-all.
+    pub compute_s: f64,
+    pub all_to_all_s: f64,
+    /// FSDP traffic alone, on its bottleneck link.
+    pub fsdp_comm_s: f64,
+    /// Forward and backward with overlap (each layer takes the longer of its compute path and
+    /// its communication path), all microbatches.
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// First gather and last reduce-scatter of each microbatch, which nothing hides.
+    pub exposed_comm_s: f64,
+    /// Optimizer step: Newton–Schulz, its traffic, copies, element-wise update.
+    pub optimizer_s: f64,
+    pub newton_schulz_s: f64,
+    pub optimizer_comm_s: f64,
+    pub step_s: f64,
+    /// What bounds forward and backward: "compute" or "communication".
+    pub bound: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OptimizerReport {
+    pub name: OptimizerName,
+    pub placement: Placement,
+    pub ns_on: NsOn,
+    /// Optimizer state bytes, whole model.
+    pub state_bytes: f64,
+    /// The same under AdamW everywhere, and Muon's saving.
+    pub adamw_state_bytes: f64,
+    pub muon_saving_bytes: f64,
+    pub muon_saving_per_gpu: f64,
+    /// Newton–Schulz FLOPs per step, whole model (5 quintic steps: 5·(4s²l + 2s³) per s×l).
+    pub ns_flops: f64,
+}
+
+/// Everything the planner predicts for one layout.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub model: String,
+    pub cluster: String,
+    pub layout: Layout,
+    pub policy: MemoryPolicy,
+    pub params: ParamCounts,
+    pub tokens_per_step: u64,
+    pub tokens_per_gpu_per_step: u64,
+    pub microbatches: usize,
+    pub flops: Flops,
+    pub memory: Memory,
+    pub optimizer: OptimizerReport,
+    pub communication: Communication,
+    pub time: StepTime,
+    pub step_time_s: f64,
+    pub tokens_per_s_per_gpu: f64,
+    /// Model FLOPs (causal attention, no recompute) / peak.
+    pub mfu: f64,
+    /// MFU under TorchTitan's convention (attention not halved).
+    pub mfu_torchtitan: f64,
+    /// Hardware FLOPs (with recompute) / peak.
+    pub hfu: f64,
+    pub fits: bool,
+    /// Free GPU and host bytes (negative when over).
+    pub gpu_headroom: f64,
+    pub host_headroom: f64,
+    pub verdict: String,
+}
+
+/// Check that a layout can exist on a cluster for a job.
+pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<(), PlanError> {
+    job.model
+        .validate()
+        .map_err(|e| PlanError::Config(e.to_string()))?;
+    for (key, v) in [
+        ("nodes", layout.nodes),
+        ("gpus_per_node", layout.gpus_per_node),
+        ("dp_shard", layout.dp_shard),
+        ("ep", layout.ep),
+        ("seq_len", layout.seq_len),
+        ("micro_batch", layout.micro_batch),
+        ("global_batch", layout.global_batch),
+    ] {
+        if v == 0 {
+            return Err(PlanError::Value {
+                key,
+                value: "0".into(),
+                reason: "must be at least 1",
+            });
+        }
+    }
+    if layout.dp_shard != layout.gpus() {
+        return Err(PlanError::GpuCount {
+            dp_shard: layout.dp_shard,
+            nodes: layout.nodes,
+            gpus_per_node: layout.gpus_per_node,
+            gpus: layout.gpus(),
+        });
+    }
+    if !job.model.experts.is_multiple_of(layout.ep) {
+        return Err(PlanError::EpExperts {
+            ep: layout.ep,
+            experts: job.model.experts,
+        });
+    }
+    if !layout.dp_shard.is_multiple_of(layout.ep) {
+        return Err(PlanError::EpShard {
+            ep: layout.ep,
+            dp_shard: layout.dp_shard,
+        });
+    }
+    if !layout.gpus_per_node.is_multiple_of(layout.ep) && !layout.ep.is_multiple_of(layout.gpus_per_node) {
+        return Err(PlanError::EpNode {
+            ep: layout.ep,
+            gpus_per_node: layout.gpus_per_node,
+        });
+    }
+    if !layout.global_batch.is_multiple_of(layout.dp_shard * layout.micro_batch) {
+        return Err(PlanError::Batch {
+            global_batch: layout.global_batch,
+            dp_shard: layout.dp_shard,
+            micro_batch: layout.micro_batch,
+        });
+    }
+    if !(0.0..=1.0).contains(&policy.offload_fraction) {
+        return Err(PlanError::Value {
+            key: "offload_fraction",
+            value: policy.offload_fraction.to_string(),
+            reason: "must be in [0, 1]",
+        });
+    }
+    if policy.loss_chunk_tokens == 0 {
+        return Err(PlanError::Value {
+            key: "loss_chunk_tokens",
+            value: "0".into(),
+            reason: "must be at least 1",
+        });
+    }
+    Ok(())
+}
+
+/// Bytes one GPU receives (= sends) over InfiniBand and NVLink in a ring-style all-gather or
+/// reduce-scatter of a `full`-byte tensor over a group of `n` ranks with `q` of them per node.
+///
+/// A node needs the `(N-1)/N` of the tensor held on the other `N = n/q` nodes once; its `q`
+/// members bring it in through their own adapters (`/q` each) and spread it over NVLink.
+fn group_traffic(full: f64, n: usize, q: usize) -> (f64, f64) {
+    if n <= 1 {
+        return (0.0, 0.0);
+    }
+    let q = q.clamp(1, n);
+    let nodes = (n / q) as f64;
+    let ib = full * (nodes - 1.0) / nodes / q as f64;
+    let nv = full * (q as f64 - 1.0) / q as f64;
+    (ib, nv)
+}
+
+/// Newton–Schulz FLOPs for one s×l matrix (s ≤ l): steps · (4·s²·l + 2·s³).
+pub fn ns_flops(rows: u64, cols: u64, steps: usize) -> f64 {
+    let (s, l) = (rows.min(cols) as f64, rows.max(cols) as f64);
+    steps as f64 * (4.0 * s * s * l + 2.0 * s * s * s)
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Predict everything for one layout.
+pub fn plan(
+    job: &JobConfig,
+    cluster: &Cluster,
+    layout: &Layout,
+    policy: &MemoryPolicy,
+    opt: &OptimizerSetup,
+) -> Result<Plan, PlanError> {
+    check(job, layout, policy)?;
+    let core = evaluate(job, cluster, layout, policy, opt);
+    // A sequence the model cannot hold: the most frugal policy still overflows the GPU.
+    let frugal = MemoryPolicy {
+        ac: AcMode::Full,
+        offload_fraction: 1.0,
+        param_offload: true,
+        unshard_async_op: true,
+        ..policy.clone()
+    };
+    let lean = evaluate(job, cluster, layout, &frugal, opt);
+    if lean.memory.gpu_total > lean.memory.gpu_capacity {
+        return Err(PlanError::SequenceTooLong {
+            seq_len: layout.seq_len,
+            micro_batch: layout.micro_batch,
+            need_gib: lean.memory.gpu_total / GIB,
+            have_gib: lean.memory.gpu_capacity / GIB,
+        });
+    }
+    Ok(core)
+}
+
+/// The arithmetic, without the feasibility checks (callers run [`check`] first).
+fn evaluate(
+    job: &JobConfig,
+    cluster: &Cluster,
+    layout: &Layout,
+    policy: &MemoryPolicy,
+    opt: &OptimizerSetup,
+) -> Plan {
+    let m = &job.model;
+    let p = params::count(m);
+    let shape = LayerShape::new(m);
+    let ts = params::tensors(m);
+    let w = layout.dp_shard;
+    let wf = w as f64;
+    let ep = layout.ep;
+    let efsdp = w / ep;
+    let gpn = layout.gpus_per_node;
+    let l = m.layers as f64;
+    let (h, v) = (m.hidden as f64, m.vocab_size as f64);
+    let seq = layout.seq_len as f64;
+    let n_tok = (layout.micro_batch * layout.seq_len) as f64; // tokens per GPU per microbatch
+    let micro = layout.microbatches();
+    let mf = micro as f64;
+    let k = m.top_k as f64;
+    let pb = policy.param_bytes;
+    let rb = policy.reduce_bytes;
+    let muon = opt.name == OptimizerName::Muon;
+
+    // ---- FLOPs ----
+    let q_dim = m.q_dim() as f64;
+    let matmul = 6.0 * p.active_matmul as f64;
+    let attn = 6.0 * seq * q_dim * l;
+    let attn_nc = 12.0 * seq * q_dim * l;
+    let layer_matmul = shape.avg_active_matmul(); // per layer, per token
+    let recompute = match policy.ac {
+        AcMode::Full => l * (2.0 * layer_matmul + 2.0 * seq * q_dim),
+        AcMode::None => 0.0,
+    };
+    let flops = Flops {
+        matmul_per_token: matmul,
+        attention_per_token: attn,
+        attention_per_token_noncausal: attn_nc,
+        model_per_token: matmul + attn,
+        recompute_per_token: recompute,
+        hardware_per_token: matmul + attn + recompute,
+        model_per_step: (matmul + attn) * layout.tokens_per_step() as f64,
+    };
+
+    // ---- memory ----
+    let shard = p.total as f64 / wf;
+    let opt_state = if muon {
+        4.0 * p.muon as f64 + 8.0 * p.adamw as f64
+    } else {
+        8.0 * p.total as f64
+    };
+    let adamw_state = 8.0 * p.total as f64;
+    let local_layer = shape.max_local_layer(ep as u64) as f64;
+    let head = (p.by_group.embedding.max(p.by_group.lm_head)) as f64;
+    let unsharded = pb * (local_layer * (1 + policy.prefetch) as f64 + head);
+    let unsharded_grads = (pb + rb) * local_layer;
+    let boundary_layer = n_tok * h * 2.0;
+    let boundary_all = boundary_layer * l;
+    // One layer's saved tensors (bf16 unless noted), N tokens:
+    //   norm outputs 2·H, q/k/v 2·kv+q, q/k after norm+RoPE q+kv, attention output q,
+    //   residual H, attention log-sum-exp heads·4 B, router logits+probs 2·E·4 B; MoE: dispatched
+    //   input k·H, gate/up/act 3·k·F, expert output k·H, shared 3·Fs per shared expert + H;
+    //   dense FFN 3·D.
+    let kvd = m.kv_dim() as f64;
+    let attn_saved =
+        (2.0 * h + 2.0 * kvd + q_dim + q_dim + kvd + q_dim + h) * 2.0 + m.heads as f64 * 4.0;
+    let moe_saved = 2.0 * m.experts as f64 * 4.0
+        + (k * h + 3.0 * k * m.expert_hidden as f64 + k * h) * 2.0
+        + if m.shared_experts > 0 {
+            (3.0 * (m.shared_experts * m.shared_hidden()) as f64 + h) * 2.0
+        } else {
+            0.0
+        };
+    let dense_saved = 3.0 * m.dense_hidden as f64 * 2.0;
+    let has_moe = shape.moe_layers > 0;
+    let ffn_saved = if has_moe {
+        moe_saved.max(if shape.dense_layers > 0 {
+            dense_saved
+        } else {
+            0.0
+        })
+    } else {
+        dense_saved
+    };
+    let layer_set = n_tok * (attn_saved + ffn_saved);
+    let layer_set_avg = n_tok
+        * (attn_saved
+            + (shape.moe_layers as f64 * moe_saved + shape.dense_layers as f64 * dense_saved) / l);
+    let dispatch = if has_moe {
+        2.0 * n_tok * k * h * pb
+    } else {
+        0.0
+    };
+    let chunk = (policy.loss_chunk_tokens as f64).min(n_tok);
+    let logits = 2.0 * chunk * v * 4.0;
+    let largest_muon = ts
+        .iter()
+        .filter(|t| t.handler() == params::Handler::Muon)
+        .map(|t| t.numel())
+        .max()
+        .unwrap_or(0) as f64;
+    let ns_ws = if muon { 4.0 * 4.0 * largest_muon } else { 0.0 };
+
+    let memory_for = |offload_fraction: f64| -> (MemoryCategories, MemoryCategories, usize) {
+        let mut g = MemoryCategories::default();
+        let mut hst = MemoryCategories::default();
+        let state_side = if policy.param_offload {
+            &mut hst
+        } else {
+            &mut g
+        };
+        state_side.master_params = 4.0 * shard;
+        state_side.grads = 4.0 * shard;
+        state_side.optimizer_states = opt_state / wf;
+        g.unsharded_params = unsharded;
+        g.unsharded_grads = unsharded_grads;
+        let mut offloaded = 0;
+        match policy.ac {
+            AcMode::Full => {
+                offloaded = ((offload_fraction * l - 1e-9).ceil().max(0.0) as usize).min(m.layers);
+                let kept = (m.layers - offloaded) as f64;
+                g.boundary_activations = kept * boundary_layer;
+                hst.boundary_activations = offloaded as f64 * boundary_layer;
+                g.layer_activations = layer_set;
+            }
+            AcMode::None => {
+                // Every layer keeps its input and all its saved tensors.
+                g.layer_activations = l * boundary_layer + l * layer_set_avg;
+            }
+        }
+        g.dispatch_buffers = dispatch;
+        g.logits = logits;
+        if !policy.unshard_async_op {
+            g.allocator_slack = pb * local_layer * (1 + policy.prefetch) as f64;
+        }
+        let ns_cpu = opt.ns_on == NsOn::Cpu;
+        if ns_cpu {
+            hst.ns_workspace = ns_ws;
+        } else {
+            g.ns_workspace = ns_ws;
+        }
+        g.reserved = cluster.gpu.reserved_bytes;
+        (g, hst, offloaded)
+    };
+    let gpu_cap = cluster.gpu.memory_bytes;
+    let host_cap = cluster.host.usable_bytes_per_gpu;
+    let (gmem, hmem, offloaded_layers) = memory_for(policy.offload_fraction);
+    let min_offload = match policy.ac {
+        AcMode::None => None,
+        AcMode::Full => (0..=m.layers).find_map(|n| {
+            let f = n as f64 / l;
+            let (g, hs, _) = memory_for(f);
+            (g.total() <= gpu_cap && hs.total() <= host_cap).then_some(f)
+        }),
+    };
+
+    // ---- communication (bytes one GPU sends per step) ----
+    let dense_layer_bytes = |b: f64| b * shape.avg_dense_part();
+    let expert_layer_bytes = |b: f64| b * shape.avg_experts_part() / ep as f64;
+    let q_dense = gpn.min(w);
+    let q_exp = if ep <= gpn { gpn / ep } else { 1 }.min(efsdp).max(1);
+    let (ag_d_ib, ag_d_nv) = group_traffic(dense_layer_bytes(pb), w, q_dense);
+    let (ag_e_ib, ag_e_nv) = group_traffic(expert_layer_bytes(pb), efsdp, q_exp);
+    let (rs_d_ib, rs_d_nv) = group_traffic(dense_layer_bytes(rb), w, q_dense);
+    let (rs_e_ib, rs_e_nv) = group_traffic(expert_layer_bytes(rb), efsdp, q_exp);
+    let outside = p.outside_layers as f64;
+    let (ag_o_ib, ag_o_nv) = group_traffic(pb * outside, w, q_dense);
+    let (rs_o_ib, rs_o_nv) = group_traffic(rb * outside, w, q_dense);
+    let ag_layer_ib = ag_d_ib + ag_e_ib;
+    let ag_layer_nv = ag_d_nv + ag_e_nv;
+    let rs_layer_ib = rs_d_ib + rs_e_ib;
+    let rs_layer_nv = rs_d_nv + rs_e_nv;
+    let ag_once = l * (ag_layer_ib + ag_layer_nv) + ag_o_ib + ag_o_nv;
+    let rs_once = l * (rs_layer_ib + rs_layer_nv) + rs_o_ib + rs_o_nv;
+
+    let ep_on_nvlink = ep <= gpn;
+    let a2a_one = if has_moe {
+        n_tok * k * h * pb * (ep as f64 - 1.0) / ep as f64
+    } else {
+        0.0
+    };
+    let a2a_per_layer_fwd = 2.0 * a2a_one; // dispatch + combine
+    let a2a_per_layer_bwd = match policy.ac {
+        AcMode::Full => 4.0 * a2a_one, // recompute forward + backward
+        AcMode::None => 2.0 * a2a_one,
+    };
+    let moe_frac = shape.moe_layers as f64 / l;
+    let a2a_step = mf * l * moe_frac * (a2a_per_layer_fwd + a2a_per_layer_bwd);
+
+    // Optimizer traffic, fp32 both ways, owners balanced: every GPU sends its shard of each
+    // gathered matrix and, as owner, receives 1/W of them; the scatter mirrors it.
+    let muon_dense: f64 = ts
+        .iter()
+        .filter(|t| t.handler() == params::Handler::Muon && !t.expert)
+        .map(|t| t.total() as f64)
+        .sum();
+    let muon_dense_mats: u64 = ts
+        .iter()
+        .filter(|t| t.handler() == params::Handler::Muon && !t.expert)
+        .map(|t| t.count)
+        .sum();
+    let spread = if w > 1 { (wf - 1.0) / wf } else { 0.0 };
+    let naive_bytes = 2.0 * 4.0 * p.muon as f64 / wf * spread;
+    let flex_bytes = 2.0 * 4.0 * muon_dense / wf * spread;
+    let coll_naive = if w > 1 { 2 * p.muon_matrices } else { 0 };
+    let coll_flex = if w > 1 { 2 * muon_dense_mats } else { 0 };
+    let (opt_bytes, opt_colls) = match (muon, opt.placement) {
+        (false, _) => (0.0, 0),
+        (true, Placement::Naive) => (naive_bytes, coll_naive),
+        (true, Placement::Flexshard) => (flex_bytes, coll_flex),
+    };
+    let opt_on_ib = layout.nodes > 1;
+
+    // Host–device copies.
+    let act_d2h = mf * offloaded_layers as f64 * boundary_layer;
+    let state_d2h = if policy.param_offload {
+        4.0 * shard * mf
+    } else {
+        0.0
+    }; // fp32 grads out
+    let state_h2d = if policy.param_offload {
+        4.0 * shard
+    } else {
+        0.0
+    }; // shards in (per gather pass: fwd+bwd)
+    let ns_copy = if muon && (policy.param_offload == (opt.ns_on == NsOn::Gpu)) {
+        // NS away from where the state lives: the Muon shard crosses the link both ways.
+        4.0 * p.muon as f64 / wf
+    } else {
+        0.0
+    };
+    let d2h = act_d2h + state_d2h + ns_copy;
+    let h2d = act_d2h + 2.0 * mf * state_h2d + ns_copy;
+
+    let ib_step = mf * 2.0 * (l * ag_layer_ib + ag_o_ib)
+        + mf * (l * rs_layer_ib + rs_o_ib)
+        + if ep_on_nvlink { 0.0 } else { a2a_step }
+        + if opt_on_ib { opt_bytes } else { 0.0 };
+    let nv_step = mf * 2.0 * (l * ag_layer_nv + ag_o_nv)
+        + mf * (l * rs_layer_nv + rs_o_nv)
+        + if ep_on_nvlink { a2a_step } else { 0.0 }
+        + if opt_on_ib { 0.0 } else { opt_bytes };
+    let communication = Communication {
+        fsdp_all_gather_fwd: mf * ag_once,
+        fsdp_all_gather_bwd: mf * ag_once,
+        fsdp_reduce_scatter: mf * rs_once,
+        ep_all_to_all: a2a_step,
+        optimizer: opt_bytes,
+        optimizer_naive_muon: naive_bytes,
+        optimizer_flexshard: flex_bytes,
+        optimizer_adamw: 0.0,
+        optimizer_collectives_naive: coll_naive,
+        optimizer_collectives_flexshard: coll_flex,
+        ib_bytes: ib_step,
+        nvlink_bytes: nv_step,
+        d2h_bytes: d2h,
+        h2d_bytes: h2d,
+        ep_on_nvlink,
+    };
+
+    // ---- time ----
+    let gemm_rate = cluster.gpu.peak_flops * cluster.gpu.gemm_efficiency;
+    let attn_rate = cluster.gpu.peak_flops * cluster.gpu.attention_efficiency;
+    let ib_rate = cluster.links.ib_bytes_per_s * cluster.links.ib_efficiency;
+    let nv_rate = cluster.links.nvlink_bytes_per_s * cluster.links.nvlink_efficiency;
+    let lat = cluster.links.collective_latency_s;
+    // A collective's time: the slower of its two links, plus latency when it leaves the node.
+    let link_time = |ib: f64, nv: f64| {
+        let t = (ib / ib_rate).max(nv / nv_rate);
+        if ib > 0.0 {
+            t + lat
+        } else {
+            t
+        }
+    };
+    // Per layer, per microbatch.
+    let fwd_layer_flops_mm = 2.0 * layer_matmul * n_tok;
+    let fwd_layer_flops_attn = 2.0 * seq * q_dim * n_tok;
+    let c_fwd = fwd_layer_flops_mm / gemm_rate + fwd_layer_flops_attn / attn_rate;
+    let c_bwd = 2.0 * c_fwd
+        + match policy.ac {
+            AcMode::Full => c_fwd,
+            AcMode::None => 0.0,
+        };
+    let a2a_rate = if ep_on_nvlink { nv_rate } else { ib_rate };
+    let a2a_fwd_t = moe_frac * a2a_per_layer_fwd / a2a_rate;
+    let a2a_bwd_t = moe_frac * a2a_per_layer_bwd / a2a_rate;
+    let ag_t = link_time(ag_layer_ib, ag_layer_nv);
+    let rs_t = link_time(rs_layer_ib, rs_layer_nv);
+    let copy_fwd = (offloaded_layers as f64 / l) * boundary_layer / cluster.links.d2h_bytes_per_s
+        + if policy.param_offload {
+            4.0 * shard / l / cluster.links.h2d_bytes_per_s
+        } else {
+            0.0
+        };
+    let copy_bwd = (offloaded_layers as f64 / l) * boundary_layer / cluster.links.h2d_bytes_per_s
+        + if policy.param_offload {
+            4.0 * shard / l / cluster.links.h2d_bytes_per_s
+                + 4.0 * shard / l / cluster.links.d2h_bytes_per_s
+        } else {
+            0.0
+        };
+    let overlap = policy.prefetch > 0;
+    let layer_time = |compute: f64, comm: f64, copy: f64| {
+        if overlap {
+            compute.max(comm).max(copy)
+        } else {
+            compute + comm + copy
+        }
+    };
+    let fwd_layer = layer_time(c_fwd + a2a_fwd_t, ag_t, copy_fwd);
+    let bwd_layer = layer_time(c_bwd + a2a_bwd_t, ag_t + rs_t, copy_bwd);
+    // LM head + loss: 6·V·H per token (2 forward, 4 backward), no recompute.
+    let head_t = 6.0 * v * h * n_tok / gemm_rate;
+    let ag_out_t = link_time(ag_o_ib, ag_o_nv);
+    let rs_out_t = link_time(rs_o_ib, rs_o_nv);
+    let exposed = ag_out_t + ag_t + rs_t + rs_out_t;
+    let forward_s = mf * l * fwd_layer;
+    let backward_s = mf * (l * bwd_layer + head_t);
+    let compute_s = mf * (l * (c_fwd + c_bwd) + head_t);
+    let all_to_all_s = mf * l * (a2a_fwd_t + a2a_bwd_t);
+    let fsdp_comm_s = mf * (l * (2.0 * ag_t + rs_t) + 2.0 * ag_out_t + rs_out_t);
+    let compute_path = l * (c_fwd + a2a_fwd_t + c_bwd + a2a_bwd_t);
+    let comm_path = l * (3.0 * ag_t + rs_t);
+    let bound = if comm_path > compute_path {
+        "communication"
+    } else {
+        "compute"
+    };
+
+    // Optimizer step.
+    let ns_total: f64 = if muon {
+        ts.iter()
+            .filter(|t| t.handler() == params::Handler::Muon)
+            .map(|t| t.count as f64 * ns_flops(t.rows, t.cols, opt.ns_steps))
+            .sum()
+    } else {
+        0.0
+    };
+    let ns_dense: f64 = if muon {
+        ts.iter()
+            .filter(|t| t.handler() == params::Handler::Muon && !t.expert)
+            .map(|t| t.count as f64 * ns_flops(t.rows, t.cols, opt.ns_steps))
+            .sum()
+    } else {
+        0.0
+    };
+    let ns_rate = match opt.ns_on {
+        NsOn::Gpu => gemm_rate,
+        NsOn::Cpu => cluster.host.peak_f32_flops_per_gpu * cluster.host.gemm_efficiency,
+    };
+    // Owners balanced: each GPU orthogonalises 1/W of the work.
+    let ns_t = ns_total / wf / ns_rate;
+    let ns_dense_t = ns_dense / wf / ns_rate;
+    let opt_rate = if opt_on_ib { ib_rate } else { nv_rate };
+    let opt_comm_t = opt_bytes / opt_rate + opt_colls as f64 * lat;
+    let ns_and_comm = match (muon, opt.placement) {
+        (false, _) => 0.0,
+        // Gather, orthogonalise, scatter: in sequence.
+        (true, Placement::Naive) => opt_comm_t + ns_t,
+        // Dense matrices travel while each rank works through its own experts.
+        (true, Placement::Flexshard) => opt_comm_t.max(ns_t - ns_dense_t) + ns_dense_t,
+    };
+    let copy_t = ns_copy / cluster.links.h2d_bytes_per_s + ns_copy / cluster.links.d2h_bytes_per_s;
+    // Element-wise update: Muon reads p, g, m and writes p, m (20 B); AdamW p, g, m, v and
+    // writes p, m, v (28 B).
+    let elem_bytes = if muon {
+        20.0 * p.muon as f64 + 28.0 * p.adamw as f64
+    } else {
+        28.0 * p.total as f64
+    } / wf;
+    let elem_rate = if policy.param_offload {
+        cluster.host.memory_bytes_per_s
+    } else {
+        cluster.gpu.memory_bytes_per_s
+    };
+    let optimizer_s = ns_and_comm + copy_t + elem_bytes / elem_rate;
+    let step_s = forward_s + backward_s + mf * exposed + optimizer_s;
+    let tokens_per_gpu = (layout.tokens_per_step() as f64 / wf).round() as u64;
+    let tps = tokens_per_gpu as f64 / step_s;
+    let peak = cluster.gpu.peak_flops;
+
+    let time = StepTime {
+        compute_s,
+        all_to_all_s,
+        fsdp_comm_s,
+        forward_s,
+        backward_s,
+        exposed_comm_s: mf * exposed,
+        optimizer_s,
+        newton_schulz_s: ns_t,
+        optimizer_comm_s: opt_comm_t,
+        step_s,
+        bound: bound.into(),
+    };
+
+    let gpu_total = gmem.total();
+    let host_total = hmem.total();
+    let fits = gpu_total <= gpu_cap && host_total <= host_cap;
+    let verdict = verdict_text(
+        fits,
+        gpu_total,
+        gpu_cap,
+        host_total,
+        host_cap,
+        policy,
+        min_offload,
+    );
+    Plan {
+        model: format!(
+            "{} layers, hidden {}, {} experts top-{}",
+            m.layers, m.hidden, m.experts, m.top_k
+        ),
+        cluster: cluster.name.clone(),
+        layout: layout.clone(),
+        policy: policy.clone(),
+        tokens_per_step: layout.tokens_per_step(),
+        tokens_per_gpu_per_step: tokens_per_gpu,
+        microbatches: micro,
+        flops: flops.clone(),
+        memory: Memory {
+            gpu: gmem,
+            host: hmem,
+            gpu_total,
+            host_total,
+            gpu_capacity: gpu_cap,
+            host_capacity: host_cap,
+            boundary_activation_bytes: boundary_all,
+            offloaded_layers,
+            min_offload_fraction: min_offload,
+        },
+        optimizer: OptimizerReport {
+            name: opt.name,
+            placement: opt.placement,
+            ns_on: opt.ns_on,
+            state_bytes: opt_state,
+            adamw_state_bytes: adamw_state,
+            muon_saving_bytes: adamw_state - opt_state,
+            muon_saving_per_gpu: (adamw_state - opt_state) / wf,
+            ns_flops: ns_total,
+        },
+        communication,
+        time,
+        step_time_s: step_s,
+        tokens_per_s_per_gpu: tps,
+        mfu: tps * flops.model_per_token / peak,
+        mfu_torchtitan: tps * (flops.matmul_per_token + flops.attention_per_token_noncausal) / peak,
+        hfu: tps * flops.hardware_per_token / peak,
+        fits,
+        gpu_headroom: gpu_cap - gpu_total,
+        host_headroom: host_cap - host_total,
+        verdict,
+        params: p,
+    }
+}
+
+fn verdict_text(
+    fits: bool,
+    gpu: f64,
+    gpu_cap: f64,
+    host: f64,
+    host_cap: f64,
+    policy: &MemoryPolicy,
+    min_offload: Option<f64>,
+) -> String {
+    let mut s = if fits {
+        format!(
+            "fits: {:.1} GiB free on the GPU, {:.1} GiB free on the host",
+            (gpu_cap - gpu) / GIB,
+            (host_cap - host) / GIB
+        )
+    } else {
+        let mut parts = vec![];
+        if gpu > gpu_cap {
+            parts.push(format!(
+                "GPU over by {:.1} GiB ({:.1} of {:.1})",
+                (gpu - gpu_cap) / GIB,
+                gpu / GIB,
+                gpu_cap / GIB
+            ));
+        }
+        if host > host_cap {
+            parts.push(format!(
+                "host over by {:.1} GiB ({:.1} of {:.1})",
+                (host - host_cap) / GIB,
+                host / GIB,
+                host_cap / GIB
+            ));
+        }
+        format!("does not fit: {}", parts.join("; "))
+    };
+    match (policy.ac, min_offload) {
+        (AcMode::Full, Some(f)) => {
+            s.push_str(&format!("; smallest offload fraction that fits: {f:.3}"))
+        }
+        (AcMode::Full, None) => s.push_str("; no offload fraction fits"),
+        (AcMode::None, _) => {}
+    }
+    s
+}

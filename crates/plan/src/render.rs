@@ -1,0 +1,356 @@
+//! The human-readable table.
+
+use crate::plan::{NsOn, Placement, Plan};
+use crate::sweep::SweepEntry;
+use ganymede_config::{AcMode, OptimizerName};
+use std::fmt::Write;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// 951.80B, 32.77B, 1.57M, 448.
+pub fn count(n: f64) -> String {
+    let a = n.abs();
+    if a >= 1e12 {
+        format!("{:.3}T", n / 1e12)
+    } else if a >= 1e9 {
+        format!("{:.2}B", n / 1e9)
+    } else if a >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else if a >= 1e3 {
+        format!("{:.1}K", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
+}
+
+/// Bytes as GiB (or MiB/KiB when small).
+pub fn bytes(b: f64) -> String {
+    let a = b.abs();
+    if a >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else if a >= (1 << 20) as f64 {
+        format!("{:.1} MiB", b / (1 << 20) as f64)
+    } else if a >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
+}
+
+fn ac_name(a: AcMode) -> &'static str {
+    match a {
+        AcMode::Full => "full",
+        AcMode::None => "none",
+    }
+}
+
+/// The whole plan as a table.
+pub fn table(p: &Plan) -> String {
+    let mut s = String::new();
+    let l = &p.layout;
+    let w = |s: &mut String, k: &str, v: String| {
+        let _ = writeln!(s, "  {k:<34} {v}");
+    };
+    let _ = writeln!(s, "ganymede plan: {} on {}", p.model, p.cluster);
+    let _ = writeln!(
+        s,
+        "  layout: {} nodes x {} GPUs, FSDP {}, EP {}, seq {}, micro-batch {}, global batch {} ({} microbatch(es) per step)",
+        l.nodes, l.gpus_per_node, l.dp_shard, l.ep, l.seq_len, l.micro_batch, l.global_batch, p.microbatches
+    );
+    let pol = &p.policy;
+    let _ = writeln!(
+        s,
+        "  policy: AC {}, activation offload {:.3} ({} layers), parameter offload {}, prefetch {}, unshard_async_op {}, reduce {} B",
+        ac_name(pol.ac),
+        pol.offload_fraction,
+        p.memory.offloaded_layers,
+        if pol.param_offload { "on" } else { "off" },
+        pol.prefetch,
+        pol.unshard_async_op,
+        pol.reduce_bytes
+    );
+    let o = &p.optimizer;
+    let _ = writeln!(
+        s,
+        "  optimizer: {}, placement {}, Newton-Schulz on {}",
+        match o.name {
+            OptimizerName::Muon => "Muon + AdamW",
+            OptimizerName::Adamw => "AdamW",
+        },
+        match o.placement {
+            Placement::Naive => "naive",
+            Placement::Flexshard => "FlexShard",
+        },
+        match o.ns_on {
+            NsOn::Gpu => "GPU",
+            NsOn::Cpu => "CPU",
+        }
+    );
+
+    let pc = &p.params;
+    let _ = writeln!(s, "\nParameters");
+    w(&mut s, "total", count(pc.total as f64));
+    w(&mut s, "active per token", count(pc.active as f64));
+    let g = &pc.by_group;
+    for (k, v) in [
+        ("embedding", g.embedding),
+        ("attention", g.attention),
+        ("router", g.router),
+        ("routed experts", g.routed_experts),
+        ("shared experts", g.shared_experts),
+        ("dense FFN", g.dense_ffn),
+        ("norms", g.norms),
+        ("LM head", g.lm_head),
+    ] {
+        w(
+            &mut s,
+            &format!("  {k}"),
+            format!(
+                "{:>10}  {:6.2}%",
+                count(v as f64),
+                100.0 * v as f64 / pc.total as f64
+            ),
+        );
+    }
+    w(
+        &mut s,
+        "Muon-handled",
+        format!(
+            "{} ({:.2}%), {} matrices",
+            count(pc.muon as f64),
+            100.0 * pc.muon_share,
+            pc.muon_matrices
+        ),
+    );
+
+    let f = &p.flops;
+    let _ = writeln!(s, "\nFLOPs per token");
+    w(
+        &mut s,
+        "6 x active matmul params",
+        format!("{:.1} GFLOP", f.matmul_per_token / 1e9),
+    );
+    w(
+        &mut s,
+        "attention (causal / not halved)",
+        format!(
+            "{:.1} / {:.1} GFLOP",
+            f.attention_per_token / 1e9,
+            f.attention_per_token_noncausal / 1e9
+        ),
+    );
+    w(
+        &mut s,
+        "model (no recompute)",
+        format!("{:.1} GFLOP", f.model_per_token / 1e9),
+    );
+    w(
+        &mut s,
+        "recompute (full AC)",
+        format!("{:.1} GFLOP", f.recompute_per_token / 1e9),
+    );
+    w(
+        &mut s,
+        "hardware (with recompute)",
+        format!("{:.1} GFLOP", f.hardware_per_token / 1e9),
+    );
+    w(
+        &mut s,
+        "model FLOPs per step",
+        format!("{:.3e}", f.model_per_step),
+    );
+    w(
+        &mut s,
+        "tokens per step",
+        format!(
+            "{} ({} per GPU)",
+            p.tokens_per_step, p.tokens_per_gpu_per_step
+        ),
+    );
+
+    let m = &p.memory;
+    let _ = writeln!(s, "\nMemory per GPU          {:>12} {:>12}", "GPU", "host");
+    for ((k, gv), (_, hv)) in m.gpu.rows().into_iter().zip(m.host.rows()) {
+        if gv == 0.0 && hv == 0.0 {
+            continue;
+        }
+        let _ = writeln!(s, "  {k:<22} {:>12} {:>12}", bytes(gv), bytes(hv));
+    }
+    let _ = writeln!(
+        s,
+        "  {:<22} {:>12} {:>12}",
+        "total",
+        bytes(m.gpu_total),
+        bytes(m.host_total)
+    );
+    let _ = writeln!(
+        s,
+        "  {:<22} {:>12} {:>12}",
+        "capacity",
+        bytes(m.gpu_capacity),
+        bytes(m.host_capacity)
+    );
+    w(
+        &mut s,
+        "boundary activations (all layers)",
+        bytes(m.boundary_activation_bytes),
+    );
+    w(
+        &mut s,
+        "optimizer state (whole model)",
+        format!(
+            "{:.3} TB; AdamW would need {:.3} TB (saving {:.2} GB per GPU)",
+            o.state_bytes / 1e12,
+            o.adamw_state_bytes / 1e12,
+            o.muon_saving_per_gpu / 1e9
+        ),
+    );
+
+    let c = &p.communication;
+    let _ = writeln!(s, "\nCommunication per GPU per step (bytes sent)");
+    w(
+        &mut s,
+        "FSDP all-gather, forward",
+        bytes(c.fsdp_all_gather_fwd),
+    );
+    w(
+        &mut s,
+        "FSDP all-gather, backward",
+        bytes(c.fsdp_all_gather_bwd),
+    );
+    w(&mut s, "FSDP reduce-scatter", bytes(c.fsdp_reduce_scatter));
+    w(
+        &mut s,
+        "expert all-to-all",
+        format!(
+            "{} on {}",
+            bytes(c.ep_all_to_all),
+            if c.ep_on_nvlink {
+                "NVLink"
+            } else {
+                "InfiniBand"
+            }
+        ),
+    );
+    w(
+        &mut s,
+        "optimizer: naive Muon",
+        format!(
+            "{} in {} collectives",
+            bytes(c.optimizer_naive_muon),
+            c.optimizer_collectives_naive
+        ),
+    );
+    w(
+        &mut s,
+        "optimizer: FlexShard",
+        format!(
+            "{} in {} collectives",
+            bytes(c.optimizer_flexshard),
+            c.optimizer_collectives_flexshard
+        ),
+    );
+    w(&mut s, "optimizer: AdamW", bytes(c.optimizer_adamw));
+    w(
+        &mut s,
+        "by link: InfiniBand / NVLink",
+        format!("{} / {}", bytes(c.ib_bytes), bytes(c.nvlink_bytes)),
+    );
+    w(
+        &mut s,
+        "host copies: D2H / H2D",
+        format!("{} / {}", bytes(c.d2h_bytes), bytes(c.h2d_bytes)),
+    );
+
+    let t = &p.time;
+    let _ = writeln!(s, "\nStep time");
+    w(&mut s, "compute alone", secs(t.compute_s));
+    w(
+        &mut s,
+        "expert all-to-all (not hidden)",
+        secs(t.all_to_all_s),
+    );
+    w(&mut s, "FSDP traffic alone", secs(t.fsdp_comm_s));
+    w(&mut s, "forward (overlapped)", secs(t.forward_s));
+    w(&mut s, "backward (overlapped)", secs(t.backward_s));
+    w(
+        &mut s,
+        "exposed first gather / last reduce",
+        secs(t.exposed_comm_s),
+    );
+    w(
+        &mut s,
+        "optimizer step",
+        format!(
+            "{} (Newton-Schulz {}, optimizer traffic {})",
+            secs(t.optimizer_s),
+            secs(t.newton_schulz_s),
+            secs(t.optimizer_comm_s)
+        ),
+    );
+    w(
+        &mut s,
+        "step",
+        format!("{} ({}-bound)", secs(t.step_s), t.bound),
+    );
+    w(
+        &mut s,
+        "tokens/s per GPU",
+        format!("{:.0}", p.tokens_per_s_per_gpu),
+    );
+    w(
+        &mut s,
+        "MFU (causal) / TorchTitan / HFU",
+        format!(
+            "{:.1}% / {:.1}% / {:.1}%",
+            100.0 * p.mfu,
+            100.0 * p.mfu_torchtitan,
+            100.0 * p.hfu
+        ),
+    );
+    let _ = writeln!(s, "\nVerdict: {}", p.verdict);
+    s
+}
+
+/// The sweep's ranking as a table (at most `limit` rows).
+pub fn sweep_table(entries: &[SweepEntry], limit: usize) -> String {
+    let mut s = String::new();
+    if entries.is_empty() {
+        s.push_str("no layout in the sweep fits\n");
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "{:>4} {:>4} {:>8} {:>4} {:>8} {:>6} {:>10} {:>9} {:>6} {:>11} {:>11}",
+        "rank", "EP", "seq", "AC", "offload", "p-off", "tokens/s", "step", "MFU", "GPU", "host"
+    );
+    for (i, e) in entries.iter().take(limit).enumerate() {
+        let _ = writeln!(
+            s,
+            "{:>4} {:>4} {:>8} {:>4} {:>8.3} {:>6} {:>10.0} {:>9} {:>5.1}% {:>11} {:>11}",
+            i + 1,
+            e.ep,
+            e.seq_len,
+            ac_name(e.ac),
+            e.offload_fraction,
+            if e.param_offload { "on" } else { "off" },
+            e.tokens_per_s_per_gpu,
+            secs(e.step_time_s),
+            100.0 * e.mfu,
+            bytes(e.gpu_bytes),
+            bytes(e.host_bytes)
+        );
+    }
+    if entries.len() > limit {
+        let _ = writeln!(s, "({} more fit)", entries.len() - limit);
+    }
+    s
+}
