@@ -1,0 +1,453 @@
+//! The dataset a run trains on: a tokenised train split and a held-out validation split, kept as
+//! token files in the run's data folder, and stateless batch sampling.
+
+use crate::builtin::{builtin_corpus, BUILTIN_SEED};
+use crate::corpus::{is_token_file, join_docs, read_text_source, source_files};
+use crate::rng::{below, keyed};
+use crate::tokenizer::{train_bpe, ByteTokenizer, HfTokenizer, Tokenizer};
+use crate::tokens::{check_ids, write_tokens, TokenFile};
+use anyhow::{bail, Context, Result};
+use ganymede_config::DataConfig;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// File names inside a run's data folder.
+pub const TRAIN_FILE: &str = "train.bin";
+pub const VAL_FILE: &str = "val.bin";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+const META_FILE: &str = "meta.json";
+
+enum Tokens {
+    Owned(Vec<u32>),
+    Mapped(TokenFile),
+}
+
+impl Tokens {
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Tokens::Owned(v) => v,
+            Tokens::Mapped(f) => f.tokens(),
+        }
+    }
+}
+
+/// What the data folder was built from; a folder whose meta differs is rebuilt.
+#[derive(Serialize, Deserialize, PartialEq, Debug)]
+struct Meta {
+    format: u32,
+    data: DataConfig,
+    vocab_size: usize,
+    /// (path, bytes, modification time in ns) of every input file, the tokenizer file included.
+    inputs: Vec<(String, u64, u128)>,
+    /// "byte" or "hf": what `tokenizer.json` holds, if anything.
+    tokenizer: String,
+}
+
+fn fingerprint(paths: &[PathBuf]) -> Result<Vec<(String, u64, u128)>> {
+    paths
+        .iter()
+        .map(|p| {
+            let m = std::fs::metadata(p).with_context(|| format!("cannot stat {}", p.display()))?;
+            let t = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            Ok((p.display().to_string(), m.len(), t))
+        })
+        .collect()
+}
+
+/// Tokenised train and validation splits, the tokenizer, and the sampling seed.
+pub struct Dataset {
+    train: Tokens,
+    val: Tokens,
+    tokenizer: Arc<dyn Tokenizer>,
+    seed: u64,
+    source: String,
+}
+
+/// Where the held-out split starts in a text of `len` bytes: the last `val_fraction` of it,
+/// moved forward to a UTF-8 character boundary.
+fn split_point(text: &[u8], val_fraction: f64) -> usize {
+    let mut cut = ((text.len() as f64) * (1.0 - val_fraction)).round() as usize;
+    while cut < text.len() && (text[cut] & 0xC0) == 0x80 {
+        cut += 1;
+    }
+    cut.min(text.len())
+}
+
+impl Dataset {
+    /// Build the dataset of a run from `data`: read the corpus (`data.path`, or the built-in one),
+    /// make the tokenizer (`data.tokenizer`; `bpe` is trained on the training split with
+    /// `vocab_size` ids), tokenise, and hold out the last `data.val_fraction` for validation.
+    ///
+    /// With `dir` (a run's `data/` folder) the splits are written there as `train.bin` and
+    /// `val.bin`, the tokenizer as `tokenizer.json` (unless it is `byte`), and a later call with
+    /// the same inputs maps those files instead of rebuilding. `seed` drives only sampling.
+    /// `seq_len` is the model's sequence length: each split must hold one sequence plus one token.
+    pub fn build(
+        data: &DataConfig,
+        vocab_size: usize,
+        seq_len: usize,
+        seed: u64,
+        dir: Option<&Path>,
+    ) -> Result<Dataset> {
+        if !(data.val_fraction > 0.0 && data.val_fraction < 1.0) {
+            bail!(
+                "data.val_fraction = {}: must be between 0 and 1",
+                data.val_fraction
+            );
+        }
+        if seq_len == 0 {
+            bail!("model.seq_len = 0: must be at least 1");
+        }
+        let source_path = (!data.path.is_empty()).then(|| PathBuf::from(&data.path));
+        let source = match &source_path {
+            None => format!("the built-in corpus ({} bytes)", data.builtin_bytes),
+            Some(p) => format!("data.path = {}", p.display()),
+        };
+        let mut inputs = match &source_path {
+            None => Vec::new(),
+            Some(p) => source_files(p).with_context(|| format!("data.path = {}", p.display()))?,
+        };
+        let hf_path = match data.tokenizer.as_str() {
+            "byte" | "bpe" => None,
+            p => Some(PathBuf::from(p)),
+        };
+        if let Some(p) = &hf_path {
+            if !p.exists() {
+                bail!("data.tokenizer = {}: no such file", p.display());
+            }
+            inputs.push(p.clone());
+        }
+        let meta = Meta {
+            format: 1,
+            data: data.clone(),
+            vocab_size,
+            inputs: fingerprint(&inputs)?,
+            tokenizer: if data.tokenizer == "byte" {
+                "byte"
+            } else {
+                "hf"
+            }
+            .into(),
+        };
+
+        let ds = match dir.and_then(|d| Self::open_cached(d, &meta, seed, &source)) {
+            Some(ds) => ds,
+            None => {
+                let ds = Self::tokenise(data, vocab_size, seed, source_path.as_deref(), &source)?;
+                if let Some(d) = dir {
+                    ds.save(d, &meta)?;
+                }
+                ds
+            }
+        };
+        ds.check_lengths(seq_len, data.val_fraction)?;
+        Ok(ds)
+    }
+
+    /// Map a data folder built earlier from the same inputs; None if anything differs or is missing.
+    fn open_cached(dir: &Path, meta: &Meta, seed: u64, source: &str) -> Option<Dataset> {
+        let text = std::fs::read_to_string(dir.join(META_FILE)).ok()?;
+        let old: Meta = serde_json::from_str(&text).ok()?;
+        if &old != meta {
+            return None;
+        }
+        let train = TokenFile::open(&dir.join(TRAIN_FILE)).ok()?;
+        let val = TokenFile::open(&dir.join(VAL_FILE)).ok()?;
+        let tokenizer: Arc<dyn Tokenizer> = if meta.tokenizer == "byte" {
+            Arc::new(ByteTokenizer)
+        } else {
+            Arc::new(HfTokenizer::from_file(&dir.join(TOKENIZER_FILE)).ok()?)
+        };
+        Some(Dataset {
+            train: Tokens::Mapped(train),
+            val: Tokens::Mapped(val),
+            tokenizer,
+            seed,
+            source: source.to_string(),
+        })
+    }
+
+    fn tokenise(
+        data: &DataConfig,
+        vocab_size: usize,
+        seed: u64,
+        path: Option<&Path>,
+        source: &str,
+    ) -> Result<Dataset> {
+        // Token files are used as they are: split by tokens.
+        if let Some(p) = path.filter(|p| is_token_file(p)) {
+            if data.tokenizer == "bpe" {
+                bail!(
+                    "data.tokenizer = bpe trains on text, but data.path = {} is a token file; \
+                     give its tokenizer.json or use byte",
+                    p.display()
+                );
+            }
+            let tokenizer = make_tokenizer(&data.tokenizer, None, vocab_size)?;
+            let file =
+                TokenFile::open(p).with_context(|| format!("data.path = {}", p.display()))?;
+            let all = file.tokens();
+            if all.is_empty() {
+                bail!("data.path = {}: the token file is empty", p.display());
+            }
+            check_ids(all, vocab_size, &format!("data.path = {}", p.display()))?;
+            let cut = ((all.len() as f64) * (1.0 - data.val_fraction)).round() as usize;
+            return Ok(Dataset {
+                train: Tokens::Owned(all[..cut].to_vec()),
+                val: Tokens::Owned(all[cut..].to_vec()),
+                tokenizer,
+                seed,
+                source: source.to_string(),
+            });
+        }
+
+        let text = match path {
+            None => builtin_corpus(data.builtin_bytes, BUILTIN_SEED),
+            Some(p) => join_docs(
+                &read_text_source(p)
+                    .with_context(|| format!("data.path = {}", p.display()))?
+                    .docs,
+            ),
+        };
+        if text.is_empty() {
+            bail!("{source}: the corpus is empty");
+        }
+        let cut = split_point(&text, data.val_fraction);
+        let (train_text, val_text) = text.split_at(cut);
+        let tokenizer = make_tokenizer(&data.tokenizer, Some(train_text), vocab_size)?;
+        let train = tokenizer.encode_bytes(train_text)?;
+        let val = tokenizer.encode_bytes(val_text)?;
+        Ok(Dataset {
+            train: Tokens::Owned(train),
+            val: Tokens::Owned(val),
+            tokenizer,
+            seed,
+            source: source.to_string(),
+        })
+    }
+
+    fn save(&self, dir: &Path, meta: &Meta) -> Result<()> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create data folder {}", dir.display()))?;
+        // Meta goes last, and first away: a folder interrupted mid-write is rebuilt next time.
+        let _ = std::fs::remove_file(dir.join(META_FILE));
+        write_tokens(&dir.join(TRAIN_FILE), self.train_tokens())?;
+        write_tokens(&dir.join(VAL_FILE), self.val_tokens())?;
+        let tok_path = dir.join(TOKENIZER_FILE);
+        match self.tokenizer.as_hf() {
+            Some(hf) => hf.save(&tok_path)?,
+            None => {
+                let _ = std::fs::remove_file(&tok_path);
+            }
+        }
+        let json = serde_json::to_string_pretty(meta).expect("meta serialises");
+        std::fs::write(dir.join(META_FILE), json)
+            .with_context(|| format!("cannot write {}", dir.join(META_FILE).display()))?;
+        Ok(())
+    }
+
+    fn check_lengths(&self, seq_len: usize, val_fraction: f64) -> Result<()> {
+        let need = seq_len + 1;
+        let (nt, nv) = (self.train_tokens().len(), self.val_tokens().len());
+        if nt < need {
+            bail!(
+                "{}: the training split has {nt} tokens, fewer than one sequence \
+                 (model.seq_len + 1 = {need}); use more data or a shorter model.seq_len",
+                self.source
+            );
+        }
+        if nv < need {
+            bail!(
+                "{}: the validation split (data.val_fraction = {val_fraction}) has {nv} tokens, \
+                 fewer than one sequence (model.seq_len + 1 = {need}); use more data or a larger \
+                 data.val_fraction",
+                self.source
+            );
+        }
+        Ok(())
+    }
+
+    pub fn train_tokens(&self) -> &[u32] {
+        self.train.as_slice()
+    }
+
+    pub fn val_tokens(&self) -> &[u32] {
+        self.val.as_slice()
+    }
+
+    pub fn tokenizer(&self) -> Arc<dyn Tokenizer> {
+        self.tokenizer.clone()
+    }
+
+    /// Where the data came from, for logs.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Start of sequence `index` of the global batch at `step`: uniform over the training split,
+    /// a function of `(seed, step, index)` only.
+    fn offset(&self, step: u64, index: u64, seq_len: usize) -> usize {
+        let n = self.train_tokens().len();
+        assert!(
+            n > seq_len,
+            "training split has {n} tokens; a sequence needs {}",
+            seq_len + 1
+        );
+        below(keyed(self.seed, step, index), (n - seq_len) as u64) as usize
+    }
+
+    /// The training batch at `step`: `batch_size` sequences of `seq_len` inputs and the next-token
+    /// targets, each `batch_size * seq_len` long, row-major. Depends only on `(seed, step)`, so a
+    /// resumed run sees exactly the batches it would have.
+    pub fn batch(&self, step: u64, batch_size: usize, seq_len: usize) -> (Vec<u32>, Vec<u32>) {
+        self.batch_slice(step, batch_size, seq_len, 0, 1)
+    }
+
+    /// Rank `rank`'s share of the global batch at `step`: sequences
+    /// `rank * global_batch / world ..` of it. The shares of all ranks, concatenated in rank order,
+    /// are exactly [`Dataset::batch`].
+    pub fn batch_slice(
+        &self,
+        step: u64,
+        global_batch: usize,
+        seq_len: usize,
+        rank: usize,
+        world: usize,
+    ) -> (Vec<u32>, Vec<u32>) {
+        assert!(
+            world > 0 && rank < world && global_batch.is_multiple_of(world),
+            "batch of {global_batch} cannot be split evenly over {world} ranks (rank {rank})"
+        );
+        let per = global_batch / world;
+        let t = self.train_tokens();
+        let mut inputs = Vec::with_capacity(per * seq_len);
+        let mut targets = Vec::with_capacity(per * seq_len);
+        for i in rank * per..(rank + 1) * per {
+            let o = self.offset(step, i as u64, seq_len);
+            inputs.extend_from_slice(&t[o..o + seq_len]);
+            targets.extend_from_slice(&t[o + 1..o + seq_len + 1]);
+        }
+        (inputs, targets)
+    }
+
+    /// Number of distinct validation windows of `seq_len + 1` tokens.
+    pub fn num_val_windows(&self, seq_len: usize) -> usize {
+        num_eval_windows(self.val_tokens().len(), seq_len)
+    }
+
+    /// Validation batch `index`: the fixed, consecutive windows `index * batch_size ..` of the
+    /// validation split (as [`eval_windows`] cuts them), wrapping around when they run out. The
+    /// same for every seed, so validation losses compare across runs.
+    pub fn val_batch(
+        &self,
+        index: usize,
+        batch_size: usize,
+        seq_len: usize,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let w = self.num_val_windows(seq_len);
+        assert!(
+            w > 0,
+            "validation split has {} tokens; a window needs {}",
+            self.val_tokens().len(),
+            seq_len + 1
+        );
+        let v = self.val_tokens();
+        let mut inputs = Vec::with_capacity(batch_size * seq_len);
+        let mut targets = Vec::with_capacity(batch_size * seq_len);
+        for b in 0..batch_size {
+            let o = ((index * batch_size + b) % w) * (seq_len + 1);
+            inputs.extend_from_slice(&v[o..o + seq_len]);
+            targets.extend_from_slice(&v[o + 1..o + seq_len + 1]);
+        }
+        (inputs, targets)
+    }
+}
+
+/// The tokenizer `data.tokenizer` names, checked against the model's vocabulary. `bpe` trains on
+/// `train_text` with `vocab_size` ids.
+fn make_tokenizer(
+    spec: &str,
+    train_text: Option<&[u8]>,
+    vocab_size: usize,
+) -> Result<Arc<dyn Tokenizer>> {
+    let tokenizer: Arc<dyn Tokenizer> = match spec {
+        "byte" => Arc::new(ByteTokenizer),
+        "bpe" => {
+            let text = String::from_utf8_lossy(train_text.unwrap_or_default());
+            Arc::new(train_bpe([text], vocab_size).with_context(|| {
+                format!("data.tokenizer = bpe (model.vocab_size = {vocab_size})")
+            })?)
+        }
+        path => Arc::new(
+            HfTokenizer::from_file(Path::new(path))
+                .with_context(|| format!("data.tokenizer = {path}"))?,
+        ),
+    };
+    if tokenizer.vocab_size() > vocab_size {
+        bail!(
+            "data.tokenizer = {spec}: its vocabulary has {} ids, more than model.vocab_size = \
+             {vocab_size}",
+            tokenizer.vocab_size()
+        );
+    }
+    Ok(tokenizer)
+}
+
+/// The tokenizer a run used, from its data folder: `tokenizer.json` if there is one, else bytes.
+pub fn load_run_tokenizer(data_dir: &Path) -> Result<Arc<dyn Tokenizer>> {
+    let p = data_dir.join(TOKENIZER_FILE);
+    if p.exists() {
+        Ok(Arc::new(HfTokenizer::from_file(&p)?))
+    } else if data_dir.join(META_FILE).exists() {
+        Ok(Arc::new(ByteTokenizer))
+    } else {
+        bail!(
+            "{} holds no dataset (no {META_FILE}); was it written by ganymede train?",
+            data_dir.display()
+        )
+    }
+}
+
+/// Tokens of a file or folder for evaluation: a `.bin` token file as it is, text through
+/// `tokenizer`. Every id must be below `vocab_size`.
+pub fn load_eval_tokens(
+    path: &Path,
+    tokenizer: &dyn Tokenizer,
+    vocab_size: usize,
+) -> Result<Vec<u32>> {
+    let tokens = if is_token_file(path) {
+        TokenFile::open(path)?.tokens().to_vec()
+    } else {
+        let text = join_docs(&read_text_source(path)?.docs);
+        tokenizer.encode_bytes(&text)?
+    };
+    check_ids(&tokens, vocab_size, &path.display().to_string())?;
+    Ok(tokens)
+}
+
+/// Number of evaluation windows of `seq_len + 1` tokens in `n_tokens` (a final partial window is
+/// dropped). Each scores `seq_len` targets.
+pub fn num_eval_windows(n_tokens: usize, seq_len: usize) -> usize {
+    n_tokens / (seq_len + 1)
+}
+
+/// Consecutive, non-overlapping windows of `seq_len + 1` tokens: `(inputs, targets)` with inputs
+/// the first `seq_len` tokens of a window and targets the last `seq_len` (the next token of each
+/// input). A final partial window is dropped.
+pub fn eval_windows(tokens: &[u32], seq_len: usize) -> impl Iterator<Item = (&[u32], &[u32])> {
+    tokens
+        .chunks_exact(seq_len + 1)
+        .map(move |w| (&w[..seq_len], &w[1..]))
+}
+
+#[cfg(test)]
+mod tests;
