@@ -1,6 +1,754 @@
-//! CPU kernels of the model's operations.
+//! CPU kernels of the model's operations: loops over host slices, generic over [`Scalar`] so the
+//! same code runs in f32 (training) and f64 (gradient checks). Work is split over rows (or over
+//! (batch, kv head) in attention) with rayon; every output element is written by one task and
+//! every reduction runs in a fixed order, so results do not depend on the thread count.
 
 use super::CpuBackend;
 use crate::backend::NnOps;
+use crate::by_dtype;
+use crate::tensor::{DType, Scalar, TMut, T};
+use rayon::prelude::*;
 
-impl NnOps for CpuBackend {}
+mod attention;
+mod fastmath;
+#[cfg(test)]
+mod tests;
+
+use fastmath::{exp_inplace, sigmoid};
+
+/// Rows per task for row-wise kernels: enough work to pay for a task.
+fn min_rows(dim: usize) -> usize {
+    (4096 / dim.max(1)).max(1)
+}
+
+/// Rows per partial sum in kernels that reduce weight gradients over rows. Fixed (not derived
+/// from the thread count) so the reduction order, and hence the rounding, never changes.
+const RED_ROWS: usize = 64;
+
+#[derive(Clone, Copy)]
+pub(crate) struct Ptr<S>(pub(crate) *mut S);
+unsafe impl<S> Send for Ptr<S> {}
+unsafe impl<S> Sync for Ptr<S> {}
+
+fn s<S: Scalar>(x: f64) -> S {
+    S::of_f64(x)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+
+fn embedding_forward<S: Scalar>(out: TMut, wte: T, ids: &[u32], dim: usize) {
+    let (out, wte): (&mut [S], &[S]) = (out.host(), wte.host());
+    assert_eq!(out.len(), ids.len() * dim);
+    out.par_chunks_mut(dim)
+        .zip(ids.par_iter())
+        .with_min_len(min_rows(dim))
+        .for_each(|(o, &id)| {
+            let id = id as usize;
+            o.copy_from_slice(&wte[id * dim..(id + 1) * dim]);
+        });
+}
+
+fn embedding_backward<S: Scalar>(dwte: TMut, dout: T, ids: &[u32], dim: usize) {
+    let (dwte, dout): (&mut [S], &[S]) = (dwte.host(), dout.host());
+    // Serial: repeated ids would race, and this is a tiny share of the step.
+    for (t, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        let d = &mut dwte[id * dim..(id + 1) * dim];
+        d.iter_mut()
+            .zip(&dout[t * dim..(t + 1) * dim])
+            .for_each(|(a, &b)| *a += b);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+fn rmsnorm_forward<S: Scalar>(out: TMut, rstd: TMut, x: T, w: T, dim: usize, eps: f32) {
+    let (out, rstd, x, w): (&mut [S], &mut [S], &[S], &[S]) =
+        (out.host(), rstd.host(), x.host(), w.host());
+    let eps = s::<S>(eps as f64);
+    let inv_dim = S::one() / s::<S>(dim as f64);
+    out.par_chunks_mut(dim)
+        .zip(rstd.par_iter_mut())
+        .zip(x.par_chunks(dim))
+        .with_min_len(min_rows(dim))
+        .for_each(|((o, r), x)| {
+            let ss: S = x.iter().map(|&v| v * v).sum();
+            let rs = S::one() / (ss * inv_dim + eps).sqrt();
+            *r = rs;
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                *o = w * (x * rs);
+            }
+        });
+}
+
+/// Backward of `y = w * x * r` for one row: adds into `dx` and `dw`.
+#[inline]
+fn rms_row_backward<S: Scalar>(dx: &mut [S], dw: &mut [S], dy: &[S], x: &[S], w: &[S], r: S) {
+    let n = s::<S>(x.len() as f64);
+    let mut dot = S::zero();
+    for i in 0..x.len() {
+        dot += dy[i] * w[i] * x[i];
+    }
+    let c = dot * r * r / n;
+    for i in 0..x.len() {
+        let xh = x[i] * r;
+        dw[i] += dy[i] * xh;
+        dx[i] += r * (dy[i] * w[i] - x[i] * c);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rmsnorm_backward<S: Scalar>(dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T, dim: usize) {
+    let (dx, dw, dout, x, w, rstd): (&mut [S], &mut [S], &[S], &[S], &[S], &[S]) = (
+        dx.host(),
+        dw.host(),
+        dout.host(),
+        x.host(),
+        w.host(),
+        rstd.host(),
+    );
+    let partials: Vec<Vec<S>> = dx
+        .par_chunks_mut(RED_ROWS * dim)
+        .enumerate()
+        .map(|(c, dxc)| {
+            let mut pdw = vec![S::zero(); dim];
+            let r0 = c * RED_ROWS;
+            for (i, dxr) in dxc.chunks_mut(dim).enumerate() {
+                let r = r0 + i;
+                let sl = r * dim..(r + 1) * dim;
+                rms_row_backward(dxr, &mut pdw, &dout[sl.clone()], &x[sl], w, rstd[r]);
+            }
+            pdw
+        })
+        .collect();
+    for p in &partials {
+        dw.iter_mut().zip(p).for_each(|(a, &b)| *a += b);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-head RMSNorm + RoPE
+
+/// cos/sin of `pos * inv_freq_i`, `inv_freq_i = theta^(-2i/d)`, computed in `S` the way
+/// transformers computes them in f32 (power, reciprocal, product, then cos/sin).
+fn rope_angles<S: Scalar>(cs: &mut [S], sn: &mut [S], pos: usize, head_dim: usize, theta: f64) {
+    let base = s::<S>(theta);
+    let d = s::<S>(head_dim as f64);
+    let p = s::<S>(pos as f64);
+    for i in 0..head_dim / 2 {
+        let inv = S::one() / base.powf(s::<S>((2 * i) as f64) / d);
+        let a = inv * p;
+        cs[i] = a.cos();
+        sn[i] = a.sin();
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn head_norm_rope_forward<S: Scalar>(
+    out: TMut,
+    rstd: TMut,
+    x: T,
+    w: T,
+    heads: usize,
+    hd: usize,
+    seq: usize,
+    pos0: usize,
+    theta: f64,
+    eps: f32,
+) {
+    let (out, rstd, x, w): (&mut [S], &mut [S], &[S], &[S]) =
+        (out.host(), rstd.host(), x.host(), w.host());
+    let row = heads * hd;
+    let half = hd / 2;
+    let eps = s::<S>(eps as f64);
+    let inv_hd = S::one() / s::<S>(hd as f64);
+    out.par_chunks_mut(row)
+        .zip(rstd.par_chunks_mut(heads))
+        .zip(x.par_chunks(row))
+        .enumerate()
+        .with_min_len(min_rows(row))
+        .for_each_init(
+            || {
+                (
+                    vec![S::zero(); half],
+                    vec![S::zero(); half],
+                    vec![S::zero(); hd],
+                )
+            },
+            |(cs, sn, n), (t, ((o, r), x))| {
+                rope_angles(cs, sn, pos0 + t % seq, hd, theta);
+                for h in 0..heads {
+                    let xh = &x[h * hd..(h + 1) * hd];
+                    let ss: S = xh.iter().map(|&v| v * v).sum();
+                    let rs = S::one() / (ss * inv_hd + eps).sqrt();
+                    r[h] = rs;
+                    for i in 0..hd {
+                        n[i] = w[i] * (xh[i] * rs);
+                    }
+                    let oh = &mut o[h * hd..(h + 1) * hd];
+                    for i in 0..half {
+                        oh[i] = n[i] * cs[i] - n[i + half] * sn[i];
+                        oh[i + half] = n[i + half] * cs[i] + n[i] * sn[i];
+                    }
+                }
+            },
+        );
+}
+
+#[allow(clippy::too_many_arguments)]
+fn head_norm_rope_backward<S: Scalar>(
+    dx: TMut,
+    dw: TMut,
+    dout: T,
+    x: T,
+    w: T,
+    rstd: T,
+    heads: usize,
+    hd: usize,
+    seq: usize,
+    pos0: usize,
+    theta: f64,
+) {
+    let (dx, dw, dout, x, w, rstd): (&mut [S], &mut [S], &[S], &[S], &[S], &[S]) = (
+        dx.host(),
+        dw.host(),
+        dout.host(),
+        x.host(),
+        w.host(),
+        rstd.host(),
+    );
+    let row = heads * hd;
+    let half = hd / 2;
+    let partials: Vec<Vec<S>> = dx
+        .par_chunks_mut(RED_ROWS * row)
+        .enumerate()
+        .map(|(c, dxc)| {
+            let mut pdw = vec![S::zero(); hd];
+            let (mut cs, mut sn, mut g) = (
+                vec![S::zero(); half],
+                vec![S::zero(); half],
+                vec![S::zero(); hd],
+            );
+            for (i, dxr) in dxc.chunks_mut(row).enumerate() {
+                let t = c * RED_ROWS + i;
+                rope_angles(&mut cs, &mut sn, pos0 + t % seq, hd, theta);
+                dxr.fill(S::zero());
+                for h in 0..heads {
+                    let off = t * row + h * hd;
+                    let d = &dout[off..off + hd];
+                    // The rotation's transpose takes the gradient back to the normed vector.
+                    for i in 0..half {
+                        g[i] = d[i] * cs[i] + d[i + half] * sn[i];
+                        g[i + half] = d[i + half] * cs[i] - d[i] * sn[i];
+                    }
+                    rms_row_backward(
+                        &mut dxr[h * hd..(h + 1) * hd],
+                        &mut pdw,
+                        &g,
+                        &x[off..off + hd],
+                        w,
+                        rstd[t * heads + h],
+                    );
+                }
+            }
+            pdw
+        })
+        .collect();
+    for p in &partials {
+        dw.iter_mut().zip(p).for_each(|(a, &b)| *a += b);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+
+const EW_CHUNK: usize = 4096;
+
+fn swiglu_forward<S: Scalar>(out: TMut, gate: T, up: T) {
+    let (out, gate, up): (&mut [S], &[S], &[S]) = (out.host(), gate.host(), up.host());
+    out.par_chunks_mut(EW_CHUNK)
+        .zip(gate.par_chunks(EW_CHUNK))
+        .zip(up.par_chunks(EW_CHUNK))
+        .for_each(|((o, g), u)| {
+            // o = sigmoid(g) first (vectorised exp), then the products.
+            sigmoid(o, g);
+            for i in 0..o.len() {
+                o[i] = g[i] * o[i] * u[i];
+            }
+        });
+}
+
+fn swiglu_backward<S: Scalar>(dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
+    let (dg, du, dout, gate, up): (&mut [S], &mut [S], &[S], &[S], &[S]) = (
+        dgate.host(),
+        dup.host(),
+        dout.host(),
+        gate.host(),
+        up.host(),
+    );
+    dg.par_chunks_mut(EW_CHUNK)
+        .zip(du.par_chunks_mut(EW_CHUNK))
+        .zip(dout.par_chunks(EW_CHUNK))
+        .zip(gate.par_chunks(EW_CHUNK))
+        .zip(up.par_chunks(EW_CHUNK))
+        .for_each(|((((dg, du), d), g), u)| {
+            sigmoid(dg, g);
+            for i in 0..dg.len() {
+                let sg = dg[i];
+                let silu = g[i] * sg;
+                du[i] = d[i] * silu;
+                // silu'(g) = s (1 + g (1 - s))
+                dg[i] = d[i] * u[i] * sg * (S::one() + g[i] * (S::one() - sg));
+            }
+        });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Router
+
+#[allow(clippy::too_many_arguments)]
+fn router_forward<S: Scalar>(
+    probs: TMut,
+    weights: TMut,
+    idx: &mut [u32],
+    psum: &mut [f64],
+    logits: T,
+    bias: Option<T>,
+    e: usize,
+    k: usize,
+    renorm: bool,
+) {
+    let (probs, weights, logits): (&mut [S], &mut [S], &[S]) =
+        (probs.host(), weights.host(), logits.host());
+    let bias: Option<&[S]> = bias.map(|b| b.host());
+    probs
+        .par_chunks_mut(e)
+        .zip(weights.par_chunks_mut(k))
+        .zip(idx.par_chunks_mut(k))
+        .zip(logits.par_chunks(e))
+        .with_min_len(min_rows(e * 4))
+        .for_each(|(((p, w), ix), l)| {
+            let m = l.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
+            for (p, &l) in p.iter_mut().zip(l) {
+                *p = l - m;
+            }
+            exp_inplace(p);
+            let sum: S = p.iter().copied().sum();
+            let inv = S::one() / sum;
+            p.iter_mut().for_each(|v| *v *= inv);
+            for j in 0..k {
+                let mut best = usize::MAX;
+                let mut bv = S::neg_infinity();
+                for (i, &pv) in p.iter().enumerate() {
+                    let sc = match bias {
+                        Some(b) => pv + b[i],
+                        None => pv,
+                    };
+                    // Strict `>` keeps the lower index on ties.
+                    if (best == usize::MAX || sc > bv) && !ix[..j].contains(&(i as u32)) {
+                        best = i;
+                        bv = sc;
+                    }
+                }
+                ix[j] = best as u32;
+                w[j] = p[best];
+            }
+            if renorm {
+                let s: S = w.iter().copied().sum();
+                w.iter_mut().for_each(|v| *v /= s);
+            }
+        });
+    psum.fill(0.0);
+    let rows = probs.len() / e;
+    let parts: Vec<Vec<f64>> = (0..rows.div_ceil(RED_ROWS))
+        .into_par_iter()
+        .map(|c| {
+            let mut acc = vec![0.0f64; e];
+            for r in c * RED_ROWS..((c + 1) * RED_ROWS).min(rows) {
+                for (a, &p) in acc.iter_mut().zip(&probs[r * e..(r + 1) * e]) {
+                    *a += p.as_f64();
+                }
+            }
+            acc
+        })
+        .collect();
+    for p in &parts {
+        psum.iter_mut().zip(p).for_each(|(a, &b)| *a += b);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn router_backward<S: Scalar>(
+    dlogits: TMut,
+    dweights: T,
+    probs: T,
+    idx: &[u32],
+    dprob_const: &[f64],
+    e: usize,
+    k: usize,
+    renorm: bool,
+) {
+    let (dl, dw, probs): (&mut [S], &[S], &[S]) = (dlogits.host(), dweights.host(), probs.host());
+    let c: Vec<S> = dprob_const.iter().map(|&v| s::<S>(v)).collect();
+    dl.par_chunks_mut(e)
+        .zip(dw.par_chunks(k))
+        .zip(probs.par_chunks(e))
+        .zip(idx.par_chunks(k))
+        .with_min_len(min_rows(e * 4))
+        .for_each(|(((dp, dw), p), ix)| {
+            dp.copy_from_slice(&c);
+            if renorm {
+                // w_j = p_j / Σ p_sel: ∂/∂p_j = (dw_j - Σ_m dw_m w_m) / Σ p_sel.
+                let sum: S = ix.iter().map(|&i| p[i as usize]).sum();
+                let dot: S = ix
+                    .iter()
+                    .zip(dw)
+                    .map(|(&i, &d)| d * p[i as usize] / sum)
+                    .sum();
+                for (&i, &d) in ix.iter().zip(dw) {
+                    dp[i as usize] += (d - dot) / sum;
+                }
+            } else {
+                for (&i, &d) in ix.iter().zip(dw) {
+                    dp[i as usize] += d;
+                }
+            }
+            let dot: S = dp.iter().zip(p).map(|(&d, &p)| d * p).sum();
+            for (d, &p) in dp.iter_mut().zip(p) {
+                *d = p * (*d - dot);
+            }
+        });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert dispatch and combine
+
+fn moe_gather<S: Scalar>(xe: TMut, x: T, src: &[u32], dim: usize) {
+    let (xe, x): (&mut [S], &[S]) = (xe.host(), x.host());
+    xe.par_chunks_mut(dim)
+        .zip(src.par_iter())
+        .with_min_len(min_rows(dim))
+        .for_each(|(o, &t)| {
+            let t = t as usize;
+            o.copy_from_slice(&x[t * dim..(t + 1) * dim])
+        });
+}
+
+fn moe_gather_backward<S: Scalar>(dx: TMut, dxe: T, pos: &[u32], k: usize, dim: usize) {
+    let (dx, dxe): (&mut [S], &[S]) = (dx.host(), dxe.host());
+    dx.par_chunks_mut(dim)
+        .zip(pos.par_chunks(k))
+        .with_min_len(min_rows(dim * k))
+        .for_each(|(d, ps)| {
+            for &p in ps {
+                let p = p as usize;
+                d.iter_mut()
+                    .zip(&dxe[p * dim..(p + 1) * dim])
+                    .for_each(|(a, &b)| *a += b);
+            }
+        });
+}
+
+fn moe_combine<S: Scalar>(out: TMut, ye: T, w: T, pos: &[u32], k: usize, dim: usize) {
+    let (out, ye, w): (&mut [S], &[S], &[S]) = (out.host(), ye.host(), w.host());
+    out.par_chunks_mut(dim)
+        .zip(pos.par_chunks(k))
+        .zip(w.par_chunks(k))
+        .with_min_len(min_rows(dim * k))
+        .for_each(|((o, ps), ws)| {
+            for (&p, &wj) in ps.iter().zip(ws) {
+                let p = p as usize;
+                o.iter_mut()
+                    .zip(&ye[p * dim..(p + 1) * dim])
+                    .for_each(|(a, &b)| *a += wj * b);
+            }
+        });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_combine_backward<S: Scalar>(
+    dye: TMut,
+    dw: TMut,
+    dout: T,
+    ye: T,
+    w: T,
+    pos: &[u32],
+    k: usize,
+    dim: usize,
+) {
+    let (dye, dw, dout, ye, w): (&mut [S], &mut [S], &[S], &[S], &[S]) =
+        (dye.host(), dw.host(), dout.host(), ye.host(), w.host());
+    assert_eq!(dye.len(), pos.len() * dim);
+    assert!(pos.iter().all(|&p| (p as usize) < pos.len()));
+    let dyep = Ptr(dye.as_mut_ptr());
+    dw.par_chunks_mut(k)
+        .zip(pos.par_chunks(k))
+        .zip(w.par_chunks(k))
+        .zip(dout.par_chunks(dim))
+        .with_min_len(min_rows(dim * k))
+        .for_each(|(((dw, ps), ws), d)| {
+            let dyep = dyep;
+            for j in 0..k {
+                let p = ps[j] as usize;
+                let y = &ye[p * dim..(p + 1) * dim];
+                dw[j] = d.iter().zip(y).map(|(&a, &b)| a * b).sum();
+                // Safety: `pos` is a permutation of the dispatched rows (each written once) and
+                // was bounds-checked above.
+                let dy = unsafe { std::slice::from_raw_parts_mut(dyep.0.add(p * dim), dim) };
+                dy.iter_mut().zip(d).for_each(|(a, &b)| *a = ws[j] * b);
+            }
+        });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy
+
+fn cross_entropy_forward<S: Scalar>(lse: TMut, logits: T, targets: &[u32], v: usize) -> f64 {
+    let (lse, logits): (&mut [S], &[S]) = (lse.host(), logits.host());
+    lse.par_iter_mut()
+        .zip(logits.par_chunks(v))
+        .with_min_len(min_rows(v))
+        .for_each_init(
+            || vec![S::zero(); v],
+            |tmp, (l, x)| {
+                let m = x.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
+                for (t, &x) in tmp.iter_mut().zip(x) {
+                    *t = x - m;
+                }
+                exp_inplace(tmp);
+                let sum: S = tmp.iter().copied().sum();
+                *l = m + sum.ln();
+            },
+        );
+    let mut total = 0.0f64;
+    for (r, &t) in targets.iter().enumerate() {
+        total += (lse[r] - logits[r * v + t as usize]).as_f64();
+    }
+    total
+}
+
+fn cross_entropy_backward<S: Scalar>(logits: TMut, lse: T, targets: &[u32], v: usize, scale: f32) {
+    let (logits, lse): (&mut [S], &[S]) = (logits.host(), lse.host());
+    let scale = s::<S>(scale as f64);
+    logits
+        .par_chunks_mut(v)
+        .zip(lse.par_iter())
+        .zip(targets.par_iter())
+        .with_min_len(min_rows(v))
+        .for_each(|((x, &l), &t)| {
+            x.iter_mut().for_each(|x| *x -= l);
+            exp_inplace(x);
+            x[t as usize] -= S::one();
+            x.iter_mut().for_each(|x| *x *= scale);
+        });
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn dt(v: &T) -> DType {
+    v.dtype()
+}
+
+impl NnOps for CpuBackend {
+    fn embedding_forward(&self, out: TMut, wte: T, ids: &[u32], dim: usize) {
+        by_dtype!(out.dtype(), embedding_forward(out, wte, ids, dim))
+    }
+    fn embedding_backward(&self, dwte: TMut, dout: T, ids: &[u32], dim: usize) {
+        by_dtype!(dt(&dout), embedding_backward(dwte, dout, ids, dim))
+    }
+    fn rmsnorm_forward(&self, out: TMut, rstd: TMut, x: T, w: T, dim: usize, eps: f32) {
+        by_dtype!(dt(&x), rmsnorm_forward(out, rstd, x, w, dim, eps))
+    }
+    fn rmsnorm_backward(&self, dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T, dim: usize) {
+        by_dtype!(dt(&x), rmsnorm_backward(dx, dw, dout, x, w, rstd, dim))
+    }
+    fn head_norm_rope_forward(
+        &self,
+        out: TMut,
+        rstd: TMut,
+        x: T,
+        w: T,
+        heads: usize,
+        head_dim: usize,
+        seq: usize,
+        pos0: usize,
+        theta: f64,
+        eps: f32,
+    ) {
+        by_dtype!(
+            dt(&x),
+            head_norm_rope_forward(out, rstd, x, w, heads, head_dim, seq, pos0, theta, eps)
+        )
+    }
+    fn head_norm_rope_backward(
+        &self,
+        dx: TMut,
+        dw: TMut,
+        dout: T,
+        x: T,
+        w: T,
+        rstd: T,
+        heads: usize,
+        head_dim: usize,
+        seq: usize,
+        pos0: usize,
+        theta: f64,
+    ) {
+        by_dtype!(
+            dt(&x),
+            head_norm_rope_backward(dx, dw, dout, x, w, rstd, heads, head_dim, seq, pos0, theta)
+        )
+    }
+    fn attention_forward(
+        &self,
+        out: TMut,
+        lse: TMut,
+        q: T,
+        k: T,
+        v: T,
+        batch: usize,
+        tq: usize,
+        tk: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) {
+        let d = attention::Dims {
+            batch,
+            tq,
+            tk,
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        match dt(&q) {
+            DType::F32 => attention::forward::<f32>(out, lse, q, k, v, d),
+            DType::F64 => attention::forward::<f64>(out, lse, q, k, v, d),
+        }
+    }
+    fn attention_backward(
+        &self,
+        dq: TMut,
+        dk: TMut,
+        dv: TMut,
+        dout: T,
+        out: T,
+        q: T,
+        k: T,
+        v: T,
+        lse: T,
+        batch: usize,
+        tq: usize,
+        tk: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) {
+        let d = attention::Dims {
+            batch,
+            tq,
+            tk,
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        match dt(&q) {
+            DType::F32 => attention::backward::<f32>(dq, dk, dv, dout, out, q, k, v, lse, d),
+            DType::F64 => attention::backward::<f64>(dq, dk, dv, dout, out, q, k, v, lse, d),
+        }
+    }
+    fn swiglu_forward(&self, out: TMut, gate: T, up: T) {
+        by_dtype!(dt(&gate), swiglu_forward(out, gate, up))
+    }
+    fn swiglu_backward(&self, dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
+        by_dtype!(dt(&gate), swiglu_backward(dgate, dup, dout, gate, up))
+    }
+    fn router_forward(
+        &self,
+        probs: TMut,
+        weights: TMut,
+        idx: &mut [u32],
+        psum: &mut [f64],
+        logits: T,
+        bias: Option<T>,
+        experts: usize,
+        k: usize,
+        renorm: bool,
+    ) {
+        by_dtype!(
+            dt(&logits),
+            router_forward(probs, weights, idx, psum, logits, bias, experts, k, renorm)
+        )
+    }
+    fn router_backward(
+        &self,
+        dlogits: TMut,
+        dweights: T,
+        probs: T,
+        idx: &[u32],
+        dprob_const: &[f64],
+        experts: usize,
+        k: usize,
+        renorm: bool,
+    ) {
+        by_dtype!(
+            dt(&probs),
+            router_backward(
+                dlogits,
+                dweights,
+                probs,
+                idx,
+                dprob_const,
+                experts,
+                k,
+                renorm
+            )
+        )
+    }
+    fn moe_gather(&self, xe: TMut, x: T, src: &[u32], dim: usize) {
+        by_dtype!(dt(&x), moe_gather(xe, x, src, dim))
+    }
+    fn moe_gather_backward(&self, dx: TMut, dxe: T, pos: &[u32], k: usize, dim: usize) {
+        by_dtype!(dt(&dxe), moe_gather_backward(dx, dxe, pos, k, dim))
+    }
+    fn moe_combine(&self, out: TMut, ye: T, w: T, pos: &[u32], k: usize, dim: usize) {
+        by_dtype!(dt(&ye), moe_combine(out, ye, w, pos, k, dim))
+    }
+    fn moe_combine_backward(
+        &self,
+        dye: TMut,
+        dw: TMut,
+        dout: T,
+        ye: T,
+        w: T,
+        pos: &[u32],
+        k: usize,
+        dim: usize,
+    ) {
+        by_dtype!(
+            dt(&ye),
+            moe_combine_backward(dye, dw, dout, ye, w, pos, k, dim)
+        )
+    }
+    fn cross_entropy_forward(&self, lse: TMut, logits: T, targets: &[u32], vocab: usize) -> f64 {
+        by_dtype!(
+            dt(&logits),
+            cross_entropy_forward(lse, logits, targets, vocab)
+        )
+    }
+    fn cross_entropy_backward(
+        &self,
+        logits: TMut,
+        lse: T,
+        targets: &[u32],
+        vocab: usize,
+        scale: f32,
+    ) {
+        by_dtype!(
+            dt(&lse),
+            cross_entropy_backward(logits, lse, targets, vocab, scale)
+        )
+    }
+}

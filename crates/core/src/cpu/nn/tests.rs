@@ -1,0 +1,581 @@
+//! Every kernel pair against central finite differences in f64 (the backward must be the exact
+//! derivative of the forward), and each forward against a naive reference of its definition.
+
+use crate::backend::{Blas, Memory, NnOps};
+use crate::ledger::{Category, Ledger};
+use crate::tensor::Tensor;
+use crate::CpuBackend;
+use std::sync::Arc;
+
+fn be() -> CpuBackend {
+    CpuBackend::new_f64(Arc::new(Ledger::new()))
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn up(b: &CpuBackend, x: &[f64]) -> Tensor {
+    b.upload_f64(x, &[x.len()], Category::Activations)
+}
+fn zeros(b: &CpuBackend, n: usize) -> Tensor {
+    b.zeros(&[n], Category::Activations)
+}
+fn down(b: &CpuBackend, t: &Tensor) -> Vec<f64> {
+    b.download_f64(t.v())
+}
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Compare `grads[i]` with central differences of `f` in every (or a sample of) entries of
+/// `inputs[i]`.
+fn fd_check(name: &str, inputs: &[Vec<f64>], grads: &[Vec<f64>], f: impl Fn(&[Vec<f64>]) -> f64) {
+    let h = 1e-5;
+    let mut worst = 0.0f64;
+    for (i, g) in grads.iter().enumerate() {
+        assert_eq!(g.len(), inputs[i].len(), "{name}: grad {i} size");
+        let stride = (g.len() / 60).max(1);
+        for j in (0..g.len()).step_by(stride) {
+            let mut x = inputs.to_vec();
+            x[i][j] += h;
+            let fp = f(&x);
+            x[i][j] -= 2.0 * h;
+            let fm = f(&x);
+            let num = (fp - fm) / (2.0 * h);
+            let err = (num - g[j]).abs() / (num.abs().max(g[j].abs()) + 1e-6);
+            worst = worst.max(err);
+            assert!(
+                err < 1e-6,
+                "{name}: input {i} entry {j}: numeric {num} analytic {}",
+                g[j]
+            );
+        }
+    }
+    eprintln!("{name}: worst relative error {worst:.2e}");
+}
+
+fn close(name: &str, a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{name}: length");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "{name}[{i}]: {x} vs {y}"
+        );
+    }
+}
+
+#[test]
+fn embedding() {
+    let b = be();
+    let mut r = Rng(1);
+    let (v, d) = (7, 5);
+    let ids = [3u32, 0, 3, 6, 1];
+    let wte = r.vec(v * d);
+    let ro = r.vec(ids.len() * d);
+    let f = |x: &[Vec<f64>]| {
+        let mut o = zeros(&b, ids.len() * d);
+        b.embedding_forward(o.vm(), up(&b, &x[0]).v(), &ids, d);
+        dot(&down(&b, &o), &ro)
+    };
+    let mut g = zeros(&b, v * d);
+    b.embedding_backward(g.vm(), up(&b, &ro).v(), &ids, d);
+    fd_check("embedding", &[wte], &[down(&b, &g)], f);
+}
+
+#[test]
+fn rmsnorm() {
+    let b = be();
+    let mut r = Rng(2);
+    let (n, d) = (6, 8);
+    let (x, w, ro) = (r.vec(n * d), r.vec(d), r.vec(n * d));
+    let run = |x: &[f64], w: &[f64]| {
+        let (mut o, mut rs) = (zeros(&b, n * d), zeros(&b, n));
+        b.rmsnorm_forward(o.vm(), rs.vm(), up(&b, x).v(), up(&b, w).v(), d, 1e-6);
+        (down(&b, &o), rs)
+    };
+    // Reference: y = w · x / sqrt(mean(x²) + eps).
+    let (o, rs) = run(&x, &w);
+    let want: Vec<f64> = (0..n * d)
+        .map(|i| {
+            let row = &x[i / d * d..(i / d + 1) * d];
+            w[i % d] * x[i] / (dot(row, row) / d as f64 + 1e-6).sqrt()
+        })
+        .collect();
+    close("rmsnorm forward", &o, &want, 1e-12);
+    let (mut dx, mut dw) = (up(&b, &vec![0.5; n * d]), zeros(&b, d));
+    b.rmsnorm_backward(
+        dx.vm(),
+        dw.vm(),
+        up(&b, &ro).v(),
+        up(&b, &x).v(),
+        up(&b, &w).v(),
+        rs.v(),
+        d,
+    );
+    // dx accumulates: subtract what was there.
+    let dx: Vec<f64> = down(&b, &dx).iter().map(|v| v - 0.5).collect();
+    fd_check("rmsnorm", &[x, w], &[dx, down(&b, &dw)], |a| {
+        dot(&run(&a[0], &a[1]).0, &ro)
+    });
+}
+
+#[test]
+fn head_norm_rope() {
+    let b = be();
+    let mut r = Rng(3);
+    let (rows, heads, hd, seq, pos0, theta) = (6, 3, 8, 3, 2, 100.0);
+    let row = heads * hd;
+    let (x, w, ro) = (r.vec(rows * row), r.vec(hd), r.vec(rows * row));
+    let run = |x: &[f64], w: &[f64]| {
+        let (mut o, mut rs) = (zeros(&b, rows * row), zeros(&b, rows * heads));
+        b.head_norm_rope_forward(
+            o.vm(),
+            rs.vm(),
+            up(&b, x).v(),
+            up(&b, w).v(),
+            heads,
+            hd,
+            seq,
+            pos0,
+            theta,
+            1e-6,
+        );
+        (down(&b, &o), rs)
+    };
+    let (o, rs) = run(&x, &w);
+    // Reference: per-head RMSNorm, then rotate-half with inv_freq = theta^(-2i/d).
+    let half = hd / 2;
+    let mut want = vec![0.0; rows * row];
+    for t in 0..rows {
+        let pos = (pos0 + t % seq) as f64;
+        for h in 0..heads {
+            let xs = &x[t * row + h * hd..t * row + (h + 1) * hd];
+            let rstd = 1.0 / (dot(xs, xs) / hd as f64 + 1e-6).sqrt();
+            let n: Vec<f64> = (0..hd).map(|i| w[i] * xs[i] * rstd).collect();
+            for i in 0..half {
+                let a = pos * theta.powf(-((2 * i) as f64) / hd as f64);
+                want[t * row + h * hd + i] = n[i] * a.cos() - n[i + half] * a.sin();
+                want[t * row + h * hd + i + half] = n[i + half] * a.cos() + n[i] * a.sin();
+            }
+        }
+    }
+    close("head_norm_rope forward", &o, &want, 1e-12);
+    let (mut dx, mut dw) = (zeros(&b, rows * row), zeros(&b, hd));
+    b.head_norm_rope_backward(
+        dx.vm(),
+        dw.vm(),
+        up(&b, &ro).v(),
+        up(&b, &x).v(),
+        up(&b, &w).v(),
+        rs.v(),
+        heads,
+        hd,
+        seq,
+        pos0,
+        theta,
+    );
+    fd_check(
+        "head_norm_rope",
+        &[x, w],
+        &[down(&b, &dx), down(&b, &dw)],
+        |a| dot(&run(&a[0], &a[1]).0, &ro),
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+fn naive_attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    batch: usize,
+    tq: usize,
+    tk: usize,
+    heads: usize,
+    kvh: usize,
+    hd: usize,
+) -> Vec<f64> {
+    let mut o = vec![0.0; q.len()];
+    let (qd, kd) = (heads * hd, kvh * hd);
+    for b in 0..batch {
+        for h in 0..heads {
+            let g = h / (heads / kvh);
+            for i in 0..tq {
+                let qi = &q[b * tq * qd + i * qd + h * hd..][..hd];
+                let n = tk - tq + i + 1;
+                let s: Vec<f64> = (0..n)
+                    .map(|j| {
+                        dot(qi, &k[b * tk * kd + j * kd + g * hd..][..hd]) / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for j in 0..n {
+                    let p = (s[j] - m).exp() / z;
+                    for c in 0..hd {
+                        o[b * tq * qd + i * qd + h * hd + c] +=
+                            p * v[b * tk * kd + j * kd + g * hd + c];
+                    }
+                }
+            }
+        }
+    }
+    o
+}
+
+fn attention_case(
+    batch: usize,
+    tq: usize,
+    tk: usize,
+    heads: usize,
+    kvh: usize,
+    hd: usize,
+    seed: u64,
+) {
+    let b = be();
+    let mut r = Rng(seed);
+    let (nq, nk) = (batch * tq * heads * hd, batch * tk * kvh * hd);
+    let (q, k, v, ro) = (r.vec(nq), r.vec(nk), r.vec(nk), r.vec(nq));
+    let run = |q: &[f64], k: &[f64], v: &[f64]| {
+        let (mut o, mut l) = (zeros(&b, nq), zeros(&b, batch * heads * tq));
+        b.attention_forward(
+            o.vm(),
+            l.vm(),
+            up(&b, q).v(),
+            up(&b, k).v(),
+            up(&b, v).v(),
+            batch,
+            tq,
+            tk,
+            heads,
+            kvh,
+            hd,
+        );
+        (o, l)
+    };
+    let (o, l) = run(&q, &k, &v);
+    close(
+        "attention forward",
+        &down(&b, &o),
+        &naive_attention(&q, &k, &v, batch, tq, tk, heads, kvh, hd),
+        1e-12,
+    );
+    let (mut dq, mut dk, mut dv) = (zeros(&b, nq), zeros(&b, nk), zeros(&b, nk));
+    b.attention_backward(
+        dq.vm(),
+        dk.vm(),
+        dv.vm(),
+        up(&b, &ro).v(),
+        o.v(),
+        up(&b, &q).v(),
+        up(&b, &k).v(),
+        up(&b, &v).v(),
+        l.v(),
+        batch,
+        tq,
+        tk,
+        heads,
+        kvh,
+        hd,
+    );
+    fd_check(
+        &format!("attention b{batch} tq{tq} tk{tk} h{heads}/{kvh}"),
+        &[q, k, v],
+        &[down(&b, &dq), down(&b, &dk), down(&b, &dv)],
+        |a| dot(&down(&b, &run(&a[0], &a[1], &a[2]).0), &ro),
+    );
+}
+
+#[test]
+fn attention_gqa_causal() {
+    attention_case(2, 5, 5, 4, 2, 4, 4);
+}
+
+#[test]
+fn attention_with_cache_offset() {
+    // Queries that continue a cached prefix (tq < tk), as in generation.
+    attention_case(1, 3, 7, 2, 1, 4, 5);
+}
+
+#[test]
+fn attention_several_tiles() {
+    // More query rows than one score tile holds.
+    attention_case(1, 70, 70, 2, 1, 2, 6);
+}
+
+#[test]
+fn swiglu() {
+    let b = be();
+    let mut r = Rng(7);
+    let n = 40;
+    let (g, u, ro) = (r.vec(n), r.vec(n), r.vec(n));
+    let run = |g: &[f64], u: &[f64]| {
+        let mut o = zeros(&b, n);
+        b.swiglu_forward(o.vm(), up(&b, g).v(), up(&b, u).v());
+        down(&b, &o)
+    };
+    let want: Vec<f64> = (0..n)
+        .map(|i| g[i] / (1.0 + (-g[i]).exp()) * u[i])
+        .collect();
+    close("swiglu forward", &run(&g, &u), &want, 1e-14);
+    let (mut dg, mut du) = (zeros(&b, n), zeros(&b, n));
+    b.swiglu_backward(
+        dg.vm(),
+        du.vm(),
+        up(&b, &ro).v(),
+        up(&b, &g).v(),
+        up(&b, &u).v(),
+    );
+    fd_check("swiglu", &[g, u], &[down(&b, &dg), down(&b, &du)], |a| {
+        dot(&run(&a[0], &a[1]), &ro)
+    });
+}
+
+fn router_case(renorm: bool, with_bias: bool) {
+    let b = be();
+    let mut r = Rng(8 + renorm as u64 + 2 * with_bias as u64);
+    let (n, e, k) = (6, 5, 2);
+    let logits: Vec<f64> = r.vec(n * e).iter().map(|x| 3.0 * x).collect();
+    let bias: Vec<f64> = r.vec(e).iter().map(|x| 0.3 * x).collect();
+    let (rw, c) = (r.vec(n * k), r.vec(e));
+    let run = |l: &[f64]| {
+        let (mut p, mut w) = (zeros(&b, n * e), zeros(&b, n * k));
+        let (mut idx, mut psum) = (vec![0u32; n * k], vec![0.0; e]);
+        let bt = up(&b, &bias);
+        b.router_forward(
+            p.vm(),
+            w.vm(),
+            &mut idx,
+            &mut psum,
+            up(&b, l).v(),
+            with_bias.then(|| bt.v()),
+            e,
+            k,
+            renorm,
+        );
+        (p, w, idx, psum)
+    };
+    let (p, w, idx, psum) = run(&logits);
+    // Reference selection: top-k of softmax + bias.
+    let pv = down(&b, &p);
+    for t in 0..n {
+        let mut order: Vec<usize> = (0..e).collect();
+        let sc = |i: usize| pv[t * e + i] + if with_bias { bias[i] } else { 0.0 };
+        order.sort_by(|&a, &c| sc(c).partial_cmp(&sc(a)).unwrap());
+        assert_eq!(
+            &idx[t * k..(t + 1) * k],
+            &[order[0] as u32, order[1] as u32]
+        );
+        let s: f64 = (0..e).map(|i| pv[t * e + i]).sum();
+        assert!((s - 1.0).abs() < 1e-12);
+    }
+    let colsum: Vec<f64> = (0..e)
+        .map(|i| (0..n).map(|t| pv[t * e + i]).sum())
+        .collect();
+    close("router psum", &psum, &colsum, 1e-12);
+    let f = |x: &[Vec<f64>]| {
+        let (_, w, idx2, psum) = run(&x[0]);
+        assert_eq!(idx2, idx, "perturbation changed the selection (a tie)");
+        dot(&down(&b, &w), &rw) + dot(&psum, &c)
+    };
+    let mut dl = zeros(&b, n * e);
+    b.router_backward(dl.vm(), up(&b, &rw).v(), p.v(), &idx, &c, e, k, renorm);
+    let _ = w;
+    fd_check(
+        &format!("router renorm={renorm} bias={with_bias}"),
+        &[logits],
+        &[down(&b, &dl)],
+        f,
+    );
+}
+
+#[test]
+fn router_softmax_topk() {
+    for renorm in [false, true] {
+        for bias in [false, true] {
+            router_case(renorm, bias);
+        }
+    }
+}
+
+#[test]
+fn router_ties_prefer_lower_index() {
+    let b = be();
+    let (mut p, mut w) = (zeros(&b, 4), zeros(&b, 2));
+    let (mut idx, mut psum) = (vec![0u32; 2], vec![0.0; 4]);
+    b.router_forward(
+        p.vm(),
+        w.vm(),
+        &mut idx,
+        &mut psum,
+        up(&b, &[0.0, 1.0, 0.0, 1.0]).v(),
+        None,
+        4,
+        2,
+        true,
+    );
+    assert_eq!(idx, vec![1, 3]);
+    b.router_forward(
+        p.vm(),
+        w.vm(),
+        &mut idx,
+        &mut psum,
+        up(&b, &[0.5; 4]).v(),
+        None,
+        4,
+        2,
+        true,
+    );
+    assert_eq!(idx, vec![0, 1]);
+}
+
+#[test]
+fn dispatch_and_combine() {
+    let b = be();
+    let mut r = Rng(9);
+    let (n, k, d) = (5, 2, 3);
+    // Token t's j-th choice went to dispatched row pos[t*k+j]; src is the inverse.
+    let pos: Vec<u32> = vec![3, 0, 7, 1, 9, 2, 4, 8, 6, 5];
+    let mut src = vec![0u32; n * k];
+    for (tj, &p) in pos.iter().enumerate() {
+        src[p as usize] = (tj / k) as u32;
+    }
+    let (x, ye, w) = (r.vec(n * d), r.vec(n * k * d), r.vec(n * k));
+    let (rg, rc) = (r.vec(n * k * d), r.vec(n * d));
+    let gather = |x: &[f64]| {
+        let mut o = zeros(&b, n * k * d);
+        b.moe_gather(o.vm(), up(&b, x).v(), &src, d);
+        down(&b, &o)
+    };
+    let g = gather(&x);
+    for i in 0..n * k {
+        assert_eq!(&g[i * d..(i + 1) * d], &x[src[i] as usize * d..][..d]);
+    }
+    let mut dx = zeros(&b, n * d);
+    b.moe_gather_backward(dx.vm(), up(&b, &rg).v(), &pos, k, d);
+    fd_check("moe_gather", &[x], &[down(&b, &dx)], |a| {
+        dot(&gather(&a[0]), &rg)
+    });
+
+    let combine = |ye: &[f64], w: &[f64]| {
+        let mut o = up(&b, &vec![0.25; n * d]);
+        b.moe_combine(o.vm(), up(&b, ye).v(), up(&b, w).v(), &pos, k, d);
+        down(&b, &o)
+    };
+    let (mut dye, mut dw) = (zeros(&b, n * k * d), zeros(&b, n * k));
+    b.moe_combine_backward(
+        dye.vm(),
+        dw.vm(),
+        up(&b, &rc).v(),
+        up(&b, &ye).v(),
+        up(&b, &w).v(),
+        &pos,
+        k,
+        d,
+    );
+    fd_check(
+        "moe_combine",
+        &[ye, w],
+        &[down(&b, &dye), down(&b, &dw)],
+        |a| dot(&combine(&a[0], &a[1]), &rc),
+    );
+}
+
+#[test]
+fn cross_entropy() {
+    let b = be();
+    let mut r = Rng(10);
+    let (n, v) = (4, 9);
+    let logits: Vec<f64> = r.vec(n * v).iter().map(|x| 2.0 * x).collect();
+    let targets = [3u32, 0, 8, 3];
+    let run = |l: &[f64]| {
+        let mut lse = zeros(&b, n);
+        let s = b.cross_entropy_forward(lse.vm(), up(&b, l).v(), &targets, v);
+        (s, lse)
+    };
+    let (sum, lse) = run(&logits);
+    let want: f64 = (0..n)
+        .map(|t| {
+            let row = &logits[t * v..(t + 1) * v];
+            row.iter().map(|x| x.exp()).sum::<f64>().ln() - row[targets[t] as usize]
+        })
+        .sum();
+    assert!((sum - want).abs() < 1e-12);
+    let mut d = up(&b, &logits);
+    b.cross_entropy_backward(d.vm(), lse.v(), &targets, v, 0.7);
+    let dl: Vec<f64> = down(&b, &d).iter().map(|x| x / 0.7).collect();
+    fd_check("cross_entropy", &[logits], &[dl], |a| run(&a[0]).0);
+}
+
+#[test]
+fn residual() {
+    let b = be();
+    let mut r = Rng(11);
+    let (x, y, ro) = (r.vec(10), r.vec(10), r.vec(10));
+    let run = |x: &[f64], y: &[f64]| {
+        let mut o = up(&b, y);
+        b.add(o.vm(), up(&b, x).v());
+        down(&b, &o)
+    };
+    // The gradient of a residual sum is the upstream gradient, to both branches.
+    fd_check("residual", &[x, y], &[ro.clone(), ro.clone()], |a| {
+        dot(&run(&a[0], &a[1]), &ro)
+    });
+}
+
+#[test]
+fn f32_kernels_match_f64() {
+    // The f32 path (fast exp, f32 accumulation) stays within float rounding of f64.
+    let b64 = be();
+    let b32 = CpuBackend::new(Arc::new(Ledger::new()));
+    let mut r = Rng(12);
+    let (batch, t, h, kvh, hd) = (2, 80, 4, 2, 8);
+    let (nq, nk) = (batch * t * h * hd, batch * t * kvh * hd);
+    let (q, k, v) = (r.vec(nq), r.vec(nk), r.vec(nk));
+    let mut outs = vec![];
+    for b in [&b64, &b32] {
+        let (mut o, mut l) = (
+            b.zeros(&[nq], Category::Activations),
+            b.zeros(&[batch * h * t], Category::Activations),
+        );
+        let up = |x: &[f64]| b.upload_f64(x, &[x.len()], Category::Activations);
+        b.attention_forward(
+            o.vm(),
+            l.vm(),
+            up(&q).v(),
+            up(&k).v(),
+            up(&v).v(),
+            batch,
+            t,
+            t,
+            h,
+            kvh,
+            hd,
+        );
+        outs.push(b.download_f64(o.v()));
+    }
+    close("attention f32 vs f64", &outs[1], &outs[0], 1e-5);
+    let logits: Vec<f64> = r.vec(6 * 300).iter().map(|x| 8.0 * x).collect();
+    let targets = [1u32, 5, 299, 0, 7, 100];
+    let mut sums = vec![];
+    for b in [&b64, &b32] {
+        let mut l = b.zeros(&[6], Category::Activations);
+        sums.push(b.cross_entropy_forward(
+            l.vm(),
+            b.upload_f64(&logits, &[1800], Category::Activations).v(),
+            &targets,
+            300,
+        ));
+    }
+    assert!((sums[0] - sums[1]).abs() < 1e-5 * sums[0].abs(), "{sums:?}");
+}
