@@ -108,7 +108,7 @@ gpus_per_node = 4
 
 [gpu]
 name = "GH200 (96 GB HBM3)"
-memory_bytes = 96e9
+memory_bytes = 102625181696     # 97,871 MiB: the 96 GB part as the driver reports it (assumption, not measured here)
 reserved_bytes = 2147483648        # 2 GiB: CUDA context, NCCL buffers (assumption)
 peak_flops = 989e12                # dense bf16 (H100/GH200 spec)
 gemm_efficiency = 0.8              # 790 of 989 TFLOP/s: large bf16 GEMM measured on an H200 (same SM)
@@ -140,7 +140,7 @@ gpus_per_node = 8
 
 [gpu]
 name = "H100 SXM (80 GB)"
-memory_bytes = 85899345920         # 80 GiB
+memory_bytes = 85520809984         # 81,559 MiB: the 80 GB part as the driver reports it
 reserved_bytes = 2147483648
 peak_flops = 989e12
 gemm_efficiency = 0.8
@@ -172,7 +172,7 @@ gpus_per_node = 8
 
 [gpu]
 name = "H200 SXM (141 GB)"
-memory_bytes = 141e9
+memory_bytes = 150754820096        # 143,771 MiB: the 141 GB part as the driver reports it
 reserved_bytes = 2147483648
 peak_flops = 989e12
 gemm_efficiency = 0.8              # 790 TFLOP/s bf16 GEMM measured in this workplace

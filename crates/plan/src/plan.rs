@@ -195,6 +195,17 @@ pub struct Flops {
     pub model_per_step: f64,
 }
 
+impl Flops {
+    /// Model FLOPs utilisation at `tokens_per_s` per GPU on a GPU of `peak` FLOP/s, with causal
+    /// attention halved (ours) and not halved (TorchTitan's convention).
+    pub fn mfu_at(&self, tokens_per_s: f64, peak: f64) -> (f64, f64) {
+        (
+            tokens_per_s * self.model_per_token / peak,
+            tokens_per_s * (self.matmul_per_token + self.attention_per_token_noncausal) / peak,
+        )
+    }
+}
+
 /// Bytes by category; the same categories serve the GPU and the host.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct MemoryCategories {
@@ -416,13 +427,18 @@ pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<
             dp_shard: layout.dp_shard,
         });
     }
-    if !layout.gpus_per_node.is_multiple_of(layout.ep) && !layout.ep.is_multiple_of(layout.gpus_per_node) {
+    if !layout.gpus_per_node.is_multiple_of(layout.ep)
+        && !layout.ep.is_multiple_of(layout.gpus_per_node)
+    {
         return Err(PlanError::EpNode {
             ep: layout.ep,
             gpus_per_node: layout.gpus_per_node,
         });
     }
-    if !layout.global_batch.is_multiple_of(layout.dp_shard * layout.micro_batch) {
+    if !layout
+        .global_batch
+        .is_multiple_of(layout.dp_shard * layout.micro_batch)
+    {
         return Err(PlanError::Batch {
             global_batch: layout.global_batch,
             dp_shard: layout.dp_shard,

@@ -1,1 +1,675 @@
+//! The write-up's numbers and hand-computed closed forms. Every expected value is derived in
+//! the comment above it, not read off the planner.
 
+use crate::cluster::Cluster;
+use crate::params::{self, Handler};
+use crate::plan::{ns_flops, plan, Layout, MemoryPolicy, NsOn, OptimizerSetup, Placement, Plan};
+use crate::{predict_cpu_ledger, sweep, PlanArgs, PlanError, SweepSpace};
+use ganymede_config::{preset, AcMode, JobConfig, OptimizerName};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn europa() -> JobConfig {
+    preset("europa-1t").unwrap()
+}
+
+fn jupiter() -> Cluster {
+    Cluster::preset("jupiter").unwrap()
+}
+
+/// The write-up's final setup: full AC, parameter offload, FlexShard, NS on the GPU.
+fn final_setup(job: &JobConfig, offload: f64) -> (Layout, MemoryPolicy, OptimizerSetup) {
+    let c = jupiter();
+    let layout = Layout::from_job(job, &c);
+    let policy = MemoryPolicy {
+        param_offload: true,
+        offload_fraction: offload,
+        ..MemoryPolicy::from_job(job)
+    };
+    let opt = OptimizerSetup {
+        placement: Placement::Flexshard,
+        ns_on: NsOn::Gpu,
+        ..OptimizerSetup::from_job(job)
+    };
+    (layout, policy, opt)
+}
+
+fn europa_plan(offload: f64) -> Plan {
+    let job = europa();
+    let (l, p, o) = final_setup(&job, offload);
+    plan(&job, &jupiter(), &l, &p, &o).unwrap()
+}
+
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    ((a - b) / b).abs() <= rel
+}
+
+// ---------------------------------------------------------------- parameters
+
+#[test]
+fn tiny_parameters_by_hand() {
+    // V=256, H=64, L=2, 4 heads / 2 KV heads of 16, 8 experts top-2 of hidden 128.
+    // embedding 256·64 = 16,384; LM head 16,384; final norm 64.
+    // per layer: q 64·64 + k 32·64 + v 32·64 + o 64·64 = 12,288; norms 2·64 + 2·16 = 160;
+    // router 8·64 = 512; experts 8·3·128·64 = 196,608 → 209,568; two layers 419,136.
+    // total 419,136 + 32,832 = 451,968.
+    // active per layer 12,288 + 160 + 512 + 2·24,576 = 62,112 → 124,224 + 32,832 = 157,056.
+    let p = params::count(&preset("tiny").unwrap().model);
+    assert_eq!(p.total, 451_968);
+    assert_eq!(p.active, 157_056);
+    // Muon: attention + experts = 2·(12,288 + 196,608) = 417,792 in 2·(4 + 24) = 56 matrices.
+    assert_eq!(p.muon, 417_792);
+    assert_eq!(p.muon_matrices, 56);
+    assert_eq!(p.adamw, 451_968 - 417_792);
+}
+
+#[test]
+fn small_parameters_by_hand() {
+    // V=4096, H=256, L=4, 8 heads / 4 KV heads of 32, 16 experts of hidden 256.
+    // embedding + LM head 2·4096·256 = 2,097,152; final norm 256.
+    // per layer: attention 2·256·256 + 2·128·256 = 196,608; norms 512 + 64 = 576;
+    // router 16·256 = 4,096; experts 16·3·256·256 = 3,145,728 → 3,347,008; ×4 = 13,388,032.
+    // total 15,485,440 (~15.5M).
+    let p = params::count(&preset("small").unwrap().model);
+    assert_eq!(p.total, 15_485_440);
+}
+
+#[test]
+fn europa_total_and_active_parameters() {
+    // embedding = LM head = 256,000·6,144 = 1,572,864,000; final norm 6,144.
+    // per layer: attention 2·6144² + 2·2048·6144 = 100,663,296; norms 2·6144 + 2·128 = 12,544;
+    // router 384·6144 = 2,359,296; one expert 3·1792·6144 = 33,030,144, 384 of them
+    // 12,683,575,296; shared expert 33,030,144 → 12,819,640,576 per layer, ×74 =
+    // 948,653,402,624; total 951,799,136,768.
+    // active per layer: 100,663,296 + 12,544 + 2,359,296 + 9·33,030,144 = 400,306,432;
+    // ×74 = 29,622,675,968; + 3,145,734,144 = 32,768,410,112.
+    let p = params::count(&europa().model);
+    assert_eq!(p.total, 951_799_136_768);
+    assert_eq!(p.active, 32_768_410_112);
+    // The write-up: 951.9B and 32.8B, within 0.1%.
+    assert!(close(p.total as f64, 951.9e9, 1e-3));
+    assert!(close(p.active as f64, 32.8e9, 1e-3));
+    // total − active = 74·(384 − 8)·3·6144·1792 = 919,030,726,656 ≈ 919.0B.
+    assert_eq!(p.total - p.active, 74 * 376 * 3 * 6144 * 1792);
+    assert_eq!(p.total - p.active, 919_030_726_656);
+    // Routed experts: 74·12,683,575,296 = 938,584,571,904, 98.61% of the total.
+    assert_eq!(p.by_group.routed_experts, 938_584_571_904);
+    let share = p.by_group.routed_experts as f64 / p.total as f64;
+    assert!((share - 0.9861).abs() < 5e-5, "{share}");
+}
+
+#[test]
+fn europa_with_a_256ki_vocabulary_gives_the_write_ups_exact_totals() {
+    // Vocabulary 262,144 adds 2·6,144·6,144 = 75,497,472 to both counts:
+    // 951,874,634,240 (951.9B) and 32,843,907,584 (32.8B).
+    let mut m = europa().model;
+    m.vocab_size = 262_144;
+    let p = params::count(&m);
+    assert_eq!(p.total, 951_874_634_240);
+    assert_eq!(p.active, 32_843_907_584);
+    assert_eq!((p.total as f64 / 1e8).round() / 10.0, 951.9);
+    assert_eq!((p.active as f64 / 1e8).round() / 10.0, 32.8);
+}
+
+#[test]
+fn muon_handles_every_matrix_but_router_embedding_and_lm_head() {
+    for t in params::tensors(&europa().model) {
+        let expect = match t.name {
+            "embed_tokens" | "lm_head" | "router" => Handler::Adamw,
+            _ if t.cols == 1 => Handler::Adamw,
+            _ => Handler::Muon,
+        };
+        assert_eq!(t.handler(), expect, "{}", t.name);
+    }
+    // Muon: total − embedding − LM head − routers (74·2,359,296 = 174,587,904) − norms
+    // (74·12,544 + 6,144 = 934,400) = 948,477,886,464, 99.65% (the write-up: "about 99.5%").
+    let p = params::count(&europa().model);
+    assert_eq!(p.muon, 948_477_886_464);
+    assert!((p.muon_share - 0.99652).abs() < 1e-4);
+    // Matrices: per layer 4 attention + 3·384 experts + 3 shared = 1,159; ×74 = 85,766.
+    assert_eq!(p.muon_matrices, 85_766);
+}
+
+#[test]
+fn dense_layers_are_counted_with_their_ffn() {
+    // tiny with its first layer dense of hidden 96: that layer loses router (512) and experts
+    // (196,608) and gains 3·96·64 = 18,432: 451,968 − 197,120 + 18,432 = 273,280.
+    let mut m = preset("tiny").unwrap().model;
+    m.dense_layers = 1;
+    m.dense_hidden = 96;
+    let p = params::count(&m);
+    assert_eq!(p.total, 273_280);
+    assert_eq!(p.by_group.dense_ffn, 18_432);
+}
+
+// ---------------------------------------------------------------- the write-up's numbers
+
+#[test]
+fn boundary_activations_at_65536_tokens() {
+    // 74 × 65,536 × 6,144 × 2 = 59,592,671,232 bytes = 55.5 GiB.
+    let p = europa_plan(1.0);
+    assert_eq!(p.memory.boundary_activation_bytes, 59_592_671_232.0);
+    assert!((p.memory.boundary_activation_bytes / GIB - 55.5).abs() < 0.01);
+    // All 74 layers offloaded: all of it sits on the host, none on the GPU.
+    assert_eq!(p.memory.offloaded_layers, 74);
+    assert_eq!(p.memory.host.boundary_activations, 59_592_671_232.0);
+    assert_eq!(p.memory.gpu.boundary_activations, 0.0);
+}
+
+#[test]
+fn tokens_per_step() {
+    // 384 sequences × 65,536 = 25,165,824 tokens; 65,536 per GPU on 384 GPUs.
+    let p = europa_plan(1.0);
+    assert_eq!(p.tokens_per_step, 25_165_824);
+    assert_eq!(p.tokens_per_gpu_per_step, 65_536);
+    assert_eq!((p.layout.nodes, p.layout.gpus_per_node), (96, 4));
+}
+
+#[test]
+fn muon_saves_one_fp32_state_per_muon_parameter() {
+    // AdamW: 8 bytes per parameter; Muon: 4 per Muon parameter + 8 per the rest. Saving
+    // 4 × 948,477,886,464 = 3,793,911,545,856 bytes ≈ 3.8 TB; / 384 ≈ 9.88 GB per GPU.
+    let p = europa_plan(1.0);
+    assert_eq!(p.optimizer.muon_saving_bytes, 3_793_911_545_856.0);
+    assert!((p.optimizer.muon_saving_bytes / 1e12 - 3.8).abs() < 0.01);
+    assert!((p.optimizer.muon_saving_per_gpu / 1e9 - 9.88).abs() < 0.01);
+    assert_eq!(p.optimizer.adamw_state_bytes, 8.0 * 951_799_136_768.0);
+}
+
+#[test]
+fn flexshard_optimizer_traffic_is_a_small_fraction_of_naive() {
+    // Naive moves every Muon matrix; FlexShard only the dense ones: attention 100,663,296 +
+    // shared 33,030,144 = 133,693,440 per layer, ×74 = 9,893,314,560; ratio
+    // 9,893,314,560 / 948,477,886,464 = 1.043%.
+    let p = europa_plan(1.0);
+    let c = &p.communication;
+    let ratio = c.optimizer_flexshard / c.optimizer_naive_muon;
+    assert!((ratio - 9_893_314_560.0 / 948_477_886_464.0).abs() < 1e-12);
+    assert!(ratio < 0.02);
+    // Naive per GPU: gather + scatter of fp32, 2·4·948,477,886,464/384 · 383/384 ≈ 19.7 GB.
+    let naive = 8.0 * 948_477_886_464.0 / 384.0 * 383.0 / 384.0;
+    assert!(close(c.optimizer_naive_muon, naive, 1e-12));
+    // Collectives: naive 2 per Muon matrix (171,532), FlexShard 2 per dense one (2·74·7).
+    assert_eq!(c.optimizer_collectives_naive, 171_532);
+    assert_eq!(c.optimizer_collectives_flexshard, 1_036);
+    assert_eq!(c.optimizer_adamw, 0.0);
+}
+
+#[test]
+fn flops_per_token_and_mfu_conventions() {
+    // matmul: 6 × (32,768,410,112 − 1,572,864,000) = 187,173,276,672 ≈ 187 GFLOP.
+    // causal attention: 6 · 65,536 · 48 · 128 · 74 = 178,778,013,696 ≈ 179 GFLOP.
+    let p = europa_plan(1.0);
+    let f = &p.flops;
+    assert_eq!(f.matmul_per_token, 187_173_276_672.0);
+    assert_eq!(f.attention_per_token, 178_778_013_696.0);
+    assert_eq!(f.attention_per_token_noncausal, 2.0 * 178_778_013_696.0);
+    // 1,300 tokens/s × 365.95 GFLOP = 475.7 TFLOP/s = 48.1% of 989; TorchTitan's convention
+    // (attention not halved) 1,300 × 544.73 GFLOP / 989 TFLOP/s = 71.6%.
+    let (mfu, tt) = f.mfu_at(1300.0, 989e12);
+    assert!((mfu - 0.4810).abs() < 5e-4, "{mfu}");
+    assert!((tt - 0.7160).abs() < 5e-4, "{tt}");
+    // Full AC recomputes each layer's forward. Per layer the matmul parameters a token uses are
+    // 400,306,432 − 12,544 norms = 400,293,888, so
+    // 74 · (2 · 400,293,888 + 2 · 65,536 · 6,144) = 59,243,495,424 + 59,592,671,232.
+    assert_eq!(
+        f.recompute_per_token,
+        74.0 * (2.0 * 400_293_888.0 + 2.0 * 65_536.0 * 6_144.0)
+    );
+    assert_eq!(
+        f.model_per_step,
+        (f.matmul_per_token + f.attention_per_token) * 25_165_824.0
+    );
+}
+
+#[test]
+fn newton_schulz_flops_closed_form() {
+    // 1792×6144, five steps: 5·(4·1792²·6144 + 2·1792³) = 5·(78,920,024,064 + 11,509,170,176)
+    // = 452,145,971,200. Orientation does not matter.
+    assert_eq!(ns_flops(1792, 6144, 5), 452_145_971_200.0);
+    assert_eq!(ns_flops(6144, 1792, 5), 452_145_971_200.0);
+}
+
+// ---------------------------------------------------------------- memory
+
+#[test]
+fn state_shards_move_to_the_host_with_parameter_offload() {
+    // 951,799,136,768 / 384 = 2,478,643,585.33 parameters per GPU; fp32 master and gradient
+    // shards 4 bytes each; Muon state 4·948,477,886,464/384 + AdamW 8·3,321,250,304/384.
+    let shard = 951_799_136_768.0 / 384.0;
+    let state = (4.0 * 948_477_886_464.0 + 8.0 * 3_321_250_304.0) / 384.0;
+    let on = europa_plan(1.0);
+    assert!(close(on.memory.host.master_params, 4.0 * shard, 1e-12));
+    assert!(close(on.memory.host.grads, 4.0 * shard, 1e-12));
+    assert!(close(on.memory.host.optimizer_states, state, 1e-12));
+    assert_eq!(on.memory.gpu.master_params, 0.0);
+    let job = europa();
+    let (l, mut pol, o) = final_setup(&job, 1.0);
+    pol.param_offload = false;
+    let off = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert!(close(off.memory.gpu.optimizer_states, state, 1e-12));
+    assert_eq!(off.memory.host.optimizer_states, 0.0);
+}
+
+#[test]
+fn unsharded_buffers_per_layer() {
+    // With EP 4 a rank gathers the layer's dense part, 100,663,296 + 12,544 + 2,359,296 +
+    // 33,030,144 = 136,065,280, and its 96 local experts, 96·33,030,144 = 3,170,893,824:
+    // 3,306,959,104 parameters. bf16 × (1 + prefetch 1) layers + the LM head (1,572,864,000):
+    // 2·(2·3,306,959,104 + 1,572,864,000) = 16,373,564,416 bytes.
+    // Gradients of one layer: bf16 + fp32 = 6 bytes each: 19,841,754,624.
+    let p = europa_plan(1.0);
+    assert_eq!(p.memory.gpu.unsharded_params, 16_373_564_416.0);
+    assert_eq!(p.memory.gpu.unsharded_grads, 19_841_754_624.0);
+    // Without unshard_async_op one more set of layer buffers: 2·2·3,306,959,104 bytes
+    // = 12.3 GiB (the write-up: it "frees ~14 GiB").
+    let job = europa();
+    let (l, mut pol, o) = final_setup(&job, 1.0);
+    pol.unshard_async_op = false;
+    let q = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert_eq!(q.memory.gpu.allocator_slack, 4.0 * 3_306_959_104.0);
+    assert!(close(
+        q.memory.gpu_total - p.memory.gpu_total,
+        4.0 * 3_306_959_104.0,
+        1e-12
+    ));
+}
+
+#[test]
+fn smallest_offload_fraction_is_tight() {
+    let job = europa();
+    let p = europa_plan(0.0);
+    let f = p.memory.min_offload_fraction.expect("some fraction fits");
+    assert!(f > 0.0 && f <= 1.0);
+    let at = |x: f64| {
+        let (l, pol, o) = final_setup(&job, x);
+        plan(&job, &jupiter(), &l, &pol, &o).unwrap()
+    };
+    assert!(at(f).fits);
+    // One layer fewer offloaded does not fit.
+    assert!(!at(f - 1.0 / 74.0).fits);
+    // Each offloaded layer moves 65,536·6,144·2 bytes from GPU to host.
+    let (a, b) = (at(0.5), at(1.0));
+    let moved = (74 - 37) as f64 * 65_536.0 * 6_144.0 * 2.0;
+    assert!(close(a.memory.gpu_total - b.memory.gpu_total, moved, 1e-12));
+    assert!(close(
+        b.memory.host_total - a.memory.host_total,
+        moved,
+        1e-12
+    ));
+}
+
+#[test]
+fn no_checkpointing_at_65536_does_not_fit_on_jupiter() {
+    let job = europa();
+    let (l, mut pol, o) = final_setup(&job, 0.0);
+    pol.ac = AcMode::None;
+    let p = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert!(!p.fits);
+    assert!(p.verdict.starts_with("does not fit"));
+    assert!(p.memory.min_offload_fraction.is_none());
+}
+
+#[test]
+fn adamw_needs_twice_the_state() {
+    let job = europa();
+    let (l, pol, mut o) = final_setup(&job, 1.0);
+    o.name = OptimizerName::Adamw;
+    let p = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert_eq!(p.optimizer.state_bytes, 8.0 * 951_799_136_768.0);
+    assert_eq!(p.communication.optimizer, 0.0);
+    assert_eq!(p.time.newton_schulz_s, 0.0);
+    let m = europa_plan(1.0);
+    assert!(close(
+        p.memory.host_total - m.memory.host_total,
+        m.optimizer.muon_saving_per_gpu,
+        1e-9
+    ));
+}
+
+// ---------------------------------------------------------------- communication and time
+
+#[test]
+fn fsdp_traffic_closed_form() {
+    // Experts: each GPU gathers its 96 local experts (3,170,893,824 params, bf16) over the 96
+    // ranks holding the same expert slice, one per node: it brings 95/96 of them in through its
+    // own adapter. Dense part (136,065,280 params) over all 384 ranks, 4 per node: the node
+    // needs 95/96 of it once, a quarter per adapter.
+    let e = 2.0 * 3_170_893_824.0;
+    let d = 2.0 * 136_065_280.0;
+    let ib_layer = e * 95.0 / 96.0 + d * 95.0 / 96.0 / 4.0;
+    let nv_layer = d * 3.0 / 4.0;
+    // Outside the layers (embedding, LM head, final norm: 3,145,734,144) like the dense part.
+    let o = 2.0 * 3_145_734_144.0;
+    let ag = 74.0 * (ib_layer + nv_layer) + o * 95.0 / 96.0 / 4.0 + o * 3.0 / 4.0;
+    let p = europa_plan(1.0);
+    assert!(close(p.communication.fsdp_all_gather_fwd, ag, 1e-12));
+    assert!(close(p.communication.fsdp_all_gather_bwd, ag, 1e-12));
+    // The fp32 reduce-scatter moves twice the bytes.
+    assert!(close(p.communication.fsdp_reduce_scatter, 2.0 * ag, 1e-12));
+    // The expert all-to-all stays on NVLink: per layer 6 transfers (dispatch and combine in
+    // forward, recompute and backward) of 65,536·8·6,144·2 · 3/4 bytes.
+    assert!(p.communication.ep_on_nvlink);
+    let a2a = 74.0 * 6.0 * 65_536.0 * 8.0 * 6_144.0 * 2.0 * 0.75;
+    assert!(close(p.communication.ep_all_to_all, a2a, 1e-12));
+}
+
+#[test]
+fn ep_across_nodes_puts_the_all_to_all_on_infiniband() {
+    let job = europa();
+    let (mut l, pol, o) = final_setup(&job, 1.0);
+    l.ep = 8;
+    let p = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert!(!p.communication.ep_on_nvlink);
+    assert!(p.communication.ib_bytes > europa_plan(1.0).communication.ib_bytes);
+}
+
+#[test]
+fn single_gpu_step_is_compute_plus_optimizer() {
+    // tiny on one CPU "GPU": no communication; forward = L · c_fwd with
+    // c_fwd = 2·N·(matmul params per layer)/gemm + 2·N·s·q_dim/attention; backward = 3·c_fwd
+    // per layer (full AC) + the LM head's 6·V·H·N/gemm.
+    let job = preset("tiny").unwrap();
+    let c = Cluster::preset("local").unwrap();
+    let l = Layout::from_job(&job, &c);
+    assert_eq!(
+        (l.nodes, l.gpus_per_node, l.dp_shard, l.microbatches()),
+        (1, 1, 1, 8)
+    );
+    let pol = MemoryPolicy::from_job(&job);
+    let o = OptimizerSetup::from_job(&job);
+    let p = plan(&job, &c, &l, &pol, &o).unwrap();
+    assert_eq!(p.communication.ib_bytes + p.communication.nvlink_bytes, 0.0);
+    let gemm = 1.92e11 * 0.7;
+    let attn = 1.92e11 * 0.3;
+    let n = 128.0;
+    // per layer: attention 12,288 + router 512 + 2 experts of 24,576 = 61,952.
+    let c_fwd = 2.0 * n * 61_952.0 / gemm + 2.0 * n * 128.0 * 64.0 / attn;
+    let head = 6.0 * 256.0 * 64.0 * n / gemm;
+    assert!(close(p.time.forward_s, 8.0 * 2.0 * c_fwd, 1e-12));
+    assert!(close(
+        p.time.backward_s,
+        8.0 * (2.0 * 3.0 * c_fwd + head),
+        1e-12
+    ));
+    assert!(close(
+        p.step_time_s,
+        p.time.forward_s + p.time.backward_s + p.time.optimizer_s,
+        1e-12
+    ));
+    assert!(close(p.tokens_per_s_per_gpu, 1024.0 / p.step_time_s, 1e-9));
+}
+
+#[test]
+fn newton_schulz_on_the_cpu_is_slower_than_on_the_gpu() {
+    let job = europa();
+    let (l, pol, mut o) = final_setup(&job, 1.0);
+    let gpu = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    o.ns_on = NsOn::Cpu;
+    let cpu = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    // Same FLOPs, rates 989e12·0.8 vs 6.9e12·0.5: ratio 229.3.
+    let ratio = cpu.time.newton_schulz_s / gpu.time.newton_schulz_s;
+    assert!(close(ratio, 989e12 * 0.8 / (6.9e12 * 0.5), 1e-9));
+    assert!(cpu.tokens_per_s_per_gpu < gpu.tokens_per_s_per_gpu);
+}
+
+// ---------------------------------------------------------------- errors
+
+fn err(f: impl FnOnce(&mut Layout)) -> PlanError {
+    let job = europa();
+    let (mut l, pol, o) = final_setup(&job, 1.0);
+    f(&mut l);
+    plan(&job, &jupiter(), &l, &pol, &o).unwrap_err()
+}
+
+#[test]
+fn impossible_layouts_are_named() {
+    assert!(matches!(
+        err(|l| l.ep = 5),
+        PlanError::EpExperts {
+            ep: 5,
+            experts: 384
+        }
+    ));
+    assert!(matches!(err(|l| l.nodes = 95), PlanError::GpuCount { .. }));
+    assert!(matches!(err(|l| l.ep = 3), PlanError::EpNode { .. }));
+    assert!(matches!(
+        err(|l| l.global_batch = 100),
+        PlanError::Batch { .. }
+    ));
+    let e = err(|l| l.seq_len = 1 << 20);
+    assert!(matches!(e, PlanError::SequenceTooLong { .. }), "{e}");
+    assert!(e.to_string().contains("1048576"));
+    let m = err(|l| l.nodes = 95).to_string();
+    assert!(m.contains("384") && m.contains("95"), "{m}");
+}
+
+// ---------------------------------------------------------------- clusters
+
+#[test]
+fn cluster_presets_load_and_round_trip() {
+    for name in crate::CLUSTERS {
+        let c = Cluster::preset(name).unwrap();
+        let back = Cluster::from_toml_str(&c.to_toml(), "round trip").unwrap();
+        assert_eq!(c, back);
+    }
+    let j = jupiter();
+    assert_eq!(j.gpus(), 384);
+    assert_eq!(j.host.usable_bytes_per_gpu, 108.0 * GIB);
+    assert_eq!(
+        (j.links.d2h_bytes_per_s, j.links.h2d_bytes_per_s),
+        (170e9, 415e9)
+    );
+}
+
+#[test]
+fn cluster_file_errors_name_file_and_key() {
+    let dir = std::env::temp_dir().join(format!("ganymede-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.toml");
+    let text = jupiter()
+        .to_toml()
+        .replace("memory_bytes =", "memroy_bytes =");
+    std::fs::write(&path, text).unwrap();
+    let e = Cluster::resolve(path.to_str().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bad.toml") && e.contains("memroy_bytes"), "{e}");
+    let text = jupiter()
+        .to_toml()
+        .replace("ib_efficiency = 0.9", "ib_efficiency = 1.5");
+    std::fs::write(&path, text).unwrap();
+    let e = Cluster::resolve(path.to_str().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("links.ib_efficiency") && e.contains("bad.toml"),
+        "{e}"
+    );
+    let e = Cluster::resolve("summit").unwrap_err().to_string();
+    assert!(e.contains("jupiter"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+// ---------------------------------------------------------------- CLI, JSON, sweep
+
+#[test]
+fn json_has_the_keys_the_issue_asks_for() {
+    let args = PlanArgs::parse_flags(&[
+        "--preset",
+        "europa-1t",
+        "--cluster",
+        "jupiter",
+        "--param-offload",
+        "--offload-fraction",
+        "1",
+        "--json",
+    ])
+    .unwrap();
+    let out = crate::cli::output(&args).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for key in [
+        "/params/total",
+        "/params/active",
+        "/tokens_per_step",
+        "/memory/gpu/optimizer_states",
+        "/memory/host/boundary_activations",
+        "/memory/boundary_activation_bytes",
+        "/optimizer/state_bytes",
+        "/communication/fsdp_all_gather_fwd",
+        "/communication/fsdp_reduce_scatter",
+        "/communication/ep_all_to_all",
+        "/communication/optimizer_naive_muon",
+        "/communication/optimizer_flexshard",
+        "/step_time_s",
+        "/tokens_per_s_per_gpu",
+        "/mfu",
+        "/fits",
+    ] {
+        assert!(v.pointer(key).is_some(), "missing {key}");
+    }
+    assert_eq!(v["params"]["total"], 951_799_136_768u64);
+    assert_eq!(v["tokens_per_step"], 25_165_824);
+    assert_eq!(v["fits"], true);
+}
+
+#[test]
+fn flags_override_the_job_config() {
+    let args = PlanArgs::parse_flags(&[
+        "--preset",
+        "europa-1t",
+        "--cluster",
+        "jupiter",
+        "--nodes",
+        "48",
+        "--seq-len",
+        "32768",
+        "--global-batch",
+        "192",
+        "--ep",
+        "2",
+        "--ac",
+        "none",
+        "--optimizer",
+        "adamw",
+        "--placement",
+        "naive",
+        "--ns-on",
+        "cpu",
+        "--set",
+        "model.vocab_size=262144",
+    ])
+    .unwrap();
+    let r = args.resolve().unwrap();
+    assert_eq!(
+        (r.layout.nodes, r.layout.gpus_per_node, r.layout.dp_shard),
+        (48, 4, 192)
+    );
+    assert_eq!(
+        (r.layout.ep, r.layout.seq_len, r.layout.global_batch),
+        (2, 32768, 192)
+    );
+    assert_eq!(r.policy.ac, AcMode::None);
+    assert_eq!(r.optimizer.name, OptimizerName::Adamw);
+    assert_eq!(r.optimizer.placement, Placement::Naive);
+    assert_eq!(r.optimizer.ns_on, NsOn::Cpu);
+    assert_eq!(r.job.model.vocab_size, 262_144);
+    // A dp_shard that disagrees with the GPU count is an error naming both.
+    let bad = PlanArgs::parse_flags(&[
+        "--preset",
+        "europa-1t",
+        "--cluster",
+        "jupiter",
+        "--nodes",
+        "10",
+        "--dp-shard",
+        "384",
+    ])
+    .unwrap();
+    let e = bad.plan().unwrap_err().to_string();
+    assert!(e.contains("dp_shard = 384") && e.contains("40"), "{e}");
+}
+
+#[test]
+fn table_shows_the_headline_numbers() {
+    let t = crate::render::table(&europa_plan(1.0));
+    for s in [
+        "951.80B",
+        "32.77B",
+        "55.50 GiB",
+        "25165824",
+        "Verdict: fits",
+    ] {
+        assert!(t.contains(s), "missing {s} in\n{t}");
+    }
+}
+
+#[test]
+fn sweep_ranks_fitting_layouts_by_throughput() {
+    let job = europa();
+    let (l, pol, o) = final_setup(&job, 1.0);
+    let space = SweepSpace::around(&job, &l);
+    // EP degrees that divide 384 experts and 384 ranks and tile 4-GPU nodes: 1, 2, 4, 8, ...
+    assert_eq!(&space.ep[..4], &[1, 2, 4, 8]);
+    let entries = sweep(&job, &jupiter(), &l, &pol, &o, &space);
+    assert!(!entries.is_empty());
+    assert!(entries.iter().all(|e| e.plan.fits));
+    assert!(entries
+        .windows(2)
+        .all(|w| w[0].tokens_per_s_per_gpu >= w[1].tokens_per_s_per_gpu));
+    // Nothing without checkpointing fits at this scale.
+    assert!(entries.iter().all(|e| e.ac == AcMode::Full));
+}
+
+// ---------------------------------------------------------------- the CPU ledger
+
+#[test]
+fn cpu_ledger_params_grads_optimizer_exact() {
+    // tiny: 451,968 parameters, 417,792 of them Muon's: params and grads 4 bytes each;
+    // optimizer 4·417,792 + 8·34,176 = 1,944,576 bytes (Muon), 8·451,968 (AdamW).
+    let mut job = preset("tiny").unwrap();
+    let l = predict_cpu_ledger(&job);
+    assert_eq!(l.params, 4.0 * 451_968.0);
+    assert_eq!(l.grads, 4.0 * 451_968.0);
+    assert_eq!(l.optimizer, 1_944_576.0);
+    job.optimizer.name = OptimizerName::Adamw;
+    assert_eq!(predict_cpu_ledger(&job).optimizer, 8.0 * 451_968.0);
+}
+
+#[test]
+fn cpu_ledger_activations_by_checkpointing_mode() {
+    // tiny, batch 8 × 128 tokens: N = 1,024. Layer inputs 2 · 1,024 · 64 · 4 = 524,288 bytes;
+    // head: (N·(H+1) + 2·N·V)·4 = (66,560 + 524,288)·4 = 2,363,392.
+    let mut job = preset("tiny").unwrap();
+    job.activation_checkpoint.mode = AcMode::Full;
+    let full = predict_cpu_ledger(&job);
+    assert_eq!(full.activation_terms.layer_inputs, 524_288.0);
+    assert_eq!(full.activation_terms.head, 2_363_392.0);
+    // Internals of one layer (floats): attention N·65 + N·128 + N·96 + N·6 + 8·4·128·128
+    // + N·64 + N·64 + N·65 = 1,024·488 + 524,288 = 1,024,000; MoE 2·N·8 + N·2·64 + 3·N·2·128
+    // + N·2·64 = N·1,040 = 1,064,960. Sum 2,088,960 floats = 8,355,840 bytes.
+    assert_eq!(full.activation_terms.layer_internals, 8_355_840.0);
+    assert_eq!(full.activations, 524_288.0 + 8_355_840.0 + 2_363_392.0);
+    job.activation_checkpoint.mode = AcMode::None;
+    let none = predict_cpu_ledger(&job);
+    assert_eq!(none.activations - full.activations, 8_355_840.0);
+    // RoPE tables: 2 · 128 · 8 floats.
+    assert_eq!(full.buffers, 2.0 * 128.0 * 8.0 * 4.0);
+}
+
+#[test]
+fn presets_validate_in_the_planner() {
+    for name in ganymede_config::PRESETS {
+        let job = preset(name).unwrap();
+        let c = if *name == "europa-1t" {
+            jupiter()
+        } else {
+            Cluster::preset("local").unwrap()
+        };
+        let l = Layout::from_job(&job, &c);
+        let mut pol = MemoryPolicy::from_job(&job);
+        pol.param_offload = true;
+        pol.offload_fraction = 1.0;
+        plan(&job, &c, &l, &pol, &OptimizerSetup::from_job(&job)).unwrap();
+    }
+}
