@@ -12,7 +12,7 @@ pub mod ledger;
 pub mod params;
 pub mod tensor;
 
-pub use backend::{Backend, Blas, Gemm, Memory, NnOps, OptimOps};
+pub use backend::{AdamWStep, Backend, Blas, Gemm, Memory, NnOps, OptimOps};
 pub use cpu::CpuBackend;
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};

@@ -7,7 +7,7 @@ mod nn;
 mod optim;
 
 pub use nn::NnOps;
-pub use optim::OptimOps;
+pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
 use crate::tensor::{TMut, Tensor, T};

@@ -1,3 +1,37 @@
-//! Kernels of the optimizers (fused elementwise updates).
+//! Kernels of the optimizers: fused elementwise updates, one pass over memory each. The
+//! matrix work of Muon (Newton–Schulz) is plain [`crate::Blas::gemm`]; what remains elementwise
+//! lives here so a GPU backend runs the whole optimizer step on the device.
+//!
+//! Hyperparameters are f64 so that an f64 backend reproduces a reference exactly; f32 kernels
+//! round them once.
 
-pub trait OptimOps: Send + Sync {}
+use crate::tensor::{TMut, T};
+
+/// One AdamW step's constants. The caller computes the bias corrections from the step count.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Decoupled weight decay: θ ← θ·(1 − lr·weight_decay) before the Adam update.
+    pub weight_decay: f64,
+    /// 1 − beta1^t
+    pub bias_correction1: f64,
+    /// 1 − beta2^t
+    pub bias_correction2: f64,
+}
+
+pub trait OptimOps: Send + Sync {
+    /// AdamW (PyTorch's formulation), all four views the same length:
+    /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;`
+    /// `θ = θ·(1 − lr·wd) − (lr/bc1) · m / (sqrt(v)/sqrt(bc2) + eps)`.
+    fn adamw_step(&self, param: TMut, m: TMut, v: TMut, grad: T, h: &AdamWStep);
+
+    /// Nesterov momentum: `buf = μ·buf + g; out = g + μ·buf` (with the new `buf`).
+    fn nesterov_momentum(&self, buf: TMut, grad: T, out: TMut, momentum: f64);
+
+    /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
+    /// `alpha = lr·scale` and `decay = lr·weight_decay`.
+    fn decay_update(&self, param: TMut, update: T, alpha: f64, decay: f64);
+}

@@ -1,6 +1,95 @@
-//! CPU kernels of the optimizers.
+//! CPU kernels of the optimizers. Each is one pass over its arrays, split across rayon's threads
+//! in fixed chunks above [`PAR_MIN`] elements (results do not depend on the thread count: every
+//! element's update is independent).
 
-use super::CpuBackend;
-use crate::backend::OptimOps;
+use super::{CpuBackend, PAR_MIN};
+use crate::backend::{AdamWStep, OptimOps};
+use crate::tensor::{Scalar, TMut, T};
+use rayon::prelude::*;
 
-impl OptimOps for CpuBackend {}
+fn adamw<S: Scalar>(p: TMut, m: TMut, v: TMut, g: T, h: &AdamWStep) {
+    let (p, m, v, g): (&mut [S], &mut [S], &mut [S], &[S]) =
+        (p.host(), m.host(), v.host(), g.host());
+    let n = p.len();
+    assert!(
+        m.len() == n && v.len() == n && g.len() == n,
+        "adamw lengths"
+    );
+    let c = S::of_f64;
+    let (b1, b2, omb1, omb2) = (c(h.beta1), c(h.beta2), c(1.0 - h.beta1), c(1.0 - h.beta2));
+    let keep = c(1.0 - h.lr * h.weight_decay);
+    let step = c(h.lr / h.bias_correction1);
+    let inv_sqrt_bc2 = c(1.0 / h.bias_correction2.sqrt());
+    let eps = c(h.eps);
+    let kernel = |p: &mut [S], m: &mut [S], v: &mut [S], g: &[S]| {
+        for i in 0..p.len() {
+            let gi = g[i];
+            let mi = b1 * m[i] + omb1 * gi;
+            let vi = b2 * v[i] + omb2 * gi * gi;
+            m[i] = mi;
+            v[i] = vi;
+            p[i] = p[i] * keep - step * mi / (vi.sqrt() * inv_sqrt_bc2 + eps);
+        }
+    };
+    if n < PAR_MIN {
+        kernel(p, m, v, g);
+    } else {
+        p.par_chunks_mut(PAR_MIN)
+            .zip(m.par_chunks_mut(PAR_MIN))
+            .zip(v.par_chunks_mut(PAR_MIN))
+            .zip(g.par_chunks(PAR_MIN))
+            .for_each(|(((p, m), v), g)| kernel(p, m, v, g));
+    }
+}
+
+fn nesterov<S: Scalar>(buf: TMut, g: T, out: TMut, mu: f64) {
+    let (buf, g, out): (&mut [S], &[S], &mut [S]) = (buf.host(), g.host(), out.host());
+    let n = buf.len();
+    assert!(g.len() == n && out.len() == n, "nesterov lengths");
+    let mu = S::of_f64(mu);
+    let kernel = |b: &mut [S], g: &[S], o: &mut [S]| {
+        for i in 0..b.len() {
+            let bi = mu * b[i] + g[i];
+            b[i] = bi;
+            o[i] = g[i] + mu * bi;
+        }
+    };
+    if n < PAR_MIN {
+        kernel(buf, g, out);
+    } else {
+        buf.par_chunks_mut(PAR_MIN)
+            .zip(g.par_chunks(PAR_MIN))
+            .zip(out.par_chunks_mut(PAR_MIN))
+            .for_each(|((b, g), o)| kernel(b, g, o));
+    }
+}
+
+fn decay_update<S: Scalar>(p: TMut, u: T, alpha: f64, decay: f64) {
+    let (p, u): (&mut [S], &[S]) = (p.host(), u.host());
+    assert_eq!(p.len(), u.len(), "decay_update lengths");
+    let (alpha, keep) = (S::of_f64(alpha), S::of_f64(1.0 - decay));
+    let kernel = |p: &mut [S], u: &[S]| {
+        p.iter_mut()
+            .zip(u)
+            .for_each(|(p, &u)| *p = *p * keep - alpha * u)
+    };
+    if p.len() < PAR_MIN {
+        kernel(p, u);
+    } else {
+        p.par_chunks_mut(PAR_MIN)
+            .zip(u.par_chunks(PAR_MIN))
+            .for_each(|(p, u)| kernel(p, u));
+    }
+}
+
+impl OptimOps for CpuBackend {
+    fn adamw_step(&self, param: TMut, m: TMut, v: TMut, grad: T, h: &AdamWStep) {
+        crate::by_dtype!(param.dtype(), adamw(param, m, v, grad, h))
+    }
+    fn nesterov_momentum(&self, buf: TMut, grad: T, out: TMut, momentum: f64) {
+        crate::by_dtype!(buf.dtype(), nesterov(buf, grad, out, momentum))
+    }
+    fn decay_update(&self, param: TMut, update: T, alpha: f64, decay: f64) {
+        crate::by_dtype!(param.dtype(), decay_update(param, update, alpha, decay))
+    }
+}

@@ -1,0 +1,30 @@
+//! Global gradient-norm clipping.
+
+use ganymede_core::{Backend, ParamStore};
+
+/// Scale all gradients by `max_norm/(‖g‖ + 1e-6)` when the global L2 norm `‖g‖` (over every
+/// trainable parameter, accumulated in f64) exceeds `max_norm`, as PyTorch's `clip_grad_norm_`.
+/// Returns the norm before clipping. `max_norm <= 0` disables clipping. A non-finite norm leaves
+/// the gradients untouched (scaling would only spread the NaN); the caller sees it and decides.
+pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -> f64 {
+    let norm = global_norm(be, grads);
+    if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
+        let coef = (max_norm / (norm + 1e-6)) as f32;
+        for (spec, g) in grads.iter_mut() {
+            if spec.kind.is_trainable() {
+                be.scale(g.vm(), coef);
+            }
+        }
+    }
+    norm
+}
+
+/// The global L2 norm of the trainable entries of `grads`.
+pub fn global_norm(be: &dyn Backend, grads: &ParamStore) -> f64 {
+    grads
+        .iter()
+        .filter(|(s, _)| s.kind.is_trainable())
+        .map(|(_, g)| be.sumsq(g.v()))
+        .sum::<f64>()
+        .sqrt()
+}

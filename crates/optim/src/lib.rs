@@ -1,0 +1,23 @@
+//! Optimizers of ganymede.
+//!
+//! - [`Optimizer`]: Muon (Nesterov momentum, Newton–Schulz orthogonalisation, RMS-matched scale,
+//!   decoupled weight decay) for hidden weight matrices, each expert's matrix on its own; AdamW
+//!   for embeddings, the LM head, the router and vectors; `optimizer.name = adamw` puts every
+//!   trainable parameter on AdamW. Buffers are never updated.
+//! - [`newton_schulz`]: the orthogonalisation alone, GEMMs on the backend.
+//! - [`lr_at`]: warmup then constant, cosine or warmup-stable-decay.
+//! - [`clip_grad_norm`]: global gradient-norm clipping.
+//!
+//! All arithmetic goes through the backend ([`ganymede_core::Blas`] for GEMMs,
+//! [`ganymede_core::OptimOps`] for the fused elementwise updates), so a device backend runs the
+//! whole step where the parameters live.
+
+mod clip;
+mod ns;
+mod optimizer;
+mod schedule;
+
+pub use clip::{clip_grad_norm, global_norm};
+pub use ns::{newton_schulz, ns_flops, NsScratch, NS_COEFFS, NS_EPS};
+pub use optimizer::{muon_scale, Optimizer, PAR_MATRIX_MAX_FLOPS};
+pub use schedule::lr_at;

@@ -1,0 +1,131 @@
+//! Newton–Schulz orthogonalisation, Muon's core: five quintic iterations push every singular value
+//! of `G/‖G‖_F` into roughly [0.7, 1.1] while keeping the singular vectors, i.e. an approximate
+//! `U·Vᵀ` of `G = U·Σ·Vᵀ`. Only GEMMs and copies, all through the backend, so a device backend
+//! runs it where the matrix lives.
+
+use ganymede_core::{Backend, Category, Gemm, TMut, Tensor};
+
+/// Coefficients of the quintic `p(σ) = a·σ + b·σ³ + c·σ⁵` (Keller Jordan's tuning: steep at 0,
+/// so small singular values grow fast, at the price of not converging to exactly 1).
+pub const NS_COEFFS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
+
+/// Added to the Frobenius norm before dividing, so a zero gradient stays zero.
+pub const NS_EPS: f64 = 1e-7;
+
+/// Working memory of [`newton_schulz`]: `A = X·Xᵀ` and `B` (each s×s) and the ping-pong copy of
+/// `X` (s×l), where s ≤ l are the matrix's short and long sides. Allocated once and reused.
+pub struct NsScratch {
+    a: Tensor,
+    b: Tensor,
+    y: Tensor,
+}
+
+impl NsScratch {
+    /// Scratch big enough for every matrix shape `(rows, cols)` in `shapes`.
+    pub fn for_shapes(be: &dyn Backend, shapes: impl IntoIterator<Item = (usize, usize)>) -> Self {
+        let (mut ss, mut sl) = (0, 0);
+        for (r, c) in shapes {
+            let (s, l) = (r.min(c), r.max(c));
+            ss = ss.max(s * s);
+            sl = sl.max(s * l);
+        }
+        NsScratch {
+            a: be.zeros(&[ss], Category::Buffers),
+            b: be.zeros(&[ss], Category::Buffers),
+            y: be.zeros(&[sl], Category::Buffers),
+        }
+    }
+
+    /// Scratch for one shape.
+    pub fn new(be: &dyn Backend, rows: usize, cols: usize) -> Self {
+        Self::for_shapes(be, [(rows, cols)])
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.a.bytes() + self.b.bytes() + self.y.bytes()
+    }
+
+    fn fits(&self, s: usize, l: usize) -> bool {
+        self.a.len() >= s * s && self.y.len() >= s * l
+    }
+}
+
+/// Orthogonalise the row-major `rows × cols` matrix in `x` in place with `steps` quintic
+/// Newton–Schulz iterations: `X = x/(‖x‖_F + 1e-7)`, then per step (wide orientation, s ≤ l)
+/// `A = X·Xᵀ, B = b·A + c·A·A, X = a·X + B·X`.
+///
+/// A tall matrix (rows > cols) is not transposed in memory: with `X` tall the same iteration on
+/// `Xᵀ` reads `A = Xᵀ·X, X = a·X + X·B` (`B` is symmetric), which the GEMM's transpose flags
+/// express directly. So `NS(Xᵀ) = NS(X)ᵀ` up to rounding.
+pub fn newton_schulz(
+    be: &dyn Backend,
+    mut x: TMut,
+    rows: usize,
+    cols: usize,
+    steps: usize,
+    scratch: &mut NsScratch,
+) {
+    let n = rows * cols;
+    assert_eq!(x.len(), n, "newton_schulz: view is not {rows}x{cols}");
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    assert!(
+        scratch.fits(s, l),
+        "newton_schulz: scratch too small for {rows}x{cols}"
+    );
+    let wide = rows <= cols;
+    let (ca, cb, cc) = NS_COEFFS;
+
+    let norm = be.sumsq(x.ro()).sqrt();
+    be.scale(x.rb(), (1.0 / (norm + NS_EPS)) as f32);
+
+    let NsScratch { a, b, y } = scratch;
+    let mut a = a.slice_mut(0, s * s);
+    let mut b = b.slice_mut(0, s * s);
+    let mut y = y.slice_mut(0, n);
+    // After an odd number of steps the result sits in `y`; `in_x` tracks where X is.
+    let mut in_x = true;
+    for _ in 0..steps {
+        let (src, mut dst) = if in_x {
+            (x.rb(), y.rb())
+        } else {
+            (y.rb(), x.rb())
+        };
+        // A = X·Xᵀ (wide, X is s×l) or Xᵀ·X (tall, X is l×s): s×s either way.
+        let g = if wide {
+            Gemm::new(s, s, l, false, true)
+        } else {
+            Gemm::new(s, s, l, true, false)
+        };
+        be.gemm(a.rb(), src.ro(), src.ro(), g);
+        // B = b·A + c·A·A
+        be.copy(b.rb(), a.ro());
+        be.gemm(
+            b.rb(),
+            a.ro(),
+            a.ro(),
+            Gemm::new(s, s, s, false, false)
+                .alpha(cc as f32)
+                .beta(cb as f32),
+        );
+        // X' = a·X + B·X (wide) or a·X + X·B (tall).
+        be.copy(dst.rb(), src.ro());
+        if wide {
+            let g = Gemm::new(s, l, s, false, false).beta(ca as f32);
+            be.gemm(dst.rb(), b.ro(), src.ro(), g);
+        } else {
+            let g = Gemm::new(l, s, s, false, false).beta(ca as f32);
+            be.gemm(dst.rb(), src.ro(), b.ro(), g);
+        }
+        in_x = !in_x;
+    }
+    if !in_x {
+        be.copy(x, y.ro());
+    }
+}
+
+/// FLOPs of one [`newton_schulz`] call: per step `2·s²·l` for A, `2·s³`
+/// for A·A and `2·s²·l` for B·X.
+pub fn ns_flops(rows: usize, cols: usize, steps: usize) -> u64 {
+    let (s, l) = (rows.min(cols) as u64, rows.max(cols) as u64);
+    steps as u64 * (4 * s * s * l + 2 * s * s * s)
+}

@@ -1,0 +1,343 @@
+//! The optimizer the trainer holds: Muon for hidden matrices (each expert's matrix separately),
+//! AdamW for the rest, nothing for buffers.
+
+use crate::ns::{newton_schulz, ns_flops, NsScratch};
+use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
+use ganymede_core::{
+    AdamWStep, Backend, Category, ParamKind, ParamSpec, ParamStore, TMut, Tensor, T,
+};
+use rayon::prelude::*;
+
+/// Matrices whose Newton–Schulz costs at most this many FLOPs are spread across threads whole
+/// (one matrix per thread at a time); bigger ones run one after another, each GEMM split across
+/// threads. Below this size a GEMM is too short for its threads to pay off. 384² matrices: 1.3
+/// GFLOP. See `examples/ns_bench.rs`.
+pub const PAR_MATRIX_MAX_FLOPS: u64 = 1_400_000_000;
+
+/// Which rule updates a parameter, with its state.
+enum Rule {
+    /// `count` matrices of `rows × cols` (1 for a Matrix, E for an expert stack).
+    Muon {
+        momentum: Tensor,
+        rows: usize,
+        cols: usize,
+        count: usize,
+        scale: f64,
+    },
+    AdamW {
+        m: Tensor,
+        v: Tensor,
+        weight_decay: f64,
+    },
+    /// Buffers: saved, never updated.
+    Frozen,
+}
+
+/// Per-thread working memory for Muon: the Nesterov output `u` (orthogonalised in place) and
+/// Newton–Schulz scratch.
+struct Slot {
+    u: Tensor,
+    ns: NsScratch,
+}
+
+impl Slot {
+    fn new(be: &dyn Backend, shapes: &[(usize, usize)]) -> Self {
+        let n = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
+        Slot {
+            u: be.zeros(&[n], Category::Buffers),
+            ns: NsScratch::for_shapes(be, shapes.iter().copied()),
+        }
+    }
+    fn bytes(&self) -> usize {
+        self.u.bytes() + self.ns.bytes()
+    }
+}
+
+/// One matrix of a Muon step: disjoint views into a parameter, its momentum and its gradient.
+struct Item<'a> {
+    p: TMut<'a>,
+    mom: TMut<'a>,
+    g: T<'a>,
+    rows: usize,
+    cols: usize,
+    scale: f64,
+}
+
+pub struct Optimizer {
+    cfg: OptimizerConfig,
+    names: Vec<String>,
+    rules: Vec<Rule>,
+    /// `slots[0]` fits every Muon matrix; the others only those that run in parallel.
+    slots: Vec<Slot>,
+    step: u64,
+}
+
+/// Muon's update scale for a `rows × cols` matrix (rows = output dimension).
+pub fn muon_scale(kind: MuonScale, rows: usize, cols: usize) -> f64 {
+    match kind {
+        // Moonlight: NS output has RMS ≈ 1/sqrt(max(rows, cols)); this brings it to ≈ 0.2, about
+        // AdamW's update RMS, so one lr and weight decay serve both.
+        MuonScale::MatchRmsAdamw => 0.2 * (rows.max(cols) as f64).sqrt(),
+        MuonScale::Original => (rows as f64 / cols as f64).max(1.0).sqrt(),
+    }
+}
+
+/// Weight decay by kind: none for norm gains and other vectors (decaying a gain towards 0 fights
+/// the normalisation; common practice), the configured value for every matrix, embeddings and the
+/// LM head included (as Moonlight and TorchTitan's defaults do).
+fn weight_decay(cfg: &OptimizerConfig, kind: ParamKind) -> f64 {
+    if kind == ParamKind::Vector {
+        0.0
+    } else {
+        cfg.weight_decay
+    }
+}
+
+fn split_views<'a>(mut v: TMut<'a>, count: usize, len: usize) -> Vec<TMut<'a>> {
+    let mut out = Vec::with_capacity(count);
+    for _ in 1..count {
+        let (head, tail) = v.split_at(len);
+        out.push(head);
+        v = tail;
+    }
+    out.push(v);
+    out
+}
+
+impl Optimizer {
+    pub fn new(be: &dyn Backend, cfg: &OptimizerConfig, specs: &[ParamSpec]) -> Optimizer {
+        let mut rules = Vec::with_capacity(specs.len());
+        // Shapes for scratch sizing, and how many matrices may run in parallel.
+        let (mut all, mut small, mut n_small) = (Vec::new(), Vec::new(), 0);
+        for s in specs {
+            let muon = cfg.name == OptimizerName::Muon && s.kind.is_muon();
+            let rule = if !s.kind.is_trainable() {
+                Rule::Frozen
+            } else if muon {
+                let (count, rows, cols) = match (s.kind, s.shape.as_slice()) {
+                    (ParamKind::Matrix, &[r, c]) => (1, r, c),
+                    (ParamKind::Experts, &[e, r, c]) => (e, r, c),
+                    _ => panic!(
+                        "{}: {:?} of shape {:?} is not a matrix",
+                        s.name, s.kind, s.shape
+                    ),
+                };
+                all.push((rows, cols));
+                if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
+                    small.push((rows, cols));
+                    n_small += count;
+                }
+                Rule::Muon {
+                    momentum: be.zeros(&s.shape, Category::Optimizer),
+                    rows,
+                    cols,
+                    count,
+                    scale: muon_scale(cfg.muon_scale, rows, cols),
+                }
+            } else {
+                Rule::AdamW {
+                    m: be.zeros(&s.shape, Category::Optimizer),
+                    v: be.zeros(&s.shape, Category::Optimizer),
+                    weight_decay: weight_decay(cfg, s.kind),
+                }
+            };
+            rules.push(rule);
+        }
+        let mut slots = Vec::new();
+        if !all.is_empty() {
+            slots.push(Slot::new(be, &all));
+            let extra = rayon::current_num_threads().min(n_small.max(1)) - 1;
+            slots.extend((0..extra).map(|_| Slot::new(be, &small)));
+        }
+        Optimizer {
+            cfg: cfg.clone(),
+            names: specs.iter().map(|s| s.name.clone()).collect(),
+            rules,
+            slots,
+            step: 0,
+        }
+    }
+
+    /// One update with learning rate `lr` (from [`crate::lr_at`]); grads already clipped.
+    pub fn step(&mut self, be: &dyn Backend, params: &mut ParamStore, grads: &ParamStore, lr: f64) {
+        assert_eq!(
+            params.len(),
+            self.rules.len(),
+            "optimizer built for other parameters"
+        );
+        assert_eq!(
+            grads.len(),
+            self.rules.len(),
+            "gradients do not match parameters"
+        );
+        debug_assert!(
+            params
+                .specs()
+                .iter()
+                .zip(&self.names)
+                .all(|(s, n)| &s.name == n),
+            "optimizer built for other parameters"
+        );
+        self.step += 1;
+        let cfg = &self.cfg;
+        let t = self.step as i32;
+        let adam = |weight_decay| AdamWStep {
+            lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay,
+            bias_correction1: 1.0 - cfg.beta1.powi(t),
+            bias_correction2: 1.0 - cfg.beta2.powi(t),
+        };
+
+        let mut items = Vec::new();
+        let params_t = params.tensors_mut().iter_mut();
+        for ((rule, p), g) in self.rules.iter_mut().zip(params_t).zip(grads.tensors()) {
+            match rule {
+                Rule::Frozen => {}
+                Rule::AdamW { m, v, weight_decay } => {
+                    be.adamw_step(p.vm(), m.vm(), v.vm(), g.v(), &adam(*weight_decay));
+                }
+                Rule::Muon {
+                    momentum,
+                    rows,
+                    cols,
+                    count,
+                    scale,
+                } => {
+                    let n = *rows * *cols;
+                    let ps = split_views(p.vm(), *count, n);
+                    let ms = split_views(momentum.vm(), *count, n);
+                    for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
+                        let g = g.slice(e * n, n);
+                        items.push(Item {
+                            p,
+                            mom,
+                            g,
+                            rows: *rows,
+                            cols: *cols,
+                            scale: *scale,
+                        });
+                    }
+                }
+            }
+        }
+        if items.is_empty() {
+            return;
+        }
+
+        let (steps, mu, wd) = (cfg.ns_steps, cfg.momentum, cfg.weight_decay);
+        let run = |item: Item, slot: &mut Slot| {
+            let Item {
+                p,
+                mom,
+                g,
+                rows,
+                cols,
+                scale,
+            } = item;
+            let n = rows * cols;
+            be.nesterov_momentum(mom, g, slot.u.slice_mut(0, n), mu);
+            newton_schulz(be, slot.u.slice_mut(0, n), rows, cols, steps, &mut slot.ns);
+            be.decay_update(p, slot.u.slice(0, n), lr * scale, lr * wd);
+        };
+        let (small, large): (Vec<Item>, Vec<Item>) = items
+            .into_iter()
+            .partition(|it| ns_flops(it.rows, it.cols, steps) <= PAR_MATRIX_MAX_FLOPS);
+        for item in large {
+            run(item, &mut self.slots[0]);
+        }
+        if self.slots.len() == 1 || small.len() == 1 {
+            for item in small {
+                run(item, &mut self.slots[0]);
+            }
+            return;
+        }
+        // Longest first, each to the least-loaded slot: balanced bins of whole matrices.
+        let mut small = small;
+        small.sort_by_key(|it| std::cmp::Reverse(ns_flops(it.rows, it.cols, steps)));
+        let mut bins: Vec<(u64, Vec<Item>)> =
+            (0..self.slots.len()).map(|_| (0, Vec::new())).collect();
+        for item in small {
+            let bin = bins.iter_mut().min_by_key(|(load, _)| *load).unwrap();
+            bin.0 += ns_flops(item.rows, item.cols, steps);
+            bin.1.push(item);
+        }
+        bins.into_par_iter()
+            .zip(self.slots.par_iter_mut())
+            .for_each(|((_, bin), slot)| {
+                for item in bin {
+                    run(item, slot);
+                }
+            });
+    }
+
+    /// Optimizer state for checkpoints, in parameter order: `<param>.muon_momentum` for Muon
+    /// parameters, `<param>.adam_m` and `<param>.adam_v` for AdamW ones.
+    pub fn state(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::new();
+        for (name, rule) in self.names.iter().zip(&self.rules) {
+            match rule {
+                Rule::Muon { momentum, .. } => {
+                    out.push((format!("{name}.muon_momentum"), momentum))
+                }
+                Rule::AdamW { m, v, .. } => {
+                    out.push((format!("{name}.adam_m"), m));
+                    out.push((format!("{name}.adam_v"), v));
+                }
+                Rule::Frozen => {}
+            }
+        }
+        out
+    }
+
+    /// Same names and order as [`Optimizer::state`], for loading a checkpoint into.
+    pub fn state_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut out = Vec::new();
+        for (name, rule) in self.names.iter().zip(self.rules.iter_mut()) {
+            match rule {
+                Rule::Muon { momentum, .. } => {
+                    out.push((format!("{name}.muon_momentum"), momentum))
+                }
+                Rule::AdamW { m, v, .. } => {
+                    out.push((format!("{name}.adam_m"), m));
+                    out.push((format!("{name}.adam_v"), v));
+                }
+                Rule::Frozen => {}
+            }
+        }
+        out
+    }
+
+    /// Steps taken so far (AdamW's bias correction uses it).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    pub fn set_step_count(&mut self, n: u64) {
+        self.step = n;
+    }
+
+    /// Bytes of optimizer state (momenta and second moments), excluding scratch.
+    pub fn state_bytes(&self) -> u64 {
+        self.state().iter().map(|(_, t)| t.bytes() as u64).sum()
+    }
+
+    /// Bytes of Newton–Schulz working memory (charged to `Category::Buffers`).
+    pub fn scratch_bytes(&self) -> u64 {
+        self.slots.iter().map(|s| s.bytes() as u64).sum()
+    }
+
+    /// Which rule each parameter gets: `"muon"`, `"adamw"` or `"none"`, with its weight decay.
+    pub fn assignment(&self) -> Vec<(&str, &'static str, f64)> {
+        self.names
+            .iter()
+            .zip(&self.rules)
+            .map(|(n, r)| match r {
+                Rule::Muon { .. } => (n.as_str(), "muon", self.cfg.weight_decay),
+                Rule::AdamW { weight_decay, .. } => (n.as_str(), "adamw", *weight_decay),
+                Rule::Frozen => (n.as_str(), "none", 0.0),
+            })
+            .collect()
+    }
+}

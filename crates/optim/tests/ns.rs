@@ -1,0 +1,177 @@
+//! Newton–Schulz against closed forms: NS is an odd matrix polynomial in the normalised input, so
+//! it keeps the singular vectors and maps each singular value σ/‖σ‖ through the quintic
+//! p(σ) = aσ + bσ³ + cσ⁵ five times. Everything below follows from that.
+
+mod common;
+use common::*;
+use ganymede_core::{Backend, Category, CpuBackend, Memory};
+use ganymede_optim::{newton_schulz, NsScratch};
+
+fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
+    let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
+    let mut scratch = NsScratch::new(be, rows, cols);
+    newton_schulz(be as &dyn Backend, t.vm(), rows, cols, steps, &mut scratch);
+    be.download_f64(t.v())
+}
+
+const SHAPES: [(usize, usize); 5] = [(48, 48), (32, 80), (80, 32), (1, 40), (64, 96)];
+
+/// The quintic's behaviour at σ = 1 (an orthogonal matrix with all singular values equal, after
+/// normalisation, would sit there if ‖·‖ were the spectral norm): 1 is not a fixed point;
+/// p(1) = a + b + c = 0.7010, and the orbit then alternates between about 0.69–0.73 and
+/// 1.08–1.13 for the next ten steps (slowly drifting inward after that). That band is what
+/// "roughly orthogonal" means for these coefficients.
+#[test]
+fn quintic_orbit_of_one_alternates_in_a_band() {
+    assert!((p(1.0) - 0.7010).abs() < 1e-12);
+    let mut s = 1.0;
+    for i in 0..10 {
+        s = p(s);
+        if i % 2 == 0 {
+            assert!((0.68..0.74).contains(&s), "step {i}: {s}");
+        } else {
+            assert!((1.07..1.13).contains(&s), "step {i}: {s}");
+        }
+    }
+}
+
+/// Random Gaussian matrices: output singular values land in [0.6, 1.2] except, for square
+/// matrices, the very smallest input ones (σ_min of a square Gaussian is ~1/n of the Frobenius
+/// norm, and five steps multiply a small value by at most a⁵ ≈ 486); those are predicted exactly
+/// by the scalar map and checked against it. The input's own singular values spread widely.
+#[test]
+fn random_matrices_singular_values() {
+    let be = CpuBackend::default();
+    let mut rng = Rng::new(1);
+    for &(r, c) in &SHAPES {
+        let g = rng.normals(r * c);
+        let sv_in = singular_values(&g, r, c);
+        let out = run_ns(&be, &g, r, c, 5);
+        let sv_out = singular_values(&out, r, c);
+        // Prediction: p⁵(σ/‖σ‖_F), sorted (p⁵ is not monotone).
+        let fro = sv_in.iter().map(|s| s * s).sum::<f64>().sqrt();
+        let mut want: Vec<f64> = sv_in.iter().map(|s| p_iter(s / (fro + 1e-7), 5)).collect();
+        want.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let err = max_abs_diff(&sv_out, &want);
+        assert!(
+            err < 2e-3,
+            "{r}x{c}: singular values off the closed form by {err}"
+        );
+        let in_band = sv_out.iter().filter(|s| (0.6..=1.2).contains(*s)).count();
+        let predicted_in_band = want.iter().filter(|s| (0.6..=1.2).contains(*s)).count();
+        assert!(sv_out.iter().all(|&s| s <= 1.2), "{r}x{c}: {sv_out:?}");
+        if r != c {
+            assert_eq!(in_band, sv_out.len(), "{r}x{c}: {sv_out:?}");
+        } else {
+            assert!(in_band >= sv_out.len() - 3, "{r}x{c}: {sv_out:?}");
+            assert_eq!(in_band, predicted_in_band);
+        }
+        let spread_in = sv_in.last().unwrap() / sv_in[0].max(1e-300);
+        let spread_out = sv_out.last().unwrap() / sv_out[0];
+        eprintln!(
+            "{r}x{c}: input σ max/min {spread_in:.1}, output σ in [{:.3}, {:.3}]",
+            sv_out[0],
+            sv_out.last().unwrap()
+        );
+        if r > 1 && c > 1 {
+            assert!(spread_in > 3.0 && spread_out < spread_in);
+        }
+    }
+}
+
+/// Built from a known SVD with singular values spread over two decades: NS(X) must equal
+/// U·diag(p⁵(σ/‖σ‖))·Vᵀ entrywise, and the singular values that start above ~1e-3·‖σ‖ must end in
+/// [0.6, 1.2].
+#[test]
+fn known_svd_maps_through_the_quintic() {
+    let be = CpuBackend::default();
+    let mut rng = Rng::new(2);
+    for &(r, c) in &[(40usize, 40usize), (24, 56), (56, 24)] {
+        let s = r.min(c);
+        let u = orthonormal_columns(r, s, &mut rng);
+        let v = orthonormal_columns(c, s, &mut rng);
+        // Log-spaced from 1 down to 0.01.
+        let sigma: Vec<f64> = (0..s)
+            .map(|i| 10f64.powf(-2.0 * i as f64 / (s - 1) as f64))
+            .collect();
+        let x = from_svd(&u, &sigma, &v, r, c);
+        let out = run_ns(&be, &x, r, c, 5);
+        let fro = sigma.iter().map(|s| s * s).sum::<f64>().sqrt();
+        let mapped: Vec<f64> = sigma.iter().map(|s| p_iter(s / (fro + 1e-7), 5)).collect();
+        let want = from_svd(&u, &mapped, &v, r, c);
+        let err = max_abs_diff(&out, &want);
+        assert!(err < 1e-4, "{r}x{c}: NS differs from U p⁵(Σ) Vᵀ by {err}");
+        for (s0, s5) in sigma.iter().zip(&mapped) {
+            if s0 / fro > 1e-3 {
+                assert!((0.6..=1.2).contains(s5), "σ {s0} → {s5}");
+            }
+        }
+    }
+}
+
+/// An orthogonal Q: ‖Q‖_F = √n, so NS sees all singular values at 1/√n and returns γ·Q with
+/// γ = p⁵(1/(√n + 1e-7)). The direction is exactly preserved; γ lies in the band.
+#[test]
+fn orthogonal_input_stays_itself_up_to_the_predicted_factor() {
+    let be = CpuBackend::default();
+    let mut rng = Rng::new(3);
+    for n in [8usize, 64, 100] {
+        let q = orthogonal(n, &mut rng);
+        let out = run_ns(&be, &q, n, n, 5);
+        let gamma = p_iter(1.0 / ((n as f64).sqrt() + 1e-7), 5);
+        assert!((0.6..=1.2).contains(&gamma), "n={n}: γ={gamma}");
+        let want: Vec<f64> = q.iter().map(|x| gamma * x).collect();
+        let err = max_abs_diff(&out, &want);
+        assert!(err < 1e-5, "n={n}: NS(Q) differs from {gamma}·Q by {err}");
+    }
+}
+
+#[test]
+fn transposition_symmetry() {
+    let be = CpuBackend::default();
+    let mut rng = Rng::new(4);
+    for &(r, c) in &[(24usize, 72usize), (72, 24), (33, 34)] {
+        let g = rng.normals(r * c);
+        let a = run_ns(&be, &g, r, c, 5);
+        let b = run_ns(&be, &transpose(&g, r, c), c, r, 5);
+        let err = max_abs_diff(&a, &transpose(&b, c, r));
+        assert!(err < 1e-5, "{r}x{c}: NS(Xᵀ) vs NS(X)ᵀ differ by {err}");
+    }
+}
+
+/// On the f64 backend, the GEMM formulation (tall matrices via Xᵀ·X without a transpose) equals a
+/// textbook loop implementation, for any number of steps (odd counts end in scratch). Not to the
+/// last bit: the normalising factor passes through `Blas::scale`, whose factor is an f32, a
+/// relative error up to 6e-8; a wrong formula would be off by O(1).
+#[test]
+fn matches_reference_loops_in_f64() {
+    let be = CpuBackend::new_f64(Default::default());
+    let mut rng = Rng::new(5);
+    for &(r, c) in &SHAPES {
+        for steps in [0usize, 1, 2, 5] {
+            let g = rng.normals(r * c);
+            let got = run_ns(&be, &g, r, c, steps);
+            let want = ns_reference(&g, r, c, steps);
+            let err = max_abs_diff(&got, &want);
+            assert!(err < 1e-7, "{r}x{c} steps {steps}: {err}");
+        }
+    }
+}
+
+#[test]
+fn zero_input_stays_zero_and_scratch_is_reused() {
+    let be = CpuBackend::default();
+    // One scratch for the largest shape serves smaller ones.
+    let mut scratch = NsScratch::for_shapes(&be, [(16, 64), (64, 16), (32, 32)]);
+    let mut rng = Rng::new(6);
+    for &(r, c) in &[(16usize, 64usize), (64, 16), (32, 32), (8, 8)] {
+        let g = rng.normals(r * c);
+        let mut t = be.upload_f64(&g, &[r, c], Category::Params);
+        newton_schulz(&be, t.vm(), r, c, 5, &mut scratch);
+        let want = ns_reference(&g, r, c, 5);
+        assert!(max_abs_diff(&be.download_f64(t.v()), &want) < 1e-4);
+    }
+    let mut z = be.zeros(&[8, 8], Category::Params);
+    newton_schulz(&be, z.vm(), 8, 8, 5, &mut scratch);
+    assert!(be.download(z.v()).iter().all(|&x| x == 0.0));
+}
