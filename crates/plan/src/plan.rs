@@ -707,6 +707,12 @@ fn evaluate(
         AcMode::None => 2.0 * a2a_one,
     };
     let moe_frac = shape.moe_layers as f64 / l;
+    // Of the ep − 1 peers a rank sends tokens to, ep − gpus_per_node sit on other nodes.
+    let a2a_ib_share = if ep_on_nvlink {
+        0.0
+    } else {
+        (ep - gpn) as f64 / (ep - 1) as f64
+    };
     let a2a_step = mf * l * moe_frac * (a2a_per_layer_fwd + a2a_per_layer_bwd);
 
     // Optimizer traffic, fp32 both ways, owners balanced: every GPU sends its shard of each
@@ -756,11 +762,11 @@ fn evaluate(
 
     let ib_step = mf * 2.0 * (l * ag_layer_ib + ag_o_ib)
         + mf * (l * rs_layer_ib + rs_o_ib)
-        + if ep_on_nvlink { 0.0 } else { a2a_step }
+        + a2a_step * a2a_ib_share
         + if opt_on_ib { opt_bytes } else { 0.0 };
     let nv_step = mf * 2.0 * (l * ag_layer_nv + ag_o_nv)
         + mf * (l * rs_layer_nv + rs_o_nv)
-        + if ep_on_nvlink { a2a_step } else { 0.0 }
+        + a2a_step * (1.0 - a2a_ib_share)
         + if opt_on_ib { 0.0 } else { opt_bytes };
     let communication = Communication {
         fsdp_all_gather_fwd: mf * ag_once,
@@ -804,9 +810,10 @@ fn evaluate(
             AcMode::Full => c_fwd,
             AcMode::None => 0.0,
         };
-    let a2a_rate = if ep_on_nvlink { nv_rate } else { ib_rate };
-    let a2a_fwd_t = moe_frac * a2a_per_layer_fwd / a2a_rate;
-    let a2a_bwd_t = moe_frac * a2a_per_layer_bwd / a2a_rate;
+    // Off-node peers over InfiniBand, node mates over NVLink, concurrently.
+    let a2a_time = |b: f64| (b * a2a_ib_share / ib_rate).max(b * (1.0 - a2a_ib_share) / nv_rate);
+    let a2a_fwd_t = moe_frac * a2a_time(a2a_per_layer_fwd);
+    let a2a_bwd_t = moe_frac * a2a_time(a2a_per_layer_bwd);
     let ag_t = link_time(ag_layer_ib, ag_layer_nv);
     let rs_t = link_time(rs_layer_ib, rs_layer_nv);
     let copy_fwd = (offloaded_layers as f64 / l) * boundary_layer / cluster.links.d2h_bytes_per_s

@@ -320,8 +320,14 @@ pub fn table(p: &Plan) -> String {
     s
 }
 
-/// The sweep's ranking as a table (at most `limit` rows).
+/// The sweep's ranking as a table (at most `limit` rows): one row per EP degree, sequence,
+/// checkpointing mode and parameter offload, at its best (and then smallest) offload fraction.
 pub fn sweep_table(entries: &[SweepEntry], limit: usize) -> String {
+    let mut seen = std::collections::HashSet::new();
+    let entries: Vec<&SweepEntry> = entries
+        .iter()
+        .filter(|e| seen.insert((e.ep, e.seq_len, ac_name(e.ac), e.param_offload)))
+        .collect();
     let mut s = String::new();
     if entries.is_empty() {
         s.push_str("no layout in the sweep fits\n");
@@ -350,7 +356,7 @@ pub fn sweep_table(entries: &[SweepEntry], limit: usize) -> String {
         );
     }
     if entries.len() > limit {
-        let _ = writeln!(s, "({} more fit)", entries.len() - limit);
+        let _ = writeln!(s, "({} more layouts fit)", entries.len() - limit);
     }
     s
 }

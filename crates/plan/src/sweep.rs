@@ -150,6 +150,12 @@ pub fn sweep(
             }
         }
     }
-    out.sort_by(|a, b| b.tokens_per_s_per_gpu.total_cmp(&a.tokens_per_s_per_gpu));
+    // Fastest first; among equals, the smallest offload fraction (least host memory and copy
+    // traffic).
+    out.sort_by(|a, b| {
+        b.tokens_per_s_per_gpu
+            .total_cmp(&a.tokens_per_s_per_gpu)
+            .then(a.offload_fraction.total_cmp(&b.offload_fraction))
+    });
     out
 }
