@@ -111,6 +111,9 @@ pub struct PlanArgs {
     /// that fit by predicted tokens/s.
     #[arg(long)]
     pub sweep: bool,
+    /// A measured throughput (tokens/s per GPU) to express as MFU under both conventions.
+    #[arg(long, value_name = "TOKENS_PER_S")]
+    pub measured: Option<f64>,
     /// Rows of the sweep to print.
     #[arg(long, default_value_t = 20)]
     pub top: usize,
@@ -271,7 +274,16 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
     Ok(if args.json {
         serde_json::to_string_pretty(&p)? + "\n"
     } else {
-        render::table(&p)
+        let mut t = render::table(&p);
+        if let Some(x) = args.measured {
+            let (mfu, tt) = p.flops.mfu_at(x, r.cluster.gpu.peak_flops);
+            t.push_str(&format!(
+                "At a measured {x:.0} tokens/s per GPU: MFU {:.1}% (causal), {:.1}% (TorchTitan's convention)\n",
+                100.0 * mfu,
+                100.0 * tt
+            ));
+        }
+        t
     })
 }
 
