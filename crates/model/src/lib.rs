@@ -3,10 +3,21 @@
 //! DeepSeek-V3 router-bias update and KV-cached sampling ([`generate`]).
 //!
 //! Model code only calls backend operations on tensor views, so a GPU backend needs no change
-//! here. Skeleton: bodies are being filled in.
+//! here.
 
-use ganymede_config::{AcMode, ModelConfig};
+use ganymede_config::ModelConfig;
 use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore};
+
+mod block;
+mod generate;
+mod step;
+#[cfg(test)]
+mod tests;
+mod workspace;
+
+pub use generate::generate;
+pub use step::{forward_backward, forward_loss, update_router_bias};
+pub use workspace::{activation_bytes, Workspace};
 
 /// The parameter table, in a fixed order: embedding, layers, final norm, LM head.
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
@@ -157,13 +168,99 @@ impl Rng {
 pub struct Model {
     cfg: ModelConfig,
     specs: Vec<ParamSpec>,
+    pub(crate) embed: usize,
+    pub(crate) norm: usize,
+    pub(crate) lm_head: usize,
+    pub(crate) layers: Vec<LayerIdx>,
+}
+
+/// Positions of one layer's parameters in the parameter table.
+pub(crate) struct LayerIdx {
+    pub in_norm: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub q_norm: usize,
+    pub k_norm: usize,
+    pub post_norm: usize,
+    pub mlp: MlpIdx,
+}
+
+pub(crate) enum MlpIdx {
+    Dense {
+        gate: usize,
+        up: usize,
+        down: usize,
+    },
+    Moe {
+        router: usize,
+        gate: usize,
+        up: usize,
+        down: usize,
+        /// Stacked shared experts' (gate, up, down).
+        shared: Option<(usize, usize, usize)>,
+        /// DeepSeek-V3 selection bias.
+        bias: Option<usize>,
+    },
 }
 
 impl Model {
     pub fn new(cfg: &ModelConfig) -> Model {
+        let specs = param_specs(cfg);
+        let at = |name: &str| {
+            specs
+                .iter()
+                .position(|s| s.name == name)
+                .unwrap_or_else(|| panic!("no parameter {name}"))
+        };
+        let has = |name: &str| specs.iter().any(|s| s.name == name);
+        let layers = (0..cfg.layers)
+            .map(|l| {
+                let p = |n: &str| at(&format!("model.layers.{l}.{n}"));
+                let mlp = if cfg.is_moe_layer(l) {
+                    MlpIdx::Moe {
+                        router: p("mlp.gate.weight"),
+                        gate: p("mlp.experts.gate_proj"),
+                        up: p("mlp.experts.up_proj"),
+                        down: p("mlp.experts.down_proj"),
+                        shared: (cfg.shared_experts > 0).then(|| {
+                            (
+                                p("mlp.shared_experts.gate_proj"),
+                                p("mlp.shared_experts.up_proj"),
+                                p("mlp.shared_experts.down_proj"),
+                            )
+                        }),
+                        bias: has(&format!("model.layers.{l}.mlp.e_score_correction_bias"))
+                            .then(|| p("mlp.e_score_correction_bias")),
+                    }
+                } else {
+                    MlpIdx::Dense {
+                        gate: p("mlp.gate_proj.weight"),
+                        up: p("mlp.up_proj.weight"),
+                        down: p("mlp.down_proj.weight"),
+                    }
+                };
+                LayerIdx {
+                    in_norm: p("input_layernorm.weight"),
+                    q: p("self_attn.q_proj.weight"),
+                    k: p("self_attn.k_proj.weight"),
+                    v: p("self_attn.v_proj.weight"),
+                    o: p("self_attn.o_proj.weight"),
+                    q_norm: p("self_attn.q_norm.weight"),
+                    k_norm: p("self_attn.k_norm.weight"),
+                    post_norm: p("post_attention_layernorm.weight"),
+                    mlp,
+                }
+            })
+            .collect();
         Model {
             cfg: cfg.clone(),
-            specs: param_specs(cfg),
+            embed: at("model.embed_tokens.weight"),
+            norm: at("model.norm.weight"),
+            lm_head: at("lm_head.weight"),
+            layers,
+            specs,
         }
     }
     pub fn config(&self) -> &ModelConfig {
@@ -199,30 +296,8 @@ impl Model {
     }
 }
 
-/// All activation memory of a step, allocated once for (model, batch, seq, mode).
-pub struct Workspace {
-    _private: (),
-}
-
-impl Workspace {
-    pub fn new(
-        be: &dyn Backend,
-        model: &Model,
-        batch: usize,
-        seq: usize,
-        mode: AcMode,
-    ) -> Workspace {
-        let _ = (be, model, batch, seq, mode);
-        todo!()
-    }
-}
-
-/// Bytes of `Category::Activations` a [`Workspace`] allocates.
-pub fn activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
-    let _ = (cfg, batch, seq, mode);
-    todo!()
-}
-
+/// What a step reports.
+#[derive(Clone, Debug)]
 pub struct StepOutput {
     /// Mean cross-entropy over the batch's B*T targets.
     pub loss: f64,
@@ -231,69 +306,4 @@ pub struct StepOutput {
     pub tokens: usize,
     /// Per MoE layer: fraction of the batch's top-k assignments per expert (sums to 1).
     pub expert_load: Vec<Vec<f32>>,
-}
-
-/// Forward + backward on one batch; ADDS grad_scale * d(loss_total)/dθ into `grads`.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_backward(
-    be: &dyn Backend,
-    model: &Model,
-    params: &ParamStore,
-    grads: &mut ParamStore,
-    ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
-    grad_scale: f32,
-) -> StepOutput {
-    let _ = (be, model, params, grads, ws, inputs, targets, grad_scale);
-    todo!()
-}
-
-/// Forward only (eval).
-pub fn forward_loss(
-    be: &dyn Backend,
-    model: &Model,
-    params: &ParamStore,
-    ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
-) -> StepOutput {
-    let _ = (be, model, params, ws, inputs, targets);
-    todo!()
-}
-
-/// DeepSeek-V3 bias update: b_i += coeff * sign(mean_load - load_i) per MoE layer.
-pub fn update_router_bias(
-    be: &dyn Backend,
-    model: &Model,
-    params: &mut ParamStore,
-    out: &StepOutput,
-) {
-    let _ = (be, model, params, out);
-    todo!()
-}
-
-/// Autoregressive sampling with a KV cache; returns the generated ids (not the prompt).
-#[allow(clippy::too_many_arguments)]
-pub fn generate(
-    be: &dyn Backend,
-    model: &Model,
-    params: &ParamStore,
-    prompt: &[u32],
-    max_new_tokens: usize,
-    temperature: f32,
-    top_k: usize,
-    seed: u64,
-) -> Vec<u32> {
-    let _ = (
-        be,
-        model,
-        params,
-        prompt,
-        max_new_tokens,
-        temperature,
-        top_k,
-        seed,
-    );
-    todo!()
 }

@@ -1,0 +1,456 @@
+//! One transformer block, forward and backward, as explicit kernel calls:
+//!
+//! ```text
+//! xn1 = rmsnorm(x)            q,k,v = xn1·Wqᵀ, xn1·Wkᵀ, xn1·Wvᵀ
+//! qr,kr = rope(headnorm(q,k))  att = attention(qr, kr, v)
+//! xmid = x + att·Woᵀ          xn2 = rmsnorm(xmid)
+//! y = xmid + mlp(xn2)         mlp = Σ_topk w·expert(xn2) [+ shared(xn2)]  or a dense SwiGLU
+//! ```
+//!
+//! Routed experts run as one GEMM per expert over the tokens routed to it (rows grouped by
+//! expert); the every-token SwiGLU (dense layer or stacked shared experts) is one GEMM for gate
+//! and up across all its experts.
+
+use crate::workspace::{BlockActs, FfnActs, GradScratch};
+use crate::{LayerIdx, MlpIdx, Model};
+use ganymede_core::{Backend, Gemm, ParamStore, TMut, Tensor, T};
+
+/// Where attention's keys and values live.
+pub(crate) enum Kv<'a> {
+    /// The block's own buffers (training, evaluation).
+    Own,
+    /// A cache holding `pos0` earlier positions of one sequence; the call appends its tokens.
+    Cache {
+        k: &'a mut Tensor,
+        v: &'a mut Tensor,
+        pos0: usize,
+    },
+}
+
+/// Forward through one block. `y` receives the output; `None` recomputes the internals only
+/// (activation checkpointing: the output is already known).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_forward(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    li: &LayerIdx,
+    a: &mut BlockActs,
+    g: &mut GradScratch,
+    x: T,
+    mut y: Option<TMut>,
+    batch: usize,
+    seq: usize,
+    kv: Kv,
+) {
+    let cfg = model.config();
+    let n = batch * seq;
+    let (h, qd, kd, nh, nkv, hd) = (
+        cfg.hidden,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.heads,
+        cfg.kv_heads,
+        cfg.head_dim,
+    );
+    let (eps, theta) = (cfg.norm_eps as f32, cfg.rope_theta);
+    let w = |i: usize| params.get(i).v();
+
+    be.rmsnorm_forward(a.xn1.vm(), a.rstd1.vm(), x, w(li.in_norm), h, eps);
+    be.gemm(
+        a.q.vm(),
+        a.xn1.v(),
+        w(li.q),
+        Gemm::new(n, qd, h, false, true),
+    );
+    be.gemm(
+        a.k.vm(),
+        a.xn1.v(),
+        w(li.k),
+        Gemm::new(n, kd, h, false, true),
+    );
+    be.gemm(
+        a.v.vm(),
+        a.xn1.v(),
+        w(li.v),
+        Gemm::new(n, kd, h, false, true),
+    );
+    let pos0 = match &kv {
+        Kv::Own => 0,
+        Kv::Cache { pos0, .. } => *pos0,
+    };
+    #[rustfmt::skip]
+    be.head_norm_rope_forward(a.qr.vm(), a.rstdq.vm(), a.q.v(), w(li.q_norm), nh, hd, seq, pos0, theta, eps);
+    match kv {
+        Kv::Own => {
+            #[rustfmt::skip]
+            be.head_norm_rope_forward(a.kr.vm(), a.rstdk.vm(), a.k.v(), w(li.k_norm), nkv, hd, seq, 0, theta, eps);
+            #[rustfmt::skip]
+            be.attention_forward(a.att.vm(), a.lse.vm(), a.qr.v(), a.kr.v(), a.v.v(), batch, seq, seq, nh, nkv, hd);
+        }
+        Kv::Cache { k, v, pos0 } => {
+            assert_eq!(batch, 1, "a KV cache holds one sequence");
+            let tk = pos0 + seq;
+            #[rustfmt::skip]
+            be.head_norm_rope_forward(k.slice_mut(pos0 * kd, n * kd), a.rstdk.vm(), a.k.v(), w(li.k_norm), nkv, hd, seq, pos0, theta, eps);
+            be.copy(v.slice_mut(pos0 * kd, n * kd), a.v.v());
+            #[rustfmt::skip]
+            be.attention_forward(a.att.vm(), a.lse.vm(), a.qr.v(), k.slice(0, tk * kd), v.slice(0, tk * kd), 1, seq, tk, nh, nkv, hd);
+        }
+    }
+    be.gemm(
+        a.xmid.vm(),
+        a.att.v(),
+        w(li.o),
+        Gemm::new(n, h, qd, false, true),
+    );
+    be.add(a.xmid.vm(), x);
+    #[rustfmt::skip]
+    be.rmsnorm_forward(a.xn2.vm(), a.rstd2.vm(), a.xmid.v(), w(li.post_norm), h, eps);
+    if let Some(y) = y.as_mut() {
+        be.copy(y.rb(), a.xmid.v());
+    }
+
+    match li.mlp {
+        MlpIdx::Dense { gate, up, down } => {
+            let f = a.ffn.as_mut().expect("dense activations");
+            #[rustfmt::skip]
+            ffn_forward(be, f, a.xn2.v(), params, (gate, up, down), 1, cfg.dense_hidden, y, n, h);
+        }
+        MlpIdx::Moe {
+            router,
+            gate,
+            up,
+            down,
+            shared,
+            bias,
+        } => {
+            let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
+            let m = a.moe.as_mut().expect("MoE activations");
+            let rl = g.drl.as_mut().expect("router scratch");
+            be.gemm(
+                rl.vm(),
+                a.xn2.v(),
+                w(router),
+                Gemm::new(n, e, h, false, true),
+            );
+            be.router_forward(
+                m.probs.vm(),
+                m.rw.vm(),
+                &mut m.r.idx[..n * k],
+                &mut m.r.psum,
+                rl.slice(0, n * e),
+                bias.map(w),
+                e,
+                k,
+                cfg.norm_topk_prob,
+            );
+            m.r.dispatch(k);
+            be.moe_gather(m.xe.vm(), a.xn2.v(), &m.r.src, h);
+            let (wg, wu, wd) = (params.get(gate), params.get(up), params.get(down));
+            for ex in 0..e {
+                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
+                if c == 0 {
+                    continue;
+                }
+                let xe = m.xe.slice(r0 * h, c * h);
+                let gm = Gemm::new(c, f, h, false, true);
+                be.gemm(
+                    m.g.slice_mut(r0 * f, c * f),
+                    xe,
+                    wg.slice(ex * f * h, f * h),
+                    gm,
+                );
+                be.gemm(
+                    m.u.slice_mut(r0 * f, c * f),
+                    xe,
+                    wu.slice(ex * f * h, f * h),
+                    gm,
+                );
+            }
+            be.swiglu_forward(m.a.vm(), m.g.v(), m.u.v());
+            for ex in 0..e {
+                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
+                if c == 0 {
+                    continue;
+                }
+                be.gemm(
+                    m.ye.slice_mut(r0 * h, c * h),
+                    m.a.slice(r0 * f, c * f),
+                    wd.slice(ex * h * f, h * f),
+                    Gemm::new(c, h, f, false, true),
+                );
+            }
+            if let Some(y) = y.as_mut() {
+                be.moe_combine(y.rb(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
+            }
+            if let Some(sh) = shared {
+                let f = a.ffn.as_mut().expect("shared-expert activations");
+                #[rustfmt::skip]
+                ffn_forward(be, f, a.xn2.v(), params, sh, cfg.shared_experts, cfg.shared_hidden(), y, n, h);
+            }
+        }
+    }
+}
+
+/// Every-token SwiGLU of `parts` stacked experts of hidden `fs`; adds its output into `y`.
+#[allow(clippy::too_many_arguments)]
+fn ffn_forward(
+    be: &dyn Backend,
+    f: &mut FfnActs,
+    xn: T,
+    params: &ParamStore,
+    (gate, up, down): (usize, usize, usize),
+    parts: usize,
+    fs: usize,
+    y: Option<TMut>,
+    n: usize,
+    h: usize,
+) {
+    let width = parts * fs;
+    let nw = n * width;
+    let gm = Gemm::new(n, width, h, false, true);
+    be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).v(), gm);
+    be.gemm(f.u.slice_mut(0, nw), xn, params.get(up).v(), gm);
+    be.swiglu_forward(f.a.slice_mut(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
+    if let Some(mut y) = y {
+        let wd = params.get(down);
+        for s in 0..parts {
+            be.gemm(
+                y.rb(),
+                f.a.slice(s * fs, (n - 1) * width + fs),
+                wd.slice(s * h * fs, h * fs),
+                Gemm::new(n, h, fs, false, true).ld(width, fs, h).beta(1.0),
+            );
+        }
+    }
+}
+
+/// Backward through one block whose internals are in `a`. On entry `g.dres` holds the gradient
+/// of the block's output; on return, of its input `x`. Weight gradients are added to `grads`.
+/// `dprob_const` is the auxiliary loss's gradient with respect to each router probability.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_backward(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    grads: &mut ParamStore,
+    li: &LayerIdx,
+    a: &BlockActs,
+    g: &mut GradScratch,
+    x: T,
+    batch: usize,
+    seq: usize,
+    dprob_const: &[f64],
+) {
+    let cfg = model.config();
+    let n = batch * seq;
+    let (h, qd, kd, nh, nkv, hd) = (
+        cfg.hidden,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.heads,
+        cfg.kv_heads,
+        cfg.head_dim,
+    );
+    let theta = cfg.rope_theta;
+    let w = |i: usize| params.get(i).v();
+
+    // MLP: its gradient into g.dxn (the gradient of xn2).
+    match li.mlp {
+        MlpIdx::Dense { gate, up, down } => {
+            let f = a.ffn.as_ref().expect("dense activations");
+            #[rustfmt::skip]
+            ffn_backward(be, f, a.xn2.v(), params, grads, (gate, up, down), 1, cfg.dense_hidden, g, 0.0, n, h);
+        }
+        MlpIdx::Moe {
+            router,
+            gate,
+            up,
+            down,
+            shared,
+            ..
+        } => {
+            let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
+            let m = a.moe.as_ref().expect("MoE activations");
+            let GradScratch {
+                dres,
+                dxn,
+                drl,
+                drw,
+                dye,
+                da,
+                dg,
+                du,
+                dxe,
+                ..
+            } = &mut *g;
+            let (drl, drw, dye, da) = (
+                drl.as_mut().unwrap(),
+                drw.as_mut().unwrap(),
+                dye.as_mut().unwrap(),
+                da.as_mut().unwrap(),
+            );
+            let (dg, du, dxe) = (
+                dg.as_mut().unwrap(),
+                du.as_mut().unwrap(),
+                dxe.as_mut().unwrap(),
+            );
+            #[rustfmt::skip]
+            be.moe_combine_backward(dye.vm(), drw.vm(), dres.v(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
+            let (wg, wu, wd) = (params.get(gate), params.get(up), params.get(down));
+            for ex in 0..e {
+                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
+                if c == 0 {
+                    continue;
+                }
+                let dy = dye.slice(r0 * h, c * h);
+                #[rustfmt::skip]
+                be.gemm(da.slice_mut(r0 * f, c * f), dy, wd.slice(ex * h * f, h * f), Gemm::new(c, f, h, false, false));
+                be.gemm(
+                    grads.get_mut(down).slice_mut(ex * h * f, h * f),
+                    dy,
+                    m.a.slice(r0 * f, c * f),
+                    Gemm::new(h, f, c, true, false).beta(1.0),
+                );
+            }
+            be.swiglu_backward(dg.vm(), du.vm(), da.v(), m.g.v(), m.u.v());
+            for ex in 0..e {
+                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
+                if c == 0 {
+                    continue;
+                }
+                let (dgs, dus) = (dg.slice(r0 * f, c * f), du.slice(r0 * f, c * f));
+                let xe = m.xe.slice(r0 * h, c * h);
+                let gm = Gemm::new(c, h, f, false, false);
+                be.gemm(
+                    dxe.slice_mut(r0 * h, c * h),
+                    dgs,
+                    wg.slice(ex * f * h, f * h),
+                    gm,
+                );
+                #[rustfmt::skip]
+                be.gemm(dxe.slice_mut(r0 * h, c * h), dus, wu.slice(ex * f * h, f * h), gm.beta(1.0));
+                let gw = Gemm::new(f, h, c, true, false).beta(1.0);
+                be.gemm(
+                    grads.get_mut(gate).slice_mut(ex * f * h, f * h),
+                    dgs,
+                    xe,
+                    gw,
+                );
+                be.gemm(grads.get_mut(up).slice_mut(ex * f * h, f * h), dus, xe, gw);
+            }
+            #[rustfmt::skip]
+            be.router_backward(drl.vm(), drw.v(), m.probs.v(), &m.r.idx, dprob_const, e, k, cfg.norm_topk_prob);
+            be.gemm(
+                dxn.vm(),
+                drl.v(),
+                w(router),
+                Gemm::new(n, h, e, false, false),
+            );
+            #[rustfmt::skip]
+            be.gemm(grads.get_mut(router).vm(), drl.v(), a.xn2.v(), Gemm::new(e, h, n, true, false).beta(1.0));
+            be.moe_gather_backward(dxn.vm(), dxe.v(), &m.r.pos, k, h);
+            if let Some(sh) = shared {
+                let f = a.ffn.as_ref().expect("shared-expert activations");
+                #[rustfmt::skip]
+                ffn_backward(be, f, a.xn2.v(), params, grads, sh, cfg.shared_experts, cfg.shared_hidden(), g, 1.0, n, h);
+            }
+        }
+    }
+    #[rustfmt::skip]
+    be.rmsnorm_backward(g.dres.vm(), grads.get_mut(li.post_norm).vm(), g.dxn.v(), a.xmid.v(), w(li.post_norm), a.rstd2.v(), h);
+
+    // Attention: the residual passes g.dres through unchanged; add the branch's gradient.
+    be.gemm(
+        g.datt.vm(),
+        g.dres.v(),
+        w(li.o),
+        Gemm::new(n, qd, h, false, false),
+    );
+    #[rustfmt::skip]
+    be.gemm(grads.get_mut(li.o).vm(), g.dres.v(), a.att.v(), Gemm::new(h, qd, n, true, false).beta(1.0));
+    #[rustfmt::skip]
+    be.attention_backward(g.dqr.vm(), g.dkr.vm(), g.dv.vm(), g.datt.v(), a.att.v(), a.qr.v(), a.kr.v(), a.v.v(), a.lse.v(), batch, seq, seq, nh, nkv, hd);
+    #[rustfmt::skip]
+    be.head_norm_rope_backward(g.dq.vm(), grads.get_mut(li.q_norm).vm(), g.dqr.v(), a.q.v(), w(li.q_norm), a.rstdq.v(), nh, hd, seq, 0, theta);
+    #[rustfmt::skip]
+    be.head_norm_rope_backward(g.dk.vm(), grads.get_mut(li.k_norm).vm(), g.dkr.v(), a.k.v(), w(li.k_norm), a.rstdk.v(), nkv, hd, seq, 0, theta);
+    be.gemm(
+        g.dxn.vm(),
+        g.dq.v(),
+        w(li.q),
+        Gemm::new(n, h, qd, false, false),
+    );
+    #[rustfmt::skip]
+    be.gemm(g.dxn.vm(), g.dk.v(), w(li.k), Gemm::new(n, h, kd, false, false).beta(1.0));
+    #[rustfmt::skip]
+    be.gemm(g.dxn.vm(), g.dv.v(), w(li.v), Gemm::new(n, h, kd, false, false).beta(1.0));
+    let gq = Gemm::new(qd, h, n, true, false).beta(1.0);
+    let gk = Gemm::new(kd, h, n, true, false).beta(1.0);
+    be.gemm(grads.get_mut(li.q).vm(), g.dq.v(), a.xn1.v(), gq);
+    be.gemm(grads.get_mut(li.k).vm(), g.dk.v(), a.xn1.v(), gk);
+    be.gemm(grads.get_mut(li.v).vm(), g.dv.v(), a.xn1.v(), gk);
+    #[rustfmt::skip]
+    be.rmsnorm_backward(g.dres.vm(), grads.get_mut(li.in_norm).vm(), g.dxn.v(), x, w(li.in_norm), a.rstd1.v(), h);
+}
+
+/// Backward of [`ffn_forward`]: reads the output gradient from `g.dres`, writes
+/// `g.dxn = beta·g.dxn + ∂/∂xn`, adds weight gradients.
+#[allow(clippy::too_many_arguments)]
+fn ffn_backward(
+    be: &dyn Backend,
+    f: &FfnActs,
+    xn: T,
+    params: &ParamStore,
+    grads: &mut ParamStore,
+    (gate, up, down): (usize, usize, usize),
+    parts: usize,
+    fs: usize,
+    g: &mut GradScratch,
+    beta: f32,
+    n: usize,
+    h: usize,
+) {
+    let width = parts * fs;
+    let nw = n * width;
+    let ext = (n - 1) * width + fs;
+    let (dfa, dfg, dfu) = (
+        g.dfa.as_mut().unwrap(),
+        g.dfg.as_mut().unwrap(),
+        g.dfu.as_mut().unwrap(),
+    );
+    let wd = params.get(down);
+    for s in 0..parts {
+        be.gemm(
+            dfa.slice_mut(s * fs, ext),
+            g.dres.v(),
+            wd.slice(s * h * fs, h * fs),
+            Gemm::new(n, fs, h, false, false).ld(h, fs, width),
+        );
+        be.gemm(
+            grads.get_mut(down).slice_mut(s * h * fs, h * fs),
+            g.dres.v(),
+            f.a.slice(s * fs, ext),
+            Gemm::new(h, fs, n, true, false).ld(h, width, fs).beta(1.0),
+        );
+    }
+    #[rustfmt::skip]
+    be.swiglu_backward(dfg.slice_mut(0, nw), dfu.slice_mut(0, nw), dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
+    let gx = Gemm::new(n, h, width, false, false);
+    be.gemm(
+        g.dxn.vm(),
+        dfg.slice(0, nw),
+        params.get(gate).v(),
+        gx.beta(beta),
+    );
+    be.gemm(
+        g.dxn.vm(),
+        dfu.slice(0, nw),
+        params.get(up).v(),
+        gx.beta(1.0),
+    );
+    let gw = Gemm::new(width, h, n, true, false).beta(1.0);
+    be.gemm(grads.get_mut(gate).vm(), dfg.slice(0, nw), xn, gw);
+    be.gemm(grads.get_mut(up).vm(), dfu.slice(0, nw), xn, gw);
+}

@@ -1,0 +1,235 @@
+//! The training step: embedding, blocks, head and loss forward; then the same in reverse. With
+//! `AcMode::Full` only the block boundaries survive the forward, and backward recomputes each
+//! block's internals right before backpropagating through it.
+
+use crate::block::{block_backward, block_forward, Kv};
+use crate::workspace::Workspace;
+use crate::{MlpIdx, Model, StepOutput};
+use ganymede_config::AcMode;
+use ganymede_core::{Backend, Gemm, ParamStore};
+
+/// Routing statistics of one MoE layer in a step.
+struct LayerStats {
+    layer: usize,
+    counts: Vec<usize>,
+    psum: Vec<f64>,
+}
+
+fn check_batch(model: &Model, ws: &Workspace, inputs: &[u32], targets: &[u32]) {
+    let n = ws.batch * ws.seq;
+    assert_eq!(
+        inputs.len(),
+        n,
+        "inputs hold {} tokens; the workspace is for batch {} x seq {}",
+        inputs.len(),
+        ws.batch,
+        ws.seq
+    );
+    assert_eq!(targets.len(), n, "targets and inputs differ in length");
+    let v = model.config().vocab_size as u32;
+    assert!(
+        inputs.iter().chain(targets).all(|&t| t < v),
+        "token id out of the vocabulary ({v})"
+    );
+}
+
+/// Embedding, every block, final norm, logits and the summed cross-entropy. Leaves the
+/// logits in `ws.head.logits` and returns the loss sum and each MoE layer's routing statistics.
+fn forward(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    ws: &mut Workspace,
+    inputs: &[u32],
+    targets: &[u32],
+) -> (f64, Vec<LayerStats>) {
+    let cfg = model.config();
+    let (batch, seq) = (ws.batch, ws.seq);
+    let n = batch * seq;
+    let (h, v) = (cfg.hidden, cfg.vocab_size);
+    let Workspace {
+        res,
+        blocks,
+        grads,
+        head,
+        mode,
+        ..
+    } = ws;
+    be.embedding_forward(res[0].vm(), params.get(model.embed).v(), inputs, h);
+    let mut stats = vec![];
+    for (l, li) in model.layers.iter().enumerate() {
+        let a = match mode {
+            AcMode::None => &mut blocks[l],
+            AcMode::Full => &mut blocks[0],
+        };
+        let (lo, hi) = res.split_at_mut(l + 1);
+        #[rustfmt::skip]
+        block_forward(be, model, params, li, a, grads, lo[l].v(), Some(hi[0].vm()), batch, seq, Kv::Own);
+        if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
+            stats.push(LayerStats {
+                layer: l,
+                counts: m.r.counts.clone(),
+                psum: m.r.psum.clone(),
+            });
+        }
+    }
+    let eps = cfg.norm_eps as f32;
+    #[rustfmt::skip]
+    be.rmsnorm_forward(head.xf.vm(), head.rstd.vm(), res[cfg.layers].v(), params.get(model.norm).v(), h, eps);
+    #[rustfmt::skip]
+    be.gemm(head.logits.vm(), head.xf.v(), params.get(model.lm_head).v(), Gemm::new(n, v, h, false, true));
+    let loss_sum = be.cross_entropy_forward(head.lse.vm(), head.logits.v(), targets, v);
+    (loss_sum, stats)
+}
+
+/// Switch auxiliary loss per layer (`E · Σ_i f_i · P_i`, f_i = selections of i / tokens,
+/// P_i = mean probability of i), averaged over MoE layers; and each layer's load.
+fn summarise(model: &Model, n: usize, loss_sum: f64, stats: &[LayerStats]) -> StepOutput {
+    let cfg = model.config();
+    let (e, k) = (cfg.experts as f64, cfg.top_k as f64);
+    let nf = n as f64;
+    let mut aux = 0.0;
+    let mut loads = vec![];
+    for s in stats {
+        aux += e * s
+            .counts
+            .iter()
+            .zip(&s.psum)
+            .map(|(&c, &p)| (c as f64 / nf) * (p / nf))
+            .sum::<f64>();
+        loads.push(
+            s.counts
+                .iter()
+                .map(|&c| (c as f64 / (nf * k)) as f32)
+                .collect(),
+        );
+    }
+    StepOutput {
+        loss: loss_sum / nf,
+        aux_loss: if stats.is_empty() {
+            0.0
+        } else {
+            aux / stats.len() as f64
+        },
+        tokens: n,
+        expert_load: loads,
+    }
+}
+
+/// Forward + backward on one batch; ADDS grad_scale * d(loss_total)/dθ into `grads` (caller
+/// zeroes), where loss_total = mean cross-entropy + aux_loss_coef · aux.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    grads: &mut ParamStore,
+    ws: &mut Workspace,
+    inputs: &[u32],
+    targets: &[u32],
+    grad_scale: f32,
+) -> StepOutput {
+    check_batch(model, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, params, ws, inputs, targets);
+    let cfg = model.config();
+    let (batch, seq) = (ws.batch, ws.seq);
+    let n = batch * seq;
+    let (h, v) = (cfg.hidden, cfg.vocab_size);
+    let Workspace {
+        res,
+        blocks,
+        grads: g,
+        head,
+        mode,
+        ..
+    } = ws;
+
+    // Head: in place, logits become their gradient.
+    #[rustfmt::skip]
+    be.cross_entropy_backward(head.logits.vm(), head.lse.v(), targets, v, grad_scale / n as f32);
+    #[rustfmt::skip]
+    be.gemm(grads.get_mut(model.lm_head).vm(), head.logits.v(), head.xf.v(), Gemm::new(v, h, n, true, false).beta(1.0));
+    #[rustfmt::skip]
+    be.gemm(g.dxn.vm(), head.logits.v(), params.get(model.lm_head).v(), Gemm::new(n, h, v, false, false));
+    be.fill(g.dres.vm(), 0.0);
+    #[rustfmt::skip]
+    be.rmsnorm_backward(g.dres.vm(), grads.get_mut(model.norm).vm(), g.dxn.v(), res[cfg.layers].v(), params.get(model.norm).v(), head.rstd.v(), h);
+
+    // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
+    let moe_layers = stats.len().max(1) as f64;
+    let nf = n as f64;
+    let mut dprob = vec![0.0f64; cfg.experts];
+    for (l, li) in model.layers.iter().enumerate().rev() {
+        let a = match mode {
+            AcMode::None => &mut blocks[l],
+            AcMode::Full => {
+                let a = &mut blocks[0];
+                #[rustfmt::skip]
+                block_forward(be, model, params, li, a, g, res[l].v(), None, batch, seq, Kv::Own);
+                a
+            }
+        };
+        if let MlpIdx::Moe { .. } = li.mlp {
+            let s = stats.iter().find(|s| s.layer == l).expect("layer stats");
+            debug_assert_eq!(
+                a.moe.as_ref().unwrap().r.counts,
+                s.counts,
+                "recompute changed routing"
+            );
+            let c = grad_scale as f64 * cfg.aux_loss_coef * cfg.experts as f64 / (nf * moe_layers);
+            for (d, &cnt) in dprob.iter_mut().zip(&s.counts) {
+                *d = c * cnt as f64 / nf;
+            }
+        }
+        #[rustfmt::skip]
+        block_backward(be, model, params, grads, li, a, g, res[l].v(), batch, seq, &dprob);
+    }
+    be.embedding_backward(grads.get_mut(model.embed).vm(), g.dres.v(), inputs, h);
+    summarise(model, n, loss_sum, &stats)
+}
+
+/// Forward only (eval): the same losses, no gradients.
+pub fn forward_loss(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    ws: &mut Workspace,
+    inputs: &[u32],
+    targets: &[u32],
+) -> StepOutput {
+    check_batch(model, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, params, ws, inputs, targets);
+    summarise(model, ws.batch * ws.seq, loss_sum, &stats)
+}
+
+/// DeepSeek-V3 auxiliary-loss-free balancing, after a step: per MoE layer
+/// `b_i += coeff · sign(mean_load - load_i)` (no-op if `router_bias_update == 0`).
+pub fn update_router_bias(
+    be: &dyn Backend,
+    model: &Model,
+    params: &mut ParamStore,
+    out: &StepOutput,
+) {
+    let coeff = model.config().router_bias_update;
+    if coeff == 0.0 {
+        return;
+    }
+    let biases = model.layers.iter().filter_map(|li| match li.mlp {
+        MlpIdx::Moe { bias, .. } => Some(bias.expect("bias parameter when router_bias_update > 0")),
+        MlpIdx::Dense { .. } => None,
+    });
+    for (bi, load) in biases.zip(&out.expert_load) {
+        let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len() as f64;
+        let t = params.get_mut(bi);
+        let mut b = be.download_f64(t.v());
+        for (b, &l) in b.iter_mut().zip(load) {
+            let d = mean - l as f64;
+            // sign(0) = 0: a perfectly balanced expert keeps its bias.
+            if d != 0.0 {
+                *b += coeff * d.signum();
+            }
+        }
+        let up = be.upload_f64(&b, t.shape(), ganymede_core::Category::Buffers);
+        be.copy(t.vm(), up.v());
+    }
+}

@@ -1,0 +1,448 @@
+//! The activation memory of a step, allocated once through the backend (llm.c's single
+//! activation plan): the residual stream at every block boundary, the internals of one block
+//! (`AcMode::Full`: recomputed in backward) or of every block (`AcMode::None`), one set of
+//! gradient scratch, and the head (final norm, logits). [`activation_bytes`] states the sizes.
+
+use crate::{MlpIdx, Model};
+use ganymede_config::{AcMode, ModelConfig};
+use ganymede_core::{Backend, Category, Tensor};
+
+/// Host-side routing of one MoE layer (integer data a GPU backend would upload).
+pub(crate) struct Routing {
+    /// `[N, k]` chosen experts, best first.
+    pub idx: Vec<u32>,
+    /// `[N*k]` token of each dispatched row (rows grouped by expert, tokens in order).
+    pub src: Vec<u32>,
+    /// `[N, k]` dispatched row of each (token, choice).
+    pub pos: Vec<u32>,
+    pub counts: Vec<usize>,
+    /// `[E+1]` first dispatched row of each expert.
+    pub offsets: Vec<usize>,
+    /// Sum over tokens of each expert's router probability.
+    pub psum: Vec<f64>,
+}
+
+impl Routing {
+    fn new(n: usize, e: usize, k: usize) -> Self {
+        Routing {
+            idx: vec![0; n * k],
+            src: vec![0; n * k],
+            pos: vec![0; n * k],
+            counts: vec![0; e],
+            offsets: vec![0; e + 1],
+            psum: vec![0.0; e],
+        }
+    }
+
+    /// Group the (token, choice) pairs by expert: fills counts, offsets, src, pos from idx.
+    pub fn dispatch(&mut self, k: usize) {
+        let e = self.counts.len();
+        self.counts.fill(0);
+        for &i in &self.idx {
+            self.counts[i as usize] += 1;
+        }
+        self.offsets[0] = 0;
+        for x in 0..e {
+            self.offsets[x + 1] = self.offsets[x] + self.counts[x];
+        }
+        let mut next = self.offsets[..e].to_vec();
+        for (tj, &i) in self.idx.iter().enumerate() {
+            let p = next[i as usize];
+            next[i as usize] += 1;
+            self.src[p] = (tj / k) as u32;
+            self.pos[tj] = p as u32;
+        }
+    }
+}
+
+/// Routed-expert internals: `[N, E]` probabilities, `[N, k]` weights, and per dispatched row
+/// the gathered input, gate, up, SwiGLU output and expert output.
+pub(crate) struct MoeActs {
+    pub probs: Tensor,
+    pub rw: Tensor,
+    pub xe: Tensor,
+    pub g: Tensor,
+    pub u: Tensor,
+    pub a: Tensor,
+    pub ye: Tensor,
+    pub r: Routing,
+}
+
+/// A SwiGLU every token runs (dense layer, or the stacked shared experts): `[N, width]`.
+pub(crate) struct FfnActs {
+    pub g: Tensor,
+    pub u: Tensor,
+    pub a: Tensor,
+}
+
+/// What one block keeps for its backward.
+pub(crate) struct BlockActs {
+    pub xn1: Tensor,
+    pub rstd1: Tensor,
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub qr: Tensor,
+    pub kr: Tensor,
+    pub rstdq: Tensor,
+    pub rstdk: Tensor,
+    pub att: Tensor,
+    pub lse: Tensor,
+    pub xmid: Tensor,
+    pub xn2: Tensor,
+    pub rstd2: Tensor,
+    pub moe: Option<MoeActs>,
+    pub ffn: Option<FfnActs>,
+}
+
+/// Gradient scratch, one set shared by all blocks.
+pub(crate) struct GradScratch {
+    /// Gradient of the residual stream at the current block boundary.
+    pub dres: Tensor,
+    /// Gradient of a norm's output.
+    pub dxn: Tensor,
+    pub datt: Tensor,
+    pub dqr: Tensor,
+    pub dq: Tensor,
+    pub dkr: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+    /// `[N, E]` router logits (forward) and their gradient (backward).
+    pub drl: Option<Tensor>,
+    pub drw: Option<Tensor>,
+    pub dye: Option<Tensor>,
+    pub da: Option<Tensor>,
+    pub dg: Option<Tensor>,
+    pub du: Option<Tensor>,
+    pub dxe: Option<Tensor>,
+    pub dfa: Option<Tensor>,
+    pub dfg: Option<Tensor>,
+    pub dfu: Option<Tensor>,
+}
+
+pub(crate) struct HeadActs {
+    pub xf: Tensor,
+    pub rstd: Tensor,
+    pub logits: Tensor,
+    pub lse: Tensor,
+}
+
+/// All activation memory of a step, allocated once for (model, batch, seq, mode).
+pub struct Workspace {
+    pub(crate) batch: usize,
+    pub(crate) seq: usize,
+    pub(crate) mode: AcMode,
+    /// Residual stream at block boundaries: `res[0]` embeddings, `res[l+1]` block `l`'s output.
+    pub(crate) res: Vec<Tensor>,
+    /// One set per layer (`None`) or one shared set (`Full`).
+    pub(crate) blocks: Vec<BlockActs>,
+    pub(crate) grads: GradScratch,
+    pub(crate) head: HeadActs,
+}
+
+/// Width of the every-token SwiGLU of layer `l` (0 if none).
+fn ffn_width(cfg: &ModelConfig, l: usize) -> usize {
+    if !cfg.is_moe_layer(l) {
+        cfg.dense_hidden
+    } else {
+        cfg.shared_experts * cfg.shared_hidden()
+    }
+}
+
+/// Element counts of the workspace's tensors, in allocation order: (what, elements). The one
+/// place sizes are decided; [`Workspace::new`] allocates exactly these.
+fn plan(cfg: &ModelConfig, n: usize, mode: AcMode) -> Vec<(&'static str, usize)> {
+    let (h, qd, kd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+    let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
+    let any_moe = cfg.layers > cfg.dense_layers;
+    let max_ffn = (0..cfg.layers)
+        .map(|l| ffn_width(cfg, l))
+        .max()
+        .unwrap_or(0);
+    let mut p = vec![];
+    for _ in 0..=cfg.layers {
+        p.push(("res", n * h));
+    }
+    // A set per layer, or one set sized for every layer kind.
+    let sets: Vec<(bool, usize)> = match mode {
+        AcMode::None => (0..cfg.layers)
+            .map(|l| (cfg.is_moe_layer(l), ffn_width(cfg, l)))
+            .collect(),
+        AcMode::Full => vec![(any_moe, max_ffn)],
+    };
+    for (moe, fw) in sets {
+        p.extend([
+            ("xn1", n * h),
+            ("rstd1", n),
+            ("q", n * qd),
+            ("k", n * kd),
+            ("v", n * kd),
+            ("qr", n * qd),
+            ("kr", n * kd),
+            ("rstdq", n * cfg.heads),
+            ("rstdk", n * cfg.kv_heads),
+            ("att", n * qd),
+            ("lse", n * cfg.heads),
+            ("xmid", n * h),
+            ("xn2", n * h),
+            ("rstd2", n),
+        ]);
+        if moe {
+            p.extend([
+                ("probs", n * e),
+                ("rw", n * k),
+                ("xe", n * k * h),
+                ("g", n * k * f),
+                ("u", n * k * f),
+                ("a", n * k * f),
+                ("ye", n * k * h),
+            ]);
+        }
+        if fw > 0 {
+            p.extend([("fg", n * fw), ("fu", n * fw), ("fa", n * fw)]);
+        }
+    }
+    p.extend([
+        ("dres", n * h),
+        ("dxn", n * h),
+        ("datt", n * qd),
+        ("dqr", n * qd),
+        ("dq", n * qd),
+        ("dkr", n * kd),
+        ("dk", n * kd),
+        ("dv", n * kd),
+    ]);
+    if any_moe {
+        p.extend([
+            ("drl", n * e),
+            ("drw", n * k),
+            ("dye", n * k * h),
+            ("da", n * k * f),
+            ("dg", n * k * f),
+            ("du", n * k * f),
+            ("dxe", n * k * h),
+        ]);
+    }
+    if max_ffn > 0 {
+        p.extend([
+            ("dfa", n * max_ffn),
+            ("dfg", n * max_ffn),
+            ("dfu", n * max_ffn),
+        ]);
+    }
+    p.extend([
+        ("xf", n * h),
+        ("rstdf", n),
+        ("logits", n * cfg.vocab_size),
+        ("lse_ce", n),
+    ]);
+    p
+}
+
+/// Bytes of `Category::Activations` a [`Workspace`] allocates in f32 (twice that on the f64
+/// checking backend). With N = batch·seq tokens, H hidden, Q = heads·head_dim,
+/// K = kv_heads·head_dim, E experts, k top-k, F expert hidden, W_l the width of layer l's
+/// every-token SwiGLU (dense hidden, or shared experts × shared hidden; 0 if none), V vocab:
+///
+/// ```text
+/// 4 · N · [ (L+1)·H                                   residual stream at block boundaries
+///         + Σ_sets (3H + 3Q + 3K + 2·heads + kv_heads + 2)        attention-side internals
+///                  + [moe] (E + k + 2kH + 3kF) + 3·W_set           MLP internals
+///         + 2H + 3Q + 3K + [any MoE](E + k + 2kH + 3kF) + 3·max W  gradient scratch
+///         + H + V + 2 ]                                           final norm and logits
+/// ```
+///
+/// where the sets are every layer (`AcMode::None`, each with its own kind) or one set sized
+/// for all layers (`AcMode::Full`: an MoE set if any layer is MoE, `W_set = max W`).
+pub fn activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
+    plan(cfg, batch * seq, mode)
+        .iter()
+        .map(|(_, n)| 4 * *n as u64)
+        .sum()
+}
+
+impl Workspace {
+    pub fn new(
+        be: &dyn Backend,
+        model: &Model,
+        batch: usize,
+        seq: usize,
+        mode: AcMode,
+    ) -> Workspace {
+        let cfg = model.config();
+        let n = batch * seq;
+        let sizes = plan(cfg, n, mode);
+        let mut it = sizes.iter();
+        let mut t = |name: &str| {
+            let (what, len) = it.next().expect("workspace plan exhausted");
+            assert_eq!(*what, name, "workspace plan order");
+            be.zeros(&[*len], Category::Activations)
+        };
+        let res = (0..=cfg.layers).map(|_| t("res")).collect();
+        let sets: Vec<(bool, usize)> = match mode {
+            AcMode::None => (0..cfg.layers)
+                .map(|l| (cfg.is_moe_layer(l), ffn_width(cfg, l)))
+                .collect(),
+            AcMode::Full => vec![(
+                cfg.layers > cfg.dense_layers,
+                (0..cfg.layers)
+                    .map(|l| ffn_width(cfg, l))
+                    .max()
+                    .unwrap_or(0),
+            )],
+        };
+        let mut blocks = vec![];
+        for (moe, fw) in sets {
+            let mut b = BlockActs {
+                xn1: t("xn1"),
+                rstd1: t("rstd1"),
+                q: t("q"),
+                k: t("k"),
+                v: t("v"),
+                qr: t("qr"),
+                kr: t("kr"),
+                rstdq: t("rstdq"),
+                rstdk: t("rstdk"),
+                att: t("att"),
+                lse: t("lse"),
+                xmid: t("xmid"),
+                xn2: t("xn2"),
+                rstd2: t("rstd2"),
+                moe: None,
+                ffn: None,
+            };
+            if moe {
+                b.moe = Some(MoeActs {
+                    probs: t("probs"),
+                    rw: t("rw"),
+                    xe: t("xe"),
+                    g: t("g"),
+                    u: t("u"),
+                    a: t("a"),
+                    ye: t("ye"),
+                    r: Routing::new(n, cfg.experts, cfg.top_k),
+                });
+            }
+            if fw > 0 {
+                b.ffn = Some(FfnActs {
+                    g: t("fg"),
+                    u: t("fu"),
+                    a: t("fa"),
+                });
+            }
+            blocks.push(b);
+        }
+        let any_moe = model
+            .layers
+            .iter()
+            .any(|l| matches!(l.mlp, MlpIdx::Moe { .. }));
+        let any_ffn = (0..cfg.layers).any(|l| ffn_width(cfg, l) > 0);
+        let mut grads = GradScratch {
+            dres: t("dres"),
+            dxn: t("dxn"),
+            datt: t("datt"),
+            dqr: t("dqr"),
+            dq: t("dq"),
+            dkr: t("dkr"),
+            dk: t("dk"),
+            dv: t("dv"),
+            drl: None,
+            drw: None,
+            dye: None,
+            da: None,
+            dg: None,
+            du: None,
+            dxe: None,
+            dfa: None,
+            dfg: None,
+            dfu: None,
+        };
+        if any_moe {
+            grads.drl = Some(t("drl"));
+            grads.drw = Some(t("drw"));
+            grads.dye = Some(t("dye"));
+            grads.da = Some(t("da"));
+            grads.dg = Some(t("dg"));
+            grads.du = Some(t("du"));
+            grads.dxe = Some(t("dxe"));
+        }
+        if any_ffn {
+            grads.dfa = Some(t("dfa"));
+            grads.dfg = Some(t("dfg"));
+            grads.dfu = Some(t("dfu"));
+        }
+        let head = HeadActs {
+            xf: t("xf"),
+            rstd: t("rstdf"),
+            logits: t("logits"),
+            lse: t("lse_ce"),
+        };
+        assert!(it.next().is_none(), "workspace plan not fully allocated");
+        Workspace {
+            batch,
+            seq,
+            mode,
+            res,
+            blocks,
+            grads,
+            head,
+        }
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+    pub fn mode(&self) -> AcMode {
+        self.mode
+    }
+    /// Bytes this workspace holds (equals [`activation_bytes`] for an f32 backend).
+    pub fn bytes(&self) -> u64 {
+        let mut total = 0u64;
+        let mut add = |t: &Tensor| total += t.bytes() as u64;
+        self.res.iter().for_each(&mut add);
+        for b in &self.blocks {
+            for t in [
+                &b.xn1, &b.rstd1, &b.q, &b.k, &b.v, &b.qr, &b.kr, &b.rstdq, &b.rstdk, &b.att,
+                &b.lse, &b.xmid, &b.xn2, &b.rstd2,
+            ] {
+                add(t);
+            }
+            if let Some(m) = &b.moe {
+                for t in [&m.probs, &m.rw, &m.xe, &m.g, &m.u, &m.a, &m.ye] {
+                    add(t);
+                }
+            }
+            if let Some(f) = &b.ffn {
+                for t in [&f.g, &f.u, &f.a] {
+                    add(t);
+                }
+            }
+        }
+        let g = &self.grads;
+        for t in [
+            &g.dres, &g.dxn, &g.datt, &g.dqr, &g.dq, &g.dkr, &g.dk, &g.dv,
+        ] {
+            add(t);
+        }
+        for t in [
+            &g.drl, &g.drw, &g.dye, &g.da, &g.dg, &g.du, &g.dxe, &g.dfa, &g.dfg, &g.dfu,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            add(t);
+        }
+        for t in [
+            &self.head.xf,
+            &self.head.rstd,
+            &self.head.logits,
+            &self.head.lse,
+        ] {
+            add(t);
+        }
+        total
+    }
+}
