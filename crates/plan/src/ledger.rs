@@ -1,33 +1,43 @@
 //! What a single-process CPU run's memory ledger should report, per category.
 //!
 //! World size 1, f32 everywhere, no sharding, no offload; one forward and backward over the whole
-//! batch (`training.batch_size` sequences of `model.seq_len` tokens) per step. `params`, `grads`
-//! and `optimizer` are exact; `activations` and `buffers` rest on the assumptions spelled out on
-//! [`ActivationTerms`], which the trainer should match term by term (or a test should skip them).
+//! batch (`training.batch_size` sequences of `model.seq_len` tokens, N = batch × seq) per step,
+//! with one activation workspace allocated up front (llm.c style).
+//!
+//! - `params`, `grads`: every parameter table entry, 4 bytes each (including the DeepSeek
+//!   selection bias `[E]` per MoE layer when `model.router_bias_update > 0`: it is a stored,
+//!   untrained buffer with a gradient slot).
+//! - `optimizer`: Muon one f32 momentum per Muon-handled parameter, AdamW two per parameter it
+//!   handles; the selection bias has none.
+//! - `activations`: the workspace, see [`ActivationTerms`].
+//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`].
 
 use crate::params::{self, Handler};
 use ganymede_config::{AcMode, JobConfig, OptimizerName};
 use serde::Serialize;
 
-/// The saved-for-backward tensors the prediction assumes, in bytes (f32), for N = batch × seq
-/// tokens, B sequences of T tokens.
+/// Newton–Schulz problems at most this many FLOPs run one per thread in parallel (each thread
+/// then has its own scratch); larger ones run alone. Mirrors the optimizer's constant.
+pub const PAR_MATRIX_MAX_FLOPS: f64 = 1.4e9;
+
+/// The activation workspace, in bytes (f32), with N tokens, H hidden, Q = heads·head_dim,
+/// K = kv_heads·head_dim, E experts, k top-k, F expert hidden, W a layer's every-token SwiGLU
+/// width (dense hidden in a dense layer, shared experts × shared hidden in an MoE layer), V vocab.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ActivationTerms {
-    /// Layer inputs `[N, H]`, one per layer (the checkpoint boundaries under full AC).
-    pub layer_inputs: f64,
-    /// One layer's internals, kept for every layer under `none`, for one layer (the one being
-    /// recomputed) under `full`:
-    ///   attention: norm output `[N,H]` + its rms `[N]`; q, k, v projections `[N, q+2kv]`;
-    ///   q and k after per-head norm and RoPE `[N, q+kv]` + their rms `[N, heads+kv_heads]`;
-    ///   softmax probabilities `[B, heads, T, T]`; attention context `[N, q]`; residual
-    ///   `[N,H]`; FFN norm output `[N,H]` + rms `[N]`;
-    ///   MoE layer: router logits and probabilities `[N, E]` x2; per routed (token, expert)
-    ///   pair the expert input `[N·k, H]`, gate, up and SwiGLU product `[N·k, F]` x3, expert
-    ///   output `[N·k, H]`; each shared expert gate, up, product `[N, Fs]` x3 and output `[N,H]`;
-    ///   dense layer: gate, up, product `[N, D]` x3.
-    /// This is the largest layer kind's set (MoE or dense).
-    pub layer_internals: f64,
-    /// Final norm output `[N,H]` + rms `[N]`, logits `[N,V]` and their gradient `[N,V]`.
+    /// The residual stream at the L + 1 block boundaries: 4·N·(L+1)·H.
+    pub boundaries: f64,
+    /// One layer's internals, 4·N·[3H + 3Q + 3K + 2·heads + kv_heads + 2 (norm outputs and rms,
+    /// q/k/v, q/k after norm and RoPE with their rms, attention output and log-sum-exp, residual)
+    /// + for an MoE layer E + k + 2kH + 3kF (router probabilities and weights, dispatched input,
+    /// gate, up, SwiGLU product, expert output) + 3W]. No `[T, T]` attention matrix is kept.
+    /// Under `none` there is one such set per layer (each its own kind); under `full` one set,
+    /// sized MoE if any layer is MoE and with the widest W.
+    pub layer_sets: f64,
+    /// Gradient scratch shared by all layers: 4·N·[2H + 3Q + 3K + (any MoE) E + k + 2kH + 3kF
+    /// + 3·max W].
+    pub grad_scratch: f64,
+    /// Final norm output and rms, logits and their log-sum-exp: 4·N·(H + V + 2).
     pub head: f64,
 }
 
@@ -36,73 +46,105 @@ pub struct ActivationTerms {
 pub struct CpuLedger {
     pub params: f64,
     pub grads: f64,
-    /// Muon: one f32 momentum per Muon-handled parameter; AdamW: two per parameter (including
-    /// the AdamW-handled rest under Muon).
     pub optimizer: f64,
-    /// `layer_inputs + layer_internals × (layers under none, 1 under full) + head`.
+    /// Sum of [`ActivationTerms`].
     pub activations: f64,
     pub activation_terms: ActivationTerms,
-    /// RoPE cos and sin tables `[T, head_dim/2]` each.
+    /// Muon scratch: one slot sized for every Muon matrix (the Nesterov output max r·c, two
+    /// max s² and one max s·l for Newton–Schulz, s ≤ l the sides), plus, when `threads` > 1,
+    /// min(threads, number of small matrices) − 1 more slots sized for the small ones
+    /// (NS FLOPs ≤ [`PAR_MATRIX_MAX_FLOPS`]). 0 under AdamW.
     pub buffers: f64,
 }
 
-pub fn predict_cpu_ledger(job: &JobConfig) -> CpuLedger {
+/// Predict the ledger of a CPU run of `job` with `threads` worker threads.
+pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     let m = &job.model;
     let ts = params::tensors(m);
     let total: u64 = ts.iter().map(|t| t.total()).sum();
-    let muon: u64 = ts
-        .iter()
-        .filter(|t| t.handler() == Handler::Muon)
-        .map(|t| t.total())
-        .sum();
-    let f = 4.0;
-    let optimizer = match job.optimizer.name {
-        OptimizerName::Muon => f * muon as f64 + 2.0 * f * (total - muon) as f64,
-        OptimizerName::Adamw => 2.0 * f * total as f64,
+    let muon_on = job.optimizer.name == OptimizerName::Muon;
+    let muon: u64 = if muon_on {
+        ts.iter()
+            .filter(|t| t.handler() == Handler::Muon)
+            .map(|t| t.total())
+            .sum()
+    } else {
+        0
     };
-    let b = job.training.batch_size as f64;
-    let t = m.seq_len as f64;
-    let n = b * t;
+    let moe_layers = m.layers - m.dense_layers.min(m.layers);
+    let bias = if m.router_bias_update > 0.0 {
+        (moe_layers * m.experts) as f64
+    } else {
+        0.0
+    };
+    let f = 4.0;
+    let optimizer = f * muon as f64 + 2.0 * f * (total - muon) as f64;
+
+    // Activation workspace.
+    let n = (job.training.batch_size * m.seq_len) as f64;
     let (h, q, kv) = (m.hidden as f64, m.q_dim() as f64, m.kv_dim() as f64);
     let (heads, kvh) = (m.heads as f64, m.kv_heads as f64);
     let (e, k, ff) = (m.experts as f64, m.top_k as f64, m.expert_hidden as f64);
-    let l = m.layers as f64;
-    let attn = n * (h + 1.0)
-        + n * (q + 2.0 * kv)
-        + n * (q + kv)
-        + n * (heads + kvh)
-        + b * heads * t * t
-        + n * q
-        + n * h
-        + n * (h + 1.0);
-    let moe = 2.0 * n * e
-        + n * k * h
-        + 3.0 * n * k * ff
-        + n * k * h
-        + m.shared_experts as f64 * (3.0 * n * m.shared_hidden() as f64 + n * h);
-    let dense = 3.0 * n * m.dense_hidden as f64;
-    let ffn = match (m.dense_layers > 0, m.dense_layers < m.layers) {
-        (true, true) => moe.max(dense),
-        (true, false) => dense,
-        _ => moe,
+    let width = |l: usize| -> f64 {
+        if m.is_moe_layer(l) {
+            (m.shared_experts * m.shared_hidden()) as f64
+        } else {
+            m.dense_hidden as f64
+        }
     };
-    let internals = f * (attn + ffn);
-    let inputs = f * l * n * h;
-    let head = f * (n * (h + 1.0) + 2.0 * n * m.vocab_size as f64);
-    let layers_kept = match job.activation_checkpoint.mode {
-        AcMode::Full => 1.0,
-        AcMode::None => l,
+    let max_w = (0..m.layers).map(width).fold(0.0, f64::max);
+    let any_moe = moe_layers > 0;
+    let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0;
+    let moe = e + k + 2.0 * k * h + 3.0 * k * ff;
+    let set = |is_moe: bool, w: f64| attn + if is_moe { moe } else { 0.0 } + 3.0 * w;
+    let sets: f64 = match job.activation_checkpoint.mode {
+        AcMode::None => (0..m.layers)
+            .map(|l| set(m.is_moe_layer(l), width(l)))
+            .sum(),
+        AcMode::Full => set(any_moe, max_w),
+    };
+    let scratch = 2.0 * h + 3.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w;
+    let terms = ActivationTerms {
+        boundaries: f * n * (m.layers as f64 + 1.0) * h,
+        layer_sets: f * n * sets,
+        grad_scratch: f * n * scratch,
+        head: f * n * (h + m.vocab_size as f64 + 2.0),
+    };
+
+    // Muon scratch.
+    let slot = |shapes: &[(u64, u64)]| -> f64 {
+        let rc = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
+        let ss = shapes
+            .iter()
+            .map(|&(r, c)| r.min(c).pow(2))
+            .max()
+            .unwrap_or(0);
+        let sl = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
+        f * (rc + 2 * ss + sl) as f64
+    };
+    let buffers = if muon_on && muon > 0 {
+        let mats: Vec<_> = ts.iter().filter(|t| t.handler() == Handler::Muon).collect();
+        let all: Vec<(u64, u64)> = mats.iter().map(|t| (t.rows, t.cols)).collect();
+        let small_mats: Vec<_> = mats
+            .iter()
+            .filter(|t| {
+                crate::plan::ns_flops(t.rows, t.cols, job.optimizer.ns_steps)
+                    <= PAR_MATRIX_MAX_FLOPS
+            })
+            .collect();
+        let small: Vec<(u64, u64)> = small_mats.iter().map(|t| (t.rows, t.cols)).collect();
+        let n_small: u64 = small_mats.iter().map(|t| t.count).sum();
+        let extra = (threads.max(1) as u64).min(n_small.max(1)) - 1;
+        slot(&all) + extra as f64 * slot(&small)
+    } else {
+        0.0
     };
     CpuLedger {
-        params: f * total as f64,
-        grads: f * total as f64,
+        params: f * (total as f64 + bias),
+        grads: f * (total as f64 + bias),
         optimizer,
-        activations: inputs + layers_kept * internals + head,
-        activation_terms: ActivationTerms {
-            layer_inputs: inputs,
-            layer_internals: internals,
-            head,
-        },
-        buffers: f * 2.0 * t * (m.head_dim as f64 / 2.0),
+        activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
+        activation_terms: terms,
+        buffers,
     }
 }

@@ -628,33 +628,52 @@ fn cpu_ledger_params_grads_optimizer_exact() {
     // tiny: 451,968 parameters, 417,792 of them Muon's: params and grads 4 bytes each;
     // optimizer 4·417,792 + 8·34,176 = 1,944,576 bytes (Muon), 8·451,968 (AdamW).
     let mut job = preset("tiny").unwrap();
-    let l = predict_cpu_ledger(&job);
+    let l = predict_cpu_ledger(&job, 1);
     assert_eq!(l.params, 4.0 * 451_968.0);
     assert_eq!(l.grads, 4.0 * 451_968.0);
     assert_eq!(l.optimizer, 1_944_576.0);
     job.optimizer.name = OptimizerName::Adamw;
-    assert_eq!(predict_cpu_ledger(&job).optimizer, 8.0 * 451_968.0);
+    let a = predict_cpu_ledger(&job, 1);
+    assert_eq!(a.optimizer, 8.0 * 451_968.0);
+    assert_eq!(a.buffers, 0.0);
+    // The DeepSeek selection bias adds [8] per MoE layer to params and grads, not to state.
+    job.model.router_bias_update = 0.001;
+    let b = predict_cpu_ledger(&job, 1);
+    assert_eq!(b.params, 4.0 * (451_968.0 + 16.0));
+    assert_eq!(b.optimizer, a.optimizer);
 }
 
 #[test]
 fn cpu_ledger_activations_by_checkpointing_mode() {
-    // tiny, batch 8 × 128 tokens: N = 1,024. Layer inputs 2 · 1,024 · 64 · 4 = 524,288 bytes;
-    // head: (N·(H+1) + 2·N·V)·4 = (66,560 + 524,288)·4 = 2,363,392.
+    // tiny, batch 8 × 128 tokens: N = 1,024; H = Q = 64, K = 32, 4/2 heads, E = 8, k = 2,
+    // F = 128, V = 256, no every-token SwiGLU (W = 0).
+    // boundaries 4·N·3·64 = 786,432.
+    // one set: attention 3·64 + 3·64 + 3·32 + 2·4 + 2 + 2 = 492, MoE 8 + 2 + 2·2·64 + 3·2·128
+    // = 1,034 → 1,526 floats per token → 4·N·1,526 = 6,250,496 (two sets under none).
+    // gradient scratch 2·64 + 3·64 + 3·32 + 1,034 = 1,450 → 5,939,200.
+    // head 4·N·(64 + 256 + 2) = 1,318,912.
     let mut job = preset("tiny").unwrap();
     job.activation_checkpoint.mode = AcMode::Full;
-    let full = predict_cpu_ledger(&job);
-    assert_eq!(full.activation_terms.layer_inputs, 524_288.0);
-    assert_eq!(full.activation_terms.head, 2_363_392.0);
-    // Internals of one layer (floats): attention N·65 + N·128 + N·96 + N·6 + 8·4·128·128
-    // + N·64 + N·64 + N·65 = 1,024·488 + 524,288 = 1,024,000; MoE 2·N·8 + N·2·64 + 3·N·2·128
-    // + N·2·64 = N·1,040 = 1,064,960. Sum 2,088,960 floats = 8,355,840 bytes.
-    assert_eq!(full.activation_terms.layer_internals, 8_355_840.0);
-    assert_eq!(full.activations, 524_288.0 + 8_355_840.0 + 2_363_392.0);
+    let full = predict_cpu_ledger(&job, 1);
+    let t = &full.activation_terms;
+    assert_eq!(t.boundaries, 786_432.0);
+    assert_eq!(t.layer_sets, 6_250_496.0);
+    assert_eq!(t.grad_scratch, 5_939_200.0);
+    assert_eq!(t.head, 1_318_912.0);
+    assert_eq!(full.activations, 14_295_040.0);
     job.activation_checkpoint.mode = AcMode::None;
-    let none = predict_cpu_ledger(&job);
-    assert_eq!(none.activations - full.activations, 8_355_840.0);
-    // RoPE tables: 2 · 128 · 8 floats.
-    assert_eq!(full.buffers, 2.0 * 128.0 * 8.0 * 4.0);
+    let none = predict_cpu_ledger(&job, 1);
+    assert_eq!(none.activations - full.activations, 6_250_496.0);
+}
+
+#[test]
+fn cpu_ledger_muon_scratch() {
+    // tiny's Muon matrices: 64×64, 32×64, 128×64, 64×128. Largest r·c 8,192, largest s² 4,096:
+    // one slot 4·(8,192 + 2·4,096 + 8,192) = 98,304 bytes. All 56 matrices are small (NS of
+    // 64×128: 5·(4·64²·128 + 2·64³) = 13,107,200 FLOPs), so two threads add one more slot.
+    let job = preset("tiny").unwrap();
+    assert_eq!(predict_cpu_ledger(&job, 1).buffers, 98_304.0);
+    assert_eq!(predict_cpu_ledger(&job, 2).buffers, 2.0 * 98_304.0);
 }
 
 #[test]
