@@ -27,15 +27,15 @@ pub const PAR_MATRIX_MAX_FLOPS: f64 = 1.4e9;
 pub struct ActivationTerms {
     /// The residual stream at the L + 1 block boundaries: 4·N·(L+1)·H.
     pub boundaries: f64,
-    /// One layer's internals, 4·N·[3H + 3Q + 3K + 2·heads + kv_heads + 2 (norm outputs and rms,
-    /// q/k/v, q/k after norm and RoPE with their rms, attention output and log-sum-exp, residual)
-    /// + for an MoE layer E + k + 2kH + 3kF (router probabilities and weights, dispatched input,
-    /// gate, up, SwiGLU product, expert output) + 3W]. No `[T, T]` attention matrix is kept.
-    /// Under `none` there is one such set per layer (each its own kind); under `full` one set,
-    /// sized MoE if any layer is MoE and with the widest W.
+    /// One layer's internals, 4·N·(3H + 3Q + 3K + 2·heads + kv_heads + 2 + M + 3W): norm
+    /// outputs and rms, q/k/v, q/k after norm and RoPE with their rms, attention output and
+    /// log-sum-exp, residual; M = E + k + 2kH + 3kF in an MoE layer (router probabilities and
+    /// weights, dispatched input, gate, up, SwiGLU product, expert output), else 0. No `[T, T]`
+    /// attention matrix is kept. Under `none` there is one such set per layer (each its own
+    /// kind); under `full` one set, sized MoE if any layer is MoE and with the widest W.
     pub layer_sets: f64,
-    /// Gradient scratch shared by all layers: 4·N·[2H + 3Q + 3K + (any MoE) E + k + 2kH + 3kF
-    /// + 3·max W].
+    /// Gradient scratch shared by all layers: 4·N·(2H + 3Q + 3K + M + 3·max W), with M as
+    /// above if any layer is MoE.
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp: 4·N·(H + V + 2).
     pub head: f64,
