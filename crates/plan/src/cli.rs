@@ -57,8 +57,10 @@ pub struct PlanArgs {
     /// Cluster preset (jupiter, dgx-h100, dgx-h200, local) or cluster TOML file.
     #[arg(long, value_name = "NAME|FILE", default_value = "local")]
     pub cluster: String,
+    /// Nodes (default: the FSDP degree over the node size, else the cluster's).
     #[arg(long)]
     pub nodes: Option<usize>,
+    /// GPUs per node (default: the cluster's).
     #[arg(long)]
     pub gpus_per_node: Option<usize>,
     /// FSDP degree (must equal nodes x GPUs per node).
@@ -67,6 +69,7 @@ pub struct PlanArgs {
     /// Expert-parallel degree.
     #[arg(long)]
     pub ep: Option<usize>,
+    /// Tokens per sequence (default: model.seq_len).
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Sequences per GPU per forward/backward.
@@ -84,6 +87,7 @@ pub struct PlanArgs {
     /// FSDP CPU offload of parameter shards, gradients and optimizer state.
     #[arg(long)]
     pub param_offload: bool,
+    /// Muon (+ AdamW for router, embeddings, norms) or AdamW everywhere (default: the job's).
     #[arg(long, value_enum)]
     pub optimizer: Option<OptimizerArg>,
     /// Muon placement: naive gather-to-one-rank, or FlexShard.
@@ -289,5 +293,17 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
 
 /// Parse `args` (without the program name) as `plan`'s flags and run.
 pub fn run_cli(args: &[String]) -> anyhow::Result<()> {
-    run(PlanArgs::parse_flags(args)?)
+    match PlanArgs::parse_flags(args) {
+        Ok(a) => run(a),
+        Err(e)
+            if matches!(
+                e.kind(),
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
+            ) =>
+        {
+            e.print()?;
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
 }

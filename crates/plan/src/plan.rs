@@ -166,8 +166,9 @@ pub enum PlanError {
         value: String,
         reason: &'static str,
     },
-    #[error("a sequence of {seq_len} tokens (x {micro_batch} per microbatch) cannot be held: even with full checkpointing, every boundary activation and all parameter state offloaded, one GPU needs {need_gib:.1} GiB of {have_gib:.1} GiB")]
+    #[error("a sequence of {seq_len} tokens (x {micro_batch} per microbatch) cannot be held on {cluster}: even with full checkpointing, every boundary activation and all parameter state offloaded, one GPU needs {need_gib:.1} GiB of {have_gib:.1} GiB")]
     SequenceTooLong {
+        cluster: String,
         seq_len: usize,
         micro_batch: usize,
         need_gib: f64,
@@ -324,6 +325,11 @@ pub struct StepTime {
     pub all_to_all_s: f64,
     /// FSDP traffic alone, on its bottleneck link.
     pub fsdp_comm_s: f64,
+    /// Each link's bytes at its achieved rate, as if nothing else ran.
+    pub ib_s: f64,
+    pub nvlink_s: f64,
+    pub d2h_s: f64,
+    pub h2d_s: f64,
     /// Forward and backward with overlap (each layer takes the longer of its compute path and
     /// its communication path), all microbatches.
     pub forward_s: f64,
@@ -507,6 +513,7 @@ pub fn plan(
     let lean = evaluate(job, cluster, layout, &frugal, opt);
     if lean.memory.gpu_total > lean.memory.gpu_capacity {
         return Err(PlanError::SequenceTooLong {
+            cluster: cluster.name.clone(),
             seq_len: layout.seq_len,
             micro_batch: layout.micro_batch,
             need_gib: lean.memory.gpu_total / GIB,
@@ -913,6 +920,10 @@ fn evaluate(
         compute_s,
         all_to_all_s,
         fsdp_comm_s,
+        ib_s: ib_step / ib_rate,
+        nvlink_s: nv_step / nv_rate,
+        d2h_s: d2h / cluster.links.d2h_bytes_per_s,
+        h2d_s: h2d / cluster.links.h2d_bytes_per_s,
         forward_s,
         backward_s,
         exposed_comm_s: mf * exposed,

@@ -279,6 +279,17 @@ pub fn table(p: &Plan) -> String {
         secs(t.all_to_all_s),
     );
     w(&mut s, "FSDP traffic alone", secs(t.fsdp_comm_s));
+    w(
+        &mut s,
+        "per link: IB / NVLink / D2H / H2D",
+        format!(
+            "{} / {} / {} / {}",
+            secs(t.ib_s),
+            secs(t.nvlink_s),
+            secs(t.d2h_s),
+            secs(t.h2d_s)
+        ),
+    );
     w(&mut s, "forward (overlapped)", secs(t.forward_s));
     w(&mut s, "backward (overlapped)", secs(t.backward_s));
     w(
