@@ -619,6 +619,20 @@ fn sweep_ranks_fitting_layouts_by_throughput() {
         .all(|w| w[0].tokens_per_s_per_gpu >= w[1].tokens_per_s_per_gpu));
     // Nothing without checkpointing fits at this scale.
     assert!(entries.iter().all(|e| e.ac == AcMode::Full));
+    // The fastest is the write-up's own layout: EP 4 inside the node, 65,536 tokens, parameter
+    // offload, at the smallest offload fraction that fits (54 of 74 layers).
+    let best = &entries[0];
+    assert_eq!(
+        (best.ep, best.seq_len, best.param_offload),
+        (4, 65_536, true)
+    );
+    assert!((best.offload_fraction - 54.0 / 74.0).abs() < 1e-9);
+    let json = crate::cli::output(
+        &PlanArgs::parse_flags(&["--preset", "tiny", "--sweep", "--json"]).unwrap(),
+    )
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(v.as_array().is_some_and(|a| !a.is_empty()));
 }
 
 // ---------------------------------------------------------------- the CPU ledger
