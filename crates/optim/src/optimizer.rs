@@ -69,6 +69,8 @@ pub struct Optimizer {
     rules: Vec<Rule>,
     /// `slots[0]` fits every Muon matrix; the others only those that run in parallel.
     slots: Vec<Slot>,
+    /// Spread small matrices across threads (see [`PAR_MATRIX_MAX_FLOPS`]).
+    matrix_parallel: bool,
     step: u64,
 }
 
@@ -154,6 +156,7 @@ impl Optimizer {
             names: specs.iter().map(|s| s.name.clone()).collect(),
             rules,
             slots,
+            matrix_parallel: true,
             step: 0,
         }
     }
@@ -248,29 +251,31 @@ impl Optimizer {
         for item in large {
             run(item, &mut self.slots[0]);
         }
-        if self.slots.len() == 1 || small.len() == 1 {
+        if self.slots.len() == 1 || small.len() == 1 || !self.matrix_parallel {
             for item in small {
                 run(item, &mut self.slots[0]);
             }
             return;
         }
-        // Longest first, each to the least-loaded slot: balanced bins of whole matrices.
+        // One task per slot, each taking the largest matrix left until none are: dynamic, so a
+        // thread slowed by another process simply does fewer matrices. Results do not depend on
+        // which slot runs a matrix (scratch is fully overwritten).
         let mut small = small;
-        small.sort_by_key(|it| std::cmp::Reverse(ns_flops(it.rows, it.cols, steps)));
-        let mut bins: Vec<(u64, Vec<Item>)> =
-            (0..self.slots.len()).map(|_| (0, Vec::new())).collect();
-        for item in small {
-            let bin = bins.iter_mut().min_by_key(|(load, _)| *load).unwrap();
-            bin.0 += ns_flops(item.rows, item.cols, steps);
-            bin.1.push(item);
-        }
-        bins.into_par_iter()
-            .zip(self.slots.par_iter_mut())
-            .for_each(|((_, bin), slot)| {
-                for item in bin {
-                    run(item, slot);
-                }
-            });
+        small.sort_by_key(|it| ns_flops(it.rows, it.cols, steps));
+        let queue = std::sync::Mutex::new(small);
+        self.slots.par_iter_mut().for_each(|slot| loop {
+            let item = queue.lock().unwrap().pop();
+            match item {
+                Some(item) => run(item, slot),
+                None => break,
+            }
+        });
+    }
+
+    /// Whether small Muon matrices run whole on separate threads (default) or one after another
+    /// with each GEMM split across threads. Same results either way; for benchmarks.
+    pub fn set_matrix_parallel(&mut self, on: bool) {
+        self.matrix_parallel = on;
     }
 
     /// Optimizer state for checkpoints, in parameter order: `<param>.muon_momentum` for Muon

@@ -439,3 +439,51 @@ fn convex_least_squares_converges() {
         assert!(last < 1e-3 * first, "{name:?}: loss {first} -> {last}");
     }
 }
+
+/// Spreading matrices across threads changes nothing: same bits as one after another, and the
+/// same bits again on a different thread count (each matrix's arithmetic does not depend on
+/// which thread or scratch slot runs it, nor on how a GEMM's output is split across threads).
+#[test]
+fn parallel_and_sequential_muon_agree_bitwise() {
+    // Big enough that the blas splits these GEMMs across threads.
+    let mut specs = specs();
+    specs.push(ParamSpec::new("big", &[96, 160], ParamKind::Matrix));
+    specs.push(ParamSpec::new(
+        "big_experts",
+        &[4, 160, 96],
+        ParamKind::Experts,
+    ));
+    let mut rng = Rng::new(14);
+    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
+    let gs: Vec<Vec<Vec<f64>>> = (0..3)
+        .map(|_| specs.iter().map(|s| rng.normals(s.numel())).collect())
+        .collect();
+    let be = CpuBackend::default();
+    let run = |threads: usize, parallel: bool| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut params = store(&be, &specs, &init, Category::Params);
+            let mut opt = Optimizer::new(&be, &cfg(OptimizerName::Muon), &specs);
+            opt.set_matrix_parallel(parallel);
+            for g in &gs {
+                opt.step(
+                    &be,
+                    &mut params,
+                    &store(&be, &specs, g, Category::Grads),
+                    0.02,
+                );
+            }
+            params
+                .tensors()
+                .iter()
+                .map(|t| be.download(t.v()))
+                .collect::<Vec<_>>()
+        })
+    };
+    let reference = run(1, false);
+    assert!(reference == run(3, true));
+    assert!(reference == run(3, false));
+}
