@@ -501,7 +501,22 @@ pub fn plan(
     opt: &OptimizerSetup,
 ) -> Result<Plan, PlanError> {
     check(job, layout, policy)?;
-    let core = evaluate(job, cluster, layout, policy, opt);
+    let mut core = evaluate(job, cluster, layout, policy, opt);
+    if !core.fits && !policy.param_offload {
+        // Say whether moving the state to the host would make it fit.
+        let with = MemoryPolicy {
+            param_offload: true,
+            ..policy.clone()
+        };
+        let alt = evaluate(job, cluster, layout, &with, opt);
+        match (policy.ac, alt.fits, alt.memory.min_offload_fraction) {
+            (_, true, _) => core.verdict.push_str("; with --param-offload it fits"),
+            (AcMode::Full, false, Some(f)) => core.verdict.push_str(&format!(
+                "; with --param-offload it fits from offload fraction {f:.3}"
+            )),
+            _ => {}
+        }
+    }
     // A sequence the model cannot hold: the most frugal policy still overflows the GPU.
     let frugal = MemoryPolicy {
         ac: AcMode::Full,

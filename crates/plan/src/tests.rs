@@ -311,6 +311,23 @@ fn no_checkpointing_at_65536_does_not_fit_on_jupiter() {
 }
 
 #[test]
+fn without_parameter_offload_the_verdict_points_to_it() {
+    // fp32 master, gradient and Muon shards (3 × ~9.9 GB) on the GPU leave no room at 65,536.
+    let job = europa();
+    let (l, mut pol, o) = final_setup(&job, 0.0);
+    pol.param_offload = false;
+    let p = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert!(!p.fits);
+    assert!(p.memory.min_offload_fraction.is_none());
+    assert!(
+        p.verdict
+            .ends_with("with --param-offload it fits from offload fraction 0.730"),
+        "{}",
+        p.verdict
+    );
+}
+
+#[test]
 fn adamw_needs_twice_the_state() {
     let job = europa();
     let (l, pol, mut o) = final_setup(&job, 1.0);
