@@ -16,6 +16,7 @@ mod builtin;
 mod corpus;
 mod dataset;
 mod debian;
+mod fast_bpe;
 mod rng;
 mod tokenizer;
 mod tokens;

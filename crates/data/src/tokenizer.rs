@@ -1,12 +1,15 @@
 //! Tokenizers behind one trait: the built-in byte-level one (id = byte value), any Hugging Face
 //! `tokenizer.json`, and byte-level BPE training that writes such a file.
 
+use crate::fast_bpe::{byte_to_char, FastBpe, Pretokenizer};
 use anyhow::{anyhow, bail, Context, Result};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{TokenizerBuilder, TokenizerImpl};
+use tokenizers::{TokenizerBuilder, TokenizerImpl, Trainer};
 
 /// What the trainer, `eval` and `generate` need from a tokenizer.
 pub trait Tokenizer: Send + Sync {
@@ -65,16 +68,20 @@ impl Tokenizer for ByteTokenizer {
 #[derive(Clone)]
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer's fast path, when it is plain GPT-2-style byte-level BPE.
+    fast: Option<Arc<FastBpe>>,
     vocab_size: usize,
     origin: String,
 }
 
-/// Inputs longer than this are encoded in pieces, in parallel. Pieces are cut only after a newline
-/// that is followed by a non-space character, where byte-level pre-tokenisation splits anyway.
+/// Inputs longer than this are encoded in pieces, in parallel.
 const PIECE_BYTES: usize = 64 << 10;
 
-/// Split text into pieces of about `PIECE_BYTES` at boundaries that do not change byte-level BPE's
-/// pre-tokenisation (see [`PIECE_BYTES`]).
+/// Split text into pieces of about `PIECE_BYTES`, cut only after a newline that has a
+/// non-whitespace character on both sides. There GPT-2-style pre-tokenisation splits anyway (the
+/// newline is a pre-token of its own), so byte-level BPE gives the same ids piece by piece.
+/// Tokenizers that mark the start of input (SentencePiece's "▁" prefix) see one extra start per
+/// piece, once per 64 KiB.
 pub(crate) fn pieces(text: &str) -> Vec<&str> {
     let b = text.as_bytes();
     let mut out = Vec::new();
@@ -83,7 +90,14 @@ pub(crate) fn pieces(text: &str) -> Vec<&str> {
         let mut cut = b.len();
         let mut i = start + PIECE_BYTES;
         while i < b.len() {
-            if b[i - 1] == b'\n' && !b[i].is_ascii_whitespace() {
+            if b[i - 1] == b'\n'
+                && !b[i].is_ascii_whitespace()
+                && text[..i - 1]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| !c.is_whitespace())
+                && text.is_char_boundary(i)
+            {
                 cut = i;
                 break;
             }
@@ -120,11 +134,35 @@ impl HfTokenizer {
             .map(|&id| id as usize + 1)
             .max()
             .unwrap_or(0);
+        let fast = inner
+            .to_string(false)
+            .ok()
+            .and_then(|j| serde_json::from_str(&j).ok())
+            .and_then(|v| FastBpe::from_json(&v))
+            .map(Arc::new);
         Self {
             inner,
+            fast,
             vocab_size,
             origin,
         }
+    }
+
+    /// Ids from the `tokenizers` crate itself, bypassing the fast path (for comparisons).
+    pub fn encode_with_tokenizers_crate(&self, text: &str) -> Result<Vec<u32>> {
+        let encodings = self
+            .inner
+            .encode_batch_fast(pieces(text), false)
+            .map_err(|e| anyhow!("{} failed to encode: {e}", self.origin))?;
+        Ok(encodings
+            .iter()
+            .flat_map(|e| e.get_ids().iter().copied())
+            .collect())
+    }
+
+    /// Whether encoding takes the fast byte-level BPE path (else the `tokenizers` crate's).
+    pub fn is_fast(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Write `tokenizer.json` (pretty-printed, as Hugging Face tools write it).
@@ -143,15 +181,10 @@ impl HfTokenizer {
 impl Tokenizer for HfTokenizer {
     fn encode_bytes(&self, bytes: &[u8]) -> Result<Vec<u32>> {
         let text = String::from_utf8_lossy(bytes);
-        let parts = pieces(&text);
-        let encodings = self
-            .inner
-            .encode_batch(parts, false)
-            .map_err(|e| anyhow!("{} failed to encode: {e}", self.origin))?;
-        Ok(encodings
-            .iter()
-            .flat_map(|e| e.get_ids().iter().copied())
-            .collect())
+        match &self.fast {
+            Some(f) => Ok(f.encode(&text)),
+            None => self.encode_with_tokenizers_crate(&text),
+        }
     }
 
     fn decode(&self, ids: &[u32]) -> String {
@@ -193,30 +226,35 @@ where
         .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build();
-    let byte_level = ByteLevel::default()
-        .add_prefix_space(false)
-        .trim_offsets(false);
-    let mut tk: TokenizerImpl<
-        BPE,
-        tokenizers::NormalizerWrapper,
-        ByteLevel,
-        ByteLevel,
-        ByteLevelDecoder,
-    > = TokenizerBuilder::new()
-        .with_model(BPE::default())
-        .with_normalizer(None)
-        .with_pre_tokenizer(Some(byte_level))
-        .with_post_processor(Some(byte_level))
-        .with_decoder(Some(ByteLevelDecoder::default()))
-        .build()
-        .map_err(|e| anyhow!("cannot build BPE tokenizer: {e}"))?;
+    // Count pre-tokens here (the crate's own pipeline allocates per split and is several times
+    // slower), spelled in the byte-level alphabet as `ByteLevel` would hand them to the trainer.
     let texts: Vec<S> = texts.into_iter().collect();
-    let sequences: Vec<&str> = texts.iter().flat_map(|t| pieces(t.as_ref())).collect();
-    if sequences.iter().all(|s| s.is_empty()) {
+    let pre = Pretokenizer::new();
+    let mut counts: HashMap<&str, u64> = HashMap::new();
+    for t in &texts {
+        pre.for_each_word(t.as_ref(), |w| *counts.entry(w).or_default() += 1);
+    }
+    if counts.is_empty() {
         bail!("cannot train a BPE tokenizer on empty text");
     }
-    tk.train(&mut trainer, sequences.into_iter())
+    let chars = byte_to_char();
+    let spelled: HashMap<String, u64> = counts
+        .into_iter()
+        .map(|(w, c)| (w.bytes().map(|b| chars[b as usize]).collect(), c))
+        .collect();
+    let mut words: Vec<&String> = spelled.keys().collect();
+    words.sort();
+    // The trainer counts what `process` returns: each distinct word, as often as it occurs.
+    trainer
+        .feed(words.into_iter(), |w| {
+            Ok(vec![w.to_owned(); spelled[w] as usize])
+        })
         .map_err(|e| anyhow!("BPE training failed: {e}"))?;
+    let mut model = BPE::default();
+    trainer
+        .train(&mut model)
+        .map_err(|e| anyhow!("BPE training failed: {e}"))?;
+    let tk = byte_level_tokenizer(model)?;
     let tk: tokenizers::Tokenizer = tk.into();
     // Round-trip through JSON so the tokenizer we hand back is exactly what a reader of the saved
     // file gets.
@@ -230,6 +268,25 @@ where
         tk,
         format!("byte-level BPE ({vocab_size} asked)"),
     ))
+}
+
+/// A GPT-2-style byte-level tokenizer around a BPE model: no normalizer, GPT-2 regex, no prefix
+/// space.
+fn byte_level_tokenizer(
+    model: BPE,
+) -> Result<TokenizerImpl<BPE, tokenizers::NormalizerWrapper, ByteLevel, ByteLevel, ByteLevelDecoder>>
+{
+    let byte_level = ByteLevel::default()
+        .add_prefix_space(false)
+        .trim_offsets(false);
+    TokenizerBuilder::new()
+        .with_model(model)
+        .with_normalizer(None)
+        .with_pre_tokenizer(Some(byte_level))
+        .with_post_processor(Some(byte_level))
+        .with_decoder(Some(ByteLevelDecoder::default()))
+        .build()
+        .map_err(|e| anyhow!("cannot build BPE tokenizer: {e}"))
 }
 
 /// What `ganymede tokenizer train` reports.
@@ -330,15 +387,20 @@ mod tests {
 
     #[test]
     fn pieces_cover_the_text_and_cut_only_after_newlines() {
-        let line = "word ".repeat(30) + "\n";
-        let text = line.repeat(2000) + "  indented\n" + &line;
+        let line = "word ".repeat(30) + "word\n";
+        // Whitespace next to a newline is never cut: "word \n" and "\n  indented" have none.
+        let text = line.repeat(2000) + "  indented\n" + &"word \n".repeat(20000) + "end\n" + &line;
         let p = pieces(&text);
         assert!(p.len() > 1);
         assert_eq!(p.concat(), text);
         for w in p.windows(2) {
-            assert!(w[0].ends_with('\n'));
+            assert!(w[0].ends_with("d\n"), "{:?}", &w[0][w[0].len() - 5..]);
             assert!(!w[1].starts_with(|c: char| c.is_whitespace()));
         }
+        assert!(
+            p.iter().any(|x| x.len() > 120_000),
+            "the uncuttable stretch stays whole"
+        );
     }
 
     #[test]
@@ -373,6 +435,28 @@ mod tests {
         assert_eq!(json["model"]["type"], "BPE");
         assert_eq!(json["pre_tokenizer"]["type"], "ByteLevel");
         assert_eq!(json["decoder"]["type"], "ByteLevel");
+    }
+
+    #[test]
+    fn bpe_training_matches_the_tokenizers_crate_pipeline() {
+        let mut text = String::from_utf8(crate::builtin_corpus(60_000, 4)).unwrap();
+        text.push_str(&SAMPLE.repeat(30));
+        text.push_str("  \n\n   x\t\t y  's 12 345 \u{3000}z \u{a0} ");
+        let ours = train_bpe([&text], 600).unwrap();
+        // The same training through the crate's own pre-tokenising and counting.
+        let mut trainer = BpeTrainerBuilder::new()
+            .vocab_size(600)
+            .min_frequency(2)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .build();
+        let mut tk = byte_level_tokenizer(BPE::default()).unwrap();
+        tk.train(&mut trainer, pieces(&text).into_iter()).unwrap();
+        let theirs: tokenizers::Tokenizer = tk.into();
+        assert_eq!(
+            ours.inner().to_string(false).unwrap(),
+            theirs.to_string(false).unwrap()
+        );
     }
 
     #[test]
