@@ -29,6 +29,12 @@ const RED_ROWS: usize = 64;
 pub(crate) struct Ptr<S>(pub(crate) *mut S);
 unsafe impl<S> Send for Ptr<S> {}
 unsafe impl<S> Sync for Ptr<S> {}
+impl<S> Ptr<S> {
+    /// Through a method, so closures capture the whole (Send) wrapper, not the raw field.
+    pub(crate) fn get(self) -> *mut S {
+        self.0
+    }
+}
 
 fn s<S: Scalar>(x: f64) -> S {
     S::of_f64(x)
@@ -101,14 +107,12 @@ fn rms_row_backward<S: Scalar>(dx: &mut [S], dw: &mut [S], dy: &[S], x: &[S], w:
 
 #[allow(clippy::too_many_arguments)]
 fn rmsnorm_backward<S: Scalar>(dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T, dim: usize) {
-    let (dx, dw, dout, x, w, rstd): (&mut [S], &mut [S], &[S], &[S], &[S], &[S]) = (
-        dx.host(),
-        dw.host(),
-        dout.host(),
-        x.host(),
-        w.host(),
-        rstd.host(),
-    );
+    let dx: &mut [S] = dx.host();
+    let dw: &mut [S] = dw.host();
+    let dout: &[S] = dout.host();
+    let x: &[S] = x.host();
+    let w: &[S] = w.host();
+    let rstd: &[S] = rstd.host();
     let partials: Vec<Vec<S>> = dx
         .par_chunks_mut(RED_ROWS * dim)
         .enumerate()
@@ -211,14 +215,12 @@ fn head_norm_rope_backward<S: Scalar>(
     pos0: usize,
     theta: f64,
 ) {
-    let (dx, dw, dout, x, w, rstd): (&mut [S], &mut [S], &[S], &[S], &[S], &[S]) = (
-        dx.host(),
-        dw.host(),
-        dout.host(),
-        x.host(),
-        w.host(),
-        rstd.host(),
-    );
+    let dx: &mut [S] = dx.host();
+    let dw: &mut [S] = dw.host();
+    let dout: &[S] = dout.host();
+    let x: &[S] = x.host();
+    let w: &[S] = w.host();
+    let rstd: &[S] = rstd.host();
     let row = heads * hd;
     let half = hd / 2;
     let partials: Vec<Vec<S>> = dx
@@ -281,13 +283,11 @@ fn swiglu_forward<S: Scalar>(out: TMut, gate: T, up: T) {
 }
 
 fn swiglu_backward<S: Scalar>(dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
-    let (dg, du, dout, gate, up): (&mut [S], &mut [S], &[S], &[S], &[S]) = (
-        dgate.host(),
-        dup.host(),
-        dout.host(),
-        gate.host(),
-        up.host(),
-    );
+    let dg: &mut [S] = dgate.host();
+    let du: &mut [S] = dup.host();
+    let dout: &[S] = dout.host();
+    let gate: &[S] = gate.host();
+    let up: &[S] = up.host();
     dg.par_chunks_mut(EW_CHUNK)
         .zip(du.par_chunks_mut(EW_CHUNK))
         .zip(dout.par_chunks(EW_CHUNK))
@@ -478,8 +478,11 @@ fn moe_combine_backward<S: Scalar>(
     k: usize,
     dim: usize,
 ) {
-    let (dye, dw, dout, ye, w): (&mut [S], &mut [S], &[S], &[S], &[S]) =
-        (dye.host(), dw.host(), dout.host(), ye.host(), w.host());
+    let dye: &mut [S] = dye.host();
+    let dw: &mut [S] = dw.host();
+    let dout: &[S] = dout.host();
+    let ye: &[S] = ye.host();
+    let w: &[S] = w.host();
     assert_eq!(dye.len(), pos.len() * dim);
     assert!(pos.iter().all(|&p| (p as usize) < pos.len()));
     let dyep = Ptr(dye.as_mut_ptr());
@@ -489,14 +492,13 @@ fn moe_combine_backward<S: Scalar>(
         .zip(dout.par_chunks(dim))
         .with_min_len(min_rows(dim * k))
         .for_each(|(((dw, ps), ws), d)| {
-            let dyep = dyep;
             for j in 0..k {
                 let p = ps[j] as usize;
                 let y = &ye[p * dim..(p + 1) * dim];
                 dw[j] = d.iter().zip(y).map(|(&a, &b)| a * b).sum();
                 // Safety: `pos` is a permutation of the dispatched rows (each written once) and
                 // was bounds-checked above.
-                let dy = unsafe { std::slice::from_raw_parts_mut(dyep.0.add(p * dim), dim) };
+                let dy = unsafe { std::slice::from_raw_parts_mut(dyep.get().add(p * dim), dim) };
                 dy.iter_mut().zip(d).for_each(|(a, &b)| *a = ws[j] * b);
             }
         });

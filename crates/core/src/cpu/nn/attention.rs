@@ -81,8 +81,11 @@ fn check(d: &Dims, q: usize, k: usize, v: usize, out: usize, lse: usize) {
 }
 
 pub fn forward<S: GemmScalar>(out: TMut, lse: TMut, q: T, k: T, v: T, d: Dims) {
-    let (out, lse, q, k, v): (&mut [S], &mut [S], &[S], &[S], &[S]) =
-        (out.host(), lse.host(), q.host(), k.host(), v.host());
+    let out: &mut [S] = out.host();
+    let lse: &mut [S] = lse.host();
+    let q: &[S] = q.host();
+    let k: &[S] = k.host();
+    let v: &[S] = v.host();
     check(&d, q.len(), k.len(), v.len(), out.len(), lse.len());
     let Dims {
         batch,
@@ -177,14 +180,12 @@ pub fn backward<S: GemmScalar>(
     d: Dims,
 ) {
     let (dq, dk, dv): (&mut [S], &mut [S], &mut [S]) = (dq.host(), dk.host(), dv.host());
-    let (dout, out, q, k, v, lse): (&[S], &[S], &[S], &[S], &[S], &[S]) = (
-        dout.host(),
-        out.host(),
-        q.host(),
-        k.host(),
-        v.host(),
-        lse.host(),
-    );
+    let dout: &[S] = dout.host();
+    let out: &[S] = out.host();
+    let q: &[S] = q.host();
+    let k: &[S] = k.host();
+    let v: &[S] = v.host();
+    let lse: &[S] = lse.host();
     check(&d, q.len(), k.len(), v.len(), out.len(), lse.len());
     assert!(
         dq.len() == q.len() && dout.len() == q.len() && dk.len() == k.len() && dv.len() == k.len()

@@ -1,0 +1,85 @@
+//! Train-step throughput of `forward_backward` at the `tiny` and `small` presets, both
+//! activation-checkpointing modes: median tokens/s over N timed steps after warm-up.
+//!
+//! `cargo run --release -p ganymede-model --example step_bench -- [steps] [preset...]`
+//! Threads: RAYON_NUM_THREADS (default: all cores).
+
+use ganymede_config::{preset, AcMode};
+use ganymede_core::{Category, CpuBackend, ParamStore};
+use ganymede_model::{forward_backward, Model, Workspace};
+use std::time::Instant;
+
+#[repr(C)]
+struct Timespec {
+    sec: i64,
+    nsec: i64,
+}
+extern "C" {
+    fn clock_gettime(clock: i32, t: *mut Timespec) -> i32;
+}
+/// CPU seconds used by this process (all threads): on a machine shared with other jobs,
+/// tokens per CPU-second × threads estimates the quiet-machine rate.
+fn cpu_time() -> f64 {
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // Safety: CLOCK_PROCESS_CPUTIME_ID (2) with a valid out-pointer.
+    unsafe { clock_gettime(2, &mut t) };
+    t.sec as f64 + t.nsec as f64 * 1e-9
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let steps: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(10);
+    let names: Vec<&str> = if args.len() > 1 {
+        args[1..].iter().map(|s| s.as_str()).collect()
+    } else {
+        vec!["tiny", "small"]
+    };
+    println!("threads: {}", rayon::current_num_threads());
+    for name in names {
+        let job = preset(name).expect("preset");
+        let cfg = job.model;
+        let (batch, seq) = (job.training.batch_size, cfg.seq_len);
+        let be = CpuBackend::default();
+        let model = Model::new(&cfg);
+        let params = model.init_params(&be, 1);
+        let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+        let n = batch * seq;
+        let mut s = 12345u64;
+        let mut tok = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % cfg.vocab_size as u64) as u32
+        };
+        let inputs: Vec<u32> = (0..n).map(|_| tok()).collect();
+        let targets: Vec<u32> = (0..n).map(|_| tok()).collect();
+        for mode in [AcMode::None, AcMode::Full] {
+            let mut ws = Workspace::new(&be, &model, batch, seq, mode);
+            let (mut times, mut cpus) = (vec![], vec![]);
+            for i in 0..steps + 2 {
+                let (t, c) = (Instant::now(), cpu_time());
+                forward_backward(
+                    &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+                );
+                if i >= 2 {
+                    times.push(t.elapsed().as_secs_f64());
+                    cpus.push(cpu_time() - c);
+                }
+            }
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                v[v.len() / 2]
+            };
+            let (med, cpu) = (median(&mut times), median(&mut cpus));
+            let threads = rayon::current_num_threads() as f64;
+            println!(
+                "{name:6} batch {batch} x seq {seq}  ac={mode:?}: {:8.0} tokens/s (median {:.1} ms/step, best {:.1} ms); {:.1} CPU-ms/step -> {:.0} tokens/s if the cores were free",
+                n as f64 / med,
+                med * 1e3,
+                times[0] * 1e3,
+                cpu * 1e3,
+                n as f64 / cpu * threads
+            );
+        }
+    }
+}
