@@ -1,5 +1,6 @@
-//! Print the built-in corpus's entropy floor, its generation time, and a sample of its text.
-//! `cargo run --release -p ganymede-data --example corpus_sample [BYTES]`
+//! Print the built-in corpus's entropy floor, its generation time, and a sample of its text;
+//! with OUT, also write the whole corpus there.
+//! `cargo run --release -p ganymede-data --example corpus_sample [BYTES [OUT]]`
 
 fn main() {
     let bytes: usize = std::env::args()
@@ -19,4 +20,8 @@ fn main() {
         "---\n{}",
         String::from_utf8_lossy(&text[..text.len().min(1200)])
     );
+    if let Some(out) = std::env::args().nth(2) {
+        std::fs::write(&out, &text).expect("cannot write OUT");
+        println!("\n--- wrote {out}");
+    }
 }

@@ -66,6 +66,8 @@ pub struct Dataset {
     tokenizer: Arc<dyn Tokenizer>,
     seed: u64,
     source: String,
+    /// Bytes of the validation text, for the built-in corpus (whose entropy per byte is known).
+    builtin_val_bytes: Option<usize>,
 }
 
 /// Where the held-out split starts in a text of `len` bytes: the last `val_fraction` of it,
@@ -146,7 +148,15 @@ impl Dataset {
             }
         };
         ds.check_lengths(seq_len, data.val_fraction)?;
-        Ok(ds)
+        let builtin_val_bytes = source_path.is_none().then(|| {
+            // The built-in corpus is ASCII, so the split is exactly where `split_point` puts it.
+            data.builtin_bytes
+                - ((data.builtin_bytes as f64) * (1.0 - data.val_fraction)).round() as usize
+        });
+        Ok(Dataset {
+            builtin_val_bytes,
+            ..ds
+        })
     }
 
     /// Map a data folder built earlier from the same inputs; None if anything differs or is missing.
@@ -169,6 +179,7 @@ impl Dataset {
             tokenizer,
             seed,
             source: source.to_string(),
+            builtin_val_bytes: None,
         })
     }
 
@@ -203,6 +214,7 @@ impl Dataset {
                 tokenizer,
                 seed,
                 source: source.to_string(),
+                builtin_val_bytes: None,
             });
         }
 
@@ -228,6 +240,7 @@ impl Dataset {
             tokenizer,
             seed,
             source: source.to_string(),
+            builtin_val_bytes: None,
         })
     }
 
@@ -291,6 +304,18 @@ impl Dataset {
 
     pub fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// For the built-in corpus, the lowest validation loss any model can reach, in nats per token
+    /// of this dataset's tokenizer: the entropy per byte times the validation split's bytes per
+    /// token (tokenising is invertible, so the text's information is the same in either unit).
+    /// None for user data, whose entropy is unknown.
+    pub fn entropy_floor_nats_per_token(&self) -> Option<f64> {
+        let bytes = self.builtin_val_bytes?;
+        Some(
+            crate::builtin_entropy_nats_per_byte() * bytes as f64
+                / self.val_tokens().len().max(1) as f64,
+        )
     }
 
     /// Start of sequence `index` of the global batch at `step`: uniform over the training split,

@@ -82,6 +82,8 @@ fn builtin_split_covers_the_corpus() {
         .collect();
     assert_eq!([ds.train_tokens(), ds.val_tokens()].concat(), all);
     assert_eq!(ds.val_tokens().len(), 20_000);
+    let floor = ds.entropy_floor_nats_per_token().unwrap();
+    assert_eq!(floor, crate::builtin_entropy_nats_per_byte());
 }
 
 #[test]
@@ -161,6 +163,12 @@ fn bpe_dataset_trains_saves_and_reloads_its_tokenizer() {
         "{}",
         ds.train_tokens().len()
     );
+    // The floor per token is the floor per byte times bytes per token.
+    let per_token = ds.entropy_floor_nats_per_token().unwrap();
+    let bytes_per_token = 20_000.0 / ds.val_tokens().len() as f64;
+    assert!(bytes_per_token > 3.0, "{bytes_per_token}");
+    let expect = crate::builtin_entropy_nats_per_byte() * bytes_per_token;
+    assert!((per_token - expect).abs() < 1e-12);
     let reloaded = load_run_tokenizer(&data).unwrap();
     let text = "The cat sees a red ball near the garden. ";
     assert_eq!(reloaded.encode(text), tk.encode(text));
@@ -180,6 +188,7 @@ fn token_files_are_used_as_they_are() {
     // The byte tokenizer fits in 1000 ids, and the ids are all below 1000.
     let ds = ds.unwrap();
     assert_eq!([ds.train_tokens(), ds.val_tokens()].concat(), toks);
+    assert_eq!(ds.entropy_floor_nats_per_token(), None);
 
     let e = err(Dataset::build(
         &cfg(p.to_str().unwrap(), "byte"),
