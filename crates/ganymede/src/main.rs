@@ -1,1 +1,225 @@
-fn main() {}
+//! `ganymede`: pretrain Mixture-of-Experts language models. Thin glue over the crates: argument
+//! parsing here, everything else in `ganymede-train`, `ganymede-data` and `ganymede-plan`.
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use ganymede_train::eval::{self, EvalSource, GenerateOptions};
+use ganymede_train::trainer::{self, TrainOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "ganymede",
+    version,
+    about = "Pretrain Mixture-of-Experts language models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (no arguments: the `tiny` preset on the built-in corpus).
+    Train(TrainArgs),
+    /// Mean cross-entropy of a checkpoint over consecutive windows of seq_len + 1 tokens.
+    Eval(EvalArgs),
+    /// Sample a continuation of a prompt from a checkpoint.
+    Generate(GenerateArgs),
+    /// Export a checkpoint to another format (`hf`: Hugging Face Qwen3-MoE).
+    Export(ExportArgs),
+    /// Tokenizer tools.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+    /// Predict memory, communication and step time of a parallel layout.
+    Plan(ganymede_plan::PlanArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Named preset (tiny, small, europa-1t); default tiny.
+    #[arg(long, conflicts_with = "config")]
+    preset: Option<String>,
+    /// Job configuration TOML file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Override a configuration value, e.g. `--set optimizer.lr=0.02` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Total optimizer steps (training.steps).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Run directory (default runs/<preset>-<UTC timestamp>, or the resumed run's directory).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Continue from a checkpoint directory or a run directory (its latest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Stop after this many completed steps (checkpointing there), as if interrupted.
+    #[arg(long, value_name = "STEP")]
+    stop_after: Option<usize>,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// Checkpoint directory, or a run directory (its latest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    /// Text file, folder or JSONL to score (tokenised with the run's tokenizer).
+    #[arg(long, value_name = "PATH", conflicts_with = "tokens")]
+    data: Option<PathBuf>,
+    /// File of little-endian u32 token ids.
+    #[arg(long, value_name = "FILE")]
+    tokens: Option<PathBuf>,
+    /// Print one JSON object: {"loss": .., "tokens": ..}.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportFormat {
+    /// Hugging Face transformers, Qwen3-MoE (config.json + model.safetensors).
+    Hf,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    #[arg(long, value_enum, default_value = "hf")]
+    format: ExportFormat,
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer.json on text files, folders or JSONL.
+    Train {
+        #[arg(long = "input", value_name = "PATH", required = true)]
+        inputs: Vec<PathBuf>,
+        #[arg(long, default_value_t = 4096)]
+        vocab_size: usize,
+        #[arg(long, value_name = "FILE", default_value = "tokenizer.json")]
+        out: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the chain of contexts, outermost first.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Train(a) => {
+            let (cfg, ckpt) = trainer::resolve_config(
+                a.preset.as_deref(),
+                a.config.as_deref(),
+                &a.set,
+                a.steps,
+                a.resume.as_deref(),
+            )?;
+            let name = match (&a.preset, &a.config) {
+                (Some(p), _) => p.clone(),
+                (None, Some(f)) => f
+                    .file_stem()
+                    .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
+                (None, None) => "tiny".into(),
+            };
+            let opts = TrainOptions {
+                out: a.out,
+                resume: ckpt.clone(),
+                stop_after: a.stop_after,
+                name,
+                quiet: false,
+            };
+            trainer::train(&cfg, ckpt.as_deref(), &opts)?;
+        }
+        Command::Eval(a) => {
+            let l = eval::load(&a.checkpoint)?;
+            let source = match (a.data, a.tokens) {
+                (Some(p), _) => EvalSource::Data(p),
+                (None, Some(p)) => EvalSource::Tokens(p),
+                (None, None) => EvalSource::Validation,
+            };
+            let tokens = eval::eval_tokens(&l, &source)?;
+            let r = eval::evaluate(&l, &tokens)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "loss {:.6} nats/token ({:.4} bits) over {} tokens, checkpoint {}",
+                    r.loss,
+                    r.loss / std::f64::consts::LN_2,
+                    r.tokens,
+                    l.dir.display()
+                );
+            }
+        }
+        Command::Generate(a) => {
+            let l = eval::load(&a.checkpoint)?;
+            let o = GenerateOptions {
+                max_new_tokens: a.max_new_tokens,
+                temperature: a.temperature,
+                top_k: a.top_k,
+                seed: a.seed,
+            };
+            let text = eval::generate_text(&l, &a.prompt, &o)?;
+            println!("{}{}", a.prompt, text);
+        }
+        Command::Export(a) => match a.format {
+            ExportFormat::Hf => {
+                ganymede_train::export::export_hf(&a.checkpoint, &a.out)?;
+                println!(
+                    "exported {} to {} (Qwen3-MoE)",
+                    a.checkpoint.display(),
+                    a.out.display()
+                );
+            }
+        },
+        Command::Tokenizer(TokenizerCommand::Train {
+            inputs,
+            vocab_size,
+            out,
+        }) => {
+            let r = ganymede_data::run_tokenizer_train(&inputs, vocab_size, &out)?;
+            println!(
+                "trained byte-level BPE: {} ids from {} files ({} bytes), {:.2} bytes/token -> {}",
+                r.vocab_size,
+                r.files,
+                r.input_bytes,
+                r.bytes_per_token,
+                out.display()
+            );
+        }
+        Command::Plan(a) => ganymede_plan::run(a)?,
+    }
+    Ok(())
+}

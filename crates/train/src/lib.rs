@@ -1,5 +1,12 @@
-//! The training side of ganymede: the step loop ([`train`]), run directories and metrics,
-//! checkpoints with bit-identical resume ([`checkpoint`]), windowed evaluation ([`eval`]) and the
-//! Hugging Face Qwen3-MoE export ([`export`]).
+//! The training side of ganymede:
+//! - [`trainer`]: the step loop, the run directory and `--resume`;
+//! - [`checkpoint`]: safetensors checkpoints with a manifest, written atomically;
+//! - [`metrics`]: `metrics.jsonl`, expert-load statistics, progress, the memory report;
+//! - [`eval`]: loading a checkpoint, windowed cross-entropy, sampling;
+//! - [`export`]: the Hugging Face Qwen3-MoE export.
 
 pub mod checkpoint;
+pub mod eval;
+pub mod export;
+pub mod metrics;
+pub mod trainer;

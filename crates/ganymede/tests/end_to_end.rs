@@ -1,0 +1,191 @@
+//! End to end through the binary: train, crash mid-checkpoint, resume bit-identically, eval,
+//! export to Hugging Face and (when a Python with transformers is available) check the exported
+//! model gives the same loss in `transformers`.
+
+mod util;
+
+use std::path::Path;
+use std::process::Command;
+use util::{ganymede, losses, ok, python_with_transformers, TempDir};
+
+/// Short tiny run: 24 steps, a checkpoint every 12, validation every 8 on 2 batches.
+const STEPS: &str = "24";
+fn short_run_args(out: &Path) -> Vec<String> {
+    [
+        "train",
+        "--steps",
+        STEPS,
+        "--set",
+        "checkpoint.interval=12",
+        "--set",
+        "metrics.val_every=8",
+        "--set",
+        "metrics.val_batches=2",
+        "--set",
+        "data.builtin_bytes=400000",
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([out.display().to_string()])
+    .collect()
+}
+
+#[test]
+fn train_crash_resume_eval_export_parity() {
+    let tmp = TempDir::new("e2e");
+    let straight = tmp.path().join("straight");
+    let out = ok(ganymede(tmp.path(), &short_run_args(&straight), &[]));
+    assert!(out.contains("loss"), "{out}");
+    for f in [
+        "config.toml",
+        "metrics.jsonl",
+        "memory.json",
+        "checkpoints/latest",
+    ] {
+        assert!(straight.join(f).exists(), "missing {f}");
+    }
+    let a = losses(&straight);
+    assert_eq!(a.len(), 24);
+    assert!(a[23] < a[0], "loss did not fall: {} -> {}", a[0], a[23]);
+    let first: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(straight.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .nth(7)
+            .unwrap(),
+    )
+    .unwrap();
+    for k in [
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "aux_loss",
+        "load_max_over_mean",
+        "load_cv",
+        "val_loss",
+    ] {
+        assert!(first.get(k).is_some(), "metrics line lacks {k}: {first}");
+    }
+
+    // The same run, killed while writing its final checkpoint: the step-12 one must survive,
+    // and resuming from the run directory must redo steps 13..24 bit-identically.
+    let crashed = tmp.path().join("crashed");
+    let r = ganymede(
+        tmp.path(),
+        &short_run_args(&crashed),
+        &[("GANYMEDE_CRASH_AT_CHECKPOINT", STEPS)],
+    );
+    assert!(!r.status.success(), "the crash hook did not fire");
+    let latest = std::fs::read_to_string(crashed.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step_00000012");
+    ok(ganymede(
+        tmp.path(),
+        &[
+            "train".into(),
+            "--resume".into(),
+            crashed.display().to_string(),
+        ],
+        &[],
+    ));
+    let b = losses(&crashed);
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "step {}: {x} vs {y}", i + 1);
+    }
+
+    // eval on the validation split, and on a token file.
+    let ckpt = straight.display().to_string();
+    let val = straight.join("data/val.bin");
+    let eval_json = ok(ganymede(
+        tmp.path(),
+        &[
+            "eval".into(),
+            "--checkpoint".into(),
+            ckpt.clone(),
+            "--tokens".into(),
+            val.display().to_string(),
+            "--json".into(),
+        ],
+        &[],
+    ));
+    let ours: serde_json::Value = serde_json::from_str(eval_json.trim()).unwrap();
+    let ours_loss = ours["loss"].as_f64().unwrap();
+    assert!(ours_loss.is_finite() && ours_loss > 0.0);
+    let default_eval = ok(ganymede(
+        tmp.path(),
+        &[
+            "eval".into(),
+            "--checkpoint".into(),
+            ckpt.clone(),
+            "--json".into(),
+        ],
+        &[],
+    ));
+    assert_eq!(
+        default_eval.trim(),
+        eval_json.trim(),
+        "default eval is the validation split"
+    );
+
+    // generate something.
+    let text = ok(ganymede(
+        tmp.path(),
+        &[
+            "generate".into(),
+            "--checkpoint".into(),
+            ckpt.clone(),
+            "--prompt".into(),
+            "the cat ".into(),
+            "--max-new-tokens".into(),
+            "20".into(),
+        ],
+        &[],
+    ));
+    assert!(text.starts_with("the cat "), "{text}");
+
+    // export and compare with transformers.
+    let hf = tmp.path().join("hf");
+    ok(ganymede(
+        tmp.path(),
+        &[
+            "export".into(),
+            "--checkpoint".into(),
+            ckpt,
+            "--format".into(),
+            "hf".into(),
+            "--out".into(),
+            hf.display().to_string(),
+        ],
+        &[],
+    ));
+    assert!(hf.join("config.json").is_file() && hf.join("model.safetensors").is_file());
+    let Some(py) = python_with_transformers() else {
+        let msg = "SKIPPED: HF parity check (no Python with torch + transformers + safetensors; \
+                   set GANYMEDE_PYTHON)";
+        eprintln!("\n*** {msg} ***\n");
+        println!("*** {msg} ***");
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_parity.py");
+    let r = Command::new(&py)
+        .arg(&script)
+        .arg(&hf)
+        .arg(&val)
+        .arg("128")
+        .output()
+        .expect("run python");
+    let theirs = ok(r);
+    let theirs: serde_json::Value = serde_json::from_str(theirs.trim().lines().last().unwrap())
+        .unwrap_or_else(|e| panic!("hf_parity.py printed {theirs}: {e}"));
+    let hf_loss = theirs["loss"].as_f64().unwrap();
+    assert_eq!(theirs["tokens"], ours["tokens"]);
+    let rel = (hf_loss - ours_loss).abs() / hf_loss.abs();
+    println!("HF parity: ganymede {ours_loss:.8}, transformers {hf_loss:.8}, relative {rel:.2e}");
+    assert!(
+        rel < 1e-4,
+        "ganymede {ours_loss} vs transformers {hf_loss}: relative {rel:.2e}"
+    );
+}

@@ -1,0 +1,258 @@
+//! Per-step metrics (`metrics.jsonl`), expert-load statistics, progress display and the memory
+//! report.
+
+use anyhow::{Context, Result};
+use ganymede_core::{Category, LedgerReport};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::fs;
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    /// Steps completed (1 for the first step).
+    pub step: usize,
+    pub loss: f64,
+    /// Unscaled Switch auxiliary loss (mean over MoE layers).
+    pub aux_loss: f64,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub tokens_seen: u64,
+    pub elapsed_s: f64,
+    /// Worst layer's busiest-expert load over the mean load (1 = perfectly balanced).
+    pub load_max_over_mean: f64,
+    /// Per MoE layer: coefficient of variation of the expert loads (0 = perfectly balanced).
+    pub load_cv: Vec<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// (max over layers of max/mean, per-layer coefficient of variation) of expert loads.
+pub fn load_balance(expert_load: &[Vec<f32>]) -> (f64, Vec<f64>) {
+    let mut worst = 0.0f64;
+    let mut cvs = Vec::with_capacity(expert_load.len());
+    for layer in expert_load {
+        if layer.is_empty() {
+            continue;
+        }
+        let n = layer.len() as f64;
+        let mean = layer.iter().map(|&x| x as f64).sum::<f64>() / n;
+        if mean <= 0.0 {
+            cvs.push(0.0);
+            continue;
+        }
+        let max = layer.iter().map(|&x| x as f64).fold(f64::MIN, f64::max);
+        let var = layer
+            .iter()
+            .map(|&x| (x as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        worst = worst.max(max / mean);
+        cvs.push(var.sqrt() / mean);
+    }
+    (worst, cvs)
+}
+
+/// Appends one JSON object per step to `metrics.jsonl`.
+pub struct MetricsWriter {
+    file: fs::File,
+}
+
+impl MetricsWriter {
+    /// Open `path` for appending; lines for steps after `keep_up_to` (a resumed run redoing
+    /// them) are dropped first, so the file reads as one continuous run.
+    pub fn open(path: &Path, keep_up_to: usize) -> Result<Self> {
+        if path.exists() {
+            let text = fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let kept: String = text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                        .is_some_and(|s| s as usize <= keep_up_to)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            fs::write(path, kept).with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(Self { file })
+    }
+
+    pub fn write(&mut self, m: &StepMetrics) -> Result<()> {
+        let line = serde_json::to_string(m)?;
+        writeln!(self.file, "{line}")?;
+        Ok(())
+    }
+}
+
+/// How progress is shown: a bar on a terminal, log lines otherwise, or nothing.
+pub enum Progress {
+    Bar(ProgressBar),
+    Lines { every: usize },
+    Quiet,
+}
+
+impl Progress {
+    pub fn new(start: usize, total: usize, log_every: usize, quiet: bool) -> Self {
+        if quiet {
+            return Progress::Quiet;
+        }
+        if std::io::stderr().is_terminal() {
+            let bar = ProgressBar::new(total as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise} < {eta}]",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            bar.set_position(start as u64);
+            bar.reset_eta();
+            Progress::Bar(bar)
+        } else {
+            Progress::Lines {
+                every: log_every.max(1),
+            }
+        }
+    }
+
+    pub fn step(&self, m: &StepMetrics, total: usize) {
+        match self {
+            Progress::Bar(bar) => {
+                bar.set_position(m.step as u64);
+                bar.set_message(format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s));
+            }
+            Progress::Lines { every } => {
+                if m.step % every == 0 || m.step == total || m.step == 1 || m.val_loss.is_some() {
+                    let mut line = format!(
+                        "step {:>6}/{total} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | load max/mean {:.2}",
+                        m.step, m.loss, m.aux_loss, m.lr, m.grad_norm, m.tokens_per_s, m.load_max_over_mean
+                    );
+                    if let Some(v) = m.val_loss {
+                        line.push_str(&format!(" | val_loss {v:.4}"));
+                    }
+                    println!("{line}");
+                }
+            }
+            Progress::Quiet => {}
+        }
+    }
+
+    /// A message that must not be torn by the bar.
+    pub fn println(&self, msg: &str) {
+        match self {
+            Progress::Bar(bar) => bar.println(msg),
+            Progress::Lines { .. } => println!("{msg}"),
+            Progress::Quiet => {}
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Progress::Bar(bar) = self {
+            bar.finish();
+        }
+    }
+}
+
+/// `memory.json`: the ledger's peak (and final) bytes per category, per device, and the peak of
+/// the total.
+pub fn memory_json(report: &LedgerReport) -> serde_json::Value {
+    let mut devices = serde_json::Map::new();
+    for (dev, total_peak) in &report.device_peaks {
+        let mut peak = serde_json::Map::new();
+        let mut current = serde_json::Map::new();
+        for e in report.entries.iter().filter(|e| e.device == *dev) {
+            peak.insert(e.category.name().into(), e.peak.into());
+            current.insert(e.category.name().into(), e.current.into());
+        }
+        devices.insert(
+            dev.to_string(),
+            serde_json::json!({
+                "peak_bytes": peak,
+                "final_bytes": current,
+                "peak_total_bytes": total_peak,
+            }),
+        );
+    }
+    serde_json::Value::Object(devices)
+}
+
+/// The memory table printed at the end of a run.
+pub fn memory_table(report: &LedgerReport) -> String {
+    let mut s = String::from("memory (peak, per category)\n");
+    let cats = [
+        Category::Params,
+        Category::Grads,
+        Category::Optimizer,
+        Category::Activations,
+        Category::Buffers,
+    ];
+    for (dev, total_peak) in &report.device_peaks {
+        for c in cats {
+            s.push_str(&format!(
+                "  {:<6} {:<12} {:>12}\n",
+                dev.to_string(),
+                c.name(),
+                human_bytes(report.peak(*dev, c))
+            ));
+        }
+        s.push_str(&format!(
+            "  {:<6} {:<12} {:>12}\n",
+            dev.to_string(),
+            "peak total",
+            human_bytes(*total_peak)
+        ));
+    }
+    s
+}
+
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{x:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balance_statistics() {
+        let (worst, cv) = load_balance(&[vec![0.25; 4], vec![0.5, 0.5, 0.0, 0.0]]);
+        assert!((worst - 2.0).abs() < 1e-9);
+        assert_eq!(cv[0], 0.0);
+        assert!((cv[1] - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn resumed_metrics_drop_redone_steps() {
+        let p = std::env::temp_dir().join(format!("ganymede-metrics-{}.jsonl", std::process::id()));
+        fs::write(&p, "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n").unwrap();
+        drop(MetricsWriter::open(&p, 2).unwrap());
+        assert_eq!(
+            fs::read_to_string(&p).unwrap(),
+            "{\"step\":1}\n{\"step\":2}\n"
+        );
+        fs::remove_file(&p).unwrap();
+    }
+}
