@@ -64,6 +64,48 @@ impl Tokenizer for ByteTokenizer {
     }
 }
 
+impl ByteTokenizer {
+    /// The same tokenizer as a Hugging Face `tokenizer.json` (byte-level BPE with the 256 byte
+    /// symbols as ids 0..256 and no merges), so that models trained on bytes can be used with
+    /// `transformers`. Encodes every text to its UTF-8 bytes.
+    pub fn to_hf(&self) -> HfTokenizer {
+        let chars = byte_to_char();
+        let vocab: serde_json::Map<String, serde_json::Value> = (0..256)
+            .map(|b| (chars[b].to_string(), serde_json::Value::from(b)))
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": {
+                "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+                "use_regex": true
+            },
+            "post_processor": {
+                "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+                "use_regex": true
+            },
+            "decoder": {
+                "type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                "use_regex": true
+            },
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": []
+            }
+        });
+        let inner: tokenizers::Tokenizer = json
+            .to_string()
+            .parse()
+            .expect("the byte tokenizer's JSON is valid");
+        HfTokenizer::wrap(inner, "byte (as tokenizer.json)".into())
+    }
+}
+
 /// A Hugging Face tokenizer (`tokenizer.json`), run by the `tokenizers` crate.
 #[derive(Clone)]
 pub struct HfTokenizer {
@@ -383,6 +425,26 @@ mod tests {
         assert!(ids.iter().all(|&i| i < 256));
         assert_eq!(t.decode(&ids), SAMPLE);
         assert_eq!(t.vocab_size(), 256);
+    }
+
+    #[test]
+    fn byte_tokenizer_as_tokenizer_json_gives_byte_ids() {
+        let hf = ByteTokenizer.to_hf();
+        assert_eq!(hf.vocab_size(), 256);
+        assert!(hf.is_fast());
+        let ids = hf.encode_with_tokenizers_crate(SAMPLE).unwrap();
+        assert_eq!(ids, ByteTokenizer.encode(SAMPLE));
+        assert_eq!(hf.encode(SAMPLE), ids);
+        assert_eq!(hf.decode(&ids), SAMPLE);
+        let dir = TempDir::new("byte-json");
+        let p = dir.path().join("tokenizer.json");
+        hf.save(&p).unwrap();
+        let all: Vec<u32> = (0..256).collect();
+        let loaded = HfTokenizer::from_file(&p).unwrap();
+        // Every byte value decodes and re-encodes to itself (through lossless byte-level text).
+        let text = String::from_utf8_lossy(b"\x00\x01 \n\t~\x7f").into_owned();
+        assert_eq!(loaded.encode(&text), ByteTokenizer.encode(&text));
+        assert_eq!(loaded.inner().get_vocab_size(false), all.len());
     }
 
     #[test]
