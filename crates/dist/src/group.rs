@@ -1,0 +1,257 @@
+//! The process-group interface every backend implements.
+//!
+//! Buffers are the core crate's views ([`T`], [`TMut`]). Host backends (threads, MPI) serve the
+//! `Host` (f32) and `Host64` (f64) variants and answer [`CommError::Unsupported`] for anything
+//! else. A GPU backend (NCCL) implements the same trait by matching the device-view variant the
+//! GPU issue adds to `T`/`TMut`: it enqueues the NCCL call on its communication stream in the
+//! `i*` method and returns a [`Work`] whose `wait` makes the compute stream wait on an event
+//! recorded after the call (as PyTorch's `Work.wait()` does), so the buffers' borrows in `Work`
+//! keep them alive exactly as long as the transfer may touch them.
+//!
+//! Every collective has a non-blocking form (`i*`, returning [`Work`]); the blocking form is a
+//! provided method that posts and waits. A [`Work`] dropped without `wait` waits in its drop,
+//! ignoring errors, so the borrowed buffers are never released while in use.
+
+use crate::error::{CommError, Result};
+use crate::stats::{CommStats, Phase};
+use crate::trace::Tracer;
+use ganymede_core::{TMut, T};
+use std::sync::Arc;
+
+/// What a rank shares between all its group handles: its byte counters and its timeline.
+#[derive(Clone)]
+pub struct RankCtx {
+    /// This rank in the world numbering.
+    pub world_rank: usize,
+    pub stats: Arc<CommStats>,
+    pub tracer: Arc<Tracer>,
+}
+
+impl RankCtx {
+    pub fn new(world_rank: usize, trace: bool) -> Self {
+        Self {
+            world_rank,
+            stats: Arc::new(CommStats::default()),
+            tracer: Arc::new(Tracer::new(world_rank, trace)),
+        }
+    }
+}
+
+/// The pending part of a non-blocking collective; backends implement it.
+pub trait Pending {
+    /// Block until complete; the receive buffers then hold the result.
+    fn wait(self: Box<Self>) -> Result<()>;
+    /// Whether `wait` would return without blocking (never blocks itself).
+    fn ready(&mut self) -> bool;
+    /// Called instead of `wait` when the handle is dropped during a panic: must not block on
+    /// peers, and must keep the buffers safe (a backend whose transfer may still write them
+    /// leaks its staging memory rather than free it).
+    fn abandon(self: Box<Self>) {
+        let _ = self.wait();
+    }
+}
+
+/// Handle of a posted collective. Borrows its buffers until waited on.
+#[must_use = "a collective completes only when waited on"]
+pub struct Work<'a> {
+    inner: Option<Box<dyn Pending + 'a>>,
+}
+
+impl<'a> Work<'a> {
+    pub fn new(p: Box<dyn Pending + 'a>) -> Self {
+        Self { inner: Some(p) }
+    }
+    /// An already finished collective (one rank, nothing to move).
+    pub fn done() -> Self {
+        Self { inner: None }
+    }
+    pub fn wait(mut self) -> Result<()> {
+        match self.inner.take() {
+            Some(p) => p.wait(),
+            None => Ok(()),
+        }
+    }
+    /// Non-blocking completion test.
+    pub fn ready(&mut self) -> bool {
+        self.inner.as_mut().is_none_or(|p| p.ready())
+    }
+}
+
+impl Drop for Work<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.inner.take() {
+            if std::thread::panicking() {
+                p.abandon();
+            } else {
+                let _ = p.wait();
+            }
+        }
+    }
+}
+
+/// Wait for several handles in order; the first error wins, but every handle is waited on.
+pub fn wait_all(works: Vec<Work<'_>>) -> Result<()> {
+    let mut first = Ok(());
+    for w in works {
+        let r = w.wait();
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+/// A communicator: `size()` ranks that run the same collectives in the same order.
+///
+/// Conventions: buffers are contiguous; rank `j`'s piece of a gathered or scattered buffer is
+/// `[j*n, (j+1)*n)`; sums are taken in rank order where the backend controls the order (threads;
+/// MPI leaves the order to the library). `phase` only labels the bytes in the counters and the
+/// trace. Collective calls must be issued in the same order on every rank of the group.
+pub trait ProcessGroup: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The world ranks of this group's members, indexed by group rank.
+    fn world_ranks(&self) -> &[usize];
+    /// A label for errors and traces ("world", "ep", ...).
+    fn name(&self) -> &str;
+    fn ctx(&self) -> &RankCtx;
+
+    /// `recv[j*n..(j+1)*n] = send of rank j`, with `n = send.len()`, `recv.len() = size*n`.
+    fn iall_gather<'a>(&'a self, send: T<'a>, recv: TMut<'a>, phase: Phase) -> Result<Work<'a>>;
+    /// `recv = Σ_j send_j[rank*n..(rank+1)*n]`, with `n = recv.len()`, `send.len() = size*n`.
+    fn ireduce_scatter<'a>(&'a self, send: T<'a>, recv: TMut<'a>, phase: Phase)
+        -> Result<Work<'a>>;
+    /// `buf = Σ_j buf_j` on every rank.
+    fn iall_reduce<'a>(&'a self, buf: TMut<'a>, phase: Phase) -> Result<Work<'a>>;
+    /// Uneven all-to-all: this rank sends `send_counts[j]` elements (consecutive in `send`, in
+    /// rank order) to rank `j` and receives `recv_counts[j]` from rank `j` (consecutive in
+    /// `recv`). Counts must agree pairwise; [`ProcessGroup::exchange_counts`] computes them.
+    fn ialltoallv<'a>(
+        &'a self,
+        send: T<'a>,
+        send_counts: &[usize],
+        recv: TMut<'a>,
+        recv_counts: &[usize],
+        phase: Phase,
+    ) -> Result<Work<'a>>;
+    /// Root's `buf` copied into every rank's `buf`.
+    fn ibroadcast<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>>;
+    /// Root's `buf` becomes `Σ_j buf_j`; other ranks' buffers are left as they were.
+    fn ireduce<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>>;
+    /// Root's `recv` (`size*n`, `Some` on the root only) receives every rank's `send` (`n`).
+    fn igather<'a>(
+        &'a self,
+        send: T<'a>,
+        recv: Option<TMut<'a>>,
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>>;
+    /// Rank `j`'s `recv` (`n`) receives root's `send[j*n..(j+1)*n]` (`Some` on the root only).
+    fn iscatter<'a>(
+        &'a self,
+        send: Option<T<'a>>,
+        recv: TMut<'a>,
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>>;
+    fn ibarrier(&self) -> Result<Work<'_>>;
+
+    /// Collective over this group: ranks passing the same `Some(color)` form a new group,
+    /// ordered by `(key, rank)`; `None` joins no group. Sub-groups share this rank's counters
+    /// and timeline.
+    fn split(
+        &self,
+        color: Option<usize>,
+        key: usize,
+        name: &str,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>>;
+
+    // Blocking forms.
+    fn all_gather(&self, send: T, recv: TMut, phase: Phase) -> Result<()> {
+        self.iall_gather(send, recv, phase)?.wait()
+    }
+    fn reduce_scatter(&self, send: T, recv: TMut, phase: Phase) -> Result<()> {
+        self.ireduce_scatter(send, recv, phase)?.wait()
+    }
+    fn all_reduce(&self, buf: TMut, phase: Phase) -> Result<()> {
+        self.iall_reduce(buf, phase)?.wait()
+    }
+    fn alltoallv(
+        &self,
+        send: T,
+        send_counts: &[usize],
+        recv: TMut,
+        recv_counts: &[usize],
+        phase: Phase,
+    ) -> Result<()> {
+        self.ialltoallv(send, send_counts, recv, recv_counts, phase)?
+            .wait()
+    }
+    fn broadcast(&self, buf: TMut, root: usize, phase: Phase) -> Result<()> {
+        self.ibroadcast(buf, root, phase)?.wait()
+    }
+    fn reduce(&self, buf: TMut, root: usize, phase: Phase) -> Result<()> {
+        self.ireduce(buf, root, phase)?.wait()
+    }
+    fn gather(&self, send: T, recv: Option<TMut>, root: usize, phase: Phase) -> Result<()> {
+        self.igather(send, recv, root, phase)?.wait()
+    }
+    fn scatter(&self, send: Option<T>, recv: TMut, root: usize, phase: Phase) -> Result<()> {
+        self.iscatter(send, recv, root, phase)?.wait()
+    }
+    fn barrier(&self) -> Result<()> {
+        self.ibarrier()?.wait()
+    }
+
+    /// Collective: the group of the listed group ranks (in that order), `None` on non-members.
+    fn subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        let pos = ranks.iter().position(|&r| r == self.rank());
+        self.split(pos.map(|_| 0), pos.unwrap_or(0), name)
+    }
+
+    /// The receive counts matching `send_counts` for an all-to-all (one small all-to-all).
+    /// Counts travel as f32, exact below 2^24 elements per peer.
+    fn exchange_counts(&self, send_counts: &[usize], phase: Phase) -> Result<Vec<usize>> {
+        let w = self.size();
+        if send_counts.len() != w {
+            return Err(crate::error::invalid(
+                "exchange_counts",
+                format!("{} counts for {w} ranks", send_counts.len()),
+            ));
+        }
+        if let Some(&c) = send_counts.iter().find(|&&c| c >= 1 << 24) {
+            return Err(crate::error::invalid(
+                "exchange_counts",
+                format!("count {c} is not exact in f32"),
+            ));
+        }
+        let send: Vec<f32> = send_counts.iter().map(|&c| c as f32).collect();
+        let mut recv = vec![0f32; w];
+        let ones = vec![1; w];
+        self.alltoallv(T::Host(&send), &ones, TMut::Host(&mut recv), &ones, phase)?;
+        Ok(recv.iter().map(|&c| c as usize).collect())
+    }
+}
+
+/// Element size and length of a view, or `Unsupported` for non-host views.
+pub(crate) fn elem_size(op: &'static str, v: &T) -> Result<usize> {
+    match v {
+        T::Host(_) => Ok(4),
+        T::Host64(_) => Ok(8),
+        #[allow(unreachable_patterns)]
+        _ => Err(CommError::Unsupported {
+            op,
+            message: "only host f32/f64 views are served by this backend".into(),
+        }),
+    }
+}
+
+pub(crate) fn check_root(op: &'static str, root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(crate::error::invalid(
+            op,
+            format!("root {root} out of range for {size} ranks"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,27 @@
+//! Communication for sharded training (issue 4): process groups behind one interface
+//! ([`ProcessGroup`]) with a threads backend ([`threads`]) and an MPI backend (feature `mpi`),
+//! the (dp_shard × ep) [`DeviceMesh`], byte accounting per [`Phase`] ([`CommStats`]), per-rank
+//! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check) and
+//! the FlexShard [`placement`] policy with its optimizer byte formulas.
+
+pub mod conformance;
+pub mod error;
+pub mod group;
+pub mod hash;
+pub mod mesh;
+pub mod placement;
+pub mod stats;
+pub mod threads;
+pub mod trace;
+
+pub use error::{CommError, Result};
+pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
+pub use hash::{check_config_hash, config_hash, fnv1a64};
+pub use mesh::{DeviceMesh, MeshError, MeshShape};
+pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
+pub use stats::{CommSnapshot, CommStats, Op, Phase};
+pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};
+pub use trace::{write_chrome_trace, Tracer, Track};
+
+#[cfg(test)]
+mod tests;
