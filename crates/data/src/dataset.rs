@@ -35,6 +35,7 @@ impl Tokens {
 /// What the data folder was built from; a folder whose meta differs is rebuilt.
 #[derive(Serialize, Deserialize, PartialEq, Debug)]
 struct Meta {
+    /// Bump when the built-in corpus or tokenising changes, so older data folders are rebuilt.
     format: u32,
     data: DataConfig,
     vocab_size: usize,

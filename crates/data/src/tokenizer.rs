@@ -23,7 +23,8 @@ pub trait Tokenizer: Send + Sync {
             .unwrap_or_else(|e| panic!("tokenizer failed on {} bytes: {e:#}", text.len()))
     }
 
-    /// Text of token ids; ids outside the vocabulary and invalid UTF-8 come out as U+FFFD.
+    /// Text of token ids. Invalid UTF-8 comes out as U+FFFD; ids outside the vocabulary come out
+    /// as U+FFFD (bytes) or are dropped (Hugging Face tokenizers).
     fn decode(&self, ids: &[u32]) -> String;
 
     /// One more than the largest id this tokenizer can produce.
@@ -48,10 +49,13 @@ impl Tokenizer for ByteTokenizer {
     }
 
     fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids
-            .iter()
-            .map(|&i| u8::try_from(i).unwrap_or(b'?'))
-            .collect();
+        let mut bytes = Vec::with_capacity(ids.len());
+        for &i in ids {
+            match u8::try_from(i) {
+                Ok(b) => bytes.push(b),
+                Err(_) => bytes.extend_from_slice("\u{FFFD}".as_bytes()),
+            }
+        }
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
@@ -425,6 +429,7 @@ mod tests {
         assert!(ids.iter().all(|&i| i < 256));
         assert_eq!(t.decode(&ids), SAMPLE);
         assert_eq!(t.vocab_size(), 256);
+        assert_eq!(t.decode(&[104, 105, 300, 0xE2]), "hi\u{FFFD}\u{FFFD}");
     }
 
     #[test]
