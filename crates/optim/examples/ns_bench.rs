@@ -1,10 +1,10 @@
-//! Newton–Schulz timings on the CPU backend: time per matrix size (median of several runs), the
-//! `small` preset's expert stacks one after another versus spread across threads, and a whole
-//! Muon + AdamW step for `small`'s parameter shapes.
+//! Newton–Schulz timings on the CPU backend: time per matrix size (median and minimum of several
+//! runs, and CPU time per run), and a whole optimizer step for the `tiny` and `small` presets'
+//! parameter shapes (Muon with small matrices across threads or one after another; AdamW).
 //!
 //! cargo run --release -p ganymede-optim --example ns_bench [-- THREADS]
 
-use ganymede_config::OptimizerConfig;
+use ganymede_config::{OptimizerConfig, OptimizerName};
 use ganymede_core::{Backend, Category, CpuBackend, Memory, ParamKind, ParamSpec, ParamStore};
 use ganymede_optim::{newton_schulz, ns_flops, NsScratch, Optimizer};
 use std::time::Instant;
@@ -21,33 +21,82 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Median seconds of `f` over enough runs to fill about `budget` seconds (at least 3, at most 25).
-fn median(budget: f64, mut f: impl FnMut()) -> f64 {
-    f(); // warm-up
+/// Seconds of CPU time this process has used (user + system), from /proc on Linux; None
+/// elsewhere. Wall time on a shared machine swings with other processes' load; CPU time per run
+/// shows the work itself, and wall/CPU the parallel efficiency.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0) // USER_HZ is 100 on Linux
+}
+
+struct Timing {
+    median: f64,
+    min: f64,
+    /// Mean CPU seconds per run (NaN where unavailable).
+    cpu: f64,
+}
+
+impl Timing {
+    fn ms(&self) -> String {
+        format!(
+            "median {:8.2} ms, min {:8.2} ms, cpu {:8.2} ms",
+            self.median * 1e3,
+            self.min * 1e3,
+            self.cpu * 1e3
+        )
+    }
+}
+
+/// Times `f` over enough runs to fill about `budget` seconds (at least 5, at most 50), after a
+/// warm-up run.
+fn time(budget: f64, mut f: impl FnMut()) -> Timing {
+    f();
     let mut times = Vec::new();
-    let start = Instant::now();
-    while times.len() < 3 || (times.len() < 25 && start.elapsed().as_secs_f64() < budget) {
+    let (start, cpu0) = (Instant::now(), cpu_seconds());
+    while times.len() < 5 || (times.len() < 50 && start.elapsed().as_secs_f64() < budget) {
         let t = Instant::now();
         f();
         times.push(t.elapsed().as_secs_f64());
     }
+    let cpu = match (cpu0, cpu_seconds()) {
+        (Some(a), Some(b)) => (b - a) / times.len() as f64,
+        _ => f64::NAN,
+    };
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    times[times.len() / 2]
+    Timing {
+        median: times[times.len() / 2],
+        min: times[0],
+        cpu,
+    }
 }
 
-fn small_preset_specs() -> Vec<ParamSpec> {
-    // `small`: vocab 4096, hidden 256, 4 layers, 8 q heads and 4 kv heads of 32, 16 experts of 256.
-    let (v, h, q, kv, e, f) = (4096, 256, 256, 128, 16, 256);
+/// Parameter shapes of a preset (as the model lays them out): vocab, hidden, layers, q and kv
+/// width, experts, expert hidden, head dim.
+#[allow(clippy::too_many_arguments)]
+fn preset_specs(
+    v: usize,
+    h: usize,
+    layers: usize,
+    q: usize,
+    kv: usize,
+    e: usize,
+    f: usize,
+    hd: usize,
+) -> Vec<ParamSpec> {
     let mut s = vec![ParamSpec::new("embed", &[v, h], ParamKind::Embedding)];
-    for l in 0..4 {
+    for l in 0..layers {
         let p = |n: &str| format!("layers.{l}.{n}");
         s.push(ParamSpec::new(p("input_norm"), &[h], ParamKind::Vector));
         s.push(ParamSpec::new(p("q_proj"), &[q, h], ParamKind::Matrix));
         s.push(ParamSpec::new(p("k_proj"), &[kv, h], ParamKind::Matrix));
         s.push(ParamSpec::new(p("v_proj"), &[kv, h], ParamKind::Matrix));
         s.push(ParamSpec::new(p("o_proj"), &[h, q], ParamKind::Matrix));
-        s.push(ParamSpec::new(p("q_norm"), &[32], ParamKind::Vector));
-        s.push(ParamSpec::new(p("k_norm"), &[32], ParamKind::Vector));
+        s.push(ParamSpec::new(p("q_norm"), &[hd], ParamKind::Vector));
+        s.push(ParamSpec::new(p("k_norm"), &[hd], ParamKind::Vector));
         s.push(ParamSpec::new(p("post_norm"), &[h], ParamKind::Vector));
         s.push(ParamSpec::new(p("router"), &[e, h], ParamKind::Router));
         s.push(ParamSpec::new(p("gate"), &[e, f, h], ParamKind::Experts));
@@ -70,8 +119,7 @@ fn main() {
         .unwrap();
     let be = CpuBackend::default();
     let dynbe: &dyn Backend = &be;
-    println!("Newton–Schulz, 5 steps, f32, {threads} thread(s); median of runs");
-    println!("{:>11} {:>10} {:>9}", "shape", "ms", "GFLOP/s");
+    println!("Newton–Schulz, 5 steps, f32, {threads} thread(s)");
     for &(r, c) in &[
         (64, 64),
         (128, 128),
@@ -84,54 +132,69 @@ fn main() {
         let g = random(r * c, (r * c) as u64);
         let mut x = be.upload(&g, &[r, c], Category::Params);
         let mut scratch = NsScratch::new(dynbe, r, c);
-        let t = median(2.0, || {
+        let t = time(3.0, || {
             be.write(x.vm(), &g);
             newton_schulz(dynbe, x.vm(), r, c, 5, &mut scratch);
         });
-        let gf = ns_flops(r, c, 5) as f64 / t / 1e9;
-        println!("{:>11} {:>10.3} {:>9.1}", format!("{r}x{c}"), t * 1e3, gf);
+        let gf = ns_flops(r, c, 5) as f64 / t.median / 1e9;
+        println!(
+            "{:>10}: {} ({gf:5.1} GFLOP/s at the median)",
+            format!("{r}x{c}"),
+            t.ms()
+        );
     }
 
-    // The `small` preset's 192 expert matrices of 256×256 (12 stacks of 16) through the
-    // optimizer: one after another with each GEMM split across threads, versus whole matrices
-    // spread across threads.
-    let specs: Vec<ParamSpec> = (0..12)
-        .map(|i| ParamSpec::new(format!("experts.{i}"), &[16, 256, 256], ParamKind::Experts))
-        .collect();
-    let mut params = ParamStore::zeros(dynbe, &specs, Category::Params);
-    let mut grads = ParamStore::zeros(dynbe, &specs, Category::Grads);
-    for (i, (_, g)) in grads.iter_mut().enumerate() {
-        let data = random(g.len(), 7 + i as u64);
-        be.write(g.vm(), &data);
+    // A whole optimizer step for the presets' parameters: Muon + AdamW with small matrices spread
+    // across threads (the default) or one after another with each GEMM split, and AdamW alone.
+    // tiny: vocab 256, hidden 64, 2 layers, 4 q / 2 kv heads of 16, 8 experts of 128.
+    // small: vocab 4096, hidden 256, 4 layers, 8 q / 4 kv heads of 32, 16 experts of 256.
+    let presets = [
+        ("tiny", preset_specs(256, 64, 2, 64, 32, 8, 128, 16)),
+        ("small", preset_specs(4096, 256, 4, 256, 128, 16, 256, 32)),
+    ];
+    for (name, specs) in presets {
+        let mut params = ParamStore::zeros(dynbe, &specs, Category::Params);
+        let mut grads = ParamStore::zeros(dynbe, &specs, Category::Grads);
+        for (i, (_, g)) in grads.iter_mut().enumerate() {
+            let data = random(g.len(), 100 + i as u64);
+            be.write(g.vm(), &data);
+        }
+        let nsf: u64 = specs
+            .iter()
+            .filter(|s| s.kind.is_muon())
+            .map(|s| {
+                let d = &s.shape[s.shape.len() - 2..];
+                (s.numel() / (d[0] * d[1])) as u64 * ns_flops(d[0], d[1], 5)
+            })
+            .sum();
+        println!(
+            "{name} ({:.2}M params; Newton–Schulz {:.2} GFLOP per step):",
+            params.numel() as f64 / 1e6,
+            nsf as f64 / 1e9
+        );
+        for (opt_name, parallel) in [
+            (OptimizerName::Muon, true),
+            (OptimizerName::Muon, false),
+            (OptimizerName::Adamw, true),
+        ] {
+            let cfg = OptimizerConfig {
+                name: opt_name,
+                ..Default::default()
+            };
+            let mut opt = Optimizer::new(dynbe, &cfg, &specs);
+            opt.set_matrix_parallel(parallel);
+            let t = time(6.0, || opt.step(dynbe, &mut params, &grads, 1e-3));
+            let how = match (opt_name, parallel) {
+                (OptimizerName::Adamw, _) => "adamw                 ",
+                (_, true) => "muon, matrices across ",
+                (_, false) => "muon, one after another",
+            };
+            println!(
+                "  {how}: {}; state {:.1} MiB, scratch {:.2} MiB",
+                t.ms(),
+                opt.state_bytes() as f64 / (1 << 20) as f64,
+                opt.scratch_bytes() as f64 / (1 << 20) as f64
+            );
+        }
     }
-    let mut opt = Optimizer::new(dynbe, &OptimizerConfig::default(), &specs);
-    let mut time = |parallel: bool| {
-        opt.set_matrix_parallel(parallel);
-        median(4.0, || opt.step(dynbe, &mut params, &grads, 1e-3))
-    };
-    let (seq, par) = (time(false), time(true));
-    println!(
-        "192 x 256x256 Muon (small's experts): one after another {:.0} ms, across threads {:.0} ms",
-        seq * 1e3,
-        par * 1e3
-    );
-
-    // A whole optimizer step for `small`'s parameters (Muon + AdamW).
-    let specs = small_preset_specs();
-    let mut params = ParamStore::zeros(dynbe, &specs, Category::Params);
-    let mut grads = ParamStore::zeros(dynbe, &specs, Category::Grads);
-    for (i, (_, g)) in grads.iter_mut().enumerate() {
-        let data = random(g.len(), 100 + i as u64);
-        be.write(g.vm(), &data);
-    }
-    let cfg = OptimizerConfig::default();
-    let mut opt = Optimizer::new(dynbe, &cfg, &specs);
-    let t = median(6.0, || opt.step(dynbe, &mut params, &grads, 1e-3));
-    println!(
-        "small preset optimizer step ({:.1}M params, Muon + AdamW): {:.1} ms; state {:.1} MiB, scratch {:.1} MiB",
-        params.numel() as f64 / 1e6,
-        t * 1e3,
-        opt.state_bytes() as f64 / (1 << 20) as f64,
-        opt.scratch_bytes() as f64 / (1 << 20) as f64
-    );
 }
