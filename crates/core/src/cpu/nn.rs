@@ -14,7 +14,7 @@ mod fastmath;
 #[cfg(test)]
 mod tests;
 
-use fastmath::{exp_inplace, sigmoid};
+use fastmath::{exp_sub_scale, exp_sub_sum, sum_exp_sub, swiglu_bwd, swiglu_fwd};
 
 /// Rows per task for row-wise kernels: enough work to pay for a task.
 fn min_rows(dim: usize) -> usize {
@@ -135,18 +135,26 @@ fn rmsnorm_backward<S: Scalar>(dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T,
 // ---------------------------------------------------------------------------------------------
 // Per-head RMSNorm + RoPE
 
-/// cos/sin of `pos * inv_freq_i`, `inv_freq_i = theta^(-2i/d)`, computed in `S` the way
-/// transformers computes them in f32 (power, reciprocal, product, then cos/sin).
-fn rope_angles<S: Scalar>(cs: &mut [S], sn: &mut [S], pos: usize, head_dim: usize, theta: f64) {
+/// cos and sin tables `[seq, head_dim / 2]` of `pos * inv_freq_i` for positions
+/// `pos0 .. pos0 + seq`, `inv_freq_i = theta^(-2i/d)`, computed in `S` the way transformers
+/// computes them in f32 (power, reciprocal, product, then cos/sin).
+fn rope_table<S: Scalar>(seq: usize, pos0: usize, head_dim: usize, theta: f64) -> (Vec<S>, Vec<S>) {
+    let half = head_dim / 2;
     let base = s::<S>(theta);
     let d = s::<S>(head_dim as f64);
-    let p = s::<S>(pos as f64);
-    for i in 0..head_dim / 2 {
-        let inv = S::one() / base.powf(s::<S>((2 * i) as f64) / d);
-        let a = inv * p;
-        cs[i] = a.cos();
-        sn[i] = a.sin();
+    let inv: Vec<S> = (0..half)
+        .map(|i| S::one() / base.powf(s::<S>((2 * i) as f64) / d))
+        .collect();
+    let (mut cs, mut sn) = (vec![S::zero(); seq * half], vec![S::zero(); seq * half]);
+    for t in 0..seq {
+        let p = s::<S>((pos0 + t) as f64);
+        for i in 0..half {
+            let a = inv[i] * p;
+            cs[t * half + i] = a.cos();
+            sn[t * half + i] = a.sin();
+        }
     }
+    (cs, sn)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -168,21 +176,17 @@ fn head_norm_rope_forward<S: Scalar>(
     let half = hd / 2;
     let eps = s::<S>(eps as f64);
     let inv_hd = S::one() / s::<S>(hd as f64);
+    let (cos, sin) = rope_table::<S>(seq, pos0, hd, theta);
     out.par_chunks_mut(row)
         .zip(rstd.par_chunks_mut(heads))
         .zip(x.par_chunks(row))
         .enumerate()
         .with_min_len(min_rows(row))
         .for_each_init(
-            || {
-                (
-                    vec![S::zero(); half],
-                    vec![S::zero(); half],
-                    vec![S::zero(); hd],
-                )
-            },
-            |(cs, sn, n), (t, ((o, r), x))| {
-                rope_angles(cs, sn, pos0 + t % seq, hd, theta);
+            || vec![S::zero(); hd],
+            |n, (t, ((o, r), x))| {
+                let p = t % seq;
+                let (cs, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 for h in 0..heads {
                     let xh = &x[h * hd..(h + 1) * hd];
                     let ss: S = xh.iter().map(|&v| v * v).sum();
@@ -223,19 +227,17 @@ fn head_norm_rope_backward<S: Scalar>(
     let rstd: &[S] = rstd.host();
     let row = heads * hd;
     let half = hd / 2;
+    let (cos, sin) = rope_table::<S>(seq, pos0, hd, theta);
     let partials: Vec<Vec<S>> = dx
         .par_chunks_mut(RED_ROWS * row)
         .enumerate()
         .map(|(c, dxc)| {
             let mut pdw = vec![S::zero(); hd];
-            let (mut cs, mut sn, mut g) = (
-                vec![S::zero(); half],
-                vec![S::zero(); half],
-                vec![S::zero(); hd],
-            );
+            let mut g = vec![S::zero(); hd];
             for (i, dxr) in dxc.chunks_mut(row).enumerate() {
                 let t = c * RED_ROWS + i;
-                rope_angles(&mut cs, &mut sn, pos0 + t % seq, hd, theta);
+                let p = t % seq;
+                let (cs, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 dxr.fill(S::zero());
                 for h in 0..heads {
                     let off = t * row + h * hd;
@@ -274,11 +276,7 @@ fn swiglu_forward<S: Scalar>(out: TMut, gate: T, up: T) {
         .zip(gate.par_chunks(EW_CHUNK))
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((o, g), u)| {
-            // o = sigmoid(g) first (vectorised exp), then the products.
-            sigmoid(o, g);
-            for i in 0..o.len() {
-                o[i] = g[i] * o[i] * u[i];
-            }
+            swiglu_fwd(o, g, u);
         });
 }
 
@@ -294,14 +292,7 @@ fn swiglu_backward<S: Scalar>(dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
         .zip(gate.par_chunks(EW_CHUNK))
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((((dg, du), d), g), u)| {
-            sigmoid(dg, g);
-            for i in 0..dg.len() {
-                let sg = dg[i];
-                let silu = g[i] * sg;
-                du[i] = d[i] * silu;
-                // silu'(g) = s (1 + g (1 - s))
-                dg[i] = d[i] * u[i] * sg * (S::one() + g[i] * (S::one() - sg));
-            }
+            swiglu_bwd(dg, du, d, g, u);
         });
 }
 
@@ -331,11 +322,8 @@ fn router_forward<S: Scalar>(
         .with_min_len(min_rows(e * 4))
         .for_each(|(((p, w), ix), l)| {
             let m = l.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
-            for (p, &l) in p.iter_mut().zip(l) {
-                *p = l - m;
-            }
-            exp_inplace(p);
-            let sum: S = p.iter().copied().sum();
+            p.copy_from_slice(l);
+            let sum = exp_sub_sum(p, m);
             let inv = S::one() / sum;
             p.iter_mut().for_each(|v| *v *= inv);
             for j in 0..k {
@@ -512,18 +500,10 @@ fn cross_entropy_forward<S: Scalar>(lse: TMut, logits: T, targets: &[u32], v: us
     lse.par_iter_mut()
         .zip(logits.par_chunks(v))
         .with_min_len(min_rows(v))
-        .for_each_init(
-            || vec![S::zero(); v],
-            |tmp, (l, x)| {
-                let m = x.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
-                for (t, &x) in tmp.iter_mut().zip(x) {
-                    *t = x - m;
-                }
-                exp_inplace(tmp);
-                let sum: S = tmp.iter().copied().sum();
-                *l = m + sum.ln();
-            },
-        );
+        .for_each(|(l, x)| {
+            let m = x.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
+            *l = m + sum_exp_sub(x, m).ln();
+        });
     let mut total = 0.0f64;
     for (r, &t) in targets.iter().enumerate() {
         total += (lse[r] - logits[r * v + t as usize]).as_f64();
@@ -540,10 +520,8 @@ fn cross_entropy_backward<S: Scalar>(logits: TMut, lse: T, targets: &[u32], v: u
         .zip(targets.par_iter())
         .with_min_len(min_rows(v))
         .for_each(|((x, &l), &t)| {
-            x.iter_mut().for_each(|x| *x -= l);
-            exp_inplace(x);
-            x[t as usize] -= S::one();
-            x.iter_mut().for_each(|x| *x *= scale);
+            exp_sub_scale(x, l, scale);
+            x[t as usize] -= scale;
         });
 }
 

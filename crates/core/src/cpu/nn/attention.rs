@@ -4,7 +4,7 @@
 //! so memory is one `block × tk` tile per task, never `T × T` per head. Backward recomputes the
 //! probabilities from the saved log-sum-exp (as FlashAttention does) instead of storing them.
 
-use super::fastmath::exp_inplace;
+use super::fastmath::{exp_sub_scale, exp_sub_sum};
 use super::Ptr;
 use crate::cpu::blas::GemmScalar;
 use crate::tensor::{TMut, T};
@@ -138,9 +138,7 @@ pub fn forward<S: GemmScalar>(out: TMut, lse: TMut, q: T, k: T, v: T, d: Dims) {
                             let m = row[..valid]
                                 .iter()
                                 .fold(S::neg_infinity(), |a, &x| a.max(x));
-                            row[..valid].iter_mut().for_each(|x| *x -= m);
-                            exp_inplace(&mut row[..valid]);
-                            let sum: S = row[..valid].iter().copied().sum();
+                            let sum = exp_sub_sum(&mut row[..valid], m);
                             *lb.add(r0 + i) = m + sum.ln();
                             let inv = S::one() / sum;
                             row[..valid].iter_mut().for_each(|x| *x *= inv);
@@ -268,8 +266,7 @@ pub fn backward<S: GemmScalar>(
                             let valid = off + r0 + i + 1;
                             let row = &mut pt[i * nc..(i + 1) * nc];
                             let l = lrow[r0 + i];
-                            row[..valid].iter_mut().for_each(|x| *x -= l);
-                            exp_inplace(&mut row[..valid]);
+                            exp_sub_scale(&mut row[..valid], l, S::one());
                             row[valid..].fill(S::zero());
                             let o = base + (r0 + i) * qd;
                             let dd: S = dout[o..o + hd]
