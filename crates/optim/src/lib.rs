@@ -3,7 +3,10 @@
 //! - [`Optimizer`]: Muon (Nesterov momentum, Newton–Schulz orthogonalisation, RMS-matched scale,
 //!   decoupled weight decay) for hidden weight matrices, each expert's matrix on its own; AdamW
 //!   for embeddings, the LM head, the router and vectors; `optimizer.name = adamw` puts every
-//!   trainable parameter on AdamW. Buffers are never updated.
+//!   trainable parameter on AdamW. Buffers are never updated. Weight decay (decoupled) applies to
+//!   every matrix, embeddings and the LM head included; norm gains and other vectors get none.
+//!   Checkpoint state: `<param>.muon_momentum`, `<param>.adam_m`, `<param>.adam_v` and the step
+//!   count.
 //! - [`newton_schulz`]: the orthogonalisation alone, GEMMs on the backend.
 //! - [`lr_at`]: warmup then constant, cosine or warmup-stable-decay.
 //! - [`clip_grad_norm`]: global gradient-norm clipping.

@@ -10,8 +10,9 @@ use rayon::prelude::*;
 
 /// Matrices whose Newton–Schulz costs at most this many FLOPs are spread across threads whole
 /// (one matrix per thread at a time); bigger ones run one after another, each GEMM split across
-/// threads. Small GEMMs split across threads spend much of their time waiting: on `tiny`'s
-/// matrices that costs 3.5x the CPU time, on `small`'s 256x256 ones 1.3x (`examples/ns_bench.rs`).
+/// threads. Small GEMMs split across threads spend much of their time waiting: measured on 2
+/// threads, that took 3.5x the CPU time on `tiny`'s matrices and 1.3x on `small`'s 256x256 ones
+/// (`examples/ns_bench.rs`).
 /// The bound takes in squares up to about 400 and 256x1024 (1.5 GFLOP); each parallel slot holds
 /// scratch for the largest such matrix.
 pub const PAR_MATRIX_MAX_FLOPS: u64 = 2_000_000_000;
