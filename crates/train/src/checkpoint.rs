@@ -82,6 +82,9 @@ pub fn checkpoints_root(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints")
 }
 
+/// Named host tensors: (name, shape, values), in file order.
+pub type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// Serialise named f32 tensors to safetensors bytes.
 pub fn to_safetensors_bytes(
     tensors: &[(String, Vec<usize>, Vec<f32>)],
@@ -132,7 +135,7 @@ fn sync_dir(dir: &Path) {
 pub fn host_tensors<'a>(
     be: &dyn Memory,
     named: impl IntoIterator<Item = (String, &'a Tensor)>,
-) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+) -> NamedTensors {
     named
         .into_iter()
         .map(|(n, t)| (n, t.shape().to_vec(), be.download(t.v())))
@@ -142,8 +145,8 @@ pub fn host_tensors<'a>(
 /// Everything a checkpoint holds, on the host.
 pub struct CheckpointData<'a> {
     pub manifest: &'a Manifest,
-    pub params: Vec<(String, Vec<usize>, Vec<f32>)>,
-    pub optimizer: Vec<(String, Vec<usize>, Vec<f32>)>,
+    pub params: NamedTensors,
+    pub optimizer: NamedTensors,
     /// Extra files copied into the checkpoint (a trained tokenizer).
     pub extra_files: Vec<(String, PathBuf)>,
 }

@@ -7,7 +7,7 @@
 //! `mlp.experts.{j}.gate_proj.weight` `[F, H]` and so on. Features Qwen3-MoE has no field for
 //! (shared experts, a nonzero DeepSeek selection bias) are refused rather than silently dropped.
 
-use crate::checkpoint::{self, HostTensors};
+use crate::checkpoint::{self, HostTensors, NamedTensors};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
 use serde_json::json;
@@ -58,10 +58,7 @@ pub fn hf_config(cfg: &JobConfig) -> serde_json::Value {
 
 /// Map our parameter tensors to Qwen3-MoE's, splitting stacked experts. Errors on features
 /// Qwen3-MoE cannot express and on any tensor it does not know.
-pub fn hf_tensors(
-    cfg: &JobConfig,
-    mut params: HostTensors,
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+pub fn hf_tensors(cfg: &JobConfig, mut params: HostTensors) -> Result<NamedTensors> {
     let m = &cfg.model;
     if m.shared_experts > 0 {
         bail!(
@@ -108,7 +105,7 @@ pub fn hf_tensors(
 }
 
 /// Every tensor `Qwen3MoeForCausalLM` expects is present with its shape, and nothing else.
-fn check_complete(cfg: &JobConfig, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<()> {
+fn check_complete(cfg: &JobConfig, tensors: &NamedTensors) -> Result<()> {
     let m = &cfg.model;
     let (h, v, q, kv, d) = (m.hidden, m.vocab_size, m.q_dim(), m.kv_dim(), m.head_dim);
     let mut want: Vec<(String, Vec<usize>)> = vec![

@@ -134,7 +134,11 @@ impl Progress {
                 bar.set_message(format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s));
             }
             Progress::Lines { every } => {
-                if m.step % every == 0 || m.step == total || m.step == 1 || m.val_loss.is_some() {
+                if m.step.is_multiple_of(*every)
+                    || m.step == total
+                    || m.step == 1
+                    || m.val_loss.is_some()
+                {
                     let mut line = format!(
                         "step {:>6}/{total} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | load max/mean {:.2}",
                         m.step, m.loss, m.aux_loss, m.lr, m.grad_norm, m.tokens_per_s, m.load_max_over_mean

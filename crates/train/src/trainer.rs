@@ -47,6 +47,8 @@ pub struct TrainSummary {
     pub final_val_loss: Option<f64>,
     pub tokens_per_s: f64,
     pub checkpoint: Option<PathBuf>,
+    /// The corpus's entropy floor in nats per token (built-in corpus only).
+    pub entropy_floor: Option<f64>,
 }
 
 /// Size rayon's global pool from `training.threads` (0 = all cores). Only the first call in a
@@ -254,8 +256,8 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         timed_tokens += out.tokens as u64;
 
         let done = step + 1;
-        let val_due =
-            done == end || (cfg.metrics.val_every > 0 && done % cfg.metrics.val_every == 0);
+        let val_due = done == end
+            || (cfg.metrics.val_every > 0 && done.is_multiple_of(cfg.metrics.val_every));
         let val_loss = val_due.then(|| validate(be, &model, &params, &mut ws, &data, cfg));
         if val_loss.is_some() {
             final_val = val_loss;
@@ -280,7 +282,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
 
         let ckpt_due = cfg.checkpoint.enable
             && (done == end
-                || (cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0));
+                || (cfg.checkpoint.interval > 0 && done.is_multiple_of(cfg.checkpoint.interval)));
         if ckpt_due {
             let manifest = Manifest {
                 format_version: checkpoint::FORMAT_VERSION,
@@ -330,6 +332,15 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
                 run_dir.display()
             );
         }
+        if let Some(floor) = data.entropy_floor_nats_per_token() {
+            println!(
+                "entropy floor of the built-in corpus: {floor:.4} nats/token{}",
+                final_val.map_or(String::new(), |v| format!(
+                    " (val_loss is {:.4} above it)",
+                    v - floor
+                ))
+            );
+        }
     }
     Ok(TrainSummary {
         run_dir,
@@ -339,6 +350,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         final_val_loss: final_val,
         tokens_per_s: timed_tokens as f64 / elapsed.max(1e-9),
         checkpoint: last_ckpt,
+        entropy_floor: data.entropy_floor_nats_per_token(),
     })
 }
 
