@@ -51,27 +51,39 @@ impl Timing {
     }
 }
 
-/// Times `f` over enough runs to fill about `budget` seconds (at least 5, at most 50), after a
-/// warm-up run.
-fn time(budget: f64, mut f: impl FnMut()) -> Timing {
-    f();
-    let mut times = Vec::new();
-    let (start, cpu0) = (Instant::now(), cpu_seconds());
-    while times.len() < 5 || (times.len() < 50 && start.elapsed().as_secs_f64() < budget) {
-        let t = Instant::now();
-        f();
-        times.push(t.elapsed().as_secs_f64());
+/// Times the closures round-robin (one run of each per round, so that all see the same load on
+/// a shared machine) for about `budget` seconds, at least 5 and at most 50 rounds, after a
+/// warm-up round.
+fn time(budget: f64, fs: &mut [&mut dyn FnMut()]) -> Vec<Timing> {
+    fs.iter_mut().for_each(|f| f());
+    let mut walls = vec![Vec::new(); fs.len()];
+    let mut cpus = vec![0.0; fs.len()];
+    let start = Instant::now();
+    let mut rounds = 0;
+    while rounds < 5 || (rounds < 50 && start.elapsed().as_secs_f64() < budget) {
+        for (i, f) in fs.iter_mut().enumerate() {
+            let (t, c) = (Instant::now(), cpu_seconds());
+            f();
+            walls[i].push(t.elapsed().as_secs_f64());
+            cpus[i] += match (c, cpu_seconds()) {
+                (Some(a), Some(b)) => b - a,
+                _ => f64::NAN,
+            };
+        }
+        rounds += 1;
     }
-    let cpu = match (cpu0, cpu_seconds()) {
-        (Some(a), Some(b)) => (b - a) / times.len() as f64,
-        _ => f64::NAN,
-    };
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Timing {
-        median: times[times.len() / 2],
-        min: times[0],
-        cpu,
-    }
+    walls
+        .into_iter()
+        .zip(cpus)
+        .map(|(mut w, cpu)| {
+            w.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            Timing {
+                median: w[w.len() / 2],
+                min: w[0],
+                cpu: cpu / rounds as f64,
+            }
+        })
+        .collect()
 }
 
 /// Parameter shapes of a preset (as the model lays them out): vocab, hidden, layers, q and kv
@@ -132,10 +144,14 @@ fn main() {
         let g = random(r * c, (r * c) as u64);
         let mut x = be.upload(&g, &[r, c], Category::Params);
         let mut scratch = NsScratch::new(dynbe, r, c);
-        let t = time(3.0, || {
-            be.write(x.vm(), &g);
-            newton_schulz(dynbe, x.vm(), r, c, 5, &mut scratch);
-        });
+        let t = time(
+            3.0,
+            &mut [&mut || {
+                be.write(x.vm(), &g);
+                newton_schulz(dynbe, x.vm(), r, c, 5, &mut scratch);
+            }],
+        )
+        .remove(0);
         let gf = ns_flops(r, c, 5) as f64 / t.median / 1e9;
         println!(
             "{:>10}: {} ({gf:5.1} GFLOP/s at the median)",
@@ -153,7 +169,6 @@ fn main() {
         ("small", preset_specs(4096, 256, 4, 256, 128, 16, 256, 32)),
     ];
     for (name, specs) in presets {
-        let mut params = ParamStore::zeros(dynbe, &specs, Category::Params);
         let mut grads = ParamStore::zeros(dynbe, &specs, Category::Grads);
         for (i, (_, g)) in grads.iter_mut().enumerate() {
             let data = random(g.len(), 100 + i as u64);
@@ -169,26 +184,37 @@ fn main() {
             .sum();
         println!(
             "{name} ({:.2}M params; Newton–Schulz {:.2} GFLOP per step):",
-            params.numel() as f64 / 1e6,
+            grads.numel() as f64 / 1e6,
             nsf as f64 / 1e9
         );
-        for (opt_name, parallel) in [
-            (OptimizerName::Muon, true),
-            (OptimizerName::Muon, false),
-            (OptimizerName::Adamw, true),
-        ] {
-            let cfg = OptimizerConfig {
-                name: opt_name,
-                ..Default::default()
-            };
-            let mut opt = Optimizer::new(dynbe, &cfg, &specs);
-            opt.set_matrix_parallel(parallel);
-            let t = time(6.0, || opt.step(dynbe, &mut params, &grads, 1e-3));
-            let how = match (opt_name, parallel) {
-                (OptimizerName::Adamw, _) => "adamw                 ",
-                (_, true) => "muon, matrices across ",
-                (_, false) => "muon, one after another",
-            };
+        let setups = [
+            ("muon, matrices across  ", OptimizerName::Muon, true),
+            ("muon, one after another", OptimizerName::Muon, false),
+            ("adamw                  ", OptimizerName::Adamw, true),
+        ];
+        let mut runs: Vec<(Optimizer, ParamStore)> = setups
+            .iter()
+            .map(|&(_, name, parallel)| {
+                let cfg = OptimizerConfig {
+                    name,
+                    ..Default::default()
+                };
+                let mut opt = Optimizer::new(dynbe, &cfg, &specs);
+                opt.set_matrix_parallel(parallel);
+                (opt, ParamStore::zeros(dynbe, &specs, Category::Params))
+            })
+            .collect();
+        let grads = &grads;
+        let mut steps: Vec<Box<dyn FnMut() + '_>> = runs
+            .iter_mut()
+            .map(|(opt, params)| {
+                Box::new(move || opt.step(dynbe, params, grads, 1e-3)) as Box<dyn FnMut()>
+            })
+            .collect();
+        let mut fs: Vec<&mut dyn FnMut()> = steps.iter_mut().map(|f| &mut **f as _).collect();
+        let times = time(12.0, &mut fs);
+        drop(steps);
+        for ((how, _, _), (t, (opt, _))) in setups.iter().zip(times.iter().zip(&runs)) {
             println!(
                 "  {how}: {}; state {:.1} MiB, scratch {:.2} MiB",
                 t.ms(),
