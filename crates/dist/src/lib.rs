@@ -9,6 +9,8 @@ pub mod error;
 pub mod group;
 pub mod hash;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod placement;
 pub mod stats;
 pub mod threads;

@@ -1,0 +1,730 @@
+//! MPI backend (feature `mpi`): one rank per process, `mpirun -n N ganymede train …`.
+//!
+//! Every collective is an MPI immediate collective (`MPI_Iallgather`, `MPI_Ireduce_scatter_block`,
+//! `MPI_Ialltoallv`, …), so the `i*` forms return as soon as MPI has the call and the transfer
+//! progresses while the caller computes. The library needs `'static` buffers for a request it
+//! may outlive, so each call stages its data in buffers the handle owns (one host copy each
+//! way, cheap next to the wire); `wait` polls `MPI_Test` with a short, growing sleep (no
+//! spinning) until completion or the timeout, then copies the result out. On timeout (or a
+//! panic) the staging buffers and the request are leaked on purpose: MPI may still write them,
+//! so freeing would be unsound; the caller is expected to end the job ([`MpiGroup::abort`]).
+//!
+//! MPI is initialised with at least `MPI_THREAD_SERIALIZED`, and every MPI call of this module
+//! runs under one process-wide lock, so group handles may be used from any thread.
+//! Reductions use `MPI_SUM`: the order is the library's, so results can differ from the threads
+//! backend in the last bits for inexact sums (identical for exact ones, as the check uses).
+
+use crate::error::{invalid, CommError, Result};
+use crate::group::{check_root, elem_size, Pending, ProcessGroup, RankCtx, Work};
+use crate::stats::{volume, Op, Phase};
+use crate::trace::Track;
+use ganymede_core::{TMut, T};
+use mpi::collective::SystemOperation;
+use mpi::datatype::{Equivalence, Partition, PartitionMut};
+use mpi::environment::Universe;
+use mpi::request::{Request, StaticScope};
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use mpi::Threading;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+static MPI_LOCK: Mutex<()> = Mutex::new(());
+
+fn lock() -> MutexGuard<'static, ()> {
+    MPI_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Clone, Debug)]
+pub struct MpiConfig {
+    pub timeout: Duration,
+    pub trace: bool,
+}
+
+impl Default for MpiConfig {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(120),
+            trace: false,
+        }
+    }
+}
+
+/// Keeps MPI initialised; finalises it when dropped (after every group handle is gone).
+pub struct MpiWorld {
+    _universe: Universe,
+}
+
+/// Initialise MPI and return the world group of this process.
+pub fn init(cfg: &MpiConfig) -> Result<(MpiWorld, Arc<MpiGroup>)> {
+    let (universe, provided) = mpi::initialize_with_threading(Threading::Multiple)
+        .ok_or_else(|| CommError::Mpi("MPI is already initialised".into()))?;
+    if matches!(provided, Threading::Single | Threading::Funneled) {
+        return Err(CommError::Mpi(format!(
+            "the MPI library provides only {provided:?} threading; need Serialized or better"
+        )));
+    }
+    let comm = universe.world();
+    let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+    let g = MpiGroup {
+        comm,
+        rank,
+        members: (0..size).collect(),
+        name: "world".into(),
+        ctx: RankCtx::new(rank, cfg.trace),
+        timeout: cfg.timeout,
+    };
+    Ok((
+        MpiWorld {
+            _universe: universe,
+        },
+        Arc::new(g),
+    ))
+}
+
+/// A communicator and this process's place in it.
+pub struct MpiGroup {
+    comm: SimpleCommunicator,
+    rank: usize,
+    members: Vec<usize>,
+    name: String,
+    ctx: RankCtx,
+    timeout: Duration,
+}
+
+// SAFETY: every MPI call made through a group happens under `MPI_LOCK`, and MPI was initialised
+// with at least MPI_THREAD_SERIALIZED, so calls from different threads never overlap.
+unsafe impl Send for MpiGroup {}
+unsafe impl Sync for MpiGroup {}
+
+impl MpiGroup {
+    /// End every process of the job (after a timeout or a peer's failure).
+    pub fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
+    }
+
+    /// Collective: a duplicate of this group with another timeout (tests, and callers that
+    /// want a shorter fuse for one phase).
+    pub fn with_timeout(&self, timeout: Duration, name: &str) -> Arc<MpiGroup> {
+        let comm = {
+            let _l = lock();
+            self.comm.duplicate()
+        };
+        Arc::new(MpiGroup {
+            comm,
+            rank: self.rank,
+            members: self.members.clone(),
+            name: name.into(),
+            ctx: self.ctx.clone(),
+            timeout,
+        })
+    }
+}
+
+/// A posted request, whatever buffer type it was made for.
+trait Req {
+    /// True once complete (the request is then gone).
+    fn test(&mut self) -> bool;
+}
+
+impl<D: ?Sized + 'static> Req for Option<Request<'static, D, StaticScope>> {
+    fn test(&mut self) -> bool {
+        match self.take() {
+            None => true,
+            Some(r) => match r.test() {
+                Ok(_) => true,
+                Err(r) => {
+                    *self = Some(r);
+                    false
+                }
+            },
+        }
+    }
+}
+
+/// A reference that MPI may keep until the request completes. The pointee lives in a box owned
+/// by the same [`MpiPending`], which is waited on or leaked, never freed while in flight.
+unsafe fn forever<X: ?Sized>(x: &X) -> &'static X {
+    &*(x as *const X)
+}
+unsafe fn forever_mut<X: ?Sized>(x: &mut X) -> &'static mut X {
+    &mut *(x as *mut X)
+}
+
+struct MpiPending<'a, E: 'static> {
+    g: &'a MpiGroup,
+    // Declared first: dropped before the staging it points into.
+    req: Box<dyn Req>,
+    _keep: Vec<Box<dyn std::any::Any>>,
+    _send: Box<[E]>,
+    recv: Box<[E]>,
+    out: Option<&'a mut [E]>,
+    op: Op,
+    phase: Phase,
+    posted: Instant,
+    sent: u64,
+}
+
+impl<E: Copy + 'static> Pending for MpiPending<'_, E> {
+    fn wait(mut self: Box<Self>) -> Result<()> {
+        let t0 = Instant::now();
+        let deadline = t0 + self.g.timeout;
+        let mut nap = Duration::from_micros(20);
+        loop {
+            let done = {
+                let _l = lock();
+                self.req.test()
+            };
+            if done {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let e = CommError::Timeout {
+                    op: self.op.name(),
+                    group: self.g.name.clone(),
+                    rank: self.g.ctx.world_rank,
+                    waited: self.g.timeout,
+                    missing: vec![],
+                };
+                // MPI may still write the staging buffers: leak them (see the module docs).
+                std::mem::forget(self);
+                return Err(e);
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+        let t1 = Instant::now();
+        if let Some(out) = self.out.take() {
+            out.copy_from_slice(&self.recv);
+        }
+        let tr = &self.g.ctx.tracer;
+        if tr.enabled() {
+            let name = format!("{} {}", self.op.name(), self.phase.name());
+            tr.record(name.clone(), Track::Wait, t0, t1, None);
+            tr.record(name, Track::Comm, self.posted, t1, Some(self.sent));
+        }
+        Ok(())
+    }
+    fn ready(&mut self) -> bool {
+        let _l = lock();
+        self.req.test()
+    }
+    fn abandon(self: Box<Self>) {
+        std::mem::forget(self);
+    }
+}
+
+/// Host element types MPI moves.
+trait Elem: Equivalence + Copy + Default + Send + Sync + 'static {}
+impl Elem for f32 {}
+impl Elem for f64 {}
+
+fn boxed<E: Copy>(s: &[E]) -> Box<[E]> {
+    s.to_vec().into_boxed_slice()
+}
+fn zeros<E: Elem>(n: usize) -> Box<[E]> {
+    vec![E::default(); n].into_boxed_slice()
+}
+fn counts(c: &[usize]) -> Result<Vec<i32>> {
+    c.iter()
+        .map(|&x| i32::try_from(x).map_err(|_| invalid("alltoallv", "count exceeds i32")))
+        .collect()
+}
+fn displs(c: &[i32]) -> Vec<i32> {
+    c.iter()
+        .scan(0, |acc, &x| {
+            let d = *acc;
+            *acc += x;
+            Some(d)
+        })
+        .collect()
+}
+
+impl MpiGroup {
+    fn size_(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Post with staged buffers: `post` gets `'static` views of the staging and returns the
+    /// request; the result is copied into `out` by `wait`.
+    #[allow(clippy::too_many_arguments)]
+    fn stage<'a, E: Elem>(
+        &'a self,
+        op: Op,
+        phase: Phase,
+        (sent, recv_b): (u64, u64),
+        send: Box<[E]>,
+        mut recv: Box<[E]>,
+        out: Option<&'a mut [E]>,
+        post: impl FnOnce(
+            &SimpleCommunicator,
+            &'static [E],
+            &'static mut [E],
+        ) -> (Box<dyn Req>, Vec<Box<dyn std::any::Any>>),
+    ) -> Result<Work<'a>> {
+        let posted = Instant::now();
+        // SAFETY: both boxes move into the pending handle below and are only freed after the
+        // request completes (or leaked).
+        let (s, r) = unsafe { (forever(&*send), forever_mut(&mut *recv)) };
+        let (req, keep) = {
+            let _l = lock();
+            post(&self.comm, s, r)
+        };
+        self.ctx.stats.record(phase, op, sent, recv_b);
+        Ok(Work::new(Box::new(MpiPending {
+            g: self,
+            req,
+            _keep: keep,
+            _send: send,
+            recv,
+            out,
+            op,
+            phase,
+            posted,
+            sent,
+        })))
+    }
+
+    fn all_gather_t<'a, E: Elem>(
+        &'a self,
+        send: &[E],
+        out: &'a mut [E],
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
+        if out.len() != w * n {
+            return Err(invalid(
+                "all_gather",
+                format!("recv has {} elements, expected {w}×{n}", out.len()),
+            ));
+        }
+        let vol = volume(Op::AllGather, w, n, es, false);
+        self.stage(
+            Op::AllGather,
+            phase,
+            vol,
+            boxed(send),
+            zeros(w * n),
+            Some(out),
+            |c, s, r| {
+                let q = c.immediate_all_gather_into(StaticScope, s, r);
+                (Box::new(Some(q)), vec![])
+            },
+        )
+    }
+
+    fn reduce_scatter_t<'a, E: Elem>(
+        &'a self,
+        send: &[E],
+        out: &'a mut [E],
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), out.len(), std::mem::size_of::<E>());
+        if send.len() != w * n {
+            return Err(invalid(
+                "reduce_scatter",
+                format!("send has {} elements, expected {w}×{n}", send.len()),
+            ));
+        }
+        let vol = volume(Op::ReduceScatter, w, n, es, false);
+        self.stage(
+            Op::ReduceScatter,
+            phase,
+            vol,
+            boxed(send),
+            zeros(n),
+            Some(out),
+            |c, s, r| {
+                let q = c.immediate_reduce_scatter_block_into(
+                    StaticScope,
+                    s,
+                    r,
+                    SystemOperation::sum(),
+                );
+                (Box::new(Some(q)), vec![])
+            },
+        )
+    }
+
+    fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], phase: Phase) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
+        let vol = volume(Op::AllReduce, w, n, es, false);
+        let send = boxed(buf);
+        self.stage(
+            Op::AllReduce,
+            phase,
+            vol,
+            send,
+            zeros(n),
+            Some(buf),
+            |c, s, r| {
+                let q = c.immediate_all_reduce_into(StaticScope, s, r, SystemOperation::sum());
+                (Box::new(Some(q)), vec![])
+            },
+        )
+    }
+
+    fn alltoallv_t<'a, E: Elem>(
+        &'a self,
+        send: &[E],
+        send_counts: &[usize],
+        out: &'a mut [E],
+        recv_counts: &[usize],
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, es, me) = (self.size_(), std::mem::size_of::<E>(), self.rank);
+        if send_counts.len() != w || recv_counts.len() != w {
+            return Err(invalid(
+                "alltoallv",
+                format!("need {w} send and recv counts"),
+            ));
+        }
+        if send_counts.iter().sum::<usize>() != send.len()
+            || recv_counts.iter().sum::<usize>() != out.len()
+        {
+            return Err(invalid(
+                "alltoallv",
+                "counts do not sum to the buffer lengths",
+            ));
+        }
+        let others = |c: &[usize]| -> u64 {
+            c.iter()
+                .enumerate()
+                .filter(|&(j, _)| j != me)
+                .map(|(_, &x)| (x * es) as u64)
+                .sum()
+        };
+        let vol = (others(send_counts), others(recv_counts));
+        let (sc, rc) = (counts(send_counts)?, counts(recv_counts)?);
+        let (sd, rd) = (displs(&sc), displs(&rc));
+        let n_out = out.len();
+        self.stage(
+            Op::AllToAllV,
+            phase,
+            vol,
+            boxed(send),
+            zeros(n_out),
+            Some(out),
+            move |c, s, r| {
+                let sp = Box::new(Partition::new(s, sc, sd));
+                let mut rp = Box::new(PartitionMut::new(r, rc, rd));
+                // SAFETY: the partitions are kept (boxed) in the handle with the request.
+                let (sp_ref, rp_ref) = unsafe { (forever(&*sp), forever_mut(&mut *rp)) };
+                let q = c.immediate_all_to_all_varcount_into(StaticScope, sp_ref, rp_ref);
+                let keep: Vec<Box<dyn std::any::Any>> = vec![sp, rp];
+                (Box::new(Some(q)), keep)
+            },
+        )
+    }
+
+    fn broadcast_t<'a, E: Elem>(
+        &'a self,
+        buf: &'a mut [E],
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
+        check_root("broadcast", root, w)?;
+        let is_root = self.rank == root;
+        let vol = volume(Op::Broadcast, w, n, es, is_root);
+        // The staging receive buffer is the broadcast buffer (root: filled with its data).
+        let stage: Box<[E]> = if is_root { boxed(buf) } else { zeros(n) };
+        self.stage(
+            Op::Broadcast,
+            phase,
+            vol,
+            Box::new([]),
+            stage,
+            (!is_root).then_some(buf),
+            move |c, _s, r| {
+                let q = c
+                    .process_at_rank(root as i32)
+                    .immediate_broadcast_into(StaticScope, r);
+                (Box::new(Some(q)), vec![])
+            },
+        )
+    }
+
+    fn reduce_t<'a, E: Elem>(
+        &'a self,
+        buf: &'a mut [E],
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
+        check_root("reduce", root, w)?;
+        let is_root = self.rank == root;
+        let vol = volume(Op::Reduce, w, n, es, is_root);
+        let send = boxed(buf);
+        self.stage(
+            Op::Reduce,
+            phase,
+            vol,
+            send,
+            zeros(if is_root { n } else { 0 }),
+            is_root.then_some(buf),
+            move |c, s, r| {
+                let p = c.process_at_rank(root as i32);
+                let q: Box<dyn Req> = if is_root {
+                    Box::new(Some(p.immediate_reduce_into_root(
+                        StaticScope,
+                        s,
+                        r,
+                        SystemOperation::sum(),
+                    )))
+                } else {
+                    Box::new(Some(p.immediate_reduce_into(
+                        StaticScope,
+                        s,
+                        SystemOperation::sum(),
+                    )))
+                };
+                (q, vec![])
+            },
+        )
+    }
+
+    fn gather_t<'a, E: Elem>(
+        &'a self,
+        send: &[E],
+        out: Option<&'a mut [E]>,
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
+        check_root("gather", root, w)?;
+        let is_root = self.rank == root;
+        match (&out, is_root) {
+            (Some(r), true) if r.len() == w * n => {}
+            (None, false) => {}
+            _ => {
+                return Err(invalid(
+                    "gather",
+                    format!("the root (only) passes a recv buffer of {w}×{n} elements"),
+                ))
+            }
+        }
+        let vol = volume(Op::Gather, w, n, es, is_root);
+        self.stage(
+            Op::Gather,
+            phase,
+            vol,
+            boxed(send),
+            zeros(if is_root { w * n } else { 0 }),
+            out,
+            move |c, s, r| {
+                let p = c.process_at_rank(root as i32);
+                let q: Box<dyn Req> = if is_root {
+                    Box::new(Some(p.immediate_gather_into_root(StaticScope, s, r)))
+                } else {
+                    Box::new(Some(p.immediate_gather_into(StaticScope, s)))
+                };
+                (q, vec![])
+            },
+        )
+    }
+
+    fn scatter_t<'a, E: Elem>(
+        &'a self,
+        send: Option<&[E]>,
+        out: &'a mut [E],
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        let (w, n, es) = (self.size_(), out.len(), std::mem::size_of::<E>());
+        check_root("scatter", root, w)?;
+        let is_root = self.rank == root;
+        match (&send, is_root) {
+            (Some(s), true) if s.len() == w * n => {}
+            (None, false) => {}
+            _ => {
+                return Err(invalid(
+                    "scatter",
+                    format!("the root (only) passes a send buffer of {w}×{n} elements"),
+                ))
+            }
+        }
+        let vol = volume(Op::Scatter, w, n, es, is_root);
+        self.stage(
+            Op::Scatter,
+            phase,
+            vol,
+            send.map_or_else(|| Box::new([]) as Box<[E]>, boxed),
+            zeros(n),
+            Some(out),
+            move |c, s, r| {
+                let p = c.process_at_rank(root as i32);
+                let q: Box<dyn Req> = if is_root {
+                    Box::new(Some(p.immediate_scatter_into_root(StaticScope, s, r)))
+                } else {
+                    Box::new(Some(p.immediate_scatter_into(StaticScope, r)))
+                };
+                (q, vec![])
+            },
+        )
+    }
+}
+
+fn dtype_mismatch(op: &'static str) -> CommError {
+    CommError::Unsupported {
+        op,
+        message: "send and receive views must both be host f32 or both host f64".into(),
+    }
+}
+
+impl ProcessGroup for MpiGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+    fn world_ranks(&self) -> &[usize] {
+        &self.members
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn ctx(&self) -> &RankCtx {
+        &self.ctx
+    }
+
+    fn iall_gather<'a>(&'a self, send: T<'a>, recv: TMut<'a>, phase: Phase) -> Result<Work<'a>> {
+        elem_size("all_gather", &send)?;
+        match (send, recv) {
+            (T::Host(s), TMut::Host(r)) => self.all_gather_t(s, r, phase),
+            (T::Host64(s), TMut::Host64(r)) => self.all_gather_t(s, r, phase),
+            _ => Err(dtype_mismatch("all_gather")),
+        }
+    }
+    fn ireduce_scatter<'a>(
+        &'a self,
+        send: T<'a>,
+        recv: TMut<'a>,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        elem_size("reduce_scatter", &send)?;
+        match (send, recv) {
+            (T::Host(s), TMut::Host(r)) => self.reduce_scatter_t(s, r, phase),
+            (T::Host64(s), TMut::Host64(r)) => self.reduce_scatter_t(s, r, phase),
+            _ => Err(dtype_mismatch("reduce_scatter")),
+        }
+    }
+    fn iall_reduce<'a>(&'a self, buf: TMut<'a>, phase: Phase) -> Result<Work<'a>> {
+        match buf {
+            TMut::Host(b) => self.all_reduce_t(b, phase),
+            TMut::Host64(b) => self.all_reduce_t(b, phase),
+            #[allow(unreachable_patterns)]
+            _ => Err(dtype_mismatch("all_reduce")),
+        }
+    }
+    fn ialltoallv<'a>(
+        &'a self,
+        send: T<'a>,
+        send_counts: &[usize],
+        recv: TMut<'a>,
+        recv_counts: &[usize],
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        match (send, recv) {
+            (T::Host(s), TMut::Host(r)) => self.alltoallv_t(s, send_counts, r, recv_counts, phase),
+            (T::Host64(s), TMut::Host64(r)) => {
+                self.alltoallv_t(s, send_counts, r, recv_counts, phase)
+            }
+            _ => Err(dtype_mismatch("alltoallv")),
+        }
+    }
+    fn ibroadcast<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
+        match buf {
+            TMut::Host(b) => self.broadcast_t(b, root, phase),
+            TMut::Host64(b) => self.broadcast_t(b, root, phase),
+            #[allow(unreachable_patterns)]
+            _ => Err(dtype_mismatch("broadcast")),
+        }
+    }
+    fn ireduce<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
+        match buf {
+            TMut::Host(b) => self.reduce_t(b, root, phase),
+            TMut::Host64(b) => self.reduce_t(b, root, phase),
+            #[allow(unreachable_patterns)]
+            _ => Err(dtype_mismatch("reduce")),
+        }
+    }
+    fn igather<'a>(
+        &'a self,
+        send: T<'a>,
+        recv: Option<TMut<'a>>,
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        match (send, recv) {
+            (T::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
+            (T::Host(s), Some(TMut::Host(r))) => self.gather_t(s, Some(r), root, phase),
+            (T::Host64(s), None) => self.gather_t::<f64>(s, None, root, phase),
+            (T::Host64(s), Some(TMut::Host64(r))) => self.gather_t(s, Some(r), root, phase),
+            _ => Err(dtype_mismatch("gather")),
+        }
+    }
+    fn iscatter<'a>(
+        &'a self,
+        send: Option<T<'a>>,
+        recv: TMut<'a>,
+        root: usize,
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        match (send, recv) {
+            (None, TMut::Host(r)) => self.scatter_t::<f32>(None, r, root, phase),
+            (Some(T::Host(s)), TMut::Host(r)) => self.scatter_t(Some(s), r, root, phase),
+            (None, TMut::Host64(r)) => self.scatter_t::<f64>(None, r, root, phase),
+            (Some(T::Host64(s)), TMut::Host64(r)) => self.scatter_t(Some(s), r, root, phase),
+            _ => Err(dtype_mismatch("scatter")),
+        }
+    }
+    fn ibarrier(&self) -> Result<Work<'_>> {
+        self.stage::<f32>(
+            Op::Barrier,
+            Phase::Other,
+            (0, 0),
+            Box::new([]),
+            Box::new([]),
+            None,
+            |c, _, _| (Box::new(Some(c.immediate_barrier())), vec![]),
+        )
+    }
+
+    fn split(
+        &self,
+        color: Option<usize>,
+        key: usize,
+        name: &str,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        let c = match color {
+            Some(c) => Color::with_value(
+                i32::try_from(c).map_err(|_| invalid("split", "color exceeds i32"))?,
+            ),
+            None => Color::undefined(),
+        };
+        let key = i32::try_from(key).map_err(|_| invalid("split", "key exceeds i32"))?;
+        let sub = {
+            let _l = lock();
+            self.comm.split_by_color_with_key(c, key)
+        };
+        self.ctx.stats.record(Phase::Other, Op::Split, 0, 0);
+        let Some(comm) = sub else { return Ok(None) };
+        // The members' world ranks, in the new group's order.
+        let me = self.ctx.world_rank as u64;
+        let mut all = vec![0u64; comm.size() as usize];
+        {
+            let _l = lock();
+            comm.all_gather_into(&me, &mut all[..]);
+        }
+        Ok(Some(Arc::new(MpiGroup {
+            rank: comm.rank() as usize,
+            comm,
+            members: all.iter().map(|&x| x as usize).collect(),
+            name: name.into(),
+            ctx: self.ctx.clone(),
+            timeout: self.timeout,
+        })))
+    }
+}
