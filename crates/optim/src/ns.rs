@@ -75,8 +75,7 @@ pub fn newton_schulz(
     let wide = rows <= cols;
     let (ca, cb, cc) = NS_COEFFS;
 
-    let norm = be.sumsq(x.ro()).sqrt();
-    be.scale(x.rb(), (1.0 / (norm + NS_EPS)) as f32);
+    be.normalize_frobenius(x.rb(), NS_EPS);
 
     let NsScratch { a, b, y } = scratch;
     let mut a = a.slice_mut(0, s * s);

@@ -31,6 +31,10 @@ pub trait OptimOps: Send + Sync {
     /// Nesterov momentum: `buf = μ·buf + g; out = g + μ·buf` (with the new `buf`).
     fn nesterov_momentum(&self, buf: TMut, grad: T, out: TMut, momentum: f64);
 
+    /// `x = x / (‖x‖_F + eps)` with the norm accumulated in f64: Newton–Schulz's normalisation,
+    /// on the device so a GPU backend needs no host round trip per matrix.
+    fn normalize_frobenius(&self, x: TMut, eps: f64);
+
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
     /// `alpha = lr·scale` and `decay = lr·weight_decay`.
     fn decay_update(&self, param: TMut, update: T, alpha: f64, decay: f64);

@@ -64,6 +64,25 @@ fn nesterov<S: Scalar>(buf: TMut, g: T, out: TMut, mu: f64) {
     }
 }
 
+fn normalize<S: Scalar>(x: TMut, eps: f64) {
+    let x: &mut [S] = x.host();
+    let sq = |c: &[S]| c.iter().map(|&v| v.as_f64() * v.as_f64()).sum::<f64>();
+    // Fixed chunks: the sum's rounding does not depend on the thread count.
+    let sumsq: f64 = if x.len() < PAR_MIN {
+        sq(x)
+    } else {
+        let parts: Vec<f64> = x.par_chunks(PAR_MIN).map(sq).collect();
+        parts.iter().sum()
+    };
+    let f = S::of_f64(1.0 / (sumsq.sqrt() + eps));
+    if x.len() < PAR_MIN {
+        x.iter_mut().for_each(|v| *v *= f);
+    } else {
+        x.par_chunks_mut(PAR_MIN)
+            .for_each(|c| c.iter_mut().for_each(|v| *v *= f));
+    }
+}
+
 fn decay_update<S: Scalar>(p: TMut, u: T, alpha: f64, decay: f64) {
     let (p, u): (&mut [S], &[S]) = (p.host(), u.host());
     assert_eq!(p.len(), u.len(), "decay_update lengths");
@@ -88,6 +107,9 @@ impl OptimOps for CpuBackend {
     }
     fn nesterov_momentum(&self, buf: TMut, grad: T, out: TMut, momentum: f64) {
         crate::by_dtype!(buf.dtype(), nesterov(buf, grad, out, momentum))
+    }
+    fn normalize_frobenius(&self, x: TMut, eps: f64) {
+        crate::by_dtype!(x.dtype(), normalize(x, eps))
     }
     fn decay_update(&self, param: TMut, update: T, alpha: f64, decay: f64) {
         crate::by_dtype!(param.dtype(), decay_update(param, update, alpha, decay))

@@ -164,8 +164,22 @@ pub fn p_iter(s: f64, steps: usize) -> f64 {
     (0..steps).fold(s, |s, _| p(s))
 }
 
+/// The coefficients as the backend's GEMM receives them (`Gemm::alpha/beta` are f32): an f64
+/// backend matches a reference using these to rounding.
+pub const COEFFS_F32: (f64, f64, f64) = (A as f32 as f64, B as f32 as f64, C as f32 as f64);
+
 /// Reference Newton–Schulz, written out the textbook way: explicit transpose of tall matrices.
 pub fn ns_reference(g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
+    ns_reference_with((A, B, C), g, rows, cols, steps)
+}
+
+pub fn ns_reference_with(
+    (a_, b_, c_): (f64, f64, f64),
+    g: &[f64],
+    rows: usize,
+    cols: usize,
+    steps: usize,
+) -> Vec<f64> {
     let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
     let mut x: Vec<f64> = g.iter().map(|v| v / (norm + 1e-7)).collect();
     let tall = rows > cols;
@@ -176,9 +190,9 @@ pub fn ns_reference(g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f6
     for _ in 0..steps {
         let a = matmul(&x, &transpose(&x, s, l), s, l, s);
         let aa = matmul(&a, &a, s, s, s);
-        let b: Vec<f64> = a.iter().zip(&aa).map(|(a, aa)| B * a + C * aa).collect();
+        let b: Vec<f64> = a.iter().zip(&aa).map(|(a, aa)| b_ * a + c_ * aa).collect();
         let bx = matmul(&b, &x, s, s, l);
-        x = x.iter().zip(&bx).map(|(x, bx)| A * x + bx).collect();
+        x = x.iter().zip(&bx).map(|(x, bx)| a_ * x + bx).collect();
     }
     if tall {
         x = transpose(&x, s, l);
