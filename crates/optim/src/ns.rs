@@ -1,7 +1,7 @@
 //! Newton–Schulz orthogonalisation, Muon's core: five quintic iterations push every singular value
 //! of `G/‖G‖_F` into roughly [0.7, 1.1] while keeping the singular vectors, i.e. an approximate
-//! `U·Vᵀ` of `G = U·Σ·Vᵀ`. Only GEMMs and copies, all through the backend, so a device backend
-//! runs it where the matrix lives.
+//! `U·Vᵀ` of `G = U·Σ·Vᵀ`. A normalisation kernel, GEMMs and copies, all through the backend, so
+//! a device backend runs it where the matrix lives with no host round trip.
 
 use ganymede_core::{Backend, Category, Gemm, TMut, Tensor};
 
