@@ -148,39 +148,17 @@ pub(crate) fn block_forward(
             m.r.dispatch(k);
             be.moe_gather(m.xe.vm(), a.xn2.v(), &m.r.src, h);
             let (wg, wu, wd) = (params.get(gate), params.get(up), params.get(down));
-            for ex in 0..e {
-                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
-                if c == 0 {
-                    continue;
-                }
-                let xe = m.xe.slice(r0 * h, c * h);
-                let gm = Gemm::new(c, f, h, false, true);
-                be.gemm(
-                    m.g.slice_mut(r0 * f, c * f),
-                    xe,
-                    wg.slice(ex * f * h, f * h),
-                    gm,
-                );
-                be.gemm(
-                    m.u.slice_mut(r0 * f, c * f),
-                    xe,
-                    wu.slice(ex * f * h, f * h),
-                    gm,
-                );
-            }
+            // One GEMM per expert over its tokens: rows r0..r0+c of the dispatched buffers.
+            let gs = expert_groups(&m.r.offsets, &m.r.counts, |r0, c, ex| {
+                (Gemm::new(c, f, h, false, true), r0 * h, ex * f * h, r0 * f)
+            });
+            be.gemm_grouped(m.g.vm(), m.xe.v(), wg.v(), &gs);
+            be.gemm_grouped(m.u.vm(), m.xe.v(), wu.v(), &gs);
             be.swiglu_forward(m.a.vm(), m.g.v(), m.u.v());
-            for ex in 0..e {
-                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
-                if c == 0 {
-                    continue;
-                }
-                be.gemm(
-                    m.ye.slice_mut(r0 * h, c * h),
-                    m.a.slice(r0 * f, c * f),
-                    wd.slice(ex * h * f, h * f),
-                    Gemm::new(c, h, f, false, true),
-                );
-            }
+            let gs = expert_groups(&m.r.offsets, &m.r.counts, |r0, c, ex| {
+                (Gemm::new(c, h, f, false, true), r0 * f, ex * h * f, r0 * h)
+            });
+            be.gemm_grouped(m.ye.vm(), m.a.v(), wd.v(), &gs);
             if let Some(y) = y.as_mut() {
                 be.moe_combine(y.rb(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
             }
@@ -191,6 +169,18 @@ pub(crate) fn block_forward(
             }
         }
     }
+}
+
+/// The per-expert GEMMs of a grouped call: `f(first_row, rows, expert)` for experts with tokens.
+fn expert_groups(
+    offsets: &[usize],
+    counts: &[usize],
+    f: impl Fn(usize, usize, usize) -> (Gemm, usize, usize, usize),
+) -> Vec<(Gemm, usize, usize, usize)> {
+    (0..counts.len())
+        .filter(|&ex| counts[ex] > 0)
+        .map(|ex| f(offsets[ex], counts[ex], ex))
+        .collect()
 }
 
 /// Every-token SwiGLU of `parts` stacked experts of hidden `fs`; adds its output into `y`.
@@ -299,47 +289,34 @@ pub(crate) fn block_backward(
             #[rustfmt::skip]
             be.moe_combine_backward(dye.vm(), drw.vm(), dres.v(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
             let (wg, wu, wd) = (params.get(gate), params.get(up), params.get(down));
-            for ex in 0..e {
-                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
-                if c == 0 {
-                    continue;
-                }
-                let dy = dye.slice(r0 * h, c * h);
-                #[rustfmt::skip]
-                be.gemm(da.slice_mut(r0 * f, c * f), dy, wd.slice(ex * h * f, h * f), Gemm::new(c, f, h, false, false));
-                be.gemm(
-                    grads.get_mut(down).slice_mut(ex * h * f, h * f),
-                    dy,
-                    m.a.slice(r0 * f, c * f),
-                    Gemm::new(h, f, c, true, false).beta(1.0),
-                );
-            }
+            let (off, cnt) = (&m.r.offsets, &m.r.counts);
+            // dA = dY·W_down[e];  dW_down[e] += dYᵀ·A
+            let gs = expert_groups(off, cnt, |r0, c, ex| {
+                (Gemm::new(c, f, h, false, false), r0 * h, ex * h * f, r0 * f)
+            });
+            be.gemm_grouped(da.vm(), dye.v(), wd.v(), &gs);
+            let gs = expert_groups(off, cnt, |r0, c, ex| {
+                let gm = Gemm::new(h, f, c, true, false).beta(1.0);
+                (gm, r0 * h, r0 * f, ex * h * f)
+            });
+            be.gemm_grouped(grads.get_mut(down).vm(), dye.v(), m.a.v(), &gs);
             be.swiglu_backward(dg.vm(), du.vm(), da.v(), m.g.v(), m.u.v());
-            for ex in 0..e {
-                let (r0, c) = (m.r.offsets[ex], m.r.counts[ex]);
-                if c == 0 {
-                    continue;
-                }
-                let (dgs, dus) = (dg.slice(r0 * f, c * f), du.slice(r0 * f, c * f));
-                let xe = m.xe.slice(r0 * h, c * h);
-                let gm = Gemm::new(c, h, f, false, false);
-                be.gemm(
-                    dxe.slice_mut(r0 * h, c * h),
-                    dgs,
-                    wg.slice(ex * f * h, f * h),
-                    gm,
-                );
-                #[rustfmt::skip]
-                be.gemm(dxe.slice_mut(r0 * h, c * h), dus, wu.slice(ex * f * h, f * h), gm.beta(1.0));
-                let gw = Gemm::new(f, h, c, true, false).beta(1.0);
-                be.gemm(
-                    grads.get_mut(gate).slice_mut(ex * f * h, f * h),
-                    dgs,
-                    xe,
-                    gw,
-                );
-                be.gemm(grads.get_mut(up).slice_mut(ex * f * h, f * h), dus, xe, gw);
-            }
+            // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
+            let gs = expert_groups(off, cnt, |r0, c, ex| {
+                (Gemm::new(c, h, f, false, false), r0 * f, ex * f * h, r0 * h)
+            });
+            be.gemm_grouped(dxe.vm(), dg.v(), wg.v(), &gs);
+            let gs1: Vec<_> = gs
+                .iter()
+                .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
+                .collect();
+            be.gemm_grouped(dxe.vm(), du.v(), wu.v(), &gs1);
+            let gs = expert_groups(off, cnt, |r0, c, ex| {
+                let gm = Gemm::new(f, h, c, true, false).beta(1.0);
+                (gm, r0 * f, r0 * h, ex * f * h)
+            });
+            be.gemm_grouped(grads.get_mut(gate).vm(), dg.v(), m.xe.v(), &gs);
+            be.gemm_grouped(grads.get_mut(up).vm(), du.v(), m.xe.v(), &gs);
             #[rustfmt::skip]
             be.router_backward(drl.vm(), drw.v(), m.probs.v(), &m.r.idx, dprob_const, e, k, cfg.norm_topk_prob);
             be.gemm(

@@ -8,10 +8,16 @@
 //!   it. Routing decisions and per-expert sums come back to the host because the model needs
 //!   them to size the per-expert GEMMs.
 
+use crate::backend::Gemm;
 use crate::tensor::{TMut, T};
 
 #[allow(clippy::too_many_arguments)]
 pub trait NnOps: Send + Sync {
+    /// Independent GEMMs in one call (the routed experts' GEMMs over their tokens): each
+    /// `(shape, a_offset, b_offset, c_offset)` computes, on the views starting at those element
+    /// offsets, what [`crate::Blas::gemm`] would. Output blocks must not overlap.
+    fn gemm_grouped(&self, c: TMut, a: T, b: T, groups: &[(Gemm, usize, usize, usize)]);
+
     /// `out[t] = wte[ids[t]]`, rows of `dim`.
     fn embedding_forward(&self, out: TMut, wte: T, ids: &[u32], dim: usize);
     /// `dwte[ids[t]] += dout[t]`.

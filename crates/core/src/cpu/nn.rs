@@ -4,13 +4,14 @@
 //! every reduction runs in a fixed order, so results do not depend on the thread count.
 
 use super::CpuBackend;
-use crate::backend::NnOps;
+use crate::backend::{Gemm, NnOps};
 use crate::by_dtype;
 use crate::tensor::{DType, Scalar, TMut, T};
 use rayon::prelude::*;
 
 mod attention;
 mod fastmath;
+mod grouped;
 #[cfg(test)]
 mod tests;
 
@@ -532,6 +533,12 @@ fn dt(v: &T) -> DType {
 }
 
 impl NnOps for CpuBackend {
+    fn gemm_grouped(&self, c: TMut, a: T, b: T, groups: &[(Gemm, usize, usize, usize)]) {
+        match c.dtype() {
+            DType::F32 => grouped::gemm_grouped::<f32>(c, a, b, groups),
+            DType::F64 => grouped::gemm_grouped::<f64>(c, a, b, groups),
+        }
+    }
     fn embedding_forward(&self, out: TMut, wte: T, ids: &[u32], dim: usize) {
         by_dtype!(out.dtype(), embedding_forward(out, wte, ids, dim))
     }

@@ -579,3 +579,51 @@ fn f32_kernels_match_f64() {
     }
     assert!((sums[0] - sums[1]).abs() < 1e-5 * sums[0].abs(), "{sums:?}");
 }
+
+#[test]
+fn grouped_gemm_matches_one_gemm_per_group() {
+    use crate::backend::Gemm;
+    let b = CpuBackend::new(Arc::new(Ledger::new()));
+    let mut r = Rng(13);
+    let (f, h) = (40, 24);
+    // Uneven groups (one empty) of rows, each against its own weight, like experts.
+    let rows = [70usize, 0, 5, 300];
+    let total: usize = rows.iter().sum();
+    let x: Vec<f32> = r.vec(total * h).iter().map(|&v| v as f32).collect();
+    let w: Vec<f32> = r
+        .vec(rows.len() * f * h)
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    let (xt, wt) = (
+        b.upload(&x, &[x.len()], Category::Activations),
+        b.upload(&w, &[w.len()], Category::Activations),
+    );
+    let mut groups = vec![];
+    let mut r0 = 0;
+    for (e, &c) in rows.iter().enumerate() {
+        groups.push((
+            Gemm::new(c, f, h, false, true).alpha(0.5),
+            r0 * h,
+            e * f * h,
+            r0 * f,
+        ));
+        r0 += c;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let mut got = b.zeros(&[total * f], Category::Activations);
+    pool.install(|| b.gemm_grouped(got.vm(), xt.v(), wt.v(), &groups));
+    let mut want = b.zeros(&[total * f], Category::Activations);
+    for &(g, ao, bo, co) in &groups {
+        b.gemm(
+            want.slice_mut(co, g.m * f),
+            xt.slice(ao, g.m * h),
+            wt.slice(bo, f * h),
+            g,
+        );
+    }
+    assert_eq!(b.download(got.v()), b.download(want.v()));
+}
