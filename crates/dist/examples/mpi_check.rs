@@ -4,9 +4,8 @@
 //! formulas, overlap of a non-blocking collective, the timeout and the config-hash check.
 //! Exits non-zero (and says what differed) on any failure.
 
-use ganymede_core::{ParamKind, ParamSpec, TMut, T};
+use ganymede_core::{ParamKind, ParamSpec, TMut};
 use ganymede_dist::mpi::{init, MpiConfig};
-use ganymede_dist::placement::ShardGroup;
 use ganymede_dist::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,31 +42,19 @@ fn specs() -> Vec<ParamSpec> {
 
 fn exchange(mesh: &DeviceMesh, p: &Plan) -> (u64, u64) {
     mesh.dp_shard.ctx().stats.reset();
-    for pp in p.params.iter().filter(|pp| pp.is_muon()) {
-        let Some(root) = pp.ns_root else { continue };
-        let g = match pp.group {
-            ShardGroup::DpShard => &mesh.dp_shard,
-            ShardGroup::Efsdp => &mesh.efsdp,
-        };
-        let shard = vec![1f32; pp.shard_elems];
-        let mut full = vec![0f32; pp.shard_elems * g.size()];
-        let is_root = g.rank() == root;
-        g.gather(
-            T::Host(&shard),
-            is_root.then_some(TMut::Host(&mut full)),
-            root,
-            Phase::Optimizer,
-        )
-        .unwrap();
-        let mut back = vec![0f32; pp.shard_elems];
-        g.scatter(
-            is_root.then_some(T::Host(&full)),
-            TMut::Host(&mut back),
-            root,
-            Phase::Optimizer,
-        )
-        .unwrap();
-    }
+    let mut store: Vec<(usize, Vec<f32>)> = p
+        .params
+        .iter()
+        .enumerate()
+        .filter(|(_, pp)| pp.is_muon())
+        .map(|(i, pp)| (i, vec![1f32; pp.shard_elems]))
+        .collect();
+    let mut slices: Vec<(usize, &mut [f32])> =
+        store.iter_mut().map(|(i, v)| (*i, &mut v[..])).collect();
+    muon_exchange(p, mesh, &mut slices, &mut |job: NsJob| {
+        job.data.iter_mut().for_each(|x| *x *= 3.0)
+    })
+    .unwrap();
     mesh.dp_shard.ctx().stats.snapshot().phase(Phase::Optimizer)
 }
 

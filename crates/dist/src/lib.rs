@@ -11,6 +11,7 @@ pub mod hash;
 pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod muon_comm;
 pub mod placement;
 pub mod stats;
 pub mod threads;
@@ -20,6 +21,7 @@ pub use error::{CommError, Result};
 pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
 pub use hash::{check_config_hash, config_hash, fnv1a64};
 pub use mesh::{DeviceMesh, MeshError, MeshShape};
+pub use muon_comm::{muon_exchange, NsJob};
 pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
 pub use stats::{CommSnapshot, CommStats, Op, Phase};
 pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};

@@ -5,7 +5,6 @@ use crate::placement::{ns_cost, optimizer_bytes_compare, ShardGroup, ShardLayout
 use crate::*;
 use ganymede_config::ParallelismConfig;
 use ganymede_core::{ParamKind, ParamSpec, TMut, T};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn cfg(timeout_ms: u64) -> ThreadsConfig {
@@ -603,37 +602,68 @@ fn optimizer_byte_formulas_on_tiny() {
     assert_eq!((n1, f1), (0, 0));
 }
 
-/// The optimizer's exchange as the Muon integration will issue it: for each Muon parameter with
-/// a Newton–Schulz root, gather the slices on the root, then scatter the update slices back.
-fn simulate_exchange(pg: &Arc<dyn ProcessGroup>, mesh: &DeviceMesh, p: &Plan) -> CommSnapshot {
-    pg.ctx().stats.reset();
-    for pp in p.params.iter().filter(|pp| pp.is_muon()) {
-        let Some(root) = pp.ns_root else { continue };
+/// Run [`muon_exchange`] with an "orthogonalisation" of `x -> 2x + 1`; check every real element
+/// was updated exactly once and padding left alone; return the counted optimizer bytes and the
+/// number of matrices this rank orthogonalised.
+fn run_exchange(mesh: &DeviceMesh, p: &Plan) -> ((u64, u64), usize) {
+    mesh.dp_shard.ctx().stats.reset();
+    let mut store: Vec<(usize, Vec<f32>, usize)> = Vec::new();
+    for (i, pp) in p.params.iter().enumerate().filter(|(_, pp)| pp.is_muon()) {
         let g = match pp.group {
             ShardGroup::DpShard => &mesh.dp_shard,
             ShardGroup::Efsdp => &mesh.efsdp,
         };
-        let shard = vec![g.rank() as f32; pp.shard_elems];
-        let mut full = vec![0f32; pp.shard_elems * g.size()];
-        let is_root = g.rank() == root;
-        g.gather(
-            T::Host(&shard),
-            is_root.then_some(TMut::Host(&mut full)),
-            root,
-            Phase::Optimizer,
-        )
-        .unwrap();
-        let mut back = vec![0f32; pp.shard_elems];
-        g.scatter(
-            is_root.then_some(T::Host(&full)),
-            TMut::Host(&mut back),
-            root,
-            Phase::Optimizer,
-        )
-        .unwrap();
-        assert_eq!(back, shard);
+        let real = match pp.placement {
+            Placement::Expert { per_owner } => {
+                let (e, m) = (pp.local_shape[0], pp.local_shape[1] * pp.local_shape[2]);
+                let f = g.rank();
+                e.min((f + 1) * per_owner).saturating_sub(f * per_owner) * m
+            }
+            _ => {
+                let rows = pp.local_shape[0]
+                    * if pp.local_shape.len() == 3 {
+                        pp.local_shape[1]
+                    } else {
+                        1
+                    };
+                let numel: usize = pp.local_shape.iter().product();
+                ShardLayout::new(rows, numel / rows, g.size())
+                    .range(g.rank())
+                    .len()
+            }
+        };
+        let v: Vec<f32> = (0..pp.shard_elems)
+            .map(|k| if k < real { (1 + k % 97) as f32 } else { -7.0 })
+            .collect();
+        store.push((i, v, real));
     }
-    pg.ctx().stats.snapshot()
+    let mut matrices = 0;
+    {
+        let mut slices: Vec<(usize, &mut [f32])> =
+            store.iter_mut().map(|(i, v, _)| (*i, &mut v[..])).collect();
+        muon_exchange(p, mesh, &mut slices, &mut |job: NsJob| {
+            assert_eq!(job.data.len(), job.count * job.rows * job.cols);
+            matrices += job.count;
+            for x in job.data.iter_mut() {
+                *x = 2.0 * *x + 1.0;
+            }
+        })
+        .unwrap();
+    }
+    for (i, v, real) in &store {
+        for (k, &x) in v.iter().enumerate() {
+            let want = if k < *real {
+                2.0 * (1 + k % 97) as f32 + 1.0
+            } else {
+                -7.0
+            };
+            assert_eq!(x, want, "{} element {k}", p.params[*i].name);
+        }
+    }
+    (
+        mesh.dp_shard.ctx().stats.snapshot().phase(Phase::Optimizer),
+        matrices,
+    )
 }
 
 #[test]
@@ -645,11 +675,28 @@ fn optimizer_byte_formulas_equal_the_counted_collectives() {
             let p = plan(&specs, shape, policy).unwrap();
             let want = optimizer_bytes(&p, 4);
             let par = ParallelismConfig { dp_shard: dp, ep };
-            let got = ok(run_threads(dp, &cfg(10_000), |pg| {
+            let res = ok(run_threads(dp, &cfg(10_000), |pg| {
                 let mesh = DeviceMesh::new(pg.clone(), &par).unwrap();
-                simulate_exchange(&pg, &mesh, &p).phase(Phase::Optimizer)
+                run_exchange(&mesh, &p)
             }));
+            let got: Vec<(u64, u64)> = res.iter().map(|r| r.0).collect();
             assert_eq!(got, want, "dp={dp} ep={ep} {policy:?}");
+            // Every matrix orthogonalised exactly once per expert-parallel slice.
+            let per_slice: usize = p
+                .params
+                .iter()
+                .filter(|pp| pp.is_muon())
+                .map(|pp| match pp.group {
+                    ShardGroup::Efsdp => pp.local_shape[0] * ep,
+                    ShardGroup::DpShard => pp
+                        .local_shape
+                        .first()
+                        .filter(|_| pp.local_shape.len() == 3)
+                        .copied()
+                        .unwrap_or(1),
+                })
+                .sum();
+            assert_eq!(res.iter().map(|r| r.1).sum::<usize>(), per_slice);
             if policy == Policy::FlexShard && !shared {
                 assert!(got.iter().all(|&(s, _)| s > 0), "dense matrices still move");
             }

@@ -1,0 +1,134 @@
+//! The communication of one distributed Muon step under a [`Plan`]: what FlexShard and the
+//! naive baseline move, issued through the counted collectives so the byte counters equal
+//! [`crate::placement::optimizer_bytes`].
+//!
+//! Order (FlexShard): post the gathers of every owned dense matrix's momentum-updated gradient
+//! slices (non-blocking), orthogonalise this rank's whole experts while they are in flight, wait
+//! the gathers, then for each dense matrix orthogonalise it on its owner and post the scatter of
+//! the update slices back; finally wait the scatters. The naive plan runs the same code with
+//! every Muon parameter (expert stacks included) gathered on its round-robin root.
+
+use crate::error::{invalid, Result};
+use crate::group::{wait_all, ProcessGroup, Work};
+use crate::mesh::DeviceMesh;
+use crate::placement::{ParamPlacement, Placement, Plan, ShardGroup};
+use crate::stats::Phase;
+use ganymede_core::{TMut, T};
+use std::sync::Arc;
+
+/// What to orthogonalise: `data` holds `count` consecutive `[rows, cols]` matrices (one for a
+/// dense matrix, the owned experts for an expert stack), to be replaced by their updates.
+pub struct NsJob<'a> {
+    pub param: &'a ParamPlacement,
+    pub rows: usize,
+    pub cols: usize,
+    pub count: usize,
+    pub data: &'a mut [f32],
+}
+
+fn matrices(p: &ParamPlacement) -> (usize, usize, usize) {
+    match p.local_shape.len() {
+        3 => (p.local_shape[0], p.local_shape[1], p.local_shape[2]),
+        2 => (1, p.local_shape[0], p.local_shape[1]),
+        _ => (0, 0, 0),
+    }
+}
+
+/// Run the exchange. `slices[k] = (index into plan.params, this rank's shard)` for every Muon
+/// parameter, each shard `shard_elems` long (padding included); on return each holds its slice
+/// of the update. `ns` is called for every matrix set this rank orthogonalises.
+pub fn muon_exchange(
+    plan: &Plan,
+    mesh: &DeviceMesh,
+    slices: &mut [(usize, &mut [f32])],
+    ns: &mut dyn FnMut(NsJob<'_>),
+) -> Result<()> {
+    let group = |p: &ParamPlacement| -> &Arc<dyn ProcessGroup> {
+        match p.group {
+            ShardGroup::DpShard => &mesh.dp_shard,
+            ShardGroup::Efsdp => &mesh.efsdp,
+        }
+    };
+    for (i, s) in slices.iter() {
+        let p = &plan.params[*i];
+        if !p.is_muon() || s.len() != p.shard_elems {
+            return Err(invalid(
+                "muon_exchange",
+                format!(
+                    "{}: slice of {} elements, plan says {}",
+                    p.name,
+                    s.len(),
+                    p.shard_elems
+                ),
+            ));
+        }
+    }
+    let (mut owned, mut local): (Vec<_>, Vec<_>) = slices
+        .iter_mut()
+        .partition(|(i, _)| plan.params[*i].ns_root.is_some());
+
+    // 1. Gathers of the owned matrices' slices onto their roots, all in flight at once.
+    let mut fulls: Vec<Vec<f32>> = owned
+        .iter()
+        .map(|(i, _)| {
+            let p = &plan.params[*i];
+            let g = group(p);
+            if g.rank() == p.ns_root.unwrap() {
+                vec![0f32; p.shard_elems * g.size()]
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let mut gathers: Vec<Work> = Vec::with_capacity(owned.len());
+    for ((i, s), full) in owned.iter().zip(fulls.iter_mut()) {
+        let p = &plan.params[*i];
+        let g = group(p);
+        let root = p.ns_root.unwrap();
+        let recv = (g.rank() == root).then_some(TMut::Host(&mut full[..]));
+        gathers.push(g.igather(T::Host(&s[..]), recv, root, Phase::Optimizer)?);
+    }
+
+    // 2. Whole experts on this rank, while the gathers travel.
+    for (i, s) in local.iter_mut() {
+        let p = &plan.params[*i];
+        let Placement::Expert { per_owner } = p.placement else {
+            continue;
+        };
+        let (e, rows, cols) = matrices(p);
+        let f = group(p).rank();
+        let count = e.min((f + 1) * per_owner).saturating_sub(f * per_owner);
+        ns(NsJob {
+            param: p,
+            rows,
+            cols,
+            count,
+            data: &mut s[..count * rows * cols],
+        });
+    }
+
+    // 3. Each owned matrix: orthogonalise on the root and post the scatter back, so the next
+    //    matrix's Newton–Schulz overlaps the previous scatter.
+    wait_all(gathers)?;
+    let mut scatters: Vec<Work> = Vec::with_capacity(owned.len());
+    for ((i, s), full) in owned.iter_mut().zip(fulls.iter_mut()) {
+        let p = &plan.params[*i];
+        let g = group(p);
+        let root = p.ns_root.unwrap();
+        let is_root = g.rank() == root;
+        if is_root {
+            let (count, rows, cols) = matrices(p);
+            // Slices are consecutive row blocks, so the matrix is the unpadded prefix.
+            ns(NsJob {
+                param: p,
+                rows,
+                cols,
+                count,
+                data: &mut full[..count * rows * cols],
+            });
+        }
+        let send = is_root.then_some(T::Host(&full[..]));
+        scatters.push(g.iscatter(send, TMut::Host(&mut s[..]), root, Phase::Optimizer)?);
+    }
+    wait_all(scatters)
+}
