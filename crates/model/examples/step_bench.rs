@@ -6,7 +6,7 @@
 
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{Category, CpuBackend, ParamStore};
-use ganymede_model::{forward_backward, Model, Workspace};
+use ganymede_model::{activation_bytes, forward_backward, Model, Workspace};
 use std::time::Instant;
 
 #[repr(C)]
@@ -54,6 +54,10 @@ fn main() {
         let inputs: Vec<u32> = (0..n).map(|_| tok()).collect();
         let targets: Vec<u32> = (0..n).map(|_| tok()).collect();
         for mode in [AcMode::None, AcMode::Full] {
+            println!(
+                "{name:6} ac={mode:?}: activation workspace {:.1} MiB",
+                activation_bytes(&cfg, batch, seq, mode) as f64 / (1 << 20) as f64
+            );
             let mut ws = Workspace::new(&be, &model, batch, seq, mode);
             let (mut times, mut cpus) = (vec![], vec![]);
             for i in 0..steps + 2 {

@@ -335,3 +335,30 @@ fn sampling_is_seeded_and_respects_top_k() {
     let g = generate(&be, &model, &params, &[1, 2], 10, 0.0, 0, 0);
     assert_eq!(generate(&be, &model, &params, &[1, 2], 10, 2.0, 1, 9), g);
 }
+
+#[test]
+fn gradients_accumulate_scaled() {
+    // Two half-weighted steps add up to one full step (up to the order of additions).
+    let c = cfg(true, true, true, false);
+    let be = CpuBackend::default();
+    let model = Model::new(&c);
+    let params = random_params(&be, &model, 3);
+    let inputs = tokens(10, c.vocab_size, 1);
+    let targets = tokens(10, c.vocab_size, 2);
+    let mut ws = Workspace::new(&be, &model, 2, 5, AcMode::Full);
+    let mut once = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+    forward_backward(
+        &be, &model, &params, &mut once, &mut ws, &inputs, &targets, 1.0,
+    );
+    let mut twice = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+    for _ in 0..2 {
+        forward_backward(
+            &be, &model, &params, &mut twice, &mut ws, &inputs, &targets, 0.5,
+        );
+    }
+    for (a, b) in once.tensors().iter().zip(twice.tensors()) {
+        for (x, y) in be.download(a.v()).iter().zip(be.download(b.v())) {
+            assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{x} vs {y}");
+        }
+    }
+}
