@@ -221,15 +221,17 @@ pub fn update_router_bias(
     for (bi, load) in biases.zip(&out.expert_load) {
         let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len() as f64;
         let t = params.get_mut(bi);
-        let mut b = be.download_f64(t.v());
-        for (b, &l) in b.iter_mut().zip(load) {
-            let d = mean - l as f64;
-            // sign(0) = 0: a perfectly balanced expert keeps its bias.
-            if d != 0.0 {
-                *b += coeff * d.signum();
-            }
-        }
-        let up = be.upload_f64(&b, t.shape(), ganymede_core::Category::Buffers);
-        be.copy(t.vm(), up.v());
+        let b: Vec<f32> = be
+            .download_f64(t.v())
+            .iter()
+            .zip(load)
+            .map(|(&b, &l)| {
+                let d = mean - l as f64;
+                // sign(0) = 0: a perfectly balanced expert keeps its bias.
+                let step = if d == 0.0 { 0.0 } else { coeff * d.signum() };
+                (b + step) as f32
+            })
+            .collect();
+        be.write(t.vm(), &b);
     }
 }
