@@ -124,6 +124,17 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
     out.push(("nonblocking_all_reduce".into(), f(&nb1)));
     out.push(("nonblocking_all_gather".into(), f(&nb2)));
 
+    let h: Vec<u16> = data(r, 3)
+        .iter()
+        .map(|&x| crate::group::to_bf16(x * 0.1))
+        .collect();
+    let mut hg = vec![0u16; 3 * w];
+    pg.all_gather_bf16(&h, &mut hg, Phase::ForwardGather)?;
+    out.push((
+        "all_gather_bf16".into(),
+        hg.iter().map(|&x| x as f64).collect(),
+    ));
+
     // A sub-group: even and odd ranks, in reverse rank order (key = size - rank).
     let sub = pg
         .split(Some(r % 2), w - r, "parity")?
@@ -194,6 +205,12 @@ pub fn expected(r: usize, w: usize) -> Outputs {
         "nonblocking_all_gather".into(),
         (0..w)
             .flat_map(|j| (0..3).map(move |i| v(j + 1, i)))
+            .collect(),
+    ));
+    out.push((
+        "all_gather_bf16".into(),
+        (0..w)
+            .flat_map(|j| (0..3).map(move |i| crate::group::to_bf16(val(j, i) * 0.1) as f64))
             .collect(),
     ));
     let mut mates: Vec<usize> = (0..w).filter(|j| j % 2 == r % 2).collect();

@@ -155,6 +155,15 @@ pub trait ProcessGroup: Send + Sync {
         phase: Phase,
     ) -> Result<Work<'a>>;
     fn ibarrier(&self) -> Result<Work<'_>>;
+    /// All-gather of bf16 values (raw bits, see [`to_bf16`]): FSDP's parameter gathers move
+    /// half the bytes of f32, and the counters count 2 bytes per element. Host slices, since
+    /// the core views have no bf16 dtype yet; a GPU backend adds a device form when they do.
+    fn iall_gather_bf16<'a>(
+        &'a self,
+        send: &'a [u16],
+        recv: &'a mut [u16],
+        phase: Phase,
+    ) -> Result<Work<'a>>;
 
     /// Collective over this group: ranks passing the same `Some(color)` form a new group,
     /// ordered by `(key, rank)`; `None` joins no group. Sub-groups share this rank's counters
@@ -202,6 +211,9 @@ pub trait ProcessGroup: Send + Sync {
     fn barrier(&self) -> Result<()> {
         self.ibarrier()?.wait()
     }
+    fn all_gather_bf16(&self, send: &[u16], recv: &mut [u16], phase: Phase) -> Result<()> {
+        self.iall_gather_bf16(send, recv, phase)?.wait()
+    }
 
     /// Collective: the group of the listed group ranks (in that order), `None` on non-members.
     fn subgroup(&self, ranks: &[usize], name: &str) -> Result<Option<Arc<dyn ProcessGroup>>> {
@@ -231,6 +243,21 @@ pub trait ProcessGroup: Send + Sync {
         self.alltoallv(T::Host(&send), &ones, TMut::Host(&mut recv), &ones, phase)?;
         Ok(recv.iter().map(|&c| c as usize).collect())
     }
+}
+
+/// f32 to bf16 bits, rounding to nearest even (NaN stays NaN).
+pub fn to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// bf16 bits to f32 (exact).
+pub fn from_bf16(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
 }
 
 /// Element size and length of a view, or `Unsupported` for non-host views.

@@ -218,6 +218,7 @@ impl<E: Copy + 'static> Pending for MpiPending<'_, E> {
 trait Elem: Equivalence + Copy + Default + Send + Sync + 'static {}
 impl Elem for f32 {}
 impl Elem for f64 {}
+impl Elem for u16 {}
 
 fn boxed<E: Copy>(s: &[E]) -> Box<[E]> {
     s.to_vec().into_boxed_slice()
@@ -679,6 +680,14 @@ impl ProcessGroup for MpiGroup {
             (Some(T::Host64(s)), TMut::Host64(r)) => self.scatter_t(Some(s), r, root, phase),
             _ => Err(dtype_mismatch("scatter")),
         }
+    }
+    fn iall_gather_bf16<'a>(
+        &'a self,
+        send: &'a [u16],
+        recv: &'a mut [u16],
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        self.all_gather_t(send, recv, phase)
     }
     fn ibarrier(&self) -> Result<Work<'_>> {
         self.stage::<f32>(

@@ -42,6 +42,7 @@ impl Default for ThreadsConfig {
 enum Data {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    Bf16(Vec<u16>),
     Nothing,
 }
 
@@ -57,6 +58,17 @@ impl Elem for f32 {
     fn get(d: &Data) -> &[f32] {
         match d {
             Data::F32(v) => v,
+            _ => &[],
+        }
+    }
+}
+impl Elem for u16 {
+    fn wrap(v: Vec<u16>) -> Data {
+        Data::Bf16(v)
+    }
+    fn get(d: &Data) -> &[u16] {
+        match d {
+            Data::Bf16(v) => v,
             _ => &[],
         }
     }
@@ -825,6 +837,14 @@ impl ProcessGroup for ThreadGroup {
             (Some(T::Host64(s)), TMut::Host64(r)) => self.scatter_t(Some(s), r, root, phase),
             _ => Err(dtype_mismatch("scatter")),
         }
+    }
+    fn iall_gather_bf16<'a>(
+        &'a self,
+        send: &'a [u16],
+        recv: &'a mut [u16],
+        phase: Phase,
+    ) -> Result<Work<'a>> {
+        self.all_gather_t(send, recv, phase)
     }
     fn ibarrier(&self) -> Result<Work<'_>> {
         let sig = self.sig(Op::Barrier, 0, 0, 0);

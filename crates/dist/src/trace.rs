@@ -177,6 +177,21 @@ pub fn chrome_trace_json(events: impl IntoIterator<Item = serde_json::Value>) ->
     })
 }
 
+/// Merge per-rank trace files (MPI: each process writes its own) into one.
+pub fn merge_chrome_traces(
+    inputs: &[std::path::PathBuf],
+    out: &std::path::Path,
+) -> std::io::Result<()> {
+    let mut evs = Vec::new();
+    for p in inputs {
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(p)?)?;
+        if let Some(a) = doc["traceEvents"].as_array() {
+            evs.extend(a.iter().cloned());
+        }
+    }
+    std::fs::write(out, serde_json::to_vec(&chrome_trace_json(evs))?)
+}
+
 /// Write the timelines of several ranks (threads backend: all of them; MPI: gather the
 /// per-rank event lists first, or write one file per rank) into one trace file.
 pub fn write_chrome_trace(path: &std::path::Path, tracers: &[&Tracer]) -> std::io::Result<()> {
