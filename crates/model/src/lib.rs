@@ -2,8 +2,16 @@
 //! the explicit forward and backward passes ([`forward_backward`], [`forward_loss`]), plus the
 //! DeepSeek-V3 router-bias update and KV-cached sampling ([`generate`]).
 //!
-//! Model code only calls backend operations on tensor views, so a GPU backend needs no change
-//! here.
+//! - Semantics are transformers' `Qwen3MoeForCausalLM` (checked in f32 by `examples/hf_dump.rs`
+//!   with `scripts/hf_check.py`: same loss and gradients), plus options it lacks: shared experts
+//!   and the DeepSeek-V3 selection bias.
+//! - Parameters use Hugging Face names; routed and shared experts are stacked `[E, out, in]`
+//!   (export splits them). Weights are `[out, in]`: `y = x·Wᵀ`.
+//! - Each operation is a forward and a backward kernel of the backend ([`ganymede_core::NnOps`]);
+//!   model code only calls backend operations on tensor views, so a GPU backend needs no change
+//!   here, and the same code runs on the f64 CPU backend for finite-difference checks.
+//! - Loss: mean cross-entropy over all B·T targets plus `aux_loss_coef` times the Switch
+//!   auxiliary loss, computed per MoE layer (`E · Σ_i f_i · P_i`) and averaged over MoE layers.
 
 use ganymede_config::ModelConfig;
 use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore};
