@@ -81,7 +81,11 @@ fn grad_check(cfg: &ModelConfig, mode: AcMode) {
     let out = forward_backward(
         &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
     );
-    assert!(out.aux_loss > 0.0 || cfg.layers == cfg.dense_layers);
+    if cfg.layers == cfg.dense_layers {
+        assert!(out.aux_loss == 0.0 && out.expert_load.is_empty());
+    } else {
+        assert!(out.aux_loss > 0.0);
+    }
     let h = 1e-5;
     let mut worst = 0.0f64;
     for i in 0..params.len() {
@@ -132,6 +136,13 @@ fn gradients_dense_first_layer_shared_experts_renorm() {
 fn gradients_all_moe_no_renorm_with_selection_bias() {
     let c = cfg(false, false, false, true);
     grad_check(&c, AcMode::None);
+    grad_check(&c, AcMode::Full);
+}
+
+#[test]
+fn gradients_all_dense() {
+    let mut c = cfg(true, false, true, false);
+    c.layers = 1;
     grad_check(&c, AcMode::Full);
 }
 
