@@ -161,7 +161,14 @@ fn train_crash_resume_eval_export_parity() {
         ],
         &[],
     ));
-    assert!(hf.join("config.json").is_file() && hf.join("model.safetensors").is_file());
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(hf.join(f).is_file(), "export lacks {f}");
+    }
     let Some(py) = python_with_transformers() else {
         let msg = "SKIPPED: HF parity check (no Python with torch + transformers + safetensors; \
                    set GANYMEDE_PYTHON)";
@@ -183,6 +190,18 @@ fn train_crash_resume_eval_export_parity() {
     let hf_loss = theirs["loss"].as_f64().unwrap();
     assert_eq!(theirs["tokens"], ours["tokens"]);
     let rel = (hf_loss - ours_loss).abs() / hf_loss.abs();
+    // The exported byte tokenizer loads in transformers and maps bytes to themselves.
+    let r = Command::new(&py)
+        .arg("-c")
+        .arg(
+            "import sys; from transformers import AutoTokenizer; \
+             t = AutoTokenizer.from_pretrained(sys.argv[1]); s = 'the cat, Über'; \
+             assert t(s)['input_ids'] == list(s.encode()), t(s)['input_ids']; print('ok')",
+        )
+        .arg(&hf)
+        .output()
+        .expect("run python");
+    ok(r);
     println!("HF parity: ganymede {ours_loss:.8}, transformers {hf_loss:.8}, relative {rel:.2e}");
     assert!(
         rel < 1e-4,

@@ -10,6 +10,7 @@
 use crate::checkpoint::{self, HostTensors, NamedTensors};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
+use ganymede_data::ByteTokenizer;
 use serde_json::json;
 use std::collections::HashMap;
 use std::fs;
@@ -170,13 +171,31 @@ pub fn export_hf(ckpt: &Path, out: &Path) -> Result<()> {
     checkpoint::write_atomic(&out.join("model.safetensors"), &bytes)?;
     let config = serde_json::to_string_pretty(&hf_config(&cfg))?;
     checkpoint::write_atomic(&out.join("config.json"), config.as_bytes())?;
-    // A BPE or Hugging Face tokenizer travels with the checkpoint; the byte tokenizer has no
-    // `tokenizer.json`, ids are bytes.
-    let tok = dir.join(checkpoint::TOKENIZER_FILE);
-    if tok.is_file() {
-        fs::copy(&tok, out.join(checkpoint::TOKENIZER_FILE))
-            .with_context(|| format!("cannot copy {}", tok.display()))?;
+    // The tokenizer: a trained BPE or Hugging Face one travels with the checkpoint; the byte
+    // tokenizer is written as the equivalent tokenizer.json. The tokenizer_config.json makes
+    // `AutoTokenizer` use that file as it is.
+    let tok_out = out.join(checkpoint::TOKENIZER_FILE);
+    let saved = dir.join(checkpoint::TOKENIZER_FILE);
+    match cfg.data.tokenizer.as_str() {
+        _ if saved.is_file() => {
+            fs::copy(&saved, &tok_out)
+                .with_context(|| format!("cannot copy {}", saved.display()))?;
+        }
+        "byte" => ByteTokenizer.to_hf().save(&tok_out)?,
+        "bpe" => bail!(
+            "export: checkpoint {} has no {} (its run trained a BPE tokenizer)",
+            dir.display(),
+            checkpoint::TOKENIZER_FILE
+        ),
+        path => {
+            fs::copy(path, &tok_out).with_context(|| format!("data.tokenizer = {path}"))?;
+        }
     }
+    let tok_cfg = json!({ "tokenizer_class": "PreTrainedTokenizerFast" });
+    checkpoint::write_atomic(
+        &out.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tok_cfg)?.as_bytes(),
+    )?;
     Ok(())
 }
 

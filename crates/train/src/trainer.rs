@@ -226,6 +226,8 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     let mut last_ckpt = None;
     let run_start = Instant::now();
     let mut timed_tokens = 0u64;
+    // Seconds spent in training steps proper (validation and checkpoints excluded).
+    let mut step_secs = 0.0f64;
     for step in start..end {
         // One optimizer step; `step` is 0-based, metrics count completed steps.
         let t0 = Instant::now();
@@ -252,6 +254,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         }
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
+        step_secs += dt;
         tokens_seen += out.tokens as u64;
         timed_tokens += out.tokens as u64;
 
@@ -315,7 +318,6 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         }
     }
     progress.finish();
-    let elapsed = run_start.elapsed().as_secs_f64();
 
     let report = be.ledger().report();
     let mem = serde_json::to_string_pretty(&metrics::memory_json(&report))?;
@@ -328,7 +330,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
                 start + 1,
                 end,
                 final_val.map_or(String::new(), |v| format!(", val_loss {v:.4}")),
-                timed_tokens as f64 / elapsed.max(1e-9),
+                timed_tokens as f64 / step_secs.max(1e-9),
                 run_dir.display()
             );
         }
@@ -348,7 +350,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         end_step: end,
         losses,
         final_val_loss: final_val,
-        tokens_per_s: timed_tokens as f64 / elapsed.max(1e-9),
+        tokens_per_s: timed_tokens as f64 / step_secs.max(1e-9),
         checkpoint: last_ckpt,
         entropy_floor: data.entropy_floor_nats_per_token(),
     })
