@@ -130,8 +130,12 @@ impl Progress {
     pub fn step(&self, m: &StepMetrics, total: usize) {
         match self {
             Progress::Bar(bar) => {
+                let mut msg = format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s);
+                if let Some(v) = m.val_loss {
+                    msg.push_str(&format!(" | val {v:.4}"));
+                }
+                bar.set_message(msg);
                 bar.set_position(m.step as u64);
-                bar.set_message(format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s));
             }
             Progress::Lines { every } => {
                 if m.step.is_multiple_of(*every)
