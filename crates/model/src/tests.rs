@@ -377,3 +377,18 @@ fn gradients_accumulate_scaled() {
         }
     }
 }
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| tiny_f32(AcMode::Full))
+    };
+    let (g1, o1) = run(1);
+    let (g3, o3) = run(3);
+    assert_eq!(o1.loss, o3.loss);
+    assert_eq!(g1, g3);
+}
