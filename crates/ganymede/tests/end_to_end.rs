@@ -172,8 +172,7 @@ fn train_crash_resume_eval_export_parity() {
     let Some(py) = python_with_transformers() else {
         let msg = "SKIPPED: HF parity check (no Python with torch + transformers + safetensors; \
                    set GANYMEDE_PYTHON)";
-        eprintln!("\n*** {msg} ***\n");
-        println!("*** {msg} ***");
+        util::loud(&format!("*** {msg} ***"));
         return;
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_parity.py");
@@ -202,7 +201,9 @@ fn train_crash_resume_eval_export_parity() {
         .output()
         .expect("run python");
     ok(r);
-    println!("HF parity: ganymede {ours_loss:.8}, transformers {hf_loss:.8}, relative {rel:.2e}");
+    util::loud(&format!(
+        "HF parity: ganymede {ours_loss:.8}, transformers {hf_loss:.8}, relative {rel:.2e}"
+    ));
     assert!(
         rel < 1e-4,
         "ganymede {ours_loss} vs transformers {hf_loss}: relative {rel:.2e}"

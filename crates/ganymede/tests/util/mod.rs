@@ -77,3 +77,10 @@ pub fn python_with_transformers() -> Option<String> {
         .is_ok_and(|o| o.status.success());
     ok.then_some(py)
 }
+
+/// Print a line that shows even when the test harness captures output (it captures `print!`
+/// and `eprint!`, not writes to the stderr handle).
+pub fn loud(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "\n{msg}\n");
+}
