@@ -173,9 +173,20 @@ impl Progress {
     }
 }
 
-/// `memory.json`: the ledger's peak (and final) bytes per category, per device, and the peak of
-/// the total.
-pub fn memory_json(report: &LedgerReport) -> serde_json::Value {
+/// The planner's predicted peak bytes per category, to print beside the measured ones.
+pub type Predicted = [(Category, u64); 5];
+
+const CATEGORIES: [Category; 5] = [
+    Category::Params,
+    Category::Grads,
+    Category::Optimizer,
+    Category::Activations,
+    Category::Buffers,
+];
+
+/// `memory.json`: the ledger's peak (and final) bytes per category, per device, the peak of the
+/// total, and the planner's prediction of the peaks.
+pub fn memory_json(report: &LedgerReport, predicted: Option<&Predicted>) -> serde_json::Value {
     let mut devices = serde_json::Map::new();
     for (dev, total_peak) in &report.device_peaks {
         let mut peak = serde_json::Map::new();
@@ -193,30 +204,42 @@ pub fn memory_json(report: &LedgerReport) -> serde_json::Value {
             }),
         );
     }
+    if let Some(p) = predicted {
+        let m: serde_json::Map<String, serde_json::Value> = p
+            .iter()
+            .map(|(c, b)| (c.name().to_string(), (*b).into()))
+            .collect();
+        devices.insert("planner_predicted_peak_bytes".into(), m.into());
+    }
     serde_json::Value::Object(devices)
 }
 
 /// The memory table printed at the end of a run.
-pub fn memory_table(report: &LedgerReport) -> String {
-    let mut s = String::from("memory (peak, per category)\n");
-    let cats = [
-        Category::Params,
-        Category::Grads,
-        Category::Optimizer,
-        Category::Activations,
-        Category::Buffers,
-    ];
+pub fn memory_table(report: &LedgerReport, predicted: Option<&Predicted>) -> String {
+    let mut s = format!(
+        "memory, peak per category{}\n",
+        if predicted.is_some() {
+            " (measured | planner)"
+        } else {
+            ""
+        }
+    );
     for (dev, total_peak) in &report.device_peaks {
-        for c in cats {
+        for c in CATEGORIES {
+            let pred = predicted
+                .and_then(|p| p.iter().find(|(pc, _)| *pc == c))
+                .map_or(String::new(), |(_, b)| {
+                    format!(" | {:>10}", human_bytes(*b))
+                });
             s.push_str(&format!(
-                "  {:<6} {:<12} {:>12}\n",
+                "  {:<6} {:<12} {:>10}{pred}\n",
                 dev.to_string(),
                 c.name(),
                 human_bytes(report.peak(*dev, c))
             ));
         }
         s.push_str(&format!(
-            "  {:<6} {:<12} {:>12}\n",
+            "  {:<6} {:<12} {:>10}\n",
             dev.to_string(),
             "peak total",
             human_bytes(*total_peak)

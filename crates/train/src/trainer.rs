@@ -320,10 +320,18 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     progress.finish();
 
     let report = be.ledger().report();
-    let mem = serde_json::to_string_pretty(&metrics::memory_json(&report))?;
+    let p = ganymede_plan::predict_cpu_ledger(cfg, rayon::current_num_threads());
+    let predicted: metrics::Predicted = [
+        (Category::Params, p.params as u64),
+        (Category::Grads, p.grads as u64),
+        (Category::Optimizer, p.optimizer as u64),
+        (Category::Activations, p.activations as u64),
+        (Category::Buffers, p.buffers as u64),
+    ];
+    let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, Some(&predicted)))?;
     checkpoint::write_atomic(&run_dir.join("memory.json"), mem.as_bytes())?;
     if !opts.quiet {
-        println!("{}", metrics::memory_table(&report));
+        println!("{}", metrics::memory_table(&report, Some(&predicted)));
         if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
             println!(
                 "steps {}..{}: loss {first:.4} -> {last:.4}{}; {:.0} tokens/s; run directory {}",
