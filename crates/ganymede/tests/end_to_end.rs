@@ -70,6 +70,19 @@ fn train_crash_resume_eval_export_parity() {
         assert!(first.get(k).is_some(), "metrics line lacks {k}: {first}");
     }
 
+    // The ledger's measured peaks against the planner's prediction of them.
+    let mem: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(straight.join("memory.json")).unwrap())
+            .unwrap();
+    for cat in ["params", "grads", "optimizer", "activations", "buffers"] {
+        let measured = mem["host"]["peak_bytes"][cat].as_f64().unwrap_or(0.0);
+        let predicted = mem["planner_predicted_peak_bytes"][cat].as_f64().unwrap();
+        assert!(
+            (measured - predicted).abs() <= 0.02 * predicted.max(1.0),
+            "{cat}: measured {measured} bytes, planner {predicted}"
+        );
+    }
+
     // The same run, killed while writing its final checkpoint: the step-12 one must survive,
     // and resuming from the run directory must redo steps 13..24 bit-identically.
     let crashed = tmp.path().join("crashed");
