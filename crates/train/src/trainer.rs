@@ -287,34 +287,12 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             && (done == end
                 || (cfg.checkpoint.interval > 0 && done.is_multiple_of(cfg.checkpoint.interval)));
         if ckpt_due {
-            let manifest = Manifest {
-                format_version: checkpoint::FORMAT_VERSION,
+            let at = Position {
                 step: done,
-                optimizer_step: opt.step_count(),
-                config: cfg.to_toml(),
-                data: DataPosition {
-                    seed: data.seed(),
-                    next_step: done,
-                },
-                rng: RngState { seed: t.seed },
                 tokens_seen,
+                data_seed: data.seed(),
             };
-            let tok = data_dir.join(ganymede_data::TOKENIZER_FILE);
-            let extra_files = if tok.is_file() {
-                vec![(checkpoint::TOKENIZER_FILE.to_string(), tok)]
-            } else {
-                vec![]
-            };
-            let cd = CheckpointData {
-                manifest: &manifest,
-                params: checkpoint::host_tensors(
-                    be,
-                    params.iter().map(|(s, t)| (s.name.clone(), t)),
-                ),
-                optimizer: checkpoint::host_tensors(be, opt.state()),
-                extra_files,
-            };
-            last_ckpt = Some(checkpoint::save(&run_dir, &cd)?);
+            last_ckpt = Some(save_checkpoint(be, cfg, &run_dir, &params, &opt, at)?);
         }
     }
     progress.finish();
@@ -362,6 +340,52 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         checkpoint: last_ckpt,
         entropy_floor: data.entropy_floor_nats_per_token(),
     })
+}
+
+/// Where a run stands, for its checkpoint manifest.
+struct Position {
+    step: usize,
+    tokens_seen: u64,
+    data_seed: u64,
+}
+
+/// Save parameters, optimizer state and the manifest (and the run's tokenizer) under
+/// `RUN/checkpoints`.
+fn save_checkpoint(
+    be: &dyn Backend,
+    cfg: &JobConfig,
+    run_dir: &Path,
+    params: &ParamStore,
+    opt: &Optimizer,
+    at: Position,
+) -> Result<PathBuf> {
+    let manifest = Manifest {
+        format_version: checkpoint::FORMAT_VERSION,
+        step: at.step,
+        optimizer_step: opt.step_count(),
+        config: cfg.to_toml(),
+        data: DataPosition {
+            seed: at.data_seed,
+            next_step: at.step,
+        },
+        rng: RngState {
+            seed: cfg.training.seed,
+        },
+        tokens_seen: at.tokens_seen,
+    };
+    let tok = run_dir.join("data").join(ganymede_data::TOKENIZER_FILE);
+    let extra_files = if tok.is_file() {
+        vec![(checkpoint::TOKENIZER_FILE.to_string(), tok)]
+    } else {
+        vec![]
+    };
+    let cd = CheckpointData {
+        manifest: &manifest,
+        params: checkpoint::host_tensors(be, params.iter().map(|(s, t)| (s.name.clone(), t))),
+        optimizer: checkpoint::host_tensors(be, opt.state()),
+        extra_files,
+    };
+    checkpoint::save(run_dir, &cd)
 }
 
 /// Mean loss over `metrics.val_batches` fixed batches of the validation split (aux excluded).
