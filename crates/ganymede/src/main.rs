@@ -155,7 +155,6 @@ fn run(cmd: Command) -> Result<()> {
             };
             let opts = TrainOptions {
                 out: a.out,
-                resume: ckpt.clone(),
                 stop_after: a.stop_after,
                 name,
                 quiet: false,

@@ -114,6 +114,16 @@ fn bad_checkpoints_and_mismatched_configs() {
         e.contains("model.hidden") && e.contains("model.vocab_size"),
         "{e}"
     );
+    // A fresh run into a directory that already holds one.
+    let e = fails(ganymede(
+        tmp.path(),
+        &["train", "--steps", "2", "--out", r],
+        &[],
+    ));
+    assert!(
+        e.contains("already holds checkpoints") && e.contains("--resume"),
+        "{e}"
+    );
     // Nothing left to run.
     let e = fails(ganymede(tmp.path(), &["train", "--resume", r], &[]));
     assert!(e.contains("--steps"), "{e}");

@@ -196,7 +196,7 @@ pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf> {
     }
     sync_dir(&root);
     write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
-    prune(&root, KEEP_LAST)?;
+    prune(&root, KEEP_LAST, data.manifest.step)?;
     Ok(final_dir)
 }
 
@@ -231,12 +231,16 @@ pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
     out
 }
 
-fn prune(root: &Path, keep: usize) -> Result<()> {
-    let all = list(root);
-    if all.len() > keep {
-        for (_, p) in &all[..all.len() - keep] {
-            fs::remove_dir_all(p).with_context(|| format!("cannot remove {}", p.display()))?;
-        }
+/// Keep the checkpoint of `current` and the `keep - 1` newest before it. Checkpoints after
+/// `current` (left by a run that was resumed from an earlier step) are not touched.
+fn prune(root: &Path, keep: usize, current: usize) -> Result<()> {
+    let older: Vec<_> = list(root)
+        .into_iter()
+        .filter(|(s, _)| *s < current)
+        .collect();
+    let drop = older.len().saturating_sub(keep.saturating_sub(1));
+    for (_, p) in &older[..drop] {
+        fs::remove_dir_all(p).with_context(|| format!("cannot remove {}", p.display()))?;
     }
     // Leftovers of crashed saves.
     if let Ok(rd) = fs::read_dir(root) {
@@ -533,6 +537,20 @@ mod tests {
         // The next successful save cleans the leftover.
         save_store(&be, &run, &store(&be, 2.0), 2);
         assert!(!tmp.exists());
+        fs::remove_dir_all(&run).unwrap();
+    }
+
+    #[test]
+    fn pruning_never_drops_the_new_checkpoint() {
+        let be = CpuBackend::default();
+        let run = tmpdir("prune");
+        for step in [5, 6, 7, 1, 2] {
+            save_store(&be, &run, &store(&be, step as f32), step);
+        }
+        // Resumed from step 1: the run's later checkpoints stay, the new one is `latest`.
+        let steps: Vec<usize> = list(&checkpoints_root(&run)).iter().map(|c| c.0).collect();
+        assert_eq!(steps, vec![1, 2, 5, 6, 7]);
+        assert!(resolve(&run).unwrap().ends_with(dir_name(2)));
         fs::remove_dir_all(&run).unwrap();
     }
 

@@ -25,8 +25,6 @@ use std::time::Instant;
 pub struct TrainOptions {
     /// Run directory; default `runs/<name>-<UTC timestamp>` (or the resumed run's directory).
     pub out: Option<PathBuf>,
-    /// Checkpoint (or run directory) to continue from.
-    pub resume: Option<PathBuf>,
     /// Stop (and checkpoint) after this many completed steps, as if interrupted there.
     pub stop_after: Option<usize>,
     /// Name used for the default run directory (the preset).
@@ -170,6 +168,12 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             &opts.name
         }),
     };
+    if ckpt.is_none() && !checkpoint::list(&checkpoint::checkpoints_root(&run_dir)).is_empty() {
+        bail!(
+            "run directory {} already holds checkpoints: continue it with --resume {0}, or pick another --out",
+            run_dir.display()
+        );
+    }
     fs::create_dir_all(&run_dir)
         .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     checkpoint::write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
