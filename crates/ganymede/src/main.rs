@@ -125,6 +125,13 @@ enum TokenizerCommand {
 }
 
 fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`ganymede generate ... | head`), like other command-line
+    // tools, instead of panicking in println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
