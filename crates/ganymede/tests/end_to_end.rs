@@ -183,25 +183,10 @@ fn train_crash_resume_eval_export_parity() {
         assert!(hf.join(f).is_file(), "export lacks {f}");
     }
     let Some(py) = python_with_transformers() else {
-        let msg = "SKIPPED: HF parity check (no Python with torch + transformers + safetensors; \
-                   set GANYMEDE_PYTHON)";
-        util::loud(&format!("*** {msg} ***"));
+        skipped();
         return;
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_parity.py");
-    let r = Command::new(&py)
-        .arg(&script)
-        .arg(&hf)
-        .arg(&val)
-        .arg("128")
-        .output()
-        .expect("run python");
-    let theirs = ok(r);
-    let theirs: serde_json::Value = serde_json::from_str(theirs.trim().lines().last().unwrap())
-        .unwrap_or_else(|e| panic!("hf_parity.py printed {theirs}: {e}"));
-    let hf_loss = theirs["loss"].as_f64().unwrap();
-    assert_eq!(theirs["tokens"], ours["tokens"]);
-    let rel = (hf_loss - ours_loss).abs() / hf_loss.abs();
+    assert_parity(&py, &hf, &val, 128, ours_loss);
     // The exported byte tokenizer loads in transformers and maps bytes to themselves.
     let r = Command::new(&py)
         .arg("-c")
@@ -214,11 +199,95 @@ fn train_crash_resume_eval_export_parity() {
         .output()
         .expect("run python");
     ok(r);
+}
+
+fn skipped() {
+    util::loud(
+        "*** SKIPPED: HF parity check (no Python with torch + transformers + safetensors; \
+         set GANYMEDE_PYTHON) ***",
+    );
+}
+
+/// `scripts/hf_parity.py` on the export `hf` gives `ours` within a relative 1e-4.
+fn assert_parity(py: &str, hf: &Path, tokens: &Path, seq: usize, ours: f64) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_parity.py");
+    let r = Command::new(py)
+        .arg(&script)
+        .arg(hf)
+        .arg(tokens)
+        .arg(seq.to_string())
+        .output()
+        .expect("run python");
+    let theirs = ok(r);
+    let theirs: serde_json::Value = serde_json::from_str(theirs.trim().lines().last().unwrap())
+        .unwrap_or_else(|e| panic!("hf_parity.py printed {theirs}: {e}"));
+    let hf_loss = theirs["loss"].as_f64().unwrap();
+    let rel = (hf_loss - ours).abs() / hf_loss.abs();
     util::loud(&format!(
-        "HF parity: ganymede {ours_loss:.8}, transformers {hf_loss:.8}, relative {rel:.2e}"
+        "HF parity ({}): ganymede {ours:.8}, transformers {hf_loss:.8}, relative {rel:.2e}",
+        hf.display()
     ));
     assert!(
         rel < 1e-4,
-        "ganymede {ours_loss} vs transformers {hf_loss}: relative {rel:.2e}"
+        "ganymede {ours} vs transformers {hf_loss}: relative {rel:.2e}"
     );
+}
+
+/// The export's config fields beyond the default shape: a dense first layer (`mlp_only_layers`,
+/// `intermediate_size`), unnormalised top-k weights (`norm_topk_prob = false`) and another RoPE
+/// base (`rope_parameters`).
+#[test]
+fn hf_parity_dense_layer_unnormalised_topk_rope_theta() {
+    let tmp = TempDir::new("e2e-dense");
+    let run = tmp.path().join("run");
+    let args = [
+        "train",
+        "--steps",
+        "6",
+        "--set",
+        "model.layers=3",
+        "--set",
+        "model.dense_layers=1",
+        "--set",
+        "model.dense_hidden=96",
+        "--set",
+        "model.norm_topk_prob=false",
+        "--set",
+        "model.rope_theta=10000",
+        "--set",
+        "data.builtin_bytes=200000",
+        "--out",
+        run.to_str().unwrap(),
+    ];
+    ok(ganymede(tmp.path(), &args, &[]));
+    let hf = tmp.path().join("hf");
+    let (r, h) = (run.to_str().unwrap(), hf.to_str().unwrap());
+    ok(ganymede(
+        tmp.path(),
+        &["export", "--checkpoint", r, "--out", h],
+        &[],
+    ));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["mlp_only_layers"], serde_json::json!([0]));
+    assert_eq!(config["norm_topk_prob"], false);
+    let val = run.join("data/val.bin");
+    let out = ok(ganymede(
+        tmp.path(),
+        &[
+            "eval",
+            "--checkpoint",
+            r,
+            "--tokens",
+            val.to_str().unwrap(),
+            "--json",
+        ],
+        &[],
+    ));
+    let ours: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let Some(py) = python_with_transformers() else {
+        skipped();
+        return;
+    };
+    assert_parity(&py, &hf, &val, 128, ours["loss"].as_f64().unwrap());
 }
