@@ -21,6 +21,8 @@ pub struct StepMetrics {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub tokens_per_s: f64,
+    /// Mean tokens/s over the steps run so far in this process (steps only, no validation).
+    pub tokens_per_s_avg: f64,
     pub tokens_seen: u64,
     pub elapsed_s: f64,
     /// Worst layer's busiest-expert load over the mean load (1 = perfectly balanced).
@@ -130,7 +132,7 @@ impl Progress {
     pub fn step(&self, m: &StepMetrics, total: usize) {
         match self {
             Progress::Bar(bar) => {
-                let mut msg = format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s);
+                let mut msg = format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s_avg);
                 if let Some(v) = m.val_loss {
                     msg.push_str(&format!(" | val {v:.4}"));
                 }
@@ -145,7 +147,7 @@ impl Progress {
                 {
                     let mut line = format!(
                         "step {:>6}/{total} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | load max/mean {:.2}",
-                        m.step, m.loss, m.aux_loss, m.lr, m.grad_norm, m.tokens_per_s, m.load_max_over_mean
+                        m.step, m.loss, m.aux_loss, m.lr, m.grad_norm, m.tokens_per_s_avg, m.load_max_over_mean
                     );
                     if let Some(v) = m.val_loss {
                         line.push_str(&format!(" | val_loss {v:.4}"));

@@ -284,6 +284,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             lr,
             grad_norm,
             tokens_per_s: out.tokens as f64 / dt.max(1e-9),
+            tokens_per_s_avg: timed_tokens as f64 / step_secs.max(1e-9),
             tokens_seen,
             elapsed_s: run_start.elapsed().as_secs_f64(),
             load_max_over_mean,
