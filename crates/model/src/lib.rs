@@ -24,7 +24,10 @@ mod tests;
 mod workspace;
 
 pub use generate::generate;
-pub use step::{forward_backward, forward_loss, update_router_bias};
+pub use step::{
+    forward_backward, forward_backward_with, forward_loss, forward_loss_with, update_router_bias,
+    GradSink, LocalParams, ParamSource, Pass,
+};
 pub use workspace::{activation_bytes, Workspace};
 
 /// The parameter table, in a fixed order: embedding, layers, final norm, LM head.

@@ -8,6 +8,59 @@ use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
 use ganymede_core::{Backend, Gemm, ParamStore};
 
+/// Which pass wants a block's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    /// The backward pass (with `AcMode::Full`, the recompute runs inside it).
+    Backward,
+}
+
+/// Where a step reads its parameters. Parallelism wraps the model through this trait (FSDP
+/// gathers a block's shards in `acquire_block` and frees them in `release_block`) while the
+/// model code stays the same at any rank count; [`LocalParams`] is the single-process source.
+pub trait ParamSource {
+    /// The parameter table as it stands: the embedding, final norm and LM head always, a block's
+    /// entries between its `acquire_block` and `release_block`.
+    fn params(&self) -> &ParamStore;
+    /// Block `l` is about to run in `pass`.
+    fn acquire_block(&mut self, _l: usize, _pass: Pass) {}
+    /// Block `l` is done in `pass` (its parameters may go).
+    fn release_block(&mut self, _l: usize, _pass: Pass) {}
+    /// The number of tokens the loss is a mean over: larger than `local` when this step sees a
+    /// slice of a global batch (gradients and losses are then partial sums to be added up).
+    fn global_tokens(&self, local: usize) -> usize {
+        local
+    }
+    /// Turn a MoE layer's routing statistics of this slice into those of the global batch (in
+    /// place), so the auxiliary loss is the global batch's.
+    fn reduce_routing(&mut self, _layer: usize, _counts: &mut [usize], _psum: &mut [f64]) {}
+}
+
+/// Where a step adds its gradients. A block's gradient entries are written only between
+/// `begin_block` and `end_block` (FSDP reduce-scatters them in `end_block`); the embedding, final
+/// norm and LM head at any time.
+pub trait GradSink {
+    fn grads(&mut self) -> &mut ParamStore;
+    fn begin_block(&mut self, _l: usize) {}
+    fn end_block(&mut self, _l: usize) {}
+}
+
+/// Every parameter resident: one process, no sharding.
+pub struct LocalParams<'a>(pub &'a ParamStore);
+
+impl ParamSource for LocalParams<'_> {
+    fn params(&self) -> &ParamStore {
+        self.0
+    }
+}
+
+impl GradSink for ParamStore {
+    fn grads(&mut self) -> &mut ParamStore {
+        self
+    }
+}
+
 /// Routing statistics of one MoE layer in a step.
 struct LayerStats {
     layer: usize,
@@ -38,7 +91,7 @@ fn check_batch(model: &Model, ws: &Workspace, inputs: &[u32], targets: &[u32]) {
 fn forward(
     be: &dyn Backend,
     model: &Model,
-    params: &ParamStore,
+    src: &mut dyn ParamSource,
     ws: &mut Workspace,
     inputs: &[u32],
     targets: &[u32],
@@ -55,7 +108,7 @@ fn forward(
         mode,
         ..
     } = ws;
-    be.embedding_forward(res[0].vm(), params.get(model.embed).v(), inputs, h);
+    be.embedding_forward(res[0].vm(), src.params().get(model.embed).v(), inputs, h);
     let mut stats = vec![];
     for (l, li) in model.layers.iter().enumerate() {
         let a = match mode {
@@ -63,16 +116,22 @@ fn forward(
             AcMode::Full => &mut blocks[0],
         };
         let (lo, hi) = res.split_at_mut(l + 1);
+        src.acquire_block(l, Pass::Forward);
+        let params = src.params();
         #[rustfmt::skip]
         block_forward(be, model, params, li, a, grads, lo[l].v(), Some(hi[0].vm()), batch, seq, Kv::Own);
+        src.release_block(l, Pass::Forward);
         if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
-            stats.push(LayerStats {
+            let mut s = LayerStats {
                 layer: l,
                 counts: m.r.counts.clone(),
                 psum: m.r.psum.clone(),
-            });
+            };
+            src.reduce_routing(l, &mut s.counts, &mut s.psum);
+            stats.push(s);
         }
     }
+    let params = src.params();
     let eps = cfg.norm_eps as f32;
     #[rustfmt::skip]
     be.rmsnorm_forward(head.xf.vm(), head.rstd.vm(), res[cfg.layers].v(), params.get(model.norm).v(), h, eps);
@@ -129,11 +188,33 @@ pub fn forward_backward(
     targets: &[u32],
     grad_scale: f32,
 ) -> StepOutput {
+    let mut src = LocalParams(params);
+    forward_backward_with(be, model, &mut src, grads, ws, inputs, targets, grad_scale)
+}
+
+/// [`forward_backward`] with parameters from `src` and gradients into `sink`, announcing each
+/// block before and after it runs. With a global batch split over ranks
+/// (`src.global_tokens(n) > n`), the loss and gradients are this slice's share of the global
+/// batch's: summed over the slices they equal one process's on the whole batch.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_with(
+    be: &dyn Backend,
+    model: &Model,
+    src: &mut dyn ParamSource,
+    sink: &mut dyn GradSink,
+    ws: &mut Workspace,
+    inputs: &[u32],
+    targets: &[u32],
+    grad_scale: f32,
+) -> StepOutput {
     check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, params, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, src, ws, inputs, targets);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
-    let n = batch * seq;
+    let n = src.global_tokens(batch * seq);
+    let local_n = batch * seq;
+    let params = src.params();
+    let grads = sink.grads();
     let (h, v) = (cfg.hidden, cfg.vocab_size);
     let Workspace {
         res,
@@ -148,9 +229,9 @@ pub fn forward_backward(
     #[rustfmt::skip]
     be.cross_entropy_backward(head.logits.vm(), head.lse.v(), targets, v, grad_scale / n as f32);
     #[rustfmt::skip]
-    be.gemm(grads.get_mut(model.lm_head).vm(), head.logits.v(), head.xf.v(), Gemm::new(v, h, n, true, false).beta(1.0));
+    be.gemm(grads.get_mut(model.lm_head).vm(), head.logits.v(), head.xf.v(), Gemm::new(v, h, local_n, true, false).beta(1.0));
     #[rustfmt::skip]
-    be.gemm(g.dxn.vm(), head.logits.v(), params.get(model.lm_head).v(), Gemm::new(n, h, v, false, false));
+    be.gemm(g.dxn.vm(), head.logits.v(), params.get(model.lm_head).v(), Gemm::new(local_n, h, v, false, false));
     be.fill(g.dres.vm(), 0.0);
     #[rustfmt::skip]
     be.rmsnorm_backward(g.dres.vm(), grads.get_mut(model.norm).vm(), g.dxn.v(), res[cfg.layers].v(), params.get(model.norm).v(), head.rstd.v(), h);
@@ -160,6 +241,9 @@ pub fn forward_backward(
     let nf = n as f64;
     let mut dprob = vec![0.0f64; cfg.experts];
     for (l, li) in model.layers.iter().enumerate().rev() {
+        src.acquire_block(l, Pass::Backward);
+        sink.begin_block(l);
+        let params = src.params();
         let a = match mode {
             AcMode::None => &mut blocks[l],
             AcMode::Full => {
@@ -171,20 +255,25 @@ pub fn forward_backward(
         };
         if let MlpIdx::Moe { .. } = li.mlp {
             let s = stats.iter().find(|s| s.layer == l).expect("layer stats");
-            debug_assert_eq!(
-                a.moe.as_ref().unwrap().r.counts,
-                s.counts,
-                "recompute changed routing"
-            );
+            if local_n == n {
+                debug_assert_eq!(
+                    a.moe.as_ref().unwrap().r.counts,
+                    s.counts,
+                    "recompute changed routing"
+                );
+            }
             let c = grad_scale as f64 * cfg.aux_loss_coef * cfg.experts as f64 / (nf * moe_layers);
             for (d, &cnt) in dprob.iter_mut().zip(&s.counts) {
                 *d = c * cnt as f64 / nf;
             }
         }
         #[rustfmt::skip]
-        block_backward(be, model, params, grads, li, a, g, res[l].v(), batch, seq, &dprob);
+        block_backward(be, model, params, sink.grads(), li, a, g, res[l].v(), batch, seq, &dprob);
+        sink.end_block(l);
+        src.release_block(l, Pass::Backward);
     }
-    be.embedding_backward(grads.get_mut(model.embed).vm(), g.dres.v(), inputs, h);
+    #[rustfmt::skip]
+    be.embedding_backward(sink.grads().get_mut(model.embed).vm(), g.dres.v(), inputs, h);
     summarise(model, n, loss_sum, &stats)
 }
 
@@ -197,9 +286,26 @@ pub fn forward_loss(
     inputs: &[u32],
     targets: &[u32],
 ) -> StepOutput {
+    forward_loss_with(be, model, &mut LocalParams(params), ws, inputs, targets)
+}
+
+/// [`forward_loss`] with parameters from `src` (see [`forward_backward_with`]).
+pub fn forward_loss_with(
+    be: &dyn Backend,
+    model: &Model,
+    src: &mut dyn ParamSource,
+    ws: &mut Workspace,
+    inputs: &[u32],
+    targets: &[u32],
+) -> StepOutput {
     check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, params, ws, inputs, targets);
-    summarise(model, ws.batch * ws.seq, loss_sum, &stats)
+    let (loss_sum, stats) = forward(be, model, src, ws, inputs, targets);
+    summarise(
+        model,
+        src.global_tokens(ws.batch * ws.seq),
+        loss_sum,
+        &stats,
+    )
 }
 
 /// DeepSeek-V3 auxiliary-loss-free balancing, after a step: per MoE layer
