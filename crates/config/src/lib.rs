@@ -401,11 +401,43 @@ pub struct ParallelismConfig {
     pub dp_shard: usize,
     /// Expert-parallel degree; divides `dp_shard` and `model.experts`.
     pub ep: usize,
+    /// Element type of FSDP's parameter all-gathers (`f32` for exactness tests).
+    pub gather_dtype: GatherDtype,
+    /// Blocks whose gathers are in flight ahead of the one computing (0 = no prefetch).
+    pub prefetch: usize,
+    /// How distributed Muon places its Newton–Schulz work: `flexshard` (experts whole per rank,
+    /// dense matrices on LPT owners) or `naive` (every matrix gathered on a round-robin root).
+    pub muon_placement: MuonPlacement,
+    /// Seconds a collective may wait for its peers before the job ends with an error.
+    pub timeout_s: f64,
+}
+
+/// Element type of FSDP's parameter gathers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GatherDtype {
+    Bf16,
+    F32,
+}
+
+/// Distributed Muon's placement policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MuonPlacement {
+    Flexshard,
+    Naive,
 }
 
 impl Default for ParallelismConfig {
     fn default() -> Self {
-        Self { dp_shard: 1, ep: 1 }
+        Self {
+            dp_shard: 1,
+            ep: 1,
+            gather_dtype: GatherDtype::Bf16,
+            prefetch: 1,
+            muon_placement: MuonPlacement::Flexshard,
+            timeout_s: 120.0,
+        }
     }
 }
 
@@ -612,6 +644,20 @@ impl JobConfig {
                 "parallelism.ep",
                 p.ep,
                 format!("must divide parallelism.dp_shard = {}", p.dp_shard),
+            ));
+        }
+        if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
+            return Err(invalid(
+                "parallelism.timeout_s",
+                p.timeout_s,
+                "must be a positive number of seconds",
+            ));
+        }
+        if p.prefetch > 8 {
+            return Err(invalid(
+                "parallelism.prefetch",
+                p.prefetch,
+                "must be at most 8 (each level holds one more block's gathered parameters)",
             ));
         }
         Ok(())

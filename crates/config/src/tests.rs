@@ -62,6 +62,16 @@ fn invalid_values_name_key_and_reason() {
             "divide parallelism.dp_shard",
         ),
         ("data.path=/no/such/file.txt", "data.path", "no such file"),
+        (
+            "parallelism.timeout_s=0",
+            "parallelism.timeout_s",
+            "positive",
+        ),
+        (
+            "parallelism.prefetch=9",
+            "parallelism.prefetch",
+            "at most 8",
+        ),
         ("training.steps=0", "training.steps", "at least 1"),
     ];
     for (o, key, reason) in cases {
@@ -90,4 +100,29 @@ fn file_errors_name_the_file() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("missing.toml"), "{e}");
+}
+
+#[test]
+fn parallelism_keys_parse() {
+    let c = JobConfig::load(
+        Some("tiny"),
+        None,
+        &[
+            "parallelism.gather_dtype=f32".into(),
+            "parallelism.muon_placement=naive".into(),
+            "parallelism.prefetch=2".into(),
+        ],
+    )
+    .unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.parallelism.gather_dtype, GatherDtype::F32);
+    assert_eq!(c.parallelism.muon_placement, MuonPlacement::Naive);
+    assert_eq!(c.parallelism.prefetch, 2);
+    let e = JobConfig::load(
+        Some("tiny"),
+        None,
+        &["parallelism.muon_placement=ring".into()],
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("ring"), "{e}");
 }

@@ -101,7 +101,11 @@ fn main() {
 
     // 2. Mesh groups (ep = 2 when it divides the world).
     let ep = if w % 2 == 0 { 2 } else { 1 };
-    let par = ganymede_config::ParallelismConfig { dp_shard: w, ep };
+    let par = ganymede_config::ParallelismConfig {
+        dp_shard: w,
+        ep,
+        ..Default::default()
+    };
     let mesh = DeviceMesh::new(pg.clone(), &par).unwrap_or_else(|e| fail(r, e.to_string()));
     let shape = MeshShape::new(w, ep).unwrap();
     check(

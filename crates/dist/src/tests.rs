@@ -330,7 +330,11 @@ fn mesh_groups_have_the_right_members() {
     assert_eq!(s.ep_members(5), vec![4, 5, 6, 7]);
     assert_eq!(s.efsdp_members(5), vec![1, 5]);
 
-    let p = ParallelismConfig { dp_shard: 4, ep: 2 };
+    let p = ParallelismConfig {
+        dp_shard: 4,
+        ep: 2,
+        ..Default::default()
+    };
     let got = ok(run_threads(4, &cfg(5_000), |pg| {
         let m = DeviceMesh::new(pg.clone(), &p).unwrap();
         let mut b = vec![(1 << pg.rank()) as f32];
@@ -687,7 +691,11 @@ fn optimizer_byte_formulas_equal_the_counted_collectives() {
         for policy in [Policy::Naive, Policy::FlexShard] {
             let p = plan(&specs, shape, policy).unwrap();
             let want = optimizer_bytes(&p, 4);
-            let par = ParallelismConfig { dp_shard: dp, ep };
+            let par = ParallelismConfig {
+                dp_shard: dp,
+                ep,
+                ..Default::default()
+            };
             let res = ok(run_threads(dp, &cfg(10_000), |pg| {
                 let mesh = DeviceMesh::new(pg.clone(), &par).unwrap();
                 run_exchange(&mesh, &p)
