@@ -1,0 +1,470 @@
+//! One rank's training state and step ([`RankState`]), and the threads-backend driver
+//! ([`train_threads`], `ganymede train --ranks N`).
+//!
+//! The step reads like the single-process one: take this rank's slice of the global batch,
+//! forward and backward through the FSDP hooks, reduce-scatter gradients, clip by the global
+//! norm, step the sharded optimizer. Losses and gradients are normalised by the global batch's
+//! token count, so at any rank count they are one process's on the same global batch (up to
+//! the order of floating-point sums).
+
+use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
+use crate::layout::Layout;
+use crate::optim::ShardedOptimizer;
+use anyhow::{bail, Context, Result};
+use ganymede_config::{JobConfig, MuonPlacement};
+use ganymede_core::{Blas, CpuBackend, Ledger, Memory, ParamKind, TMut};
+use ganymede_data::Dataset;
+use ganymede_dist::placement::plan;
+use ganymede_dist::threads::panic_message;
+use ganymede_dist::{
+    check_config_hash, config_hash, run_threads, write_chrome_trace, CommSnapshot, DeviceMesh,
+    Phase, Policy, ProcessGroup, ThreadsConfig, Tracer, Track,
+};
+use ganymede_model::{forward_backward_with, Model, Workspace};
+use ganymede_optim::lr_at;
+use ganymede_train::metrics::load_balance;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What one sharded step reports (the same on every rank, except `comm`).
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    pub loss: f64,
+    pub aux_loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens: usize,
+    pub expert_load: Vec<Vec<f32>>,
+    /// This rank's bytes per phase and collective in the step.
+    pub comm: CommSnapshot,
+}
+
+/// The placement policy a config asks for.
+pub fn policy(cfg: &JobConfig) -> Policy {
+    match cfg.parallelism.muon_placement {
+        MuonPlacement::Flexshard => Policy::FlexShard,
+        MuonPlacement::Naive => Policy::Naive,
+    }
+}
+
+/// Everything one rank holds.
+pub struct RankState {
+    pub be: CpuBackend,
+    pub model: Model,
+    pub layout: Arc<Layout>,
+    pub mesh: DeviceMesh,
+    pub params: FsdpParams,
+    pub grads: FsdpGrads,
+    pub opt: ShardedOptimizer,
+    pub ws: Workspace,
+    cfg: JobConfig,
+}
+
+impl RankState {
+    /// Collective over `world`: checks the configuration hash, builds the mesh and this rank's
+    /// shards of the initial parameters.
+    pub fn new(world: Arc<dyn ProcessGroup>, cfg: &JobConfig) -> Result<Self> {
+        check_config_hash(world.as_ref(), config_hash(cfg))
+            .context("ranks started with different configurations")?;
+        if cfg.parallelism.ep > 1 {
+            bail!(
+                "parallelism.ep = {}: expert parallelism is not implemented in the sharded trainer yet (use ep = 1)",
+                cfg.parallelism.ep
+            );
+        }
+        let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
+        let (w, r) = (world.size(), world.rank());
+        let (m, t) = (&cfg.model, &cfg.training);
+        if !t.batch_size.is_multiple_of(w) {
+            bail!(
+                "training.batch_size = {} cannot be split evenly over {w} ranks",
+                t.batch_size
+            );
+        }
+        let be = CpuBackend::new(Arc::new(Ledger::new()));
+        let model = Model::new(m);
+        let pl = plan(model.param_specs(), mesh.shape, policy(cfg))?;
+        let layout = Arc::new(Layout::new(model.param_specs(), m.layers, &pl));
+        // Every rank builds the same initial table and keeps its shards of it (fine at the
+        // sizes trained on one machine; a large model would initialise shard by shard).
+        let full = model.init_params(&be, t.seed);
+        let groups = Groups::of(&mesh);
+        let p = &cfg.parallelism;
+        let params = FsdpParams::new(
+            &be,
+            layout.clone(),
+            groups.clone(),
+            p.gather_dtype,
+            p.prefetch,
+            &full,
+        );
+        drop(full);
+        let grads = FsdpGrads::new(&be, layout.clone(), groups);
+        let opt = ShardedOptimizer::new(&be, &cfg.optimizer, &layout, pl);
+        let ws = Workspace::new(
+            &be,
+            &model,
+            t.batch_size / w,
+            m.seq_len,
+            cfg.activation_checkpoint.mode,
+        );
+        let _ = r;
+        Ok(RankState {
+            be,
+            model,
+            layout,
+            mesh,
+            params,
+            grads,
+            opt,
+            ws,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn world(&self) -> &Arc<dyn ProcessGroup> {
+        &self.mesh.dp_shard
+    }
+
+    /// One optimizer step on global batch `step` (0-based).
+    pub fn step(&mut self, data: &Dataset, step: usize) -> Result<StepReport> {
+        let world = self.mesh.dp_shard.clone();
+        let ctx = world.ctx().clone();
+        ctx.stats.reset();
+        let (cfg, be) = (&self.cfg, &self.be);
+        let (batch, seq) = (cfg.training.batch_size, cfg.model.seq_len);
+        let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
+        self.params.begin(be, true, batch * seq);
+        self.grads.begin(be);
+        let out = forward_backward_with(
+            be,
+            &self.model,
+            &mut self.params,
+            &mut self.grads,
+            &mut self.ws,
+            &x,
+            &y,
+            1.0,
+        );
+        self.grads.finish(be);
+
+        // The loss is this slice's share of the global mean; the aux loss is already global.
+        let t0 = Instant::now();
+        let trainable: Vec<bool> = self
+            .layout
+            .specs
+            .iter()
+            .map(|s| s.kind.is_trainable())
+            .collect();
+        let sumsq: f64 = self
+            .grads
+            .shards
+            .iter()
+            .zip(&trainable)
+            .filter(|(_, &t)| t)
+            .map(|(g, _)| be.sumsq(g.v()))
+            .sum();
+        let mut red = [out.loss, sumsq];
+        world.all_reduce(TMut::Host64(&mut red), Phase::Other)?;
+        let (loss, norm) = (red[0], red[1].sqrt());
+        if !loss.is_finite() {
+            bail!(
+                "loss is {loss} at step {}: training diverged (try a lower optimizer.lr than {})",
+                step + 1,
+                cfg.optimizer.lr
+            );
+        }
+        let max_norm = cfg.training.grad_clip;
+        if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
+            let coef = (max_norm / (norm + 1e-6)) as f32;
+            for (g, _) in self
+                .grads
+                .shards
+                .iter_mut()
+                .zip(&trainable)
+                .filter(|x| *x.1)
+            {
+                be.scale(g.vm(), coef);
+            }
+        }
+        let lr = lr_at(&cfg.optimizer, step, cfg.training.steps);
+        self.opt.step(
+            be,
+            &self.mesh,
+            &mut self.params.master,
+            &self.grads.shards,
+            lr,
+        )?;
+        if cfg.model.router_bias_update > 0.0 {
+            self.update_router_bias(&out.expert_load);
+        }
+        ctx.tracer
+            .record("optimizer", Track::Compute, t0, Instant::now(), None);
+        Ok(StepReport {
+            loss,
+            aux_loss: out.aux_loss,
+            grad_norm: norm,
+            lr,
+            tokens: out.tokens,
+            expert_load: out.expert_load,
+            comm: ctx.stats.snapshot(),
+        })
+    }
+
+    /// Collective: every parameter whole, gathered from the shards (checks, rank-0 saves).
+    pub fn full_params(&self) -> Result<Vec<Vec<f32>>> {
+        let groups = crate::fsdp::Groups::of(&self.mesh);
+        let mut out = Vec::with_capacity(self.layout.specs.len());
+        for i in 0..self.layout.specs.len() {
+            let g = groups.get(self.layout.group[i]);
+            let mut all = vec![0f32; self.layout.shard[i] * g.size()];
+            g.all_gather(
+                self.params.master[i].v(),
+                TMut::Host(&mut all),
+                Phase::Other,
+            )?;
+            all.truncate(self.layout.numel(i));
+            out.push(all);
+        }
+        Ok(out)
+    }
+
+    /// The DeepSeek-V3 bias update of `ganymede_model::update_router_bias`, on this rank's
+    /// slice of each bias (loads are the global batch's, so every rank agrees).
+    fn update_router_bias(&mut self, loads: &[Vec<f32>]) {
+        let coeff = self.cfg.model.router_bias_update;
+        let biases: Vec<usize> = (0..self.layout.specs.len())
+            .filter(|&i| {
+                self.layout.specs[i].kind == ParamKind::Buffer
+                    && self.layout.specs[i]
+                        .name
+                        .ends_with("e_score_correction_bias")
+            })
+            .collect();
+        for (&i, load) in biases.iter().zip(loads) {
+            let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len() as f64;
+            let rank = self.mesh.dp_shard.rank();
+            let range = self.layout.range(i, rank);
+            let t = &mut self.params.master[i];
+            let mut b = self.be.download_f64(t.v());
+            for (k, e) in range.enumerate() {
+                let d = mean - load[e] as f64;
+                let step = if d == 0.0 { 0.0 } else { coeff * d.signum() };
+                b[k] = ((b[k] + step) as f32) as f64;
+            }
+            let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
+            self.be.write(t.vm(), &b32);
+        }
+    }
+}
+
+/// How `train_threads` runs, beyond the configuration.
+#[derive(Clone, Debug, Default)]
+pub struct ParOptions {
+    pub ranks: usize,
+    /// Run directory (default `runs/<name>-<UTC timestamp>`).
+    pub out: Option<PathBuf>,
+    pub name: String,
+    pub quiet: bool,
+    /// Write a Chrome trace of every rank here.
+    pub trace: Option<PathBuf>,
+    /// Fault injection for tests: `(rank, step)` panics on that rank before that step.
+    pub fail_at: Option<(usize, usize)>,
+    /// Fault injection for tests: `(rank, step)` stalls that rank (sleeps past the timeout).
+    pub stall_at: Option<(usize, usize)>,
+}
+
+/// What a sharded run reports.
+#[derive(Clone, Debug)]
+pub struct ParSummary {
+    pub run_dir: PathBuf,
+    pub losses: Vec<f64>,
+    /// Rank 0's bytes of each step.
+    pub comm: Vec<CommSnapshot>,
+    /// Every rank's bytes of the last step.
+    pub last_comm: Vec<CommSnapshot>,
+    pub tokens_per_s: f64,
+    /// Mean seconds per step, the first step excluded when there are several.
+    pub step_s: f64,
+}
+
+struct RankOut {
+    losses: Vec<f64>,
+    comm: Vec<CommSnapshot>,
+    step_secs: Vec<f64>,
+    tokens: usize,
+    tracer: Arc<Tracer>,
+}
+
+/// Train with `opts.ranks` ranks as threads of this process; `parallelism.dp_shard` is set to
+/// the rank count. Every step's metrics (rank 0's view, with its bytes per phase) go to
+/// `RUN/metrics.jsonl`.
+pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
+    let n = opts.ranks.max(1);
+    let mut cfg = cfg.clone();
+    if cfg.parallelism.dp_shard != n {
+        if cfg.parallelism.dp_shard != 1 {
+            bail!(
+                "parallelism.dp_shard = {} but --ranks {n}: start as many ranks as dp_shard",
+                cfg.parallelism.dp_shard
+            );
+        }
+        cfg.parallelism.dp_shard = n;
+    }
+    cfg.validate()?;
+    ganymede_train::trainer::init_threads(cfg.training.threads);
+    let run_dir = opts.out.clone().unwrap_or_else(|| {
+        ganymede_train::trainer::default_run_dir(if opts.name.is_empty() {
+            "run"
+        } else {
+            &opts.name
+        })
+    });
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    ganymede_train::checkpoint::write_atomic(
+        &run_dir.join("config.toml"),
+        cfg.to_toml().as_bytes(),
+    )?;
+    let (m, t) = (&cfg.model, &cfg.training);
+    let data = Dataset::build(
+        &cfg.data,
+        m.vocab_size,
+        m.seq_len,
+        t.seed,
+        Some(&run_dir.join("data")),
+    )?;
+    let metrics_path = run_dir.join("metrics.jsonl");
+    let metrics = std::sync::Mutex::new(
+        std::fs::File::create(&metrics_path)
+            .with_context(|| format!("cannot write {}", metrics_path.display()))?,
+    );
+    if !opts.quiet {
+        println!(
+        "ganymede train: {n} ranks (threads), FSDP with {:?} gathers, prefetch {}, Muon placement {:?}, run directory {}",
+        cfg.parallelism.gather_dtype,
+        cfg.parallelism.prefetch,
+        cfg.parallelism.muon_placement,
+        run_dir.display()
+    );
+    }
+    let tcfg = ThreadsConfig {
+        timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
+        trace: opts.trace.is_some(),
+    };
+    let run_start = Instant::now();
+    let results = run_threads(n, &tcfg, |world| -> Result<RankOut> {
+        let rank = world.rank();
+        let tracer = world.ctx().tracer.clone();
+        let mut st = RankState::new(world, &cfg)?;
+        let mut out = RankOut {
+            losses: vec![],
+            comm: vec![],
+            step_secs: vec![],
+            tokens: 0,
+            tracer,
+        };
+        let mut tokens_seen = 0u64;
+        for step in 0..cfg.training.steps {
+            if opts.fail_at == Some((rank, step)) {
+                panic!("injected failure on rank {rank} at step {}", step + 1);
+            }
+            if opts.stall_at == Some((rank, step)) {
+                std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 3.0));
+            }
+            let t0 = Instant::now();
+            let r = st.step(&data, step)?;
+            let dt = t0.elapsed().as_secs_f64();
+            tokens_seen += r.tokens as u64;
+            out.losses.push(r.loss);
+            out.step_secs.push(dt);
+            out.tokens = r.tokens;
+            if rank == 0 {
+                let (load_max_over_mean, load_cv) = load_balance(&r.expert_load);
+                // metrics.jsonl's fields (see ganymede_train::metrics::StepMetrics) plus the
+                // rank count and this rank's bytes per phase.
+                let v = serde_json::json!({
+                    "step": step + 1,
+                    "loss": r.loss,
+                    "aux_loss": r.aux_loss,
+                    "lr": r.lr,
+                    "grad_norm": r.grad_norm,
+                    "tokens_per_s": r.tokens as f64 / dt.max(1e-9),
+                    "tokens_seen": tokens_seen,
+                    "elapsed_s": run_start.elapsed().as_secs_f64(),
+                    "load_max_over_mean": load_max_over_mean,
+                    "load_cv": load_cv,
+                    "ranks": n,
+                    "step_s": dt,
+                    "comm_bytes": r.comm.by_phase_json(),
+                });
+                writeln!(metrics.lock().unwrap(), "{v}")?;
+                let every = cfg.metrics.log_every.max(1);
+                let done = step + 1;
+                if !opts.quiet && (done == 1 || done % every == 0 || done == cfg.training.steps) {
+                    println!(
+                        "step {done:>6}/{} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | sent {}",
+                        cfg.training.steps,
+                        r.loss,
+                        r.aux_loss,
+                        r.lr,
+                        r.grad_norm,
+                        r.tokens as f64 / dt.max(1e-9),
+                        ganymede_train::metrics::human_bytes(r.comm.total().0)
+                    );
+                }
+            }
+            out.comm.push(r.comm);
+        }
+        Ok(out)
+    });
+
+    // The first failure in rank order; a panic (the root cause) before the errors it caused.
+    let mut outs = Vec::new();
+    let mut panics = Vec::new();
+    let mut errors = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(Ok(o)) => outs.push(o),
+            Ok(Err(e)) => errors.push(format!("rank {r}: {e:#}")),
+            Err(p) => panics.push(format!("rank {r}: {}", panic_message(p.as_ref()))),
+        }
+    }
+    if !panics.is_empty() || !errors.is_empty() {
+        let mut all = panics;
+        all.extend(errors);
+        bail!("sharded training failed: {}", all.join("; "));
+    }
+    if let Some(path) = &opts.trace {
+        let tracers: Vec<&Tracer> = outs.iter().map(|o| o.tracer.as_ref()).collect();
+        write_chrome_trace(path, &tracers)
+            .with_context(|| format!("cannot write trace {}", path.display()))?;
+    }
+    let o0 = &outs[0];
+    let skip = usize::from(o0.step_secs.len() > 1);
+    let timed = &o0.step_secs[skip..];
+    let step_s = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
+    if !opts.quiet {
+        if let (Some(a), Some(b)) = (o0.losses.first(), o0.losses.last()) {
+            println!(
+                "steps 1..{}: loss {a:.4} -> {b:.4}; {:.0} tokens/s on {n} ranks; run directory {}",
+                o0.losses.len(),
+                o0.tokens as f64 / step_s.max(1e-9),
+                run_dir.display()
+            );
+        }
+    }
+    Ok(ParSummary {
+        run_dir,
+        losses: o0.losses.clone(),
+        comm: o0.comm.clone(),
+        last_comm: outs
+            .iter()
+            .map(|o| o.comm.last().cloned().unwrap_or_default())
+            .collect(),
+        tokens_per_s: o0.tokens as f64 / step_s.max(1e-9),
+        step_s,
+    })
+}

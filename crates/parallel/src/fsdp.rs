@@ -1,0 +1,548 @@
+//! FSDP around the unchanged model: [`FsdpParams`] is the step's [`ParamSource`] and
+//! [`FsdpGrads`] its [`GradSink`].
+//!
+//! - Master parameters are f32 shards (`Category::Params`). A block's parameters are
+//!   all-gathered (bf16 by default, f32 for exactness tests) into a fixed pool of
+//!   `prefetch + 1` slots (`Category::Buffers`), so the memory of unsharded parameters is the
+//!   same at every step and every block. The gathers of the next `prefetch` blocks are posted
+//!   when a block starts, so they travel while it computes.
+//! - The step's order of block uses is fixed (forward 0..L, then backward L-1..0), so prefetch is
+//!   a walk along that schedule; the backward pass gathers each block again (parameters are freed
+//!   after forward, FSDP2's `reshard_after_forward`).
+//! - Gradients: a block's full gradients live in one reused set of tensors while its backward
+//!   runs, then are reduce-scattered in f32 onto the gradient shards; the reduce-scatter of block
+//!   `l` travels while block `l-1` computes (two staging buffers alternate).
+//!
+//! Collective failures (a peer that died or stalled) panic with the backend's message: the
+//! model's hooks cannot return errors, and the threads driver turns a panic into a poisoned
+//! world, so every rank stops with that message.
+
+use crate::layout::Layout;
+use ganymede_config::GatherDtype;
+use ganymede_core::{Backend, Category, CpuBackend, Device, Ledger, ParamStore, TMut, Tensor, T};
+use ganymede_dist::placement::ShardGroup;
+use ganymede_dist::{from_bf16, to_bf16, DeviceMesh, Phase, ProcessGroup, Track, Work};
+use ganymede_model::{GradSink, ParamSource, Pass};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A host `u16` buffer charged to the ledger (bf16 staging; the core crate has no bf16 tensor).
+struct Bf16Buf {
+    data: Vec<u16>,
+    ledger: Arc<Ledger>,
+}
+
+impl Bf16Buf {
+    fn new(ledger: &Arc<Ledger>, n: usize) -> Self {
+        ledger.alloc(Device::Host, Category::Buffers, 2 * n as u64);
+        Bf16Buf {
+            data: vec![0; n],
+            ledger: ledger.clone(),
+        }
+    }
+}
+
+impl Drop for Bf16Buf {
+    fn drop(&mut self) {
+        self.ledger
+            .free(Device::Host, Category::Buffers, 2 * self.data.len() as u64);
+    }
+}
+
+/// Extend a borrow to `'static` so a posted collective can be kept across hook calls.
+///
+/// SAFETY (for callers): the memory must stay allocated and untouched by anything else until the
+/// returned `Work` is waited on or dropped. Pool buffers are owned by the struct holding the
+/// `Work`s, are never reallocated while a `Work` is pending, and the `Work`s are declared first
+/// so they are dropped (which waits) before the buffers.
+unsafe fn forever<X: ?Sized>(x: &X) -> &'static X {
+    &*(x as *const X)
+}
+#[allow(clippy::mut_from_ref)]
+unsafe fn forever_mut<X>(x: &mut [X]) -> &'static mut [X] {
+    std::slice::from_raw_parts_mut(x.as_mut_ptr(), x.len())
+}
+
+fn host(t: &mut Tensor) -> &mut [f32] {
+    t.vm().host::<f32>()
+}
+
+fn fail(what: &str, e: impl std::fmt::Display) -> ! {
+    panic!("{what}: {e}")
+}
+
+/// Groups by [`ShardGroup`].
+#[derive(Clone)]
+pub struct Groups {
+    pub dp: Arc<dyn ProcessGroup>,
+    pub efsdp: Arc<dyn ProcessGroup>,
+}
+
+impl Groups {
+    pub fn of(mesh: &DeviceMesh) -> Self {
+        Groups {
+            dp: mesh.dp_shard.clone(),
+            efsdp: mesh.efsdp.clone(),
+        }
+    }
+    pub fn get(&self, g: ShardGroup) -> &Arc<dyn ProcessGroup> {
+        match g {
+            ShardGroup::DpShard => &self.dp,
+            ShardGroup::Efsdp => &self.efsdp,
+        }
+    }
+}
+
+/// One block's worth of gather buffers.
+struct Slot {
+    /// Posted gathers; declared first so dropping the slot waits before freeing buffers.
+    work: Vec<Work<'static>>,
+    /// The block whose parameters the slot holds or receives.
+    block: Option<usize>,
+    /// Exact-shape parameters handed to the model.
+    full: Vec<Tensor>,
+    /// Padded receive buffers (f32 gathers).
+    recv32: Vec<Tensor>,
+    /// bf16 send (this rank's shard) and receive buffers.
+    send16: Vec<Bf16Buf>,
+    recv16: Vec<Bf16Buf>,
+}
+
+/// The parameter side of FSDP for one rank.
+pub struct FsdpParams {
+    slots: Vec<Slot>,
+    layout: Arc<Layout>,
+    groups: Groups,
+    dtype: GatherDtype,
+    prefetch: usize,
+    /// Master shards, f32, in table order.
+    pub master: Vec<Tensor>,
+    /// What the model reads: root parameters resident, block entries empty except while in use.
+    store: ParamStore,
+    /// The step's block uses in order, and how far the step has got.
+    schedule: Vec<(usize, Pass)>,
+    pos: usize,
+    /// Items posted so far.
+    posted: usize,
+    global_tokens: usize,
+    started: Option<Instant>,
+    /// This rank's ledger, for pool buffers allocated in the hooks.
+    be_ledger: Arc<Ledger>,
+}
+
+/// A zero-length stand-in for a block parameter that is not gathered.
+fn empty(be: &dyn Backend) -> Tensor {
+    be.zeros(&[0], Category::Buffers)
+}
+
+impl FsdpParams {
+    /// `full` is the whole initial parameter table (each rank keeps its shards of it).
+    pub fn new(
+        be: &dyn Backend,
+        layout: Arc<Layout>,
+        groups: Groups,
+        dtype: GatherDtype,
+        prefetch: usize,
+        full: &ParamStore,
+    ) -> Self {
+        let master = (0..layout.specs.len())
+            .map(|i| {
+                let r = layout.range(i, groups.get(layout.group[i]).rank());
+                let mut x = vec![0f32; layout.shard[i]];
+                let src = be.download(full.get(i).v());
+                x[..r.len()].copy_from_slice(&src[r]);
+                be.upload(&x, &[layout.shard[i]], Category::Params)
+            })
+            .collect();
+        let mut specs = layout.specs.clone();
+        let tensors = (0..specs.len())
+            .map(|i| {
+                if layout.root.contains(&i) {
+                    be.zeros(&specs[i].shape, Category::Buffers)
+                } else {
+                    specs[i].shape = vec![0];
+                    empty(be)
+                }
+            })
+            .collect();
+        let store = ParamStore::from_tensors(specs, tensors);
+        let slots = (0..prefetch + 1)
+            .map(|_| Slot {
+                work: Vec::new(),
+                block: None,
+                full: Vec::new(),
+                recv32: Vec::new(),
+                send16: Vec::new(),
+                recv16: Vec::new(),
+            })
+            .collect();
+        FsdpParams {
+            slots,
+            layout,
+            groups,
+            dtype,
+            prefetch,
+            master,
+            store,
+            schedule: Vec::new(),
+            pos: 0,
+            posted: 0,
+            global_tokens: 0,
+            started: None,
+            be_ledger: be.ledger().clone(),
+        }
+    }
+
+    /// Start a step (`train`: forward and backward; else forward only) over a global batch of
+    /// `global_tokens` tokens: gathers the root unit and posts the first blocks' gathers.
+    pub fn begin(&mut self, be: &dyn Backend, train: bool, global_tokens: usize) {
+        assert!(
+            self.pos == self.schedule.len(),
+            "previous step left blocks in use"
+        );
+        let l = self.layout.blocks.len();
+        self.schedule = (0..l).map(|b| (b, Pass::Forward)).collect();
+        if train {
+            self.schedule
+                .extend((0..l).rev().map(|b| (b, Pass::Backward)));
+        }
+        self.pos = 0;
+        self.posted = 0;
+        self.global_tokens = global_tokens;
+        for k in 0..self.layout.root.len() {
+            let i = self.layout.root[k];
+            let g = self.groups.get(self.layout.group[i]).clone();
+            let padded = self.layout.shard[i] * g.size();
+            // Root parameters gather in f32 straight away: a small unit, needed at once.
+            let mut recv = be.zeros(&[padded], Category::Buffers);
+            g.all_gather(self.master[i].v(), recv.vm(), Phase::ForwardGather)
+                .unwrap_or_else(|e| fail("gathering the root parameters", e));
+            let n = self.layout.numel(i);
+            be.copy(self.store.get_mut(i).vm(), recv.slice(0, n));
+        }
+        self.post_until(be, self.prefetch);
+    }
+
+    /// Post gathers for schedule items up to `last` (inclusive).
+    fn post_until(&mut self, be: &dyn Backend, last: usize) {
+        while self.posted <= last && self.posted < self.schedule.len() {
+            self.post(be, self.posted);
+            self.posted += 1;
+        }
+    }
+
+    fn post(&mut self, be: &dyn Backend, item: usize) {
+        let (b, pass) = self.schedule[item];
+        let phase = match pass {
+            Pass::Forward => Phase::ForwardGather,
+            Pass::Backward => Phase::BackwardGather,
+        };
+        let nslots = self.slots.len();
+        let layout = self.layout.clone();
+        let idx = &layout.blocks[b];
+        let slot = &mut self.slots[item % nslots];
+        debug_assert!(slot.work.is_empty(), "slot reused while in flight");
+        // (Re)shape the slot for this block; uniform blocks never reallocate.
+        let fits = slot.full.len() == idx.len()
+            && idx
+                .iter()
+                .zip(&slot.full)
+                .all(|(&i, t)| t.shape() == layout.specs[i].shape.as_slice());
+        if !fits {
+            slot.full = idx
+                .iter()
+                .map(|&i| be.zeros(&layout.specs[i].shape, Category::Buffers))
+                .collect();
+            slot.recv32.clear();
+            slot.send16.clear();
+            slot.recv16.clear();
+            for &i in idx {
+                let w = self.groups.get(layout.group[i]).size();
+                match self.dtype {
+                    GatherDtype::F32 => slot
+                        .recv32
+                        .push(be.zeros(&[layout.shard[i] * w], Category::Buffers)),
+                    GatherDtype::Bf16 => {
+                        slot.send16
+                            .push(Bf16Buf::new(&self.be_ledger, layout.shard[i]));
+                        slot.recv16
+                            .push(Bf16Buf::new(&self.be_ledger, layout.shard[i] * w));
+                    }
+                }
+            }
+        }
+        slot.block = Some(b);
+        for (k, &i) in idx.iter().enumerate() {
+            let g: &'static dyn ProcessGroup =
+                unsafe { forever(self.groups.get(layout.group[i]).as_ref()) };
+            let w = match self.dtype {
+                GatherDtype::F32 => {
+                    let send = unsafe { forever(host_ro(&self.master[i])) };
+                    let recv = unsafe { forever_mut(host(&mut slot.recv32[k])) };
+                    g.iall_gather(T::Host(send), TMut::Host(recv), phase)
+                }
+                GatherDtype::Bf16 => {
+                    let src = host_ro(&self.master[i]);
+                    for (d, &x) in slot.send16[k].data.iter_mut().zip(src) {
+                        *d = to_bf16(x);
+                    }
+                    let send = unsafe { forever(&slot.send16[k].data[..]) };
+                    let recv = unsafe { forever_mut(&mut slot.recv16[k].data[..]) };
+                    g.iall_gather_bf16(send, recv, phase)
+                }
+            };
+            slot.work
+                .push(w.unwrap_or_else(|e| fail("posting a parameter gather", e)));
+        }
+    }
+
+    /// Shard of parameter `i`, this rank's.
+    pub fn shard(&self, i: usize) -> &Tensor {
+        &self.master[i]
+    }
+}
+
+fn host_ro(t: &Tensor) -> &[f32] {
+    t.v().host::<f32>()
+}
+
+impl ParamSource for FsdpParams {
+    fn params(&self) -> &ParamStore {
+        &self.store
+    }
+
+    fn acquire_block(&mut self, l: usize, pass: Pass) {
+        let item = self.pos;
+        assert_eq!(
+            self.schedule.get(item),
+            Some(&(l, pass)),
+            "blocks used out of the FSDP schedule"
+        );
+        // Keep `prefetch` blocks in flight beyond this one.
+        // Posting allocates only when a block of new shapes takes a slot (host memory).
+        let be = CpuBackend::new(self.be_ledger.clone());
+        self.post_until(&be, item + self.prefetch);
+        let nslots = self.slots.len();
+        let slot = &mut self.slots[item % nslots];
+        debug_assert_eq!(slot.block, Some(l));
+        let tracer = self.groups.dp.ctx().tracer.clone();
+        let t0 = Instant::now();
+        for w in slot.work.drain(..) {
+            w.wait()
+                .unwrap_or_else(|e| fail(&format!("gathering block {l}'s parameters"), e));
+        }
+        tracer.record(
+            format!("wait gather block {l}"),
+            Track::Wait,
+            t0,
+            Instant::now(),
+            None,
+        );
+        let idx = &self.layout.blocks[l];
+        for (k, &i) in idx.iter().enumerate() {
+            let n = self.layout.numel(i);
+            let dst = host(&mut slot.full[k]);
+            match self.dtype {
+                GatherDtype::F32 => dst.copy_from_slice(&host_ro(&slot.recv32[k])[..n]),
+                GatherDtype::Bf16 => {
+                    for (d, &h) in dst.iter_mut().zip(&slot.recv16[k].data[..n]) {
+                        *d = from_bf16(h);
+                    }
+                }
+            }
+            std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
+        }
+        self.started = Some(Instant::now());
+    }
+
+    fn release_block(&mut self, l: usize, pass: Pass) {
+        let item = self.pos;
+        let nslots = self.slots.len();
+        let slot = &mut self.slots[item % nslots];
+        for (k, &i) in self.layout.blocks[l].iter().enumerate() {
+            std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
+        }
+        if let Some(t0) = self.started.take() {
+            let name = match pass {
+                Pass::Forward => format!("block {l} forward"),
+                Pass::Backward => format!("block {l} backward"),
+            };
+            self.groups
+                .dp
+                .ctx()
+                .tracer
+                .record(name, Track::Compute, t0, Instant::now(), None);
+        }
+        self.pos += 1;
+    }
+
+    fn global_tokens(&self, _local: usize) -> usize {
+        self.global_tokens
+    }
+
+    fn reduce_routing(&mut self, _layer: usize, counts: &mut [usize], psum: &mut [f64]) {
+        // Every rank routes its own tokens; the auxiliary loss is the global batch's. Counts are
+        // integers, exact in f64.
+        let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+        buf.extend_from_slice(psum);
+        self.groups
+            .dp
+            .all_reduce(TMut::Host64(&mut buf), Phase::Other)
+            .unwrap_or_else(|e| fail("summing routing statistics", e));
+        let e = counts.len();
+        for (c, &x) in counts.iter_mut().zip(&buf[..e]) {
+            *c = x as usize;
+        }
+        psum.copy_from_slice(&buf[e..]);
+    }
+}
+
+/// The gradient side of FSDP for one rank.
+pub struct FsdpGrads {
+    /// Reduce-scatters in flight, per staging set; declared first (dropping waits).
+    pending: [Vec<Work<'static>>; 2],
+    layout: Arc<Layout>,
+    groups: Groups,
+    /// What the model writes: root gradients resident, block entries empty except in backward.
+    store: ParamStore,
+    /// One block's full gradients (reused by every block of the same shapes).
+    pool: Vec<Tensor>,
+    pool_block: Option<usize>,
+    /// Padded send buffers, two sets alternating so a reduce-scatter travels during the next
+    /// block's backward. Tails stay zero.
+    stage: [Vec<Tensor>; 2],
+    turn: usize,
+    /// Gradient shards, f32, in table order.
+    pub shards: Vec<Tensor>,
+    ledger: Arc<Ledger>,
+}
+
+impl FsdpGrads {
+    pub fn new(be: &dyn Backend, layout: Arc<Layout>, groups: Groups) -> Self {
+        let mut specs = layout.specs.clone();
+        let tensors = (0..specs.len())
+            .map(|i| {
+                if layout.root.contains(&i) {
+                    be.zeros(&specs[i].shape, Category::Grads)
+                } else {
+                    specs[i].shape = vec![0];
+                    be.zeros(&[0], Category::Grads)
+                }
+            })
+            .collect();
+        let shards = (0..layout.specs.len())
+            .map(|i| be.zeros(&[layout.shard[i]], Category::Grads))
+            .collect();
+        FsdpGrads {
+            pending: [Vec::new(), Vec::new()],
+            store: ParamStore::from_tensors(specs, tensors),
+            pool: Vec::new(),
+            pool_block: None,
+            stage: [Vec::new(), Vec::new()],
+            turn: 0,
+            shards,
+            layout,
+            groups,
+            ledger: be.ledger().clone(),
+        }
+    }
+
+    /// Zero the resident root gradients (start of a step).
+    pub fn begin(&mut self, be: &dyn Backend) {
+        for &i in &self.layout.root {
+            be.fill(self.store.get_mut(i).vm(), 0.0);
+        }
+    }
+
+    /// Reduce-scatter the root gradients and wait for every reduce-scatter: the shards then hold
+    /// the global batch's gradients.
+    pub fn finish(&mut self, be: &dyn Backend) {
+        for &i in &self.layout.root.clone() {
+            let g = self.groups.get(self.layout.group[i]).clone();
+            let mut send = be.zeros(&[self.layout.shard[i] * g.size()], Category::Buffers);
+            let n = self.layout.numel(i);
+            be.copy(send.slice_mut(0, n), self.store.get(i).v());
+            g.reduce_scatter(send.v(), self.shards[i].vm(), Phase::GradReduceScatter)
+                .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
+        }
+        for p in &mut self.pending {
+            for w in p.drain(..) {
+                w.wait()
+                    .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
+            }
+        }
+    }
+
+    fn shape_for(&mut self, be: &dyn Backend, l: usize) {
+        let idx = &self.layout.blocks[l];
+        let fits = self.pool.len() == idx.len()
+            && idx
+                .iter()
+                .zip(&self.pool)
+                .all(|(&i, t)| t.shape() == self.layout.specs[i].shape.as_slice());
+        if fits {
+            return;
+        }
+        for p in &mut self.pending {
+            for w in p.drain(..) {
+                w.wait()
+                    .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
+            }
+        }
+        self.pool = idx
+            .iter()
+            .map(|&i| be.zeros(&self.layout.specs[i].shape, Category::Grads))
+            .collect();
+        for s in &mut self.stage {
+            *s = idx
+                .iter()
+                .map(|&i| {
+                    let w = self.groups.get(self.layout.group[i]).size();
+                    be.zeros(&[self.layout.shard[i] * w], Category::Buffers)
+                })
+                .collect();
+        }
+    }
+}
+
+impl GradSink for FsdpGrads {
+    fn grads(&mut self) -> &mut ParamStore {
+        &mut self.store
+    }
+
+    fn begin_block(&mut self, l: usize) {
+        let be = CpuBackend::new(self.ledger.clone());
+        self.shape_for(&be, l);
+        self.pool_block = Some(l);
+        for (k, &i) in self.layout.blocks[l].iter().enumerate() {
+            host(&mut self.pool[k]).fill(0.0);
+            std::mem::swap(self.store.get_mut(i), &mut self.pool[k]);
+        }
+    }
+
+    fn end_block(&mut self, l: usize) {
+        let t = self.turn;
+        self.turn ^= 1;
+        // The staging set about to be reused: its reduce-scatters (two blocks ago) must be done.
+        for w in self.pending[t].drain(..) {
+            w.wait()
+                .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
+        }
+        let idx = self.layout.blocks[l].clone();
+        for (k, &i) in idx.iter().enumerate() {
+            std::mem::swap(self.store.get_mut(i), &mut self.pool[k]);
+            let n = self.layout.numel(i);
+            let src = host_ro(&self.pool[k]);
+            host(&mut self.stage[t][k])[..n].copy_from_slice(src);
+            let g: &'static dyn ProcessGroup =
+                unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
+            let send = unsafe { forever(host_ro(&self.stage[t][k])) };
+            let recv = unsafe { forever_mut(host(&mut self.shards[i])) };
+            let w = g
+                .ireduce_scatter(T::Host(send), TMut::Host(recv), Phase::GradReduceScatter)
+                .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e));
+            self.pending[t].push(w);
+        }
+        self.pool_block = None;
+    }
+}

@@ -1,0 +1,21 @@
+//! Sharded training, applied around the unchanged model (TorchTitan's `parallelize` shape): the
+//! model crate's step takes a [`ganymede_model::ParamSource`] and a
+//! [`ganymede_model::GradSink`], and this crate supplies FSDP ones.
+//!
+//! - [`layout`]: units (one per block, plus the root unit) and shard ranges.
+//! - [`fsdp`]: per-block all-gathers (bf16 or f32) into a fixed pool with prefetch, gradient
+//!   reduce-scatters in f32.
+//! - [`optim`]: Muon and AdamW on shards; Muon's Newton–Schulz placed by FlexShard or the naive
+//!   baseline through [`ganymede_dist::muon_exchange`].
+//! - [`driver`]: one rank's training state and step, and `train_threads` (`ganymede train
+//!   --ranks N`).
+//!
+//! Not yet: expert parallelism (`parallelism.ep > 1` is refused with an error), sharded
+//! checkpoints.
+
+pub mod driver;
+pub mod fsdp;
+pub mod layout;
+pub mod optim;
+
+pub use driver::{train_threads, ParOptions, ParSummary, RankState};

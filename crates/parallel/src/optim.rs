@@ -1,0 +1,152 @@
+//! The optimizer on shards. AdamW, Nesterov momentum and the decayed update are elementwise, so
+//! they run on each rank's shards with the same kernels as one process; only Newton–Schulz needs
+//! whole matrices, and [`ganymede_dist::muon_exchange`] brings them where the plan says
+//! (FlexShard: experts on their owners with no communication, dense matrices on LPT owners;
+//! naive: every matrix gathered on a round-robin root). Padding stays zero throughout (zero
+//! gradient, zero state, zero parameter).
+
+use crate::layout::Layout;
+use ganymede_config::{OptimizerConfig, OptimizerName};
+use ganymede_core::{AdamWStep, Backend, Category, ParamKind, TMut, Tensor};
+use ganymede_dist::{muon_exchange, DeviceMesh, NsJob, Plan};
+use ganymede_optim::{muon_scale, newton_schulz, NsScratch};
+use std::sync::Arc;
+
+enum Rule {
+    Muon {
+        momentum: Tensor,
+        u: Tensor,
+        scale: f64,
+    },
+    AdamW {
+        m: Tensor,
+        v: Tensor,
+        weight_decay: f64,
+    },
+    Frozen,
+}
+
+pub struct ShardedOptimizer {
+    cfg: OptimizerConfig,
+    rules: Vec<Rule>,
+    plan: Plan,
+    scratch: NsScratch,
+    step: u64,
+}
+
+impl ShardedOptimizer {
+    pub fn new(be: &dyn Backend, cfg: &OptimizerConfig, layout: &Arc<Layout>, plan: Plan) -> Self {
+        let mut shapes = Vec::new();
+        let rules = layout
+            .specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n = layout.shard[i];
+                if !s.kind.is_trainable() {
+                    Rule::Frozen
+                } else if cfg.name == OptimizerName::Muon && s.kind.is_muon() {
+                    let (r, c) = match s.shape.as_slice() {
+                        &[r, c] | &[_, r, c] => (r, c),
+                        _ => panic!("{}: not a matrix", s.name),
+                    };
+                    shapes.push((r, c));
+                    Rule::Muon {
+                        momentum: be.zeros(&[n], Category::Optimizer),
+                        u: be.zeros(&[n], Category::Buffers),
+                        scale: muon_scale(cfg.muon_scale, r, c),
+                    }
+                } else {
+                    Rule::AdamW {
+                        m: be.zeros(&[n], Category::Optimizer),
+                        v: be.zeros(&[n], Category::Optimizer),
+                        weight_decay: if s.kind == ParamKind::Vector {
+                            0.0
+                        } else {
+                            cfg.weight_decay
+                        },
+                    }
+                }
+            })
+            .collect();
+        ShardedOptimizer {
+            cfg: cfg.clone(),
+            rules,
+            plan,
+            scratch: NsScratch::for_shapes(be, shapes),
+            step: 0,
+        }
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// One update of the shards `params` from the gradient shards `grads`; collective over the
+    /// mesh when Muon is in use.
+    pub fn step(
+        &mut self,
+        be: &dyn Backend,
+        mesh: &DeviceMesh,
+        params: &mut [Tensor],
+        grads: &[Tensor],
+        lr: f64,
+    ) -> ganymede_dist::Result<()> {
+        self.step += 1;
+        let cfg = &self.cfg;
+        let t = self.step as i32;
+        let mut muon_items = Vec::new();
+        for (i, (rule, (p, g))) in self
+            .rules
+            .iter_mut()
+            .zip(params.iter_mut().zip(grads))
+            .enumerate()
+        {
+            match rule {
+                Rule::Frozen => {}
+                Rule::AdamW { m, v, weight_decay } => {
+                    let h = AdamWStep {
+                        lr,
+                        beta1: cfg.beta1,
+                        beta2: cfg.beta2,
+                        eps: cfg.eps,
+                        weight_decay: *weight_decay,
+                        bias_correction1: 1.0 - cfg.beta1.powi(t),
+                        bias_correction2: 1.0 - cfg.beta2.powi(t),
+                    };
+                    be.adamw_step(p.vm(), m.vm(), v.vm(), g.v(), &h);
+                }
+                Rule::Muon { momentum, u, .. } => {
+                    be.nesterov_momentum(momentum.vm(), g.v(), u.vm(), cfg.momentum);
+                    muon_items.push(i);
+                }
+            }
+        }
+        if muon_items.is_empty() {
+            return Ok(());
+        }
+        // Newton–Schulz where the plan puts each matrix; `u` slices come back orthogonalised.
+        let mut slices: Vec<(usize, &mut [f32])> = Vec::new();
+        for (i, rule) in self.rules.iter_mut().enumerate() {
+            if let Rule::Muon { u, .. } = rule {
+                slices.push((i, u.vm().host::<f32>()));
+            }
+        }
+        let steps = cfg.ns_steps;
+        let scratch = &mut self.scratch;
+        let mut ns = |job: NsJob<'_>| {
+            let n = job.rows * job.cols;
+            for e in 0..job.count {
+                let x = TMut::Host(&mut job.data[e * n..(e + 1) * n]);
+                newton_schulz(be, x, job.rows, job.cols, steps, scratch);
+            }
+        };
+        muon_exchange(&self.plan, mesh, &mut slices, &mut ns)?;
+        for i in muon_items {
+            if let Rule::Muon { u, scale, .. } = &self.rules[i] {
+                be.decay_update(params[i].vm(), u.v(), lr * scale, lr * cfg.weight_decay);
+            }
+        }
+        Ok(())
+    }
+}
