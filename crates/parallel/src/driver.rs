@@ -124,6 +124,10 @@ impl RankState {
         })
     }
 
+    pub fn config(&self) -> &JobConfig {
+        &self.cfg
+    }
+
     pub fn world(&self) -> &Arc<dyn ProcessGroup> {
         &self.mesh.dp_shard
     }
@@ -274,6 +278,8 @@ pub struct ParOptions {
     pub fail_at: Option<(usize, usize)>,
     /// Fault injection for tests: `(rank, step)` stalls that rank (sleeps past the timeout).
     pub stall_at: Option<(usize, usize)>,
+    /// Checkpoint directory to continue from (written at any rank count).
+    pub resume: Option<PathBuf>,
 }
 
 /// What a sharded run reports.
@@ -304,15 +310,8 @@ struct RankOut {
 pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
     let n = opts.ranks.max(1);
     let mut cfg = cfg.clone();
-    if cfg.parallelism.dp_shard != n {
-        if cfg.parallelism.dp_shard != 1 {
-            bail!(
-                "parallelism.dp_shard = {} but --ranks {n}: start as many ranks as dp_shard",
-                cfg.parallelism.dp_shard
-            );
-        }
-        cfg.parallelism.dp_shard = n;
-    }
+    // The rank count decides dp_shard (a resumed checkpoint may come from another count).
+    cfg.parallelism.dp_shard = n;
     cfg.validate()?;
     ganymede_train::trainer::init_threads(cfg.training.threads);
     let run_dir = opts.out.clone().unwrap_or_else(|| {
@@ -337,8 +336,14 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
         Some(&run_dir.join("data")),
     )?;
     let metrics_path = run_dir.join("metrics.jsonl");
+    // A resumed run appends to the metrics of the run it continues.
     let metrics = std::sync::Mutex::new(
-        std::fs::File::create(&metrics_path)
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(opts.resume.is_some())
+            .write(true)
+            .truncate(opts.resume.is_none())
+            .open(&metrics_path)
             .with_context(|| format!("cannot write {}", metrics_path.display()))?,
     );
     if !opts.quiet {
@@ -359,6 +364,18 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
         let rank = world.rank();
         let tracer = world.ctx().tracer.clone();
         let mut st = RankState::new(world, &cfg)?;
+        let (mut start, mut tokens_seen) = (0, 0u64);
+        if let Some(dir) = &opts.resume {
+            let m = st.load_checkpoint(dir)?;
+            (start, tokens_seen) = (m.data.next_step, m.tokens_seen);
+            if start >= cfg.training.steps {
+                bail!(
+                    "checkpoint {} is at step {start}, and training.steps = {}: nothing left to run",
+                    dir.display(),
+                    cfg.training.steps
+                );
+            }
+        }
         let mut out = RankOut {
             losses: vec![],
             comm: vec![],
@@ -366,8 +383,7 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
             tokens: 0,
             tracer,
         };
-        let mut tokens_seen = 0u64;
-        for step in 0..cfg.training.steps {
+        for step in start..cfg.training.steps {
             if opts.fail_at == Some((rank, step)) {
                 panic!("injected failure on rank {rank} at step {}", step + 1);
             }
@@ -417,6 +433,19 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
                 }
             }
             out.comm.push(r.comm);
+            let done = step + 1;
+            let ck = &cfg.checkpoint;
+            if ck.enable
+                && (done == cfg.training.steps
+                    || (ck.interval > 0 && done.is_multiple_of(ck.interval)))
+            {
+                let at = crate::checkpoint::Position {
+                    step: done,
+                    tokens_seen,
+                    data_seed: data.seed(),
+                };
+                st.save_checkpoint(&run_dir, &at)?;
+            }
         }
         Ok(out)
     });

@@ -10,9 +10,13 @@
 //! - [`driver`]: one rank's training state and step, and `train_threads` (`ganymede train
 //!   --ranks N`).
 //!
-//! Not yet: expert parallelism (`parallelism.ep > 1` is refused with an error), sharded
-//! checkpoints.
+//! - [`checkpoint`]: checkpoints gathered to rank 0 in the single-process format; loading
+//!   keeps each rank's shard, so any rank count resumes any checkpoint.
+//!
+//! Not yet: expert parallelism (`parallelism.ep > 1` is refused with an error), per-rank shard
+//! files.
 
+pub mod checkpoint;
 pub mod driver;
 pub mod fsdp;
 pub mod layout;

@@ -82,6 +82,31 @@ impl ShardedOptimizer {
         &self.plan
     }
 
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    pub fn set_step_count(&mut self, n: u64) {
+        self.step = n;
+    }
+
+    /// State shards as `(parameter index, checkpoint suffix, shard)`, in parameter order; the
+    /// suffixes are the single-process optimizer's (`muon_momentum`, `adam_m`, `adam_v`), so a
+    /// gathered checkpoint is the same file one process writes.
+    pub fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        let mut out = Vec::new();
+        for (i, r) in self.rules.iter_mut().enumerate() {
+            match r {
+                Rule::Muon { momentum, .. } => out.push((i, "muon_momentum", momentum)),
+                Rule::AdamW { m, v, .. } => {
+                    out.push((i, "adam_m", m));
+                    out.push((i, "adam_v", v));
+                }
+                Rule::Frozen => {}
+            }
+        }
+        out
+    }
+
     /// One update of the shards `params` from the gradient shards `grads`; collective over the
     /// mesh when Muon is in use.
     pub fn step(

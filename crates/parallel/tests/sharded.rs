@@ -208,3 +208,40 @@ fn presets_place() {
         ganymede_dist::placement::optimizer_bytes_compare(&specs, shape, 4).unwrap();
     assert!(flex * 50 < naive);
 }
+
+#[test]
+fn a_checkpoint_saved_at_4_ranks_resumes_at_2_and_in_one_process() {
+    let cfg = tiny(6, &["checkpoint.enable=true", "checkpoint.interval=3"]);
+    let a = tmp("ck4");
+    let opts = ParOptions {
+        ranks: 4,
+        out: Some(a.clone()),
+        quiet: true,
+        ..Default::default()
+    };
+    let full = train_threads(&cfg, &opts).unwrap().losses;
+    let ck = a
+        .join("checkpoints")
+        .join(ganymede_train::checkpoint::dir_name(3));
+    let opts = ParOptions {
+        ranks: 2,
+        out: Some(tmp("ck2")),
+        quiet: true,
+        resume: Some(ck.clone()),
+        ..Default::default()
+    };
+    let resumed = train_threads(&cfg, &opts).unwrap().losses;
+    let d = max_diff(&resumed, &full[3..]);
+    assert!(d <= LOSS_BOUND, "resumed at 2 ranks: {d:e}");
+    // The gathered checkpoint is the single-process format: the plain trainer continues it.
+    let mut one = cfg.clone();
+    one.checkpoint.enable = false;
+    let o = TrainOptions {
+        out: Some(tmp("ck1")),
+        quiet: true,
+        ..Default::default()
+    };
+    let single = train(&one, Some(&ck), &o).unwrap().losses;
+    let d = max_diff(&single, &full[3..]);
+    assert!(d <= LOSS_BOUND, "resumed in one process: {d:e}");
+}
