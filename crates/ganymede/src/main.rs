@@ -59,6 +59,12 @@ struct TrainArgs {
     /// Stop after this many completed steps (checkpointing there), as if interrupted.
     #[arg(long, value_name = "STEP")]
     stop_after: Option<usize>,
+    /// Sharded training on N ranks as threads of this process (FSDP; see `[parallelism]`).
+    #[arg(long, value_name = "N")]
+    ranks: Option<usize>,
+    /// With --ranks: write every rank's timeline as a Chrome trace (opens in Perfetto).
+    #[arg(long, value_name = "FILE", requires = "ranks")]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -160,6 +166,22 @@ fn run(cmd: Command) -> Result<()> {
                     .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
                 (None, None) => "tiny".into(),
             };
+            if let Some(ranks) = a.ranks {
+                anyhow::ensure!(
+                    a.stop_after.is_none(),
+                    "--ranks does not support --stop-after yet"
+                );
+                let opts = ganymede_parallel::ParOptions {
+                    ranks,
+                    out: a.out,
+                    name,
+                    trace: a.trace,
+                    resume: ckpt,
+                    ..Default::default()
+                };
+                ganymede_parallel::train_threads(&cfg, &opts)?;
+                return Ok(());
+            }
             let opts = TrainOptions {
                 out: a.out,
                 stop_after: a.stop_after,
