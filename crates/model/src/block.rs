@@ -11,6 +11,7 @@
 //! expert); the every-token SwiGLU (dense layer or stacked shared experts) is one GEMM for gate
 //! and up across all its experts.
 
+use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::workspace::{BlockActs, FfnActs, GradScratch};
 use crate::{LayerIdx, MlpIdx, Model};
 use ganymede_core::{Backend, Gemm, ParamStore, TMut, Tensor, T};
@@ -42,6 +43,7 @@ pub(crate) fn block_forward(
     batch: usize,
     seq: usize,
     kv: Kv,
+    (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) {
     let cfg = model.config();
     let n = batch * seq;
@@ -147,18 +149,25 @@ pub(crate) fn block_forward(
             );
             m.r.dispatch(k);
             be.moe_gather(m.xe.vm(), a.xn2.v(), &m.r.src, h);
-            let (wg, wu, wd) = (params.get(gate), params.get(up), params.get(down));
-            // One GEMM per expert over its tokens: rows r0..r0+c of the dispatched buffers.
-            let gs = expert_groups(&m.r.offsets, &m.r.counts, |r0, c, ex| {
-                (Gemm::new(c, f, h, false, true), r0 * h, ex * f * h, r0 * f)
-            });
-            be.gemm_grouped(m.g.vm(), m.xe.v(), wg.v(), &gs);
-            be.gemm_grouped(m.u.vm(), m.xe.v(), wu.v(), &gs);
-            be.swiglu_forward(m.a.vm(), m.g.v(), m.u.v());
-            let gs = expert_groups(&m.r.offsets, &m.r.counts, |r0, c, ex| {
-                (Gemm::new(c, h, f, false, true), r0 * f, ex * h * f, r0 * h)
-            });
-            be.gemm_grouped(m.ye.vm(), m.a.v(), wd.v(), &gs);
+            let io = ExpertsIo {
+                layer,
+                counts: &m.r.counts,
+                offsets: &m.r.offsets,
+                f,
+                h,
+                params,
+                gate,
+                up,
+                down,
+            };
+            let bufs = ExpertsFwdBufs {
+                xe: m.xe.v(),
+                g: m.g.vm(),
+                u: m.u.vm(),
+                a: m.a.vm(),
+                ye: m.ye.vm(),
+            };
+            ex.forward(be, &io, bufs);
             if let Some(y) = y.as_mut() {
                 be.moe_combine(y.rb(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
             }
@@ -169,18 +178,6 @@ pub(crate) fn block_forward(
             }
         }
     }
-}
-
-/// The per-expert GEMMs of a grouped call: `f(first_row, rows, expert)` for experts with tokens.
-fn expert_groups(
-    offsets: &[usize],
-    counts: &[usize],
-    f: impl Fn(usize, usize, usize) -> (Gemm, usize, usize, usize),
-) -> Vec<(Gemm, usize, usize, usize)> {
-    (0..counts.len())
-        .filter(|&ex| counts[ex] > 0)
-        .map(|ex| f(offsets[ex], counts[ex], ex))
-        .collect()
 }
 
 /// Every-token SwiGLU of `parts` stacked experts of hidden `fs`; adds its output into `y`.
@@ -232,6 +229,7 @@ pub(crate) fn block_backward(
     batch: usize,
     seq: usize,
     dprob_const: &[f64],
+    (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) {
     let cfg = model.config();
     let n = batch * seq;
@@ -288,35 +286,29 @@ pub(crate) fn block_backward(
             );
             #[rustfmt::skip]
             be.moe_combine_backward(dye.vm(), drw.vm(), dres.v(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
-            let (wg, wu, wd) = (params.get(gate), params.get(up), params.get(down));
-            let (off, cnt) = (&m.r.offsets, &m.r.counts);
-            // dA = dY·W_down[e];  dW_down[e] += dYᵀ·A
-            let gs = expert_groups(off, cnt, |r0, c, ex| {
-                (Gemm::new(c, f, h, false, false), r0 * h, ex * h * f, r0 * f)
-            });
-            be.gemm_grouped(da.vm(), dye.v(), wd.v(), &gs);
-            let gs = expert_groups(off, cnt, |r0, c, ex| {
-                let gm = Gemm::new(h, f, c, true, false).beta(1.0);
-                (gm, r0 * h, r0 * f, ex * h * f)
-            });
-            be.gemm_grouped(grads.get_mut(down).vm(), dye.v(), m.a.v(), &gs);
-            be.swiglu_backward(dg.vm(), du.vm(), da.v(), m.g.v(), m.u.v());
-            // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
-            let gs = expert_groups(off, cnt, |r0, c, ex| {
-                (Gemm::new(c, h, f, false, false), r0 * f, ex * f * h, r0 * h)
-            });
-            be.gemm_grouped(dxe.vm(), dg.v(), wg.v(), &gs);
-            let gs1: Vec<_> = gs
-                .iter()
-                .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
-                .collect();
-            be.gemm_grouped(dxe.vm(), du.v(), wu.v(), &gs1);
-            let gs = expert_groups(off, cnt, |r0, c, ex| {
-                let gm = Gemm::new(f, h, c, true, false).beta(1.0);
-                (gm, r0 * f, r0 * h, ex * f * h)
-            });
-            be.gemm_grouped(grads.get_mut(gate).vm(), dg.v(), m.xe.v(), &gs);
-            be.gemm_grouped(grads.get_mut(up).vm(), du.v(), m.xe.v(), &gs);
+            let io = ExpertsIo {
+                layer,
+                counts: &m.r.counts,
+                offsets: &m.r.offsets,
+                f,
+                h,
+                params,
+                gate,
+                up,
+                down,
+            };
+            let bufs = ExpertsBwdBufs {
+                xe: m.xe.v(),
+                g: m.g.v(),
+                u: m.u.v(),
+                a: m.a.v(),
+                dye: dye.v(),
+                da: da.vm(),
+                dg: dg.vm(),
+                du: du.vm(),
+                dxe: dxe.vm(),
+            };
+            ex.backward(be, &io, grads, bufs);
             #[rustfmt::skip]
             be.router_backward(drl.vm(), drw.v(), m.probs.v(), &m.r.idx, dprob_const, e, k, cfg.norm_topk_prob);
             be.gemm(

@@ -3,6 +3,7 @@
 //! attending to the cache.
 
 use crate::block::{block_forward, Kv};
+use crate::experts::LocalExperts;
 use crate::workspace::Workspace;
 use crate::{Model, Rng};
 use ganymede_config::AcMode;
@@ -45,7 +46,7 @@ fn step_logits(
             pos0,
         };
         #[rustfmt::skip]
-        block_forward(be, model, params, li, &mut blocks[0], grads, lo[l].v(), Some(hi[0].vm()), 1, n, kv);
+        block_forward(be, model, params, li, &mut blocks[0], grads, lo[l].v(), Some(hi[0].vm()), 1, n, kv, (l, &mut LocalExperts));
     }
     let eps = cfg.norm_eps as f32;
     #[rustfmt::skip]

@@ -17,12 +17,14 @@ use ganymede_config::ModelConfig;
 use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore};
 
 mod block;
+mod experts;
 mod generate;
 mod step;
 #[cfg(test)]
 mod tests;
 mod workspace;
 
+pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
 pub use generate::generate;
 pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, update_router_bias,

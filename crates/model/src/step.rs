@@ -3,6 +3,7 @@
 //! block's internals right before backpropagating through it.
 
 use crate::block::{block_backward, block_forward, Kv};
+use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::Workspace;
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
@@ -92,6 +93,7 @@ fn forward(
     be: &dyn Backend,
     model: &Model,
     src: &mut dyn ParamSource,
+    ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
     inputs: &[u32],
     targets: &[u32],
@@ -119,7 +121,7 @@ fn forward(
         src.acquire_block(l, Pass::Forward);
         let params = src.params();
         #[rustfmt::skip]
-        block_forward(be, model, params, li, a, grads, lo[l].v(), Some(hi[0].vm()), batch, seq, Kv::Own);
+        block_forward(be, model, params, li, a, grads, lo[l].v(), Some(hi[0].vm()), batch, seq, Kv::Own, (l, &mut *ex));
         src.release_block(l, Pass::Forward);
         if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
             let mut s = LayerStats {
@@ -189,10 +191,13 @@ pub fn forward_backward(
     grad_scale: f32,
 ) -> StepOutput {
     let mut src = LocalParams(params);
-    forward_backward_with(be, model, &mut src, grads, ws, inputs, targets, grad_scale)
+    #[rustfmt::skip]
+    let out = forward_backward_with(be, model, &mut src, grads, &mut LocalExperts, ws, inputs, targets, grad_scale);
+    out
 }
 
-/// [`forward_backward`] with parameters from `src` and gradients into `sink`, announcing each
+/// [`forward_backward`] with parameters from `src`, gradients into `sink` and the routed experts
+/// run by `ex` ([`LocalExperts`] in one process), announcing each
 /// block before and after it runs. With a global batch split over ranks
 /// (`src.global_tokens(n) > n`), the loss and gradients are this slice's share of the global
 /// batch's: summed over the slices they equal one process's on the whole batch.
@@ -202,13 +207,14 @@ pub fn forward_backward_with(
     model: &Model,
     src: &mut dyn ParamSource,
     sink: &mut dyn GradSink,
+    ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
     inputs: &[u32],
     targets: &[u32],
     grad_scale: f32,
 ) -> StepOutput {
     check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, src, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -249,7 +255,7 @@ pub fn forward_backward_with(
             AcMode::Full => {
                 let a = &mut blocks[0];
                 #[rustfmt::skip]
-                block_forward(be, model, params, li, a, g, res[l].v(), None, batch, seq, Kv::Own);
+                block_forward(be, model, params, li, a, g, res[l].v(), None, batch, seq, Kv::Own, (l, &mut *ex));
                 a
             }
         };
@@ -268,7 +274,7 @@ pub fn forward_backward_with(
             }
         }
         #[rustfmt::skip]
-        block_backward(be, model, params, sink.grads(), li, a, g, res[l].v(), batch, seq, &dprob);
+        block_backward(be, model, params, sink.grads(), li, a, g, res[l].v(), batch, seq, &dprob, (l, &mut *ex));
         sink.end_block(l);
         src.release_block(l, Pass::Backward);
     }
@@ -286,7 +292,9 @@ pub fn forward_loss(
     inputs: &[u32],
     targets: &[u32],
 ) -> StepOutput {
-    forward_loss_with(be, model, &mut LocalParams(params), ws, inputs, targets)
+    #[rustfmt::skip]
+    let out = forward_loss_with(be, model, &mut LocalParams(params), &mut LocalExperts, ws, inputs, targets);
+    out
 }
 
 /// [`forward_loss`] with parameters from `src` (see [`forward_backward_with`]).
@@ -294,12 +302,13 @@ pub fn forward_loss_with(
     be: &dyn Backend,
     model: &Model,
     src: &mut dyn ParamSource,
+    ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
     inputs: &[u32],
     targets: &[u32],
 ) -> StepOutput {
     check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, src, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets);
     summarise(
         model,
         src.global_tokens(ws.batch * ws.seq),

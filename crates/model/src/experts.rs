@@ -1,0 +1,156 @@
+//! The routed experts' compute, behind [`ExpertExecutor`] so expert parallelism can move the
+//! rows to the ranks that hold their experts without the block code knowing. The block hands
+//! over rows grouped by expert (`counts[e]` rows of expert `e` from `offsets[e]`); the executor
+//! returns one output row per input row. [`LocalExperts`] runs every expert here.
+
+use ganymede_core::{Backend, Gemm, ParamStore, TMut, T};
+
+/// What an executor needs besides the rows: routing counts, shapes, where the weights are.
+pub struct ExpertsIo<'a> {
+    pub layer: usize,
+    pub counts: &'a [usize],
+    pub offsets: &'a [usize],
+    /// Expert hidden size and model width.
+    pub f: usize,
+    pub h: usize,
+    pub params: &'a ParamStore,
+    /// Indices of the stacked gate, up and down weights in `params` (and in the gradients).
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+}
+
+/// The block's buffers for one routed-expert pass (rows grouped by expert).
+pub struct ExpertsFwdBufs<'a> {
+    pub xe: T<'a>,
+    /// Gate, up and SwiGLU outputs (kept for backward by a local executor).
+    pub g: TMut<'a>,
+    pub u: TMut<'a>,
+    pub a: TMut<'a>,
+    pub ye: TMut<'a>,
+}
+
+pub struct ExpertsBwdBufs<'a> {
+    /// The forward's rows and saved internals.
+    pub xe: T<'a>,
+    pub g: T<'a>,
+    pub u: T<'a>,
+    pub a: T<'a>,
+    pub dye: T<'a>,
+    /// Scratch.
+    pub da: TMut<'a>,
+    pub dg: TMut<'a>,
+    pub du: TMut<'a>,
+    pub dxe: TMut<'a>,
+}
+
+/// Runs the routed experts of a MoE layer, forward and backward.
+pub trait ExpertExecutor {
+    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs);
+    /// Writes `dxe` and ADDS the weight gradients into `grads`.
+    fn backward(
+        &mut self,
+        be: &dyn Backend,
+        io: &ExpertsIo,
+        grads: &mut ParamStore,
+        b: ExpertsBwdBufs,
+    );
+}
+
+/// Every expert on this process: one grouped GEMM per op over all experts with rows.
+pub struct LocalExperts;
+
+/// The per-expert GEMMs of a grouped call: `f(first_row, rows, expert)` for experts with rows.
+pub(crate) fn expert_groups(
+    offsets: &[usize],
+    counts: &[usize],
+    f: impl Fn(usize, usize, usize) -> (Gemm, usize, usize, usize),
+) -> Vec<(Gemm, usize, usize, usize)> {
+    (0..counts.len())
+        .filter(|&ex| counts[ex] > 0)
+        .map(|ex| f(offsets[ex], counts[ex], ex))
+        .collect()
+}
+
+impl ExpertExecutor for LocalExperts {
+    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) {
+        let ExpertsFwdBufs {
+            xe,
+            mut g,
+            mut u,
+            mut a,
+            ye,
+        } = b;
+        let (f, h) = (io.f, io.h);
+        let (wg, wu, wd) = (
+            io.params.get(io.gate),
+            io.params.get(io.up),
+            io.params.get(io.down),
+        );
+        // One GEMM per expert over its tokens: rows r0..r0+c of the dispatched buffers.
+        let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
+            (Gemm::new(c, f, h, false, true), r0 * h, ex * f * h, r0 * f)
+        });
+        be.gemm_grouped(g.rb(), xe, wg.v(), &gs);
+        be.gemm_grouped(u.rb(), xe, wu.v(), &gs);
+        be.swiglu_forward(a.rb(), g.ro(), u.ro());
+        let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
+            (Gemm::new(c, h, f, false, true), r0 * f, ex * h * f, r0 * h)
+        });
+        be.gemm_grouped(ye, a.ro(), wd.v(), &gs);
+    }
+
+    fn backward(
+        &mut self,
+        be: &dyn Backend,
+        io: &ExpertsIo,
+        grads: &mut ParamStore,
+        b: ExpertsBwdBufs,
+    ) {
+        let ExpertsBwdBufs {
+            xe,
+            g,
+            u,
+            a,
+            dye,
+            mut da,
+            mut dg,
+            mut du,
+            mut dxe,
+        } = b;
+        let (f, h) = (io.f, io.h);
+        let (wg, wu, wd) = (
+            io.params.get(io.gate),
+            io.params.get(io.up),
+            io.params.get(io.down),
+        );
+        let (off, cnt) = (io.offsets, io.counts);
+        // dA = dY·W_down[e];  dW_down[e] += dYᵀ·A
+        let gs = expert_groups(off, cnt, |r0, c, ex| {
+            (Gemm::new(c, f, h, false, false), r0 * h, ex * h * f, r0 * f)
+        });
+        be.gemm_grouped(da.rb(), dye, wd.v(), &gs);
+        let gs = expert_groups(off, cnt, |r0, c, ex| {
+            let gm = Gemm::new(h, f, c, true, false).beta(1.0);
+            (gm, r0 * h, r0 * f, ex * h * f)
+        });
+        be.gemm_grouped(grads.get_mut(io.down).vm(), dye, a, &gs);
+        be.swiglu_backward(dg.rb(), du.rb(), da.ro(), g, u);
+        // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
+        let gs = expert_groups(off, cnt, |r0, c, ex| {
+            (Gemm::new(c, h, f, false, false), r0 * f, ex * f * h, r0 * h)
+        });
+        be.gemm_grouped(dxe.rb(), dg.ro(), wg.v(), &gs);
+        let gs1: Vec<_> = gs
+            .iter()
+            .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
+            .collect();
+        be.gemm_grouped(dxe.rb(), du.ro(), wu.v(), &gs1);
+        let gs = expert_groups(off, cnt, |r0, c, ex| {
+            let gm = Gemm::new(f, h, c, true, false).beta(1.0);
+            (gm, r0 * f, r0 * h, ex * f * h)
+        });
+        be.gemm_grouped(grads.get_mut(io.gate).vm(), dg.ro(), xe, &gs);
+        be.gemm_grouped(grads.get_mut(io.up).vm(), du.ro(), xe, &gs);
+    }
+}
