@@ -23,12 +23,22 @@ pub struct Position {
 
 impl RankState {
     /// Collective: gather a shard of parameter `i`'s layout into the whole tensor.
-    fn gather_whole(&self, i: usize, shard: &Tensor) -> Result<Vec<f32>> {
+    pub(crate) fn gather_whole(&self, i: usize, shard: &Tensor) -> Result<Vec<f32>> {
         let g = crate::fsdp::Groups::of(&self.mesh);
         let g = g.get(self.layout.group[i]);
         let mut all = vec![0f32; self.layout.shard[i] * g.size()];
         g.all_gather(shard.v(), TMut::Host(&mut all), Phase::Other)?;
         all.truncate(self.layout.numel(i));
+        if self.layout.numel(i) < self.layout.specs[i].numel() {
+            // Routed experts under expert parallelism: the ep slices in ep-rank order.
+            let mut whole = vec![0f32; self.layout.specs[i].numel()];
+            self.mesh.ep.all_gather(
+                ganymede_core::T::Host(&all),
+                TMut::Host(&mut whole),
+                Phase::Other,
+            )?;
+            return Ok(whole);
+        }
         Ok(all)
     }
 
@@ -109,7 +119,8 @@ impl RankState {
             let g = crate::fsdp::Groups::of(&me.mesh);
             let r = me.layout.range(i, g.get(me.layout.group[i]).rank());
             let mut shard = vec![0f32; me.layout.shard[i]];
-            shard[..r.len()].copy_from_slice(&data[r]);
+            let o = me.layout.offset[i];
+            shard[..r.len()].copy_from_slice(&data[o + r.start..o + r.end]);
             Ok(shard)
         };
         for (i, s) in specs.iter().enumerate() {

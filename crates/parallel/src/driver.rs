@@ -7,6 +7,7 @@
 //! token count, so at any rank count they are one process's on the same global batch (up to
 //! the order of floating-point sums).
 
+use crate::ep::EpExperts;
 use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
 use crate::layout::Layout;
 use crate::optim::ShardedOptimizer;
@@ -20,7 +21,7 @@ use ganymede_dist::{
     check_config_hash, config_hash, run_threads, write_chrome_trace, CommSnapshot, DeviceMesh,
     Phase, Policy, ProcessGroup, ThreadsConfig, Tracer, Track,
 };
-use ganymede_model::{forward_backward_with, Model, Workspace};
+use ganymede_model::{forward_backward_with, ExpertExecutor, LocalExperts, Model, Workspace};
 use ganymede_optim::lr_at;
 use ganymede_train::metrics::load_balance;
 use std::io::Write;
@@ -59,6 +60,8 @@ pub struct RankState {
     pub grads: FsdpGrads,
     pub opt: ShardedOptimizer,
     pub ws: Workspace,
+    /// Routed experts: here (ep = 1) or over the ep group.
+    pub experts: Box<dyn ExpertExecutor>,
     cfg: JobConfig,
 }
 
@@ -68,12 +71,6 @@ impl RankState {
     pub fn new(world: Arc<dyn ProcessGroup>, cfg: &JobConfig) -> Result<Self> {
         check_config_hash(world.as_ref(), config_hash(cfg))
             .context("ranks started with different configurations")?;
-        if cfg.parallelism.ep > 1 {
-            bail!(
-                "parallelism.ep = {}: expert parallelism is not implemented in the sharded trainer yet (use ep = 1)",
-                cfg.parallelism.ep
-            );
-        }
         let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
         let (w, r) = (world.size(), world.rank());
         let (m, t) = (&cfg.model, &cfg.training);
@@ -86,7 +83,12 @@ impl RankState {
         let be = CpuBackend::new(Arc::new(Ledger::new()));
         let model = Model::new(m);
         let pl = plan(model.param_specs(), mesh.shape, policy(cfg))?;
-        let layout = Arc::new(Layout::new(model.param_specs(), m.layers, &pl));
+        let layout = Arc::new(Layout::new(
+            model.param_specs(),
+            m.layers,
+            &pl,
+            mesh.ep.rank(),
+        ));
         // Every rank builds the same initial table and keeps its shards of it (fine at the
         // sizes trained on one machine; a large model would initialise shard by shard).
         let full = model.init_params(&be, t.seed);
@@ -111,7 +113,13 @@ impl RankState {
             cfg.activation_checkpoint.mode,
         );
         let _ = r;
+        let experts: Box<dyn ExpertExecutor> = if mesh.shape.ep > 1 {
+            Box::new(EpExperts::new(mesh.ep.clone()))
+        } else {
+            Box::new(LocalExperts)
+        };
         Ok(RankState {
+            experts,
             be,
             model,
             layout,
@@ -147,6 +155,7 @@ impl RankState {
             &self.model,
             &mut self.params,
             &mut self.grads,
+            &mut *self.experts,
             &mut self.ws,
             &x,
             &y,
@@ -219,20 +228,9 @@ impl RankState {
 
     /// Collective: every parameter whole, gathered from the shards (checks, rank-0 saves).
     pub fn full_params(&self) -> Result<Vec<Vec<f32>>> {
-        let groups = crate::fsdp::Groups::of(&self.mesh);
-        let mut out = Vec::with_capacity(self.layout.specs.len());
-        for i in 0..self.layout.specs.len() {
-            let g = groups.get(self.layout.group[i]);
-            let mut all = vec![0f32; self.layout.shard[i] * g.size()];
-            g.all_gather(
-                self.params.master[i].v(),
-                TMut::Host(&mut all),
-                Phase::Other,
-            )?;
-            all.truncate(self.layout.numel(i));
-            out.push(all);
-        }
-        Ok(out)
+        (0..self.layout.specs.len())
+            .map(|i| self.gather_whole(i, &self.params.master[i]))
+            .collect()
     }
 
     /// The DeepSeek-V3 bias update of `ganymede_model::update_router_bias`, on this rank's

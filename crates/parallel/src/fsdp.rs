@@ -150,7 +150,8 @@ impl FsdpParams {
                 let r = layout.range(i, groups.get(layout.group[i]).rank());
                 let mut x = vec![0f32; layout.shard[i]];
                 let src = be.download(full.get(i).v());
-                x[..r.len()].copy_from_slice(&src[r]);
+                let o = layout.offset[i];
+                x[..r.len()].copy_from_slice(&src[o + r.start..o + r.end]);
                 be.upload(&x, &[layout.shard[i]], Category::Params)
             })
             .collect();
@@ -158,7 +159,7 @@ impl FsdpParams {
         let tensors = (0..specs.len())
             .map(|i| {
                 if layout.root.contains(&i) {
-                    be.zeros(&specs[i].shape, Category::Buffers)
+                    be.zeros(&layout.local_shape[i], Category::Buffers)
                 } else {
                     specs[i].shape = vec![0];
                     empty(be)
@@ -247,11 +248,11 @@ impl FsdpParams {
             && idx
                 .iter()
                 .zip(&slot.full)
-                .all(|(&i, t)| t.shape() == layout.specs[i].shape.as_slice());
+                .all(|(&i, t)| t.shape() == layout.local_shape[i].as_slice());
         if !fits {
             slot.full = idx
                 .iter()
-                .map(|&i| be.zeros(&layout.specs[i].shape, Category::Buffers))
+                .map(|&i| be.zeros(&layout.local_shape[i], Category::Buffers))
                 .collect();
             slot.recv32.clear();
             slot.send16.clear();
@@ -325,19 +326,11 @@ impl ParamSource for FsdpParams {
         let nslots = self.slots.len();
         let slot = &mut self.slots[item % nslots];
         debug_assert_eq!(slot.block, Some(l));
-        let tracer = self.groups.dp.ctx().tracer.clone();
-        let t0 = Instant::now();
+        // The backend traces each gather (posted to done) and the time blocked here.
         for w in slot.work.drain(..) {
             w.wait()
                 .unwrap_or_else(|e| fail(&format!("gathering block {l}'s parameters"), e));
         }
-        tracer.record(
-            format!("wait gather block {l}"),
-            Track::Wait,
-            t0,
-            Instant::now(),
-            None,
-        );
         let idx = &self.layout.blocks[l];
         for (k, &i) in idx.iter().enumerate() {
             let n = self.layout.numel(i);
@@ -423,7 +416,7 @@ impl FsdpGrads {
         let tensors = (0..specs.len())
             .map(|i| {
                 if layout.root.contains(&i) {
-                    be.zeros(&specs[i].shape, Category::Grads)
+                    be.zeros(&layout.local_shape[i], Category::Grads)
                 } else {
                     specs[i].shape = vec![0];
                     be.zeros(&[0], Category::Grads)
@@ -479,7 +472,7 @@ impl FsdpGrads {
             && idx
                 .iter()
                 .zip(&self.pool)
-                .all(|(&i, t)| t.shape() == self.layout.specs[i].shape.as_slice());
+                .all(|(&i, t)| t.shape() == self.layout.local_shape[i].as_slice());
         if fits {
             return;
         }
@@ -491,7 +484,7 @@ impl FsdpGrads {
         }
         self.pool = idx
             .iter()
-            .map(|&i| be.zeros(&self.layout.specs[i].shape, Category::Grads))
+            .map(|&i| be.zeros(&self.layout.local_shape[i], Category::Grads))
             .collect();
         for s in &mut self.stage {
             *s = idx

@@ -17,6 +17,11 @@ pub struct Layout {
     pub shard: Vec<usize>,
     /// Group each parameter is sharded over.
     pub group: Vec<ShardGroup>,
+    /// Shape of what this rank's group gathers: routed experts under expert parallelism hold
+    /// `E/ep` experts (this rank's ep slice), everything else its full shape.
+    pub local_shape: Vec<Vec<usize>>,
+    /// Where that slice starts in the full flat tensor.
+    pub offset: Vec<usize>,
     /// Parameter indices of each block unit, in table order.
     pub blocks: Vec<Vec<usize>>,
     /// Parameter indices of the root unit.
@@ -30,7 +35,8 @@ fn block_of(name: &str) -> Option<usize> {
 }
 
 impl Layout {
-    pub fn new(specs: &[ParamSpec], layers: usize, plan: &Plan) -> Self {
+    /// `ep_rank`: this rank's index in its expert-parallel group.
+    pub fn new(specs: &[ParamSpec], layers: usize, plan: &Plan, ep_rank: usize) -> Self {
         assert_eq!(
             specs.len(),
             plan.params.len(),
@@ -48,16 +54,30 @@ impl Layout {
             specs: specs.to_vec(),
             shard: plan.params.iter().map(|p| p.shard_elems).collect(),
             group: plan.params.iter().map(|p| p.group).collect(),
+            local_shape: plan.params.iter().map(|p| p.local_shape.clone()).collect(),
+            offset: plan
+                .params
+                .iter()
+                .map(|p| {
+                    let n: usize = p.local_shape.iter().product();
+                    if p.group == ShardGroup::Efsdp {
+                        ep_rank * n
+                    } else {
+                        0
+                    }
+                })
+                .collect(),
             blocks,
             root,
         }
     }
 
+    /// Elements of what is gathered (this rank's ep slice for routed experts).
     pub fn numel(&self, i: usize) -> usize {
-        self.specs[i].numel()
+        self.local_shape[i].iter().product()
     }
 
-    /// Real (unpadded) elements of parameter `i`'s flat array held by group rank `rank`.
+    /// Real (unpadded) elements of the gathered flat array held by group rank `rank`.
     pub fn range(&self, i: usize, rank: usize) -> std::ops::Range<usize> {
         let n = self.numel(i);
         let s = self.shard[i];

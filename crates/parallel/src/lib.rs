@@ -13,11 +13,13 @@
 //! - [`checkpoint`]: checkpoints gathered to rank 0 in the single-process format; loading
 //!   keeps each rank's shard, so any rank count resumes any checkpoint.
 //!
-//! Not yet: expert parallelism (`parallelism.ep > 1` is refused with an error), per-rank shard
-//! files.
+//! - [`ep`]: expert parallelism, tokens to their experts' ranks with uneven all-to-alls.
+//!
+//! Not yet: per-rank shard files; the MPI launch of the driver.
 
 pub mod checkpoint;
 pub mod driver;
+pub mod ep;
 pub mod fsdp;
 pub mod layout;
 pub mod optim;

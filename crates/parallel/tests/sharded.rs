@@ -64,8 +64,39 @@ fn sharded_losses_equal_one_process() {
     assert_eq!(sharded(&cfg, 1, "r1"), base);
     for r in [2, 4] {
         let d = max_diff(&sharded(&cfg, r, &format!("r{r}")), &base);
+        println!("{r} ranks: max |loss - one process| = {d:e}");
         assert!(d <= LOSS_BOUND, "{r} ranks: loss differs by {d:e}");
     }
+}
+
+#[test]
+fn expert_parallel_losses_equal_one_process() {
+    // dp_shard 4 with ep 2: experts 0-3 on ep rank 0, 4-7 on ep rank 1, each slice sharded by
+    // whole expert over the 2-rank expert-FSDP group; tokens travel by uneven all-to-all.
+    let cfg = tiny(10, &[]);
+    let opts = TrainOptions {
+        out: Some(tmp("single-ep")),
+        quiet: true,
+        ..Default::default()
+    };
+    let base = train(&cfg, None, &opts).unwrap().losses;
+    let ep = tiny(10, &["parallelism.dp_shard=4", "parallelism.ep=2"]);
+    let d = max_diff(&sharded(&ep, 4, "ep2"), &base);
+    println!("dp_shard 4, ep 2: max |loss - one process| = {d:e}");
+    assert!(d <= LOSS_BOUND, "dp_shard 4, ep 2: loss differs by {d:e}");
+    // Without activation checkpointing every layer's routed rows stay on their owners.
+    let mut none = cfg.clone();
+    none.activation_checkpoint.mode = ganymede_config::AcMode::None;
+    let o = TrainOptions {
+        out: Some(tmp("single-ep-none")),
+        quiet: true,
+        ..Default::default()
+    };
+    let base = train(&none, None, &o).unwrap().losses;
+    let mut ep_none = ep.clone();
+    ep_none.activation_checkpoint.mode = ganymede_config::AcMode::None;
+    let d = max_diff(&sharded(&ep_none, 4, "ep2-none"), &base);
+    assert!(d <= LOSS_BOUND, "dp_shard 4, ep 2, no checkpointing: {d:e}");
 }
 
 #[test]
@@ -105,6 +136,33 @@ fn run_and_gather(cfg: &JobConfig, ranks: usize, steps: usize) -> (Vec<Vec<f32>>
     let mut outs: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
     let bytes = outs.iter().map(|o| o.1).collect();
     (outs.swap_remove(0).0, bytes)
+}
+
+#[test]
+fn under_expert_parallelism_too() {
+    let ep = ["parallelism.dp_shard=4", "parallelism.ep=2"];
+    let flex = tiny(
+        2,
+        &[&ep[..], &["parallelism.muon_placement=flexshard"]].concat(),
+    );
+    let naive = tiny(
+        2,
+        &[&ep[..], &["parallelism.muon_placement=naive"]].concat(),
+    );
+    let (pf, bf) = run_and_gather(&flex, 4, 2);
+    let (pn, bn) = run_and_gather(&naive, 4, 2);
+    assert_eq!(pf, pn);
+    let specs = ganymede_model::Model::new(&flex.model)
+        .param_specs()
+        .to_vec();
+    let shape = ganymede_dist::MeshShape::new(4, 2).unwrap();
+    for (policy, measured) in [
+        (ganymede_dist::Policy::FlexShard, &bf),
+        (ganymede_dist::Policy::Naive, &bn),
+    ] {
+        let p = ganymede_dist::plan(&specs, shape, policy).unwrap();
+        assert_eq!(&optimizer_bytes(&p, 4), measured, "{policy:?}");
+    }
 }
 
 #[test]
@@ -244,4 +302,43 @@ fn a_checkpoint_saved_at_4_ranks_resumes_at_2_and_in_one_process() {
     let single = train(&one, Some(&ck), &o).unwrap().losses;
     let d = max_diff(&single, &full[3..]);
     assert!(d <= LOSS_BOUND, "resumed in one process: {d:e}");
+}
+
+#[test]
+fn an_expert_parallel_checkpoint_resumes_without_expert_parallelism() {
+    let ep = tiny(
+        4,
+        &[
+            "parallelism.dp_shard=4",
+            "parallelism.ep=2",
+            "checkpoint.enable=true",
+            "checkpoint.interval=2",
+        ],
+    );
+    let a = tmp("ck-ep");
+    let opts = ParOptions {
+        ranks: 4,
+        out: Some(a.clone()),
+        quiet: true,
+        ..Default::default()
+    };
+    let full = train_threads(&ep, &opts).unwrap().losses;
+    let ck = a
+        .join("checkpoints")
+        .join(ganymede_train::checkpoint::dir_name(2));
+    let mut two = ep.clone();
+    two.parallelism.ep = 1;
+    let opts = ParOptions {
+        ranks: 2,
+        out: Some(tmp("ck-ep2")),
+        quiet: true,
+        resume: Some(ck),
+        ..Default::default()
+    };
+    let resumed = train_threads(&two, &opts).unwrap().losses;
+    let d = max_diff(&resumed, &full[2..]);
+    assert!(
+        d <= LOSS_BOUND,
+        "ep 2 checkpoint resumed at 2 ranks, ep 1: {d:e}"
+    );
 }
