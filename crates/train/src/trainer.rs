@@ -228,7 +228,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     let par = &cfg.parallelism;
     if par.dp_shard > 1 || par.ep > 1 {
         progress.println(&format!(
-            "note: parallelism.dp_shard = {}, parallelism.ep = {} are used by `ganymede plan`; this trainer runs the whole batch in one process",
+            "note: parallelism.dp_shard = {}, parallelism.ep = {} take effect with `ganymede train --ranks N`; without it the whole batch runs in one process",
             par.dp_shard, par.ep
         ));
     }
