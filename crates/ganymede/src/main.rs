@@ -62,8 +62,8 @@ struct TrainArgs {
     /// Sharded training on N ranks as threads of this process (FSDP; see `[parallelism]`).
     #[arg(long, value_name = "N")]
     ranks: Option<usize>,
-    /// With --ranks: write every rank's timeline as a Chrome trace (opens in Perfetto).
-    #[arg(long, value_name = "FILE", requires = "ranks")]
+    /// Sharded runs (--ranks, mpirun): write every rank's timeline as a Chrome trace.
+    #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
 }
 
@@ -166,6 +166,27 @@ fn run(cmd: Command) -> Result<()> {
                     .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
                 (None, None) => "tiny".into(),
             };
+            #[cfg(feature = "mpi")]
+            if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+                // Launched by mpirun: every process is one rank.
+                anyhow::ensure!(
+                    a.ranks.is_none() && a.stop_after.is_none(),
+                    "under mpirun the processes are the ranks: drop --ranks (and --stop-after)"
+                );
+                let opts = ganymede_parallel::ParOptions {
+                    out: a.out,
+                    name,
+                    trace: a.trace,
+                    resume: ckpt,
+                    ..Default::default()
+                };
+                ganymede_parallel::driver::train_mpi(&cfg, &opts)?;
+                return Ok(());
+            }
+            anyhow::ensure!(
+                a.trace.is_none() || a.ranks.is_some(),
+                "--trace records sharded runs: give --ranks N (or run under mpirun)"
+            );
             if let Some(ranks) = a.ranks {
                 anyhow::ensure!(
                     a.stop_after.is_none(),

@@ -302,6 +302,182 @@ struct RankOut {
     tracer: Arc<Tracer>,
 }
 
+/// The run directory, its `config.toml` and (on the writing rank) `metrics.jsonl`.
+fn prepare_run(
+    cfg: &JobConfig,
+    opts: &ParOptions,
+    writer: bool,
+) -> Result<(PathBuf, Option<std::fs::File>)> {
+    let run_dir = opts.out.clone().unwrap_or_else(|| {
+        ganymede_train::trainer::default_run_dir(if opts.name.is_empty() {
+            "run"
+        } else {
+            &opts.name
+        })
+    });
+    if !writer {
+        return Ok((run_dir, None));
+    }
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+    ganymede_train::checkpoint::write_atomic(
+        &run_dir.join("config.toml"),
+        cfg.to_toml().as_bytes(),
+    )?;
+    let metrics_path = run_dir.join("metrics.jsonl");
+    // A resumed run appends to the metrics of the run it continues.
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(opts.resume.is_some())
+        .write(true)
+        .truncate(opts.resume.is_none())
+        .open(&metrics_path)
+        .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+    Ok((run_dir, Some(f)))
+}
+
+fn banner(cfg: &JobConfig, n: usize, backend: &str, run_dir: &std::path::Path) {
+    println!(
+        "ganymede train: {n} ranks ({backend}), FSDP with {:?} gathers, prefetch {}, ep {}, Muon placement {:?}, run directory {}",
+        cfg.parallelism.gather_dtype,
+        cfg.parallelism.prefetch,
+        cfg.parallelism.ep,
+        cfg.parallelism.muon_placement,
+        run_dir.display()
+    );
+}
+
+/// One rank's whole run: build its state, resume, step, log (rank 0), checkpoint.
+fn rank_loop(
+    world: Arc<dyn ProcessGroup>,
+    cfg: &JobConfig,
+    opts: &ParOptions,
+    data: &Dataset,
+    run_dir: &std::path::Path,
+    metrics: Option<&std::sync::Mutex<std::fs::File>>,
+) -> Result<RankOut> {
+    let run_start = Instant::now();
+    let (rank, n) = (world.rank(), world.size());
+    let tracer = world.ctx().tracer.clone();
+    let mut st = RankState::new(world, cfg)?;
+    let (mut start, mut tokens_seen) = (0, 0u64);
+    if let Some(dir) = &opts.resume {
+        let m = st.load_checkpoint(dir)?;
+        (start, tokens_seen) = (m.data.next_step, m.tokens_seen);
+        if start >= cfg.training.steps {
+            bail!(
+                "checkpoint {} is at step {start}, and training.steps = {}: nothing left to run",
+                dir.display(),
+                cfg.training.steps
+            );
+        }
+    }
+    let mut out = RankOut {
+        losses: vec![],
+        comm: vec![],
+        step_secs: vec![],
+        tokens: 0,
+        tracer,
+    };
+    for step in start..cfg.training.steps {
+        if opts.fail_at == Some((rank, step)) {
+            panic!("injected failure on rank {rank} at step {}", step + 1);
+        }
+        if opts.stall_at == Some((rank, step)) {
+            std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 3.0));
+        }
+        let t0 = Instant::now();
+        let r = st.step(data, step)?;
+        let dt = t0.elapsed().as_secs_f64();
+        tokens_seen += r.tokens as u64;
+        out.losses.push(r.loss);
+        out.step_secs.push(dt);
+        out.tokens = r.tokens;
+        if let Some(metrics) = metrics {
+            let (load_max_over_mean, load_cv) = load_balance(&r.expert_load);
+            // metrics.jsonl's fields (see ganymede_train::metrics::StepMetrics) plus the
+            // rank count and this rank's bytes per phase.
+            let v = serde_json::json!({
+                "step": step + 1,
+                "loss": r.loss,
+                "aux_loss": r.aux_loss,
+                "lr": r.lr,
+                "grad_norm": r.grad_norm,
+                "tokens_per_s": r.tokens as f64 / dt.max(1e-9),
+                "tokens_seen": tokens_seen,
+                "elapsed_s": run_start.elapsed().as_secs_f64(),
+                "load_max_over_mean": load_max_over_mean,
+                "load_cv": load_cv,
+                "ranks": n,
+                "step_s": dt,
+                "comm_bytes": r.comm.by_phase_json(),
+            });
+            writeln!(metrics.lock().unwrap(), "{v}")?;
+            let every = cfg.metrics.log_every.max(1);
+            let done = step + 1;
+            if !opts.quiet && (done == 1 || done % every == 0 || done == cfg.training.steps) {
+                println!(
+                    "step {done:>6}/{} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | sent {}",
+                    cfg.training.steps,
+                    r.loss,
+                    r.aux_loss,
+                    r.lr,
+                    r.grad_norm,
+                    r.tokens as f64 / dt.max(1e-9),
+                    ganymede_train::metrics::human_bytes(r.comm.total().0)
+                );
+            }
+        }
+        out.comm.push(r.comm);
+        let done = step + 1;
+        let ck = &cfg.checkpoint;
+        if ck.enable
+            && (done == cfg.training.steps || (ck.interval > 0 && done.is_multiple_of(ck.interval)))
+        {
+            let at = crate::checkpoint::Position {
+                step: done,
+                tokens_seen,
+                data_seed: data.seed(),
+            };
+            st.save_checkpoint(run_dir, &at)?;
+        }
+    }
+    Ok(out)
+}
+
+fn summary(outs: &[RankOut], n: usize, run_dir: PathBuf, quiet: bool) -> ParSummary {
+    let o0 = &outs[0];
+    let skip = usize::from(o0.step_secs.len() > 1);
+    let timed = &o0.step_secs[skip..];
+    let step_s = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
+    if !quiet {
+        if let (Some(a), Some(b)) = (o0.losses.first(), o0.losses.last()) {
+            println!(
+                "steps 1..{}: loss {a:.4} -> {b:.4}; {:.0} tokens/s on {n} ranks; run directory {}",
+                o0.losses.len(),
+                o0.tokens as f64 / step_s.max(1e-9),
+                run_dir.display()
+            );
+        }
+    }
+    ParSummary {
+        run_dir,
+        losses: o0.losses.clone(),
+        comm: o0.comm.clone(),
+        last_comm: outs
+            .iter()
+            .map(|o| o.comm.last().cloned().unwrap_or_default())
+            .collect(),
+        tokens_per_s: o0.tokens as f64 / step_s.max(1e-9),
+        step_s,
+    }
+}
+
+fn build_data(cfg: &JobConfig, dir: Option<&std::path::Path>) -> Result<Dataset> {
+    let (m, t) = (&cfg.model, &cfg.training);
+    Dataset::build(&cfg.data, m.vocab_size, m.seq_len, t.seed, dir)
+}
+
 /// Train with `opts.ranks` ranks as threads of this process; `parallelism.dp_shard` is set to
 /// the rank count. Every step's metrics (rank 0's view, with its bytes per phase) go to
 /// `RUN/metrics.jsonl`.
@@ -312,140 +488,19 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
     cfg.parallelism.dp_shard = n;
     cfg.validate()?;
     ganymede_train::trainer::init_threads(cfg.training.threads);
-    let run_dir = opts.out.clone().unwrap_or_else(|| {
-        ganymede_train::trainer::default_run_dir(if opts.name.is_empty() {
-            "run"
-        } else {
-            &opts.name
-        })
-    });
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    ganymede_train::checkpoint::write_atomic(
-        &run_dir.join("config.toml"),
-        cfg.to_toml().as_bytes(),
-    )?;
-    let (m, t) = (&cfg.model, &cfg.training);
-    let data = Dataset::build(
-        &cfg.data,
-        m.vocab_size,
-        m.seq_len,
-        t.seed,
-        Some(&run_dir.join("data")),
-    )?;
-    let metrics_path = run_dir.join("metrics.jsonl");
-    // A resumed run appends to the metrics of the run it continues.
-    let metrics = std::sync::Mutex::new(
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(opts.resume.is_some())
-            .write(true)
-            .truncate(opts.resume.is_none())
-            .open(&metrics_path)
-            .with_context(|| format!("cannot write {}", metrics_path.display()))?,
-    );
+    let (run_dir, metrics) = prepare_run(&cfg, opts, true)?;
+    let data = build_data(&cfg, Some(&run_dir.join("data")))?;
+    let metrics = std::sync::Mutex::new(metrics.expect("writer"));
     if !opts.quiet {
-        println!(
-        "ganymede train: {n} ranks (threads), FSDP with {:?} gathers, prefetch {}, Muon placement {:?}, run directory {}",
-        cfg.parallelism.gather_dtype,
-        cfg.parallelism.prefetch,
-        cfg.parallelism.muon_placement,
-        run_dir.display()
-    );
+        banner(&cfg, n, "threads", &run_dir);
     }
     let tcfg = ThreadsConfig {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
         trace: opts.trace.is_some(),
     };
-    let run_start = Instant::now();
     let results = run_threads(n, &tcfg, |world| -> Result<RankOut> {
-        let rank = world.rank();
-        let tracer = world.ctx().tracer.clone();
-        let mut st = RankState::new(world, &cfg)?;
-        let (mut start, mut tokens_seen) = (0, 0u64);
-        if let Some(dir) = &opts.resume {
-            let m = st.load_checkpoint(dir)?;
-            (start, tokens_seen) = (m.data.next_step, m.tokens_seen);
-            if start >= cfg.training.steps {
-                bail!(
-                    "checkpoint {} is at step {start}, and training.steps = {}: nothing left to run",
-                    dir.display(),
-                    cfg.training.steps
-                );
-            }
-        }
-        let mut out = RankOut {
-            losses: vec![],
-            comm: vec![],
-            step_secs: vec![],
-            tokens: 0,
-            tracer,
-        };
-        for step in start..cfg.training.steps {
-            if opts.fail_at == Some((rank, step)) {
-                panic!("injected failure on rank {rank} at step {}", step + 1);
-            }
-            if opts.stall_at == Some((rank, step)) {
-                std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 3.0));
-            }
-            let t0 = Instant::now();
-            let r = st.step(&data, step)?;
-            let dt = t0.elapsed().as_secs_f64();
-            tokens_seen += r.tokens as u64;
-            out.losses.push(r.loss);
-            out.step_secs.push(dt);
-            out.tokens = r.tokens;
-            if rank == 0 {
-                let (load_max_over_mean, load_cv) = load_balance(&r.expert_load);
-                // metrics.jsonl's fields (see ganymede_train::metrics::StepMetrics) plus the
-                // rank count and this rank's bytes per phase.
-                let v = serde_json::json!({
-                    "step": step + 1,
-                    "loss": r.loss,
-                    "aux_loss": r.aux_loss,
-                    "lr": r.lr,
-                    "grad_norm": r.grad_norm,
-                    "tokens_per_s": r.tokens as f64 / dt.max(1e-9),
-                    "tokens_seen": tokens_seen,
-                    "elapsed_s": run_start.elapsed().as_secs_f64(),
-                    "load_max_over_mean": load_max_over_mean,
-                    "load_cv": load_cv,
-                    "ranks": n,
-                    "step_s": dt,
-                    "comm_bytes": r.comm.by_phase_json(),
-                });
-                writeln!(metrics.lock().unwrap(), "{v}")?;
-                let every = cfg.metrics.log_every.max(1);
-                let done = step + 1;
-                if !opts.quiet && (done == 1 || done % every == 0 || done == cfg.training.steps) {
-                    println!(
-                        "step {done:>6}/{} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | sent {}",
-                        cfg.training.steps,
-                        r.loss,
-                        r.aux_loss,
-                        r.lr,
-                        r.grad_norm,
-                        r.tokens as f64 / dt.max(1e-9),
-                        ganymede_train::metrics::human_bytes(r.comm.total().0)
-                    );
-                }
-            }
-            out.comm.push(r.comm);
-            let done = step + 1;
-            let ck = &cfg.checkpoint;
-            if ck.enable
-                && (done == cfg.training.steps
-                    || (ck.interval > 0 && done.is_multiple_of(ck.interval)))
-            {
-                let at = crate::checkpoint::Position {
-                    step: done,
-                    tokens_seen,
-                    data_seed: data.seed(),
-                };
-                st.save_checkpoint(&run_dir, &at)?;
-            }
-        }
-        Ok(out)
+        let w = (world.rank() == 0).then_some(&metrics);
+        rank_loop(world, &cfg, opts, &data, &run_dir, w)
     });
 
     // The first failure in rank order; a panic (the root cause) before the errors it caused.
@@ -469,29 +524,61 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
         write_chrome_trace(path, &tracers)
             .with_context(|| format!("cannot write trace {}", path.display()))?;
     }
-    let o0 = &outs[0];
-    let skip = usize::from(o0.step_secs.len() > 1);
-    let timed = &o0.step_secs[skip..];
-    let step_s = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
-    if !opts.quiet {
-        if let (Some(a), Some(b)) = (o0.losses.first(), o0.losses.last()) {
-            println!(
-                "steps 1..{}: loss {a:.4} -> {b:.4}; {:.0} tokens/s on {n} ranks; run directory {}",
-                o0.losses.len(),
-                o0.tokens as f64 / step_s.max(1e-9),
-                run_dir.display()
-            );
-        }
+    Ok(summary(&outs, n, run_dir, opts.quiet))
+}
+
+/// Train as one rank of an MPI job (`mpirun -n N ganymede train …`); `parallelism.dp_shard`
+/// is set to the job's size. Rank 0 writes the run directory and builds the data folder; the
+/// others build the same tokens in memory. A failing rank prints its error and aborts the job,
+/// and a stalled collective fails after `parallelism.timeout_s`, so no rank hangs. With a trace,
+/// each rank writes `FILE.rank<r>.json`.
+#[cfg(feature = "mpi")]
+pub fn train_mpi(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
+    let mcfg = ganymede_dist::mpi::MpiConfig {
+        timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
+        trace: opts.trace.is_some(),
+    };
+    let (_mpi, world) = ganymede_dist::mpi::init(&mcfg)?;
+    let (rank, n) = (world.rank(), world.size());
+    if opts.out.is_none() {
+        bail!("under mpirun, give --out: every rank must write to the same run directory");
     }
-    Ok(ParSummary {
-        run_dir,
-        losses: o0.losses.clone(),
-        comm: o0.comm.clone(),
-        last_comm: outs
-            .iter()
-            .map(|o| o.comm.last().cloned().unwrap_or_default())
-            .collect(),
-        tokens_per_s: o0.tokens as f64 / step_s.max(1e-9),
-        step_s,
-    })
+    let mut cfg = cfg.clone();
+    cfg.parallelism.dp_shard = n;
+    cfg.validate()?;
+    ganymede_train::trainer::init_threads(cfg.training.threads);
+    let (run_dir, metrics) = prepare_run(&cfg, opts, rank == 0)?;
+    let data = if rank == 0 {
+        build_data(&cfg, Some(&run_dir.join("data")))?
+    } else {
+        build_data(&cfg, None)?
+    };
+    if rank == 0 && !opts.quiet {
+        banner(&cfg, n, "MPI", &run_dir);
+    }
+    let metrics = metrics.map(std::sync::Mutex::new);
+    let dynw: Arc<dyn ProcessGroup> = world.clone();
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rank_loop(dynw, &cfg, opts, &data, &run_dir, metrics.as_ref())
+    }));
+    let out = match res {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => {
+            eprintln!("error: rank {rank}: {e:#}; aborting the MPI job");
+            world.abort(1)
+        }
+        Err(p) => {
+            eprintln!(
+                "error: rank {rank} died: {}; aborting the MPI job",
+                panic_message(p.as_ref())
+            );
+            world.abort(1)
+        }
+    };
+    if let Some(path) = &opts.trace {
+        let p = path.with_extension(format!("rank{rank}.json"));
+        write_chrome_trace(&p, &[out.tracer.as_ref()])
+            .with_context(|| format!("cannot write trace {}", p.display()))?;
+    }
+    Ok(summary(&[out], n, run_dir, opts.quiet || rank != 0))
 }

@@ -342,3 +342,58 @@ fn an_expert_parallel_checkpoint_resumes_without_expert_parallelism() {
         "ep 2 checkpoint resumed at 2 ranks, ep 1: {d:e}"
     );
 }
+
+/// Buffers (the gather pool among them) of rank 0 after each of `steps` steps: (current, peak).
+fn buffer_bytes(cfg: &JobConfig, ranks: usize, steps: usize) -> Vec<(u64, u64)> {
+    let mut cfg = cfg.clone();
+    cfg.parallelism.dp_shard = ranks;
+    let data = Dataset::build(
+        &cfg.data,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+        cfg.training.seed,
+        None,
+    )
+    .unwrap();
+    let res = run_threads(ranks, &ThreadsConfig::default(), |world| {
+        use ganymede_core::{Category, Device, Memory};
+        let mut st = RankState::new(world, &cfg).unwrap();
+        let l = st.be.ledger().clone();
+        (0..steps)
+            .map(|s| {
+                st.step(&data, s).unwrap();
+                let r = l.report();
+                (
+                    r.current(Device::Host, Category::Buffers),
+                    r.peak(Device::Host, Category::Buffers),
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    res.into_iter().next().unwrap().unwrap()
+}
+
+#[test]
+fn unsharded_parameter_memory_is_a_constant_pool_of_prefetch_plus_one_blocks() {
+    let cfg = tiny(3, &["parallelism.gather_dtype=bf16"]);
+    let p1 = buffer_bytes(&cfg, 2, 3);
+    // Constant from step to step: the pool is allocated once and reused.
+    assert!(p1.windows(2).all(|w| w[0] == w[1]), "{p1:?}");
+    let mut c2 = cfg.clone();
+    c2.parallelism.prefetch = 2;
+    let p2 = buffer_bytes(&c2, 2, 2);
+    // One more prefetch level costs exactly one block's slot: f32 parameters handed to the
+    // model, the bf16 send shard and the bf16 receive buffer.
+    let model = ganymede_model::Model::new(&cfg.model);
+    let slot: u64 = model
+        .param_specs()
+        .iter()
+        .filter(|s| s.name.starts_with("model.layers.0."))
+        .map(|s| {
+            let n = s.numel() as u64;
+            let shard = n.div_ceil(2); // tiny's rows split evenly over 2 ranks
+            4 * n + 2 * shard + 2 * 2 * shard
+        })
+        .sum();
+    assert_eq!(p2[1].1 - p1[1].1, slot, "{p1:?} vs {p2:?}");
+}
