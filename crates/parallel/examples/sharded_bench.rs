@@ -179,7 +179,7 @@ fn main() {
 
     println!("\n## small: step time by rank count ({steps} steps, first excluded; bf16 gathers, prefetch 1, FlexShard)");
     println!(
-        "| ranks | step s | tokens/s | gather time hidden | gathers in flight s | blocked s |"
+        "| ranks | s/step | tokens/s | gather time hidden under compute | gathers in flight (s, summed over ranks) | blocked on gathers (s) |"
     );
     println!("|---|---|---|---|---|---|");
     let dir = std::env::temp_dir().join(format!("gm-sharded-bench-{}", std::process::id()));
