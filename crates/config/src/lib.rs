@@ -410,6 +410,9 @@ pub struct ParallelismConfig {
     pub muon_placement: MuonPlacement,
     /// Seconds a collective may wait for its peers before the job ends with an error.
     pub timeout_s: f64,
+    /// Sharded runs: each rank writes its own shards plus a layout manifest, instead of
+    /// gathering every tensor into the single-process checkpoint files.
+    pub sharded_checkpoints: bool,
 }
 
 /// Element type of FSDP's parameter gathers.
@@ -437,6 +440,7 @@ impl Default for ParallelismConfig {
             prefetch: 1,
             muon_placement: MuonPlacement::Flexshard,
             timeout_s: 120.0,
+            sharded_checkpoints: false,
         }
     }
 }

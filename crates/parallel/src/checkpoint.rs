@@ -1,9 +1,14 @@
-//! Checkpoints of a sharded run, in the single-process format: every tensor is gathered whole
-//! and rank 0 writes `model.safetensors`, `optimizer.safetensors` and the manifest. Loading
-//! reads the whole files on every rank and keeps each rank's shard, so a checkpoint written at
-//! N ranks loads at any rank count (and by the single-process trainer, `eval`, `export`).
-//! Per-rank shard files with a manifest of how they fit are the scalable form; this gathered one
-//! is what a machine-sized model needs.
+//! Checkpoints of a sharded run, in two forms; both load at any rank count.
+//!
+//! - Gathered (default): every tensor is gathered whole and rank 0 writes the single-process
+//!   files (`model.safetensors`, `optimizer.safetensors`), so the plain trainer, `eval` and
+//!   `export` read them too. Loading keeps each rank's shard.
+//! - Sharded ([`crate::ParOptions::sharded_checkpoints`]): each rank writes its own shards of
+//!   parameters and optimizer state (`shards/rank<r>.safetensors`, nothing gathered) and
+//!   `shards.json` says how they fit (mesh shape, each parameter's group, shard size and
+//!   expert-parallel slice). Loading reassembles each tensor from the pieces and keeps this
+//!   rank's shard of the new layout. (Every rank reads every file: simple, and fine at the
+//!   sizes one machine trains.)
 
 use crate::driver::RankState;
 use anyhow::{bail, Result};
@@ -13,6 +18,9 @@ use ganymede_train::checkpoint::{
     self, CheckpointData, DataPosition, Manifest, NamedTensors, RngState,
 };
 use std::path::{Path, PathBuf};
+
+/// Layout record of a sharded checkpoint.
+pub const SHARDS_FILE: &str = "shards.json";
 
 /// Where a run stands.
 pub struct Position {
@@ -99,8 +107,12 @@ impl RankState {
         Ok(Some(checkpoint::save(run_dir, &cd)?))
     }
 
-    /// Load a checkpoint written at any rank count: each rank keeps its shards.
+    /// Load a checkpoint (gathered or sharded) written at any rank count: each rank keeps its
+    /// shards.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<Manifest> {
+        if dir.join(SHARDS_FILE).is_file() {
+            return self.load_sharded(dir);
+        }
         let manifest = checkpoint::read_manifest(dir)?;
         let mut model = checkpoint::read_safetensors(&dir.join(checkpoint::MODEL_FILE))?;
         let mut opt = checkpoint::read_safetensors(&dir.join(checkpoint::OPTIMIZER_FILE))?;
@@ -140,6 +152,188 @@ impl RankState {
         }
         if let Some(extra) = model.keys().chain(opt.keys()).next() {
             bail!("{}: unexpected tensor {extra}", dir.display());
+        }
+        self.opt.set_step_count(manifest.optimizer_step);
+        Ok(manifest)
+    }
+}
+
+/// Where each saved piece of a tensor belongs.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ShardsManifest {
+    dp_shard: usize,
+    ep: usize,
+    params: Vec<ShardedParam>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ShardedParam {
+    name: String,
+    shape: Vec<usize>,
+    /// Elements of one expert-parallel slice (the whole tensor unless routed under ep > 1).
+    slice_elems: usize,
+    /// Sharded over the expert-FSDP group (routed experts) rather than all ranks.
+    efsdp: bool,
+    shard_elems: usize,
+}
+
+impl RankState {
+    fn shard_tensors(&mut self) -> NamedTensors {
+        let specs = self.layout.specs.clone();
+        let mut out: NamedTensors = Vec::new();
+        for (i, s) in specs.iter().enumerate() {
+            let d = self.be.download(self.params.master[i].v());
+            out.push((s.name.clone(), vec![d.len()], d));
+        }
+        for (i, suffix, t) in self.opt.state_mut() {
+            let d = t.v().host::<f32>().to_vec();
+            out.push((format!("{}.{suffix}", specs[i].name), vec![d.len()], d));
+        }
+        out
+    }
+
+    /// Collective: every rank writes its shards; rank 0 then writes the manifest and makes the
+    /// checkpoint directory (returned there).
+    pub fn save_sharded_checkpoint(
+        &mut self,
+        run_dir: &Path,
+        at: &Position,
+    ) -> Result<Option<PathBuf>> {
+        let world = self.mesh.dp_shard.clone();
+        let stage = checkpoint::checkpoints_root(run_dir)
+            .join(format!(".shards-{}", checkpoint::dir_name(at.step)));
+        std::fs::create_dir_all(&stage)?;
+        let tensors = self.shard_tensors();
+        let file = stage.join(format!("rank{}.safetensors", world.rank()));
+        std::fs::write(&file, checkpoint::to_safetensors_bytes(&tensors, None)?)?;
+        // Every shard is on disk before rank 0 seals the checkpoint.
+        world.barrier()?;
+        if world.rank() != 0 {
+            world.barrier()?;
+            return Ok(None);
+        }
+        let sm = ShardsManifest {
+            dp_shard: self.mesh.shape.dp_shard,
+            ep: self.mesh.shape.ep,
+            params: (0..self.layout.specs.len())
+                .map(|i| ShardedParam {
+                    name: self.layout.specs[i].name.clone(),
+                    shape: self.layout.specs[i].shape.clone(),
+                    slice_elems: self.layout.numel(i),
+                    efsdp: self.layout.group[i] == ganymede_dist::placement::ShardGroup::Efsdp,
+                    shard_elems: self.layout.shard[i],
+                })
+                .collect(),
+        };
+        let smj = stage.join(SHARDS_FILE);
+        std::fs::write(&smj, serde_json::to_vec_pretty(&sm)?)?;
+        let cfg = self.config();
+        let manifest = Manifest {
+            format_version: checkpoint::FORMAT_VERSION,
+            step: at.step,
+            optimizer_step: self.opt.step_count(),
+            config: cfg.to_toml(),
+            data: DataPosition {
+                seed: at.data_seed,
+                next_step: at.step,
+            },
+            rng: RngState {
+                seed: cfg.training.seed,
+            },
+            tokens_seen: at.tokens_seen,
+        };
+        let mut extra_files = vec![(SHARDS_FILE.to_string(), smj)];
+        for r in 0..world.size() {
+            extra_files.push((
+                format!("shard-rank{r}.safetensors"),
+                stage.join(format!("rank{r}.safetensors")),
+            ));
+        }
+        let tok = run_dir.join("data").join(ganymede_data::TOKENIZER_FILE);
+        if tok.is_file() {
+            extra_files.push((checkpoint::TOKENIZER_FILE.to_string(), tok));
+        }
+        // The single-process files stay empty: this checkpoint's tensors are in the shards.
+        let cd = CheckpointData {
+            manifest: &manifest,
+            params: vec![],
+            optimizer: vec![],
+            extra_files,
+        };
+        let dir = checkpoint::save(run_dir, &cd)?;
+        let _ = std::fs::remove_dir_all(&stage);
+        world.barrier()?;
+        Ok(Some(dir))
+    }
+
+    /// Load a sharded checkpoint written at any mesh shape.
+    fn load_sharded(&mut self, dir: &Path) -> Result<Manifest> {
+        let manifest = checkpoint::read_manifest(dir)?;
+        let sm: ShardsManifest = serde_json::from_slice(&std::fs::read(dir.join(SHARDS_FILE))?)?;
+        let files: Vec<checkpoint::HostTensors> = (0..sm.dp_shard)
+            .map(|r| checkpoint::read_safetensors(&dir.join(format!("shard-rank{r}.safetensors"))))
+            .collect::<Result<_>>()?;
+        // The whole tensor named `name` (parameter `p` of the saved layout), from its pieces.
+        let whole = |p: &ShardedParam, name: &str| -> Result<Vec<f32>> {
+            let mut out = vec![0f32; p.shape.iter().product()];
+            for (r, f) in files.iter().enumerate() {
+                let Some((_, piece)) = f.get(name) else {
+                    bail!("{}: rank {r}'s shard lacks {name}", dir.display());
+                };
+                let (fi, e) = (r / sm.ep, r % sm.ep);
+                // Routed experts: piece `fi` of ep slice `e`; the rest: piece `r` of the whole.
+                let (g, off) = if p.efsdp {
+                    (fi, e * p.slice_elems)
+                } else {
+                    (r, 0)
+                };
+                let lo = (g * p.shard_elems).min(p.slice_elems);
+                let hi = ((g + 1) * p.shard_elems).min(p.slice_elems);
+                out[off + lo..off + hi].copy_from_slice(&piece[..hi - lo]);
+            }
+            Ok(out)
+        };
+        let specs = self.layout.specs.clone();
+        let mine = |me: &Self, i: usize, data: &[f32]| -> Vec<f32> {
+            let g = crate::fsdp::Groups::of(&me.mesh);
+            let r = me.layout.range(i, g.get(me.layout.group[i]).rank());
+            let mut shard = vec![0f32; me.layout.shard[i]];
+            let o = me.layout.offset[i];
+            shard[..r.len()].copy_from_slice(&data[o + r.start..o + r.end]);
+            shard
+        };
+        for (i, s) in specs.iter().enumerate() {
+            let Some(p) = sm.params.iter().find(|p| p.name == s.name) else {
+                bail!(
+                    "{}: no parameter {} in {SHARDS_FILE}",
+                    dir.display(),
+                    s.name
+                );
+            };
+            if p.shape != s.shape {
+                bail!(
+                    "{}: {} has shape {:?}, the model expects {:?}",
+                    dir.display(),
+                    s.name,
+                    p.shape,
+                    s.shape
+                );
+            }
+            let shard = mine(self, i, &whole(p, &s.name)?);
+            self.be.write(self.params.master[i].vm(), &shard);
+        }
+        let names: Vec<(usize, &'static str)> = self
+            .opt
+            .state_mut()
+            .into_iter()
+            .map(|(i, n, _)| (i, n))
+            .collect();
+        for (k, (i, suffix)) in names.into_iter().enumerate() {
+            let p = sm.params.iter().find(|p| p.name == specs[i].name).unwrap();
+            let w = whole(p, &format!("{}.{suffix}", specs[i].name))?;
+            let shard = mine(self, i, &w);
+            let be = &self.be;
+            be.write(self.opt.state_mut()[k].2.vm(), &shard);
         }
         self.opt.set_step_count(manifest.optimizer_step);
         Ok(manifest)

@@ -278,6 +278,9 @@ pub struct ParOptions {
     pub stall_at: Option<(usize, usize)>,
     /// Checkpoint directory to continue from (written at any rank count).
     pub resume: Option<PathBuf>,
+    /// Each rank writes its own shards (plus a layout manifest) instead of gathering every
+    /// tensor to rank 0, as `parallelism.sharded_checkpoints` does; see [`crate::checkpoint`].
+    pub sharded_checkpoints: bool,
 }
 
 /// What a sharded run reports.
@@ -439,7 +442,11 @@ fn rank_loop(
                 tokens_seen,
                 data_seed: data.seed(),
             };
-            st.save_checkpoint(run_dir, &at)?;
+            if opts.sharded_checkpoints || cfg.parallelism.sharded_checkpoints {
+                st.save_sharded_checkpoint(run_dir, &at)?;
+            } else {
+                st.save_checkpoint(run_dir, &at)?;
+            }
         }
     }
     Ok(out)

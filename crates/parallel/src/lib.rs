@@ -10,12 +10,15 @@
 //! - [`driver`]: one rank's training state and step, and `train_threads` (`ganymede train
 //!   --ranks N`).
 //!
-//! - [`checkpoint`]: checkpoints gathered to rank 0 in the single-process format; loading
-//!   keeps each rank's shard, so any rank count resumes any checkpoint.
+//! - [`checkpoint`]: checkpoints gathered to rank 0 in the single-process format, or per-rank
+//!   shard files with a layout manifest (`parallelism.sharded_checkpoints`); either resumes at
+//!   any rank count and mesh shape.
 //!
 //! - [`ep`]: expert parallelism, tokens to their experts' ranks with uneven all-to-alls.
 //!
-//! Not yet: per-rank shard files; the MPI launch of the driver.
+//! Ranks are threads (`ganymede train --ranks N`, [`train_threads`]) or MPI processes
+//! (`mpirun -n N ganymede train`, `driver::train_mpi`, feature `mpi`;
+//! `scripts/mpi_train_test.sh` checks it against one process).
 
 pub mod checkpoint;
 pub mod driver;

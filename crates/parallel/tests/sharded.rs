@@ -397,3 +397,65 @@ fn unsharded_parameter_memory_is_a_constant_pool_of_prefetch_plus_one_blocks() {
         .sum();
     assert_eq!(p2[1].1 - p1[1].1, slot, "{p1:?} vs {p2:?}");
 }
+
+#[test]
+fn per_rank_shard_checkpoints_resume_at_another_mesh_and_placement() {
+    // Saved by 4 ranks (ep 2, FlexShard: whole experts per rank) as per-rank shard files;
+    // resumed by 2 ranks (ep 1, naive: even row shards) and by 1.
+    let ep = tiny(
+        4,
+        &[
+            "parallelism.dp_shard=4",
+            "parallelism.ep=2",
+            "checkpoint.enable=true",
+            "checkpoint.interval=2",
+        ],
+    );
+    let a = tmp("shck");
+    let opts = ParOptions {
+        ranks: 4,
+        out: Some(a.clone()),
+        quiet: true,
+        sharded_checkpoints: true,
+        ..Default::default()
+    };
+    let full = train_threads(&ep, &opts).unwrap().losses;
+    let ck = a
+        .join("checkpoints")
+        .join(ganymede_train::checkpoint::dir_name(2));
+    assert!(ck.join("shards.json").is_file() && ck.join("shard-rank3.safetensors").is_file());
+    for ranks in [2, 1] {
+        let mut c = ep.clone();
+        c.parallelism.ep = 1;
+        c.parallelism.muon_placement = ganymede_config::MuonPlacement::Naive;
+        let opts = ParOptions {
+            ranks,
+            out: Some(tmp(&format!("shck{ranks}"))),
+            quiet: true,
+            resume: Some(ck.clone()),
+            sharded_checkpoints: true,
+            ..Default::default()
+        };
+        let resumed = train_threads(&c, &opts).unwrap().losses;
+        let d = max_diff(&resumed, &full[2..]);
+        assert!(d <= LOSS_BOUND, "resumed at {ranks} ranks: {d:e}");
+    }
+}
+
+#[test]
+fn ranks_with_different_configurations_refuse_to_run() {
+    let cfg = tiny(1, &[]);
+    let res = run_threads(2, &ThreadsConfig::default(), |world| {
+        let mut c = cfg.clone();
+        c.parallelism.dp_shard = 2;
+        if world.rank() == 1 {
+            c.optimizer.lr *= 2.0;
+        }
+        RankState::new(world, &c).err().map(|e| format!("{e:#}"))
+    });
+    let e = res[0].as_ref().unwrap().clone().unwrap();
+    assert!(
+        e.contains("different configurations") && e.contains("rank 1"),
+        "{e}"
+    );
+}
