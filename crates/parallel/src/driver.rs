@@ -21,7 +21,9 @@ use ganymede_dist::{
     check_config_hash, config_hash, run_threads, write_chrome_trace, CommSnapshot, DeviceMesh,
     Phase, Policy, ProcessGroup, ThreadsConfig, Tracer, Track,
 };
-use ganymede_model::{forward_backward_with, ExpertExecutor, LocalExperts, Model, Workspace};
+use ganymede_model::{
+    forward_backward_with, forward_loss_with, ExpertExecutor, LocalExperts, Model, Workspace,
+};
 use ganymede_optim::lr_at;
 use ganymede_train::metrics::load_balance;
 use std::io::Write;
@@ -226,6 +228,34 @@ impl RankState {
         })
     }
 
+    /// Collective: mean loss over `metrics.val_batches` fixed validation batches (aux excluded),
+    /// each split over the ranks like a training batch: the single-process trainer's figure.
+    pub fn validate(&mut self, data: &Dataset) -> Result<f64> {
+        let world = self.mesh.dp_shard.clone();
+        let (w, r) = (world.size(), world.rank());
+        let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
+        let per = batch / w;
+        let nb = self.cfg.metrics.val_batches.max(1);
+        let mut sums = vec![0f64; nb];
+        for (i, s) in sums.iter_mut().enumerate() {
+            let (x, y) = data.val_batch(i, batch, seq);
+            let rows = r * per * seq..(r + 1) * per * seq;
+            self.params.begin(&self.be, false, batch * seq);
+            *s = forward_loss_with(
+                &self.be,
+                &self.model,
+                &mut self.params,
+                &mut *self.experts,
+                &mut self.ws,
+                &x[rows.clone()],
+                &y[rows],
+            )
+            .loss;
+        }
+        world.all_reduce(TMut::Host64(&mut sums), Phase::Other)?;
+        Ok(sums.iter().sum::<f64>() / nb as f64)
+    }
+
     /// Collective: every parameter whole, gathered from the shards (checks, rank-0 saves).
     pub fn full_params(&self) -> Result<Vec<Vec<f32>>> {
         (0..self.layout.specs.len())
@@ -295,6 +325,8 @@ pub struct ParSummary {
     pub tokens_per_s: f64,
     /// Mean seconds per step, the first step excluded when there are several.
     pub step_s: f64,
+    /// Validation loss after the last step.
+    pub final_val_loss: Option<f64>,
 }
 
 struct RankOut {
@@ -302,6 +334,7 @@ struct RankOut {
     comm: Vec<CommSnapshot>,
     step_secs: Vec<f64>,
     tokens: usize,
+    val_loss: Option<f64>,
     tracer: Arc<Tracer>,
 }
 
@@ -380,6 +413,7 @@ fn rank_loop(
         comm: vec![],
         step_secs: vec![],
         tokens: 0,
+        val_loss: None,
         tracer,
     };
     for step in start..cfg.training.steps {
@@ -396,6 +430,17 @@ fn rank_loop(
         out.losses.push(r.loss);
         out.step_secs.push(dt);
         out.tokens = r.tokens;
+        let done = step + 1;
+        let val_every = cfg.metrics.val_every;
+        let val_loss =
+            if done == cfg.training.steps || (val_every > 0 && done.is_multiple_of(val_every)) {
+                Some(st.validate(data)?)
+            } else {
+                None
+            };
+        if val_loss.is_some() {
+            out.val_loss = val_loss;
+        }
         if let Some(metrics) = metrics {
             let (load_max_over_mean, load_cv) = load_balance(&r.expert_load);
             // metrics.jsonl's fields (see ganymede_train::metrics::StepMetrics) plus the
@@ -415,24 +460,32 @@ fn rank_loop(
                 "step_s": dt,
                 "comm_bytes": r.comm.by_phase_json(),
             });
+            let mut v = v;
+            if let Some(vl) = val_loss {
+                v["val_loss"] = vl.into();
+            }
             writeln!(metrics.lock().unwrap(), "{v}")?;
             let every = cfg.metrics.log_every.max(1);
-            let done = step + 1;
-            if !opts.quiet && (done == 1 || done % every == 0 || done == cfg.training.steps) {
+            if !opts.quiet
+                && (done == 1
+                    || done.is_multiple_of(every)
+                    || done == cfg.training.steps
+                    || val_loss.is_some())
+            {
                 println!(
-                    "step {done:>6}/{} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | sent {}",
+                    "step {done:>6}/{} | loss {:.4} | aux {:.4} | lr {:.2e} | grad_norm {:.3} | {:.0} tok/s | sent {}{}",
                     cfg.training.steps,
                     r.loss,
                     r.aux_loss,
                     r.lr,
                     r.grad_norm,
                     r.tokens as f64 / dt.max(1e-9),
-                    ganymede_train::metrics::human_bytes(r.comm.total().0)
+                    ganymede_train::metrics::human_bytes(r.comm.total().0),
+                    val_loss.map_or(String::new(), |v| format!(" | val_loss {v:.4}"))
                 );
             }
         }
         out.comm.push(r.comm);
-        let done = step + 1;
         let ck = &cfg.checkpoint;
         if ck.enable
             && (done == cfg.training.steps || (ck.interval > 0 && done.is_multiple_of(ck.interval)))
@@ -460,8 +513,9 @@ fn summary(outs: &[RankOut], n: usize, run_dir: PathBuf, quiet: bool) -> ParSumm
     if !quiet {
         if let (Some(a), Some(b)) = (o0.losses.first(), o0.losses.last()) {
             println!(
-                "steps 1..{}: loss {a:.4} -> {b:.4}; {:.0} tokens/s on {n} ranks; run directory {}",
+                "steps 1..{}: loss {a:.4} -> {b:.4}{}; {:.0} tokens/s on {n} ranks; run directory {}",
                 o0.losses.len(),
+                o0.val_loss.map_or(String::new(), |v| format!(", val_loss {v:.4}")),
                 o0.tokens as f64 / step_s.max(1e-9),
                 run_dir.display()
             );
@@ -477,6 +531,7 @@ fn summary(outs: &[RankOut], n: usize, run_dir: PathBuf, quiet: bool) -> ParSumm
             .collect(),
         tokens_per_s: o0.tokens as f64 / step_s.max(1e-9),
         step_s,
+        final_val_loss: o0.val_loss,
     }
 }
 

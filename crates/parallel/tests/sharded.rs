@@ -459,3 +459,22 @@ fn ranks_with_different_configurations_refuse_to_run() {
         "{e}"
     );
 }
+
+#[test]
+fn validation_loss_equals_one_process() {
+    let cfg = tiny(3, &[]);
+    let o = TrainOptions {
+        out: Some(tmp("val1")),
+        quiet: true,
+        ..Default::default()
+    };
+    let one = train(&cfg, None, &o).unwrap().final_val_loss.unwrap();
+    let opts = ParOptions {
+        ranks: 4,
+        out: Some(tmp("val4")),
+        quiet: true,
+        ..Default::default()
+    };
+    let four = train_threads(&cfg, &opts).unwrap().final_val_loss.unwrap();
+    assert!((one - four).abs() <= LOSS_BOUND, "{one} vs {four}");
+}
