@@ -502,6 +502,14 @@ fn rank_loop(
             }
         }
     }
+    if metrics.is_some() {
+        // Rank 0's peaks by category: Buffers holds the constant gather pool.
+        let mem = ganymede_train::metrics::memory_json(&st.be.ledger().report(), None);
+        ganymede_train::checkpoint::write_atomic(
+            &run_dir.join("memory.json"),
+            serde_json::to_string_pretty(&mem)?.as_bytes(),
+        )?;
+    }
     Ok(out)
 }
 
