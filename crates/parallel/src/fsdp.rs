@@ -214,12 +214,30 @@ impl FsdpParams {
             let i = self.layout.root[k];
             let g = self.groups.get(self.layout.group[i]).clone();
             let padded = self.layout.shard[i] * g.size();
-            // Root parameters gather in f32 straight away: a small unit, needed at once.
-            let mut recv = be.zeros(&[padded], Category::Buffers);
-            g.all_gather(self.master[i].v(), recv.vm(), Phase::ForwardGather)
-                .unwrap_or_else(|e| fail("gathering the root parameters", e));
+            // The root unit is gathered at once (needed by the embedding straight away), in
+            // the same dtype as the blocks.
             let n = self.layout.numel(i);
-            be.copy(self.store.get_mut(i).vm(), recv.slice(0, n));
+            match self.dtype {
+                GatherDtype::F32 => {
+                    let mut recv = be.zeros(&[padded], Category::Buffers);
+                    g.all_gather(self.master[i].v(), recv.vm(), Phase::ForwardGather)
+                        .unwrap_or_else(|e| fail("gathering the root parameters", e));
+                    be.copy(self.store.get_mut(i).vm(), recv.slice(0, n));
+                }
+                GatherDtype::Bf16 => {
+                    let send: Vec<u16> = host_ro(&self.master[i])
+                        .iter()
+                        .map(|&x| to_bf16(x))
+                        .collect();
+                    let mut recv = Bf16Buf::new(&self.be_ledger, padded);
+                    g.all_gather_bf16(&send, &mut recv.data, Phase::ForwardGather)
+                        .unwrap_or_else(|e| fail("gathering the root parameters", e));
+                    let dst = host(self.store.get_mut(i));
+                    for (d, &h) in dst.iter_mut().zip(&recv.data[..n]) {
+                        *d = from_bf16(h);
+                    }
+                }
+            }
         }
         self.post_until(be, self.prefetch);
     }

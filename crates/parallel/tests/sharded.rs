@@ -478,3 +478,52 @@ fn validation_loss_equals_one_process() {
     let four = train_threads(&cfg, &opts).unwrap().final_val_loss.unwrap();
     assert!((one - four).abs() <= LOSS_BOUND, "{one} vs {four}");
 }
+
+/// Every rank's bytes of one step, by phase (sent), for `cfg` on `ranks` ranks.
+fn phase_bytes(cfg: &JobConfig, ranks: usize, phase: Phase) -> Vec<u64> {
+    let mut cfg = cfg.clone();
+    cfg.parallelism.dp_shard = ranks;
+    let data = Dataset::build(
+        &cfg.data,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+        cfg.training.seed,
+        None,
+    )
+    .unwrap();
+    run_threads(ranks, &ThreadsConfig::default(), |world| {
+        let mut st = RankState::new(world, &cfg).unwrap();
+        st.step(&data, 0).unwrap().comm.phase(phase).0
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+#[test]
+fn fsdp_bytes_equal_the_planners_figures() {
+    // The planner's per-GPU FSDP traffic for one step with the whole local batch as one
+    // microbatch (as this trainer runs it), bf16 gathers and f32 reduce-scatters. tiny's shapes
+    // divide by 4, so there is no padding and the figures agree exactly, with one stated
+    // difference: the root unit (embedding, final norm, LM head) stays gathered from forward to
+    // backward here, so the backward gathers lack the planner's second gather of it.
+    let ranks = 4;
+    let mut job = tiny(1, &["parallelism.gather_dtype=bf16"]);
+    job.parallelism.dp_shard = ranks;
+    let cluster = ganymede_plan::Cluster::preset("dgx-h100").unwrap();
+    let mut layout = ganymede_plan::Layout::from_job(&job, &cluster);
+    layout.micro_batch = job.training.batch_size / ranks;
+    let policy = ganymede_plan::MemoryPolicy::from_job(&job);
+    let setup = ganymede_plan::OptimizerSetup::from_job(&job);
+    let plan = ganymede_plan::plan(&job, &cluster, &layout, &policy, &setup).unwrap();
+    let c = &plan.communication;
+    let mean = |v: Vec<u64>| v.iter().sum::<u64>() as f64 / v.len() as f64;
+    let fwd = mean(phase_bytes(&job, ranks, Phase::ForwardGather));
+    let bwd = mean(phase_bytes(&job, ranks, Phase::BackwardGather));
+    let rs = mean(phase_bytes(&job, ranks, Phase::GradReduceScatter));
+    let outside = ganymede_plan::count_params(&job.model).outside_layers as f64;
+    let root_gather = 2.0 * outside * (ranks - 1) as f64 / ranks as f64;
+    assert_eq!(fwd, c.fsdp_all_gather_fwd, "forward gathers");
+    assert_eq!(bwd, c.fsdp_all_gather_bwd - root_gather, "backward gathers");
+    assert_eq!(rs, c.fsdp_reduce_scatter, "gradient reduce-scatters");
+}
