@@ -12,6 +12,11 @@
 //!   here, and the same code runs on the f64 CPU backend for finite-difference checks.
 //! - Loss: mean cross-entropy over all B·T targets plus `aux_loss_coef` times the Switch
 //!   auxiliary loss, computed per MoE layer (`E · Σ_i f_i · P_i`) and averaged over MoE layers.
+//! - The model knows nothing of ranks. [`forward_backward_with`] reads parameters from a
+//!   [`ParamSource`] (told before and after each block runs), adds gradients into a [`GradSink`]
+//!   (told when a block's gradients are complete) and runs the routed experts through an
+//!   [`ExpertExecutor`]; FSDP and expert parallelism (crate `ganymede-parallel`) implement them.
+//!   [`forward_backward`] is the same code with every parameter resident and the experts local.
 
 use ganymede_config::ModelConfig;
 use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore};
