@@ -152,10 +152,15 @@ fn main() -> ExitCode {
 fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Train(a) => {
+            // --ranks sets the FSDP degree, so `ep` validates against it.
+            let mut set = a.set.clone();
+            if let Some(n) = a.ranks {
+                set.insert(0, format!("parallelism.dp_shard={n}"));
+            }
             let (cfg, ckpt) = trainer::resolve_config(
                 a.preset.as_deref(),
                 a.config.as_deref(),
-                &a.set,
+                &set,
                 a.steps,
                 a.resume.as_deref(),
             )?;

@@ -64,3 +64,46 @@ fn train_with_ranks_logs_bytes_per_phase_writes_a_trace_and_resumes_at_another_c
         "{out}"
     );
 }
+
+#[test]
+fn expert_parallelism_from_the_command_line() {
+    // --ranks sets dp_shard, so ep validates against it.
+    let d = TempDir::new("ranks-ep");
+    let run = d.path().join("run").display().to_string();
+    let out = ok(ganymede(
+        d.path(),
+        &[
+            "train",
+            "--steps",
+            "2",
+            "--ranks",
+            "4",
+            "--set",
+            "parallelism.ep=2",
+            "--out",
+            &run,
+        ],
+        &[],
+    ));
+    assert!(out.contains("ep 2"), "{out}");
+    // Its checkpoint resumes on another mesh: 2 ranks without expert parallelism.
+    let ck = d.path().join("run").join("checkpoints").join("step_00000002");
+    let out = ok(ganymede(
+        d.path(),
+        &[
+            "train",
+            "--steps",
+            "3",
+            "--ranks",
+            "2",
+            "--set",
+            "parallelism.ep=1",
+            "--resume",
+            &ck.display().to_string(),
+            "--out",
+            &d.path().join("run2").display().to_string(),
+        ],
+        &[],
+    ));
+    assert!(out.contains("2 ranks") && out.contains("step      3/3"), "{out}");
+}

@@ -416,6 +416,8 @@ pub fn resumable_difference(key: &str) -> bool {
         || key == "training.threads"
         || key.starts_with("checkpoint.")
         || key.starts_with("metrics.")
+        // Checkpoints load at any rank count and mesh shape.
+        || key.starts_with("parallelism.")
 }
 
 #[cfg(test)]
