@@ -527,3 +527,58 @@ fn fsdp_bytes_equal_the_planners_figures() {
     assert_eq!(bwd, c.fsdp_all_gather_bwd - root_gather, "backward gathers");
     assert_eq!(rs, c.fsdp_reduce_scatter, "gradient reduce-scatters");
 }
+
+/// Rank 0's trace events of one step.
+fn traced_step(cfg: &JobConfig, ranks: usize) -> Vec<ganymede_dist::trace::Event> {
+    let mut cfg = cfg.clone();
+    cfg.parallelism.dp_shard = ranks;
+    let data = Dataset::build(
+        &cfg.data,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+        cfg.training.seed,
+        None,
+    )
+    .unwrap();
+    let tc = ThreadsConfig {
+        trace: true,
+        ..Default::default()
+    };
+    let res = run_threads(ranks, &tc, |world| {
+        let tracer = world.ctx().tracer.clone();
+        let mut st = RankState::new(world, &cfg).unwrap();
+        tracer.clear();
+        st.step(&data, 0).unwrap();
+        tracer.events()
+    });
+    res.into_iter().next().unwrap().unwrap()
+}
+
+#[test]
+fn the_next_blocks_gather_travels_while_a_block_computes() {
+    use ganymede_dist::Track;
+    let overlapped = |prefetch: usize| {
+        let cfg = tiny(1, &[&format!("parallelism.prefetch={prefetch}")]);
+        let ev = traced_step(&cfg, 2);
+        let b0 = ev
+            .iter()
+            .find(|e| e.name == "block 0 forward" && e.track == Track::Compute)
+            .expect("block 0 forward span")
+            .clone();
+        // A forward gather posted before block 0 started and completed after it ended.
+        ev.iter().any(|e| {
+            e.track == Track::Comm
+                && e.name.ends_with("forward_gather")
+                && e.start_us <= b0.start_us
+                && e.end_us >= b0.end_us
+        })
+    };
+    assert!(
+        overlapped(1),
+        "prefetch 1: block 1's gather should span block 0's compute"
+    );
+    assert!(
+        !overlapped(0),
+        "prefetch 0: nothing should be in flight during block 0"
+    );
+}
