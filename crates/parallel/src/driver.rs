@@ -18,8 +18,8 @@ use ganymede_data::Dataset;
 use ganymede_dist::placement::plan;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{
-    check_config_hash, config_hash, run_threads, write_chrome_trace, CommSnapshot, DeviceMesh,
-    Phase, Policy, ProcessGroup, ThreadsConfig, Tracer, Track,
+    check_config_hash, config_hash, write_chrome_trace, CommSnapshot, DeviceMesh, Phase, Policy,
+    ProcessGroup, ThreadsConfig, Tracer, Track,
 };
 use ganymede_model::{
     forward_backward_with, forward_loss_with, ExpertExecutor, LocalExperts, Model, Workspace,
@@ -421,7 +421,7 @@ fn rank_loop(
             panic!("injected failure on rank {rank} at step {}", step + 1);
         }
         if opts.stall_at == Some((rank, step)) {
-            std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 3.0));
+            std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 20.0));
         }
         let t0 = Instant::now();
         let r = st.step(data, step)?;
@@ -568,10 +568,59 @@ pub fn train_threads(cfg: &JobConfig, opts: &ParOptions) -> Result<ParSummary> {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
         trace: opts.trace.is_some(),
     };
-    let results = run_threads(n, &tcfg, |world| -> Result<RankOut> {
-        let w = (world.rank() == 0).then_some(&metrics);
-        rank_loop(world, &cfg, opts, &data, &run_dir, w)
-    });
+    // Ranks run on detached threads, so a rank stuck outside any collective cannot hold the
+    // job: once one rank has failed, the others get the collective timeout (plus a second) to
+    // report, and any still running are left behind with an error naming them.
+    let shared = Arc::new((cfg.clone(), opts.clone(), data, run_dir.clone(), metrics));
+    let (tx, rx) = std::sync::mpsc::channel();
+    for g in ganymede_dist::threads_world(n, &tcfg) {
+        let (tx, shared) = (tx.clone(), shared.clone());
+        std::thread::Builder::new()
+            .name(format!("rank{}", g.rank()))
+            .spawn(move || {
+                let rank = g.rank();
+                let world: Arc<dyn ProcessGroup> = Arc::new(g);
+                let (cfg, opts, data, run_dir, metrics) = &*shared;
+                // A panic drops the world handle while unwinding, which poisons the world, so
+                // every other rank's collective fails at once naming this rank.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let w = (rank == 0).then_some(metrics);
+                    rank_loop(world, cfg, opts, data, run_dir, w)
+                }));
+                let _ = tx.send((rank, r));
+            })
+            .context("cannot start a rank thread")?;
+    }
+    drop(tx);
+    let mut results: Vec<Option<std::thread::Result<Result<RankOut>>>> =
+        (0..n).map(|_| None).collect();
+    let mut deadline: Option<Instant> = None;
+    let grace = Duration::from_secs_f64(cfg.parallelism.timeout_s) + Duration::from_secs(1);
+    while results.iter().any(Option::is_none) {
+        let got = match deadline {
+            None => rx.recv().ok(),
+            Some(d) => rx
+                .recv_timeout(d.saturating_duration_since(Instant::now()))
+                .ok(),
+        };
+        let Some((rank, r)) = got else { break };
+        if deadline.is_none() && !matches!(r, Ok(Ok(_))) {
+            deadline = Some(Instant::now() + grace);
+        }
+        results[rank] = Some(r);
+    }
+    let results: Vec<std::thread::Result<Result<RankOut>>> = results
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| {
+            x.unwrap_or_else(|| {
+                Ok(Err(anyhow::anyhow!(
+                    "rank {r} did not finish within {:.0} s of the first failure (stuck outside a collective?)",
+                    grace.as_secs_f64()
+                )))
+            })
+        })
+        .collect();
 
     // The first failure in rank order; a panic (the root cause) before the errors it caused.
     let mut outs = Vec::new();
