@@ -335,6 +335,8 @@ struct RankOut {
     step_secs: Vec<f64>,
     tokens: usize,
     val_loss: Option<f64>,
+    /// First step run here (0, or the resumed checkpoint's).
+    start: usize,
     tracer: Arc<Tracer>,
 }
 
@@ -414,6 +416,7 @@ fn rank_loop(
         step_secs: vec![],
         tokens: 0,
         val_loss: None,
+        start,
         tracer,
     };
     for step in start..cfg.training.steps {
@@ -521,8 +524,9 @@ fn summary(outs: &[RankOut], n: usize, run_dir: PathBuf, quiet: bool) -> ParSumm
     if !quiet {
         if let (Some(a), Some(b)) = (o0.losses.first(), o0.losses.last()) {
             println!(
-                "steps 1..{}: loss {a:.4} -> {b:.4}{}; {:.0} tokens/s on {n} ranks; run directory {}",
-                o0.losses.len(),
+                "steps {}..{}: loss {a:.4} -> {b:.4}{}; {:.0} tokens/s on {n} ranks; run directory {}",
+                o0.start + 1,
+                o0.start + o0.losses.len(),
                 o0.val_loss.map_or(String::new(), |v| format!(", val_loss {v:.4}")),
                 o0.tokens as f64 / step_s.max(1e-9),
                 run_dir.display()
