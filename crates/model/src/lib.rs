@@ -19,7 +19,7 @@
 //!   [`forward_backward`] is the same code with every parameter resident and the experts local.
 
 use ganymede_config::ModelConfig;
-use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore};
+use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor};
 
 mod block;
 mod experts;
@@ -289,28 +289,29 @@ impl Model {
     }
     /// Parameters initialised deterministically from `seed` (Category::Params).
     pub fn init_params(&self, be: &dyn Backend, seed: u64) -> ParamStore {
-        let std = self.cfg.init_std;
-        let tensors = self
-            .specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let n = s.numel();
-                let data: Vec<f64> = match s.kind {
-                    // Norm gains start at one, the selection bias at zero.
-                    ParamKind::Vector => vec![1.0; n],
-                    ParamKind::Buffer => vec![0.0; n],
-                    _ => {
-                        // One stream per tensor, so adding a tensor leaves the others unchanged.
-                        let mut rng =
-                            Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                        (0..n).map(|_| std * rng.normal()).collect()
-                    }
-                };
-                be.upload_f64(&data, &s.shape, Category::Params)
-            })
+        let tensors = (0..self.specs.len())
+            .map(|i| self.init_param(be, i, seed))
             .collect();
         ParamStore::from_tensors(self.specs.clone(), tensors)
+    }
+
+    /// Parameter `i` of [`Model::init_params`] alone, so a sharded trainer can keep its shard of
+    /// each tensor without ever holding the whole table.
+    pub fn init_param(&self, be: &dyn Backend, i: usize, seed: u64) -> Tensor {
+        let std = self.cfg.init_std;
+        let s = &self.specs[i];
+        let n = s.numel();
+        let data: Vec<f64> = match s.kind {
+            // Norm gains start at one, the selection bias at zero.
+            ParamKind::Vector => vec![1.0; n],
+            ParamKind::Buffer => vec![0.0; n],
+            _ => {
+                // One stream per tensor, so adding a tensor leaves the others unchanged.
+                let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                (0..n).map(|_| std * rng.normal()).collect()
+            }
+        };
+        be.upload_f64(&data, &s.shape, Category::Params)
     }
 }
 

@@ -91,20 +91,18 @@ impl RankState {
             &pl,
             mesh.ep.rank(),
         ));
-        // Every rank builds the same initial table and keeps its shards of it (fine at the
-        // sizes trained on one machine; a large model would initialise shard by shard).
-        let full = model.init_params(&be, t.seed);
+        // Every rank draws the same initial tensors, one at a time, keeping its shard of each.
         let groups = Groups::of(&mesh);
         let p = &cfg.parallelism;
+        let init = |i: usize| model.init_param(&be, i, t.seed);
         let params = FsdpParams::new(
             &be,
             layout.clone(),
             groups.clone(),
             p.gather_dtype,
             p.prefetch,
-            &full,
+            &init,
         );
-        drop(full);
         let grads = FsdpGrads::new(&be, layout.clone(), groups);
         let opt = ShardedOptimizer::new(&be, &cfg.optimizer, &layout, pl);
         let ws = Workspace::new(

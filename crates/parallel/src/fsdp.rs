@@ -136,20 +136,21 @@ fn empty(be: &dyn Backend) -> Tensor {
 }
 
 impl FsdpParams {
-    /// `full` is the whole initial parameter table (each rank keeps its shards of it).
+    /// `init(i)` gives initial parameter `i` whole; each rank keeps its shard of it, one tensor
+    /// at a time.
     pub fn new(
         be: &dyn Backend,
         layout: Arc<Layout>,
         groups: Groups,
         dtype: GatherDtype,
         prefetch: usize,
-        full: &ParamStore,
+        init: &dyn Fn(usize) -> Tensor,
     ) -> Self {
         let master = (0..layout.specs.len())
             .map(|i| {
                 let r = layout.range(i, groups.get(layout.group[i]).rank());
                 let mut x = vec![0f32; layout.shard[i]];
-                let src = be.download(full.get(i).v());
+                let src = be.download(init(i).v());
                 let o = layout.offset[i];
                 x[..r.len()].copy_from_slice(&src[o + r.start..o + r.end]);
                 be.upload(&x, &[layout.shard[i]], Category::Params)
