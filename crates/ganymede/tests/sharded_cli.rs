@@ -87,7 +87,11 @@ fn expert_parallelism_from_the_command_line() {
     ));
     assert!(out.contains("ep 2"), "{out}");
     // Its checkpoint resumes on another mesh: 2 ranks without expert parallelism.
-    let ck = d.path().join("run").join("checkpoints").join("step_00000002");
+    let ck = d
+        .path()
+        .join("run")
+        .join("checkpoints")
+        .join("step_00000002");
     let out = ok(ganymede(
         d.path(),
         &[
@@ -105,5 +109,8 @@ fn expert_parallelism_from_the_command_line() {
         ],
         &[],
     ));
-    assert!(out.contains("2 ranks") && out.contains("step      3/3"), "{out}");
+    assert!(
+        out.contains("2 ranks") && out.contains("step      3/3"),
+        "{out}"
+    );
 }
