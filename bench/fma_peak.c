@@ -9,23 +9,34 @@
 
 #define N_ITERS 2400000000L
 
+// Twelve named accumulators (an array made gcc keep them in memory, latency-bound).
+#define ACC12(T, SET, FMA)                                                                  \
+  T a0 = SET(0), a1 = SET(1), a2 = SET(2), a3 = SET(3), a4 = SET(4), a5 = SET(5), a6 = SET(6), \
+    a7 = SET(7), a8 = SET(8), a9 = SET(9), a10 = SET(10), a11 = SET(11);                       \
+  for (long it = 0; it < iters; it++) {                                                       \
+    a0 = FMA(a0, m, b); a1 = FMA(a1, m, b); a2 = FMA(a2, m, b); a3 = FMA(a3, m, b);             \
+    a4 = FMA(a4, m, b); a5 = FMA(a5, m, b); a6 = FMA(a6, m, b); a7 = FMA(a7, m, b);             \
+    a8 = FMA(a8, m, b); a9 = FMA(a9, m, b); a10 = FMA(a10, m, b); a11 = FMA(a11, m, b);         \
+  }
 static double avx2(long iters) {
-  __m256 a[12], m = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
-  for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)i);
-  for (long it = 0; it < iters; it++)
-    for (int i = 0; i < 12; i++) a[i] = _mm256_fmadd_ps(a[i], m, b);
-  float s = 0, o[8];
-  for (int i = 0; i < 12; i++) { _mm256_storeu_ps(o, a[i]); s += o[0]; }
-  return s; // keeps the loop alive
+  __m256 m = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+#define S256(x) _mm256_set1_ps((float)(x))
+  ACC12(__m256, S256, _mm256_fmadd_ps)
+  __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                           _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+  s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+  float o[8];
+  _mm256_storeu_ps(o, s);
+  return o[0]; // keeps the loop alive
 }
 static double avx512(long iters) {
-  __m512 a[12], m = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
-  for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
-  for (long it = 0; it < iters; it++)
-    for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(a[i], m, b);
-  float s = 0;
-  for (int i = 0; i < 12; i++) s += _mm512_reduce_add_ps(a[i]);
-  return s;
+  __m512 m = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+#define S512(x) _mm512_set1_ps((float)(x))
+  ACC12(__m512, S512, _mm512_fmadd_ps)
+  __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                           _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+  s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+  return _mm512_reduce_add_ps(s);
 }
 
 int main(void) {
