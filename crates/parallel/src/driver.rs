@@ -460,6 +460,7 @@ fn rank_loop(
                 "ranks": n,
                 "step_s": dt,
                 "comm_bytes": r.comm.by_phase_json(),
+                "comm": r.comm.entries,
             });
             let mut v = v;
             if let Some(vl) = val_loss {
