@@ -14,20 +14,13 @@ use crate::driver::RankState;
 use anyhow::{bail, Result};
 use ganymede_core::{Memory, TMut, Tensor};
 use ganymede_dist::Phase;
-use ganymede_train::checkpoint::{
-    self, CheckpointData, DataPosition, Manifest, NamedTensors, RngState,
-};
+use ganymede_train::checkpoint::{self, CheckpointData, Manifest, NamedTensors};
 use std::path::{Path, PathBuf};
 
 /// Layout record of a sharded checkpoint.
 pub const SHARDS_FILE: &str = "shards.json";
 
-/// Where a run stands.
-pub struct Position {
-    pub step: usize,
-    pub tokens_seen: u64,
-    pub data_seed: u64,
-}
+pub use ganymede_train::checkpoint::Position;
 
 impl RankState {
     /// Collective: gather a shard of parameter `i`'s layout into the whole tensor.
@@ -77,32 +70,12 @@ impl RankState {
         if self.mesh.dp_shard.rank() != 0 {
             return Ok(None);
         }
-        let cfg = self.config();
-        let manifest = Manifest {
-            format_version: checkpoint::FORMAT_VERSION,
-            step: at.step,
-            optimizer_step: self.opt.step_count(),
-            config: cfg.to_toml(),
-            data: DataPosition {
-                seed: at.data_seed,
-                next_step: at.step,
-            },
-            rng: RngState {
-                seed: cfg.training.seed,
-            },
-            tokens_seen: at.tokens_seen,
-        };
-        let tok = run_dir.join("data").join(ganymede_data::TOKENIZER_FILE);
-        let extra_files = if tok.is_file() {
-            vec![(checkpoint::TOKENIZER_FILE.to_string(), tok)]
-        } else {
-            vec![]
-        };
+        let manifest = Manifest::at(self.config(), at, self.opt.step_count());
         let cd = CheckpointData {
             manifest: &manifest,
             params,
             optimizer,
-            extra_files,
+            extra_files: checkpoint::run_tokenizer_file(run_dir),
         };
         Ok(Some(checkpoint::save(run_dir, &cd)?))
     }
@@ -227,21 +200,7 @@ impl RankState {
         };
         let smj = stage.join(SHARDS_FILE);
         std::fs::write(&smj, serde_json::to_vec_pretty(&sm)?)?;
-        let cfg = self.config();
-        let manifest = Manifest {
-            format_version: checkpoint::FORMAT_VERSION,
-            step: at.step,
-            optimizer_step: self.opt.step_count(),
-            config: cfg.to_toml(),
-            data: DataPosition {
-                seed: at.data_seed,
-                next_step: at.step,
-            },
-            rng: RngState {
-                seed: cfg.training.seed,
-            },
-            tokens_seen: at.tokens_seen,
-        };
+        let manifest = Manifest::at(self.config(), at, self.opt.step_count());
         let mut extra_files = vec![(SHARDS_FILE.to_string(), smj)];
         for r in 0..world.size() {
             extra_files.push((
@@ -249,10 +208,7 @@ impl RankState {
                 stage.join(format!("rank{r}.safetensors")),
             ));
         }
-        let tok = run_dir.join("data").join(ganymede_data::TOKENIZER_FILE);
-        if tok.is_file() {
-            extra_files.push((checkpoint::TOKENIZER_FILE.to_string(), tok));
-        }
+        extra_files.extend(checkpoint::run_tokenizer_file(run_dir));
         // The single-process files stay empty: this checkpoint's tensors are in the shards.
         let cd = CheckpointData {
             manifest: &manifest,

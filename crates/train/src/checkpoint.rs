@@ -66,9 +66,46 @@ pub struct RngState {
     pub seed: u64,
 }
 
+/// Where a run stands when it saves: what a manifest records besides the config.
+pub struct Position {
+    /// Optimizer steps completed.
+    pub step: usize,
+    pub tokens_seen: u64,
+    pub data_seed: u64,
+}
+
 impl Manifest {
+    /// The manifest of a checkpoint taken at `at` (single-process and sharded runs alike).
+    pub fn at(cfg: &JobConfig, at: &Position, optimizer_step: u64) -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            step: at.step,
+            optimizer_step,
+            config: cfg.to_toml(),
+            data: DataPosition {
+                seed: at.data_seed,
+                next_step: at.step,
+            },
+            rng: RngState {
+                seed: cfg.training.seed,
+            },
+            tokens_seen: at.tokens_seen,
+        }
+    }
+
     pub fn job_config(&self) -> Result<JobConfig> {
         JobConfig::from_toml_str(&self.config, "checkpoint manifest").map_err(anyhow::Error::from)
+    }
+}
+
+/// The run's trained tokenizer, if it has one, as an extra file for a checkpoint (so eval, generate
+/// and export find it next to the weights).
+pub fn run_tokenizer_file(run_dir: &Path) -> Vec<(String, PathBuf)> {
+    let tok = run_dir.join("data").join(ganymede_data::TOKENIZER_FILE);
+    if tok.is_file() {
+        vec![(TOKENIZER_FILE.to_string(), tok)]
+    } else {
+        vec![]
     }
 }
 

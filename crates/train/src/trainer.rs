@@ -8,7 +8,7 @@
 //! RUN/checkpoints/      see `checkpoint`
 //! ```
 
-use crate::checkpoint::{self, CheckpointData, DataPosition, Manifest, RngState};
+use crate::checkpoint::{self, CheckpointData, Manifest, Position};
 use crate::metrics::{self, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
@@ -354,13 +354,6 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     })
 }
 
-/// Where a run stands, for its checkpoint manifest.
-struct Position {
-    step: usize,
-    tokens_seen: u64,
-    data_seed: u64,
-}
-
 /// Save parameters, optimizer state and the manifest (and the run's tokenizer) under
 /// `RUN/checkpoints`.
 fn save_checkpoint(
@@ -371,31 +364,12 @@ fn save_checkpoint(
     opt: &Optimizer,
     at: Position,
 ) -> Result<PathBuf> {
-    let manifest = Manifest {
-        format_version: checkpoint::FORMAT_VERSION,
-        step: at.step,
-        optimizer_step: opt.step_count(),
-        config: cfg.to_toml(),
-        data: DataPosition {
-            seed: at.data_seed,
-            next_step: at.step,
-        },
-        rng: RngState {
-            seed: cfg.training.seed,
-        },
-        tokens_seen: at.tokens_seen,
-    };
-    let tok = run_dir.join("data").join(ganymede_data::TOKENIZER_FILE);
-    let extra_files = if tok.is_file() {
-        vec![(checkpoint::TOKENIZER_FILE.to_string(), tok)]
-    } else {
-        vec![]
-    };
+    let manifest = Manifest::at(cfg, &at, opt.step_count());
     let cd = CheckpointData {
         manifest: &manifest,
         params: checkpoint::host_tensors(be, params.iter().map(|(s, t)| (s.name.clone(), t))),
         optimizer: checkpoint::host_tensors(be, opt.state()),
-        extra_files,
+        extra_files: checkpoint::run_tokenizer_file(run_dir),
     };
     checkpoint::save(run_dir, &cd)
 }
