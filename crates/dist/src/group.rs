@@ -282,3 +282,149 @@ pub(crate) fn check_root(op: &'static str, root: usize, size: usize) -> Result<(
     }
     Ok(())
 }
+
+/// Both host backends mismatched a send and a receive view's dtypes.
+pub(crate) fn dtype_mismatch(op: &'static str) -> CommError {
+    CommError::Unsupported {
+        op,
+        message: "send and receive views must both be host f32 or both host f64".into(),
+    }
+}
+
+/// The `ProcessGroup` collectives of a host backend, dispatched by dtype to its generic
+/// `*_t::<E: Elem>` methods (the same for the threads and MPI backends, so written once).
+macro_rules! host_collectives_by_dtype {
+    () => {
+        fn iall_gather<'a>(
+            &'a self,
+            send: ganymede_core::T<'a>,
+            recv: ganymede_core::TMut<'a>,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::elem_size("all_gather", &send)?;
+            match (send, recv) {
+                (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
+                    self.all_gather_t(s, r, phase)
+                }
+                (ganymede_core::T::Host64(s), ganymede_core::TMut::Host64(r)) => {
+                    self.all_gather_t(s, r, phase)
+                }
+                _ => Err($crate::group::dtype_mismatch("all_gather")),
+            }
+        }
+        fn ireduce_scatter<'a>(
+            &'a self,
+            send: ganymede_core::T<'a>,
+            recv: ganymede_core::TMut<'a>,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::elem_size("reduce_scatter", &send)?;
+            match (send, recv) {
+                (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
+                    self.reduce_scatter_t(s, r, phase)
+                }
+                (ganymede_core::T::Host64(s), ganymede_core::TMut::Host64(r)) => {
+                    self.reduce_scatter_t(s, r, phase)
+                }
+                _ => Err($crate::group::dtype_mismatch("reduce_scatter")),
+            }
+        }
+        fn iall_reduce<'a>(
+            &'a self,
+            buf: ganymede_core::TMut<'a>,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            match buf {
+                ganymede_core::TMut::Host(b) => self.all_reduce_t(b, phase),
+                ganymede_core::TMut::Host64(b) => self.all_reduce_t(b, phase),
+                #[allow(unreachable_patterns)]
+                _ => Err($crate::group::dtype_mismatch("all_reduce")),
+            }
+        }
+        fn ialltoallv<'a>(
+            &'a self,
+            send: ganymede_core::T<'a>,
+            send_counts: &[usize],
+            recv: ganymede_core::TMut<'a>,
+            recv_counts: &[usize],
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            match (send, recv) {
+                (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
+                    self.alltoallv_t(s, send_counts, r, recv_counts, phase)
+                }
+                (ganymede_core::T::Host64(s), ganymede_core::TMut::Host64(r)) => {
+                    self.alltoallv_t(s, send_counts, r, recv_counts, phase)
+                }
+                _ => Err($crate::group::dtype_mismatch("alltoallv")),
+            }
+        }
+        fn ibroadcast<'a>(
+            &'a self,
+            buf: ganymede_core::TMut<'a>,
+            root: usize,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            match buf {
+                ganymede_core::TMut::Host(b) => self.broadcast_t(b, root, phase),
+                ganymede_core::TMut::Host64(b) => self.broadcast_t(b, root, phase),
+                #[allow(unreachable_patterns)]
+                _ => Err($crate::group::dtype_mismatch("broadcast")),
+            }
+        }
+        fn ireduce<'a>(
+            &'a self,
+            buf: ganymede_core::TMut<'a>,
+            root: usize,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            match buf {
+                ganymede_core::TMut::Host(b) => self.reduce_t(b, root, phase),
+                ganymede_core::TMut::Host64(b) => self.reduce_t(b, root, phase),
+                #[allow(unreachable_patterns)]
+                _ => Err($crate::group::dtype_mismatch("reduce")),
+            }
+        }
+        fn igather<'a>(
+            &'a self,
+            send: ganymede_core::T<'a>,
+            recv: Option<ganymede_core::TMut<'a>>,
+            root: usize,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            match (send, recv) {
+                (ganymede_core::T::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
+                (ganymede_core::T::Host(s), Some(ganymede_core::TMut::Host(r))) => {
+                    self.gather_t(s, Some(r), root, phase)
+                }
+                (ganymede_core::T::Host64(s), None) => self.gather_t::<f64>(s, None, root, phase),
+                (ganymede_core::T::Host64(s), Some(ganymede_core::TMut::Host64(r))) => {
+                    self.gather_t(s, Some(r), root, phase)
+                }
+                _ => Err($crate::group::dtype_mismatch("gather")),
+            }
+        }
+        fn iscatter<'a>(
+            &'a self,
+            send: Option<ganymede_core::T<'a>>,
+            recv: ganymede_core::TMut<'a>,
+            root: usize,
+            phase: $crate::Phase,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            match (send, recv) {
+                (None, ganymede_core::TMut::Host(r)) => self.scatter_t::<f32>(None, r, root, phase),
+                (Some(ganymede_core::T::Host(s)), ganymede_core::TMut::Host(r)) => {
+                    self.scatter_t(Some(s), r, root, phase)
+                }
+                (None, ganymede_core::TMut::Host64(r)) => {
+                    self.scatter_t::<f64>(None, r, root, phase)
+                }
+                (Some(ganymede_core::T::Host64(s)), ganymede_core::TMut::Host64(r)) => {
+                    self.scatter_t(Some(s), r, root, phase)
+                }
+                _ => Err($crate::group::dtype_mismatch("scatter")),
+            }
+        }
+    };
+}
+pub(crate) use host_collectives_by_dtype;

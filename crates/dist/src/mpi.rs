@@ -15,10 +15,9 @@
 //! backend in the last bits for inexact sums (identical for exact ones, as the check uses).
 
 use crate::error::{invalid, CommError, Result};
-use crate::group::{check_root, elem_size, Pending, ProcessGroup, RankCtx, Work};
+use crate::group::{check_root, Pending, ProcessGroup, RankCtx, Work};
 use crate::stats::{volume, Op, Phase};
 use crate::trace::Track;
-use ganymede_core::{TMut, T};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, Partition, PartitionMut};
 use mpi::environment::Universe;
@@ -566,13 +565,6 @@ impl MpiGroup {
     }
 }
 
-fn dtype_mismatch(op: &'static str) -> CommError {
-    CommError::Unsupported {
-        op,
-        message: "send and receive views must both be host f32 or both host f64".into(),
-    }
-}
-
 impl ProcessGroup for MpiGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -590,97 +582,7 @@ impl ProcessGroup for MpiGroup {
         &self.ctx
     }
 
-    fn iall_gather<'a>(&'a self, send: T<'a>, recv: TMut<'a>, phase: Phase) -> Result<Work<'a>> {
-        elem_size("all_gather", &send)?;
-        match (send, recv) {
-            (T::Host(s), TMut::Host(r)) => self.all_gather_t(s, r, phase),
-            (T::Host64(s), TMut::Host64(r)) => self.all_gather_t(s, r, phase),
-            _ => Err(dtype_mismatch("all_gather")),
-        }
-    }
-    fn ireduce_scatter<'a>(
-        &'a self,
-        send: T<'a>,
-        recv: TMut<'a>,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        elem_size("reduce_scatter", &send)?;
-        match (send, recv) {
-            (T::Host(s), TMut::Host(r)) => self.reduce_scatter_t(s, r, phase),
-            (T::Host64(s), TMut::Host64(r)) => self.reduce_scatter_t(s, r, phase),
-            _ => Err(dtype_mismatch("reduce_scatter")),
-        }
-    }
-    fn iall_reduce<'a>(&'a self, buf: TMut<'a>, phase: Phase) -> Result<Work<'a>> {
-        match buf {
-            TMut::Host(b) => self.all_reduce_t(b, phase),
-            TMut::Host64(b) => self.all_reduce_t(b, phase),
-            #[allow(unreachable_patterns)]
-            _ => Err(dtype_mismatch("all_reduce")),
-        }
-    }
-    fn ialltoallv<'a>(
-        &'a self,
-        send: T<'a>,
-        send_counts: &[usize],
-        recv: TMut<'a>,
-        recv_counts: &[usize],
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        match (send, recv) {
-            (T::Host(s), TMut::Host(r)) => self.alltoallv_t(s, send_counts, r, recv_counts, phase),
-            (T::Host64(s), TMut::Host64(r)) => {
-                self.alltoallv_t(s, send_counts, r, recv_counts, phase)
-            }
-            _ => Err(dtype_mismatch("alltoallv")),
-        }
-    }
-    fn ibroadcast<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
-        match buf {
-            TMut::Host(b) => self.broadcast_t(b, root, phase),
-            TMut::Host64(b) => self.broadcast_t(b, root, phase),
-            #[allow(unreachable_patterns)]
-            _ => Err(dtype_mismatch("broadcast")),
-        }
-    }
-    fn ireduce<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
-        match buf {
-            TMut::Host(b) => self.reduce_t(b, root, phase),
-            TMut::Host64(b) => self.reduce_t(b, root, phase),
-            #[allow(unreachable_patterns)]
-            _ => Err(dtype_mismatch("reduce")),
-        }
-    }
-    fn igather<'a>(
-        &'a self,
-        send: T<'a>,
-        recv: Option<TMut<'a>>,
-        root: usize,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        match (send, recv) {
-            (T::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
-            (T::Host(s), Some(TMut::Host(r))) => self.gather_t(s, Some(r), root, phase),
-            (T::Host64(s), None) => self.gather_t::<f64>(s, None, root, phase),
-            (T::Host64(s), Some(TMut::Host64(r))) => self.gather_t(s, Some(r), root, phase),
-            _ => Err(dtype_mismatch("gather")),
-        }
-    }
-    fn iscatter<'a>(
-        &'a self,
-        send: Option<T<'a>>,
-        recv: TMut<'a>,
-        root: usize,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        match (send, recv) {
-            (None, TMut::Host(r)) => self.scatter_t::<f32>(None, r, root, phase),
-            (Some(T::Host(s)), TMut::Host(r)) => self.scatter_t(Some(s), r, root, phase),
-            (None, TMut::Host64(r)) => self.scatter_t::<f64>(None, r, root, phase),
-            (Some(T::Host64(s)), TMut::Host64(r)) => self.scatter_t(Some(s), r, root, phase),
-            _ => Err(dtype_mismatch("scatter")),
-        }
-    }
+    crate::group::host_collectives_by_dtype!();
     fn iall_gather_bf16<'a>(
         &'a self,
         send: &'a [u16],
