@@ -59,10 +59,11 @@ struct TrainArgs {
     /// Stop after this many completed steps (checkpointing there), as if interrupted.
     #[arg(long, value_name = "STEP")]
     stop_after: Option<usize>,
-    /// Sharded training on N ranks as threads of this process (FSDP; see `[parallelism]`).
+    /// Train on N ranks as threads of this process (FSDP and expert parallelism per
+    /// `[parallelism]`; 1, the default, is one process).
     #[arg(long, value_name = "N")]
     ranks: Option<usize>,
-    /// Sharded runs (--ranks, mpirun): write every rank's timeline as a Chrome trace.
+    /// Write every rank's timeline as a Chrome trace.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
 }
@@ -152,17 +153,26 @@ fn main() -> ExitCode {
 fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Train(a) => {
-            // --ranks sets the FSDP degree, so `ep` validates against it.
-            let mut set = a.set.clone();
-            if let Some(n) = a.ranks {
-                set.insert(0, format!("parallelism.dp_shard={n}"));
-            }
+            // The world size: mpirun's processes, else --ranks threads (default one process).
+            #[cfg(feature = "mpi")]
+            let mpi_size: Option<usize> = std::env::var("OMPI_COMM_WORLD_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok());
+            #[cfg(not(feature = "mpi"))]
+            let mpi_size: Option<usize> = None;
+            anyhow::ensure!(
+                mpi_size.is_none() || a.ranks.is_none(),
+                "under mpirun the processes are the ranks: drop --ranks"
+            );
+            let ranks = mpi_size.or(a.ranks).unwrap_or(1);
+            anyhow::ensure!(ranks >= 1, "--ranks 0: give at least one rank");
             let (cfg, ckpt) = trainer::resolve_config(
                 a.preset.as_deref(),
                 a.config.as_deref(),
-                &set,
+                &a.set,
                 a.steps,
                 a.resume.as_deref(),
+                ranks,
             )?;
             let name = match (&a.preset, &a.config) {
                 (Some(p), _) => p.clone(),
@@ -171,49 +181,20 @@ fn run(cmd: Command) -> Result<()> {
                     .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
                 (None, None) => "tiny".into(),
             };
-            #[cfg(feature = "mpi")]
-            if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
-                // Launched by mpirun: every process is one rank.
-                anyhow::ensure!(
-                    a.ranks.is_none() && a.stop_after.is_none(),
-                    "under mpirun the processes are the ranks: drop --ranks (and --stop-after)"
-                );
-                let opts = ganymede_parallel::ParOptions {
-                    out: a.out,
-                    name,
-                    trace: a.trace,
-                    resume: ckpt,
-                    ..Default::default()
-                };
-                ganymede_parallel::driver::train_mpi(&cfg, &opts)?;
-                return Ok(());
-            }
-            anyhow::ensure!(
-                a.trace.is_none() || a.ranks.is_some(),
-                "--trace records sharded runs: give --ranks N (or run under mpirun)"
-            );
-            if let Some(ranks) = a.ranks {
-                anyhow::ensure!(
-                    a.stop_after.is_none(),
-                    "--ranks does not support --stop-after yet"
-                );
-                let opts = ganymede_parallel::ParOptions {
-                    ranks,
-                    out: a.out,
-                    name,
-                    trace: a.trace,
-                    resume: ckpt,
-                    ..Default::default()
-                };
-                ganymede_parallel::train_threads(&cfg, &opts)?;
-                return Ok(());
-            }
             let opts = TrainOptions {
                 out: a.out,
                 stop_after: a.stop_after,
                 name,
                 quiet: false,
+                ranks,
+                trace: a.trace,
+                ..Default::default()
             };
+            #[cfg(feature = "mpi")]
+            if mpi_size.is_some() {
+                trainer::train_mpi(&cfg, ckpt.as_deref(), &opts)?;
+                return Ok(());
+            }
             trainer::train(&cfg, ckpt.as_deref(), &opts)?;
         }
         Command::Eval(a) => {

@@ -32,8 +32,8 @@ mod workspace;
 pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
 pub use generate::generate;
 pub use step::{
-    forward_backward, forward_backward_with, forward_loss, forward_loss_with, update_router_bias,
-    GradSink, LocalParams, ParamSource, Pass,
+    forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,
+    update_router_bias, GradSink, LocalParams, ParamSource, Pass,
 };
 pub use workspace::{activation_bytes, Workspace};
 
@@ -284,6 +284,18 @@ impl Model {
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
+    /// Indices of the routers' selection biases (`e_score_correction_bias`), one per MoE layer
+    /// in layer order; empty unless `router_bias_update > 0`.
+    pub fn router_biases(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .filter_map(|li| match li.mlp {
+                MlpIdx::Moe { bias, .. } => bias,
+                MlpIdx::Dense { .. } => None,
+            })
+            .collect()
+    }
+
     pub fn param_specs(&self) -> &[ParamSpec] {
         &self.specs
     }

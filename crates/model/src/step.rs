@@ -7,7 +7,7 @@ use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::Workspace;
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
-use ganymede_core::{Backend, Gemm, ParamStore};
+use ganymede_core::{Backend, Gemm, ParamStore, Tensor};
 
 /// Which pass wants a block's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,24 +329,29 @@ pub fn update_router_bias(
     if coeff == 0.0 {
         return;
     }
-    let biases = model.layers.iter().filter_map(|li| match li.mlp {
-        MlpIdx::Moe { bias, .. } => Some(bias.expect("bias parameter when router_bias_update > 0")),
-        MlpIdx::Dense { .. } => None,
-    });
-    for (bi, load) in biases.zip(&out.expert_load) {
-        let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len() as f64;
-        let t = params.get_mut(bi);
-        let b: Vec<f32> = be
-            .download_f64(t.v())
-            .iter()
-            .zip(load)
-            .map(|(&b, &l)| {
-                let d = mean - l as f64;
-                // sign(0) = 0: a perfectly balanced expert keeps its bias.
-                let step = if d == 0.0 { 0.0 } else { coeff * d.signum() };
-                (b + step) as f32
-            })
-            .collect();
-        be.write(t.vm(), &b);
+    for (bi, load) in model.router_biases().into_iter().zip(&out.expert_load) {
+        router_bias_step(be, params.get_mut(bi), 0..load.len(), load, coeff);
     }
+}
+
+/// One layer's bias update on the entries `bias` holds: experts `experts` of that layer (all of
+/// them in one process, a rank's slice under FSDP), from the global batch's loads of every
+/// expert. Entries of `bias` past the slice (shard padding) are left alone.
+pub fn router_bias_step(
+    be: &dyn Backend,
+    bias: &mut Tensor,
+    experts: std::ops::Range<usize>,
+    load: &[f32],
+    coeff: f64,
+) {
+    let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len() as f64;
+    let mut b = be.download_f64(bias.v());
+    for (k, e) in experts.enumerate() {
+        let d = mean - load[e] as f64;
+        // sign(0) = 0: a perfectly balanced expert keeps its bias.
+        let step = if d == 0.0 { 0.0 } else { coeff * d.signum() };
+        b[k] += step;
+    }
+    let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
+    be.write(bias.vm(), &b32);
 }

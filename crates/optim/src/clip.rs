@@ -8,8 +8,7 @@ use ganymede_core::{Backend, ParamStore};
 /// the gradients untouched (scaling would only spread the NaN); the caller sees it and decides.
 pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -> f64 {
     let norm = global_norm(be, grads);
-    if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
-        let coef = (max_norm / (norm + 1e-6)) as f32;
+    if let Some(coef) = clip_coef(norm, max_norm) {
         for (spec, g) in grads.iter_mut() {
             if spec.kind.is_trainable() {
                 be.scale(g.vm(), coef);
@@ -27,4 +26,12 @@ pub fn global_norm(be: &dyn Backend, grads: &ParamStore) -> f64 {
         .map(|(_, g)| be.sumsq(g.v()))
         .sum::<f64>()
         .sqrt()
+}
+
+/// The factor gradients of global norm `norm` are scaled by, if clipping applies: `None` when
+/// `max_norm <= 0` (disabled), the norm is within it, or the norm is not finite. Shared by every
+/// world size, so one process and N ranks clip alike.
+pub fn clip_coef(norm: f64, max_norm: f64) -> Option<f32> {
+    (max_norm > 0.0 && norm.is_finite() && norm > max_norm)
+        .then(|| (max_norm / (norm + 1e-6)) as f32)
 }

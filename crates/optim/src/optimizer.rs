@@ -318,6 +318,23 @@ impl Optimizer {
         out
     }
 
+    /// [`Optimizer::state_mut`] as (parameter index, checkpoint suffix, tensor), the form the
+    /// sharded optimizer gives too.
+    pub fn state_indexed_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        let mut out = Vec::new();
+        for (i, rule) in self.rules.iter_mut().enumerate() {
+            match rule {
+                Rule::Muon { momentum, .. } => out.push((i, "muon_momentum", momentum)),
+                Rule::AdamW { m, v, .. } => {
+                    out.push((i, "adam_m", m));
+                    out.push((i, "adam_v", v));
+                }
+                Rule::Frozen => {}
+            }
+        }
+        out
+    }
+
     /// Steps taken so far (AdamW's bias correction uses it).
     pub fn step_count(&self) -> u64 {
         self.step

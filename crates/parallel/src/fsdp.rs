@@ -115,8 +115,10 @@ pub struct FsdpParams {
     groups: Groups,
     dtype: GatherDtype,
     prefetch: usize,
-    /// Master shards, f32, in table order.
-    pub master: Vec<Tensor>,
+    /// Master shards, f32, in table order. Private: posted f32 gathers read them, so every
+    /// access goes through [`FsdpParams::master_mut`] or [`FsdpParams::shard`], which check that
+    /// none is in flight.
+    master: Vec<Tensor>,
     /// What the model reads: root parameters resident, block entries empty except while in use.
     store: ParamStore,
     /// The step's block uses in order, and how far the step has got.
@@ -316,9 +318,29 @@ impl FsdpParams {
         }
     }
 
-    /// Shard of parameter `i`, this rank's.
+    /// Whether a posted gather may still read the master shards or write a slot.
+    fn in_flight(&self) -> bool {
+        self.slots.iter().any(|s| !s.work.is_empty())
+    }
+
+    /// Shard of parameter `i`, this rank's. Between steps only: panics while gathers are in
+    /// flight (they read the shards).
     pub fn shard(&self, i: usize) -> &Tensor {
+        assert!(
+            !self.in_flight(),
+            "master shards read while gathers are in flight"
+        );
         &self.master[i]
+    }
+
+    /// The master shards, to update or load. Between steps only: panics while a gather posted
+    /// from them is in flight, which is what makes the `'static` borrows of `post` sound.
+    pub fn master_mut(&mut self) -> &mut [Tensor] {
+        assert!(
+            !self.in_flight(),
+            "master shards written while gathers are in flight"
+        );
+        &mut self.master
     }
 }
 
@@ -424,8 +446,10 @@ pub struct FsdpGrads {
     /// block's backward. Tails stay zero.
     stage: [Vec<Tensor>; 2],
     turn: usize,
-    /// Gradient shards, f32, in table order.
-    pub shards: Vec<Tensor>,
+    /// Gradient shards, f32, in table order. Private: posted reduce-scatters write them, so
+    /// access goes through [`FsdpGrads::shards`] / [`FsdpGrads::shards_mut`], which check that
+    /// none is in flight.
+    shards: Vec<Tensor>,
     ledger: Arc<Ledger>,
 }
 
@@ -483,6 +507,29 @@ impl FsdpGrads {
                     .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
             }
         }
+    }
+
+    fn in_flight(&self) -> bool {
+        self.pending.iter().any(|p| !p.is_empty())
+    }
+
+    /// The gradient shards (the global batch's after [`FsdpGrads::finish`]). Panics while a
+    /// reduce-scatter into them is in flight.
+    pub fn shards(&self) -> &[Tensor] {
+        assert!(
+            !self.in_flight(),
+            "gradient shards read while reduce-scatters are in flight"
+        );
+        &self.shards
+    }
+
+    /// See [`FsdpGrads::shards`].
+    pub fn shards_mut(&mut self) -> &mut [Tensor] {
+        assert!(
+            !self.in_flight(),
+            "gradient shards written while reduce-scatters are in flight"
+        );
+        &mut self.shards
     }
 
     fn shape_for(&mut self, be: &dyn Backend, l: usize) {

@@ -1,24 +1,18 @@
-//! Sharded training, applied around the unchanged model (TorchTitan's `parallelize` shape): the
-//! model crate's step takes a [`ganymede_model::ParamSource`] and a
-//! [`ganymede_model::GradSink`], and this crate supplies FSDP ones.
+//! Parallelism applied around the unchanged model (TorchTitan's `parallelize` shape): the model
+//! crate's step takes a [`ganymede_model::ParamSource`], a [`ganymede_model::GradSink`] and a
+//! [`ganymede_model::ExpertExecutor`], and this crate supplies them for a mesh.
 //!
+//! - [`driver`]: one rank's state and its training step at any world size ([`RankState`]):
+//!   whole parameters at world size 1, FSDP shards beyond. The training loop that drives it for
+//!   one process, threads and MPI is `ganymede_train::trainer`.
 //! - [`layout`]: units (one per block, plus the root unit) and shard ranges.
 //! - [`fsdp`]: per-block all-gathers (bf16 or f32) into a fixed pool with prefetch, gradient
 //!   reduce-scatters in f32.
 //! - [`optim`]: Muon and AdamW on shards; Muon's Newton–Schulz placed by FlexShard or the naive
 //!   baseline through [`ganymede_dist::muon_exchange`].
-//! - [`driver`]: one rank's training state and step, and `train_threads` (`ganymede train
-//!   --ranks N`).
-//!
-//! - [`checkpoint`]: checkpoints gathered to rank 0 in the single-process format, or per-rank
-//!   shard files with a layout manifest (`parallelism.sharded_checkpoints`); either resumes at
-//!   any rank count and mesh shape.
-//!
 //! - [`ep`]: expert parallelism, tokens to their experts' ranks with uneven all-to-alls.
-//!
-//! Ranks are threads (`ganymede train --ranks N`, [`train_threads`]) or MPI processes
-//! (`mpirun -n N ganymede train`, `driver::train_mpi`, feature `mpi`;
-//! `scripts/mpi_train_test.sh` checks it against one process).
+//! - [`checkpoint`]: a rank's state saved gathered (rank 0 writes the single-process files) or
+//!   as per-rank shards with a layout record; either loads at any rank count and mesh shape.
 
 pub mod checkpoint;
 pub mod driver;
@@ -27,4 +21,4 @@ pub mod fsdp;
 pub mod layout;
 pub mod optim;
 
-pub use driver::{train_threads, ParOptions, ParSummary, RankState};
+pub use driver::{policy, RankState, Shards, StepReport};

@@ -1,11 +1,13 @@
 //! The training side of ganymede:
-//! - [`trainer`]: the step loop, the run directory and `--resume`;
+//! - [`trainer`]: the training loop (one process, ranks as threads, MPI), the run directory
+//!   and `--resume`;
 //! - [`checkpoint`]: safetensors checkpoints with a manifest, written atomically;
 //! - [`metrics`]: `metrics.jsonl`, expert-load statistics, progress, the memory report;
 //! - [`eval`]: loading a checkpoint, windowed cross-entropy, sampling;
 //! - [`export`]: the Hugging Face Qwen3-MoE export.
 
-pub mod checkpoint;
+/// Checkpoints live in their own crate (the parallel crate saves and loads a rank's state too).
+pub use ganymede_checkpoint as checkpoint;
 pub mod eval;
 pub mod export;
 pub mod metrics;

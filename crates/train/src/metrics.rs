@@ -25,12 +25,22 @@ pub struct StepMetrics {
     pub tokens_per_s_avg: f64,
     pub tokens_seen: u64,
     pub elapsed_s: f64,
+    /// Seconds of this step (validation and checkpoints excluded).
+    pub step_s: f64,
     /// Worst layer's busiest-expert load over the mean load (1 = perfectly balanced).
     pub load_max_over_mean: f64,
     /// Per MoE layer: coefficient of variation of the expert loads (0 = perfectly balanced).
     pub load_cv: Vec<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// World size (1: one process).
+    pub ranks: usize,
+    /// Sharded runs: rank 0's bytes per phase in this step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_bytes: Option<serde_json::Value>,
+    /// Sharded runs: rank 0's bytes and calls per phase and collective kind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<serde_json::Value>,
 }
 
 /// (max over layers of max/mean, per-layer coefficient of variation) of expert loads.

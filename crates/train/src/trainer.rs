@@ -1,24 +1,31 @@
-//! The training loop and the run directory.
+//! The training loop and the run directory: one loop for one process, ranks as threads, and
+//! MPI processes.
 //!
 //! ```text
 //! RUN/config.toml       the resolved job configuration
 //! RUN/metrics.jsonl     one JSON object per step
-//! RUN/memory.json       peak bytes per ledger category at the end
+//! RUN/memory.json       peak bytes per ledger category at the end (rank 0's)
 //! RUN/data/             tokenised splits (and tokenizer.json) built by the data crate
 //! RUN/checkpoints/      see `checkpoint`
 //! ```
+//!
+//! Every rank runs [`rank_loop`]: build its state ([`RankState::new`] applies the parallelism
+//! the mesh asks for, none at world size 1), resume, then step, validate, log (rank 0) and
+//! checkpoint. A single process is world size 1 of the same loop.
 
-use crate::checkpoint::{self, CheckpointData, Manifest, Position};
+use crate::checkpoint::{self, Position};
 use crate::metrics::{self, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
-use ganymede_core::{Backend, Category, CpuBackend, ParamStore};
+use ganymede_core::{Category, Memory};
 use ganymede_data::Dataset;
-use ganymede_model::{forward_backward, forward_loss, update_router_bias, Model, Workspace};
-use ganymede_optim::{clip_grad_norm, lr_at, Optimizer};
+use ganymede_dist::threads::panic_message;
+use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};
+use ganymede_parallel::RankState;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How a run is driven, beyond its configuration.
 #[derive(Clone, Debug, Default)]
@@ -31,9 +38,17 @@ pub struct TrainOptions {
     pub name: String,
     /// No progress output at all (tests).
     pub quiet: bool,
+    /// Ranks, as threads of this process (0 or 1: one process, world size 1).
+    pub ranks: usize,
+    /// Write every rank's timeline here as a Chrome trace.
+    pub trace: Option<PathBuf>,
+    /// Fault injection for tests: `(rank, step)` panics on that rank before that step.
+    pub fail_at: Option<(usize, usize)>,
+    /// Fault injection for tests: `(rank, step)` stalls that rank (sleeps past the timeout).
+    pub stall_at: Option<(usize, usize)>,
 }
 
-/// What a finished run reports.
+/// What a finished run reports (rank 0's view).
 #[derive(Clone, Debug)]
 pub struct TrainSummary {
     pub run_dir: PathBuf,
@@ -43,10 +58,18 @@ pub struct TrainSummary {
     /// Training loss of each step run here, in order.
     pub losses: Vec<f64>,
     pub final_val_loss: Option<f64>,
+    /// Tokens per second over the steps run here (steps only: no validation or checkpoints).
     pub tokens_per_s: f64,
+    /// Mean seconds per step, the first step excluded when there are several.
+    pub step_s: f64,
     pub checkpoint: Option<PathBuf>,
     /// The corpus's entropy floor in nats per token (built-in corpus only).
     pub entropy_floor: Option<f64>,
+    pub ranks: usize,
+    /// Rank 0's bytes of each step.
+    pub comm: Vec<CommSnapshot>,
+    /// Every rank's bytes of the last step (rank 0's only under MPI).
+    pub last_comm: Vec<CommSnapshot>,
 }
 
 /// Size rayon's global pool from `training.threads` (0 = all cores). Only the first call in a
@@ -57,15 +80,21 @@ pub fn init_threads(threads: usize) {
         .build_global();
 }
 
-/// The job configuration for `ganymede train`: from a preset or file (or, when resuming with
-/// neither, the checkpoint's own), with overrides and `--steps` applied, validated, and checked
-/// against the checkpoint being resumed (naming every key that differs).
+/// The job configuration for `ganymede train` on `ranks` ranks: from a preset or file (or, when
+/// resuming with neither, the checkpoint's own), with overrides and `--steps` applied, the mesh
+/// fitted to the rank count, validated, and checked against the checkpoint being resumed
+/// (naming every key that differs).
+///
+/// `parallelism.dp_shard` is the rank count. When `parallelism.ep` does not divide it and was not
+/// set on the command line (a checkpoint's or file's value), it becomes the largest value that
+/// does (gcd), so a checkpoint saved on any mesh resumes on any rank count.
 pub fn resolve_config(
     preset: Option<&str>,
     file: Option<&Path>,
     overrides: &[String],
     steps: Option<usize>,
     resume: Option<&Path>,
+    ranks: usize,
 ) -> Result<(JobConfig, Option<PathBuf>)> {
     let ckpt = resume.map(checkpoint::resolve).transpose()?;
     let saved = match &ckpt {
@@ -79,6 +108,7 @@ pub fn resolve_config(
     if let Some(n) = steps {
         cfg.training.steps = n;
     }
+    fit_mesh(&mut cfg, ranks, overrides);
     cfg.validate()?;
     if let (Some(saved), Some(dir)) = (&saved, &ckpt) {
         let differing: Vec<String> = checkpoint::config_diff(saved, &cfg)
@@ -107,6 +137,27 @@ pub fn resolve_config(
         }
     }
     Ok((cfg, ckpt))
+}
+
+/// Set the mesh keys for `ranks` ranks (see [`resolve_config`]).
+pub fn fit_mesh(cfg: &mut JobConfig, ranks: usize, overrides: &[String]) {
+    let ranks = ranks.max(1);
+    let p = &mut cfg.parallelism;
+    p.dp_shard = ranks;
+    let ep_given = overrides
+        .iter()
+        .any(|o| o.trim_start().starts_with("parallelism.ep"));
+    if !ep_given && p.ep > 0 && !ranks.is_multiple_of(p.ep) {
+        p.ep = gcd(p.ep, ranks);
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 fn value_of(cfg: &JobConfig, key: &str) -> String {
@@ -155,10 +206,10 @@ fn run_dir_of(ckpt: &Path) -> Option<PathBuf> {
     (parent.file_name()? == "checkpoints").then(|| parent.parent().map(Path::to_path_buf))?
 }
 
-/// Train `cfg` (already resolved and validated; see [`resolve_config`]), from scratch or from
-/// the checkpoint `ckpt`.
-pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Result<TrainSummary> {
-    init_threads(cfg.training.threads);
+/// The run directory for a run from `ckpt` (or from scratch), refusing one that holds another
+/// run's results: its checkpoints or metrics would be overwritten. A resumed run continues its
+/// own directory (or writes `--out`).
+pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> {
     let run_dir = match (&opts.out, ckpt.and_then(run_dir_of)) {
         (Some(o), _) => o.clone(),
         (None, Some(r)) => r,
@@ -168,38 +219,183 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             &opts.name
         }),
     };
-    if ckpt.is_none() && !checkpoint::list(&checkpoint::checkpoints_root(&run_dir)).is_empty() {
-        bail!(
-            "run directory {} already holds checkpoints: continue it with --resume {0}, or pick another --out",
-            run_dir.display()
-        );
+    if ckpt.is_none() {
+        if !checkpoint::list(&checkpoint::checkpoints_root(&run_dir)).is_empty() {
+            bail!(
+                "run directory {} already holds checkpoints: continue it with --resume {0}, or pick another --out",
+                run_dir.display()
+            );
+        }
+        let m = run_dir.join("metrics.jsonl");
+        if fs::metadata(&m).is_ok_and(|md| md.len() > 0) {
+            bail!(
+                "run directory {} already holds a run's metrics ({}): pick another --out",
+                run_dir.display(),
+                m.display()
+            );
+        }
+    } else if let (Some(dir), Some(out)) = (ckpt, &opts.out) {
+        // Resuming into another run's directory would mix two runs' metrics and checkpoints.
+        let holds = !checkpoint::list(&checkpoint::checkpoints_root(out)).is_empty();
+        let canon = |p: &Path| fs::canonicalize(p).ok();
+        if holds && run_dir_of(dir).and_then(|r| canon(&r)) != canon(out) {
+            bail!(
+                "run directory {} already holds checkpoints of another run: resume into the checkpoint's own run directory, or pick another --out",
+                out.display()
+            );
+        }
     }
-    fs::create_dir_all(&run_dir)
+    Ok(run_dir)
+}
+
+/// Train `cfg` (already resolved and validated; see [`resolve_config`]), from scratch or from
+/// the checkpoint `ckpt`, on `opts.ranks` ranks as threads of this process (one: this thread).
+pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Result<TrainSummary> {
+    let n = opts.ranks.max(1);
+    let mut cfg = cfg.clone();
+    fit_mesh(&mut cfg, n, &[]);
+    cfg.validate()?;
+    init_threads(cfg.training.threads);
+    let run_dir = run_dir_for(ckpt, opts)?;
+    prepare_run_dir(&cfg, &run_dir)?;
+    let data = build_data(&cfg, Some(&run_dir.join("data")))?;
+    let tcfg = ThreadsConfig {
+        timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
+        trace: opts.trace.is_some(),
+    };
+    let run = Arc::new(Run {
+        cfg,
+        ckpt: ckpt.map(Path::to_path_buf),
+        opts: opts.clone(),
+        data,
+        run_dir,
+    });
+    let outs = if n == 1 {
+        let world = ganymede_dist::threads_world(1, &tcfg)
+            .pop()
+            .expect("one rank");
+        vec![rank_loop(Arc::new(world), &run, true)?]
+    } else {
+        run_ranks_as_threads(n, &tcfg, run.clone())?
+    };
+    if let Some(path) = &opts.trace {
+        let tracers: Vec<&Tracer> = outs.iter().map(|o| o.tracer.as_ref()).collect();
+        write_chrome_trace(path, &tracers)
+            .with_context(|| format!("cannot write trace {}", path.display()))?;
+    }
+    Ok(summary(&outs, &run))
+}
+
+/// What every rank needs to run.
+struct Run {
+    cfg: JobConfig,
+    ckpt: Option<PathBuf>,
+    opts: TrainOptions,
+    data: Dataset,
+    run_dir: PathBuf,
+}
+
+/// What one rank reports.
+struct RankOut {
+    losses: Vec<f64>,
+    comm: Vec<CommSnapshot>,
+    step_secs: Vec<f64>,
+    /// Tokens of one global batch.
+    tokens: usize,
+    val_loss: Option<f64>,
+    /// First step run here (0, or the resumed checkpoint's).
+    start: usize,
+    end: usize,
+    checkpoint: Option<PathBuf>,
+    tracer: Arc<Tracer>,
+}
+
+fn prepare_run_dir(cfg: &JobConfig, run_dir: &Path) -> Result<()> {
+    fs::create_dir_all(run_dir)
         .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    checkpoint::write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    checkpoint::write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())
+}
 
+fn build_data(cfg: &JobConfig, dir: Option<&Path>) -> Result<Dataset> {
     let (m, t) = (&cfg.model, &cfg.training);
-    let (batch, seq, total) = (t.batch_size, m.seq_len, t.steps);
-    let data_dir = run_dir.join("data");
-    let data = Dataset::build(&cfg.data, m.vocab_size, seq, t.seed, Some(&data_dir))?;
+    Dataset::build(&cfg.data, m.vocab_size, m.seq_len, t.seed, dir)
+}
 
-    let be = CpuBackend::default();
-    let be: &dyn Backend = &be;
-    let model = Model::new(m);
-    let mut params = model.init_params(be, t.seed);
-    let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
-    let mut opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
-    let mut ws = Workspace::new(be, &model, batch, seq, cfg.activation_checkpoint.mode);
+/// `n` ranks on detached threads, so a rank stuck outside any collective cannot hold the job:
+/// once one rank has failed, the others get the collective timeout (plus a second) to report,
+/// and any still running are left behind with an error naming them.
+fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Result<Vec<RankOut>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    for g in ganymede_dist::threads_world(n, tcfg) {
+        let (tx, shared) = (tx.clone(), shared.clone());
+        std::thread::Builder::new()
+            .name(format!("rank{}", g.rank()))
+            .spawn(move || {
+                let rank = g.rank();
+                let world: Arc<dyn ProcessGroup> = Arc::new(g);
+                // A panic drops the world handle while unwinding, which poisons the world, so
+                // every other rank's collective fails at once naming this rank.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    rank_loop(world, &shared, rank == 0)
+                }));
+                let _ = tx.send((rank, r));
+            })
+            .context("cannot start a rank thread")?;
+    }
+    drop(tx);
+    let mut results: Vec<Option<std::thread::Result<Result<RankOut>>>> =
+        (0..n).map(|_| None).collect();
+    let mut deadline: Option<Instant> = None;
+    let grace = tcfg.timeout + Duration::from_secs(1);
+    while results.iter().any(Option::is_none) {
+        let got = match deadline {
+            None => rx.recv().ok(),
+            Some(d) => rx
+                .recv_timeout(d.saturating_duration_since(Instant::now()))
+                .ok(),
+        };
+        let Some((rank, r)) = got else { break };
+        if deadline.is_none() && !matches!(r, Ok(Ok(_))) {
+            deadline = Some(Instant::now() + grace);
+        }
+        results[rank] = Some(r);
+    }
+    // The first failure in rank order; a panic (the root cause) before the errors it caused.
+    let mut outs = Vec::new();
+    let mut panics = Vec::new();
+    let mut errors = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Some(Ok(Ok(o))) => outs.push(o),
+            Some(Ok(Err(e))) => errors.push(format!("rank {r}: {e:#}")),
+            Some(Err(p)) => panics.push(format!("rank {r}: {}", panic_message(p.as_ref()))),
+            None => errors.push(format!(
+                "rank {r} did not finish within {:.0} s of the first failure (stuck outside a collective?)",
+                grace.as_secs_f64()
+            )),
+        }
+    }
+    if !panics.is_empty() || !errors.is_empty() {
+        let mut all = panics;
+        all.extend(errors);
+        bail!("sharded training failed: {}", all.join("; "));
+    }
+    Ok(outs)
+}
 
-    let mut start = 0;
-    let mut tokens_seen = 0u64;
-    if let Some(dir) = ckpt {
-        let manifest = checkpoint::read_manifest(dir)?;
-        checkpoint::load_params(be, dir, &mut params)?;
-        checkpoint::load_into(be, &dir.join(checkpoint::OPTIMIZER_FILE), opt.state_mut())?;
-        opt.set_step_count(manifest.optimizer_step);
-        start = manifest.data.next_step;
-        tokens_seen = manifest.tokens_seen;
+/// One rank's whole run: build its state, resume, step, validate, log and write (`writer`:
+/// rank 0), checkpoint.
+fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<RankOut> {
+    let (cfg, opts, data, run_dir) = (&run.cfg, &run.opts, &run.data, &run.run_dir);
+    let run_start = Instant::now();
+    let (rank, n) = (world.rank(), world.size());
+    let tracer = world.ctx().tracer.clone();
+    let mut st = RankState::new(world, cfg)?;
+    let total = cfg.training.steps;
+    let (mut start, mut tokens_seen) = (0, 0u64);
+    if let Some(dir) = &run.ckpt {
+        let m = st.load_checkpoint(dir)?;
+        (start, tokens_seen) = (m.data.next_step, m.tokens_seen);
         if start >= total {
             bail!(
                 "checkpoint {} is at step {start}, and training.steps = {total}: nothing left to run (raise --steps)",
@@ -208,188 +404,278 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         }
     }
     let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
+    // Rank 0 writes metrics (appending to a resumed run's, without the steps it redoes).
+    let mut writer = writer
+        .then(|| MetricsWriter::open(&run_dir.join("metrics.jsonl"), start))
+        .transpose()?;
+    let progress = Progress::new(
+        start,
+        total,
+        cfg.metrics.log_every,
+        opts.quiet || writer.is_none(),
+    );
+    progress.println(&banner(cfg, &st, n, data, run_dir, start));
+    if n == 1 && (cfg.parallelism.ep > 1) {
+        progress.println("note: parallelism.ep takes effect with more than one rank");
+    }
+    let mut out = RankOut {
+        losses: vec![],
+        comm: vec![],
+        step_secs: vec![],
+        tokens: 0,
+        val_loss: None,
+        start,
+        end,
+        checkpoint: None,
+        tracer,
+    };
+    let mut timed_tokens = 0u64;
+    let mut step_secs = 0.0f64;
+    for step in start..end {
+        if opts.fail_at == Some((rank, step)) {
+            panic!("injected failure on rank {rank} at step {}", step + 1);
+        }
+        if opts.stall_at == Some((rank, step)) {
+            std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 20.0));
+        }
+        // One optimizer step; `step` is 0-based, metrics count completed steps.
+        let t0 = Instant::now();
+        let r = st.step(data, step)?;
+        let dt = t0.elapsed().as_secs_f64();
+        step_secs += dt;
+        tokens_seen += r.tokens as u64;
+        timed_tokens += r.tokens as u64;
+        out.losses.push(r.loss);
+        out.step_secs.push(dt);
+        out.tokens = r.tokens;
 
-    let mut writer = MetricsWriter::open(&run_dir.join("metrics.jsonl"), start)?;
-    let progress = Progress::new(start, total, cfg.metrics.log_every, opts.quiet);
-    progress.println(&format!(
-        "ganymede train: {} parameters, {} on {}, {} threads, run directory {}{}",
-        params.numel(),
+        let done = step + 1;
+        let val_due = done == end
+            || (cfg.metrics.val_every > 0 && done.is_multiple_of(cfg.metrics.val_every));
+        let val_loss = val_due.then(|| st.validate(data)).transpose()?;
+        if val_loss.is_some() {
+            out.val_loss = val_loss;
+        }
+        if let Some(w) = &mut writer {
+            let (load_max_over_mean, load_cv) = metrics::load_balance(&r.expert_load);
+            let sm = StepMetrics {
+                step: done,
+                loss: r.loss,
+                aux_loss: r.aux_loss,
+                lr: r.lr,
+                grad_norm: r.grad_norm,
+                tokens_per_s: r.tokens as f64 / dt.max(1e-9),
+                tokens_per_s_avg: timed_tokens as f64 / step_secs.max(1e-9),
+                tokens_seen,
+                elapsed_s: run_start.elapsed().as_secs_f64(),
+                step_s: dt,
+                load_max_over_mean,
+                load_cv,
+                val_loss,
+                ranks: n,
+                comm_bytes: (n > 1).then(|| r.comm.by_phase_json()),
+                comm: (n > 1).then(|| serde_json::json!(r.comm.entries)),
+            };
+            w.write(&sm)?;
+            progress.step(&sm, total);
+        }
+        out.comm.push(r.comm);
+
+        let ck = &cfg.checkpoint;
+        if ck.enable && (done == end || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
+            let at = Position {
+                step: done,
+                tokens_seen,
+                data_seed: data.seed(),
+            };
+            out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
+        }
+    }
+    progress.finish();
+    if writer.is_some() {
+        write_memory(cfg, &st, run_dir, n, opts.quiet)?;
+    }
+    Ok(out)
+}
+
+fn banner(
+    cfg: &JobConfig,
+    st: &RankState,
+    n: usize,
+    data: &Dataset,
+    run_dir: &Path,
+    start: usize,
+) -> String {
+    let p = &cfg.parallelism;
+    let ranks = if n == 1 {
+        format!("{} threads", rayon::current_num_threads())
+    } else {
+        format!(
+            "{n} ranks (FSDP with {:?} gathers, prefetch {}, ep {}, Muon placement {:?}), {} threads",
+            p.gather_dtype,
+            p.prefetch,
+            p.ep,
+            p.muon_placement,
+            rayon::current_num_threads()
+        )
+    };
+    format!(
+        "ganymede train: {} parameters, {} on {}, {ranks}, run directory {}{}",
+        st.numel(),
         format!("{:?}", cfg.optimizer.name).to_lowercase(),
         data.source(),
-        rayon::current_num_threads(),
         run_dir.display(),
         if start > 0 {
             format!(", resuming at step {start}")
         } else {
             String::new()
         }
-    ));
+    )
+}
 
-    let par = &cfg.parallelism;
-    if par.dp_shard > 1 || par.ep > 1 {
-        progress.println(&format!(
-            "note: parallelism.dp_shard = {}, parallelism.ep = {} take effect with `ganymede train --ranks N`; without it the whole batch runs in one process",
-            par.dp_shard, par.ep
-        ));
-    }
-    let mut losses = Vec::new();
-    let mut final_val = None;
-    let mut last_ckpt = None;
-    let run_start = Instant::now();
-    let mut timed_tokens = 0u64;
-    // Seconds spent in training steps proper (validation and checkpoints excluded).
-    let mut step_secs = 0.0f64;
-    for step in start..end {
-        // One optimizer step; `step` is 0-based, metrics count completed steps.
-        let t0 = Instant::now();
-        let (inputs, targets) = data.batch(step as u64, batch, seq);
-        for g in grads.tensors_mut() {
-            be.fill(g.vm(), 0.0);
-        }
-        let out = forward_backward(
-            be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
-        );
-        if !out.loss.is_finite() {
-            bail!(
-                "loss is {} at step {}: training diverged (try a lower optimizer.lr than {})",
-                out.loss,
-                step + 1,
-                cfg.optimizer.lr
-            );
-        }
-        let grad_norm = clip_grad_norm(be, &mut grads, t.grad_clip);
-        let lr = lr_at(&cfg.optimizer, step, total);
-        opt.step(be, &mut params, &grads, lr);
-        if m.router_bias_update > 0.0 {
-            update_router_bias(be, &model, &mut params, &out);
-        }
-        be.synchronize();
-        let dt = t0.elapsed().as_secs_f64();
-        step_secs += dt;
-        tokens_seen += out.tokens as u64;
-        timed_tokens += out.tokens as u64;
-
-        let done = step + 1;
-        let val_due = done == end
-            || (cfg.metrics.val_every > 0 && done.is_multiple_of(cfg.metrics.val_every));
-        let val_loss = val_due.then(|| validate(be, &model, &params, &mut ws, &data, cfg));
-        if val_loss.is_some() {
-            final_val = val_loss;
-        }
-        let (load_max_over_mean, load_cv) = metrics::load_balance(&out.expert_load);
-        let sm = StepMetrics {
-            step: done,
-            loss: out.loss,
-            aux_loss: out.aux_loss,
-            lr,
-            grad_norm,
-            tokens_per_s: out.tokens as f64 / dt.max(1e-9),
-            tokens_per_s_avg: timed_tokens as f64 / step_secs.max(1e-9),
-            tokens_seen,
-            elapsed_s: run_start.elapsed().as_secs_f64(),
-            load_max_over_mean,
-            load_cv,
-            val_loss,
-        };
-        writer.write(&sm)?;
-        progress.step(&sm, total);
-        losses.push(out.loss);
-
-        let ckpt_due = cfg.checkpoint.enable
-            && (done == end
-                || (cfg.checkpoint.interval > 0 && done.is_multiple_of(cfg.checkpoint.interval)));
-        if ckpt_due {
-            let at = Position {
-                step: done,
-                tokens_seen,
-                data_seed: data.seed(),
-            };
-            last_ckpt = Some(save_checkpoint(be, cfg, &run_dir, &params, &opt, at)?);
-        }
-    }
-    progress.finish();
-
-    let report = be.ledger().report();
-    let p = ganymede_plan::predict_cpu_ledger(cfg, rayon::current_num_threads());
-    let predicted: metrics::Predicted = [
-        (Category::Params, p.params as u64),
-        (Category::Grads, p.grads as u64),
-        (Category::Optimizer, p.optimizer as u64),
-        (Category::Activations, p.activations as u64),
-        (Category::Buffers, p.buffers as u64),
-    ];
-    let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, Some(&predicted)))?;
+/// `memory.json` and the printed table: rank 0's peaks by category, with the planner's
+/// prediction where it models this layout (one process).
+fn write_memory(
+    cfg: &JobConfig,
+    st: &RankState,
+    run_dir: &Path,
+    n: usize,
+    quiet: bool,
+) -> Result<()> {
+    let report = st.be.ledger().report();
+    let predicted: Option<metrics::Predicted> = (n == 1).then(|| {
+        let p = ganymede_plan::predict_cpu_ledger(cfg, rayon::current_num_threads());
+        [
+            (Category::Params, p.params as u64),
+            (Category::Grads, p.grads as u64),
+            (Category::Optimizer, p.optimizer as u64),
+            (Category::Activations, p.activations as u64),
+            (Category::Buffers, p.buffers as u64),
+        ]
+    });
+    let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, predicted.as_ref()))?;
     checkpoint::write_atomic(&run_dir.join("memory.json"), mem.as_bytes())?;
-    if !opts.quiet {
-        println!("{}", metrics::memory_table(&report, Some(&predicted)));
-        if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
+    if !quiet {
+        println!("{}", metrics::memory_table(&report, predicted.as_ref()));
+    }
+    Ok(())
+}
+
+fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
+    let o0 = &outs[0];
+    let n = run.cfg.parallelism.dp_shard;
+    let total_secs: f64 = o0.step_secs.iter().sum();
+    let tokens_per_s = (o0.tokens * o0.step_secs.len()) as f64 / total_secs.max(1e-9);
+    let skip = usize::from(o0.step_secs.len() > 1);
+    let timed = &o0.step_secs[skip..];
+    let step_s = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
+    let floor = run.data.entropy_floor_nats_per_token();
+    if !run.opts.quiet {
+        if let (Some(first), Some(last)) = (o0.losses.first(), o0.losses.last()) {
             println!(
-                "steps {}..{}: loss {first:.4} -> {last:.4}{}; {:.0} tokens/s; run directory {}",
-                start + 1,
-                end,
-                final_val.map_or(String::new(), |v| format!(", val_loss {v:.4}")),
-                timed_tokens as f64 / step_secs.max(1e-9),
-                run_dir.display()
+                "steps {}..{}: loss {first:.4} -> {last:.4}{}; {tokens_per_s:.0} tokens/s{}; run directory {}",
+                o0.start + 1,
+                o0.end,
+                o0.val_loss.map_or(String::new(), |v| format!(", val_loss {v:.4}")),
+                if n > 1 { format!(" on {n} ranks") } else { String::new() },
+                run.run_dir.display()
             );
         }
-        if let Some(floor) = data.entropy_floor_nats_per_token() {
+        if let Some(floor) = floor {
             println!(
                 "entropy floor of the built-in corpus: {floor:.4} nats/token{}",
-                final_val.map_or(String::new(), |v| format!(
+                o0.val_loss.map_or(String::new(), |v| format!(
                     " (val_loss is {:.4} above it)",
                     v - floor
                 ))
             );
         }
     }
-    Ok(TrainSummary {
-        run_dir,
-        start_step: start,
-        end_step: end,
-        losses,
-        final_val_loss: final_val,
-        tokens_per_s: timed_tokens as f64 / step_secs.max(1e-9),
-        checkpoint: last_ckpt,
-        entropy_floor: data.entropy_floor_nats_per_token(),
-    })
-}
-
-/// Save parameters, optimizer state and the manifest (and the run's tokenizer) under
-/// `RUN/checkpoints`.
-fn save_checkpoint(
-    be: &dyn Backend,
-    cfg: &JobConfig,
-    run_dir: &Path,
-    params: &ParamStore,
-    opt: &Optimizer,
-    at: Position,
-) -> Result<PathBuf> {
-    let manifest = Manifest::at(cfg, &at, opt.step_count());
-    let cd = CheckpointData {
-        manifest: &manifest,
-        params: checkpoint::host_tensors(be, params.iter().map(|(s, t)| (s.name.clone(), t))),
-        optimizer: checkpoint::host_tensors(be, opt.state()),
-        extra_files: checkpoint::run_tokenizer_file(run_dir),
-    };
-    checkpoint::save(run_dir, &cd)
-}
-
-/// Mean loss over `metrics.val_batches` fixed batches of the validation split (aux excluded).
-fn validate(
-    be: &dyn Backend,
-    model: &Model,
-    params: &ParamStore,
-    ws: &mut Workspace,
-    data: &Dataset,
-    cfg: &JobConfig,
-) -> f64 {
-    let n = cfg.metrics.val_batches.max(1);
-    let mut sum = 0.0;
-    for i in 0..n {
-        let (x, y) = data.val_batch(i, cfg.training.batch_size, cfg.model.seq_len);
-        sum += forward_loss(be, model, params, ws, &x, &y).loss;
+    TrainSummary {
+        run_dir: run.run_dir.clone(),
+        start_step: o0.start,
+        end_step: o0.end,
+        losses: o0.losses.clone(),
+        final_val_loss: o0.val_loss,
+        tokens_per_s,
+        step_s,
+        checkpoint: o0.checkpoint.clone(),
+        entropy_floor: floor,
+        ranks: n,
+        comm: o0.comm.clone(),
+        last_comm: outs
+            .iter()
+            .map(|o| o.comm.last().cloned().unwrap_or_default())
+            .collect(),
     }
-    sum / n as f64
+}
+
+/// Train as one rank of an MPI job (`mpirun -n N ganymede train …`); `parallelism.dp_shard` is
+/// the job's size. Rank 0 writes the run directory and builds the data folder; the others build
+/// the same tokens in memory. A failing rank prints its error and aborts the job, and a stalled
+/// collective fails after `parallelism.timeout_s`, so no rank hangs. With a trace, each rank
+/// writes `FILE.rank<r>.json`.
+#[cfg(feature = "mpi")]
+pub fn train_mpi(
+    cfg: &JobConfig,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+) -> Result<TrainSummary> {
+    let mcfg = ganymede_dist::mpi::MpiConfig {
+        timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
+        trace: opts.trace.is_some(),
+    };
+    let (_mpi, world) = ganymede_dist::mpi::init(&mcfg)?;
+    let (rank, n) = (world.rank(), world.size());
+    if opts.out.is_none() && ckpt.and_then(run_dir_of).is_none() {
+        bail!("under mpirun, give --out: every rank must write to the same run directory");
+    }
+    let mut cfg = cfg.clone();
+    fit_mesh(&mut cfg, n, &[]);
+    cfg.validate()?;
+    init_threads(cfg.training.threads);
+    // Every rank checks the directory (the same answer on a shared file system), so a refusal
+    // ends every rank rather than leaving the others waiting.
+    let run_dir = run_dir_for(ckpt, opts)?;
+    let data = if rank == 0 {
+        prepare_run_dir(&cfg, &run_dir)?;
+        build_data(&cfg, Some(&run_dir.join("data")))?
+    } else {
+        build_data(&cfg, None)?
+    };
+    let run = Run {
+        cfg,
+        ckpt: ckpt.map(Path::to_path_buf),
+        opts: opts.clone(),
+        data,
+        run_dir,
+    };
+    let dynw: Arc<dyn ProcessGroup> = world.clone();
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rank_loop(dynw, &run, rank == 0)
+    }));
+    let out = match res {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => {
+            eprintln!("error: rank {rank}: {e:#}; aborting the MPI job");
+            world.abort(1)
+        }
+        Err(p) => {
+            eprintln!(
+                "error: rank {rank} died: {}; aborting the MPI job",
+                panic_message(p.as_ref())
+            );
+            world.abort(1)
+        }
+    };
+    if let Some(path) = &opts.trace {
+        let p = path.with_extension(format!("rank{rank}.json"));
+        write_chrome_trace(&p, &[out.tracer.as_ref()])
+            .with_context(|| format!("cannot write trace {}", p.display()))?;
+    }
+    let mut run = run;
+    run.opts.quiet |= rank != 0;
+    Ok(summary(&[out], &run))
 }
 
 #[cfg(test)]

@@ -9,6 +9,12 @@
 //! A checkpoint is written into a hidden temporary directory and renamed into place only once
 //! every file is written and synced; `latest` is then replaced by write-to-temp plus rename. A
 //! crash at any point therefore leaves `latest` naming a complete checkpoint.
+//!
+//! A sharded run may instead save per-rank shard files with a layout record ([`sharded`]);
+//! [`read_tensors`] reads either kind whole, so every command takes every checkpoint.
+
+pub mod sharded;
+pub use sharded::{ShardedParam, ShardsManifest, SHARDS_FILE};
 
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
@@ -379,15 +385,37 @@ pub fn load_into<'a>(
     file: &Path,
     targets: impl IntoIterator<Item = (String, &'a mut Tensor)>,
 ) -> Result<()> {
-    let mut host = read_safetensors(file)?;
+    upload_into(be, file, read_safetensors(file)?, targets)
+}
+
+/// Every tensor of the checkpoint `dir`, whole: (parameters, optimizer state). A sharded
+/// checkpoint's pieces are reassembled, so callers never see the difference.
+pub fn read_tensors(dir: &Path) -> Result<(HostTensors, HostTensors)> {
+    if dir.join(SHARDS_FILE).is_file() {
+        return sharded::read_whole(dir);
+    }
+    Ok((
+        read_safetensors(&dir.join(MODEL_FILE))?,
+        read_safetensors(&dir.join(OPTIMIZER_FILE))?,
+    ))
+}
+
+/// Put host tensors into `targets`, which must match them exactly (same names, same shapes,
+/// nothing missing, nothing extra); `what` names the source in errors.
+pub fn upload_into<'a>(
+    be: &dyn Memory,
+    what: &Path,
+    mut host: HostTensors,
+    targets: impl IntoIterator<Item = (String, &'a mut Tensor)>,
+) -> Result<()> {
     for (name, t) in targets {
         let Some((shape, data)) = host.remove(&name) else {
-            bail!("{}: tensor {name} is missing", file.display());
+            bail!("{}: tensor {name} is missing", what.display());
         };
         if shape != t.shape() {
             bail!(
                 "{}: tensor {name} has shape {shape:?}, the model expects {:?}",
-                file.display(),
+                what.display(),
                 t.shape()
             );
         }
@@ -396,19 +424,21 @@ pub fn load_into<'a>(
     if let Some(extra) = host.keys().next() {
         bail!(
             "{}: unexpected tensor {extra} ({} not in the model)",
-            file.display(),
+            what.display(),
             host.len()
         );
     }
     Ok(())
 }
 
-/// Load a checkpoint's parameters into a store shaped by the model's specs.
+/// Load a checkpoint's parameters (gathered or sharded) into a store shaped by the model's specs.
 pub fn load_params(be: &dyn Memory, dir: &Path, params: &mut ParamStore) -> Result<()> {
     let names: Vec<String> = params.specs().iter().map(|s| s.name.clone()).collect();
-    load_into(
+    let (model, _) = read_tensors(dir)?;
+    upload_into(
         be,
-        &dir.join(MODEL_FILE),
+        dir,
+        model,
         names.into_iter().zip(params.tensors_mut().iter_mut()),
     )
 }

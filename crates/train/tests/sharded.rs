@@ -5,10 +5,37 @@ use ganymede_config::{preset, JobConfig};
 use ganymede_data::Dataset;
 use ganymede_dist::placement::optimizer_bytes;
 use ganymede_dist::{run_threads, Phase, ThreadsConfig};
-use ganymede_parallel::{train_threads, ParOptions, RankState};
-use ganymede_train::trainer::{train, TrainOptions};
+use ganymede_parallel::RankState;
+use ganymede_train::trainer::{train, TrainOptions, TrainSummary};
 use std::path::PathBuf;
 use std::time::Instant;
+
+/// A run on `ranks` ranks as threads, resumed from `resume` if given: the one training loop
+/// with these options.
+#[derive(Default)]
+struct ParOptions {
+    ranks: usize,
+    out: Option<PathBuf>,
+    quiet: bool,
+    resume: Option<PathBuf>,
+    sharded_checkpoints: bool,
+    fail_at: Option<(usize, usize)>,
+    stall_at: Option<(usize, usize)>,
+}
+
+fn train_threads(cfg: &JobConfig, o: &ParOptions) -> anyhow::Result<TrainSummary> {
+    let mut cfg = cfg.clone();
+    cfg.parallelism.sharded_checkpoints |= o.sharded_checkpoints;
+    let opts = TrainOptions {
+        ranks: o.ranks,
+        out: o.out.clone(),
+        quiet: o.quiet,
+        fail_at: o.fail_at,
+        stall_at: o.stall_at,
+        ..Default::default()
+    };
+    train(&cfg, o.resume.as_deref(), &opts)
+}
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("gm-par-{}-{name}", std::process::id()));

@@ -3,13 +3,14 @@
 //! formulas and the planner's figures (and the planner's for europa-1t), step time of small at
 //! 1, 2 and 4 ranks, and the share of gather time hidden under compute, read from the trace.
 //!
-//! `cargo run --release -p ganymede-parallel --example sharded_bench [steps]`
+//! `cargo run --release -p ganymede-train --example sharded_bench [steps]`
 
 use ganymede_config::{preset, JobConfig};
 use ganymede_data::Dataset;
 use ganymede_dist::placement::optimizer_bytes;
 use ganymede_dist::{run_threads, MeshShape, Phase, Policy, ThreadsConfig};
-use ganymede_parallel::{train_threads, ParOptions, RankState};
+use ganymede_parallel::RankState;
+use ganymede_train::trainer::{train, TrainOptions};
 
 fn mib(b: f64) -> String {
     if b.is_nan() {
@@ -189,14 +190,14 @@ fn main() {
         cfg.training.steps = steps;
         cfg.checkpoint.enable = false;
         let trace = dir.join(format!("trace{r}-{ep}.json"));
-        let opts = ParOptions {
+        let opts = TrainOptions {
             ranks: r,
             out: Some(dir.join(format!("run{r}-{ep}"))),
             quiet: true,
             trace: Some(trace.clone()),
             ..Default::default()
         };
-        let s = train_threads(&cfg, &opts).unwrap();
+        let s = train(&cfg, None, &opts).unwrap();
         let (hidden, comm, wait) = hidden_share(&trace);
         let label = if ep > 1 {
             format!("{r} (ep {ep})")
