@@ -613,3 +613,26 @@ fn the_next_blocks_gather_travels_while_a_block_computes() {
         "prefetch 0: nothing should be in flight during block 0"
     );
 }
+
+#[test]
+fn one_process_and_one_rank_give_bitwise_equal_losses() {
+    // One loop: the default (one process) and `--ranks 1` are the same world of size 1, with
+    // every parameter whole; the losses agree to the bit, validation included.
+    let cfg = tiny(5, &["parallelism.gather_dtype=bf16"]);
+    let o = TrainOptions {
+        out: Some(tmp("one-default")),
+        quiet: true,
+        ..Default::default()
+    };
+    let a = train(&cfg, None, &o).unwrap();
+    let opts = ParOptions {
+        ranks: 1,
+        out: Some(tmp("one-rank")),
+        quiet: true,
+        ..Default::default()
+    };
+    let b = train_threads(&cfg, &opts).unwrap();
+    assert_eq!(a.losses, b.losses);
+    assert_eq!(a.final_val_loss, b.final_val_loss);
+    assert_eq!(b.ranks, 1);
+}
