@@ -47,6 +47,10 @@ pub struct ExpertsBwdBufs<'a> {
 /// Runs the routed experts of a MoE layer, forward and backward.
 pub trait ExpertExecutor {
     fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs);
+    /// The internals of `layer`'s last forward will not be read by a backward (they are
+    /// recomputed under full activation checkpointing, or there is no backward). An executor
+    /// that keeps its own copy of them (expert parallelism) frees it here.
+    fn discard(&mut self, _layer: usize) {}
     /// Writes `dxe` and ADDS the weight gradients into `grads`.
     fn backward(
         &mut self,

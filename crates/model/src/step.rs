@@ -25,9 +25,9 @@ pub trait ParamSource {
     /// entries between its `acquire_block` and `release_block`.
     fn params(&self) -> &ParamStore;
     /// Block `l` is about to run in `pass`.
-    fn acquire_block(&mut self, _l: usize, _pass: Pass) {}
+    fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {}
     /// Block `l` is done in `pass` (its parameters may go).
-    fn release_block(&mut self, _l: usize, _pass: Pass) {}
+    fn release_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {}
     /// The number of tokens the loss is a mean over: larger than `local` when this step sees a
     /// slice of a global batch (gradients and losses are then partial sums to be added up).
     fn global_tokens(&self, local: usize) -> usize {
@@ -43,8 +43,8 @@ pub trait ParamSource {
 /// norm and LM head at any time.
 pub trait GradSink {
     fn grads(&mut self) -> &mut ParamStore;
-    fn begin_block(&mut self, _l: usize) {}
-    fn end_block(&mut self, _l: usize) {}
+    fn begin_block(&mut self, _be: &dyn Backend, _l: usize) {}
+    fn end_block(&mut self, _be: &dyn Backend, _l: usize) {}
 }
 
 /// Every parameter resident: one process, no sharding.
@@ -89,6 +89,8 @@ fn check_batch(model: &Model, ws: &Workspace, inputs: &[u32], targets: &[u32]) {
 
 /// Embedding, every block, final norm, logits and the summed cross-entropy. Leaves the
 /// logits in `ws.head.logits` and returns the loss sum and each MoE layer's routing statistics.
+/// `backward`: a backward pass follows (which may read the blocks' internals).
+#[allow(clippy::too_many_arguments)]
 fn forward(
     be: &dyn Backend,
     model: &Model,
@@ -97,6 +99,7 @@ fn forward(
     ws: &mut Workspace,
     inputs: &[u32],
     targets: &[u32],
+    backward: bool,
 ) -> (f64, Vec<LayerStats>) {
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
@@ -118,11 +121,16 @@ fn forward(
             AcMode::Full => &mut blocks[0],
         };
         let (lo, hi) = res.split_at_mut(l + 1);
-        src.acquire_block(l, Pass::Forward);
+        src.acquire_block(be, l, Pass::Forward);
         let params = src.params();
         #[rustfmt::skip]
         block_forward(be, model, params, li, a, grads, lo[l].v(), Some(hi[0].vm()), batch, seq, Kv::Own, (l, &mut *ex));
-        src.release_block(l, Pass::Forward);
+        src.release_block(be, l, Pass::Forward);
+        // Internals the backward will not read (recomputed under full checkpointing, or no
+        // backward at all): an executor holding its own may let them go now.
+        if !backward || *mode == AcMode::Full {
+            ex.discard(l);
+        }
         if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
             let mut s = LayerStats {
                 layer: l,
@@ -214,7 +222,7 @@ pub fn forward_backward_with(
     grad_scale: f32,
 ) -> StepOutput {
     check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets, true);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -247,8 +255,8 @@ pub fn forward_backward_with(
     let nf = n as f64;
     let mut dprob = vec![0.0f64; cfg.experts];
     for (l, li) in model.layers.iter().enumerate().rev() {
-        src.acquire_block(l, Pass::Backward);
-        sink.begin_block(l);
+        src.acquire_block(be, l, Pass::Backward);
+        sink.begin_block(be, l);
         let params = src.params();
         let a = match mode {
             AcMode::None => &mut blocks[l],
@@ -275,8 +283,8 @@ pub fn forward_backward_with(
         }
         #[rustfmt::skip]
         block_backward(be, model, params, sink.grads(), li, a, g, res[l].v(), batch, seq, &dprob, (l, &mut *ex));
-        sink.end_block(l);
-        src.release_block(l, Pass::Backward);
+        sink.end_block(be, l);
+        src.release_block(be, l, Pass::Backward);
     }
     #[rustfmt::skip]
     be.embedding_backward(sink.grads().get_mut(model.embed).vm(), g.dres.v(), inputs, h);
@@ -308,7 +316,7 @@ pub fn forward_loss_with(
     targets: &[u32],
 ) -> StepOutput {
     check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets);
+    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets, false);
     summarise(
         model,
         src.global_tokens(ws.batch * ws.seq),

@@ -90,11 +90,53 @@ pub fn muon_scale(kind: MuonScale, rows: usize, cols: usize) -> f64 {
 /// Weight decay by kind: none for norm gains and other vectors (decaying a gain towards 0 fights
 /// the normalisation; common practice), the configured value for every matrix, embeddings and the
 /// LM head included (as Moonlight and TorchTitan's defaults do).
-fn weight_decay(cfg: &OptimizerConfig, kind: ParamKind) -> f64 {
-    if kind == ParamKind::Vector {
-        0.0
-    } else {
-        cfg.weight_decay
+/// How a parameter is updated: the one rule table of the single-process and the sharded
+/// optimizer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UpdateRule {
+    /// Muon on `count` matrices of `rows × cols` (1 for a Matrix, E for an expert stack).
+    Muon {
+        rows: usize,
+        cols: usize,
+        count: usize,
+        scale: f64,
+    },
+    AdamW {
+        weight_decay: f64,
+    },
+    /// Buffers: saved, never updated.
+    Frozen,
+}
+
+/// The rule for `spec` under `cfg`: Muon for hidden matrices (each expert's on its own) when
+/// the optimizer is Muon, AdamW for every other trainable parameter (decoupled weight decay on
+/// matrices, embeddings and LM head included; none on vectors), nothing for buffers.
+pub fn update_rule(cfg: &OptimizerConfig, spec: &ParamSpec) -> UpdateRule {
+    if !spec.kind.is_trainable() {
+        return UpdateRule::Frozen;
+    }
+    if cfg.name == OptimizerName::Muon && spec.kind.is_muon() {
+        let (count, rows, cols) = match (spec.kind, spec.shape.as_slice()) {
+            (ParamKind::Matrix, &[r, c]) => (1, r, c),
+            (ParamKind::Experts, &[e, r, c]) => (e, r, c),
+            _ => panic!(
+                "{}: {:?} of shape {:?} is not a matrix",
+                spec.name, spec.kind, spec.shape
+            ),
+        };
+        return UpdateRule::Muon {
+            rows,
+            cols,
+            count,
+            scale: muon_scale(cfg.muon_scale, rows, cols),
+        };
+    }
+    UpdateRule::AdamW {
+        weight_decay: if spec.kind == ParamKind::Vector {
+            0.0
+        } else {
+            cfg.weight_decay
+        },
     }
 }
 
@@ -115,36 +157,32 @@ impl Optimizer {
         // Shapes for scratch sizing, and how many matrices may run in parallel.
         let (mut all, mut small, mut n_small) = (Vec::new(), Vec::new(), 0);
         for s in specs {
-            let muon = cfg.name == OptimizerName::Muon && s.kind.is_muon();
-            let rule = if !s.kind.is_trainable() {
-                Rule::Frozen
-            } else if muon {
-                let (count, rows, cols) = match (s.kind, s.shape.as_slice()) {
-                    (ParamKind::Matrix, &[r, c]) => (1, r, c),
-                    (ParamKind::Experts, &[e, r, c]) => (e, r, c),
-                    _ => panic!(
-                        "{}: {:?} of shape {:?} is not a matrix",
-                        s.name, s.kind, s.shape
-                    ),
-                };
-                all.push((rows, cols));
-                if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
-                    small.push((rows, cols));
-                    n_small += count;
-                }
-                Rule::Muon {
-                    momentum: be.zeros(&s.shape, Category::Optimizer),
+            let rule = match update_rule(cfg, s) {
+                UpdateRule::Frozen => Rule::Frozen,
+                UpdateRule::Muon {
                     rows,
                     cols,
                     count,
-                    scale: muon_scale(cfg.muon_scale, rows, cols),
+                    scale,
+                } => {
+                    all.push((rows, cols));
+                    if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
+                        small.push((rows, cols));
+                        n_small += count;
+                    }
+                    Rule::Muon {
+                        momentum: be.zeros(&s.shape, Category::Optimizer),
+                        rows,
+                        cols,
+                        count,
+                        scale,
+                    }
                 }
-            } else {
-                Rule::AdamW {
+                UpdateRule::AdamW { weight_decay } => Rule::AdamW {
                     m: be.zeros(&s.shape, Category::Optimizer),
                     v: be.zeros(&s.shape, Category::Optimizer),
-                    weight_decay: weight_decay(cfg, s.kind),
-                }
+                    weight_decay,
+                },
             };
             rules.push(rule);
         }

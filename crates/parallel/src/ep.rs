@@ -5,33 +5,138 @@
 //! received expert-major, runs its experts with the local executor, and the outputs travel back
 //! the same way. Backward mirrors it: output gradients out, input gradients back, weight
 //! gradients accumulated on the owner.
+//!
+//! Memory: every buffer is a backend tensor charged to the ledger. What the owner keeps of a
+//! layer's forward for its backward (`Activations`) is held only while a backward will read it:
+//! under full activation checkpointing the model discards it after each forward and the
+//! backward's recompute makes it again, so one layer's worth is alive at a time, as for every
+//! other block internal. Sets of buffers are pooled and grow only when a step routes more rows
+//! to this rank than any before, so steady-state steps allocate nothing.
 
-use ganymede_core::{Backend, ParamStore, TMut, T};
+use ganymede_core::{Backend, Category, ParamStore, TMut, Tensor, T};
 use ganymede_dist::{Phase, ProcessGroup};
 use ganymede_model::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// What the owner keeps of a layer's forward for its backward (expert-major rows).
-#[derive(Default)]
+/// A pooled tensor that is reallocated, larger, only when asked for more than it holds.
+struct Grow {
+    t: Option<Tensor>,
+    category: Category,
+}
+
+impl Grow {
+    fn new(category: Category) -> Self {
+        Grow { t: None, category }
+    }
+    /// At least `n` elements (the first `n` are the caller's to use).
+    fn at_least(&mut self, be: &dyn Backend, n: usize) -> &mut Tensor {
+        if self.t.as_ref().is_none_or(|t| t.len() < n) {
+            // Drop first, so the ledger's peak does not count both.
+            self.t = None;
+            // A quarter of headroom: routing varies from step to step.
+            self.t = Some(be.zeros(&[n + n / 4], self.category));
+        }
+        self.t.as_mut().unwrap()
+    }
+    fn view(&self, n: usize) -> T<'_> {
+        self.t.as_ref().expect("sized before use").slice(0, n)
+    }
+    fn view_mut(&mut self, n: usize) -> TMut<'_> {
+        self.t.as_mut().expect("sized before use").slice_mut(0, n)
+    }
+}
+
+/// The owner's copy of a layer's expert inputs and internals (expert-major rows).
+struct Kept {
+    xe: Grow,
+    g: Grow,
+    u: Grow,
+    a: Grow,
+}
+
+impl Kept {
+    fn new() -> Self {
+        Kept {
+            xe: Grow::new(Category::Activations),
+            g: Grow::new(Category::Activations),
+            u: Grow::new(Category::Activations),
+            a: Grow::new(Category::Activations),
+        }
+    }
+}
+
+/// What a layer's backward needs of its forward.
 struct Saved {
     /// `recv[src][le]`: rows of local expert `le` received from ep rank `src`.
     recv: Vec<Vec<usize>>,
     /// Rows sent to each ep rank.
     send_rows: Vec<usize>,
-    xe: Vec<f32>,
-    g: Vec<f32>,
-    u: Vec<f32>,
-    a: Vec<f32>,
+    bufs: Kept,
+}
+
+/// Scratch reused by every layer: all-to-all staging and the local experts' gradients.
+struct Scratch {
+    /// Rows as they travel (source-major).
+    wire: Grow,
+    /// Expert outputs, then output gradients (expert-major).
+    y: Grow,
+    da: Grow,
+    dg: Grow,
+    du: Grow,
+    dxe: Grow,
 }
 
 pub struct EpExperts {
     ep: Arc<dyn ProcessGroup>,
     saved: HashMap<usize, Saved>,
+    /// Buffer sets not holding any layer, for the next forward.
+    free: Vec<Kept>,
+    scratch: Scratch,
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("{what}: {e}")
+}
+
+/// Counts of local experts and their offsets in expert-major order.
+fn local_layout(recv: &[Vec<usize>]) -> (Vec<usize>, Vec<usize>) {
+    let el = recv.first().map_or(0, |r| r.len());
+    let counts: Vec<usize> = (0..el).map(|le| recv.iter().map(|r| r[le]).sum()).collect();
+    let mut offsets = vec![0; el + 1];
+    for le in 0..el {
+        offsets[le + 1] = offsets[le] + counts[le];
+    }
+    (counts, offsets)
+}
+
+/// Copy rows between source-major order (as received: per source rank, its rows of each local
+/// expert in order) and expert-major order, `w` elements per row, with backend copies.
+fn reorder(
+    be: &dyn Backend,
+    recv: &[Vec<usize>],
+    w: usize,
+    to_expert_major: bool,
+    src: T,
+    mut dst: TMut,
+) {
+    let (_, offsets) = local_layout(recv);
+    let mut next = offsets;
+    let mut pos = 0;
+    for r in recv {
+        for (le, &c) in r.iter().enumerate() {
+            let (n, em) = (c * w, next[le] * w);
+            if n > 0 {
+                if to_expert_major {
+                    be.copy(dst.rb().slice(em, n), src.slice(pos, n));
+                } else {
+                    be.copy(dst.rb().slice(pos, n), src.slice(em, n));
+                }
+            }
+            next[le] += c;
+            pos += n;
+        }
+    }
 }
 
 impl EpExperts {
@@ -39,69 +144,33 @@ impl EpExperts {
         EpExperts {
             ep,
             saved: HashMap::new(),
+            free: Vec::new(),
+            scratch: Scratch {
+                wire: Grow::new(Category::Buffers),
+                y: Grow::new(Category::Buffers),
+                da: Grow::new(Category::Buffers),
+                dg: Grow::new(Category::Buffers),
+                du: Grow::new(Category::Buffers),
+                dxe: Grow::new(Category::Buffers),
+            },
         }
     }
+}
 
-    /// Counts of local experts and their offsets in expert-major order.
-    fn local_layout(recv: &[Vec<usize>]) -> (Vec<usize>, Vec<usize>) {
-        let el = recv.first().map_or(0, |r| r.len());
-        let counts: Vec<usize> = (0..el).map(|le| recv.iter().map(|r| r[le]).sum()).collect();
-        let mut offsets = vec![0; el + 1];
-        for le in 0..el {
-            offsets[le + 1] = offsets[le] + counts[le];
-        }
-        (counts, offsets)
-    }
-
-    /// Source-major (as received: per src, its experts in order) to expert-major, `w` per row.
-    fn to_expert_major(recv: &[Vec<usize>], x: &[f32], w: usize) -> Vec<f32> {
-        let (_, offsets) = Self::local_layout(recv);
-        let mut out = vec![0f32; x.len()];
-        let mut next = offsets.clone();
-        let mut pos = 0;
-        for r in recv {
-            for (le, &c) in r.iter().enumerate() {
-                let n = c * w;
-                out[next[le] * w..next[le] * w + n].copy_from_slice(&x[pos..pos + n]);
-                next[le] += c;
-                pos += n;
-            }
-        }
-        out
-    }
-
-    fn to_source_major(recv: &[Vec<usize>], x: &[f32], w: usize) -> Vec<f32> {
-        let (_, offsets) = Self::local_layout(recv);
-        let mut out = vec![0f32; x.len()];
-        let mut next = offsets.clone();
-        let mut pos = 0;
-        for r in recv {
-            for (le, &c) in r.iter().enumerate() {
-                let n = c * w;
-                out[pos..pos + n].copy_from_slice(&x[next[le] * w..next[le] * w + n]);
-                next[le] += c;
-                pos += n;
-            }
-        }
-        out
-    }
-
-    fn a2a(
-        &self,
-        send: &[f32],
-        send_rows: &[usize],
-        recv_rows: &[usize],
-        w: usize,
-        phase: Phase,
-    ) -> Vec<f32> {
-        let sc: Vec<usize> = send_rows.iter().map(|r| r * w).collect();
-        let rc: Vec<usize> = recv_rows.iter().map(|r| r * w).collect();
-        let mut out = vec![0f32; rc.iter().sum()];
-        self.ep
-            .alltoallv(T::Host(send), &sc, TMut::Host(&mut out), &rc, phase)
-            .unwrap_or_else(|e| fail("expert all-to-all", e));
-        out
-    }
+/// Uneven all-to-all over `ep` of rows of `w` elements.
+fn a2a(
+    ep: &dyn ProcessGroup,
+    send: T,
+    send_rows: &[usize],
+    recv: TMut,
+    recv_rows: &[usize],
+    w: usize,
+    phase: Phase,
+) {
+    let sc: Vec<usize> = send_rows.iter().map(|r| r * w).collect();
+    let rc: Vec<usize> = recv_rows.iter().map(|r| r * w).collect();
+    ep.alltoallv(send, &sc, recv, &rc, phase)
+        .unwrap_or_else(|e| fail("expert all-to-all", e));
 }
 
 impl ExpertExecutor for EpExperts {
@@ -109,11 +178,9 @@ impl ExpertExecutor for EpExperts {
         let (ep, h, f) = (self.ep.size(), io.h, io.f);
         let e = io.counts.len();
         let el = e / ep;
-        // Per destination: its experts' counts (exchanged so owners know the layout).
-        let mut cnt_send = vec![0f32; e];
-        for (c, &n) in cnt_send.iter_mut().zip(io.counts) {
-            *c = n as f32;
-        }
+        // Per destination: its experts' counts (exchanged so owners know the layout). Routing
+        // counts are control data the host holds anyway (they size the GEMMs).
+        let cnt_send: Vec<f32> = io.counts.iter().map(|&n| n as f32).collect();
         let mut cnt_recv = vec![0f32; e];
         let per = vec![el; ep];
         self.ep
@@ -131,40 +198,79 @@ impl ExpertExecutor for EpExperts {
             .collect();
         let send_rows: Vec<usize> = io.counts.chunks(el).map(|c| c.iter().sum()).collect();
         let recv_rows: Vec<usize> = recv.iter().map(|r| r.iter().sum()).collect();
-        let xe_host = b.xe.host::<f32>();
-        let xe_src = self.a2a(xe_host, &send_rows, &recv_rows, h, Phase::A2aDispatch);
-        let xe = Self::to_expert_major(&recv, &xe_src, h);
         let rows: usize = recv_rows.iter().sum();
-        let (counts, offsets) = Self::local_layout(&recv);
-        let mut s = Saved {
-            recv: recv.clone(),
-            send_rows: send_rows.clone(),
-            g: vec![0f32; rows * f],
-            u: vec![0f32; rows * f],
-            a: vec![0f32; rows * f],
-            xe,
-        };
-        let mut ye = vec![0f32; rows * h];
+        // A previous forward of this layer whose backward never came (an aborted step) frees
+        // its set first.
+        self.discard(io.layer);
+        let mut k = self.free.pop().unwrap_or_else(Kept::new);
+        let (xn, fnn) = (rows * h, rows * f);
+        self.scratch.wire.at_least(be, xn);
+        let ep_g = self.ep.as_ref();
+        a2a(
+            ep_g,
+            b.xe,
+            &send_rows,
+            self.scratch.wire.view_mut(xn),
+            &recv_rows,
+            h,
+            Phase::A2aDispatch,
+        );
+        k.xe.at_least(be, xn);
+        reorder(
+            be,
+            &recv,
+            h,
+            true,
+            self.scratch.wire.view(xn),
+            k.xe.view_mut(xn),
+        );
+        for g in [&mut k.g, &mut k.u, &mut k.a] {
+            g.at_least(be, fnn);
+        }
+        self.scratch.y.at_least(be, xn);
+        let (counts, offsets) = local_layout(&recv);
         let lio = ExpertsIo {
             counts: &counts,
             offsets: &offsets,
             ..*io
         };
+        let Kept { xe, g, u, a } = &mut k;
         LocalExperts.forward(
             be,
             &lio,
             ExpertsFwdBufs {
-                xe: T::Host(&s.xe),
-                g: TMut::Host(&mut s.g),
-                u: TMut::Host(&mut s.u),
-                a: TMut::Host(&mut s.a),
-                ye: TMut::Host(&mut ye),
+                xe: xe.view(xn),
+                g: g.view_mut(fnn),
+                u: u.view_mut(fnn),
+                a: a.view_mut(fnn),
+                ye: self.scratch.y.view_mut(xn),
             },
         );
-        let ye_src = Self::to_source_major(&recv, &ye, h);
-        let back = self.a2a(&ye_src, &recv_rows, &send_rows, h, Phase::A2aCombine);
-        b.ye.host::<f32>().copy_from_slice(&back);
-        self.saved.insert(io.layer, s);
+        let Scratch { wire, y, .. } = &mut self.scratch;
+        reorder(be, &recv, h, false, y.view(xn), wire.view_mut(xn));
+        a2a(
+            ep_g,
+            wire.view(xn),
+            &recv_rows,
+            b.ye,
+            &send_rows,
+            h,
+            Phase::A2aCombine,
+        );
+        self.saved.insert(
+            io.layer,
+            Saved {
+                recv,
+                send_rows,
+                bufs: k,
+            },
+        );
+    }
+
+    fn discard(&mut self, layer: usize) {
+        if let Some(s) = self.saved.remove(&layer) {
+            self.free.push(s.bufs);
+        }
     }
 
     fn backward(
@@ -174,54 +280,74 @@ impl ExpertExecutor for EpExperts {
         grads: &mut ParamStore,
         b: ExpertsBwdBufs,
     ) {
-        let h = io.h;
+        let (h, f) = (io.h, io.f);
         let s = self
             .saved
             .remove(&io.layer)
             .expect("expert-parallel backward without its forward");
         let recv_rows: Vec<usize> = s.recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
-        let f = io.f;
+        let (xn, fnn) = (rows * h, rows * f);
+        let ep_g = self.ep.as_ref();
+        let Scratch {
+            wire,
+            y,
+            da,
+            dg,
+            du,
+            dxe,
+        } = &mut self.scratch;
+        wire.at_least(be, xn);
+        y.at_least(be, xn);
         // Output gradients travel to the owners (the combine's backward).
-        let dye_src = self.a2a(
-            b.dye.host::<f32>(),
+        a2a(
+            ep_g,
+            b.dye,
             &s.send_rows,
+            wire.view_mut(xn),
             &recv_rows,
             h,
             Phase::A2aCombine,
         );
-        let dye = Self::to_expert_major(&s.recv, &dye_src, h);
-        let (counts, offsets) = Self::local_layout(&s.recv);
+        reorder(be, &s.recv, h, true, wire.view(xn), y.view_mut(xn));
+        for t in [&mut *da, &mut *dg, &mut *du] {
+            t.at_least(be, fnn);
+        }
+        dxe.at_least(be, xn);
+        let (counts, offsets) = local_layout(&s.recv);
         let lio = ExpertsIo {
             counts: &counts,
             offsets: &offsets,
             ..*io
         };
-        let (mut da, mut dg, mut du) = (
-            vec![0f32; rows * f],
-            vec![0f32; rows * f],
-            vec![0f32; rows * f],
-        );
-        let mut dxe = vec![0f32; rows * h];
+        let k = &s.bufs;
         LocalExperts.backward(
             be,
             &lio,
             grads,
             ExpertsBwdBufs {
-                xe: T::Host(&s.xe),
-                g: T::Host(&s.g),
-                u: T::Host(&s.u),
-                a: T::Host(&s.a),
-                dye: T::Host(&dye),
-                da: TMut::Host(&mut da),
-                dg: TMut::Host(&mut dg),
-                du: TMut::Host(&mut du),
-                dxe: TMut::Host(&mut dxe),
+                xe: k.xe.view(xn),
+                g: k.g.view(fnn),
+                u: k.u.view(fnn),
+                a: k.a.view(fnn),
+                dye: y.view(xn),
+                da: da.view_mut(fnn),
+                dg: dg.view_mut(fnn),
+                du: du.view_mut(fnn),
+                dxe: dxe.view_mut(xn),
             },
         );
         // Input gradients travel back (the dispatch's backward).
-        let dxe_src = Self::to_source_major(&s.recv, &dxe, h);
-        let back = self.a2a(&dxe_src, &recv_rows, &s.send_rows, h, Phase::A2aDispatch);
-        b.dxe.host::<f32>().copy_from_slice(&back);
+        reorder(be, &s.recv, h, false, dxe.view(xn), wire.view_mut(xn));
+        a2a(
+            ep_g,
+            wire.view(xn),
+            &recv_rows,
+            b.dxe,
+            &s.send_rows,
+            h,
+            Phase::A2aDispatch,
+        );
+        self.free.push(s.bufs);
     }
 }

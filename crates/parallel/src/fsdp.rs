@@ -19,7 +19,7 @@
 
 use crate::layout::Layout;
 use ganymede_config::GatherDtype;
-use ganymede_core::{Backend, Category, CpuBackend, Device, Ledger, ParamStore, TMut, Tensor, T};
+use ganymede_core::{Backend, Category, Device, Ledger, ParamStore, TMut, Tensor, T};
 use ganymede_dist::placement::ShardGroup;
 use ganymede_dist::{from_bf16, to_bf16, DeviceMesh, Phase, ProcessGroup, Track, Work};
 use ganymede_model::{GradSink, ParamSource, Pass};
@@ -128,8 +128,6 @@ pub struct FsdpParams {
     posted: usize,
     global_tokens: usize,
     started: Option<Instant>,
-    /// This rank's ledger, for pool buffers allocated in the hooks.
-    be_ledger: Arc<Ledger>,
 }
 
 /// A zero-length stand-in for a block parameter that is not gathered.
@@ -193,7 +191,6 @@ impl FsdpParams {
             posted: 0,
             global_tokens: 0,
             started: None,
-            be_ledger: be.ledger().clone(),
         }
     }
 
@@ -232,7 +229,7 @@ impl FsdpParams {
                         .iter()
                         .map(|&x| to_bf16(x))
                         .collect();
-                    let mut recv = Bf16Buf::new(&self.be_ledger, padded);
+                    let mut recv = Bf16Buf::new(be.ledger(), padded);
                     g.all_gather_bf16(&send, &mut recv.data, Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
                     let dst = host(self.store.get_mut(i));
@@ -285,10 +282,9 @@ impl FsdpParams {
                         .recv32
                         .push(be.zeros(&[layout.shard[i] * w], Category::Buffers)),
                     GatherDtype::Bf16 => {
-                        slot.send16
-                            .push(Bf16Buf::new(&self.be_ledger, layout.shard[i]));
+                        slot.send16.push(Bf16Buf::new(be.ledger(), layout.shard[i]));
                         slot.recv16
-                            .push(Bf16Buf::new(&self.be_ledger, layout.shard[i] * w));
+                            .push(Bf16Buf::new(be.ledger(), layout.shard[i] * w));
                     }
                 }
             }
@@ -353,7 +349,7 @@ impl ParamSource for FsdpParams {
         &self.store
     }
 
-    fn acquire_block(&mut self, l: usize, pass: Pass) {
+    fn acquire_block(&mut self, be: &dyn Backend, l: usize, pass: Pass) {
         let item = self.pos;
         assert_eq!(
             self.schedule.get(item),
@@ -361,9 +357,8 @@ impl ParamSource for FsdpParams {
             "blocks used out of the FSDP schedule"
         );
         // Keep `prefetch` blocks in flight beyond this one.
-        // Posting allocates only when a block of new shapes takes a slot (host memory).
-        let be = CpuBackend::new(self.be_ledger.clone());
-        self.post_until(&be, item + self.prefetch);
+        // Posting allocates only when a block of new shapes takes a slot.
+        self.post_until(be, item + self.prefetch);
         let nslots = self.slots.len();
         let slot = &mut self.slots[item % nslots];
         debug_assert_eq!(slot.block, Some(l));
@@ -389,7 +384,7 @@ impl ParamSource for FsdpParams {
         self.started = Some(Instant::now());
     }
 
-    fn release_block(&mut self, l: usize, pass: Pass) {
+    fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) {
         let item = self.pos;
         let nslots = self.slots.len();
         let slot = &mut self.slots[item % nslots];
@@ -450,7 +445,6 @@ pub struct FsdpGrads {
     /// access goes through [`FsdpGrads::shards`] / [`FsdpGrads::shards_mut`], which check that
     /// none is in flight.
     shards: Vec<Tensor>,
-    ledger: Arc<Ledger>,
 }
 
 impl FsdpGrads {
@@ -479,7 +473,6 @@ impl FsdpGrads {
             shards,
             layout,
             groups,
-            ledger: be.ledger().clone(),
         }
     }
 
@@ -569,9 +562,8 @@ impl GradSink for FsdpGrads {
         &mut self.store
     }
 
-    fn begin_block(&mut self, l: usize) {
-        let be = CpuBackend::new(self.ledger.clone());
-        self.shape_for(&be, l);
+    fn begin_block(&mut self, be: &dyn Backend, l: usize) {
+        self.shape_for(be, l);
         self.pool_block = Some(l);
         for (k, &i) in self.layout.blocks[l].iter().enumerate() {
             host(&mut self.pool[k]).fill(0.0);
@@ -579,7 +571,7 @@ impl GradSink for FsdpGrads {
         }
     }
 
-    fn end_block(&mut self, l: usize) {
+    fn end_block(&mut self, _be: &dyn Backend, l: usize) {
         let t = self.turn;
         self.turn ^= 1;
         // The staging set about to be reused: its reduce-scatters (two blocks ago) must be done.

@@ -6,10 +6,10 @@
 //! gradient, zero state, zero parameter).
 
 use crate::layout::Layout;
-use ganymede_config::{OptimizerConfig, OptimizerName};
-use ganymede_core::{AdamWStep, Backend, Category, ParamKind, TMut, Tensor};
+use ganymede_config::OptimizerConfig;
+use ganymede_core::{AdamWStep, Backend, Category, TMut, Tensor};
 use ganymede_dist::{muon_exchange, DeviceMesh, NsJob, Plan};
-use ganymede_optim::{muon_scale, newton_schulz, NsScratch};
+use ganymede_optim::{newton_schulz, update_rule, NsScratch, UpdateRule};
 use std::sync::Arc;
 
 enum Rule {
@@ -43,29 +43,23 @@ impl ShardedOptimizer {
             .enumerate()
             .map(|(i, s)| {
                 let n = layout.shard[i];
-                if !s.kind.is_trainable() {
-                    Rule::Frozen
-                } else if cfg.name == OptimizerName::Muon && s.kind.is_muon() {
-                    let (r, c) = match s.shape.as_slice() {
-                        &[r, c] | &[_, r, c] => (r, c),
-                        _ => panic!("{}: not a matrix", s.name),
-                    };
-                    shapes.push((r, c));
-                    Rule::Muon {
-                        momentum: be.zeros(&[n], Category::Optimizer),
-                        u: be.zeros(&[n], Category::Buffers),
-                        scale: muon_scale(cfg.muon_scale, r, c),
+                match update_rule(cfg, s) {
+                    UpdateRule::Frozen => Rule::Frozen,
+                    UpdateRule::Muon {
+                        rows, cols, scale, ..
+                    } => {
+                        shapes.push((rows, cols));
+                        Rule::Muon {
+                            momentum: be.zeros(&[n], Category::Optimizer),
+                            u: be.zeros(&[n], Category::Buffers),
+                            scale,
+                        }
                     }
-                } else {
-                    Rule::AdamW {
+                    UpdateRule::AdamW { weight_decay } => Rule::AdamW {
                         m: be.zeros(&[n], Category::Optimizer),
                         v: be.zeros(&[n], Category::Optimizer),
-                        weight_decay: if s.kind == ParamKind::Vector {
-                            0.0
-                        } else {
-                            cfg.weight_decay
-                        },
-                    }
+                        weight_decay,
+                    },
                 }
             })
             .collect();

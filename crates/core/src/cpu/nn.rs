@@ -473,23 +473,40 @@ fn moe_combine_backward<S: Scalar>(
     let ye: &[S] = ye.host();
     let w: &[S] = w.host();
     assert_eq!(dye.len(), pos.len() * dim);
-    assert!(pos.iter().all(|&p| (p as usize) < pos.len()));
-    let dyep = Ptr(dye.as_mut_ptr());
+    // Each dispatched row holds exactly one (token, choice): invert `pos`, checking that it is a
+    // permutation, so every row of `dye` is written by one task and no unsafe code is needed.
+    let mut inv = vec![u32::MAX; pos.len()];
+    for (i, &p) in pos.iter().enumerate() {
+        let slot = inv.get_mut(p as usize).unwrap_or_else(|| {
+            panic!(
+                "moe_combine_backward: row {p} out of range ({} rows)",
+                pos.len()
+            )
+        });
+        assert!(
+            *slot == u32::MAX,
+            "moe_combine_backward: row {p} dispatched twice (pos is not a permutation)"
+        );
+        *slot = i as u32;
+    }
     dw.par_chunks_mut(k)
         .zip(pos.par_chunks(k))
-        .zip(w.par_chunks(k))
         .zip(dout.par_chunks(dim))
         .with_min_len(min_rows(dim * k))
-        .for_each(|(((dw, ps), ws), d)| {
+        .for_each(|((dw, ps), d)| {
             for j in 0..k {
                 let p = ps[j] as usize;
                 let y = &ye[p * dim..(p + 1) * dim];
                 dw[j] = d.iter().zip(y).map(|(&a, &b)| a * b).sum();
-                // Safety: `pos` is a permutation of the dispatched rows (each written once) and
-                // was bounds-checked above.
-                let dy = unsafe { std::slice::from_raw_parts_mut(dyep.get().add(p * dim), dim) };
-                dy.iter_mut().zip(d).for_each(|(a, &b)| *a = ws[j] * b);
             }
+        });
+    dye.par_chunks_mut(dim)
+        .zip(inv.par_iter())
+        .with_min_len(min_rows(dim))
+        .for_each(|(dy, &i)| {
+            let (i, t) = (i as usize, i as usize / k);
+            let d = &dout[t * dim..(t + 1) * dim];
+            dy.iter_mut().zip(d).for_each(|(a, &b)| *a = w[i] * b);
         });
 }
 

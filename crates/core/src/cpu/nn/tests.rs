@@ -492,6 +492,23 @@ fn dispatch_and_combine() {
 }
 
 #[test]
+#[should_panic(expected = "dispatched twice")]
+fn moe_combine_backward_refuses_a_pos_that_is_not_a_permutation() {
+    // Two choices naming one dispatched row would be two writers of it: refused, not raced.
+    let b = CpuBackend::default();
+    let (n, k, d) = (2, 2, 3);
+    let pos = [0u32, 1, 1, 3];
+    let (mut dye, mut dw) = (
+        b.zeros(&[n * k * d], Category::Buffers),
+        b.zeros(&[n * k], Category::Buffers),
+    );
+    let dout = b.upload(&[1.0; 6], &[n * d], Category::Buffers);
+    let ye = b.upload(&[1.0; 12], &[n * k * d], Category::Buffers);
+    let w = b.upload(&[0.5; 4], &[n * k], Category::Buffers);
+    b.moe_combine_backward(dye.vm(), dw.vm(), dout.v(), ye.v(), w.v(), &pos, k, d);
+}
+
+#[test]
 fn cross_entropy() {
     let b = be();
     let mut r = Rng(10);
