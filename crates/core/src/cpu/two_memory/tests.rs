@@ -182,15 +182,20 @@ fn two_memory_steady_step_allocates_nothing() {
 
 #[test]
 fn events_order_two_copy_streams() {
-    // Large enough that the second copy, if it did not wait, would find the host buffer still
-    // zero; the checked run below catches the missing wait deterministically as well.
+    // The to-host stream first copies a large unrelated buffer, so its copy into `host` runs
+    // well after the from-host stream is ready: only the event wait keeps the from-host copy
+    // from reading `host` before it is written (a wait that orders nothing gives zeros). The
+    // checked run below catches the missing wait deterministically as well.
     let be = backend(None, true);
-    let n = 1 << 22;
+    let n = 1 << 20;
     let src = data(n, 3);
     let dev = be.upload(&src, &[n], Category::Activations);
+    let big = be.upload(&vec![1.0; 8 * n], &[8 * n], Category::Buffers);
+    let mut big_host = be.pinned_zeros(&[8 * n], Category::Buffers);
     let mut host = be.pinned_zeros(&[n], Category::Activations);
     let mut back = be.zeros(&[n], Category::Activations);
     let start = be.record_event(Stream::ToHost);
+    be.copy_async(big_host.vm(), big.v(), Stream::ToHost);
     be.copy_async(host.vm(), dev.v(), Stream::ToHost);
     let out = be.record_event(Stream::ToHost);
     be.wait_event(Stream::FromHost, &out);
@@ -211,7 +216,7 @@ fn events_order_two_copy_streams() {
     let msg = panic_text(|| be.copy_async(again.vm(), host2.v(), Stream::FromHost));
     for part in [
         "an async copy (the from-host stream) reads host activations",
-        "16777216 bytes",
+        "4194304 bytes",
         "the to-host stream's write",
     ] {
         assert!(msg.contains(part), "{part:?} missing from {msg:?}");
