@@ -56,8 +56,10 @@ pub trait Memory: Send + Sync {
     /// Copy `src` into `dst` on `stream` without waiting: device to host, host to device, or
     /// within one memory. `dst` may be used only after an event recorded on `stream` after this
     /// call has been waited on (`wait_event`, `synchronize_event`), and `src` must not be
-    /// overwritten or freed before then. Asynchronous only between device memory and pinned
-    /// host memory; with ordinary host memory it completes before returning, as in CUDA.
+    /// overwritten before then. Dropping either tensor meanwhile is allowed: the backend keeps
+    /// the memory from reuse until the copy is done (stream-ordered free). Asynchronous only
+    /// between device memory and pinned host memory; with ordinary host memory it completes
+    /// before returning, as in CUDA.
     fn copy_async(&self, dst: TMut, src: T, stream: Stream) {
         let _ = stream;
         self.copy(dst, src)

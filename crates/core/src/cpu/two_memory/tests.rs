@@ -313,6 +313,23 @@ fn checking_catches_overwrite_during_offload() {
 }
 
 #[test]
+fn dropping_a_copy_source_in_flight_is_safe() {
+    // Stream-ordered free: the backend, not the caller, keeps freed memory from reuse until
+    // the copies that use it are done. The ledger frees the bytes at once.
+    let be = backend(None, true);
+    let n = 1 << 20;
+    let src = data(n, 10);
+    let act = be.upload(&src, &[n], Category::Activations);
+    let mut host = be.pinned_zeros(&[n], Category::Activations);
+    be.copy_async(host.vm(), act.v(), Stream::ToHost);
+    drop(act);
+    assert_eq!(be.ledger().in_use(DEVICE), 0);
+    let e = be.record_event(Stream::ToHost);
+    be.synchronize_event(&e);
+    assert_eq!(bits(&be.download(host.v())), bits(&src));
+}
+
+#[test]
 fn unchecked_mode_stays_memory_safe() {
     // Without checking, a missing wait is not reported, but the emulation waits for the copy
     // rather than racing with it, so the data is whole.
