@@ -1,4 +1,6 @@
-//! Byte accounting: current and peak bytes per (device, category), and the peak of the total.
+//! Byte accounting: current and peak bytes per (device, category), the peak of the total, and
+//! how many allocations were made (so a test can assert that a steady-state step allocates
+//! nothing).
 
 use serde::Serialize;
 use std::sync::Mutex;
@@ -65,6 +67,8 @@ struct Counter {
 struct Inner {
     cells: Vec<((Device, Category), Counter)>,
     totals: Vec<(Device, Counter)>,
+    /// Allocations since the ledger was made, and since the last `mark_window`, per device.
+    allocs: Vec<(Device, (u64, u64))>,
 }
 
 /// Thread-safe byte ledger. Allocations are rare (buffers are made once and reused), so a mutex
@@ -112,12 +116,68 @@ impl Ledger {
 
     pub fn alloc(&self, device: Device, category: Category, bytes: u64) {
         let mut g = self.inner.lock().unwrap();
-        let c = cell(&mut g.cells, (device, category));
-        c.current += bytes;
-        c.peak = c.peak.max(c.current);
-        let t = cell(&mut g.totals, device);
-        t.current += bytes;
-        t.peak = t.peak.max(t.current);
+        charge(&mut g, device, category, bytes);
+    }
+
+    /// Charge `bytes` only if the device's total stays within `capacity`; otherwise charge
+    /// nothing and return the bytes in use. Checked and charged under one lock, so two threads
+    /// cannot both squeeze into the last free bytes.
+    pub fn try_alloc(
+        &self,
+        device: Device,
+        category: Category,
+        bytes: u64,
+        capacity: u64,
+    ) -> Result<(), u64> {
+        let mut g = self.inner.lock().unwrap();
+        let in_use = g
+            .totals
+            .iter()
+            .find(|(d, _)| *d == device)
+            .map_or(0, |(_, c)| c.current);
+        if in_use.saturating_add(bytes) > capacity {
+            return Err(in_use);
+        }
+        charge(&mut g, device, category, bytes);
+        Ok(())
+    }
+
+    /// Bytes currently charged to `device`, over all categories.
+    pub fn in_use(&self, device: Device) -> u64 {
+        let g = self.inner.lock().unwrap();
+        g.totals
+            .iter()
+            .find(|(d, _)| *d == device)
+            .map_or(0, |(_, c)| c.current)
+    }
+
+    /// Allocations (calls to `alloc`/`try_alloc` that charged) since the ledger was made.
+    pub fn alloc_count(&self) -> u64 {
+        let g = self.inner.lock().unwrap();
+        g.allocs.iter().map(|(_, (total, _))| total).sum()
+    }
+
+    /// Allocations on one device since the ledger was made.
+    pub fn alloc_count_on(&self, device: Device) -> u64 {
+        let g = self.inner.lock().unwrap();
+        g.allocs
+            .iter()
+            .find(|(d, _)| *d == device)
+            .map_or(0, |(_, (total, _))| *total)
+    }
+
+    /// Start a new counting window (e.g. at the start of a step).
+    pub fn mark_window(&self) {
+        let mut g = self.inner.lock().unwrap();
+        for (_, (_, window)) in g.allocs.iter_mut() {
+            *window = 0;
+        }
+    }
+
+    /// Allocations since the last `mark_window` (or since the ledger was made).
+    pub fn window_alloc_count(&self) -> u64 {
+        let g = self.inner.lock().unwrap();
+        g.allocs.iter().map(|(_, (_, window))| window).sum()
     }
 
     pub fn free(&self, device: Device, category: Category, bytes: u64) {
@@ -162,6 +222,24 @@ impl Ledger {
     }
 }
 
+fn charge(g: &mut Inner, device: Device, category: Category, bytes: u64) {
+    let c = cell(&mut g.cells, (device, category));
+    c.current += bytes;
+    c.peak = c.peak.max(c.current);
+    let t = cell(&mut g.totals, device);
+    t.current += bytes;
+    t.peak = t.peak.max(t.current);
+    let a = match g.allocs.iter().position(|(d, _)| *d == device) {
+        Some(i) => &mut g.allocs[i].1,
+        None => {
+            g.allocs.push((device, (0, 0)));
+            &mut g.allocs.last_mut().unwrap().1
+        }
+    };
+    a.0 += 1;
+    a.1 += 1;
+}
+
 fn cell<K: PartialEq>(v: &mut Vec<(K, Counter)>, key: K) -> &mut Counter {
     let i = match v.iter().position(|(k, _)| *k == key) {
         Some(i) => i,
@@ -192,5 +270,25 @@ mod tests {
         assert_eq!(r.device_peaks, vec![(Device::Host, 150)]);
         l.reset_peaks();
         assert_eq!(l.report().peak(Device::Host, Category::Activations), 0);
+    }
+
+    #[test]
+    fn ledger_alloc_counts_and_capacity() {
+        let l = Ledger::new();
+        let gpu = Device::Gpu(0);
+        l.alloc(Device::Host, Category::Params, 8);
+        assert_eq!(l.try_alloc(gpu, Category::Activations, 60, 100), Ok(()));
+        // 60 + 50 > 100: refused, nothing charged or counted.
+        assert_eq!(l.try_alloc(gpu, Category::Grads, 50, 100), Err(60));
+        assert_eq!(l.in_use(gpu), 60);
+        assert_eq!(l.report().current(gpu, Category::Grads), 0);
+        assert_eq!((l.alloc_count(), l.alloc_count_on(gpu)), (2, 1));
+        l.mark_window();
+        assert_eq!(l.window_alloc_count(), 0);
+        l.free(gpu, Category::Activations, 60);
+        assert_eq!(l.window_alloc_count(), 0, "a free is not an allocation");
+        l.alloc(gpu, Category::Activations, 60);
+        assert_eq!((l.window_alloc_count(), l.alloc_count()), (1, 3));
+        assert_eq!(l.in_use(Device::Host), 8);
     }
 }

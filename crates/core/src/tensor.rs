@@ -1,21 +1,34 @@
 //! Tensors: a device buffer with a shape and a ledger category, and borrowed views of a range
 //! of it ([`T`], [`TMut`]) that backend operations take, like llm.c's pointers plus sizes.
+//!
+//! Host memory is a closed set of variants (`Host`, `Host64`, `HostBf16`); memory that only a
+//! backend understands (a CUDA device slice, pinned host memory, the CPU backend's emulated
+//! device memory) is an open [`DeviceBuffer`] trait object, so a backend in its own crate can
+//! put its memory in a [`Tensor`] without editing these enums. Views of such memory are
+//! [`DeviceView`]/[`DeviceViewMut`]: the buffer, an element offset and a length.
 
 use crate::ledger::{Category, Device, Ledger};
+use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
-/// Device memory. A GPU backend adds variants (a cudarc device slice, pinned host memory).
-/// `Host64` is host memory in f64: the same model code runs on it for finite-difference checks.
+/// Memory behind a tensor. `Host64` is host memory in f64: the same model code runs on it for
+/// finite-difference checks. `HostBf16` holds bf16 bit patterns (see [`crate::bf16`]).
 pub enum Buffer {
     Host(Vec<f32>),
     Host64(Vec<f64>),
+    HostBf16(Vec<u16>),
+    /// Memory owned by a backend (see [`DeviceBuffer`]).
+    Device(Box<dyn DeviceBuffer>),
 }
 
 /// Element type of a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     F64,
+    /// bfloat16: f32's exponent with 7 mantissa bits; stored on the host as `u16` bits.
+    BF16,
 }
 
 impl DType {
@@ -23,7 +36,42 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F64 => 8,
+            DType::BF16 => 2,
         }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::BF16 => "bf16",
+        }
+    }
+}
+
+/// Memory that a backend owns: device memory of a GPU, pinned host memory, the CPU backend's
+/// emulated device memory. A backend downcasts through [`DeviceBuffer::as_any`] to its own type
+/// in its kernels; everything else only needs the element type and count.
+pub trait DeviceBuffer: Send + Sync + 'static {
+    fn dtype(&self) -> DType;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The backend's concrete type.
+    fn as_any(&self) -> &dyn Any;
+    /// The host address of element 0 for memory the CPU can address (pinned or emulated memory),
+    /// `None` for memory it cannot (a GPU's). Called once per host access of a view, after which
+    /// the caller reads (or, with `write`, writes) through it: a backend may check the access
+    /// against its streams here, and wait for copies in flight. The memory must be aligned for
+    /// the dtype and live as long as the buffer.
+    fn host_ptr(&self, write: bool) -> Option<*mut u8> {
+        let _ = write;
+        None
+    }
+    /// A short description for error messages (device, category, size).
+    fn describe(&self) -> String {
+        format!("{} {} elements", self.dtype().name(), self.len())
     }
 }
 
@@ -32,17 +80,21 @@ impl Buffer {
         match self {
             Buffer::Host(v) => v.len(),
             Buffer::Host64(v) => v.len(),
+            Buffer::HostBf16(v) => v.len(),
+            Buffer::Device(b) => b.len(),
         }
     }
     fn dtype(&self) -> DType {
         match self {
             Buffer::Host(_) => DType::F32,
             Buffer::Host64(_) => DType::F64,
+            Buffer::HostBf16(_) => DType::BF16,
+            Buffer::Device(b) => b.dtype(),
         }
     }
 }
 
-/// An owned f32 tensor, charged to the ledger for as long as it lives.
+/// An owned tensor, charged to the ledger for as long as it lives.
 pub struct Tensor {
     buf: Buffer,
     shape: Vec<usize>,
@@ -66,6 +118,24 @@ impl Tensor {
             "buffer/shape mismatch"
         );
         ledger.alloc(device, category, (buf.len() * buf.dtype().size()) as u64);
+        Self::from_charged_buffer(buf, shape, device, category, ledger)
+    }
+
+    /// Wrap a buffer whose bytes the caller has already charged to `ledger` (with
+    /// [`Ledger::try_alloc`], which checks a capacity before the memory is allocated). The
+    /// tensor frees them when dropped, as for [`Tensor::from_buffer`].
+    pub fn from_charged_buffer(
+        buf: Buffer,
+        shape: &[usize],
+        device: Device,
+        category: Category,
+        ledger: Arc<Ledger>,
+    ) -> Self {
+        assert_eq!(
+            buf.len(),
+            shape.iter().product::<usize>(),
+            "buffer/shape mismatch"
+        );
         Self {
             buf,
             shape: shape.to_vec(),
@@ -96,6 +166,13 @@ impl Tensor {
     pub fn category(&self) -> Category {
         self.category
     }
+    /// The backend's buffer, for backends that keep their memory in a [`DeviceBuffer`].
+    pub fn device_buffer(&self) -> Option<&dyn DeviceBuffer> {
+        match &self.buf {
+            Buffer::Device(b) => Some(&**b),
+            _ => None,
+        }
+    }
 
     /// Reinterpret the shape (same number of elements).
     pub fn reshape(&mut self, shape: &[usize]) {
@@ -112,6 +189,12 @@ impl Tensor {
         match &self.buf {
             Buffer::Host(v) => T::Host(v),
             Buffer::Host64(v) => T::Host64(v),
+            Buffer::HostBf16(v) => T::HostBf16(v),
+            Buffer::Device(b) => T::Device(DeviceView {
+                buf: &**b,
+                offset: 0,
+                len: b.len(),
+            }),
         }
     }
     /// A mutable view of the whole tensor.
@@ -119,6 +202,13 @@ impl Tensor {
         match &mut self.buf {
             Buffer::Host(v) => TMut::Host(v),
             Buffer::Host64(v) => TMut::Host64(v),
+            Buffer::HostBf16(v) => TMut::HostBf16(v),
+            Buffer::Device(b) => TMut::Device(DeviceViewMut {
+                buf: &**b,
+                offset: 0,
+                len: b.len(),
+                _unique: PhantomData,
+            }),
         }
     }
     /// A view of elements `off .. off + len`.
@@ -147,18 +237,115 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
-/// A read-only view of a contiguous range of device memory. A GPU backend adds a variant
-/// holding a device-slice view.
+/// A read-only view of a contiguous range of memory.
 #[derive(Clone, Copy)]
 pub enum T<'a> {
     Host(&'a [f32]),
     Host64(&'a [f64]),
+    HostBf16(&'a [u16]),
+    Device(DeviceView<'a>),
 }
 
-/// A mutable view of a contiguous range of device memory.
+/// A mutable view of a contiguous range of memory.
 pub enum TMut<'a> {
     Host(&'a mut [f32]),
     Host64(&'a mut [f64]),
+    HostBf16(&'a mut [u16]),
+    Device(DeviceViewMut<'a>),
+}
+
+/// Elements `offset .. offset + len` of a backend's buffer, read-only.
+#[derive(Clone, Copy)]
+pub struct DeviceView<'a> {
+    buf: &'a dyn DeviceBuffer,
+    offset: usize,
+    len: usize,
+}
+
+/// Elements `offset .. offset + len` of a backend's buffer, exclusively. Made only from a
+/// `&mut Tensor` (and split into disjoint ranges), so it is unique like `&mut [f32]`; the buffer
+/// is reached through a shared reference because device memory is written through a pointer
+/// (a CUDA device pointer, or an `UnsafeCell` in the CPU backend's emulated memory).
+pub struct DeviceViewMut<'a> {
+    buf: &'a dyn DeviceBuffer,
+    offset: usize,
+    len: usize,
+    _unique: PhantomData<&'a mut ()>,
+}
+
+impl<'a> DeviceView<'a> {
+    pub fn buffer(&self) -> &'a dyn DeviceBuffer {
+        self.buf
+    }
+    /// First element, counted in elements of the dtype.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+    fn slice(self, off: usize, len: usize) -> Self {
+        assert!(off + len <= self.len, "view slice out of range");
+        Self {
+            offset: self.offset + off,
+            len,
+            ..self
+        }
+    }
+    /// The elements as host memory, after the backend's access checks (panics if the buffer is
+    /// not host-addressable or holds another dtype).
+    fn host_elems<S: Copy + 'static>(self, dtype: DType) -> &'a [S] {
+        let p = host_ptr_of(self.buf, dtype, false);
+        // SAFETY: `host_ptr` points at `buf.len()` elements of `dtype` (= S, checked) that live
+        // as long as the buffer, which outlives 'a; the range is inside the buffer.
+        unsafe { std::slice::from_raw_parts((p as *const S).add(self.offset), self.len) }
+    }
+}
+
+impl<'a> DeviceViewMut<'a> {
+    pub fn buffer(&self) -> &'a dyn DeviceBuffer {
+        self.buf
+    }
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+    fn host_elems<S: Copy + 'static>(self, dtype: DType) -> &'a mut [S] {
+        let p = host_ptr_of(self.buf, dtype, true);
+        // SAFETY: as for `DeviceView::host_elems`; the view is unique over its range (it comes
+        // from a `&mut Tensor`), and the memory sits behind an `UnsafeCell` or a raw pointer.
+        unsafe { std::slice::from_raw_parts_mut((p as *mut S).add(self.offset), self.len) }
+    }
+}
+
+fn host_ptr_of(buf: &dyn DeviceBuffer, dtype: DType, write: bool) -> *mut u8 {
+    assert_eq!(
+        buf.dtype(),
+        dtype,
+        "expected a {} view of {}",
+        dtype.name(),
+        buf.describe()
+    );
+    buf.host_ptr(write).unwrap_or_else(|| {
+        panic!(
+            "{} is not host memory: use the backend's kernels and copies",
+            buf.describe()
+        )
+    })
 }
 
 /// Host element types that kernels are written over (`f32` to train, `f64` to check gradients).
@@ -187,12 +374,14 @@ impl Scalar for f32 {
     fn of(v: T<'_>) -> &[f32] {
         match v {
             T::Host(s) => s,
+            T::Device(d) => d.host_elems(DType::F32),
             _ => panic!("expected an f32 host view"),
         }
     }
     fn of_mut(v: TMut<'_>) -> &mut [f32] {
         match v {
             TMut::Host(s) => s,
+            TMut::Device(d) => d.host_elems(DType::F32),
             _ => panic!("expected an f32 host view"),
         }
     }
@@ -209,12 +398,14 @@ impl Scalar for f64 {
     fn of(v: T<'_>) -> &[f64] {
         match v {
             T::Host64(s) => s,
+            T::Device(d) => d.host_elems(DType::F64),
             _ => panic!("expected an f64 host view"),
         }
     }
     fn of_mut(v: TMut<'_>) -> &mut [f64] {
         match v {
             TMut::Host64(s) => s,
+            TMut::Device(d) => d.host_elems(DType::F64),
             _ => panic!("expected an f64 host view"),
         }
     }
@@ -231,6 +422,8 @@ impl<'a> T<'a> {
         match self {
             T::Host(s) => s.len(),
             T::Host64(s) => s.len(),
+            T::HostBf16(s) => s.len(),
+            T::Device(d) => d.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -240,6 +433,8 @@ impl<'a> T<'a> {
         match self {
             T::Host(_) => DType::F32,
             T::Host64(_) => DType::F64,
+            T::HostBf16(_) => DType::BF16,
+            T::Device(d) => d.dtype(),
         }
     }
     /// Elements `off .. off + len` of this view.
@@ -247,12 +442,23 @@ impl<'a> T<'a> {
         match self {
             T::Host(s) => T::Host(&s[off..off + len]),
             T::Host64(s) => T::Host64(&s[off..off + len]),
+            T::HostBf16(s) => T::HostBf16(&s[off..off + len]),
+            T::Device(d) => T::Device(d.slice(off, len)),
         }
     }
-    /// The host memory behind this view, as `S` (panics on another dtype or a device view).
-    /// Only the CPU backend's kernels use it; code above the seam goes through `Memory`.
+    /// The host memory behind this view, as `S` (panics on another dtype or memory the host
+    /// cannot address). Only the CPU backend's kernels use it; code above the seam goes through
+    /// `Memory`.
     pub fn host<S: Scalar>(self) -> &'a [S] {
         S::of(self)
+    }
+    /// The bf16 bits behind a bf16 view of host-addressable memory.
+    pub fn host_bf16(self) -> &'a [u16] {
+        match self {
+            T::HostBf16(s) => s,
+            T::Device(d) => d.host_elems(DType::BF16),
+            _ => panic!("expected a bf16 host view"),
+        }
     }
 }
 
@@ -261,6 +467,8 @@ impl<'a> TMut<'a> {
         match self {
             TMut::Host(s) => s.len(),
             TMut::Host64(s) => s.len(),
+            TMut::HostBf16(s) => s.len(),
+            TMut::Device(d) => d.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -270,12 +478,23 @@ impl<'a> TMut<'a> {
         match self {
             TMut::Host(_) => DType::F32,
             TMut::Host64(_) => DType::F64,
+            TMut::HostBf16(_) => DType::BF16,
+            TMut::Device(d) => d.dtype(),
         }
     }
     pub fn slice(self, off: usize, len: usize) -> TMut<'a> {
         match self {
             TMut::Host(s) => TMut::Host(&mut s[off..off + len]),
             TMut::Host64(s) => TMut::Host64(&mut s[off..off + len]),
+            TMut::HostBf16(s) => TMut::HostBf16(&mut s[off..off + len]),
+            TMut::Device(d) => {
+                assert!(off + len <= d.len, "view slice out of range");
+                TMut::Device(DeviceViewMut {
+                    offset: d.offset + off,
+                    len,
+                    ..d
+                })
+            }
         }
     }
     /// Reborrow, to pass a view on without giving it up.
@@ -283,6 +502,13 @@ impl<'a> TMut<'a> {
         match self {
             TMut::Host(s) => TMut::Host(s),
             TMut::Host64(s) => TMut::Host64(s),
+            TMut::HostBf16(s) => TMut::HostBf16(s),
+            TMut::Device(d) => TMut::Device(DeviceViewMut {
+                buf: d.buf,
+                offset: d.offset,
+                len: d.len,
+                _unique: PhantomData,
+            }),
         }
     }
     /// A read-only view of the same memory.
@@ -290,6 +516,12 @@ impl<'a> TMut<'a> {
         match self {
             TMut::Host(s) => T::Host(s),
             TMut::Host64(s) => T::Host64(s),
+            TMut::HostBf16(s) => T::HostBf16(s),
+            TMut::Device(d) => T::Device(DeviceView {
+                buf: d.buf,
+                offset: d.offset,
+                len: d.len,
+            }),
         }
     }
     /// Split into two disjoint views at `mid`.
@@ -303,10 +535,143 @@ impl<'a> TMut<'a> {
                 let (a, b) = s.split_at_mut(mid);
                 (TMut::Host64(a), TMut::Host64(b))
             }
+            TMut::HostBf16(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (TMut::HostBf16(a), TMut::HostBf16(b))
+            }
+            TMut::Device(d) => {
+                assert!(mid <= d.len, "split point out of range");
+                let a = DeviceViewMut {
+                    buf: d.buf,
+                    offset: d.offset,
+                    len: mid,
+                    _unique: PhantomData,
+                };
+                let b = DeviceViewMut {
+                    offset: d.offset + mid,
+                    len: d.len - mid,
+                    ..d
+                };
+                (TMut::Device(a), TMut::Device(b))
+            }
         }
     }
     /// See [`T::host`].
     pub fn host<S: Scalar>(self) -> &'a mut [S] {
         S::of_mut(self)
+    }
+    /// See [`T::host_bf16`].
+    pub fn host_bf16(self) -> &'a mut [u16] {
+        match self {
+            TMut::HostBf16(s) => s,
+            TMut::Device(d) => d.host_elems(DType::BF16),
+            _ => panic!("expected a bf16 host view"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Memory;
+    use crate::CpuBackend;
+
+    /// What a CUDA backend in another crate would hold: memory the host cannot address.
+    struct FakeGpu {
+        dtype: DType,
+        len: usize,
+        handle: u64,
+    }
+
+    impl DeviceBuffer for FakeGpu {
+        fn dtype(&self) -> DType {
+            self.dtype
+        }
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    #[test]
+    fn foreign_device_buffer_in_tensor_and_views() {
+        let ledger = Arc::new(Ledger::new());
+        let gpu = Device::Gpu(1);
+        let fake = FakeGpu {
+            dtype: DType::BF16,
+            len: 10,
+            handle: 0xdead,
+        };
+        let mut t = Tensor::from_buffer(
+            Buffer::Device(Box::new(fake)),
+            &[2, 5],
+            gpu,
+            Category::Params,
+            ledger.clone(),
+        );
+        assert_eq!((t.dtype(), t.bytes()), (DType::BF16, 20));
+        assert_eq!(ledger.report().current(gpu, Category::Params), 20);
+        let T::Device(v) = t.slice(2, 5) else {
+            panic!("a device view")
+        };
+        assert_eq!((v.offset(), v.len(), v.dtype()), (2, 5, DType::BF16));
+        let handle = |b: &dyn DeviceBuffer| b.as_any().downcast_ref::<FakeGpu>().unwrap().handle;
+        assert_eq!(handle(v.buffer()), 0xdead);
+        let (a, b) = t.vm().split_at(3);
+        let (TMut::Device(a), TMut::Device(b)) = (a, b.slice(1, 2)) else {
+            panic!("device views")
+        };
+        assert_eq!((a.offset(), a.len(), b.offset(), b.len()), (0, 3, 4, 2));
+        assert_eq!(handle(b.buffer()), 0xdead);
+        // Host access of memory the host cannot address is refused, naming it.
+        let msg = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            t.v().host_bf16();
+        }))
+        .expect_err("not host memory");
+        let msg = msg.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("bf16 10 elements is not host memory"), "{msg}");
+        drop(t);
+        assert_eq!(ledger.report().current(gpu, Category::Params), 0);
+    }
+
+    #[test]
+    fn host_bf16_tensor_through_cpu_memory_ops() {
+        let be = CpuBackend::default();
+        let x = [1.0f32, 1.0 + 2f32.powi(-8), 0.1, -3.0e38, 70000.0];
+        let bits = crate::bf16::from_f32_slice(&x);
+        let mut t = Tensor::from_buffer(
+            Buffer::HostBf16(bits),
+            &[5],
+            Device::Host,
+            Category::Params,
+            be.ledger().clone(),
+        );
+        assert_eq!(
+            be.ledger().report().current(Device::Host, Category::Params),
+            10
+        );
+        // 1 + 2^-8 is a tie and rounds to even (1.0); 0.1 rounds up; 70000 to 70144.
+        let want = [
+            1.0f32,
+            1.0,
+            f32::from_bits(0x3dcd_0000),
+            f32::from_bits(0xff62_0000),
+            70144.0,
+        ];
+        assert_eq!(be.download(t.v()), want);
+        be.write(t.slice_mut(1, 1), &[2.0]);
+        be.fill(t.slice_mut(4, 1), -0.5);
+        assert_eq!(t.v().host_bf16()[1..], [0x4000, 0x3dcd, 0xff62, 0xbf00]);
+        let mut u = Tensor::from_buffer(
+            Buffer::HostBf16(vec![0; 5]),
+            &[5],
+            Device::Host,
+            Category::Params,
+            be.ledger().clone(),
+        );
+        be.copy(u.vm(), t.v());
+        assert_eq!(u.v().host_bf16(), t.v().host_bf16());
     }
 }

@@ -10,9 +10,18 @@ pub use nn::NnOps;
 pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
+use crate::stream::{Event, MemoryError, Stream};
 use crate::tensor::{TMut, Tensor, T};
 use std::sync::Arc;
+use std::time::Duration;
 
+/// Allocation, transfers, streams and events.
+///
+/// The synchronous operations (`zeros`, `upload`, `download`, `write`, `copy`, `fill`) are
+/// ordered on the compute stream, and the blocking ones (`upload`, `download`) return when done.
+/// The stream operations have defaults for a backend whose work completes when issued (the
+/// plain CPU backend), so such a backend implements only the synchronous part; code above the
+/// seam must still use them as on a GPU (see [`crate::stream`]).
 pub trait Memory: Send + Sync {
     fn device(&self) -> Device;
     fn ledger(&self) -> &Arc<Ledger>;
@@ -30,8 +39,54 @@ pub trait Memory: Send + Sync {
     fn write(&self, dst: TMut, data: &[f32]);
     fn copy(&self, dst: TMut, src: T);
     fn fill(&self, dst: TMut, value: f32);
-    /// Wait for queued work (a no-op on the CPU).
+    /// Wait for queued work on every stream (a no-op on the CPU).
     fn synchronize(&self) {}
+
+    /// Like `zeros`, but an allocation beyond the device's capacity is an error instead of a
+    /// panic (whose message is the error's).
+    fn try_zeros(&self, shape: &[usize], category: Category) -> Result<Tensor, MemoryError> {
+        Ok(self.zeros(shape, category))
+    }
+    /// A zero-filled tensor in pinned (page-locked) host memory, charged to [`Device::Host`]:
+    /// the end of asynchronous copies to and from the device. The CPU reads and writes it
+    /// directly (e.g. an optimizer step on host-resident state) once its copies are waited for.
+    fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.zeros(shape, category)
+    }
+    /// Copy `src` into `dst` on `stream` without waiting: device to host, host to device, or
+    /// within one memory. `dst` may be used only after an event recorded on `stream` after this
+    /// call has been waited on (`wait_event`, `synchronize_event`), and `src` must not be
+    /// overwritten before then. Dropping either tensor meanwhile is allowed: the backend keeps
+    /// the memory from reuse until the copy is done (stream-ordered free). Asynchronous only
+    /// between device memory and pinned host memory; with ordinary host memory it completes
+    /// before returning, as in CUDA.
+    fn copy_async(&self, dst: TMut, src: T, stream: Stream) {
+        let _ = stream;
+        self.copy(dst, src)
+    }
+    /// Record an event on `stream`, after all work issued to it so far.
+    fn record_event(&self, stream: Stream) -> Event {
+        let _ = stream;
+        Event::completed_now()
+    }
+    /// Make later work on `stream` wait until `event` has completed (without blocking the host,
+    /// except for the compute stream of a backend whose kernels run on the calling thread).
+    fn wait_event(&self, stream: Stream, event: &Event) {
+        let _ = (stream, event);
+    }
+    /// Block the host until `event` has completed; the host may then use what it orders.
+    fn synchronize_event(&self, event: &Event) {
+        let _ = event;
+    }
+    /// Whether `event` has completed, without blocking.
+    fn query_event(&self, event: &Event) -> bool {
+        let _ = event;
+        true
+    }
+    /// Time from `start` to `end` (waits for both to complete).
+    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
+        Event::completed_elapsed(start, end).expect("events of another backend")
+    }
 }
 
 /// Shape of one GEMM: `C[m,n] = alpha * op(A)[m,k] · op(B)[k,n] + beta * C`, all row-major with

@@ -1,13 +1,21 @@
 //! The CPU backend: host memory, f32 compute, GEMM from `matrixmultiply`, threads from rayon.
+//! In its two-memory mode ([`CpuBackend::two_memory`]) it emulates a device beside pinned host
+//! memory, with asynchronous copies between them (see [`two_memory`]).
 
 mod blas;
 mod nn;
 mod optim;
+pub mod two_memory;
 
 use crate::backend::Memory;
+use crate::bf16;
 use crate::ledger::{Category, Device, Ledger};
+use crate::stream::{Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, TMut, Tensor, T};
 use std::sync::Arc;
+use std::time::Duration;
+use two_memory::TwoMemory;
+pub use two_memory::TwoMemoryOptions;
 
 /// Call a kernel generic over [`crate::Scalar`] at a runtime dtype:
 /// `by_dtype!(dtype, kernel(args...))` expands to `kernel::<f32>(args...)` or `kernel::<f64>(..)`.
@@ -17,6 +25,7 @@ macro_rules! by_dtype {
         match $dt {
             $crate::DType::F32 => $f::<f32>($($arg),*),
             $crate::DType::F64 => $f::<f64>($($arg),*),
+            $crate::DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     };
 }
@@ -30,6 +39,8 @@ pub(crate) const PAR_MIN: usize = 1 << 15;
 pub struct CpuBackend {
     ledger: Arc<Ledger>,
     dtype: DType,
+    /// The emulated device and copy streams of the two-memory mode.
+    two: Option<Arc<TwoMemory>>,
 }
 
 impl CpuBackend {
@@ -37,6 +48,7 @@ impl CpuBackend {
         Self {
             ledger,
             dtype: DType::F32,
+            two: None,
         }
     }
     /// An f64 backend, for gradient checks.
@@ -44,6 +56,19 @@ impl CpuBackend {
         Self {
             ledger,
             dtype: DType::F64,
+            two: None,
+        }
+    }
+    /// An f32 backend with two memories, as a GPU has: `zeros`/`upload` allocate on an
+    /// emulated device ([`Device::Gpu`]`(0)`, in host RAM, within `device_capacity`),
+    /// `pinned_zeros` in host memory ([`Device::Host`]), and `copy_async` between them runs on
+    /// a thread per copy stream. Kernels run on the calling thread as the compute stream. With
+    /// `checking`, an access not ordered after the copies it depends on panics.
+    pub fn two_memory(ledger: Arc<Ledger>, options: TwoMemoryOptions) -> Self {
+        Self {
+            ledger,
+            dtype: DType::F32,
+            two: Some(Arc::new(TwoMemory::new(options))),
         }
     }
     pub fn dtype(&self) -> DType {
@@ -62,62 +87,153 @@ impl Default for CpuBackend {
 
 impl Memory for CpuBackend {
     fn device(&self) -> Device {
-        Device::Host
+        match self.two {
+            Some(_) => two_memory::DEVICE,
+            None => Device::Host,
+        }
     }
     fn ledger(&self) -> &Arc<Ledger> {
         &self.ledger
     }
     fn zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.try_zeros(shape, category)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+    fn try_zeros(&self, shape: &[usize], category: Category) -> Result<Tensor, MemoryError> {
+        if let Some(two) = &self.two {
+            return two.alloc(
+                &self.ledger,
+                two_memory::DEVICE,
+                shape,
+                category,
+                self.dtype,
+            );
+        }
         let n = shape.iter().product();
         let buf = match self.dtype {
             DType::F32 => Buffer::Host(vec![0.0; n]),
             DType::F64 => Buffer::Host64(vec![0.0; n]),
+            DType::BF16 => Buffer::HostBf16(vec![0; n]),
         };
-        self.tensor(buf, shape, category)
+        Ok(self.tensor(buf, shape, category))
+    }
+    fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        match &self.two {
+            Some(two) => two
+                .alloc(&self.ledger, Device::Host, shape, category, self.dtype)
+                .unwrap_or_else(|e| panic!("{e}")),
+            None => self.zeros(shape, category),
+        }
     }
     fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor {
+        if let Some(two) = &self.two {
+            return two.upload(&self.ledger, data, shape, category, DType::F32);
+        }
         let buf = match self.dtype {
             DType::F32 => Buffer::Host(data.to_vec()),
             DType::F64 => Buffer::Host64(data.iter().map(|&x| x as f64).collect()),
+            DType::BF16 => Buffer::HostBf16(bf16::from_f32_slice(data)),
         };
         self.tensor(buf, shape, category)
     }
     fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor {
+        if self.two.is_some() {
+            let d: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+            return self.upload(&d, shape, category);
+        }
         let buf = match self.dtype {
             DType::F32 => Buffer::Host(data.iter().map(|&x| x as f32).collect()),
             DType::F64 => Buffer::Host64(data.to_vec()),
+            DType::BF16 => {
+                Buffer::HostBf16(data.iter().map(|&x| bf16::from_f32(x as f32)).collect())
+            }
         };
         self.tensor(buf, shape, category)
     }
+    // The transfers below go through `host()`, which also reaches the two-memory mode's
+    // emulated buffers (and checks the access there).
     fn download(&self, src: T) -> Vec<f32> {
-        match src {
-            T::Host(s) => s.to_vec(),
-            T::Host64(s) => s.iter().map(|&x| x as f32).collect(),
+        match src.dtype() {
+            DType::F32 => src.host::<f32>().to_vec(),
+            DType::F64 => src.host::<f64>().iter().map(|&x| x as f32).collect(),
+            DType::BF16 => bf16::to_f32_slice(src.host_bf16()),
         }
     }
     fn download_f64(&self, src: T) -> Vec<f64> {
-        match src {
-            T::Host(s) => s.iter().map(|&x| x as f64).collect(),
-            T::Host64(s) => s.to_vec(),
+        match src.dtype() {
+            DType::F32 => src.host::<f32>().iter().map(|&x| x as f64).collect(),
+            DType::F64 => src.host::<f64>().to_vec(),
+            DType::BF16 => src
+                .host_bf16()
+                .iter()
+                .map(|&h| bf16::to_f32(h) as f64)
+                .collect(),
         }
     }
     fn write(&self, dst: TMut, data: &[f32]) {
-        match dst {
-            TMut::Host(d) => d.copy_from_slice(data),
-            TMut::Host64(d) => d.iter_mut().zip(data).for_each(|(d, &s)| *d = s as f64),
+        match dst.dtype() {
+            DType::F32 => dst.host::<f32>().copy_from_slice(data),
+            DType::F64 => dst
+                .host::<f64>()
+                .iter_mut()
+                .zip(data)
+                .for_each(|(d, &s)| *d = s as f64),
+            DType::BF16 => dst
+                .host_bf16()
+                .iter_mut()
+                .zip(data)
+                .for_each(|(d, &s)| *d = bf16::from_f32(s)),
         }
     }
     fn copy(&self, dst: TMut, src: T) {
-        match (dst, src) {
-            (TMut::Host(d), T::Host(s)) => d.copy_from_slice(s),
-            (TMut::Host64(d), T::Host64(s)) => d.copy_from_slice(s),
-            _ => panic!("copy between different dtypes"),
+        assert_eq!(dst.dtype(), src.dtype(), "copy between different dtypes");
+        match dst.dtype() {
+            DType::F32 => dst.host::<f32>().copy_from_slice(src.host::<f32>()),
+            DType::F64 => dst.host::<f64>().copy_from_slice(src.host::<f64>()),
+            DType::BF16 => dst.host_bf16().copy_from_slice(src.host_bf16()),
         }
     }
     fn fill(&self, dst: TMut, value: f32) {
-        match dst {
-            TMut::Host(d) => d.fill(value),
-            TMut::Host64(d) => d.fill(value as f64),
+        match dst.dtype() {
+            DType::F32 => dst.host::<f32>().fill(value),
+            DType::F64 => dst.host::<f64>().fill(value as f64),
+            DType::BF16 => dst.host_bf16().fill(bf16::from_f32(value)),
+        }
+    }
+    fn synchronize(&self) {
+        if let Some(two) = &self.two {
+            two.synchronize()
+        }
+    }
+    fn copy_async(&self, dst: TMut, src: T, stream: Stream) {
+        match &self.two {
+            Some(two) => two.copy_async(dst, src, stream),
+            None => self.copy(dst, src),
+        }
+    }
+    fn record_event(&self, stream: Stream) -> Event {
+        match &self.two {
+            Some(two) => two.record_event(stream).into_event(),
+            None => Event::completed_now(),
+        }
+    }
+    fn wait_event(&self, stream: Stream, event: &Event) {
+        if let Some(two) = &self.two {
+            two.wait_event(stream, event)
+        }
+    }
+    fn synchronize_event(&self, event: &Event) {
+        if let Some(two) = &self.two {
+            two.synchronize_event(event)
+        }
+    }
+    fn query_event(&self, event: &Event) -> bool {
+        self.two.as_ref().is_none_or(|two| two.query_event(event))
+    }
+    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
+        match &self.two {
+            Some(two) => two.elapsed(start, end),
+            None => Event::completed_elapsed(start, end).expect("events of another backend"),
         }
     }
 }

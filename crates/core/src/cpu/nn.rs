@@ -554,6 +554,7 @@ impl NnOps for CpuBackend {
         match c.dtype() {
             DType::F32 => grouped::gemm_grouped::<f32>(c, a, b, groups),
             DType::F64 => grouped::gemm_grouped::<f64>(c, a, b, groups),
+            DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
     fn embedding_forward(&self, out: TMut, wte: T, ids: &[u32], dim: usize) {
@@ -630,6 +631,7 @@ impl NnOps for CpuBackend {
         match dt(&q) {
             DType::F32 => attention::forward::<f32>(out, lse, q, k, v, d),
             DType::F64 => attention::forward::<f64>(out, lse, q, k, v, d),
+            DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
     fn attention_backward(
@@ -661,6 +663,7 @@ impl NnOps for CpuBackend {
         match dt(&q) {
             DType::F32 => attention::backward::<f32>(dq, dk, dv, dout, out, q, k, v, lse, d),
             DType::F64 => attention::backward::<f64>(dq, dk, dv, dout, out, q, k, v, lse, d),
+            DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
     fn swiglu_forward(&self, out: TMut, gate: T, up: T) {
