@@ -483,8 +483,9 @@ pub fn resumable_difference(key: &str) -> bool {
         || key == "training.threads"
         || key.starts_with("checkpoint.")
         || key.starts_with("metrics.")
-        // Checkpoints load at any rank count and mesh shape.
+        // Checkpoints load at any rank count and mesh shape, on any device.
         || key.starts_with("parallelism.")
+        || key.starts_with("device.")
 }
 
 #[cfg(test)]

@@ -394,6 +394,41 @@ impl Default for ActivationCheckpointConfig {
     }
 }
 
+/// Which backend memory a rank computes in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeviceKind {
+    /// The CPU: one memory.
+    Cpu,
+    /// The CPU with an emulated device memory beside host memory: tensors live in "device"
+    /// memory (capped at `device.memory_gib`), host and pinned memory are separate, copies
+    /// between them run on copy threads ordered by events. How GPU memory behaviour (offload,
+    /// capacity, stream ordering) is tested without a GPU.
+    CpuTwoMemory,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceConfig {
+    pub kind: DeviceKind,
+    /// Capacity of device memory in GiB (0 = no limit). An allocation past it ends the run with
+    /// an out-of-memory error naming the category and the bytes asked for.
+    pub memory_gib: f64,
+    /// `cpu-two-memory`: panic at any access not ordered after the copies it depends on (a
+    /// missing event wait), instead of waiting for them.
+    pub check_streams: bool,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        Self {
+            kind: DeviceKind::Cpu,
+            memory_gib: 0.0,
+            check_streams: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelismConfig {
@@ -464,6 +499,8 @@ pub struct JobConfig {
     pub activation_checkpoint: ActivationCheckpointConfig,
     #[serde(default)]
     pub parallelism: ParallelismConfig,
+    #[serde(default)]
+    pub device: DeviceConfig,
 }
 
 impl JobConfig {
@@ -627,6 +664,21 @@ impl JobConfig {
                 "activation_checkpoint.offload_fraction",
                 a.offload_fraction,
                 "must be in [0, 1]",
+            ));
+        }
+        let dv = &self.device;
+        if !(dv.memory_gib >= 0.0 && dv.memory_gib.is_finite()) {
+            return Err(invalid(
+                "device.memory_gib",
+                dv.memory_gib,
+                "must be a number >= 0 (0 = no limit)",
+            ));
+        }
+        if dv.kind == DeviceKind::Cpu && (dv.memory_gib > 0.0 || dv.check_streams) {
+            return Err(invalid(
+                "device.kind",
+                "cpu",
+                "device.memory_gib and device.check_streams need kind = \"cpu-two-memory\"",
             ));
         }
         let p = &self.parallelism;

@@ -260,6 +260,31 @@ pub fn from_bf16(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
+/// A view whose memory the host can address (host views, and the emulated device memory of
+/// the two-memory CPU mode) as a host view, so host collectives serve it; others unchanged.
+pub fn host_view(v: T<'_>) -> T<'_> {
+    match v {
+        T::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
+            ganymede_core::DType::F32 => T::Host(T::Device(d).host::<f32>()),
+            ganymede_core::DType::F64 => T::Host64(T::Device(d).host::<f64>()),
+            _ => T::Device(d),
+        },
+        v => v,
+    }
+}
+
+/// [`host_view`] for a mutable view.
+pub fn host_view_mut(v: TMut<'_>) -> TMut<'_> {
+    match v {
+        TMut::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
+            ganymede_core::DType::F32 => TMut::Host(TMut::Device(d).host::<f32>()),
+            ganymede_core::DType::F64 => TMut::Host64(TMut::Device(d).host::<f64>()),
+            _ => TMut::Device(d),
+        },
+        v => v,
+    }
+}
+
 /// Element size and length of a view, or `Unsupported` for non-host views.
 pub(crate) fn elem_size(op: &'static str, v: &T) -> Result<usize> {
     match v {
@@ -301,8 +326,9 @@ macro_rules! host_collectives_by_dtype {
             recv: ganymede_core::TMut<'a>,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
+            let send = $crate::group::host_view(send);
             $crate::group::elem_size("all_gather", &send)?;
-            match (send, recv) {
+            match (send, $crate::group::host_view_mut(recv)) {
                 (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
                     self.all_gather_t(s, r, phase)
                 }
@@ -318,8 +344,9 @@ macro_rules! host_collectives_by_dtype {
             recv: ganymede_core::TMut<'a>,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
+            let send = $crate::group::host_view(send);
             $crate::group::elem_size("reduce_scatter", &send)?;
-            match (send, recv) {
+            match (send, $crate::group::host_view_mut(recv)) {
                 (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
                     self.reduce_scatter_t(s, r, phase)
                 }
@@ -334,7 +361,7 @@ macro_rules! host_collectives_by_dtype {
             buf: ganymede_core::TMut<'a>,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
-            match buf {
+            match $crate::group::host_view_mut(buf) {
                 ganymede_core::TMut::Host(b) => self.all_reduce_t(b, phase),
                 ganymede_core::TMut::Host64(b) => self.all_reduce_t(b, phase),
                 #[allow(unreachable_patterns)]
@@ -349,7 +376,10 @@ macro_rules! host_collectives_by_dtype {
             recv_counts: &[usize],
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
-            match (send, recv) {
+            match (
+                $crate::group::host_view(send),
+                $crate::group::host_view_mut(recv),
+            ) {
                 (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
                     self.alltoallv_t(s, send_counts, r, recv_counts, phase)
                 }
@@ -365,7 +395,7 @@ macro_rules! host_collectives_by_dtype {
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
-            match buf {
+            match $crate::group::host_view_mut(buf) {
                 ganymede_core::TMut::Host(b) => self.broadcast_t(b, root, phase),
                 ganymede_core::TMut::Host64(b) => self.broadcast_t(b, root, phase),
                 #[allow(unreachable_patterns)]
@@ -378,7 +408,7 @@ macro_rules! host_collectives_by_dtype {
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
-            match buf {
+            match $crate::group::host_view_mut(buf) {
                 ganymede_core::TMut::Host(b) => self.reduce_t(b, root, phase),
                 ganymede_core::TMut::Host64(b) => self.reduce_t(b, root, phase),
                 #[allow(unreachable_patterns)]
@@ -392,7 +422,10 @@ macro_rules! host_collectives_by_dtype {
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
-            match (send, recv) {
+            match (
+                $crate::group::host_view(send),
+                recv.map($crate::group::host_view_mut),
+            ) {
                 (ganymede_core::T::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
                 (ganymede_core::T::Host(s), Some(ganymede_core::TMut::Host(r))) => {
                     self.gather_t(s, Some(r), root, phase)
@@ -411,7 +444,10 @@ macro_rules! host_collectives_by_dtype {
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
-            match (send, recv) {
+            match (
+                send.map($crate::group::host_view),
+                $crate::group::host_view_mut(recv),
+            ) {
                 (None, ganymede_core::TMut::Host(r)) => self.scatter_t::<f32>(None, r, root, phase),
                 (Some(ganymede_core::T::Host(s)), ganymede_core::TMut::Host(r)) => {
                     self.scatter_t(Some(s), r, root, phase)

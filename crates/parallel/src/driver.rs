@@ -16,9 +16,10 @@ use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
 use crate::layout::Layout;
 use crate::optim::ShardedOptimizer;
 use anyhow::{bail, Context, Result};
-use ganymede_config::{JobConfig, MuonPlacement};
+use ganymede_config::{DeviceKind, JobConfig, MuonPlacement};
 use ganymede_core::{
     Backend, Blas, Category, CpuBackend, Ledger, ParamSpec, ParamStore, TMut, Tensor,
+    TwoMemoryOptions,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::placement::plan;
@@ -88,6 +89,23 @@ fn trainable_grads<'a>(shards: &'a mut Shards, specs: &[ParamSpec]) -> Vec<&'a m
         .collect()
 }
 
+/// The backend `device` asks for, with a fresh ledger.
+pub fn backend(cfg: &JobConfig) -> CpuBackend {
+    let ledger = Arc::new(Ledger::new());
+    let d = &cfg.device;
+    match d.kind {
+        DeviceKind::Cpu => CpuBackend::new(ledger),
+        DeviceKind::CpuTwoMemory => CpuBackend::two_memory(
+            ledger,
+            TwoMemoryOptions {
+                device_capacity: (d.memory_gib > 0.0)
+                    .then(|| (d.memory_gib * (1u64 << 30) as f64) as u64),
+                checking: d.check_streams,
+            },
+        ),
+    }
+}
+
 /// Everything one rank holds.
 pub struct RankState {
     pub be: CpuBackend,
@@ -115,7 +133,7 @@ impl RankState {
                 t.batch_size
             );
         }
-        let be = CpuBackend::new(Arc::new(Ledger::new()));
+        let be = backend(cfg);
         let model = Model::new(m);
         let shards = if w == 1 {
             let params = model.init_params(&be, t.seed);

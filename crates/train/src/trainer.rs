@@ -274,7 +274,15 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         let world = ganymede_dist::threads_world(1, &tcfg)
             .pop()
             .expect("one rank");
-        vec![rank_loop(Arc::new(world), &run, true)?]
+        // A panic below (an allocation past `device.memory_gib`, say) ends the run with its
+        // message as an error, as it does on several ranks.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rank_loop(Arc::new(world), &run, true)
+        }));
+        match r {
+            Ok(out) => vec![out?],
+            Err(p) => bail!("training failed: {}", panic_message(p.as_ref())),
+        }
     } else {
         run_ranks_as_threads(n, &tcfg, run.clone())?
     };
