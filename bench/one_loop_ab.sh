@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Side-by-side, interleaved: the binary before the one-loop change (A) and after (B).
+set -euo pipefail
+A=/work/wt/base/target/release/ganymede
+B=/work/main/target/release/ganymede
+reps=${REPS:-3}
+out=/tmp/seam_ab; rm -rf $out; mkdir -p $out
+for rep in $(seq 1 $reps); do
+  for cfg in "tiny muon 60" "tiny adamw 60" "small muon 12" "small adamw 12"; do
+    set -- $cfg
+    for side in A B; do
+      bin=${!side}
+      d=$out/$1-$2-$side-$rep
+      $bin train --preset $1 --steps $3 --set optimizer.name=$2 --set training.threads=2 --set checkpoint.enable=false --set metrics.val_every=0 --out $d > $d.log 2>&1
+      python3 - "$d/metrics.jsonl" "$1 $2 $side $rep" <<'PY'
+import json,sys
+m=[json.loads(l) for l in open(sys.argv[1])]
+# steps after the first (warm-up) only
+tps=[x["tokens_per_s"] for x in m[1:]]
+tps.sort()
+print(sys.argv[2], "median_tok_s", round(tps[len(tps)//2]), "last_loss", m[-1]["loss"])
+PY
+    done
+  done
+done
