@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Side-by-side, interleaved: the binary before the one-loop change (A) and after (B).
+# Side by side, interleaved: two ganymede binaries (A: before a change, B: after), each config
+# run A then B, round-robin. Usage: A=old/ganymede B=new/ganymede [REPS=3] bench/one_loop_ab.sh
+# (build A from the older commit in a git worktree: `cargo build --release -p ganymede`).
 set -euo pipefail
-A=/work/wt/base/target/release/ganymede
-B=/work/main/target/release/ganymede
+A=${A:?set A to the binary before the change}
+B=${B:?set B to the binary after the change}
 reps=${REPS:-3}
 out=/tmp/seam_ab; rm -rf $out; mkdir -p $out
 for rep in $(seq 1 $reps); do
