@@ -6,6 +6,7 @@ use ganymede_config::{AcMode, OptimizerName};
 use std::fmt::Write;
 
 const GIB: f64 = (1u64 << 30) as f64;
+const TIB: f64 = (1u64 << 40) as f64;
 
 /// 951.80B, 32.77B, 1.57M, 448.
 pub fn count(n: f64) -> String {
@@ -211,10 +212,10 @@ pub fn table(p: &Plan) -> String {
         &mut s,
         "optimizer state (whole model)",
         format!(
-            "{:.3} TB; AdamW would need {:.3} TB (saving {:.2} GB per GPU)",
-            o.state_bytes / 1e12,
-            o.adamw_state_bytes / 1e12,
-            o.muon_saving_per_gpu / 1e9
+            "{:.3} TiB; AdamW would need {:.3} TiB (saving {} per GPU)",
+            o.state_bytes / TIB,
+            o.adamw_state_bytes / TIB,
+            bytes(o.muon_saving_per_gpu)
         ),
     );
 
