@@ -2,6 +2,7 @@
 //! - [`trainer`]: the step loop, the run directory and `--resume`;
 //! - [`checkpoint`]: safetensors checkpoints with a manifest, written atomically;
 //! - [`metrics`]: `metrics.jsonl`, expert-load statistics, progress, the memory report;
+//! - [`tensorboard`]: TensorBoard event files of the metrics' scalars;
 //! - [`eval`]: loading a checkpoint, windowed cross-entropy, sampling;
 //! - [`export`]: the Hugging Face Qwen3-MoE export.
 
@@ -9,4 +10,5 @@ pub mod checkpoint;
 pub mod eval;
 pub mod export;
 pub mod metrics;
+pub mod tensorboard;
 pub mod trainer;
