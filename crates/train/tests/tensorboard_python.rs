@@ -69,8 +69,11 @@ fn tensorboard_reads_back_the_metrics() {
     assert!(want.contains_key("val_loss") && want.contains_key("load_cv/1"));
 
     let Some(py) = python_with_tensorboard() else {
-        eprintln!(
-            "*** SKIPPED: TensorBoard read-back (no Python with tensorboard; set GANYMEDE_PYTHON) ***"
+        // Straight to stderr, past the test harness's capture, so CI logs show it.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "\n*** SKIPPED: TensorBoard read-back (no Python with tensorboard; set GANYMEDE_PYTHON) ***\n"
         );
         return;
     };
