@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::fmt::Write;
 use std::fs;
 use std::path::{Path, PathBuf};
-use svg::{escape, num, Series};
+use svg::{escape, Series};
 
 /// What a run directory holds, read leniently.
 pub struct Run {
