@@ -211,11 +211,13 @@ pub fn bar_chart(
 ) -> String {
     let mut s = String::new();
     open(&mut s, id, title, H);
-    let max = groups
+    let top = groups
         .iter()
         .flat_map(|g| g.1.iter().copied())
         .fold(0.0f64, f64::max);
-    if categories.is_empty() || max <= 0.0 {
+    // Headroom above the tallest bar for the legend.
+    let max = top * 1.25;
+    if categories.is_empty() || top <= 0.0 {
         s.push_str(r#"<text x="20" y="40">no data</text>"#);
         close(&mut s);
         return s;
