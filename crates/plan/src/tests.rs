@@ -903,3 +903,28 @@ fn gather_and_reduce_precision_scale_their_bytes() {
     // fp8 buffers: the unsharded layer copies take half the bytes.
     assert!(fp8.memory.gpu.unsharded_params < bf16.memory.gpu.unsharded_params);
 }
+
+#[test]
+fn no_precision_combination_reaches_the_write_ups_1300_on_jupiter() {
+    // docs/planning.md section 4a: over NDR200 the final setup stays below 1,300 tokens/s
+    // (a 50.4 s step) with every reduce/gather precision and last-block policy; halving both
+    // brings the link below compute, so the best case is compute-bound.
+    let job = europa();
+    for reduce in [4.0, 2.0] {
+        for gather in [2.0, 1.0] {
+            for keep in [false, true] {
+                let (l, mut pol, o) = final_setup(&job, 54.0 / 74.0);
+                (pol.reduce_bytes, pol.gather_bytes, pol.keep_last_block) = (reduce, gather, keep);
+                let p = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+                assert!(p.fits, "{reduce} {gather} {keep}: {}", p.verdict);
+                assert!(p.tokens_per_s_per_gpu < 1300.0, "{reduce} {gather} {keep}");
+                let expect = if reduce == 2.0 && gather == 1.0 {
+                    "compute"
+                } else {
+                    "communication"
+                };
+                assert_eq!(p.time.bound, expect, "{reduce} {gather} {keep}");
+            }
+        }
+    }
+}
