@@ -108,10 +108,10 @@ pub struct PlanArgs {
     /// Parameter all-gather precision (fp8: TorchTitan's float8 all-gather).
     #[arg(long, value_enum, default_value = "bf16")]
     pub gather_dtype: GatherDtypeArg,
-    /// Reshard the last block after forward (and gather it again first thing in backward)
-    /// instead of keeping it, as TorchTitan does.
+    /// Keep the last block unsharded from forward into backward, as TorchTitan does (saves one
+    /// gather per microbatch; ganymede's own trainer reshards it).
     #[arg(long)]
-    pub reshard_last_block: bool,
+    pub keep_last_block: bool,
     /// Layers gathered ahead of the computing one.
     #[arg(long, default_value_t = 1)]
     pub prefetch: usize,
@@ -222,7 +222,7 @@ impl PlanArgs {
             GatherDtypeArg::Bf16 => 2.0,
             GatherDtypeArg::Fp8 => 1.0,
         };
-        policy.keep_last_block = !self.reshard_last_block;
+        policy.keep_last_block = self.keep_last_block;
         policy.loss_chunk_tokens = self.loss_chunk;
         let mut optimizer = OptimizerSetup::from_job(&job);
         if let Some(o) = self.optimizer {

@@ -85,8 +85,10 @@ pub struct MemoryPolicy {
     /// Bytes per element of the gradient reduce-scatter (4: fp32, TorchTitan's default).
     pub reduce_bytes: f64,
     /// Keep the last block unsharded from the end of forward into backward (TorchTitan does:
-    /// backward needs it first), which saves one layer's gather per microbatch.
-    #[serde(default = "yes")]
+    /// backward needs it first), which saves one layer's gather per microbatch. Off by default
+    /// because ganymede's sharded trainer gathers it again (its byte counts are tested against
+    /// the planner's).
+    #[serde(default)]
     pub keep_last_block: bool,
     /// Tokens per chunk of the LM head + cross-entropy (logits are never materialised for more).
     pub loss_chunk_tokens: usize,
@@ -103,7 +105,7 @@ impl MemoryPolicy {
             param_bytes: 2.0,
             gather_bytes: 2.0,
             reduce_bytes: 4.0,
-            keep_last_block: true,
+            keep_last_block: false,
             loss_chunk_tokens: 4096,
         }
     }
@@ -111,10 +113,6 @@ impl MemoryPolicy {
 
 fn bf16_bytes() -> f64 {
     2.0
-}
-
-fn yes() -> bool {
-    true
 }
 
 /// How Muon's whole-matrix Newton–Schulz meets FSDP's shards.

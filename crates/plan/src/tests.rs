@@ -361,9 +361,14 @@ fn fsdp_traffic_closed_form() {
     let ag = 74.0 * (ib_layer + nv_layer) + o * 95.0 / 96.0 / 4.0 + o * 3.0 / 4.0;
     let p = europa_plan(1.0);
     assert!(close(p.communication.fsdp_all_gather_fwd, ag, 1e-12));
-    // Backward gathers every layer again but the last, kept unsharded from forward.
+    assert!(close(p.communication.fsdp_all_gather_bwd, ag, 1e-12));
+    // Keeping the last block unsharded from forward spares its backward gather.
+    let job = europa();
+    let (l, mut pol, o) = final_setup(&job, 1.0);
+    pol.keep_last_block = true;
+    let kept = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
     let ag_bwd = ag - (ib_layer + nv_layer);
-    assert!(close(p.communication.fsdp_all_gather_bwd, ag_bwd, 1e-12));
+    assert!(close(kept.communication.fsdp_all_gather_bwd, ag_bwd, 1e-12));
     // The fp32 reduce-scatter moves twice the bytes.
     assert!(close(p.communication.fsdp_reduce_scatter, 2.0 * ag, 1e-12));
     // The expert all-to-all stays on NVLink: per layer 6 transfers (dispatch and combine in
