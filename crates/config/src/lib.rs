@@ -356,6 +356,8 @@ pub struct MetricsConfig {
     pub val_every: usize,
     /// Batches of `training.batch_size` sequences per validation.
     pub val_batches: usize,
+    /// Also write the scalars of every metrics line as TensorBoard event files under `RUN/tb/`.
+    pub tensorboard: bool,
 }
 
 impl Default for MetricsConfig {
@@ -364,6 +366,7 @@ impl Default for MetricsConfig {
             log_every: 10,
             val_every: 50,
             val_batches: 4,
+            tensorboard: false,
         }
     }
 }
@@ -383,6 +386,13 @@ pub struct ActivationCheckpointConfig {
     pub mode: AcMode,
     /// Share of layers whose boundary activation is offloaded to host memory (GPU backends).
     pub offload_fraction: f64,
+}
+
+/// Layers whose boundary activation goes to host memory at `fraction` of `layers`: the nearest
+/// whole layer. The one rule the planner and the runtime share, chosen so that a fraction printed
+/// with three decimals (`n / layers` rounded) maps back to the same `n` for any `layers` < 1000.
+pub fn offloaded_layers(fraction: f64, layers: usize) -> usize {
+    ((fraction.clamp(0.0, 1.0) * layers as f64).round() as usize).min(layers)
 }
 
 impl Default for ActivationCheckpointConfig {

@@ -126,3 +126,24 @@ fn parallelism_keys_parse() {
     .unwrap_err();
     assert!(e.to_string().contains("ring"), "{e}");
 }
+
+#[test]
+fn offloaded_layers_round_trip_through_three_decimals() {
+    // docs/planning.md: 0.730 of 74 layers is 54 (0.73·74 = 54.02), not 55.
+    assert_eq!(offloaded_layers(0.73, 74), 54);
+    assert_eq!(offloaded_layers(0.0, 74), 0);
+    assert_eq!(offloaded_layers(1.0, 74), 74);
+    for layers in [1usize, 2, 7, 61, 74, 128, 999] {
+        for n in 0..=layers {
+            let printed: f64 = format!("{:.3}", n as f64 / layers as f64).parse().unwrap();
+            assert_eq!(offloaded_layers(printed, layers), n, "{n} of {layers}");
+        }
+    }
+}
+
+#[test]
+fn tensorboard_key_defaults_off_and_parses() {
+    assert!(!preset("tiny").unwrap().metrics.tensorboard);
+    let c = JobConfig::load(Some("tiny"), None, &["metrics.tensorboard=true".into()]).unwrap();
+    assert!(c.metrics.tensorboard);
+}

@@ -34,6 +34,11 @@ enum Command {
     Tokenizer(TokenizerCommand),
     /// Predict memory, communication and step time of a parallel layout.
     Plan(ganymede_plan::PlanArgs),
+    /// Write RUN/report.html: charts of a run's metrics, memory and communication, its config.
+    Report {
+        /// Run directory (holding metrics.jsonl).
+        run: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -255,6 +260,9 @@ fn run(cmd: Command) -> Result<()> {
             );
         }
         Command::Plan(a) => ganymede_plan::run(a)?,
+        Command::Report { run } => {
+            println!("{}", ganymede_report::write(&run)?.display());
+        }
     }
     Ok(())
 }

@@ -39,6 +39,12 @@ pub enum DtypeArg {
     Bf16,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GatherDtypeArg {
+    Bf16,
+    Fp8,
+}
+
 /// Predict memory, communication and step time of a layout before queueing it.
 ///
 /// Layout values not given here come from the job config's `[parallelism]` and `[training]`
@@ -99,6 +105,13 @@ pub struct PlanArgs {
     /// Gradient reduce-scatter precision.
     #[arg(long, value_enum, default_value = "fp32")]
     pub reduce_dtype: DtypeArg,
+    /// Parameter all-gather precision (fp8: TorchTitan's float8 all-gather).
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub gather_dtype: GatherDtypeArg,
+    /// Keep the last block unsharded from forward into backward, as TorchTitan does (saves one
+    /// gather per microbatch; ganymede's own trainer reshards it).
+    #[arg(long)]
+    pub keep_last_block: bool,
     /// Layers gathered ahead of the computing one.
     #[arg(long, default_value_t = 1)]
     pub prefetch: usize,
@@ -205,6 +218,11 @@ impl PlanArgs {
             DtypeArg::Fp32 => 4.0,
             DtypeArg::Bf16 => 2.0,
         };
+        policy.gather_bytes = match self.gather_dtype {
+            GatherDtypeArg::Bf16 => 2.0,
+            GatherDtypeArg::Fp8 => 1.0,
+        };
+        policy.keep_last_block = self.keep_last_block;
         policy.loss_chunk_tokens = self.loss_chunk;
         let mut optimizer = OptimizerSetup::from_job(&job);
         if let Some(o) = self.optimizer {

@@ -75,10 +75,21 @@ pub struct MemoryPolicy {
     /// it the caching allocator keeps the gather stream's blocks apart from the compute
     /// stream's, which the planner counts as one more set of unsharded layer buffers.
     pub unshard_async_op: bool,
-    /// Bytes per element of the gathered compute copies (2: bf16).
+    /// Bytes per element of activations in flight (expert all-to-all; 2: bf16).
     pub param_bytes: f64,
+    /// Bytes per element of the all-gathered layer weights, on the wire and in the unsharded
+    /// buffers (2: bf16; 1: fp8, TorchTitan's float8 all-gather). The embedding and LM head
+    /// always travel in `param_bytes`.
+    #[serde(default = "bf16_bytes")]
+    pub gather_bytes: f64,
     /// Bytes per element of the gradient reduce-scatter (4: fp32, TorchTitan's default).
     pub reduce_bytes: f64,
+    /// Keep the last block unsharded from the end of forward into backward (TorchTitan does:
+    /// backward needs it first), which saves one layer's gather per microbatch. Off by default
+    /// because ganymede's sharded trainer gathers it again (its byte counts are tested against
+    /// the planner's).
+    #[serde(default)]
+    pub keep_last_block: bool,
     /// Tokens per chunk of the LM head + cross-entropy (logits are never materialised for more).
     pub loss_chunk_tokens: usize,
 }
@@ -92,10 +103,16 @@ impl MemoryPolicy {
             prefetch: 1,
             unshard_async_op: true,
             param_bytes: 2.0,
+            gather_bytes: 2.0,
             reduce_bytes: 4.0,
+            keep_last_block: false,
             loss_chunk_tokens: 4096,
         }
     }
+}
+
+fn bf16_bytes() -> f64 {
+    2.0
 }
 
 /// How Muon's whole-matrix Newton–Schulz meets FSDP's shards.
@@ -334,8 +351,10 @@ pub struct StepTime {
     /// its communication path), all microbatches.
     pub forward_s: f64,
     pub backward_s: f64,
-    /// First gather and last reduce-scatter of each microbatch, which nothing hides.
-    pub exposed_comm_s: f64,
+    /// What the per-layer overlap leaves exposed, all microbatches: filling and draining the
+    /// forward and backward layer pipelines (the shorter of a layer's compute and its
+    /// communication, each) and the embedding/LM-head gathers and reduce-scatter.
+    pub exposed_s: f64,
     /// Optimizer step: Newton–Schulz, its traffic, copies, element-wise update.
     pub optimizer_s: f64,
     pub newton_schulz_s: f64,
@@ -389,6 +408,19 @@ pub struct Plan {
     pub gpu_headroom: f64,
     pub host_headroom: f64,
     pub verdict: String,
+    /// When the layout does not fit: the smallest change of policy that makes it fit.
+    pub fit_fix: Option<FitFix>,
+}
+
+/// A change of memory policy that makes a layout fit, as `ganymede plan` flags.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FitFix {
+    /// Flags to add, e.g. `--param-offload --offload-fraction 0.730`.
+    pub flags: String,
+    pub policy: MemoryPolicy,
+    /// The fixed layout's prediction.
+    pub tokens_per_s_per_gpu: f64,
+    pub step_time_s: f64,
 }
 
 /// Check that a layout can exist on a cluster for a job.
@@ -458,6 +490,19 @@ pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<
             reason: "must be in [0, 1]",
         });
     }
+    for (key, v) in [
+        ("gather_bytes", policy.gather_bytes),
+        ("reduce_bytes", policy.reduce_bytes),
+        ("param_bytes", policy.param_bytes),
+    ] {
+        if !(v > 0.0 && v.is_finite()) {
+            return Err(PlanError::Value {
+                key,
+                value: v.to_string(),
+                reason: "must be a positive number of bytes",
+            });
+        }
+    }
     if policy.loss_chunk_tokens == 0 {
         return Err(PlanError::Value {
             key: "loss_chunk_tokens",
@@ -502,19 +547,16 @@ pub fn plan(
 ) -> Result<Plan, PlanError> {
     check(job, layout, policy)?;
     let mut core = evaluate(job, cluster, layout, policy, opt);
-    if !core.fits && !policy.param_offload {
-        // Say whether moving the state to the host would make it fit.
-        let with = MemoryPolicy {
-            param_offload: true,
-            ..policy.clone()
-        };
-        let alt = evaluate(job, cluster, layout, &with, opt);
-        match (policy.ac, alt.fits, alt.memory.min_offload_fraction) {
-            (_, true, _) => core.verdict.push_str("; with --param-offload it fits"),
-            (AcMode::Full, false, Some(f)) => core.verdict.push_str(&format!(
-                "; with --param-offload it fits from offload fraction {f:.3}"
+    if !core.fits {
+        core.fit_fix = smallest_fix(job, cluster, layout, policy, opt);
+        match &core.fit_fix {
+            Some(f) => core.verdict.push_str(&format!(
+                "; smallest change that fits: {} ({:.0} tokens/s per GPU)",
+                f.flags, f.tokens_per_s_per_gpu
             )),
-            _ => {}
+            None => core
+                .verdict
+                .push_str("; no change of checkpointing or offload makes it fit"),
         }
     }
     // A sequence the model cannot hold: the most frugal policy still overflows the GPU.
@@ -536,6 +578,64 @@ pub fn plan(
         });
     }
     Ok(core)
+}
+
+/// Candidate policy changes, least intrusive first: more activation offload; the state on the
+/// host; both; checkpointing (then with offloads). The first that fits wins, each at its
+/// smallest fitting offload fraction.
+fn smallest_fix(
+    job: &JobConfig,
+    cluster: &Cluster,
+    layout: &Layout,
+    policy: &MemoryPolicy,
+    opt: &OptimizerSetup,
+) -> Option<FitFix> {
+    let mut candidates: Vec<(Vec<String>, MemoryPolicy)> = vec![];
+    for ac in [policy.ac, AcMode::Full] {
+        for param_offload in [policy.param_offload, true] {
+            let mut flags = vec![];
+            if ac != policy.ac {
+                flags.push("--ac full".to_string());
+            }
+            if param_offload != policy.param_offload {
+                flags.push("--param-offload".to_string());
+            }
+            let changed = MemoryPolicy {
+                ac,
+                param_offload,
+                ..policy.clone()
+            };
+            candidates.push((flags, changed));
+        }
+    }
+    for (mut flags, mut pol) in candidates {
+        let p = evaluate(job, cluster, layout, &pol, opt);
+        if !p.fits {
+            // Under full checkpointing, the smallest fraction of layers offloaded that fits.
+            let Some(f) = p.memory.min_offload_fraction else {
+                continue;
+            };
+            let layers = ganymede_config::offloaded_layers(f, job.model.layers);
+            // Printed with three decimals, which maps back to the same whole layers.
+            let printed = format!("{f:.3}");
+            pol.offload_fraction = printed.parse().expect("a formatted float parses");
+            debug_assert_eq!(
+                ganymede_config::offloaded_layers(pol.offload_fraction, job.model.layers),
+                layers
+            );
+            flags.push(format!("--offload-fraction {printed}"));
+        }
+        let p = evaluate(job, cluster, layout, &pol, opt);
+        if p.fits && !flags.is_empty() {
+            return Some(FitFix {
+                flags: flags.join(" "),
+                policy: pol,
+                tokens_per_s_per_gpu: p.tokens_per_s_per_gpu,
+                step_time_s: p.step_time_s,
+            });
+        }
+    }
+    None
 }
 
 /// The arithmetic, without the feasibility checks (callers run [`check`] first).
@@ -563,6 +663,7 @@ fn evaluate(
     let mf = micro as f64;
     let k = m.top_k as f64;
     let pb = policy.param_bytes;
+    let gb = policy.gather_bytes;
     let rb = policy.reduce_bytes;
     let muon = opt.name == OptimizerName::Muon;
 
@@ -596,8 +697,9 @@ fn evaluate(
     let adamw_state = 8.0 * p.total as f64;
     let local_layer = shape.max_local_layer(ep as u64) as f64;
     let head = (p.by_group.embedding.max(p.by_group.lm_head)) as f64;
-    let unsharded = pb * (local_layer * (1 + policy.prefetch) as f64 + head);
-    let unsharded_grads = (pb + rb) * local_layer;
+    let unsharded = gb * local_layer * (1 + policy.prefetch) as f64 + pb * head;
+    // Gradients are computed in bf16 whatever the gather precision.
+    let unsharded_grads = (2.0 + rb) * local_layer;
     let boundary_layer = n_tok * h * 2.0;
     let boundary_all = boundary_layer * l;
     // One layer's saved tensors (bf16 unless noted), N tokens:
@@ -661,7 +763,7 @@ fn evaluate(
         let mut offloaded = 0;
         match policy.ac {
             AcMode::Full => {
-                offloaded = ((offload_fraction * l - 1e-9).ceil().max(0.0) as usize).min(m.layers);
+                offloaded = ganymede_config::offloaded_layers(offload_fraction, m.layers);
                 let kept = (m.layers - offloaded) as f64;
                 g.boundary_activations = kept * boundary_layer;
                 hst.boundary_activations = offloaded as f64 * boundary_layer;
@@ -675,7 +777,7 @@ fn evaluate(
         g.dispatch_buffers = dispatch;
         g.logits = logits;
         if !policy.unshard_async_op {
-            g.allocator_slack = pb * local_layer * (1 + policy.prefetch) as f64;
+            g.allocator_slack = gb * local_layer * (1 + policy.prefetch) as f64;
         }
         let ns_cpu = opt.ns_on == NsOn::Cpu;
         if ns_cpu {
@@ -703,8 +805,8 @@ fn evaluate(
     let expert_layer_bytes = |b: f64| b * shape.avg_experts_part() / ep as f64;
     let q_dense = gpn.min(w);
     let q_exp = if ep <= gpn { gpn / ep } else { 1 }.min(efsdp).max(1);
-    let (ag_d_ib, ag_d_nv) = group_traffic(dense_layer_bytes(pb), w, q_dense);
-    let (ag_e_ib, ag_e_nv) = group_traffic(expert_layer_bytes(pb), efsdp, q_exp);
+    let (ag_d_ib, ag_d_nv) = group_traffic(dense_layer_bytes(gb), w, q_dense);
+    let (ag_e_ib, ag_e_nv) = group_traffic(expert_layer_bytes(gb), efsdp, q_exp);
     let (rs_d_ib, rs_d_nv) = group_traffic(dense_layer_bytes(rb), w, q_dense);
     let (rs_e_ib, rs_e_nv) = group_traffic(expert_layer_bytes(rb), efsdp, q_exp);
     let outside = p.outside_layers as f64;
@@ -715,6 +817,9 @@ fn evaluate(
     let rs_layer_ib = rs_d_ib + rs_e_ib;
     let rs_layer_nv = rs_d_nv + rs_e_nv;
     let ag_once = l * (ag_layer_ib + ag_layer_nv) + ag_o_ib + ag_o_nv;
+    // Backward gathers every layer again, but the last when it was kept from forward.
+    let l_bwd_gathers = if policy.keep_last_block { l - 1.0 } else { l };
+    let ag_bwd = l_bwd_gathers * (ag_layer_ib + ag_layer_nv) + ag_o_ib + ag_o_nv;
     let rs_once = l * (rs_layer_ib + rs_layer_nv) + rs_o_ib + rs_o_nv;
 
     let ep_on_nvlink = ep <= gpn;
@@ -782,17 +887,17 @@ fn evaluate(
     let d2h = act_d2h + state_d2h + ns_copy;
     let h2d = act_d2h + 2.0 * mf * state_h2d + ns_copy;
 
-    let ib_step = mf * 2.0 * (l * ag_layer_ib + ag_o_ib)
+    let ib_step = mf * ((l + l_bwd_gathers) * ag_layer_ib + 2.0 * ag_o_ib)
         + mf * (l * rs_layer_ib + rs_o_ib)
         + a2a_step * a2a_ib_share
         + if opt_on_ib { opt_bytes } else { 0.0 };
-    let nv_step = mf * 2.0 * (l * ag_layer_nv + ag_o_nv)
+    let nv_step = mf * ((l + l_bwd_gathers) * ag_layer_nv + 2.0 * ag_o_nv)
         + mf * (l * rs_layer_nv + rs_o_nv)
         + a2a_step * (1.0 - a2a_ib_share)
         + if opt_on_ib { 0.0 } else { opt_bytes };
     let communication = Communication {
         fsdp_all_gather_fwd: mf * ag_once,
-        fsdp_all_gather_bwd: mf * ag_once,
+        fsdp_all_gather_bwd: mf * ag_bwd,
         fsdp_reduce_scatter: mf * rs_once,
         ep_all_to_all: a2a_step,
         optimizer: opt_bytes,
@@ -852,27 +957,55 @@ fn evaluate(
             0.0
         };
     let overlap = policy.prefetch > 0;
-    let layer_time = |compute: f64, comm: f64, copy: f64| {
+    // One microbatch's forward or backward: a pipeline of layers over compute, the link and
+    // the host copies. With overlap, each layer holds the pipeline for its longest stage, and
+    // filling and draining it costs one more of the shorter of compute and communication (the
+    // first gather before any compute when compute-bound, the last layer's compute when
+    // communication-bound). Adding the whole first gather and last reduce-scatter on top, as
+    // this once did, counted them twice: the per-layer maximum already holds every gather.
+    // Without overlap the stages add up and nothing is left over.
+    let layers = |n: f64, compute: f64, comm: f64, copy: f64| {
         if overlap {
-            compute.max(comm).max(copy)
+            n * compute.max(comm).max(copy)
         } else {
-            compute + comm + copy
+            n * (compute + comm + copy)
         }
     };
-    let fwd_layer = layer_time(c_fwd + a2a_fwd_t, ag_t, copy_fwd);
-    let bwd_layer = layer_time(c_bwd + a2a_bwd_t, ag_t + rs_t, copy_bwd);
+    let fill = |compute: f64, comm: f64| if overlap { compute.min(comm) } else { 0.0 };
+    let fwd_compute = c_fwd + a2a_fwd_t;
+    let bwd_compute = c_bwd + a2a_bwd_t;
+    let fwd_layers = layers(l, fwd_compute, ag_t, copy_fwd);
+    let fill_fwd = fill(fwd_compute, ag_t);
+    let (bwd_layers, fill_bwd) = if policy.keep_last_block {
+        // The last block needs no gather: it only reduce-scatters.
+        (
+            layers(l - 1.0, bwd_compute, ag_t + rs_t, copy_bwd)
+                + layers(1.0, bwd_compute, rs_t, copy_bwd),
+            fill(bwd_compute, rs_t),
+        )
+    } else {
+        (
+            layers(l, bwd_compute, ag_t + rs_t, copy_bwd),
+            fill(bwd_compute, ag_t + rs_t),
+        )
+    };
     // LM head + loss: 6·V·H per token (2 forward, 4 backward), no recompute.
     let head_t = 6.0 * v * h * n_tok / gemm_rate;
+    // Embedding and LM head: gathered for forward and again for backward, reduced once; nothing
+    // computes while they travel.
     let ag_out_t = link_time(ag_o_ib, ag_o_nv);
     let rs_out_t = link_time(rs_o_ib, rs_o_nv);
-    let exposed = ag_out_t + ag_t + rs_t + rs_out_t;
-    let forward_s = mf * l * fwd_layer;
-    let backward_s = mf * (l * bwd_layer + head_t);
+    let outside_t = 2.0 * ag_out_t + rs_out_t;
+    let forward_s = mf * fwd_layers;
+    let backward_s = mf * (bwd_layers + head_t);
+    let exposed = fill_fwd + fill_bwd + outside_t;
     let compute_s = mf * (l * (c_fwd + c_bwd) + head_t);
     let all_to_all_s = mf * l * (a2a_fwd_t + a2a_bwd_t);
-    let fsdp_comm_s = mf * (l * (2.0 * ag_t + rs_t) + 2.0 * ag_out_t + rs_out_t);
-    let compute_path = l * (c_fwd + a2a_fwd_t + c_bwd + a2a_bwd_t);
-    let comm_path = l * (3.0 * ag_t + rs_t);
+    let fsdp_comm_s = mf * ((l + l_bwd_gathers) * ag_t + l * rs_t + outside_t);
+    // The label weighs the same two paths the time model overlaps: per layer, one gather in
+    // forward; a gather (none for a kept last block) and a reduce-scatter in backward.
+    let compute_path = l * (fwd_compute + bwd_compute);
+    let comm_path = (l + l_bwd_gathers) * ag_t + l * rs_t;
     let bound = if comm_path > compute_path {
         "communication"
     } else {
@@ -941,7 +1074,7 @@ fn evaluate(
         h2d_s: h2d / cluster.links.h2d_bytes_per_s,
         forward_s,
         backward_s,
-        exposed_comm_s: mf * exposed,
+        exposed_s: mf * exposed,
         optimizer_s,
         newton_schulz_s: ns_t,
         optimizer_comm_s: opt_comm_t,
@@ -1005,6 +1138,7 @@ fn evaluate(
         gpu_headroom: gpu_cap - gpu_total,
         host_headroom: host_cap - host_total,
         verdict,
+        fit_fix: None,
         params: p,
     }
 }
@@ -1044,7 +1178,9 @@ fn verdict_text(
         }
         format!("does not fit: {}", parts.join("; "))
     };
+    // A layout that does not fit gets its smallest fix from `plan` instead.
     match (policy.ac, min_offload) {
+        _ if !fits => {}
         (AcMode::Full, Some(f)) => {
             s.push_str(&format!("; smallest offload fraction that fits: {f:.3}"))
         }

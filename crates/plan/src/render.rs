@@ -6,6 +6,7 @@ use ganymede_config::{AcMode, OptimizerName};
 use std::fmt::Write;
 
 const GIB: f64 = (1u64 << 30) as f64;
+const TIB: f64 = (1u64 << 40) as f64;
 
 /// 951.80B, 32.77B, 1.57M, 448.
 pub fn count(n: f64) -> String {
@@ -68,15 +69,19 @@ pub fn table(p: &Plan) -> String {
     let pol = &p.policy;
     let _ = writeln!(
         s,
-        "  policy: AC {}, activation offload {:.3} ({} layers), parameter offload {}, prefetch {}, unshard_async_op {}, reduce {} B",
+        "  policy: AC {}, activation offload {:.3} ({} layers), parameter offload {}, prefetch {}, unshard_async_op {}, gather {} B, reduce {} B, last block {}",
         ac_name(pol.ac),
         pol.offload_fraction,
         p.memory.offloaded_layers,
         if pol.param_offload { "on" } else { "off" },
         pol.prefetch,
         pol.unshard_async_op,
-        pol.reduce_bytes
+        pol.gather_bytes,
+        pol.reduce_bytes,
+        if pol.keep_last_block { "kept" } else { "resharded" }
     );
+    // The verdict first: a throughput means nothing for a layout that cannot run.
+    let _ = writeln!(s, "  verdict: {}", p.verdict);
     let o = &p.optimizer;
     let _ = writeln!(
         s,
@@ -207,10 +212,10 @@ pub fn table(p: &Plan) -> String {
         &mut s,
         "optimizer state (whole model)",
         format!(
-            "{:.3} TB; AdamW would need {:.3} TB (saving {:.2} GB per GPU)",
-            o.state_bytes / 1e12,
-            o.adamw_state_bytes / 1e12,
-            o.muon_saving_per_gpu / 1e9
+            "{:.3} TiB; AdamW would need {:.3} TiB (saving {} per GPU)",
+            o.state_bytes / TIB,
+            o.adamw_state_bytes / TIB,
+            bytes(o.muon_saving_per_gpu)
         ),
     );
 
@@ -294,8 +299,8 @@ pub fn table(p: &Plan) -> String {
     w(&mut s, "backward (overlapped)", secs(t.backward_s));
     w(
         &mut s,
-        "exposed first gather / last reduce",
-        secs(t.exposed_comm_s),
+        "pipeline fill/drain, embedding/head",
+        secs(t.exposed_s),
     );
     w(
         &mut s,
@@ -315,7 +320,14 @@ pub fn table(p: &Plan) -> String {
     w(
         &mut s,
         "tokens/s per GPU",
-        format!("{:.0}", p.tokens_per_s_per_gpu),
+        if p.fits {
+            format!("{:.0}", p.tokens_per_s_per_gpu)
+        } else {
+            format!(
+                "{:.0} if it fitted; it does not (see the verdict above)",
+                p.tokens_per_s_per_gpu
+            )
+        },
     );
     w(
         &mut s,
@@ -327,7 +339,6 @@ pub fn table(p: &Plan) -> String {
             100.0 * p.hfu
         ),
     );
-    let _ = writeln!(s, "\nVerdict: {}", p.verdict);
     s
 }
 

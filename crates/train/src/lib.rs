@@ -3,6 +3,7 @@
 //!   and `--resume`;
 //! - [`checkpoint`]: safetensors checkpoints with a manifest, written atomically;
 //! - [`metrics`]: `metrics.jsonl`, expert-load statistics, progress, the memory report;
+//! - [`tensorboard`]: TensorBoard event files of the metrics' scalars;
 //! - [`eval`]: loading a checkpoint, windowed cross-entropy, sampling;
 //! - [`export`]: the Hugging Face Qwen3-MoE export.
 
@@ -11,4 +12,5 @@ pub use ganymede_checkpoint as checkpoint;
 pub mod eval;
 pub mod export;
 pub mod metrics;
+pub mod tensorboard;
 pub mod trainer;

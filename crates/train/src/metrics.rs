@@ -9,6 +9,8 @@ use std::fs;
 use std::io::{IsTerminal, Write};
 use std::path::Path;
 
+use crate::tensorboard::{self, EventWriter};
+
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, Serialize)]
 pub struct StepMetrics {
@@ -69,15 +71,28 @@ pub fn load_balance(expert_load: &[Vec<f32>]) -> (f64, Vec<f64>) {
     (worst, cvs)
 }
 
-/// Appends one JSON object per step to `metrics.jsonl`.
+/// Appends one JSON object per step to `metrics.jsonl`, and with `metrics.tensorboard` its
+/// numeric values to a TensorBoard event file under `RUN/tb/`.
 pub struct MetricsWriter {
     file: fs::File,
+    tensorboard: Option<EventWriter>,
 }
 
 impl MetricsWriter {
     /// Open `path` for appending; lines for steps after `keep_up_to` (a resumed run redoing
     /// them) are dropped first, so the file reads as one continuous run.
+    ///
+    /// TensorBoard output follows the run's own resolved `config.toml` beside `path`
+    /// (`metrics.tensorboard = true` writes under `tb/` there), so every loop that keeps a
+    /// run directory gets it without passing the setting down.
     pub fn open(path: &Path, keep_up_to: usize) -> Result<Self> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let tb = tensorboard_enabled(&dir.join("config.toml"))?.then(|| dir.join("tb"));
+        Self::open_with(path, keep_up_to, tb.as_deref())
+    }
+
+    /// [`open`](Self::open) with the TensorBoard directory given (`None`: no event files).
+    pub fn open_with(path: &Path, keep_up_to: usize, tensorboard: Option<&Path>) -> Result<Self> {
         if path.exists() {
             let text = fs::read_to_string(path)
                 .with_context(|| format!("cannot read {}", path.display()))?;
@@ -98,14 +113,40 @@ impl MetricsWriter {
             .append(true)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(Self { file })
+        let tensorboard = tensorboard.map(EventWriter::create).transpose()?;
+        Ok(Self { file, tensorboard })
     }
 
     pub fn write(&mut self, m: &StepMetrics) -> Result<()> {
         let line = serde_json::to_string(m)?;
         writeln!(self.file, "{line}")?;
+        if let Some(tb) = &mut self.tensorboard {
+            // Whatever numbers the line carries, so new metrics need no change here.
+            tb.scalars(
+                m.step as i64,
+                &tensorboard::scalars_of(&serde_json::to_value(m)?),
+            )?;
+        }
         Ok(())
     }
+
+    /// The TensorBoard event file being written, if any.
+    pub fn tensorboard_file(&self) -> Option<&Path> {
+        self.tensorboard.as_ref().map(|t| t.path())
+    }
+}
+
+/// `metrics.tensorboard` of a resolved config file; false when there is no such file.
+fn tensorboard_enabled(config: &Path) -> Result<bool> {
+    let Ok(text) = fs::read_to_string(config) else {
+        return Ok(false);
+    };
+    let v: toml::Value =
+        toml::from_str(&text).with_context(|| format!("cannot parse {}", config.display()))?;
+    Ok(v.get("metrics")
+        .and_then(|m| m.get("tensorboard"))
+        .and_then(|t| t.as_bool())
+        .unwrap_or(false))
 }
 
 /// How progress is shown: a bar on a terminal, log lines otherwise, or nothing.
