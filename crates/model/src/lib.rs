@@ -30,7 +30,7 @@ mod tests;
 mod workspace;
 
 pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
-pub use generate::generate;
+pub use generate::{continuation_losses, generate};
 pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, update_router_bias,
     GradSink, LocalParams, ParamSource, Pass,
