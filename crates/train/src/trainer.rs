@@ -9,7 +9,7 @@
 //! ```
 
 use crate::checkpoint::{self, CheckpointData, Manifest, Position};
-use crate::metrics::{self, MetricsWriter, Progress, StepMetrics};
+use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
 use ganymede_core::{Backend, Category, CpuBackend, ParamStore};
@@ -239,6 +239,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     let mut timed_tokens = 0u64;
     // Seconds spent in training steps proper (validation and checkpoints excluded).
     let mut step_secs = 0.0f64;
+    let mut collapse = CollapseWatch::for_run(m, total);
     for step in start..end {
         // One optimizer step; `step` is 0-based, metrics count completed steps.
         let t0 = Instant::now();
@@ -290,8 +291,12 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             load_max_over_mean,
             load_cv,
             val_loss,
+            expert_load: val_due.then(|| out.expert_load.clone()),
         };
         writer.write(&sm)?;
+        for warning in collapse.observe(done, &out.expert_load) {
+            progress.println(&warning);
+        }
         progress.step(&sm, total);
         losses.push(out.loss);
 
