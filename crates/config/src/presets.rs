@@ -43,8 +43,9 @@ experts = 16
 top_k = 4
 expert_hidden = 256
 seq_len = 256
-# Measured (BENCHMARKS.md, routing sweep, 60 steps): 0.03 balances faster than 0.01 (1.4x
-# against 1.7x the mean load by step 60) at a lower validation loss.
+# Measured (BENCHMARKS.md, routing sweep, 60 steps): 0.03 balances better than 0.01 (1.4x
+# against 1.7x the mean load by step 60) at a lower validation loss; 0.1 balances no better and
+# costs loss.
 aux_loss_coef = 0.03
 
 [training]
