@@ -1,6 +1,7 @@
 //! Autoregressive sampling with a KV cache: the prompt runs through the model once, filling
 //! each layer's cache of normed, rotated keys and of values; every new token then runs alone,
-//! attending to the cache.
+//! attending to the cache. Past `seq_len` tokens the context is the most recent `seq_len`
+//! (see [`decode`]).
 
 use crate::block::{block_forward, Kv};
 use crate::experts::LocalExperts;
@@ -94,6 +95,72 @@ fn sample(logits: &[f64], temperature: f32, top_k: usize, rng: &mut Rng) -> u32 
     order[order.len() - 1] as u32
 }
 
+/// Feed `prompt`, then `n` tokens one at a time, each picked by `pick(i, logits)` from the
+/// logits the model gives after what came before; returns the picked ids and those logits.
+///
+/// The context is the most recent `seq_len` tokens: positions past the training length were
+/// never trained. While the sequence fits, each token runs alone against the KV cache. Past
+/// that, the window of the last `seq_len` tokens is encoded afresh at positions `0..seq_len`
+/// for every token. A sliding KV cache with re-rotated keys would be cheaper, but its deeper
+/// layers' keys and values would still carry attention to tokens that have left the window, a
+/// state training never produced; re-encoding gives exactly the computation of a training
+/// window, at `seq_len` tokens of forward per token.
+fn decode(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    prompt: &[u32],
+    n: usize,
+    pick: &mut dyn FnMut(usize, &[f64]) -> u32,
+) -> (Vec<u32>, Vec<Vec<f64>>) {
+    assert!(!prompt.is_empty(), "generate needs a non-empty prompt");
+    let v = model.config().vocab_size as u32;
+    assert!(
+        prompt.iter().all(|&t| t < v),
+        "prompt token out of the vocabulary ({v})"
+    );
+    if n == 0 {
+        return (vec![], vec![]);
+    }
+    let cfg = model.config();
+    let window = cfg.seq_len.max(1);
+    // The last picked token is never fed back.
+    let cap = (prompt.len() + n - 1).min(window);
+    let mk = || -> Vec<Tensor> {
+        (0..cfg.layers)
+            .map(|_| be.zeros(&[cap * cfg.kv_dim()], Category::Activations))
+            .collect()
+    };
+    let mut cache = KvCache { k: mk(), v: mk() };
+    let mut ctx: Vec<u32> = prompt[prompt.len().saturating_sub(window)..].to_vec();
+    let mut ws = Workspace::new(be, model, 1, ctx.len(), AcMode::Full);
+    let mut logits = step_logits(be, model, params, &mut ws, &mut cache, &ctx, 0);
+    // Tokens in the cache, at positions 0..cached.
+    let mut cached = ctx.len();
+    let mut ws1 = None;
+    let mut ws_window = (ctx.len() == window).then_some(ws);
+    let (mut out, mut all) = (vec![], vec![]);
+    loop {
+        let next = pick(out.len(), &logits);
+        out.push(next);
+        all.push(std::mem::take(&mut logits));
+        if out.len() == n {
+            return (out, all);
+        }
+        ctx.push(next);
+        if cached < window {
+            let ws1 = ws1.get_or_insert_with(|| Workspace::new(be, model, 1, 1, AcMode::Full));
+            logits = step_logits(be, model, params, ws1, &mut cache, &[next], cached);
+            cached += 1;
+        } else {
+            ctx.drain(..ctx.len() - window);
+            let ws =
+                ws_window.get_or_insert_with(|| Workspace::new(be, model, 1, window, AcMode::Full));
+            logits = step_logits(be, model, params, ws, &mut cache, &ctx, 0);
+        }
+    }
+}
+
 /// The generated ids and, for each, the logits it was drawn from.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn generate_with_logits(
@@ -106,40 +173,37 @@ pub(crate) fn generate_with_logits(
     top_k: usize,
     seed: u64,
 ) -> (Vec<u32>, Vec<Vec<f64>>) {
-    assert!(!prompt.is_empty(), "generate needs a non-empty prompt");
+    let mut rng = Rng::new(seed);
+    let mut pick = |_: usize, logits: &[f64]| sample(logits, temperature, top_k, &mut rng);
+    decode(be, model, params, prompt, max_new_tokens, &mut pick)
+}
+
+/// The cross-entropy (nats) of each token of `continuation` after `prompt` and the tokens of
+/// `continuation` before it, with the context [`generate`] would use (the last `seq_len`
+/// tokens): how well generation can continue a known text, past the training length too.
+pub fn continuation_losses(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    prompt: &[u32],
+    continuation: &[u32],
+) -> Vec<f64> {
     let v = model.config().vocab_size as u32;
     assert!(
-        prompt.iter().all(|&t| t < v),
-        "prompt token out of the vocabulary ({v})"
+        continuation.iter().all(|&t| t < v),
+        "continuation token out of the vocabulary ({v})"
     );
-    if max_new_tokens == 0 {
-        return (vec![], vec![]);
-    }
-    let cfg = model.config();
-    // The last generated token is never fed back.
-    let cap = prompt.len() + max_new_tokens - 1;
-    let mk = || -> Vec<Tensor> {
-        (0..cfg.layers)
-            .map(|_| be.zeros(&[cap * cfg.kv_dim()], Category::Activations))
-            .collect()
-    };
-    let mut cache = KvCache { k: mk(), v: mk() };
-    let mut rng = Rng::new(seed);
-    let mut ws = Workspace::new(be, model, 1, prompt.len(), AcMode::Full);
-    let mut logits = step_logits(be, model, params, &mut ws, &mut cache, prompt, 0);
-    let mut ws1 = (max_new_tokens > 1).then(|| Workspace::new(be, model, 1, 1, AcMode::Full));
-    let (mut out, mut all) = (vec![], vec![]);
-    loop {
-        let next = sample(&logits, temperature, top_k, &mut rng);
-        out.push(next);
-        all.push(std::mem::take(&mut logits));
-        if out.len() == max_new_tokens {
-            return (out, all);
-        }
-        let pos = prompt.len() + out.len() - 1;
-        let ws1 = ws1.as_mut().expect("single-token workspace");
-        logits = step_logits(be, model, params, ws1, &mut cache, &[next], pos);
-    }
+    let mut pick = |i: usize, _: &[f64]| continuation[i];
+    let (_, logits) = decode(be, model, params, prompt, continuation.len(), &mut pick);
+    logits
+        .iter()
+        .zip(continuation)
+        .map(|(l, &t)| {
+            let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            lse - l[t as usize]
+        })
+        .collect()
 }
 
 /// Autoregressive sampling with a KV cache (temperature, top-k; temperature 0 = greedy);

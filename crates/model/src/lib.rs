@@ -12,6 +12,13 @@
 //!   here, and the same code runs on the f64 CPU backend for finite-difference checks.
 //! - Loss: mean cross-entropy over all B·T targets plus `aux_loss_coef` times the Switch
 //!   auxiliary loss, computed per MoE layer (`E · Σ_i f_i · P_i`) and averaged over MoE layers.
+//!   transformers' `load_balancing_loss_func` instead pools all layers' router outputs into one
+//!   `f·P`; we keep it per layer on purpose. Expert `i` of one layer and expert `i` of another
+//!   share only an index, and the pooled loss is at its minimum when the layers' imbalances
+//!   cancel (layer 0 using experts 0–3 only, layer 1 experts 4–7 only scores as perfectly
+//!   balanced), so it cannot see a per-layer collapse that the per-layer loss does. The
+//!   coefficient, not the pooling, is what the export carries (`router_aux_loss_coef`), and the
+//!   cross-entropy it is checked on is unaffected.
 //! - The model knows nothing of ranks. [`forward_backward_with`] reads parameters from a
 //!   [`ParamSource`] (told before and after each block runs), adds gradients into a [`GradSink`]
 //!   (told when a block's gradients are complete) and runs the routed experts through an
@@ -30,7 +37,7 @@ mod tests;
 mod workspace;
 
 pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
-pub use generate::generate;
+pub use generate::{continuation_losses, generate};
 pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,
     update_router_bias, GradSink, LocalParams, ParamSource, Pass,

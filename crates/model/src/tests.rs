@@ -314,25 +314,41 @@ fn kv_cache_generation_matches_full_forward() {
         let be = be64();
         let model = Model::new(&c);
         let params = random_params(&be, &model, 11);
-        let prompt = [3u32, 1, 4, 1, 5];
+        let prompt = [3u32, 1, 4];
+        // seq_len is 5: the first two tokens come from the cache, the rest from a sliding
+        // window of the last 5 tokens.
         let (ids, logits) =
             generate::generate_with_logits(&be, &model, &params, &prompt, 7, 0.0, 0, 1);
         assert_eq!(ids.len(), 7);
+        assert!(prompt.len() + 7 > c.seq_len + 2);
         let mut seq = prompt.to_vec();
         seq.extend(&ids[..6]);
-        let full = full_logits(&be, &model, &params, &seq);
         let v = c.vocab_size;
         for (i, l) in logits.iter().enumerate() {
-            let row = &full[(prompt.len() - 1 + i) * v..][..v];
+            // The context of token i is the last seq_len tokens before it, at positions from 0.
+            let end = prompt.len() + i;
+            let ctx = &seq[end.saturating_sub(c.seq_len)..end];
+            let full = full_logits(&be, &model, &params, ctx);
+            let row = &full[(ctx.len() - 1) * v..][..v];
             for (a, b) in l.iter().zip(row) {
-                assert!((a - b).abs() < 1e-10, "step {i}: cached {a} vs full {b}");
+                assert!((a - b).abs() < 1e-10, "step {i}: generated {a} vs full {b}");
             }
             // Greedy: the argmax of the full recompute.
             let am = (0..v).fold(0, |b, j| if row[j] > row[b] { j } else { b });
             assert_eq!(ids[i] as usize, am);
         }
-        // Positions past the training sequence length work too (RoPE is position-free).
-        assert!(prompt.len() + 7 > c.seq_len);
+        // A prompt longer than seq_len keeps only its last seq_len tokens.
+        let long = [2u32, 7, 3, 1, 4, 1, 5, 9];
+        let (_, a) = generate::generate_with_logits(&be, &model, &params, &long, 2, 0.0, 0, 1);
+        let (_, b) = generate::generate_with_logits(&be, &model, &params, &long[3..], 2, 0.0, 0, 1);
+        assert_eq!(a, b);
+        // Scoring a known continuation walks the same path: its losses are those logits'.
+        let losses = continuation_losses(&be, &model, &params, &prompt, &ids);
+        for (i, (l, &t)) in logits.iter().zip(&ids).enumerate() {
+            let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            assert!((losses[i] - (lse - l[t as usize])).abs() < 1e-12);
+        }
     }
 }
 

@@ -43,6 +43,10 @@ pub struct StepMetrics {
     /// Sharded runs: rank 0's bytes and calls per phase and collective kind.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm: Option<serde_json::Value>,
+    /// Per MoE layer, each expert's share of the step's top-k assignments; written on
+    /// validation steps only, so a report can draw the loads without bloating every line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<Vec<Vec<f32>>>,
 }
 
 /// (max over layers of max/mean, per-layer coefficient of variation) of expert loads.
@@ -73,6 +77,100 @@ pub fn load_balance(expert_load: &[Vec<f32>]) -> (f64, Vec<f64>) {
 
 /// Appends one JSON object per step to `metrics.jsonl`, and with `metrics.tensorboard` its
 /// numeric values to a TensorBoard event file under `RUN/tb/`.
+/// Watches for routing collapse: an MoE layer whose busiest expert takes more than `threshold`
+/// times the mean load for `window` consecutive steps. Each layer warns at most once, so a long
+/// collapsed run says it once instead of flooding the log.
+#[derive(Clone, Debug)]
+pub struct CollapseWatch {
+    threshold: f64,
+    window: usize,
+    /// Model layer index of each MoE layer, in the order of a step's `expert_load`.
+    layers: Vec<usize>,
+    /// Consecutive steps each MoE layer has been above the threshold.
+    streak: Vec<usize>,
+    warned: Vec<bool>,
+    aux_loss_coef: f64,
+    router_bias_update: f64,
+}
+
+impl CollapseWatch {
+    /// Busiest expert over the mean load above which a step counts as collapsed: with top-k
+    /// routing a balanced layer sits near 1; 2 means one expert does the work of two.
+    pub const THRESHOLD: f64 = 2.0;
+    /// Steps a layer must stay above the threshold before it warns, for long runs.
+    pub const WINDOW: usize = 50;
+
+    /// A watch for `model` in a run of `steps` steps. The window is [`Self::WINDOW`] steps, or a
+    /// quarter of a shorter run but at least 25 steps, so a short run can still warn while the
+    /// first steps cannot: balanced `tiny` runs were seen above 2x for up to 13 steps in a row
+    /// early on, while collapsed ones stay above it from about step 5 to the end.
+    pub fn for_run(model: &ganymede_config::ModelConfig, steps: usize) -> Self {
+        let layers = (0..model.layers)
+            .filter(|&l| model.is_moe_layer(l))
+            .collect();
+        let window = (steps / 4).clamp(25, Self::WINDOW);
+        Self::new(layers, Self::THRESHOLD, window)
+            .with_settings(model.aux_loss_coef, model.router_bias_update)
+    }
+
+    /// `layers`: the model layer index of each MoE layer, in `expert_load` order.
+    pub fn new(layers: Vec<usize>, threshold: f64, window: usize) -> Self {
+        let n = layers.len();
+        Self {
+            threshold,
+            window: window.max(1),
+            layers,
+            streak: vec![0; n],
+            warned: vec![false; n],
+            aux_loss_coef: 0.0,
+            router_bias_update: 0.0,
+        }
+    }
+
+    /// The balancing settings the warning quotes, so the user sees what to raise from.
+    pub fn with_settings(mut self, aux_loss_coef: f64, router_bias_update: f64) -> Self {
+        self.aux_loss_coef = aux_loss_coef;
+        self.router_bias_update = router_bias_update;
+        self
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Feed step `step`'s per-MoE-layer expert loads; returns a warning for each layer whose
+    /// collapse has just lasted `window` steps (never twice for a layer).
+    pub fn observe(&mut self, step: usize, expert_load: &[Vec<f32>]) -> Vec<String> {
+        let mut out = vec![];
+        for (i, load) in expert_load.iter().enumerate().take(self.layers.len()) {
+            let ratio = max_over_mean(load);
+            if ratio > self.threshold {
+                self.streak[i] += 1;
+            } else {
+                self.streak[i] = 0;
+            }
+            if self.streak[i] >= self.window && !self.warned[i] {
+                self.warned[i] = true;
+                out.push(format!(
+                    "warning: routing collapse in layer {}: its busiest expert has taken more than {:.1}x the mean load for {} consecutive steps (step {step}: {ratio:.2}x); raise model.aux_loss_coef (now {}) or model.router_bias_update (now {})",
+                    self.layers[i], self.threshold, self.window, self.aux_loss_coef, self.router_bias_update
+                ));
+            }
+        }
+        out
+    }
+}
+
+/// Busiest expert's load over the mean load of one layer (0 for an empty or idle layer).
+fn max_over_mean(load: &[f32]) -> f64 {
+    let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len().max(1) as f64;
+    if mean <= 0.0 {
+        return 0.0;
+    }
+    load.iter().map(|&x| x as f64).fold(0.0, f64::max) / mean
+}
+
+/// Appends one JSON object per step to `metrics.jsonl`.
 pub struct MetricsWriter {
     file: fs::File,
     tensorboard: Option<EventWriter>,
@@ -326,6 +424,59 @@ mod tests {
         assert!((worst - 2.0).abs() < 1e-9);
         assert_eq!(cv[0], 0.0);
         assert!((cv[1] - 1.0).abs() < 1e-9);
+    }
+
+    /// Layer loads: `hot` is the busiest expert's multiple of the mean, over 8 experts.
+    fn loads(hot: f32) -> Vec<f32> {
+        let mean = 1.0 / 8.0;
+        let rest = (1.0 - hot * mean) / 7.0;
+        let mut l = vec![rest; 8];
+        l[3] = hot * mean;
+        l
+    }
+
+    #[test]
+    fn collapse_watch_warns_once_after_a_sustained_window() {
+        // Model layers 1 and 2 are MoE (layer 0 dense); only the second collapses.
+        let mut w = CollapseWatch::new(vec![1, 2], 2.0, 5).with_settings(0.0, 0.0);
+        for step in 1..=4 {
+            assert!(w.observe(step, &[loads(1.1), loads(3.0)]).is_empty());
+        }
+        let warn = w.observe(5, &[loads(1.1), loads(3.0)]);
+        assert_eq!(warn.len(), 1, "{warn:?}");
+        assert!(warn[0].contains("layer 2"), "{}", warn[0]);
+        assert!(warn[0].contains("model.aux_loss_coef"), "{}", warn[0]);
+        assert!(warn[0].contains("model.router_bias_update"), "{}", warn[0]);
+        // Once per layer, however long the collapse lasts.
+        for step in 6..=30 {
+            assert!(w.observe(step, &[loads(1.1), loads(3.0)]).is_empty());
+        }
+    }
+
+    #[test]
+    fn collapse_watch_needs_consecutive_steps() {
+        let mut w = CollapseWatch::new(vec![0], 2.0, 5);
+        // Four collapsed steps, one balanced, repeated: never five in a row.
+        for step in 1..=50 {
+            let hot = if step % 5 == 0 { 1.5 } else { 2.5 };
+            assert!(w.observe(step, &[loads(hot)]).is_empty(), "step {step}");
+        }
+        // Exactly at the threshold is not above it.
+        for step in 51..=100 {
+            assert!(w.observe(step, &[loads(2.0)]).is_empty());
+        }
+        let warned: Vec<_> = (101..=105)
+            .flat_map(|s| w.observe(s, &[loads(2.1)]))
+            .collect();
+        assert_eq!(warned.len(), 1);
+    }
+
+    #[test]
+    fn collapse_window_scales_with_short_runs() {
+        let m = ganymede_config::preset("tiny").unwrap().model;
+        assert_eq!(CollapseWatch::for_run(&m, 600).window(), 50);
+        assert_eq!(CollapseWatch::for_run(&m, 100).window(), 25);
+        assert_eq!(CollapseWatch::for_run(&m, 8).window(), 25);
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! checkpoint. A single process is world size 1 of the same loop.
 
 use crate::checkpoint::{self, Position};
-use crate::metrics::{self, MetricsWriter, Progress, StepMetrics};
+use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
 use ganymede_core::{Category, Memory};
@@ -439,6 +439,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     };
     let mut timed_tokens = 0u64;
     let mut step_secs = 0.0f64;
+    let mut collapse = CollapseWatch::for_run(&cfg.model, total);
     for step in start..end {
         if opts.fail_at == Some((rank, step)) {
             panic!("injected failure on rank {rank} at step {}", step + 1);
@@ -483,8 +484,12 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 ranks: n,
                 comm_bytes: (n > 1).then(|| r.comm.by_phase_json()),
                 comm: (n > 1).then(|| serde_json::json!(r.comm.entries)),
+                expert_load: val_due.then(|| r.expert_load.clone()),
             };
             w.write(&sm)?;
+            for warning in collapse.observe(done, &r.expert_load) {
+                progress.println(&warning);
+            }
             progress.step(&sm, total);
         }
         out.comm.push(r.comm);

@@ -35,6 +35,7 @@ fn metrics(step: usize) -> StepMetrics {
         ranks: 1,
         comm_bytes: None,
         comm: None,
+        expert_load: None,
     }
 }
 
