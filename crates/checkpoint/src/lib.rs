@@ -181,7 +181,7 @@ pub fn host_tensors<'a>(
 ) -> NamedTensors {
     named
         .into_iter()
-        .map(|(n, t)| (n, t.shape().to_vec(), be.download(t.v())))
+        .map(|(n, t)| (n, t.shape().to_vec(), be.download(t.view())))
         .collect()
 }
 
@@ -419,7 +419,7 @@ pub fn upload_into<'a>(
                 t.shape()
             );
         }
-        be.write(t.vm(), &data);
+        be.write(t.view_mut(), &data);
     }
     if let Some(extra) = host.keys().next() {
         bail!(
@@ -502,7 +502,7 @@ mod tests {
         for (i, t) in s.tensors_mut().iter_mut().enumerate() {
             let n = t.len();
             let v: Vec<f32> = (0..n).map(|j| offset + (i * 10 + j) as f32 * 0.1).collect();
-            be.write(t.vm(), &v);
+            be.write(t.view_mut(), &v);
         }
         s
     }
@@ -555,7 +555,7 @@ mod tests {
         load_params(&be, &latest, &mut back).unwrap();
         let want = store(&be, 5.0);
         for (a, b) in back.tensors().iter().zip(want.tensors()) {
-            assert_eq!(be.download(a.v()), be.download(b.v()));
+            assert_eq!(be.download(a.view()), be.download(b.view()));
         }
         fs::remove_dir_all(&run).unwrap();
     }

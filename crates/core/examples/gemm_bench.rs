@@ -28,7 +28,7 @@ fn main() {
         for _ in 0..7 {
             let t = Instant::now();
             for _ in 0..reps {
-                be.gemm(c.vm(), a.v(), b.v(), g);
+                be.gemm(c.view_mut(), a.view(), b.view(), g);
             }
             times.push(t.elapsed().as_secs_f64() / reps as f64);
         }

@@ -52,4 +52,6 @@ pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};
 pub use stream::{Event, MemoryError, Stream};
-pub use tensor::{Buffer, DType, DeviceBuffer, DeviceView, DeviceViewMut, Scalar, TMut, Tensor, T};
+pub use tensor::{
+    Buffer, DType, DeviceBuffer, DeviceView, DeviceViewMut, Scalar, Tensor, View, ViewMut,
+};

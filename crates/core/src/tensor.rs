@@ -1,5 +1,5 @@
 //! Tensors: a device buffer with a shape and a ledger category, and borrowed views of a range
-//! of it ([`T`], [`TMut`]) that backend operations take, like llm.c's pointers plus sizes.
+//! of it ([`View`], [`ViewMut`]) that backend operations take, like llm.c's pointers plus sizes.
 //!
 //! Host memory is a closed set of variants (`Host`, `Host64`, `HostBf16`); memory that only a
 //! backend understands (a CUDA device slice, pinned host memory, the CPU backend's emulated
@@ -185,12 +185,12 @@ impl Tensor {
     }
 
     /// A view of the whole tensor.
-    pub fn v(&self) -> T<'_> {
+    pub fn view(&self) -> View<'_> {
         match &self.buf {
-            Buffer::Host(v) => T::Host(v),
-            Buffer::Host64(v) => T::Host64(v),
-            Buffer::HostBf16(v) => T::HostBf16(v),
-            Buffer::Device(b) => T::Device(DeviceView {
+            Buffer::Host(v) => View::Host(v),
+            Buffer::Host64(v) => View::Host64(v),
+            Buffer::HostBf16(v) => View::HostBf16(v),
+            Buffer::Device(b) => View::Device(DeviceView {
                 buf: &**b,
                 offset: 0,
                 len: b.len(),
@@ -198,12 +198,12 @@ impl Tensor {
         }
     }
     /// A mutable view of the whole tensor.
-    pub fn vm(&mut self) -> TMut<'_> {
+    pub fn view_mut(&mut self) -> ViewMut<'_> {
         match &mut self.buf {
-            Buffer::Host(v) => TMut::Host(v),
-            Buffer::Host64(v) => TMut::Host64(v),
-            Buffer::HostBf16(v) => TMut::HostBf16(v),
-            Buffer::Device(b) => TMut::Device(DeviceViewMut {
+            Buffer::Host(v) => ViewMut::Host(v),
+            Buffer::Host64(v) => ViewMut::Host64(v),
+            Buffer::HostBf16(v) => ViewMut::HostBf16(v),
+            Buffer::Device(b) => ViewMut::Device(DeviceViewMut {
                 buf: &**b,
                 offset: 0,
                 len: b.len(),
@@ -212,11 +212,11 @@ impl Tensor {
         }
     }
     /// A view of elements `off .. off + len`.
-    pub fn slice(&self, off: usize, len: usize) -> T<'_> {
-        self.v().slice(off, len)
+    pub fn slice(&self, off: usize, len: usize) -> View<'_> {
+        self.view().slice(off, len)
     }
-    pub fn slice_mut(&mut self, off: usize, len: usize) -> TMut<'_> {
-        self.vm().slice(off, len)
+    pub fn slice_mut(&mut self, off: usize, len: usize) -> ViewMut<'_> {
+        self.view_mut().slice(off, len)
     }
 }
 
@@ -239,7 +239,7 @@ impl std::fmt::Debug for Tensor {
 
 /// A read-only view of a contiguous range of memory.
 #[derive(Clone, Copy)]
-pub enum T<'a> {
+pub enum View<'a> {
     Host(&'a [f32]),
     Host64(&'a [f64]),
     HostBf16(&'a [u16]),
@@ -247,7 +247,7 @@ pub enum T<'a> {
 }
 
 /// A mutable view of a contiguous range of memory.
-pub enum TMut<'a> {
+pub enum ViewMut<'a> {
     Host(&'a mut [f32]),
     Host64(&'a mut [f64]),
     HostBf16(&'a mut [u16]),
@@ -363,25 +363,25 @@ pub trait Scalar:
     + 'static
 {
     const DTYPE: DType;
-    fn of(v: T<'_>) -> &[Self];
-    fn of_mut(v: TMut<'_>) -> &mut [Self];
+    fn of(v: View<'_>) -> &[Self];
+    fn of_mut(v: ViewMut<'_>) -> &mut [Self];
     fn of_f64(x: f64) -> Self;
     fn as_f64(self) -> f64;
 }
 
 impl Scalar for f32 {
     const DTYPE: DType = DType::F32;
-    fn of(v: T<'_>) -> &[f32] {
+    fn of(v: View<'_>) -> &[f32] {
         match v {
-            T::Host(s) => s,
-            T::Device(d) => d.host_elems(DType::F32),
+            View::Host(s) => s,
+            View::Device(d) => d.host_elems(DType::F32),
             _ => panic!("expected an f32 host view"),
         }
     }
-    fn of_mut(v: TMut<'_>) -> &mut [f32] {
+    fn of_mut(v: ViewMut<'_>) -> &mut [f32] {
         match v {
-            TMut::Host(s) => s,
-            TMut::Device(d) => d.host_elems(DType::F32),
+            ViewMut::Host(s) => s,
+            ViewMut::Device(d) => d.host_elems(DType::F32),
             _ => panic!("expected an f32 host view"),
         }
     }
@@ -395,17 +395,17 @@ impl Scalar for f32 {
 
 impl Scalar for f64 {
     const DTYPE: DType = DType::F64;
-    fn of(v: T<'_>) -> &[f64] {
+    fn of(v: View<'_>) -> &[f64] {
         match v {
-            T::Host64(s) => s,
-            T::Device(d) => d.host_elems(DType::F64),
+            View::Host64(s) => s,
+            View::Device(d) => d.host_elems(DType::F64),
             _ => panic!("expected an f64 host view"),
         }
     }
-    fn of_mut(v: TMut<'_>) -> &mut [f64] {
+    fn of_mut(v: ViewMut<'_>) -> &mut [f64] {
         match v {
-            TMut::Host64(s) => s,
-            TMut::Device(d) => d.host_elems(DType::F64),
+            ViewMut::Host64(s) => s,
+            ViewMut::Device(d) => d.host_elems(DType::F64),
             _ => panic!("expected an f64 host view"),
         }
     }
@@ -417,13 +417,13 @@ impl Scalar for f64 {
     }
 }
 
-impl<'a> T<'a> {
+impl<'a> View<'a> {
     pub fn len(&self) -> usize {
         match self {
-            T::Host(s) => s.len(),
-            T::Host64(s) => s.len(),
-            T::HostBf16(s) => s.len(),
-            T::Device(d) => d.len(),
+            View::Host(s) => s.len(),
+            View::Host64(s) => s.len(),
+            View::HostBf16(s) => s.len(),
+            View::Device(d) => d.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -431,19 +431,19 @@ impl<'a> T<'a> {
     }
     pub fn dtype(&self) -> DType {
         match self {
-            T::Host(_) => DType::F32,
-            T::Host64(_) => DType::F64,
-            T::HostBf16(_) => DType::BF16,
-            T::Device(d) => d.dtype(),
+            View::Host(_) => DType::F32,
+            View::Host64(_) => DType::F64,
+            View::HostBf16(_) => DType::BF16,
+            View::Device(d) => d.dtype(),
         }
     }
     /// Elements `off .. off + len` of this view.
-    pub fn slice(self, off: usize, len: usize) -> T<'a> {
+    pub fn slice(self, off: usize, len: usize) -> View<'a> {
         match self {
-            T::Host(s) => T::Host(&s[off..off + len]),
-            T::Host64(s) => T::Host64(&s[off..off + len]),
-            T::HostBf16(s) => T::HostBf16(&s[off..off + len]),
-            T::Device(d) => T::Device(d.slice(off, len)),
+            View::Host(s) => View::Host(&s[off..off + len]),
+            View::Host64(s) => View::Host64(&s[off..off + len]),
+            View::HostBf16(s) => View::HostBf16(&s[off..off + len]),
+            View::Device(d) => View::Device(d.slice(off, len)),
         }
     }
     /// The host memory behind this view, as `S` (panics on another dtype or memory the host
@@ -455,20 +455,20 @@ impl<'a> T<'a> {
     /// The bf16 bits behind a bf16 view of host-addressable memory.
     pub fn host_bf16(self) -> &'a [u16] {
         match self {
-            T::HostBf16(s) => s,
-            T::Device(d) => d.host_elems(DType::BF16),
+            View::HostBf16(s) => s,
+            View::Device(d) => d.host_elems(DType::BF16),
             _ => panic!("expected a bf16 host view"),
         }
     }
 }
 
-impl<'a> TMut<'a> {
+impl<'a> ViewMut<'a> {
     pub fn len(&self) -> usize {
         match self {
-            TMut::Host(s) => s.len(),
-            TMut::Host64(s) => s.len(),
-            TMut::HostBf16(s) => s.len(),
-            TMut::Device(d) => d.len(),
+            ViewMut::Host(s) => s.len(),
+            ViewMut::Host64(s) => s.len(),
+            ViewMut::HostBf16(s) => s.len(),
+            ViewMut::Device(d) => d.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -476,20 +476,20 @@ impl<'a> TMut<'a> {
     }
     pub fn dtype(&self) -> DType {
         match self {
-            TMut::Host(_) => DType::F32,
-            TMut::Host64(_) => DType::F64,
-            TMut::HostBf16(_) => DType::BF16,
-            TMut::Device(d) => d.dtype(),
+            ViewMut::Host(_) => DType::F32,
+            ViewMut::Host64(_) => DType::F64,
+            ViewMut::HostBf16(_) => DType::BF16,
+            ViewMut::Device(d) => d.dtype(),
         }
     }
-    pub fn slice(self, off: usize, len: usize) -> TMut<'a> {
+    pub fn slice(self, off: usize, len: usize) -> ViewMut<'a> {
         match self {
-            TMut::Host(s) => TMut::Host(&mut s[off..off + len]),
-            TMut::Host64(s) => TMut::Host64(&mut s[off..off + len]),
-            TMut::HostBf16(s) => TMut::HostBf16(&mut s[off..off + len]),
-            TMut::Device(d) => {
+            ViewMut::Host(s) => ViewMut::Host(&mut s[off..off + len]),
+            ViewMut::Host64(s) => ViewMut::Host64(&mut s[off..off + len]),
+            ViewMut::HostBf16(s) => ViewMut::HostBf16(&mut s[off..off + len]),
+            ViewMut::Device(d) => {
                 assert!(off + len <= d.len, "view slice out of range");
-                TMut::Device(DeviceViewMut {
+                ViewMut::Device(DeviceViewMut {
                     offset: d.offset + off,
                     len,
                     ..d
@@ -498,12 +498,12 @@ impl<'a> TMut<'a> {
         }
     }
     /// Reborrow, to pass a view on without giving it up.
-    pub fn rb(&mut self) -> TMut<'_> {
+    pub fn reborrow(&mut self) -> ViewMut<'_> {
         match self {
-            TMut::Host(s) => TMut::Host(s),
-            TMut::Host64(s) => TMut::Host64(s),
-            TMut::HostBf16(s) => TMut::HostBf16(s),
-            TMut::Device(d) => TMut::Device(DeviceViewMut {
+            ViewMut::Host(s) => ViewMut::Host(s),
+            ViewMut::Host64(s) => ViewMut::Host64(s),
+            ViewMut::HostBf16(s) => ViewMut::HostBf16(s),
+            ViewMut::Device(d) => ViewMut::Device(DeviceViewMut {
                 buf: d.buf,
                 offset: d.offset,
                 len: d.len,
@@ -512,12 +512,12 @@ impl<'a> TMut<'a> {
         }
     }
     /// A read-only view of the same memory.
-    pub fn ro(&self) -> T<'_> {
+    pub fn as_view(&self) -> View<'_> {
         match self {
-            TMut::Host(s) => T::Host(s),
-            TMut::Host64(s) => T::Host64(s),
-            TMut::HostBf16(s) => T::HostBf16(s),
-            TMut::Device(d) => T::Device(DeviceView {
+            ViewMut::Host(s) => View::Host(s),
+            ViewMut::Host64(s) => View::Host64(s),
+            ViewMut::HostBf16(s) => View::HostBf16(s),
+            ViewMut::Device(d) => View::Device(DeviceView {
                 buf: d.buf,
                 offset: d.offset,
                 len: d.len,
@@ -525,21 +525,21 @@ impl<'a> TMut<'a> {
         }
     }
     /// Split into two disjoint views at `mid`.
-    pub fn split_at(self, mid: usize) -> (TMut<'a>, TMut<'a>) {
+    pub fn split_at(self, mid: usize) -> (ViewMut<'a>, ViewMut<'a>) {
         match self {
-            TMut::Host(s) => {
+            ViewMut::Host(s) => {
                 let (a, b) = s.split_at_mut(mid);
-                (TMut::Host(a), TMut::Host(b))
+                (ViewMut::Host(a), ViewMut::Host(b))
             }
-            TMut::Host64(s) => {
+            ViewMut::Host64(s) => {
                 let (a, b) = s.split_at_mut(mid);
-                (TMut::Host64(a), TMut::Host64(b))
+                (ViewMut::Host64(a), ViewMut::Host64(b))
             }
-            TMut::HostBf16(s) => {
+            ViewMut::HostBf16(s) => {
                 let (a, b) = s.split_at_mut(mid);
-                (TMut::HostBf16(a), TMut::HostBf16(b))
+                (ViewMut::HostBf16(a), ViewMut::HostBf16(b))
             }
-            TMut::Device(d) => {
+            ViewMut::Device(d) => {
                 assert!(mid <= d.len, "split point out of range");
                 let a = DeviceViewMut {
                     buf: d.buf,
@@ -552,19 +552,19 @@ impl<'a> TMut<'a> {
                     len: d.len - mid,
                     ..d
                 };
-                (TMut::Device(a), TMut::Device(b))
+                (ViewMut::Device(a), ViewMut::Device(b))
             }
         }
     }
-    /// See [`T::host`].
+    /// See [`View::host`].
     pub fn host<S: Scalar>(self) -> &'a mut [S] {
         S::of_mut(self)
     }
-    /// See [`T::host_bf16`].
+    /// See [`View::host_bf16`].
     pub fn host_bf16(self) -> &'a mut [u16] {
         match self {
-            TMut::HostBf16(s) => s,
-            TMut::Device(d) => d.host_elems(DType::BF16),
+            ViewMut::HostBf16(s) => s,
+            ViewMut::Device(d) => d.host_elems(DType::BF16),
             _ => panic!("expected a bf16 host view"),
         }
     }
@@ -613,21 +613,21 @@ mod tests {
         );
         assert_eq!((t.dtype(), t.bytes()), (DType::BF16, 20));
         assert_eq!(ledger.report().current(gpu, Category::Params), 20);
-        let T::Device(v) = t.slice(2, 5) else {
+        let View::Device(v) = t.slice(2, 5) else {
             panic!("a device view")
         };
         assert_eq!((v.offset(), v.len(), v.dtype()), (2, 5, DType::BF16));
         let handle = |b: &dyn DeviceBuffer| b.as_any().downcast_ref::<FakeGpu>().unwrap().handle;
         assert_eq!(handle(v.buffer()), 0xdead);
-        let (a, b) = t.vm().split_at(3);
-        let (TMut::Device(a), TMut::Device(b)) = (a, b.slice(1, 2)) else {
+        let (a, b) = t.view_mut().split_at(3);
+        let (ViewMut::Device(a), ViewMut::Device(b)) = (a, b.slice(1, 2)) else {
             panic!("device views")
         };
         assert_eq!((a.offset(), a.len(), b.offset(), b.len()), (0, 3, 4, 2));
         assert_eq!(handle(b.buffer()), 0xdead);
         // Host access of memory the host cannot address is refused, naming it.
         let msg = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            t.v().host_bf16();
+            t.view().host_bf16();
         }))
         .expect_err("not host memory");
         let msg = msg.downcast_ref::<String>().unwrap();
@@ -660,10 +660,10 @@ mod tests {
             f32::from_bits(0xff62_0000),
             70144.0,
         ];
-        assert_eq!(be.download(t.v()), want);
+        assert_eq!(be.download(t.view()), want);
         be.write(t.slice_mut(1, 1), &[2.0]);
         be.fill(t.slice_mut(4, 1), -0.5);
-        assert_eq!(t.v().host_bf16()[1..], [0x4000, 0x3dcd, 0xff62, 0xbf00]);
+        assert_eq!(t.view().host_bf16()[1..], [0x4000, 0x3dcd, 0xff62, 0xbf00]);
         let mut u = Tensor::from_buffer(
             Buffer::HostBf16(vec![0; 5]),
             &[5],
@@ -671,7 +671,7 @@ mod tests {
             Category::Params,
             be.ledger().clone(),
         );
-        be.copy(u.vm(), t.v());
-        assert_eq!(u.v().host_bf16(), t.v().host_bf16());
+        be.copy(u.view_mut(), t.view());
+        assert_eq!(u.view().host_bf16(), t.view().host_bf16());
     }
 }

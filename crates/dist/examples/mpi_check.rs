@@ -4,7 +4,7 @@
 //! formulas, overlap of a non-blocking collective, the timeout and the config-hash check.
 //! Exits non-zero (and says what differed) on any failure.
 
-use ganymede_core::{ParamKind, ParamSpec, TMut};
+use ganymede_core::{ParamKind, ParamSpec, ViewMut};
 use ganymede_dist::mpi::{init, MpiConfig};
 use ganymede_dist::*;
 use std::sync::Arc;
@@ -122,7 +122,7 @@ fn main() {
     );
     let mut b = vec![(1u32 << r) as f32];
     mesh.ep
-        .all_reduce(TMut::Host(&mut b), Phase::A2aDispatch)
+        .all_reduce(ViewMut::Host(&mut b), Phase::A2aDispatch)
         .unwrap();
     let want: f32 = shape
         .ep_members(r)
@@ -157,7 +157,7 @@ fn main() {
     }
     let t0 = Instant::now();
     let work = pg
-        .iall_reduce(TMut::Host(&mut buf), Phase::ForwardGather)
+        .iall_reduce(ViewMut::Host(&mut buf), Phase::ForwardGather)
         .unwrap();
     let post = t0.elapsed();
     if r == 0 {

@@ -8,7 +8,7 @@
 use crate::error::Result;
 use crate::group::{ProcessGroup, Work};
 use crate::stats::{CommSnapshot, Phase};
-use ganymede_core::{TMut, T};
+use ganymede_core::{View, ViewMut};
 
 /// Named outputs of one rank.
 pub type Outputs = Vec<(String, Vec<f64>)>;
@@ -52,22 +52,22 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
 
     let mut ag = vec![0f32; 5 * w];
     pg.all_gather(
-        T::Host(&data(r, 5)),
-        TMut::Host(&mut ag),
+        View::Host(&data(r, 5)),
+        ViewMut::Host(&mut ag),
         Phase::ForwardGather,
     )?;
     out.push(("all_gather".into(), f(&ag)));
 
     let mut rs_out = vec![0f32; 3];
     pg.reduce_scatter(
-        T::Host(&data(r, 3 * w)),
-        TMut::Host(&mut rs_out),
+        View::Host(&data(r, 3 * w)),
+        ViewMut::Host(&mut rs_out),
         Phase::GradReduceScatter,
     )?;
     out.push(("reduce_scatter".into(), f(&rs_out)));
 
     let mut ar = data(r, 7);
-    pg.all_reduce(TMut::Host(&mut ar), Phase::Other)?;
+    pg.all_reduce(ViewMut::Host(&mut ar), Phase::Other)?;
     out.push(("all_reduce".into(), f(&ar)));
 
     let send_counts: Vec<usize> = (0..w).map(|j| a2a_count(r, j)).collect();
@@ -78,37 +78,37 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
     ));
     let mut a2a = vec![0f32; recv_counts.iter().sum()];
     pg.alltoallv(
-        T::Host(&a2a_send(r, w)),
+        View::Host(&a2a_send(r, w)),
         &send_counts,
-        TMut::Host(&mut a2a),
+        ViewMut::Host(&mut a2a),
         &recv_counts,
         Phase::A2aDispatch,
     )?;
     out.push(("alltoallv".into(), f(&a2a)));
 
     let mut bc = if r == rb { data(r, 4) } else { vec![-1.0; 4] };
-    pg.broadcast(TMut::Host(&mut bc), rb, Phase::Other)?;
+    pg.broadcast(ViewMut::Host(&mut bc), rb, Phase::Other)?;
     out.push(("broadcast".into(), f(&bc)));
 
     let mut red = data(r, 6);
-    pg.reduce(TMut::Host(&mut red), rr, Phase::Other)?;
+    pg.reduce(ViewMut::Host(&mut red), rr, Phase::Other)?;
     out.push(("reduce".into(), f(&red)));
 
     let mut gat = vec![0f32; 2 * w];
-    let recv = (r == rg).then_some(TMut::Host(&mut gat));
-    pg.gather(T::Host(&data(r, 2)), recv, rg, Phase::Optimizer)?;
+    let recv = (r == rg).then_some(ViewMut::Host(&mut gat));
+    pg.gather(View::Host(&data(r, 2)), recv, rg, Phase::Optimizer)?;
     out.push(("gather".into(), f(&gat)));
 
     let src = data(100, 3 * w);
     let mut sc = vec![0f32; 3];
-    let send = (r == rs).then_some(T::Host(&src[..]));
-    pg.scatter(send, TMut::Host(&mut sc), rs, Phase::Optimizer)?;
+    let send = (r == rs).then_some(View::Host(&src[..]));
+    pg.scatter(send, ViewMut::Host(&mut sc), rs, Phase::Optimizer)?;
     out.push(("scatter".into(), f(&sc)));
 
     pg.barrier()?;
 
     let mut ar64 = data64(r, 9);
-    pg.all_reduce(TMut::Host64(&mut ar64), Phase::Other)?;
+    pg.all_reduce(ViewMut::Host64(&mut ar64), Phase::Other)?;
     out.push(("all_reduce_f64".into(), ar64));
 
     // Two collectives in flight at once, waited in reverse order.
@@ -116,8 +116,12 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
     let mut nb2 = vec![0f32; 3 * w];
     let s2 = data(r + 1, 3);
     {
-        let w1: Work = pg.iall_reduce(TMut::Host(&mut nb1), Phase::BackwardGather)?;
-        let w2 = pg.iall_gather(T::Host(&s2), TMut::Host(&mut nb2), Phase::BackwardGather)?;
+        let w1: Work = pg.iall_reduce(ViewMut::Host(&mut nb1), Phase::BackwardGather)?;
+        let w2 = pg.iall_gather(
+            View::Host(&s2),
+            ViewMut::Host(&mut nb2),
+            Phase::BackwardGather,
+        )?;
         w2.wait()?;
         w1.wait()?;
     }
@@ -140,9 +144,13 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
         .split(Some(r % 2), w - r, "parity")?
         .expect("every rank has a color");
     let mut sr = data(r, 3);
-    sub.all_reduce(TMut::Host(&mut sr), Phase::Other)?;
+    sub.all_reduce(ViewMut::Host(&mut sr), Phase::Other)?;
     let mut sg = vec![0f32; sub.size()];
-    sub.all_gather(T::Host(&[r as f32]), TMut::Host(&mut sg), Phase::Other)?;
+    sub.all_gather(
+        View::Host(&[r as f32]),
+        ViewMut::Host(&mut sg),
+        Phase::Other,
+    )?;
     out.push(("split_all_reduce".into(), f(&sr)));
     out.push(("split_all_gather".into(), f(&sg)));
 

@@ -1,9 +1,9 @@
 //! The process-group interface every backend implements.
 //!
-//! Buffers are the core crate's views ([`T`], [`TMut`]). Host backends (threads, MPI) serve the
+//! Buffers are the core crate's views ([`View`], [`ViewMut`]). Host backends (threads, MPI) serve the
 //! `Host` (f32) and `Host64` (f64) variants and answer [`CommError::Unsupported`] for anything
 //! else. A GPU backend (NCCL) implements the same trait by matching the device-view variant the
-//! GPU issue adds to `T`/`TMut`: it enqueues the NCCL call on its communication stream in the
+//! GPU issue adds to `View`/`ViewMut`: it enqueues the NCCL call on its communication stream in the
 //! `i*` method and returns a [`Work`] whose `wait` makes the compute stream wait on an event
 //! recorded after the call (as PyTorch's `Work.wait()` does), so the buffers' borrows in `Work`
 //! keep them alive exactly as long as the transfer may touch them.
@@ -15,7 +15,7 @@
 use crate::error::{CommError, Result};
 use crate::stats::{CommStats, Phase};
 use crate::trace::Tracer;
-use ganymede_core::{TMut, T};
+use ganymede_core::{View, ViewMut};
 use std::sync::Arc;
 
 /// What a rank shares between all its group handles: its byte counters and its timeline.
@@ -117,40 +117,49 @@ pub trait ProcessGroup: Send + Sync {
     fn ctx(&self) -> &RankCtx;
 
     /// `recv[j*n..(j+1)*n] = send of rank j`, with `n = send.len()`, `recv.len() = size*n`.
-    fn iall_gather<'a>(&'a self, send: T<'a>, recv: TMut<'a>, phase: Phase) -> Result<Work<'a>>;
+    fn iall_gather<'a>(
+        &'a self,
+        send: View<'a>,
+        recv: ViewMut<'a>,
+        phase: Phase,
+    ) -> Result<Work<'a>>;
     /// `recv = Σ_j send_j[rank*n..(rank+1)*n]`, with `n = recv.len()`, `send.len() = size*n`.
-    fn ireduce_scatter<'a>(&'a self, send: T<'a>, recv: TMut<'a>, phase: Phase)
-        -> Result<Work<'a>>;
+    fn ireduce_scatter<'a>(
+        &'a self,
+        send: View<'a>,
+        recv: ViewMut<'a>,
+        phase: Phase,
+    ) -> Result<Work<'a>>;
     /// `buf = Σ_j buf_j` on every rank.
-    fn iall_reduce<'a>(&'a self, buf: TMut<'a>, phase: Phase) -> Result<Work<'a>>;
+    fn iall_reduce<'a>(&'a self, buf: ViewMut<'a>, phase: Phase) -> Result<Work<'a>>;
     /// Uneven all-to-all: this rank sends `send_counts[j]` elements (consecutive in `send`, in
     /// rank order) to rank `j` and receives `recv_counts[j]` from rank `j` (consecutive in
     /// `recv`). Counts must agree pairwise; [`ProcessGroup::exchange_counts`] computes them.
     fn ialltoallv<'a>(
         &'a self,
-        send: T<'a>,
+        send: View<'a>,
         send_counts: &[usize],
-        recv: TMut<'a>,
+        recv: ViewMut<'a>,
         recv_counts: &[usize],
         phase: Phase,
     ) -> Result<Work<'a>>;
     /// Root's `buf` copied into every rank's `buf`.
-    fn ibroadcast<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>>;
+    fn ibroadcast<'a>(&'a self, buf: ViewMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>>;
     /// Root's `buf` becomes `Σ_j buf_j`; other ranks' buffers are left as they were.
-    fn ireduce<'a>(&'a self, buf: TMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>>;
+    fn ireduce<'a>(&'a self, buf: ViewMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>>;
     /// Root's `recv` (`size*n`, `Some` on the root only) receives every rank's `send` (`n`).
     fn igather<'a>(
         &'a self,
-        send: T<'a>,
-        recv: Option<TMut<'a>>,
+        send: View<'a>,
+        recv: Option<ViewMut<'a>>,
         root: usize,
         phase: Phase,
     ) -> Result<Work<'a>>;
     /// Rank `j`'s `recv` (`n`) receives root's `send[j*n..(j+1)*n]` (`Some` on the root only).
     fn iscatter<'a>(
         &'a self,
-        send: Option<T<'a>>,
-        recv: TMut<'a>,
+        send: Option<View<'a>>,
+        recv: ViewMut<'a>,
         root: usize,
         phase: Phase,
     ) -> Result<Work<'a>>;
@@ -176,36 +185,36 @@ pub trait ProcessGroup: Send + Sync {
     ) -> Result<Option<Arc<dyn ProcessGroup>>>;
 
     // Blocking forms.
-    fn all_gather(&self, send: T, recv: TMut, phase: Phase) -> Result<()> {
+    fn all_gather(&self, send: View, recv: ViewMut, phase: Phase) -> Result<()> {
         self.iall_gather(send, recv, phase)?.wait()
     }
-    fn reduce_scatter(&self, send: T, recv: TMut, phase: Phase) -> Result<()> {
+    fn reduce_scatter(&self, send: View, recv: ViewMut, phase: Phase) -> Result<()> {
         self.ireduce_scatter(send, recv, phase)?.wait()
     }
-    fn all_reduce(&self, buf: TMut, phase: Phase) -> Result<()> {
+    fn all_reduce(&self, buf: ViewMut, phase: Phase) -> Result<()> {
         self.iall_reduce(buf, phase)?.wait()
     }
     fn alltoallv(
         &self,
-        send: T,
+        send: View,
         send_counts: &[usize],
-        recv: TMut,
+        recv: ViewMut,
         recv_counts: &[usize],
         phase: Phase,
     ) -> Result<()> {
         self.ialltoallv(send, send_counts, recv, recv_counts, phase)?
             .wait()
     }
-    fn broadcast(&self, buf: TMut, root: usize, phase: Phase) -> Result<()> {
+    fn broadcast(&self, buf: ViewMut, root: usize, phase: Phase) -> Result<()> {
         self.ibroadcast(buf, root, phase)?.wait()
     }
-    fn reduce(&self, buf: TMut, root: usize, phase: Phase) -> Result<()> {
+    fn reduce(&self, buf: ViewMut, root: usize, phase: Phase) -> Result<()> {
         self.ireduce(buf, root, phase)?.wait()
     }
-    fn gather(&self, send: T, recv: Option<TMut>, root: usize, phase: Phase) -> Result<()> {
+    fn gather(&self, send: View, recv: Option<ViewMut>, root: usize, phase: Phase) -> Result<()> {
         self.igather(send, recv, root, phase)?.wait()
     }
-    fn scatter(&self, send: Option<T>, recv: TMut, root: usize, phase: Phase) -> Result<()> {
+    fn scatter(&self, send: Option<View>, recv: ViewMut, root: usize, phase: Phase) -> Result<()> {
         self.iscatter(send, recv, root, phase)?.wait()
     }
     fn barrier(&self) -> Result<()> {
@@ -240,7 +249,13 @@ pub trait ProcessGroup: Send + Sync {
         let send: Vec<f32> = send_counts.iter().map(|&c| c as f32).collect();
         let mut recv = vec![0f32; w];
         let ones = vec![1; w];
-        self.alltoallv(T::Host(&send), &ones, TMut::Host(&mut recv), &ones, phase)?;
+        self.alltoallv(
+            View::Host(&send),
+            &ones,
+            ViewMut::Host(&mut recv),
+            &ones,
+            phase,
+        )?;
         Ok(recv.iter().map(|&c| c as usize).collect())
     }
 }
@@ -262,34 +277,34 @@ pub fn from_bf16(h: u16) -> f32 {
 
 /// A view whose memory the host can address (host views, and the emulated device memory of
 /// the two-memory CPU mode) as a host view, so host collectives serve it; others unchanged.
-pub fn host_view(v: T<'_>) -> T<'_> {
+pub fn host_view(v: View<'_>) -> View<'_> {
     match v {
-        T::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
-            ganymede_core::DType::F32 => T::Host(T::Device(d).host::<f32>()),
-            ganymede_core::DType::F64 => T::Host64(T::Device(d).host::<f64>()),
-            _ => T::Device(d),
+        View::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
+            ganymede_core::DType::F32 => View::Host(View::Device(d).host::<f32>()),
+            ganymede_core::DType::F64 => View::Host64(View::Device(d).host::<f64>()),
+            _ => View::Device(d),
         },
         v => v,
     }
 }
 
 /// [`host_view`] for a mutable view.
-pub fn host_view_mut(v: TMut<'_>) -> TMut<'_> {
+pub fn host_view_mut(v: ViewMut<'_>) -> ViewMut<'_> {
     match v {
-        TMut::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
-            ganymede_core::DType::F32 => TMut::Host(TMut::Device(d).host::<f32>()),
-            ganymede_core::DType::F64 => TMut::Host64(TMut::Device(d).host::<f64>()),
-            _ => TMut::Device(d),
+        ViewMut::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
+            ganymede_core::DType::F32 => ViewMut::Host(ViewMut::Device(d).host::<f32>()),
+            ganymede_core::DType::F64 => ViewMut::Host64(ViewMut::Device(d).host::<f64>()),
+            _ => ViewMut::Device(d),
         },
         v => v,
     }
 }
 
 /// Element size and length of a view, or `Unsupported` for non-host views.
-pub(crate) fn elem_size(op: &'static str, v: &T) -> Result<usize> {
+pub(crate) fn elem_size(op: &'static str, v: &View) -> Result<usize> {
     match v {
-        T::Host(_) => Ok(4),
-        T::Host64(_) => Ok(8),
+        View::Host(_) => Ok(4),
+        View::Host64(_) => Ok(8),
         #[allow(unreachable_patterns)]
         _ => Err(CommError::Unsupported {
             op,
@@ -322,17 +337,17 @@ macro_rules! host_collectives_by_dtype {
     () => {
         fn iall_gather<'a>(
             &'a self,
-            send: ganymede_core::T<'a>,
-            recv: ganymede_core::TMut<'a>,
+            send: ganymede_core::View<'a>,
+            recv: ganymede_core::ViewMut<'a>,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
             let send = $crate::group::host_view(send);
             $crate::group::elem_size("all_gather", &send)?;
             match (send, $crate::group::host_view_mut(recv)) {
-                (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
+                (ganymede_core::View::Host(s), ganymede_core::ViewMut::Host(r)) => {
                     self.all_gather_t(s, r, phase)
                 }
-                (ganymede_core::T::Host64(s), ganymede_core::TMut::Host64(r)) => {
+                (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
                     self.all_gather_t(s, r, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("all_gather")),
@@ -340,17 +355,17 @@ macro_rules! host_collectives_by_dtype {
         }
         fn ireduce_scatter<'a>(
             &'a self,
-            send: ganymede_core::T<'a>,
-            recv: ganymede_core::TMut<'a>,
+            send: ganymede_core::View<'a>,
+            recv: ganymede_core::ViewMut<'a>,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
             let send = $crate::group::host_view(send);
             $crate::group::elem_size("reduce_scatter", &send)?;
             match (send, $crate::group::host_view_mut(recv)) {
-                (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
+                (ganymede_core::View::Host(s), ganymede_core::ViewMut::Host(r)) => {
                     self.reduce_scatter_t(s, r, phase)
                 }
-                (ganymede_core::T::Host64(s), ganymede_core::TMut::Host64(r)) => {
+                (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
                     self.reduce_scatter_t(s, r, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("reduce_scatter")),
@@ -358,21 +373,21 @@ macro_rules! host_collectives_by_dtype {
         }
         fn iall_reduce<'a>(
             &'a self,
-            buf: ganymede_core::TMut<'a>,
+            buf: ganymede_core::ViewMut<'a>,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
             match $crate::group::host_view_mut(buf) {
-                ganymede_core::TMut::Host(b) => self.all_reduce_t(b, phase),
-                ganymede_core::TMut::Host64(b) => self.all_reduce_t(b, phase),
+                ganymede_core::ViewMut::Host(b) => self.all_reduce_t(b, phase),
+                ganymede_core::ViewMut::Host64(b) => self.all_reduce_t(b, phase),
                 #[allow(unreachable_patterns)]
                 _ => Err($crate::group::dtype_mismatch("all_reduce")),
             }
         }
         fn ialltoallv<'a>(
             &'a self,
-            send: ganymede_core::T<'a>,
+            send: ganymede_core::View<'a>,
             send_counts: &[usize],
-            recv: ganymede_core::TMut<'a>,
+            recv: ganymede_core::ViewMut<'a>,
             recv_counts: &[usize],
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
@@ -380,10 +395,10 @@ macro_rules! host_collectives_by_dtype {
                 $crate::group::host_view(send),
                 $crate::group::host_view_mut(recv),
             ) {
-                (ganymede_core::T::Host(s), ganymede_core::TMut::Host(r)) => {
+                (ganymede_core::View::Host(s), ganymede_core::ViewMut::Host(r)) => {
                     self.alltoallv_t(s, send_counts, r, recv_counts, phase)
                 }
-                (ganymede_core::T::Host64(s), ganymede_core::TMut::Host64(r)) => {
+                (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
                     self.alltoallv_t(s, send_counts, r, recv_counts, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("alltoallv")),
@@ -391,34 +406,34 @@ macro_rules! host_collectives_by_dtype {
         }
         fn ibroadcast<'a>(
             &'a self,
-            buf: ganymede_core::TMut<'a>,
+            buf: ganymede_core::ViewMut<'a>,
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
             match $crate::group::host_view_mut(buf) {
-                ganymede_core::TMut::Host(b) => self.broadcast_t(b, root, phase),
-                ganymede_core::TMut::Host64(b) => self.broadcast_t(b, root, phase),
+                ganymede_core::ViewMut::Host(b) => self.broadcast_t(b, root, phase),
+                ganymede_core::ViewMut::Host64(b) => self.broadcast_t(b, root, phase),
                 #[allow(unreachable_patterns)]
                 _ => Err($crate::group::dtype_mismatch("broadcast")),
             }
         }
         fn ireduce<'a>(
             &'a self,
-            buf: ganymede_core::TMut<'a>,
+            buf: ganymede_core::ViewMut<'a>,
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
             match $crate::group::host_view_mut(buf) {
-                ganymede_core::TMut::Host(b) => self.reduce_t(b, root, phase),
-                ganymede_core::TMut::Host64(b) => self.reduce_t(b, root, phase),
+                ganymede_core::ViewMut::Host(b) => self.reduce_t(b, root, phase),
+                ganymede_core::ViewMut::Host64(b) => self.reduce_t(b, root, phase),
                 #[allow(unreachable_patterns)]
                 _ => Err($crate::group::dtype_mismatch("reduce")),
             }
         }
         fn igather<'a>(
             &'a self,
-            send: ganymede_core::T<'a>,
-            recv: Option<ganymede_core::TMut<'a>>,
+            send: ganymede_core::View<'a>,
+            recv: Option<ganymede_core::ViewMut<'a>>,
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
@@ -426,12 +441,14 @@ macro_rules! host_collectives_by_dtype {
                 $crate::group::host_view(send),
                 recv.map($crate::group::host_view_mut),
             ) {
-                (ganymede_core::T::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
-                (ganymede_core::T::Host(s), Some(ganymede_core::TMut::Host(r))) => {
+                (ganymede_core::View::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
+                (ganymede_core::View::Host(s), Some(ganymede_core::ViewMut::Host(r))) => {
                     self.gather_t(s, Some(r), root, phase)
                 }
-                (ganymede_core::T::Host64(s), None) => self.gather_t::<f64>(s, None, root, phase),
-                (ganymede_core::T::Host64(s), Some(ganymede_core::TMut::Host64(r))) => {
+                (ganymede_core::View::Host64(s), None) => {
+                    self.gather_t::<f64>(s, None, root, phase)
+                }
+                (ganymede_core::View::Host64(s), Some(ganymede_core::ViewMut::Host64(r))) => {
                     self.gather_t(s, Some(r), root, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("gather")),
@@ -439,8 +456,8 @@ macro_rules! host_collectives_by_dtype {
         }
         fn iscatter<'a>(
             &'a self,
-            send: Option<ganymede_core::T<'a>>,
-            recv: ganymede_core::TMut<'a>,
+            send: Option<ganymede_core::View<'a>>,
+            recv: ganymede_core::ViewMut<'a>,
             root: usize,
             phase: $crate::Phase,
         ) -> $crate::Result<$crate::Work<'a>> {
@@ -448,14 +465,16 @@ macro_rules! host_collectives_by_dtype {
                 send.map($crate::group::host_view),
                 $crate::group::host_view_mut(recv),
             ) {
-                (None, ganymede_core::TMut::Host(r)) => self.scatter_t::<f32>(None, r, root, phase),
-                (Some(ganymede_core::T::Host(s)), ganymede_core::TMut::Host(r)) => {
+                (None, ganymede_core::ViewMut::Host(r)) => {
+                    self.scatter_t::<f32>(None, r, root, phase)
+                }
+                (Some(ganymede_core::View::Host(s)), ganymede_core::ViewMut::Host(r)) => {
                     self.scatter_t(Some(s), r, root, phase)
                 }
-                (None, ganymede_core::TMut::Host64(r)) => {
+                (None, ganymede_core::ViewMut::Host64(r)) => {
                     self.scatter_t::<f64>(None, r, root, phase)
                 }
-                (Some(ganymede_core::T::Host64(s)), ganymede_core::TMut::Host64(r)) => {
+                (Some(ganymede_core::View::Host64(s)), ganymede_core::ViewMut::Host64(r)) => {
                     self.scatter_t(Some(s), r, root, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("scatter")),

@@ -3,7 +3,7 @@
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
 use crate::stats::Phase;
-use ganymede_core::{TMut, T};
+use ganymede_core::{View, ViewMut};
 
 /// FNV-1a, 64 bit: stable across processes, builds and machines (std's hasher is not promised
 /// to be).
@@ -29,7 +29,7 @@ pub fn check_config_hash(pg: &dyn ProcessGroup, hash: u64) -> Result<u64> {
         .map(|i| ((hash >> (16 * i)) & 0xffff) as f32)
         .collect();
     let mut all = vec![0f32; 4 * pg.size()];
-    pg.all_gather(T::Host(&mine), TMut::Host(&mut all), Phase::Other)?;
+    pg.all_gather(View::Host(&mine), ViewMut::Host(&mut all), Phase::Other)?;
     let hashes: Vec<u64> = all
         .chunks(4)
         .map(|c| {

@@ -13,7 +13,7 @@ use crate::group::{wait_all, ProcessGroup, Work};
 use crate::mesh::DeviceMesh;
 use crate::placement::{ParamPlacement, Placement, Plan, ShardGroup};
 use crate::stats::Phase;
-use ganymede_core::{TMut, T};
+use ganymede_core::{View, ViewMut};
 use std::sync::Arc;
 
 /// What to orthogonalise: `data` holds `count` consecutive `[rows, cols]` matrices (one for a
@@ -85,8 +85,8 @@ pub fn muon_exchange(
         let p = &plan.params[*i];
         let g = group(p);
         let root = p.ns_root.unwrap();
-        let recv = (g.rank() == root).then_some(TMut::Host(&mut full[..]));
-        gathers.push(g.igather(T::Host(&s[..]), recv, root, Phase::Optimizer)?);
+        let recv = (g.rank() == root).then_some(ViewMut::Host(&mut full[..]));
+        gathers.push(g.igather(View::Host(&s[..]), recv, root, Phase::Optimizer)?);
     }
 
     // 2. Whole experts on this rank, while the gathers travel.
@@ -127,8 +127,8 @@ pub fn muon_exchange(
                 data: &mut full[..count * rows * cols],
             });
         }
-        let send = is_root.then_some(T::Host(&full[..]));
-        scatters.push(g.iscatter(send, TMut::Host(&mut s[..]), root, Phase::Optimizer)?);
+        let send = is_root.then_some(View::Host(&full[..]));
+        scatters.push(g.iscatter(send, ViewMut::Host(&mut s[..]), root, Phase::Optimizer)?);
     }
     wait_all(scatters)
 }

@@ -4,7 +4,7 @@ use crate::conformance;
 use crate::placement::{ns_cost, optimizer_bytes_compare, ShardGroup, ShardLayout};
 use crate::*;
 use ganymede_config::ParallelismConfig;
-use ganymede_core::{ParamKind, ParamSpec, TMut, T};
+use ganymede_core::{ParamKind, ParamSpec, View, ViewMut};
 use std::time::{Duration, Instant};
 
 fn cfg(timeout_ms: u64) -> ThreadsConfig {
@@ -79,7 +79,8 @@ fn byte_counters_follow_the_convention() {
 fn stats_reset_and_snapshot() {
     let got = ok(run_threads(2, &cfg(5_000), |pg| {
         let mut b = vec![1f32; 8];
-        pg.all_reduce(TMut::Host(&mut b), Phase::Optimizer).unwrap();
+        pg.all_reduce(ViewMut::Host(&mut b), Phase::Optimizer)
+            .unwrap();
         let before = pg.ctx().stats.snapshot();
         pg.ctx().stats.reset();
         (before, pg.ctx().stats.snapshot(), b)
@@ -111,7 +112,7 @@ fn sums_are_in_rank_order_and_one_rank_is_identity() {
             let mut b: Vec<f32> = (0..16)
                 .map(|k| vals[r] + (k * (r + 1)) as f32 * 1e-3)
                 .collect();
-            pg.all_reduce(TMut::Host(&mut b), Phase::Other).unwrap();
+            pg.all_reduce(ViewMut::Host(&mut b), Phase::Other).unwrap();
             b
         }));
         for b in &got {
@@ -123,9 +124,9 @@ fn sums_are_in_rank_order_and_one_rank_is_identity() {
     let x: Vec<f32> = (0..10).map(|i| (i as f32).sin()).collect();
     let got = ok(run_threads(1, &cfg(5_000), |pg| {
         let mut b = x.clone();
-        pg.all_reduce(TMut::Host(&mut b), Phase::Other).unwrap();
+        pg.all_reduce(ViewMut::Host(&mut b), Phase::Other).unwrap();
         let mut rs = vec![0f32; 10];
-        pg.reduce_scatter(T::Host(&x), TMut::Host(&mut rs), Phase::Other)
+        pg.reduce_scatter(View::Host(&x), ViewMut::Host(&mut rs), Phase::Other)
             .unwrap();
         (b, rs)
     }));
@@ -143,7 +144,7 @@ fn nonblocking_overlaps_with_work() {
         }
         let t0 = Instant::now();
         let mut work = pg
-            .iall_reduce(TMut::Host(&mut b), Phase::ForwardGather)
+            .iall_reduce(ViewMut::Host(&mut b), Phase::ForwardGather)
             .unwrap();
         let post = t0.elapsed();
         let ready_early = work.ready();
@@ -179,7 +180,9 @@ fn timeout_fires_when_a_rank_never_joins() {
         }
         let mut b = vec![1f32; 4];
         let t = Instant::now();
-        let e = pg.all_reduce(TMut::Host(&mut b), Phase::Other).unwrap_err();
+        let e = pg
+            .all_reduce(ViewMut::Host(&mut b), Phase::Other)
+            .unwrap_err();
         Some((e, t.elapsed()))
     }));
     for (e, took) in got.into_iter().flatten() {
@@ -225,9 +228,11 @@ fn a_panicking_rank_poisons_the_group() {
         let mut b = vec![1f32; 4];
         // Rank 3 waits in a sub-group that rank 2 belongs to, the others in the world.
         let e = if pg.rank() == 3 {
-            ep.all_reduce(TMut::Host(&mut b), Phase::Other).unwrap_err()
+            ep.all_reduce(ViewMut::Host(&mut b), Phase::Other)
+                .unwrap_err()
         } else {
-            pg.all_reduce(TMut::Host(&mut b), Phase::Other).unwrap_err()
+            pg.all_reduce(ViewMut::Host(&mut b), Phase::Other)
+                .unwrap_err()
         };
         // And every later collective fails too.
         let e2 = pg.barrier().unwrap_err();
@@ -288,9 +293,10 @@ fn mismatched_calls_and_bad_arguments_are_errors() {
     let got = ok(run_threads(2, &cfg(5_000), |pg| {
         let mut b = vec![0f32; 4];
         let e1 = if pg.rank() == 0 {
-            pg.all_reduce(TMut::Host(&mut b), Phase::Other).unwrap_err()
+            pg.all_reduce(ViewMut::Host(&mut b), Phase::Other)
+                .unwrap_err()
         } else {
-            pg.broadcast(TMut::Host(&mut b), 0, Phase::Other)
+            pg.broadcast(ViewMut::Host(&mut b), 0, Phase::Other)
                 .unwrap_err()
         };
         // Counts that disagree: rank 0 sends 2 to rank 1, rank 1 expects 1.
@@ -299,14 +305,20 @@ fn mismatched_calls_and_bad_arguments_are_errors() {
         let s = vec![0f32; 3];
         let mut r = vec![0f32; rc.iter().sum()];
         let e2 = pg
-            .alltoallv(T::Host(&s), &sc, TMut::Host(&mut r), &rc, Phase::Other)
+            .alltoallv(
+                View::Host(&s),
+                &sc,
+                ViewMut::Host(&mut r),
+                &rc,
+                Phase::Other,
+            )
             .unwrap_err();
         let mut small = vec![0f32; 3];
         let e3 = pg
-            .all_gather(T::Host(&b), TMut::Host(&mut small), Phase::Other)
+            .all_gather(View::Host(&b), ViewMut::Host(&mut small), Phase::Other)
             .unwrap_err();
         let e4 = pg
-            .broadcast(TMut::Host(&mut b), 5, Phase::Other)
+            .broadcast(ViewMut::Host(&mut b), 5, Phase::Other)
             .unwrap_err();
         (e1, e2, e3, e4)
     }));
@@ -338,11 +350,11 @@ fn mesh_groups_have_the_right_members() {
     let got = ok(run_threads(4, &cfg(5_000), |pg| {
         let m = DeviceMesh::new(pg.clone(), &p).unwrap();
         let mut b = vec![(1 << pg.rank()) as f32];
-        m.ep.all_reduce(TMut::Host(&mut b), Phase::A2aDispatch)
+        m.ep.all_reduce(ViewMut::Host(&mut b), Phase::A2aDispatch)
             .unwrap();
         let mut c = vec![(1 << pg.rank()) as f32];
         m.efsdp
-            .all_reduce(TMut::Host(&mut c), Phase::Other)
+            .all_reduce(ViewMut::Host(&mut c), Phase::Other)
             .unwrap();
         (
             m.ep.world_ranks().to_vec(),
@@ -414,7 +426,7 @@ fn trace_has_per_rank_compute_comm_and_wait_events() {
     let tracers = ok(run_threads(2, &tc, |pg| {
         let mut b = vec![1f32; 64];
         let w = pg
-            .iall_reduce(TMut::Host(&mut b), Phase::ForwardGather)
+            .iall_reduce(ViewMut::Host(&mut b), Phase::ForwardGather)
             .unwrap();
         {
             let _s = pg.ctx().tracer.span("block 0 forward", Track::Compute);

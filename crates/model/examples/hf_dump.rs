@@ -48,7 +48,7 @@ fn main() {
     for (spec, t) in params.iter_mut() {
         if spec.shape.len() == 1 {
             let x: Vec<f32> = (0..spec.numel()).map(|_| 0.7 + 0.6 * rnd()).collect();
-            be.write(t.vm(), &x);
+            be.write(t.view_mut(), &x);
         }
     }
     let n = batch * seq;
@@ -69,10 +69,10 @@ fn main() {
     });
     for (i, (spec, t)) in params.iter().enumerate() {
         let file = format!("p{i}.bin");
-        write_f32(&out.join(&file), &be.download(t.v()));
+        write_f32(&out.join(&file), &be.download(t.view()));
         write_f32(
             &out.join(format!("g{i}.bin")),
-            &be.download(grads.get(i).v()),
+            &be.download(grads.get(i).view()),
         );
         manifest["params"]
             .as_array_mut()

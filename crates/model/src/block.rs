@@ -14,7 +14,7 @@
 use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::workspace::{BlockActs, FfnActs, GradScratch};
 use crate::{LayerIdx, MlpIdx, Model};
-use ganymede_core::{Backend, Gemm, ParamStore, TMut, Tensor, T};
+use ganymede_core::{Backend, Gemm, ParamStore, Tensor, View, ViewMut};
 
 /// Where attention's keys and values live.
 pub(crate) enum Kv<'a> {
@@ -38,8 +38,8 @@ pub(crate) fn block_forward(
     li: &LayerIdx,
     a: &mut BlockActs,
     g: &mut GradScratch,
-    x: T,
-    mut y: Option<TMut>,
+    x: View,
+    mut y: Option<ViewMut>,
     batch: usize,
     seq: usize,
     kv: Kv,
@@ -56,24 +56,31 @@ pub(crate) fn block_forward(
         cfg.head_dim,
     );
     let (eps, theta) = (cfg.norm_eps as f32, cfg.rope_theta);
-    let w = |i: usize| params.get(i).v();
+    let w = |i: usize| params.get(i).view();
 
-    be.rmsnorm_forward(a.xn1.vm(), a.rstd1.vm(), x, w(li.in_norm), h, eps);
+    be.rmsnorm_forward(
+        a.xn1.view_mut(),
+        a.rstd1.view_mut(),
+        x,
+        w(li.in_norm),
+        h,
+        eps,
+    );
     be.gemm(
-        a.q.vm(),
-        a.xn1.v(),
+        a.q.view_mut(),
+        a.xn1.view(),
         w(li.q),
         Gemm::new(n, qd, h, false, true),
     );
     be.gemm(
-        a.k.vm(),
-        a.xn1.v(),
+        a.k.view_mut(),
+        a.xn1.view(),
         w(li.k),
         Gemm::new(n, kd, h, false, true),
     );
     be.gemm(
-        a.v.vm(),
-        a.xn1.v(),
+        a.v.view_mut(),
+        a.xn1.view(),
         w(li.v),
         Gemm::new(n, kd, h, false, true),
     );
@@ -82,42 +89,42 @@ pub(crate) fn block_forward(
         Kv::Cache { pos0, .. } => *pos0,
     };
     #[rustfmt::skip]
-    be.head_norm_rope_forward(a.qr.vm(), a.rstdq.vm(), a.q.v(), w(li.q_norm), nh, hd, seq, pos0, theta, eps);
+    be.head_norm_rope_forward(a.qr.view_mut(), a.rstdq.view_mut(), a.q.view(), w(li.q_norm), nh, hd, seq, pos0, theta, eps);
     match kv {
         Kv::Own => {
             #[rustfmt::skip]
-            be.head_norm_rope_forward(a.kr.vm(), a.rstdk.vm(), a.k.v(), w(li.k_norm), nkv, hd, seq, 0, theta, eps);
+            be.head_norm_rope_forward(a.kr.view_mut(), a.rstdk.view_mut(), a.k.view(), w(li.k_norm), nkv, hd, seq, 0, theta, eps);
             #[rustfmt::skip]
-            be.attention_forward(a.att.vm(), a.lse.vm(), a.qr.v(), a.kr.v(), a.v.v(), batch, seq, seq, nh, nkv, hd);
+            be.attention_forward(a.att.view_mut(), a.lse.view_mut(), a.qr.view(), a.kr.view(), a.v.view(), batch, seq, seq, nh, nkv, hd);
         }
         Kv::Cache { k, v, pos0 } => {
             assert_eq!(batch, 1, "a KV cache holds one sequence");
             let tk = pos0 + seq;
             #[rustfmt::skip]
-            be.head_norm_rope_forward(k.slice_mut(pos0 * kd, n * kd), a.rstdk.vm(), a.k.v(), w(li.k_norm), nkv, hd, seq, pos0, theta, eps);
-            be.copy(v.slice_mut(pos0 * kd, n * kd), a.v.v());
+            be.head_norm_rope_forward(k.slice_mut(pos0 * kd, n * kd), a.rstdk.view_mut(), a.k.view(), w(li.k_norm), nkv, hd, seq, pos0, theta, eps);
+            be.copy(v.slice_mut(pos0 * kd, n * kd), a.v.view());
             #[rustfmt::skip]
-            be.attention_forward(a.att.vm(), a.lse.vm(), a.qr.v(), k.slice(0, tk * kd), v.slice(0, tk * kd), 1, seq, tk, nh, nkv, hd);
+            be.attention_forward(a.att.view_mut(), a.lse.view_mut(), a.qr.view(), k.slice(0, tk * kd), v.slice(0, tk * kd), 1, seq, tk, nh, nkv, hd);
         }
     }
     be.gemm(
-        a.xmid.vm(),
-        a.att.v(),
+        a.xmid.view_mut(),
+        a.att.view(),
         w(li.o),
         Gemm::new(n, h, qd, false, true),
     );
-    be.add(a.xmid.vm(), x);
+    be.add(a.xmid.view_mut(), x);
     #[rustfmt::skip]
-    be.rmsnorm_forward(a.xn2.vm(), a.rstd2.vm(), a.xmid.v(), w(li.post_norm), h, eps);
+    be.rmsnorm_forward(a.xn2.view_mut(), a.rstd2.view_mut(), a.xmid.view(), w(li.post_norm), h, eps);
     if let Some(y) = y.as_mut() {
-        be.copy(y.rb(), a.xmid.v());
+        be.copy(y.reborrow(), a.xmid.view());
     }
 
     match li.mlp {
         MlpIdx::Dense { gate, up, down } => {
             let f = a.ffn.as_mut().expect("dense activations");
             #[rustfmt::skip]
-            ffn_forward(be, f, a.xn2.v(), params, (gate, up, down), 1, cfg.dense_hidden, y, n, h);
+            ffn_forward(be, f, a.xn2.view(), params, (gate, up, down), 1, cfg.dense_hidden, y, n, h);
         }
         MlpIdx::Moe {
             router,
@@ -131,14 +138,14 @@ pub(crate) fn block_forward(
             let m = a.moe.as_mut().expect("MoE activations");
             let rl = g.drl.as_mut().expect("router scratch");
             be.gemm(
-                rl.vm(),
-                a.xn2.v(),
+                rl.view_mut(),
+                a.xn2.view(),
                 w(router),
                 Gemm::new(n, e, h, false, true),
             );
             be.router_forward(
-                m.probs.vm(),
-                m.rw.vm(),
+                m.probs.view_mut(),
+                m.rw.view_mut(),
                 &mut m.r.idx[..n * k],
                 &mut m.r.psum,
                 rl.slice(0, n * e),
@@ -148,7 +155,7 @@ pub(crate) fn block_forward(
                 cfg.norm_topk_prob,
             );
             m.r.dispatch(k);
-            be.moe_gather(m.xe.vm(), a.xn2.v(), &m.r.src, h);
+            be.moe_gather(m.xe.view_mut(), a.xn2.view(), &m.r.src, h);
             let io = ExpertsIo {
                 layer,
                 counts: &m.r.counts,
@@ -161,20 +168,20 @@ pub(crate) fn block_forward(
                 down,
             };
             let bufs = ExpertsFwdBufs {
-                xe: m.xe.v(),
-                g: m.g.vm(),
-                u: m.u.vm(),
-                a: m.a.vm(),
-                ye: m.ye.vm(),
+                xe: m.xe.view(),
+                g: m.g.view_mut(),
+                u: m.u.view_mut(),
+                a: m.a.view_mut(),
+                ye: m.ye.view_mut(),
             };
             ex.forward(be, &io, bufs);
             if let Some(y) = y.as_mut() {
-                be.moe_combine(y.rb(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
+                be.moe_combine(y.reborrow(), m.ye.view(), m.rw.view(), &m.r.pos, k, h);
             }
             if let Some(sh) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
                 #[rustfmt::skip]
-                ffn_forward(be, f, a.xn2.v(), params, sh, cfg.shared_experts, cfg.shared_hidden(), y, n, h);
+                ffn_forward(be, f, a.xn2.view(), params, sh, cfg.shared_experts, cfg.shared_hidden(), y, n, h);
             }
         }
     }
@@ -185,26 +192,26 @@ pub(crate) fn block_forward(
 fn ffn_forward(
     be: &dyn Backend,
     f: &mut FfnActs,
-    xn: T,
+    xn: View,
     params: &ParamStore,
     (gate, up, down): (usize, usize, usize),
     parts: usize,
     fs: usize,
-    y: Option<TMut>,
+    y: Option<ViewMut>,
     n: usize,
     h: usize,
 ) {
     let width = parts * fs;
     let nw = n * width;
     let gm = Gemm::new(n, width, h, false, true);
-    be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).v(), gm);
-    be.gemm(f.u.slice_mut(0, nw), xn, params.get(up).v(), gm);
+    be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).view(), gm);
+    be.gemm(f.u.slice_mut(0, nw), xn, params.get(up).view(), gm);
     be.swiglu_forward(f.a.slice_mut(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
     if let Some(mut y) = y {
         let wd = params.get(down);
         for s in 0..parts {
             be.gemm(
-                y.rb(),
+                y.reborrow(),
                 f.a.slice(s * fs, (n - 1) * width + fs),
                 wd.slice(s * h * fs, h * fs),
                 Gemm::new(n, h, fs, false, true).ld(width, fs, h).beta(1.0),
@@ -225,7 +232,7 @@ pub(crate) fn block_backward(
     li: &LayerIdx,
     a: &BlockActs,
     g: &mut GradScratch,
-    x: T,
+    x: View,
     batch: usize,
     seq: usize,
     dprob_const: &[f64],
@@ -242,14 +249,14 @@ pub(crate) fn block_backward(
         cfg.head_dim,
     );
     let theta = cfg.rope_theta;
-    let w = |i: usize| params.get(i).v();
+    let w = |i: usize| params.get(i).view();
 
     // MLP: its gradient into g.dxn (the gradient of xn2).
     match li.mlp {
         MlpIdx::Dense { gate, up, down } => {
             let f = a.ffn.as_ref().expect("dense activations");
             #[rustfmt::skip]
-            ffn_backward(be, f, a.xn2.v(), params, grads, (gate, up, down), 1, cfg.dense_hidden, g, 0.0, n, h);
+            ffn_backward(be, f, a.xn2.view(), params, grads, (gate, up, down), 1, cfg.dense_hidden, g, 0.0, n, h);
         }
         MlpIdx::Moe {
             router,
@@ -285,7 +292,7 @@ pub(crate) fn block_backward(
                 dxe.as_mut().unwrap(),
             );
             #[rustfmt::skip]
-            be.moe_combine_backward(dye.vm(), drw.vm(), dres.v(), m.ye.v(), m.rw.v(), &m.r.pos, k, h);
+            be.moe_combine_backward(dye.view_mut(), drw.view_mut(), dres.view(), m.ye.view(), m.rw.view(), &m.r.pos, k, h);
             let io = ExpertsIo {
                 layer,
                 counts: &m.r.counts,
@@ -298,70 +305,85 @@ pub(crate) fn block_backward(
                 down,
             };
             let bufs = ExpertsBwdBufs {
-                xe: m.xe.v(),
-                g: m.g.v(),
-                u: m.u.v(),
-                a: m.a.v(),
-                dye: dye.v(),
-                da: da.vm(),
-                dg: dg.vm(),
-                du: du.vm(),
-                dxe: dxe.vm(),
+                xe: m.xe.view(),
+                g: m.g.view(),
+                u: m.u.view(),
+                a: m.a.view(),
+                dye: dye.view(),
+                da: da.view_mut(),
+                dg: dg.view_mut(),
+                du: du.view_mut(),
+                dxe: dxe.view_mut(),
             };
             ex.backward(be, &io, grads, bufs);
             #[rustfmt::skip]
-            be.router_backward(drl.vm(), drw.v(), m.probs.v(), &m.r.idx, dprob_const, e, k, cfg.norm_topk_prob);
+            be.router_backward(drl.view_mut(), drw.view(), m.probs.view(), &m.r.idx, dprob_const, e, k, cfg.norm_topk_prob);
             be.gemm(
-                dxn.vm(),
-                drl.v(),
+                dxn.view_mut(),
+                drl.view(),
                 w(router),
                 Gemm::new(n, h, e, false, false),
             );
             #[rustfmt::skip]
-            be.gemm(grads.get_mut(router).vm(), drl.v(), a.xn2.v(), Gemm::new(e, h, n, true, false).beta(1.0));
-            be.moe_gather_backward(dxn.vm(), dxe.v(), &m.r.pos, k, h);
+            be.gemm(grads.get_mut(router).view_mut(), drl.view(), a.xn2.view(), Gemm::new(e, h, n, true, false).beta(1.0));
+            be.moe_gather_backward(dxn.view_mut(), dxe.view(), &m.r.pos, k, h);
             if let Some(sh) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
                 #[rustfmt::skip]
-                ffn_backward(be, f, a.xn2.v(), params, grads, sh, cfg.shared_experts, cfg.shared_hidden(), g, 1.0, n, h);
+                ffn_backward(be, f, a.xn2.view(), params, grads, sh, cfg.shared_experts, cfg.shared_hidden(), g, 1.0, n, h);
             }
         }
     }
     #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.vm(), grads.get_mut(li.post_norm).vm(), g.dxn.v(), a.xmid.v(), w(li.post_norm), a.rstd2.v(), h);
+    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(li.post_norm).view_mut(), g.dxn.view(), a.xmid.view(), w(li.post_norm), a.rstd2.view(), h);
 
     // Attention: the residual passes g.dres through unchanged; add the branch's gradient.
     be.gemm(
-        g.datt.vm(),
-        g.dres.v(),
+        g.datt.view_mut(),
+        g.dres.view(),
         w(li.o),
         Gemm::new(n, qd, h, false, false),
     );
     #[rustfmt::skip]
-    be.gemm(grads.get_mut(li.o).vm(), g.dres.v(), a.att.v(), Gemm::new(h, qd, n, true, false).beta(1.0));
+    be.gemm(grads.get_mut(li.o).view_mut(), g.dres.view(), a.att.view(), Gemm::new(h, qd, n, true, false).beta(1.0));
     #[rustfmt::skip]
-    be.attention_backward(g.dqr.vm(), g.dkr.vm(), g.dv.vm(), g.datt.v(), a.att.v(), a.qr.v(), a.kr.v(), a.v.v(), a.lse.v(), batch, seq, seq, nh, nkv, hd);
+    be.attention_backward(g.dqr.view_mut(), g.dkr.view_mut(), g.dv.view_mut(), g.datt.view(), a.att.view(), a.qr.view(), a.kr.view(), a.v.view(), a.lse.view(), batch, seq, seq, nh, nkv, hd);
     #[rustfmt::skip]
-    be.head_norm_rope_backward(g.dq.vm(), grads.get_mut(li.q_norm).vm(), g.dqr.v(), a.q.v(), w(li.q_norm), a.rstdq.v(), nh, hd, seq, 0, theta);
+    be.head_norm_rope_backward(g.dq.view_mut(), grads.get_mut(li.q_norm).view_mut(), g.dqr.view(), a.q.view(), w(li.q_norm), a.rstdq.view(), nh, hd, seq, 0, theta);
     #[rustfmt::skip]
-    be.head_norm_rope_backward(g.dk.vm(), grads.get_mut(li.k_norm).vm(), g.dkr.v(), a.k.v(), w(li.k_norm), a.rstdk.v(), nkv, hd, seq, 0, theta);
+    be.head_norm_rope_backward(g.dk.view_mut(), grads.get_mut(li.k_norm).view_mut(), g.dkr.view(), a.k.view(), w(li.k_norm), a.rstdk.view(), nkv, hd, seq, 0, theta);
     be.gemm(
-        g.dxn.vm(),
-        g.dq.v(),
+        g.dxn.view_mut(),
+        g.dq.view(),
         w(li.q),
         Gemm::new(n, h, qd, false, false),
     );
     #[rustfmt::skip]
-    be.gemm(g.dxn.vm(), g.dk.v(), w(li.k), Gemm::new(n, h, kd, false, false).beta(1.0));
+    be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), Gemm::new(n, h, kd, false, false).beta(1.0));
     #[rustfmt::skip]
-    be.gemm(g.dxn.vm(), g.dv.v(), w(li.v), Gemm::new(n, h, kd, false, false).beta(1.0));
+    be.gemm(g.dxn.view_mut(), g.dv.view(), w(li.v), Gemm::new(n, h, kd, false, false).beta(1.0));
     let gq = Gemm::new(qd, h, n, true, false).beta(1.0);
     let gk = Gemm::new(kd, h, n, true, false).beta(1.0);
-    be.gemm(grads.get_mut(li.q).vm(), g.dq.v(), a.xn1.v(), gq);
-    be.gemm(grads.get_mut(li.k).vm(), g.dk.v(), a.xn1.v(), gk);
-    be.gemm(grads.get_mut(li.v).vm(), g.dv.v(), a.xn1.v(), gk);
+    be.gemm(
+        grads.get_mut(li.q).view_mut(),
+        g.dq.view(),
+        a.xn1.view(),
+        gq,
+    );
+    be.gemm(
+        grads.get_mut(li.k).view_mut(),
+        g.dk.view(),
+        a.xn1.view(),
+        gk,
+    );
+    be.gemm(
+        grads.get_mut(li.v).view_mut(),
+        g.dv.view(),
+        a.xn1.view(),
+        gk,
+    );
     #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.vm(), grads.get_mut(li.in_norm).vm(), g.dxn.v(), x, w(li.in_norm), a.rstd1.v(), h);
+    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(li.in_norm).view_mut(), g.dxn.view(), x, w(li.in_norm), a.rstd1.view(), h);
 }
 
 /// Backward of [`ffn_forward`]: reads the output gradient from `g.dres`, writes
@@ -370,7 +392,7 @@ pub(crate) fn block_backward(
 fn ffn_backward(
     be: &dyn Backend,
     f: &FfnActs,
-    xn: T,
+    xn: View,
     params: &ParamStore,
     grads: &mut ParamStore,
     (gate, up, down): (usize, usize, usize),
@@ -393,13 +415,13 @@ fn ffn_backward(
     for s in 0..parts {
         be.gemm(
             dfa.slice_mut(s * fs, ext),
-            g.dres.v(),
+            g.dres.view(),
             wd.slice(s * h * fs, h * fs),
             Gemm::new(n, fs, h, false, false).ld(h, fs, width),
         );
         be.gemm(
             grads.get_mut(down).slice_mut(s * h * fs, h * fs),
-            g.dres.v(),
+            g.dres.view(),
             f.a.slice(s * fs, ext),
             Gemm::new(h, fs, n, true, false).ld(h, width, fs).beta(1.0),
         );
@@ -408,18 +430,18 @@ fn ffn_backward(
     be.swiglu_backward(dfg.slice_mut(0, nw), dfu.slice_mut(0, nw), dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
     let gx = Gemm::new(n, h, width, false, false);
     be.gemm(
-        g.dxn.vm(),
+        g.dxn.view_mut(),
         dfg.slice(0, nw),
-        params.get(gate).v(),
+        params.get(gate).view(),
         gx.beta(beta),
     );
     be.gemm(
-        g.dxn.vm(),
+        g.dxn.view_mut(),
         dfu.slice(0, nw),
-        params.get(up).v(),
+        params.get(up).view(),
         gx.beta(1.0),
     );
     let gw = Gemm::new(width, h, n, true, false).beta(1.0);
-    be.gemm(grads.get_mut(gate).vm(), dfg.slice(0, nw), xn, gw);
-    be.gemm(grads.get_mut(up).vm(), dfu.slice(0, nw), xn, gw);
+    be.gemm(grads.get_mut(gate).view_mut(), dfg.slice(0, nw), xn, gw);
+    be.gemm(grads.get_mut(up).view_mut(), dfu.slice(0, nw), xn, gw);
 }

@@ -3,7 +3,7 @@
 //! over rows grouped by expert (`counts[e]` rows of expert `e` from `offsets[e]`); the executor
 //! returns one output row per input row. [`LocalExperts`] runs every expert here.
 
-use ganymede_core::{Backend, Gemm, ParamStore, TMut, T};
+use ganymede_core::{Backend, Gemm, ParamStore, View, ViewMut};
 
 /// What an executor needs besides the rows: routing counts, shapes, where the weights are.
 pub struct ExpertsIo<'a> {
@@ -22,26 +22,26 @@ pub struct ExpertsIo<'a> {
 
 /// The block's buffers for one routed-expert pass (rows grouped by expert).
 pub struct ExpertsFwdBufs<'a> {
-    pub xe: T<'a>,
+    pub xe: View<'a>,
     /// Gate, up and SwiGLU outputs (kept for backward by a local executor).
-    pub g: TMut<'a>,
-    pub u: TMut<'a>,
-    pub a: TMut<'a>,
-    pub ye: TMut<'a>,
+    pub g: ViewMut<'a>,
+    pub u: ViewMut<'a>,
+    pub a: ViewMut<'a>,
+    pub ye: ViewMut<'a>,
 }
 
 pub struct ExpertsBwdBufs<'a> {
     /// The forward's rows and saved internals.
-    pub xe: T<'a>,
-    pub g: T<'a>,
-    pub u: T<'a>,
-    pub a: T<'a>,
-    pub dye: T<'a>,
+    pub xe: View<'a>,
+    pub g: View<'a>,
+    pub u: View<'a>,
+    pub a: View<'a>,
+    pub dye: View<'a>,
     /// Scratch.
-    pub da: TMut<'a>,
-    pub dg: TMut<'a>,
-    pub du: TMut<'a>,
-    pub dxe: TMut<'a>,
+    pub da: ViewMut<'a>,
+    pub dg: ViewMut<'a>,
+    pub du: ViewMut<'a>,
+    pub dxe: ViewMut<'a>,
 }
 
 /// Runs the routed experts of a MoE layer, forward and backward.
@@ -95,13 +95,13 @@ impl ExpertExecutor for LocalExperts {
         let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
             (Gemm::new(c, f, h, false, true), r0 * h, ex * f * h, r0 * f)
         });
-        be.gemm_grouped(g.rb(), xe, wg.v(), &gs);
-        be.gemm_grouped(u.rb(), xe, wu.v(), &gs);
-        be.swiglu_forward(a.rb(), g.ro(), u.ro());
+        be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
+        be.gemm_grouped(u.reborrow(), xe, wu.view(), &gs);
+        be.swiglu_forward(a.reborrow(), g.as_view(), u.as_view());
         let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
             (Gemm::new(c, h, f, false, true), r0 * f, ex * h * f, r0 * h)
         });
-        be.gemm_grouped(ye, a.ro(), wd.v(), &gs);
+        be.gemm_grouped(ye, a.as_view(), wd.view(), &gs);
     }
 
     fn backward(
@@ -133,28 +133,28 @@ impl ExpertExecutor for LocalExperts {
         let gs = expert_groups(off, cnt, |r0, c, ex| {
             (Gemm::new(c, f, h, false, false), r0 * h, ex * h * f, r0 * f)
         });
-        be.gemm_grouped(da.rb(), dye, wd.v(), &gs);
+        be.gemm_grouped(da.reborrow(), dye, wd.view(), &gs);
         let gs = expert_groups(off, cnt, |r0, c, ex| {
             let gm = Gemm::new(h, f, c, true, false).beta(1.0);
             (gm, r0 * h, r0 * f, ex * h * f)
         });
-        be.gemm_grouped(grads.get_mut(io.down).vm(), dye, a, &gs);
-        be.swiglu_backward(dg.rb(), du.rb(), da.ro(), g, u);
+        be.gemm_grouped(grads.get_mut(io.down).view_mut(), dye, a, &gs);
+        be.swiglu_backward(dg.reborrow(), du.reborrow(), da.as_view(), g, u);
         // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
         let gs = expert_groups(off, cnt, |r0, c, ex| {
             (Gemm::new(c, h, f, false, false), r0 * f, ex * f * h, r0 * h)
         });
-        be.gemm_grouped(dxe.rb(), dg.ro(), wg.v(), &gs);
+        be.gemm_grouped(dxe.reborrow(), dg.as_view(), wg.view(), &gs);
         let gs1: Vec<_> = gs
             .iter()
             .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
             .collect();
-        be.gemm_grouped(dxe.rb(), du.ro(), wu.v(), &gs1);
+        be.gemm_grouped(dxe.reborrow(), du.as_view(), wu.view(), &gs1);
         let gs = expert_groups(off, cnt, |r0, c, ex| {
             let gm = Gemm::new(f, h, c, true, false).beta(1.0);
             (gm, r0 * f, r0 * h, ex * f * h)
         });
-        be.gemm_grouped(grads.get_mut(io.gate).vm(), dg.ro(), xe, &gs);
-        be.gemm_grouped(grads.get_mut(io.up).vm(), du.ro(), xe, &gs);
+        be.gemm_grouped(grads.get_mut(io.gate).view_mut(), dg.as_view(), xe, &gs);
+        be.gemm_grouped(grads.get_mut(io.up).view_mut(), du.as_view(), xe, &gs);
     }
 }

@@ -38,7 +38,7 @@ fn step_logits(
         head,
         ..
     } = ws;
-    be.embedding_forward(res[0].vm(), params.get(model.embed).v(), ids, h);
+    be.embedding_forward(res[0].view_mut(), params.get(model.embed).view(), ids, h);
     for (l, li) in model.layers.iter().enumerate() {
         let (lo, hi) = res.split_at_mut(l + 1);
         let kv = Kv::Cache {
@@ -47,16 +47,16 @@ fn step_logits(
             pos0,
         };
         #[rustfmt::skip]
-        block_forward(be, model, params, li, &mut blocks[0], grads, lo[l].v(), Some(hi[0].vm()), 1, n, kv, (l, &mut LocalExperts));
+        block_forward(be, model, params, li, &mut blocks[0], grads, lo[l].view(), Some(hi[0].view_mut()), 1, n, kv, (l, &mut LocalExperts));
     }
     let eps = cfg.norm_eps as f32;
     #[rustfmt::skip]
-    be.rmsnorm_forward(head.xf.vm(), head.rstd.vm(), res[cfg.layers].v(), params.get(model.norm).v(), h, eps);
+    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res[cfg.layers].view(), params.get(model.norm).view(), h, eps);
     // Only the last position's logits are needed.
     be.gemm(
         head.logits.slice_mut(0, v),
         head.xf.slice((n - 1) * h, h),
-        params.get(model.lm_head).v(),
+        params.get(model.lm_head).view(),
         Gemm::new(1, v, h, false, true),
     );
     be.download_f64(head.logits.slice(0, v))

@@ -113,7 +113,12 @@ fn forward(
         mode,
         ..
     } = ws;
-    be.embedding_forward(res[0].vm(), src.params().get(model.embed).v(), inputs, h);
+    be.embedding_forward(
+        res[0].view_mut(),
+        src.params().get(model.embed).view(),
+        inputs,
+        h,
+    );
     let mut stats = vec![];
     for (l, li) in model.layers.iter().enumerate() {
         let a = match mode {
@@ -124,7 +129,7 @@ fn forward(
         src.acquire_block(be, l, Pass::Forward);
         let params = src.params();
         #[rustfmt::skip]
-        block_forward(be, model, params, li, a, grads, lo[l].v(), Some(hi[0].vm()), batch, seq, Kv::Own, (l, &mut *ex));
+        block_forward(be, model, params, li, a, grads, lo[l].view(), Some(hi[0].view_mut()), batch, seq, Kv::Own, (l, &mut *ex));
         src.release_block(be, l, Pass::Forward);
         // Internals the backward will not read (recomputed under full checkpointing, or no
         // backward at all): an executor holding its own may let them go now.
@@ -144,10 +149,10 @@ fn forward(
     let params = src.params();
     let eps = cfg.norm_eps as f32;
     #[rustfmt::skip]
-    be.rmsnorm_forward(head.xf.vm(), head.rstd.vm(), res[cfg.layers].v(), params.get(model.norm).v(), h, eps);
+    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res[cfg.layers].view(), params.get(model.norm).view(), h, eps);
     #[rustfmt::skip]
-    be.gemm(head.logits.vm(), head.xf.v(), params.get(model.lm_head).v(), Gemm::new(n, v, h, false, true));
-    let loss_sum = be.cross_entropy_forward(head.lse.vm(), head.logits.v(), targets, v);
+    be.gemm(head.logits.view_mut(), head.xf.view(), params.get(model.lm_head).view(), Gemm::new(n, v, h, false, true));
+    let loss_sum = be.cross_entropy_forward(head.lse.view_mut(), head.logits.view(), targets, v);
     (loss_sum, stats)
 }
 
@@ -241,14 +246,14 @@ pub fn forward_backward_with(
 
     // Head: in place, logits become their gradient.
     #[rustfmt::skip]
-    be.cross_entropy_backward(head.logits.vm(), head.lse.v(), targets, v, grad_scale / n as f32);
+    be.cross_entropy_backward(head.logits.view_mut(), head.lse.view(), targets, v, grad_scale / n as f32);
     #[rustfmt::skip]
-    be.gemm(grads.get_mut(model.lm_head).vm(), head.logits.v(), head.xf.v(), Gemm::new(v, h, local_n, true, false).beta(1.0));
+    be.gemm(grads.get_mut(model.lm_head).view_mut(), head.logits.view(), head.xf.view(), Gemm::new(v, h, local_n, true, false).beta(1.0));
     #[rustfmt::skip]
-    be.gemm(g.dxn.vm(), head.logits.v(), params.get(model.lm_head).v(), Gemm::new(local_n, h, v, false, false));
-    be.fill(g.dres.vm(), 0.0);
+    be.gemm(g.dxn.view_mut(), head.logits.view(), params.get(model.lm_head).view(), Gemm::new(local_n, h, v, false, false));
+    be.fill(g.dres.view_mut(), 0.0);
     #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.vm(), grads.get_mut(model.norm).vm(), g.dxn.v(), res[cfg.layers].v(), params.get(model.norm).v(), head.rstd.v(), h);
+    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(model.norm).view_mut(), g.dxn.view(), res[cfg.layers].view(), params.get(model.norm).view(), head.rstd.view(), h);
 
     // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
     let moe_layers = stats.len().max(1) as f64;
@@ -263,7 +268,7 @@ pub fn forward_backward_with(
             AcMode::Full => {
                 let a = &mut blocks[0];
                 #[rustfmt::skip]
-                block_forward(be, model, params, li, a, g, res[l].v(), None, batch, seq, Kv::Own, (l, &mut *ex));
+                block_forward(be, model, params, li, a, g, res[l].view(), None, batch, seq, Kv::Own, (l, &mut *ex));
                 a
             }
         };
@@ -282,12 +287,12 @@ pub fn forward_backward_with(
             }
         }
         #[rustfmt::skip]
-        block_backward(be, model, params, sink.grads(), li, a, g, res[l].v(), batch, seq, &dprob, (l, &mut *ex));
+        block_backward(be, model, params, sink.grads(), li, a, g, res[l].view(), batch, seq, &dprob, (l, &mut *ex));
         sink.end_block(be, l);
         src.release_block(be, l, Pass::Backward);
     }
     #[rustfmt::skip]
-    be.embedding_backward(sink.grads().get_mut(model.embed).vm(), g.dres.v(), inputs, h);
+    be.embedding_backward(sink.grads().get_mut(model.embed).view_mut(), g.dres.view(), inputs, h);
     summarise(model, n, loss_sum, &stats)
 }
 
@@ -353,7 +358,7 @@ pub fn router_bias_step(
     coeff: f64,
 ) {
     let mean = load.iter().map(|&x| x as f64).sum::<f64>() / load.len() as f64;
-    let mut b = be.download_f64(bias.v());
+    let mut b = be.download_f64(bias.view());
     for (k, e) in experts.enumerate() {
         let d = mean - load[e] as f64;
         // sign(0) = 0: a perfectly balanced expert keeps its bias.
@@ -361,5 +366,5 @@ pub fn router_bias_step(
         b[k] += step;
     }
     let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
-    be.write(bias.vm(), &b32);
+    be.write(bias.view_mut(), &b32);
 }

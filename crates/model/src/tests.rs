@@ -47,7 +47,7 @@ fn random_params(be: &dyn Backend, model: &Model, seed: u64) -> ParamStore {
     let mut p = model.init_params(be, seed);
     let mut r = Rng::new(seed + 1);
     for (spec, t) in p.iter_mut() {
-        let mut x = be.download_f64(t.v());
+        let mut x = be.download_f64(t.view());
         for v in x.iter_mut() {
             match spec.kind {
                 ParamKind::Vector => *v = 1.0 + 0.3 * r.normal(),
@@ -62,7 +62,7 @@ fn random_params(be: &dyn Backend, model: &Model, seed: u64) -> ParamStore {
 
 fn set(be: &dyn Backend, t: &mut ganymede_core::Tensor, x: &[f64]) {
     let u = be.upload_f64(x, t.shape(), Category::Buffers);
-    be.copy(t.vm(), u.v());
+    be.copy(t.view_mut(), u.view());
 }
 
 fn total_loss(o: &StepOutput, cfg: &ModelConfig) -> f64 {
@@ -93,8 +93,8 @@ fn grad_check(cfg: &ModelConfig, mode: AcMode) {
         if !spec.kind.is_trainable() {
             continue;
         }
-        let g = be.download_f64(grads.get(i).v());
-        let x0 = be.download_f64(params.get(i).v());
+        let g = be.download_f64(grads.get(i).view());
+        let x0 = be.download_f64(params.get(i).view());
         let stride = (x0.len() / 7).max(1);
         for j in (0..x0.len()).step_by(stride) {
             let mut f = |d: f64| {
@@ -165,7 +165,11 @@ fn tiny_f32(mode: AcMode) -> (Vec<Vec<f32>>, StepOutput) {
         &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 0.5,
     );
     (
-        grads.tensors().iter().map(|t| be.download(t.v())).collect(),
+        grads
+            .tensors()
+            .iter()
+            .map(|t| be.download(t.view()))
+            .collect(),
         out,
     )
 }
@@ -189,7 +193,7 @@ fn f32_forward_matches_f64() {
     let p64 = random_params(&b64, &model, 9);
     let tensors = p64
         .iter()
-        .map(|(s, t)| b32.upload_f64(&b64.download_f64(t.v()), &s.shape, Category::Params))
+        .map(|(s, t)| b32.upload_f64(&b64.download_f64(t.view()), &s.shape, Category::Params))
         .collect();
     let p32 = ParamStore::from_tensors(model.param_specs().to_vec(), tensors);
     let inputs = tokens(10, c.vocab_size, 1);
@@ -269,9 +273,9 @@ fn init_is_deterministic() {
         .iter()
         .position(|s| s.kind == ParamKind::Embedding)
         .unwrap();
-    assert_eq!(be.download(a.get(e).v()), be.download(b.get(e).v()));
-    assert_ne!(be.download(a.get(e).v()), be.download(c.get(e).v()));
-    let x = be.download(a.get(e).v());
+    assert_eq!(be.download(a.get(e).view()), be.download(b.get(e).view()));
+    assert_ne!(be.download(a.get(e).view()), be.download(c.get(e).view()));
+    let x = be.download(a.get(e).view());
     let std = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt();
     assert!((std - 0.02).abs() < 0.002, "std {std}");
 }
@@ -292,7 +296,7 @@ fn router_bias_moves_towards_balance() {
     let b = be.download_f64(
         params
             .by_name("model.layers.0.mlp.e_score_correction_bias")
-            .v(),
+            .view(),
     );
     let want = [-0.01, 0.0, 0.0, 0.01];
     assert!(
@@ -305,7 +309,7 @@ fn router_bias_moves_towards_balance() {
 fn full_logits(be: &dyn Backend, model: &Model, params: &ParamStore, ids: &[u32]) -> Vec<f64> {
     let mut ws = Workspace::new(be, model, 1, ids.len(), AcMode::None);
     forward_loss(be, model, params, &mut ws, ids, ids);
-    be.download_f64(ws.head.logits.v())
+    be.download_f64(ws.head.logits.view())
 }
 
 #[test]
@@ -388,7 +392,7 @@ fn gradients_accumulate_scaled() {
         );
     }
     for (a, b) in once.tensors().iter().zip(twice.tensors()) {
-        for (x, y) in be.download(a.v()).iter().zip(be.download(b.v())) {
+        for (x, y) in be.download(a.view()).iter().zip(be.download(b.view())) {
             assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{x} vs {y}");
         }
     }

@@ -147,8 +147,8 @@ fn main() {
         let t = time(
             3.0,
             &mut [&mut || {
-                be.write(x.vm(), &g);
-                newton_schulz(dynbe, x.vm(), r, c, 5, &mut scratch);
+                be.write(x.view_mut(), &g);
+                newton_schulz(dynbe, x.view_mut(), r, c, 5, &mut scratch);
             }],
         )
         .remove(0);
@@ -172,7 +172,7 @@ fn main() {
         let mut grads = ParamStore::zeros(dynbe, &specs, Category::Grads);
         for (i, (_, g)) in grads.iter_mut().enumerate() {
             let data = random(g.len(), 100 + i as u64);
-            be.write(g.vm(), &data);
+            be.write(g.view_mut(), &data);
         }
         let nsf: u64 = specs
             .iter()

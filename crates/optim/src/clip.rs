@@ -11,7 +11,7 @@ pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -
     if let Some(coef) = clip_coef(norm, max_norm) {
         for (spec, g) in grads.iter_mut() {
             if spec.kind.is_trainable() {
-                be.scale(g.vm(), coef);
+                be.scale(g.view_mut(), coef);
             }
         }
     }
@@ -23,7 +23,7 @@ pub fn global_norm(be: &dyn Backend, grads: &ParamStore) -> f64 {
     grads
         .iter()
         .filter(|(s, _)| s.kind.is_trainable())
-        .map(|(_, g)| be.sumsq(g.v()))
+        .map(|(_, g)| be.sumsq(g.view()))
         .sum::<f64>()
         .sqrt()
 }

@@ -3,7 +3,7 @@
 //! `U·Vᵀ` of `G = U·Σ·Vᵀ`. A normalisation kernel, GEMMs and copies, all through the backend, so
 //! a device backend runs it where the matrix lives with no host round trip.
 
-use ganymede_core::{Backend, Category, Gemm, TMut, Tensor};
+use ganymede_core::{Backend, Category, Gemm, Tensor, ViewMut};
 
 /// Coefficients of the quintic `p(σ) = a·σ + b·σ³ + c·σ⁵` (Keller Jordan's tuning: steep at 0,
 /// so small singular values grow fast, at the price of not converging to exactly 1).
@@ -59,7 +59,7 @@ impl NsScratch {
 /// express directly. So `NS(Xᵀ) = NS(X)ᵀ` up to rounding.
 pub fn newton_schulz(
     be: &dyn Backend,
-    mut x: TMut,
+    mut x: ViewMut,
     rows: usize,
     cols: usize,
     steps: usize,
@@ -75,7 +75,7 @@ pub fn newton_schulz(
     let wide = rows <= cols;
     let (ca, cb, cc) = NS_COEFFS;
 
-    be.normalize_frobenius(x.rb(), NS_EPS);
+    be.normalize_frobenius(x.reborrow(), NS_EPS);
 
     let NsScratch { a, b, y } = scratch;
     let mut a = a.slice_mut(0, s * s);
@@ -85,9 +85,9 @@ pub fn newton_schulz(
     let mut in_x = true;
     for _ in 0..steps {
         let (src, mut dst) = if in_x {
-            (x.rb(), y.rb())
+            (x.reborrow(), y.reborrow())
         } else {
-            (y.rb(), x.rb())
+            (y.reborrow(), x.reborrow())
         };
         // A = X·Xᵀ (wide, X is s×l) or Xᵀ·X (tall, X is l×s): s×s either way.
         let g = if wide {
@@ -95,30 +95,30 @@ pub fn newton_schulz(
         } else {
             Gemm::new(s, s, l, true, false)
         };
-        be.gemm(a.rb(), src.ro(), src.ro(), g);
+        be.gemm(a.reborrow(), src.as_view(), src.as_view(), g);
         // B = b·A + c·A·A
-        be.copy(b.rb(), a.ro());
+        be.copy(b.reborrow(), a.as_view());
         be.gemm(
-            b.rb(),
-            a.ro(),
-            a.ro(),
+            b.reborrow(),
+            a.as_view(),
+            a.as_view(),
             Gemm::new(s, s, s, false, false)
                 .alpha(cc as f32)
                 .beta(cb as f32),
         );
         // X' = a·X + B·X (wide) or a·X + X·B (tall).
-        be.copy(dst.rb(), src.ro());
+        be.copy(dst.reborrow(), src.as_view());
         if wide {
             let g = Gemm::new(s, l, s, false, false).beta(ca as f32);
-            be.gemm(dst.rb(), b.ro(), src.ro(), g);
+            be.gemm(dst.reborrow(), b.as_view(), src.as_view(), g);
         } else {
             let g = Gemm::new(l, s, s, false, false).beta(ca as f32);
-            be.gemm(dst.rb(), src.ro(), b.ro(), g);
+            be.gemm(dst.reborrow(), src.as_view(), b.as_view(), g);
         }
         in_x = !in_x;
     }
     if !in_x {
-        be.copy(x, y.ro());
+        be.copy(x, y.as_view());
     }
 }
 

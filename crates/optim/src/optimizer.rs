@@ -4,7 +4,7 @@
 use crate::ns::{newton_schulz, ns_flops, NsScratch};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
 use ganymede_core::{
-    AdamWStep, Backend, Category, ParamKind, ParamSpec, ParamStore, TMut, Tensor, T,
+    AdamWStep, Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut,
 };
 use rayon::prelude::*;
 
@@ -58,9 +58,9 @@ impl Slot {
 
 /// One matrix of a Muon step: disjoint views into a parameter, its momentum and its gradient.
 struct Item<'a> {
-    p: TMut<'a>,
-    mom: TMut<'a>,
-    g: T<'a>,
+    p: ViewMut<'a>,
+    mom: ViewMut<'a>,
+    g: View<'a>,
     rows: usize,
     cols: usize,
     scale: f64,
@@ -140,7 +140,7 @@ pub fn update_rule(cfg: &OptimizerConfig, spec: &ParamSpec) -> UpdateRule {
     }
 }
 
-fn split_views<'a>(mut v: TMut<'a>, count: usize, len: usize) -> Vec<TMut<'a>> {
+fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<'a>> {
     let mut out = Vec::with_capacity(count);
     for _ in 1..count {
         let (head, tail) = v.split_at(len);
@@ -241,7 +241,13 @@ impl Optimizer {
             match rule {
                 Rule::Frozen => {}
                 Rule::AdamW { m, v, weight_decay } => {
-                    be.adamw_step(p.vm(), m.vm(), v.vm(), g.v(), &adam(*weight_decay));
+                    be.adamw_step(
+                        p.view_mut(),
+                        m.view_mut(),
+                        v.view_mut(),
+                        g.view(),
+                        &adam(*weight_decay),
+                    );
                 }
                 Rule::Muon {
                     momentum,
@@ -251,8 +257,8 @@ impl Optimizer {
                     scale,
                 } => {
                     let n = *rows * *cols;
-                    let ps = split_views(p.vm(), *count, n);
-                    let ms = split_views(momentum.vm(), *count, n);
+                    let ps = split_views(p.view_mut(), *count, n);
+                    let ms = split_views(momentum.view_mut(), *count, n);
                     for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
                         let g = g.slice(e * n, n);
                         items.push(Item {

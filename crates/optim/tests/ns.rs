@@ -10,8 +10,15 @@ use ganymede_optim::{newton_schulz, NsScratch};
 fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
     let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
     let mut scratch = NsScratch::new(be, rows, cols);
-    newton_schulz(be as &dyn Backend, t.vm(), rows, cols, steps, &mut scratch);
-    be.download_f64(t.v())
+    newton_schulz(
+        be as &dyn Backend,
+        t.view_mut(),
+        rows,
+        cols,
+        steps,
+        &mut scratch,
+    );
+    be.download_f64(t.view())
 }
 
 const SHAPES: [(usize, usize); 5] = [(48, 48), (32, 80), (80, 32), (1, 40), (64, 96)];
@@ -167,11 +174,11 @@ fn zero_input_stays_zero_and_scratch_is_reused() {
     for &(r, c) in &[(16usize, 64usize), (64, 16), (32, 32), (8, 8)] {
         let g = rng.normals(r * c);
         let mut t = be.upload_f64(&g, &[r, c], Category::Params);
-        newton_schulz(&be, t.vm(), r, c, 5, &mut scratch);
+        newton_schulz(&be, t.view_mut(), r, c, 5, &mut scratch);
         let want = ns_reference(&g, r, c, 5);
-        assert!(max_abs_diff(&be.download_f64(t.v()), &want) < 1e-4);
+        assert!(max_abs_diff(&be.download_f64(t.view()), &want) < 1e-4);
     }
     let mut z = be.zeros(&[8, 8], Category::Params);
-    newton_schulz(&be, z.vm(), 8, 8, 5, &mut scratch);
-    assert!(be.download(z.v()).iter().all(|&x| x == 0.0));
+    newton_schulz(&be, z.view_mut(), 8, 8, 5, &mut scratch);
+    assert!(be.download(z.view()).iter().all(|&x| x == 0.0));
 }

@@ -40,7 +40,10 @@ fn store(be: &CpuBackend, specs: &[ParamSpec], data: &[Vec<f64>], cat: Category)
 }
 
 fn download(be: &CpuBackend, s: &ParamStore) -> Vec<Vec<f64>> {
-    s.tensors().iter().map(|t| be.download_f64(t.v())).collect()
+    s.tensors()
+        .iter()
+        .map(|t| be.download_f64(t.view()))
+        .collect()
 }
 
 /// Plain-loop reference of the whole optimizer, in f64.
@@ -231,7 +234,7 @@ fn update_rms_matches_adamw_scale() {
         let grads = store(&be, &specs, std::slice::from_ref(&g), Category::Grads);
         let mut opt = Optimizer::new(&be, &cf, &specs);
         opt.step(&be, &mut params, &grads, 1.0);
-        let update = be.download_f64(params.get(0).v());
+        let update = be.download_f64(params.get(0).view());
         let sv = singular_values(&update, r, c);
         let factor = match scale {
             MuonScale::MatchRmsAdamw => 0.2 * (r as f64).sqrt(),
@@ -274,7 +277,7 @@ fn buffers_are_never_updated() {
         for (i, s) in specs.iter().enumerate() {
             let d = max_abs_diff(
                 &after[i],
-                &be.download_f64(be.upload_f64(&init[i], &s.shape, Category::Params).v()),
+                &be.download_f64(be.upload_f64(&init[i], &s.shape, Category::Params).view()),
             );
             if s.kind == ParamKind::Buffer {
                 assert_eq!(d, 0.0, "{name:?}: buffer {} moved", s.name);
@@ -357,12 +360,12 @@ fn state_round_trip_is_bit_identical() {
     let saved_params: Vec<Vec<f32>> = params
         .tensors()
         .iter()
-        .map(|t| be.download(t.v()))
+        .map(|t| be.download(t.view()))
         .collect();
     let saved_state: Vec<(String, Vec<f32>)> = opt
         .state()
         .into_iter()
-        .map(|(n, t)| (n, be.download(t.v())))
+        .map(|(n, t)| (n, be.download(t.view())))
         .collect();
     let names: Vec<&str> = saved_state.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
@@ -373,12 +376,12 @@ fn state_round_trip_is_bit_identical() {
 
     let mut params2 = ParamStore::zeros(&be, &specs, Category::Params);
     for (t, d) in params2.tensors_mut().iter_mut().zip(&saved_params) {
-        be.write(t.vm(), d);
+        be.write(t.view_mut(), d);
     }
     let mut opt2 = Optimizer::new(&be, &c, &specs);
     for ((name, t), (sname, d)) in opt2.state_mut().into_iter().zip(&saved_state) {
         assert_eq!(&name, sname);
-        be.write(t.vm(), d);
+        be.write(t.view_mut(), d);
     }
     opt2.set_step_count(saved_step);
 
@@ -388,7 +391,7 @@ fn state_round_trip_is_bit_identical() {
         opt2.step(&be, &mut params2, &grads, 0.01);
     }
     for (a, b) in params.tensors().iter().zip(params2.tensors()) {
-        assert_eq!(be.download(a.v()), be.download(b.v()));
+        assert_eq!(be.download(a.view()), be.download(b.view()));
     }
 }
 
@@ -431,7 +434,7 @@ fn convex_least_squares_converges() {
         let (first, _) = loss_grad(&vec![0.0; out * inp]);
         let mut last = first;
         for step in 0..steps {
-            let w = be.download_f64(params.get(0).v());
+            let w = be.download_f64(params.get(0).view());
             let (loss, g) = loss_grad(&w);
             last = loss;
             let grads = store(&be, &specs, &[g], Category::Grads);
@@ -481,7 +484,7 @@ fn parallel_and_sequential_muon_agree_bitwise() {
             params
                 .tensors()
                 .iter()
-                .map(|t| be.download(t.v()))
+                .map(|t| be.download(t.view()))
                 .collect::<Vec<_>>()
         })
     };

@@ -94,20 +94,20 @@ fn clipping_scales_to_max_norm_and_reports_the_norm_before() {
     assert!((norm - 13.0).abs() < 1e-9);
     let after = global_norm(&be, &g);
     assert!((after - 1.0).abs() < 1e-6, "after clipping: {after}");
-    let v = be.download(g.get(0).v());
+    let v = be.download(g.get(0).view());
     assert!((v[0] - 3.0 / 13.0).abs() < 1e-6 && (v[1] - 4.0 / 13.0).abs() < 1e-6);
-    assert_eq!(be.download(g.get(2).v()), vec![100.0]);
+    assert_eq!(be.download(g.get(2).view()), vec![100.0]);
 
     // Below the threshold, or disabled: untouched, norm still reported.
     let mut g = grads(&be, &[&[3.0, 4.0]], &kinds[..1]);
     assert!((clip_grad_norm(&be, &mut g, 10.0) - 5.0).abs() < 1e-9);
     assert!((clip_grad_norm(&be, &mut g, 0.0) - 5.0).abs() < 1e-9);
-    assert_eq!(be.download(g.get(0).v()), vec![3.0, 4.0]);
+    assert_eq!(be.download(g.get(0).view()), vec![3.0, 4.0]);
 
     // Non-finite: reported, gradients left alone.
     let mut g = grads(&be, &[&[f32::NAN, 1.0]], &kinds[..1]);
     assert!(clip_grad_norm(&be, &mut g, 1.0).is_nan());
-    assert_eq!(be.download(g.get(0).v())[1], 1.0);
+    assert_eq!(be.download(g.get(0).view())[1], 1.0);
 }
 
 /// Large tensors take the threaded path of `sumsq`/`scale`; the norm is still exact in f64.

@@ -16,7 +16,18 @@ bin="$target/release/ganymede"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 common=(train --preset tiny --steps "$steps" --set parallelism.gather_dtype=f32 --set checkpoint.enable=false "$@")
-"$bin" "${common[@]}" --out "$tmp/one" >/dev/null
+# The one-process reference takes every extra setting except the mesh's (a world of one has no
+# dp_shard = 4 or ep = 2 to give).
+one=(train --preset tiny --steps "$steps" --set checkpoint.enable=false)
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  if [ "${args[i]}" = --set ] && [[ "${args[i+1]:-}" == parallelism.* ]]; then
+    i=$((i + 1))
+  else
+    one+=("${args[i]}")
+  fi
+done
+"$bin" "${one[@]}" --out "$tmp/one" >/dev/null
 flags=(--oversubscribe)
 # OpenMPI refuses to run as root unless told to (containers, CI).
 if [ "$(id -u)" = 0 ]; then flags+=(--allow-run-as-root); fi

@@ -18,23 +18,23 @@ use ganymede_checkpoint::{
     self as checkpoint, sharded, CheckpointData, HostTensors, Manifest, NamedTensors, Position,
     ShardedParam, ShardsManifest, SHARDS_FILE,
 };
-use ganymede_core::{Memory, TMut, Tensor, T};
+use ganymede_core::{Memory, Tensor, View, ViewMut};
 use ganymede_dist::DeviceMesh;
 use ganymede_dist::Phase;
 use std::path::{Path, PathBuf};
 
 /// Collective over `mesh`: parameter `i`'s shard `shard` (laid out by `layout`) gathered whole.
-fn gather_whole(mesh: &DeviceMesh, layout: &Layout, i: usize, shard: T) -> Result<Vec<f32>> {
+fn gather_whole(mesh: &DeviceMesh, layout: &Layout, i: usize, shard: View) -> Result<Vec<f32>> {
     let g = crate::fsdp::Groups::of(mesh);
     let g = g.get(layout.group[i]);
     let mut all = vec![0f32; layout.shard[i] * g.size()];
-    g.all_gather(shard, TMut::Host(&mut all), Phase::Other)?;
+    g.all_gather(shard, ViewMut::Host(&mut all), Phase::Other)?;
     all.truncate(layout.numel(i));
     if layout.numel(i) < layout.specs[i].numel() {
         // Routed experts under expert parallelism: the ep slices in ep-rank order.
         let mut whole = vec![0f32; layout.specs[i].numel()];
         mesh.ep
-            .all_gather(T::Host(&all), TMut::Host(&mut whole), Phase::Other)?;
+            .all_gather(View::Host(&all), ViewMut::Host(&mut whole), Phase::Other)?;
         return Ok(whole);
     }
     Ok(all)
@@ -47,10 +47,10 @@ impl RankState {
             Shards::Whole { params, .. } => Ok(params
                 .tensors()
                 .iter()
-                .map(|t| self.be.download(t.v()))
+                .map(|t| self.be.download(t.view()))
                 .collect()),
             Shards::Fsdp { layout, params, .. } => (0..layout.specs.len())
-                .map(|i| gather_whole(&self.mesh, layout, i, params.shard(i).v()))
+                .map(|i| gather_whole(&self.mesh, layout, i, params.shard(i).view()))
                 .collect(),
         }
     }
@@ -126,11 +126,11 @@ impl RankState {
         match &mut self.shards {
             Shards::Whole { params, opt, .. } => {
                 for (i, (s, t)) in params.iter().enumerate() {
-                    push(s.name.clone(), i, be.download(t.v()), false);
+                    push(s.name.clone(), i, be.download(t.view()), false);
                 }
                 for (i, suffix, t) in opt.state_indexed_mut() {
                     let name = format!("{}.{suffix}", specs[i].name);
-                    push(name, i, be.download(t.v()), true);
+                    push(name, i, be.download(t.view()), true);
                 }
             }
             Shards::Fsdp {
@@ -140,11 +140,11 @@ impl RankState {
                 ..
             } => {
                 for (i, s) in specs.iter().enumerate() {
-                    let whole = gather_whole(mesh, layout, i, params.shard(i).v())?;
+                    let whole = gather_whole(mesh, layout, i, params.shard(i).view())?;
                     push(s.name.clone(), i, whole, false);
                 }
                 for (i, suffix, t) in opt.state_mut() {
-                    let whole = gather_whole(mesh, layout, i, t.v())?;
+                    let whole = gather_whole(mesh, layout, i, t.view())?;
                     push(format!("{}.{suffix}", specs[i].name), i, whole, true);
                 }
             }
@@ -193,7 +193,7 @@ impl RankState {
         for (i, s) in specs.iter().enumerate() {
             let part = mine(self, &mut model, &s.name, i)?;
             let be = self.be.clone();
-            be.write(self.param_tensors()[i].vm(), &part);
+            be.write(self.param_tensors()[i].view_mut(), &part);
         }
         let names: Vec<(usize, &'static str)> = self
             .opt_state()
@@ -203,7 +203,7 @@ impl RankState {
         for (k, (i, suffix)) in names.into_iter().enumerate() {
             let part = mine(self, &mut opt, &format!("{}.{suffix}", specs[i].name), i)?;
             let be = self.be.clone();
-            be.write(self.opt_state().swap_remove(k).2.vm(), &part);
+            be.write(self.opt_state().swap_remove(k).2.view_mut(), &part);
         }
         if let Some(extra) = model.keys().chain(opt.keys()).next() {
             bail!("{}: unexpected tensor {extra}", dir.display());
@@ -229,12 +229,12 @@ impl RankState {
         std::fs::create_dir_all(&stage)?;
         let mut tensors: NamedTensors = Vec::new();
         for (i, s) in layout.specs.iter().enumerate() {
-            let d = self.be.download(self.param_tensor(i).v());
+            let d = self.be.download(self.param_tensor(i).view());
             tensors.push((s.name.clone(), vec![d.len()], d));
         }
         let be = self.be.clone();
         for (i, suffix, t) in self.opt_state() {
-            let d = be.download(t.v());
+            let d = be.download(t.view());
             tensors.push((
                 format!("{}.{suffix}", layout.specs[i].name),
                 vec![d.len()],

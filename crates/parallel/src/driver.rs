@@ -18,8 +18,8 @@ use crate::optim::ShardedOptimizer;
 use anyhow::{bail, Context, Result};
 use ganymede_config::{DeviceKind, JobConfig, MuonPlacement};
 use ganymede_core::{
-    Backend, Blas, Category, CpuBackend, Ledger, ParamSpec, ParamStore, TMut, Tensor,
-    TwoMemoryOptions,
+    Backend, Blas, Category, CpuBackend, Ledger, ParamSpec, ParamStore, Tensor, TwoMemoryOptions,
+    ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::placement::plan;
@@ -99,7 +99,7 @@ pub fn backend(cfg: &JobConfig) -> CpuBackend {
             ledger,
             TwoMemoryOptions {
                 device_capacity: (d.memory_gib > 0.0)
-                    .then(|| (d.memory_gib * (1u64 << 30) as f64) as u64),
+                    .then_some((d.memory_gib * (1u64 << 30) as f64) as u64),
                 checking: d.check_streams,
             },
         ),
@@ -218,7 +218,7 @@ impl RankState {
         let out = match &mut self.shards {
             Shards::Whole { params, grads, .. } => {
                 for g in grads.tensors_mut() {
-                    be.fill(g.vm(), 0.0);
+                    be.fill(g.view_mut(), 0.0);
                 }
                 let mut src = LocalParams(params);
                 forward_backward_with(be, model, &mut src, grads, ex, ws, &x, &y, 1.0)
@@ -237,10 +237,10 @@ impl RankState {
         let specs = self.model.param_specs();
         let sumsq: f64 = trainable_grads(&mut self.shards, specs)
             .iter()
-            .map(|g| self.be.sumsq(g.v()))
+            .map(|g| self.be.sumsq(g.view()))
             .sum();
         let mut red = [out.loss, sumsq];
-        world.all_reduce(TMut::Host64(&mut red), Phase::Other)?;
+        world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
         let (loss, norm) = (red[0], red[1].sqrt());
         if !loss.is_finite() {
             bail!(
@@ -251,7 +251,7 @@ impl RankState {
         }
         if let Some(coef) = clip_coef(norm, self.cfg.training.grad_clip) {
             for g in trainable_grads(&mut self.shards, specs) {
-                self.be.scale(g.vm(), coef);
+                self.be.scale(g.view_mut(), coef);
             }
         }
         let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
@@ -303,7 +303,7 @@ impl RankState {
                 }
             };
         }
-        world.all_reduce(TMut::Host64(&mut sums), Phase::Other)?;
+        world.all_reduce(ViewMut::Host64(&mut sums), Phase::Other)?;
         Ok(sums.iter().sum::<f64>() / nb as f64)
     }
 

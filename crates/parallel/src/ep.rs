@@ -13,7 +13,7 @@
 //! other block internal. Sets of buffers are pooled and grow only when a step routes more rows
 //! to this rank than any before, so steady-state steps allocate nothing.
 
-use ganymede_core::{Backend, Category, ParamStore, TMut, Tensor, T};
+use ganymede_core::{Backend, Category, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::{Phase, ProcessGroup};
 use ganymede_model::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
 use std::collections::HashMap;
@@ -39,10 +39,10 @@ impl Grow {
         }
         self.t.as_mut().unwrap()
     }
-    fn view(&self, n: usize) -> T<'_> {
+    fn view(&self, n: usize) -> View<'_> {
         self.t.as_ref().expect("sized before use").slice(0, n)
     }
-    fn view_mut(&mut self, n: usize) -> TMut<'_> {
+    fn view_mut(&mut self, n: usize) -> ViewMut<'_> {
         self.t.as_mut().expect("sized before use").slice_mut(0, n)
     }
 }
@@ -117,8 +117,8 @@ fn reorder(
     recv: &[Vec<usize>],
     w: usize,
     to_expert_major: bool,
-    src: T,
-    mut dst: TMut,
+    src: View,
+    mut dst: ViewMut,
 ) {
     let (_, offsets) = local_layout(recv);
     let mut next = offsets;
@@ -128,9 +128,9 @@ fn reorder(
             let (n, em) = (c * w, next[le] * w);
             if n > 0 {
                 if to_expert_major {
-                    be.copy(dst.rb().slice(em, n), src.slice(pos, n));
+                    be.copy(dst.reborrow().slice(em, n), src.slice(pos, n));
                 } else {
-                    be.copy(dst.rb().slice(pos, n), src.slice(em, n));
+                    be.copy(dst.reborrow().slice(pos, n), src.slice(em, n));
                 }
             }
             next[le] += c;
@@ -160,9 +160,9 @@ impl EpExperts {
 /// Uneven all-to-all over `ep` of rows of `w` elements.
 fn a2a(
     ep: &dyn ProcessGroup,
-    send: T,
+    send: View,
     send_rows: &[usize],
-    recv: TMut,
+    recv: ViewMut,
     recv_rows: &[usize],
     w: usize,
     phase: Phase,
@@ -185,9 +185,9 @@ impl ExpertExecutor for EpExperts {
         let per = vec![el; ep];
         self.ep
             .alltoallv(
-                T::Host(&cnt_send),
+                View::Host(&cnt_send),
                 &per,
-                TMut::Host(&mut cnt_recv),
+                ViewMut::Host(&mut cnt_recv),
                 &per,
                 Phase::A2aDispatch,
             )

@@ -19,7 +19,7 @@
 
 use crate::layout::Layout;
 use ganymede_config::GatherDtype;
-use ganymede_core::{Backend, Category, Device, Ledger, ParamStore, TMut, Tensor, T};
+use ganymede_core::{Backend, Category, Device, Ledger, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::placement::ShardGroup;
 use ganymede_dist::{from_bf16, to_bf16, DeviceMesh, Phase, ProcessGroup, Track, Work};
 use ganymede_model::{GradSink, ParamSource, Pass};
@@ -64,7 +64,7 @@ unsafe fn forever_mut<X>(x: &mut [X]) -> &'static mut [X] {
 }
 
 fn host(t: &mut Tensor) -> &mut [f32] {
-    t.vm().host::<f32>()
+    t.view_mut().host::<f32>()
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
@@ -150,7 +150,7 @@ impl FsdpParams {
             .map(|i| {
                 let r = layout.range(i, groups.get(layout.group[i]).rank());
                 let mut x = vec![0f32; layout.shard[i]];
-                let src = be.download(init(i).v());
+                let src = be.download(init(i).view());
                 let o = layout.offset[i];
                 x[..r.len()].copy_from_slice(&src[o + r.start..o + r.end]);
                 be.upload(&x, &[layout.shard[i]], Category::Params)
@@ -220,9 +220,9 @@ impl FsdpParams {
             match self.dtype {
                 GatherDtype::F32 => {
                     let mut recv = be.zeros(&[padded], Category::Buffers);
-                    g.all_gather(self.master[i].v(), recv.vm(), Phase::ForwardGather)
+                    g.all_gather(self.master[i].view(), recv.view_mut(), Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
-                    be.copy(self.store.get_mut(i).vm(), recv.slice(0, n));
+                    be.copy(self.store.get_mut(i).view_mut(), recv.slice(0, n));
                 }
                 GatherDtype::Bf16 => {
                     let send: Vec<u16> = host_ro(&self.master[i])
@@ -297,7 +297,7 @@ impl FsdpParams {
                 GatherDtype::F32 => {
                     let send = unsafe { forever(host_ro(&self.master[i])) };
                     let recv = unsafe { forever_mut(host(&mut slot.recv32[k])) };
-                    g.iall_gather(T::Host(send), TMut::Host(recv), phase)
+                    g.iall_gather(View::Host(send), ViewMut::Host(recv), phase)
                 }
                 GatherDtype::Bf16 => {
                     let src = host_ro(&self.master[i]);
@@ -341,7 +341,7 @@ impl FsdpParams {
 }
 
 fn host_ro(t: &Tensor) -> &[f32] {
-    t.v().host::<f32>()
+    t.view().host::<f32>()
 }
 
 impl ParamSource for FsdpParams {
@@ -416,7 +416,7 @@ impl ParamSource for FsdpParams {
         buf.extend_from_slice(psum);
         self.groups
             .dp
-            .all_reduce(TMut::Host64(&mut buf), Phase::Other)
+            .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
             .unwrap_or_else(|e| fail("summing routing statistics", e));
         let e = counts.len();
         for (c, &x) in counts.iter_mut().zip(&buf[..e]) {
@@ -479,7 +479,7 @@ impl FsdpGrads {
     /// Zero the resident root gradients (start of a step).
     pub fn begin(&mut self, be: &dyn Backend) {
         for &i in &self.layout.root {
-            be.fill(self.store.get_mut(i).vm(), 0.0);
+            be.fill(self.store.get_mut(i).view_mut(), 0.0);
         }
     }
 
@@ -490,9 +490,13 @@ impl FsdpGrads {
             let g = self.groups.get(self.layout.group[i]).clone();
             let mut send = be.zeros(&[self.layout.shard[i] * g.size()], Category::Buffers);
             let n = self.layout.numel(i);
-            be.copy(send.slice_mut(0, n), self.store.get(i).v());
-            g.reduce_scatter(send.v(), self.shards[i].vm(), Phase::GradReduceScatter)
-                .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
+            be.copy(send.slice_mut(0, n), self.store.get(i).view());
+            g.reduce_scatter(
+                send.view(),
+                self.shards[i].view_mut(),
+                Phase::GradReduceScatter,
+            )
+            .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
         }
         for p in &mut self.pending {
             for w in p.drain(..) {
@@ -590,7 +594,11 @@ impl GradSink for FsdpGrads {
             let send = unsafe { forever(host_ro(&self.stage[t][k])) };
             let recv = unsafe { forever_mut(host(&mut self.shards[i])) };
             let w = g
-                .ireduce_scatter(T::Host(send), TMut::Host(recv), Phase::GradReduceScatter)
+                .ireduce_scatter(
+                    View::Host(send),
+                    ViewMut::Host(recv),
+                    Phase::GradReduceScatter,
+                )
                 .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e));
             self.pending[t].push(w);
         }

@@ -7,7 +7,7 @@
 
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
-use ganymede_core::{AdamWStep, Backend, Category, TMut, Tensor};
+use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{newton_schulz, update_rule, NsScratch, UpdateRule};
 use std::sync::Arc;
@@ -133,10 +133,10 @@ impl ShardedOptimizer {
                         bias_correction1: 1.0 - cfg.beta1.powi(t),
                         bias_correction2: 1.0 - cfg.beta2.powi(t),
                     };
-                    be.adamw_step(p.vm(), m.vm(), v.vm(), g.v(), &h);
+                    be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
                 }
                 Rule::Muon { momentum, u, .. } => {
-                    be.nesterov_momentum(momentum.vm(), g.v(), u.vm(), cfg.momentum);
+                    be.nesterov_momentum(momentum.view_mut(), g.view(), u.view_mut(), cfg.momentum);
                     muon_items.push(i);
                 }
             }
@@ -148,7 +148,7 @@ impl ShardedOptimizer {
         let mut slices: Vec<(usize, &mut [f32])> = Vec::new();
         for (i, rule) in self.rules.iter_mut().enumerate() {
             if let Rule::Muon { u, .. } = rule {
-                slices.push((i, u.vm().host::<f32>()));
+                slices.push((i, u.view_mut().host::<f32>()));
             }
         }
         let steps = cfg.ns_steps;
@@ -156,14 +156,19 @@ impl ShardedOptimizer {
         let mut ns = |job: NsJob<'_>| {
             let n = job.rows * job.cols;
             for e in 0..job.count {
-                let x = TMut::Host(&mut job.data[e * n..(e + 1) * n]);
+                let x = ViewMut::Host(&mut job.data[e * n..(e + 1) * n]);
                 newton_schulz(be, x, job.rows, job.cols, steps, scratch);
             }
         };
         muon_exchange(&self.plan, mesh, &mut slices, &mut ns)?;
         for i in muon_items {
             if let Rule::Muon { u, scale, .. } = &self.rules[i] {
-                be.decay_update(params[i].vm(), u.v(), lr * scale, lr * cfg.weight_decay);
+                be.decay_update(
+                    params[i].view_mut(),
+                    u.view(),
+                    lr * scale,
+                    lr * cfg.weight_decay,
+                );
             }
         }
         Ok(())

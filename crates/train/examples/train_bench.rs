@@ -87,7 +87,7 @@ fn main() -> anyhow::Result<()> {
     for step in 0..total {
         let (t0, c0) = (Instant::now(), cpu_time());
         for g in grads.tensors_mut() {
-            be.fill(g.vm(), 0.0);
+            be.fill(g.view_mut(), 0.0);
         }
         let out = forward_backward(
             be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,

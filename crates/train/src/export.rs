@@ -209,7 +209,7 @@ mod tests {
         let be = CpuBackend::default();
         let p = Model::new(&cfg.model).init_params(&be, 7);
         p.iter()
-            .map(|(s, t)| (s.name.clone(), (s.shape.clone(), be.download(t.v()))))
+            .map(|(s, t)| (s.name.clone(), (s.shape.clone(), be.download(t.view()))))
             .collect()
     }
 

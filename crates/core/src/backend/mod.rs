@@ -11,7 +11,7 @@ pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{Event, MemoryError, Stream};
-use crate::tensor::{TMut, Tensor, T};
+use crate::tensor::{Tensor, View, ViewMut};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,13 +32,13 @@ pub trait Memory: Send + Sync {
     /// Like `upload`, from f64 data (exact on an f64 backend).
     fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor;
     /// Device to host copy.
-    fn download(&self, src: T) -> Vec<f32>;
+    fn download(&self, src: View) -> Vec<f32>;
     /// Device to host copy in f64 (exact on an f64 backend).
-    fn download_f64(&self, src: T) -> Vec<f64>;
+    fn download_f64(&self, src: View) -> Vec<f64>;
     /// Host to device copy into an existing view.
-    fn write(&self, dst: TMut, data: &[f32]);
-    fn copy(&self, dst: TMut, src: T);
-    fn fill(&self, dst: TMut, value: f32);
+    fn write(&self, dst: ViewMut, data: &[f32]);
+    fn copy(&self, dst: ViewMut, src: View);
+    fn fill(&self, dst: ViewMut, value: f32);
     /// Wait for queued work on every stream (a no-op on the CPU).
     fn synchronize(&self) {}
 
@@ -60,7 +60,7 @@ pub trait Memory: Send + Sync {
     /// the memory from reuse until the copy is done (stream-ordered free). Asynchronous only
     /// between device memory and pinned host memory; with ordinary host memory it completes
     /// before returning, as in CUDA.
-    fn copy_async(&self, dst: TMut, src: T, stream: Stream) {
+    fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
         let _ = stream;
         self.copy(dst, src)
     }
@@ -143,17 +143,17 @@ impl Gemm {
 }
 
 pub trait Blas: Send + Sync {
-    fn gemm(&self, c: TMut, a: T, b: T, g: Gemm);
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm);
     /// `y += alpha * x`
-    fn axpy(&self, y: TMut, alpha: f32, x: T);
+    fn axpy(&self, y: ViewMut, alpha: f32, x: View);
     /// `y *= alpha`
-    fn scale(&self, y: TMut, alpha: f32);
+    fn scale(&self, y: ViewMut, alpha: f32);
     /// `y += x` elementwise (residual connections).
-    fn add(&self, y: TMut, x: T) {
+    fn add(&self, y: ViewMut, x: View) {
         self.axpy(y, 1.0, x)
     }
     /// Σ x², accumulated in f64.
-    fn sumsq(&self, x: T) -> f64;
+    fn sumsq(&self, x: View) -> f64;
 }
 
 /// Everything a training step needs from a device.

@@ -9,33 +9,42 @@
 //!   them to size the per-expert GEMMs.
 
 use crate::backend::Gemm;
-use crate::tensor::{TMut, T};
+use crate::tensor::{View, ViewMut};
 
 #[allow(clippy::too_many_arguments)]
 pub trait NnOps: Send + Sync {
     /// Independent GEMMs in one call (the routed experts' GEMMs over their tokens): each
     /// `(shape, a_offset, b_offset, c_offset)` computes, on the views starting at those element
     /// offsets, what [`crate::Blas::gemm`] would. Output blocks must not overlap.
-    fn gemm_grouped(&self, c: TMut, a: T, b: T, groups: &[(Gemm, usize, usize, usize)]);
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]);
 
     /// `out[t] = wte[ids[t]]`, rows of `dim`.
-    fn embedding_forward(&self, out: TMut, wte: T, ids: &[u32], dim: usize);
+    fn embedding_forward(&self, out: ViewMut, wte: View, ids: &[u32], dim: usize);
     /// `dwte[ids[t]] += dout[t]`.
-    fn embedding_backward(&self, dwte: TMut, dout: T, ids: &[u32], dim: usize);
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: &[u32], dim: usize);
 
     /// RMSNorm of rows of `dim`: `out = w * x * rstd`, `rstd = 1/sqrt(mean(x²) + eps)` (saved).
-    fn rmsnorm_forward(&self, out: TMut, rstd: TMut, x: T, w: T, dim: usize, eps: f32);
+    fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32);
     /// `dx += ∂/∂x`, `dw += ∂/∂w`.
-    fn rmsnorm_backward(&self, dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T, dim: usize);
+    fn rmsnorm_backward(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        x: View,
+        w: View,
+        rstd: View,
+        dim: usize,
+    );
 
     /// Per-head RMSNorm (weight `w` of `head_dim`) followed by rotate-half RoPE, on rows of
     /// `heads * head_dim`. Row `r` is at position `pos0 + r % seq`; `rstd` is `[rows, heads]`.
     fn head_norm_rope_forward(
         &self,
-        out: TMut,
-        rstd: TMut,
-        x: T,
-        w: T,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
         heads: usize,
         head_dim: usize,
         seq: usize,
@@ -46,12 +55,12 @@ pub trait NnOps: Send + Sync {
     /// `dx` overwritten, `dw += ∂/∂w`.
     fn head_norm_rope_backward(
         &self,
-        dx: TMut,
-        dw: TMut,
-        dout: T,
-        x: T,
-        w: T,
-        rstd: T,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        x: View,
+        w: View,
+        rstd: View,
         heads: usize,
         head_dim: usize,
         seq: usize,
@@ -65,11 +74,11 @@ pub trait NnOps: Send + Sync {
     /// `lse: [batch, heads, tq]`, so backward recomputes probabilities without storing them.
     fn attention_forward(
         &self,
-        out: TMut,
-        lse: TMut,
-        q: T,
-        k: T,
-        v: T,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
         batch: usize,
         tq: usize,
         tk: usize,
@@ -80,15 +89,15 @@ pub trait NnOps: Send + Sync {
     /// `dq`, `dk`, `dv` overwritten.
     fn attention_backward(
         &self,
-        dq: TMut,
-        dk: TMut,
-        dv: TMut,
-        dout: T,
-        out: T,
-        q: T,
-        k: T,
-        v: T,
-        lse: T,
+        dq: ViewMut,
+        dk: ViewMut,
+        dv: ViewMut,
+        dout: View,
+        out: View,
+        q: View,
+        k: View,
+        v: View,
+        lse: View,
         batch: usize,
         tq: usize,
         tk: usize,
@@ -98,9 +107,9 @@ pub trait NnOps: Send + Sync {
     );
 
     /// `out = silu(gate) * up`, elementwise.
-    fn swiglu_forward(&self, out: TMut, gate: T, up: T);
+    fn swiglu_forward(&self, out: ViewMut, gate: View, up: View);
     /// `dgate`, `dup` overwritten.
-    fn swiglu_backward(&self, dgate: TMut, dup: TMut, dout: T, gate: T, up: T);
+    fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View);
 
     /// Router: `probs = softmax(logits)` over `experts` per row; select the top `k` of
     /// `probs + bias` (ties: lower index first) into `idx` (`[rows, k]`, best first), with
@@ -108,12 +117,12 @@ pub trait NnOps: Send + Sync {
     /// over rows of `probs[:, e]` (for the auxiliary loss).
     fn router_forward(
         &self,
-        probs: TMut,
-        weights: TMut,
+        probs: ViewMut,
+        weights: ViewMut,
         idx: &mut [u32],
         psum: &mut [f64],
-        logits: T,
-        bias: Option<T>,
+        logits: View,
+        bias: Option<View>,
         experts: usize,
         k: usize,
         renorm: bool,
@@ -122,9 +131,9 @@ pub trait NnOps: Send + Sync {
     /// to every row's probability gradient (`dprob_const`, from the auxiliary loss).
     fn router_backward(
         &self,
-        dlogits: TMut,
-        dweights: T,
-        probs: T,
+        dlogits: ViewMut,
+        dweights: View,
+        probs: View,
         idx: &[u32],
         dprob_const: &[f64],
         experts: usize,
@@ -133,19 +142,19 @@ pub trait NnOps: Send + Sync {
     );
 
     /// Dispatch: `xe[i] = x[src[i]]`.
-    fn moe_gather(&self, xe: TMut, x: T, src: &[u32], dim: usize);
+    fn moe_gather(&self, xe: ViewMut, x: View, src: &[u32], dim: usize);
     /// `dx[t] += Σ_j dxe[pos[t*k + j]]` (`pos`: where token `t`'s `j`-th choice was dispatched).
-    fn moe_gather_backward(&self, dx: TMut, dxe: T, pos: &[u32], k: usize, dim: usize);
+    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, pos: &[u32], k: usize, dim: usize);
     /// Combine: `out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]]`.
-    fn moe_combine(&self, out: TMut, ye: T, w: T, pos: &[u32], k: usize, dim: usize);
+    fn moe_combine(&self, out: ViewMut, ye: View, w: View, pos: &[u32], k: usize, dim: usize);
     /// `dye` and `dw` overwritten.
     fn moe_combine_backward(
         &self,
-        dye: TMut,
-        dw: TMut,
-        dout: T,
-        ye: T,
-        w: T,
+        dye: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        ye: View,
+        w: View,
         pos: &[u32],
         k: usize,
         dim: usize,
@@ -153,12 +162,18 @@ pub trait NnOps: Send + Sync {
 
     /// Softmax cross-entropy of rows of `vocab` logits against `targets`; saves each row's
     /// log-sum-exp and returns the SUM of the losses.
-    fn cross_entropy_forward(&self, lse: TMut, logits: T, targets: &[u32], vocab: usize) -> f64;
+    fn cross_entropy_forward(
+        &self,
+        lse: ViewMut,
+        logits: View,
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64;
     /// In place: `logits` becomes `scale * (softmax(logits) - onehot(target))`.
     fn cross_entropy_backward(
         &self,
-        logits: TMut,
-        lse: T,
+        logits: ViewMut,
+        lse: View,
         targets: &[u32],
         vocab: usize,
         scale: f32,

@@ -5,7 +5,7 @@
 //! Hyperparameters are f64 so that an f64 backend reproduces a reference exactly; f32 kernels
 //! round them once.
 
-use crate::tensor::{TMut, T};
+use crate::tensor::{View, ViewMut};
 
 /// One AdamW step's constants. The caller computes the bias corrections from the step count.
 #[derive(Clone, Copy, Debug)]
@@ -26,16 +26,16 @@ pub trait OptimOps: Send + Sync {
     /// AdamW (PyTorch's formulation), all four views the same length:
     /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;`
     /// `θ = θ·(1 − lr·wd) − (lr/bc1) · m / (sqrt(v)/sqrt(bc2) + eps)`.
-    fn adamw_step(&self, param: TMut, m: TMut, v: TMut, grad: T, h: &AdamWStep);
+    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep);
 
     /// Nesterov momentum: `buf = μ·buf + g; out = g + μ·buf` (with the new `buf`).
-    fn nesterov_momentum(&self, buf: TMut, grad: T, out: TMut, momentum: f64);
+    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64);
 
     /// `x = x / (‖x‖_F + eps)` with the norm accumulated in f64: Newton–Schulz's normalisation,
     /// on the device so a GPU backend needs no host round trip per matrix.
-    fn normalize_frobenius(&self, x: TMut, eps: f64);
+    fn normalize_frobenius(&self, x: ViewMut, eps: f64);
 
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
     /// `alpha = lr·scale` and `decay = lr·weight_decay`.
-    fn decay_update(&self, param: TMut, update: T, alpha: f64, decay: f64);
+    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64);
 }

@@ -4,7 +4,7 @@
 
 use super::{CpuBackend, PAR_MIN};
 use crate::backend::{Blas, Gemm};
-use crate::tensor::{Scalar, TMut, T};
+use crate::tensor::{Scalar, View, ViewMut};
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a GEMM runs on one thread.
@@ -167,7 +167,7 @@ pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
     });
 }
 
-fn axpy<S: Scalar>(y: TMut, alpha: f32, x: T) {
+fn axpy<S: Scalar>(y: ViewMut, alpha: f32, x: View) {
     let (y, x): (&mut [S], &[S]) = (y.host(), x.host());
     assert_eq!(y.len(), x.len(), "axpy length");
     let alpha = S::of_f64(alpha as f64);
@@ -180,7 +180,7 @@ fn axpy<S: Scalar>(y: TMut, alpha: f32, x: T) {
     }
 }
 
-fn scale<S: Scalar>(y: TMut, alpha: f32) {
+fn scale<S: Scalar>(y: ViewMut, alpha: f32) {
     let y: &mut [S] = y.host();
     let alpha = S::of_f64(alpha as f64);
     if y.len() < PAR_MIN {
@@ -191,7 +191,7 @@ fn scale<S: Scalar>(y: TMut, alpha: f32) {
     }
 }
 
-fn sumsq<S: Scalar>(x: T) -> f64 {
+fn sumsq<S: Scalar>(x: View) -> f64 {
     let x: &[S] = x.host();
     let chunk = |c: &[S]| c.iter().map(|&v| v.as_f64() * v.as_f64()).sum::<f64>();
     if x.len() < PAR_MIN {
@@ -203,21 +203,21 @@ fn sumsq<S: Scalar>(x: T) -> f64 {
     }
 }
 
-fn gemm<S: GemmScalar>(c: TMut, a: T, b: T, g: Gemm) {
+fn gemm<S: GemmScalar>(c: ViewMut, a: View, b: View, g: Gemm) {
     gemm_host::<S>(c.host(), a.host(), b.host(), g)
 }
 
 impl Blas for CpuBackend {
-    fn gemm(&self, c: TMut, a: T, b: T, g: Gemm) {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
     }
-    fn axpy(&self, y: TMut, alpha: f32, x: T) {
+    fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
         crate::by_dtype!(y.dtype(), axpy(y, alpha, x))
     }
-    fn scale(&self, y: TMut, alpha: f32) {
+    fn scale(&self, y: ViewMut, alpha: f32) {
         crate::by_dtype!(y.dtype(), scale(y, alpha))
     }
-    fn sumsq(&self, x: T) -> f64 {
+    fn sumsq(&self, x: View) -> f64 {
         crate::by_dtype!(x.dtype(), sumsq(x))
     }
 }

@@ -11,7 +11,7 @@ use crate::backend::Memory;
 use crate::bf16;
 use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{Event, MemoryError, Stream};
-use crate::tensor::{Buffer, DType, TMut, Tensor, T};
+use crate::tensor::{Buffer, DType, Tensor, View, ViewMut};
 use std::sync::Arc;
 use std::time::Duration;
 use two_memory::TwoMemory;
@@ -152,14 +152,14 @@ impl Memory for CpuBackend {
     }
     // The transfers below go through `host()`, which also reaches the two-memory mode's
     // emulated buffers (and checks the access there).
-    fn download(&self, src: T) -> Vec<f32> {
+    fn download(&self, src: View) -> Vec<f32> {
         match src.dtype() {
             DType::F32 => src.host::<f32>().to_vec(),
             DType::F64 => src.host::<f64>().iter().map(|&x| x as f32).collect(),
             DType::BF16 => bf16::to_f32_slice(src.host_bf16()),
         }
     }
-    fn download_f64(&self, src: T) -> Vec<f64> {
+    fn download_f64(&self, src: View) -> Vec<f64> {
         match src.dtype() {
             DType::F32 => src.host::<f32>().iter().map(|&x| x as f64).collect(),
             DType::F64 => src.host::<f64>().to_vec(),
@@ -170,7 +170,7 @@ impl Memory for CpuBackend {
                 .collect(),
         }
     }
-    fn write(&self, dst: TMut, data: &[f32]) {
+    fn write(&self, dst: ViewMut, data: &[f32]) {
         match dst.dtype() {
             DType::F32 => dst.host::<f32>().copy_from_slice(data),
             DType::F64 => dst
@@ -185,7 +185,7 @@ impl Memory for CpuBackend {
                 .for_each(|(d, &s)| *d = bf16::from_f32(s)),
         }
     }
-    fn copy(&self, dst: TMut, src: T) {
+    fn copy(&self, dst: ViewMut, src: View) {
         assert_eq!(dst.dtype(), src.dtype(), "copy between different dtypes");
         match dst.dtype() {
             DType::F32 => dst.host::<f32>().copy_from_slice(src.host::<f32>()),
@@ -193,7 +193,7 @@ impl Memory for CpuBackend {
             DType::BF16 => dst.host_bf16().copy_from_slice(src.host_bf16()),
         }
     }
-    fn fill(&self, dst: TMut, value: f32) {
+    fn fill(&self, dst: ViewMut, value: f32) {
         match dst.dtype() {
             DType::F32 => dst.host::<f32>().fill(value),
             DType::F64 => dst.host::<f64>().fill(value as f64),
@@ -205,7 +205,7 @@ impl Memory for CpuBackend {
             two.synchronize()
         }
     }
-    fn copy_async(&self, dst: TMut, src: T, stream: Stream) {
+    fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
         match &self.two {
             Some(two) => two.copy_async(dst, src, stream),
             None => self.copy(dst, src),

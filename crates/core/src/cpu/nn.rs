@@ -6,7 +6,7 @@
 use super::CpuBackend;
 use crate::backend::{Gemm, NnOps};
 use crate::by_dtype;
-use crate::tensor::{DType, Scalar, TMut, T};
+use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
 
 mod attention;
@@ -44,7 +44,7 @@ fn s<S: Scalar>(x: f64) -> S {
 // ---------------------------------------------------------------------------------------------
 // Embedding
 
-fn embedding_forward<S: Scalar>(out: TMut, wte: T, ids: &[u32], dim: usize) {
+fn embedding_forward<S: Scalar>(out: ViewMut, wte: View, ids: &[u32], dim: usize) {
     let (out, wte): (&mut [S], &[S]) = (out.host(), wte.host());
     assert_eq!(out.len(), ids.len() * dim);
     out.par_chunks_mut(dim)
@@ -56,7 +56,7 @@ fn embedding_forward<S: Scalar>(out: TMut, wte: T, ids: &[u32], dim: usize) {
         });
 }
 
-fn embedding_backward<S: Scalar>(dwte: TMut, dout: T, ids: &[u32], dim: usize) {
+fn embedding_backward<S: Scalar>(dwte: ViewMut, dout: View, ids: &[u32], dim: usize) {
     let (dwte, dout): (&mut [S], &[S]) = (dwte.host(), dout.host());
     // Serial: repeated ids would race, and this is a tiny share of the step.
     for (t, &id) in ids.iter().enumerate() {
@@ -71,7 +71,7 @@ fn embedding_backward<S: Scalar>(dwte: TMut, dout: T, ids: &[u32], dim: usize) {
 // ---------------------------------------------------------------------------------------------
 // RMSNorm
 
-fn rmsnorm_forward<S: Scalar>(out: TMut, rstd: TMut, x: T, w: T, dim: usize, eps: f32) {
+fn rmsnorm_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
     let (out, rstd, x, w): (&mut [S], &mut [S], &[S], &[S]) =
         (out.host(), rstd.host(), x.host(), w.host());
     let eps = s::<S>(eps as f64);
@@ -107,7 +107,15 @@ fn rms_row_backward<S: Scalar>(dx: &mut [S], dw: &mut [S], dy: &[S], x: &[S], w:
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rmsnorm_backward<S: Scalar>(dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T, dim: usize) {
+fn rmsnorm_backward<S: Scalar>(
+    dx: ViewMut,
+    dw: ViewMut,
+    dout: View,
+    x: View,
+    w: View,
+    rstd: View,
+    dim: usize,
+) {
     let dx: &mut [S] = dx.host();
     let dw: &mut [S] = dw.host();
     let dout: &[S] = dout.host();
@@ -160,10 +168,10 @@ fn rope_table<S: Scalar>(seq: usize, pos0: usize, head_dim: usize, theta: f64) -
 
 #[allow(clippy::too_many_arguments)]
 fn head_norm_rope_forward<S: Scalar>(
-    out: TMut,
-    rstd: TMut,
-    x: T,
-    w: T,
+    out: ViewMut,
+    rstd: ViewMut,
+    x: View,
+    w: View,
     heads: usize,
     hd: usize,
     seq: usize,
@@ -208,12 +216,12 @@ fn head_norm_rope_forward<S: Scalar>(
 
 #[allow(clippy::too_many_arguments)]
 fn head_norm_rope_backward<S: Scalar>(
-    dx: TMut,
-    dw: TMut,
-    dout: T,
-    x: T,
-    w: T,
-    rstd: T,
+    dx: ViewMut,
+    dw: ViewMut,
+    dout: View,
+    x: View,
+    w: View,
+    rstd: View,
     heads: usize,
     hd: usize,
     seq: usize,
@@ -271,7 +279,7 @@ fn head_norm_rope_backward<S: Scalar>(
 
 const EW_CHUNK: usize = 4096;
 
-fn swiglu_forward<S: Scalar>(out: TMut, gate: T, up: T) {
+fn swiglu_forward<S: Scalar>(out: ViewMut, gate: View, up: View) {
     let (out, gate, up): (&mut [S], &[S], &[S]) = (out.host(), gate.host(), up.host());
     out.par_chunks_mut(EW_CHUNK)
         .zip(gate.par_chunks(EW_CHUNK))
@@ -281,7 +289,7 @@ fn swiglu_forward<S: Scalar>(out: TMut, gate: T, up: T) {
         });
 }
 
-fn swiglu_backward<S: Scalar>(dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
+fn swiglu_backward<S: Scalar>(dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
     let dg: &mut [S] = dgate.host();
     let du: &mut [S] = dup.host();
     let dout: &[S] = dout.host();
@@ -302,12 +310,12 @@ fn swiglu_backward<S: Scalar>(dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
 
 #[allow(clippy::too_many_arguments)]
 fn router_forward<S: Scalar>(
-    probs: TMut,
-    weights: TMut,
+    probs: ViewMut,
+    weights: ViewMut,
     idx: &mut [u32],
     psum: &mut [f64],
-    logits: T,
-    bias: Option<T>,
+    logits: View,
+    bias: Option<View>,
     e: usize,
     k: usize,
     renorm: bool,
@@ -370,9 +378,9 @@ fn router_forward<S: Scalar>(
 
 #[allow(clippy::too_many_arguments)]
 fn router_backward<S: Scalar>(
-    dlogits: TMut,
-    dweights: T,
-    probs: T,
+    dlogits: ViewMut,
+    dweights: View,
+    probs: View,
     idx: &[u32],
     dprob_const: &[f64],
     e: usize,
@@ -414,7 +422,7 @@ fn router_backward<S: Scalar>(
 // ---------------------------------------------------------------------------------------------
 // Expert dispatch and combine
 
-fn moe_gather<S: Scalar>(xe: TMut, x: T, src: &[u32], dim: usize) {
+fn moe_gather<S: Scalar>(xe: ViewMut, x: View, src: &[u32], dim: usize) {
     let (xe, x): (&mut [S], &[S]) = (xe.host(), x.host());
     xe.par_chunks_mut(dim)
         .zip(src.par_iter())
@@ -425,7 +433,7 @@ fn moe_gather<S: Scalar>(xe: TMut, x: T, src: &[u32], dim: usize) {
         });
 }
 
-fn moe_gather_backward<S: Scalar>(dx: TMut, dxe: T, pos: &[u32], k: usize, dim: usize) {
+fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, pos: &[u32], k: usize, dim: usize) {
     let (dx, dxe): (&mut [S], &[S]) = (dx.host(), dxe.host());
     dx.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
@@ -440,7 +448,7 @@ fn moe_gather_backward<S: Scalar>(dx: TMut, dxe: T, pos: &[u32], k: usize, dim: 
         });
 }
 
-fn moe_combine<S: Scalar>(out: TMut, ye: T, w: T, pos: &[u32], k: usize, dim: usize) {
+fn moe_combine<S: Scalar>(out: ViewMut, ye: View, w: View, pos: &[u32], k: usize, dim: usize) {
     let (out, ye, w): (&mut [S], &[S], &[S]) = (out.host(), ye.host(), w.host());
     out.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
@@ -458,11 +466,11 @@ fn moe_combine<S: Scalar>(out: TMut, ye: T, w: T, pos: &[u32], k: usize, dim: us
 
 #[allow(clippy::too_many_arguments)]
 fn moe_combine_backward<S: Scalar>(
-    dye: TMut,
-    dw: TMut,
-    dout: T,
-    ye: T,
-    w: T,
+    dye: ViewMut,
+    dw: ViewMut,
+    dout: View,
+    ye: View,
+    w: View,
     pos: &[u32],
     k: usize,
     dim: usize,
@@ -513,7 +521,7 @@ fn moe_combine_backward<S: Scalar>(
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy
 
-fn cross_entropy_forward<S: Scalar>(lse: TMut, logits: T, targets: &[u32], v: usize) -> f64 {
+fn cross_entropy_forward<S: Scalar>(lse: ViewMut, logits: View, targets: &[u32], v: usize) -> f64 {
     let (lse, logits): (&mut [S], &[S]) = (lse.host(), logits.host());
     lse.par_iter_mut()
         .zip(logits.par_chunks(v))
@@ -529,7 +537,13 @@ fn cross_entropy_forward<S: Scalar>(lse: TMut, logits: T, targets: &[u32], v: us
     total
 }
 
-fn cross_entropy_backward<S: Scalar>(logits: TMut, lse: T, targets: &[u32], v: usize, scale: f32) {
+fn cross_entropy_backward<S: Scalar>(
+    logits: ViewMut,
+    lse: View,
+    targets: &[u32],
+    v: usize,
+    scale: f32,
+) {
     let (logits, lse): (&mut [S], &[S]) = (logits.host(), lse.host());
     let scale = s::<S>(scale as f64);
     logits
@@ -545,36 +559,45 @@ fn cross_entropy_backward<S: Scalar>(logits: TMut, lse: T, targets: &[u32], v: u
 
 // ---------------------------------------------------------------------------------------------
 
-fn dt(v: &T) -> DType {
+fn dt(v: &View) -> DType {
     v.dtype()
 }
 
 impl NnOps for CpuBackend {
-    fn gemm_grouped(&self, c: TMut, a: T, b: T, groups: &[(Gemm, usize, usize, usize)]) {
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         match c.dtype() {
             DType::F32 => grouped::gemm_grouped::<f32>(c, a, b, groups),
             DType::F64 => grouped::gemm_grouped::<f64>(c, a, b, groups),
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
-    fn embedding_forward(&self, out: TMut, wte: T, ids: &[u32], dim: usize) {
+    fn embedding_forward(&self, out: ViewMut, wte: View, ids: &[u32], dim: usize) {
         by_dtype!(out.dtype(), embedding_forward(out, wte, ids, dim))
     }
-    fn embedding_backward(&self, dwte: TMut, dout: T, ids: &[u32], dim: usize) {
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: &[u32], dim: usize) {
         by_dtype!(dt(&dout), embedding_backward(dwte, dout, ids, dim))
     }
-    fn rmsnorm_forward(&self, out: TMut, rstd: TMut, x: T, w: T, dim: usize, eps: f32) {
+    fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
         by_dtype!(dt(&x), rmsnorm_forward(out, rstd, x, w, dim, eps))
     }
-    fn rmsnorm_backward(&self, dx: TMut, dw: TMut, dout: T, x: T, w: T, rstd: T, dim: usize) {
+    fn rmsnorm_backward(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        x: View,
+        w: View,
+        rstd: View,
+        dim: usize,
+    ) {
         by_dtype!(dt(&x), rmsnorm_backward(dx, dw, dout, x, w, rstd, dim))
     }
     fn head_norm_rope_forward(
         &self,
-        out: TMut,
-        rstd: TMut,
-        x: T,
-        w: T,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
         heads: usize,
         head_dim: usize,
         seq: usize,
@@ -589,12 +612,12 @@ impl NnOps for CpuBackend {
     }
     fn head_norm_rope_backward(
         &self,
-        dx: TMut,
-        dw: TMut,
-        dout: T,
-        x: T,
-        w: T,
-        rstd: T,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        x: View,
+        w: View,
+        rstd: View,
         heads: usize,
         head_dim: usize,
         seq: usize,
@@ -608,11 +631,11 @@ impl NnOps for CpuBackend {
     }
     fn attention_forward(
         &self,
-        out: TMut,
-        lse: TMut,
-        q: T,
-        k: T,
-        v: T,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
         batch: usize,
         tq: usize,
         tk: usize,
@@ -636,15 +659,15 @@ impl NnOps for CpuBackend {
     }
     fn attention_backward(
         &self,
-        dq: TMut,
-        dk: TMut,
-        dv: TMut,
-        dout: T,
-        out: T,
-        q: T,
-        k: T,
-        v: T,
-        lse: T,
+        dq: ViewMut,
+        dk: ViewMut,
+        dv: ViewMut,
+        dout: View,
+        out: View,
+        q: View,
+        k: View,
+        v: View,
+        lse: View,
         batch: usize,
         tq: usize,
         tk: usize,
@@ -666,20 +689,20 @@ impl NnOps for CpuBackend {
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
-    fn swiglu_forward(&self, out: TMut, gate: T, up: T) {
+    fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
         by_dtype!(dt(&gate), swiglu_forward(out, gate, up))
     }
-    fn swiglu_backward(&self, dgate: TMut, dup: TMut, dout: T, gate: T, up: T) {
+    fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
         by_dtype!(dt(&gate), swiglu_backward(dgate, dup, dout, gate, up))
     }
     fn router_forward(
         &self,
-        probs: TMut,
-        weights: TMut,
+        probs: ViewMut,
+        weights: ViewMut,
         idx: &mut [u32],
         psum: &mut [f64],
-        logits: T,
-        bias: Option<T>,
+        logits: View,
+        bias: Option<View>,
         experts: usize,
         k: usize,
         renorm: bool,
@@ -691,9 +714,9 @@ impl NnOps for CpuBackend {
     }
     fn router_backward(
         &self,
-        dlogits: TMut,
-        dweights: T,
-        probs: T,
+        dlogits: ViewMut,
+        dweights: View,
+        probs: View,
         idx: &[u32],
         dprob_const: &[f64],
         experts: usize,
@@ -714,22 +737,22 @@ impl NnOps for CpuBackend {
             )
         )
     }
-    fn moe_gather(&self, xe: TMut, x: T, src: &[u32], dim: usize) {
+    fn moe_gather(&self, xe: ViewMut, x: View, src: &[u32], dim: usize) {
         by_dtype!(dt(&x), moe_gather(xe, x, src, dim))
     }
-    fn moe_gather_backward(&self, dx: TMut, dxe: T, pos: &[u32], k: usize, dim: usize) {
+    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, pos: &[u32], k: usize, dim: usize) {
         by_dtype!(dt(&dxe), moe_gather_backward(dx, dxe, pos, k, dim))
     }
-    fn moe_combine(&self, out: TMut, ye: T, w: T, pos: &[u32], k: usize, dim: usize) {
+    fn moe_combine(&self, out: ViewMut, ye: View, w: View, pos: &[u32], k: usize, dim: usize) {
         by_dtype!(dt(&ye), moe_combine(out, ye, w, pos, k, dim))
     }
     fn moe_combine_backward(
         &self,
-        dye: TMut,
-        dw: TMut,
-        dout: T,
-        ye: T,
-        w: T,
+        dye: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        ye: View,
+        w: View,
         pos: &[u32],
         k: usize,
         dim: usize,
@@ -739,7 +762,13 @@ impl NnOps for CpuBackend {
             moe_combine_backward(dye, dw, dout, ye, w, pos, k, dim)
         )
     }
-    fn cross_entropy_forward(&self, lse: TMut, logits: T, targets: &[u32], vocab: usize) -> f64 {
+    fn cross_entropy_forward(
+        &self,
+        lse: ViewMut,
+        logits: View,
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64 {
         by_dtype!(
             dt(&logits),
             cross_entropy_forward(lse, logits, targets, vocab)
@@ -747,8 +776,8 @@ impl NnOps for CpuBackend {
     }
     fn cross_entropy_backward(
         &self,
-        logits: TMut,
-        lse: T,
+        logits: ViewMut,
+        lse: View,
         targets: &[u32],
         vocab: usize,
         scale: f32,

@@ -4,10 +4,10 @@
 
 use super::{CpuBackend, PAR_MIN};
 use crate::backend::{AdamWStep, OptimOps};
-use crate::tensor::{Scalar, TMut, T};
+use crate::tensor::{Scalar, View, ViewMut};
 use rayon::prelude::*;
 
-fn adamw<S: Scalar>(p: TMut, m: TMut, v: TMut, g: T, h: &AdamWStep) {
+fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep) {
     let (p, m, v, g): (&mut [S], &mut [S], &mut [S], &[S]) =
         (p.host(), m.host(), v.host(), g.host());
     let n = p.len();
@@ -42,7 +42,7 @@ fn adamw<S: Scalar>(p: TMut, m: TMut, v: TMut, g: T, h: &AdamWStep) {
     }
 }
 
-fn nesterov<S: Scalar>(buf: TMut, g: T, out: TMut, mu: f64) {
+fn nesterov<S: Scalar>(buf: ViewMut, g: View, out: ViewMut, mu: f64) {
     let (buf, g, out): (&mut [S], &[S], &mut [S]) = (buf.host(), g.host(), out.host());
     let n = buf.len();
     assert!(g.len() == n && out.len() == n, "nesterov lengths");
@@ -64,7 +64,7 @@ fn nesterov<S: Scalar>(buf: TMut, g: T, out: TMut, mu: f64) {
     }
 }
 
-fn normalize<S: Scalar>(x: TMut, eps: f64) {
+fn normalize<S: Scalar>(x: ViewMut, eps: f64) {
     let x: &mut [S] = x.host();
     let sq = |c: &[S]| c.iter().map(|&v| v.as_f64() * v.as_f64()).sum::<f64>();
     // Fixed chunks: the sum's rounding does not depend on the thread count.
@@ -83,7 +83,7 @@ fn normalize<S: Scalar>(x: TMut, eps: f64) {
     }
 }
 
-fn decay_update<S: Scalar>(p: TMut, u: T, alpha: f64, decay: f64) {
+fn decay_update<S: Scalar>(p: ViewMut, u: View, alpha: f64, decay: f64) {
     let (p, u): (&mut [S], &[S]) = (p.host(), u.host());
     assert_eq!(p.len(), u.len(), "decay_update lengths");
     let (alpha, keep) = (S::of_f64(alpha), S::of_f64(1.0 - decay));
@@ -102,16 +102,16 @@ fn decay_update<S: Scalar>(p: TMut, u: T, alpha: f64, decay: f64) {
 }
 
 impl OptimOps for CpuBackend {
-    fn adamw_step(&self, param: TMut, m: TMut, v: TMut, grad: T, h: &AdamWStep) {
+    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
         crate::by_dtype!(param.dtype(), adamw(param, m, v, grad, h))
     }
-    fn nesterov_momentum(&self, buf: TMut, grad: T, out: TMut, momentum: f64) {
+    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64) {
         crate::by_dtype!(buf.dtype(), nesterov(buf, grad, out, momentum))
     }
-    fn normalize_frobenius(&self, x: TMut, eps: f64) {
+    fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         crate::by_dtype!(x.dtype(), normalize(x, eps))
     }
-    fn decay_update(&self, param: TMut, update: T, alpha: f64, decay: f64) {
+    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
         crate::by_dtype!(param.dtype(), decay_update(param, update, alpha, decay))
     }
 }

@@ -23,7 +23,7 @@
 
 use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{Event, MemoryError, Stream};
-use crate::tensor::{Buffer, DType, DeviceBuffer, TMut, Tensor, T};
+use crate::tensor::{Buffer, DType, DeviceBuffer, Tensor, View, ViewMut};
 use std::any::Any;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -445,7 +445,7 @@ impl TwoMemory {
         let t = self
             .alloc(ledger, DEVICE, shape, category, dtype)
             .unwrap_or_else(|e| panic!("{e}"));
-        let cell = emu(t.v()).expect("emulated buffer").0;
+        let cell = emu(t.view()).expect("emulated buffer").0;
         assert_eq!(data.len(), cell.len, "upload: data/shape mismatch");
         // SAFETY: a fresh buffer no copy knows of, sized for `data`.
         unsafe {
@@ -467,7 +467,7 @@ impl TwoMemory {
             .expect("copy thread alive");
     }
 
-    pub(crate) fn copy_async(&self, dst: TMut, src: T, stream: Stream) {
+    pub(crate) fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
         assert_eq!(dst.dtype(), src.dtype(), "copy between different dtypes");
         assert_eq!(dst.len(), src.len(), "copy between different lengths");
         let size = src.dtype().size();
@@ -612,9 +612,9 @@ fn inner(e: &Event) -> Option<&Arc<EventInner>> {
 }
 
 /// The emulated buffer and element offset behind a view, if it is one.
-fn emu(v: T) -> Option<(Arc<Cell>, usize)> {
+fn emu(v: View) -> Option<(Arc<Cell>, usize)> {
     match v {
-        T::Device(d) => d
+        View::Device(d) => d
             .buffer()
             .as_any()
             .downcast_ref::<EmuBuffer>()
@@ -623,9 +623,9 @@ fn emu(v: T) -> Option<(Arc<Cell>, usize)> {
     }
 }
 
-fn emu_mut(v: &TMut) -> Option<(Arc<Cell>, usize)> {
+fn emu_mut(v: &ViewMut) -> Option<(Arc<Cell>, usize)> {
     match v {
-        TMut::Device(d) => d
+        ViewMut::Device(d) => d
             .buffer()
             .as_any()
             .downcast_ref::<EmuBuffer>()
@@ -634,21 +634,21 @@ fn emu_mut(v: &TMut) -> Option<(Arc<Cell>, usize)> {
     }
 }
 
-fn plain_ptr(v: T) -> *const u8 {
+fn plain_ptr(v: View) -> *const u8 {
     match v {
-        T::Host(s) => s.as_ptr() as *const u8,
-        T::Host64(s) => s.as_ptr() as *const u8,
-        T::HostBf16(s) => s.as_ptr() as *const u8,
-        T::Device(d) => panic!("copy_async: {} is not host memory", d.buffer().describe()),
+        View::Host(s) => s.as_ptr() as *const u8,
+        View::Host64(s) => s.as_ptr() as *const u8,
+        View::HostBf16(s) => s.as_ptr() as *const u8,
+        View::Device(d) => panic!("copy_async: {} is not host memory", d.buffer().describe()),
     }
 }
 
-fn plain_mut_ptr(v: TMut) -> *mut u8 {
+fn plain_mut_ptr(v: ViewMut) -> *mut u8 {
     match v {
-        TMut::Host(s) => s.as_mut_ptr() as *mut u8,
-        TMut::Host64(s) => s.as_mut_ptr() as *mut u8,
-        TMut::HostBf16(s) => s.as_mut_ptr() as *mut u8,
-        TMut::Device(d) => panic!("copy_async: {} is not host memory", d.buffer().describe()),
+        ViewMut::Host(s) => s.as_mut_ptr() as *mut u8,
+        ViewMut::Host64(s) => s.as_mut_ptr() as *mut u8,
+        ViewMut::HostBf16(s) => s.as_mut_ptr() as *mut u8,
+        ViewMut::Device(d) => panic!("copy_async: {} is not host memory", d.buffer().describe()),
     }
 }
 

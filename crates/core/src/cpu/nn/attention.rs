@@ -7,7 +7,7 @@
 use super::fastmath::{exp_sub_scale, exp_sub_sum};
 use super::Ptr;
 use crate::cpu::blas::GemmScalar;
-use crate::tensor::{TMut, T};
+use crate::tensor::{View, ViewMut};
 use rayon::prelude::*;
 
 /// Query rows per score tile.
@@ -80,7 +80,7 @@ fn check(d: &Dims, q: usize, k: usize, v: usize, out: usize, lse: usize) {
     assert_eq!(lse, d.batch * d.heads * d.tq, "attention: lse size");
 }
 
-pub fn forward<S: GemmScalar>(out: TMut, lse: TMut, q: T, k: T, v: T, d: Dims) {
+pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Dims) {
     let out: &mut [S] = out.host();
     let lse: &mut [S] = lse.host();
     let q: &[S] = q.host();
@@ -166,15 +166,15 @@ pub fn forward<S: GemmScalar>(out: TMut, lse: TMut, q: T, k: T, v: T, d: Dims) {
 
 #[allow(clippy::too_many_arguments)]
 pub fn backward<S: GemmScalar>(
-    dq: TMut,
-    dk: TMut,
-    dv: TMut,
-    dout: T,
-    out: T,
-    q: T,
-    k: T,
-    v: T,
-    lse: T,
+    dq: ViewMut,
+    dk: ViewMut,
+    dv: ViewMut,
+    dout: View,
+    out: View,
+    q: View,
+    k: View,
+    v: View,
+    lse: View,
     d: Dims,
 ) {
     let (dq, dk, dv): (&mut [S], &mut [S], &mut [S]) = (dq.host(), dk.host(), dv.host());

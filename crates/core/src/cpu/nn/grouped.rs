@@ -5,7 +5,7 @@
 use super::Ptr;
 use crate::backend::Gemm;
 use crate::cpu::blas::GemmScalar;
-use crate::tensor::{TMut, T};
+use crate::tensor::{View, ViewMut};
 use rayon::prelude::*;
 
 fn extent(rows: usize, cols: usize, ld: usize) -> usize {
@@ -19,7 +19,12 @@ fn extent(rows: usize, cols: usize, ld: usize) -> usize {
 /// Multiply-adds below which a piece is not split further.
 const PIECE_MIN: usize = 1 << 16;
 
-pub fn gemm_grouped<S: GemmScalar>(c: TMut, a: T, b: T, groups: &[(Gemm, usize, usize, usize)]) {
+pub fn gemm_grouped<S: GemmScalar>(
+    c: ViewMut,
+    a: View,
+    b: View,
+    groups: &[(Gemm, usize, usize, usize)],
+) {
     let (c, a, b): (&mut [S], &[S], &[S]) = (c.host(), a.host(), b.host());
     // Bounds of every operand, and C blocks pairwise disjoint (sorted by offset).
     let mut cspans = vec![];

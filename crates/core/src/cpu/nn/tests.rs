@@ -32,7 +32,7 @@ fn zeros(b: &CpuBackend, n: usize) -> Tensor {
     b.zeros(&[n], Category::Activations)
 }
 fn down(b: &CpuBackend, t: &Tensor) -> Vec<f64> {
-    b.download_f64(t.v())
+    b.download_f64(t.view())
 }
 fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
@@ -85,11 +85,11 @@ fn embedding() {
     let ro = r.vec(ids.len() * d);
     let f = |x: &[Vec<f64>]| {
         let mut o = zeros(&b, ids.len() * d);
-        b.embedding_forward(o.vm(), up(&b, &x[0]).v(), &ids, d);
+        b.embedding_forward(o.view_mut(), up(&b, &x[0]).view(), &ids, d);
         dot(&down(&b, &o), &ro)
     };
     let mut g = zeros(&b, v * d);
-    b.embedding_backward(g.vm(), up(&b, &ro).v(), &ids, d);
+    b.embedding_backward(g.view_mut(), up(&b, &ro).view(), &ids, d);
     fd_check("embedding", &[wte], &[down(&b, &g)], f);
 }
 
@@ -101,7 +101,14 @@ fn rmsnorm() {
     let (x, w, ro) = (r.vec(n * d), r.vec(d), r.vec(n * d));
     let run = |x: &[f64], w: &[f64]| {
         let (mut o, mut rs) = (zeros(&b, n * d), zeros(&b, n));
-        b.rmsnorm_forward(o.vm(), rs.vm(), up(&b, x).v(), up(&b, w).v(), d, 1e-6);
+        b.rmsnorm_forward(
+            o.view_mut(),
+            rs.view_mut(),
+            up(&b, x).view(),
+            up(&b, w).view(),
+            d,
+            1e-6,
+        );
         (down(&b, &o), rs)
     };
     // Reference: y = w · x / sqrt(mean(x²) + eps).
@@ -115,12 +122,12 @@ fn rmsnorm() {
     close("rmsnorm forward", &o, &want, 1e-12);
     let (mut dx, mut dw) = (up(&b, &vec![0.5; n * d]), zeros(&b, d));
     b.rmsnorm_backward(
-        dx.vm(),
-        dw.vm(),
-        up(&b, &ro).v(),
-        up(&b, &x).v(),
-        up(&b, &w).v(),
-        rs.v(),
+        dx.view_mut(),
+        dw.view_mut(),
+        up(&b, &ro).view(),
+        up(&b, &x).view(),
+        up(&b, &w).view(),
+        rs.view(),
         d,
     );
     // dx accumulates: subtract what was there.
@@ -140,10 +147,10 @@ fn head_norm_rope() {
     let run = |x: &[f64], w: &[f64]| {
         let (mut o, mut rs) = (zeros(&b, rows * row), zeros(&b, rows * heads));
         b.head_norm_rope_forward(
-            o.vm(),
-            rs.vm(),
-            up(&b, x).v(),
-            up(&b, w).v(),
+            o.view_mut(),
+            rs.view_mut(),
+            up(&b, x).view(),
+            up(&b, w).view(),
             heads,
             hd,
             seq,
@@ -173,12 +180,12 @@ fn head_norm_rope() {
     close("head_norm_rope forward", &o, &want, 1e-12);
     let (mut dx, mut dw) = (zeros(&b, rows * row), zeros(&b, hd));
     b.head_norm_rope_backward(
-        dx.vm(),
-        dw.vm(),
-        up(&b, &ro).v(),
-        up(&b, &x).v(),
-        up(&b, &w).v(),
-        rs.v(),
+        dx.view_mut(),
+        dw.view_mut(),
+        up(&b, &ro).view(),
+        up(&b, &x).view(),
+        up(&b, &w).view(),
+        rs.view(),
         heads,
         hd,
         seq,
@@ -249,11 +256,11 @@ fn attention_case(
     let run = |q: &[f64], k: &[f64], v: &[f64]| {
         let (mut o, mut l) = (zeros(&b, nq), zeros(&b, batch * heads * tq));
         b.attention_forward(
-            o.vm(),
-            l.vm(),
-            up(&b, q).v(),
-            up(&b, k).v(),
-            up(&b, v).v(),
+            o.view_mut(),
+            l.view_mut(),
+            up(&b, q).view(),
+            up(&b, k).view(),
+            up(&b, v).view(),
             batch,
             tq,
             tk,
@@ -272,15 +279,15 @@ fn attention_case(
     );
     let (mut dq, mut dk, mut dv) = (zeros(&b, nq), zeros(&b, nk), zeros(&b, nk));
     b.attention_backward(
-        dq.vm(),
-        dk.vm(),
-        dv.vm(),
-        up(&b, &ro).v(),
-        o.v(),
-        up(&b, &q).v(),
-        up(&b, &k).v(),
-        up(&b, &v).v(),
-        l.v(),
+        dq.view_mut(),
+        dk.view_mut(),
+        dv.view_mut(),
+        up(&b, &ro).view(),
+        o.view(),
+        up(&b, &q).view(),
+        up(&b, &k).view(),
+        up(&b, &v).view(),
+        l.view(),
         batch,
         tq,
         tk,
@@ -321,7 +328,7 @@ fn swiglu() {
     let (g, u, ro) = (r.vec(n), r.vec(n), r.vec(n));
     let run = |g: &[f64], u: &[f64]| {
         let mut o = zeros(&b, n);
-        b.swiglu_forward(o.vm(), up(&b, g).v(), up(&b, u).v());
+        b.swiglu_forward(o.view_mut(), up(&b, g).view(), up(&b, u).view());
         down(&b, &o)
     };
     let want: Vec<f64> = (0..n)
@@ -330,11 +337,11 @@ fn swiglu() {
     close("swiglu forward", &run(&g, &u), &want, 1e-14);
     let (mut dg, mut du) = (zeros(&b, n), zeros(&b, n));
     b.swiglu_backward(
-        dg.vm(),
-        du.vm(),
-        up(&b, &ro).v(),
-        up(&b, &g).v(),
-        up(&b, &u).v(),
+        dg.view_mut(),
+        du.view_mut(),
+        up(&b, &ro).view(),
+        up(&b, &g).view(),
+        up(&b, &u).view(),
     );
     fd_check("swiglu", &[g, u], &[down(&b, &dg), down(&b, &du)], |a| {
         dot(&run(&a[0], &a[1]), &ro)
@@ -353,12 +360,12 @@ fn router_case(renorm: bool, with_bias: bool) {
         let (mut idx, mut psum) = (vec![0u32; n * k], vec![0.0; e]);
         let bt = up(&b, &bias);
         b.router_forward(
-            p.vm(),
-            w.vm(),
+            p.view_mut(),
+            w.view_mut(),
             &mut idx,
             &mut psum,
-            up(&b, l).v(),
-            with_bias.then(|| bt.v()),
+            up(&b, l).view(),
+            with_bias.then(|| bt.view()),
             e,
             k,
             renorm,
@@ -389,7 +396,16 @@ fn router_case(renorm: bool, with_bias: bool) {
         dot(&down(&b, &w), &rw) + dot(&psum, &c)
     };
     let mut dl = zeros(&b, n * e);
-    b.router_backward(dl.vm(), up(&b, &rw).v(), p.v(), &idx, &c, e, k, renorm);
+    b.router_backward(
+        dl.view_mut(),
+        up(&b, &rw).view(),
+        p.view(),
+        &idx,
+        &c,
+        e,
+        k,
+        renorm,
+    );
     let _ = w;
     fd_check(
         &format!("router renorm={renorm} bias={with_bias}"),
@@ -414,11 +430,11 @@ fn router_ties_prefer_lower_index() {
     let (mut p, mut w) = (zeros(&b, 4), zeros(&b, 2));
     let (mut idx, mut psum) = (vec![0u32; 2], vec![0.0; 4]);
     b.router_forward(
-        p.vm(),
-        w.vm(),
+        p.view_mut(),
+        w.view_mut(),
         &mut idx,
         &mut psum,
-        up(&b, &[0.0, 1.0, 0.0, 1.0]).v(),
+        up(&b, &[0.0, 1.0, 0.0, 1.0]).view(),
         None,
         4,
         2,
@@ -426,11 +442,11 @@ fn router_ties_prefer_lower_index() {
     );
     assert_eq!(idx, vec![1, 3]);
     b.router_forward(
-        p.vm(),
-        w.vm(),
+        p.view_mut(),
+        w.view_mut(),
         &mut idx,
         &mut psum,
-        up(&b, &[0.5; 4]).v(),
+        up(&b, &[0.5; 4]).view(),
         None,
         4,
         2,
@@ -454,7 +470,7 @@ fn dispatch_and_combine() {
     let (rg, rc) = (r.vec(n * k * d), r.vec(n * d));
     let gather = |x: &[f64]| {
         let mut o = zeros(&b, n * k * d);
-        b.moe_gather(o.vm(), up(&b, x).v(), &src, d);
+        b.moe_gather(o.view_mut(), up(&b, x).view(), &src, d);
         down(&b, &o)
     };
     let g = gather(&x);
@@ -462,23 +478,30 @@ fn dispatch_and_combine() {
         assert_eq!(&g[i * d..(i + 1) * d], &x[src[i] as usize * d..][..d]);
     }
     let mut dx = zeros(&b, n * d);
-    b.moe_gather_backward(dx.vm(), up(&b, &rg).v(), &pos, k, d);
+    b.moe_gather_backward(dx.view_mut(), up(&b, &rg).view(), &pos, k, d);
     fd_check("moe_gather", &[x], &[down(&b, &dx)], |a| {
         dot(&gather(&a[0]), &rg)
     });
 
     let combine = |ye: &[f64], w: &[f64]| {
         let mut o = up(&b, &vec![0.25; n * d]);
-        b.moe_combine(o.vm(), up(&b, ye).v(), up(&b, w).v(), &pos, k, d);
+        b.moe_combine(
+            o.view_mut(),
+            up(&b, ye).view(),
+            up(&b, w).view(),
+            &pos,
+            k,
+            d,
+        );
         down(&b, &o)
     };
     let (mut dye, mut dw) = (zeros(&b, n * k * d), zeros(&b, n * k));
     b.moe_combine_backward(
-        dye.vm(),
-        dw.vm(),
-        up(&b, &rc).v(),
-        up(&b, &ye).v(),
-        up(&b, &w).v(),
+        dye.view_mut(),
+        dw.view_mut(),
+        up(&b, &rc).view(),
+        up(&b, &ye).view(),
+        up(&b, &w).view(),
         &pos,
         k,
         d,
@@ -505,7 +528,16 @@ fn moe_combine_backward_refuses_a_pos_that_is_not_a_permutation() {
     let dout = b.upload(&[1.0; 6], &[n * d], Category::Buffers);
     let ye = b.upload(&[1.0; 12], &[n * k * d], Category::Buffers);
     let w = b.upload(&[0.5; 4], &[n * k], Category::Buffers);
-    b.moe_combine_backward(dye.vm(), dw.vm(), dout.v(), ye.v(), w.v(), &pos, k, d);
+    b.moe_combine_backward(
+        dye.view_mut(),
+        dw.view_mut(),
+        dout.view(),
+        ye.view(),
+        w.view(),
+        &pos,
+        k,
+        d,
+    );
 }
 
 #[test]
@@ -517,7 +549,7 @@ fn cross_entropy() {
     let targets = [3u32, 0, 8, 3];
     let run = |l: &[f64]| {
         let mut lse = zeros(&b, n);
-        let s = b.cross_entropy_forward(lse.vm(), up(&b, l).v(), &targets, v);
+        let s = b.cross_entropy_forward(lse.view_mut(), up(&b, l).view(), &targets, v);
         (s, lse)
     };
     let (sum, lse) = run(&logits);
@@ -529,7 +561,7 @@ fn cross_entropy() {
         .sum();
     assert!((sum - want).abs() < 1e-12);
     let mut d = up(&b, &logits);
-    b.cross_entropy_backward(d.vm(), lse.v(), &targets, v, 0.7);
+    b.cross_entropy_backward(d.view_mut(), lse.view(), &targets, v, 0.7);
     let dl: Vec<f64> = down(&b, &d).iter().map(|x| x / 0.7).collect();
     fd_check("cross_entropy", &[logits], &[dl], |a| run(&a[0]).0);
 }
@@ -541,7 +573,7 @@ fn residual() {
     let (x, y, ro) = (r.vec(10), r.vec(10), r.vec(10));
     let run = |x: &[f64], y: &[f64]| {
         let mut o = up(&b, y);
-        b.add(o.vm(), up(&b, x).v());
+        b.add(o.view_mut(), up(&b, x).view());
         down(&b, &o)
     };
     // The gradient of a residual sum is the upstream gradient, to both branches.
@@ -567,11 +599,11 @@ fn f32_kernels_match_f64() {
         );
         let up = |x: &[f64]| b.upload_f64(x, &[x.len()], Category::Activations);
         b.attention_forward(
-            o.vm(),
-            l.vm(),
-            up(&q).v(),
-            up(&k).v(),
-            up(&v).v(),
+            o.view_mut(),
+            l.view_mut(),
+            up(&q).view(),
+            up(&k).view(),
+            up(&v).view(),
             batch,
             t,
             t,
@@ -579,7 +611,7 @@ fn f32_kernels_match_f64() {
             kvh,
             hd,
         );
-        outs.push(b.download_f64(o.v()));
+        outs.push(b.download_f64(o.view()));
     }
     close("attention f32 vs f64", &outs[1], &outs[0], 1e-5);
     let logits: Vec<f64> = r.vec(6 * 300).iter().map(|x| 8.0 * x).collect();
@@ -588,8 +620,8 @@ fn f32_kernels_match_f64() {
     for b in [&b64, &b32] {
         let mut l = b.zeros(&[6], Category::Activations);
         sums.push(b.cross_entropy_forward(
-            l.vm(),
-            b.upload_f64(&logits, &[1800], Category::Activations).v(),
+            l.view_mut(),
+            b.upload_f64(&logits, &[1800], Category::Activations).view(),
             &targets,
             300,
         ));
@@ -632,7 +664,7 @@ fn grouped_gemm_matches_one_gemm_per_group() {
         .build()
         .unwrap();
     let mut got = b.zeros(&[total * f], Category::Activations);
-    pool.install(|| b.gemm_grouped(got.vm(), xt.v(), wt.v(), &groups));
+    pool.install(|| b.gemm_grouped(got.view_mut(), xt.view(), wt.view(), &groups));
     let mut want = b.zeros(&[total * f], Category::Activations);
     for &(g, ao, bo, co) in &groups {
         b.gemm(
@@ -642,5 +674,5 @@ fn grouped_gemm_matches_one_gemm_per_group() {
             g,
         );
     }
-    assert_eq!(b.download(got.v()), b.download(want.v()));
+    assert_eq!(b.download(got.view()), b.download(want.view()));
 }

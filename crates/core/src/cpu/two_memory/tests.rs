@@ -75,23 +75,23 @@ fn two_memory_round_trip_is_bitwise() {
     let offloaded = be.record_event(Stream::ToHost);
     be.synchronize_event(&offloaded);
     assert!(be.query_event(&offloaded));
-    assert_eq!(bits(&be.download(host.v())), bits(&src));
+    assert_eq!(bits(&be.download(host.view())), bits(&src));
 
     // Prefetch back into fresh device memory, then a kernel on the compute stream uses it.
     let mut back = be.zeros(&[n], Category::Activations);
-    be.copy_async(back.vm(), host.v(), Stream::FromHost);
+    be.copy_async(back.view_mut(), host.view(), Stream::FromHost);
     let prefetched = be.record_event(Stream::FromHost);
     be.wait_event(Stream::Compute, &prefetched);
-    assert_eq!(bits(&be.download(back.v())), bits(&src));
+    assert_eq!(bits(&be.download(back.view())), bits(&src));
     let mut acc = be.upload(&vec![1.0; n], &[n], Category::Buffers);
     let small = data(n, 2)
         .iter()
         .map(|x| (x.to_bits() % 1000) as f32)
         .collect::<Vec<_>>();
-    be.write(back.vm(), &small);
-    be.axpy(acc.vm(), 2.0, back.v());
+    be.write(back.view_mut(), &small);
+    be.axpy(acc.view_mut(), 2.0, back.view());
     let want: Vec<f32> = small.iter().map(|x| 1.0 + 2.0 * x).collect();
-    assert_eq!(bits(&be.download(acc.v())), bits(&want));
+    assert_eq!(bits(&be.download(acc.view())), bits(&want));
 }
 
 #[test]
@@ -143,21 +143,21 @@ fn two_memory_oom_names_category_and_bytes() {
 /// One offload + prefetch step on buffers made beforehand.
 fn offload_step(be: &CpuBackend, act: &mut Tensor, host: &mut Tensor, seed: u32) -> Vec<f32> {
     let x = data(act.len(), seed);
-    be.write(act.vm(), &x);
+    be.write(act.view_mut(), &x);
     // Offload after the compute stream's write, then reuse the device buffer after the copy.
     let written = be.record_event(Stream::Compute);
     be.wait_event(Stream::ToHost, &written);
-    be.copy_async(host.vm(), act.v(), Stream::ToHost);
+    be.copy_async(host.view_mut(), act.view(), Stream::ToHost);
     let out = be.record_event(Stream::ToHost);
     be.wait_event(Stream::Compute, &out);
-    be.fill(act.vm(), 0.0);
+    be.fill(act.view_mut(), 0.0);
     let cleared = be.record_event(Stream::Compute);
     be.wait_event(Stream::FromHost, &cleared);
     be.wait_event(Stream::FromHost, &out);
-    be.copy_async(act.vm(), host.v(), Stream::FromHost);
+    be.copy_async(act.view_mut(), host.view(), Stream::FromHost);
     let back = be.record_event(Stream::FromHost);
     be.wait_event(Stream::Compute, &back);
-    be.download(act.v())
+    be.download(act.view())
 }
 
 #[test]
@@ -195,14 +195,14 @@ fn events_order_two_copy_streams() {
     let mut host = be.pinned_zeros(&[n], Category::Activations);
     let mut back = be.zeros(&[n], Category::Activations);
     let start = be.record_event(Stream::ToHost);
-    be.copy_async(big_host.vm(), big.v(), Stream::ToHost);
-    be.copy_async(host.vm(), dev.v(), Stream::ToHost);
+    be.copy_async(big_host.view_mut(), big.view(), Stream::ToHost);
+    be.copy_async(host.view_mut(), dev.view(), Stream::ToHost);
     let out = be.record_event(Stream::ToHost);
     be.wait_event(Stream::FromHost, &out);
-    be.copy_async(back.vm(), host.v(), Stream::FromHost);
+    be.copy_async(back.view_mut(), host.view(), Stream::FromHost);
     let done = be.record_event(Stream::FromHost);
     be.wait_event(Stream::Compute, &done);
-    assert_eq!(bits(&be.download(back.v())), bits(&src));
+    assert_eq!(bits(&be.download(back.view())), bits(&src));
     // Events report completion and the time between them.
     be.synchronize_event(&done);
     assert!(be.query_event(&start) && be.query_event(&out));
@@ -212,8 +212,8 @@ fn events_order_two_copy_streams() {
     // The same chain with the from-host stream not waiting for the offload.
     let mut again = be.zeros(&[n], Category::Activations);
     let mut host2 = be.pinned_zeros(&[n], Category::Activations);
-    be.copy_async(host2.vm(), dev.v(), Stream::ToHost);
-    let msg = panic_text(|| be.copy_async(again.vm(), host2.v(), Stream::FromHost));
+    be.copy_async(host2.view_mut(), dev.view(), Stream::ToHost);
+    let msg = panic_text(|| be.copy_async(again.view_mut(), host2.view(), Stream::FromHost));
     for part in [
         "an async copy (the from-host stream) reads host activations",
         "4194304 bytes",
@@ -233,8 +233,8 @@ fn checking_catches_missing_wait() {
     let mut host = be.pinned_zeros(&[n], Category::Optimizer);
 
     // Offloaded optimizer state read on the host before the copy's event was synchronized.
-    be.copy_async(host.vm(), state.v(), Stream::ToHost);
-    let msg = panic_text(|| drop(be.download(host.v())));
+    be.copy_async(host.view_mut(), state.view(), Stream::ToHost);
+    let msg = panic_text(|| drop(be.download(host.view())));
     for part in [
         "CPU code (the host) reads host optimizer buffer (f32 x 65536, 262144 bytes)",
         "the to-host stream's write of it",
@@ -244,14 +244,14 @@ fn checking_catches_missing_wait() {
     // Waiting on the compute stream does not order the host: still caught.
     let e = be.record_event(Stream::ToHost);
     be.wait_event(Stream::Compute, &e);
-    assert!(catch_unwind(AssertUnwindSafe(|| be.download(host.v()))).is_err());
+    assert!(catch_unwind(AssertUnwindSafe(|| be.download(host.view()))).is_err());
     be.synchronize_event(&e);
-    assert_eq!(bits(&be.download(host.v())), bits(&src));
+    assert_eq!(bits(&be.download(host.view())), bits(&src));
 
     // A prefetch read by a kernel before the compute stream waited for it.
     let mut dev = be.zeros(&[n], Category::Activations);
-    be.copy_async(dev.vm(), host.v(), Stream::FromHost);
-    let msg = panic_text(|| be.scale(dev.vm(), 2.0));
+    be.copy_async(dev.view_mut(), host.view(), Stream::FromHost);
+    let msg = panic_text(|| be.scale(dev.view_mut(), 2.0));
     for part in [
         "a kernel or transfer (the compute stream) writes gpu0 activations buffer",
         "262144 bytes",
@@ -261,7 +261,7 @@ fn checking_catches_missing_wait() {
     }
     let e = be.record_event(Stream::FromHost);
     be.wait_event(Stream::Compute, &e);
-    assert_eq!(bits(&be.download(dev.v())), bits(&src));
+    assert_eq!(bits(&be.download(dev.view())), bits(&src));
 }
 
 #[test]
@@ -270,13 +270,13 @@ fn checking_catches_wait_on_earlier_event() {
     let n = 1 << 16;
     let src = data(n, 5);
     let mut host = be.pinned_zeros(&[n], Category::Activations);
-    be.write(host.vm(), &src); // CPU code filling pinned memory: ordered before later copies
+    be.write(host.view_mut(), &src); // CPU code filling pinned memory: ordered before later copies
     let mut dev = be.zeros(&[n], Category::Activations);
     let before = be.record_event(Stream::FromHost);
-    be.copy_async(dev.vm(), host.v(), Stream::FromHost);
+    be.copy_async(dev.view_mut(), host.view(), Stream::FromHost);
     be.wait_event(Stream::Compute, &before);
     let msg = panic_text(|| {
-        be.sumsq(dev.v());
+        be.sumsq(dev.view());
     });
     assert!(
         msg.contains("the compute stream) reads gpu0 activations buffer")
@@ -285,7 +285,7 @@ fn checking_catches_wait_on_earlier_event() {
     );
     let after = be.record_event(Stream::FromHost);
     be.wait_event(Stream::Compute, &after);
-    assert_eq!(bits(&be.download(dev.v())), bits(&src));
+    assert_eq!(bits(&be.download(dev.view())), bits(&src));
 }
 
 #[test]
@@ -295,16 +295,16 @@ fn checking_catches_overwrite_during_offload() {
     let n = 1 << 16;
     let mut act = be.upload(&data(n, 6), &[n], Category::Activations);
     let mut host = be.pinned_zeros(&[n], Category::Activations);
-    be.copy_async(host.vm(), act.v(), Stream::ToHost);
-    let msg = panic_text(|| be.fill(act.vm(), 0.0));
+    be.copy_async(host.view_mut(), act.view(), Stream::ToHost);
+    let msg = panic_text(|| be.fill(act.view_mut(), 0.0));
     assert!(
         msg.contains("while the to-host stream's read of it"),
         "{msg}"
     );
     // An offload that does not wait for the kernel that wrote its source is caught too.
     let mut w = be.upload(&data(n, 7), &[n], Category::Activations);
-    be.scale(w.vm(), 1.0);
-    let msg = panic_text(|| be.copy_async(host.vm(), w.v(), Stream::ToHost));
+    be.scale(w.view_mut(), 1.0);
+    let msg = panic_text(|| be.copy_async(host.view_mut(), w.view(), Stream::ToHost));
     assert!(
         msg.contains("reads gpu0 activations") && msg.contains("the compute stream's write"),
         "{msg}"
@@ -321,12 +321,12 @@ fn dropping_a_copy_source_in_flight_is_safe() {
     let src = data(n, 10);
     let act = be.upload(&src, &[n], Category::Activations);
     let mut host = be.pinned_zeros(&[n], Category::Activations);
-    be.copy_async(host.vm(), act.v(), Stream::ToHost);
+    be.copy_async(host.view_mut(), act.view(), Stream::ToHost);
     drop(act);
     assert_eq!(be.ledger().in_use(DEVICE), 0);
     let e = be.record_event(Stream::ToHost);
     be.synchronize_event(&e);
-    assert_eq!(bits(&be.download(host.v())), bits(&src));
+    assert_eq!(bits(&be.download(host.view())), bits(&src));
 }
 
 #[test]
@@ -338,8 +338,8 @@ fn unchecked_mode_stays_memory_safe() {
     let src = data(n, 8);
     let dev = be.upload(&src, &[n], Category::Activations);
     let mut host = be.pinned_zeros(&[n], Category::Activations);
-    be.copy_async(host.vm(), dev.v(), Stream::ToHost);
-    assert_eq!(bits(&be.download(host.v())), bits(&src));
+    be.copy_async(host.view_mut(), dev.view(), Stream::ToHost);
+    assert_eq!(bits(&be.download(host.view())), bits(&src));
 }
 
 #[test]
@@ -350,12 +350,12 @@ fn plain_backend_stream_api_completes_at_once() {
     let mut b = be.pinned_zeros(&[1000], Category::Params);
     assert_eq!(b.device(), Device::Host);
     let e0 = be.record_event(Stream::Compute);
-    be.copy_async(b.vm(), a.v(), Stream::ToHost);
+    be.copy_async(b.view_mut(), a.view(), Stream::ToHost);
     let e1 = be.record_event(Stream::ToHost);
     be.wait_event(Stream::Compute, &e1);
     be.synchronize_event(&e1);
     assert!(be.query_event(&e1));
     assert!(be.elapsed(&e0, &e1) < std::time::Duration::from_secs(5));
-    assert_eq!(bits(&be.download(b.v())), bits(&src));
+    assert_eq!(bits(&be.download(b.view())), bits(&src));
     assert!(be.try_zeros(&[1 << 10], Category::Buffers).is_ok());
 }
