@@ -370,10 +370,10 @@ impl ParamSource for FsdpParams {
         let idx = &self.layout.blocks[l];
         for (k, &i) in idx.iter().enumerate() {
             let n = self.layout.numel(i);
-            let dst = host(&mut slot.full[k]);
             match self.dtype {
-                GatherDtype::F32 => dst.copy_from_slice(&host_ro(&slot.recv32[k])[..n]),
+                GatherDtype::F32 => be.copy(slot.full[k].view_mut(), slot.recv32[k].slice(0, n)),
                 GatherDtype::Bf16 => {
+                    let dst = host(&mut slot.full[k]);
                     for (d, &h) in dst.iter_mut().zip(&slot.recv16[k].data[..n]) {
                         *d = from_bf16(h);
                     }
@@ -570,12 +570,12 @@ impl GradSink for FsdpGrads {
         self.shape_for(be, l);
         self.pool_block = Some(l);
         for (k, &i) in self.layout.blocks[l].iter().enumerate() {
-            host(&mut self.pool[k]).fill(0.0);
+            be.fill(self.pool[k].view_mut(), 0.0);
             std::mem::swap(self.store.get_mut(i), &mut self.pool[k]);
         }
     }
 
-    fn end_block(&mut self, _be: &dyn Backend, l: usize) {
+    fn end_block(&mut self, be: &dyn Backend, l: usize) {
         let t = self.turn;
         self.turn ^= 1;
         // The staging set about to be reused: its reduce-scatters (two blocks ago) must be done.
@@ -587,8 +587,7 @@ impl GradSink for FsdpGrads {
         for (k, &i) in idx.iter().enumerate() {
             std::mem::swap(self.store.get_mut(i), &mut self.pool[k]);
             let n = self.layout.numel(i);
-            let src = host_ro(&self.pool[k]);
-            host(&mut self.stage[t][k])[..n].copy_from_slice(src);
+            be.copy(self.stage[t][k].slice_mut(0, n), self.pool[k].view());
             let g: &'static dyn ProcessGroup =
                 unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
             let send = unsafe { forever(host_ro(&self.stage[t][k])) };
