@@ -6,6 +6,7 @@ set -euo pipefail
 A=${A:?set A to the binary before the change}
 B=${B:?set B to the binary after the change}
 reps=${REPS:-3}
+EXTRA=${EXTRA:-}  # more --set flags for both sides (e.g. to pin a default that changed)
 out=/tmp/seam_ab; rm -rf $out; mkdir -p $out
 for rep in $(seq 1 $reps); do
   for cfg in "tiny muon 60" "tiny adamw 60" "small muon 12" "small adamw 12"; do
@@ -13,7 +14,7 @@ for rep in $(seq 1 $reps); do
     for side in A B; do
       bin=${!side}
       d=$out/$1-$2-$side-$rep
-      $bin train --preset $1 --steps $3 --set optimizer.name=$2 --set training.threads=2 --set checkpoint.enable=false --set metrics.val_every=0 --out $d > $d.log 2>&1
+      $bin train --preset $1 --steps $3 --set optimizer.name=$2 --set training.threads=2 --set checkpoint.enable=false --set metrics.val_every=0 $EXTRA --out $d > $d.log 2>&1
       python3 - "$d/metrics.jsonl" "$1 $2 $side $rep" <<'PY'
 import json,sys
 m=[json.loads(l) for l in open(sys.argv[1])]
