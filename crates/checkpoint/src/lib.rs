@@ -378,16 +378,6 @@ pub fn read_safetensors(path: &Path) -> Result<HostTensors> {
     Ok(out)
 }
 
-/// Upload tensors from `file` into `targets`, which must match it exactly (same names, same
-/// shapes, nothing missing, nothing extra).
-pub fn load_into<'a>(
-    be: &dyn Memory,
-    file: &Path,
-    targets: impl IntoIterator<Item = (String, &'a mut Tensor)>,
-) -> Result<()> {
-    upload_into(be, file, read_safetensors(file)?, targets)
-}
-
 /// Every tensor of the checkpoint `dir`, whole: (parameters, optimizer state). A sharded
 /// checkpoint's pieces are reassembled, so callers never see the difference.
 pub fn read_tensors(dir: &Path) -> Result<(HostTensors, HostTensors)> {

@@ -140,6 +140,22 @@ pub fn update_rule(cfg: &OptimizerConfig, spec: &ParamSpec) -> UpdateRule {
     }
 }
 
+/// Each rule's state tensors as (parameter index, checkpoint suffix, tensor), in order.
+fn rule_state_mut(rules: &mut [Rule]) -> Vec<(usize, &'static str, &mut Tensor)> {
+    let mut out = Vec::new();
+    for (i, rule) in rules.iter_mut().enumerate() {
+        match rule {
+            Rule::Muon { momentum, .. } => out.push((i, "muon_momentum", momentum)),
+            Rule::AdamW { m, v, .. } => {
+                out.push((i, "adam_m", m));
+                out.push((i, "adam_v", v));
+            }
+            Rule::Frozen => {}
+        }
+    }
+    out
+}
+
 fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<'a>> {
     let mut out = Vec::with_capacity(count);
     for _ in 1..count {
@@ -346,37 +362,17 @@ impl Optimizer {
 
     /// Same names and order as [`Optimizer::state`], for loading a checkpoint into.
     pub fn state_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        let mut out = Vec::new();
-        for (name, rule) in self.names.iter().zip(self.rules.iter_mut()) {
-            match rule {
-                Rule::Muon { momentum, .. } => {
-                    out.push((format!("{name}.muon_momentum"), momentum))
-                }
-                Rule::AdamW { m, v, .. } => {
-                    out.push((format!("{name}.adam_m"), m));
-                    out.push((format!("{name}.adam_v"), v));
-                }
-                Rule::Frozen => {}
-            }
-        }
-        out
+        let names = &self.names;
+        rule_state_mut(&mut self.rules)
+            .into_iter()
+            .map(|(i, suffix, t)| (format!("{}.{suffix}", names[i]), t))
+            .collect()
     }
 
     /// [`Optimizer::state_mut`] as (parameter index, checkpoint suffix, tensor), the form the
     /// sharded optimizer gives too.
     pub fn state_indexed_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
-        let mut out = Vec::new();
-        for (i, rule) in self.rules.iter_mut().enumerate() {
-            match rule {
-                Rule::Muon { momentum, .. } => out.push((i, "muon_momentum", momentum)),
-                Rule::AdamW { m, v, .. } => {
-                    out.push((i, "adam_m", m));
-                    out.push((i, "adam_v", v));
-                }
-                Rule::Frozen => {}
-            }
-        }
-        out
+        rule_state_mut(&mut self.rules)
     }
 
     /// Steps taken so far (AdamW's bias correction uses it).

@@ -423,9 +423,6 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         opts.quiet || writer.is_none(),
     );
     progress.println(&banner(cfg, &st, n, data, run_dir, start));
-    if n == 1 && (cfg.parallelism.ep > 1) {
-        progress.println("note: parallelism.ep takes effect with more than one rank");
-    }
     let mut out = RankOut {
         losses: vec![],
         comm: vec![],

@@ -635,4 +635,41 @@ fn one_process_and_one_rank_give_bitwise_equal_losses() {
     assert_eq!(a.losses, b.losses);
     assert_eq!(a.final_val_loss, b.final_val_loss);
     assert_eq!(b.ranks, 1);
+    // And both are the model's step, clipping and the optimizer called directly, with nothing
+    // the world of one adds changing a bit.
+    assert_eq!(a.losses, reference_losses(&cfg));
+}
+
+/// `cfg`'s training losses from the model, clipping and optimizer crates called directly: the
+/// single-process loop as it stood before parallelism was applied around it.
+fn reference_losses(cfg: &JobConfig) -> Vec<f64> {
+    use ganymede_core::{Category, CpuBackend, Memory, ParamStore};
+    use ganymede_model::{forward_backward, Model, Workspace};
+    use ganymede_optim::{clip_grad_norm, lr_at, Optimizer};
+    let (m, t) = (&cfg.model, &cfg.training);
+    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, t.seed, None).unwrap();
+    let be = CpuBackend::default();
+    let model = Model::new(m);
+    let mut params = model.init_params(&be, t.seed);
+    let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+    let mut opt = Optimizer::new(&be, &cfg.optimizer, model.param_specs());
+    let mode = cfg.activation_checkpoint.mode;
+    let mut ws = Workspace::new(&be, &model, t.batch_size, m.seq_len, mode);
+    (0..t.steps)
+        .map(|step| {
+            let (x, y) = data.batch(step as u64, t.batch_size, m.seq_len);
+            for g in grads.tensors_mut() {
+                be.fill(g.view_mut(), 0.0);
+            }
+            let out = forward_backward(&be, &model, &params, &mut grads, &mut ws, &x, &y, 1.0);
+            clip_grad_norm(&be, &mut grads, t.grad_clip);
+            opt.step(
+                &be,
+                &mut params,
+                &grads,
+                lr_at(&cfg.optimizer, step, t.steps),
+            );
+            out.loss
+        })
+        .collect()
 }
