@@ -476,6 +476,9 @@ pub fn resumable_difference(key: &str) -> bool {
         // Checkpoints load at any rank count and mesh shape, on any device.
         || key.starts_with("parallelism.")
         || key.starts_with("device.")
+        // Where activations and optimizer state live changes no arithmetic.
+        || key == "activation_checkpoint.offload_fraction"
+        || key == "optimizer.offload"
 }
 
 #[cfg(test)]

@@ -281,6 +281,10 @@ pub struct OptimizerConfig {
     pub min_lr_ratio: f64,
     /// Share of steps spent decaying under `wsd`.
     pub decay_fraction: f64,
+    /// Keep the optimizer's state (momentum, AdamW moments; under FSDP also the fp32 master
+    /// shards) in host memory and stream it through the device for each update (the write-up's
+    /// "optimizer state in Grace memory, Newton–Schulz on the GPU").
+    pub offload: bool,
 }
 
 impl Default for OptimizerConfig {
@@ -299,6 +303,7 @@ impl Default for OptimizerConfig {
             warmup_steps: 20,
             min_lr_ratio: 0.1,
             decay_fraction: 0.2,
+            offload: false,
         }
     }
 }
