@@ -389,7 +389,10 @@ pub enum AcMode {
 #[serde(deny_unknown_fields, default)]
 pub struct ActivationCheckpointConfig {
     pub mode: AcMode,
-    /// Share of layers whose boundary activation is offloaded to host memory (GPU backends).
+    /// Share of layers whose boundary activation (block input) lives in host memory between
+    /// forward and backward (`mode = "full"` only; see `ganymede_model::offload`). Useful where
+    /// device memory is separate (`device.kind = "cpu-two-memory"`, GPUs); on the plain CPU it
+    /// only adds copies.
     pub offload_fraction: f64,
 }
 
@@ -679,6 +682,13 @@ impl JobConfig {
                 "activation_checkpoint.offload_fraction",
                 a.offload_fraction,
                 "must be in [0, 1]",
+            ));
+        }
+        if a.offload_fraction > 0.0 && a.mode != AcMode::Full {
+            return Err(invalid(
+                "activation_checkpoint.offload_fraction",
+                a.offload_fraction,
+                "needs activation_checkpoint.mode = \"full\" (only block boundaries are offloaded)",
             ));
         }
         let dv = &self.device;

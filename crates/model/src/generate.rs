@@ -38,20 +38,20 @@ fn step_logits(
         head,
         ..
     } = ws;
-    be.embedding_forward(res[0].view_mut(), params.get(model.embed).view(), ids, h);
+    be.embedding_forward(res.get_mut(0), params.get(model.embed).view(), ids, h);
     for (l, li) in model.layers.iter().enumerate() {
-        let (lo, hi) = res.split_at_mut(l + 1);
+        let (x, y) = res.pair(l);
         let kv = Kv::Cache {
             k: &mut cache.k[l],
             v: &mut cache.v[l],
             pos0,
         };
         #[rustfmt::skip]
-        block_forward(be, model, params, li, &mut blocks[0], grads, lo[l].view(), Some(hi[0].view_mut()), 1, n, kv, (l, &mut LocalExperts));
+        block_forward(be, model, params, li, &mut blocks[0], grads, x, Some(y), 1, n, kv, (l, &mut LocalExperts));
     }
     let eps = cfg.norm_eps as f32;
     #[rustfmt::skip]
-    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res[cfg.layers].view(), params.get(model.norm).view(), h, eps);
+    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res.get(cfg.layers), params.get(model.norm).view(), h, eps);
     // Only the last position's logits are needed.
     be.gemm(
         head.logits.slice_mut(0, v),

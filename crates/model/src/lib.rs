@@ -31,6 +31,7 @@ use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor}
 mod block;
 mod experts;
 mod generate;
+mod offload;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -38,11 +39,12 @@ mod workspace;
 
 pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
 pub use generate::{continuation_losses, generate};
+pub use offload::OffloadFault;
 pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,
     update_router_bias, GradSink, LocalParams, ParamSource, Pass,
 };
-pub use workspace::{activation_bytes, Workspace};
+pub use workspace::{activation_bytes, activation_bytes_offloaded, Workspace};
 
 /// The parameter table, in a fixed order: embedding, layers, final norm, LM head.
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {

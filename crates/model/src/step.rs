@@ -113,24 +113,32 @@ fn forward(
         mode,
         ..
     } = ws;
+    res.before_write(be, 0);
     be.embedding_forward(
-        res[0].view_mut(),
+        res.get_mut(0),
         src.params().get(model.embed).view(),
         inputs,
         h,
     );
+    if backward {
+        res.after_write(be, 0);
+    }
     let mut stats = vec![];
     for (l, li) in model.layers.iter().enumerate() {
         let a = match mode {
             AcMode::None => &mut blocks[l],
             AcMode::Full => &mut blocks[0],
         };
-        let (lo, hi) = res.split_at_mut(l + 1);
+        res.before_write(be, l + 1);
+        let (x, y) = res.pair(l);
         src.acquire_block(be, l, Pass::Forward);
         let params = src.params();
         #[rustfmt::skip]
-        block_forward(be, model, params, li, a, grads, lo[l].view(), Some(hi[0].view_mut()), batch, seq, Kv::Own, (l, &mut *ex));
+        block_forward(be, model, params, li, a, grads, x, Some(y), batch, seq, Kv::Own, (l, &mut *ex));
         src.release_block(be, l, Pass::Forward);
+        if backward {
+            res.after_write(be, l + 1);
+        }
         // Internals the backward will not read (recomputed under full checkpointing, or no
         // backward at all): an executor holding its own may let them go now.
         if !backward || *mode == AcMode::Full {
@@ -149,7 +157,7 @@ fn forward(
     let params = src.params();
     let eps = cfg.norm_eps as f32;
     #[rustfmt::skip]
-    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res[cfg.layers].view(), params.get(model.norm).view(), h, eps);
+    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res.get(cfg.layers), params.get(model.norm).view(), h, eps);
     #[rustfmt::skip]
     be.gemm(head.logits.view_mut(), head.xf.view(), params.get(model.lm_head).view(), Gemm::new(n, v, h, false, true));
     let loss_sum = be.cross_entropy_forward(head.lse.view_mut(), head.logits.view(), targets, v);
@@ -253,13 +261,15 @@ pub fn forward_backward_with(
     be.gemm(g.dxn.view_mut(), head.logits.view(), params.get(model.lm_head).view(), Gemm::new(local_n, h, v, false, false));
     be.fill(g.dres.view_mut(), 0.0);
     #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(model.norm).view_mut(), g.dxn.view(), res[cfg.layers].view(), params.get(model.norm).view(), head.rstd.view(), h);
+    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(model.norm).view_mut(), g.dxn.view(), res.get(cfg.layers), params.get(model.norm).view(), head.rstd.view(), h);
 
     // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
     let moe_layers = stats.len().max(1) as f64;
     let nf = n as f64;
     let mut dprob = vec![0.0f64; cfg.experts];
     for (l, li) in model.layers.iter().enumerate().rev() {
+        // The input comes back from host memory if it was offloaded; the next one starts to.
+        res.before_backward(be, l);
         src.acquire_block(be, l, Pass::Backward);
         sink.begin_block(be, l);
         let params = src.params();
@@ -268,7 +278,7 @@ pub fn forward_backward_with(
             AcMode::Full => {
                 let a = &mut blocks[0];
                 #[rustfmt::skip]
-                block_forward(be, model, params, li, a, g, res[l].view(), None, batch, seq, Kv::Own, (l, &mut *ex));
+                block_forward(be, model, params, li, a, g, res.get(l), None, batch, seq, Kv::Own, (l, &mut *ex));
                 a
             }
         };
@@ -287,7 +297,7 @@ pub fn forward_backward_with(
             }
         }
         #[rustfmt::skip]
-        block_backward(be, model, params, sink.grads(), li, a, g, res[l].view(), batch, seq, &dprob, (l, &mut *ex));
+        block_backward(be, model, params, sink.grads(), li, a, g, res.get(l), batch, seq, &dprob, (l, &mut *ex));
         sink.end_block(be, l);
         src.release_block(be, l, Pass::Backward);
     }

@@ -412,3 +412,93 @@ fn results_do_not_depend_on_the_thread_count() {
     assert_eq!(o1.loss, o3.loss);
     assert_eq!(g1, g3);
 }
+
+/// Losses of each step, final gradients, and the device and host activation peaks.
+struct OffloadRun {
+    losses: Vec<(f64, f64)>,
+    grads: Vec<Vec<f32>>,
+    device: u64,
+    host: u64,
+}
+
+/// One training step's outputs and gradients with the first `n_off` block inputs offloaded, on
+/// the two-memory backend in checking mode (an unordered access panics). Two steps run, so the
+/// second's forward reuses slots and host copies the first's backward fetched from.
+fn offload_run(n_off: usize, fault: Option<OffloadFault>) -> OffloadRun {
+    let mut c = cfg(true, true, true, false);
+    c.layers = 5;
+    let ledger = Arc::new(Ledger::new());
+    let opts = ganymede_core::TwoMemoryOptions {
+        device_capacity: None,
+        checking: true,
+    };
+    let be = CpuBackend::two_memory(ledger.clone(), opts);
+    let model = Model::new(&c);
+    let params = random_params(&be, &model, 3);
+    let mut ws = Workspace::with_offload(&be, &model, 2, c.seq_len, AcMode::Full, n_off);
+    assert_eq!(ws.offloaded(), n_off);
+    ws.inject_offload_fault(fault);
+    let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+    let mut losses = vec![];
+    for seed in [1, 5] {
+        let inputs = tokens(2 * c.seq_len, c.vocab_size, seed);
+        let targets = tokens(2 * c.seq_len, c.vocab_size, seed + 1);
+        let o = forward_backward(
+            &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+        );
+        losses.push((o.loss, o.aux_loss));
+    }
+    let g = grads
+        .tensors()
+        .iter()
+        .map(|t| be.download(t.view()))
+        .collect();
+    let report = ledger.report();
+    let act = |d| report.peak(d, Category::Activations);
+    OffloadRun {
+        losses,
+        grads: g,
+        device: act(ganymede_core::cpu::two_memory::DEVICE),
+        host: act(Device::Host),
+    }
+}
+
+#[test]
+fn activation_offload_is_exact_ordered_and_accounted() {
+    let base = offload_run(0, None);
+    let c = {
+        let mut c = cfg(true, true, true, false);
+        c.layers = 5;
+        c
+    };
+    for n_off in 1..=c.layers {
+        let r = offload_run(n_off, None);
+        assert_eq!(r.losses, base.losses, "losses with {n_off} offloaded");
+        assert!(
+            r.grads == base.grads,
+            "gradients differ with {n_off} offloaded"
+        );
+        let (dev, host) = activation_bytes_offloaded(&c, 2, c.seq_len, n_off);
+        assert_eq!(
+            (r.device, r.host),
+            (dev, host),
+            "ledger peaks with {n_off} offloaded"
+        );
+        let boundary = 4 * (2 * c.seq_len * c.hidden) as u64;
+        assert_eq!(host, n_off as u64 * boundary);
+        // Kept boundaries plus at most two slots: below the no-offload workspace from 3 on.
+        assert_eq!(base.device + n_off.min(2) as u64 * boundary, dev + host);
+    }
+}
+
+#[test]
+#[should_panic(expected = "before waiting for the from-host stream's write of it")]
+fn a_missing_prefetch_wait_is_caught() {
+    offload_run(3, Some(OffloadFault::SkipPrefetchWait));
+}
+
+#[test]
+#[should_panic(expected = "while the to-host stream's read of it (op 1) may be in flight")]
+fn overwriting_a_slot_before_its_offload_is_caught() {
+    offload_run(3, Some(OffloadFault::SkipSlotFreeWait));
+}

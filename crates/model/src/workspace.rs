@@ -3,6 +3,7 @@
 //! (`AcMode::Full`: recomputed in backward) or of every block (`AcMode::None`), one set of
 //! gradient scratch, and the head (final norm, logits). [`activation_bytes`] states the sizes.
 
+use crate::offload::Boundaries;
 use crate::{MlpIdx, Model};
 use ganymede_config::{AcMode, ModelConfig};
 use ganymede_core::{Backend, Category, Tensor};
@@ -132,8 +133,9 @@ pub struct Workspace {
     pub(crate) batch: usize,
     pub(crate) seq: usize,
     pub(crate) mode: AcMode,
-    /// Residual stream at block boundaries: `res[0]` embeddings, `res[l+1]` block `l`'s output.
-    pub(crate) res: Vec<Tensor>,
+    /// Residual stream at block boundaries: boundary 0 the embeddings, `l + 1` block `l`'s
+    /// output; some of them in host memory (see [`crate::offload`]).
+    pub(crate) res: Boundaries,
     /// One set per layer (`None`) or one shared set (`Full`).
     pub(crate) blocks: Vec<BlockActs>,
     pub(crate) grads: GradScratch,
@@ -150,8 +152,10 @@ fn ffn_width(cfg: &ModelConfig, l: usize) -> usize {
 }
 
 /// Element counts of the workspace's tensors, in allocation order: (what, elements). The one
-/// place sizes are decided; [`Workspace::new`] allocates exactly these.
-fn plan(cfg: &ModelConfig, n: usize, mode: AcMode) -> Vec<(&'static str, usize)> {
+/// place sizes are decided; [`Workspace::new`] allocates exactly these. The boundaries come
+/// first: `res` on the device, `res_slot` the device slots offloaded ones rotate through,
+/// `res_host` their pinned host copies (`n_off` of them, see [`crate::offload`]).
+fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'static str, usize)> {
     let (h, qd, kd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
     let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
     let any_moe = cfg.layers > cfg.dense_layers;
@@ -160,8 +164,15 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode) -> Vec<(&'static str, usize)>
         .max()
         .unwrap_or(0);
     let mut p = vec![];
-    for _ in 0..=cfg.layers {
+    let n_off = n_off.min(cfg.layers);
+    for _ in n_off..=cfg.layers {
         p.push(("res", n * h));
+    }
+    for _ in 0..n_off.min(2) {
+        p.push(("res_slot", n * h));
+    }
+    for _ in 0..n_off {
+        p.push(("res_host", n * h));
     }
     // A set per layer, or one set sized for every layer kind.
     let sets: Vec<(bool, usize)> = match mode {
@@ -255,10 +266,28 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode) -> Vec<(&'static str, usize)>
 /// where the sets are every layer (`AcMode::None`, each with its own kind) or one set sized
 /// for all layers (`AcMode::Full`: an MoE set if any layer is MoE, `W_set = max W`).
 pub fn activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
-    plan(cfg, batch * seq, mode)
+    plan(cfg, batch * seq, mode, 0)
         .iter()
         .map(|(_, n)| 4 * *n as u64)
         .sum()
+}
+
+/// [`activation_bytes`] split by memory with the first `offloaded` block inputs in host memory
+/// (`AcMode::Full` only): (device bytes, host bytes).
+pub fn activation_bytes_offloaded(
+    cfg: &ModelConfig,
+    batch: usize,
+    seq: usize,
+    offloaded: usize,
+) -> (u64, u64) {
+    let p = plan(cfg, batch * seq, AcMode::Full, offloaded);
+    let sum = |host: bool| -> u64 {
+        p.iter()
+            .filter(|(w, _)| (*w == "res_host") == host)
+            .map(|(_, n)| 4 * *n as u64)
+            .sum()
+    };
+    (sum(false), sum(true))
 }
 
 impl Workspace {
@@ -269,16 +298,35 @@ impl Workspace {
         seq: usize,
         mode: AcMode,
     ) -> Workspace {
+        Self::with_offload(be, model, batch, seq, mode, 0)
+    }
+
+    /// A workspace whose first `offloaded` block inputs live in host memory between their
+    /// forward and backward (`AcMode::Full` only; see [`crate::offload`]).
+    pub fn with_offload(
+        be: &dyn Backend,
+        model: &Model,
+        batch: usize,
+        seq: usize,
+        mode: AcMode,
+        offloaded: usize,
+    ) -> Workspace {
         let cfg = model.config();
         let n = batch * seq;
-        let sizes = plan(cfg, n, mode);
-        let mut it = sizes.iter();
+        assert!(
+            offloaded == 0 || mode == AcMode::Full,
+            "activation offload needs full activation checkpointing"
+        );
+        let sizes = plan(cfg, n, mode, offloaded);
+        let mut it = sizes.iter().peekable();
+        // The boundaries are allocated by `Boundaries` in the plan's order.
+        while it.next_if(|(w, _)| w.starts_with("res")).is_some() {}
+        let res = Boundaries::new(be, cfg.layers, n * cfg.hidden, offloaded);
         let mut t = |name: &str| {
             let (what, len) = it.next().expect("workspace plan exhausted");
             assert_eq!(*what, name, "workspace plan order");
             be.zeros(&[*len], Category::Activations)
         };
-        let res = (0..=cfg.layers).map(|_| t("res")).collect();
         let sets: Vec<(bool, usize)> = match mode {
             AcMode::None => (0..cfg.layers)
                 .map(|l| (cfg.is_moe_layer(l), ffn_width(cfg, l)))
@@ -398,11 +446,21 @@ impl Workspace {
     pub fn mode(&self) -> AcMode {
         self.mode
     }
-    /// Bytes this workspace holds (equals [`activation_bytes`] for an f32 backend).
+    /// Block inputs kept in host memory between forward and backward.
+    pub fn offloaded(&self) -> usize {
+        self.res.offloaded()
+    }
+    /// Leave out one of the offload's event waits (tests of the checking backend only).
+    #[doc(hidden)]
+    pub fn inject_offload_fault(&mut self, fault: Option<crate::offload::OffloadFault>) {
+        self.res.inject_fault(fault);
+    }
+    /// Bytes this workspace holds, in both memories (equals [`activation_bytes`] for an f32
+    /// backend without offload).
     pub fn bytes(&self) -> u64 {
         let mut total = 0u64;
+        total += self.res.bytes();
         let mut add = |t: &Tensor| total += t.bytes() as u64;
-        self.res.iter().for_each(&mut add);
         for b in &self.blocks {
             for t in [
                 &b.xn1, &b.rstd1, &b.q, &b.k, &b.v, &b.qr, &b.kr, &b.rstdq, &b.rstdk, &b.att,

@@ -16,7 +16,7 @@ use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
 use crate::layout::Layout;
 use crate::optim::ShardedOptimizer;
 use anyhow::{bail, Context, Result};
-use ganymede_config::{DeviceKind, JobConfig, MuonPlacement};
+use ganymede_config::{AcMode, DeviceKind, JobConfig, MuonPlacement};
 use ganymede_core::{
     Backend, Blas, Category, CpuBackend, Ledger, ParamSpec, ParamStore, Tensor, TwoMemoryOptions,
     ViewMut,
@@ -170,13 +170,13 @@ impl RankState {
                 opt,
             }
         };
-        let ws = Workspace::new(
-            &be,
-            &model,
-            t.batch_size / w,
-            m.seq_len,
-            cfg.activation_checkpoint.mode,
-        );
+        let ac = &cfg.activation_checkpoint;
+        let offloaded = match ac.mode {
+            AcMode::Full => ganymede_config::offloaded_layers(ac.offload_fraction, m.layers),
+            AcMode::None => 0,
+        };
+        let ws =
+            Workspace::with_offload(&be, &model, t.batch_size / w, m.seq_len, ac.mode, offloaded);
         let experts: Box<dyn ExpertExecutor> = if mesh.shape.ep > 1 {
             Box::new(EpExperts::new(mesh.ep.clone()))
         } else {
