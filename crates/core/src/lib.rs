@@ -51,7 +51,7 @@ pub use backend::{AdamWStep, Backend, Blas, Gemm, Memory, NnOps, OptimOps};
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};
-pub use stream::{Event, MemoryError, Stream};
+pub use stream::{CopySpan, Event, MemoryError, Stream};
 pub use tensor::{
     Buffer, DType, DeviceBuffer, DeviceView, DeviceViewMut, Scalar, Tensor, View, ViewMut,
 };

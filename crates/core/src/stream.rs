@@ -88,6 +88,15 @@ impl std::fmt::Debug for Event {
     }
 }
 
+/// One asynchronous copy as it ran, for the trace: which stream, when, how many bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct CopySpan {
+    pub stream: Stream,
+    pub start: Instant,
+    pub end: Instant,
+    pub bytes: u64,
+}
+
 /// Why an allocation failed. Callers branch on it (e.g. offload more and retry), so it is typed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MemoryError {

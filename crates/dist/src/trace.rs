@@ -1,8 +1,9 @@
 //! Per-rank timelines in Chrome trace-event JSON (opens in Perfetto and chrome://tracing).
 //!
-//! Each rank is a "process" (`pid` = rank) with three tracks: compute, communication (a
-//! collective from post to completion) and waiting (time blocked in `wait`). Overlap of a
-//! gather with compute shows as a communication span under a compute span with no wait span.
+//! Each rank is a "process" (`pid` = rank) with five tracks: compute, communication (a
+//! collective from post to completion), waiting (time blocked in `wait`), and the copies of the
+//! to-host and from-host streams (activation offload and its prefetch, optimizer state). Overlap
+//! of a gather or a copy with compute shows as a span under a compute span with no wait span.
 //! Timestamps are microseconds since the Unix epoch, so the files of separate MPI processes line
 //! up (to the hosts' clock agreement) and can be merged with [`write_chrome_trace`].
 
@@ -16,6 +17,10 @@ pub enum Track {
     Compute,
     Comm,
     Wait,
+    /// Device-to-host copies.
+    ToHost,
+    /// Host-to-device copies.
+    FromHost,
 }
 
 impl Track {
@@ -24,6 +29,8 @@ impl Track {
             Track::Compute => 0,
             Track::Comm => 1,
             Track::Wait => 2,
+            Track::ToHost => 3,
+            Track::FromHost => 4,
         }
     }
     fn name(self) -> &'static str {
@@ -31,6 +38,8 @@ impl Track {
             Track::Compute => "compute",
             Track::Comm => "communication",
             Track::Wait => "waiting",
+            Track::ToHost => "to-host copies",
+            Track::FromHost => "from-host copies",
         }
     }
 }
@@ -125,7 +134,13 @@ impl Tracer {
             "ph": "M", "name": "process_name", "pid": pid, "tid": 0,
             "args": {"name": format!("rank {pid}")}
         })];
-        for t in [Track::Compute, Track::Comm, Track::Wait] {
+        for t in [
+            Track::Compute,
+            Track::Comm,
+            Track::Wait,
+            Track::ToHost,
+            Track::FromHost,
+        ] {
             out.push(serde_json::json!({
                 "ph": "M", "name": "thread_name", "pid": pid, "tid": t.tid(),
                 "args": {"name": t.name()}
@@ -150,6 +165,8 @@ fn t_cat(t: Track) -> &'static str {
         Track::Compute => "compute",
         Track::Comm => "comm",
         Track::Wait => "wait",
+        Track::ToHost => "to_host",
+        Track::FromHost => "from_host",
     }
 }
 

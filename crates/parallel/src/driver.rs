@@ -18,17 +18,18 @@ use crate::optim::ShardedOptimizer;
 use anyhow::{bail, Context, Result};
 use ganymede_config::{AcMode, DeviceKind, JobConfig, MuonPlacement};
 use ganymede_core::{
-    Backend, Blas, Category, CpuBackend, Ledger, ParamSpec, ParamStore, Tensor, TwoMemoryOptions,
-    ViewMut,
+    Backend, Blas, Category, CpuBackend, Ledger, Memory, ParamSpec, ParamStore, Stream, Tensor,
+    TwoMemoryOptions, ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::placement::plan;
 use ganymede_dist::{
-    check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, Policy, ProcessGroup, Track,
+    check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, Policy, ProcessGroup, Tracer,
+    Track,
 };
 use ganymede_model::{
     forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, LocalExperts,
-    LocalParams, Model, Workspace,
+    LocalParams, Model, ParamSource, Pass, Workspace,
 };
 use ganymede_optim::{clip_coef, lr_at, Optimizer};
 use std::sync::Arc;
@@ -182,6 +183,9 @@ impl RankState {
         } else {
             Box::new(LocalExperts)
         };
+        if mesh.dp_shard.ctx().tracer.enabled() {
+            be.trace_copies(true);
+        }
         Ok(RankState {
             experts,
             be,
@@ -220,7 +224,11 @@ impl RankState {
                 for g in grads.tensors_mut() {
                     be.fill(g.view_mut(), 0.0);
                 }
-                let mut src = LocalParams(params);
+                let mut src = TracedBlocks {
+                    inner: LocalParams(params),
+                    tracer: &ctx.tracer,
+                    started: None,
+                };
                 forward_backward_with(be, model, &mut src, grads, ex, ws, &x, &y, 1.0)
             }
             Shards::Fsdp { params, grads, .. } => {
@@ -267,6 +275,7 @@ impl RankState {
         }
         ctx.tracer
             .record("optimizer", Track::Compute, t0, Instant::now(), None);
+        self.trace_copies(&ctx.tracer);
         Ok(StepReport {
             loss,
             aux_loss: out.aux_loss,
@@ -276,6 +285,21 @@ impl RankState {
             expert_load: out.expert_load,
             comm: ctx.stats.snapshot(),
         })
+    }
+
+    /// Move the backend's finished asynchronous copies onto the trace's copy tracks.
+    fn trace_copies(&self, tracer: &Tracer) {
+        if !tracer.enabled() {
+            return;
+        }
+        for c in self.be.take_copy_spans() {
+            let (track, what) = match c.stream {
+                Stream::ToHost => (Track::ToHost, "to host"),
+                Stream::FromHost => (Track::FromHost, "from host"),
+                Stream::Comm | Stream::Compute => (Track::Comm, "copy"),
+            };
+            tracer.record(what, track, c.start, c.end, Some(c.bytes));
+        }
     }
 
     /// Collective: mean loss over `metrics.val_batches` fixed validation batches (aux excluded),
@@ -321,6 +345,33 @@ impl RankState {
                 }
             };
             router_bias_step(&self.be, t, experts, load, coeff);
+        }
+    }
+}
+
+/// The single-process parameter source, recording each block's compute on the trace as the
+/// FSDP hooks do on more ranks (so a world of one shows its copies against its blocks too).
+struct TracedBlocks<'a> {
+    inner: LocalParams<'a>,
+    tracer: &'a Tracer,
+    started: Option<Instant>,
+}
+
+impl ParamSource for TracedBlocks<'_> {
+    fn params(&self) -> &ParamStore {
+        self.inner.params()
+    }
+    fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {
+        self.started = self.tracer.enabled().then(Instant::now);
+    }
+    fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) {
+        if let Some(t0) = self.started.take() {
+            let name = match pass {
+                Pass::Forward => format!("block {l} forward"),
+                Pass::Backward => format!("block {l} backward"),
+            };
+            self.tracer
+                .record(name, Track::Compute, t0, Instant::now(), None);
         }
     }
 }

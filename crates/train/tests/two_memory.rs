@@ -142,3 +142,47 @@ fn activation_offload_changes_no_loss_at_one_and_four_ranks() {
         }
     }
 }
+
+#[test]
+fn the_trace_shows_offload_copies_on_their_own_tracks() {
+    let cfg = tiny(&[
+        "model.layers=4",
+        "training.steps=2",
+        "device.kind=\"cpu-two-memory\"",
+        "device.check_streams=true",
+        "activation_checkpoint.offload_fraction=0.75",
+    ]);
+    let path = tmp("trace.json");
+    let o = TrainOptions {
+        out: Some(tmp("trace")),
+        quiet: true,
+        trace: Some(path.clone()),
+        ..Default::default()
+    };
+    train(&cfg, None, &o).unwrap();
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let evs = doc["traceEvents"].as_array().unwrap();
+    let track = |name: &str| {
+        evs.iter()
+            .find(|e| e["name"] == "thread_name" && e["args"]["name"] == name)
+            .map(|e| e["tid"].clone())
+            .unwrap_or_else(|| panic!("no {name} track"))
+    };
+    let count = |tid: &serde_json::Value, prefix: &str| {
+        evs.iter()
+            .filter(|e| e["ph"] == "X" && &e["tid"] == tid)
+            .filter(|e| e["name"].as_str().unwrap().starts_with(prefix))
+            .count()
+    };
+    let (compute, to_host, from_host) = (
+        track("compute"),
+        track("to-host copies"),
+        track("from-host copies"),
+    );
+    assert!(compute != to_host && to_host != from_host && compute != from_host);
+    // Three of four block inputs go out in each step's forward and come back in its backward.
+    assert_eq!(count(&to_host, "to host"), 3 * 2);
+    assert_eq!(count(&from_host, "from host"), 3 * 2);
+    assert_eq!(count(&compute, "block"), 4 * 2 * 2);
+}

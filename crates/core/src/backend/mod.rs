@@ -10,7 +10,7 @@ pub use nn::NnOps;
 pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
-use crate::stream::{Event, MemoryError, Stream};
+use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Tensor, View, ViewMut};
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,6 +86,15 @@ pub trait Memory: Send + Sync {
     /// Time from `start` to `end` (waits for both to complete).
     fn elapsed(&self, start: &Event, end: &Event) -> Duration {
         Event::completed_elapsed(start, end).expect("events of another backend")
+    }
+    /// Start (or stop) keeping a [`CopySpan`] for each asynchronous copy, for the trace.
+    fn trace_copies(&self, on: bool) {
+        let _ = on;
+    }
+    /// The spans of copies finished since the last call (none on a backend whose copies are
+    /// synchronous: they show inside the compute that issued them).
+    fn take_copy_spans(&self) -> Vec<CopySpan> {
+        Vec::new()
     }
 }
 

@@ -10,7 +10,7 @@ pub mod two_memory;
 use crate::backend::Memory;
 use crate::bf16;
 use crate::ledger::{Category, Device, Ledger};
-use crate::stream::{Event, MemoryError, Stream};
+use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, Tensor, View, ViewMut};
 use std::sync::Arc;
 use std::time::Duration;
@@ -235,5 +235,15 @@ impl Memory for CpuBackend {
             Some(two) => two.elapsed(start, end),
             None => Event::completed_elapsed(start, end).expect("events of another backend"),
         }
+    }
+    fn trace_copies(&self, on: bool) {
+        if let Some(two) = &self.two {
+            two.trace_copies(on)
+        }
+    }
+    fn take_copy_spans(&self) -> Vec<CopySpan> {
+        self.two
+            .as_ref()
+            .map_or_else(Vec::new, |two| two.take_copy_spans())
     }
 }

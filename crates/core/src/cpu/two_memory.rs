@@ -22,11 +22,11 @@
 //! before touching it, and copy threads take a per-buffer lock while copying.
 
 use crate::ledger::{Category, Device, Ledger};
-use crate::stream::{Event, MemoryError, Stream};
+use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, DeviceBuffer, Tensor, View, ViewMut};
 use std::any::Any;
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -110,6 +110,9 @@ fn merge(into: &mut Clock, from: &Clock) {
 struct Shared {
     checking: bool,
     clocks: Mutex<Clocks>,
+    /// Keep a span per copy (`trace_copies`), drained by `take_copy_spans`.
+    tracing: AtomicBool,
+    spans: Mutex<Vec<CopySpan>>,
 }
 
 #[derive(Default)]
@@ -326,7 +329,7 @@ enum Job {
     Wait(Arc<EventInner>),
 }
 
-fn copy_thread(jobs: std::sync::mpsc::Receiver<Job>) {
+fn copy_thread(stream: Stream, shared: Arc<Shared>, jobs: std::sync::mpsc::Receiver<Job>) {
     for job in jobs {
         match job {
             Job::Copy {
@@ -336,6 +339,7 @@ fn copy_thread(jobs: std::sync::mpsc::Receiver<Job>) {
                 dst_byte,
                 bytes,
             } => {
+                let start = Instant::now();
                 {
                     // Lock in id order so two copy threads never deadlock.
                     let (first, second) = if src.id <= dst.id {
@@ -350,6 +354,14 @@ fn copy_thread(jobs: std::sync::mpsc::Receiver<Job>) {
                     unsafe {
                         std::ptr::copy(src.ptr.add(src_byte), dst.ptr.add(dst_byte), bytes);
                     }
+                }
+                if shared.tracing.load(Ordering::Relaxed) {
+                    lock(&shared.spans).push(CopySpan {
+                        stream,
+                        start,
+                        end: Instant::now(),
+                        bytes: bytes as u64,
+                    });
                 }
                 src.copy_done(false);
                 dst.copy_done(true);
@@ -374,24 +386,28 @@ pub(crate) struct TwoMemory {
 
 impl TwoMemory {
     pub(crate) fn new(options: TwoMemoryOptions) -> Self {
+        let shared = Arc::new(Shared {
+            checking: options.checking,
+            clocks: Mutex::new(Clocks {
+                vc: [[0; SLOTS]; SLOTS],
+            }),
+            tracing: AtomicBool::new(false),
+            spans: Mutex::new(Vec::new()),
+        });
         let mut queues = vec![None];
         let mut threads = Vec::new();
-        for s in &Stream::ALL[1..] {
+        for &s in &Stream::ALL[1..] {
             let (tx, rx) = channel();
+            let sh = shared.clone();
             let t = std::thread::Builder::new()
                 .name(format!("ganymede-{}", s.name()))
-                .spawn(move || copy_thread(rx))
+                .spawn(move || copy_thread(s, sh, rx))
                 .expect("spawning a copy thread");
             queues.push(Some(tx));
             threads.push(t);
         }
         TwoMemory {
-            shared: Arc::new(Shared {
-                checking: options.checking,
-                clocks: Mutex::new(Clocks {
-                    vc: [[0; SLOTS]; SLOTS],
-                }),
-            }),
+            shared,
             capacity: options.device_capacity,
             queues: Mutex::new(queues),
             threads: Mutex::new(threads),
@@ -580,6 +596,14 @@ impl TwoMemory {
     }
 
     /// Wait for every stream; the host is then ordered after all issued work.
+    pub(crate) fn trace_copies(&self, on: bool) {
+        self.shared.tracing.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn take_copy_spans(&self) -> Vec<CopySpan> {
+        std::mem::take(&mut *lock(&self.shared.spans))
+    }
+
     pub(crate) fn synchronize(&self) {
         for s in Stream::ALL {
             let e = self.record_event(s).into_event();
