@@ -47,7 +47,10 @@ pub mod params;
 pub mod stream;
 pub mod tensor;
 
-pub use backend::{AdamWStep, Backend, Blas, Gemm, Memory, NnOps, OptimOps};
+pub use backend::{
+    AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, Dispatched, Gemm, HeadRope, Memory,
+    NnOps, NormSaved, OptimOps, RouterDims, RouterOut,
+};
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};

@@ -247,11 +247,9 @@ impl MpiGroup {
 
     /// Post with staged buffers: `post` gets `'static` views of the staging and returns the
     /// request; the result is copied into `out` by `wait`.
-    #[allow(clippy::too_many_arguments)]
     fn stage<'a, E: Elem>(
         &'a self,
-        op: Op,
-        phase: Phase,
+        (op, phase): (Op, Phase),
         (sent, recv_b): (u64, u64),
         send: Box<[E]>,
         mut recv: Box<[E]>,
@@ -300,8 +298,7 @@ impl MpiGroup {
         }
         let vol = volume(Op::AllGather, w, n, es, false);
         self.stage(
-            Op::AllGather,
-            phase,
+            (Op::AllGather, phase),
             vol,
             boxed(send),
             zeros(w * n),
@@ -328,8 +325,7 @@ impl MpiGroup {
         }
         let vol = volume(Op::ReduceScatter, w, n, es, false);
         self.stage(
-            Op::ReduceScatter,
-            phase,
+            (Op::ReduceScatter, phase),
             vol,
             boxed(send),
             zeros(n),
@@ -351,8 +347,7 @@ impl MpiGroup {
         let vol = volume(Op::AllReduce, w, n, es, false);
         let send = boxed(buf);
         self.stage(
-            Op::AllReduce,
-            phase,
+            (Op::AllReduce, phase),
             vol,
             send,
             zeros(n),
@@ -399,8 +394,7 @@ impl MpiGroup {
         let (sd, rd) = (displs(&sc), displs(&rc));
         let n_out = out.len();
         self.stage(
-            Op::AllToAllV,
-            phase,
+            (Op::AllToAllV, phase),
             vol,
             boxed(send),
             zeros(n_out),
@@ -430,8 +424,7 @@ impl MpiGroup {
         // The staging receive buffer is the broadcast buffer (root: filled with its data).
         let stage: Box<[E]> = if is_root { boxed(buf) } else { zeros(n) };
         self.stage(
-            Op::Broadcast,
-            phase,
+            (Op::Broadcast, phase),
             vol,
             Box::new([]),
             stage,
@@ -457,8 +450,7 @@ impl MpiGroup {
         let vol = volume(Op::Reduce, w, n, es, is_root);
         let send = boxed(buf);
         self.stage(
-            Op::Reduce,
-            phase,
+            (Op::Reduce, phase),
             vol,
             send,
             zeros(if is_root { n } else { 0 }),
@@ -506,8 +498,7 @@ impl MpiGroup {
         }
         let vol = volume(Op::Gather, w, n, es, is_root);
         self.stage(
-            Op::Gather,
-            phase,
+            (Op::Gather, phase),
             vol,
             boxed(send),
             zeros(if is_root { w * n } else { 0 }),
@@ -546,8 +537,7 @@ impl MpiGroup {
         }
         let vol = volume(Op::Scatter, w, n, es, is_root);
         self.stage(
-            Op::Scatter,
-            phase,
+            (Op::Scatter, phase),
             vol,
             send.map_or_else(|| Box::new([]) as Box<[E]>, boxed),
             zeros(n),
@@ -593,8 +583,7 @@ impl ProcessGroup for MpiGroup {
     }
     fn ibarrier(&self) -> Result<Work<'_>> {
         self.stage::<f32>(
-            Op::Barrier,
-            Phase::Other,
+            (Op::Barrier, Phase::Other),
             (0, 0),
             Box::new([]),
             Box::new([]),

@@ -407,11 +407,9 @@ impl ThreadGroup {
         Ok(got)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn start<'a>(
         &'a self,
-        op: Op,
-        phase: Phase,
+        (op, phase): (Op, Phase),
         sig: Sig,
         data: Data,
         meta: Vec<usize>,
@@ -465,8 +463,7 @@ impl ThreadGroup {
         });
         let sig = self.sig(Op::AllGather, 0, es, n);
         self.start(
-            Op::AllGather,
-            phase,
+            (Op::AllGather, phase),
             sig,
             E::wrap(send.to_vec()),
             vec![],
@@ -496,8 +493,7 @@ impl ThreadGroup {
         });
         let sig = self.sig(Op::ReduceScatter, 0, es, n);
         self.start(
-            Op::ReduceScatter,
-            phase,
+            (Op::ReduceScatter, phase),
             sig,
             E::wrap(send.to_vec()),
             vec![],
@@ -515,10 +511,9 @@ impl ThreadGroup {
             Ok(())
         });
         let sig = self.sig(Op::AllReduce, 0, es, n);
-        self.start(Op::AllReduce, phase, sig, data, vec![], vol, finish)
+        self.start((Op::AllReduce, phase), sig, data, vec![], vol, finish)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn alltoallv_t<'a, E: Elem>(
         &'a self,
         send: &[E],
@@ -581,8 +576,7 @@ impl ThreadGroup {
         });
         let sig = self.sig(Op::AllToAllV, 0, es, 0);
         self.start(
-            Op::AllToAllV,
-            phase,
+            (Op::AllToAllV, phase),
             sig,
             E::wrap(send.to_vec()),
             meta,
@@ -613,7 +607,7 @@ impl ThreadGroup {
             Ok(())
         });
         let sig = self.sig(Op::Broadcast, root, es, n);
-        self.start(Op::Broadcast, phase, sig, data, vec![], vol, finish)
+        self.start((Op::Broadcast, phase), sig, data, vec![], vol, finish)
     }
 
     fn reduce_t<'a, E: Elem>(
@@ -634,7 +628,7 @@ impl ThreadGroup {
             Ok(())
         });
         let sig = self.sig(Op::Reduce, root, es, n);
-        self.start(Op::Reduce, phase, sig, data, vec![], vol, finish)
+        self.start((Op::Reduce, phase), sig, data, vec![], vol, finish)
     }
 
     fn gather_t<'a, E: Elem>(
@@ -668,8 +662,7 @@ impl ThreadGroup {
         });
         let sig = self.sig(Op::Gather, root, es, n);
         self.start(
-            Op::Gather,
-            phase,
+            (Op::Gather, phase),
             sig,
             E::wrap(send.to_vec()),
             vec![],
@@ -706,7 +699,7 @@ impl ThreadGroup {
             Ok(())
         });
         let sig = self.sig(Op::Scatter, root, es, n);
-        self.start(Op::Scatter, phase, sig, data, vec![], vol, finish)
+        self.start((Op::Scatter, phase), sig, data, vec![], vol, finish)
     }
 }
 
@@ -752,8 +745,7 @@ impl ProcessGroup for ThreadGroup {
         let sig = self.sig(Op::Barrier, 0, 0, 0);
         let finish: Finish<'_> = Box::new(|_: &Collected| Ok(()));
         self.start(
-            Op::Barrier,
-            Phase::Other,
+            (Op::Barrier, Phase::Other),
             sig,
             Data::Nothing,
             vec![],

@@ -6,7 +6,7 @@
 
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{Category, CpuBackend, Memory, ParamStore};
-use ganymede_model::{forward_backward, Model, Workspace};
+use ganymede_model::{forward_backward, Model, Tokens, Workspace};
 use std::io::Write;
 
 fn write_f32(path: &std::path::Path, x: &[f32]) {
@@ -61,7 +61,16 @@ fn main() {
     let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     let mut ws = Workspace::new(&be, &model, batch, seq, AcMode::Full);
     let o = forward_backward(
-        &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+        &be,
+        &model,
+        &params,
+        &mut grads,
+        &mut ws,
+        Tokens {
+            inputs: &inputs,
+            targets: &targets,
+        },
+        1.0,
     );
     let mut manifest = serde_json::json!({
         "config": cfg, "batch": batch, "seq": seq, "loss": o.loss,

@@ -6,7 +6,7 @@
 
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{Category, CpuBackend, ParamStore};
-use ganymede_model::{activation_bytes, forward_backward, Model, Workspace};
+use ganymede_model::{activation_bytes, forward_backward, Model, Tokens, Workspace};
 use std::time::Instant;
 
 #[repr(C)]
@@ -63,7 +63,16 @@ fn main() {
             for i in 0..steps + 2 {
                 let (t, c) = (Instant::now(), cpu_time());
                 forward_backward(
-                    &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+                    &be,
+                    &model,
+                    &params,
+                    &mut grads,
+                    &mut ws,
+                    Tokens {
+                        inputs: &inputs,
+                        targets: &targets,
+                    },
+                    1.0,
                 );
                 if i >= 2 {
                     times.push(t.elapsed().as_secs_f64());

@@ -13,8 +13,30 @@
 
 use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::workspace::{BlockActs, FfnActs, GradScratch};
-use crate::{LayerIdx, MlpIdx, Model};
-use ganymede_core::{Backend, Gemm, ParamStore, Tensor, View, ViewMut};
+use crate::{MlpIdx, Model};
+use ganymede_core::{
+    AttnDims, AttnGrads, AttnSaved, Backend, Dispatched, Gemm, HeadRope, NormSaved, ParamStore,
+    RouterDims, RouterOut, Tensor, View, ViewMut,
+};
+
+/// What every kernel call of a block shares: the backend, the model, its parameters as they
+/// stand (gathered, under FSDP) and the batch shape.
+pub(crate) struct Ctx<'a> {
+    pub be: &'a dyn Backend,
+    pub model: &'a Model,
+    pub params: &'a ParamStore,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+/// An every-token SwiGLU: its gate, up and down parameters, of `parts` stacked experts of
+/// hidden `fs` each (one part for a dense layer).
+#[derive(Clone, Copy)]
+struct Ffn {
+    idx: (usize, usize, usize),
+    parts: usize,
+    fs: usize,
+}
 
 /// Where attention's keys and values live.
 pub(crate) enum Kv<'a> {
@@ -28,23 +50,25 @@ pub(crate) enum Kv<'a> {
     },
 }
 
-/// Forward through one block. `y` receives the output; `None` recomputes the internals only
-/// (activation checkpointing: the output is already known).
-#[allow(clippy::too_many_arguments)]
+/// Forward through block `layer`. `y` receives the output; `None` recomputes the internals
+/// only (activation checkpointing: the output is already known).
 pub(crate) fn block_forward(
-    be: &dyn Backend,
-    model: &Model,
-    params: &ParamStore,
-    li: &LayerIdx,
+    cx: &Ctx,
     a: &mut BlockActs,
     g: &mut GradScratch,
     x: View,
     mut y: Option<ViewMut>,
-    batch: usize,
-    seq: usize,
     kv: Kv,
     (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) {
+    let Ctx {
+        be,
+        model,
+        params,
+        batch,
+        seq,
+    } = *cx;
+    let li = &model.layers[layer];
     let cfg = model.config();
     let n = batch * seq;
     let (h, qd, kd, nh, nkv, hd) = (
@@ -88,23 +112,41 @@ pub(crate) fn block_forward(
         Kv::Own => 0,
         Kv::Cache { pos0, .. } => *pos0,
     };
-    #[rustfmt::skip]
-    be.head_norm_rope_forward(a.qr.view_mut(), a.rstdq.view_mut(), a.q.view(), w(li.q_norm), nh, hd, seq, pos0, theta, eps);
+    let rope = |heads, pos0| HeadRope {
+        heads,
+        head_dim: hd,
+        seq,
+        pos0,
+        theta,
+        eps,
+    };
+    let attn = |batch, tk| AttnDims {
+        batch,
+        tq: seq,
+        tk,
+        heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+    };
+    let (qr, rstdq) = (a.qr.view_mut(), a.rstdq.view_mut());
+    be.head_norm_rope_forward(qr, rstdq, a.q.view(), w(li.q_norm), rope(nh, pos0));
     match kv {
         Kv::Own => {
-            #[rustfmt::skip]
-            be.head_norm_rope_forward(a.kr.view_mut(), a.rstdk.view_mut(), a.k.view(), w(li.k_norm), nkv, hd, seq, 0, theta, eps);
-            #[rustfmt::skip]
-            be.attention_forward(a.att.view_mut(), a.lse.view_mut(), a.qr.view(), a.kr.view(), a.v.view(), batch, seq, seq, nh, nkv, hd);
+            let (kr, rstdk) = (a.kr.view_mut(), a.rstdk.view_mut());
+            be.head_norm_rope_forward(kr, rstdk, a.k.view(), w(li.k_norm), rope(nkv, 0));
+            let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
+            let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
+            be.attention_forward(att, lse, q, k, v, attn(batch, seq));
         }
         Kv::Cache { k, v, pos0 } => {
             assert_eq!(batch, 1, "a KV cache holds one sequence");
             let tk = pos0 + seq;
-            #[rustfmt::skip]
-            be.head_norm_rope_forward(k.slice_mut(pos0 * kd, n * kd), a.rstdk.view_mut(), a.k.view(), w(li.k_norm), nkv, hd, seq, pos0, theta, eps);
+            let (kc, rstdk) = (k.slice_mut(pos0 * kd, n * kd), a.rstdk.view_mut());
+            be.head_norm_rope_forward(kc, rstdk, a.k.view(), w(li.k_norm), rope(nkv, pos0));
             be.copy(v.slice_mut(pos0 * kd, n * kd), a.v.view());
-            #[rustfmt::skip]
-            be.attention_forward(a.att.view_mut(), a.lse.view_mut(), a.qr.view(), k.slice(0, tk * kd), v.slice(0, tk * kd), 1, seq, tk, nh, nkv, hd);
+            let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
+            let (q, k, v) = (a.qr.view(), k.slice(0, tk * kd), v.slice(0, tk * kd));
+            be.attention_forward(att, lse, q, k, v, attn(1, tk));
         }
     }
     be.gemm(
@@ -114,8 +156,8 @@ pub(crate) fn block_forward(
         Gemm::new(n, h, qd, false, true),
     );
     be.add(a.xmid.view_mut(), x);
-    #[rustfmt::skip]
-    be.rmsnorm_forward(a.xn2.view_mut(), a.rstd2.view_mut(), a.xmid.view(), w(li.post_norm), h, eps);
+    let (xn2, rstd2) = (a.xn2.view_mut(), a.rstd2.view_mut());
+    be.rmsnorm_forward(xn2, rstd2, a.xmid.view(), w(li.post_norm), h, eps);
     if let Some(y) = y.as_mut() {
         be.copy(y.reborrow(), a.xmid.view());
     }
@@ -123,8 +165,12 @@ pub(crate) fn block_forward(
     match li.mlp {
         MlpIdx::Dense { gate, up, down } => {
             let f = a.ffn.as_mut().expect("dense activations");
-            #[rustfmt::skip]
-            ffn_forward(be, f, a.xn2.view(), params, (gate, up, down), 1, cfg.dense_hidden, y, n, h);
+            let ffn = Ffn {
+                idx: (gate, up, down),
+                parts: 1,
+                fs: cfg.dense_hidden,
+            };
+            ffn_forward(cx, f, a.xn2.view(), ffn, y);
         }
         MlpIdx::Moe {
             router,
@@ -143,17 +189,18 @@ pub(crate) fn block_forward(
                 w(router),
                 Gemm::new(n, e, h, false, true),
             );
-            be.router_forward(
-                m.probs.view_mut(),
-                m.rw.view_mut(),
-                &mut m.r.idx[..n * k],
-                &mut m.r.psum,
-                rl.slice(0, n * e),
-                bias.map(w),
-                e,
+            let out = RouterOut {
+                probs: m.probs.view_mut(),
+                weights: m.rw.view_mut(),
+                idx: &mut m.r.idx[..n * k],
+                psum: &mut m.r.psum,
+            };
+            let rd = RouterDims {
+                experts: e,
                 k,
-                cfg.norm_topk_prob,
-            );
+                renorm: cfg.norm_topk_prob,
+            };
+            be.router_forward(out, rl.slice(0, n * e), bias.map(w), rd);
             m.r.dispatch(k);
             be.moe_gather(m.xe.view_mut(), a.xn2.view(), &m.r.src, h);
             let io = ExpertsIo {
@@ -176,31 +223,35 @@ pub(crate) fn block_forward(
             };
             ex.forward(be, &io, bufs);
             if let Some(y) = y.as_mut() {
-                be.moe_combine(y.reborrow(), m.ye.view(), m.rw.view(), &m.r.pos, k, h);
+                let d = Dispatched {
+                    pos: &m.r.pos,
+                    k,
+                    dim: h,
+                };
+                be.moe_combine(y.reborrow(), m.ye.view(), m.rw.view(), d);
             }
             if let Some(sh) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
-                #[rustfmt::skip]
-                ffn_forward(be, f, a.xn2.view(), params, sh, cfg.shared_experts, cfg.shared_hidden(), y, n, h);
+                let ffn = Ffn {
+                    idx: sh,
+                    parts: cfg.shared_experts,
+                    fs: cfg.shared_hidden(),
+                };
+                ffn_forward(cx, f, a.xn2.view(), ffn, y);
             }
         }
     }
 }
 
-/// Every-token SwiGLU of `parts` stacked experts of hidden `fs`; adds its output into `y`.
-#[allow(clippy::too_many_arguments)]
-fn ffn_forward(
-    be: &dyn Backend,
-    f: &mut FfnActs,
-    xn: View,
-    params: &ParamStore,
-    (gate, up, down): (usize, usize, usize),
-    parts: usize,
-    fs: usize,
-    y: Option<ViewMut>,
-    n: usize,
-    h: usize,
-) {
+/// An every-token SwiGLU; adds its output into `y`.
+fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>) {
+    let (be, params) = (cx.be, cx.params);
+    let (n, h) = (cx.batch * cx.seq, cx.model.config().hidden);
+    let Ffn {
+        idx: (gate, up, down),
+        parts,
+        fs,
+    } = ffn;
     let width = parts * fs;
     let nw = n * width;
     let gm = Gemm::new(n, width, h, false, true);
@@ -223,21 +274,23 @@ fn ffn_forward(
 /// Backward through one block whose internals are in `a`. On entry `g.dres` holds the gradient
 /// of the block's output; on return, of its input `x`. Weight gradients are added to `grads`.
 /// `dprob_const` is the auxiliary loss's gradient with respect to each router probability.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn block_backward(
-    be: &dyn Backend,
-    model: &Model,
-    params: &ParamStore,
+    cx: &Ctx,
     grads: &mut ParamStore,
-    li: &LayerIdx,
     a: &BlockActs,
     g: &mut GradScratch,
     x: View,
-    batch: usize,
-    seq: usize,
     dprob_const: &[f64],
     (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) {
+    let Ctx {
+        be,
+        model,
+        params,
+        batch,
+        seq,
+    } = *cx;
+    let li = &model.layers[layer];
     let cfg = model.config();
     let n = batch * seq;
     let (h, qd, kd, nh, nkv, hd) = (
@@ -255,8 +308,12 @@ pub(crate) fn block_backward(
     match li.mlp {
         MlpIdx::Dense { gate, up, down } => {
             let f = a.ffn.as_ref().expect("dense activations");
-            #[rustfmt::skip]
-            ffn_backward(be, f, a.xn2.view(), params, grads, (gate, up, down), 1, cfg.dense_hidden, g, 0.0, n, h);
+            let ffn = Ffn {
+                idx: (gate, up, down),
+                parts: 1,
+                fs: cfg.dense_hidden,
+            };
+            ffn_backward(cx, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
         MlpIdx::Moe {
             router,
@@ -291,8 +348,13 @@ pub(crate) fn block_backward(
                 du.as_mut().unwrap(),
                 dxe.as_mut().unwrap(),
             );
-            #[rustfmt::skip]
-            be.moe_combine_backward(dye.view_mut(), drw.view_mut(), dres.view(), m.ye.view(), m.rw.view(), &m.r.pos, k, h);
+            let disp = Dispatched {
+                pos: &m.r.pos,
+                k,
+                dim: h,
+            };
+            let (ye, rw) = (m.ye.view(), m.rw.view());
+            be.moe_combine_backward(dye.view_mut(), drw.view_mut(), dres.view(), ye, rw, disp);
             let io = ExpertsIo {
                 layer,
                 counts: &m.r.counts,
@@ -316,26 +378,45 @@ pub(crate) fn block_backward(
                 dxe: dxe.view_mut(),
             };
             ex.backward(be, &io, grads, bufs);
-            #[rustfmt::skip]
-            be.router_backward(drl.view_mut(), drw.view(), m.probs.view(), &m.r.idx, dprob_const, e, k, cfg.norm_topk_prob);
+            let rd = RouterDims {
+                experts: e,
+                k,
+                renorm: cfg.norm_topk_prob,
+            };
+            let (idx, probs) = (&m.r.idx, m.probs.view());
+            be.router_backward(drl.view_mut(), drw.view(), probs, idx, dprob_const, rd);
             be.gemm(
                 dxn.view_mut(),
                 drl.view(),
                 w(router),
                 Gemm::new(n, h, e, false, false),
             );
-            #[rustfmt::skip]
-            be.gemm(grads.get_mut(router).view_mut(), drl.view(), a.xn2.view(), Gemm::new(e, h, n, true, false).beta(1.0));
-            be.moe_gather_backward(dxn.view_mut(), dxe.view(), &m.r.pos, k, h);
+            let gr = Gemm::new(e, h, n, true, false).beta(1.0);
+            be.gemm(
+                grads.get_mut(router).view_mut(),
+                drl.view(),
+                a.xn2.view(),
+                gr,
+            );
+            be.moe_gather_backward(dxn.view_mut(), dxe.view(), disp);
             if let Some(sh) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
-                #[rustfmt::skip]
-                ffn_backward(be, f, a.xn2.view(), params, grads, sh, cfg.shared_experts, cfg.shared_hidden(), g, 1.0, n, h);
+                let ffn = Ffn {
+                    idx: sh,
+                    parts: cfg.shared_experts,
+                    fs: cfg.shared_hidden(),
+                };
+                ffn_backward(cx, grads, f, a.xn2.view(), ffn, g, 1.0);
             }
         }
     }
-    #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(li.post_norm).view_mut(), g.dxn.view(), a.xmid.view(), w(li.post_norm), a.rstd2.view(), h);
+    let saved = NormSaved {
+        x: a.xmid.view(),
+        w: w(li.post_norm),
+        rstd: a.rstd2.view(),
+    };
+    let dw = grads.get_mut(li.post_norm).view_mut();
+    be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
 
     // Attention: the residual passes g.dres through unchanged; add the branch's gradient.
     be.gemm(
@@ -344,24 +425,63 @@ pub(crate) fn block_backward(
         w(li.o),
         Gemm::new(n, qd, h, false, false),
     );
-    #[rustfmt::skip]
-    be.gemm(grads.get_mut(li.o).view_mut(), g.dres.view(), a.att.view(), Gemm::new(h, qd, n, true, false).beta(1.0));
-    #[rustfmt::skip]
-    be.attention_backward(g.dqr.view_mut(), g.dkr.view_mut(), g.dv.view_mut(), g.datt.view(), a.att.view(), a.qr.view(), a.kr.view(), a.v.view(), a.lse.view(), batch, seq, seq, nh, nkv, hd);
-    #[rustfmt::skip]
-    be.head_norm_rope_backward(g.dq.view_mut(), grads.get_mut(li.q_norm).view_mut(), g.dqr.view(), a.q.view(), w(li.q_norm), a.rstdq.view(), nh, hd, seq, 0, theta);
-    #[rustfmt::skip]
-    be.head_norm_rope_backward(g.dk.view_mut(), grads.get_mut(li.k_norm).view_mut(), g.dkr.view(), a.k.view(), w(li.k_norm), a.rstdk.view(), nkv, hd, seq, 0, theta);
+    let go = Gemm::new(h, qd, n, true, false).beta(1.0);
+    be.gemm(
+        grads.get_mut(li.o).view_mut(),
+        g.dres.view(),
+        a.att.view(),
+        go,
+    );
+    let ag = AttnGrads {
+        dq: g.dqr.view_mut(),
+        dk: g.dkr.view_mut(),
+        dv: g.dv.view_mut(),
+    };
+    let saved = AttnSaved {
+        out: a.att.view(),
+        q: a.qr.view(),
+        k: a.kr.view(),
+        v: a.v.view(),
+        lse: a.lse.view(),
+    };
+    let dims = AttnDims {
+        batch,
+        tq: seq,
+        tk: seq,
+        heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+    };
+    be.attention_backward(ag, g.datt.view(), saved, dims);
+    let rope = |heads| HeadRope {
+        heads,
+        head_dim: hd,
+        seq,
+        pos0: 0,
+        theta,
+        eps: cfg.norm_eps as f32,
+    };
+    for (dx, norm, dout, x, rstd, heads) in [
+        (&mut g.dq, li.q_norm, &g.dqr, &a.q, &a.rstdq, nh),
+        (&mut g.dk, li.k_norm, &g.dkr, &a.k, &a.rstdk, nkv),
+    ] {
+        let saved = NormSaved {
+            x: x.view(),
+            w: w(norm),
+            rstd: rstd.view(),
+        };
+        let dw = grads.get_mut(norm).view_mut();
+        be.head_norm_rope_backward(dx.view_mut(), dw, dout.view(), saved, rope(heads));
+    }
     be.gemm(
         g.dxn.view_mut(),
         g.dq.view(),
         w(li.q),
         Gemm::new(n, h, qd, false, false),
     );
-    #[rustfmt::skip]
-    be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), Gemm::new(n, h, kd, false, false).beta(1.0));
-    #[rustfmt::skip]
-    be.gemm(g.dxn.view_mut(), g.dv.view(), w(li.v), Gemm::new(n, h, kd, false, false).beta(1.0));
+    let gx = Gemm::new(n, h, kd, false, false).beta(1.0);
+    be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
+    be.gemm(g.dxn.view_mut(), g.dv.view(), w(li.v), gx);
     let gq = Gemm::new(qd, h, n, true, false).beta(1.0);
     let gk = Gemm::new(kd, h, n, true, false).beta(1.0);
     be.gemm(
@@ -382,27 +502,33 @@ pub(crate) fn block_backward(
         a.xn1.view(),
         gk,
     );
-    #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(li.in_norm).view_mut(), g.dxn.view(), x, w(li.in_norm), a.rstd1.view(), h);
+    let saved = NormSaved {
+        x,
+        w: w(li.in_norm),
+        rstd: a.rstd1.view(),
+    };
+    let dw = grads.get_mut(li.in_norm).view_mut();
+    be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
 }
 
 /// Backward of [`ffn_forward`]: reads the output gradient from `g.dres`, writes
 /// `g.dxn = beta·g.dxn + ∂/∂xn`, adds weight gradients.
-#[allow(clippy::too_many_arguments)]
 fn ffn_backward(
-    be: &dyn Backend,
+    cx: &Ctx,
+    grads: &mut ParamStore,
     f: &FfnActs,
     xn: View,
-    params: &ParamStore,
-    grads: &mut ParamStore,
-    (gate, up, down): (usize, usize, usize),
-    parts: usize,
-    fs: usize,
+    ffn: Ffn,
     g: &mut GradScratch,
     beta: f32,
-    n: usize,
-    h: usize,
 ) {
+    let (be, params) = (cx.be, cx.params);
+    let (n, h) = (cx.batch * cx.seq, cx.model.config().hidden);
+    let Ffn {
+        idx: (gate, up, down),
+        parts,
+        fs,
+    } = ffn;
     let width = parts * fs;
     let nw = n * width;
     let ext = (n - 1) * width + fs;
@@ -426,8 +552,8 @@ fn ffn_backward(
             Gemm::new(h, fs, n, true, false).ld(h, width, fs).beta(1.0),
         );
     }
-    #[rustfmt::skip]
-    be.swiglu_backward(dfg.slice_mut(0, nw), dfu.slice_mut(0, nw), dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
+    let (dg, du) = (dfg.slice_mut(0, nw), dfu.slice_mut(0, nw));
+    be.swiglu_backward(dg, du, dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
     let gx = Gemm::new(n, h, width, false, false);
     be.gemm(
         g.dxn.view_mut(),

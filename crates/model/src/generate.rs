@@ -3,7 +3,7 @@
 //! attending to the cache. Past `seq_len` tokens the context is the most recent `seq_len`
 //! (see [`decode`]).
 
-use crate::block::{block_forward, Kv};
+use crate::block::{block_forward, Ctx, Kv};
 use crate::experts::LocalExperts;
 use crate::workspace::Workspace;
 use crate::{Model, Rng};
@@ -39,19 +39,34 @@ fn step_logits(
         ..
     } = ws;
     be.embedding_forward(res.get_mut(0), params.get(model.embed).view(), ids, h);
-    for (l, li) in model.layers.iter().enumerate() {
+    for l in 0..model.layers.len() {
         let (x, y) = res.pair(l);
         let kv = Kv::Cache {
             k: &mut cache.k[l],
             v: &mut cache.v[l],
             pos0,
         };
-        #[rustfmt::skip]
-        block_forward(be, model, params, li, &mut blocks[0], grads, x, Some(y), 1, n, kv, (l, &mut LocalExperts));
+        let cx = Ctx {
+            be,
+            model,
+            params,
+            batch: 1,
+            seq: n,
+        };
+        block_forward(
+            &cx,
+            &mut blocks[0],
+            grads,
+            x,
+            Some(y),
+            kv,
+            (l, &mut LocalExperts),
+        );
     }
     let eps = cfg.norm_eps as f32;
-    #[rustfmt::skip]
-    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res.get(cfg.layers), params.get(model.norm).view(), h, eps);
+    let (xf, rstd) = (head.xf.view_mut(), head.rstd.view_mut());
+    let norm = params.get(model.norm).view();
+    be.rmsnorm_forward(xf, rstd, res.get(cfg.layers), norm, h, eps);
     // Only the last position's logits are needed.
     be.gemm(
         head.logits.slice_mut(0, v),
@@ -162,20 +177,16 @@ fn decode(
 }
 
 /// The generated ids and, for each, the logits it was drawn from.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn generate_with_logits(
     be: &dyn Backend,
     model: &Model,
     params: &ParamStore,
     prompt: &[u32],
-    max_new_tokens: usize,
-    temperature: f32,
-    top_k: usize,
-    seed: u64,
+    s: Sampling,
 ) -> (Vec<u32>, Vec<Vec<f64>>) {
-    let mut rng = Rng::new(seed);
-    let mut pick = |_: usize, logits: &[f64]| sample(logits, temperature, top_k, &mut rng);
-    decode(be, model, params, prompt, max_new_tokens, &mut pick)
+    let mut rng = Rng::new(s.seed);
+    let mut pick = |_: usize, logits: &[f64]| sample(logits, s.temperature, s.top_k, &mut rng);
+    decode(be, model, params, prompt, s.max_new_tokens, &mut pick)
 }
 
 /// The cross-entropy (nats) of each token of `continuation` after `prompt` and the tokens of
@@ -206,20 +217,24 @@ pub fn continuation_losses(
         .collect()
 }
 
-/// Autoregressive sampling with a KV cache (temperature, top-k; temperature 0 = greedy);
-/// returns the generated ids (not the prompt).
-#[allow(clippy::too_many_arguments)]
+/// How new tokens are drawn: up to `max_new_tokens` of them, greedily at `temperature` 0 (ties
+/// to the lower id), else sampled at `temperature` among the `top_k` most likely ids (0: all)
+/// from a generator seeded with `seed`.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    pub top_k: usize,
+    pub seed: u64,
+}
+
+/// Autoregressive sampling with a KV cache; returns the generated ids (not the prompt).
 pub fn generate(
     be: &dyn Backend,
     model: &Model,
     params: &ParamStore,
     prompt: &[u32],
-    max_new_tokens: usize,
-    temperature: f32,
-    top_k: usize,
-    seed: u64,
+    s: Sampling,
 ) -> Vec<u32> {
-    #[rustfmt::skip]
-    let (ids, _) = generate_with_logits(be, model, params, prompt, max_new_tokens, temperature, top_k, seed);
-    ids
+    generate_with_logits(be, model, params, prompt, s).0
 }

@@ -38,11 +38,11 @@ mod tests;
 mod workspace;
 
 pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
-pub use generate::{continuation_losses, generate};
+pub use generate::{continuation_losses, generate, Sampling};
 pub use offload::OffloadFault;
 pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,
-    update_router_bias, GradSink, LocalParams, ParamSource, Pass,
+    update_router_bias, GradSink, Hooks, LocalParams, ParamSource, Pass, Tokens,
 };
 pub use workspace::{activation_bytes, activation_bytes_offloaded, Workspace};
 

@@ -2,12 +2,12 @@
 //! `AcMode::Full` only the block boundaries survive the forward, and backward recomputes each
 //! block's internals right before backpropagating through it.
 
-use crate::block::{block_backward, block_forward, Kv};
+use crate::block::{block_backward, block_forward, Ctx, Kv};
 use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::Workspace;
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
-use ganymede_core::{Backend, Gemm, ParamStore, Tensor};
+use ganymede_core::{Backend, Gemm, NormSaved, ParamStore, Tensor};
 
 /// Which pass wants a block's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +62,23 @@ impl GradSink for ParamStore {
     }
 }
 
+/// One batch of a step: the input tokens and the token each position should predict, both
+/// `[batch, seq]`.
+#[derive(Clone, Copy)]
+pub struct Tokens<'a> {
+    pub inputs: &'a [u32],
+    pub targets: &'a [u32],
+}
+
+/// What parallelism plugs into a training step: where parameters come from, where gradients
+/// go, and who runs the routed experts. One process uses [`LocalParams`], a [`ParamStore`] and
+/// [`LocalExperts`].
+pub struct Hooks<'a> {
+    pub params: &'a mut dyn ParamSource,
+    pub grads: &'a mut dyn GradSink,
+    pub experts: &'a mut dyn ExpertExecutor,
+}
+
 /// Routing statistics of one MoE layer in a step.
 struct LayerStats {
     layer: usize,
@@ -69,7 +86,8 @@ struct LayerStats {
     psum: Vec<f64>,
 }
 
-fn check_batch(model: &Model, ws: &Workspace, inputs: &[u32], targets: &[u32]) {
+fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
+    let Tokens { inputs, targets } = t;
     let n = ws.batch * ws.seq;
     assert_eq!(
         inputs.len(),
@@ -90,15 +108,13 @@ fn check_batch(model: &Model, ws: &Workspace, inputs: &[u32], targets: &[u32]) {
 /// Embedding, every block, final norm, logits and the summed cross-entropy. Leaves the
 /// logits in `ws.head.logits` and returns the loss sum and each MoE layer's routing statistics.
 /// `backward`: a backward pass follows (which may read the blocks' internals).
-#[allow(clippy::too_many_arguments)]
 fn forward(
     be: &dyn Backend,
     model: &Model,
     src: &mut dyn ParamSource,
     ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
+    Tokens { inputs, targets }: Tokens,
     backward: bool,
 ) -> (f64, Vec<LayerStats>) {
     let cfg = model.config();
@@ -132,9 +148,14 @@ fn forward(
         res.before_write(be, l + 1);
         let (x, y) = res.pair(l);
         src.acquire_block(be, l, Pass::Forward);
-        let params = src.params();
-        #[rustfmt::skip]
-        block_forward(be, model, params, li, a, grads, x, Some(y), batch, seq, Kv::Own, (l, &mut *ex));
+        let cx = Ctx {
+            be,
+            model,
+            params: src.params(),
+            batch,
+            seq,
+        };
+        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, &mut *ex));
         src.release_block(be, l, Pass::Forward);
         if backward {
             res.after_write(be, l + 1);
@@ -156,10 +177,16 @@ fn forward(
     }
     let params = src.params();
     let eps = cfg.norm_eps as f32;
-    #[rustfmt::skip]
-    be.rmsnorm_forward(head.xf.view_mut(), head.rstd.view_mut(), res.get(cfg.layers), params.get(model.norm).view(), h, eps);
-    #[rustfmt::skip]
-    be.gemm(head.logits.view_mut(), head.xf.view(), params.get(model.lm_head).view(), Gemm::new(n, v, h, false, true));
+    let (xf, rstd) = (head.xf.view_mut(), head.rstd.view_mut());
+    let norm = params.get(model.norm).view();
+    be.rmsnorm_forward(xf, rstd, res.get(cfg.layers), norm, h, eps);
+    let (logits, lm_head) = (head.logits.view_mut(), params.get(model.lm_head).view());
+    be.gemm(
+        logits,
+        head.xf.view(),
+        lm_head,
+        Gemm::new(n, v, h, false, true),
+    );
     let loss_sum = be.cross_entropy_forward(head.lse.view_mut(), head.logits.view(), targets, v);
     (loss_sum, stats)
 }
@@ -200,42 +227,43 @@ fn summarise(model: &Model, n: usize, loss_sum: f64, stats: &[LayerStats]) -> St
 
 /// Forward + backward on one batch; ADDS grad_scale * d(loss_total)/dθ into `grads` (caller
 /// zeroes), where loss_total = mean cross-entropy + aux_loss_coef · aux.
-#[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     be: &dyn Backend,
     model: &Model,
     params: &ParamStore,
     grads: &mut ParamStore,
     ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
+    tokens: Tokens,
     grad_scale: f32,
 ) -> StepOutput {
-    let mut src = LocalParams(params);
-    #[rustfmt::skip]
-    let out = forward_backward_with(be, model, &mut src, grads, &mut LocalExperts, ws, inputs, targets, grad_scale);
-    out
+    let hooks = Hooks {
+        params: &mut LocalParams(params),
+        grads,
+        experts: &mut LocalExperts,
+    };
+    forward_backward_with(be, model, hooks, ws, tokens, grad_scale)
 }
 
-/// [`forward_backward`] with parameters from `src`, gradients into `sink` and the routed experts
-/// run by `ex` ([`LocalExperts`] in one process), announcing each
-/// block before and after it runs. With a global batch split over ranks
-/// (`src.global_tokens(n) > n`), the loss and gradients are this slice's share of the global
+/// [`forward_backward`] with parameters, gradients and routed experts through `hooks`, which
+/// hear of each block before and after it runs. With a global batch split over ranks
+/// (`params.global_tokens(n) > n`), the loss and gradients are this slice's share of the global
 /// batch's: summed over the slices they equal one process's on the whole batch.
-#[allow(clippy::too_many_arguments)]
 pub fn forward_backward_with(
     be: &dyn Backend,
     model: &Model,
-    src: &mut dyn ParamSource,
-    sink: &mut dyn GradSink,
-    ex: &mut dyn ExpertExecutor,
+    hooks: Hooks,
     ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
+    tokens: Tokens,
     grad_scale: f32,
 ) -> StepOutput {
-    check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets, true);
+    let Hooks {
+        params: src,
+        grads: sink,
+        experts: ex,
+    } = hooks;
+    let Tokens { inputs, targets } = tokens;
+    check_batch(model, ws, tokens);
+    let (loss_sum, stats) = forward(be, model, src, ex, ws, tokens, true);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -253,15 +281,26 @@ pub fn forward_backward_with(
     } = ws;
 
     // Head: in place, logits become their gradient.
-    #[rustfmt::skip]
-    be.cross_entropy_backward(head.logits.view_mut(), head.lse.view(), targets, v, grad_scale / n as f32);
-    #[rustfmt::skip]
-    be.gemm(grads.get_mut(model.lm_head).view_mut(), head.logits.view(), head.xf.view(), Gemm::new(v, h, local_n, true, false).beta(1.0));
-    #[rustfmt::skip]
-    be.gemm(g.dxn.view_mut(), head.logits.view(), params.get(model.lm_head).view(), Gemm::new(local_n, h, v, false, false));
+    let scale = grad_scale / n as f32;
+    be.cross_entropy_backward(head.logits.view_mut(), head.lse.view(), targets, v, scale);
+    let (logits, xf) = (head.logits.view(), head.xf.view());
+    let gw = Gemm::new(v, h, local_n, true, false).beta(1.0);
+    be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
+    let gx = Gemm::new(local_n, h, v, false, false);
+    be.gemm(
+        g.dxn.view_mut(),
+        logits,
+        params.get(model.lm_head).view(),
+        gx,
+    );
     be.fill(g.dres.view_mut(), 0.0);
-    #[rustfmt::skip]
-    be.rmsnorm_backward(g.dres.view_mut(), grads.get_mut(model.norm).view_mut(), g.dxn.view(), res.get(cfg.layers), params.get(model.norm).view(), head.rstd.view(), h);
+    let saved = NormSaved {
+        x: res.get(cfg.layers),
+        w: params.get(model.norm).view(),
+        rstd: head.rstd.view(),
+    };
+    let dw = grads.get_mut(model.norm).view_mut();
+    be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
 
     // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
     let moe_layers = stats.len().max(1) as f64;
@@ -272,13 +311,18 @@ pub fn forward_backward_with(
         res.before_backward(be, l);
         src.acquire_block(be, l, Pass::Backward);
         sink.begin_block(be, l);
-        let params = src.params();
+        let cx = Ctx {
+            be,
+            model,
+            params: src.params(),
+            batch,
+            seq,
+        };
         let a = match mode {
             AcMode::None => &mut blocks[l],
             AcMode::Full => {
                 let a = &mut blocks[0];
-                #[rustfmt::skip]
-                block_forward(be, model, params, li, a, g, res.get(l), None, batch, seq, Kv::Own, (l, &mut *ex));
+                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, &mut *ex));
                 a
             }
         };
@@ -296,13 +340,13 @@ pub fn forward_backward_with(
                 *d = c * cnt as f64 / nf;
             }
         }
-        #[rustfmt::skip]
-        block_backward(be, model, params, sink.grads(), li, a, g, res.get(l), batch, seq, &dprob, (l, &mut *ex));
+        let x = res.get(l);
+        block_backward(&cx, sink.grads(), a, g, x, &dprob, (l, &mut *ex));
         sink.end_block(be, l);
         src.release_block(be, l, Pass::Backward);
     }
-    #[rustfmt::skip]
-    be.embedding_backward(sink.grads().get_mut(model.embed).view_mut(), g.dres.view(), inputs, h);
+    let dwte = sink.grads().get_mut(model.embed).view_mut();
+    be.embedding_backward(dwte, g.dres.view(), inputs, h);
     summarise(model, n, loss_sum, &stats)
 }
 
@@ -312,12 +356,10 @@ pub fn forward_loss(
     model: &Model,
     params: &ParamStore,
     ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
+    tokens: Tokens,
 ) -> StepOutput {
-    #[rustfmt::skip]
-    let out = forward_loss_with(be, model, &mut LocalParams(params), &mut LocalExperts, ws, inputs, targets);
-    out
+    let src = &mut LocalParams(params);
+    forward_loss_with(be, model, src, &mut LocalExperts, ws, tokens)
 }
 
 /// [`forward_loss`] with parameters from `src` (see [`forward_backward_with`]).
@@ -327,11 +369,10 @@ pub fn forward_loss_with(
     src: &mut dyn ParamSource,
     ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
-    inputs: &[u32],
-    targets: &[u32],
+    tokens: Tokens,
 ) -> StepOutput {
-    check_batch(model, ws, inputs, targets);
-    let (loss_sum, stats) = forward(be, model, src, ex, ws, inputs, targets, false);
+    check_batch(model, ws, tokens);
+    let (loss_sum, stats) = forward(be, model, src, ex, ws, tokens, false);
     summarise(
         model,
         src.global_tokens(ws.batch * ws.seq),

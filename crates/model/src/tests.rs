@@ -79,7 +79,16 @@ fn grad_check(cfg: &ModelConfig, mode: AcMode) {
     let mut ws = Workspace::new(&be, &model, batch, seq, mode);
     let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     let out = forward_backward(
-        &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+        &be,
+        &model,
+        &params,
+        &mut grads,
+        &mut ws,
+        Tokens {
+            inputs: &inputs,
+            targets: &targets,
+        },
+        1.0,
     );
     if cfg.layers == cfg.dense_layers {
         assert!(out.aux_loss == 0.0 && out.expert_load.is_empty());
@@ -101,7 +110,16 @@ fn grad_check(cfg: &ModelConfig, mode: AcMode) {
                 let mut x = x0.clone();
                 x[j] += d;
                 set(&be, params.get_mut(i), &x);
-                let o = forward_loss(&be, &model, &params, &mut ws, &inputs, &targets);
+                let o = forward_loss(
+                    &be,
+                    &model,
+                    &params,
+                    &mut ws,
+                    Tokens {
+                        inputs: &inputs,
+                        targets: &targets,
+                    },
+                );
                 (total_loss(&o, cfg), o.expert_load)
             };
             let ((fp, lp), (fm, lm)) = (f(h), f(-h));
@@ -162,7 +180,16 @@ fn tiny_f32(mode: AcMode) -> (Vec<Vec<f32>>, StepOutput) {
     let mut ws = Workspace::new(&be, &model, batch, seq, mode);
     let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     let out = forward_backward(
-        &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 0.5,
+        &be,
+        &model,
+        &params,
+        &mut grads,
+        &mut ws,
+        Tokens {
+            inputs: &inputs,
+            targets: &targets,
+        },
+        0.5,
     );
     (
         grads
@@ -201,7 +228,16 @@ fn f32_forward_matches_f64() {
     let mut losses = vec![];
     for (be, p) in [(&b64 as &dyn Backend, &p64), (&b32, &p32)] {
         let mut ws = Workspace::new(be, &model, 2, 5, AcMode::Full);
-        let o = forward_loss(be, &model, p, &mut ws, &inputs, &targets);
+        let o = forward_loss(
+            be,
+            &model,
+            p,
+            &mut ws,
+            Tokens {
+                inputs: &inputs,
+                targets: &targets,
+            },
+        );
         losses.push((o.loss, o.aux_loss));
     }
     let (a, b) = (losses[0], losses[1]);
@@ -308,7 +344,16 @@ fn router_bias_moves_towards_balance() {
 /// Logits of every position of one sequence, by the full (uncached) forward.
 fn full_logits(be: &dyn Backend, model: &Model, params: &ParamStore, ids: &[u32]) -> Vec<f64> {
     let mut ws = Workspace::new(be, model, 1, ids.len(), AcMode::None);
-    forward_loss(be, model, params, &mut ws, ids, ids);
+    forward_loss(
+        be,
+        model,
+        params,
+        &mut ws,
+        Tokens {
+            inputs: ids,
+            targets: ids,
+        },
+    );
     be.download_f64(ws.head.logits.view())
 }
 
@@ -321,8 +366,18 @@ fn kv_cache_generation_matches_full_forward() {
         let prompt = [3u32, 1, 4];
         // seq_len is 5: the first two tokens come from the cache, the rest from a sliding
         // window of the last 5 tokens.
-        let (ids, logits) =
-            generate::generate_with_logits(&be, &model, &params, &prompt, 7, 0.0, 0, 1);
+        let (ids, logits) = generate::generate_with_logits(
+            &be,
+            &model,
+            &params,
+            &prompt,
+            Sampling {
+                max_new_tokens: 7,
+                temperature: 0.0,
+                top_k: 0,
+                seed: 1,
+            },
+        );
         assert_eq!(ids.len(), 7);
         assert!(prompt.len() + 7 > c.seq_len + 2);
         let mut seq = prompt.to_vec();
@@ -343,8 +398,30 @@ fn kv_cache_generation_matches_full_forward() {
         }
         // A prompt longer than seq_len keeps only its last seq_len tokens.
         let long = [2u32, 7, 3, 1, 4, 1, 5, 9];
-        let (_, a) = generate::generate_with_logits(&be, &model, &params, &long, 2, 0.0, 0, 1);
-        let (_, b) = generate::generate_with_logits(&be, &model, &params, &long[3..], 2, 0.0, 0, 1);
+        let (_, a) = generate::generate_with_logits(
+            &be,
+            &model,
+            &params,
+            &long,
+            Sampling {
+                max_new_tokens: 2,
+                temperature: 0.0,
+                top_k: 0,
+                seed: 1,
+            },
+        );
+        let (_, b) = generate::generate_with_logits(
+            &be,
+            &model,
+            &params,
+            &long[3..],
+            Sampling {
+                max_new_tokens: 2,
+                temperature: 0.0,
+                top_k: 0,
+                seed: 1,
+            },
+        );
         assert_eq!(a, b);
         // Scoring a known continuation walks the same path: its losses are those logits'.
         let losses = continuation_losses(&be, &model, &params, &prompt, &ids);
@@ -362,13 +439,60 @@ fn sampling_is_seeded_and_respects_top_k() {
     let be = CpuBackend::default();
     let model = Model::new(&c);
     let params = random_params(&be, &model, 5);
-    let a = generate(&be, &model, &params, &[1, 2], 20, 1.0, 3, 42);
-    let b = generate(&be, &model, &params, &[1, 2], 20, 1.0, 3, 42);
+    let a = generate(
+        &be,
+        &model,
+        &params,
+        &[1, 2],
+        Sampling {
+            max_new_tokens: 20,
+            temperature: 1.0,
+            top_k: 3,
+            seed: 42,
+        },
+    );
+    let b = generate(
+        &be,
+        &model,
+        &params,
+        &[1, 2],
+        Sampling {
+            max_new_tokens: 20,
+            temperature: 1.0,
+            top_k: 3,
+            seed: 42,
+        },
+    );
     assert_eq!(a, b);
     assert!(a.iter().all(|&t| (t as usize) < c.vocab_size));
     // top_k = 1 is greedy whatever the temperature.
-    let g = generate(&be, &model, &params, &[1, 2], 10, 0.0, 0, 0);
-    assert_eq!(generate(&be, &model, &params, &[1, 2], 10, 2.0, 1, 9), g);
+    let g = generate(
+        &be,
+        &model,
+        &params,
+        &[1, 2],
+        Sampling {
+            max_new_tokens: 10,
+            temperature: 0.0,
+            top_k: 0,
+            seed: 0,
+        },
+    );
+    assert_eq!(
+        generate(
+            &be,
+            &model,
+            &params,
+            &[1, 2],
+            Sampling {
+                max_new_tokens: 10,
+                temperature: 2.0,
+                top_k: 1,
+                seed: 9
+            }
+        ),
+        g
+    );
 }
 
 #[test]
@@ -383,12 +507,30 @@ fn gradients_accumulate_scaled() {
     let mut ws = Workspace::new(&be, &model, 2, 5, AcMode::Full);
     let mut once = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     forward_backward(
-        &be, &model, &params, &mut once, &mut ws, &inputs, &targets, 1.0,
+        &be,
+        &model,
+        &params,
+        &mut once,
+        &mut ws,
+        Tokens {
+            inputs: &inputs,
+            targets: &targets,
+        },
+        1.0,
     );
     let mut twice = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     for _ in 0..2 {
         forward_backward(
-            &be, &model, &params, &mut twice, &mut ws, &inputs, &targets, 0.5,
+            &be,
+            &model,
+            &params,
+            &mut twice,
+            &mut ws,
+            Tokens {
+                inputs: &inputs,
+                targets: &targets,
+            },
+            0.5,
         );
     }
     for (a, b) in once.tensors().iter().zip(twice.tensors()) {
@@ -444,7 +586,16 @@ fn offload_run(n_off: usize, fault: Option<OffloadFault>) -> OffloadRun {
         let inputs = tokens(2 * c.seq_len, c.vocab_size, seed);
         let targets = tokens(2 * c.seq_len, c.vocab_size, seed + 1);
         let o = forward_backward(
-            &be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+            &be,
+            &model,
+            &params,
+            &mut grads,
+            &mut ws,
+            Tokens {
+                inputs: &inputs,
+                targets: &targets,
+            },
+            1.0,
         );
         losses.push((o.loss, o.aux_loss));
     }

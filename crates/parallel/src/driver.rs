@@ -28,8 +28,8 @@ use ganymede_dist::{
     Track,
 };
 use ganymede_model::{
-    forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, LocalExperts,
-    LocalParams, Model, ParamSource, Pass, Workspace,
+    forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, Hooks,
+    LocalExperts, LocalParams, Model, ParamSource, Pass, Tokens, Workspace,
 };
 use ganymede_optim::{clip_coef, lr_at, Optimizer};
 use std::sync::Arc;
@@ -219,22 +219,35 @@ impl RankState {
         let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
         let be: &dyn Backend = &self.be;
         let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
+        let tokens = Tokens {
+            inputs: &x,
+            targets: &y,
+        };
         let out = match &mut self.shards {
             Shards::Whole { params, grads, .. } => {
                 for g in grads.tensors_mut() {
                     be.fill(g.view_mut(), 0.0);
                 }
-                let mut src = TracedBlocks {
-                    inner: LocalParams(params),
-                    tracer: &ctx.tracer,
-                    started: None,
+                let hooks = Hooks {
+                    params: &mut TracedBlocks {
+                        inner: LocalParams(params),
+                        tracer: &ctx.tracer,
+                        started: None,
+                    },
+                    grads,
+                    experts: ex,
                 };
-                forward_backward_with(be, model, &mut src, grads, ex, ws, &x, &y, 1.0)
+                forward_backward_with(be, model, hooks, ws, tokens, 1.0)
             }
             Shards::Fsdp { params, grads, .. } => {
                 params.begin(be, true, batch * seq);
                 grads.begin(be);
-                let out = forward_backward_with(be, model, params, grads, ex, ws, &x, &y, 1.0);
+                let hooks = Hooks {
+                    params,
+                    grads,
+                    experts: ex,
+                };
+                let out = forward_backward_with(be, model, hooks, ws, tokens, 1.0);
                 grads.finish(be);
                 out
             }
@@ -315,15 +328,18 @@ impl RankState {
         for (i, s) in sums.iter_mut().enumerate() {
             let (x, y) = data.val_batch(i, batch, seq);
             let rows = r * per * seq..(r + 1) * per * seq;
-            let (x, y) = (&x[rows.clone()], &y[rows]);
+            let tokens = Tokens {
+                inputs: &x[rows.clone()],
+                targets: &y[rows],
+            };
             let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
             *s = match &mut self.shards {
                 Shards::Whole { params, .. } => {
-                    forward_loss_with(be, model, &mut LocalParams(params), ex, ws, x, y).loss
+                    forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens).loss
                 }
                 Shards::Fsdp { params, .. } => {
                     params.begin(be, false, batch * seq);
-                    forward_loss_with(be, model, params, ex, ws, x, y).loss
+                    forward_loss_with(be, model, params, ex, ws, tokens).loss
                 }
             };
         }

@@ -9,7 +9,7 @@
 
 use ganymede_config::JobConfig;
 use ganymede_core::{Backend, Category, CpuBackend, ParamStore};
-use ganymede_model::{forward_backward, update_router_bias, Model, Workspace};
+use ganymede_model::{forward_backward, update_router_bias, Model, Tokens, Workspace};
 use ganymede_optim::{clip_grad_norm, lr_at, Optimizer};
 use std::time::Instant;
 
@@ -90,7 +90,16 @@ fn main() -> anyhow::Result<()> {
             be.fill(g.view_mut(), 0.0);
         }
         let out = forward_backward(
-            be, &model, &params, &mut grads, &mut ws, &inputs, &targets, 1.0,
+            be,
+            &model,
+            &params,
+            &mut grads,
+            &mut ws,
+            Tokens {
+                inputs: &inputs,
+                targets: &targets,
+            },
+            1.0,
         );
         let t1 = Instant::now();
         clip_grad_norm(be, &mut grads, t.grad_clip);

@@ -9,7 +9,7 @@ use ganymede_data::{
     check_ids, eval_windows, load_eval_tokens, num_eval_windows, ByteTokenizer, Dataset,
     HfTokenizer, TokenFile, Tokenizer,
 };
-use ganymede_model::{forward_loss, generate, Model, Workspace};
+use ganymede_model::{forward_loss, generate, Model, Sampling, Tokens, Workspace};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -147,7 +147,11 @@ pub fn evaluate(l: &Loaded, tokens: &[u32]) -> Result<EvalResult> {
         } else {
             tail_ws.get_or_insert_with(|| Workspace::new(be, &l.model, chunk.len(), seq, mode))
         };
-        let out = forward_loss(be, &l.model, &l.params, ws, &x, &y);
+        let tokens = Tokens {
+            inputs: &x,
+            targets: &y,
+        };
+        let out = forward_loss(be, &l.model, &l.params, ws, tokens);
         // The step's loss is a mean over its targets; weight by them for the global mean.
         sum += out.loss * (chunk.len() * seq) as f64;
     }
@@ -177,15 +181,12 @@ pub fn generate_text(l: &Loaded, prompt: &str, o: &GenerateOptions) -> Result<St
     if !(o.temperature >= 0.0 && o.temperature.is_finite()) {
         bail!("generate: --temperature {} must be >= 0", o.temperature);
     }
-    let out = generate(
-        &l.be,
-        &l.model,
-        &l.params,
-        &ids,
-        o.max_new_tokens,
-        o.temperature,
-        o.top_k,
-        o.seed,
-    );
+    let sampling = Sampling {
+        max_new_tokens: o.max_new_tokens,
+        temperature: o.temperature,
+        top_k: o.top_k,
+        seed: o.seed,
+    };
+    let out = generate(&l.be, &l.model, &l.params, &ids, sampling);
     Ok(tk.decode(&out))
 }

@@ -4,7 +4,7 @@
 
 use ganymede_config::{preset, AcMode};
 use ganymede_data::Dataset;
-use ganymede_model::{continuation_losses, forward_loss, Workspace};
+use ganymede_model::{continuation_losses, forward_loss, Tokens, Workspace};
 use ganymede_train::{eval, trainer};
 use std::path::PathBuf;
 
@@ -59,14 +59,34 @@ fn continuation_past_seq_len_keeps_the_in_window_loss() {
         &(0..windows)
             .map(|w| {
                 let x = &text[w * seq..][..seq + 1];
-                forward_loss(be, model, params, &mut ws, &x[..seq], &x[1..]).loss
+                forward_loss(
+                    be,
+                    model,
+                    params,
+                    &mut ws,
+                    Tokens {
+                        inputs: &x[..seq],
+                        targets: &x[1..],
+                    },
+                )
+                .loss
             })
             .collect::<Vec<_>>(),
     );
     // The whole text in one pass at positions 0..8·seq, most of which training never reached.
     let mut ws = Workspace::new(be, model, 1, windows * seq, AcMode::Full);
     let n = windows * seq;
-    let unwindowed = forward_loss(be, model, params, &mut ws, &text[..n], &text[1..]).loss;
+    let unwindowed = forward_loss(
+        be,
+        model,
+        params,
+        &mut ws,
+        Tokens {
+            inputs: &text[..n],
+            targets: &text[1..],
+        },
+    )
+    .loss;
     let _ = std::fs::remove_dir_all(PathBuf::from(&dir));
     eprintln!(
         "per-token loss past the window {past:.4}, in-window {inside:.4}; one unwindowed pass {unwindowed:.4}"

@@ -644,7 +644,7 @@ fn one_process_and_one_rank_give_bitwise_equal_losses() {
 /// single-process loop as it stood before parallelism was applied around it.
 fn reference_losses(cfg: &JobConfig) -> Vec<f64> {
     use ganymede_core::{Category, CpuBackend, Memory, ParamStore};
-    use ganymede_model::{forward_backward, Model, Workspace};
+    use ganymede_model::{forward_backward, Model, Tokens, Workspace};
     use ganymede_optim::{clip_grad_norm, lr_at, Optimizer};
     let (m, t) = (&cfg.model, &cfg.training);
     let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, t.seed, None).unwrap();
@@ -661,7 +661,18 @@ fn reference_losses(cfg: &JobConfig) -> Vec<f64> {
             for g in grads.tensors_mut() {
                 be.fill(g.view_mut(), 0.0);
             }
-            let out = forward_backward(&be, &model, &params, &mut grads, &mut ws, &x, &y, 1.0);
+            let out = forward_backward(
+                &be,
+                &model,
+                &params,
+                &mut grads,
+                &mut ws,
+                Tokens {
+                    inputs: &x,
+                    targets: &y,
+                },
+                1.0,
+            );
             clip_grad_norm(&be, &mut grads, t.grad_clip);
             opt.step(
                 &be,

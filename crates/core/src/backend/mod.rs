@@ -6,7 +6,9 @@
 mod nn;
 mod optim;
 
-pub use nn::NnOps;
+pub use nn::{
+    AttnDims, AttnGrads, AttnSaved, Dispatched, HeadRope, NnOps, NormSaved, RouterDims, RouterOut,
+};
 pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};

@@ -11,7 +11,81 @@
 use crate::backend::Gemm;
 use crate::tensor::{View, ViewMut};
 
-#[allow(clippy::too_many_arguments)]
+/// What a norm's backward reads: the norm's input, its weight and the saved `1/rms` per row.
+#[derive(Clone, Copy)]
+pub struct NormSaved<'a> {
+    pub x: View<'a>,
+    pub w: View<'a>,
+    pub rstd: View<'a>,
+}
+
+/// Sizes of a per-head RMSNorm followed by RoPE: rows of `heads × head_dim`, row `r` at
+/// position `pos0 + r % seq`, rotary base `theta`.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadRope {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub seq: usize,
+    pub pos0: usize,
+    pub theta: f64,
+    pub eps: f32,
+}
+
+/// Sizes of causal grouped-query attention (llm.c's B, T, NH, HS as one value): `tq` queries
+/// against `tk >= tq` keys per sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    pub batch: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// What attention's backward reads: its output, inputs and the log-sum-exp of each score row.
+#[derive(Clone, Copy)]
+pub struct AttnSaved<'a> {
+    pub out: View<'a>,
+    pub q: View<'a>,
+    pub k: View<'a>,
+    pub v: View<'a>,
+    pub lse: View<'a>,
+}
+
+/// Attention's input gradients (overwritten).
+pub struct AttnGrads<'a> {
+    pub dq: ViewMut<'a>,
+    pub dk: ViewMut<'a>,
+    pub dv: ViewMut<'a>,
+}
+
+/// A router's choice: `k` of `experts` per row, weights renormalised to one if `renorm`.
+#[derive(Clone, Copy, Debug)]
+pub struct RouterDims {
+    pub experts: usize,
+    pub k: usize,
+    pub renorm: bool,
+}
+
+/// What the router's forward writes: `[rows, experts]` probabilities, `[rows, k]` weights and
+/// chosen experts (best first), and the per-expert sum of probabilities over rows.
+pub struct RouterOut<'a> {
+    pub probs: ViewMut<'a>,
+    pub weights: ViewMut<'a>,
+    pub idx: &'a mut [u32],
+    pub psum: &'a mut [f64],
+}
+
+/// Where each (token, choice) went in the dispatched layout: `pos[t*k + j]` is the row of token
+/// `t`'s `j`-th choice; rows of `dim`.
+#[derive(Clone, Copy)]
+pub struct Dispatched<'a> {
+    pub pos: &'a [u32],
+    pub k: usize,
+    pub dim: usize,
+}
+
 pub trait NnOps: Send + Sync {
     /// Independent GEMMs in one call (the routed experts' GEMMs over their tokens): each
     /// `(shape, a_offset, b_offset, c_offset)` computes, on the views starting at those element
@@ -26,85 +100,28 @@ pub trait NnOps: Send + Sync {
     /// RMSNorm of rows of `dim`: `out = w * x * rstd`, `rstd = 1/sqrt(mean(x²) + eps)` (saved).
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32);
     /// `dx += ∂/∂x`, `dw += ∂/∂w`.
-    fn rmsnorm_backward(
-        &self,
-        dx: ViewMut,
-        dw: ViewMut,
-        dout: View,
-        x: View,
-        w: View,
-        rstd: View,
-        dim: usize,
-    );
+    fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize);
 
-    /// Per-head RMSNorm (weight `w` of `head_dim`) followed by rotate-half RoPE, on rows of
-    /// `heads * head_dim`. Row `r` is at position `pos0 + r % seq`; `rstd` is `[rows, heads]`.
-    fn head_norm_rope_forward(
-        &self,
-        out: ViewMut,
-        rstd: ViewMut,
-        x: View,
-        w: View,
-        heads: usize,
-        head_dim: usize,
-        seq: usize,
-        pos0: usize,
-        theta: f64,
-        eps: f32,
-    );
+    /// Per-head RMSNorm (weight `w` of `head_dim`) followed by rotate-half RoPE (see
+    /// [`HeadRope`]); `rstd` is `[rows, heads]`.
+    fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope);
     /// `dx` overwritten, `dw += ∂/∂w`.
     fn head_norm_rope_backward(
         &self,
         dx: ViewMut,
         dw: ViewMut,
         dout: View,
-        x: View,
-        w: View,
-        rstd: View,
-        heads: usize,
-        head_dim: usize,
-        seq: usize,
-        pos0: usize,
-        theta: f64,
+        s: NormSaved,
+        d: HeadRope,
     );
 
     /// Causal grouped-query attention with scale `1/sqrt(head_dim)`. `q`, `out`:
     /// `[batch, tq, heads, head_dim]`; `k`, `v`: `[batch, tk, kv_heads, head_dim]`, `tk >= tq`,
     /// query `i` sitting at key position `tk - tq + i`. Saves the log-sum-exp of each score row,
     /// `lse: [batch, heads, tq]`, so backward recomputes probabilities without storing them.
-    fn attention_forward(
-        &self,
-        out: ViewMut,
-        lse: ViewMut,
-        q: View,
-        k: View,
-        v: View,
-        batch: usize,
-        tq: usize,
-        tk: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    );
-    /// `dq`, `dk`, `dv` overwritten.
-    fn attention_backward(
-        &self,
-        dq: ViewMut,
-        dk: ViewMut,
-        dv: ViewMut,
-        dout: View,
-        out: View,
-        q: View,
-        k: View,
-        v: View,
-        lse: View,
-        batch: usize,
-        tq: usize,
-        tk: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    );
+    fn attention_forward(&self, out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: AttnDims);
+    /// The gradients of `q`, `k`, `v` (overwritten) from that of the output.
+    fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims);
 
     /// `out = silu(gate) * up`, elementwise.
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View);
@@ -115,18 +132,7 @@ pub trait NnOps: Send + Sync {
     /// `probs + bias` (ties: lower index first) into `idx` (`[rows, k]`, best first), with
     /// weights `probs[idx]`, renormalised to sum to one if `renorm`. `psum[e]` is set to the sum
     /// over rows of `probs[:, e]` (for the auxiliary loss).
-    fn router_forward(
-        &self,
-        probs: ViewMut,
-        weights: ViewMut,
-        idx: &mut [u32],
-        psum: &mut [f64],
-        logits: View,
-        bias: Option<View>,
-        experts: usize,
-        k: usize,
-        renorm: bool,
-    );
+    fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims);
     /// `dlogits` (overwritten) from the gradient of the weights and a per-expert constant added
     /// to every row's probability gradient (`dprob_const`, from the auxiliary loss).
     fn router_backward(
@@ -136,17 +142,15 @@ pub trait NnOps: Send + Sync {
         probs: View,
         idx: &[u32],
         dprob_const: &[f64],
-        experts: usize,
-        k: usize,
-        renorm: bool,
+        d: RouterDims,
     );
 
     /// Dispatch: `xe[i] = x[src[i]]`.
     fn moe_gather(&self, xe: ViewMut, x: View, src: &[u32], dim: usize);
-    /// `dx[t] += Σ_j dxe[pos[t*k + j]]` (`pos`: where token `t`'s `j`-th choice was dispatched).
-    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, pos: &[u32], k: usize, dim: usize);
+    /// `dx[t] += Σ_j dxe[pos[t*k + j]]`.
+    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched);
     /// Combine: `out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]]`.
-    fn moe_combine(&self, out: ViewMut, ye: View, w: View, pos: &[u32], k: usize, dim: usize);
+    fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched);
     /// `dye` and `dw` overwritten.
     fn moe_combine_backward(
         &self,
@@ -155,9 +159,7 @@ pub trait NnOps: Send + Sync {
         dout: View,
         ye: View,
         w: View,
-        pos: &[u32],
-        k: usize,
-        dim: usize,
+        d: Dispatched,
     );
 
     /// Softmax cross-entropy of rows of `vocab` logits against `targets`; saves each row's

@@ -4,7 +4,10 @@
 //! every reduction runs in a fixed order, so results do not depend on the thread count.
 
 use super::CpuBackend;
-use crate::backend::{Gemm, NnOps};
+use crate::backend::{
+    AttnDims, AttnGrads, AttnSaved, Dispatched, Gemm, HeadRope, NnOps, NormSaved, RouterDims,
+    RouterOut,
+};
 use crate::by_dtype;
 use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
@@ -106,16 +109,8 @@ fn rms_row_backward<S: Scalar>(dx: &mut [S], dw: &mut [S], dy: &[S], x: &[S], w:
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rmsnorm_backward<S: Scalar>(
-    dx: ViewMut,
-    dw: ViewMut,
-    dout: View,
-    x: View,
-    w: View,
-    rstd: View,
-    dim: usize,
-) {
+fn rmsnorm_backward<S: Scalar>(dx: ViewMut, dw: ViewMut, dout: View, saved: NormSaved, dim: usize) {
+    let NormSaved { x, w, rstd } = saved;
     let dx: &mut [S] = dx.host();
     let dw: &mut [S] = dw.host();
     let dout: &[S] = dout.host();
@@ -166,19 +161,15 @@ fn rope_table<S: Scalar>(seq: usize, pos0: usize, head_dim: usize, theta: f64) -
     (cs, sn)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn head_norm_rope_forward<S: Scalar>(
-    out: ViewMut,
-    rstd: ViewMut,
-    x: View,
-    w: View,
-    heads: usize,
-    hd: usize,
-    seq: usize,
-    pos0: usize,
-    theta: f64,
-    eps: f32,
-) {
+fn head_norm_rope_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
+    let HeadRope {
+        heads,
+        head_dim: hd,
+        seq,
+        pos0,
+        theta,
+        eps,
+    } = d;
     let (out, rstd, x, w): (&mut [S], &mut [S], &[S], &[S]) =
         (out.host(), rstd.host(), x.host(), w.host());
     let row = heads * hd;
@@ -214,20 +205,22 @@ fn head_norm_rope_forward<S: Scalar>(
         );
 }
 
-#[allow(clippy::too_many_arguments)]
 fn head_norm_rope_backward<S: Scalar>(
     dx: ViewMut,
     dw: ViewMut,
     dout: View,
-    x: View,
-    w: View,
-    rstd: View,
-    heads: usize,
-    hd: usize,
-    seq: usize,
-    pos0: usize,
-    theta: f64,
+    saved: NormSaved,
+    d: HeadRope,
 ) {
+    let NormSaved { x, w, rstd } = saved;
+    let HeadRope {
+        heads,
+        head_dim: hd,
+        seq,
+        pos0,
+        theta,
+        ..
+    } = d;
     let dx: &mut [S] = dx.host();
     let dw: &mut [S] = dw.host();
     let dout: &[S] = dout.host();
@@ -308,18 +301,18 @@ fn swiglu_backward<S: Scalar>(dgate: ViewMut, dup: ViewMut, dout: View, gate: Vi
 // ---------------------------------------------------------------------------------------------
 // Router
 
-#[allow(clippy::too_many_arguments)]
-fn router_forward<S: Scalar>(
-    probs: ViewMut,
-    weights: ViewMut,
-    idx: &mut [u32],
-    psum: &mut [f64],
-    logits: View,
-    bias: Option<View>,
-    e: usize,
-    k: usize,
-    renorm: bool,
-) {
+fn router_forward<S: Scalar>(out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
+    let RouterOut {
+        probs,
+        weights,
+        idx,
+        psum,
+    } = out;
+    let RouterDims {
+        experts: e,
+        k,
+        renorm,
+    } = d;
     let (probs, weights, logits): (&mut [S], &mut [S], &[S]) =
         (probs.host(), weights.host(), logits.host());
     let bias: Option<&[S]> = bias.map(|b| b.host());
@@ -376,17 +369,19 @@ fn router_forward<S: Scalar>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn router_backward<S: Scalar>(
     dlogits: ViewMut,
     dweights: View,
     probs: View,
     idx: &[u32],
     dprob_const: &[f64],
-    e: usize,
-    k: usize,
-    renorm: bool,
+    d: RouterDims,
 ) {
+    let RouterDims {
+        experts: e,
+        k,
+        renorm,
+    } = d;
     let (dl, dw, probs): (&mut [S], &[S], &[S]) = (dlogits.host(), dweights.host(), probs.host());
     let c: Vec<S> = dprob_const.iter().map(|&v| s::<S>(v)).collect();
     dl.par_chunks_mut(e)
@@ -433,7 +428,8 @@ fn moe_gather<S: Scalar>(xe: ViewMut, x: View, src: &[u32], dim: usize) {
         });
 }
 
-fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, pos: &[u32], k: usize, dim: usize) {
+fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, d: Dispatched) {
+    let Dispatched { pos, k, dim } = d;
     let (dx, dxe): (&mut [S], &[S]) = (dx.host(), dxe.host());
     dx.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
@@ -448,7 +444,8 @@ fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, pos: &[u32], k: usize,
         });
 }
 
-fn moe_combine<S: Scalar>(out: ViewMut, ye: View, w: View, pos: &[u32], k: usize, dim: usize) {
+fn moe_combine<S: Scalar>(out: ViewMut, ye: View, w: View, d: Dispatched) {
+    let Dispatched { pos, k, dim } = d;
     let (out, ye, w): (&mut [S], &[S], &[S]) = (out.host(), ye.host(), w.host());
     out.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
@@ -464,17 +461,15 @@ fn moe_combine<S: Scalar>(out: ViewMut, ye: View, w: View, pos: &[u32], k: usize
         });
 }
 
-#[allow(clippy::too_many_arguments)]
 fn moe_combine_backward<S: Scalar>(
     dye: ViewMut,
     dw: ViewMut,
     dout: View,
     ye: View,
     w: View,
-    pos: &[u32],
-    k: usize,
-    dim: usize,
+    d: Dispatched,
 ) {
+    let Dispatched { pos, k, dim } = d;
     let dye: &mut [S] = dye.host();
     let dw: &mut [S] = dw.host();
     let dout: &[S] = dout.host();
@@ -580,54 +575,21 @@ impl NnOps for CpuBackend {
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
         by_dtype!(dt(&x), rmsnorm_forward(out, rstd, x, w, dim, eps))
     }
-    fn rmsnorm_backward(
-        &self,
-        dx: ViewMut,
-        dw: ViewMut,
-        dout: View,
-        x: View,
-        w: View,
-        rstd: View,
-        dim: usize,
-    ) {
-        by_dtype!(dt(&x), rmsnorm_backward(dx, dw, dout, x, w, rstd, dim))
+    fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
+        by_dtype!(dt(&s.x), rmsnorm_backward(dx, dw, dout, s, dim))
     }
-    fn head_norm_rope_forward(
-        &self,
-        out: ViewMut,
-        rstd: ViewMut,
-        x: View,
-        w: View,
-        heads: usize,
-        head_dim: usize,
-        seq: usize,
-        pos0: usize,
-        theta: f64,
-        eps: f32,
-    ) {
-        by_dtype!(
-            dt(&x),
-            head_norm_rope_forward(out, rstd, x, w, heads, head_dim, seq, pos0, theta, eps)
-        )
+    fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
+        by_dtype!(dt(&x), head_norm_rope_forward(out, rstd, x, w, d))
     }
     fn head_norm_rope_backward(
         &self,
         dx: ViewMut,
         dw: ViewMut,
         dout: View,
-        x: View,
-        w: View,
-        rstd: View,
-        heads: usize,
-        head_dim: usize,
-        seq: usize,
-        pos0: usize,
-        theta: f64,
+        s: NormSaved,
+        d: HeadRope,
     ) {
-        by_dtype!(
-            dt(&x),
-            head_norm_rope_backward(dx, dw, dout, x, w, rstd, heads, head_dim, seq, pos0, theta)
-        )
+        by_dtype!(dt(&s.x), head_norm_rope_backward(dx, dw, dout, s, d))
     }
     fn attention_forward(
         &self,
@@ -636,56 +598,18 @@ impl NnOps for CpuBackend {
         q: View,
         k: View,
         v: View,
-        batch: usize,
-        tq: usize,
-        tk: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
+        d: AttnDims,
     ) {
-        let d = attention::Dims {
-            batch,
-            tq,
-            tk,
-            heads,
-            kv_heads,
-            head_dim,
-        };
         match dt(&q) {
             DType::F32 => attention::forward::<f32>(out, lse, q, k, v, d),
             DType::F64 => attention::forward::<f64>(out, lse, q, k, v, d),
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
-    fn attention_backward(
-        &self,
-        dq: ViewMut,
-        dk: ViewMut,
-        dv: ViewMut,
-        dout: View,
-        out: View,
-        q: View,
-        k: View,
-        v: View,
-        lse: View,
-        batch: usize,
-        tq: usize,
-        tk: usize,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    ) {
-        let d = attention::Dims {
-            batch,
-            tq,
-            tk,
-            heads,
-            kv_heads,
-            head_dim,
-        };
-        match dt(&q) {
-            DType::F32 => attention::backward::<f32>(dq, dk, dv, dout, out, q, k, v, lse, d),
-            DType::F64 => attention::backward::<f64>(dq, dk, dv, dout, out, q, k, v, lse, d),
+    fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
+        match dt(&s.q) {
+            DType::F32 => attention::backward::<f32>(g, dout, s, d),
+            DType::F64 => attention::backward::<f64>(g, dout, s, d),
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
         }
     }
@@ -695,22 +619,8 @@ impl NnOps for CpuBackend {
     fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
         by_dtype!(dt(&gate), swiglu_backward(dgate, dup, dout, gate, up))
     }
-    fn router_forward(
-        &self,
-        probs: ViewMut,
-        weights: ViewMut,
-        idx: &mut [u32],
-        psum: &mut [f64],
-        logits: View,
-        bias: Option<View>,
-        experts: usize,
-        k: usize,
-        renorm: bool,
-    ) {
-        by_dtype!(
-            dt(&logits),
-            router_forward(probs, weights, idx, psum, logits, bias, experts, k, renorm)
-        )
+    fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
+        by_dtype!(dt(&logits), router_forward(out, logits, bias, d))
     }
     fn router_backward(
         &self,
@@ -719,32 +629,21 @@ impl NnOps for CpuBackend {
         probs: View,
         idx: &[u32],
         dprob_const: &[f64],
-        experts: usize,
-        k: usize,
-        renorm: bool,
+        d: RouterDims,
     ) {
         by_dtype!(
             dt(&probs),
-            router_backward(
-                dlogits,
-                dweights,
-                probs,
-                idx,
-                dprob_const,
-                experts,
-                k,
-                renorm
-            )
+            router_backward(dlogits, dweights, probs, idx, dprob_const, d)
         )
     }
     fn moe_gather(&self, xe: ViewMut, x: View, src: &[u32], dim: usize) {
         by_dtype!(dt(&x), moe_gather(xe, x, src, dim))
     }
-    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, pos: &[u32], k: usize, dim: usize) {
-        by_dtype!(dt(&dxe), moe_gather_backward(dx, dxe, pos, k, dim))
+    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
+        by_dtype!(dt(&dxe), moe_gather_backward(dx, dxe, d))
     }
-    fn moe_combine(&self, out: ViewMut, ye: View, w: View, pos: &[u32], k: usize, dim: usize) {
-        by_dtype!(dt(&ye), moe_combine(out, ye, w, pos, k, dim))
+    fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
+        by_dtype!(dt(&ye), moe_combine(out, ye, w, d))
     }
     fn moe_combine_backward(
         &self,
@@ -753,14 +652,9 @@ impl NnOps for CpuBackend {
         dout: View,
         ye: View,
         w: View,
-        pos: &[u32],
-        k: usize,
-        dim: usize,
+        d: Dispatched,
     ) {
-        by_dtype!(
-            dt(&ye),
-            moe_combine_backward(dye, dw, dout, ye, w, pos, k, dim)
-        )
+        by_dtype!(dt(&ye), moe_combine_backward(dye, dw, dout, ye, w, d))
     }
     fn cross_entropy_forward(
         &self,

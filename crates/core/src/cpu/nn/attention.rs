@@ -6,22 +6,13 @@
 
 use super::fastmath::{exp_sub_scale, exp_sub_sum};
 use super::Ptr;
+use crate::backend::{AttnDims as Dims, AttnGrads, AttnSaved};
 use crate::cpu::blas::GemmScalar;
 use crate::tensor::{View, ViewMut};
 use rayon::prelude::*;
 
 /// Query rows per score tile.
 const BLK: usize = 64;
-
-#[derive(Clone, Copy)]
-pub struct Dims {
-    pub batch: usize,
-    pub tq: usize,
-    pub tk: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
 
 #[derive(Clone, Copy)]
 struct CPtr<S>(*const S);
@@ -164,20 +155,9 @@ pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: V
     );
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn backward<S: GemmScalar>(
-    dq: ViewMut,
-    dk: ViewMut,
-    dv: ViewMut,
-    dout: View,
-    out: View,
-    q: View,
-    k: View,
-    v: View,
-    lse: View,
-    d: Dims,
-) {
-    let (dq, dk, dv): (&mut [S], &mut [S], &mut [S]) = (dq.host(), dk.host(), dv.host());
+pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
+    let AttnSaved { out, q, k, v, lse } = saved;
+    let (dq, dk, dv): (&mut [S], &mut [S], &mut [S]) = (g.dq.host(), g.dk.host(), g.dv.host());
     let dout: &[S] = dout.host();
     let out: &[S] = out.host();
     let q: &[S] = q.host();

@@ -1,7 +1,10 @@
 //! Every kernel pair against central finite differences in f64 (the backward must be the exact
 //! derivative of the forward), and each forward against a naive reference of its definition.
 
-use crate::backend::{Blas, Memory, NnOps};
+use crate::backend::{
+    AttnDims, AttnGrads, AttnSaved, Blas, Dispatched, HeadRope, Memory, NnOps, NormSaved,
+    RouterDims, RouterOut,
+};
 use crate::ledger::{Category, Ledger};
 use crate::tensor::Tensor;
 use crate::CpuBackend;
@@ -121,15 +124,13 @@ fn rmsnorm() {
         .collect();
     close("rmsnorm forward", &o, &want, 1e-12);
     let (mut dx, mut dw) = (up(&b, &vec![0.5; n * d]), zeros(&b, d));
-    b.rmsnorm_backward(
-        dx.view_mut(),
-        dw.view_mut(),
-        up(&b, &ro).view(),
-        up(&b, &x).view(),
-        up(&b, &w).view(),
-        rs.view(),
-        d,
-    );
+    let (xt, wt) = (up(&b, &x), up(&b, &w));
+    let saved = NormSaved {
+        x: xt.view(),
+        w: wt.view(),
+        rstd: rs.view(),
+    };
+    b.rmsnorm_backward(dx.view_mut(), dw.view_mut(), up(&b, &ro).view(), saved, d);
     // dx accumulates: subtract what was there.
     let dx: Vec<f64> = down(&b, &dx).iter().map(|v| v - 0.5).collect();
     fd_check("rmsnorm", &[x, w], &[dx, down(&b, &dw)], |a| {
@@ -144,20 +145,18 @@ fn head_norm_rope() {
     let (rows, heads, hd, seq, pos0, theta) = (6, 3, 8, 3, 2, 100.0);
     let row = heads * hd;
     let (x, w, ro) = (r.vec(rows * row), r.vec(hd), r.vec(rows * row));
+    let dims = HeadRope {
+        heads,
+        head_dim: hd,
+        seq,
+        pos0,
+        theta,
+        eps: 1e-6,
+    };
     let run = |x: &[f64], w: &[f64]| {
         let (mut o, mut rs) = (zeros(&b, rows * row), zeros(&b, rows * heads));
-        b.head_norm_rope_forward(
-            o.view_mut(),
-            rs.view_mut(),
-            up(&b, x).view(),
-            up(&b, w).view(),
-            heads,
-            hd,
-            seq,
-            pos0,
-            theta,
-            1e-6,
-        );
+        let (x, w) = (up(&b, x), up(&b, w));
+        b.head_norm_rope_forward(o.view_mut(), rs.view_mut(), x.view(), w.view(), dims);
         (down(&b, &o), rs)
     };
     let (o, rs) = run(&x, &w);
@@ -179,18 +178,18 @@ fn head_norm_rope() {
     }
     close("head_norm_rope forward", &o, &want, 1e-12);
     let (mut dx, mut dw) = (zeros(&b, rows * row), zeros(&b, hd));
+    let (xt, wt) = (up(&b, &x), up(&b, &w));
+    let saved = NormSaved {
+        x: xt.view(),
+        w: wt.view(),
+        rstd: rs.view(),
+    };
     b.head_norm_rope_backward(
         dx.view_mut(),
         dw.view_mut(),
         up(&b, &ro).view(),
-        up(&b, &x).view(),
-        up(&b, &w).view(),
-        rs.view(),
-        heads,
-        hd,
-        seq,
-        pos0,
-        theta,
+        saved,
+        dims,
     );
     fd_check(
         "head_norm_rope",
@@ -200,18 +199,15 @@ fn head_norm_rope() {
     );
 }
 
-#[allow(clippy::too_many_arguments)]
-fn naive_attention(
-    q: &[f64],
-    k: &[f64],
-    v: &[f64],
-    batch: usize,
-    tq: usize,
-    tk: usize,
-    heads: usize,
-    kvh: usize,
-    hd: usize,
-) -> Vec<f64> {
+fn naive_attention(q: &[f64], k: &[f64], v: &[f64], d: AttnDims) -> Vec<f64> {
+    let AttnDims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+    } = d;
     let mut o = vec![0.0; q.len()];
     let (qd, kd) = (heads * hd, kvh * hd);
     for b in 0..batch {
@@ -253,20 +249,24 @@ fn attention_case(
     let mut r = Rng(seed);
     let (nq, nk) = (batch * tq * heads * hd, batch * tk * kvh * hd);
     let (q, k, v, ro) = (r.vec(nq), r.vec(nk), r.vec(nk), r.vec(nq));
+    let dims = AttnDims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+    };
     let run = |q: &[f64], k: &[f64], v: &[f64]| {
         let (mut o, mut l) = (zeros(&b, nq), zeros(&b, batch * heads * tq));
+        let (q, k, v) = (up(&b, q), up(&b, k), up(&b, v));
         b.attention_forward(
             o.view_mut(),
             l.view_mut(),
-            up(&b, q).view(),
-            up(&b, k).view(),
-            up(&b, v).view(),
-            batch,
-            tq,
-            tk,
-            heads,
-            kvh,
-            hd,
+            q.view(),
+            k.view(),
+            v.view(),
+            dims,
         );
         (o, l)
     };
@@ -274,27 +274,24 @@ fn attention_case(
     close(
         "attention forward",
         &down(&b, &o),
-        &naive_attention(&q, &k, &v, batch, tq, tk, heads, kvh, hd),
+        &naive_attention(&q, &k, &v, dims),
         1e-12,
     );
     let (mut dq, mut dk, mut dv) = (zeros(&b, nq), zeros(&b, nk), zeros(&b, nk));
-    b.attention_backward(
-        dq.view_mut(),
-        dk.view_mut(),
-        dv.view_mut(),
-        up(&b, &ro).view(),
-        o.view(),
-        up(&b, &q).view(),
-        up(&b, &k).view(),
-        up(&b, &v).view(),
-        l.view(),
-        batch,
-        tq,
-        tk,
-        heads,
-        kvh,
-        hd,
-    );
+    let (qt, kt, vt) = (up(&b, &q), up(&b, &k), up(&b, &v));
+    let grads = AttnGrads {
+        dq: dq.view_mut(),
+        dk: dk.view_mut(),
+        dv: dv.view_mut(),
+    };
+    let saved = AttnSaved {
+        out: o.view(),
+        q: qt.view(),
+        k: kt.view(),
+        v: vt.view(),
+        lse: l.view(),
+    };
+    b.attention_backward(grads, up(&b, &ro).view(), saved, dims);
     fd_check(
         &format!("attention b{batch} tq{tq} tk{tk} h{heads}/{kvh}"),
         &[q, k, v],
@@ -355,21 +352,22 @@ fn router_case(renorm: bool, with_bias: bool) {
     let logits: Vec<f64> = r.vec(n * e).iter().map(|x| 3.0 * x).collect();
     let bias: Vec<f64> = r.vec(e).iter().map(|x| 0.3 * x).collect();
     let (rw, c) = (r.vec(n * k), r.vec(e));
+    let dims = RouterDims {
+        experts: e,
+        k,
+        renorm,
+    };
     let run = |l: &[f64]| {
         let (mut p, mut w) = (zeros(&b, n * e), zeros(&b, n * k));
         let (mut idx, mut psum) = (vec![0u32; n * k], vec![0.0; e]);
-        let bt = up(&b, &bias);
-        b.router_forward(
-            p.view_mut(),
-            w.view_mut(),
-            &mut idx,
-            &mut psum,
-            up(&b, l).view(),
-            with_bias.then(|| bt.view()),
-            e,
-            k,
-            renorm,
-        );
+        let (bt, lt) = (up(&b, &bias), up(&b, l));
+        let out = RouterOut {
+            probs: p.view_mut(),
+            weights: w.view_mut(),
+            idx: &mut idx,
+            psum: &mut psum,
+        };
+        b.router_forward(out, lt.view(), with_bias.then(|| bt.view()), dims);
         (p, w, idx, psum)
     };
     let (p, w, idx, psum) = run(&logits);
@@ -396,16 +394,8 @@ fn router_case(renorm: bool, with_bias: bool) {
         dot(&down(&b, &w), &rw) + dot(&psum, &c)
     };
     let mut dl = zeros(&b, n * e);
-    b.router_backward(
-        dl.view_mut(),
-        up(&b, &rw).view(),
-        p.view(),
-        &idx,
-        &c,
-        e,
-        k,
-        renorm,
-    );
+    let rwt = up(&b, &rw);
+    b.router_backward(dl.view_mut(), rwt.view(), p.view(), &idx, &c, dims);
     let _ = w;
     fd_check(
         &format!("router renorm={renorm} bias={with_bias}"),
@@ -429,30 +419,21 @@ fn router_ties_prefer_lower_index() {
     let b = be();
     let (mut p, mut w) = (zeros(&b, 4), zeros(&b, 2));
     let (mut idx, mut psum) = (vec![0u32; 2], vec![0.0; 4]);
-    b.router_forward(
-        p.view_mut(),
-        w.view_mut(),
-        &mut idx,
-        &mut psum,
-        up(&b, &[0.0, 1.0, 0.0, 1.0]).view(),
-        None,
-        4,
-        2,
-        true,
-    );
-    assert_eq!(idx, vec![1, 3]);
-    b.router_forward(
-        p.view_mut(),
-        w.view_mut(),
-        &mut idx,
-        &mut psum,
-        up(&b, &[0.5; 4]).view(),
-        None,
-        4,
-        2,
-        true,
-    );
-    assert_eq!(idx, vec![0, 1]);
+    let dims = RouterDims {
+        experts: 4,
+        k: 2,
+        renorm: true,
+    };
+    for (logits, want) in [([0.0, 1.0, 0.0, 1.0], [1, 3]), ([0.5; 4], [0, 1])] {
+        let out = RouterOut {
+            probs: p.view_mut(),
+            weights: w.view_mut(),
+            idx: &mut idx,
+            psum: &mut psum,
+        };
+        b.router_forward(out, up(&b, &logits).view(), None, dims);
+        assert_eq!(idx, want);
+    }
 }
 
 #[test]
@@ -478,33 +459,31 @@ fn dispatch_and_combine() {
         assert_eq!(&g[i * d..(i + 1) * d], &x[src[i] as usize * d..][..d]);
     }
     let mut dx = zeros(&b, n * d);
-    b.moe_gather_backward(dx.view_mut(), up(&b, &rg).view(), &pos, k, d);
+    let disp = Dispatched {
+        pos: &pos,
+        k,
+        dim: d,
+    };
+    b.moe_gather_backward(dx.view_mut(), up(&b, &rg).view(), disp);
     fd_check("moe_gather", &[x], &[down(&b, &dx)], |a| {
         dot(&gather(&a[0]), &rg)
     });
 
     let combine = |ye: &[f64], w: &[f64]| {
         let mut o = up(&b, &vec![0.25; n * d]);
-        b.moe_combine(
-            o.view_mut(),
-            up(&b, ye).view(),
-            up(&b, w).view(),
-            &pos,
-            k,
-            d,
-        );
+        let (ye, w) = (up(&b, ye), up(&b, w));
+        b.moe_combine(o.view_mut(), ye.view(), w.view(), disp);
         down(&b, &o)
     };
     let (mut dye, mut dw) = (zeros(&b, n * k * d), zeros(&b, n * k));
+    let (rct, yet, wt) = (up(&b, &rc), up(&b, &ye), up(&b, &w));
     b.moe_combine_backward(
         dye.view_mut(),
         dw.view_mut(),
-        up(&b, &rc).view(),
-        up(&b, &ye).view(),
-        up(&b, &w).view(),
-        &pos,
-        k,
-        d,
+        rct.view(),
+        yet.view(),
+        wt.view(),
+        disp,
     );
     fd_check(
         "moe_combine",
@@ -528,15 +507,18 @@ fn moe_combine_backward_refuses_a_pos_that_is_not_a_permutation() {
     let dout = b.upload(&[1.0; 6], &[n * d], Category::Buffers);
     let ye = b.upload(&[1.0; 12], &[n * k * d], Category::Buffers);
     let w = b.upload(&[0.5; 4], &[n * k], Category::Buffers);
+    let disp = Dispatched {
+        pos: &pos,
+        k,
+        dim: d,
+    };
     b.moe_combine_backward(
         dye.view_mut(),
         dw.view_mut(),
         dout.view(),
         ye.view(),
         w.view(),
-        &pos,
-        k,
-        d,
+        disp,
     );
 }
 
@@ -598,18 +580,22 @@ fn f32_kernels_match_f64() {
             b.zeros(&[batch * h * t], Category::Activations),
         );
         let up = |x: &[f64]| b.upload_f64(x, &[x.len()], Category::Activations);
+        let (qt, kt, vt) = (up(&q), up(&k), up(&v));
+        let dims = AttnDims {
+            batch,
+            tq: t,
+            tk: t,
+            heads: h,
+            kv_heads: kvh,
+            head_dim: hd,
+        };
         b.attention_forward(
             o.view_mut(),
             l.view_mut(),
-            up(&q).view(),
-            up(&k).view(),
-            up(&v).view(),
-            batch,
-            t,
-            t,
-            h,
-            kvh,
-            hd,
+            qt.view(),
+            kt.view(),
+            vt.view(),
+            dims,
         );
         outs.push(b.download_f64(o.view()));
     }
