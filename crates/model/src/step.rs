@@ -106,7 +106,8 @@ fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
 }
 
 /// Embedding, every block, final norm, logits and the summed cross-entropy. Leaves the
-/// logits in `ws.head.logits` and returns the loss sum and each MoE layer's routing statistics.
+/// logits in `ws.head.logits` and the loss sum in `ws.head.loss` (read at the step's end), and
+/// returns each MoE layer's routing statistics.
 /// `backward`: a backward pass follows (which may read the blocks' internals).
 fn forward(
     be: &dyn Backend,
@@ -116,7 +117,7 @@ fn forward(
     ws: &mut Workspace,
     Tokens { inputs, targets }: Tokens,
     backward: bool,
-) -> (f64, Vec<LayerStats>) {
+) -> Vec<LayerStats> {
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = batch * seq;
@@ -187,13 +188,23 @@ fn forward(
         lm_head,
         Gemm::new(n, v, h, false, true),
     );
-    let loss_sum = be.cross_entropy_forward(head.lse.view_mut(), head.logits.view(), targets, v);
-    (loss_sum, stats)
+    be.fill(head.loss.view_mut(), 0.0);
+    let (lse, loss) = (head.lse.view_mut(), head.loss.view_mut());
+    be.cross_entropy_forward(lse, head.logits.view(), targets, v, loss);
+    stats
 }
 
 /// Switch auxiliary loss per layer (`E · Σ_i f_i · P_i`, f_i = selections of i / tokens,
 /// P_i = mean probability of i), averaged over MoE layers; and each layer's load.
-fn summarise(model: &Model, n: usize, loss_sum: f64, stats: &[LayerStats]) -> StepOutput {
+/// The step's one read of its scalars, at its end: the loss sum.
+fn summarise(
+    be: &dyn Backend,
+    model: &Model,
+    ws: &Workspace,
+    n: usize,
+    stats: &[LayerStats],
+) -> StepOutput {
+    let loss_sum = be.download_f64(ws.head.loss.view())[0];
     let cfg = model.config();
     let (e, k) = (cfg.experts as f64, cfg.top_k as f64);
     let nf = n as f64;
@@ -263,7 +274,7 @@ pub fn forward_backward_with(
     } = hooks;
     let Tokens { inputs, targets } = tokens;
     check_batch(model, ws, tokens);
-    let (loss_sum, stats) = forward(be, model, src, ex, ws, tokens, true);
+    let stats = forward(be, model, src, ex, ws, tokens, true);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -347,7 +358,7 @@ pub fn forward_backward_with(
     }
     let dwte = sink.grads().get_mut(model.embed).view_mut();
     be.embedding_backward(dwte, g.dres.view(), inputs, h);
-    summarise(model, n, loss_sum, &stats)
+    summarise(be, model, ws, n, &stats)
 }
 
 /// Forward only (eval): the same losses, no gradients.
@@ -372,13 +383,9 @@ pub fn forward_loss_with(
     tokens: Tokens,
 ) -> StepOutput {
     check_batch(model, ws, tokens);
-    let (loss_sum, stats) = forward(be, model, src, ex, ws, tokens, false);
-    summarise(
-        model,
-        src.global_tokens(ws.batch * ws.seq),
-        loss_sum,
-        &stats,
-    )
+    let stats = forward(be, model, src, ex, ws, tokens, false);
+    let n = src.global_tokens(ws.batch * ws.seq);
+    summarise(be, model, ws, n, &stats)
 }
 
 /// DeepSeek-V3 auxiliary-loss-free balancing, after a step: per MoE layer

@@ -6,7 +6,7 @@
 use crate::offload::Boundaries;
 use crate::{MlpIdx, Model};
 use ganymede_config::{AcMode, ModelConfig};
-use ganymede_core::{Backend, Category, Tensor};
+use ganymede_core::{Backend, Category, DType, Tensor};
 
 /// Host-side routing of one MoE layer (integer data a GPU backend would upload).
 pub(crate) struct Routing {
@@ -126,6 +126,9 @@ pub(crate) struct HeadActs {
     pub rstd: Tensor,
     pub logits: Tensor,
     pub lse: Tensor,
+    /// The loss sum, one f64 (`Category::Buffers`, outside the activation plan): the kernels
+    /// add into it and the step reads it once, at its end.
+    pub loss: Tensor,
 }
 
 /// All activation memory of a step, allocated once for (model, batch, seq, mode).
@@ -424,6 +427,7 @@ impl Workspace {
             rstd: t("rstdf"),
             logits: t("logits"),
             lse: t("lse_ce"),
+            loss: be.zeros_of(&[1], DType::F64, Category::Buffers),
         };
         assert!(it.next().is_none(), "workspace plan not fully allocated");
         Workspace {

@@ -1,6 +1,6 @@
 //! Global gradient-norm clipping.
 
-use ganymede_core::{Backend, ParamStore};
+use ganymede_core::{Backend, Category, DType, ParamStore};
 
 /// Scale all gradients by `max_norm/(‖g‖ + 1e-6)` when the global L2 norm `‖g‖` (over every
 /// trainable parameter, accumulated in f64) exceeds `max_norm`, as PyTorch's `clip_grad_norm_`.
@@ -18,14 +18,13 @@ pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -
     norm
 }
 
-/// The global L2 norm of the trainable entries of `grads`.
+/// The global L2 norm of the trainable entries of `grads`: summed on the device, read once.
 pub fn global_norm(be: &dyn Backend, grads: &ParamStore) -> f64 {
-    grads
-        .iter()
-        .filter(|(s, _)| s.kind.is_trainable())
-        .map(|(_, g)| be.sumsq(g.view()))
-        .sum::<f64>()
-        .sqrt()
+    let mut acc = be.zeros_of(&[1], DType::F64, Category::Buffers);
+    for (_, g) in grads.iter().filter(|(s, _)| s.kind.is_trainable()) {
+        be.sumsq_acc(acc.view_mut(), g.view());
+    }
+    be.download_f64(acc.view())[0].sqrt()
 }
 
 /// The factor gradients of global norm `norm` are scaled by, if clipping applies: `None` when

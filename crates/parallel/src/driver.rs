@@ -18,8 +18,8 @@ use crate::optim::ShardedOptimizer;
 use anyhow::{bail, Context, Result};
 use ganymede_config::{AcMode, DeviceKind, JobConfig, MuonPlacement};
 use ganymede_core::{
-    Backend, Blas, Category, CpuBackend, Ledger, Memory, ParamSpec, ParamStore, Stream, Tensor,
-    TwoMemoryOptions, ViewMut,
+    Backend, Blas, Category, CpuBackend, DType, Ledger, Memory, ParamSpec, ParamStore, Stream,
+    Tensor, TwoMemoryOptions, ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::placement::plan;
@@ -114,6 +114,8 @@ pub struct RankState {
     pub mesh: DeviceMesh,
     pub shards: Shards,
     pub ws: Workspace,
+    /// The squared gradient norm, one f64 summed on the device and read once per step.
+    norm_acc: Tensor,
     /// Routed experts: here (ep = 1) or over the ep group.
     pub experts: Box<dyn ExpertExecutor>,
     cfg: JobConfig,
@@ -186,7 +188,9 @@ impl RankState {
         if mesh.dp_shard.ctx().tracer.enabled() {
             be.trace_copies(true);
         }
+        let norm_acc = be.zeros_of(&[1], DType::F64, Category::Buffers);
         Ok(RankState {
+            norm_acc,
             experts,
             be,
             model,
@@ -256,10 +260,12 @@ impl RankState {
         // The loss is this slice's share of the global mean; the aux loss is already global.
         let t0 = Instant::now();
         let specs = self.model.param_specs();
-        let sumsq: f64 = trainable_grads(&mut self.shards, specs)
-            .iter()
-            .map(|g| self.be.sumsq(g.view()))
-            .sum();
+        // Summed on the device; the step's one read of it comes with the loss's, here.
+        self.be.fill(self.norm_acc.view_mut(), 0.0);
+        for g in trainable_grads(&mut self.shards, specs) {
+            self.be.sumsq_acc(self.norm_acc.view_mut(), g.view());
+        }
+        let sumsq = self.be.download_f64(self.norm_acc.view())[0];
         let mut red = [out.loss, sumsq];
         world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
         let (loss, norm) = (red[0], red[1].sqrt());

@@ -13,7 +13,7 @@ pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{CopySpan, Event, MemoryError, Stream};
-use crate::tensor::{Tensor, View, ViewMut};
+use crate::tensor::{DType, Tensor, View, ViewMut};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +29,9 @@ pub trait Memory: Send + Sync {
     fn ledger(&self) -> &Arc<Ledger>;
     /// A zero-filled tensor charged to `category`.
     fn zeros(&self, shape: &[usize], category: Category) -> Tensor;
+    /// A zero-filled tensor of `dtype` (the backend's own precision is `zeros`'s): f64
+    /// accumulators of a step's scalars, bf16 staging.
+    fn zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor;
     /// A tensor holding `data` (host to device copy).
     fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor;
     /// Like `upload`, from f64 data (exact on an f64 backend).
@@ -163,8 +166,11 @@ pub trait Blas: Send + Sync {
     fn add(&self, y: ViewMut, x: View) {
         self.axpy(y, 1.0, x)
     }
-    /// Σ x², accumulated in f64.
+    /// Σ x², accumulated in f64. A host read: inside a step use [`Blas::sumsq_acc`].
     fn sumsq(&self, x: View) -> f64;
+    /// `acc[0] += Σ x²`, with `acc` an f64 tensor, so a step sums many tensors and reads the
+    /// total once at its end.
+    fn sumsq_acc(&self, acc: ViewMut, x: View);
 }
 
 /// Everything a training step needs from a device.

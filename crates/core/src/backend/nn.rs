@@ -163,14 +163,16 @@ pub trait NnOps: Send + Sync {
     );
 
     /// Softmax cross-entropy of rows of `vocab` logits against `targets`; saves each row's
-    /// log-sum-exp and returns the SUM of the losses.
+    /// log-sum-exp and ADDS the sum of the losses to `loss[0]`, an f64 element (read once at the
+    /// end of the step, not here).
     fn cross_entropy_forward(
         &self,
         lse: ViewMut,
         logits: View,
         targets: &[u32],
         vocab: usize,
-    ) -> f64;
+        loss: ViewMut,
+    );
     /// In place: `logits` becomes `scale * (softmax(logits) - onehot(target))`.
     fn cross_entropy_backward(
         &self,

@@ -220,6 +220,10 @@ impl Blas for CpuBackend {
     fn sumsq(&self, x: View) -> f64 {
         crate::by_dtype!(x.dtype(), sumsq(x))
     }
+    fn sumsq_acc(&self, acc: ViewMut, x: View) {
+        let s = crate::by_dtype!(x.dtype(), sumsq(x));
+        acc.host::<f64>()[0] += s;
+    }
 }
 
 #[cfg(test)]

@@ -44,6 +44,24 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    fn try_zeros_of(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: Category,
+    ) -> Result<Tensor, MemoryError> {
+        if let Some(two) = &self.two {
+            return two.alloc(&self.ledger, two_memory::DEVICE, shape, category, dtype);
+        }
+        let n = shape.iter().product();
+        let buf = match dtype {
+            DType::F32 => Buffer::Host(vec![0.0; n]),
+            DType::F64 => Buffer::Host64(vec![0.0; n]),
+            DType::BF16 => Buffer::HostBf16(vec![0; n]),
+        };
+        Ok(self.tensor(buf, shape, category))
+    }
+
     pub fn new(ledger: Arc<Ledger>) -> Self {
         Self {
             ledger,
@@ -100,22 +118,11 @@ impl Memory for CpuBackend {
             .unwrap_or_else(|e| panic!("{e}"))
     }
     fn try_zeros(&self, shape: &[usize], category: Category) -> Result<Tensor, MemoryError> {
-        if let Some(two) = &self.two {
-            return two.alloc(
-                &self.ledger,
-                two_memory::DEVICE,
-                shape,
-                category,
-                self.dtype,
-            );
-        }
-        let n = shape.iter().product();
-        let buf = match self.dtype {
-            DType::F32 => Buffer::Host(vec![0.0; n]),
-            DType::F64 => Buffer::Host64(vec![0.0; n]),
-            DType::BF16 => Buffer::HostBf16(vec![0; n]),
-        };
-        Ok(self.tensor(buf, shape, category))
+        self.try_zeros_of(shape, self.dtype, category)
+    }
+    fn zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
+        self.try_zeros_of(shape, dtype, category)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
     fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
         match &self.two {

@@ -516,7 +516,13 @@ fn moe_combine_backward<S: Scalar>(
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy
 
-fn cross_entropy_forward<S: Scalar>(lse: ViewMut, logits: View, targets: &[u32], v: usize) -> f64 {
+fn cross_entropy_forward<S: Scalar>(
+    lse: ViewMut,
+    logits: View,
+    targets: &[u32],
+    v: usize,
+    loss: ViewMut,
+) {
     let (lse, logits): (&mut [S], &[S]) = (lse.host(), logits.host());
     lse.par_iter_mut()
         .zip(logits.par_chunks(v))
@@ -529,7 +535,7 @@ fn cross_entropy_forward<S: Scalar>(lse: ViewMut, logits: View, targets: &[u32],
     for (r, &t) in targets.iter().enumerate() {
         total += (lse[r] - logits[r * v + t as usize]).as_f64();
     }
-    total
+    loss.host::<f64>()[0] += total;
 }
 
 fn cross_entropy_backward<S: Scalar>(
@@ -662,10 +668,11 @@ impl NnOps for CpuBackend {
         logits: View,
         targets: &[u32],
         vocab: usize,
-    ) -> f64 {
+        loss: ViewMut,
+    ) {
         by_dtype!(
             dt(&logits),
-            cross_entropy_forward(lse, logits, targets, vocab)
+            cross_entropy_forward(lse, logits, targets, vocab, loss)
         )
     }
     fn cross_entropy_backward(

@@ -531,7 +531,16 @@ fn cross_entropy() {
     let targets = [3u32, 0, 8, 3];
     let run = |l: &[f64]| {
         let mut lse = zeros(&b, n);
-        let s = b.cross_entropy_forward(lse.view_mut(), up(&b, l).view(), &targets, v);
+        // Accumulates: start from 0.5 and take it off.
+        let mut loss = b.upload_f64(&[0.5], &[1], Category::Buffers);
+        b.cross_entropy_forward(
+            lse.view_mut(),
+            up(&b, l).view(),
+            &targets,
+            v,
+            loss.view_mut(),
+        );
+        let s = b.download_f64(loss.view())[0] - 0.5;
         (s, lse)
     };
     let (sum, lse) = run(&logits);
@@ -605,12 +614,10 @@ fn f32_kernels_match_f64() {
     let mut sums = vec![];
     for b in [&b64, &b32] {
         let mut l = b.zeros(&[6], Category::Activations);
-        sums.push(b.cross_entropy_forward(
-            l.view_mut(),
-            b.upload_f64(&logits, &[1800], Category::Activations).view(),
-            &targets,
-            300,
-        ));
+        let mut loss = b.zeros_of(&[1], crate::DType::F64, Category::Buffers);
+        let logits = b.upload_f64(&logits, &[1800], Category::Activations);
+        b.cross_entropy_forward(l.view_mut(), logits.view(), &targets, 300, loss.view_mut());
+        sums.push(b.download_f64(loss.view())[0]);
     }
     assert!((sums[0] - sums[1]).abs() < 1e-5 * sums[0].abs(), "{sums:?}");
 }

@@ -359,3 +359,24 @@ fn plain_backend_stream_api_completes_at_once() {
     assert_eq!(bits(&be.download(b.view())), bits(&src));
     assert!(be.try_zeros(&[1 << 10], Category::Buffers).is_ok());
 }
+
+#[test]
+fn f64_accumulators_live_on_the_device_and_sum_like_the_host_read() {
+    // An f32 backend's step scalars: f64 tensors on the device, read once at the end.
+    let be = backend(None, true);
+    let xs: Vec<Tensor> = (0..3)
+        .map(|i| {
+            let v: Vec<f32> = (0..1000).map(|j| ((i * 1000 + j) as f32).sin()).collect();
+            be.upload(&v, &[v.len()], Category::Grads)
+        })
+        .collect();
+    let mut acc = be.zeros_of(&[1], crate::DType::F64, Category::Buffers);
+    assert_eq!(acc.bytes(), 8);
+    for x in &xs {
+        be.sumsq_acc(acc.view_mut(), x.view());
+    }
+    let want: f64 = xs.iter().map(|x| be.sumsq(x.view())).sum();
+    assert_eq!(be.download_f64(acc.view())[0], want);
+    let r = be.ledger().report();
+    assert_eq!(r.peak(DEVICE, Category::Buffers), 8);
+}
