@@ -200,23 +200,21 @@ fn a_step_after_the_first_allocates_nothing() {
     }
 }
 
-/// The same at 2 ranks (FSDP). Ignored until the FSDP hooks' per-step allocations (gather
-/// buffers, reduce-scatter staging) come from fixed pools; prints the counts.
+/// The same at 2 ranks (FSDP), with f32 and bf16 gathers.
 #[test]
-#[ignore]
 fn a_sharded_step_after_the_first_allocates_nothing() {
-    for opt in ["muon", "adamw"] {
+    for (opt, gather) in [("muon", "f32"), ("adamw", "f32"), ("muon", "bf16")] {
         for offload in [false, true] {
             let cfg = tiny(
                 4,
                 &[
                     &format!("optimizer.name=\"{opt}\""),
                     &format!("optimizer.offload={offload}"),
+                    &format!("parallelism.gather_dtype={gather}"),
                 ],
             );
             let n = allocs_after_first_step(&cfg, 2);
-            eprintln!("{opt}, offload={offload}: {n:?} allocations in steps 2-3 per rank");
-            assert_eq!(n, [0, 0], "{opt}, offload={offload}");
+            assert_eq!(n, [0, 0], "{opt}, {gather} gathers, offload={offload}");
         }
     }
 }
