@@ -154,6 +154,26 @@ fn the_ledger_puts_offloaded_state_on_the_host() {
         }
         peaks.push((dev_opt, host_opt, dev_buf));
     }
+    // Under FSDP too (rank 0's ledger): the state shards on the host.
+    let cfg = tiny(2, &["optimizer.offload=true", "checkpoint.enable=false"]);
+    let s = run(&cfg, "mem-fsdp", 2, None, None);
+    let text = std::fs::read_to_string(s.run_dir.join("memory.json")).unwrap();
+    let mem: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let peak = |dev: &str, cat: &str| mem[dev]["peak_bytes"][cat].as_u64().unwrap_or(0);
+    eprintln!(
+        "muon offload=true, 2 ranks, rank 0: gpu0 optimizer {}, host optimizer {}, gpu0 buffers \
+         {}, gpu0 params {}",
+        peak("gpu0", "optimizer"),
+        peak("host", "optimizer"),
+        peak("gpu0", "buffers"),
+        peak("gpu0", "params")
+    );
+    assert_eq!(peak("gpu0", "optimizer"), 0, "{text}");
+    let host = peak("host", "optimizer");
+    assert!(
+        host > 0 && host < peaks[1].1,
+        "a shard of the state: {text}"
+    );
     for pair in peaks.chunks(2) {
         let ((dev_off, _, buf_off), (_, host_on, buf_on)) = (pair[0], pair[1]);
         // The same state bytes, moved; the device gains only the staging slots.
