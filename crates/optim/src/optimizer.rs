@@ -2,6 +2,7 @@
 //! AdamW for the rest, nothing for buffers.
 
 use crate::ns::{newton_schulz, ns_flops, NsScratch};
+use crate::offload::{SkipWait, Staging};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
 use ganymede_core::{
     AdamWStep, Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut,
@@ -66,6 +67,39 @@ struct Item<'a> {
     scale: f64,
 }
 
+/// The step's constants for Muon matrices.
+#[derive(Clone, Copy)]
+struct MuonStep {
+    lr: f64,
+    momentum: f64,
+    weight_decay: f64,
+    ns_steps: usize,
+}
+
+/// One Muon matrix: Nesterov momentum into the slot, Newton–Schulz, decayed update. Both the
+/// on-device and the streamed step run every matrix through here.
+fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
+    let Item {
+        p,
+        mom,
+        g,
+        rows,
+        cols,
+        scale,
+    } = item;
+    let n = rows * cols;
+    be.nesterov_momentum(mom, g, slot.u.slice_mut(0, n), c.momentum);
+    newton_schulz(
+        be,
+        slot.u.slice_mut(0, n),
+        rows,
+        cols,
+        c.ns_steps,
+        &mut slot.ns,
+    );
+    be.decay_update(p, slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
+}
+
 pub struct Optimizer {
     cfg: OptimizerConfig,
     names: Vec<String>,
@@ -74,6 +108,8 @@ pub struct Optimizer {
     slots: Vec<Slot>,
     /// Spread small matrices across threads (see [`PAR_MATRIX_MAX_FLOPS`]).
     matrix_parallel: bool,
+    /// With `optimizer.offload`: state in host memory, streamed through these device slots.
+    staging: Option<Staging>,
     step: u64,
 }
 
@@ -156,6 +192,15 @@ fn rule_state_mut(rules: &mut [Rule]) -> Vec<(usize, &'static str, &mut Tensor)>
     out
 }
 
+/// Elements of a rule's state, all its tensors together.
+fn rule_state_len(rule: &Rule) -> usize {
+    match rule {
+        Rule::Muon { momentum, .. } => momentum.len(),
+        Rule::AdamW { m, v, .. } => m.len() + v.len(),
+        Rule::Frozen => 0,
+    }
+}
+
 fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<'a>> {
     let mut out = Vec::with_capacity(count);
     for _ in 1..count {
@@ -170,6 +215,13 @@ fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<
 impl Optimizer {
     pub fn new(be: &dyn Backend, cfg: &OptimizerConfig, specs: &[ParamSpec]) -> Optimizer {
         let mut rules = Vec::with_capacity(specs.len());
+        let state = |shape: &[usize]| {
+            if cfg.offload {
+                be.pinned_zeros(shape, Category::Optimizer)
+            } else {
+                be.zeros(shape, Category::Optimizer)
+            }
+        };
         // Shapes for scratch sizing, and how many matrices may run in parallel.
         let (mut all, mut small, mut n_small) = (Vec::new(), Vec::new(), 0);
         for s in specs {
@@ -187,7 +239,7 @@ impl Optimizer {
                         n_small += count;
                     }
                     Rule::Muon {
-                        momentum: be.zeros(&s.shape, Category::Optimizer),
+                        momentum: state(&s.shape),
                         rows,
                         cols,
                         count,
@@ -195,13 +247,18 @@ impl Optimizer {
                     }
                 }
                 UpdateRule::AdamW { weight_decay } => Rule::AdamW {
-                    m: be.zeros(&s.shape, Category::Optimizer),
-                    v: be.zeros(&s.shape, Category::Optimizer),
+                    m: state(&s.shape),
+                    v: state(&s.shape),
                     weight_decay,
                 },
             };
             rules.push(rule);
         }
+        // Each slot holds the largest one parameter's state.
+        let staging = cfg.offload.then(|| {
+            let elems = rules.iter().map(rule_state_len).max().unwrap_or(0);
+            Staging::new(be, elems)
+        });
         let mut slots = Vec::new();
         if !all.is_empty() {
             slots.push(Slot::new(be, &all));
@@ -214,6 +271,7 @@ impl Optimizer {
             rules,
             slots,
             matrix_parallel: true,
+            staging,
             step: 0,
         }
     }
@@ -250,6 +308,67 @@ impl Optimizer {
             bias_correction1: 1.0 - cfg.beta1.powi(t),
             bias_correction2: 1.0 - cfg.beta2.powi(t),
         };
+
+        let mc = MuonStep {
+            lr,
+            momentum: cfg.momentum,
+            weight_decay: cfg.weight_decay,
+            ns_steps: cfg.ns_steps,
+        };
+        if let Some(staging) = &mut self.staging {
+            // Host-resident state: one parameter at a time through the device slots, matrices
+            // one after another (each matrix's arithmetic is the same as on the device path).
+            let mut which = Vec::new();
+            let mut states = Vec::new();
+            for (i, rule) in self.rules.iter_mut().enumerate() {
+                match rule {
+                    Rule::Frozen => continue,
+                    Rule::Muon { momentum, .. } => states.push(vec![momentum]),
+                    Rule::AdamW { m, v, .. } => states.push(vec![m, v]),
+                }
+                which.push(i);
+            }
+            let rules: Vec<UpdateRule> = which
+                .iter()
+                .map(|&i| update_rule(cfg, &params.specs()[i]))
+                .collect();
+            let (ps, gs) = (params.tensors_mut(), grads.tensors());
+            let mut slot = self.slots.first_mut();
+            staging.stream(be, &mut states, |k, state| {
+                let (p, g) = (ps[which[k]].view_mut(), &gs[which[k]]);
+                match rules[k] {
+                    UpdateRule::AdamW { weight_decay } => {
+                        let (m, v) = state.split_at(g.len());
+                        be.adamw_step(p, m, v, g.view(), &adam(weight_decay));
+                    }
+                    UpdateRule::Muon {
+                        rows,
+                        cols,
+                        count,
+                        scale,
+                    } => {
+                        let slot = slot.as_deref_mut().expect("Muon scratch");
+                        let n = rows * cols;
+                        let ps = split_views(p, count, n);
+                        let ms = split_views(state, count, n);
+                        for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
+                            let g = g.slice(e * n, n);
+                            let item = Item {
+                                p,
+                                mom,
+                                g,
+                                rows,
+                                cols,
+                                scale,
+                            };
+                            run_matrix(be, item, slot, mc);
+                        }
+                    }
+                    UpdateRule::Frozen => unreachable!("frozen parameters have no state"),
+                }
+            });
+            return;
+        }
 
         let mut items = Vec::new();
         let params_t = params.tensors_mut().iter_mut();
@@ -293,21 +412,8 @@ impl Optimizer {
             return;
         }
 
-        let (steps, mu, wd) = (cfg.ns_steps, cfg.momentum, cfg.weight_decay);
-        let run = |item: Item, slot: &mut Slot| {
-            let Item {
-                p,
-                mom,
-                g,
-                rows,
-                cols,
-                scale,
-            } = item;
-            let n = rows * cols;
-            be.nesterov_momentum(mom, g, slot.u.slice_mut(0, n), mu);
-            newton_schulz(be, slot.u.slice_mut(0, n), rows, cols, steps, &mut slot.ns);
-            be.decay_update(p, slot.u.slice(0, n), lr * scale, lr * wd);
-        };
+        let steps = cfg.ns_steps;
+        let run = |item: Item, slot: &mut Slot| run_matrix(be, item, slot, mc);
         let (small, large): (Vec<Item>, Vec<Item>) = items
             .into_iter()
             .partition(|it| ns_flops(it.rows, it.cols, steps) <= PAR_MATRIX_MAX_FLOPS);
@@ -333,6 +439,30 @@ impl Optimizer {
                 None => break,
             }
         });
+    }
+
+    /// Block the host until host-resident state (`optimizer.offload`) written back by the last
+    /// step is complete, before CPU code reads or overwrites it (checkpoints). A no-op without
+    /// offload.
+    pub fn synchronize_state(&self, be: &dyn Backend) {
+        if let Some(s) = &self.staging {
+            s.synchronize(be);
+        }
+    }
+
+    /// Device bytes of the offload staging slots (0 without `optimizer.offload`).
+    pub fn staging_bytes(&self) -> u64 {
+        self.staging.as_ref().map_or(0, |s| s.bytes() as u64)
+    }
+
+    /// Leave one wait of the offload pipeline out, to test that the checking two-memory mode
+    /// catches it.
+    #[doc(hidden)]
+    pub fn skip_offload_wait(&mut self, w: SkipWait) {
+        self.staging
+            .as_mut()
+            .expect("optimizer.offload is off")
+            .skip_wait(w);
     }
 
     /// Whether small Muon matrices run whole on separate threads (default) or one after another

@@ -63,6 +63,15 @@ impl RankState {
         }
     }
 
+    /// Order the host after the last step's write-back of host-resident optimizer state
+    /// (`optimizer.offload`), before checkpoint code reads or overwrites it.
+    fn settle_opt_state(&self) {
+        match &self.shards {
+            Shards::Whole { opt, .. } => opt.synchronize_state(&self.be),
+            Shards::Fsdp { opt, .. } => opt.synchronize_state(&self.be),
+        }
+    }
+
     fn set_opt_step(&mut self, n: u64) {
         match &mut self.shards {
             Shards::Whole { opt, .. } => opt.set_step_count(n),
@@ -111,6 +120,7 @@ impl RankState {
 
     /// Collective: save a gathered checkpoint under `run_dir` (rank 0 writes).
     pub fn save_checkpoint(&mut self, run_dir: &Path, at: &Position) -> Result<Option<PathBuf>> {
+        self.settle_opt_state();
         let specs = self.model.param_specs();
         let (be, mesh) = (&self.be, &self.mesh);
         let mut params: NamedTensors = Vec::new();
@@ -165,6 +175,7 @@ impl RankState {
     /// Load a checkpoint (gathered or sharded, written at any rank count and mesh shape): each
     /// rank keeps its part.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<Manifest> {
+        self.settle_opt_state();
         let manifest = checkpoint::read_manifest(dir)?;
         let (mut model, mut opt) = checkpoint::read_tensors(dir)?;
         let specs = self.model.param_specs().to_vec();
@@ -223,6 +234,7 @@ impl RankState {
             unreachable!("sharded checkpoints are written by sharded runs")
         };
         let layout = layout.clone();
+        self.settle_opt_state();
         let world = self.mesh.dp_shard.clone();
         let stage = checkpoint::checkpoints_root(run_dir)
             .join(format!(".shards-{}", checkpoint::dir_name(at.step)));

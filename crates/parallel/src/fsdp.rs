@@ -121,6 +121,11 @@ pub struct FsdpParams {
     master: Vec<Tensor>,
     /// What the model reads: root parameters resident, block entries empty except while in use.
     store: ParamStore,
+    /// Receive buffers of the root unit's gathers, one per root parameter (f32 or bf16 per
+    /// the gather dtype), made once so a step allocates nothing.
+    root_recv32: Vec<Tensor>,
+    root_send16: Vec<Vec<u16>>,
+    root_recv16: Vec<Bf16Buf>,
     /// The step's block uses in order, and how far the step has got.
     schedule: Vec<(usize, Pass)>,
     pos: usize,
@@ -168,6 +173,18 @@ impl FsdpParams {
             })
             .collect();
         let store = ParamStore::from_tensors(specs, tensors);
+        let (mut root_recv32, mut root_send16, mut root_recv16) =
+            (Vec::new(), Vec::new(), Vec::new());
+        for &i in &layout.root {
+            let padded = layout.shard[i] * groups.get(layout.group[i]).size();
+            match dtype {
+                GatherDtype::F32 => root_recv32.push(be.zeros(&[padded], Category::Buffers)),
+                GatherDtype::Bf16 => {
+                    root_send16.push(vec![0u16; layout.shard[i]]);
+                    root_recv16.push(Bf16Buf::new(be.ledger(), padded));
+                }
+            }
+        }
         let slots = (0..prefetch + 1)
             .map(|_| Slot {
                 work: Vec::new(),
@@ -186,6 +203,9 @@ impl FsdpParams {
             prefetch,
             master,
             store,
+            root_recv32,
+            root_send16,
+            root_recv16,
             schedule: Vec::new(),
             pos: 0,
             posted: 0,
@@ -213,24 +233,23 @@ impl FsdpParams {
         for k in 0..self.layout.root.len() {
             let i = self.layout.root[k];
             let g = self.groups.get(self.layout.group[i]).clone();
-            let padded = self.layout.shard[i] * g.size();
             // The root unit is gathered at once (needed by the embedding straight away), in
             // the same dtype as the blocks.
             let n = self.layout.numel(i);
             match self.dtype {
                 GatherDtype::F32 => {
-                    let mut recv = be.zeros(&[padded], Category::Buffers);
+                    let recv = &mut self.root_recv32[k];
                     g.all_gather(self.master[i].view(), recv.view_mut(), Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
                     be.copy(self.store.get_mut(i).view_mut(), recv.slice(0, n));
                 }
                 GatherDtype::Bf16 => {
-                    let send: Vec<u16> = host_ro(&self.master[i])
-                        .iter()
-                        .map(|&x| to_bf16(x))
-                        .collect();
-                    let mut recv = Bf16Buf::new(be.ledger(), padded);
-                    g.all_gather_bf16(&send, &mut recv.data, Phase::ForwardGather)
+                    let send = &mut self.root_send16[k];
+                    for (d, &x) in send.iter_mut().zip(host_ro(&self.master[i])) {
+                        *d = to_bf16(x);
+                    }
+                    let recv = &mut self.root_recv16[k];
+                    g.all_gather_bf16(send, &mut recv.data, Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
                     let dst = host(self.store.get_mut(i));
                     for (d, &h) in dst.iter_mut().zip(&recv.data[..n]) {
@@ -441,6 +460,8 @@ pub struct FsdpGrads {
     /// block's backward. Tails stay zero.
     stage: [Vec<Tensor>; 2],
     turn: usize,
+    /// Padded send buffers of the root gradients' reduce-scatters (tails stay zero), made once.
+    root_send: Vec<Tensor>,
     /// Gradient shards, f32, in table order. Private: posted reduce-scatters write them, so
     /// access goes through [`FsdpGrads::shards`] / [`FsdpGrads::shards_mut`], which check that
     /// none is in flight.
@@ -463,6 +484,14 @@ impl FsdpGrads {
         let shards = (0..layout.specs.len())
             .map(|i| be.zeros(&[layout.shard[i]], Category::Grads))
             .collect();
+        let root_send = layout
+            .root
+            .iter()
+            .map(|&i| {
+                let w = groups.get(layout.group[i]).size();
+                be.zeros(&[layout.shard[i] * w], Category::Buffers)
+            })
+            .collect();
         FsdpGrads {
             pending: [Vec::new(), Vec::new()],
             store: ParamStore::from_tensors(specs, tensors),
@@ -470,6 +499,7 @@ impl FsdpGrads {
             pool_block: None,
             stage: [Vec::new(), Vec::new()],
             turn: 0,
+            root_send,
             shards,
             layout,
             groups,
@@ -486,9 +516,9 @@ impl FsdpGrads {
     /// Reduce-scatter the root gradients and wait for every reduce-scatter: the shards then hold
     /// the global batch's gradients.
     pub fn finish(&mut self, be: &dyn Backend) {
-        for &i in &self.layout.root.clone() {
+        for (k, &i) in self.layout.root.clone().iter().enumerate() {
             let g = self.groups.get(self.layout.group[i]).clone();
-            let mut send = be.zeros(&[self.layout.shard[i] * g.size()], Category::Buffers);
+            let send = &mut self.root_send[k];
             let n = self.layout.numel(i);
             be.copy(send.slice_mut(0, n), self.store.get(i).view());
             g.reduce_scatter(

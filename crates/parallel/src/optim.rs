@@ -4,12 +4,16 @@
 //! (FlexShard: experts on their owners with no communication, dense matrices on LPT owners;
 //! naive: every matrix gathered on a round-robin root). Padding stays zero throughout (zero
 //! gradient, zero state, zero parameter).
+//!
+//! With `optimizer.offload` the state shards (momentum, AdamW moments) live in host memory and
+//! the elementwise part streams them through two device slots ([`Staging`]); the master shards
+//! stay on the device.
 
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, DeviceMesh, NsJob, Plan};
-use ganymede_optim::{newton_schulz, update_rule, NsScratch, UpdateRule};
+use ganymede_optim::{newton_schulz, update_rule, NsScratch, SkipWait, Staging, UpdateRule};
 use std::sync::Arc;
 
 enum Rule {
@@ -31,13 +35,22 @@ pub struct ShardedOptimizer {
     rules: Vec<Rule>,
     plan: Plan,
     scratch: NsScratch,
+    /// With `optimizer.offload`: state in host memory, streamed through these device slots.
+    staging: Option<Staging>,
     step: u64,
 }
 
 impl ShardedOptimizer {
     pub fn new(be: &dyn Backend, cfg: &OptimizerConfig, layout: &Arc<Layout>, plan: Plan) -> Self {
         let mut shapes = Vec::new();
-        let rules = layout
+        let state = |n: usize| {
+            if cfg.offload {
+                be.pinned_zeros(&[n], Category::Optimizer)
+            } else {
+                be.zeros(&[n], Category::Optimizer)
+            }
+        };
+        let rules: Vec<Rule> = layout
             .specs
             .iter()
             .enumerate()
@@ -50,24 +63,38 @@ impl ShardedOptimizer {
                     } => {
                         shapes.push((rows, cols));
                         Rule::Muon {
-                            momentum: be.zeros(&[n], Category::Optimizer),
+                            momentum: state(n),
                             u: be.zeros(&[n], Category::Buffers),
                             scale,
                         }
                     }
                     UpdateRule::AdamW { weight_decay } => Rule::AdamW {
-                        m: be.zeros(&[n], Category::Optimizer),
-                        v: be.zeros(&[n], Category::Optimizer),
+                        m: state(n),
+                        v: state(n),
                         weight_decay,
                     },
                 }
             })
             .collect();
+        // Each slot holds the largest one shard's state.
+        let staging = cfg.offload.then(|| {
+            let elems = rules
+                .iter()
+                .map(|r| match r {
+                    Rule::Muon { momentum, .. } => momentum.len(),
+                    Rule::AdamW { m, v, .. } => m.len() + v.len(),
+                    Rule::Frozen => 0,
+                })
+                .max()
+                .unwrap_or(0);
+            Staging::new(be, elems)
+        });
         ShardedOptimizer {
             cfg: cfg.clone(),
             rules,
             plan,
             scratch: NsScratch::for_shapes(be, shapes),
+            staging,
             step: 0,
         }
     }
@@ -101,6 +128,28 @@ impl ShardedOptimizer {
         out
     }
 
+    /// Block the host until host-resident state written back by the last step is complete
+    /// (before checkpoints read or overwrite it); a no-op without `optimizer.offload`.
+    pub fn synchronize_state(&self, be: &dyn Backend) {
+        if let Some(s) = &self.staging {
+            s.synchronize(be);
+        }
+    }
+
+    /// Device bytes of the offload staging slots (0 without `optimizer.offload`).
+    pub fn staging_bytes(&self) -> u64 {
+        self.staging.as_ref().map_or(0, |s| s.bytes() as u64)
+    }
+
+    /// Leave one wait of the offload pipeline out (tests of the checking mode).
+    #[doc(hidden)]
+    pub fn skip_offload_wait(&mut self, w: SkipWait) {
+        self.staging
+            .as_mut()
+            .expect("optimizer.offload is off")
+            .skip_wait(w);
+    }
+
     /// One update of the shards `params` from the gradient shards `grads`; collective over the
     /// mesh when Muon is in use.
     pub fn step(
@@ -114,30 +163,67 @@ impl ShardedOptimizer {
         self.step += 1;
         let cfg = &self.cfg;
         let t = self.step as i32;
+        let adam = |weight_decay| AdamWStep {
+            lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay,
+            bias_correction1: 1.0 - cfg.beta1.powi(t),
+            bias_correction2: 1.0 - cfg.beta2.powi(t),
+        };
         let mut muon_items = Vec::new();
-        for (i, (rule, (p, g))) in self
-            .rules
-            .iter_mut()
-            .zip(params.iter_mut().zip(grads))
-            .enumerate()
-        {
-            match rule {
-                Rule::Frozen => {}
-                Rule::AdamW { m, v, weight_decay } => {
-                    let h = AdamWStep {
-                        lr,
-                        beta1: cfg.beta1,
-                        beta2: cfg.beta2,
-                        eps: cfg.eps,
-                        weight_decay: *weight_decay,
-                        bias_correction1: 1.0 - cfg.beta1.powi(t),
-                        bias_correction2: 1.0 - cfg.beta2.powi(t),
-                    };
-                    be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
+        if let Some(staging) = &mut self.staging {
+            // Host-resident state: each shard's through a device slot, the same kernels.
+            let mut which = Vec::new();
+            let mut states = Vec::new();
+            let mut us: Vec<Option<&mut Tensor>> = Vec::new();
+            let mut wds = Vec::new();
+            for (i, rule) in self.rules.iter_mut().enumerate() {
+                match rule {
+                    Rule::Frozen => continue,
+                    Rule::Muon { momentum, u, .. } => {
+                        states.push(vec![momentum]);
+                        us.push(Some(u));
+                        wds.push(0.0);
+                        muon_items.push(i);
+                    }
+                    Rule::AdamW { m, v, weight_decay } => {
+                        states.push(vec![m, v]);
+                        us.push(None);
+                        wds.push(*weight_decay);
+                    }
                 }
-                Rule::Muon { momentum, u, .. } => {
-                    be.nesterov_momentum(momentum.view_mut(), g.view(), u.view_mut(), cfg.momentum);
-                    muon_items.push(i);
+                which.push(i);
+            }
+            staging.stream(be, &mut states, |k, state| {
+                let (p, g) = (params[which[k]].view_mut(), &grads[which[k]]);
+                match us[k].as_deref_mut() {
+                    Some(u) => be.nesterov_momentum(state, g.view(), u.view_mut(), cfg.momentum),
+                    None => {
+                        let (m, v) = state.split_at(g.len());
+                        be.adamw_step(p, m, v, g.view(), &adam(wds[k]));
+                    }
+                }
+            });
+        } else {
+            for (i, (rule, (p, g))) in self
+                .rules
+                .iter_mut()
+                .zip(params.iter_mut().zip(grads))
+                .enumerate()
+            {
+                match rule {
+                    Rule::Frozen => {}
+                    Rule::AdamW { m, v, weight_decay } => {
+                        let h = adam(*weight_decay);
+                        be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
+                    }
+                    Rule::Muon { momentum, u, .. } => {
+                        let (m, u) = (momentum.view_mut(), u.view_mut());
+                        be.nesterov_momentum(m, g.view(), u, cfg.momentum);
+                        muon_items.push(i);
+                    }
                 }
             }
         }
