@@ -17,7 +17,8 @@ use crate::checkpoint::{self, Position};
 use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
-use ganymede_core::{Category, Memory};
+use ganymede_core::ledger::CATEGORIES;
+use ganymede_core::{Device, Memory};
 use ganymede_data::Dataset;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};
@@ -543,8 +544,8 @@ fn banner(
     )
 }
 
-/// `memory.json` and the printed table: rank 0's peaks by category, with the planner's
-/// prediction where it models this layout (one process).
+/// `memory.json` and the printed table: rank 0's peaks by device and category, with the
+/// planner's prediction where it models this layout (one process, one or two memories).
 fn write_memory(
     cfg: &JobConfig,
     st: &RankState,
@@ -553,16 +554,23 @@ fn write_memory(
     quiet: bool,
 ) -> Result<()> {
     let report = st.be.ledger().report();
-    let predicted: Option<metrics::Predicted> = (n == 1).then(|| {
-        let p = ganymede_plan::predict_cpu_ledger(cfg, rayon::current_num_threads());
-        [
-            (Category::Params, p.params as u64),
-            (Category::Grads, p.grads as u64),
-            (Category::Optimizer, p.optimizer as u64),
-            (Category::Activations, p.activations as u64),
-            (Category::Buffers, p.buffers as u64),
-        ]
-    });
+    let predicted: Option<metrics::Predicted> =
+        ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n).map(|p| {
+            let mut out = vec![];
+            for (dev, cats) in [(Device::Gpu(0), &p.device), (Device::Host, &p.host)] {
+                if dev == Device::Gpu(0) && cats.total() == 0.0 {
+                    continue;
+                }
+                for (name, bytes) in cats.entries() {
+                    let c = *CATEGORIES
+                        .iter()
+                        .find(|c| c.name() == name)
+                        .expect("the planner's categories are the ledger's");
+                    out.push((dev, c, bytes as u64));
+                }
+            }
+            out
+        });
     let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, predicted.as_ref()))?;
     checkpoint::write_atomic(&run_dir.join("memory.json"), mem.as_bytes())?;
     if !quiet {
