@@ -257,6 +257,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     fit_mesh(&mut cfg, n, &[]);
     cfg.validate()?;
     init_threads(cfg.training.threads);
+    check_fit(&cfg, n)?;
     let run_dir = run_dir_for(ckpt, opts)?;
     prepare_run_dir(&cfg, &run_dir)?;
     let data = build_data(&cfg, Some(&run_dir.join("data")))?;
@@ -293,6 +294,17 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             .with_context(|| format!("cannot write trace {}", path.display()))?;
     }
     Ok(summary(&outs, &run))
+}
+
+/// Refuse, before anything is built or written, a job whose predicted device peak exceeds
+/// `device.memory_gib`, naming the overflowing categories and the smallest change that fits
+/// (the planner's [`ganymede_plan::fit_check`]). Layouts the planner does not model yet
+/// (several ranks) pass; an allocation past the capacity still ends them.
+pub fn check_fit(cfg: &JobConfig, ranks: usize) -> Result<()> {
+    match ganymede_plan::fit_check(cfg, rayon::current_num_threads(), ranks) {
+        Some(c) if !c.fits => bail!("the job does not fit in device memory: {}", c.message()),
+        _ => Ok(()),
+    }
 }
 
 /// What every rank needs to run.
@@ -652,6 +664,7 @@ pub fn train_mpi(
     fit_mesh(&mut cfg, n, &[]);
     cfg.validate()?;
     init_threads(cfg.training.threads);
+    check_fit(&cfg, n)?;
     // Every rank checks the directory (the same answer on a shared file system), so a refusal
     // ends every rank rather than leaving the others waiting.
     let run_dir = run_dir_for(ckpt, opts)?;
