@@ -126,23 +126,41 @@ fn check_prediction(run_dir: &std::path::Path, what: &str) {
 
 /// The planner's two-memory prediction against the ledger of real runs, for every setting that
 /// runs today. Add, once activation and optimizer offload land: offload_fraction 0.5 and 1
-/// (with `small`, where whole boundaries move), optimizer.offload = true, at 1 and 4 ranks.
+/// (`small`, where whole boundaries move), optimizer.offload = true, at 1 and 4 ranks.
 #[test]
 fn the_two_memory_prediction_matches_the_measured_peaks() {
-    let two = ["device.kind=\"cpu-two-memory\""];
-    let cases: Vec<(&str, Vec<&str>)> = vec![
-        ("full checkpointing", vec![]),
+    let two = "device.kind=\"cpu-two-memory\"";
+    let cases: Vec<(&str, &str, Vec<&str>)> = vec![
+        ("tiny", "full checkpointing", vec![]),
         (
+            "tiny",
             "no checkpointing",
             vec!["activation_checkpoint.mode=\"none\""],
         ),
-        ("adamw", vec!["optimizer.name=\"adamw\""]),
+        ("tiny", "adamw", vec!["optimizer.name=\"adamw\""]),
         // A capacity that fits: the check lets it run and the run stays within it.
-        ("capacity", vec!["device.memory_gib=0.5"]),
+        ("tiny", "capacity", vec!["device.memory_gib=0.5"]),
+        // small on a short corpus, one step (its BPE vocabulary is trained first).
+        (
+            "small",
+            "small",
+            vec![
+                "training.steps=1",
+                "data.builtin_bytes=300000",
+                "metrics.val_batches=1",
+            ],
+        ),
     ];
-    for (what, extra) in cases {
-        let sets: Vec<&str> = two.iter().chain(&extra).copied().collect();
-        let r = run(&tiny(&sets), &format!("pred-{}", what.replace(' ', "-")), 1).unwrap();
+    for (preset, what, extra) in cases {
+        let mut o: Vec<String> = vec![
+            "training.steps=2".into(),
+            "checkpoint.enable=false".into(),
+            two.into(),
+        ];
+        o.extend(extra.iter().map(|s| s.to_string()));
+        let cfg = JobConfig::load(Some(preset), None, &o).unwrap();
+        cfg.validate().unwrap();
+        let r = run(&cfg, &format!("pred-{}", what.replace(' ', "-")), 1).unwrap();
         let mem: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(r.run_dir.join("memory.json")).unwrap())
                 .unwrap();
