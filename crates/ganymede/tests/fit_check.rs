@@ -178,3 +178,32 @@ fn the_fewest_offloaded_layers_are_suggested_as_a_fraction_that_round_trips() {
         assert_eq!(p.contains("verdict: fits"), fits, "{f}: {p}");
     }
 }
+
+#[test]
+fn a_sharded_job_is_checked_per_rank() {
+    // tiny on 4 ranks (FSDP): about 9.97 MB per rank on the device; 0.009 GiB = 9.66 MB. The
+    // rank's optimizer state (486 KB) on the host, less two staging slots of its largest shard's
+    // state (2·4·16,384 bytes), fits.
+    let tmp = TempDir::new("fit-sharded");
+    let run = tmp.path().join("run");
+    let mut args = train_args(&run, "tiny", &["device.memory_gib=0.009"]);
+    args.extend(["--ranks".into(), "4".into()]);
+    let e = fails(ganymede(tmp.path(), &args, &[]));
+    let fix = suggestion(&e);
+    assert!(fix.ends_with(": --set optimizer.offload=true"), "{e}");
+    assert!(!run.exists());
+    let p = ok(ganymede(
+        tmp.path(),
+        &plan_args(
+            "tiny",
+            &["device.memory_gib=0.009", "parallelism.dp_shard=4"],
+        ),
+        &[],
+    ));
+    assert!(p.contains("4 ranks"), "{p}");
+    assert_eq!(suggestion(&p), fix, "plan: {p}");
+    // With room, four ranks run, each within the capacity.
+    let mut args = train_args(&run, "tiny", &["device.memory_gib=0.0095"]);
+    args.extend(["--ranks".into(), "4".into()]);
+    ok(ganymede(tmp.path(), &args, &[]));
+}

@@ -324,9 +324,22 @@ impl Progress {
     }
 }
 
-/// The planner's predicted peak bytes per memory and category, to print beside the measured
-/// ones.
-pub type Predicted = Vec<(Device, Category, u64)>;
+/// The planner's predicted peak bytes per memory and category, and of each memory's total,
+/// to print beside the measured ones.
+#[derive(Clone, Debug, Default)]
+pub struct Predicted {
+    pub categories: Vec<(Device, Category, u64)>,
+    pub totals: Vec<(Device, u64)>,
+}
+
+impl Predicted {
+    fn total(&self, dev: Device) -> u64 {
+        self.totals
+            .iter()
+            .find(|(d, _)| *d == dev)
+            .map_or(0, |(_, b)| *b)
+    }
+}
 
 const CATEGORIES: [Category; 5] = [
     Category::Params,
@@ -337,7 +350,8 @@ const CATEGORIES: [Category; 5] = [
 ];
 
 fn predicted_on(p: &Predicted, dev: Device) -> impl Iterator<Item = (Category, u64)> + '_ {
-    p.iter()
+    p.categories
+        .iter()
         .filter(move |(d, _, _)| *d == dev)
         .map(|&(_, c, b)| (c, b))
 }
@@ -345,7 +359,7 @@ fn predicted_on(p: &Predicted, dev: Device) -> impl Iterator<Item = (Category, u
 /// Devices measured or predicted, in ledger order.
 fn devices(report: &LedgerReport, predicted: Option<&Predicted>) -> Vec<Device> {
     let mut devs: Vec<Device> = report.device_peaks.iter().map(|(d, _)| *d).collect();
-    for &(d, _, b) in predicted.into_iter().flatten() {
+    for &(d, _, b) in predicted.iter().flat_map(|p| &p.categories) {
         if b > 0 && !devs.contains(&d) {
             devs.push(d);
         }
@@ -381,13 +395,12 @@ pub fn memory_json(report: &LedgerReport, predicted: Option<&Predicted>) -> serd
             let m: serde_json::Map<String, serde_json::Value> = predicted_on(p, dev)
                 .map(|(c, b)| (c.name().to_string(), b.into()))
                 .collect();
-            let total: u64 = predicted_on(p, dev).map(|(_, b)| b).sum();
             entry["planner_peak_bytes"] = m.into();
-            entry["planner_peak_total_bytes"] = total.into();
+            entry["planner_peak_total_bytes"] = p.total(dev).into();
         }
         out.insert(dev.to_string(), entry);
     }
-    if let Some(p) = predicted.filter(|p| p.iter().all(|(d, _, _)| *d == Device::Host)) {
+    if let Some(p) = predicted.filter(|p| p.categories.iter().all(|(d, _, _)| *d == Device::Host)) {
         let m: serde_json::Map<String, serde_json::Value> = predicted_on(p, Device::Host)
             .map(|(c, b)| (c.name().to_string(), b.into()))
             .collect();
@@ -407,12 +420,16 @@ pub fn memory_table(report: &LedgerReport, predicted: Option<&Predicted>) -> Str
         }
     );
     for dev in devices(report, predicted) {
+        // A category's prediction, or with `None` the memory's peak total.
         let pred = |c: Option<Category>| {
             predicted.map_or(String::new(), |p| {
-                let b: u64 = predicted_on(p, dev)
-                    .filter(|(pc, _)| c.is_none_or(|c| c == *pc))
-                    .map(|(_, b)| b)
-                    .sum();
+                let b: u64 = match c {
+                    Some(c) => predicted_on(p, dev)
+                        .filter(|(pc, _)| *pc == c)
+                        .map(|(_, b)| b)
+                        .sum(),
+                    None => p.total(dev),
+                };
                 format!(" | {:>10}", human_bytes(b))
             })
         };

@@ -557,7 +557,8 @@ fn banner(
 }
 
 /// `memory.json` and the printed table: rank 0's peaks by device and category, with the
-/// planner's prediction where it models this layout (one process, one or two memories).
+/// planner's prediction where it models this layout (one or two memories; several ranks
+/// without expert parallelism).
 fn write_memory(
     cfg: &JobConfig,
     st: &RankState,
@@ -568,9 +569,12 @@ fn write_memory(
     let report = st.be.ledger().report();
     let predicted: Option<metrics::Predicted> =
         ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n).map(|p| {
-            let mut out = vec![];
-            for (dev, cats) in [(Device::Gpu(0), &p.device), (Device::Host, &p.host)] {
-                if dev == Device::Gpu(0) && cats.total() == 0.0 {
+            let mut out = metrics::Predicted::default();
+            for (dev, cats, peak) in [
+                (Device::Gpu(0), &p.device, p.device_peak),
+                (Device::Host, &p.host, p.host_peak),
+            ] {
+                if dev == Device::Gpu(0) && peak == 0.0 {
                     continue;
                 }
                 for (name, bytes) in cats.entries() {
@@ -578,8 +582,9 @@ fn write_memory(
                         .iter()
                         .find(|c| c.name() == name)
                         .expect("the planner's categories are the ledger's");
-                    out.push((dev, c, bytes as u64));
+                    out.categories.push((dev, c, bytes as u64));
                 }
+                out.totals.push((dev, peak as u64));
             }
             out
         });

@@ -62,11 +62,13 @@ fn two_memory_training_equals_one_memory_and_charges_the_device() {
 #[test]
 fn an_allocation_past_the_device_capacity_ends_the_run_naming_category_and_bytes() {
     // tiny's parameters alone are ~1.8 MB, half that per rank on two: 1/4 MiB of device
-    // memory cannot hold them. Two ranks, which the fit check before launch does not model
-    // yet, reach the allocation itself.
+    // memory cannot hold them. Expert parallelism, which the fit check before launch does not
+    // model yet, reaches the allocation itself.
     let quarter = tiny(&[
         "device.kind=\"cpu-two-memory\"",
         "device.memory_gib=0.000244140625",
+        "parallelism.dp_shard=2",
+        "parallelism.ep=2",
     ]);
     let e = format!("{:#}", run(&quarter, "oom", 2).unwrap_err());
     assert!(
@@ -130,18 +132,33 @@ fn check_prediction(run_dir: &std::path::Path, what: &str) {
 #[test]
 fn the_two_memory_prediction_matches_the_measured_peaks() {
     let two = "device.kind=\"cpu-two-memory\"";
-    let cases: Vec<(&str, &str, Vec<&str>)> = vec![
-        ("tiny", "full checkpointing", vec![]),
+    let cases: Vec<(usize, &str, &str, Vec<&str>)> = vec![
+        (1, "tiny", "full checkpointing", vec![]),
         (
+            1,
             "tiny",
             "no checkpointing",
             vec!["activation_checkpoint.mode=\"none\""],
         ),
-        ("tiny", "adamw", vec!["optimizer.name=\"adamw\""]),
+        (1, "tiny", "adamw", vec!["optimizer.name=\"adamw\""]),
         // A capacity that fits: the check lets it run and the run stays within it.
-        ("tiny", "capacity", vec!["device.memory_gib=0.5"]),
+        (1, "tiny", "capacity", vec!["device.memory_gib=0.5"]),
+        // FSDP: shards, gather slots and staging; bf16 staging in host memory.
+        (2, "tiny", "two ranks", vec![]),
+        (4, "tiny", "four ranks", vec!["device.memory_gib=0.5"]),
+        (
+            4,
+            "tiny",
+            "four ranks, f32 gathers, naive Muon, prefetch 2",
+            vec![
+                "parallelism.gather_dtype=\"f32\"",
+                "parallelism.muon_placement=\"naive\"",
+                "parallelism.prefetch=2",
+            ],
+        ),
         // small on a short corpus, one step (its BPE vocabulary is trained first).
         (
+            1,
             "small",
             "small",
             vec![
@@ -151,7 +168,7 @@ fn the_two_memory_prediction_matches_the_measured_peaks() {
             ],
         ),
     ];
-    for (preset, what, extra) in cases {
+    for (ranks, preset, what, extra) in cases {
         let mut o: Vec<String> = vec![
             "training.steps=2".into(),
             "checkpoint.enable=false".into(),
@@ -160,7 +177,8 @@ fn the_two_memory_prediction_matches_the_measured_peaks() {
         o.extend(extra.iter().map(|s| s.to_string()));
         let cfg = JobConfig::load(Some(preset), None, &o).unwrap();
         cfg.validate().unwrap();
-        let r = run(&cfg, &format!("pred-{}", what.replace(' ', "-")), 1).unwrap();
+        let dir = format!("pred-{}", what.replace([' ', ','], "-"));
+        let r = run(&cfg, &dir, ranks).unwrap();
         let mem: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(r.run_dir.join("memory.json")).unwrap())
                 .unwrap();
@@ -170,9 +188,11 @@ fn the_two_memory_prediction_matches_the_measured_peaks() {
         );
         check_prediction(&r.run_dir, what);
     }
-    // One memory: everything on the host, as before.
+    // One memory: everything on the host, as before; and sharded.
     let r = run(&tiny(&[]), "pred-one-memory", 1).unwrap();
     check_prediction(&r.run_dir, "one memory");
+    let r = run(&tiny(&[]), "pred-one-memory-ranks", 4).unwrap();
+    check_prediction(&r.run_dir, "one memory, four ranks");
 }
 
 #[test]
