@@ -6,38 +6,42 @@
 //! it does not fit, finds the smallest change of `[activation_checkpoint]` / `[optimizer]` that
 //! does. `ganymede train` runs the check before it builds anything; `ganymede plan` prints it.
 //!
-//! # Layout rules (world size 1)
+//! # Layout rules
 //!
-//! All in [`place`]; change them there when the runtime moves bytes.
+//! All in [`place`]; change them there when the runtime moves bytes. On several ranks they
+//! apply to one rank's state and workspace.
 //!
 //! 1. `device.kind = "cpu"`: one memory; every category on `host`.
 //! 2. `device.kind = "cpu-two-memory"`: every category on the device, except:
 //!    - activation offload (`activation_checkpoint.offload_fraction` f, only under
 //!      `mode = "full"`): with n = `offloaded_layers(f, L)` > 0, the block inputs (residual
-//!      boundaries) 0..n are in pinned host memory (`activations` on `host`, n·N·H f32); the
-//!      device keeps the other L + 1 − n boundaries plus min(n, 2) pool slots of N·H f32
-//!      (prefetch and write-back). Offloading one or two layers therefore saves nothing.
-//!    - optimizer offload (`optimizer.offload = true`): the optimizer state is on `host`;
-//!      parameters, gradients and Muon's scratch stay on the device, which gains two staging
-//!      slots (`buffers`), each sized for the largest single tensor's state (numel under Muon,
-//!      2·numel under AdamW, f32; a layer's routed and shared experts are one stacked tensor).
+//!      boundaries) 0..n are in pinned host memory (`activations` on `host`, n·N·H f32, N the
+//!      rank's tokens); the device keeps the other L + 1 − n boundaries plus min(n, 2) pool
+//!      slots of N·H f32 (prefetch and write-back). Offloading one or two layers therefore
+//!      saves nothing.
+//!    - optimizer offload (`optimizer.offload = true`): the optimizer state (the rank's
+//!      shards) is on `host`; parameters, gradients and Muon's scratch stay on the device,
+//!      which gains two staging slots (`buffers`), each sized for the largest single tensor's
+//!      (shard's) state: numel under Muon, 2·numel under AdamW, f32; a layer's routed and
+//!      shared experts are one stacked tensor each.
 //!
 //! # Sharded layouts (`ranks` = W > 1, expert parallelism 1)
 //!
-//! One rank's memory, from the FSDP layout of `crates/parallel` (see [`sharded`]): f32 shards of
-//! every tensor (dim-0 rows split in W, padded; under FlexShard a layer's routed experts split
-//! by whole experts; each tensor is drawn whole before its shard is kept, so the `params` peak
-//! is the shards before the largest such moment plus that whole tensor), its gradient and optimizer-state shards, the activation workspace of
-//! batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
-//! `prefetch + 1` gather slots of one block's parameters, one block's full gradients (`grads`),
-//! two reduce-scatter staging sets of one block, the Muon update shards, one Newton–Schulz
-//! scratch, and the root's reduce-scatter send buffer. bf16 gathers stage in host memory
-//! (`host` `buffers`, in either mode). The offload rules above apply to the rank's state and
-//! workspace the same way. Expert parallelism (ep > 1) is not modelled (its dispatch buffers
-//! grow with the routing): [`predict_memory`] returns `None`.
+//! One rank's memory, from the FSDP layout of `crates/parallel` (see [`sharded`]): f32 shards
+//! of every tensor (dim-0 rows split in W, padded; under FlexShard a layer's routed experts
+//! split by whole experts), its gradient and optimizer-state shards, the activation workspace
+//! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
+//! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
+//! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, one
+//! Newton–Schulz scratch, and the root's reduce-scatter send buffer. bf16 gathers stage in host
+//! memory (`host` `buffers`, in either mode). Each tensor is drawn whole before its shard is
+//! kept, so the `params` peak is the shards before the largest such moment plus that whole
+//! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
+//! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
+//! FSDP's master shards under optimizer offload stay on the device here; move them in
+//! [`place`] if the runtime does.
 
 use crate::ledger::{predict_cpu_ledger, CpuLedger};
-use crate::params::{self, Group, Handler};
 use ganymede_config::{offloaded_layers, AcMode, DeviceKind, JobConfig, OptimizerName};
 use serde::Serialize;
 
@@ -105,17 +109,6 @@ pub struct MemoryPrediction {
     pub offloaded_layers: usize,
 }
 
-impl MemoryPrediction {
-    /// (ledger device name, categories) of each memory the run has.
-    pub fn memories(&self) -> Vec<(&'static str, &Categories)> {
-        if self.device_peak > 0.0 {
-            vec![("gpu0", &self.device), ("host", &self.host)]
-        } else {
-            vec![("host", &self.host)]
-        }
-    }
-}
-
 /// The predicted peak bytes per memory and category of `job` run with `threads` worker threads
 /// on `ranks` ranks (one rank's); `None` where the layout is not modelled (expert parallelism
 /// over several ranks).
@@ -157,7 +150,7 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<M
         all,
         Categories::default(),
         1,
-        largest_tensor_state(job),
+        largest_shard_state(job, 1),
     ))
 }
 
@@ -207,31 +200,6 @@ fn place(
         host,
         offloaded_layers: n_off,
     }
-}
-
-/// Elements of optimizer state of the model's largest single tensor (the runtime's tensors: a
-/// layer's routed experts are one `[E, rows, cols]` tensor, its shared experts one
-/// `[shared, rows, cols]`).
-fn largest_tensor_state(job: &JobConfig) -> u64 {
-    let m = &job.model;
-    let muon = job.optimizer.name == OptimizerName::Muon;
-    params::tensors(m)
-        .iter()
-        .map(|t| {
-            let stacked = match t.group {
-                Group::RoutedExperts => m.experts as u64,
-                Group::SharedExperts => m.shared_experts as u64,
-                _ => 1,
-            };
-            let per = if muon && t.handler() == Handler::Muon {
-                1
-            } else {
-                2
-            };
-            per * stacked * t.numel()
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// How a runtime tensor is updated and sharded.
@@ -444,7 +412,8 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
     })
 }
 
-/// Elements of optimizer state of the largest single shard a rank holds over `w` ranks.
+/// Elements of optimizer state of the largest single shard a rank holds over `w` ranks (the
+/// whole tensor at `w` = 1).
 fn largest_shard_state(job: &JobConfig, w: usize) -> u64 {
     let flex = job.parallelism.muon_placement == ganymede_config::MuonPlacement::Flexshard;
     let muon = job.optimizer.name == OptimizerName::Muon;

@@ -1122,3 +1122,21 @@ fn the_fit_check_prefers_the_fewest_offloaded_layers_then_optimizer_offload_then
         s(&["activation_checkpoint.mode=full"])
     );
 }
+
+#[test]
+fn fsdp_divides_state_and_workspace_by_the_ranks_when_nothing_pads() {
+    // tiny on 4 ranks: every dim 0 (256, 64, 32, 16, 8 experts) divides by 4, so the rank holds
+    // a quarter of the optimizer state, 1,944,576 / 4 = 486,144 bytes, and the workspace of 2 of
+    // the 8 sequences, linear in tokens: 14,295,040 / 4 = 3,573,760. After initialisation the
+    // parameters are a quarter too, but each tensor is drawn whole first: the peak is the
+    // shards before the last layer's down_proj (everything but it, the final norm and the LM
+    // head: 451,968 − 65,536 − 64 − 16,384 = 369,984 elements, a quarter each: 92,496) plus
+    // that tensor whole (65,536): 158,032 elements, 632,128 bytes.
+    let p = predict_memory(&two_memory("tiny", &[]), 1, 4).unwrap();
+    assert_eq!(p.device.optimizer, 486_144.0);
+    assert_eq!(p.device.activations, 3_573_760.0);
+    assert_eq!(p.device.params, 632_128.0);
+    // The device's peak total is after initialisation: the shards (451,968 bytes) in place of
+    // the initialisation moment.
+    assert_eq!(p.device_peak, p.device.total() - 632_128.0 + 451_968.0);
+}
