@@ -39,7 +39,11 @@
 //! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
 //! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
 //! FSDP's master shards under optimizer offload stay on the device here; move them in
-//! [`place`] if the runtime does.
+//! [`place`] if the runtime does. Blocks of different shapes (`model.dense_layers` > 0) make
+//! the runtime reshape its slots and gradient pool as it walks the schedule, briefly holding
+//! both shapes; the largest block stands for all here, which measured 16% low on `grads` and
+//! 10% high on `buffers` for `tiny` with one dense layer on 2 ranks (the presets' blocks are
+//! uniform and match to the byte).
 
 use crate::ledger::{predict_cpu_ledger, CpuLedger};
 use ganymede_config::{offloaded_layers, AcMode, DeviceKind, JobConfig, OptimizerName};
