@@ -369,7 +369,7 @@ fn devices(report: &LedgerReport, predicted: Option<&Predicted>) -> Vec<Device> 
 }
 
 /// `memory.json`: per device, the ledger's peak (and final) bytes per category, the peak of
-/// the total, and the planner's prediction of the peaks (`planner_peak_bytes`, and their sum,
+/// the total, and the planner's prediction of both (`planner_peak_bytes`,
 /// `planner_peak_total_bytes`). A one-memory run also keeps the prediction at the top level
 /// (`planner_predicted_peak_bytes`), where earlier runs have it.
 pub fn memory_json(report: &LedgerReport, predicted: Option<&Predicted>) -> serde_json::Value {
