@@ -631,8 +631,9 @@ pub fn run_threads(job: &JobConfig) -> usize {
 pub fn render(job: &JobConfig, threads: usize, ranks: usize) -> String {
     let mut s = format!(
         "\nThis job on its own device (device.kind = cpu-two-memory, device.memory_gib = {}, \
-         {threads} threads, {ranks} rank{})\n",
+         {threads} thread{}, {ranks} rank{})\n",
         job.device.memory_gib,
+        if threads == 1 { "" } else { "s" },
         if ranks == 1 { "" } else { "s" }
     );
     let Some(p) = predict_memory(job, threads, ranks) else {
