@@ -6,7 +6,7 @@ use crate::render;
 use crate::sweep::{sweep, SweepSpace};
 use anyhow::Context;
 use clap::{Args, Parser, ValueEnum};
-use ganymede_config::{AcMode, JobConfig, OptimizerName};
+use ganymede_config::{AcMode, DeviceKind, JobConfig, OptimizerName};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -304,6 +304,10 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
                 100.0 * mfu,
                 100.0 * tt
             ));
+        }
+        if r.job.device.kind == DeviceKind::CpuTwoMemory {
+            let threads = crate::fit::run_threads(&r.job);
+            t.push_str(&crate::fit::render(&r.job, threads, r.layout.dp_shard));
         }
         t
     })

@@ -7,10 +7,13 @@
 //! - [`sweep()`]: layouts that fit, ranked by predicted tokens/s;
 //! - [`render`]: the human-readable table; the [`Plan`] itself serialises to JSON;
 //! - [`ledger`]: the bytes per category a single-process CPU run's memory ledger should report;
+//! - [`fit`]: those bytes placed on the two memories of the CPU backend's two-memory mode, and
+//!   the fit check against `device.memory_gib` that `ganymede train` runs before launch;
 //! - [`cli`]: `ganymede plan`'s arguments ([`PlanArgs`]) and [`run`].
 
 pub mod cli;
 pub mod cluster;
+pub mod fit;
 pub mod ledger;
 pub mod params;
 mod plan;
@@ -19,6 +22,7 @@ mod sweep;
 
 pub use cli::{run, run_cli, PlanArgs};
 pub use cluster::{Cluster, ClusterError, CLUSTERS};
+pub use fit::{fit_check, predict_memory, FitCheck, MemoryPrediction};
 pub use ledger::{predict_cpu_ledger, CpuLedger};
 pub use params::{count as count_params, ParamCounts};
 pub use plan::{

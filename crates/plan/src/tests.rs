@@ -4,7 +4,9 @@
 use crate::cluster::Cluster;
 use crate::params::{self, Handler};
 use crate::plan::{ns_flops, plan, Layout, MemoryPolicy, NsOn, OptimizerSetup, Placement, Plan};
-use crate::{predict_cpu_ledger, sweep, PlanArgs, PlanError, SweepSpace};
+use crate::{
+    fit_check, predict_cpu_ledger, predict_memory, sweep, PlanArgs, PlanError, SweepSpace,
+};
 use ganymede_config::{preset, AcMode, JobConfig, OptimizerName};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -932,4 +934,209 @@ fn no_precision_combination_reaches_the_write_ups_1300_on_jupiter() {
             }
         }
     }
+}
+
+// ------------------------------------------------- the two-memory layout and the fit check
+
+fn two_memory(name: &str, sets: &[&str]) -> JobConfig {
+    let mut o: Vec<String> = vec!["device.kind=cpu-two-memory".into()];
+    o.extend(sets.iter().map(|s| s.to_string()));
+    JobConfig::load(Some(name), None, &o).unwrap()
+}
+
+#[test]
+fn one_memory_puts_everything_on_the_host_and_two_memory_on_the_device() {
+    // Without offload the two-memory layout is the one-memory ledger moved to gpu0, whole.
+    let job = preset("tiny").unwrap();
+    let l = predict_cpu_ledger(&job, 1);
+    let sum = l.params + l.grads + l.optimizer + l.activations + l.buffers;
+    let one = predict_memory(&job, 1, 1).unwrap();
+    assert_eq!((one.device.total(), one.host.total()), (0.0, sum));
+    assert_eq!(one.host.optimizer, l.optimizer);
+    let two = predict_memory(&two_memory("tiny", &[]), 1, 1).unwrap();
+    assert_eq!((two.device.total(), two.host.total()), (sum, 0.0));
+    assert_eq!(two.device.activations, l.activations);
+    // Expert parallelism over several ranks is not modelled yet.
+    let mut ep = job.clone();
+    ep.parallelism.ep = 2;
+    assert!(predict_memory(&ep, 1, 4).is_none());
+    assert!(predict_memory(&job, 1, 4).is_some());
+}
+
+#[test]
+fn activation_offload_moves_whole_boundaries_and_keeps_two_pool_slots() {
+    // small: L = 4, N = 8·256 = 2,048 tokens, H = 256: one boundary is 4·N·H = 2,097,152 bytes.
+    // n offloaded layers put n boundaries on the host; the device keeps L + 1 − n of them plus
+    // min(n, 2) pool slots, so it saves max(n − 2, 0) boundaries.
+    let b = 2_097_152.0;
+    let base = predict_memory(&two_memory("small", &[]), 1, 1).unwrap();
+    for (f, n, saved) in [
+        ("0.25", 1.0, 0.0),
+        ("0.5", 2.0, 0.0),
+        ("0.75", 3.0, 1.0),
+        ("1", 4.0, 2.0),
+    ] {
+        let set = format!("activation_checkpoint.offload_fraction={f}");
+        let p = predict_memory(&two_memory("small", &[&set]), 1, 1).unwrap();
+        assert_eq!(p.host.activations, n * b, "{f}");
+        assert_eq!(
+            p.device.activations,
+            base.device.activations - saved * b,
+            "{f}"
+        );
+        assert_eq!(p.device.optimizer, base.device.optimizer);
+    }
+    // Only under full checkpointing.
+    let none = two_memory(
+        "small",
+        &[
+            "activation_checkpoint.mode=none",
+            "activation_checkpoint.offload_fraction=1",
+        ],
+    );
+    assert_eq!(predict_memory(&none, 1, 1).unwrap().host.total(), 0.0);
+}
+
+#[test]
+fn optimizer_offload_moves_the_state_and_adds_two_staging_slots() {
+    // tiny: the largest tensor is a layer's routed experts, [8, 128, 64] = 65,536 elements:
+    // Muon holds one f32 per element (the embedding's AdamW state, 2·256·64 = 32,768, is
+    // smaller), so the device gains 2·4·65,536 = 524,288 bytes of buffers; under AdamW the
+    // experts need 2·65,536 each: 1,048,576 bytes.
+    let base = predict_memory(&two_memory("tiny", &[]), 1, 1).unwrap();
+    let p = predict_memory(&two_memory("tiny", &["optimizer.offload=true"]), 1, 1).unwrap();
+    assert_eq!(p.host.optimizer, 1_944_576.0);
+    assert_eq!(p.device.optimizer, 0.0);
+    assert_eq!(p.device.buffers, base.device.buffers + 524_288.0);
+    assert_eq!(p.device.params, base.device.params);
+    let adamw = two_memory("tiny", &["optimizer.offload=true", "optimizer.name=adamw"]);
+    let a = predict_memory(&adamw, 1, 1).unwrap();
+    assert_eq!(a.device.buffers, 1_048_576.0);
+    assert_eq!(a.host.optimizer, 8.0 * 451_968.0);
+}
+
+#[test]
+fn the_fit_check_names_the_overflow_and_the_smallest_change() {
+    // tiny, one thread: params and grads 1,807,872 each, optimizer 1,944,576, buffers 98,304,
+    // activations 14,295,040: 19,953,664 bytes. 0.018 GiB = 19,327,352 bytes: the first four
+    // (5,658,624) fit, the activation workspace does not. Two layers: offloading them saves
+    // nothing (two pool slots), so the fix is optimizer offload: 19,953,664 − 1,944,576 +
+    // 524,288 = 18,533,376 bytes.
+    assert!(
+        fit_check(&two_memory("tiny", &[]), 1, 1).is_none(),
+        "no capacity"
+    );
+    let c = fit_check(&two_memory("tiny", &["device.memory_gib=0.018"]), 1, 1).unwrap();
+    assert!(!c.fits);
+    assert_eq!(c.capacity, 19_327_352.0);
+    assert_eq!(c.prediction.device.total(), 19_953_664.0);
+    assert_eq!(c.overflow, vec![("activations", 14_295_040.0)]);
+    let fix = c.fix.clone().unwrap();
+    assert_eq!(fix.sets, vec!["optimizer.offload=true".to_string()]);
+    assert_eq!(fix.device_peak, 18_533_376.0);
+    let msg = c.message();
+    assert!(
+        msg.contains("activations 0.01331 GiB")
+            && msg.contains("--set optimizer.offload=true")
+            && msg.contains("exceeds device.memory_gib = 0.01800 GiB"),
+        "{msg}"
+    );
+    // Applied, it fits.
+    let ok = two_memory(
+        "tiny",
+        &["device.memory_gib=0.018", "optimizer.offload=true"],
+    );
+    assert!(fit_check(&ok, 1, 1).unwrap().fits);
+    // 0.01 GiB = 10,737,418 bytes: even the parameters, gradients, staging and workspace
+    // exceed it, so nothing fits.
+    let c = fit_check(&two_memory("tiny", &["device.memory_gib=0.01"]), 1, 1).unwrap();
+    assert!(
+        c.fix.is_none() && c.message().contains("nothing fits"),
+        "{c:?}"
+    );
+}
+
+#[test]
+fn the_fit_check_prefers_the_fewest_offloaded_layers_then_optimizer_offload_then_both() {
+    // Capacities read off the predictions of the layouts themselves: exactly the device peak
+    // with 3 layers offloaded admits 0.750 (the fewest layers that fit; 1 and 2 save nothing);
+    // one byte less needs all 4 (1.000). Below every activation-only layout but above optimizer
+    // offload alone: optimizer offload. Below that: both, with the fewest layers.
+    let peak = |sets: &[&str]| {
+        predict_memory(&two_memory("small", sets), 1, 1)
+            .unwrap()
+            .device
+            .total()
+    };
+    let fix_at = |cap: f64| {
+        let gib = format!("device.memory_gib={}", cap / GIB);
+        let c = fit_check(&two_memory("small", &[&gib]), 1, 1).unwrap();
+        assert!(!c.fits, "{cap}");
+        c.fix.map(|f| f.sets)
+    };
+    let s = |v: &[&str]| Some(v.iter().map(|x| x.to_string()).collect::<Vec<_>>());
+    let three = peak(&["activation_checkpoint.offload_fraction=0.75"]);
+    let four = peak(&["activation_checkpoint.offload_fraction=1"]);
+    let opt = peak(&["optimizer.offload=true"]);
+    assert!(four < three && opt < four, "{three} {four} {opt}");
+    assert_eq!(
+        fix_at(three + 0.5),
+        s(&["activation_checkpoint.offload_fraction=0.750"])
+    );
+    assert_eq!(
+        fix_at(three - 1.0),
+        s(&["activation_checkpoint.offload_fraction=1.000"])
+    );
+    assert_eq!(fix_at(four - 1.0), s(&["optimizer.offload=true"]));
+    let both3 = peak(&[
+        "optimizer.offload=true",
+        "activation_checkpoint.offload_fraction=0.75",
+    ]);
+    assert_eq!(
+        fix_at(both3 + 0.5),
+        s(&[
+            "optimizer.offload=true",
+            "activation_checkpoint.offload_fraction=0.750"
+        ])
+    );
+    // Without checkpointing the first change that fits turns it on.
+    let none_peak = predict_memory(
+        &two_memory("small", &["activation_checkpoint.mode=none"]),
+        1,
+        1,
+    )
+    .unwrap()
+    .device
+    .total();
+    let full_peak = peak(&[]);
+    assert!(full_peak < none_peak);
+    let gib = format!("device.memory_gib={}", (full_peak + 0.5) / GIB);
+    let c = fit_check(
+        &two_memory("small", &["activation_checkpoint.mode=none", &gib]),
+        1,
+        1,
+    )
+    .unwrap();
+    assert_eq!(
+        c.fix.map(|f| f.sets),
+        s(&["activation_checkpoint.mode=full"])
+    );
+}
+
+#[test]
+fn fsdp_divides_state_and_workspace_by_the_ranks_when_nothing_pads() {
+    // tiny on 4 ranks: every dim 0 (256, 64, 32, 16, 8 experts) divides by 4, so the rank holds
+    // a quarter of the optimizer state, 1,944,576 / 4 = 486,144 bytes, and the workspace of 2 of
+    // the 8 sequences, linear in tokens: 14,295,040 / 4 = 3,573,760. After initialisation the
+    // parameters are a quarter too, but each tensor is drawn whole first: the peak is the
+    // shards before the last layer's down_proj (everything but it, the final norm and the LM
+    // head: 451,968 − 65,536 − 64 − 16,384 = 369,984 elements, a quarter each: 92,496) plus
+    // that tensor whole (65,536): 158,032 elements, 632,128 bytes.
+    let p = predict_memory(&two_memory("tiny", &[]), 1, 4).unwrap();
+    assert_eq!(p.device.optimizer, 486_144.0);
+    assert_eq!(p.device.activations, 3_573_760.0);
+    assert_eq!(p.device.params, 632_128.0);
+    // The device's peak total is after initialisation: the shards (451,968 bytes) in place of
+    // the initialisation moment.
+    assert_eq!(p.device_peak, p.device.total() - 632_128.0 + 451_968.0);
 }

@@ -370,12 +370,23 @@ fn memory_section(h: &mut String, run: &Run) {
             (format!("{name} measured"), vals)
         })
         .collect();
-    if let Some(p) = predicted {
+    // The prediction: one set for a one-memory run, else one per device.
+    let planned: Vec<(String, &serde_json::Map<String, Value>)> = match predicted {
+        Some(p) => vec![("planner".into(), p)],
+        None => devices
+            .iter()
+            .filter_map(|(name, d)| {
+                let p = d.get("planner_peak_bytes")?.as_object()?;
+                Some((format!("{name} planner"), p))
+            })
+            .collect(),
+    };
+    for (label, p) in planned {
         let vals = cats
             .iter()
             .map(|c| p.get(c.as_str()).and_then(Value::as_f64).unwrap_or(0.0))
             .collect();
-        groups.push(("planner".into(), vals));
+        groups.push((label, vals));
     }
     h.push_str(&svg::bar_chart(
         "memory",

@@ -176,3 +176,27 @@ fn step_times_come_from_tokens_when_step_s_is_absent() {
     assert_eq!(r.step_times(), vec![(1.0, 2.0), (2.0, 4.0)]);
     fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_two_memory_run_shows_each_memory_beside_its_prediction() {
+    let d = temp_run("two-memory");
+    fs::write(d.join("metrics.jsonl"), "{\"step\":1,\"loss\":3.5}\n").unwrap();
+    fs::write(
+        d.join("memory.json"),
+        r#"{"gpu0": {"peak_bytes": {"params": 1048576, "optimizer": 0},
+                     "final_bytes": {}, "peak_total_bytes": 1048576,
+                     "planner_peak_bytes": {"params": 1048576, "optimizer": 0}},
+            "host": {"peak_bytes": {"optimizer": 3145728},
+                     "final_bytes": {}, "peak_total_bytes": 3145728,
+                     "planner_peak_bytes": {"params": 0, "optimizer": 2097152}}}"#,
+    )
+    .unwrap();
+    let html = render(&Run::load(&d).unwrap());
+    check_balanced(&html);
+    // Columns: gpu0 measured, host measured, gpu0 planner, host planner.
+    assert!(html.contains("<th>gpu0 planner</th><th>host planner</th>"));
+    assert!(
+        html.contains("<td>optimizer</td><td>0 B</td><td>3.0 MiB</td><td>0 B</td><td>2.0 MiB</td>")
+    );
+    fs::remove_dir_all(&d).unwrap();
+}

@@ -2,7 +2,7 @@
 //! report.
 
 use anyhow::{Context, Result};
-use ganymede_core::{Category, LedgerReport};
+use ganymede_core::{Category, Device, LedgerReport};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::fs;
@@ -324,8 +324,22 @@ impl Progress {
     }
 }
 
-/// The planner's predicted peak bytes per category, to print beside the measured ones.
-pub type Predicted = [(Category, u64); 5];
+/// The planner's predicted peak bytes per memory and category, and of each memory's total,
+/// to print beside the measured ones.
+#[derive(Clone, Debug, Default)]
+pub struct Predicted {
+    pub categories: Vec<(Device, Category, u64)>,
+    pub totals: Vec<(Device, u64)>,
+}
+
+impl Predicted {
+    fn total(&self, dev: Device) -> u64 {
+        self.totals
+            .iter()
+            .find(|(d, _)| *d == dev)
+            .map_or(0, |(_, b)| *b)
+    }
+}
 
 const CATEGORIES: [Category; 5] = [
     Category::Params,
@@ -335,34 +349,64 @@ const CATEGORIES: [Category; 5] = [
     Category::Buffers,
 ];
 
-/// `memory.json`: the ledger's peak (and final) bytes per category, per device, the peak of the
-/// total, and the planner's prediction of the peaks.
+fn predicted_on(p: &Predicted, dev: Device) -> impl Iterator<Item = (Category, u64)> + '_ {
+    p.categories
+        .iter()
+        .filter(move |(d, _, _)| *d == dev)
+        .map(|&(_, c, b)| (c, b))
+}
+
+/// Devices measured or predicted, in ledger order.
+fn devices(report: &LedgerReport, predicted: Option<&Predicted>) -> Vec<Device> {
+    let mut devs: Vec<Device> = report.device_peaks.iter().map(|(d, _)| *d).collect();
+    for &(d, _, b) in predicted.iter().flat_map(|p| &p.categories) {
+        if b > 0 && !devs.contains(&d) {
+            devs.push(d);
+        }
+    }
+    devs.sort();
+    devs
+}
+
+/// `memory.json`: per device, the ledger's peak (and final) bytes per category, the peak of
+/// the total, and the planner's prediction of both (`planner_peak_bytes`,
+/// `planner_peak_total_bytes`). A one-memory run also keeps the prediction at the top level
+/// (`planner_predicted_peak_bytes`), where earlier runs have it.
 pub fn memory_json(report: &LedgerReport, predicted: Option<&Predicted>) -> serde_json::Value {
-    let mut devices = serde_json::Map::new();
-    for (dev, total_peak) in &report.device_peaks {
+    let mut out = serde_json::Map::new();
+    for dev in devices(report, predicted) {
         let mut peak = serde_json::Map::new();
         let mut current = serde_json::Map::new();
-        for e in report.entries.iter().filter(|e| e.device == *dev) {
+        for e in report.entries.iter().filter(|e| e.device == dev) {
             peak.insert(e.category.name().into(), e.peak.into());
             current.insert(e.category.name().into(), e.current.into());
         }
-        devices.insert(
-            dev.to_string(),
-            serde_json::json!({
-                "peak_bytes": peak,
-                "final_bytes": current,
-                "peak_total_bytes": total_peak,
-            }),
-        );
-    }
-    if let Some(p) = predicted {
-        let m: serde_json::Map<String, serde_json::Value> = p
+        let total_peak = report
+            .device_peaks
             .iter()
-            .map(|(c, b)| (c.name().to_string(), (*b).into()))
-            .collect();
-        devices.insert("planner_predicted_peak_bytes".into(), m.into());
+            .find(|(d, _)| *d == dev)
+            .map_or(0, |(_, b)| *b);
+        let mut entry = serde_json::json!({
+            "peak_bytes": peak,
+            "final_bytes": current,
+            "peak_total_bytes": total_peak,
+        });
+        if let Some(p) = predicted {
+            let m: serde_json::Map<String, serde_json::Value> = predicted_on(p, dev)
+                .map(|(c, b)| (c.name().to_string(), b.into()))
+                .collect();
+            entry["planner_peak_bytes"] = m.into();
+            entry["planner_peak_total_bytes"] = p.total(dev).into();
+        }
+        out.insert(dev.to_string(), entry);
     }
-    serde_json::Value::Object(devices)
+    if let Some(p) = predicted.filter(|p| p.categories.iter().all(|(d, _, _)| *d == Device::Host)) {
+        let m: serde_json::Map<String, serde_json::Value> = predicted_on(p, Device::Host)
+            .map(|(c, b)| (c.name().to_string(), b.into()))
+            .collect();
+        out.insert("planner_predicted_peak_bytes".into(), m.into());
+    }
+    serde_json::Value::Object(out)
 }
 
 /// The memory table printed at the end of a run.
@@ -375,25 +419,40 @@ pub fn memory_table(report: &LedgerReport, predicted: Option<&Predicted>) -> Str
             ""
         }
     );
-    for (dev, total_peak) in &report.device_peaks {
+    for dev in devices(report, predicted) {
+        // A category's prediction, or with `None` the memory's peak total.
+        let pred = |c: Option<Category>| {
+            predicted.map_or(String::new(), |p| {
+                let b: u64 = match c {
+                    Some(c) => predicted_on(p, dev)
+                        .filter(|(pc, _)| *pc == c)
+                        .map(|(_, b)| b)
+                        .sum(),
+                    None => p.total(dev),
+                };
+                format!(" | {:>10}", human_bytes(b))
+            })
+        };
         for c in CATEGORIES {
-            let pred = predicted
-                .and_then(|p| p.iter().find(|(pc, _)| *pc == c))
-                .map_or(String::new(), |(_, b)| {
-                    format!(" | {:>10}", human_bytes(*b))
-                });
             s.push_str(&format!(
-                "  {:<6} {:<12} {:>10}{pred}\n",
+                "  {:<6} {:<12} {:>10}{}\n",
                 dev.to_string(),
                 c.name(),
-                human_bytes(report.peak(*dev, c))
+                human_bytes(report.peak(dev, c)),
+                pred(Some(c))
             ));
         }
+        let total_peak = report
+            .device_peaks
+            .iter()
+            .find(|(d, _)| *d == dev)
+            .map_or(0, |(_, b)| *b);
         s.push_str(&format!(
-            "  {:<6} {:<12} {:>10}\n",
+            "  {:<6} {:<12} {:>10}{}\n",
             dev.to_string(),
             "peak total",
-            human_bytes(*total_peak)
+            human_bytes(total_peak),
+            pred(None)
         ));
     }
     s

@@ -17,7 +17,8 @@ use crate::checkpoint::{self, Position};
 use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
-use ganymede_core::{Category, Memory};
+use ganymede_core::ledger::CATEGORIES;
+use ganymede_core::{Device, Memory};
 use ganymede_data::Dataset;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};
@@ -256,6 +257,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     fit_mesh(&mut cfg, n, &[]);
     cfg.validate()?;
     init_threads(cfg.training.threads);
+    check_fit(&cfg, n)?;
     let run_dir = run_dir_for(ckpt, opts)?;
     prepare_run_dir(&cfg, &run_dir)?;
     let data = build_data(&cfg, Some(&run_dir.join("data")))?;
@@ -292,6 +294,17 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
             .with_context(|| format!("cannot write trace {}", path.display()))?;
     }
     Ok(summary(&outs, &run))
+}
+
+/// Refuse, before anything is built or written, a job whose predicted device peak exceeds
+/// `device.memory_gib`, naming the overflowing categories and the smallest change that fits
+/// (the planner's [`ganymede_plan::fit_check`]). Layouts the planner does not model yet
+/// (several ranks) pass; an allocation past the capacity still ends them.
+pub fn check_fit(cfg: &JobConfig, ranks: usize) -> Result<()> {
+    match ganymede_plan::fit_check(cfg, rayon::current_num_threads(), ranks) {
+        Some(c) if !c.fits => bail!("the job does not fit in device memory: {}", c.message()),
+        _ => Ok(()),
+    }
 }
 
 /// What every rank needs to run.
@@ -543,8 +556,9 @@ fn banner(
     )
 }
 
-/// `memory.json` and the printed table: rank 0's peaks by category, with the planner's
-/// prediction where it models this layout (one process).
+/// `memory.json` and the printed table: rank 0's peaks by device and category, with the
+/// planner's prediction where it models this layout (one or two memories; several ranks
+/// without expert parallelism).
 fn write_memory(
     cfg: &JobConfig,
     st: &RankState,
@@ -553,16 +567,27 @@ fn write_memory(
     quiet: bool,
 ) -> Result<()> {
     let report = st.be.ledger().report();
-    let predicted: Option<metrics::Predicted> = (n == 1).then(|| {
-        let p = ganymede_plan::predict_cpu_ledger(cfg, rayon::current_num_threads());
-        [
-            (Category::Params, p.params as u64),
-            (Category::Grads, p.grads as u64),
-            (Category::Optimizer, p.optimizer as u64),
-            (Category::Activations, p.activations as u64),
-            (Category::Buffers, p.buffers as u64),
-        ]
-    });
+    let predicted: Option<metrics::Predicted> =
+        ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n).map(|p| {
+            let mut out = metrics::Predicted::default();
+            for (dev, cats, peak) in [
+                (Device::Gpu(0), &p.device, p.device_peak),
+                (Device::Host, &p.host, p.host_peak),
+            ] {
+                if dev == Device::Gpu(0) && peak == 0.0 {
+                    continue;
+                }
+                for (name, bytes) in cats.entries() {
+                    let c = *CATEGORIES
+                        .iter()
+                        .find(|c| c.name() == name)
+                        .expect("the planner's categories are the ledger's");
+                    out.categories.push((dev, c, bytes as u64));
+                }
+                out.totals.push((dev, peak as u64));
+            }
+            out
+        });
     let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, predicted.as_ref()))?;
     checkpoint::write_atomic(&run_dir.join("memory.json"), mem.as_bytes())?;
     if !quiet {
@@ -644,6 +669,7 @@ pub fn train_mpi(
     fit_mesh(&mut cfg, n, &[]);
     cfg.validate()?;
     init_threads(cfg.training.threads);
+    check_fit(&cfg, n)?;
     // Every rank checks the directory (the same answer on a shared file system), so a refusal
     // ends every rank rather than leaving the others waiting.
     let run_dir = run_dir_for(ckpt, opts)?;

@@ -1,0 +1,659 @@
+//! Where a CPU run's bytes live, per memory and ledger category, and the fit check before launch.
+//!
+//! [`predict_memory`] places the terms of [`predict_cpu_ledger`] on the two memories of the
+//! CPU backend's two-memory mode (the emulated device, ledger device `gpu0`, and pinned host
+//! memory, `host`); [`fit_check`] holds the device's share against `device.memory_gib` and, when
+//! it does not fit, finds the smallest change of `[activation_checkpoint]` / `[optimizer]` that
+//! does. `ganymede train` runs the check before it builds anything; `ganymede plan` prints it.
+//!
+//! # Layout rules
+//!
+//! All in [`place`]; change them there when the runtime moves bytes. On several ranks they
+//! apply to one rank's state and workspace.
+//!
+//! 1. `device.kind = "cpu"`: one memory; every category on `host`.
+//! 2. `device.kind = "cpu-two-memory"`: every category on the device, except:
+//!    - activation offload (`activation_checkpoint.offload_fraction` f, only under
+//!      `mode = "full"`): with n = `offloaded_layers(f, L)` > 0, the block inputs (residual
+//!      boundaries) 0..n are in pinned host memory (`activations` on `host`, n·N·H f32, N the
+//!      rank's tokens); the device keeps the other L + 1 − n boundaries plus min(n, 2) pool
+//!      slots of N·H f32 (prefetch and write-back). Offloading one or two layers therefore
+//!      saves nothing.
+//!    - optimizer offload (`optimizer.offload = true`): the optimizer state (the rank's
+//!      shards) is on `host`; parameters, gradients and Muon's scratch stay on the device,
+//!      which gains two staging slots (`buffers`), each sized for the largest single tensor's
+//!      (shard's) state: numel under Muon, 2·numel under AdamW, f32; a layer's routed and
+//!      shared experts are one stacked tensor each.
+//!
+//! # Sharded layouts (`ranks` = W > 1, expert parallelism 1)
+//!
+//! One rank's memory, from the FSDP layout of `crates/parallel` (see [`sharded`]): f32 shards
+//! of every tensor (dim-0 rows split in W, padded; under FlexShard a layer's routed experts
+//! split by whole experts), its gradient and optimizer-state shards, the activation workspace
+//! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
+//! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
+//! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, one
+//! Newton–Schulz scratch, and the root's reduce-scatter send buffer. bf16 gathers stage in host
+//! memory (`host` `buffers`, in either mode). Each tensor is drawn whole before its shard is
+//! kept, so the `params` peak is the shards before the largest such moment plus that whole
+//! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
+//! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
+//! FSDP's master shards under optimizer offload stay on the device here; move them in
+//! [`place`] if the runtime does. Blocks of different shapes (`model.dense_layers` > 0) make
+//! the runtime reshape its slots and gradient pool as it walks the schedule, briefly holding
+//! both shapes; the largest block stands for all here, which measured 16% low on `grads` and
+//! 10% high on `buffers` for `tiny` with one dense layer on 2 ranks (the presets' blocks are
+//! uniform and match to the byte).
+
+use crate::ledger::{predict_cpu_ledger, CpuLedger};
+use ganymede_config::{offloaded_layers, AcMode, DeviceKind, JobConfig, OptimizerName};
+use serde::Serialize;
+
+/// Bytes per ledger category.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Categories {
+    pub params: f64,
+    pub grads: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    pub buffers: f64,
+}
+
+impl Categories {
+    /// (ledger name, bytes), in the order the trainer allocates them at world size 1 (params,
+    /// gradients, optimizer state and its scratch, then the activation workspace), which is
+    /// the order [`FitCheck::overflow`] fills the device in.
+    pub fn entries(&self) -> [(&'static str, f64); 5] {
+        [
+            ("params", self.params),
+            ("grads", self.grads),
+            ("optimizer", self.optimizer),
+            ("buffers", self.buffers),
+            ("activations", self.activations),
+        ]
+    }
+    fn get_mut(&mut self, name: &str) -> &mut f64 {
+        match name {
+            "params" => &mut self.params,
+            "grads" => &mut self.grads,
+            "optimizer" => &mut self.optimizer,
+            "activations" => &mut self.activations,
+            "buffers" => &mut self.buffers,
+            _ => panic!("no ledger category {name}"),
+        }
+    }
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.entries()
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, b)| b)
+    }
+    /// The sum over categories: at world size 1 the predicted peak of the memory, since every
+    /// category is allocated up front and held for the whole run (see
+    /// [`MemoryPrediction::device_peak`] for sharded runs).
+    pub fn total(&self) -> f64 {
+        self.entries().iter().map(|(_, b)| b).sum()
+    }
+}
+
+/// Predicted peak bytes of a run per memory and category.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryPrediction {
+    /// The emulated device (ledger device `gpu0`); all zero in one-memory mode.
+    pub device: Categories,
+    /// Host memory (ledger device `host`): everything in one-memory mode, what is offloaded in
+    /// two-memory mode.
+    pub host: Categories,
+    /// Peak of the device's total: the sum of its categories, except that a sharded run's
+    /// whole-tensor moments at initialisation (the `params` peak) come before anything else.
+    pub device_peak: f64,
+    /// Peak of the host's total, likewise.
+    pub host_peak: f64,
+    /// Layers whose block input is in host memory (activation offload).
+    pub offloaded_layers: usize,
+}
+
+/// The predicted peak bytes per memory and category of `job` run with `threads` worker threads
+/// on `ranks` ranks (one rank's); `None` where the layout is not modelled (expert parallelism
+/// over several ranks).
+pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<MemoryPrediction> {
+    if ranks > 1 {
+        let sh = sharded(job, ranks)?;
+        // Initialisation's peak is params alone, before anything else exists; in one memory
+        // the root's bf16 gather and f32 reduce-scatter buffers never coexist either.
+        let excess = sh.device.params - sh.params_steady;
+        let overlap = sh.host.buffers.min(sh.root_transient);
+        let mut p = place(
+            job,
+            sh.device,
+            sh.host,
+            ranks,
+            largest_shard_state(job, ranks),
+        );
+        let (total, params) = match job.device.kind {
+            DeviceKind::Cpu => {
+                p.host.buffers -= overlap;
+                p.host_peak -= overlap;
+                (&mut p.host_peak, p.host.params)
+            }
+            DeviceKind::CpuTwoMemory => (&mut p.device_peak, p.device.params),
+        };
+        *total = (*total - excess).max(params);
+        return Some(p);
+    }
+    let one: CpuLedger = predict_cpu_ledger(job, threads);
+    let all = Categories {
+        params: one.params,
+        grads: one.grads,
+        optimizer: one.optimizer,
+        activations: one.activations,
+        buffers: one.buffers,
+    };
+    Some(place(
+        job,
+        all,
+        Categories::default(),
+        1,
+        largest_shard_state(job, 1),
+    ))
+}
+
+/// The layout rules of the module documentation, applied to what a rank holds: `device`
+/// (everything that would be on the device without offload) and `host` (what is on the host
+/// regardless); `state` is the largest single tensor's optimizer state, in elements.
+fn place(
+    job: &JobConfig,
+    mut device: Categories,
+    mut host: Categories,
+    ranks: usize,
+    state: u64,
+) -> MemoryPrediction {
+    if job.device.kind == DeviceKind::Cpu {
+        // One memory: the host holds both.
+        for (name, b) in device.entries() {
+            *host.get_mut(name) += b;
+        }
+        return MemoryPrediction {
+            device: Categories::default(),
+            device_peak: 0.0,
+            host_peak: host.total(),
+            host,
+            offloaded_layers: 0,
+        };
+    }
+    let m = &job.model;
+    let n_off = match job.activation_checkpoint.mode {
+        AcMode::Full => offloaded_layers(job.activation_checkpoint.offload_fraction, m.layers),
+        AcMode::None => 0,
+    };
+    if n_off > 0 {
+        let tokens = job.training.batch_size / ranks.max(1) * m.seq_len;
+        let boundary = 4.0 * (tokens * m.hidden) as f64;
+        host.activations += n_off as f64 * boundary;
+        device.activations += (n_off.min(2) as f64 - n_off as f64) * boundary;
+    }
+    if job.optimizer.offload {
+        host.optimizer += device.optimizer;
+        device.optimizer = 0.0;
+        device.buffers += 2.0 * 4.0 * state as f64;
+    }
+    MemoryPrediction {
+        device_peak: device.total(),
+        host_peak: host.total(),
+        device,
+        host,
+        offloaded_layers: n_off,
+    }
+}
+
+/// How a runtime tensor is updated and sharded.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Muon under `optimizer.name = "muon"` (2-D matrices other than embedding, LM head,
+    /// router), else AdamW.
+    Matrix,
+    /// A layer's experts stacked `[E, rows, cols]`; `routed` ones split by expert under
+    /// FlexShard.
+    Experts { routed: bool },
+    /// AdamW always: embedding, LM head, router, norms.
+    AdamW,
+    /// Stored, never updated: the selection bias.
+    Frozen,
+}
+
+/// One tensor of the model as the runtime holds it (`ganymede_model::param_specs`): its block
+/// (`None`: the root unit), shape and kind.
+struct Rt {
+    block: Option<usize>,
+    shape: Vec<u64>,
+    kind: Kind,
+}
+
+fn runtime_tensors(m: &ganymede_config::ModelConfig) -> Vec<Rt> {
+    let (v, h, hd) = (m.vocab_size as u64, m.hidden as u64, m.head_dim as u64);
+    let (q, kv, e) = (m.q_dim() as u64, m.kv_dim() as u64, m.experts as u64);
+    let root = |shape: Vec<u64>, kind| Rt {
+        block: None,
+        shape,
+        kind,
+    };
+    let mut out = vec![root(vec![v, h], Kind::AdamW)];
+    for l in 0..m.layers {
+        let t = |shape: Vec<u64>, kind| Rt {
+            block: Some(l),
+            shape,
+            kind,
+        };
+        out.extend([
+            t(vec![h], Kind::AdamW),
+            t(vec![q, h], Kind::Matrix),
+            t(vec![kv, h], Kind::Matrix),
+            t(vec![kv, h], Kind::Matrix),
+            t(vec![h, q], Kind::Matrix),
+            t(vec![hd], Kind::AdamW),
+            t(vec![hd], Kind::AdamW),
+            t(vec![h], Kind::AdamW),
+        ]);
+        if m.is_moe_layer(l) {
+            let f = m.expert_hidden as u64;
+            let routed = Kind::Experts { routed: true };
+            out.extend([
+                t(vec![e, h], Kind::AdamW),
+                t(vec![e, f, h], routed),
+                t(vec![e, f, h], routed),
+                t(vec![e, h, f], routed),
+            ]);
+            if m.shared_experts > 0 {
+                let (ns, fs) = (m.shared_experts as u64, m.shared_hidden() as u64);
+                let shared = Kind::Experts { routed: false };
+                out.extend([
+                    t(vec![ns, fs, h], shared),
+                    t(vec![ns, fs, h], shared),
+                    t(vec![ns, h, fs], shared),
+                ]);
+            }
+            if m.router_bias_update > 0.0 {
+                out.push(t(vec![e], Kind::Frozen));
+            }
+        } else {
+            let f = m.dense_hidden as u64;
+            out.extend([
+                t(vec![f, h], Kind::Matrix),
+                t(vec![f, h], Kind::Matrix),
+                t(vec![h, f], Kind::Matrix),
+            ]);
+        }
+    }
+    out.push(root(vec![h], Kind::AdamW));
+    out.push(root(vec![v, h], Kind::AdamW));
+    out
+}
+
+impl Rt {
+    fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+    /// Elements of this rank's shard over `w` ranks, padding included (the placement plan's
+    /// `shard_elems`): dim-0 rows (a stacked tensor's first two dims) split evenly, or, for
+    /// routed experts under FlexShard, whole experts.
+    fn shard(&self, w: u64, flexshard: bool) -> u64 {
+        let s = &self.shape;
+        match self.kind {
+            Kind::Experts { routed: true } if flexshard => s[0].div_ceil(w) * s[1] * s[2],
+            Kind::Experts { .. } => (s[0] * s[1]).div_ceil(w) * s[2],
+            _ => s[0].div_ceil(w) * (self.numel() / s[0]),
+        }
+    }
+    /// Muon's `(rows, cols)` under `muon`, else `None`.
+    fn muon(&self, muon: bool) -> Option<(u64, u64)> {
+        match (muon, self.kind) {
+            (true, Kind::Matrix) => Some((self.shape[0], self.shape[1])),
+            (true, Kind::Experts { .. }) => Some((self.shape[1], self.shape[2])),
+            _ => None,
+        }
+    }
+}
+
+/// One rank's bytes under FSDP, before offload.
+struct Sharded {
+    /// Everything but the bf16 gather staging.
+    device: Categories,
+    /// The bf16 gather staging.
+    host: Categories,
+    /// `params` once initialisation is over (the shards).
+    params_steady: f64,
+    /// The root's bf16 receive buffer, part of `host.buffers` (transient).
+    root_transient: f64,
+}
+
+/// One rank's bytes under FSDP over `w` ranks. `None` under expert parallelism.
+fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
+    let p = &job.parallelism;
+    if p.ep > 1 {
+        return None;
+    }
+    let m = &job.model;
+    let ts = runtime_tensors(m);
+    let wu = w as u64;
+    let flex = p.muon_placement == ganymede_config::MuonPlacement::Flexshard;
+    let muon = job.optimizer.name == OptimizerName::Muon;
+    let f = 4.0;
+    let sum = |it: &mut dyn Iterator<Item = u64>| it.sum::<u64>() as f64;
+    let shards = sum(&mut ts.iter().map(|t| t.shard(wu, flex)));
+    let root_full = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(Rt::numel));
+    // Blocks of one shape are reused; the largest block stands for all.
+    let block = |g: &dyn Fn(&Rt) -> u64| {
+        (0..m.layers)
+            .map(|l| sum(&mut ts.iter().filter(|t| t.block == Some(l)).map(g)))
+            .fold(0.0, f64::max)
+    };
+    let block_full = block(&|t| t.numel());
+    let block_padded = block(&|t| t.shard(wu, flex) * wu);
+    let block_shard = block(&|t| t.shard(wu, flex));
+    let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {
+        (Kind::Frozen, _) => 0,
+        (_, Some(_)) => t.shard(wu, flex),
+        _ => 2 * t.shard(wu, flex),
+    }));
+    let muon_shards = sum(&mut ts
+        .iter()
+        .filter(|t| t.muon(muon).is_some())
+        .map(|t| t.shard(wu, flex)));
+    let (ss, sl) = ts
+        .iter()
+        .filter_map(|t| t.muon(muon))
+        .fold((0, 0), |(ss, sl), (r, c)| {
+            let (s, l) = (r.min(c), r.max(c));
+            (ss.max(s * s), sl.max(s * l))
+        });
+    let root_padded = ts
+        .iter()
+        .filter(|t| t.block.is_none())
+        .map(|t| t.shard(wu, flex) * wu)
+        .max()
+        .unwrap_or(0) as f64;
+    let slots = (p.prefetch + 1) as f64;
+    let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
+    let mut local = job.clone();
+    local.training.batch_size = job.training.batch_size / w;
+    // Each tensor is drawn whole before its shard is kept, in table order.
+    let mut before = 0;
+    let mut init_peak = 0;
+    for t in &ts {
+        init_peak = init_peak.max(before + t.numel());
+        before += t.shard(wu, flex);
+    }
+    let device = Categories {
+        params: f * shards.max(init_peak as f64),
+        grads: f * (shards + root_full + block_full),
+        optimizer: f * state,
+        activations: predict_cpu_ledger(&local, 1).activations,
+        buffers: f
+            * (root_full
+                + slots * block_full
+                + if bf16 { 0.0 } else { slots * block_padded }
+                + 2.0 * block_padded
+                + muon_shards
+                + (2 * ss + sl) as f64
+                // The root's reduce-scatter send buffer (and, f32, its gather receive buffer),
+                // one tensor at a time.
+                + root_padded),
+    };
+    let host = Categories {
+        // bf16 send and receive per slot, and the root's receive buffer, one at a time.
+        buffers: if bf16 {
+            2.0 * (slots * (block_shard + block_padded) + root_padded)
+        } else {
+            0.0
+        },
+        ..Categories::default()
+    };
+    Some(Sharded {
+        device,
+        host,
+        params_steady: f * shards,
+        root_transient: if bf16 { 2.0 * root_padded } else { 0.0 },
+    })
+}
+
+/// Elements of optimizer state of the largest single shard a rank holds over `w` ranks (the
+/// whole tensor at `w` = 1).
+fn largest_shard_state(job: &JobConfig, w: usize) -> u64 {
+    let flex = job.parallelism.muon_placement == ganymede_config::MuonPlacement::Flexshard;
+    let muon = job.optimizer.name == OptimizerName::Muon;
+    runtime_tensors(&job.model)
+        .iter()
+        .map(|t| match (t.kind, t.muon(muon)) {
+            (Kind::Frozen, _) => 0,
+            (_, Some(_)) => t.shard(w as u64, flex),
+            _ => 2 * t.shard(w as u64, flex),
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes of `device.memory_gib` (GiB = 2³⁰ bytes, as the backend counts it).
+pub fn capacity_bytes(job: &JobConfig) -> Option<f64> {
+    let d = &job.device;
+    (d.kind == DeviceKind::CpuTwoMemory && d.memory_gib > 0.0)
+        .then(|| (d.memory_gib * (1u64 << 30) as f64).floor())
+}
+
+/// The verdict of [`fit_check`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FitCheck {
+    /// Device capacity in bytes.
+    pub capacity: f64,
+    pub prediction: MemoryPrediction,
+    pub fits: bool,
+    /// When it does not fit: the categories past the capacity when the device is filled in
+    /// allocation order ([`Categories::entries`]), with their predicted bytes; the first is
+    /// the one whose allocation would fail.
+    pub overflow: Vec<(&'static str, f64)>,
+    /// When it does not fit: the smallest change that does, if any.
+    pub fix: Option<Fix>,
+}
+
+/// A change of the job configuration that makes it fit.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Fix {
+    /// `section.key=value` overrides, as `--set` takes them.
+    pub sets: Vec<String>,
+    /// The predicted device peak with them.
+    pub device_peak: f64,
+}
+
+impl Fix {
+    /// The overrides as command-line flags to paste.
+    pub fn flags(&self) -> String {
+        self.sets
+            .iter()
+            .map(|s| format!("--set {s}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// Hold `job`'s predicted device peak against its `device.memory_gib`; `None` when there is no
+/// capacity (one memory, or `memory_gib = 0`) or the layout is not modelled.
+pub fn fit_check(job: &JobConfig, threads: usize, ranks: usize) -> Option<FitCheck> {
+    let capacity = capacity_bytes(job)?;
+    let prediction = predict_memory(job, threads, ranks)?;
+    let fits = prediction.device_peak <= capacity;
+    let (overflow, fix) = if fits {
+        (vec![], None)
+    } else {
+        let mut used = 0.0;
+        let over = prediction
+            .device
+            .entries()
+            .into_iter()
+            .filter(|&(_, b)| {
+                used += b;
+                b > 0.0 && used > capacity
+            })
+            .collect();
+        (over, smallest_fix(job, threads, ranks, capacity))
+    };
+    Some(FitCheck {
+        capacity,
+        prediction,
+        fits,
+        overflow,
+        fix,
+    })
+}
+
+/// Candidate changes, least intrusive first, as the GPU planner orders them: more activation
+/// offload (whole layers, the fewest that fit); optimizer offload; both; then full
+/// checkpointing (when off) with the same three. The first that fits wins.
+fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) -> Option<Fix> {
+    let layers = job.model.layers;
+    let ac = &job.activation_checkpoint;
+    let mut modes = vec![ac.mode];
+    if ac.mode == AcMode::None {
+        modes.push(AcMode::Full);
+    }
+    let peak = |j: &JobConfig| predict_memory(j, threads, ranks).map(|p| p.device_peak);
+    for mode in modes {
+        for opt_offload in [job.optimizer.offload, true] {
+            let mut j = job.clone();
+            let mut sets = vec![];
+            if mode != ac.mode {
+                j.activation_checkpoint.mode = mode;
+                sets.push("activation_checkpoint.mode=full".to_string());
+            }
+            if opt_offload != job.optimizer.offload {
+                j.optimizer.offload = true;
+                sets.push("optimizer.offload=true".to_string());
+            }
+            let fits = |j: &JobConfig| peak(j).is_some_and(|p| p <= capacity);
+            if !fits(&j) && mode == AcMode::Full {
+                let current = offloaded_layers(ac.offload_fraction, layers);
+                let Some(n) = (current + 1..=layers).find(|&n| {
+                    let mut k = j.clone();
+                    k.activation_checkpoint.offload_fraction = n as f64 / layers as f64;
+                    fits(&k)
+                }) else {
+                    continue;
+                };
+                // Three decimals map back to the same whole layers (`offloaded_layers`).
+                let printed = format!("{:.3}", n as f64 / layers as f64);
+                j.activation_checkpoint.offload_fraction =
+                    printed.parse().expect("a formatted float parses");
+                debug_assert_eq!(
+                    offloaded_layers(j.activation_checkpoint.offload_fraction, layers),
+                    n
+                );
+                sets.push(format!("activation_checkpoint.offload_fraction={printed}"));
+            }
+            if !sets.is_empty() && fits(&j) {
+                return Some(Fix {
+                    sets,
+                    device_peak: peak(&j)?,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// Bytes in GiB with four significant digits at least (tiny runs are a few MiB).
+pub fn gib(bytes: f64) -> String {
+    let x = bytes / (1u64 << 30) as f64;
+    let decimals = if x >= 1.0 {
+        3
+    } else if x > 0.0 {
+        (3 - x.log10().floor() as i32).clamp(3, 9) as usize
+    } else {
+        0
+    };
+    format!("{x:.decimals$} GiB")
+}
+
+impl FitCheck {
+    /// One line: the verdict, and when it does not fit the overflowing categories and the
+    /// smallest change that fits (or that nothing does).
+    pub fn message(&self) -> String {
+        let d = &self.prediction.device;
+        let head = format!(
+            "predicted device peak {} {} device.memory_gib = {}",
+            gib(self.prediction.device_peak),
+            if self.fits { "fits in" } else { "exceeds" },
+            gib(self.capacity)
+        );
+        if self.fits {
+            return head;
+        }
+        let over = self
+            .overflow
+            .iter()
+            .map(|(c, b)| format!("{c} {}", gib(*b)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let on_device = d
+            .entries()
+            .iter()
+            .filter(|(_, b)| *b > 0.0)
+            .map(|(c, b)| format!("{c} {}", gib(*b)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let fix = match &self.fix {
+            Some(f) => format!(
+                "smallest change that fits (predicted device peak {}): {}",
+                gib(f.device_peak),
+                f.flags()
+            ),
+            None => "nothing fits: no activation offload, optimizer offload or checkpointing \
+                     brings it under the capacity (raise device.memory_gib or shrink the model \
+                     or training.batch_size)"
+                .to_string(),
+        };
+        format!(
+            "{head} by {}; overflowing categories (filling the device in allocation order): \
+             {over}; on the device: {on_device}; {fix}",
+            gib(self.prediction.device_peak - self.capacity)
+        )
+    }
+}
+
+/// Worker threads a run of `job` gets: `training.threads`, or every core (0), as rayon sizes
+/// the trainer's pool.
+pub fn run_threads(job: &JobConfig) -> usize {
+    match job.training.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    }
+}
+
+/// `ganymede plan`'s section for a two-memory CPU job: the prediction per memory and
+/// category, and the fit check against the job's own `device.memory_gib`.
+pub fn render(job: &JobConfig, threads: usize, ranks: usize) -> String {
+    let mut s = format!(
+        "\nThis job on its own device (device.kind = cpu-two-memory, device.memory_gib = {}, \
+         {threads} thread{}, {ranks} rank{})\n",
+        job.device.memory_gib,
+        if threads == 1 { "" } else { "s" },
+        if ranks == 1 { "" } else { "s" }
+    );
+    let Some(p) = predict_memory(job, threads, ranks) else {
+        s.push_str("  not modelled: the prediction covers one rank only (sharded layouts later)\n");
+        return s;
+    };
+    s.push_str(&format!("  {:<14}{:>18}{:>18}\n", "", "gpu0", "host"));
+    let row = |name: &str, d: f64, h: f64| format!("  {name:<14}{:>18}{:>18}\n", gib(d), gib(h));
+    for ((name, d), (_, h)) in p.device.entries().into_iter().zip(p.host.entries()) {
+        s.push_str(&row(name, d, h));
+    }
+    s.push_str(&row("sum", p.device.total(), p.host.total()));
+    s.push_str(&row("peak", p.device_peak, p.host_peak));
+    match fit_check(job, threads, ranks) {
+        Some(c) => s.push_str(&format!(
+            "  verdict: {}: {}\n",
+            if c.fits { "fits" } else { "does not fit" },
+            c.message()
+        )),
+        None => s.push_str("  verdict: no capacity set (device.memory_gib = 0)\n"),
+    }
+    s
+}
