@@ -111,8 +111,7 @@ fn a_job_that_does_not_fit_is_refused_and_the_suggested_checkpointing_runs() {
 fn optimizer_offload_is_suggested_when_offloading_two_layers_saves_nothing() {
     // tiny with full checkpointing: about 20.0 MB on the device; 0.018 GiB = 19.3 MB. With two
     // layers, activation offload saves nothing (two pool slots stay), so the suggestion is
-    // optimizer offload (18.5 MB). Running it waits for optimizer offload to land; here the
-    // suggestion is checked through the refusal and the planner.
+    // optimizer offload (18.5 MB), which then trains within the capacity.
     let tmp = TempDir::new("fit-optimizer");
     let run = tmp.path().join("run");
     let job = ["device.memory_gib=0.018"];
@@ -132,6 +131,22 @@ fn optimizer_offload_is_suggested_when_offloading_two_layers_saves_nothing() {
         &[],
     ));
     assert!(p.contains("verdict: fits"), "{p}");
+    let fixed = ["device.memory_gib=0.018", "optimizer.offload=true"];
+    ok(ganymede(tmp.path(), &train_args(&run, "tiny", &fixed), &[]));
+    let mem: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("memory.json")).unwrap()).unwrap();
+    let measured = mem["gpu0"]["peak_total_bytes"].as_f64().unwrap();
+    let predicted = mem["gpu0"]["planner_peak_total_bytes"].as_f64().unwrap();
+    assert!(measured <= 0.018 * (1u64 << 30) as f64, "{mem}");
+    assert!(
+        (measured - predicted).abs() <= 0.05 * predicted,
+        "measured {measured}, planner {predicted}"
+    );
+    assert!(
+        mem["host"]["peak_bytes"]["optimizer"].as_f64().unwrap() > 0.0,
+        "{mem}"
+    );
+    std::fs::remove_dir_all(&run).unwrap();
 
     // 0.01 GiB holds no layout of tiny: the refusal says so.
     let e = fails(ganymede(

@@ -397,7 +397,8 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
                 + (2 * ss + sl) as f64
                 // The root's reduce-scatter send buffer (and, f32, its gather receive buffer),
                 // one tensor at a time.
-                + root_padded),
+                + root_padded)
+            + crate::ledger::STEP_SCALARS,
     };
     let host = Categories {
         // bf16 send and receive per slot, and the root's receive buffer, one at a time.

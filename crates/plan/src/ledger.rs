@@ -10,7 +10,8 @@
 //! - `optimizer`: Muon one f32 momentum per Muon-handled parameter, AdamW two per parameter it
 //!   handles; the selection bias has none.
 //! - `activations`: the workspace, see [`ActivationTerms`].
-//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`].
+//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], and the step's two f64 scalars
+//!   (the loss sum and the squared gradient norm, summed on the device and read at its end).
 
 use crate::params::{self, Handler};
 use ganymede_config::{AcMode, JobConfig, OptimizerName};
@@ -145,6 +146,10 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers,
+        buffers: buffers + STEP_SCALARS,
     }
 }
+
+/// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the
+/// step driver), one f64 each.
+pub const STEP_SCALARS: f64 = 16.0;

@@ -675,7 +675,8 @@ fn cpu_ledger_params_grads_optimizer_exact() {
     job.optimizer.name = OptimizerName::Adamw;
     let a = predict_cpu_ledger(&job, 1);
     assert_eq!(a.optimizer, 8.0 * 451_968.0);
-    assert_eq!(a.buffers, 0.0);
+    // AdamW has no scratch: only the step's two f64 scalars.
+    assert_eq!(a.buffers, 16.0);
     // The DeepSeek selection bias adds [8] per MoE layer to params and grads, not to state.
     job.model.router_bias_update = 0.001;
     let b = predict_cpu_ledger(&job, 1);
@@ -711,9 +712,10 @@ fn cpu_ledger_muon_scratch() {
     // tiny's Muon matrices: 64×64, 32×64, 128×64, 64×128. Largest r·c 8,192, largest s² 4,096:
     // one slot 4·(8,192 + 2·4,096 + 8,192) = 98,304 bytes. All 56 matrices are small (NS of
     // 64×128: 5·(4·64²·128 + 2·64³) = 13,107,200 FLOPs), so two threads add one more slot.
+    // Plus the step's two f64 scalars.
     let job = preset("tiny").unwrap();
-    assert_eq!(predict_cpu_ledger(&job, 1).buffers, 98_304.0);
-    assert_eq!(predict_cpu_ledger(&job, 2).buffers, 2.0 * 98_304.0);
+    assert_eq!(predict_cpu_ledger(&job, 1).buffers, 98_304.0 + 16.0);
+    assert_eq!(predict_cpu_ledger(&job, 2).buffers, 2.0 * 98_304.0 + 16.0);
 }
 
 #[test]
@@ -1011,17 +1013,17 @@ fn optimizer_offload_moves_the_state_and_adds_two_staging_slots() {
     assert_eq!(p.device.params, base.device.params);
     let adamw = two_memory("tiny", &["optimizer.offload=true", "optimizer.name=adamw"]);
     let a = predict_memory(&adamw, 1, 1).unwrap();
-    assert_eq!(a.device.buffers, 1_048_576.0);
+    assert_eq!(a.device.buffers, 1_048_576.0 + 16.0);
     assert_eq!(a.host.optimizer, 8.0 * 451_968.0);
 }
 
 #[test]
 fn the_fit_check_names_the_overflow_and_the_smallest_change() {
-    // tiny, one thread: params and grads 1,807,872 each, optimizer 1,944,576, buffers 98,304,
-    // activations 14,295,040: 19,953,664 bytes. 0.018 GiB = 19,327,352 bytes: the first four
-    // (5,658,624) fit, the activation workspace does not. Two layers: offloading them saves
-    // nothing (two pool slots), so the fix is optimizer offload: 19,953,664 − 1,944,576 +
-    // 524,288 = 18,533,376 bytes.
+    // tiny, one thread: params and grads 1,807,872 each, optimizer 1,944,576, buffers 98,320
+    // (Muon scratch and the step's two f64 scalars), activations 14,295,040: 19,953,680 bytes.
+    // 0.018 GiB = 19,327,352 bytes: the first four (5,658,640) fit, the activation workspace
+    // does not. Two layers: offloading them saves nothing (two pool slots), so the fix is
+    // optimizer offload: 19,953,680 − 1,944,576 + 524,288 = 18,533,392 bytes.
     assert!(
         fit_check(&two_memory("tiny", &[]), 1, 1).is_none(),
         "no capacity"
@@ -1029,11 +1031,11 @@ fn the_fit_check_names_the_overflow_and_the_smallest_change() {
     let c = fit_check(&two_memory("tiny", &["device.memory_gib=0.018"]), 1, 1).unwrap();
     assert!(!c.fits);
     assert_eq!(c.capacity, 19_327_352.0);
-    assert_eq!(c.prediction.device.total(), 19_953_664.0);
+    assert_eq!(c.prediction.device.total(), 19_953_680.0);
     assert_eq!(c.overflow, vec![("activations", 14_295_040.0)]);
     let fix = c.fix.clone().unwrap();
     assert_eq!(fix.sets, vec!["optimizer.offload=true".to_string()]);
-    assert_eq!(fix.device_peak, 18_533_376.0);
+    assert_eq!(fix.device_peak, 18_533_392.0);
     let msg = c.message();
     assert!(
         msg.contains("activations 0.01331 GiB")

@@ -126,9 +126,9 @@ fn check_prediction(run_dir: &std::path::Path, what: &str) {
     assert!(devices >= 1, "{what}: no prediction in {mem}");
 }
 
-/// The planner's two-memory prediction against the ledger of real runs, for every setting that
-/// runs today. Add, once activation and optimizer offload land: offload_fraction 0.5 and 1
-/// (`small`, where whole boundaries move), optimizer.offload = true, at 1 and 4 ranks.
+/// The planner's two-memory prediction against the ledger of real runs: checkpointing modes,
+/// optimizers, FSDP settings, and activation offload (0.5 and 1, with four layers so whole
+/// boundaries move) and optimizer offload at 1 and 4 ranks.
 #[test]
 fn the_two_memory_prediction_matches_the_measured_peaks() {
     let two = "device.kind=\"cpu-two-memory\"";
@@ -167,7 +167,51 @@ fn the_two_memory_prediction_matches_the_measured_peaks() {
                 "metrics.val_batches=1",
             ],
         ),
+        (
+            1,
+            "small",
+            "small, everything offloaded",
+            vec![
+                "training.steps=1",
+                "data.builtin_bytes=300000",
+                "metrics.val_batches=1",
+                "activation_checkpoint.offload_fraction=1",
+                "optimizer.offload=true",
+            ],
+        ),
     ];
+    // The memory milestones: activation offload (half and all of four layers) and optimizer
+    // offload, alone and together, at 1 and 4 ranks.
+    let mut cases = cases;
+    for ranks in [1, 4] {
+        for (what, extra) in [
+            (
+                "offload 0.5",
+                vec!["activation_checkpoint.offload_fraction=0.5"],
+            ),
+            (
+                "offload 1",
+                vec!["activation_checkpoint.offload_fraction=1"],
+            ),
+            ("optimizer offload", vec!["optimizer.offload=true"]),
+            (
+                "optimizer offload, adamw",
+                vec!["optimizer.offload=true", "optimizer.name=\"adamw\""],
+            ),
+            (
+                "both offloads",
+                vec![
+                    "optimizer.offload=true",
+                    "activation_checkpoint.offload_fraction=1",
+                ],
+            ),
+        ] {
+            let mut e = vec!["model.layers=4"];
+            e.extend(extra);
+            let what: &'static str = Box::leak(format!("{what}, {ranks} ranks").into_boxed_str());
+            cases.push((ranks, "tiny", what, e));
+        }
+    }
     for (ranks, preset, what, extra) in cases {
         let mut o: Vec<String> = vec![
             "training.steps=2".into(),
