@@ -133,7 +133,11 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
         .map(|&x| crate::group::to_bf16(x * 0.1))
         .collect();
     let mut hg = vec![0u16; 3 * w];
-    pg.all_gather_bf16(&h, &mut hg, Phase::ForwardGather)?;
+    pg.all_gather(
+        View::HostBf16(&h),
+        ViewMut::HostBf16(&mut hg),
+        Phase::ForwardGather,
+    )?;
     out.push((
         "all_gather_bf16".into(),
         hg.iter().map(|&x| x as f64).collect(),

@@ -164,15 +164,6 @@ pub trait ProcessGroup: Send + Sync {
         phase: Phase,
     ) -> Result<Work<'a>>;
     fn ibarrier(&self) -> Result<Work<'_>>;
-    /// All-gather of bf16 values (raw bits, see [`to_bf16`]): FSDP's parameter gathers move
-    /// half the bytes of f32, and the counters count 2 bytes per element. Host slices, since
-    /// the core views have no bf16 dtype yet; a GPU backend adds a device form when they do.
-    fn iall_gather_bf16<'a>(
-        &'a self,
-        send: &'a [u16],
-        recv: &'a mut [u16],
-        phase: Phase,
-    ) -> Result<Work<'a>>;
 
     /// Collective over this group: ranks passing the same `Some(color)` form a new group,
     /// ordered by `(key, rank)`; `None` joins no group. Sub-groups share this rank's counters
@@ -219,9 +210,6 @@ pub trait ProcessGroup: Send + Sync {
     }
     fn barrier(&self) -> Result<()> {
         self.ibarrier()?.wait()
-    }
-    fn all_gather_bf16(&self, send: &[u16], recv: &mut [u16], phase: Phase) -> Result<()> {
-        self.iall_gather_bf16(send, recv, phase)?.wait()
     }
 
     /// Collective: the group of the listed group ranks (in that order), `None` on non-members.
@@ -282,7 +270,7 @@ pub fn host_view(v: View<'_>) -> View<'_> {
         View::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
             ganymede_core::DType::F32 => View::Host(View::Device(d).host::<f32>()),
             ganymede_core::DType::F64 => View::Host64(View::Device(d).host::<f64>()),
-            _ => View::Device(d),
+            ganymede_core::DType::BF16 => View::HostBf16(View::Device(d).host_bf16()),
         },
         v => v,
     }
@@ -294,7 +282,7 @@ pub fn host_view_mut(v: ViewMut<'_>) -> ViewMut<'_> {
         ViewMut::Device(d) if d.buffer().host_ptr(false).is_some() => match d.dtype() {
             ganymede_core::DType::F32 => ViewMut::Host(ViewMut::Device(d).host::<f32>()),
             ganymede_core::DType::F64 => ViewMut::Host64(ViewMut::Device(d).host::<f64>()),
-            _ => ViewMut::Device(d),
+            ganymede_core::DType::BF16 => ViewMut::HostBf16(ViewMut::Device(d).host_bf16()),
         },
         v => v,
     }
@@ -305,10 +293,13 @@ pub(crate) fn elem_size(op: &'static str, v: &View) -> Result<usize> {
     match v {
         View::Host(_) => Ok(4),
         View::Host64(_) => Ok(8),
+        // bf16 only moves (gathers): sums of bf16 are not done on bf16 here.
+        View::HostBf16(_) => Ok(2),
         #[allow(unreachable_patterns)]
         _ => Err(CommError::Unsupported {
             op,
-            message: "only host f32/f64 views are served by this backend".into(),
+            message: "only host f32/f64 (and, to gather, bf16) views are served by this backend"
+                .into(),
         }),
     }
 }
@@ -327,7 +318,9 @@ pub(crate) fn check_root(op: &'static str, root: usize, size: usize) -> Result<(
 pub(crate) fn dtype_mismatch(op: &'static str) -> CommError {
     CommError::Unsupported {
         op,
-        message: "send and receive views must both be host f32 or both host f64".into(),
+        message: "send and receive views must both be host f32 or both host f64 (or, to \
+                  gather, both bf16)"
+            .into(),
     }
 }
 
@@ -348,6 +341,10 @@ macro_rules! host_collectives_by_dtype {
                     self.all_gather_t(s, r, phase)
                 }
                 (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
+                    self.all_gather_t(s, r, phase)
+                }
+                // FSDP's bf16 parameter gathers: half the bytes, counted as 2 per element.
+                (ganymede_core::View::HostBf16(s), ganymede_core::ViewMut::HostBf16(r)) => {
                     self.all_gather_t(s, r, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("all_gather")),

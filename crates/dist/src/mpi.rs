@@ -573,14 +573,6 @@ impl ProcessGroup for MpiGroup {
     }
 
     crate::group::host_collectives_by_dtype!();
-    fn iall_gather_bf16<'a>(
-        &'a self,
-        send: &'a [u16],
-        recv: &'a mut [u16],
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        self.all_gather_t(send, recv, phase)
-    }
     fn ibarrier(&self) -> Result<Work<'_>> {
         self.stage::<f32>(
             (Op::Barrier, Phase::Other),

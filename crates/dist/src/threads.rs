@@ -733,14 +733,6 @@ impl ProcessGroup for ThreadGroup {
     }
 
     crate::group::host_collectives_by_dtype!();
-    fn iall_gather_bf16<'a>(
-        &'a self,
-        send: &'a [u16],
-        recv: &'a mut [u16],
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        self.all_gather_t(send, recv, phase)
-    }
     fn ibarrier(&self) -> Result<Work<'_>> {
         let sig = self.sig(Op::Barrier, 0, 0, 0);
         let finish: Finish<'_> = Box::new(|_: &Collected| Ok(()));

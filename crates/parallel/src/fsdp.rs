@@ -19,35 +19,12 @@
 
 use crate::layout::Layout;
 use ganymede_config::GatherDtype;
-use ganymede_core::{Backend, Category, Device, Ledger, ParamStore, Tensor, View, ViewMut};
+use ganymede_core::{Backend, Category, DType, ParamStore, Tensor, ViewMut};
 use ganymede_dist::placement::ShardGroup;
-use ganymede_dist::{from_bf16, to_bf16, DeviceMesh, Phase, ProcessGroup, Track, Work};
+use ganymede_dist::{DeviceMesh, Phase, ProcessGroup, Track, Work};
 use ganymede_model::{GradSink, ParamSource, Pass};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// A host `u16` buffer charged to the ledger (bf16 staging; the core crate has no bf16 tensor).
-struct Bf16Buf {
-    data: Vec<u16>,
-    ledger: Arc<Ledger>,
-}
-
-impl Bf16Buf {
-    fn new(ledger: &Arc<Ledger>, n: usize) -> Self {
-        ledger.alloc(Device::Host, Category::Buffers, 2 * n as u64);
-        Bf16Buf {
-            data: vec![0; n],
-            ledger: ledger.clone(),
-        }
-    }
-}
-
-impl Drop for Bf16Buf {
-    fn drop(&mut self) {
-        self.ledger
-            .free(Device::Host, Category::Buffers, 2 * self.data.len() as u64);
-    }
-}
 
 /// Extend a borrow to `'static` so a posted collective can be kept across hook calls.
 ///
@@ -58,13 +35,14 @@ impl Drop for Bf16Buf {
 unsafe fn forever<X: ?Sized>(x: &X) -> &'static X {
     &*(x as *const X)
 }
-#[allow(clippy::mut_from_ref)]
-unsafe fn forever_mut<X>(x: &mut [X]) -> &'static mut [X] {
-    std::slice::from_raw_parts_mut(x.as_mut_ptr(), x.len())
+/// [`forever`] for a tensor a posted collective writes.
+unsafe fn forever_mut<X>(x: &mut X) -> &'static mut X {
+    &mut *(x as *mut X)
 }
 
-fn host(t: &mut Tensor) -> &mut [f32] {
-    t.view_mut().host::<f32>()
+/// A bf16 staging tensor (send or receive side of a bf16 gather), in the backend's memory.
+fn bf16(be: &dyn Backend, n: usize) -> Tensor {
+    be.zeros_of(&[n], DType::BF16, Category::Buffers)
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
@@ -104,8 +82,8 @@ struct Slot {
     /// Padded receive buffers (f32 gathers).
     recv32: Vec<Tensor>,
     /// bf16 send (this rank's shard) and receive buffers.
-    send16: Vec<Bf16Buf>,
-    recv16: Vec<Bf16Buf>,
+    send16: Vec<Tensor>,
+    recv16: Vec<Tensor>,
 }
 
 /// The parameter side of FSDP for one rank.
@@ -124,8 +102,8 @@ pub struct FsdpParams {
     /// Receive buffers of the root unit's gathers, one per root parameter (f32 or bf16 per
     /// the gather dtype), made once so a step allocates nothing.
     root_recv32: Vec<Tensor>,
-    root_send16: Vec<Vec<u16>>,
-    root_recv16: Vec<Bf16Buf>,
+    root_send16: Vec<Tensor>,
+    root_recv16: Vec<Tensor>,
     /// The step's block uses in order, and how far the step has got.
     schedule: Vec<(usize, Pass)>,
     pos: usize,
@@ -180,8 +158,8 @@ impl FsdpParams {
             match dtype {
                 GatherDtype::F32 => root_recv32.push(be.zeros(&[padded], Category::Buffers)),
                 GatherDtype::Bf16 => {
-                    root_send16.push(vec![0u16; layout.shard[i]]);
-                    root_recv16.push(Bf16Buf::new(be.ledger(), padded));
+                    root_send16.push(bf16(be, layout.shard[i]));
+                    root_recv16.push(bf16(be, padded));
                 }
             }
         }
@@ -244,17 +222,11 @@ impl FsdpParams {
                     be.copy(self.store.get_mut(i).view_mut(), recv.slice(0, n));
                 }
                 GatherDtype::Bf16 => {
-                    let send = &mut self.root_send16[k];
-                    for (d, &x) in send.iter_mut().zip(host_ro(&self.master[i])) {
-                        *d = to_bf16(x);
-                    }
-                    let recv = &mut self.root_recv16[k];
-                    g.all_gather_bf16(send, &mut recv.data, Phase::ForwardGather)
+                    let (send, recv) = (&mut self.root_send16[k], &mut self.root_recv16[k]);
+                    be.cast(send.view_mut(), self.master[i].view());
+                    g.all_gather(send.view(), recv.view_mut(), Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
-                    let dst = host(self.store.get_mut(i));
-                    for (d, &h) in dst.iter_mut().zip(&recv.data[..n]) {
-                        *d = from_bf16(h);
-                    }
+                    be.cast(self.store.get_mut(i).view_mut(), recv.slice(0, n));
                 }
             }
         }
@@ -301,9 +273,8 @@ impl FsdpParams {
                         .recv32
                         .push(be.zeros(&[layout.shard[i] * w], Category::Buffers)),
                     GatherDtype::Bf16 => {
-                        slot.send16.push(Bf16Buf::new(be.ledger(), layout.shard[i]));
-                        slot.recv16
-                            .push(Bf16Buf::new(be.ledger(), layout.shard[i] * w));
+                        slot.send16.push(bf16(be, layout.shard[i]));
+                        slot.recv16.push(bf16(be, layout.shard[i] * w));
                     }
                 }
             }
@@ -312,22 +283,18 @@ impl FsdpParams {
         for (k, &i) in idx.iter().enumerate() {
             let g: &'static dyn ProcessGroup =
                 unsafe { forever(self.groups.get(layout.group[i]).as_ref()) };
-            let w = match self.dtype {
-                GatherDtype::F32 => {
-                    let send = unsafe { forever(host_ro(&self.master[i])) };
-                    let recv = unsafe { forever_mut(host(&mut slot.recv32[k])) };
-                    g.iall_gather(View::Host(send), ViewMut::Host(recv), phase)
-                }
+            // SAFETY: see `forever`; the master shards are not written while gathers are in
+            // flight (`master_mut` checks).
+            let (send, recv) = match self.dtype {
+                GatherDtype::F32 => unsafe {
+                    (forever(&self.master[i]), forever_mut(&mut slot.recv32[k]))
+                },
                 GatherDtype::Bf16 => {
-                    let src = host_ro(&self.master[i]);
-                    for (d, &x) in slot.send16[k].data.iter_mut().zip(src) {
-                        *d = to_bf16(x);
-                    }
-                    let send = unsafe { forever(&slot.send16[k].data[..]) };
-                    let recv = unsafe { forever_mut(&mut slot.recv16[k].data[..]) };
-                    g.iall_gather_bf16(send, recv, phase)
+                    be.cast(slot.send16[k].view_mut(), self.master[i].view());
+                    unsafe { (forever(&slot.send16[k]), forever_mut(&mut slot.recv16[k])) }
                 }
             };
+            let w = g.iall_gather(send.view(), recv.view_mut(), phase);
             slot.work
                 .push(w.unwrap_or_else(|e| fail("posting a parameter gather", e)));
         }
@@ -359,10 +326,6 @@ impl FsdpParams {
     }
 }
 
-fn host_ro(t: &Tensor) -> &[f32] {
-    t.view().host::<f32>()
-}
-
 impl ParamSource for FsdpParams {
     fn params(&self) -> &ParamStore {
         &self.store
@@ -391,12 +354,7 @@ impl ParamSource for FsdpParams {
             let n = self.layout.numel(i);
             match self.dtype {
                 GatherDtype::F32 => be.copy(slot.full[k].view_mut(), slot.recv32[k].slice(0, n)),
-                GatherDtype::Bf16 => {
-                    let dst = host(&mut slot.full[k]);
-                    for (d, &h) in dst.iter_mut().zip(&slot.recv16[k].data[..n]) {
-                        *d = from_bf16(h);
-                    }
-                }
+                GatherDtype::Bf16 => be.cast(slot.full[k].view_mut(), slot.recv16[k].slice(0, n)),
             }
             std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
         }
@@ -620,14 +578,12 @@ impl GradSink for FsdpGrads {
             be.copy(self.stage[t][k].slice_mut(0, n), self.pool[k].view());
             let g: &'static dyn ProcessGroup =
                 unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
-            let send = unsafe { forever(host_ro(&self.stage[t][k])) };
-            let recv = unsafe { forever_mut(host(&mut self.shards[i])) };
+            // SAFETY: see `forever`; the shards are read only through `shards()`, which checks
+            // that no reduce-scatter is pending.
+            let (send, recv) =
+                unsafe { (forever(&self.stage[t][k]), forever_mut(&mut self.shards[i])) };
             let w = g
-                .ireduce_scatter(
-                    View::Host(send),
-                    ViewMut::Host(recv),
-                    Phase::GradReduceScatter,
-                )
+                .ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
                 .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e));
             self.pending[t].push(w);
         }

@@ -33,8 +33,9 @@
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
 //! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, one
-//! Newton–Schulz scratch, and the root's reduce-scatter send buffer. bf16 gathers stage in host
-//! memory (`host` `buffers`, in either mode). Each tensor is drawn whole before its shard is
+//! Newton–Schulz scratch, the root gradients' reduce-scatter send buffers, and the gather
+//! staging of every slot and of the root (f32 receive buffers, or bf16 send and receive
+//! buffers), all made once and on the device. Each tensor is drawn whole before its shard is
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
 //! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
 //! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
@@ -119,23 +120,17 @@ pub struct MemoryPrediction {
 pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<MemoryPrediction> {
     if ranks > 1 {
         let sh = sharded(job, ranks)?;
-        // Initialisation's peak is params alone, before anything else exists; in one memory
-        // the root's bf16 gather and f32 reduce-scatter buffers never coexist either.
+        // Initialisation's peak is params alone, before anything else exists.
         let excess = sh.device.params - sh.params_steady;
-        let overlap = sh.host.buffers.min(sh.root_transient);
         let mut p = place(
             job,
             sh.device,
-            sh.host,
+            Categories::default(),
             ranks,
             largest_shard_state(job, ranks),
         );
         let (total, params) = match job.device.kind {
-            DeviceKind::Cpu => {
-                p.host.buffers -= overlap;
-                p.host_peak -= overlap;
-                (&mut p.host_peak, p.host.params)
-            }
+            DeviceKind::Cpu => (&mut p.host_peak, p.host.params),
             DeviceKind::CpuTwoMemory => (&mut p.device_peak, p.device.params),
         };
         *total = (*total - excess).max(params);
@@ -316,14 +311,10 @@ impl Rt {
 
 /// One rank's bytes under FSDP, before offload.
 struct Sharded {
-    /// Everything but the bf16 gather staging.
+    /// Everything, gather staging included, as if on the device.
     device: Categories,
-    /// The bf16 gather staging.
-    host: Categories,
     /// `params` once initialisation is over (the shards).
     params_steady: f64,
-    /// The root's bf16 receive buffer, part of `host.buffers` (transient).
-    root_transient: f64,
 }
 
 /// One rank's bytes under FSDP over `w` ranks. `None` under expert parallelism.
@@ -366,12 +357,14 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
             let (s, l) = (r.min(c), r.max(c));
             (ss.max(s * s), sl.max(s * l))
         });
-    let root_padded = ts
+    let root_padded = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none())
-        .map(|t| t.shard(wu, flex) * wu)
-        .max()
-        .unwrap_or(0) as f64;
+        .map(|t| t.shard(wu, flex) * wu));
+    let root_shard = sum(&mut ts
+        .iter()
+        .filter(|t| t.block.is_none())
+        .map(|t| t.shard(wu, flex)));
     let slots = (p.prefetch + 1) as f64;
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
     let mut local = job.clone();
@@ -383,6 +376,13 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
         init_peak = init_peak.max(before + t.numel());
         before += t.shard(wu, flex);
     }
+    // The gather staging, made once: f32 receive buffers per slot and for the root, or bf16
+    // send and receive buffers per slot and for the root.
+    let gather_staging = if bf16 {
+        2.0 * (slots * (block_shard + block_padded) + root_shard + root_padded)
+    } else {
+        f * (slots * block_padded + root_padded)
+    };
     let device = Categories {
         params: f * shards.max(init_peak as f64),
         grads: f * (shards + root_full + block_full),
@@ -391,29 +391,17 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
         buffers: f
             * (root_full
                 + slots * block_full
-                + if bf16 { 0.0 } else { slots * block_padded }
                 + 2.0 * block_padded
                 + muon_shards
                 + (2 * ss + sl) as f64
-                // The root's reduce-scatter send buffer (and, f32, its gather receive buffer),
-                // one tensor at a time.
+                // The root gradients' reduce-scatter send buffers.
                 + root_padded)
+            + gather_staging
             + crate::ledger::STEP_SCALARS,
-    };
-    let host = Categories {
-        // bf16 send and receive per slot, and the root's receive buffer, one at a time.
-        buffers: if bf16 {
-            2.0 * (slots * (block_shard + block_padded) + root_padded)
-        } else {
-            0.0
-        },
-        ..Categories::default()
     };
     Some(Sharded {
         device,
-        host,
         params_steady: f * shards,
-        root_transient: if bf16 { 2.0 * root_padded } else { 0.0 },
     })
 }
 

@@ -171,6 +171,9 @@ pub trait Blas: Send + Sync {
     /// `acc[0] += Σ x²`, with `acc` an f64 tensor, so a step sums many tensors and reads the
     /// total once at its end.
     fn sumsq_acc(&self, acc: ViewMut, x: View);
+    /// `dst = src` converted to `dst`'s dtype: to bf16 rounding to nearest even (NaN stays NaN),
+    /// from bf16 exactly (FSDP's bf16 gathers: cast the shard, gather, cast back).
+    fn cast(&self, dst: ViewMut, src: View);
 }
 
 /// Everything a training step needs from a device.

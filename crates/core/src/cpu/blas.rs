@@ -3,8 +3,8 @@
 //! micro-kernels.
 
 use super::{CpuBackend, PAR_MIN};
-use crate::backend::{Blas, Gemm};
-use crate::tensor::{Scalar, View, ViewMut};
+use crate::backend::{Blas, Gemm, Memory};
+use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a GEMM runs on one thread.
@@ -203,6 +203,22 @@ fn sumsq<S: Scalar>(x: View) -> f64 {
     }
 }
 
+fn cast_to_bf16<S: Scalar>(dst: ViewMut, src: View) {
+    let (d, s): (&mut [u16], &[S]) = (dst.host_bf16(), src.host());
+    d.par_iter_mut()
+        .zip(s.par_iter())
+        .with_min_len(PAR_MIN)
+        .for_each(|(d, &x)| *d = crate::bf16::from_f32(x.as_f64() as f32));
+}
+
+fn cast_from_bf16<S: Scalar>(dst: ViewMut, src: View) {
+    let (d, s): (&mut [S], &[u16]) = (dst.host(), src.host_bf16());
+    d.par_iter_mut()
+        .zip(s.par_iter())
+        .with_min_len(PAR_MIN)
+        .for_each(|(d, &h)| *d = S::of_f64(crate::bf16::to_f32(h) as f64));
+}
+
 fn gemm<S: GemmScalar>(c: ViewMut, a: View, b: View, g: Gemm) {
     gemm_host::<S>(c.host(), a.host(), b.host(), g)
 }
@@ -223,6 +239,17 @@ impl Blas for CpuBackend {
     fn sumsq_acc(&self, acc: ViewMut, x: View) {
         let s = crate::by_dtype!(x.dtype(), sumsq(x));
         acc.host::<f64>()[0] += s;
+    }
+    fn cast(&self, dst: ViewMut, src: View) {
+        assert_eq!(dst.len(), src.len(), "cast between different lengths");
+        match (src.dtype(), dst.dtype()) {
+            (a, b) if a == b => self.copy(dst, src),
+            (DType::F32, DType::BF16) => cast_to_bf16::<f32>(dst, src),
+            (DType::F64, DType::BF16) => cast_to_bf16::<f64>(dst, src),
+            (DType::BF16, DType::F32) => cast_from_bf16::<f32>(dst, src),
+            (DType::BF16, DType::F64) => cast_from_bf16::<f64>(dst, src),
+            (a, b) => panic!("no cast from {} to {}", a.name(), b.name()),
+        }
     }
 }
 
