@@ -47,7 +47,7 @@ pub mod params;
 pub mod stream;
 pub mod tensor;
 
-pub use backend::{AdamWStep, Backend, Blas, Gemm, Memory, NnOps, OptimOps};
+pub use backend::{AdamWStep, Backend, Blas, Gemm, Memory, NnOps, OptimOps, Syrk};
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};
