@@ -3,6 +3,18 @@
 the same shapes as ganymede's presets (no activation checkpointing), on CPU.
 
     python bench/pytorch_qwen3moe.py --preset tiny --threads 2 --steps 30
+    python bench/pytorch_qwen3moe.py --preset small --optimizer muon
+
+`--optimizer muon` splits the parameters as ganymede does: `torch.optim.Muon` for the attention
+projections (2-D), Muon on every expert's gate, up and down matrix separately, and AdamW for
+embeddings, LM head, router and norms. transformers 5.x stores a layer's experts as 3-D tensors
+(`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), which `torch.optim.Muon` refuses (2-D only),
+so `ExpertMuon` below applies torch's own Muon update (its `_zeropower_via_newtonschulz`, which
+runs in bf16, and its lr adjustment) to each of the 3E matrices of a layer, one at a time as
+`torch.optim.Muon` does for its parameters. Muon's settings are ganymede's defaults: momentum
+0.95 (Nesterov), 5 steps, `match_rms_adamw` scaling, weight decay 0.1. `--optimizer muon-f32`
+is the same with torch's Newton–Schulz run in f32 instead of bf16 (same code otherwise): on a CPU
+without native bf16 arithmetic torch's bf16 matmuls are emulated and far slower than f32.
 
 Prints one JSON line: median tokens/s over the timed steps (after warm-up), and the first and last
 losses. Tokens are random, as only speed is measured.
@@ -19,6 +31,92 @@ PRESETS = {
 }
 
 
+def make_optimizers(model, name, expert_hidden):
+    import torch
+
+    adamw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), **adamw)]
+    attn, experts, rest = [], [], []
+    for n, p in model.named_parameters():
+        if ".self_attn." in n and p.ndim == 2:
+            attn.append(p)
+        elif ".mlp.experts." in n:
+            experts.append(p)
+        else:
+            rest.append(p)
+    if name == "muon-f32":
+        import torch.optim._muon as tm
+
+        tm._zeropower_via_newtonschulz = ns_f32
+    muon = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, ns_steps=5)
+    return [
+        torch.optim.Muon(attn, adjust_lr_fn="match_rms_adamw", **muon),
+        ExpertMuon(experts, rows=expert_hidden, **muon),
+        torch.optim.AdamW(rest, **adamw),
+    ]
+
+
+def ns_f32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim._muon._zeropower_via_newtonschulz with f32 in place of bf16."""
+    import torch
+
+    a, b, c = ns_coefficients
+    x = grad.to(dtype=torch.float32, copy=True)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
+
+
+def expert_muon_class():
+    import torch
+    import torch.optim._muon as tm
+    from torch.optim._muon import _adjust_lr
+
+    class ExpertMuon(torch.optim.Optimizer):
+        """torch.optim.Muon's update on 3-D expert tensors: every [rows, :] block of every expert
+        (gate and up halves of `gate_up_proj`, `down_proj` whole) is one matrix."""
+
+        def __init__(self, params, lr, weight_decay, momentum, ns_steps, rows):
+            super().__init__(
+                params,
+                dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps),
+            )
+            self.rows = rows
+
+        @torch.no_grad()
+        def step(self):
+            for g in self.param_groups:
+                lr, wd, mu = g["lr"], g["weight_decay"], g["momentum"]
+                for p in g["params"]:
+                    buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.lerp_(p.grad, 1 - mu)
+                    update = p.grad.lerp(buf, mu)
+                    p.mul_(1 - lr * wd)
+                    # gate_up_proj [E, 2I, H]: two I-row matrices; down_proj [E, H, I]: one.
+                    chunks = p.shape[1] // self.rows if p.shape[1] > p.shape[2] else 1
+                    for e in range(p.shape[0]):
+                        for pm, um in zip(p[e].chunk(chunks), update[e].chunk(chunks)):
+                            # Looked up at call time: muon-f32 replaces it.
+                            o = tm._zeropower_via_newtonschulz(
+                                um, (3.4445, -4.775, 2.0315), g["ns_steps"], 1e-7
+                            )
+                            pm.add_(o, alpha=-_adjust_lr(lr, "match_rms_adamw", pm.shape))
+
+    return ExpertMuon
+
+
+def ExpertMuon(*args, **kwargs):
+    return expert_muon_class()(*args, **kwargs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -26,6 +124,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--attn", default="sdpa", help="sdpa or eager")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "muon-f32"])
     args = ap.parse_args()
 
     import torch
@@ -54,7 +153,7 @@ def main():
     )
     model = Qwen3MoeForCausalLM(cfg)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opts = make_optimizers(model, args.optimizer, f)
     tokens = torch.randint(0, v, (batch, seq + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     times, cpus, losses = [], [], []
@@ -65,9 +164,11 @@ def main():
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels.reshape(-1))
         if out.aux_loss is not None:
             loss = loss + cfg.router_aux_loss_coef * out.aux_loss
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         dt = time.perf_counter() - t0
         losses.append(loss.item())
         # CPU time of the whole process (all threads), as ganymede's train_bench reports it.
@@ -81,6 +182,7 @@ def main():
         json.dumps(
             {
                 "framework": f"pytorch {torch.__version__}",
+                "optimizer": args.optimizer,
                 "preset": args.preset,
                 "threads": args.threads,
                 "params": sum(p.numel() for p in model.parameters()),

@@ -7,6 +7,11 @@
 #   THREADS=1 REPS=3 bench/run_speed.sh
 #
 # Env: THREADS (2), REPS (5), PRESETS ("tiny small"), CONFIGS (ganymede runs, below),
+#      PT_OPTIMIZERS (PyTorch runs: "adamw", "muon" or both, e.g. "muon adamw"; ratios are
+#      to the first), BASE_BENCH (a train_bench binary built from another commit: its runs join
+#      every repetition too, labelled "base ..."),
+#      PT_STEPS, PT_WARMUP (PyTorch's timed and warm-up steps, if fewer than ganymede's: its
+#      bf16 Newton–Schulz is slow on a CPU without native bf16),
 #      PYTHON (/root/venv-ref/bin/python),
 #      CARGO_TARGET_DIR (/work/target-bench), OUT (results file; default a temp file),
 #      BUSY (1: keep one core busy with `yes > /dev/null` throughout, to see how each side
@@ -17,6 +22,7 @@ THREADS=${THREADS:-2}
 REPS=${REPS:-5}
 PRESETS=${PRESETS:-tiny small}
 CONFIGS=${CONFIGS:-adamw none,adamw full,muon none,muon full} # ganymede "optimizer ac-mode" list
+PT_OPTIMIZERS=${PT_OPTIMIZERS:-adamw}
 PYTHON=${PYTHON:-/root/venv-ref/bin/python}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/target-bench}
 OUT=${OUT:-$(mktemp /tmp/run_speed.XXXXXX.jsonl)}
@@ -46,14 +52,21 @@ for rep in $(seq 1 "$REPS"); do
       echo "{\"rep\": $rep, \"label\": \"$label\", \"result\": $line}" >>"$OUT"
       echo "rep $rep $p $label: $line" >&2
     }
-    run "pytorch adamw" env OMP_NUM_THREADS="$THREADS" "$PYTHON" bench/pytorch_qwen3moe.py \
-      --preset "$p" --threads "$THREADS" --steps "$n" --warmup 3
+    for o in $PT_OPTIMIZERS; do
+      run "pytorch $o" env OMP_NUM_THREADS="$THREADS" "$PYTHON" bench/pytorch_qwen3moe.py \
+        --preset "$p" --threads "$THREADS" --steps "${PT_STEPS:-$n}" --warmup "${PT_WARMUP:-3}" \
+        --optimizer "$o"
+    done
     IFS=, read -ra cfgs <<<"$CONFIGS"
     for cfg in "${cfgs[@]}"; do
       set -- $cfg
-      run "ganymede $1 ac=$2" "$BENCH" "$p" --steps "$n" --warmup 3 \
-        --set training.threads="$THREADS" --set optimizer.name="$1" \
-        --set activation_checkpoint.mode="$2"
+      for side in ${BASE_BENCH:+base} ganymede; do
+        bin=$BENCH
+        [ "$side" = base ] && bin=$BASE_BENCH
+        run "$side $1 ac=$2" "$bin" "$p" --steps "$n" --warmup 3 \
+          --set training.threads="$THREADS" --set optimizer.name="$1" \
+          --set activation_checkpoint.mode="$2"
+      done
     done
   done
 done

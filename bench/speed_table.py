@@ -8,7 +8,9 @@ print("| preset | run | threads | tokens/s (median) | min–max | vs PyTorch | t
 print("|---|---|---|---|---|---|---|---|---|---|")
 for preset in dict.fromkeys(r["result"]["preset"] for r in rows):
     mine = [r for r in rows if r["result"]["preset"] == preset]
-    ref = {r["rep"]: r["result"]["tokens_per_s"] for r in mine if r["label"].startswith("pytorch")}
+    # Ratios are to the first PyTorch run of each repetition (run_speed.sh's first PT_OPTIMIZERS).
+    first = next(r["label"] for r in mine if r["label"].startswith("pytorch"))
+    ref = {r["rep"]: r["result"]["tokens_per_s"] for r in mine if r["label"] == first}
     for label in dict.fromkeys(r["label"] for r in mine):
         rs = [r for r in mine if r["label"] == label]
         tps = [r["result"]["tokens_per_s"] for r in rs]

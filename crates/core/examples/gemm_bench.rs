@@ -2,7 +2,7 @@
 //! Prints the median GFLOP/s over repeated runs for square and training-shaped problems, at the
 //! rayon thread count given by RAYON_NUM_THREADS (default: all cores).
 
-use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory};
+use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory, Syrk};
 use std::time::Instant;
 
 fn main() {
@@ -37,6 +37,43 @@ fn main() {
         println!(
             "{m:>5}x{n:>5}x{k:>5} ta={ta} tb={tb}: {:7.1} GFLOP/s",
             g.flops() as f64 / med / 1e9
+        );
+    }
+
+    // The symmetric product against the same product as a plain GEMM (what Newton–Schulz used
+    // before), timed alternately so that both see the same load.
+    for &(n, k, trans) in &[
+        (256, 256, false),
+        (512, 512, false),
+        (1024, 1024, false),
+        (256, 1024, false),
+        (256, 1024, true),
+    ] {
+        let a = be.upload(&vec![0.5; n * k], &[n * k], Category::Buffers);
+        let mut c = be.zeros(&[n * n], Category::Buffers);
+        let s = Syrk::new(n, k, trans);
+        let reps = (1e9 / s.as_gemm().flops() as f64).clamp(3.0, 200.0) as usize;
+        let (mut tg, mut ts) = (Vec::new(), Vec::new());
+        for _ in 0..7 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                be.gemm(c.view_mut(), a.view(), a.view(), s.as_gemm());
+            }
+            tg.push(t.elapsed().as_secs_f64() / reps as f64);
+            let t = Instant::now();
+            for _ in 0..reps {
+                be.syrk(c.view_mut(), a.view(), s);
+            }
+            ts.push(t.elapsed().as_secs_f64() / reps as f64);
+        }
+        tg.sort_by(f64::total_cmp);
+        ts.sort_by(f64::total_cmp);
+        let (g, y) = (tg[3], ts[3]);
+        println!(
+            "syrk n={n:>5} k={k:>5} trans={trans}: gemm {:8.3} ms, syrk {:8.3} ms, {:.2}x",
+            g * 1e3,
+            y * 1e3,
+            g / y
         );
     }
 }

@@ -49,7 +49,7 @@ pub mod tensor;
 
 pub use backend::{
     AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, Dispatched, Gemm, HeadRope, Memory,
-    NnOps, NormSaved, OptimOps, RouterDims, RouterOut,
+    NnOps, NormSaved, OptimOps, RouterDims, RouterOut, Syrk,
 };
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};

@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use ganymede_core::{Backend, Category, CpuBackend, Memory};
-use ganymede_optim::{newton_schulz, NsScratch};
+use ganymede_optim::{newton_schulz, newton_schulz_batch, NsScratch};
 
 fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
     let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
@@ -181,4 +181,49 @@ fn zero_input_stays_zero_and_scratch_is_reused() {
     let mut z = be.zeros(&[8, 8], Category::Params);
     newton_schulz(&be, z.view_mut(), 8, 8, 5, &mut scratch);
     assert!(be.download(z.view()).iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn batch_equals_one_call_per_matrix_bitwise() {
+    // Batched NS runs each matrix through the same backend calls as a lone call, only on another
+    // thread; the GEMMs' split across threads does not change any element's sum (each element
+    // is one k-long dot product in a fixed order), so the results must match to the bit, at any
+    // thread count and number of scratches.
+    let be = CpuBackend::default();
+    let count = 5;
+    for &(r, c) in &[(48usize, 80usize), (80, 48), (256, 256), (1, 40)] {
+        let n = r * c;
+        let g: Vec<f32> = Rng::new(9)
+            .normals(count * n)
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        let mut want = Vec::new();
+        let mut scratch = NsScratch::new(&be, r, c);
+        for e in 0..count {
+            let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
+            newton_schulz(&be, t.view_mut(), r, c, 5, &mut scratch);
+            want.extend(be.download(t.view()));
+        }
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for lanes in [1, 3] {
+                let mut scratch: Vec<NsScratch> =
+                    (0..lanes).map(|_| NsScratch::new(&be, r, c)).collect();
+                let mut t = be.upload(&g, &[count, r, c], Category::Params);
+                pool.install(|| {
+                    newton_schulz_batch(&be, t.view_mut(), count, r, c, 5, &mut scratch)
+                });
+                let got = be.download(t.view());
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{r}x{c}, {threads} threads, {lanes} scratches");
+            }
+        }
+    }
 }

@@ -13,7 +13,10 @@ use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, DeviceMesh, NsJob, Plan};
-use ganymede_optim::{newton_schulz, update_rule, NsScratch, SkipWait, Staging, UpdateRule};
+use ganymede_optim::{
+    newton_schulz_batch, ns_flops, update_rule, NsScratch, SkipWait, Staging, UpdateRule,
+    PAR_MATRIX_MAX_FLOPS,
+};
 use std::sync::Arc;
 
 enum Rule {
@@ -34,7 +37,9 @@ pub struct ShardedOptimizer {
     cfg: OptimizerConfig,
     rules: Vec<Rule>,
     plan: Plan,
-    scratch: NsScratch,
+    /// Newton–Schulz scratch: `[0]` fits every shape, the rest (one per further thread) the
+    /// small ones, whose stacks (experts) are spread across threads whole.
+    scratch: Vec<NsScratch>,
     /// With `optimizer.offload`: state in host memory, streamed through these device slots.
     staging: Option<Staging>,
     step: u64,
@@ -89,11 +94,21 @@ impl ShardedOptimizer {
                 .unwrap_or(0);
             Staging::new(be, elems)
         });
+        let small: Vec<(usize, usize)> = shapes
+            .iter()
+            .copied()
+            .filter(|&(r, c)| ns_flops(r, c, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS)
+            .collect();
+        let mut scratch = vec![NsScratch::for_shapes(be, shapes)];
+        if !small.is_empty() {
+            let extra = rayon::current_num_threads() - 1;
+            scratch.extend((0..extra).map(|_| NsScratch::for_shapes(be, small.iter().copied())));
+        }
         ShardedOptimizer {
             cfg: cfg.clone(),
             rules,
             plan,
-            scratch: NsScratch::for_shapes(be, shapes),
+            scratch,
             staging,
             step: 0,
         }
@@ -240,11 +255,14 @@ impl ShardedOptimizer {
         let steps = cfg.ns_steps;
         let scratch = &mut self.scratch;
         let mut ns = |job: NsJob<'_>| {
-            let n = job.rows * job.cols;
-            for e in 0..job.count {
-                let x = ViewMut::Host(&mut job.data[e * n..(e + 1) * n]);
-                newton_schulz(be, x, job.rows, job.cols, steps, scratch);
-            }
+            let (r, c) = (job.rows, job.cols);
+            let lanes = if ns_flops(r, c, steps) <= PAR_MATRIX_MAX_FLOPS {
+                scratch.len()
+            } else {
+                1
+            };
+            let x = ViewMut::Host(job.data);
+            newton_schulz_batch(be, x, job.count, r, c, steps, &mut scratch[..lanes]);
         };
         muon_exchange(&self.plan, mesh, &mut slices, &mut ns)?;
         for i in muon_items {

@@ -33,7 +33,7 @@
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
 //! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, one
-//! Newton–Schulz scratch, the root gradients' reduce-scatter send buffers, and the gather
+//! Newton–Schulz scratch (and one per further thread for the small shapes), the root gradients' reduce-scatter send buffers, and the gather
 //! staging of every slot and of the root (f32 receive buffers, or bf16 send and receive
 //! buffers), all made once and on the device. Each tensor is drawn whole before its shard is
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
@@ -119,7 +119,7 @@ pub struct MemoryPrediction {
 /// over several ranks).
 pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<MemoryPrediction> {
     if ranks > 1 {
-        let sh = sharded(job, ranks)?;
+        let sh = sharded(job, ranks, threads)?;
         // Initialisation's peak is params alone, before anything else exists.
         let excess = sh.device.params - sh.params_steady;
         let mut p = place(
@@ -318,7 +318,7 @@ struct Sharded {
 }
 
 /// One rank's bytes under FSDP over `w` ranks. `None` under expert parallelism.
-fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
+fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
     let p = &job.parallelism;
     if p.ep > 1 {
         return None;
@@ -350,13 +350,30 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
         .iter()
         .filter(|t| t.muon(muon).is_some())
         .map(|t| t.shard(wu, flex)));
-    let (ss, sl) = ts
-        .iter()
-        .filter_map(|t| t.muon(muon))
-        .fold((0, 0), |(ss, sl), (r, c)| {
-            let (s, l) = (r.min(c), r.max(c));
-            (ss.max(s * s), sl.max(s * l))
-        });
+    let scratch = |small_only: bool| {
+        let (ss, sl) = ts
+            .iter()
+            .filter_map(|t| t.muon(muon))
+            .filter(|&(r, c)| {
+                !small_only
+                    || crate::plan::ns_flops(r, c, job.optimizer.ns_steps)
+                        <= crate::ledger::PAR_MATRIX_MAX_FLOPS
+            })
+            .fold((0, 0), |(ss, sl), (r, c)| {
+                let (s, l) = (r.min(c), r.max(c));
+                (ss.max(s * s), sl.max(s * l))
+            });
+        (2 * ss + sl) as f64
+    };
+    // One Newton–Schulz scratch for every shape, and one per further thread for the small
+    // shapes, whose stacks (experts) spread across threads whole.
+    let small = scratch(true);
+    let ns_scratch = scratch(false)
+        + if small > 0.0 {
+            (threads.max(1) - 1) as f64 * small
+        } else {
+            0.0
+        };
     let root_padded = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none())
@@ -393,7 +410,7 @@ fn sharded(job: &JobConfig, w: usize) -> Option<Sharded> {
                 + slots * block_full
                 + 2.0 * block_padded
                 + muon_shards
-                + (2 * ss + sl) as f64
+                + ns_scratch
                 // The root gradients' reduce-scatter send buffers.
                 + root_padded)
             + gather_staging

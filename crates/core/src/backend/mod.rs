@@ -156,8 +156,66 @@ impl Gemm {
     }
 }
 
+/// Shape of one symmetric rank-k product: `C[n,n] = alpha * op(A)·op(A)ᵀ + beta * C`, with
+/// `op(A) = A` stored `[n, k]` (`A·Aᵀ`), or `op(A) = Aᵀ` with A stored `[k, n]` (`Aᵀ·A`) when
+/// `trans`. Row-major with leading dimensions, as [`Gemm`]. The result is symmetric, so a
+/// backend may compute one triangle and mirror it: when `beta != 0`, C must hold a symmetric
+/// matrix on entry (only its lower triangle is guaranteed to be read). On return both triangles
+/// hold the result, bitwise mirrored.
+#[derive(Clone, Copy, Debug)]
+pub struct Syrk {
+    pub n: usize,
+    pub k: usize,
+    pub trans: bool,
+    pub alpha: f32,
+    pub beta: f32,
+    pub lda: usize,
+    pub ldc: usize,
+}
+
+impl Syrk {
+    /// Dense product with leading dimensions implied by the shapes, alpha 1, beta 0.
+    pub fn new(n: usize, k: usize, trans: bool) -> Self {
+        Syrk {
+            n,
+            k,
+            trans,
+            alpha: 1.0,
+            beta: 0.0,
+            lda: if trans { n } else { k },
+            ldc: n,
+        }
+    }
+    pub fn alpha(mut self, alpha: f32) -> Self {
+        self.alpha = alpha;
+        self
+    }
+    pub fn beta(mut self, beta: f32) -> Self {
+        self.beta = beta;
+        self
+    }
+    /// Override leading dimensions (strided sub-matrix views).
+    pub fn ld(mut self, lda: usize, ldc: usize) -> Self {
+        self.lda = lda;
+        self.ldc = ldc;
+        self
+    }
+    /// The same product as a general GEMM (`A` passed as both operands).
+    pub fn as_gemm(&self) -> Gemm {
+        Gemm::new(self.n, self.n, self.k, self.trans, !self.trans)
+            .alpha(self.alpha)
+            .beta(self.beta)
+            .ld(self.lda, self.lda, self.ldc)
+    }
+}
+
 pub trait Blas: Send + Sync {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm);
+    /// Symmetric rank-k product (see [`Syrk`]). The default is a full GEMM, correct on any
+    /// backend; a backend with a triangular kernel does about half the multiply-adds.
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        self.gemm(c, a, a, s.as_gemm())
+    }
     /// `y += alpha * x`
     fn axpy(&self, y: ViewMut, alpha: f32, x: View);
     /// `y *= alpha`

@@ -1,9 +1,10 @@
 //! GEMM and vector kernels. GEMMs above a size are split across rayon's threads along the longer
 //! output dimension; each piece is one `matrixmultiply` call, which packs and runs AVX2/FMA
-//! micro-kernels.
+//! micro-kernels. The symmetric rank-k product computes strips of its lower triangle the same
+//! way and mirrors them.
 
 use super::{CpuBackend, PAR_MIN};
-use crate::backend::{Blas, Gemm, Memory};
+use crate::backend::{Blas, Gemm, Memory, Syrk};
 use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
 
@@ -167,6 +168,90 @@ pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
     });
 }
 
+/// Output rows per strip of [`syrk_host`]: strips of `t` rows over `n` do `(n/t + 1) / (2·n/t)`
+/// of the square's multiply-adds (62.5% at 4 strips, 53% at 16), but each strip is one
+/// `matrixmultiply` call that packs its operands anew, which thin strips do not amortise: on
+/// this CPU 16-row strips were no faster than the full GEMM, 64-row ones the best of 32–128
+/// (`gemm_bench`, BENCHMARKS.md).
+fn syrk_strip(n: usize) -> usize {
+    (n / 16).next_multiple_of(8).clamp(64, 512)
+}
+
+/// Symmetric rank-k product on host slices (see [`Syrk`]): strip `r` computes rows `[r·t, r·t+t)`
+/// of C for columns up to the end of its diagonal block, one `matrixmultiply` call each, and the
+/// strictly upper triangle is then copied from the lower. Each element is the same k-long dot
+/// product a full GEMM computes; strips run on rayon's threads above a size.
+pub fn syrk_host<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
+    let Syrk {
+        n,
+        k,
+        trans,
+        alpha,
+        beta,
+        lda,
+        ldc,
+    } = s;
+    if n == 0 {
+        return;
+    }
+    let (a_rows, a_cols) = if trans { (k, n) } else { (n, k) };
+    assert!(
+        a_cols <= lda && a.len() >= extent(a_rows, a_cols, lda),
+        "syrk: A too small {s:?}"
+    );
+    assert!(
+        n <= ldc && c.len() >= extent(n, n, ldc),
+        "syrk: C too small {s:?}"
+    );
+    // (row stride, column stride) of op(A); op(A)ᵀ has them swapped.
+    let (rsa, csa) = if trans { (1, lda) } else { (lda, 1) };
+    let t = syrk_strip(n);
+    let strips = n.div_ceil(t);
+    let cp = Ptr(c.as_mut_ptr());
+    let ap = a.as_ptr() as usize;
+    let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
+    // Safety: bounds were checked above; strips write disjoint rows of C.
+    let run = move |r: usize| unsafe {
+        let cp = cp;
+        let (i0, i1) = (r * t, (r * t + t).min(n));
+        S::raw(
+            i1 - i0,
+            k,
+            i1,
+            alpha,
+            (ap as *const S).add(i0 * rsa),
+            rsa as isize,
+            csa as isize,
+            ap as *const S,
+            csa as isize,
+            rsa as isize,
+            beta,
+            cp.0.add(i0 * ldc),
+            ldc as isize,
+            1,
+        )
+    };
+    if rayon::current_num_threads() == 1 || strips == 1 || n * n * k / 2 < GEMM_PAR_MIN {
+        (0..strips).for_each(run);
+    } else {
+        // Longest strips (the bottom ones) first, so the short ones fill in at the end.
+        (0..strips)
+            .into_par_iter()
+            .for_each(|r| run(strips - 1 - r));
+    }
+    // Upper triangle from the lower, in tiles so that both sides stay in cache.
+    const TILE: usize = 32;
+    for i0 in (0..n).step_by(TILE) {
+        for j0 in (i0..n).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(n) {
+                for j in j0.max(i + 1)..(j0 + TILE).min(n) {
+                    c[i * ldc + j] = c[j * ldc + i];
+                }
+            }
+        }
+    }
+}
+
 fn axpy<S: Scalar>(y: ViewMut, alpha: f32, x: View) {
     let (y, x): (&mut [S], &[S]) = (y.host(), x.host());
     assert_eq!(y.len(), x.len(), "axpy length");
@@ -223,9 +308,16 @@ fn gemm<S: GemmScalar>(c: ViewMut, a: View, b: View, g: Gemm) {
     gemm_host::<S>(c.host(), a.host(), b.host(), g)
 }
 
+fn syrk<S: GemmScalar>(c: ViewMut, a: View, s: Syrk) {
+    syrk_host::<S>(c.host(), a.host(), s)
+}
+
 impl Blas for CpuBackend {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
+    }
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        crate::by_dtype!(c.dtype(), syrk(c, a, s))
     }
     fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
         crate::by_dtype!(y.dtype(), axpy(y, alpha, x))
@@ -326,6 +418,86 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// A symmetric matrix with leading dimension `ld` (padding filled with a marker).
+    fn sym(n: usize, ld: usize, seed: u64) -> Vec<f32> {
+        let r = rand(n * n, seed);
+        let mut c = vec![9.0f32; extent(n, n, ld)];
+        for i in 0..n {
+            for j in 0..n {
+                c[i * ld + j] = r[i.max(j) * n + i.min(j)];
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn syrk_matches_naive_gemm_odd_sizes_and_strides() {
+        let pools: Vec<_> = [1, 2]
+            .iter()
+            .map(|&t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        // Odd sizes, one strip and many (strips of 32..128 rows), and sizes big enough for the
+        // 2-thread pool to split the strips.
+        for &(n, k) in &[(1, 1), (3, 7), (33, 65), (130, 17), (257, 300), (300, 64)] {
+            for trans in [false, true] {
+                for (alpha, beta, pad) in [(1.0, 0.0, 0), (0.7, -0.3, 5)] {
+                    let s = Syrk::new(n, k, trans).alpha(alpha).beta(beta);
+                    let s = s.ld(s.lda + pad, s.ldc + pad + 1);
+                    let a_rows = if trans { k } else { n };
+                    let a = rand(extent(a_rows, s.lda - pad, s.lda), 4);
+                    let c0 = sym(n, s.ldc, 5);
+                    let mut want = c0.clone();
+                    naive(&a, &a, s.as_gemm(), &mut want);
+                    for pool in &pools {
+                        let mut got = c0.clone();
+                        pool.install(|| syrk_host(&mut got, &a, s));
+                        for i in 0..n {
+                            for j in 0..s.ldc.min(extent(n, n, s.ldc) - i * s.ldc) {
+                                let (x, y) = (got[i * s.ldc + j], want[i * s.ldc + j]);
+                                // Padding untouched; values as a plain GEMM, f32 accumulation
+                                // over k ≤ 300 products of magnitude ≤ 0.25.
+                                assert!(
+                                    (x - y).abs() < 1e-4 && (j < n || x == y),
+                                    "n={n} k={k} trans={trans} at ({i},{j}): {x} vs {y}"
+                                );
+                                if j < n {
+                                    assert_eq!(x.to_bits(), got[j * s.ldc + i].to_bits());
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn syrk_through_the_backend_equals_default_gemm_f64() {
+        use crate::{Category, Ledger, Memory};
+        // The CPU kernel against what the trait's default does (a full GEMM of A with itself),
+        // in f64, where the two differ by far less than the tolerance.
+        let be = CpuBackend::new_f64(std::sync::Arc::new(Ledger::new()));
+        let (n, k) = (70, 45);
+        for trans in [false, true] {
+            let a: Vec<f64> = rand(n * k, 7).iter().map(|&v| v as f64).collect();
+            let a = be.upload_f64(&a, &[n * k], Category::Params);
+            let s = Syrk::new(n, k, trans).alpha(0.5);
+            let mut c1 = be.zeros(&[n, n], Category::Params);
+            let mut c2 = be.zeros(&[n, n], Category::Params);
+            be.syrk(c1.view_mut(), a.view(), s);
+            be.gemm(c2.view_mut(), a.view(), a.view(), s.as_gemm());
+            let (x, y) = (be.download_f64(c1.view()), be.download_f64(c2.view()));
+            for (i, (x, y)) in x.iter().zip(&y).enumerate() {
+                assert!((x - y).abs() < 1e-12, "trans={trans} at {i}: {x} vs {y}");
             }
         }
     }
