@@ -33,9 +33,9 @@
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
 //! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, one
-//! Newton–Schulz scratch (and one per further thread for the small shapes), the root gradients' reduce-scatter send buffers, and the gather
-//! staging of every slot and of the root (f32 receive buffers, or bf16 send and receive
-//! buffers), all made once and on the device. Each tensor is drawn whole before its shard is
+//! Newton–Schulz scratch (and one per further thread for the small shapes), the root
+//! gradients' reduce-scatter send buffers, and the gather staging of every slot and of the root
+//! (f32 receive buffers, or bf16 send and receive buffers), all made once and on the device. Each tensor is drawn whole before its shard is
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
 //! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
 //! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
