@@ -207,15 +207,23 @@ fn allocs_after_first_step(cfg: &JobConfig, ranks: usize) -> Vec<u64> {
 fn a_step_after_the_first_allocates_nothing() {
     for opt in ["muon", "adamw"] {
         for offload in [false, true] {
-            let cfg = tiny(
-                4,
-                &[
-                    &format!("optimizer.name=\"{opt}\""),
-                    &format!("optimizer.offload={offload}"),
-                ],
-            );
-            let n = allocs_after_first_step(&cfg, 1);
-            assert_eq!(n, [0], "{opt}, offload={offload}: allocations in steps 2-3");
+            // Activation offload too: its slots and host copies are made with the workspace.
+            for f in ["0", "1"] {
+                let cfg = tiny(
+                    4,
+                    &[
+                        &format!("optimizer.name=\"{opt}\""),
+                        &format!("optimizer.offload={offload}"),
+                        &format!("activation_checkpoint.offload_fraction={f}"),
+                    ],
+                );
+                let n = allocs_after_first_step(&cfg, 1);
+                assert_eq!(
+                    n,
+                    [0],
+                    "{opt}, offload={offload}, fraction {f}: allocations in steps 2-3"
+                );
+            }
         }
     }
 }
@@ -225,12 +233,14 @@ fn a_step_after_the_first_allocates_nothing() {
 fn a_sharded_step_after_the_first_allocates_nothing() {
     for (opt, gather) in [("muon", "f32"), ("adamw", "f32"), ("muon", "bf16")] {
         for offload in [false, true] {
+            let f = if offload { "1" } else { "0" };
             let cfg = tiny(
                 4,
                 &[
                     &format!("optimizer.name=\"{opt}\""),
                     &format!("optimizer.offload={offload}"),
                     &format!("parallelism.gather_dtype={gather}"),
+                    &format!("activation_checkpoint.offload_fraction={f}"),
                 ],
             );
             let n = allocs_after_first_step(&cfg, 2);

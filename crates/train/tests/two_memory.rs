@@ -268,41 +268,38 @@ fn device_keys_are_validated() {
 #[test]
 fn activation_offload_changes_no_loss_at_one_and_four_ranks() {
     // Four layers, so that offloading all of them (4 boundaries to host, 2 device slots) also
-    // shrinks the device's share.
+    // shrinks the device's share. With and without optimizer offload: every combination gives
+    // the same losses, bit for bit.
     for ranks in [1, 4] {
         let mut base: Option<(Vec<f64>, u64)> = None;
-        for f in ["0", "0.5", "1"] {
-            let cfg = tiny(&[
-                "model.layers=4",
-                "device.kind=\"cpu-two-memory\"",
-                "device.check_streams=true",
-                &format!("activation_checkpoint.offload_fraction={f}"),
-            ]);
-            let s = run(&cfg, &format!("offload-{ranks}-{f}"), ranks).unwrap();
-            let mem: serde_json::Value = serde_json::from_str(
-                &std::fs::read_to_string(s.run_dir.join("memory.json")).unwrap(),
-            )
-            .unwrap();
-            let peak = |dev: &str| mem[dev]["peak_bytes"]["activations"].as_u64().unwrap_or(0);
-            let n_off = ganymede_config::offloaded_layers(f.parse().unwrap(), 4) as u64;
-            // One boundary: the rank's tokens × hidden, f32.
-            let boundary = 4 * (8 / ranks * 128 * 64) as u64;
-            assert_eq!(
-                peak("host"),
-                n_off * boundary,
-                "{ranks} ranks, fraction {f}"
-            );
-            match &base {
-                None => base = Some((s.losses.clone(), peak("gpu0"))),
-                Some((losses, dev)) => {
-                    assert_eq!(&s.losses, losses, "{ranks} ranks, fraction {f}");
-                    // Kept boundaries plus two slots instead of every boundary.
-                    let kept = 5 - n_off + n_off.min(2);
-                    assert_eq!(
-                        peak("gpu0") + (5 - kept) * boundary,
-                        *dev,
-                        "{ranks} ranks, {f}"
-                    );
+        for opt in [false, true] {
+            for f in ["0", "0.5", "1"] {
+                let cfg = tiny(&[
+                    "model.layers=4",
+                    "device.kind=\"cpu-two-memory\"",
+                    "device.check_streams=true",
+                    &format!("activation_checkpoint.offload_fraction={f}"),
+                    &format!("optimizer.offload={opt}"),
+                ]);
+                let s = run(&cfg, &format!("offload-{ranks}-{f}-{opt}"), ranks).unwrap();
+                let mem: serde_json::Value = serde_json::from_str(
+                    &std::fs::read_to_string(s.run_dir.join("memory.json")).unwrap(),
+                )
+                .unwrap();
+                let peak = |dev: &str| mem[dev]["peak_bytes"]["activations"].as_u64().unwrap_or(0);
+                let n_off = ganymede_config::offloaded_layers(f.parse().unwrap(), 4) as u64;
+                // One boundary: the rank's tokens × hidden, f32.
+                let boundary = 4 * (8 / ranks * 128 * 64) as u64;
+                let what = format!("{ranks} ranks, fraction {f}, optimizer offload {opt}");
+                assert_eq!(peak("host"), n_off * boundary, "{what}");
+                match &base {
+                    None => base = Some((s.losses.clone(), peak("gpu0"))),
+                    Some((losses, dev)) => {
+                        assert_eq!(&s.losses, losses, "{what}");
+                        // Kept boundaries plus two slots instead of every boundary.
+                        let kept = 5 - n_off + n_off.min(2);
+                        assert_eq!(peak("gpu0") + (5 - kept) * boundary, *dev, "{what}");
+                    }
                 }
             }
         }
