@@ -38,6 +38,10 @@ enum Command {
     Report {
         /// Run directory (holding metrics.jsonl).
         run: PathBuf,
+        /// The run's Chrome trace (`train --trace`), for the share of communication and
+        /// offload copies hidden behind compute [default: RUN/trace.json if present].
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
 }
 
@@ -260,8 +264,9 @@ fn run(cmd: Command) -> Result<()> {
             );
         }
         Command::Plan(a) => ganymede_plan::run(a)?,
-        Command::Report { run } => {
-            println!("{}", ganymede_report::write(&run)?.display());
+        Command::Report { run, trace } => {
+            let path = ganymede_report::write_with_trace(&run, trace.as_deref())?;
+            println!("{}", path.display());
         }
     }
     Ok(())

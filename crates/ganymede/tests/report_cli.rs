@@ -66,3 +66,74 @@ fn report_of_a_single_process_and_a_four_rank_run() {
     assert!(html.contains("<td>grad_reduce_scatter</td>"));
     assert!(html.contains("<th>ranks</th><td>4</td>"));
 }
+
+#[test]
+fn the_report_reads_overlap_from_the_trace() {
+    // Four ranks with activation offload on the two-memory mode: communication on every rank,
+    // and to-host and from-host copies, each with the share of it hidden behind compute.
+    let tmp = TempDir::new("report-trace");
+    let run = tmp.path().join("run");
+    let trace = tmp.path().join("elsewhere.json");
+    ok(ganymede(
+        tmp.path(),
+        &[
+            "train",
+            "--ranks",
+            "4",
+            "--steps",
+            "3",
+            "--out",
+            run.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+            "--set",
+            "device.kind=cpu-two-memory",
+            "--set",
+            "activation_checkpoint.offload_fraction=1",
+        ],
+        &[],
+    ));
+    // Without the trace there is no overlap section; given it, one row per rank.
+    assert!(!report_of(&run).contains("overlap-table"));
+    let out = ok(ganymede(
+        tmp.path(),
+        &[
+            "report",
+            run.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+        &[],
+    ));
+    assert_eq!(out.trim(), run.join("report.html").display().to_string());
+    let html = std::fs::read_to_string(run.join("report.html")).unwrap();
+    let table = &html[html.find("id=\"overlap-table\"").expect("overlap table")..];
+    let table = &table[..table.find("</table>").unwrap()];
+    assert_eq!(table.matches("<tr><td>").count(), 4, "{table}");
+    // Every rank communicated and copied: no idle mark in its row's busy columns, and shares
+    // are percentages.
+    for row in table.split("<tr><td>").skip(1) {
+        let cells: Vec<&str> = row.split("</td><td>").collect();
+        assert_eq!(cells.len(), 8, "{row}");
+        for busy in [1, 4, 6] {
+            assert!(
+                cells[busy].ends_with(" ms") && cells[busy] != "0.0 ms",
+                "{row}"
+            );
+        }
+        for share in [2, 5, 7] {
+            let pct = cells[share]
+                .trim_end_matches("</td></tr>\n")
+                .trim_end_matches('%');
+            let v: f64 = pct.parse().unwrap_or_else(|_| panic!("{row}"));
+            assert!((0.0..=100.0).contains(&v), "{row}");
+        }
+    }
+    // A missing trace file is named.
+    let e = util::fails(ganymede(
+        tmp.path(),
+        &["report", run.to_str().unwrap(), "--trace", "nope.json"],
+        &[],
+    ));
+    assert!(e.contains("nope.json"), "{e}");
+}

@@ -6,7 +6,8 @@
 //! Every input but `metrics.jsonl` is optional, and so is every key of its lines but `step`:
 //! a chart whose data is absent is left out with a note saying so.
 
-pub mod svg;
+pub mod overlap;
+mod svg;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -22,6 +23,9 @@ pub struct Run {
     pub lines: Vec<Value>,
     pub memory: Option<Value>,
     pub config_text: Option<String>,
+    /// A Chrome trace of the run (`ganymede train --trace`): `RUN/trace.json` if present, or
+    /// the file given to [`write_with_trace`].
+    pub trace: Option<Value>,
 }
 
 impl Run {
@@ -46,11 +50,15 @@ impl Run {
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok());
         let config_text = fs::read_to_string(dir.join("config.toml")).ok();
+        let trace = fs::read_to_string(dir.join("trace.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
         Ok(Run {
             dir: dir.to_path_buf(),
             lines,
             memory,
             config_text,
+            trace,
         })
     }
 
@@ -149,6 +157,7 @@ pub fn render(run: &Run) -> String {
     balance_charts(&mut h, run);
     memory_section(&mut h, run);
     comm_section(&mut h, run);
+    overlap_section(&mut h, run);
     h.push_str("<h2>Configuration</h2>\n");
     match &run.config_text {
         Some(c) => {
@@ -473,9 +482,65 @@ fn comm_section(h: &mut String, run: &Run) {
     h.push_str("</table>\n");
 }
 
+/// The share of communication and offload copying hidden behind compute, per rank, from the
+/// run's trace.
+fn overlap_section(h: &mut String, run: &Run) {
+    let Some(doc) = &run.trace else {
+        return;
+    };
+    let ranks = overlap::from_trace(doc);
+    if ranks.is_empty() {
+        return;
+    }
+    h.push_str("<h2>Overlap with compute (from the trace)</h2>\n");
+    h.push_str(
+        "<p class=\"note\">Time each track was busy over the traced steps, and the share of it \
+         during which compute ran too (hidden: it cost no step time). Waiting is time blocked \
+         on a collective: communication that was not hidden.</p>\n",
+    );
+    h.push_str(
+        "<table id=\"overlap-table\"><tr><th>rank</th><th>communication</th><th>hidden</th>\
+         <th>waiting</th><th>to-host copies</th><th>hidden</th><th>from-host copies</th>\
+         <th>hidden</th></tr>\n",
+    );
+    let ms = |us: f64| format!("{:.1} ms", us / 1e3);
+    let share = |b: &overlap::Busy| {
+        b.hidden_share()
+            .map_or_else(|| "–".to_string(), |s| format!("{:.0}%", 100.0 * s))
+    };
+    for r in &ranks {
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            r.rank,
+            ms(r.comm.busy_us),
+            share(&r.comm),
+            ms(r.wait_us),
+            ms(r.to_host.busy_us),
+            share(&r.to_host),
+            ms(r.from_host.busy_us),
+            share(&r.from_host)
+        );
+    }
+    h.push_str("</table>\n");
+}
+
 /// Write `RUN/report.html` and return its path.
 pub fn write(dir: &Path) -> Result<PathBuf> {
-    let run = Run::load(dir)?;
+    write_with_trace(dir, None)
+}
+
+/// [`write`], reading the run's trace from `trace` (default: `RUN/trace.json` if present).
+pub fn write_with_trace(dir: &Path, trace: Option<&Path>) -> Result<PathBuf> {
+    let mut run = Run::load(dir)?;
+    if let Some(t) = trace {
+        let text =
+            fs::read_to_string(t).with_context(|| format!("cannot read trace {}", t.display()))?;
+        run.trace = Some(
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a Chrome trace (JSON)", t.display()))?,
+        );
+    }
     let path = dir.join("report.html");
     fs::write(&path, render(&run)).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(path)
