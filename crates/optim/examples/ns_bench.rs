@@ -86,19 +86,17 @@ fn time(budget: f64, fs: &mut [&mut dyn FnMut()]) -> Vec<Timing> {
         .collect()
 }
 
-/// Parameter shapes of a preset (as the model lays them out): vocab, hidden, layers, q and kv
-/// width, experts, expert hidden, head dim.
-#[allow(clippy::too_many_arguments)]
-fn preset_specs(
-    v: usize,
-    h: usize,
-    layers: usize,
-    q: usize,
-    kv: usize,
-    e: usize,
-    f: usize,
-    hd: usize,
-) -> Vec<ParamSpec> {
+/// Parameter shapes of a preset's model (as the model lays them out for MoE-only presets).
+fn preset_specs(preset: &str) -> Vec<ParamSpec> {
+    let m = ganymede_config::preset(preset).expect("a preset").model;
+    let (v, h, layers) = (m.vocab_size, m.hidden, m.layers);
+    let (q, kv, e, f, hd) = (
+        m.q_dim(),
+        m.kv_dim(),
+        m.experts,
+        m.expert_hidden,
+        m.head_dim,
+    );
     let mut s = vec![ParamSpec::new("embed", &[v, h], ParamKind::Embedding)];
     for l in 0..layers {
         let p = |n: &str| format!("layers.{l}.{n}");
@@ -165,8 +163,8 @@ fn main() {
     // tiny: vocab 256, hidden 64, 2 layers, 4 q / 2 kv heads of 16, 8 experts of 128.
     // small: vocab 4096, hidden 256, 4 layers, 8 q / 4 kv heads of 32, 16 experts of 256.
     let presets = [
-        ("tiny", preset_specs(256, 64, 2, 64, 32, 8, 128, 16)),
-        ("small", preset_specs(4096, 256, 4, 256, 128, 16, 256, 32)),
+        ("tiny", preset_specs("tiny")),
+        ("small", preset_specs("small")),
     ];
     for (name, specs) in presets {
         let mut grads = ParamStore::zeros(dynbe, &specs, Category::Grads);
