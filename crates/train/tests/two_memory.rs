@@ -349,3 +349,40 @@ fn the_trace_shows_offload_copies_on_their_own_tracks() {
     assert_eq!(count(&from_host, "from host"), 3 * 2);
     assert_eq!(count(&compute, "block"), 4 * 2 * 2);
 }
+
+#[test]
+fn small_on_four_ranks_offloads_without_changing_a_loss_and_as_predicted() {
+    // `small` (4 layers, where offloading all of them moves two boundaries off the device) on
+    // four ranks: everything offloaded against nothing, bitwise equal losses, both runs' peaks
+    // within 5% of the planner's.
+    let mut losses = vec![];
+    for (what, extra) in [
+        ("small-4-none", vec![]),
+        (
+            "small-4-all",
+            vec![
+                "activation_checkpoint.offload_fraction=1",
+                "optimizer.offload=true",
+            ],
+        ),
+    ] {
+        let mut o: Vec<String> = [
+            "training.steps=2",
+            "checkpoint.enable=false",
+            "device.kind=\"cpu-two-memory\"",
+            "device.check_streams=true",
+            "data.builtin_bytes=300000",
+            "metrics.val_batches=1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        o.extend(extra.iter().map(|s| s.to_string()));
+        let cfg = JobConfig::load(Some("small"), None, &o).unwrap();
+        cfg.validate().unwrap();
+        let r = run(&cfg, what, 4).unwrap();
+        check_prediction(&r.run_dir, what);
+        losses.push(r.losses);
+    }
+    assert_eq!(losses[0], losses[1]);
+}
