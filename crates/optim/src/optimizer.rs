@@ -100,6 +100,39 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
     be.decay_update(p, slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
 }
 
+/// Run Muon matrices on the scratch slots: large ones one after another on `slots[0]` (their
+/// GEMMs split across threads), small ones (NS FLOPs ≤ [`PAR_MATRIX_MAX_FLOPS`]) one per slot
+/// in parallel when `parallel`. Results do not depend on which slot runs a matrix (scratch is
+/// fully overwritten), so every schedule gives the same bits.
+fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: bool, c: MuonStep) {
+    let steps = c.ns_steps;
+    let run = |item: Item, slot: &mut Slot| run_matrix(be, item, slot, c);
+    let (small, large): (Vec<Item>, Vec<Item>) = items
+        .into_iter()
+        .partition(|it| ns_flops(it.rows, it.cols, steps) <= PAR_MATRIX_MAX_FLOPS);
+    for item in large {
+        run(item, &mut slots[0]);
+    }
+    if slots.len() == 1 || small.len() <= 1 || !parallel {
+        for item in small {
+            run(item, &mut slots[0]);
+        }
+        return;
+    }
+    // One task per slot, each taking the largest matrix left until none are: dynamic, so a
+    // thread slowed by another process simply does fewer matrices.
+    let mut small = small;
+    small.sort_by_key(|it| ns_flops(it.rows, it.cols, steps));
+    let queue = std::sync::Mutex::new(small);
+    slots.par_iter_mut().for_each(|slot| loop {
+        let item = queue.lock().unwrap().pop();
+        match item {
+            Some(item) => run(item, slot),
+            None => break,
+        }
+    });
+}
+
 pub struct Optimizer {
     cfg: OptimizerConfig,
     names: Vec<String>,
@@ -316,8 +349,9 @@ impl Optimizer {
             ns_steps: cfg.ns_steps,
         };
         if let Some(staging) = &mut self.staging {
-            // Host-resident state: one parameter at a time through the device slots, matrices
-            // one after another (each matrix's arithmetic is the same as on the device path).
+            // Host-resident state: one parameter at a time through the device slots; an expert
+            // stack's matrices still spread over the threads (each matrix's arithmetic is the
+            // same as on the device path).
             let mut which = Vec::new();
             let mut states = Vec::new();
             for (i, rule) in self.rules.iter_mut().enumerate() {
@@ -333,7 +367,7 @@ impl Optimizer {
                 .map(|&i| update_rule(cfg, &params.specs()[i]))
                 .collect();
             let (ps, gs) = (params.tensors_mut(), grads.tensors());
-            let mut slot = self.slots.first_mut();
+            let (slots, parallel) = (&mut self.slots, self.matrix_parallel);
             staging.stream(be, &mut states, |k, state| {
                 let (p, g) = (ps[which[k]].view_mut(), &gs[which[k]]);
                 match rules[k] {
@@ -347,22 +381,25 @@ impl Optimizer {
                         count,
                         scale,
                     } => {
-                        let slot = slot.as_deref_mut().expect("Muon scratch");
+                        // An expert stack's matrices spread over the slots as on the device
+                        // path (one parameter's state is in the staging slot at a time).
                         let n = rows * cols;
                         let ps = split_views(p, count, n);
                         let ms = split_views(state, count, n);
-                        for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
-                            let g = g.slice(e * n, n);
-                            let item = Item {
+                        let items = ps
+                            .into_iter()
+                            .zip(ms)
+                            .enumerate()
+                            .map(|(e, (p, mom))| Item {
                                 p,
                                 mom,
-                                g,
+                                g: g.slice(e * n, n),
                                 rows,
                                 cols,
                                 scale,
-                            };
-                            run_matrix(be, item, slot, mc);
-                        }
+                            })
+                            .collect();
+                        run_items(be, items, slots, parallel, mc);
                     }
                     UpdateRule::Frozen => unreachable!("frozen parameters have no state"),
                 }
@@ -412,33 +449,7 @@ impl Optimizer {
             return;
         }
 
-        let steps = cfg.ns_steps;
-        let run = |item: Item, slot: &mut Slot| run_matrix(be, item, slot, mc);
-        let (small, large): (Vec<Item>, Vec<Item>) = items
-            .into_iter()
-            .partition(|it| ns_flops(it.rows, it.cols, steps) <= PAR_MATRIX_MAX_FLOPS);
-        for item in large {
-            run(item, &mut self.slots[0]);
-        }
-        if self.slots.len() == 1 || small.len() == 1 || !self.matrix_parallel {
-            for item in small {
-                run(item, &mut self.slots[0]);
-            }
-            return;
-        }
-        // One task per slot, each taking the largest matrix left until none are: dynamic, so a
-        // thread slowed by another process simply does fewer matrices. Results do not depend on
-        // which slot runs a matrix (scratch is fully overwritten).
-        let mut small = small;
-        small.sort_by_key(|it| ns_flops(it.rows, it.cols, steps));
-        let queue = std::sync::Mutex::new(small);
-        self.slots.par_iter_mut().for_each(|slot| loop {
-            let item = queue.lock().unwrap().pop();
-            match item {
-                Some(item) => run(item, slot),
-                None => break,
-            }
-        });
+        run_items(be, items, &mut self.slots, self.matrix_parallel, mc);
     }
 
     /// Block the host until host-resident state (`optimizer.offload`) written back by the last
