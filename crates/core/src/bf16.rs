@@ -98,4 +98,16 @@ mod tests {
             assert_eq!(from_f32(f), want, "{:#010x}", f.to_bits());
         }
     }
+
+    #[test]
+    fn round_trips_round_to_nearest_even() {
+        assert_eq!(to_f32(from_f32(1.0)), 1.0);
+        assert_eq!(to_f32(from_f32(-2.5)), -2.5);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(to_f32(from_f32(1.0 + 1.0 / 256.0)), 1.0);
+        assert_eq!(to_f32(from_f32(1.0 + 3.0 / 256.0)), 1.0 + 4.0 / 256.0);
+        assert!(to_f32(from_f32(f32::NAN)).is_nan());
+        let x = 0.1f32;
+        assert!((to_f32(from_f32(x)) - x).abs() <= x / 256.0);
+    }
 }

@@ -130,7 +130,7 @@ pub fn run(pg: &dyn ProcessGroup) -> Result<(Outputs, CommSnapshot)> {
 
     let h: Vec<u16> = data(r, 3)
         .iter()
-        .map(|&x| crate::group::to_bf16(x * 0.1))
+        .map(|&x| ganymede_core::bf16::from_f32(x * 0.1))
         .collect();
     let mut hg = vec![0u16; 3 * w];
     pg.all_gather(
@@ -222,7 +222,9 @@ pub fn expected(r: usize, w: usize) -> Outputs {
     out.push((
         "all_gather_bf16".into(),
         (0..w)
-            .flat_map(|j| (0..3).map(move |i| crate::group::to_bf16(val(j, i) * 0.1) as f64))
+            .flat_map(|j| {
+                (0..3).map(move |i| ganymede_core::bf16::from_f32(val(j, i) * 0.1) as f64)
+            })
             .collect(),
     ));
     let mut mates: Vec<usize> = (0..w).filter(|j| j % 2 == r % 2).collect();

@@ -248,21 +248,6 @@ pub trait ProcessGroup: Send + Sync {
     }
 }
 
-/// f32 to bf16 bits, rounding to nearest even (NaN stays NaN).
-pub fn to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
-    let round = 0x7fff + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
-}
-
-/// bf16 bits to f32 (exact).
-pub fn from_bf16(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
-
 /// A view whose memory the host can address (host views, and the emulated device memory of
 /// the two-memory CPU mode) as a host view, so host collectives serve it; others unchanged.
 pub fn host_view(v: View<'_>) -> View<'_> {

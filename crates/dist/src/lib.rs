@@ -18,7 +18,7 @@ pub mod threads;
 pub mod trace;
 
 pub use error::{CommError, Result};
-pub use group::{from_bf16, to_bf16, wait_all, Pending, ProcessGroup, RankCtx, Work};
+pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
 pub use hash::{check_config_hash, config_hash, fnv1a64};
 pub use mesh::{DeviceMesh, MeshError, MeshShape};
 pub use muon_comm::{muon_exchange, NsJob};
