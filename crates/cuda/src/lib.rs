@@ -7,3 +7,9 @@
 //!   backend in CI, where there is no GPU.
 //! - With the `cuda` feature: the device through cudarc (context, streams, events, pinned
 //!   memory, cuBLAS), probed before use so a machine without a driver gets one clear error.
+
+pub mod cublas_map;
+#[cfg(feature = "cuda")]
+pub mod device;
+pub mod host;
+pub mod sources;

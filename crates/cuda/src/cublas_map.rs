@@ -1,0 +1,1 @@
+//! Row-major GEMMs of the seam as column-major cuBLAS calls.

@@ -1,0 +1,1 @@
+//! The kernels' CUDA C source, embedded for NVRTC.
