@@ -162,6 +162,7 @@ impl RankState {
                 groups.clone(),
                 p.gather_dtype,
                 p.prefetch,
+                cfg.optimizer.offload,
                 &init,
             );
             let grads = FsdpGrads::new(&be, layout.clone(), groups);

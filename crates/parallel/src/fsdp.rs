@@ -1,7 +1,10 @@
 //! FSDP around the unchanged model: [`FsdpParams`] is the step's [`ParamSource`] and
 //! [`FsdpGrads`] its [`GradSink`].
 //!
-//! - Master parameters are f32 shards (`Category::Params`). A block's parameters are
+//! - Master parameters are f32 shards (`Category::Params`), on the device or, with
+//!   `optimizer.offload`, in pinned host memory: then each gather first copies the shard to a
+//!   device buffer of its slot on the from-host stream (FSDP2's CPU offload does the same).
+//!   A block's parameters are
 //!   all-gathered (bf16 by default, f32 for exactness tests) into a fixed pool of
 //!   `prefetch + 1` slots (`Category::Buffers`), so the memory of unsharded parameters is the
 //!   same at every step and every block. The gathers of the next `prefetch` blocks are posted
@@ -19,7 +22,7 @@
 
 use crate::layout::Layout;
 use ganymede_config::GatherDtype;
-use ganymede_core::{Backend, Category, DType, ParamStore, Tensor, ViewMut};
+use ganymede_core::{Backend, Category, DType, ParamStore, Stream, Tensor, ViewMut};
 use ganymede_dist::placement::ShardGroup;
 use ganymede_dist::{DeviceMesh, Phase, ProcessGroup, Track, Work};
 use ganymede_model::{GradSink, ParamSource, Pass};
@@ -84,6 +87,8 @@ struct Slot {
     /// bf16 send (this rank's shard) and receive buffers.
     send16: Vec<Tensor>,
     recv16: Vec<Tensor>,
+    /// Device copies of host-resident master shards, the gathers' source.
+    stage: Vec<Tensor>,
 }
 
 /// The parameter side of FSDP for one rank.
@@ -97,6 +102,8 @@ pub struct FsdpParams {
     /// access goes through [`FsdpParams::master_mut`] or [`FsdpParams::shard`], which check that
     /// none is in flight.
     master: Vec<Tensor>,
+    /// Whether `master` is in host memory (`optimizer.offload`).
+    master_on_host: bool,
     /// What the model reads: root parameters resident, block entries empty except while in use.
     store: ParamStore,
     /// Receive buffers of the root unit's gathers, one per root parameter (f32 or bf16 per
@@ -104,6 +111,7 @@ pub struct FsdpParams {
     root_recv32: Vec<Tensor>,
     root_send16: Vec<Tensor>,
     root_recv16: Vec<Tensor>,
+    root_stage: Vec<Tensor>,
     /// The step's block uses in order, and how far the step has got.
     schedule: Vec<(usize, Pass)>,
     pos: usize,
@@ -113,6 +121,19 @@ pub struct FsdpParams {
     started: Option<Instant>,
 }
 
+/// Copy the host-resident master shards `idx` into their device buffers `stage` on the
+/// from-host stream, and order the compute stream (the casts, the gathers' posting) after it.
+fn copy_shards(be: &dyn Backend, master: &[Tensor], idx: &[usize], stage: &mut [Tensor]) {
+    // The buffers' last reader (the previous use's cast) is on the compute stream.
+    let read = be.record_event(Stream::Compute);
+    be.wait_event(Stream::FromHost, &read);
+    for (k, &i) in idx.iter().enumerate() {
+        be.copy_async(stage[k].view_mut(), master[i].view(), Stream::FromHost);
+    }
+    let copied = be.record_event(Stream::FromHost);
+    be.wait_event(Stream::Compute, &copied);
+}
+
 /// A zero-length stand-in for a block parameter that is not gathered.
 fn empty(be: &dyn Backend) -> Tensor {
     be.zeros(&[0], Category::Buffers)
@@ -120,13 +141,14 @@ fn empty(be: &dyn Backend) -> Tensor {
 
 impl FsdpParams {
     /// `init(i)` gives initial parameter `i` whole; each rank keeps its shard of it, one tensor
-    /// at a time.
+    /// at a time, in pinned host memory if `master_on_host`.
     pub fn new(
         be: &dyn Backend,
         layout: Arc<Layout>,
         groups: Groups,
         dtype: GatherDtype,
         prefetch: usize,
+        master_on_host: bool,
         init: &dyn Fn(usize) -> Tensor,
     ) -> Self {
         let master = (0..layout.specs.len())
@@ -136,7 +158,13 @@ impl FsdpParams {
                 let src = be.download(init(i).view());
                 let o = layout.offset[i];
                 x[..r.len()].copy_from_slice(&src[o + r.start..o + r.end]);
-                be.upload(&x, &[layout.shard[i]], Category::Params)
+                if master_on_host {
+                    let mut t = be.pinned_zeros(&[layout.shard[i]], Category::Params);
+                    be.write(t.view_mut(), &x);
+                    t
+                } else {
+                    be.upload(&x, &[layout.shard[i]], Category::Params)
+                }
             })
             .collect();
         let mut specs = layout.specs.clone();
@@ -151,10 +179,13 @@ impl FsdpParams {
             })
             .collect();
         let store = ParamStore::from_tensors(specs, tensors);
-        let (mut root_recv32, mut root_send16, mut root_recv16) =
-            (Vec::new(), Vec::new(), Vec::new());
+        let (mut root_recv32, mut root_send16, mut root_recv16, mut root_stage) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for &i in &layout.root {
             let padded = layout.shard[i] * groups.get(layout.group[i]).size();
+            if master_on_host {
+                root_stage.push(be.zeros(&[layout.shard[i]], Category::Buffers));
+            }
             match dtype {
                 GatherDtype::F32 => root_recv32.push(be.zeros(&[padded], Category::Buffers)),
                 GatherDtype::Bf16 => {
@@ -171,6 +202,7 @@ impl FsdpParams {
                 recv32: Vec::new(),
                 send16: Vec::new(),
                 recv16: Vec::new(),
+                stage: Vec::new(),
             })
             .collect();
         FsdpParams {
@@ -180,10 +212,12 @@ impl FsdpParams {
             dtype,
             prefetch,
             master,
+            master_on_host,
             store,
             root_recv32,
             root_send16,
             root_recv16,
+            root_stage,
             schedule: Vec::new(),
             pos: 0,
             posted: 0,
@@ -208,22 +242,31 @@ impl FsdpParams {
         self.pos = 0;
         self.posted = 0;
         self.global_tokens = global_tokens;
+        if self.master_on_host {
+            let root = self.layout.root.clone();
+            let stage = &mut self.root_stage;
+            copy_shards(be, &self.master, &root, stage);
+        }
         for k in 0..self.layout.root.len() {
             let i = self.layout.root[k];
             let g = self.groups.get(self.layout.group[i]).clone();
             // The root unit is gathered at once (needed by the embedding straight away), in
             // the same dtype as the blocks.
             let n = self.layout.numel(i);
+            let shard = match self.master_on_host {
+                true => &self.root_stage[k],
+                false => &self.master[i],
+            };
             match self.dtype {
                 GatherDtype::F32 => {
                     let recv = &mut self.root_recv32[k];
-                    g.all_gather(self.master[i].view(), recv.view_mut(), Phase::ForwardGather)
+                    g.all_gather(shard.view(), recv.view_mut(), Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
                     be.copy(self.store.get_mut(i).view_mut(), recv.slice(0, n));
                 }
                 GatherDtype::Bf16 => {
                     let (send, recv) = (&mut self.root_send16[k], &mut self.root_recv16[k]);
-                    be.cast(send.view_mut(), self.master[i].view());
+                    be.cast(send.view_mut(), shard.view());
                     g.all_gather(send.view(), recv.view_mut(), Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
                     be.cast(self.store.get_mut(i).view_mut(), recv.slice(0, n));
@@ -266,8 +309,13 @@ impl FsdpParams {
             slot.recv32.clear();
             slot.send16.clear();
             slot.recv16.clear();
+            slot.stage.clear();
             for &i in idx {
                 let w = self.groups.get(layout.group[i]).size();
+                if self.master_on_host {
+                    slot.stage
+                        .push(be.zeros(&[layout.shard[i]], Category::Buffers));
+                }
                 match self.dtype {
                     GatherDtype::F32 => slot
                         .recv32
@@ -280,17 +328,22 @@ impl FsdpParams {
             }
         }
         slot.block = Some(b);
+        if self.master_on_host {
+            copy_shards(be, &self.master, idx, &mut slot.stage);
+        }
         for (k, &i) in idx.iter().enumerate() {
             let g: &'static dyn ProcessGroup =
                 unsafe { forever(self.groups.get(layout.group[i]).as_ref()) };
+            let shard = match self.master_on_host {
+                true => &slot.stage[k],
+                false => &self.master[i],
+            };
             // SAFETY: see `forever`; the master shards are not written while gathers are in
-            // flight (`master_mut` checks).
+            // flight (`master_mut` checks), nor a slot's stage (the slot's gathers are done).
             let (send, recv) = match self.dtype {
-                GatherDtype::F32 => unsafe {
-                    (forever(&self.master[i]), forever_mut(&mut slot.recv32[k]))
-                },
+                GatherDtype::F32 => unsafe { (forever(shard), forever_mut(&mut slot.recv32[k])) },
                 GatherDtype::Bf16 => {
-                    be.cast(slot.send16[k].view_mut(), self.master[i].view());
+                    be.cast(slot.send16[k].view_mut(), shard.view());
                     unsafe { (forever(&slot.send16[k]), forever_mut(&mut slot.recv16[k])) }
                 }
             };

@@ -5,9 +5,10 @@
 //! naive: every matrix gathered on a round-robin root). Padding stays zero throughout (zero
 //! gradient, zero state, zero parameter).
 //!
-//! With `optimizer.offload` the state shards (momentum, AdamW moments) live in host memory and
-//! the elementwise part streams them through two device slots ([`Staging`]); the master shards
-//! stay on the device.
+//! With `optimizer.offload` the master shards (see [`crate::fsdp`]) and the state shards
+//! (momentum, AdamW moments) live in host memory, and the elementwise part streams them through
+//! two device slots ([`Staging`]): AdamW's parameter with its moments, Muon's momentum before
+//! Newton–Schulz and its parameter after.
 
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
@@ -81,13 +82,13 @@ impl ShardedOptimizer {
                 }
             })
             .collect();
-        // Each slot holds the largest one shard's state.
+        // Each slot holds the largest one shard's parameter and state.
         let staging = cfg.offload.then(|| {
             let elems = rules
                 .iter()
                 .map(|r| match r {
                     Rule::Muon { momentum, .. } => momentum.len(),
-                    Rule::AdamW { m, v, .. } => m.len() + v.len(),
+                    Rule::AdamW { m, v, .. } => 3 * m.len().max(v.len()),
                     Rule::Frozen => 0,
                 })
                 .max()
@@ -166,7 +167,8 @@ impl ShardedOptimizer {
     }
 
     /// One update of the shards `params` from the gradient shards `grads`; collective over the
-    /// mesh when Muon is in use.
+    /// mesh when Muon is in use. With `optimizer.offload`, `params` are in host memory too, and
+    /// complete when this returns.
     pub fn step(
         &mut self,
         be: &dyn Backend,
@@ -194,7 +196,7 @@ impl ShardedOptimizer {
             let mut states = Vec::new();
             let mut us: Vec<Option<&mut Tensor>> = Vec::new();
             let mut wds = Vec::new();
-            for (i, rule) in self.rules.iter_mut().enumerate() {
+            for (i, (rule, p)) in self.rules.iter_mut().zip(params.iter_mut()).enumerate() {
                 match rule {
                     Rule::Frozen => continue,
                     Rule::Muon { momentum, u, .. } => {
@@ -204,7 +206,7 @@ impl ShardedOptimizer {
                         muon_items.push(i);
                     }
                     Rule::AdamW { m, v, weight_decay } => {
-                        states.push(vec![m, v]);
+                        states.push(vec![p, m, v]);
                         us.push(None);
                         wds.push(*weight_decay);
                     }
@@ -212,11 +214,12 @@ impl ShardedOptimizer {
                 which.push(i);
             }
             staging.stream(be, &mut states, |k, state| {
-                let (p, g) = (params[which[k]].view_mut(), &grads[which[k]]);
+                let g = &grads[which[k]];
                 match us[k].as_deref_mut() {
                     Some(u) => be.nesterov_momentum(state, g.view(), u.view_mut(), cfg.momentum),
                     None => {
-                        let (m, v) = state.split_at(g.len());
+                        let (p, mv) = state.split_at(g.len());
+                        let (m, v) = mv.split_at(g.len());
                         be.adamw_step(p, m, v, g.view(), &adam(wds[k]));
                     }
                 }
@@ -243,6 +246,7 @@ impl ShardedOptimizer {
             }
         }
         if muon_items.is_empty() {
+            self.settle(be);
             return Ok(());
         }
         // Newton–Schulz where the plan puts each matrix; `u` slices come back orthogonalised.
@@ -265,16 +269,41 @@ impl ShardedOptimizer {
             newton_schulz_batch(be, x, job.count, r, c, steps, &mut scratch[..lanes]);
         };
         muon_exchange(&self.plan, mesh, &mut slices, &mut ns)?;
-        for i in muon_items {
-            if let Rule::Muon { u, scale, .. } = &self.rules[i] {
-                be.decay_update(
-                    params[i].view_mut(),
-                    u.view(),
-                    lr * scale,
-                    lr * cfg.weight_decay,
-                );
+        let decay = lr * cfg.weight_decay;
+        match &mut self.staging {
+            Some(staging) => {
+                // Host-resident parameters: each through a slot for its update.
+                let mut ps: Vec<Vec<&mut Tensor>> = Vec::new();
+                let mut updates = Vec::new();
+                for (i, p) in params.iter_mut().enumerate() {
+                    if let Rule::Muon { u, scale, .. } = &self.rules[i] {
+                        ps.push(vec![p]);
+                        updates.push((u, lr * scale));
+                    }
+                }
+                staging.stream(be, &mut ps, |k, p| {
+                    let (u, alpha) = updates[k];
+                    be.decay_update(p, u.view(), alpha, decay);
+                });
+            }
+            None => {
+                for i in muon_items {
+                    if let Rule::Muon { u, scale, .. } = &self.rules[i] {
+                        be.decay_update(params[i].view_mut(), u.view(), lr * scale, decay);
+                    }
+                }
             }
         }
+        self.settle(be);
         Ok(())
+    }
+
+    /// With host-resident parameters: block until the last write-back is complete, so the next
+    /// step's gathers (which copy the shards to the device) and the host-side router-bias update
+    /// read the new values.
+    fn settle(&self, be: &dyn Backend) {
+        if let Some(s) = &self.staging {
+            s.synchronize(be);
+        }
     }
 }

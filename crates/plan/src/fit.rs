@@ -20,10 +20,14 @@
 //!      slots of N·H f32 (prefetch and write-back). Offloading one or two layers therefore
 //!      saves nothing.
 //!    - optimizer offload (`optimizer.offload = true`): the optimizer state (the rank's
-//!      shards) is on `host`; parameters, gradients and Muon's scratch stay on the device,
-//!      which gains two staging slots (`buffers`), each sized for the largest single tensor's
-//!      (shard's) state: numel under Muon, 2·numel under AdamW, f32; a layer's routed and
-//!      shared experts are one stacked tensor each.
+//!      shards) is on `host`; gradients and Muon's scratch stay on the device, which gains two
+//!      staging slots (`buffers`), each sized for the largest single tensor's (shard's) state:
+//!      numel under Muon, 2·numel under AdamW (3·numel on several ranks, where the master
+//!      shard travels with its moments), f32; a layer's routed and shared experts are one
+//!      stacked tensor each. On one rank the parameters stay on the device (they are what the
+//!      model computes with); on several, the f32 master shards are on `host` too, and the
+//!      device gains one f32 copy of a block's shards per gather slot and of the root's (the
+//!      gathers' source), while initialisation briefly holds the largest whole tensor.
 //!
 //! # Sharded layouts (`ranks` = W > 1, expert parallelism 1)
 //!
@@ -39,8 +43,7 @@
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
 //! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
 //! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
-//! FSDP's master shards under optimizer offload stay on the device here; move them in
-//! [`place`] if the runtime does. Blocks of different shapes (`model.dense_layers` > 0) make
+//! Blocks of different shapes (`model.dense_layers` > 0) make
 //! the runtime reshape its slots and gradient pool as it walks the schedule, briefly holding
 //! both shapes; the largest block stands for all here, which measured 16% low on `grads` and
 //! 10% high on `buffers` for `tiny` with one dense layer on 2 ranks (the presets' blocks are
@@ -119,16 +122,19 @@ pub struct MemoryPrediction {
 /// over several ranks).
 pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<MemoryPrediction> {
     if ranks > 1 {
-        let sh = sharded(job, ranks, threads)?;
+        let mut sh = sharded(job, ranks, threads)?;
+        let mut host = Categories::default();
+        if job.optimizer.offload {
+            sh.device.buffers += sh.stage;
+            if job.device.kind == DeviceKind::CpuTwoMemory {
+                host.params = sh.params_steady;
+                sh.device.params = sh.init_whole;
+                sh.params_steady = 0.0;
+            }
+        }
         // Initialisation's peak is params alone, before anything else exists.
         let excess = sh.device.params - sh.params_steady;
-        let mut p = place(
-            job,
-            sh.device,
-            Categories::default(),
-            ranks,
-            largest_shard_state(job, ranks),
-        );
+        let mut p = place(job, sh.device, host, ranks, largest_shard_state(job, ranks));
         let (total, params) = match job.device.kind {
             DeviceKind::Cpu => (&mut p.host_peak, p.host.params),
             DeviceKind::CpuTwoMemory => (&mut p.device_peak, p.device.params),
@@ -315,6 +321,10 @@ struct Sharded {
     device: Categories,
     /// `params` once initialisation is over (the shards).
     params_steady: f64,
+    /// The largest whole tensor, drawn during initialisation.
+    init_whole: f64,
+    /// With host-resident master shards: their device copies per gather slot and the root's.
+    stage: f64,
 }
 
 /// One rank's bytes under FSDP over `w` ranks. `None` under expert parallelism.
@@ -416,15 +426,20 @@ fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
             + gather_staging
             + crate::ledger::STEP_SCALARS,
     };
+    let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;
     Some(Sharded {
         device,
         params_steady: f * shards,
+        init_whole: f * init_whole,
+        stage: f * (slots * block_shard + root_shard),
     })
 }
 
 /// Elements of optimizer state of the largest single shard a rank holds over `w` ranks (the
-/// whole tensor at `w` = 1).
+/// whole tensor at `w` = 1), what an offload staging slot holds: on several ranks AdamW's
+/// master shard travels with its moments.
 fn largest_shard_state(job: &JobConfig, w: usize) -> u64 {
+    let adam = if w > 1 { 3 } else { 2 };
     let flex = job.parallelism.muon_placement == ganymede_config::MuonPlacement::Flexshard;
     let muon = job.optimizer.name == OptimizerName::Muon;
     runtime_tensors(&job.model)
@@ -432,7 +447,7 @@ fn largest_shard_state(job: &JobConfig, w: usize) -> u64 {
         .map(|t| match (t.kind, t.muon(muon)) {
             (Kind::Frozen, _) => 0,
             (_, Some(_)) => t.shard(w as u64, flex),
-            _ => 2 * t.shard(w as u64, flex),
+            _ => adam * t.shard(w as u64, flex),
         })
         .max()
         .unwrap_or(0)

@@ -162,17 +162,25 @@ fn the_ledger_puts_offloaded_state_on_the_host() {
     let peak = |dev: &str, cat: &str| mem[dev]["peak_bytes"][cat].as_u64().unwrap_or(0);
     eprintln!(
         "muon offload=true, 2 ranks, rank 0: gpu0 optimizer {}, host optimizer {}, gpu0 buffers \
-         {}, gpu0 params {}",
+         {}, gpu0 params {}, host params {}",
         peak("gpu0", "optimizer"),
         peak("host", "optimizer"),
         peak("gpu0", "buffers"),
-        peak("gpu0", "params")
+        peak("gpu0", "params"),
+        peak("host", "params")
     );
     assert_eq!(peak("gpu0", "optimizer"), 0, "{text}");
     let host = peak("host", "optimizer");
     assert!(
         host > 0 && host < peaks[1].1,
         "a shard of the state: {text}"
+    );
+    // And the f32 master shards: the device holds a parameter only while it is drawn whole at
+    // initialisation (the largest, the embedding, is far less than this rank's shards).
+    let (dev_params, host_params) = (peak("gpu0", "params"), peak("host", "params"));
+    assert!(
+        host_params > 0 && dev_params < host_params,
+        "master shards on the host: {text}"
     );
     for pair in peaks.chunks(2) {
         let ((dev_off, _, buf_off), (_, host_on, buf_on)) = (pair[0], pair[1]);
