@@ -2,7 +2,7 @@
 
 use crate::{ConfigError, JobConfig};
 
-pub const PRESETS: &[&str] = &["tiny", "small", "europa-1t"];
+pub const PRESETS: &[&str] = &["tiny", "small", "medium", "europa-1t"];
 
 const TINY: &str = r#"
 # About 0.45M parameters: byte vocabulary, the default for `ganymede train`.
@@ -56,6 +56,29 @@ batch_size = 8
 tokenizer = "bpe"
 "#;
 
+const MEDIUM: &str = r#"
+# About 1.31B total / 0.25B active parameters, sized for one GPU (an H200): the GPU speed
+# comparison against PyTorch (issue 9). The byte tokenizer over the built-in corpus (ids below 256
+# of the 32,768): only speed is measured at this size, and a 32,768-token BPE would need more text
+# than the built-in corpus holds.
+[model]
+vocab_size = 32768
+hidden = 1024
+layers = 12
+heads = 16
+kv_heads = 4
+head_dim = 64
+experts = 64
+top_k = 8
+expert_hidden = 512
+seq_len = 4096
+aux_loss_coef = 0.03
+
+[training]
+steps = 100
+batch_size = 4
+"#;
+
 const EUROPA_1T: &str = r#"
 # The write-up's ~1T model. The write-up gives layers, hidden, experts, top-k, expert hidden,
 # vocabulary and sequence; the attention shape and the shared expert are our reconstruction:
@@ -89,6 +112,7 @@ pub fn preset(name: &str) -> Result<JobConfig, ConfigError> {
     let text = match name {
         "tiny" => TINY,
         "small" => SMALL,
+        "medium" => MEDIUM,
         "europa-1t" => EUROPA_1T,
         other => return Err(ConfigError::UnknownPreset(other.to_string())),
     };

@@ -77,6 +77,19 @@ fn small_parameters_by_hand() {
 }
 
 #[test]
+fn medium_is_the_size_issue_9_asks_for() {
+    // embedding = LM head = 32,768·1,024 = 33,554,432; final norm 1,024.
+    // per layer: attention 2·1024² + 2·256·1024 = 2,621,440; norms 2·1024 + 2·64 = 2,176;
+    // router 64·1024 = 65,536; experts 64·3·512·1024 = 100,663,296 → 103,352,448, ×12 =
+    // 1,240,229,376; total 1,307,339,264 (about 1.3B).
+    // active per layer: 2,621,440 + 2,176 + 65,536 + 8·3·512·1024 = 15,272,064; ×12 =
+    // 183,264,768; + 67,109,888 = 250,374,656 (about 0.25B).
+    let p = params::count(&preset("medium").unwrap().model);
+    assert_eq!(p.total, 1_307_339_264);
+    assert_eq!(p.active, 250_374_656);
+}
+
+#[test]
 fn europa_total_and_active_parameters() {
     // embedding = LM head = 256,000·6,144 = 1,572,864,000; final norm 6,144.
     // per layer: attention 2·6144² + 2·2048·6144 = 100,663,296; norms 2·6144 + 2·128 = 12,544;
