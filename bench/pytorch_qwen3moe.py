@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
 """The PyTorch anchor for BENCHMARKS.md: transformers' Qwen3MoeForCausalLM trained with AdamW on
-the same shapes as ganymede's presets (no activation checkpointing), on CPU.
+the same shapes as ganymede's presets (no activation checkpointing), on CPU or on a GPU.
 
     python bench/pytorch_qwen3moe.py --preset tiny --threads 2 --steps 30
     python bench/pytorch_qwen3moe.py --preset small --optimizer muon
+    python bench/pytorch_qwen3moe.py --preset medium --device cuda --precision autocast-bf16 \
+        --experts grouped_mm --fused [--compile]
+
+On a GPU the fast configuration is: bf16 compute (`autocast-bf16` keeps fp32 master weights and
+fp32 AdamW state, as ganymede does; `bf16` makes the weights and state bf16 too, faster and less
+exact), transformers' `grouped_mm` experts, SDPA attention, fused AdamW, optionally
+`torch.compile`. `--flops-per-token` and `--peak-tflops` add an MFU figure (the caller passes the
+same model FLOPs per token it uses for ganymede, so both share one numerator).
 
 `--optimizer muon` splits the parameters as ganymede does: `torch.optim.Muon` for the attention
 projections (2-D), Muon on every expert's gate, up and down matrix separately, and AdamW for
@@ -28,6 +36,7 @@ PRESETS = {
     # vocab, hidden, layers, heads, kv_heads, head_dim, experts, top_k, expert_hidden, seq, batch
     "tiny": (256, 64, 2, 4, 2, 16, 8, 2, 128, 128, 8),
     "small": (4096, 256, 4, 8, 4, 32, 16, 4, 256, 256, 8),
+    "medium": (32768, 1024, 12, 16, 4, 64, 64, 8, 512, 4096, 4),
 }
 
 
@@ -125,13 +134,31 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--attn", default="sdpa", help="sdpa or eager")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "muon-f32"])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument(
+        "--precision",
+        default="f32",
+        choices=["f32", "autocast-bf16", "bf16"],
+        help="f32; bf16 autocast over fp32 weights; or bf16 weights and optimizer state",
+    )
+    ap.add_argument(
+        "--experts", default=None, help="transformers' experts implementation (eager, grouped_mm, ...)"
+    )
+    ap.add_argument("--fused", action="store_true", help="fused AdamW (GPU)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--flops-per-token", type=float, default=0.0)
+    ap.add_argument("--peak-tflops", type=float, default=0.0)
     args = ap.parse_args()
+
+    import contextlib
 
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     v, h, layers, heads, kvh, hd, e, k, f, seq, batch = PRESETS[args.preset]
     cfg = Qwen3MoeConfig(
         vocab_size=v,
@@ -151,24 +178,50 @@ def main():
         output_router_logits=True,
         attn_implementation=args.attn,
     )
+    if args.experts:
+        cfg._experts_implementation = args.experts
     model = Qwen3MoeForCausalLM(cfg)
+    if args.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    model = model.to(dev)
     model.train()
     opts = make_optimizers(model, args.optimizer, f)
-    tokens = torch.randint(0, v, (batch, seq + 1))
+    if args.fused:
+        for o in opts:
+            if isinstance(o, torch.optim.AdamW):
+                for g in o.param_groups:
+                    g["fused"] = True
+    fwd = torch.compile(model) if args.compile else model
+    autocast = (
+        torch.autocast(dev.type, dtype=torch.bfloat16)
+        if args.precision == "autocast-bf16"
+        else contextlib.nullcontext()
+    )
+    tokens = torch.randint(0, v, (batch, seq + 1), device=dev)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     times, cpus, losses = [], [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize(dev)
         t0, c0 = time.perf_counter(), time.process_time()
-        out = model(input_ids=inputs, output_router_logits=True)
-        logits = out.logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels.reshape(-1))
-        if out.aux_loss is not None:
-            loss = loss + cfg.router_aux_loss_coef * out.aux_loss
+        with autocast:
+            out = fwd(input_ids=inputs, output_router_logits=True)
+            logits = out.logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, v).float(), labels.reshape(-1)
+            )
+            if out.aux_loss is not None:
+                loss = loss + cfg.router_aux_loss_coef * out.aux_loss
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         loss.backward()
         for opt in opts:
             opt.step()
+        # loss.item() waits for the step on a GPU; synchronize anyway so the time is the step's.
+        if cuda:
+            torch.cuda.synchronize(dev)
         dt = time.perf_counter() - t0
         losses.append(loss.item())
         # CPU time of the whole process (all threads), as ganymede's train_bench reports it.
@@ -178,20 +231,33 @@ def main():
             cpus.append(dc)
     med = statistics.median(times)
     med_cpu = statistics.median(cpus)
+    tps = batch * seq / med
+    extra = {}
+    if cuda:
+        extra["gpu"] = torch.cuda.get_device_name(dev)
+        extra["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    if args.flops_per_token > 0 and args.peak_tflops > 0:
+        extra["mfu"] = tps * args.flops_per_token / (args.peak_tflops * 1e12)
     print(
         json.dumps(
             {
                 "framework": f"pytorch {torch.__version__}",
                 "optimizer": args.optimizer,
                 "preset": args.preset,
+                "device": args.device,
+                "precision": args.precision,
+                "experts": cfg._experts_implementation if args.experts else "default",
+                "fused": args.fused,
+                "compile": args.compile,
                 "threads": args.threads,
                 "params": sum(p.numel() for p in model.parameters()),
                 "median_step_s": med,
                 "median_cpu_s": med_cpu,
-                "tokens_per_s": batch * seq / med,
+                "tokens_per_s": tps,
                 "tokens_per_cpu_s": batch * seq / med_cpu,
                 "first_loss": losses[0],
                 "last_loss": losses[-1],
+                **extra,
             }
         )
     )
