@@ -49,10 +49,17 @@ fn exchange(mesh: &DeviceMesh, p: &Plan) -> (u64, u64) {
         .filter(|(_, pp)| pp.is_muon())
         .map(|(i, pp)| (i, vec![1f32; pp.shard_elems]))
         .collect();
-    let mut slices: Vec<(usize, &mut [f32])> =
-        store.iter_mut().map(|(i, v)| (*i, &mut v[..])).collect();
-    muon_exchange(p, mesh, &mut slices, &mut |job: NsJob| {
-        job.data.iter_mut().for_each(|x| *x *= 3.0)
+    let mut slices: Vec<(usize, ViewMut)> = store
+        .iter_mut()
+        .map(|(i, v)| (*i, ViewMut::Host(&mut v[..])))
+        .collect();
+    let mut bufs: Vec<Vec<f32>> = root_buffers(p, mesh)
+        .iter()
+        .map(|&(_, n)| vec![0f32; n])
+        .collect();
+    let mut roots: Vec<ViewMut> = bufs.iter_mut().map(|b| ViewMut::Host(&mut b[..])).collect();
+    muon_exchange(p, mesh, &mut slices, &mut roots, &mut |job: NsJob| {
+        job.data.host::<f32>().iter_mut().for_each(|x| *x *= 3.0)
     })
     .unwrap();
     mesh.dp_shard.ctx().stats.snapshot().phase(Phase::Optimizer)

@@ -21,7 +21,7 @@ pub use error::{CommError, Result};
 pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
 pub use hash::{check_config_hash, config_hash, fnv1a64};
 pub use mesh::{DeviceMesh, MeshError, MeshShape};
-pub use muon_comm::{muon_exchange, NsJob};
+pub use muon_comm::{muon_exchange, root_buffers, NsJob};
 pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
 pub use stats::{CommSnapshot, CommStats, Op, Phase};
 pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};

@@ -668,12 +668,20 @@ fn run_exchange(mesh: &DeviceMesh, p: &Plan) -> ((u64, u64), usize) {
     }
     let mut matrices = 0;
     {
-        let mut slices: Vec<(usize, &mut [f32])> =
-            store.iter_mut().map(|(i, v, _)| (*i, &mut v[..])).collect();
-        muon_exchange(p, mesh, &mut slices, &mut |job: NsJob| {
+        let mut slices: Vec<(usize, ViewMut)> = store
+            .iter_mut()
+            .map(|(i, v, _)| (*i, ViewMut::Host(&mut v[..])))
+            .collect();
+        // Root buffers start as garbage: the exchange must not depend on their contents.
+        let mut bufs: Vec<Vec<f32>> = root_buffers(p, mesh)
+            .iter()
+            .map(|&(_, n)| vec![f32::NAN; n])
+            .collect();
+        let mut roots: Vec<ViewMut> = bufs.iter_mut().map(|b| ViewMut::Host(&mut b[..])).collect();
+        muon_exchange(p, mesh, &mut slices, &mut roots, &mut |job: NsJob| {
             assert_eq!(job.data.len(), job.count * job.rows * job.cols);
             matrices += job.count;
-            for x in job.data.iter_mut() {
+            for x in job.data.host::<f32>().iter_mut() {
                 *x = 2.0 * *x + 1.0;
             }
         })

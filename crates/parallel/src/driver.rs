@@ -166,7 +166,7 @@ impl RankState {
                 &init,
             );
             let grads = FsdpGrads::new(&be, layout.clone(), groups);
-            let opt = ShardedOptimizer::new(&be, &cfg.optimizer, &layout, pl);
+            let opt = ShardedOptimizer::new(&be, &cfg.optimizer, &layout, &mesh, pl);
             Shards::Fsdp {
                 layout,
                 params,

@@ -13,7 +13,7 @@
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
-use ganymede_dist::{muon_exchange, DeviceMesh, NsJob, Plan};
+use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{
     newton_schulz_batch, ns_flops, update_rule, NsScratch, SkipWait, Staging, UpdateRule,
     PAR_MATRIX_MAX_FLOPS,
@@ -43,11 +43,19 @@ pub struct ShardedOptimizer {
     scratch: Vec<NsScratch>,
     /// With `optimizer.offload`: state in host memory, streamed through these device slots.
     staging: Option<Staging>,
+    /// The whole matrices this rank gathers as a Newton–Schulz root (`root_buffers` order).
+    roots: Vec<Tensor>,
     step: u64,
 }
 
 impl ShardedOptimizer {
-    pub fn new(be: &dyn Backend, cfg: &OptimizerConfig, layout: &Arc<Layout>, plan: Plan) -> Self {
+    pub fn new(
+        be: &dyn Backend,
+        cfg: &OptimizerConfig,
+        layout: &Arc<Layout>,
+        mesh: &DeviceMesh,
+        plan: Plan,
+    ) -> Self {
         let mut shapes = Vec::new();
         let state = |n: usize| {
             if cfg.offload {
@@ -105,12 +113,19 @@ impl ShardedOptimizer {
             let extra = rayon::current_num_threads() - 1;
             scratch.extend((0..extra).map(|_| NsScratch::for_shapes(be, small.iter().copied())));
         }
+        // The matrices this rank gathers whole for Newton–Schulz, made once.
+        let roots = root_buffers(&plan, mesh)
+            .iter()
+            .filter(|&&(i, _)| matches!(rules[i], Rule::Muon { .. }))
+            .map(|&(_, n)| be.zeros(&[n], Category::Buffers))
+            .collect();
         ShardedOptimizer {
             cfg: cfg.clone(),
             rules,
             plan,
             scratch,
             staging,
+            roots,
             step: 0,
         }
     }
@@ -250,12 +265,13 @@ impl ShardedOptimizer {
             return Ok(());
         }
         // Newton–Schulz where the plan puts each matrix; `u` slices come back orthogonalised.
-        let mut slices: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut slices: Vec<(usize, ViewMut)> = Vec::new();
         for (i, rule) in self.rules.iter_mut().enumerate() {
             if let Rule::Muon { u, .. } = rule {
-                slices.push((i, u.view_mut().host::<f32>()));
+                slices.push((i, u.view_mut()));
             }
         }
+        let mut roots: Vec<ViewMut> = self.roots.iter_mut().map(|t| t.view_mut()).collect();
         let steps = cfg.ns_steps;
         let scratch = &mut self.scratch;
         let mut ns = |job: NsJob<'_>| {
@@ -265,10 +281,9 @@ impl ShardedOptimizer {
             } else {
                 1
             };
-            let x = ViewMut::Host(job.data);
-            newton_schulz_batch(be, x, job.count, r, c, steps, &mut scratch[..lanes]);
+            newton_schulz_batch(be, job.data, job.count, r, c, steps, &mut scratch[..lanes]);
         };
-        muon_exchange(&self.plan, mesh, &mut slices, &mut ns)?;
+        muon_exchange(&self.plan, mesh, &mut slices, &mut roots, &mut ns)?;
         let decay = lr * cfg.weight_decay;
         match &mut self.staging {
             Some(staging) => {

@@ -36,7 +36,8 @@
 //! split by whole experts), its gradient and optimizer-state shards, the activation workspace
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
-//! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, one
+//! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, the whole
+//! matrices the rank gathers as a Newton–Schulz root (rank 0's, see [`root_elems`]), one
 //! Newton–Schulz scratch (and one per further thread for the small shapes), the root
 //! gradients' reduce-scatter send buffers, and the gather staging of every slot and of the root
 //! (f32 receive buffers, or bf16 send and receive buffers), all made once and on the device. Each tensor is drawn whole before its shard is
@@ -420,6 +421,7 @@ fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
                 + slots * block_full
                 + 2.0 * block_padded
                 + muon_shards
+                + root_elems(&ts, wu, flex, muon) as f64
                 + ns_scratch
                 // The root gradients' reduce-scatter send buffers.
                 + root_padded)
@@ -433,6 +435,58 @@ fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
         init_whole: f * init_whole,
         stage: f * (slots * block_shard + root_shard),
     })
+}
+
+/// Elements of the whole matrices rank 0 (whose ledger `memory.json` holds) gathers as a
+/// Newton–Schulz root, as `ganymede_dist::placement::plan` assigns them under ep = 1: round-robin
+/// over the Muon tensors (naive), or, under FlexShard, each rank's whole routed experts first,
+/// then the other Muon tensors heaviest first, each to the least-loaded rank (lowest on ties).
+fn root_elems(ts: &[Rt], w: u64, flex: bool, muon: bool) -> u64 {
+    if !muon {
+        return 0;
+    }
+    let ns = |a: u64, b: u64| {
+        let (s, l) = (a.min(b), a.max(b));
+        s * s * (2 * l + s)
+    };
+    let routed = |t: &Rt| matches!(t.kind, Kind::Experts { routed: true });
+    let whole = |t: &Rt| t.shard(w, flex) * w;
+    let mut muon_ts = ts
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.muon(true).is_some());
+    if !flex {
+        return muon_ts
+            .enumerate()
+            .filter(|(m, _)| (*m as u64).is_multiple_of(w))
+            .map(|(_, (_, t))| whole(t))
+            .sum();
+    }
+    let mut load = vec![0u64; w as usize];
+    for t in ts.iter().filter(|t| routed(t)) {
+        let (e, per) = (t.shape[0], t.shape[0].div_ceil(w));
+        for (r, l) in (0u64..).zip(load.iter_mut()) {
+            *l += e.min((r + 1) * per).saturating_sub(r * per) * ns(t.shape[1], t.shape[2]);
+        }
+    }
+    let mut items: Vec<(u64, usize)> = muon_ts
+        .by_ref()
+        .filter(|(_, t)| !routed(t))
+        .map(|(i, t)| match t.kind {
+            Kind::Experts { .. } => (t.shape[0] * ns(t.shape[1], t.shape[2]), i),
+            _ => (ns(t.shape[0], t.shape[1]), i),
+        })
+        .collect();
+    items.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut elems = 0;
+    for (c, i) in items {
+        let r = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap();
+        load[r] += c;
+        if r == 0 {
+            elems += whole(&ts[i]);
+        }
+    }
+    elems
 }
 
 /// Elements of optimizer state of the largest single shard a rank holds over `w` ranks (the
