@@ -1,1 +1,161 @@
 //! The kernels' host build (the CUDA C source through the shim), for checking against the CPU backend.
+//!
+//! `build.rs` compiles `kernels/*.cu` with `shim/cuda_shim.h` for the CPU: a launch runs its
+//! blocks in order, each block's threads as fibers that switch at `__syncthreads` and warp
+//! shuffles. Arguments go as in CUDA's driver API (a pointer to each value), and each launch is
+//! checked against the argument kinds the build read from the kernel's parameter list.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+
+extern "C" {
+    fn gany_host_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        shared: usize,
+        args: *mut *mut c_void,
+    ) -> i32;
+    fn gany_host_signature(name: *const c_char) -> *const c_char;
+    fn gany_host_kernel_count() -> u32;
+    fn gany_host_kernel_name(i: u32) -> *const c_char;
+}
+
+/// One kernel argument, by value.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(*mut c_void),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+}
+
+impl Arg {
+    fn kind(&self) -> char {
+        match self {
+            Arg::Ptr(_) => 'p',
+            Arg::I32(_) => 'i',
+            Arg::U32(_) => 'u',
+            Arg::I64(_) => 'l',
+            Arg::F32(_) => 'f',
+            Arg::F64(_) => 'd',
+        }
+    }
+    fn value_ptr(&mut self) -> *mut c_void {
+        match self {
+            Arg::Ptr(p) => p as *mut *mut c_void as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::U32(v) => v as *mut u32 as *mut c_void,
+            Arg::I64(v) => v as *mut i64 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+            Arg::F64(v) => v as *mut f64 as *mut c_void,
+        }
+    }
+}
+
+impl<T> From<*mut T> for Arg {
+    fn from(p: *mut T) -> Self {
+        Arg::Ptr(p as *mut c_void)
+    }
+}
+impl<T> From<*const T> for Arg {
+    fn from(p: *const T) -> Self {
+        Arg::Ptr(p as *mut c_void)
+    }
+}
+impl From<i32> for Arg {
+    fn from(v: i32) -> Self {
+        Arg::I32(v)
+    }
+}
+impl From<u32> for Arg {
+    fn from(v: u32) -> Self {
+        Arg::U32(v)
+    }
+}
+impl From<i64> for Arg {
+    fn from(v: i64) -> Self {
+        Arg::I64(v)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Self {
+        Arg::F32(v)
+    }
+}
+impl From<f64> for Arg {
+    fn from(v: f64) -> Self {
+        Arg::F64(v)
+    }
+}
+
+/// A launch's shape: `grid` blocks of `block` threads, `shared` bytes of dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared: usize,
+}
+
+impl LaunchConfig {
+    /// A 1-D launch without dynamic shared memory.
+    pub fn linear(grid: u32, block: u32) -> Self {
+        LaunchConfig {
+            grid: [grid, 1, 1],
+            block: [block, 1, 1],
+            shared: 0,
+        }
+    }
+    pub fn shared(mut self, bytes: usize) -> Self {
+        self.shared = bytes;
+        self
+    }
+}
+
+/// The argument kinds of `name`'s parameters, one letter each (`p` pointer, `i` int, `u`
+/// unsigned, `l` long long, `f` float, `d` double), or None if no kernel has that name.
+pub fn signature(name: &str) -> Option<String> {
+    let c = CString::new(name).ok()?;
+    // Safety: the table holds static NUL-terminated strings.
+    unsafe {
+        let s = gany_host_signature(c.as_ptr());
+        (!s.is_null()).then(|| CStr::from_ptr(s).to_string_lossy().into_owned())
+    }
+}
+
+/// Every kernel the host build holds, in file order.
+pub fn kernel_names() -> Vec<String> {
+    // Safety: indices below the count name static strings.
+    unsafe {
+        (0..gany_host_kernel_count())
+            .map(|i| {
+                CStr::from_ptr(gany_host_kernel_name(i))
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect()
+    }
+}
+
+/// Runs kernel `name` on the host.
+///
+/// # Safety
+/// As a CUDA launch: pointers must be valid for everything the kernel reads and writes at this
+/// configuration. The argument kinds are checked (a wrong kind panics), their meaning is not.
+pub unsafe fn launch(name: &str, cfg: LaunchConfig, args: &[Arg]) {
+    let sig = signature(name).unwrap_or_else(|| panic!("no kernel named {name}"));
+    let got: String = args.iter().map(Arg::kind).collect();
+    assert_eq!(got, sig, "kernel {name}: argument kinds");
+    let mut vals = args.to_vec();
+    let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(Arg::value_ptr).collect();
+    let c = CString::new(name).unwrap();
+    let rc = gany_host_launch(
+        c.as_ptr(),
+        cfg.grid.as_ptr(),
+        cfg.block.as_ptr(),
+        cfg.shared,
+        ptrs.as_mut_ptr(),
+    );
+    assert_eq!(rc, 0, "kernel {name}: launch failed ({cfg:?})");
+}
