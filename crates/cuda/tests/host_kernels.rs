@@ -80,25 +80,27 @@ fn compare(got: &[f32], want: &[f32], tol: Tol) -> Result<(f64, f64), String> {
 }
 
 /// Runs `kernel` and `reference` on `inputs` and compares every output; then runs `kernel` on
-/// the inputs with one element of input `perturb` changed and requires a mismatch.
+/// the inputs with one element of input `perturb` changed and requires a mismatch. `tols` holds
+/// one tolerance per output, or one for all.
 fn parity(
     name: &str,
     inputs: &[Vec<f32>],
     perturb: usize,
-    tol: Tol,
+    tols: &[Tol],
     kernel: impl Fn(&[Vec<f32>]) -> Vec<Vec<f32>>,
     reference: impl Fn(&[Vec<f32>]) -> Vec<Vec<f32>>,
 ) {
     let want = reference(inputs);
     let got = kernel(inputs);
     assert_eq!(got.len(), want.len(), "{name}: outputs");
-    let (mut abs, mut rel) = (0.0f64, 0.0f64);
+    let tol = |o: usize| tols[o.min(tols.len() - 1)];
     for (o, (g, w)) in got.iter().zip(&want).enumerate() {
-        let (a, r) = compare(g, w, tol).unwrap_or_else(|e| panic!("{name}: output {o}: {e}"));
-        abs = abs.max(a);
-        rel = rel.max(r);
+        let (a, r) = compare(g, w, tol(o)).unwrap_or_else(|e| panic!("{name}: output {o}: {e}"));
+        println!(
+            "{name} output {o}: max abs err {a:.3e}, max rel err {r:.3e} ({:?})",
+            tol(o)
+        );
     }
-    println!("{name}: max abs err {abs:.3e}, max rel err {rel:.3e} ({tol:?})");
     let mut bad = inputs.to_vec();
     let j = bad[perturb].len() / 2;
     bad[perturb][j] += 0.5 * (1.0 + bad[perturb][j].abs());
@@ -106,7 +108,8 @@ fn parity(
     let caught = got
         .iter()
         .zip(&want)
-        .any(|(g, w)| compare(g, w, tol).is_err());
+        .enumerate()
+        .any(|(o, (g, w))| compare(g, w, tol(o)).is_err());
     assert!(caught, "{name}: a perturbed input went unnoticed");
 }
 
@@ -192,7 +195,7 @@ fn axpy_scale_add() {
         "axpy_f32",
         &[y.clone(), x.clone()],
         1,
-        F32,
+        &[F32],
         |v| {
             let mut y = v[0].clone();
             unsafe {
@@ -214,7 +217,7 @@ fn axpy_scale_add() {
         "scale_f32",
         std::slice::from_ref(&y),
         0,
-        F32,
+        &[F32],
         |v| {
             let mut y = v[0].clone();
             unsafe { launch("scale_f32", EW, &[ptr(&mut y), (-1.7f32).into(), len(&y)]) };
@@ -230,7 +233,7 @@ fn axpy_scale_add() {
         "add_f32",
         &[y, x],
         1,
-        F32,
+        &[F32],
         |v| {
             let mut y = v[0].clone();
             unsafe { launch("add_f32", EW, &[ptr(&mut y), cptr(&v[1]), len(&y)]) };
@@ -331,7 +334,7 @@ fn swiglu_forward_backward() {
         "swiglu_f32",
         &[g.clone(), u.clone(), d.clone()],
         0,
-        F32,
+        &[F32],
         |v| {
             let (mut o, mut dg, mut du) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
             unsafe {
@@ -363,7 +366,7 @@ fn swiglu_forward_backward() {
         "swiglu_bf16",
         &rounded,
         0,
-        BF16,
+        &[BF16],
         |v| {
             let (g, u, d) = (to_bf16(&v[0]), to_bf16(&v[1]), to_bf16(&v[2]));
             let (mut o, mut dg, mut du) = (vec![0u16; n], vec![0u16; n], vec![0u16; n]);
@@ -401,4 +404,300 @@ fn unknown_kernel_and_wrong_argument_kinds_are_refused() {
         unsafe { launch("scale_f32", EW, &[ptr(&mut y), 2.0f32.into(), 4i32.into()]) };
     });
     assert!(r.is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Storage types: the same check for f32 and bf16 kernels.
+
+#[derive(Clone, Copy, Debug)]
+enum St {
+    F32,
+    Bf16,
+}
+impl St {
+    fn name(self, kernel: &str) -> String {
+        match self {
+            St::F32 => format!("{kernel}_f32"),
+            St::Bf16 => format!("{kernel}_bf16"),
+        }
+    }
+    /// For [out, rstd, dx, dw]: dw sums a product over every row, in the CPU's order but from
+    /// rstd and dots that differ in the last bits, so its floor is that of a sum of ~500 terms
+    /// of order one (500 · 2^-24 ≈ 3e-5).
+    fn tols_with_reduction(self) -> [Tol; 4] {
+        let sum = Tol {
+            rtol: 1e-5,
+            atol: 3e-5,
+        };
+        match self {
+            St::F32 => [F32, F32, F32, sum],
+            St::Bf16 => [BF16, F32, BF16, sum],
+        }
+    }
+    fn buf(self, x: &[f32]) -> Buf {
+        match self {
+            St::F32 => Buf::F32(x.to_vec()),
+            St::Bf16 => Buf::Bf16(to_bf16(x)),
+        }
+    }
+    /// The inputs as this storage holds them.
+    fn inputs(self, x: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        match self {
+            St::F32 => x.to_vec(),
+            St::Bf16 => x.iter().map(|v| round_bf16(v)).collect(),
+        }
+    }
+}
+enum Buf {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+impl Buf {
+    fn arg(&mut self) -> Arg {
+        match self {
+            Buf::F32(v) => ptr(v),
+            Buf::Bf16(v) => ptr(v),
+        }
+    }
+    fn read(&self) -> Vec<f32> {
+        match self {
+            Buf::F32(v) => v.clone(),
+            Buf::Bf16(v) => from_bf16(v),
+        }
+    }
+}
+
+fn cfg(grid: [u32; 3], block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid,
+        block: [block, 1, 1],
+        shared: 0,
+    }
+}
+
+/// The CPU backend's rows per partial sum of a weight gradient.
+const CHUNK_ROWS: usize = 64;
+
+/// dw += the partials, as the device does after a *_dw_partial kernel.
+fn col_sum_acc(dw: &mut [f32], partial: &[f32]) {
+    let cols = dw.len();
+    let parts = partial.len() / cols;
+    unsafe {
+        launch(
+            "col_sum_acc_f32",
+            cfg([cols.div_ceil(32) as u32, 1, 1], 32),
+            &[
+                ptr(dw),
+                cptr(partial),
+                (parts as i32).into(),
+                (cols as i32).into(),
+            ],
+        )
+    };
+}
+
+#[test]
+fn rmsnorm_forward_backward() {
+    use ganymede_core::{NnOps, NormSaved};
+    let (rows, dim, eps) = (150usize, 100usize, 1e-6f32);
+    let mut rng = Rng::new(5);
+    let x = rng.vec(rows * dim, 2.0);
+    let w: Vec<f32> = rng.vec(dim, 0.5).iter().map(|v| 1.0 + v).collect();
+    let dout = rng.vec(rows * dim, 1.0);
+    let dx0 = rng.vec(rows * dim, 0.3);
+    let dw0 = rng.vec(dim, 0.3);
+    let b = cpu();
+    for st in [St::F32, St::Bf16] {
+        let inputs = st.inputs(&[x.clone(), w.clone(), dout.clone(), dx0.clone()]);
+        parity(
+            &st.name("rmsnorm"),
+            &inputs,
+            0,
+            &st.tols_with_reduction(),
+            |v| {
+                let (mut xb, mut wb, mut db) = (st.buf(&v[0]), st.buf(&v[1]), st.buf(&v[2]));
+                let (mut out, mut dx) = (st.buf(&vec![0.0; rows * dim]), st.buf(&v[3]));
+                let mut rstd = vec![0f32; rows];
+                let mut dw = dw0.clone();
+                let chunks = rows.div_ceil(CHUNK_ROWS);
+                let mut partial = vec![f32::NAN; chunks * dim];
+                unsafe {
+                    launch(
+                        &st.name("rmsnorm_forward"),
+                        cfg([rows as u32, 1, 1], 64),
+                        &[
+                            out.arg(),
+                            ptr(&mut rstd),
+                            xb.arg(),
+                            wb.arg(),
+                            (dim as i32).into(),
+                            eps.into(),
+                        ],
+                    );
+                    launch(
+                        &st.name("rmsnorm_backward_dx"),
+                        cfg([rows as u32, 1, 1], 64),
+                        &[
+                            dx.arg(),
+                            db.arg(),
+                            xb.arg(),
+                            wb.arg(),
+                            cptr(&rstd),
+                            (dim as i32).into(),
+                        ],
+                    );
+                    launch(
+                        &st.name("rmsnorm_backward_dw_partial"),
+                        cfg([dim.div_ceil(32) as u32, chunks as u32, 1], 32),
+                        &[
+                            ptr(&mut partial),
+                            db.arg(),
+                            xb.arg(),
+                            cptr(&rstd),
+                            (rows as i32).into(),
+                            (dim as i32).into(),
+                            (CHUNK_ROWS as i32).into(),
+                        ],
+                    );
+                }
+                col_sum_acc(&mut dw, &partial);
+                vec![out.read(), rstd, dx.read(), dw]
+            },
+            |v| {
+                let (xt, wt) = (up(&b, &v[0]), up(&b, &v[1]));
+                let mut out = b.zeros(&[rows * dim], Category::Activations);
+                let mut rstd = b.zeros(&[rows], Category::Activations);
+                b.rmsnorm_forward(
+                    out.view_mut(),
+                    rstd.view_mut(),
+                    xt.view(),
+                    wt.view(),
+                    dim,
+                    eps,
+                );
+                let (mut dx, mut dw) = (up(&b, &v[3]), up(&b, &dw0));
+                let saved = NormSaved {
+                    x: xt.view(),
+                    w: wt.view(),
+                    rstd: rstd.view(),
+                };
+                b.rmsnorm_backward(
+                    dx.view_mut(),
+                    dw.view_mut(),
+                    up(&b, &v[2]).view(),
+                    saved,
+                    dim,
+                );
+                vec![
+                    down(&b, &out),
+                    down(&b, &rstd),
+                    down(&b, &dx),
+                    down(&b, &dw),
+                ]
+            },
+        );
+    }
+}
+
+#[test]
+fn head_norm_rope_forward_backward() {
+    use ganymede_core::{HeadRope, NnOps, NormSaved};
+    let d = HeadRope {
+        heads: 3,
+        head_dim: 70,
+        seq: 13,
+        pos0: 5,
+        theta: 10000.0,
+        eps: 1e-6,
+    };
+    let rows = 150usize;
+    let n = rows * d.heads * d.head_dim;
+    let mut rng = Rng::new(6);
+    let x = rng.vec(n, 2.0);
+    let w: Vec<f32> = rng.vec(d.head_dim, 0.5).iter().map(|v| 1.0 + v).collect();
+    let dout = rng.vec(n, 1.0);
+    let dw0 = rng.vec(d.head_dim, 0.3);
+    let b = cpu();
+    let sizes = |rows: usize| -> Vec<Arg> {
+        vec![
+            (d.heads as i32).into(),
+            (d.head_dim as i32).into(),
+            (d.seq as i32).into(),
+            (d.pos0 as i32).into(),
+            (d.theta as f32).into(),
+        ]
+        .into_iter()
+        .chain(std::iter::once(Arg::I32(rows as i32)))
+        .collect()
+    };
+    for st in [St::F32, St::Bf16] {
+        let inputs = st.inputs(&[x.clone(), w.clone(), dout.clone()]);
+        parity(
+            &st.name("head_norm_rope"),
+            &inputs,
+            0,
+            &st.tols_with_reduction(),
+            |v| {
+                let (mut xb, mut wb, mut db) = (st.buf(&v[0]), st.buf(&v[1]), st.buf(&v[2]));
+                let (mut out, mut dx) = (st.buf(&vec![0.0; n]), st.buf(&vec![f32::NAN; n]));
+                let mut rstd = vec![0f32; rows * d.heads];
+                let mut dw = dw0.clone();
+                let chunks = rows.div_ceil(CHUNK_ROWS);
+                let mut partial = vec![f32::NAN; chunks * d.head_dim];
+                let s = &sizes(rows)[..5];
+                let blocks = cfg([(rows * d.heads) as u32, 1, 1], 32);
+                unsafe {
+                    let mut a = vec![out.arg(), ptr(&mut rstd), xb.arg(), wb.arg()];
+                    a.extend_from_slice(s);
+                    a.push(d.eps.into());
+                    launch(&st.name("head_norm_rope_forward"), blocks, &a);
+                    let mut a = vec![dx.arg(), db.arg(), xb.arg(), wb.arg(), cptr(&rstd)];
+                    a.extend_from_slice(s);
+                    launch(&st.name("head_norm_rope_backward_dx"), blocks, &a);
+                    let mut a = vec![
+                        ptr(&mut partial),
+                        db.arg(),
+                        xb.arg(),
+                        cptr(&rstd),
+                        (rows as i32).into(),
+                    ];
+                    a.extend_from_slice(s);
+                    a.push((CHUNK_ROWS as i32).into());
+                    launch(
+                        &st.name("head_norm_rope_backward_dw_partial"),
+                        cfg([d.head_dim.div_ceil(32) as u32, chunks as u32, 1], 32),
+                        &a,
+                    );
+                }
+                col_sum_acc(&mut dw, &partial);
+                vec![out.read(), rstd, dx.read(), dw]
+            },
+            |v| {
+                let (xt, wt) = (up(&b, &v[0]), up(&b, &v[1]));
+                let mut out = b.zeros(&[n], Category::Activations);
+                let mut rstd = b.zeros(&[rows * d.heads], Category::Activations);
+                b.head_norm_rope_forward(out.view_mut(), rstd.view_mut(), xt.view(), wt.view(), d);
+                let mut dx = b.zeros(&[n], Category::Activations);
+                let mut dw = up(&b, &dw0);
+                let saved = NormSaved {
+                    x: xt.view(),
+                    w: wt.view(),
+                    rstd: rstd.view(),
+                };
+                b.head_norm_rope_backward(
+                    dx.view_mut(),
+                    dw.view_mut(),
+                    up(&b, &v[2]).view(),
+                    saved,
+                    d,
+                );
+                vec![
+                    down(&b, &out),
+                    down(&b, &rstd),
+                    down(&b, &dx),
+                    down(&b, &dw),
+                ]
+            },
+        );
+    }
 }
