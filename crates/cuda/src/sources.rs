@@ -1,1 +1,109 @@
 //! The kernels' CUDA C source, embedded for NVRTC.
+//!
+//! Each entry of [`SOURCES`] is one file of `kernels/` with `kernels/common.cuh` (storage types,
+//! bf16 conversions, block reductions) in front, ready for one NVRTC compilation (no include
+//! paths, no headers). [`KERNELS`] names the `extern "C"` kernels each file defines; every
+//! kernel documents its launch shape above its definition. The host build compiles the same
+//! files (`build.rs`, `host`), and the tests check these lists against both builds.
+
+macro_rules! kernel_file {
+    ($name:literal) => {
+        (
+            $name,
+            concat!(
+                include_str!("../kernels/common.cuh"),
+                include_str!(concat!("../kernels/", $name))
+            ),
+        )
+    };
+}
+
+/// `(file name, source)` for every kernel file, `common.cuh` prepended.
+pub const SOURCES: &[(&str, &str)] = &[kernel_file!("elementwise.cu"), kernel_file!("norm.cu")];
+
+/// `(file name, kernels it defines)`, in the order of [`SOURCES`].
+pub const KERNELS: &[(&str, &[&str])] = &[
+    (
+        "elementwise.cu",
+        &[
+            "cast_f32_to_bf16",
+            "cast_bf16_to_f32",
+            "axpy_f32",
+            "scale_f32",
+            "add_f32",
+            "sumsq_partial_f32",
+            "sumsq_partial_bf16",
+            "sum_acc_f64",
+            "swiglu_forward_f32",
+            "swiglu_forward_bf16",
+            "swiglu_backward_f32",
+            "swiglu_backward_bf16",
+        ],
+    ),
+    (
+        "norm.cu",
+        &[
+            "col_sum_acc_f32",
+            "rmsnorm_forward_f32",
+            "rmsnorm_backward_dx_f32",
+            "rmsnorm_backward_dw_partial_f32",
+            "rmsnorm_forward_bf16",
+            "rmsnorm_backward_dx_bf16",
+            "rmsnorm_backward_dw_partial_bf16",
+            "head_norm_rope_forward_f32",
+            "head_norm_rope_backward_dx_f32",
+            "head_norm_rope_backward_dw_partial_f32",
+            "head_norm_rope_forward_bf16",
+            "head_norm_rope_backward_dx_bf16",
+            "head_norm_rope_backward_dw_partial_bf16",
+        ],
+    ),
+];
+
+/// NVRTC options the kernels are written for (besides `--gpu-architecture`): C++17, and
+/// IEEE division and square root so results stay close to the host build's.
+pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "--prec-div=true", "--prec-sqrt=true"];
+
+/// The source file that defines `kernel`.
+pub fn file_of(kernel: &str) -> Option<&'static str> {
+    KERNELS
+        .iter()
+        .find(|(_, ks)| ks.contains(&kernel))
+        .map(|(f, _)| *f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_agree_with_the_host_build() {
+        let files: Vec<&str> = SOURCES.iter().map(|(f, _)| *f).collect();
+        let listed: Vec<&str> = KERNELS.iter().map(|(f, _)| *f).collect();
+        assert_eq!(files, listed, "SOURCES and KERNELS name the same files");
+        // Every file of kernels/ is listed.
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cu"))
+            .collect();
+        on_disk.sort();
+        let mut sorted: Vec<String> = files.iter().map(|s| s.to_string()).collect();
+        sorted.sort();
+        assert_eq!(on_disk, sorted, "kernels/*.cu vs SOURCES");
+        // The host build (which parsed the preprocessed source) has exactly these kernels.
+        let host = crate::host::kernel_names();
+        let all: Vec<String> = KERNELS
+            .iter()
+            .flat_map(|(_, ks)| ks.iter().map(|s| s.to_string()))
+            .collect();
+        assert_eq!(all, host, "KERNELS vs the kernels the host build found");
+        // (Whether each file really defines its kernels is checked on the PTX: tests/nvrtc.rs.)
+        for (file, ks) in KERNELS {
+            for k in *ks {
+                assert_eq!(file_of(k), Some(*file), "{k} listed twice");
+            }
+        }
+    }
+}
