@@ -19,7 +19,13 @@ macro_rules! kernel_file {
 }
 
 /// `(file name, source)` for every kernel file, `common.cuh` prepended.
-pub const SOURCES: &[(&str, &str)] = &[kernel_file!("elementwise.cu"), kernel_file!("norm.cu")];
+pub const SOURCES: &[(&str, &str)] = &[
+    kernel_file!("elementwise.cu"),
+    kernel_file!("norm.cu"),
+    kernel_file!("embed.cu"),
+    kernel_file!("optim.cu"),
+    kernel_file!("loss.cu"),
+];
 
 /// `(file name, kernels it defines)`, in the order of [`SOURCES`].
 pub const KERNELS: &[(&str, &[&str])] = &[
@@ -58,6 +64,35 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "head_norm_rope_backward_dw_partial_bf16",
         ],
     ),
+    (
+        "embed.cu",
+        &[
+            "embedding_forward_f32",
+            "embedding_forward_bf16",
+            "embedding_backward_sorted_f32",
+            "embedding_backward_sorted_bf16",
+        ],
+    ),
+    (
+        "optim.cu",
+        &[
+            "adamw_step_f32",
+            "nesterov_f32",
+            "scale_by_inv_norm_f32",
+            "decay_update_f32",
+        ],
+    ),
+    (
+        "loss.cu",
+        &[
+            "cross_entropy_forward_f32",
+            "cross_entropy_loss_acc_f32",
+            "cross_entropy_backward_f32",
+            "cross_entropy_forward_bf16",
+            "cross_entropy_loss_acc_bf16",
+            "cross_entropy_backward_bf16",
+        ],
+    ),
 ];
 
 /// NVRTC options the kernels are written for (besides `--gpu-architecture`): C++17, and
@@ -93,11 +128,13 @@ mod tests {
         sorted.sort();
         assert_eq!(on_disk, sorted, "kernels/*.cu vs SOURCES");
         // The host build (which parsed the preprocessed source) has exactly these kernels.
-        let host = crate::host::kernel_names();
-        let all: Vec<String> = KERNELS
+        let mut host = crate::host::kernel_names();
+        let mut all: Vec<String> = KERNELS
             .iter()
             .flat_map(|(_, ks)| ks.iter().map(|s| s.to_string()))
             .collect();
+        host.sort();
+        all.sort();
         assert_eq!(all, host, "KERNELS vs the kernels the host build found");
         // (Whether each file really defines its kernels is checked on the PTX: tests/nvrtc.rs.)
         for (file, ks) in KERNELS {

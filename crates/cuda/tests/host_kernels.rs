@@ -103,7 +103,9 @@ fn parity(
     }
     let mut bad = inputs.to_vec();
     let j = bad[perturb].len() / 2;
-    bad[perturb][j] += 0.5 * (1.0 + bad[perturb][j].abs());
+    // Large against the data (0.5 + its largest magnitude), so the change shows in any output.
+    let big = bad[perturb].iter().fold(0.0f32, |a, x| a.max(x.abs()));
+    bad[perturb][j] += 0.5 + big;
     let got = kernel(&bad);
     let caught = got
         .iter()
@@ -697,6 +699,282 @@ fn head_norm_rope_forward_backward() {
                     down(&b, &dx),
                     down(&b, &dw),
                 ]
+            },
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+
+#[test]
+fn embedding_forward_backward() {
+    use ganymede_core::NnOps;
+    let (rows, vocab, dim) = (57usize, 23usize, 70usize);
+    let mut rng = Rng::new(7);
+    let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
+    let (order, seg_start, seg_id) = ganymede_cuda::host::embedding_segments(&ids);
+    assert!(seg_id.len() < rows, "the test wants repeated ids");
+    let wte = rng.vec(vocab * dim, 1.0);
+    let dout = rng.vec(rows * dim, 1.0);
+    let dwte0 = rng.vec(vocab * dim, 0.3);
+    let b = cpu();
+    for st in [St::F32, St::Bf16] {
+        let inputs = st.inputs(&[wte.clone(), dout.clone()]);
+        parity(
+            &st.name("embedding"),
+            &inputs,
+            0,
+            &[st.tols_with_reduction()[0], F32],
+            |v| {
+                let (mut wb, mut db) = (st.buf(&v[0]), st.buf(&v[1]));
+                let mut out = st.buf(&vec![f32::NAN; rows * dim]);
+                let mut dwte = dwte0.clone();
+                unsafe {
+                    launch(
+                        &st.name("embedding_forward"),
+                        cfg([rows as u32, 1, 1], 32),
+                        &[out.arg(), wb.arg(), cptr(&ids), (dim as i32).into()],
+                    );
+                    launch(
+                        &st.name("embedding_backward_sorted"),
+                        cfg([seg_id.len() as u32, 1, 1], 64),
+                        &[
+                            ptr(&mut dwte),
+                            db.arg(),
+                            cptr(&order),
+                            cptr(&seg_start),
+                            cptr(&seg_id),
+                            (dim as i32).into(),
+                        ],
+                    );
+                }
+                vec![out.read(), dwte]
+            },
+            |v| {
+                let mut out = b.zeros(&[rows * dim], Category::Activations);
+                b.embedding_forward(out.view_mut(), up(&b, &v[0]).view(), &ids, dim);
+                let mut dwte = up(&b, &dwte0);
+                b.embedding_backward(dwte.view_mut(), up(&b, &v[1]).view(), &ids, dim);
+                vec![down(&b, &out), down(&b, &dwte)]
+            },
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizers
+
+#[test]
+fn optimizer_updates() {
+    use ganymede_core::{AdamWStep, OptimOps};
+    let n = 1001usize;
+    let mut rng = Rng::new(8);
+    let p = rng.vec(n, 1.0);
+    let m = rng.vec(n, 0.1);
+    let v: Vec<f32> = rng.vec(n, 0.01).iter().map(|x| x.abs()).collect();
+    let g = rng.vec(n, 0.5);
+    let b = cpu();
+    let h = AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        bias_correction1: 1.0 - 0.9f64.powi(3),
+        bias_correction2: 1.0 - 0.95f64.powi(3),
+    };
+    parity(
+        "adamw_step_f32",
+        &[p.clone(), m.clone(), v.clone(), g.clone()],
+        3,
+        &[F32],
+        |x| {
+            let (mut p, mut m, mut v) = (x[0].clone(), x[1].clone(), x[2].clone());
+            let c = |x: f64| Arg::F32(x as f32);
+            unsafe {
+                launch(
+                    "adamw_step_f32",
+                    EW,
+                    &[
+                        ptr(&mut p),
+                        ptr(&mut m),
+                        ptr(&mut v),
+                        cptr(&x[3]),
+                        len(&x[3]),
+                        c(h.beta1),
+                        c(h.beta2),
+                        c(1.0 - h.beta1),
+                        c(1.0 - h.beta2),
+                        c(1.0 - h.lr * h.weight_decay),
+                        c(h.lr / h.bias_correction1),
+                        c(1.0 / h.bias_correction2.sqrt()),
+                        c(h.eps),
+                    ],
+                )
+            };
+            vec![p, m, v]
+        },
+        |x| {
+            let (mut p, mut m, mut v) = (up(&b, &x[0]), up(&b, &x[1]), up(&b, &x[2]));
+            b.adamw_step(
+                p.view_mut(),
+                m.view_mut(),
+                v.view_mut(),
+                up(&b, &x[3]).view(),
+                &h,
+            );
+            vec![down(&b, &p), down(&b, &m), down(&b, &v)]
+        },
+    );
+    let mu = 0.95;
+    parity(
+        "nesterov_f32",
+        &[m.clone(), g.clone()],
+        1,
+        &[F32],
+        |x| {
+            let (mut buf, mut out) = (x[0].clone(), vec![f32::NAN; n]);
+            unsafe {
+                launch(
+                    "nesterov_f32",
+                    EW,
+                    &[
+                        ptr(&mut buf),
+                        cptr(&x[1]),
+                        ptr(&mut out),
+                        len(&out),
+                        (mu as f32).into(),
+                    ],
+                )
+            };
+            vec![buf, out]
+        },
+        |x| {
+            let (mut buf, mut out) = (up(&b, &x[0]), b.zeros(&[n], Category::Activations));
+            b.nesterov_momentum(buf.view_mut(), up(&b, &x[1]).view(), out.view_mut(), mu);
+            vec![down(&b, &buf), down(&b, &out)]
+        },
+    );
+    let eps = 1e-7;
+    parity(
+        "normalize_frobenius (sumsq_partial_f32, sum_acc_f64, scale_by_inv_norm_f32)",
+        std::slice::from_ref(&g),
+        0,
+        &[F32],
+        |x| {
+            let mut x = x[0].clone();
+            let s = sumsq_host("sumsq_partial_f32", cptr(&x), n, 0.0);
+            unsafe {
+                launch(
+                    "scale_by_inv_norm_f32",
+                    EW,
+                    &[ptr(&mut x), cptr(&[s]), eps.into(), len(&g)],
+                )
+            };
+            vec![x]
+        },
+        |x| {
+            let mut t = up(&b, &x[0]);
+            b.normalize_frobenius(t.view_mut(), eps);
+            vec![down(&b, &t)]
+        },
+    );
+    let (alpha, decay) = (0.02, 0.001);
+    parity(
+        "decay_update_f32",
+        &[p, g],
+        1,
+        &[F32],
+        |x| {
+            let mut p = x[0].clone();
+            unsafe {
+                launch(
+                    "decay_update_f32",
+                    EW,
+                    &[
+                        ptr(&mut p),
+                        cptr(&x[1]),
+                        len(&p),
+                        (alpha as f32).into(),
+                        ((1.0 - decay) as f32).into(),
+                    ],
+                )
+            };
+            vec![p]
+        },
+        |x| {
+            let mut p = up(&b, &x[0]);
+            b.decay_update(p.view_mut(), up(&b, &x[1]).view(), alpha, decay);
+            vec![down(&b, &p)]
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy
+
+#[test]
+fn cross_entropy_forward_backward() {
+    use ganymede_core::{DType, NnOps};
+    let (rows, vocab) = (13usize, 1000usize);
+    let mut rng = Rng::new(9);
+    let logits = rng.vec(rows * vocab, 4.0);
+    let targets: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
+    let (scale, loss0) = (1.0f32 / 13.0, 0.5f64);
+    let b = cpu();
+    for st in [St::F32, St::Bf16] {
+        let inputs = st.inputs(std::slice::from_ref(&logits));
+        parity(
+            &st.name("cross_entropy"),
+            &inputs,
+            0,
+            &[F32, F32, st.tols_with_reduction()[0]],
+            |v| {
+                let mut x = st.buf(&v[0]);
+                let mut lse = vec![f32::NAN; rows];
+                let mut loss = [loss0];
+                unsafe {
+                    launch(
+                        &st.name("cross_entropy_forward"),
+                        cfg([rows as u32, 1, 1], 128),
+                        &[ptr(&mut lse), x.arg(), (vocab as i32).into()],
+                    );
+                    launch(
+                        &st.name("cross_entropy_loss_acc"),
+                        cfg([1, 1, 1], 32),
+                        &[
+                            ptr(&mut loss),
+                            cptr(&lse),
+                            x.arg(),
+                            cptr(&targets),
+                            (rows as i32).into(),
+                            (vocab as i32).into(),
+                        ],
+                    );
+                    launch(
+                        &st.name("cross_entropy_backward"),
+                        cfg([rows as u32, 1, 1], 128),
+                        &[
+                            x.arg(),
+                            cptr(&lse),
+                            cptr(&targets),
+                            (vocab as i32).into(),
+                            scale.into(),
+                        ],
+                    );
+                }
+                vec![lse, vec![(loss[0] - loss0) as f32], x.read()]
+            },
+            |v| {
+                let mut x = up(&b, &v[0]);
+                let mut lse = b.zeros(&[rows], Category::Activations);
+                let mut loss = b.zeros_of(&[1], DType::F64, Category::Activations);
+                b.write_f64_first(&mut loss, loss0);
+                b.cross_entropy_forward(lse.view_mut(), x.view(), &targets, vocab, loss.view_mut());
+                let l = b.download_f64(loss.view())[0];
+                b.cross_entropy_backward(x.view_mut(), lse.view(), &targets, vocab, scale);
+                vec![down(&b, &lse), vec![(l - loss0) as f32], down(&b, &x)]
             },
         );
     }
