@@ -84,4 +84,25 @@ __device__ __forceinline__ float block_max(float v) {
     return warp_max(t);
 }
 
+// Exclusive prefix sum of v over a 1-D block (size a multiple of 32); *total gets the sum.
+__device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* total) {
+    __shared__ unsigned warp_tot[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    unsigned inc = v;
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned o = __shfl_up_sync(0xffffffffu, inc, d);
+        if (lane >= d) inc += o;
+    }
+    __syncthreads();
+    if (lane == 31) warp_tot[warp] = inc;
+    __syncthreads();
+    unsigned before = 0, all = 0;
+    for (int w = 0; w < warps; w++) {
+        if (w < warp) before += warp_tot[w];
+        all += warp_tot[w];
+    }
+    *total = all;
+    return before + inc - v;
+}
+
 #endif

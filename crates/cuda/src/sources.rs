@@ -25,6 +25,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     kernel_file!("embed.cu"),
     kernel_file!("optim.cu"),
     kernel_file!("loss.cu"),
+    kernel_file!("router.cu"),
+    kernel_file!("dispatch.cu"),
 ];
 
 /// `(file name, kernels it defines)`, in the order of [`SOURCES`].
@@ -91,6 +93,31 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "cross_entropy_forward_bf16",
             "cross_entropy_loss_acc_bf16",
             "cross_entropy_backward_bf16",
+        ],
+    ),
+    (
+        "router.cu",
+        &[
+            "router_forward_f32",
+            "router_backward_f32",
+            "col_sum_partial_f64",
+            "col_sum_set_f64",
+        ],
+    ),
+    (
+        "dispatch.cu",
+        &[
+            "dispatch_count",
+            "dispatch_offsets",
+            "dispatch_place",
+            "moe_gather_f32",
+            "moe_gather_backward_f32",
+            "moe_combine_f32",
+            "moe_combine_backward_f32",
+            "moe_gather_bf16",
+            "moe_gather_backward_bf16",
+            "moe_combine_bf16",
+            "moe_combine_backward_bf16",
         ],
     ),
 ];

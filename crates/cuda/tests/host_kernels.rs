@@ -979,3 +979,341 @@ fn cross_entropy_forward_backward() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Router
+
+#[test]
+fn router_forward_backward() {
+    use ganymede_core::{NnOps, RouterDims, RouterOut};
+    let (rows, experts, k) = (150usize, 40usize, 3usize);
+    let mut rng = Rng::new(10);
+    let mut logits = rng.vec(rows * experts, 3.0);
+    // Ties, which must go to the lower index: a uniform row, and a row whose two best are equal.
+    logits[5 * experts..6 * experts].fill(0.7);
+    logits[6 * experts + 3] = 9.0;
+    logits[6 * experts + 7] = 9.0;
+    let bias = rng.vec(experts, 0.05);
+    let dweights = rng.vec(rows * k, 1.0);
+    let dconst: Vec<f64> = rng.vec(experts, 0.1).iter().map(|&v| v as f64).collect();
+    let b = cpu();
+    let chunks = rows.div_ceil(CHUNK_ROWS);
+    for (renorm, with_bias) in [(true, true), (false, false), (true, false)] {
+        let d = RouterDims { experts, k, renorm };
+        let name = format!("router_f32 (renorm {renorm}, bias {with_bias})");
+        // Outputs: probs, weights, idx (as f32: exact), psum, dlogits.
+        parity(
+            &name,
+            &[logits.clone(), bias.clone(), dweights.clone()],
+            0,
+            &[F32, F32, F32, F32, F32],
+            |v| {
+                let mut probs = vec![f32::NAN; rows * experts];
+                let mut weights = vec![f32::NAN; rows * k];
+                let mut idx = vec![u32::MAX; rows * k];
+                let mut partial = vec![f64::NAN; chunks * experts];
+                let mut psum = vec![f64::NAN; experts];
+                let mut dl = vec![f32::NAN; rows * experts];
+                let bias_arg: Arg = if with_bias {
+                    cptr(&v[1])
+                } else {
+                    Arg::Ptr(std::ptr::null_mut())
+                };
+                let one_warp = cfg([rows as u32, 1, 1], 32);
+                unsafe {
+                    launch(
+                        "router_forward_f32",
+                        one_warp,
+                        &[
+                            ptr(&mut probs),
+                            ptr(&mut weights),
+                            ptr(&mut idx),
+                            cptr(&v[0]),
+                            bias_arg,
+                            (experts as i32).into(),
+                            (k as i32).into(),
+                            (renorm as i32).into(),
+                        ],
+                    );
+                    launch(
+                        "col_sum_partial_f64",
+                        cfg([experts.div_ceil(32) as u32, chunks as u32, 1], 32),
+                        &[
+                            ptr(&mut partial),
+                            cptr(&probs),
+                            (rows as i32).into(),
+                            (experts as i32).into(),
+                            (CHUNK_ROWS as i32).into(),
+                        ],
+                    );
+                    launch(
+                        "col_sum_set_f64",
+                        cfg([experts.div_ceil(32) as u32, 1, 1], 32),
+                        &[
+                            ptr(&mut psum),
+                            cptr(&partial),
+                            (chunks as i32).into(),
+                            (experts as i32).into(),
+                        ],
+                    );
+                    launch(
+                        "router_backward_f32",
+                        one_warp,
+                        &[
+                            ptr(&mut dl),
+                            cptr(&v[2]),
+                            cptr(&probs),
+                            cptr(&idx),
+                            cptr(&dconst),
+                            (experts as i32).into(),
+                            (k as i32).into(),
+                            (renorm as i32).into(),
+                        ],
+                    );
+                }
+                let idx: Vec<f32> = idx.iter().map(|&i| i as f32).collect();
+                let psum: Vec<f32> = psum.iter().map(|&s| s as f32).collect();
+                vec![probs, weights, idx, psum, dl]
+            },
+            |v| {
+                let mut probs = b.zeros(&[rows * experts], Category::Activations);
+                let mut weights = b.zeros(&[rows * k], Category::Activations);
+                let mut idx = vec![0u32; rows * k];
+                let mut psum = vec![0f64; experts];
+                let bias_t = up(&b, &v[1]);
+                b.router_forward(
+                    RouterOut {
+                        probs: probs.view_mut(),
+                        weights: weights.view_mut(),
+                        idx: &mut idx,
+                        psum: &mut psum,
+                    },
+                    up(&b, &v[0]).view(),
+                    with_bias.then(|| bias_t.view()),
+                    d,
+                );
+                let mut dl = b.zeros(&[rows * experts], Category::Activations);
+                b.router_backward(
+                    dl.view_mut(),
+                    up(&b, &v[2]).view(),
+                    probs.view(),
+                    &idx,
+                    &dconst,
+                    d,
+                );
+                let idx: Vec<f32> = idx.iter().map(|&i| i as f32).collect();
+                let psum: Vec<f32> = psum.iter().map(|&s| s as f32).collect();
+                vec![
+                    down(&b, &probs),
+                    down(&b, &weights),
+                    idx,
+                    psum,
+                    down(&b, &dl),
+                ]
+            },
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch and combine
+
+/// The model's dispatch (crates/model Routing::dispatch), written out: a stable counting sort.
+fn dispatch_reference(idx: &[u32], experts: usize, k: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut offsets = vec![0u32; experts + 1];
+    for &i in idx {
+        offsets[i as usize + 1] += 1;
+    }
+    for e in 0..experts {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut next = offsets[..experts].to_vec();
+    let (mut src, mut pos) = (vec![0u32; idx.len()], vec![0u32; idx.len()]);
+    for (tj, &i) in idx.iter().enumerate() {
+        let p = next[i as usize];
+        next[i as usize] += 1;
+        src[p as usize] = (tj / k) as u32;
+        pos[tj] = p;
+    }
+    (offsets, src, pos)
+}
+
+/// Distinct experts per token, some experts left empty.
+fn routing(rng: &mut Rng, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
+    let mut idx = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut chosen = Vec::new();
+        while chosen.len() < k {
+            let e = rng.below(experts - 2) + 1; // experts 0 and last stay empty
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        idx.extend(chosen);
+    }
+    idx
+}
+
+#[test]
+fn dispatch_counting_sort() {
+    let (tokens, experts, k) = (301usize, 13usize, 4usize);
+    let mut rng = Rng::new(11);
+    let idx = routing(&mut rng, tokens, experts, k);
+    let n = idx.len();
+    let (want_off, want_src, want_pos) = dispatch_reference(&idx, experts, k);
+    let run = |idx: &[u32]| {
+        let mut counts = vec![0u32; experts];
+        let mut offsets = vec![u32::MAX; experts + 1];
+        let (mut src, mut pos) = (vec![u32::MAX; n], vec![u32::MAX; n]);
+        unsafe {
+            launch(
+                "dispatch_count",
+                EW,
+                &[ptr(&mut counts), cptr(idx), (n as i32).into()],
+            );
+            launch(
+                "dispatch_offsets",
+                cfg([1, 1, 1], 1),
+                &[ptr(&mut offsets), cptr(&counts), (experts as i32).into()],
+            );
+            launch(
+                "dispatch_place",
+                cfg([experts as u32, 1, 1], 96),
+                &[
+                    ptr(&mut src),
+                    ptr(&mut pos),
+                    cptr(&offsets),
+                    cptr(idx),
+                    (n as i32).into(),
+                    (k as i32).into(),
+                ],
+            );
+        }
+        (offsets, src, pos)
+    };
+    let (off, src, pos) = run(&idx);
+    assert_eq!(off, want_off, "offsets");
+    assert_eq!(src, want_src, "src");
+    assert_eq!(pos, want_pos, "pos");
+    println!("dispatch: {n} choices over {experts} experts: offsets, src, pos equal");
+    // Swapping two choices of different experts must show.
+    let mut bad = idx.clone();
+    let j = (0..n).find(|&j| bad[j] != bad[n / 2]).unwrap();
+    bad.swap(j, n / 2);
+    assert_ne!(run(&bad).2, want_pos);
+}
+
+#[test]
+fn moe_gather_combine_forward_backward() {
+    use ganymede_core::{Dispatched, NnOps};
+    let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 70usize);
+    let mut rng = Rng::new(12);
+    let idx = routing(&mut rng, tokens, experts, k);
+    let (_, src, pos) = dispatch_reference(&idx, experts, k);
+    let n = tokens * k;
+    let x = rng.vec(tokens * dim, 1.0);
+    let ye = rng.vec(n * dim, 1.0);
+    let dout = rng.vec(tokens * dim, 1.0);
+    let dxe = rng.vec(n * dim, 1.0);
+    let acc0 = rng.vec(tokens * dim, 0.3);
+    let w = rng.vec(n, 1.0);
+    let b = cpu();
+    let d = Dispatched { pos: &pos, k, dim };
+    for st in [St::F32, St::Bf16] {
+        // w stays f32 (router weights); the rest is storage.
+        let mut inputs = st.inputs(&[
+            ye.clone(),
+            x.clone(),
+            dout.clone(),
+            dxe.clone(),
+            acc0.clone(),
+        ]);
+        inputs.push(w.clone());
+        let t = st.tols_with_reduction()[0];
+        // Outputs: xe, dx (+=), out (+=), dye, dw (a dot over dim: the reduction's floor).
+        parity(
+            &st.name("moe_gather_combine"),
+            &inputs,
+            0,
+            &[t, t, t, t, st.tols_with_reduction()[3]],
+            |v| {
+                let (mut yb, mut xb, mut db, mut dxeb) =
+                    (st.buf(&v[0]), st.buf(&v[1]), st.buf(&v[2]), st.buf(&v[3]));
+                let (mut xe, mut dx, mut out) = (
+                    st.buf(&vec![f32::NAN; n * dim]),
+                    st.buf(&v[4]),
+                    st.buf(&v[4]),
+                );
+                let mut dye = st.buf(&vec![f32::NAN; n * dim]);
+                let mut dw = vec![f32::NAN; n];
+                let (rows, toks) = (cfg([n as u32, 1, 1], 32), cfg([tokens as u32, 1, 1], 64));
+                let dimk = [(k as i32).into(), (dim as i32).into()];
+                unsafe {
+                    launch(
+                        &st.name("moe_gather"),
+                        rows,
+                        &[xe.arg(), xb.arg(), cptr(&src), (dim as i32).into()],
+                    );
+                    launch(
+                        &st.name("moe_gather_backward"),
+                        toks,
+                        &[dx.arg(), dxeb.arg(), cptr(&pos), dimk[0], dimk[1]],
+                    );
+                    launch(
+                        &st.name("moe_combine"),
+                        toks,
+                        &[
+                            out.arg(),
+                            yb.arg(),
+                            cptr(&v[5]),
+                            cptr(&pos),
+                            dimk[0],
+                            dimk[1],
+                        ],
+                    );
+                    launch(
+                        &st.name("moe_combine_backward"),
+                        toks,
+                        &[
+                            dye.arg(),
+                            ptr(&mut dw),
+                            db.arg(),
+                            yb.arg(),
+                            cptr(&v[5]),
+                            cptr(&pos),
+                            dimk[0],
+                            dimk[1],
+                        ],
+                    );
+                }
+                vec![xe.read(), dx.read(), out.read(), dye.read(), dw]
+            },
+            |v| {
+                let mut xe = b.zeros(&[n * dim], Category::Activations);
+                b.moe_gather(xe.view_mut(), up(&b, &v[1]).view(), &src, dim);
+                let mut dx = up(&b, &v[4]);
+                b.moe_gather_backward(dx.view_mut(), up(&b, &v[3]).view(), d);
+                let mut out = up(&b, &v[4]);
+                let (yt, wt) = (up(&b, &v[0]), up(&b, &v[5]));
+                b.moe_combine(out.view_mut(), yt.view(), wt.view(), d);
+                let mut dye = b.zeros(&[n * dim], Category::Activations);
+                let mut dw = b.zeros(&[n], Category::Activations);
+                b.moe_combine_backward(
+                    dye.view_mut(),
+                    dw.view_mut(),
+                    up(&b, &v[2]).view(),
+                    yt.view(),
+                    wt.view(),
+                    d,
+                );
+                vec![
+                    down(&b, &xe),
+                    down(&b, &dx),
+                    down(&b, &out),
+                    down(&b, &dye),
+                    down(&b, &dw),
+                ]
+            },
+        );
+    }
+}
