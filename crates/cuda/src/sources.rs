@@ -27,6 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     kernel_file!("loss.cu"),
     kernel_file!("router.cu"),
     kernel_file!("dispatch.cu"),
+    kernel_file!("attention.cu"),
 ];
 
 /// `(file name, kernels it defines)`, in the order of [`SOURCES`].
@@ -118,6 +119,19 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "moe_gather_backward_bf16",
             "moe_combine_bf16",
             "moe_combine_backward_bf16",
+        ],
+    ),
+    (
+        "attention.cu",
+        &[
+            "attention_forward_f32",
+            "attention_backward_delta_f32",
+            "attention_backward_dkdv_f32",
+            "attention_backward_dq_f32",
+            "attention_forward_bf16",
+            "attention_backward_delta_bf16",
+            "attention_backward_dkdv_bf16",
+            "attention_backward_dq_bf16",
         ],
     ),
 ];

@@ -1317,3 +1317,185 @@ fn moe_gather_combine_forward_backward() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+fn attention_case(d: ganymede_core::AttnDims, seed: u64) {
+    use ganymede_core::{AttnGrads, AttnSaved, NnOps};
+    let (nq, nk) = (
+        d.batch * d.tq * d.heads * d.head_dim,
+        d.batch * d.tk * d.kv_heads * d.head_dim,
+    );
+    let nl = d.batch * d.heads * d.tq;
+    let mut rng = Rng::new(seed);
+    let (q, k, v, dout) = (
+        rng.vec(nq, 1.5),
+        rng.vec(nk, 1.5),
+        rng.vec(nk, 1.0),
+        rng.vec(nq, 1.0),
+    );
+    let scale = (1.0 / (d.head_dim as f64).sqrt()) as f32;
+    let b = cpu();
+    let i = |x: usize| Arg::I32(x as i32);
+    for st in [St::F32, St::Bf16] {
+        let inputs = st.inputs(&[q.clone(), k.clone(), v.clone(), dout.clone()]);
+        // Outputs: out, lse, dq, dk, dv. The gradients sum over keys or queries: in f32 the
+        // reduction floor; in bf16 they are bf16 (the CPU's backward then reads the bf16-rounded
+        // out, as the device's does).
+        let g = match st {
+            St::F32 => st.tols_with_reduction()[3],
+            St::Bf16 => BF16,
+        };
+        parity(
+            &format!("{} {d:?}", st.name("attention")),
+            &inputs,
+            1,
+            &[st.tols_with_reduction()[0], F32, g, g, g],
+            |x| {
+                let (mut qb, mut kb, mut vb, mut db) =
+                    (st.buf(&x[0]), st.buf(&x[1]), st.buf(&x[2]), st.buf(&x[3]));
+                let mut out = st.buf(&vec![f32::NAN; nq]);
+                let (mut lse, mut delta) = (vec![f32::NAN; nl], vec![f32::NAN; nl]);
+                let (mut dq, mut dk, mut dv) = (
+                    st.buf(&vec![f32::NAN; nq]),
+                    st.buf(&vec![f32::NAN; nk]),
+                    st.buf(&vec![f32::NAN; nk]),
+                );
+                let dims = [i(d.tq), i(d.tk), i(d.heads), i(d.kv_heads), i(d.head_dim)];
+                let (bt, h, kvh) = (d.batch as u32, d.heads as u32, d.kv_heads as u32);
+                unsafe {
+                    let mut a = vec![out.arg(), ptr(&mut lse), qb.arg(), kb.arg(), vb.arg()];
+                    a.extend_from_slice(&dims);
+                    a.push(scale.into());
+                    // 4 warps: 4 query rows per block.
+                    let w = 4;
+                    launch(
+                        &st.name("attention_forward"),
+                        cfg([d.tq.div_ceil(w) as u32, h, bt], 32 * w as u32),
+                        &a,
+                    );
+                    launch(
+                        &st.name("attention_backward_delta"),
+                        cfg([(d.batch * d.tq * d.heads) as u32, 1, 1], 32),
+                        &[
+                            ptr(&mut delta),
+                            db.arg(),
+                            out.arg(),
+                            i(d.tq),
+                            i(d.heads),
+                            i(d.head_dim),
+                        ],
+                    );
+                    let mut a = vec![
+                        dk.arg(),
+                        dv.arg(),
+                        db.arg(),
+                        qb.arg(),
+                        kb.arg(),
+                        vb.arg(),
+                        cptr(&lse),
+                        cptr(&delta),
+                    ];
+                    a.extend_from_slice(&dims);
+                    a.push(scale.into());
+                    launch(
+                        &st.name("attention_backward_dkdv"),
+                        cfg([d.tk.div_ceil(16) as u32, kvh, bt], 128),
+                        &a,
+                    );
+                    let mut a = vec![
+                        dq.arg(),
+                        db.arg(),
+                        qb.arg(),
+                        kb.arg(),
+                        vb.arg(),
+                        cptr(&lse),
+                        cptr(&delta),
+                    ];
+                    a.extend_from_slice(&dims);
+                    a.push(scale.into());
+                    launch(
+                        &st.name("attention_backward_dq"),
+                        cfg([d.tq.div_ceil(8) as u32, h, bt], 128),
+                        &a,
+                    );
+                }
+                vec![out.read(), lse, dq.read(), dk.read(), dv.read()]
+            },
+            |x| {
+                let (qt, kt, vt) = (up(&b, &x[0]), up(&b, &x[1]), up(&b, &x[2]));
+                let mut out = b.zeros(&[nq], Category::Activations);
+                let mut lse = b.zeros(&[nl], Category::Activations);
+                b.attention_forward(
+                    out.view_mut(),
+                    lse.view_mut(),
+                    qt.view(),
+                    kt.view(),
+                    vt.view(),
+                    d,
+                );
+                let (mut dq, mut dk, mut dv) = (
+                    b.zeros(&[nq], Category::Activations),
+                    b.zeros(&[nk], Category::Activations),
+                    b.zeros(&[nk], Category::Activations),
+                );
+                let saved_out = up(&b, &st.inputs(&[down(&b, &out)])[0]);
+                b.attention_backward(
+                    AttnGrads {
+                        dq: dq.view_mut(),
+                        dk: dk.view_mut(),
+                        dv: dv.view_mut(),
+                    },
+                    up(&b, &x[3]).view(),
+                    AttnSaved {
+                        out: saved_out.view(),
+                        q: qt.view(),
+                        k: kt.view(),
+                        v: vt.view(),
+                        lse: lse.view(),
+                    },
+                    d,
+                );
+                vec![
+                    down(&b, &out),
+                    down(&b, &lse),
+                    down(&b, &dq),
+                    down(&b, &dk),
+                    down(&b, &dv),
+                ]
+            },
+        );
+    }
+}
+
+#[test]
+fn attention_gqa_with_a_key_prefix() {
+    // tq < tk (queries at the end), two query heads per kv head, head_dim past one warp.
+    attention_case(
+        ganymede_core::AttnDims {
+            batch: 2,
+            tq: 13,
+            tk: 37,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 40,
+        },
+        13,
+    );
+}
+
+#[test]
+fn attention_square_multi_query() {
+    attention_case(
+        ganymede_core::AttnDims {
+            batch: 1,
+            tq: 45,
+            tk: 45,
+            heads: 3,
+            kv_heads: 1,
+            head_dim: 16,
+        },
+        14,
+    );
+}
