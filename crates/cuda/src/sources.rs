@@ -5,13 +5,37 @@
 //! paths, no headers). [`KERNELS`] names the `extern "C"` kernels each file defines; every
 //! kernel documents its launch shape above its definition. The host build compiles the same
 //! files (`build.rs`, `host`), and the tests check these lists against both builds.
+//!
+//! Conventions the device side follows (`tests/host_kernels.rs` launches each op this way):
+//! - names end in the storage type of the activations, `_f32` or `_bf16` (f32 arithmetic
+//!   either way); saved statistics (rstd, lse, delta) and weight gradients are f32, sums that
+//!   the step reads at its end (losses, sums of squares, per-expert probability sums) f64;
+//! - flat sizes are `long long`, dimensions `int`, token ids and routing indices `unsigned`;
+//! - reductions are deterministic, without floating-point atomics: a partial pass into a
+//!   scratch buffer, then an in-order sum. The scratch each op needs:
+//!   - sum of squares: `sumsq_partial_*` (one f64 per block) then `sum_acc_f64`;
+//!   - RMSNorm / head norm weight gradients: `ceil(rows / 64) × dim` f32 for
+//!     `*_dw_partial_*`, then `col_sum_acc_f32`;
+//!   - router per-expert sums: `ceil(rows / 64) × experts` f64 for `col_sum_partial_f64`,
+//!     then `col_sum_set_f64`;
+//!   - cross-entropy: `cross_entropy_forward_*` (lse) then `cross_entropy_loss_acc_*`;
+//!   - attention backward: `delta`, `batch × heads × tq` f32 (`attention_backward_delta_*`),
+//!     then `attention_backward_dkdv_*` and `attention_backward_dq_*`;
+//!   - embedding backward: the host's `host::embedding_segments(ids)` uploaded (three u32
+//!     arrays);
+//! - `dispatch_count` needs its counts zeroed first; `dispatch_offsets` runs as one thread.
 
 macro_rules! kernel_file {
     ($name:literal) => {
         (
             $name,
+            // `#line` so NVRTC's messages name the file and line as in the repository.
             concat!(
+                "#line 1 \"common.cuh\"\n",
                 include_str!("../kernels/common.cuh"),
+                "#line 1 \"",
+                $name,
+                "\"\n",
                 include_str!(concat!("../kernels/", $name))
             ),
         )
