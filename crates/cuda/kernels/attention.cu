@@ -35,6 +35,7 @@ __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v,
     __shared__ float Vs[ATT_BK][ATT_MAXD];
     __shared__ float Qs[ATT_MAXW][ATT_MAXD];
     __shared__ float Ps[ATT_MAXW][ATT_BK];
+    GANY_REQUIRE(hd <= ATT_MAXD && blockDim.x % 32 == 0 && blockDim.x <= 32 * ATT_MAXW);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     const int i0 = blockIdx.x * W, i = i0 + w;
@@ -103,6 +104,7 @@ __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v,
 template <class T>
 __device__ void attn_bwd_delta(float* delta, const T* dout, const T* out, int tq, int heads,
                                int hd) {
+    GANY_REQUIRE(blockDim.x == 32);
     const long long r = blockIdx.x;
     float s = 0.0f;
     for (int d = threadIdx.x; d < hd; d += 32) s += ld(dout + r * hd + d) * ld(out + r * hd + d);
@@ -185,6 +187,7 @@ __device__ void attn_bwd_dkdv(T* dk, T* dv, const T* dout, const T* q, const T* 
     __shared__ float dKs[ATT_BKB][ATT_MAXD], dVs[ATT_BKB][ATT_MAXD];
     __shared__ float Ps[ATT_BQ][ATT_BKB], dSs[ATT_BQ][ATT_BKB];
     __shared__ float Ls[ATT_BQ], Dl[ATT_BQ];
+    GANY_REQUIRE(hd <= ATT_MAXD && blockDim.x == ATT_BQ * ATT_BKB);
     const int g = blockIdx.y, b = blockIdx.z, rep = heads / kvh, off = tk - tq;
     const int j0 = blockIdx.x * ATT_BKB;
     load_key_tile(Ks, Vs, k, v, b, g, j0, tk, kvh, hd);
@@ -239,6 +242,7 @@ __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const 
     __shared__ float Qs[ATT_BQ][ATT_MAXD], Ds[ATT_BQ][ATT_MAXD], dQs[ATT_BQ][ATT_MAXD];
     __shared__ float dSs[ATT_BQ][ATT_BKB];
     __shared__ float Ls[ATT_BQ], Dl[ATT_BQ];
+    GANY_REQUIRE(hd <= ATT_MAXD && blockDim.x == ATT_BQ * ATT_BKB);
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     const int i0 = blockIdx.x * ATT_BQ;
     load_query_tile(Qs, Ds, Ls, Dl, q, dout, lse, delta, b, h, i0, tq, heads, hd);

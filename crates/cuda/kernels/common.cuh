@@ -12,6 +12,13 @@
 #define GANY_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
 
+// A launch precondition: a kernel that cannot honour its contract stops instead of writing
+// wrong results (the launch then fails with an error on the device, aborts in the host build).
+#define GANY_REQUIRE(cond) \
+    do {                   \
+        if (!(cond)) __trap(); \
+    } while (0)
+
 typedef unsigned short bf16;
 
 __device__ __forceinline__ float bf16_to_f32(bf16 h) {
@@ -64,6 +71,7 @@ __device__ __forceinline__ float warp_max(float v) {
 template <class T>
 __device__ __forceinline__ T block_sum(T v) {
     __shared__ T part[32];
+    GANY_REQUIRE(blockDim.x % 32 == 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = warp_sum(v);
     __syncthreads();
@@ -75,6 +83,7 @@ __device__ __forceinline__ T block_sum(T v) {
 
 __device__ __forceinline__ float block_max(float v) {
     __shared__ float part[32];
+    GANY_REQUIRE(blockDim.x % 32 == 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = warp_max(v);
     __syncthreads();
@@ -87,6 +96,7 @@ __device__ __forceinline__ float block_max(float v) {
 // Exclusive prefix sum of v over a 1-D block (size a multiple of 32); *total gets the sum.
 __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* total) {
     __shared__ unsigned warp_tot[32];
+    GANY_REQUIRE(blockDim.x % 32 == 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     unsigned inc = v;
     for (int d = 1; d < 32; d <<= 1) {

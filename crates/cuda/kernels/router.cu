@@ -9,6 +9,7 @@
 extern "C" __global__ void router_forward_f32(float* probs, float* weights, unsigned* idx,
                                               const float* logits, const float* bias,
                                               int experts, int k, int renorm) {
+    GANY_REQUIRE(blockDim.x == 32 && experts <= 1024 && k >= 1 && k <= 32 && k <= experts);
     const int lane = threadIdx.x;
     const long long row = blockIdx.x;
     const float* l = logits + row * experts;
@@ -71,6 +72,7 @@ extern "C" __global__ void router_backward_f32(float* dlogits, const float* dwei
                                                const float* probs, const unsigned* idx,
                                                const double* dprob_const, int experts, int k,
                                                int renorm) {
+    GANY_REQUIRE(blockDim.x == 32);
     const int lane = threadIdx.x;
     const long long row = blockIdx.x;
     const float* p = probs + row * experts;

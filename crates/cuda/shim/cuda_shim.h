@@ -13,6 +13,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #define __global__
@@ -45,6 +47,11 @@ extern "C" unsigned long long* gany_warp_slots();
 
 inline void __syncthreads() { gany_syncthreads(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { gany_syncwarp(); }
+// A kernel's launch precondition failed: stop loudly, as the device does.
+[[noreturn]] inline void __trap() {
+    std::fprintf(stderr, "cuda host shim: a kernel trapped (a launch precondition failed)\n");
+    std::abort();
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 

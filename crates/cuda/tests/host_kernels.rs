@@ -1499,3 +1499,59 @@ fn attention_square_multi_query() {
         14,
     );
 }
+
+#[test]
+fn attention_at_the_largest_head_dim() {
+    // head_dim 128 (the kernels' limit, Qwen3's size): every lane holds four output columns.
+    attention_case(
+        ganymede_core::AttnDims {
+            batch: 1,
+            tq: 21,
+            tk: 40,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 128,
+        },
+        15,
+    );
+}
+
+/// Run by `a_broken_launch_precondition_traps` in a child process: attention past its
+/// head_dim limit, which must trap (abort) rather than compute.
+#[test]
+#[ignore]
+fn trap_child() {
+    let (hd, n) = (129usize, 129usize);
+    let (mut out, mut lse, x) = (vec![0f32; n], vec![0f32; 1], vec![0f32; n]);
+    let i = |x: usize| Arg::I32(x as i32);
+    unsafe {
+        launch(
+            "attention_forward_f32",
+            cfg([1, 1, 1], 32),
+            &[
+                ptr(&mut out),
+                ptr(&mut lse),
+                cptr(&x),
+                cptr(&x),
+                cptr(&x),
+                i(1),
+                i(1),
+                i(1),
+                i(1),
+                i(hd),
+                1.0f32.into(),
+            ],
+        )
+    };
+}
+
+#[test]
+fn a_broken_launch_precondition_traps() {
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "trap_child", "--nocapture"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&child.stderr);
+    assert!(!child.status.success(), "the launch did not fail");
+    assert!(err.contains("a kernel trapped"), "{err}");
+}
