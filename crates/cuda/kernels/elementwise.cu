@@ -11,20 +11,28 @@ extern "C" __global__ void cast_bf16_to_f32(float* dst, const bf16* src, long lo
     for (long long i = global_tid(); i < n; i += grid_threads()) dst[i] = bf16_to_f32(src[i]);
 }
 
-// y += alpha * x
-extern "C" __global__ void axpy_f32(float* y, float alpha, const float* x, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) y[i] += alpha * x[i];
+// y += alpha * x; y *= alpha; y += x (Blas's vector ops; bf16 for bf16 activations).
+template <class T>
+__device__ void axpy(T* y, float alpha, const T* x, long long n) {
+    for (long long i = global_tid(); i < n; i += grid_threads()) st(y + i, ld(y + i) + alpha * ld(x + i));
+}
+template <class T>
+__device__ void scale(T* y, float alpha, long long n) {
+    for (long long i = global_tid(); i < n; i += grid_threads()) st(y + i, ld(y + i) * alpha);
+}
+template <class T>
+__device__ void add(T* y, const T* x, long long n) {
+    for (long long i = global_tid(); i < n; i += grid_threads()) st(y + i, ld(y + i) + ld(x + i));
 }
 
-// y *= alpha
-extern "C" __global__ void scale_f32(float* y, float alpha, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) y[i] *= alpha;
-}
-
-// y += x
-extern "C" __global__ void add_f32(float* y, const float* x, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) y[i] += x[i];
-}
+#define GANY_VECTOR_OPS(S, T)                                                                    \
+    extern "C" __global__ void axpy_##S(T* y, float alpha, const T* x, long long n) {            \
+        axpy(y, alpha, x, n);                                                                    \
+    }                                                                                            \
+    extern "C" __global__ void scale_##S(T* y, float alpha, long long n) { scale(y, alpha, n); } \
+    extern "C" __global__ void add_##S(T* y, const T* x, long long n) { add(y, x, n); }
+GANY_VECTOR_OPS(f32, float)
+GANY_VECTOR_OPS(bf16, bf16)
 
 // Sum of squares in two deterministic passes (no floating-point atomics): each block writes
 // the f64 sum of its grid-stride share to partial[blockIdx.x]; then sum_acc_f64 adds the

@@ -193,60 +193,61 @@ fn axpy_scale_add() {
     let mut rng = Rng::new(2);
     let (y, x) = (rng.vec(999, 1.0), rng.vec(999, 1.0));
     let b = cpu();
-    parity(
-        "axpy_f32",
-        &[y.clone(), x.clone()],
-        1,
-        &[F32],
-        |v| {
-            let mut y = v[0].clone();
-            unsafe {
-                launch(
-                    "axpy_f32",
-                    EW,
-                    &[ptr(&mut y), 0.37f32.into(), cptr(&v[1]), len(&y)],
-                )
-            };
-            vec![y]
-        },
-        |v| {
-            let mut y = up(&b, &v[0]);
-            b.axpy(y.view_mut(), 0.37, up(&b, &v[1]).view());
-            vec![down(&b, &y)]
-        },
-    );
-    parity(
-        "scale_f32",
-        std::slice::from_ref(&y),
-        0,
-        &[F32],
-        |v| {
-            let mut y = v[0].clone();
-            unsafe { launch("scale_f32", EW, &[ptr(&mut y), (-1.7f32).into(), len(&y)]) };
-            vec![y]
-        },
-        |v| {
-            let mut y = up(&b, &v[0]);
-            b.scale(y.view_mut(), -1.7);
-            vec![down(&b, &y)]
-        },
-    );
-    parity(
-        "add_f32",
-        &[y, x],
-        1,
-        &[F32],
-        |v| {
-            let mut y = v[0].clone();
-            unsafe { launch("add_f32", EW, &[ptr(&mut y), cptr(&v[1]), len(&y)]) };
-            vec![y]
-        },
-        |v| {
-            let mut y = up(&b, &v[0]);
-            b.add(y.view_mut(), up(&b, &v[1]).view());
-            vec![down(&b, &y)]
-        },
-    );
+    for st in [St::F32, St::Bf16] {
+        let tol = [st.tols_with_reduction()[0]];
+        let inputs = st.inputs(&[y.clone(), x.clone()]);
+        parity(
+            &st.name("axpy"),
+            &inputs,
+            1,
+            &tol,
+            |v| {
+                let (mut y, mut x) = (st.buf(&v[0]), st.buf(&v[1]));
+                let n = Arg::I64(v[0].len() as i64);
+                unsafe { launch(&st.name("axpy"), EW, &[y.arg(), 0.37f32.into(), x.arg(), n]) };
+                vec![y.read()]
+            },
+            |v| {
+                let mut y = up(&b, &v[0]);
+                b.axpy(y.view_mut(), 0.37, up(&b, &v[1]).view());
+                vec![down(&b, &y)]
+            },
+        );
+        parity(
+            &st.name("scale"),
+            &inputs[..1],
+            0,
+            &tol,
+            |v| {
+                let mut y = st.buf(&v[0]);
+                let n = Arg::I64(v[0].len() as i64);
+                unsafe { launch(&st.name("scale"), EW, &[y.arg(), (-1.7f32).into(), n]) };
+                vec![y.read()]
+            },
+            |v| {
+                let mut y = up(&b, &v[0]);
+                b.scale(y.view_mut(), -1.7);
+                vec![down(&b, &y)]
+            },
+        );
+        parity(
+            &st.name("add"),
+            &inputs,
+            1,
+            &tol,
+            |v| {
+                let (mut y, mut x) = (st.buf(&v[0]), st.buf(&v[1]));
+                let n = Arg::I64(v[0].len() as i64);
+                unsafe { launch(&st.name("add"), EW, &[y.arg(), x.arg(), n]) };
+                vec![y.read()]
+            },
+            |v| {
+                let mut y = up(&b, &v[0]);
+                b.add(y.view_mut(), up(&b, &v[1]).view());
+                vec![down(&b, &y)]
+            },
+        );
+    }
 }
 
 /// `acc[0] += Σ x²` through the two passes, as the device runs them.
