@@ -47,6 +47,10 @@ struct Block {
 };
 
 thread_local Block* g_block = nullptr;
+// Run a block's threads last to first between barriers: a kernel that reads shared memory
+// another thread writes without a barrier in between gets the stale value in one of the two
+// orders, so running both catches a missing __syncthreads.
+thread_local bool g_reverse = false;
 thread_local std::vector<std::unique_ptr<unsigned char[]>> g_stacks;
 
 [[noreturn]] void fail(const char* what) {
@@ -99,8 +103,8 @@ void run_block(Block& b, unsigned nthreads) {
     unsigned left = nthreads;
     while (left > 0) {
         bool progressed = false;
-        for (unsigned i = 0; i < nthreads; i++) {
-            Fiber& f = b.fibers[i];
+        for (unsigned n = 0; n < nthreads; n++) {
+            Fiber& f = b.fibers[g_reverse ? nthreads - 1 - n : n];
             if (f.done) continue;
             if (f.waiting && f.waiting->generation == f.wait_generation) continue;
             f.waiting = nullptr;
@@ -167,6 +171,10 @@ const Entry* find(const char* name) {
 }
 
 }  // namespace
+
+// Order of a block's threads between barriers on this OS thread: first to last (0) or last to
+// first (1).
+extern "C" void gany_host_set_reverse(int reverse) { g_reverse = reverse != 0; }
 
 // The argument kinds of a kernel, one letter each: p pointer, i int, u unsigned, l long long,
 // f float, d double. Null for an unknown name.

@@ -17,6 +17,7 @@ extern "C" {
     ) -> i32;
     fn gany_host_signature(name: *const c_char) -> *const c_char;
     fn gany_host_kernel_count() -> u32;
+    fn gany_host_set_reverse(reverse: i32);
     fn gany_host_kernel_name(i: u32) -> *const c_char;
 }
 
@@ -122,6 +123,20 @@ pub fn signature(name: &str) -> Option<String> {
         let s = gany_host_signature(c.as_ptr());
         (!s.is_null()).then(|| CStr::from_ptr(s).to_string_lossy().into_owned())
     }
+}
+
+/// The order in which a block's threads run between barriers, for launches from this thread.
+/// Running a kernel in both orders exposes a missing barrier: a thread that reads shared
+/// memory another writes without `__syncthreads` in between sees the stale value in one order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    FirstToLast,
+    LastToFirst,
+}
+
+pub fn set_schedule(s: Schedule) {
+    // Safety: sets a thread-local flag.
+    unsafe { gany_host_set_reverse((s == Schedule::LastToFirst) as i32) }
 }
 
 /// Every kernel the host build holds, in file order.

@@ -8,7 +8,7 @@
 //! to 2^-8, and the f32 work before it differs by a few ulps).
 
 use ganymede_core::{bf16, Blas, Category, CpuBackend, Ledger, Memory, Tensor};
-use ganymede_cuda::host::{launch, Arg, LaunchConfig};
+use ganymede_cuda::host::{launch, set_schedule, Arg, LaunchConfig, Schedule};
 use std::sync::Arc;
 
 fn cpu() -> CpuBackend {
@@ -79,9 +79,10 @@ fn compare(got: &[f32], want: &[f32], tol: Tol) -> Result<(f64, f64), String> {
     Ok((abs, rel))
 }
 
-/// Runs `kernel` and `reference` on `inputs` and compares every output; then runs `kernel` on
-/// the inputs with one element of input `perturb` changed and requires a mismatch. `tols` holds
-/// one tolerance per output, or one for all.
+/// Runs `kernel` and `reference` on `inputs` and compares every output, with the threads of each
+/// block run first to last and again last to first (a missing barrier shows in one of them);
+/// then runs `kernel` on the inputs with one element of input `perturb` changed and requires a
+/// mismatch. `tols` holds one tolerance per output, or one for all.
 fn parity(
     name: &str,
     inputs: &[Vec<f32>],
@@ -91,15 +92,22 @@ fn parity(
     reference: impl Fn(&[Vec<f32>]) -> Vec<Vec<f32>>,
 ) {
     let want = reference(inputs);
+    let tol = |o: usize| tols[o.min(tols.len() - 1)];
     let got = kernel(inputs);
     assert_eq!(got.len(), want.len(), "{name}: outputs");
-    let tol = |o: usize| tols[o.min(tols.len() - 1)];
     for (o, (g, w)) in got.iter().zip(&want).enumerate() {
         let (a, r) = compare(g, w, tol(o)).unwrap_or_else(|e| panic!("{name}: output {o}: {e}"));
         println!(
             "{name} output {o}: max abs err {a:.3e}, max rel err {r:.3e} ({:?})",
             tol(o)
         );
+    }
+    set_schedule(Schedule::LastToFirst);
+    let reversed = kernel(inputs);
+    set_schedule(Schedule::FirstToLast);
+    for (o, (g, w)) in reversed.iter().zip(&want).enumerate() {
+        compare(g, w, tol(o))
+            .unwrap_or_else(|e| panic!("{name}: output {o}, threads last to first: {e}"));
     }
     let mut bad = inputs.to_vec();
     let j = bad[perturb].len() / 2;
