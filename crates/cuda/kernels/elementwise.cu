@@ -14,7 +14,8 @@ extern "C" __global__ void cast_bf16_to_f32(float* dst, const bf16* src, long lo
 // y += alpha * x; y *= alpha; y += x (Blas's vector ops; bf16 for bf16 activations).
 template <class T>
 __device__ void axpy(T* y, float alpha, const T* x, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) st(y + i, ld(y + i) + alpha * ld(x + i));
+    for (long long i = global_tid(); i < n; i += grid_threads())
+        st(y + i, ld(y + i) + alpha * ld(x + i));
 }
 template <class T>
 __device__ void scale(T* y, float alpha, long long n) {

@@ -32,7 +32,8 @@ __device__ void rmsnorm_fwd(T* out, float* rstd, const T* x, const T* w, int dim
     ss = block_sum(ss);
     const float rs = 1.0f / sqrtf(ss * (1.0f / (float)dim) + eps);
     if (threadIdx.x == 0) rstd[row] = rs;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) st(out + row * dim + i, ld(w + i) * (ld(xr + i) * rs));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        st(out + row * dim + i, ld(w + i) * (ld(xr + i) * rs));
 }
 
 // dx += ∂/∂x (the row's part). Launch: grid rows, block a multiple of 32.
@@ -42,7 +43,8 @@ __device__ void rmsnorm_bwd_dx(T* dx, const T* dout, const T* x, const T* w, con
     const long long off = (long long)blockIdx.x * dim;
     const float r = rstd[blockIdx.x];
     float dot = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) dot += ld(dout + off + i) * ld(w + i) * ld(x + off + i);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        dot += ld(dout + off + i) * ld(w + i) * ld(x + off + i);
     dot = block_sum(dot);
     const float c = dot * r * r / (float)dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -87,13 +89,14 @@ GANY_RMSNORM(bf16, bf16)
 
 // ---------------------------------------------------------------------------------------------
 // Per-head RMSNorm (weight of head_dim) then rotate-half RoPE. Rows of heads × head_dim; row r
-// sits at position pos0 + r % seq; frequencies as the CPU backend (and transformers) compute
-// them in f32: inv_i = 1 / theta^(2i / head_dim), angle = inv_i * position.
+// sits at position pos0 + r % seq. inv_freq holds the head_dim / 2 frequencies
+// 1 / theta^(2i / head_dim) as the host computes them in f32 (host::rope_inv_freq, the CPU
+// backend's arithmetic): angles reach thousands of radians, so a powf that differs by an ulp on
+// the device would move them by ~1e-3.
 
-__device__ __forceinline__ void rope_cs(int i, int head_dim, float theta, int pos, float* c,
+__device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, float* c,
                                         float* s) {
-    const float inv = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
-    const float a = inv * (float)pos;
+    const float a = inv_freq[i] * (float)pos;
     *c = cosf(a);
     *s = sinf(a);
 }
@@ -101,7 +104,7 @@ __device__ __forceinline__ void rope_cs(int i, int head_dim, float theta, int po
 // Launch: grid rows * heads (block = row * heads + head), block a multiple of 32.
 template <class T>
 __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, int heads,
-                                   int hd, int seq, int pos0, float theta, float eps) {
+                                   int hd, int seq, int pos0, const float* inv_freq, float eps) {
     const long long rh = blockIdx.x;
     const int row = (int)(rh / heads);
     const long long off = rh * hd;
@@ -117,7 +120,7 @@ __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, 
     const int pos = pos0 + row % seq;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float c, s;
-        rope_cs(i, hd, theta, pos, &c, &s);
+        rope_cs(i, inv_freq, pos, &c, &s);
         const float a = ld(w + i) * (ld(x + off + i) * rs);
         const float b = ld(w + i + half) * (ld(x + off + i + half) * rs);
         st(out + off + i, a * c - b * s);
@@ -129,7 +132,7 @@ __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, 
 template <class T>
 __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T* w,
                                       const float* rstd, int heads, int hd, int seq, int pos0,
-                                      float theta) {
+                                      const float* inv_freq) {
     const long long rh = blockIdx.x;
     const int row = (int)(rh / heads);
     const long long off = rh * hd;
@@ -140,7 +143,7 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
     float dot = 0.0f;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float c, s;
-        rope_cs(i, hd, theta, pos, &c, &s);
+        rope_cs(i, inv_freq, pos, &c, &s);
         const float da = ld(dout + off + i), db = ld(dout + off + i + half);
         const float ga = da * c + db * s, gb = db * c - da * s;
         dot += ga * ld(w + i) * ld(x + off + i);
@@ -150,7 +153,7 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
     const float k = dot * r * r / (float)hd;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float c, s;
-        rope_cs(i, hd, theta, pos, &c, &s);
+        rope_cs(i, inv_freq, pos, &c, &s);
         const float da = ld(dout + off + i), db = ld(dout + off + i + half);
         const float ga = da * c + db * s, gb = db * c - da * s;
         st(dx + off + i, r * (ga * ld(w + i) - ld(x + off + i) * k));
@@ -163,7 +166,8 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
 template <class T>
 __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, const T* x,
                                               const float* rstd, int rows, int heads, int hd,
-                                              int seq, int pos0, float theta, int chunk_rows) {
+                                              int seq, int pos0, const float* inv_freq,
+                                              int chunk_rows) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= hd) return;
     const int half = hd / 2;
@@ -173,7 +177,7 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
     float acc = 0.0f;
     for (int r = r0; r < r1; r++) {
         float c, s;
-        rope_cs(j, hd, theta, pos0 + r % seq, &c, &s);
+        rope_cs(j, inv_freq, pos0 + r % seq, &c, &s);
         for (int h = 0; h < heads; h++) {
             const long long off = ((long long)r * heads + h) * hd;
             const float da = ld(dout + off + j), db = ld(dout + off + j + half);
@@ -185,22 +189,21 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
 }
 
 #define GANY_HEAD_NORM_ROPE(S, T)                                                                \
-    extern "C" __global__ void head_norm_rope_forward_##S(T* out, float* rstd, const T* x,       \
-                                                          const T* w, int heads, int head_dim,   \
-                                                          int seq, int pos0, float theta,        \
-                                                          float eps) {                           \
-        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, theta, eps);             \
+    extern "C" __global__ void head_norm_rope_forward_##S(                                       \
+        T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
+        const float* inv_freq, float eps) {                                                      \
+        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps);          \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dx_##S(                                   \
         T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
-        int head_dim, int seq, int pos0, float theta) {                                          \
-        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, theta);          \
+        int head_dim, int seq, int pos0, const float* inv_freq) {                                \
+        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq);       \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dw_partial_##S(                           \
-        float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,        \
-        int head_dim, int seq, int pos0, float theta, int chunk_rows) {                          \
+        float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \
+        int head_dim, int seq, int pos0, const float* inv_freq, int chunk_rows) {                \
         head_norm_rope_bwd_dw_partial(partial, dout, x, rstd, rows, heads, head_dim, seq, pos0,  \
-                                      theta, chunk_rows);                                        \
+                                      inv_freq, chunk_rows);                                     \
     }
 GANY_HEAD_NORM_ROPE(f32, float)
 GANY_HEAD_NORM_ROPE(bf16, bf16)

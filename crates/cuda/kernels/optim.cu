@@ -3,7 +3,8 @@
 // CPU backend rounds them. Compiled after common.cuh (see src/sources.rs).
 // Launch: 1-D, any grid and block (grid-stride loops), unless a kernel says otherwise.
 
-// AdamW: m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²; p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
+// AdamW: m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²;
+// p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
 // with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2).
 extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
                                           long long n, float b1, float b2, float omb1, float omb2,

@@ -193,3 +193,12 @@ pub fn embedding_segments(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     seg_start.push(ids.len() as u32);
     (order, seg_start, seg_id)
 }
+
+/// RoPE's frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, in f32 as the CPU
+/// backend (and transformers) compute them: what `head_norm_rope_*` kernels read as `inv_freq`.
+pub fn rope_inv_freq(head_dim: usize, theta: f64) -> Vec<f32> {
+    let (base, d) = (theta as f32, head_dim as f32);
+    (0..head_dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / d))
+        .collect()
+}

@@ -23,6 +23,8 @@
 //!     then `attention_backward_dkdv_*` and `attention_backward_dq_*`;
 //!   - embedding backward: the host's `host::embedding_segments(ids)` uploaded (three u32
 //!     arrays);
+//! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
+//!   (`host::rope_inv_freq`, bitwise the CPU backend's);
 //! - `dispatch_count` needs its counts zeroed first; `dispatch_offsets` runs as one thread.
 
 macro_rules! kernel_file {

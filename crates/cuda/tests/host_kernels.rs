@@ -617,8 +617,9 @@ fn head_norm_rope_forward_backward() {
         heads: 3,
         head_dim: 70,
         seq: 13,
-        pos0: 5,
-        theta: 10000.0,
+        // Far positions: angles of thousands of radians, where the frequencies must match.
+        pos0: 4000,
+        theta: 1_000_000.0,
         eps: 1e-6,
     };
     let rows = 150usize;
@@ -628,6 +629,7 @@ fn head_norm_rope_forward_backward() {
     let w: Vec<f32> = rng.vec(d.head_dim, 0.5).iter().map(|v| 1.0 + v).collect();
     let dout = rng.vec(n, 1.0);
     let dw0 = rng.vec(d.head_dim, 0.3);
+    let inv_freq = ganymede_cuda::host::rope_inv_freq(d.head_dim, d.theta);
     let b = cpu();
     let sizes = |rows: usize| -> Vec<Arg> {
         vec![
@@ -635,7 +637,7 @@ fn head_norm_rope_forward_backward() {
             (d.head_dim as i32).into(),
             (d.seq as i32).into(),
             (d.pos0 as i32).into(),
-            (d.theta as f32).into(),
+            cptr(&inv_freq),
         ]
         .into_iter()
         .chain(std::iter::once(Arg::I32(rows as i32)))
