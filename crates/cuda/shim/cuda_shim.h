@@ -5,7 +5,9 @@
 // block are fibers (ucontext) switched only at barriers. That makes every run deterministic and
 // cheap on a small machine (hundreds of OS threads per block would spend their time in the
 // scheduler), while keeping the CUDA contract visible: a thread runs until it reaches
-// __syncthreads() (or a warp-level exchange), and all threads of the block (or warp) must reach it.
+// __syncthreads() (or a warp-level exchange), and all threads of the block (or warp) must reach it
+// (a block that cannot finish aborts with a message instead of hanging). Between barriers the
+// threads run first to last, or last to first (host::set_schedule), so a missing barrier shows.
 // `__shared__` is a static thread_local: one copy per OS thread, hence per running block, and
 // separate for launches on different test threads.
 #pragma once
@@ -46,7 +48,11 @@ extern "C" void* gany_dynamic_shared();
 extern "C" unsigned long long* gany_warp_slots();
 
 inline void __syncthreads() { gany_syncthreads(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { gany_syncwarp(); }
+inline void gany_full_mask(unsigned mask);
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    gany_full_mask(mask);
+    gany_syncwarp();
+}
 // A kernel's launch precondition failed: stop loudly, as the device does.
 [[noreturn]] inline void __trap() {
     std::fprintf(stderr, "cuda host shim: a kernel trapped (a launch precondition failed)\n");
@@ -57,6 +63,14 @@ inline void __threadfence_block() {}
 
 // A warp shuffle: every lane publishes its value in the warp's slots, waits for the others,
 // reads its source lane's slot, and waits again so no lane overwrites a slot still being read.
+// Warp-level operations here assume the whole warp takes part, as every kernel's full mask says.
+inline void gany_full_mask(unsigned mask) {
+    if (mask != 0xffffffffu) {
+        std::fprintf(stderr, "cuda host shim: a warp operation with a partial mask\n");
+        std::abort();
+    }
+}
+
 template <class T>
 inline T gany_exchange(T v, int src) {
     static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
@@ -79,27 +93,31 @@ inline int gany_lane() {
 }
 
 template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+inline T __shfl_xor_sync(unsigned member_mask, T v, int mask, int width = 32) {
+    gany_full_mask(member_mask);
     const int lane = gany_lane();
     const int src = (lane & ~(width - 1)) | ((lane % width) ^ mask);
     return gany_exchange(v, src);
 }
 template <class T>
-inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_down_sync(unsigned member_mask, T v, unsigned delta, int width = 32) {
+    gany_full_mask(member_mask);
     const int lane = gany_lane();
     const int within = lane % width;
     const int src = within + (int)delta < width ? lane + (int)delta : lane;
     return gany_exchange(v, src);
 }
 template <class T>
-inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_up_sync(unsigned member_mask, T v, unsigned delta, int width = 32) {
+    gany_full_mask(member_mask);
     const int lane = gany_lane();
     const int within = lane % width;
     const int src = within >= (int)delta ? lane - (int)delta : lane;
     return gany_exchange(v, src);
 }
 template <class T>
-inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+inline T __shfl_sync(unsigned member_mask, T v, int src_lane, int width = 32) {
+    gany_full_mask(member_mask);
     const int lane = gany_lane();
     return gany_exchange(v, (lane & ~(width - 1)) + (src_lane % width));
 }
