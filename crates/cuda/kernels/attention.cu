@@ -14,7 +14,7 @@
 
 #define ATT_MAXD 128
 #define ATT_BK 32   // keys per forward tile: one per lane
-#define ATT_MAXW 8  // warps (query rows) per forward block
+#define ATT_MAXW 16  // warps (query rows) per forward block: more rows share each K/V tile
 #define ATT_BQ 8    // queries per backward tile
 #define ATT_BKB 16  // keys per backward tile; backward blocks are ATT_BQ * ATT_BKB threads
 
@@ -27,7 +27,7 @@ __device__ __forceinline__ long long kv_off(int b, int j, int g, int tk, int kvh
 
 // Forward: one warp per query row; the block's warps share each K/V tile. Lane l scores key
 // j0 + l, then the warp folds the tile into its running max, sum and output.
-// Launch: grid (ceil(tq / W), heads, batch), block 32 W threads, W <= 8.
+// Launch: grid (ceil(tq / W), heads, batch), block 32 W threads, W <= 16.
 template <class T>
 __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int tq, int tk,
                          int heads, int kvh, int hd, float scale) {

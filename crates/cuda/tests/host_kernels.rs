@@ -1332,7 +1332,8 @@ fn moe_gather_combine_forward_backward() {
 // ---------------------------------------------------------------------------------------------
 // Attention
 
-fn attention_case(d: ganymede_core::AttnDims, seed: u64) {
+/// `warps`: query rows per forward block.
+fn attention_case(d: ganymede_core::AttnDims, warps: usize, seed: u64) {
     use ganymede_core::{AttnGrads, AttnSaved, NnOps};
     let (nq, nk) = (
         d.batch * d.tq * d.heads * d.head_dim,
@@ -1379,8 +1380,7 @@ fn attention_case(d: ganymede_core::AttnDims, seed: u64) {
                     let mut a = vec![out.arg(), ptr(&mut lse), qb.arg(), kb.arg(), vb.arg()];
                     a.extend_from_slice(&dims);
                     a.push(scale.into());
-                    // 4 warps: 4 query rows per block.
-                    let w = 4;
+                    let w = warps;
                     launch(
                         &st.name("attention_forward"),
                         cfg([d.tq.div_ceil(w) as u32, h, bt], 32 * w as u32),
@@ -1492,6 +1492,7 @@ fn attention_gqa_with_a_key_prefix() {
             kv_heads: 2,
             head_dim: 40,
         },
+        4,
         13,
     );
 }
@@ -1507,6 +1508,7 @@ fn attention_square_multi_query() {
             kv_heads: 1,
             head_dim: 16,
         },
+        16,
         14,
     );
 }
@@ -1523,6 +1525,7 @@ fn attention_at_the_largest_head_dim() {
             kv_heads: 2,
             head_dim: 128,
         },
+        8,
         15,
     );
 }
