@@ -1,1 +1,204 @@
 //! The kernels' host build (the CUDA C source through the shim), for checking against the CPU backend.
+//!
+//! `build.rs` compiles `kernels/*.cu` with `shim/cuda_shim.h` for the CPU: a launch runs its
+//! blocks in order, each block's threads as fibers that switch at `__syncthreads` and warp
+//! shuffles. Arguments go as in CUDA's driver API (a pointer to each value), and each launch is
+//! checked against the argument kinds the build read from the kernel's parameter list.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+
+extern "C" {
+    fn gany_host_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        shared: usize,
+        args: *mut *mut c_void,
+    ) -> i32;
+    fn gany_host_signature(name: *const c_char) -> *const c_char;
+    fn gany_host_kernel_count() -> u32;
+    fn gany_host_set_reverse(reverse: i32);
+    fn gany_host_kernel_name(i: u32) -> *const c_char;
+}
+
+/// One kernel argument, by value.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(*mut c_void),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+}
+
+impl Arg {
+    fn kind(&self) -> char {
+        match self {
+            Arg::Ptr(_) => 'p',
+            Arg::I32(_) => 'i',
+            Arg::U32(_) => 'u',
+            Arg::I64(_) => 'l',
+            Arg::F32(_) => 'f',
+            Arg::F64(_) => 'd',
+        }
+    }
+    fn value_ptr(&mut self) -> *mut c_void {
+        match self {
+            Arg::Ptr(p) => p as *mut *mut c_void as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::U32(v) => v as *mut u32 as *mut c_void,
+            Arg::I64(v) => v as *mut i64 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+            Arg::F64(v) => v as *mut f64 as *mut c_void,
+        }
+    }
+}
+
+impl<T> From<*mut T> for Arg {
+    fn from(p: *mut T) -> Self {
+        Arg::Ptr(p as *mut c_void)
+    }
+}
+impl<T> From<*const T> for Arg {
+    fn from(p: *const T) -> Self {
+        Arg::Ptr(p as *mut c_void)
+    }
+}
+impl From<i32> for Arg {
+    fn from(v: i32) -> Self {
+        Arg::I32(v)
+    }
+}
+impl From<u32> for Arg {
+    fn from(v: u32) -> Self {
+        Arg::U32(v)
+    }
+}
+impl From<i64> for Arg {
+    fn from(v: i64) -> Self {
+        Arg::I64(v)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Self {
+        Arg::F32(v)
+    }
+}
+impl From<f64> for Arg {
+    fn from(v: f64) -> Self {
+        Arg::F64(v)
+    }
+}
+
+/// A launch's shape: `grid` blocks of `block` threads, `shared` bytes of dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared: usize,
+}
+
+impl LaunchConfig {
+    /// A 1-D launch without dynamic shared memory.
+    pub fn linear(grid: u32, block: u32) -> Self {
+        LaunchConfig {
+            grid: [grid, 1, 1],
+            block: [block, 1, 1],
+            shared: 0,
+        }
+    }
+    pub fn shared(mut self, bytes: usize) -> Self {
+        self.shared = bytes;
+        self
+    }
+}
+
+/// The argument kinds of `name`'s parameters, one letter each (`p` pointer, `i` int, `u`
+/// unsigned, `l` long long, `f` float, `d` double), or None if no kernel has that name.
+pub fn signature(name: &str) -> Option<String> {
+    let c = CString::new(name).ok()?;
+    // Safety: the table holds static NUL-terminated strings.
+    unsafe {
+        let s = gany_host_signature(c.as_ptr());
+        (!s.is_null()).then(|| CStr::from_ptr(s).to_string_lossy().into_owned())
+    }
+}
+
+/// The order in which a block's threads run between barriers, for launches from this thread.
+/// Running a kernel in both orders exposes a missing barrier: a thread that reads shared
+/// memory another writes without `__syncthreads` in between sees the stale value in one order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    FirstToLast,
+    LastToFirst,
+}
+
+pub fn set_schedule(s: Schedule) {
+    // Safety: sets a thread-local flag.
+    unsafe { gany_host_set_reverse((s == Schedule::LastToFirst) as i32) }
+}
+
+/// Every kernel the host build holds, in file order.
+pub fn kernel_names() -> Vec<String> {
+    // Safety: indices below the count name static strings.
+    unsafe {
+        (0..gany_host_kernel_count())
+            .map(|i| {
+                CStr::from_ptr(gany_host_kernel_name(i))
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect()
+    }
+}
+
+/// Runs kernel `name` on the host.
+///
+/// # Safety
+/// As a CUDA launch: pointers must be valid for everything the kernel reads and writes at this
+/// configuration. The argument kinds are checked (a wrong kind panics), their meaning is not.
+pub unsafe fn launch(name: &str, cfg: LaunchConfig, args: &[Arg]) {
+    let sig = signature(name).unwrap_or_else(|| panic!("no kernel named {name}"));
+    let got: String = args.iter().map(Arg::kind).collect();
+    assert_eq!(got, sig, "kernel {name}: argument kinds");
+    let mut vals = args.to_vec();
+    let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(Arg::value_ptr).collect();
+    let c = CString::new(name).unwrap();
+    let rc = gany_host_launch(
+        c.as_ptr(),
+        cfg.grid.as_ptr(),
+        cfg.block.as_ptr(),
+        cfg.shared,
+        ptrs.as_mut_ptr(),
+    );
+    assert_eq!(rc, 0, "kernel {name}: launch failed ({cfg:?})");
+}
+
+/// What `embedding_backward_sorted_*` reads, computed on the host from the token ids (which the
+/// seam keeps on the host): `order` lists the tokens sorted by id, stably (ties in token order),
+/// and segment `s` is `order[seg_start[s]..seg_start[s + 1]]`, all of id `seg_id[s]`. One block
+/// per segment then adds its rows in token order, without atomics.
+pub fn embedding_segments(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+    order.sort_by_key(|&t| ids[t as usize]);
+    let (mut seg_start, mut seg_id) = (Vec::new(), Vec::new());
+    for (p, &t) in order.iter().enumerate() {
+        let id = ids[t as usize];
+        if seg_id.last() != Some(&id) {
+            seg_start.push(p as u32);
+            seg_id.push(id);
+        }
+    }
+    seg_start.push(ids.len() as u32);
+    (order, seg_start, seg_id)
+}
+
+/// RoPE's frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, in f32 as the CPU
+/// backend (and transformers) compute them: what `head_norm_rope_*` kernels read as `inv_freq`.
+pub fn rope_inv_freq(head_dim: usize, theta: f64) -> Vec<f32> {
+    let (base, d) = (theta as f32, head_dim as f32);
+    (0..head_dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / d))
+        .collect()
+}

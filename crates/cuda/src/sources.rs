@@ -1,1 +1,216 @@
 //! The kernels' CUDA C source, embedded for NVRTC.
+//!
+//! Each entry of [`SOURCES`] is one file of `kernels/` with `kernels/common.cuh` (storage types,
+//! bf16 conversions, block reductions) in front, ready for one NVRTC compilation (no include
+//! paths, no headers). [`KERNELS`] names the `extern "C"` kernels each file defines; every
+//! kernel documents its launch shape above its definition. The host build compiles the same
+//! files (`build.rs`, `host`), and the tests check these lists against both builds.
+//!
+//! Conventions the device side follows (`tests/host_kernels.rs` launches each op this way):
+//! - names end in the storage type of the activations, `_f32` or `_bf16` (f32 arithmetic
+//!   either way); saved statistics (rstd, lse, delta) and weight gradients are f32, sums that
+//!   the step reads at its end (losses, sums of squares, per-expert probability sums) f64;
+//! - flat sizes are `long long`, dimensions `int`, token ids and routing indices `unsigned`;
+//! - reductions are deterministic, without floating-point atomics: a partial pass into a
+//!   scratch buffer, then an in-order sum. The scratch each op needs:
+//!   - sum of squares: `sumsq_partial_*` (one f64 per block) then `sum_acc_f64`;
+//!   - RMSNorm / head norm weight gradients: `ceil(rows / 64) × dim` f32 for
+//!     `*_dw_partial_*`, then `col_sum_acc_f32`;
+//!   - router per-expert sums: `ceil(rows / 64) × experts` f64 for `col_sum_partial_f64`,
+//!     then `col_sum_set_f64`;
+//!   - cross-entropy: `cross_entropy_forward_*` (lse) then `cross_entropy_loss_acc_*`;
+//!   - attention backward: `delta`, `batch × heads × tq` f32 (`attention_backward_delta_*`),
+//!     then `attention_backward_dkdv_*` and `attention_backward_dq_*`;
+//!   - embedding backward: the host's `host::embedding_segments(ids)` uploaded (three u32
+//!     arrays);
+//! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
+//!   (`host::rope_inv_freq`, bitwise the CPU backend's);
+//! - `dispatch_count` needs its counts zeroed first; `dispatch_offsets` runs as one thread.
+
+macro_rules! kernel_file {
+    ($name:literal) => {
+        (
+            $name,
+            // `#line` so NVRTC's messages name the file and line as in the repository.
+            concat!(
+                "#line 1 \"common.cuh\"\n",
+                include_str!("../kernels/common.cuh"),
+                "#line 1 \"",
+                $name,
+                "\"\n",
+                include_str!(concat!("../kernels/", $name))
+            ),
+        )
+    };
+}
+
+/// `(file name, source)` for every kernel file, `common.cuh` prepended.
+pub const SOURCES: &[(&str, &str)] = &[
+    kernel_file!("elementwise.cu"),
+    kernel_file!("norm.cu"),
+    kernel_file!("embed.cu"),
+    kernel_file!("optim.cu"),
+    kernel_file!("loss.cu"),
+    kernel_file!("router.cu"),
+    kernel_file!("dispatch.cu"),
+    kernel_file!("attention.cu"),
+];
+
+/// `(file name, kernels it defines)`, in the order of [`SOURCES`].
+pub const KERNELS: &[(&str, &[&str])] = &[
+    (
+        "elementwise.cu",
+        &[
+            "cast_f32_to_bf16",
+            "cast_bf16_to_f32",
+            "axpy_f32",
+            "scale_f32",
+            "add_f32",
+            "axpy_bf16",
+            "scale_bf16",
+            "add_bf16",
+            "sumsq_partial_f32",
+            "sumsq_partial_bf16",
+            "sum_acc_f64",
+            "swiglu_forward_f32",
+            "swiglu_forward_bf16",
+            "swiglu_backward_f32",
+            "swiglu_backward_bf16",
+        ],
+    ),
+    (
+        "norm.cu",
+        &[
+            "col_sum_acc_f32",
+            "rmsnorm_forward_f32",
+            "rmsnorm_backward_dx_f32",
+            "rmsnorm_backward_dw_partial_f32",
+            "rmsnorm_forward_bf16",
+            "rmsnorm_backward_dx_bf16",
+            "rmsnorm_backward_dw_partial_bf16",
+            "head_norm_rope_forward_f32",
+            "head_norm_rope_backward_dx_f32",
+            "head_norm_rope_backward_dw_partial_f32",
+            "head_norm_rope_forward_bf16",
+            "head_norm_rope_backward_dx_bf16",
+            "head_norm_rope_backward_dw_partial_bf16",
+        ],
+    ),
+    (
+        "embed.cu",
+        &[
+            "embedding_forward_f32",
+            "embedding_forward_bf16",
+            "embedding_backward_sorted_f32",
+            "embedding_backward_sorted_bf16",
+        ],
+    ),
+    (
+        "optim.cu",
+        &[
+            "adamw_step_f32",
+            "nesterov_f32",
+            "scale_by_inv_norm_f32",
+            "decay_update_f32",
+        ],
+    ),
+    (
+        "loss.cu",
+        &[
+            "cross_entropy_forward_f32",
+            "cross_entropy_loss_acc_f32",
+            "cross_entropy_backward_f32",
+            "cross_entropy_forward_bf16",
+            "cross_entropy_loss_acc_bf16",
+            "cross_entropy_backward_bf16",
+        ],
+    ),
+    (
+        "router.cu",
+        &[
+            "router_forward_f32",
+            "router_backward_f32",
+            "col_sum_partial_f64",
+            "col_sum_set_f64",
+        ],
+    ),
+    (
+        "dispatch.cu",
+        &[
+            "dispatch_count",
+            "dispatch_offsets",
+            "dispatch_place",
+            "moe_gather_f32",
+            "moe_gather_backward_f32",
+            "moe_combine_f32",
+            "moe_combine_backward_f32",
+            "moe_gather_bf16",
+            "moe_gather_backward_bf16",
+            "moe_combine_bf16",
+            "moe_combine_backward_bf16",
+        ],
+    ),
+    (
+        "attention.cu",
+        &[
+            "attention_forward_f32",
+            "attention_backward_delta_f32",
+            "attention_backward_dkdv_f32",
+            "attention_backward_dq_f32",
+            "attention_forward_bf16",
+            "attention_backward_delta_bf16",
+            "attention_backward_dkdv_bf16",
+            "attention_backward_dq_bf16",
+        ],
+    ),
+];
+
+/// NVRTC options the kernels are written for (besides `--gpu-architecture`): C++17, and
+/// IEEE division and square root so results stay close to the host build's.
+pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "--prec-div=true", "--prec-sqrt=true"];
+
+/// The source file that defines `kernel`.
+pub fn file_of(kernel: &str) -> Option<&'static str> {
+    KERNELS
+        .iter()
+        .find(|(_, ks)| ks.contains(&kernel))
+        .map(|(f, _)| *f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_agree_with_the_host_build() {
+        let files: Vec<&str> = SOURCES.iter().map(|(f, _)| *f).collect();
+        let listed: Vec<&str> = KERNELS.iter().map(|(f, _)| *f).collect();
+        assert_eq!(files, listed, "SOURCES and KERNELS name the same files");
+        // Every file of kernels/ is listed.
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cu"))
+            .collect();
+        on_disk.sort();
+        let mut sorted: Vec<String> = files.iter().map(|s| s.to_string()).collect();
+        sorted.sort();
+        assert_eq!(on_disk, sorted, "kernels/*.cu vs SOURCES");
+        // The host build (which parsed the preprocessed source) has exactly these kernels.
+        let mut host = crate::host::kernel_names();
+        let mut all: Vec<String> = KERNELS
+            .iter()
+            .flat_map(|(_, ks)| ks.iter().map(|s| s.to_string()))
+            .collect();
+        host.sort();
+        all.sort();
+        assert_eq!(all, host, "KERNELS vs the kernels the host build found");
+        // (Whether each file really defines its kernels is checked on the PTX: tests/nvrtc.rs.)
+        for (file, ks) in KERNELS {
+            for k in *ks {
+                assert_eq!(file_of(k), Some(*file), "{k} listed twice");
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+// Token embedding, forward and backward. Compiled after common.cuh (see src/sources.rs).
+
+// out[r] = wte[ids[r]], rows of dim. Launch: grid rows, any 1-D block.
+template <class T>
+__device__ void embedding_fwd(T* out, const T* wte, const unsigned* ids, int dim) {
+    const long long r = blockIdx.x;
+    const long long src = (long long)ids[r] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[r * dim + i] = wte[src + i];
+}
+
+// dwte[ids[t]] += dout[t] without atomics, deterministically: the host groups the token ids
+// (host::embedding_segments: `order` lists the tokens sorted by id, stably, and segment s holds
+// order[seg_start[s] .. seg_start[s+1]], all of id seg_id[s]), and each block adds its
+// segment's rows in token order, as the CPU backend does.
+// Launch: grid = number of segments, any 1-D block.
+template <class T>
+__device__ void embedding_bwd_sorted(float* dwte, const T* dout, const unsigned* order,
+                                     const unsigned* seg_start, const unsigned* seg_id, int dim) {
+    const unsigned s = blockIdx.x;
+    const long long row = (long long)seg_id[s] * dim;
+    const unsigned p0 = seg_start[s], p1 = seg_start[s + 1];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float acc = dwte[row + i];
+        for (unsigned p = p0; p < p1; p++) acc += ld(dout + (long long)order[p] * dim + i);
+        dwte[row + i] = acc;
+    }
+}
+
+extern "C" __global__ void embedding_forward_f32(float* out, const float* wte,
+                                                 const unsigned* ids, int dim) {
+    embedding_fwd(out, wte, ids, dim);
+}
+extern "C" __global__ void embedding_forward_bf16(bf16* out, const bf16* wte, const unsigned* ids,
+                                                  int dim) {
+    embedding_fwd(out, wte, ids, dim);
+}
+extern "C" __global__ void embedding_backward_sorted_f32(float* dwte, const float* dout,
+                                                         const unsigned* order,
+                                                         const unsigned* seg_start,
+                                                         const unsigned* seg_id, int dim) {
+    embedding_bwd_sorted(dwte, dout, order, seg_start, seg_id, dim);
+}
+extern "C" __global__ void embedding_backward_sorted_bf16(float* dwte, const bf16* dout,
+                                                          const unsigned* order,
+                                                          const unsigned* seg_start,
+                                                          const unsigned* seg_id, int dim) {
+    embedding_bwd_sorted(dwte, dout, order, seg_start, seg_id, dim);
+}

@@ -1,0 +1,209 @@
+// RMSNorm and per-head RMSNorm + rotate-half RoPE, forward and backward, in the CPU backend's
+// order of operations. Activations and weights are the storage type T; the saved 1/rms and the
+// weight gradients are f32.
+//
+// Weight gradients are reduced without atomics, deterministically: a *_dw_partial kernel sums
+// each chunk of rows per column (chunk_rows = 64, the CPU backend's RED_ROWS, for the same
+// rounding), then col_sum_acc_f32 adds the chunks' sums in order into dw.
+// Compiled after common.cuh (see src/sources.rs).
+
+// out[c] += Σ_p partial[p * cols + c], p in order. Launch: 1-D, cols threads in all.
+extern "C" __global__ void col_sum_acc_f32(float* out, const float* partial, int parts, int cols) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float acc = out[c];
+    for (int p = 0; p < parts; p++) acc += partial[(long long)p * cols + c];
+    out[c] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm over rows of dim: out = w * (x * rstd), rstd = 1/sqrt(mean(x²) + eps).
+// Launch: grid rows, block a multiple of 32.
+
+template <class T>
+__device__ void rmsnorm_fwd(T* out, float* rstd, const T* x, const T* w, int dim, float eps) {
+    const long long row = blockIdx.x;
+    const T* xr = x + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = ld(xr + i);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float rs = 1.0f / sqrtf(ss * (1.0f / (float)dim) + eps);
+    if (threadIdx.x == 0) rstd[row] = rs;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        st(out + row * dim + i, ld(w + i) * (ld(xr + i) * rs));
+}
+
+// dx += ∂/∂x (the row's part). Launch: grid rows, block a multiple of 32.
+template <class T>
+__device__ void rmsnorm_bwd_dx(T* dx, const T* dout, const T* x, const T* w, const float* rstd,
+                               int dim) {
+    const long long off = (long long)blockIdx.x * dim;
+    const float r = rstd[blockIdx.x];
+    float dot = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        dot += ld(dout + off + i) * ld(w + i) * ld(x + off + i);
+    dot = block_sum(dot);
+    const float c = dot * r * r / (float)dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = ld(dx + off + i) + r * (ld(dout + off + i) * ld(w + i) - ld(x + off + i) * c);
+        st(dx + off + i, v);
+    }
+}
+
+// partial[chunk, i] = Σ over the chunk's rows of dout * (x * rstd).
+// Launch: grid (ceil(dim / block), ceil(rows / chunk_rows)), 1-D block.
+template <class T>
+__device__ void rmsnorm_bwd_dw_partial(float* partial, const T* dout, const T* x,
+                                       const float* rstd, int rows, int dim, int chunk_rows) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= dim) return;
+    const int r0 = blockIdx.y * chunk_rows;
+    const int r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+    float s = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        const long long o = (long long)r * dim + i;
+        s += ld(dout + o) * (ld(x + o) * rstd[r]);
+    }
+    partial[(long long)blockIdx.y * dim + i] = s;
+}
+
+#define GANY_RMSNORM(S, T)                                                                       \
+    extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* x, const T* w,  \
+                                                   int dim, float eps) {                         \
+        rmsnorm_fwd(out, rstd, x, w, dim, eps);                                                  \
+    }                                                                                            \
+    extern "C" __global__ void rmsnorm_backward_dx_##S(T* dx, const T* dout, const T* x,          \
+                                                       const T* w, const float* rstd, int dim) { \
+        rmsnorm_bwd_dx(dx, dout, x, w, rstd, dim);                                               \
+    }                                                                                            \
+    extern "C" __global__ void rmsnorm_backward_dw_partial_##S(                                  \
+        float* partial, const T* dout, const T* x, const float* rstd, int rows, int dim,          \
+        int chunk_rows) {                                                                        \
+        rmsnorm_bwd_dw_partial(partial, dout, x, rstd, rows, dim, chunk_rows);                   \
+    }
+GANY_RMSNORM(f32, float)
+GANY_RMSNORM(bf16, bf16)
+
+// ---------------------------------------------------------------------------------------------
+// Per-head RMSNorm (weight of head_dim) then rotate-half RoPE. Rows of heads × head_dim; row r
+// sits at position pos0 + r % seq. inv_freq holds the head_dim / 2 frequencies
+// 1 / theta^(2i / head_dim) as the host computes them in f32 (host::rope_inv_freq, the CPU
+// backend's arithmetic): angles reach thousands of radians, so a powf that differs by an ulp on
+// the device would move them by ~1e-3.
+
+__device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, float* c,
+                                        float* s) {
+    const float a = inv_freq[i] * (float)pos;
+    *c = cosf(a);
+    *s = sinf(a);
+}
+
+// Launch: grid rows * heads (block = row * heads + head), block a multiple of 32.
+template <class T>
+__device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, int heads,
+                                   int hd, int seq, int pos0, const float* inv_freq, float eps) {
+    const long long rh = blockIdx.x;
+    const int row = (int)(rh / heads);
+    const long long off = rh * hd;
+    const int half = hd / 2;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float v = ld(x + off + i);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float rs = 1.0f / sqrtf(ss * (1.0f / (float)hd) + eps);
+    if (threadIdx.x == 0) rstd[rh] = rs;
+    const int pos = pos0 + row % seq;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float c, s;
+        rope_cs(i, inv_freq, pos, &c, &s);
+        const float a = ld(w + i) * (ld(x + off + i) * rs);
+        const float b = ld(w + i + half) * (ld(x + off + i + half) * rs);
+        st(out + off + i, a * c - b * s);
+        st(out + off + i + half, b * c + a * s);
+    }
+}
+
+// dx overwritten. Launch: as the forward.
+template <class T>
+__device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T* w,
+                                      const float* rstd, int heads, int hd, int seq, int pos0,
+                                      const float* inv_freq) {
+    const long long rh = blockIdx.x;
+    const int row = (int)(rh / heads);
+    const long long off = rh * hd;
+    const int half = hd / 2;
+    const int pos = pos0 + row % seq;
+    const float r = rstd[rh];
+    // The rotation's transpose takes the gradient back to the normed vector: g.
+    float dot = 0.0f;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float c, s;
+        rope_cs(i, inv_freq, pos, &c, &s);
+        const float da = ld(dout + off + i), db = ld(dout + off + i + half);
+        const float ga = da * c + db * s, gb = db * c - da * s;
+        dot += ga * ld(w + i) * ld(x + off + i);
+        dot += gb * ld(w + i + half) * ld(x + off + i + half);
+    }
+    dot = block_sum(dot);
+    const float k = dot * r * r / (float)hd;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float c, s;
+        rope_cs(i, inv_freq, pos, &c, &s);
+        const float da = ld(dout + off + i), db = ld(dout + off + i + half);
+        const float ga = da * c + db * s, gb = db * c - da * s;
+        st(dx + off + i, r * (ga * ld(w + i) - ld(x + off + i) * k));
+        st(dx + off + i + half, r * (gb * ld(w + i + half) - ld(x + off + i + half) * k));
+    }
+}
+
+// partial[chunk, i] = Σ over the chunk's rows, then heads, of g_i * (x_i * rstd).
+// Launch: grid (ceil(head_dim / block), ceil(rows / chunk_rows)), 1-D block.
+template <class T>
+__device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, const T* x,
+                                              const float* rstd, int rows, int heads, int hd,
+                                              int seq, int pos0, const float* inv_freq,
+                                              int chunk_rows) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= hd) return;
+    const int half = hd / 2;
+    const int j = i < half ? i : i - half;  // the frequency of this column
+    const int r0 = blockIdx.y * chunk_rows;
+    const int r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+    float acc = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        float c, s;
+        rope_cs(j, inv_freq, pos0 + r % seq, &c, &s);
+        for (int h = 0; h < heads; h++) {
+            const long long off = ((long long)r * heads + h) * hd;
+            const float da = ld(dout + off + j), db = ld(dout + off + j + half);
+            const float g = i < half ? da * c + db * s : db * c - da * s;
+            acc += g * (ld(x + off + i) * rstd[(long long)r * heads + h]);
+        }
+    }
+    partial[(long long)blockIdx.y * hd + i] = acc;
+}
+
+#define GANY_HEAD_NORM_ROPE(S, T)                                                                \
+    extern "C" __global__ void head_norm_rope_forward_##S(                                       \
+        T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
+        const float* inv_freq, float eps) {                                                      \
+        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps);          \
+    }                                                                                            \
+    extern "C" __global__ void head_norm_rope_backward_dx_##S(                                   \
+        T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
+        int head_dim, int seq, int pos0, const float* inv_freq) {                                \
+        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq);       \
+    }                                                                                            \
+    extern "C" __global__ void head_norm_rope_backward_dw_partial_##S(                           \
+        float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \
+        int head_dim, int seq, int pos0, const float* inv_freq, int chunk_rows) {                \
+        head_norm_rope_bwd_dw_partial(partial, dout, x, rstd, rows, heads, head_dim, seq, pos0,  \
+                                      inv_freq, chunk_rows);                                     \
+    }
+GANY_HEAD_NORM_ROPE(f32, float)
+GANY_HEAD_NORM_ROPE(bf16, bf16)

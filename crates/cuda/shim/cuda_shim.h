@@ -1,0 +1,161 @@
+// The host build of the CUDA kernels: just enough of CUDA C for kernels/*.cu to compile with
+// g++ and run on the CPU, so their logic is tested without a GPU.
+//
+// Model: a launch runs its blocks one after another on the calling OS thread; the threads of a
+// block are fibers (ucontext) switched only at barriers. That makes every run deterministic and
+// cheap on a small machine (hundreds of OS threads per block would spend their time in the
+// scheduler), while keeping the CUDA contract visible: a thread runs until it reaches
+// __syncthreads() (or a warp-level exchange), and all threads of the block (or warp) must reach it
+// (a block that cannot finish aborts with a message instead of hanging). Between barriers the
+// threads run first to last, or last to first (host::set_schedule), so a missing barrier shows.
+// `__shared__` is a static thread_local: one copy per OS thread, hence per running block, and
+// separate for launches on different test threads.
+#pragma once
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static thread_local
+
+struct uint3 {
+    unsigned x, y, z;
+};
+struct dim3 {
+    unsigned x, y, z;
+};
+
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+constexpr int warpSize = 32;
+
+// Barriers and the warp exchange, implemented in runtime.cpp.
+extern "C" void gany_syncthreads();
+extern "C" void gany_syncwarp();
+extern "C" void* gany_dynamic_shared();
+extern "C" unsigned long long* gany_warp_slots();
+
+inline void __syncthreads() { gany_syncthreads(); }
+inline void gany_full_mask(unsigned mask);
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    gany_full_mask(mask);
+    gany_syncwarp();
+}
+// A kernel's launch precondition failed: stop loudly, as the device does.
+[[noreturn]] inline void __trap() {
+    std::fprintf(stderr, "cuda host shim: a kernel trapped (a launch precondition failed)\n");
+    std::abort();
+}
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+
+// A warp shuffle: every lane publishes its value in the warp's slots, waits for the others,
+// reads its source lane's slot, and waits again so no lane overwrites a slot still being read.
+// Warp-level operations here assume the whole warp takes part, as every kernel's full mask says.
+inline void gany_full_mask(unsigned mask) {
+    if (mask != 0xffffffffu) {
+        std::fprintf(stderr, "cuda host shim: a warp operation with a partial mask\n");
+        std::abort();
+    }
+}
+
+template <class T>
+inline T gany_exchange(T v, int src) {
+    static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+    unsigned long long* slots = gany_warp_slots();
+    const unsigned lin = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int lane = lin % 32;
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    slots[lane] = bits;
+    gany_syncwarp();
+    T out;
+    std::memcpy(&out, &slots[src & 31], sizeof(T));
+    gany_syncwarp();
+    return out;
+}
+
+inline int gany_lane() {
+    const unsigned lin = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    return lin % 32;
+}
+
+template <class T>
+inline T __shfl_xor_sync(unsigned member_mask, T v, int mask, int width = 32) {
+    gany_full_mask(member_mask);
+    const int lane = gany_lane();
+    const int src = (lane & ~(width - 1)) | ((lane % width) ^ mask);
+    return gany_exchange(v, src);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned member_mask, T v, unsigned delta, int width = 32) {
+    gany_full_mask(member_mask);
+    const int lane = gany_lane();
+    const int within = lane % width;
+    const int src = within + (int)delta < width ? lane + (int)delta : lane;
+    return gany_exchange(v, src);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned member_mask, T v, unsigned delta, int width = 32) {
+    gany_full_mask(member_mask);
+    const int lane = gany_lane();
+    const int within = lane % width;
+    const int src = within >= (int)delta ? lane - (int)delta : lane;
+    return gany_exchange(v, src);
+}
+template <class T>
+inline T __shfl_sync(unsigned member_mask, T v, int src_lane, int width = 32) {
+    gany_full_mask(member_mask);
+    const int lane = gany_lane();
+    return gany_exchange(v, (lane & ~(width - 1)) + (src_lane % width));
+}
+
+// Atomics: fibers switch only at barriers, so a read-modify-write is never interleaved within a
+// launch; the builtins keep them atomic for any other thread that might share the memory.
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+template <class T>
+inline T gany_atomic_add_float(T* p, T v) {
+    return std::atomic_ref<T>(*p).fetch_add(v, std::memory_order_relaxed);
+}
+inline float atomicAdd(float* p, float v) { return gany_atomic_add_float(p, v); }
+inline double atomicAdd(double* p, double v) { return gany_atomic_add_float(p, v); }
+
+// Intrinsics the kernels use, as their exact host equivalents.
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+inline int __float_as_int(float x) { return (int)__float_as_uint(x); }
+inline float __int_as_float(int i) { return __uint_as_float((unsigned)i); }
+
+// Dynamic shared memory (`extern __shared__ T name[]` on the device), see common.cuh.
+#define GANY_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(gany_dynamic_shared())

@@ -1,0 +1,224 @@
+// The host launcher: blocks in order on the calling thread, a block's threads as fibers.
+// Included by the generated translation unit after the kernels, so the kernel table can refer
+// to them (see build.rs).
+
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <utility>
+#include <vector>
+
+thread_local uint3 threadIdx;
+thread_local uint3 blockIdx;
+thread_local dim3 blockDim;
+thread_local dim3 gridDim;
+
+namespace {
+
+// Generous for kernels' local arrays; stacks are reserved once per OS thread and reused.
+constexpr size_t kStack = 256 * 1024;
+
+struct Barrier {
+    unsigned expected = 0;
+    unsigned arrived = 0;
+    unsigned long long generation = 0;
+};
+
+struct Fiber {
+    ucontext_t ctx;
+    uint3 tid;
+    bool done = false;
+    Barrier* waiting = nullptr;
+    unsigned long long wait_generation = 0;
+};
+
+struct Block {
+    ucontext_t scheduler;
+    std::vector<Fiber> fibers;
+    Fiber* current = nullptr;
+    Barrier block_barrier;
+    std::vector<Barrier> warp_barriers;
+    std::vector<unsigned long long> warp_slots;  // 32 per warp
+    std::vector<unsigned char> dynamic_shared;
+    void (*body)(void**) = nullptr;
+    void** args = nullptr;
+};
+
+thread_local Block* g_block = nullptr;
+// Run a block's threads last to first between barriers: a kernel that reads shared memory
+// another thread writes without a barrier in between gets the stale value in one of the two
+// orders, so running both catches a missing __syncthreads.
+thread_local bool g_reverse = false;
+thread_local std::vector<std::unique_ptr<unsigned char[]>> g_stacks;
+
+[[noreturn]] void fail(const char* what) {
+    std::fprintf(stderr, "cuda host shim: %s (block %u,%u,%u)\n", what, blockIdx.x, blockIdx.y,
+                 blockIdx.z);
+    std::abort();
+}
+
+unsigned linear_tid() {
+    return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+
+void fiber_main() {
+    Block* b = g_block;
+    b->body(b->args);
+    b->current->done = true;
+    // Returning resumes uc_link, the scheduler.
+}
+
+// Arrive at `bar`; unless this is the last arrival, yield until the barrier opens.
+void arrive(Barrier& bar) {
+    Block* b = g_block;
+    if (++bar.arrived == bar.expected) {
+        bar.arrived = 0;
+        bar.generation++;
+        return;
+    }
+    Fiber* me = b->current;
+    me->waiting = &bar;
+    me->wait_generation = bar.generation;
+    swapcontext(&me->ctx, &b->scheduler);
+    // Resumed by the scheduler after the barrier opened; our thread indices were restored.
+}
+
+// Out of line: getcontext returns twice, which must not clobber the caller's loop state.
+__attribute__((noinline)) void prepare(Block& b, unsigned i) {
+    Fiber& f = b.fibers[i];
+    f.done = false;
+    f.waiting = nullptr;
+    f.tid = {i % blockDim.x, (i / blockDim.x) % blockDim.y, i / (blockDim.x * blockDim.y)};
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = g_stacks[i].get();
+    f.ctx.uc_stack.ss_size = kStack;
+    f.ctx.uc_link = &b.scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+}
+
+void run_block(Block& b, unsigned nthreads) {
+    for (unsigned i = 0; i < nthreads; i++) prepare(b, i);
+    unsigned left = nthreads;
+    while (left > 0) {
+        bool progressed = false;
+        for (unsigned n = 0; n < nthreads; n++) {
+            Fiber& f = b.fibers[g_reverse ? nthreads - 1 - n : n];
+            if (f.done) continue;
+            if (f.waiting && f.waiting->generation == f.wait_generation) continue;
+            f.waiting = nullptr;
+            threadIdx = f.tid;
+            b.current = &f;
+            swapcontext(&b.scheduler, &f.ctx);
+            progressed = true;
+            if (f.done) left--;
+        }
+        if (!progressed) {
+            fail("deadlock: threads wait at a barrier that others never reach "
+                 "(a __syncthreads or shuffle under divergent control flow, or an early return)");
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" void gany_syncthreads() {
+    if (!g_block) fail("__syncthreads outside a launch");
+    arrive(g_block->block_barrier);
+}
+
+extern "C" void gany_syncwarp() {
+    if (!g_block) fail("warp exchange outside a launch");
+    arrive(g_block->warp_barriers[linear_tid() / 32]);
+}
+
+extern "C" unsigned long long* gany_warp_slots() {
+    return g_block->warp_slots.data() + 32 * (linear_tid() / 32);
+}
+
+extern "C" void* gany_dynamic_shared() { return g_block->dynamic_shared.data(); }
+
+namespace {
+
+// Calls a kernel with arguments passed as CUDA's driver API passes them: an array of pointers
+// to each argument's value.
+template <class... A, size_t... I>
+void call_with(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+template <class... A>
+void call(void (*kernel)(A...), void** args) {
+    call_with(kernel, args, std::index_sequence_for<A...>{});
+}
+
+struct Entry {
+    const char* name;
+    const char* signature;
+    void (*call)(void**);
+};
+
+#define GANY_KERNEL(name, sig) {#name, sig, [](void** a) { call(&name, a); }},
+const Entry kKernels[] = {
+#include "kernel_table.inc"
+};
+#undef GANY_KERNEL
+
+const Entry* find(const char* name) {
+    for (const Entry& e : kKernels)
+        if (std::strcmp(e.name, name) == 0) return &e;
+    return nullptr;
+}
+
+}  // namespace
+
+// Order of a block's threads between barriers on this OS thread: first to last (0) or last to
+// first (1).
+extern "C" void gany_host_set_reverse(int reverse) { g_reverse = reverse != 0; }
+
+// The argument kinds of a kernel, one letter each: p pointer, i int, u unsigned, l long long,
+// f float, d double. Null for an unknown name.
+extern "C" const char* gany_host_signature(const char* name) {
+    const Entry* e = find(name);
+    return e ? e->signature : nullptr;
+}
+
+extern "C" unsigned gany_host_kernel_count() { return sizeof(kKernels) / sizeof(kKernels[0]); }
+extern "C" const char* gany_host_kernel_name(unsigned i) { return kKernels[i].name; }
+
+// Runs `name` over `grid` blocks of `block` threads with `shared` bytes of dynamic shared
+// memory. Returns 0, or 1 for an unknown kernel, 2 for a bad configuration.
+extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const unsigned block[3],
+                                size_t shared, void** args) {
+    const Entry* e = find(name);
+    if (!e) return 1;
+    const unsigned nthreads = block[0] * block[1] * block[2];
+    if (nthreads == 0 || nthreads > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0)
+        return 2;
+    if (g_block) fail("a launch from inside a kernel");
+    while (g_stacks.size() < nthreads) g_stacks.emplace_back(new unsigned char[kStack]);
+    Block b;
+    b.fibers.resize(nthreads);
+    b.block_barrier.expected = nthreads;
+    const unsigned warps = (nthreads + 31) / 32;
+    b.warp_barriers.resize(warps);
+    for (unsigned w = 0; w < warps; w++)
+        b.warp_barriers[w].expected = w + 1 < warps ? 32 : nthreads - 32 * w;
+    b.warp_slots.assign(32 * warps, 0);
+    b.body = e->call;
+    b.args = args;
+    blockDim = {block[0], block[1], block[2]};
+    gridDim = {grid[0], grid[1], grid[2]};
+    g_block = &b;
+    for (unsigned z = 0; z < grid[2]; z++)
+        for (unsigned y = 0; y < grid[1]; y++)
+            for (unsigned x = 0; x < grid[0]; x++) {
+                blockIdx = {x, y, z};
+                // Uninitialised shared memory reads as NaN (0xff bytes), to catch kernels that
+                // rely on it being zero.
+                b.dynamic_shared.assign(shared, 0xff);
+                run_block(b, nthreads);
+            }
+    g_block = nullptr;
+    return 0;
+}
