@@ -1,0 +1,120 @@
+//! CUDA C to device code with NVRTC, once per process and architecture.
+//!
+//! The output is a CUBIN for the exact architecture (`sm_90` on H100/H200), not PTX: PTX would
+//! be JIT-compiled by the driver, which refuses PTX from an NVRTC newer than itself, while a
+//! CUBIN only needs a driver of the same CUDA major version.
+
+use cudarc::nvrtc::{result, sys};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// One source file compiled for one architecture.
+pub struct Compiled {
+    pub file: String,
+    pub cubin: Vec<u8>,
+}
+
+/// A file that did not compile: NVRTC's log names the line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompileError {
+    pub file: String,
+    pub arch: String,
+    pub log: String,
+}
+
+impl std::fmt::Display for CompileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The log's first line is the first error; the whole log is in `log`.
+        let first = self.log.lines().find(|l| !l.trim().is_empty());
+        write!(
+            f,
+            "NVRTC could not compile {} for {}: {}",
+            self.file,
+            self.arch,
+            first.unwrap_or("(no log)")
+        )
+    }
+}
+
+impl std::error::Error for CompileError {}
+
+/// The options every file is compiled with. Precise division and square roots and no flushing
+/// of denormals, so device results can be held against the CPU backend's.
+pub fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "--fmad=true".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--ftz=false".into(),
+    ]
+}
+
+/// Compile one file for `arch` (e.g. `sm_90`).
+pub fn compile(file: &str, src: &str, arch: &str) -> Result<Compiled, CompileError> {
+    let fail = |log: String| CompileError {
+        file: file.to_string(),
+        arch: arch.to_string(),
+        log,
+    };
+    let csrc = CString::new(src).map_err(|_| fail("a NUL byte in the source".into()))?;
+    let cname = CString::new(file).map_err(|_| fail("a NUL byte in the file name".into()))?;
+    let prog = result::create_program(&csrc, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    // SAFETY: `prog` was created above and is destroyed once, at the end.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, &options(arch));
+        let log = result::get_program_log(prog)
+            .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match compiled {
+            Err(e) => Err(fail(if log.is_empty() {
+                format!("{e:?}")
+            } else {
+                log
+            })),
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| {
+                        fail(format!("no CUBIN ({e:?}); is {arch} a real architecture?"))
+                    })?;
+                let mut cubin = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
+                    .result()
+                    .map_err(|e| fail(format!("{e:?}")))?;
+                Ok(Compiled {
+                    file: file.to_string(),
+                    cubin,
+                })
+            }
+        }
+    };
+    // SAFETY: created above, not destroyed before.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+type Cached = Arc<Result<Vec<Compiled>, CompileError>>;
+
+/// Every file of `sources` compiled for `arch`, once per process: later calls (another backend
+/// on the same device, a second rank's thread) get the same CUBINs.
+pub fn compile_all_once(sources: &[(&str, &str)], arch: &str) -> Cached {
+    static CACHE: OnceLock<Mutex<HashMap<String, Cached>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    // Held while compiling, so two threads asking at once compile once.
+    let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+    let names: Vec<&str> = sources.iter().map(|(f, _)| *f).collect();
+    map.entry(format!("{arch}:{}", names.join(",")))
+        .or_insert_with(|| {
+            Arc::new(
+                sources
+                    .iter()
+                    .map(|(file, src)| compile(file, src, arch))
+                    .collect(),
+            )
+        })
+        .clone()
+}
