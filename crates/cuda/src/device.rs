@@ -14,7 +14,7 @@ pub mod probe;
 
 pub use probe::{probe, probe_nvrtc, ProbeError};
 
-use crate::cublas_map::{map_gemm, CublasGemm, Operand};
+use crate::cublas_map::{map_gemm, map_gemm_strided_batched, CublasGemm, Operand};
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{
@@ -410,6 +410,12 @@ impl CudaBackend {
         self.streams.get(Stream::Compute)
     }
 
+    /// Make the context current on this thread before a raw driver or cuBLAS call (cudarc's own
+    /// methods do this themselves); rank threads and copy helpers call in from anywhere.
+    fn bind(&self) {
+        ok(self.ctx.bind_to_thread(), "binding the context");
+    }
+
     /// Device memory of `len` elements of `dtype`, zeroed on the compute stream.
     fn alloc(&self, len: usize, dtype: DType) -> Result<DeviceMemory, DriverError> {
         let bytes = len * dtype.size();
@@ -474,6 +480,7 @@ impl CudaBackend {
             }
         }
         let s = self.streams.get(stream);
+        self.bind();
         // SAFETY: both ranges were checked against their buffers when the views were made; the
         // seam's rules keep them alive and unaliased until the copy is ordered.
         ok(
@@ -533,6 +540,103 @@ impl CudaBackend {
         // SAFETY: the kernel's signature is (dst*, const src*, u64 n) and both ranges hold n
         // elements of the kernel's types.
         ok(unsafe { b.launch(cfg) }.map(|_| ()), kernel);
+    }
+}
+
+impl CudaBackend {
+    /// `batch` GEMMs of one shape, the i-th on elements `i · stride_*` on of each operand (an
+    /// expert stack: experts' weights at a fixed stride, their tokens sorted into equal slots),
+    /// as one `cublasGemmStridedBatchedEx` instead of `batch` launches. Dtypes as [`Blas::gemm`];
+    /// f32 accumulation.
+    pub fn gemm_strided_batched(
+        &self,
+        mut c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        if g.m == 0 || g.n == 0 || batch == 0 {
+            return;
+        }
+        let [sa, sb, sc] = strides;
+        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+        let last = batch - 1;
+        assert!(
+            a.len() >= last * sa + extent(a_rows, a_cols, g.lda),
+            "batched gemm: A too small"
+        );
+        assert!(
+            b.len() >= last * sb + extent(b_rows, b_cols, g.ldb),
+            "batched gemm: B too small"
+        );
+        assert!(
+            c.len() >= last * sc + extent(g.m, g.n, g.ldc),
+            "batched gemm: C too small"
+        );
+        assert!(
+            sc >= extent(g.m, g.n, g.ldc),
+            "batched gemm: the outputs overlap"
+        );
+        let (call, st) = map_gemm_strided_batched(&g, batch, sa, sb, sc)
+            .unwrap_or_else(|e| panic!("batched gemm {g:?}: {e}"));
+        let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
+        assert!(
+            pa.on_device && pb.on_device && pc.on_device,
+            "gemm on memory the device does not hold"
+        );
+        let addr = |o: Operand| match o {
+            Operand::A => pa.addr,
+            Operand::B => pb.addr,
+        };
+        let ty = |d: DType| match d {
+            DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            DType::F64 => panic!("no CUDA gemm in f64"),
+        };
+        assert!(
+            pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
+            "no CUDA gemm for {} × {} → {}",
+            pa.dtype.name(),
+            pb.dtype.name(),
+            pc.dtype.name()
+        );
+        let (alpha, beta) = (call.alpha, call.beta);
+        self.bind();
+        // SAFETY: every matrix of the batch was checked against its view above; the handle is
+        // bound to the compute stream.
+        cublas(
+            unsafe {
+                cudarc::cublas::result::gemm_strided_batched_ex(
+                    *self.blas.handle(),
+                    op(call.transa),
+                    op(call.transb),
+                    call.m,
+                    call.n,
+                    call.k,
+                    &alpha as *const f32 as *const _,
+                    addr(call.operands[0]) as *const _,
+                    ty(pa.dtype),
+                    call.lda,
+                    st.stride_a,
+                    addr(call.operands[1]) as *const _,
+                    ty(pb.dtype),
+                    call.ldb,
+                    st.stride_b,
+                    &beta as *const f32 as *const _,
+                    pc.addr as *mut _,
+                    ty(pc.dtype),
+                    call.ldc,
+                    st.stride_c,
+                    st.batch,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            },
+            "gemmStridedBatchedEx",
+        )
     }
 }
 
@@ -607,6 +711,7 @@ impl Memory for CudaBackend {
             return self.write(dst, &v);
         }
         let s = self.compute().cu_stream();
+        self.bind();
         // SAFETY: the range is the view's, inside its allocation.
         let r = unsafe {
             match p.dtype {
@@ -746,6 +851,7 @@ impl Blas for CudaBackend {
         };
         let (first, second) = (addr(call.operands[0]), addr(call.operands[1]));
         let h = *self.blas.handle();
+        self.bind();
         let (alpha, beta) = (call.alpha, call.beta);
         match (pa.dtype, pb.dtype, pc.dtype) {
             (DType::F32, DType::F32, DType::F32) => cublas(
@@ -819,6 +925,7 @@ impl Blas for CudaBackend {
             "CUDA axpy: f32 device memory only so far"
         );
         let n = i32::try_from(py.len).expect("axpy longer than cuBLAS's int");
+        self.bind();
         // SAFETY: both ranges hold n f32 on the device; the handle is on the compute stream.
         cublas(
             unsafe {
@@ -843,6 +950,7 @@ impl Blas for CudaBackend {
             "CUDA scale: f32 device memory only so far"
         );
         let n = i32::try_from(py.len).expect("scale longer than cuBLAS's int");
+        self.bind();
         // SAFETY: as in axpy.
         cublas(
             unsafe {

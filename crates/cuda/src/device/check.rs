@@ -32,6 +32,10 @@ const SECTIONS: &[(&str, Section)] = &[
     ("GEMM against the CPU backend", gemm_parity),
     ("Host <-> device bandwidth (pinned)", bandwidth),
     ("GEMM throughput", gemm_throughput),
+    (
+        "Expert GEMMs: one strided batch against a loop",
+        expert_gemms,
+    ),
 ];
 
 /// Probe, set up GPU 0, run every section and write `out/report.md`. An error only when the
@@ -420,5 +424,75 @@ fn gemm_throughput(be: &CudaBackend) -> Result<String, String> {
         "\nB transposed (`x·Wᵀ`, the model's linear layers); f32 is cuBLAS's default math \
                  (no TF32).\n",
     );
+    Ok(md)
+}
+
+/// The experts' up projection at `medium`'s shapes (64 experts, 1,024 → 512, tokens sorted into
+/// equal slots per expert): one strided-batched call against one GEMM per expert, same bits
+/// expected up to summation order.
+fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
+    let mut md = String::from(
+        "| experts | tokens/expert | k → n | dtype | loop ms | batched ms | batched TFLOP/s | rel. diff |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let (experts, k, n) = (64usize, 1024usize, 512usize);
+    for tokens in [128usize, 512, 2048] {
+        let g = Gemm::new(tokens, n, k, false, true);
+        let (sa, sb, sc) = (tokens * k, n * k, tokens * n);
+        let x = be.upload(
+            &values(experts * sa, 40),
+            &[experts * sa],
+            Category::Buffers,
+        );
+        let w = be.upload(
+            &values(experts * sb, 41),
+            &[experts * sb],
+            Category::Buffers,
+        );
+        let mut xb = be.zeros_of(&[experts * sa], DType::BF16, Category::Buffers);
+        let mut wb = be.zeros_of(&[experts * sb], DType::BF16, Category::Buffers);
+        be.cast(xb.view_mut(), x.view());
+        be.cast(wb.view_mut(), w.view());
+        let mut looped = be.zeros(&[experts * sc], Category::Buffers);
+        let mut batched = be.zeros(&[experts * sc], Category::Buffers);
+        let run_loop = |c: &mut Tensor| {
+            for e in 0..experts {
+                be.gemm(
+                    c.slice_mut(e * sc, sc),
+                    xb.slice(e * sa, sa),
+                    wb.slice(e * sb, sb),
+                    g,
+                );
+            }
+        };
+        let run_batch = |c: &mut Tensor| {
+            be.gemm_strided_batched(c.view_mut(), xb.view(), wb.view(), g, experts, [sa, sb, sc])
+        };
+        run_loop(&mut looped);
+        run_batch(&mut batched);
+        let diff = rel_err(&be.download(batched.view()), &be.download(looped.view()));
+        ensure(diff < 1e-5, || {
+            format!("{tokens} tokens/expert: batched differs from the loop by {diff:e}")
+        })?;
+        let time = |f: &dyn Fn()| {
+            let iters = 10;
+            let a = be.record_event(Stream::Compute);
+            for _ in 0..iters {
+                f();
+            }
+            let b = be.record_event(Stream::Compute);
+            be.elapsed(&a, &b).as_secs_f64() / iters as f64
+        };
+        let cell = std::cell::RefCell::new(looped);
+        let t_loop = time(&|| run_loop(&mut cell.borrow_mut()));
+        let cell_b = std::cell::RefCell::new(batched);
+        let t_batch = time(&|| run_batch(&mut cell_b.borrow_mut()));
+        let tflops = (experts as f64 * g.flops() as f64) / t_batch / 1e12;
+        let _ = writeln!(
+            md,
+            "| {experts} | {tokens} | {k} → {n} | bf16→f32 | {:.3} | {:.3} | {tflops:.1} | {diff:.1e} |",
+            t_loop * 1e3,
+            t_batch * 1e3
+        );
+    }
     Ok(md)
 }
