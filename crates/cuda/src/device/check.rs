@@ -368,6 +368,8 @@ fn bandwidth(be: &CudaBackend) -> Result<String, String> {
     let n = 64 << 20; // 256 MiB of f32
     let mut host = be.pinned_zeros(&[n], Category::Buffers);
     let mut dev = be.zeros(&[n], Category::Buffers);
+    // Allocated and zeroed on the compute stream: done before the copy streams touch it.
+    be.synchronize();
     let mut md =
         String::from("| direction | stream | GB/s (256 MiB, best of 5) |\n|---|---|---|\n");
     for (name, stream, to_host) in [
