@@ -14,7 +14,7 @@ pub mod probe;
 
 pub use probe::{probe, probe_nvrtc, ProbeError};
 
-use crate::cublas_map::{map_gemm, map_gemm_strided_batched, CublasGemm, Operand};
+use crate::cublas_map::{map_gemm, map_gemm_strided_batched, map_syrk, CublasGemm, Operand};
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{
@@ -23,7 +23,7 @@ use cudarc::driver::{
 };
 use ganymede_core::{
     bf16, Blas, Category, DType, Device, DeviceBuffer, Event, Gemm, Ledger, Memory, MemoryError,
-    Stream, Tensor, View, ViewMut,
+    Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::any::Any;
 use std::collections::HashMap;
@@ -72,7 +72,7 @@ fn ok<T>(r: Result<T, DriverError>, what: &str) -> T {
     r.unwrap_or_else(|e| panic!("CUDA {what}: {}", probe::driver_error(&e)))
 }
 
-/// The backend's own small kernels (casts), beside the model's in `sources::SOURCES`.
+/// The backend's own small kernels (casts, the f64 sum of squares, syrk's mirror), beside the model's in `sources::SOURCES`.
 pub const PLUMBING: (&str, &str) = (
     "ganymede_plumbing.cu",
     r#"
@@ -88,6 +88,52 @@ extern "C" __global__ void ganymede_cast_f32_to_bf16(unsigned short* dst, const 
         } else {
             dst[i] = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
         }
+    }
+}
+
+// acc[0] += sum of x[i]^2 in f64 (the gradient norm's accumulator): a grid-stride sum per
+// thread, a tree in shared memory per block (blockDim.x = 256), one atomic per block.
+__device__ void ganymede_block_add(double* acc, double s) {
+    __shared__ double part[256];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (unsigned int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) atomicAdd(acc, part[0]);
+}
+
+extern "C" __global__ void ganymede_sumsq_acc_f32(double* acc, const float* x,
+                                                  unsigned long long n) {
+    double s = 0.0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        double v = x[i];
+        s += v * v;
+    }
+    ganymede_block_add(acc, s);
+}
+
+extern "C" __global__ void ganymede_sumsq_acc_bf16(double* acc, const unsigned short* x,
+                                                   unsigned long long n) {
+    double s = 0.0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        double v = __uint_as_float(((unsigned int)x[i]) << 16);
+        s += v * v;
+    }
+    ganymede_block_add(acc, s);
+}
+
+// Row-major C [n, n] with row stride ldc: the strictly lower triangle copied onto the upper one
+// (cuBLAS's syrk writes one triangle; the seam wants both).
+extern "C" __global__ void ganymede_mirror_lower_f32(float* c, unsigned long long n,
+                                                     unsigned long long ldc) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < n * n; i += (unsigned long long)gridDim.x * blockDim.x) {
+        unsigned long long r = i / n, col = i % n;
+        if (r > col) c[col * ldc + r] = c[r * ldc + col];
     }
 }
 
@@ -142,6 +188,8 @@ impl Drop for DeviceMemory {
         // Stream-ordered free: the slice is freed on the compute stream (cudarc's drop), so make
         // compute wait for the other streams that used it, as far as they have been issued.
         let compute = self.streams.get(Stream::Compute);
+        // cudarc's free does not make the context current; a tensor may drop on any thread.
+        let _ = compute.context().bind_to_thread();
         for s in self.uses.others() {
             let stream = self.streams.get(s);
             if let Ok(ev) = stream.record_event(None) {
@@ -189,6 +237,7 @@ unsafe impl Sync for PinnedMemory {}
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
         // Host memory cannot be freed in stream order: wait for the streams that copied it.
+        let _ = self.streams.get(Stream::Compute).context().bind_to_thread();
         for s in Stream::ALL {
             if s == Stream::Compute || self.uses.others().any(|o| o == s) {
                 let _ = self.streams.get(s).synchronize();
@@ -526,19 +575,20 @@ impl CudaBackend {
         self.sync_compute();
     }
 
-    fn launch_cast(&self, kernel: &str, dst: u64, src: u64, n: usize) {
+    /// Launch one of the backend's own kernels, whose arguments are three 64-bit values
+    /// (pointers and counts), over `n` elements with 256-thread blocks.
+    fn launch3(&self, kernel: &str, args: [u64; 3], n: usize) {
         let f = self.function(kernel).unwrap_or_else(|e| panic!("{e}"));
-        let n = n as u64;
-        let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+        let blocks = (n as u64).div_ceil(256).clamp(1, 4096) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.compute().launch_builder(&f);
-        b.arg(&dst).arg(&src).arg(&n);
-        // SAFETY: the kernel's signature is (dst*, const src*, u64 n) and both ranges hold n
-        // elements of the kernel's types.
+        b.arg(&args[0]).arg(&args[1]).arg(&args[2]);
+        // SAFETY: each of these kernels takes (pointer, pointer or count, count) as 64-bit
+        // values, and the callers pass ranges that hold what the kernel touches.
         ok(unsafe { b.launch(cfg) }.map(|_| ()), kernel);
     }
 }
@@ -917,6 +967,64 @@ impl Blas for CudaBackend {
             ),
         }
     }
+    /// f32: `cublasSsyrk` on one triangle, then mirrored by a kernel (about half a GEMM's
+    /// multiply-adds); other dtypes as a full GEMM.
+    fn syrk(&self, mut c: ViewMut, a: View, s: Syrk) {
+        let (pc, pa) = (place_mut(&mut c), place(&a));
+        if !(pc.dtype == DType::F32 && pa.dtype == DType::F32) {
+            return self.gemm(c, a, a, s.as_gemm());
+        }
+        if s.n == 0 {
+            return;
+        }
+        let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
+        assert!(
+            a.len() >= extent(rows, cols, s.lda),
+            "syrk: A too small {s:?}"
+        );
+        assert!(
+            c.len() >= extent(s.n, s.n, s.ldc),
+            "syrk: C too small {s:?}"
+        );
+        assert!(
+            pc.on_device && pa.on_device,
+            "syrk on memory the device does not hold"
+        );
+        let call = map_syrk(&s).unwrap_or_else(|e| panic!("syrk {s:?}: {e}"));
+        let (alpha, beta) = (call.alpha, call.beta);
+        self.bind();
+        // SAFETY: extents checked above; the handle is bound to the compute stream.
+        cublas(
+            unsafe {
+                blas_sys::cublasSsyrk_v2(
+                    *self.blas.handle(),
+                    if call.upper {
+                        blas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER
+                    } else {
+                        blas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER
+                    },
+                    op(call.trans),
+                    call.n,
+                    call.k,
+                    &alpha,
+                    pa.addr as *const f32,
+                    call.lda,
+                    &beta,
+                    pc.addr as *mut f32,
+                    call.ldc,
+                )
+            }
+            .result(),
+            "ssyrk",
+        );
+        // The mapping's column-major upper triangle is the row-major lower one.
+        debug_assert!(call.upper);
+        self.launch3(
+            "ganymede_mirror_lower_f32",
+            [pc.addr, s.n as u64, s.ldc as u64],
+            s.n * s.n,
+        );
+    }
     fn axpy(&self, mut y: ViewMut, alpha: f32, x: View) {
         let (py, px) = (place_mut(&mut y), place(&x));
         assert_eq!(py.len, px.len, "axpy of different lengths");
@@ -961,26 +1069,40 @@ impl Blas for CudaBackend {
         )
     }
     fn sumsq(&self, x: View) -> f64 {
-        // A host read by contract; summed in f64 on the host until a reduction kernel lands.
-        self.download_f64(x).iter().map(|v| v * v).sum()
+        let mut acc = self.zeros_of(&[1], DType::F64, Category::Buffers);
+        self.sumsq_acc(acc.view_mut(), x);
+        self.download_f64(acc.view())[0]
     }
     fn sumsq_acc(&self, mut acc: ViewMut, x: View) {
-        // Correct but synchronising: replaced by a device reduction with the model's kernels.
-        let s = self.sumsq(x);
-        let old = self.download_f64(acc.as_view())[0];
-        self.write_raw(&mut acc, &[old + s], DType::F64);
+        let (pa, px) = (place_mut(&mut acc), place(&x));
+        assert!(
+            pa.dtype == DType::F64 && pa.len >= 1 && pa.on_device && px.on_device,
+            "CUDA sumsq_acc: an f64 device accumulator and device memory"
+        );
+        let kernel = match px.dtype {
+            DType::F32 => "ganymede_sumsq_acc_f32",
+            DType::BF16 => "ganymede_sumsq_acc_bf16",
+            DType::F64 => panic!("no CUDA sumsq of f64"),
+        };
+        if px.len > 0 {
+            self.launch3(kernel, [pa.addr, px.addr, px.len as u64], px.len);
+        }
     }
     fn cast(&self, mut dst: ViewMut, src: View) {
         assert_eq!(dst.len(), src.len(), "cast between different lengths");
         let (pd, ps) = (place_mut(&mut dst), place(&src));
         match (ps.dtype, pd.dtype) {
             (a, b) if a == b => self.copy(dst, src),
-            (DType::F32, DType::BF16) if pd.on_device && ps.on_device => {
-                self.launch_cast("ganymede_cast_f32_to_bf16", pd.addr, ps.addr, ps.len)
-            }
-            (DType::BF16, DType::F32) if pd.on_device && ps.on_device => {
-                self.launch_cast("ganymede_cast_bf16_to_f32", pd.addr, ps.addr, ps.len)
-            }
+            (DType::F32, DType::BF16) if pd.on_device && ps.on_device => self.launch3(
+                "ganymede_cast_f32_to_bf16",
+                [pd.addr, ps.addr, ps.len as u64],
+                ps.len,
+            ),
+            (DType::BF16, DType::F32) if pd.on_device && ps.on_device => self.launch3(
+                "ganymede_cast_bf16_to_f32",
+                [pd.addr, ps.addr, ps.len as u64],
+                ps.len,
+            ),
             (a, b) => panic!(
                 "no CUDA cast from {} to {} (device memory, f32 and bf16 only)",
                 a.name(),

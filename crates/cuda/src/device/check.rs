@@ -7,7 +7,7 @@
 
 use super::{CudaBackend, DeviceError};
 use ganymede_core::{
-    bf16, Blas, Category, CpuBackend, DType, Gemm, Ledger, Memory, Stream, Tensor,
+    bf16, Blas, Category, CpuBackend, DType, Gemm, Ledger, Memory, Stream, Syrk, Tensor,
 };
 use std::fmt::Write as _;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -176,13 +176,36 @@ fn memory_roundtrip(be: &CudaBackend) -> Result<String, String> {
     ensure(be.download(h.view()) == want, || {
         "a bf16 write/download is not the host's rounding".into()
     })?;
-    drop((z, t, c, h));
+    // The sum of squares on the device (f64 accumulator, f32 and bf16 inputs).
+    let want: f64 = data.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    let got = be.sumsq(t.view());
+    ensure((got - want).abs() <= 1e-9 * want, || {
+        format!("sumsq of f32: {got} against the host's {want}")
+    })?;
+    let want16: f64 = data
+        .iter()
+        .map(|&x| f64::from(bf16::to_f32(bf16::from_f32(x))).powi(2))
+        .sum();
+    let mut acc = be.zeros_of(&[1], DType::F64, Category::Buffers);
+    be.sumsq_acc(acc.view_mut(), h.view());
+    be.sumsq_acc(acc.view_mut(), t.view());
+    let got = be.download_f64(acc.view())[0];
+    ensure(
+        (got - want - want16).abs() <= 1e-9 * (want + want16),
+        || {
+            format!(
+                "sumsq_acc of bf16 then f32: {got} against {}",
+                want + want16
+            )
+        },
+    )?;
+    drop((z, t, c, h, acc));
     ensure(be.ledger().in_use(dev) == before, || {
         "the ledger still counts freed tensors".into()
     })?;
     Ok(format!(
-        "{n} f32: zeros, upload/download, offset copy, fill, bf16 write; the ledger counted and \
-         freed every byte.\n"
+        "{n} f32: zeros, upload/download, offset copy, fill, bf16 write, the f64 sum of squares \
+         (f32 and bf16 inputs, to 1e-9); the ledger counted and freed every byte.\n"
     ))
 }
 
@@ -355,6 +378,45 @@ fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
                 "| {m} | {n} | {k} | {ta}/{tb} | {pad} | bf16→f32 | {e16:.1e} |"
             );
             ensure(e16 < 1e-4, || format!("bf16 {g:?}: relative error {e16:e}"))?;
+        }
+    }
+    // Syrk (Newton–Schulz's X·Xᵀ): cublasSsyrk on one triangle plus the mirror kernel, both
+    // triangles against the CPU's, with beta reading a symmetric C.
+    for &(n, k, trans) in &[
+        (96usize, 64usize, false),
+        (77, 130, true),
+        (256, 512, false),
+    ] {
+        let s0 = Syrk::new(n, k, trans);
+        let s = s0.alpha(0.5).beta(1.0).ld(s0.lda + 3, s0.ldc + 2);
+        let rows = if trans { k } else { n };
+        let a = values(rows * s.lda, 50 + n as u64);
+        let r = values(n * s.ldc, 60 + n as u64);
+        let mut c = r.clone();
+        for x in 0..n {
+            for y in 0..n {
+                c[x * s.ldc + y] = r[x.max(y) * s.ldc + x.min(y)];
+            }
+        }
+        let on = |be: &dyn Memory, x: &[f32]| be.upload(x, &[x.len()], Category::Buffers);
+        let mut want_t = on(&cpu, &c);
+        cpu.syrk(want_t.view_mut(), on(&cpu, &a).view(), s);
+        let want = cpu.download(want_t.view());
+        let mut dc = on(be, &c);
+        be.syrk(dc.view_mut(), on(be, &a).view(), s);
+        let got = be.download(dc.view());
+        let e = rel_err(&got, &want);
+        let _ = writeln!(
+            md,
+            "| {n} | {n} | {k} | syrk {trans} | 3/2 | f32 | {e:.1e} |"
+        );
+        ensure(e < 1e-4, || format!("syrk {s:?}: relative error {e:e}"))?;
+        for x in 0..n {
+            for y in 0..x {
+                ensure(got[x * s.ldc + y] == got[y * s.ldc + x], || {
+                    format!("syrk {s:?}: ({x}, {y}) is not mirrored")
+                })?;
+            }
         }
     }
     md.push_str(
