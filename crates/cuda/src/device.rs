@@ -22,14 +22,14 @@ use cudarc::driver::{
     DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use ganymede_core::{
-    bf16, Blas, Category, DType, Device, DeviceBuffer, Event, Gemm, Ledger, Memory, MemoryError,
-    Stream, Syrk, Tensor, View, ViewMut,
+    bf16, Blas, Category, CopySpan, DType, Device, DeviceBuffer, Event, Gemm, Ledger, Memory,
+    MemoryError, Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why the device could not be set up.
 #[derive(Debug)]
@@ -359,6 +359,15 @@ pub struct CudaBackend {
     ordinal: u16,
     arch: String,
     name: String,
+    trace: Mutex<Option<CopyTrace>>,
+}
+
+/// Asynchronous copies being timed for the trace: events around each, placed on the host clock
+/// through one base event whose host time is known.
+struct CopyTrace {
+    base: CudaEvent,
+    base_at: Instant,
+    pending: Vec<(Stream, CudaEvent, CudaEvent, u64)>,
 }
 
 impl CudaBackend {
@@ -411,6 +420,7 @@ impl CudaBackend {
             ordinal: ordinal as u16,
             arch,
             name,
+            trace: Mutex::new(None),
         })
     }
 
@@ -810,7 +820,62 @@ impl Memory for CudaBackend {
         )
     }
     fn copy_async(&self, mut dst: ViewMut, src: View, stream: Stream) {
-        self.memcpy(&place_mut(&mut dst), &place(&src), stream)
+        let (pd, ps) = (place_mut(&mut dst), place(&src));
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(t) = trace.as_mut() else {
+            drop(trace);
+            return self.memcpy(&pd, &ps, stream);
+        };
+        let s = self.streams.get(stream);
+        let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = ok(s.record_event(timed), "trace event");
+        self.memcpy(&pd, &ps, stream);
+        let end = ok(s.record_event(timed), "trace event");
+        t.pending.push((stream, start, end, ps.bytes as u64));
+    }
+    fn trace_copies(&self, on: bool) {
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        *trace = on.then(|| {
+            // The base event completes when the host waits for it; its host time is then known
+            // to within the wait's return, and copies are placed relative to it.
+            let base = ok(
+                self.compute()
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)),
+                "trace event",
+            );
+            ok(base.synchronize(), "trace event");
+            CopyTrace {
+                base,
+                base_at: Instant::now(),
+                pending: Vec::new(),
+            }
+        });
+    }
+    fn take_copy_spans(&self) -> Vec<CopySpan> {
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(t) = trace.as_mut() else {
+            return Vec::new();
+        };
+        let at = |e: &CudaEvent| {
+            let ms = ok(t.base.elapsed_ms(e), "trace elapsed");
+            t.base_at + Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)
+        };
+        let mut spans = Vec::new();
+        let mut still = Vec::new();
+        for (stream, start, end, bytes) in std::mem::take(&mut t.pending) {
+            if ok(end.try_is_complete(), "trace query") {
+                spans.push(CopySpan {
+                    stream,
+                    start: at(&start),
+                    end: at(&end),
+                    bytes,
+                });
+            } else {
+                still.push((stream, start, end, bytes));
+            }
+        }
+        t.pending = still;
+        spans
     }
     fn record_event(&self, stream: Stream) -> Event {
         let ev = ok(

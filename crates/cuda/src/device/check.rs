@@ -255,6 +255,17 @@ fn pinned_async(be: &CudaBackend) -> Result<String, String> {
     ensure(host.view().host::<f32>() == &data[..], || {
         "a copy whose source was dropped in flight is wrong".into()
     })?;
+    // Traced copies come back as spans on the host clock, with their bytes.
+    be.trace_copies(true);
+    be.copy_async(host.view_mut(), src.view(), Stream::ToHost);
+    let e = be.record_event(Stream::ToHost);
+    be.synchronize_event(&e);
+    let spans = be.take_copy_spans();
+    be.trace_copies(false);
+    ensure(
+        spans.len() == 1 && spans[0].bytes == 4 * n as u64 && spans[0].end >= spans[0].start,
+        || format!("the traced copy's span is wrong: {spans:?}"),
+    )?;
     let ms = be.elapsed(&up, &done).as_secs_f64() * 1e3;
     Ok(format!(
         "{n} f32 each way through non-write-combined pinned memory on the to-host and \
