@@ -26,6 +26,7 @@ pub struct Summary {
 type Section = fn(&CudaBackend) -> Result<String, String>;
 
 const SECTIONS: &[(&str, Section)] = &[
+    ("Every kernel of the sources found by name", kernels_by_name),
     ("Allocation, upload, download, fill, copy", memory_roundtrip),
     ("Pinned memory and asynchronous copies", pinned_async),
     ("NVRTC kernel launch (f32 <-> bf16 casts)", cast_kernels),
@@ -503,8 +504,8 @@ fn gemm_throughput(be: &CudaBackend) -> Result<String, String> {
 }
 
 /// The experts' up projection at `medium`'s shapes (64 experts, 1,024 → 512, tokens sorted into
-/// equal slots per expert): one strided-batched call against one GEMM per expert, same bits
-/// expected up to summation order.
+/// equal slots per expert): one strided-batched call against one GEMM per expert, equal up to
+/// summation order (cuBLAS may pick another algorithm for the batch): 1e-4 of the largest |C|.
 fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
     let mut md = String::from(
         "| experts | tokens/expert | k → n | dtype | loop ms | batched ms | batched TFLOP/s | rel. diff |\n|---|---|---|---|---|---|---|---|\n",
@@ -545,7 +546,7 @@ fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
         run_loop(&mut looped);
         run_batch(&mut batched);
         let diff = rel_err(&be.download(batched.view()), &be.download(looped.view()));
-        ensure(diff < 1e-5, || {
+        ensure(diff < 1e-4, || {
             format!("{tokens} tokens/expert: batched differs from the loop by {diff:e}")
         })?;
         let time = |f: &dyn Fn()| {
@@ -568,6 +569,20 @@ fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
             t_loop * 1e3,
             t_batch * 1e3
         );
+    }
+    Ok(md)
+}
+
+fn kernels_by_name(be: &CudaBackend) -> Result<String, String> {
+    let mut files: Vec<(&str, &str)> = crate::sources::SOURCES.to_vec();
+    files.push(super::PLUMBING);
+    let mut md = String::from("| file | kernels |\n|---|---|\n");
+    for (file, src) in files {
+        let names = super::nvrtc::kernel_names(src);
+        for n in &names {
+            be.function(n).map_err(|e| format!("{file}: {e}"))?;
+        }
+        let _ = writeln!(md, "| {file} | {} |", names.len());
     }
     Ok(md)
 }

@@ -118,3 +118,52 @@ pub fn compile_all_once(sources: &[(&str, &str)], arch: &str) -> Cached {
         })
         .clone()
 }
+
+/// Names of the `extern "C" __global__` kernels a source defines, in order: what the device
+/// check looks up after loading, so a kernel that compiled but is not found by name shows.
+pub fn kernel_names(src: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = src;
+    while let Some(i) = rest.find("__global__") {
+        rest = &rest[i + "__global__".len()..];
+        // The name is the last word before the parameter list's `(`; `__launch_bounds__(…)`
+        // has a parenthesis of its own, skipped.
+        let mut from = 0;
+        let paren = loop {
+            let Some(p) = rest[from..].find('(') else {
+                return names;
+            };
+            let paren = from + p;
+            if rest[..paren].split_whitespace().last() == Some("__launch_bounds__") {
+                let Some(close) = rest[paren..].find(')') else {
+                    return names;
+                };
+                from = paren + close + 1;
+                continue;
+            }
+            break paren;
+        };
+        if let Some(name) = rest[..paren].split_whitespace().last() {
+            if name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                names.push(name.to_string());
+            }
+        }
+        rest = &rest[paren..];
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kernel_names_are_found_in_order() {
+        let src = "__device__ float f(float x) { return x; }\n\
+                   extern \"C\" __global__ void a_kernel(float* x) {}\n\
+                   extern \"C\" __global__ void __launch_bounds__(256) b2(int n) {}\n\
+                   extern \"C\" __global__\nvoid\nc_3 (float* y) {}\n";
+        assert_eq!(super::kernel_names(src), ["a_kernel", "b2", "c_3"]);
+        let plumbing = super::kernel_names(crate::device::PLUMBING.1);
+        assert!(plumbing.contains(&"ganymede_cast_f32_to_bf16".to_string()));
+        assert!(!plumbing.iter().any(|n| n == "ganymede_block_add"));
+    }
+}
