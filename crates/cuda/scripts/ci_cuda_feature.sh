@@ -9,16 +9,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 
+# A wheel's library folder with libnvrtc.so.13, preferring one with the CUDA headers beside it
+# (nvidia/cu13/include) so kernels that include them are compiled too.
 nvrtc_lib() {
-    for d in "$HOME/.cache/ganymede/nvrtc-venv" "$HOME/.cache/ganymede/venv"; do
+    local found=""
+    for d in "$HOME/.cache/ganymede/venv" "$HOME/.cache/ganymede/nvrtc-venv"; do
         local l
         l=$(ls -d "$d"/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1)
-        if [ -n "$l" ] && [ -e "$l/libnvrtc.so.13" ]; then
+        [ -n "$l" ] && [ -e "$l/libnvrtc.so.13" ] || continue
+        if [ -e "$l/../include/cuda_bf16.h" ]; then
             echo "$l"
             return 0
         fi
+        [ -n "$found" ] || found=$l
     done
-    return 1
+    [ -n "$found" ] && echo "$found"
 }
 
 if ! lib=$(nvrtc_lib); then

@@ -61,3 +61,19 @@ fn compiling_twice_in_a_process_reuses_the_first() {
     assert!(std::sync::Arc::ptr_eq(&a, &b));
     assert!(a.as_ref().as_ref().is_ok());
 }
+
+/// Kernels may include the CUDA headers where they are found (a wheel's `nvidia/cu13/include`
+/// beside its `lib` on LD_LIBRARY_PATH, or GANYMEDE_CUDA_INCLUDE).
+#[test]
+fn cuda_headers_are_found_beside_the_libraries() {
+    if !nvrtc_here() {
+        return;
+    }
+    if nvrtc::include_dirs().is_empty() {
+        eprintln!("SKIPPED: no CUDA headers beside the libraries on LD_LIBRARY_PATH");
+        return;
+    }
+    let src = "#include <cuda_bf16.h>\n\
+               extern \"C\" __global__ void k(__nv_bfloat16* x) { x[0] = __float2bfloat16_rn(1.0f); }\n";
+    nvrtc::compile("bf16_header.cu", src, "sm_90").unwrap_or_else(|e| panic!("{e}\n{}", e.log));
+}

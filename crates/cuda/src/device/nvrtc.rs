@@ -40,16 +40,48 @@ impl std::fmt::Display for CompileError {
 impl std::error::Error for CompileError {}
 
 /// The options every file is compiled with. Precise division and square roots and no flushing
-/// of denormals, so device results can be held against the CPU backend's.
+/// of denormals, so device results can be held against the CPU backend's; the CUDA headers'
+/// folders where found (see [`include_dirs`]).
 pub fn options(arch: &str) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         "--fmad=true".into(),
         "--prec-div=true".into(),
         "--prec-sqrt=true".into(),
         "--ftz=false".into(),
-    ]
+    ];
+    o.extend(
+        include_dirs()
+            .into_iter()
+            .map(|d| format!("--include-path={d}")),
+    );
+    o
+}
+
+/// Folders with the CUDA headers (`cuda_bf16.h`, …), which NVRTC does not carry: those in
+/// `GANYMEDE_CUDA_INCLUDE` (colon-separated), else the `include` folder beside each library
+/// folder on `LD_LIBRARY_PATH` that has them (a wheel's `nvidia/cu13/{lib,include}`).
+pub fn include_dirs() -> Vec<String> {
+    if let Ok(v) = std::env::var("GANYMEDE_CUDA_INCLUDE") {
+        return v
+            .split(':')
+            .filter(|d| !d.is_empty())
+            .map(String::from)
+            .collect();
+    }
+    let lib_path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let mut dirs: Vec<String> = Vec::new();
+    for lib in lib_path.split(':').filter(|d| !d.is_empty()) {
+        let inc = std::path::Path::new(lib).join("../include");
+        if inc.join("cuda_bf16.h").is_file() {
+            let d = inc.to_string_lossy().into_owned();
+            if !dirs.contains(&d) {
+                dirs.push(d);
+            }
+        }
+    }
+    dirs
 }
 
 /// Compile one file for `arch` (e.g. `sm_90`).
