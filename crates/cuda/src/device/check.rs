@@ -32,6 +32,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("NVRTC kernel launch (f32 <-> bf16 casts)", cast_kernels),
     ("GEMM against the CPU backend", gemm_parity),
     ("Host <-> device bandwidth (pinned)", bandwidth),
+    ("Copies overlap compute", overlap),
     ("GEMM throughput", gemm_throughput),
     (
         "Expert GEMMs: one strided batch against a loop",
@@ -584,5 +585,56 @@ fn kernels_by_name(be: &CudaBackend) -> Result<String, String> {
         }
         let _ = writeln!(md, "| {file} | {} |", names.len());
     }
+    Ok(md)
+}
+
+/// A device-to-host copy on the to-host stream beside GEMMs on the compute stream: together they
+/// must take less than one after the other (the streams run concurrently), as offload needs.
+fn overlap(be: &CudaBackend) -> Result<String, String> {
+    let n = 64 << 20; // 256 MiB of f32
+    let mut host = be.pinned_zeros(&[n], Category::Buffers);
+    let src = be.zeros(&[n], Category::Buffers);
+    let size = 4096;
+    let a = be.zeros_of(&[size * size], DType::BF16, Category::Buffers);
+    let mut c = be.zeros(&[size * size], Category::Buffers);
+    let g = Gemm::new(size, size, size, false, true);
+    be.synchronize();
+    let copy = |host: &mut Tensor| be.copy_async(host.view_mut(), src.view(), Stream::ToHost);
+    let gemms = |c: &mut Tensor| {
+        for _ in 0..40 {
+            be.gemm(c.view_mut(), a.view(), a.view(), g);
+        }
+    };
+    let timed = |stream: Stream, f: &mut dyn FnMut()| {
+        let s = be.record_event(stream);
+        f();
+        let e = be.record_event(stream);
+        be.elapsed(&s, &e).as_secs_f64()
+    };
+    gemms(&mut c); // warm-up
+    let t_copy = timed(Stream::ToHost, &mut || copy(&mut host));
+    let t_gemm = timed(Stream::Compute, &mut || gemms(&mut c));
+    // Both, started together: the copy stream waits for the compute stream's start event, and
+    // the end is compute's end after it has waited for the copy.
+    let start = be.record_event(Stream::Compute);
+    be.wait_event(Stream::ToHost, &start);
+    copy(&mut host);
+    gemms(&mut c);
+    let copied = be.record_event(Stream::ToHost);
+    be.wait_event(Stream::Compute, &copied);
+    let end = be.record_event(Stream::Compute);
+    let t_both = be.elapsed(&start, &end).as_secs_f64();
+    let hidden = (t_copy + t_gemm - t_both) / t_copy.min(t_gemm);
+    let md = format!(
+        "| copy 256 MiB to host | 40 bf16 GEMMs of 4096 | both | hidden |\n|---|---|---|---|\n\
+         | {:.2} ms | {:.2} ms | {:.2} ms | {:.0}% of the shorter |\n",
+        t_copy * 1e3,
+        t_gemm * 1e3,
+        t_both * 1e3,
+        100.0 * hidden
+    );
+    ensure(hidden > 0.25, || {
+        format!("the copy and the GEMMs hardly overlapped:\n\n{md}")
+    })?;
     Ok(md)
 }
