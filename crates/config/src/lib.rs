@@ -423,6 +423,21 @@ pub enum DeviceKind {
     /// between them run on copy threads ordered by events. How GPU memory behaviour (offload,
     /// capacity, stream ordering) is tested without a GPU.
     CpuTwoMemory,
+    /// An NVIDIA GPU through the CUDA backend (a binary built with `--features cuda`, and a
+    /// driver). Until that backend implements every op, `train` refuses it and
+    /// `ganymede device-check` exercises what exists.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The name as written in a config (`device.kind = "…"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::CpuTwoMemory => "cpu-two-memory",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -704,6 +719,15 @@ impl JobConfig {
                 "device.kind",
                 "cpu",
                 "device.memory_gib and device.check_streams need kind = \"cpu-two-memory\"",
+            ));
+        }
+        // The GPU's capacity is its own and the CUDA backend orders its streams with events, so
+        // neither knob means anything there; refuse rather than ignore them.
+        if dv.kind == DeviceKind::Cuda && (dv.memory_gib > 0.0 || dv.check_streams) {
+            return Err(invalid(
+                "device.kind",
+                "cuda",
+                "device.memory_gib and device.check_streams apply to kind = \"cpu-two-memory\" only",
             ));
         }
         let p = &self.parallelism;

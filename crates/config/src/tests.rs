@@ -147,3 +147,19 @@ fn tensorboard_key_defaults_off_and_parses() {
     let c = JobConfig::load(Some("tiny"), None, &["metrics.tensorboard=true".into()]).unwrap();
     assert!(c.metrics.tensorboard);
 }
+
+#[test]
+fn device_kind_cuda_parses_and_refuses_cpu_only_knobs() {
+    let c = JobConfig::load(Some("tiny"), None, &["device.kind=cuda".into()]).unwrap();
+    assert_eq!(c.device.kind, DeviceKind::Cuda);
+    assert_eq!(c.device.kind.name(), "cuda");
+    c.validate().unwrap();
+    for knob in ["device.memory_gib=1", "device.check_streams=true"] {
+        let c = c.with_overrides(&[knob.into()]).unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("device.kind") && e.contains("cpu-two-memory"),
+            "{knob}: {e}"
+        );
+    }
+}

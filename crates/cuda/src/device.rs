@@ -1,1 +1,246 @@
-//! The device through cudarc.
+//! The device through cudarc: a context, one CUDA stream per seam [`Stream`], events, pinned
+//! host memory, asynchronous copies, NVRTC-compiled kernels and a cuBLAS handle on the compute
+//! stream. [`CudaBackend`] implements `Memory` fully (`memory.rs`) and `Blas` (`blas.rs`:
+//! GEMMs through cuBLAS); the model's kernels (`NnOps`, `OptimOps`) are still to come, so
+//! training refuses this device.
+//!
+//! Ordering is the seam's, not cudarc's: cudarc's per-slice event tracking is turned off, and
+//! code above the seam orders streams with `Memory::record_event`/`Memory::wait_event`.
+//! The one thing the backend adds is stream-ordered free: device memory used by a copy on
+//! another stream is freed on the compute stream only after that stream's work so far.
+
+mod blas;
+pub mod check;
+mod memory;
+pub mod nvrtc;
+mod plumbing;
+pub mod probe;
+
+pub use memory::{DeviceMemory, PinnedMemory};
+pub use plumbing::PLUMBING;
+pub use probe::{probe, probe_nvrtc, ProbeError};
+
+use memory::CopyTrace;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
+use ganymede_core::{Ledger, Stream};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Freed device memory stays in the stream-ordered pool instead of going back to the driver at
+/// each synchronisation (the pool's default), so a step's allocations are reused like
+/// PyTorch's caching allocator's. Best effort: without it allocation is only slower.
+fn keep_freed_memory(ctx: &Arc<CudaContext>) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: out-parameters of the right types; the device is the context's.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
+        {
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut _,
+            );
+        }
+    }
+}
+
+/// Why the device could not be set up.
+#[derive(Debug)]
+pub enum DeviceError {
+    Probe(ProbeError),
+    Driver { what: String, error: String },
+    Compile(nvrtc::CompileError),
+    Cublas { what: String, error: String },
+}
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceError::Probe(e) => e.fmt(f),
+            DeviceError::Driver { what, error } => write!(f, "CUDA {what}: {error}"),
+            DeviceError::Compile(e) => e.fmt(f),
+            DeviceError::Cublas { what, error } => write!(f, "cuBLAS {what}: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+impl From<ProbeError> for DeviceError {
+    fn from(e: ProbeError) -> Self {
+        DeviceError::Probe(e)
+    }
+}
+
+fn driver(what: &str) -> impl FnOnce(DriverError) -> DeviceError + '_ {
+    move |e| DeviceError::Driver {
+        what: what.to_string(),
+        error: probe::driver_error(&e),
+    }
+}
+
+/// Inside the seam's infallible operations a driver error is a bug or a lost device: panic
+/// with what was being done.
+fn ok<T>(r: Result<T, DriverError>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what}: {}", probe::driver_error(&e)))
+}
+
+/// The four CUDA streams, indexed by [`Stream::index`].
+pub struct Streams {
+    streams: [Arc<CudaStream>; 4],
+}
+
+impl Streams {
+    pub fn get(&self, s: Stream) -> &Arc<CudaStream> {
+        &self.streams[s.index()]
+    }
+}
+
+/// Kernels loaded into the context, looked up by name (cached).
+struct Kernels {
+    modules: Vec<Arc<CudaModule>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+/// The CUDA backend on one GPU.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    streams: Arc<Streams>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    ledger: Arc<Ledger>,
+    ordinal: u16,
+    arch: String,
+    name: String,
+    trace: Mutex<Option<CopyTrace>>,
+}
+
+impl CudaBackend {
+    /// Probe, then set up GPU `ordinal`: context, streams, cuBLAS, and every kernel of
+    /// `sources::SOURCES` (plus the backend's own) compiled by NVRTC for its architecture.
+    pub fn new(ordinal: usize, ledger: Arc<Ledger>) -> Result<Self, DeviceError> {
+        probe()?;
+        let ctx = CudaContext::new(ordinal).map_err(driver("context"))?;
+        // SAFETY: the seam orders every use across streams with its events (see module doc),
+        // and this backend frees memory in stream order itself.
+        unsafe { ctx.disable_event_tracking() };
+        let mk = || ctx.new_stream().map_err(driver("stream"));
+        let streams = Arc::new(Streams {
+            streams: [mk()?, mk()?, mk()?, mk()?],
+        });
+        let blas = CudaBlas::new(streams.get(Stream::Compute).clone()).map_err(|e| {
+            DeviceError::Cublas {
+                what: "handle".into(),
+                error: e.to_string(),
+            }
+        })?;
+        keep_freed_memory(&ctx);
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("compute capability"))?;
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name().unwrap_or_else(|_| "an NVIDIA GPU".into());
+        let mut sources: Vec<(&str, &str)> = crate::sources::SOURCES.to_vec();
+        sources.push(PLUMBING);
+        let compiled = nvrtc::compile_all_once(&sources, &arch);
+        let compiled = compiled
+            .as_ref()
+            .as_ref()
+            .map_err(|e| DeviceError::Compile(e.clone()))?;
+        let modules = compiled
+            .iter()
+            .map(|c| {
+                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin.clone()))
+                    .map_err(driver(&format!("loading {}", c.file)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(CudaBackend {
+            ctx,
+            streams,
+            blas,
+            kernels: Kernels {
+                modules,
+                functions: Mutex::new(HashMap::new()),
+            },
+            ledger,
+            ordinal: ordinal as u16,
+            arch,
+            name,
+            trace: Mutex::new(None),
+        })
+    }
+
+    /// `sm_XY` of the device.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+    /// The device's name (`NVIDIA H200`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn stream(&self, s: Stream) -> &Arc<CudaStream> {
+        self.streams.get(s)
+    }
+    /// Number of kernel files loaded (the model's and the backend's own).
+    pub fn modules(&self) -> usize {
+        self.kernels.modules.len()
+    }
+
+    /// A kernel of any loaded file, by its (`extern "C"`) name.
+    pub fn function(&self, name: &str) -> Result<CudaFunction, DeviceError> {
+        let mut cache = self
+            .kernels
+            .functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        for m in &self.kernels.modules {
+            if let Ok(f) = m.load_function(name) {
+                cache.insert(name.to_string(), f.clone());
+                return Ok(f);
+            }
+        }
+        Err(DeviceError::Driver {
+            what: format!("kernel {name}"),
+            error: "not in any loaded source".into(),
+        })
+    }
+
+    fn compute(&self) -> &Arc<CudaStream> {
+        self.streams.get(Stream::Compute)
+    }
+
+    /// Make the context current on this thread before a raw driver or cuBLAS call (cudarc's own
+    /// methods do this themselves); rank threads and copy helpers call in from anywhere.
+    fn bind(&self) {
+        ok(self.ctx.bind_to_thread(), "binding the context");
+    }
+
+    /// Launch one of the backend's own kernels, whose arguments are three 64-bit values
+    /// (pointers and counts), over `n` elements with 256-thread blocks.
+    fn launch3(&self, kernel: &str, args: [u64; 3], n: usize) {
+        let f = self.function(kernel).unwrap_or_else(|e| panic!("{e}"));
+        let blocks = (n as u64).div_ceil(256).clamp(1, 4096) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.compute().launch_builder(&f);
+        b.arg(&args[0]).arg(&args[1]).arg(&args[2]);
+        // SAFETY: each of these kernels takes (pointer, pointer or count, count) as 64-bit
+        // values, and the callers pass ranges that hold what the kernel touches.
+        ok(unsafe { b.launch(cfg) }.map(|_| ()), kernel);
+    }
+}

@@ -5,8 +5,12 @@
 //! - The same source also builds for the host through a shim (`threadIdx`/`blockIdx` per
 //!   thread, `__syncthreads` as a barrier), so each kernel's logic is checked against the CPU
 //!   backend in CI, where there is no GPU.
-//! - With the `cuda` feature: the device through cudarc (context, streams, events, pinned
-//!   memory, cuBLAS), probed before use so a machine without a driver gets one clear error.
+//! - With the `cuda` feature: the device through cudarc ([`device::CudaBackend`]: context,
+//!   streams, events, pinned memory, cuBLAS, NVRTC), probed before use ([`device::probe()`]) so a
+//!   machine without a driver gets one clear error, and the prepared self-check
+//!   ([`device::check`]) behind `ganymede device-check`.
+//! - [`cublas_map`]: the seam's row-major GEMMs as column-major cuBLAS calls, a pure function
+//!   tested in CI against the CPU backend.
 
 pub mod cublas_map;
 #[cfg(feature = "cuda")]

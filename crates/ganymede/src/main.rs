@@ -3,9 +3,10 @@
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
+use ganymede_config::DeviceKind;
 use ganymede_train::eval::{self, EvalSource, GenerateOptions};
 use ganymede_train::trainer::{self, TrainOptions};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -35,6 +36,13 @@ enum Command {
     /// Predict memory, communication and step time of a parallel layout.
     Plan(ganymede_plan::PlanArgs),
     /// Write RUN/report.html: charts of a run's metrics, memory and communication, its config.
+    /// Check the GPU (binaries built with `--features cuda`): context, memory, pinned copies,
+    /// an NVRTC kernel, GEMMs against the CPU, host<->device GB/s, GEMM TFLOP/s; writes
+    /// OUT/report.md.
+    DeviceCheck {
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
     Report {
         /// Run directory (holding metrics.jsonl).
         run: PathBuf,
@@ -183,6 +191,9 @@ fn run(cmd: Command) -> Result<()> {
                 a.resume.as_deref(),
                 ranks,
             )?;
+            if cfg.device.kind == DeviceKind::Cuda {
+                return Err(refuse_cuda_training());
+            }
             let name = match (&a.preset, &a.config) {
                 (Some(p), _) => p.clone(),
                 (None, Some(f)) => f
@@ -264,10 +275,56 @@ fn run(cmd: Command) -> Result<()> {
             );
         }
         Command::Plan(a) => ganymede_plan::run(a)?,
+        Command::DeviceCheck { out } => device_check(&out)?,
         Command::Report { run, trace } => {
             let path = ganymede_report::write_with_trace(&run, trace.as_deref())?;
             println!("{}", path.display());
         }
     }
+    Ok(())
+}
+
+/// The build command that gives a binary able to use a GPU.
+#[cfg(not(feature = "cuda"))]
+const BUILD_WITH_CUDA: &str = "cargo build --release -p ganymede --features cuda";
+
+/// Why `train` with `device.kind = "cuda"` does not run, as one line: no CUDA in this binary,
+/// none on this machine, or (with a GPU) a backend that does not yet have every op. Never a
+/// silent run on the CPU instead.
+fn refuse_cuda_training() -> anyhow::Error {
+    #[cfg(not(feature = "cuda"))]
+    return anyhow::anyhow!(
+        "device.kind = \"cuda\", but this binary was built without CUDA: build it with `{BUILD_WITH_CUDA}`"
+    );
+    #[cfg(feature = "cuda")]
+    match ganymede_cuda::device::probe() {
+        Err(e) => anyhow::anyhow!("device.kind = \"cuda\": {e}"),
+        Ok(n) => anyhow::anyhow!(
+            "device.kind = \"cuda\": {n} GPU(s) here, but the CUDA backend cannot train yet (its model \
+             kernels are still to come); `ganymede device-check --out DIR` checks what exists"
+        ),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_check(_out: &Path) -> Result<()> {
+    anyhow::bail!("device-check needs CUDA, but this binary was built without it: build it with `{BUILD_WITH_CUDA}`")
+}
+
+#[cfg(feature = "cuda")]
+fn device_check(out: &Path) -> Result<()> {
+    let s = ganymede_cuda::device::check::run(out)?;
+    println!(
+        "{} ({} section(s) passed, {} failed)",
+        s.report.display(),
+        s.passed,
+        s.failed
+    );
+    anyhow::ensure!(
+        s.failed == 0,
+        "{} device check section(s) failed: see {}",
+        s.failed,
+        s.report.display()
+    );
     Ok(())
 }

@@ -90,11 +90,12 @@ fn trainable_grads<'a>(shards: &'a mut Shards, specs: &[ParamSpec]) -> Vec<&'a m
         .collect()
 }
 
-/// The backend `device` asks for, with a fresh ledger.
-pub fn backend(cfg: &JobConfig) -> CpuBackend {
+/// The backend `device` asks for, with a fresh ledger. `cuda` is refused here, never replaced
+/// by the CPU: its backend does not yet implement every op the step needs.
+pub fn backend(cfg: &JobConfig) -> Result<CpuBackend> {
     let ledger = Arc::new(Ledger::new());
     let d = &cfg.device;
-    match d.kind {
+    Ok(match d.kind {
         DeviceKind::Cpu => CpuBackend::new(ledger),
         DeviceKind::CpuTwoMemory => CpuBackend::two_memory(
             ledger,
@@ -104,7 +105,11 @@ pub fn backend(cfg: &JobConfig) -> CpuBackend {
                 checking: d.check_streams,
             },
         ),
-    }
+        DeviceKind::Cuda => bail!(
+            "device.kind = \"cuda\": training on the CUDA backend is not implemented yet \
+             (`ganymede device-check --out DIR` exercises what exists)"
+        ),
+    })
 }
 
 /// Everything one rank holds.
@@ -136,7 +141,7 @@ impl RankState {
                 t.batch_size
             );
         }
-        let be = backend(cfg);
+        let be = backend(cfg)?;
         let model = Model::new(m);
         let shards = if w == 1 {
             let params = model.init_params(&be, t.seed);

@@ -138,7 +138,7 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<M
         let mut p = place(job, sh.device, host, ranks, largest_shard_state(job, ranks));
         let (total, params) = match job.device.kind {
             DeviceKind::Cpu => (&mut p.host_peak, p.host.params),
-            DeviceKind::CpuTwoMemory => (&mut p.device_peak, p.device.params),
+            DeviceKind::CpuTwoMemory | DeviceKind::Cuda => (&mut p.device_peak, p.device.params),
         };
         *total = (*total - excess).max(params);
         return Some(p);

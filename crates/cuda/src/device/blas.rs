@@ -1,0 +1,370 @@
+//! GEMMs through cuBLAS (the row-major seam mapped by `cublas_map`), and the backend's small
+//! kernels for the rest of `Blas`.
+
+use super::memory::{place, place_mut};
+use super::CudaBackend;
+use crate::cublas_map::{map_gemm, map_gemm_strided_batched, map_syrk, CublasGemm, Operand};
+use cudarc::cublas::sys as blas_sys;
+use ganymede_core::{Blas, Category, DType, Gemm, Memory, Syrk, View, ViewMut};
+
+impl CudaBackend {
+    /// `batch` GEMMs of one shape, the i-th at element `i · stride_*` of each operand (an
+    /// expert stack: experts' weights at a fixed stride, their tokens sorted into equal slots),
+    /// as one `cublasGemmStridedBatchedEx` instead of `batch` launches. Dtypes as [`Blas::gemm`];
+    /// f32 accumulation.
+    pub fn gemm_strided_batched(
+        &self,
+        mut c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        if g.m == 0 || g.n == 0 || batch == 0 {
+            return;
+        }
+        let [sa, sb, sc] = strides;
+        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+        let last = batch - 1;
+        assert!(
+            a.len() >= last * sa + extent(a_rows, a_cols, g.lda),
+            "batched gemm: A too small"
+        );
+        assert!(
+            b.len() >= last * sb + extent(b_rows, b_cols, g.ldb),
+            "batched gemm: B too small"
+        );
+        assert!(
+            c.len() >= last * sc + extent(g.m, g.n, g.ldc),
+            "batched gemm: C too small"
+        );
+        assert!(
+            sc >= extent(g.m, g.n, g.ldc),
+            "batched gemm: the outputs overlap"
+        );
+        let (call, st) = map_gemm_strided_batched(&g, batch, sa, sb, sc)
+            .unwrap_or_else(|e| panic!("batched gemm {g:?}: {e}"));
+        let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
+        assert!(
+            pa.on_device && pb.on_device && pc.on_device,
+            "gemm on memory the device does not hold"
+        );
+        let addr = |o: Operand| match o {
+            Operand::A => pa.addr,
+            Operand::B => pb.addr,
+        };
+        let ty = |d: DType| match d {
+            DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            DType::F64 => panic!("no CUDA gemm in f64"),
+        };
+        assert!(
+            pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
+            "no CUDA gemm for {} × {} → {}",
+            pa.dtype.name(),
+            pb.dtype.name(),
+            pc.dtype.name()
+        );
+        let (alpha, beta) = (call.alpha, call.beta);
+        self.bind();
+        // SAFETY: every matrix of the batch was checked against its view above; the handle is
+        // bound to the compute stream.
+        cublas(
+            unsafe {
+                cudarc::cublas::result::gemm_strided_batched_ex(
+                    *self.blas.handle(),
+                    op(call.transa),
+                    op(call.transb),
+                    call.m,
+                    call.n,
+                    call.k,
+                    &alpha as *const f32 as *const _,
+                    addr(call.operands[0]) as *const _,
+                    ty(pa.dtype),
+                    call.lda,
+                    st.stride_a,
+                    addr(call.operands[1]) as *const _,
+                    ty(pb.dtype),
+                    call.ldb,
+                    st.stride_b,
+                    &beta as *const f32 as *const _,
+                    pc.addr as *mut _,
+                    ty(pc.dtype),
+                    call.ldc,
+                    st.stride_c,
+                    st.batch,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            },
+            "gemmStridedBatchedEx",
+        )
+    }
+}
+
+/// Bytes a row-major `rows × cols` operand with row stride `ld` spans.
+fn extent(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
+}
+
+fn cublas(r: Result<(), cudarc::cublas::result::CublasError>, what: &str) {
+    r.unwrap_or_else(|e| panic!("cuBLAS {what}: {e}"))
+}
+
+fn op(t: bool) -> blas_sys::cublasOperation_t {
+    if t {
+        blas_sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        blas_sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+impl Blas for CudaBackend {
+    /// f32 × f32 → f32 with `cublasSgemm`; bf16 × bf16 → f32 or bf16 with `cublasGemmEx`,
+    /// accumulating in f32 (FSDP2's mixed precision).
+    fn gemm(&self, mut c: ViewMut, a: View, b: View, g: Gemm) {
+        if g.m == 0 || g.n == 0 {
+            return;
+        }
+        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+        assert!(
+            a.len() >= extent(a_rows, a_cols, g.lda),
+            "gemm: A too small {g:?}"
+        );
+        assert!(
+            b.len() >= extent(b_rows, b_cols, g.ldb),
+            "gemm: B too small {g:?}"
+        );
+        assert!(
+            c.len() >= extent(g.m, g.n, g.ldc),
+            "gemm: C too small {g:?}"
+        );
+        let call: CublasGemm = map_gemm(&g).unwrap_or_else(|e| panic!("gemm {g:?}: {e}"));
+        let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
+        assert!(
+            pa.on_device && pb.on_device && pc.on_device,
+            "gemm on memory the device does not hold"
+        );
+        let addr = |o: Operand| match o {
+            Operand::A => pa.addr,
+            Operand::B => pb.addr,
+        };
+        let (first, second) = (addr(call.operands[0]), addr(call.operands[1]));
+        let h = *self.blas.handle();
+        self.bind();
+        let (alpha, beta) = (call.alpha, call.beta);
+        match (pa.dtype, pb.dtype, pc.dtype) {
+            (DType::F32, DType::F32, DType::F32) => cublas(
+                // SAFETY: extents checked above; the handle is bound to the compute stream.
+                unsafe {
+                    cudarc::cublas::result::sgemm(
+                        h,
+                        op(call.transa),
+                        op(call.transb),
+                        call.m,
+                        call.n,
+                        call.k,
+                        &alpha,
+                        first as *const f32,
+                        call.lda,
+                        second as *const f32,
+                        call.ldb,
+                        &beta,
+                        pc.addr as *mut f32,
+                        call.ldc,
+                    )
+                },
+                "sgemm",
+            ),
+            (DType::BF16, DType::BF16, out @ (DType::F32 | DType::BF16)) => {
+                let ty = |d: DType| match d {
+                    DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+                    _ => blas_sys::cudaDataType::CUDA_R_32F,
+                };
+                cublas(
+                    // SAFETY: as above; alpha and beta are f32 for the f32 compute type.
+                    unsafe {
+                        cudarc::cublas::result::gemm_ex(
+                            h,
+                            op(call.transa),
+                            op(call.transb),
+                            call.m,
+                            call.n,
+                            call.k,
+                            &alpha as *const f32 as *const _,
+                            first as *const _,
+                            ty(DType::BF16),
+                            call.lda,
+                            second as *const _,
+                            ty(DType::BF16),
+                            call.ldb,
+                            &beta as *const f32 as *const _,
+                            pc.addr as *mut _,
+                            ty(out),
+                            call.ldc,
+                            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                    },
+                    "gemmEx",
+                )
+            }
+            (x, y, z) => panic!(
+                "no CUDA gemm for {} × {} → {}",
+                x.name(),
+                y.name(),
+                z.name()
+            ),
+        }
+    }
+    /// f32: `cublasSsyrk` on one triangle, then mirrored by a kernel (about half a GEMM's
+    /// multiply-adds); other dtypes as a full GEMM.
+    fn syrk(&self, mut c: ViewMut, a: View, s: Syrk) {
+        let (pc, pa) = (place_mut(&mut c), place(&a));
+        if !(pc.dtype == DType::F32 && pa.dtype == DType::F32) {
+            return self.gemm(c, a, a, s.as_gemm());
+        }
+        if s.n == 0 {
+            return;
+        }
+        let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
+        assert!(
+            a.len() >= extent(rows, cols, s.lda),
+            "syrk: A too small {s:?}"
+        );
+        assert!(
+            c.len() >= extent(s.n, s.n, s.ldc),
+            "syrk: C too small {s:?}"
+        );
+        assert!(
+            pc.on_device && pa.on_device,
+            "syrk on memory the device does not hold"
+        );
+        let call = map_syrk(&s).unwrap_or_else(|e| panic!("syrk {s:?}: {e}"));
+        let (alpha, beta) = (call.alpha, call.beta);
+        self.bind();
+        // SAFETY: extents checked above; the handle is bound to the compute stream.
+        cublas(
+            unsafe {
+                blas_sys::cublasSsyrk_v2(
+                    *self.blas.handle(),
+                    if call.upper {
+                        blas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_UPPER
+                    } else {
+                        blas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER
+                    },
+                    op(call.trans),
+                    call.n,
+                    call.k,
+                    &alpha,
+                    pa.addr as *const f32,
+                    call.lda,
+                    &beta,
+                    pc.addr as *mut f32,
+                    call.ldc,
+                )
+            }
+            .result(),
+            "ssyrk",
+        );
+        // The mapping's column-major upper triangle is the row-major lower one.
+        debug_assert!(call.upper);
+        self.launch3(
+            "ganymede_mirror_lower_f32",
+            [pc.addr, s.n as u64, s.ldc as u64],
+            s.n * s.n,
+        );
+    }
+    fn axpy(&self, mut y: ViewMut, alpha: f32, x: View) {
+        let (py, px) = (place_mut(&mut y), place(&x));
+        assert_eq!(py.len, px.len, "axpy of different lengths");
+        assert!(
+            py.dtype == DType::F32 && px.dtype == DType::F32 && py.on_device && px.on_device,
+            "CUDA axpy: f32 device memory only so far"
+        );
+        let n = i32::try_from(py.len).expect("axpy longer than cuBLAS's int");
+        self.bind();
+        // SAFETY: both ranges hold n f32 on the device; the handle is on the compute stream.
+        cublas(
+            unsafe {
+                blas_sys::cublasSaxpy_v2(
+                    *self.blas.handle(),
+                    n,
+                    &alpha,
+                    px.addr as *const f32,
+                    1,
+                    py.addr as *mut f32,
+                    1,
+                )
+            }
+            .result(),
+            "saxpy",
+        )
+    }
+    fn scale(&self, mut y: ViewMut, alpha: f32) {
+        let py = place_mut(&mut y);
+        assert!(
+            py.dtype == DType::F32 && py.on_device,
+            "CUDA scale: f32 device memory only so far"
+        );
+        let n = i32::try_from(py.len).expect("scale longer than cuBLAS's int");
+        self.bind();
+        // SAFETY: as in axpy.
+        cublas(
+            unsafe {
+                blas_sys::cublasSscal_v2(*self.blas.handle(), n, &alpha, py.addr as *mut f32, 1)
+            }
+            .result(),
+            "sscal",
+        )
+    }
+    fn sumsq(&self, x: View) -> f64 {
+        let mut acc = self.zeros_of(&[1], DType::F64, Category::Buffers);
+        self.sumsq_acc(acc.view_mut(), x);
+        self.download_f64(acc.view())[0]
+    }
+    fn sumsq_acc(&self, mut acc: ViewMut, x: View) {
+        let (pa, px) = (place_mut(&mut acc), place(&x));
+        assert!(
+            pa.dtype == DType::F64 && pa.len >= 1 && pa.on_device && px.on_device,
+            "CUDA sumsq_acc: an f64 device accumulator and device memory"
+        );
+        let kernel = match px.dtype {
+            DType::F32 => "ganymede_sumsq_acc_f32",
+            DType::BF16 => "ganymede_sumsq_acc_bf16",
+            DType::F64 => panic!("no CUDA sumsq of f64"),
+        };
+        if px.len > 0 {
+            self.launch3(kernel, [pa.addr, px.addr, px.len as u64], px.len);
+        }
+    }
+    fn cast(&self, mut dst: ViewMut, src: View) {
+        assert_eq!(dst.len(), src.len(), "cast between different lengths");
+        let (pd, ps) = (place_mut(&mut dst), place(&src));
+        match (ps.dtype, pd.dtype) {
+            (a, b) if a == b => self.copy(dst, src),
+            (DType::F32, DType::BF16) if pd.on_device && ps.on_device => self.launch3(
+                "ganymede_cast_f32_to_bf16",
+                [pd.addr, ps.addr, ps.len as u64],
+                ps.len,
+            ),
+            (DType::BF16, DType::F32) if pd.on_device && ps.on_device => self.launch3(
+                "ganymede_cast_bf16_to_f32",
+                [pd.addr, ps.addr, ps.len as u64],
+                ps.len,
+            ),
+            (a, b) => panic!(
+                "no CUDA cast from {} to {} (device memory, f32 and bf16 only)",
+                a.name(),
+                b.name()
+            ),
+        }
+    }
+}

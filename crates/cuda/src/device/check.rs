@@ -1,0 +1,640 @@
+//! The prepared device check (`ganymede device-check --out DIR`): what the CUDA backend has so
+//! far, exercised on a real GPU in well under a minute, written to `DIR/report.md`.
+//!
+//! GPU time is scarce and comes in short visits, so every section runs even when an earlier one
+//! fails (a failure, panics included, is written down and the next section starts), and the
+//! report says what passed, what failed and what was measured.
+
+use super::{CudaBackend, DeviceError};
+use ganymede_core::{
+    bf16, Blas, Category, CpuBackend, DType, Gemm, Ledger, Memory, Stream, Syrk, Tensor,
+};
+use std::fmt::Write as _;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What the check found: the report's path and how many sections failed.
+pub struct Summary {
+    pub report: PathBuf,
+    pub passed: usize,
+    pub failed: usize,
+}
+
+/// A section's body: markdown on success, the reason on failure.
+type Section = fn(&CudaBackend) -> Result<String, String>;
+
+const SECTIONS: &[(&str, Section)] = &[
+    ("Every kernel of the sources found by name", kernels_by_name),
+    ("Allocation, upload, download, fill, copy", memory_roundtrip),
+    ("Pinned memory and asynchronous copies", pinned_async),
+    ("NVRTC kernel launch (f32 <-> bf16 casts)", cast_kernels),
+    ("GEMM against the CPU backend", gemm_parity),
+    ("Host <-> device bandwidth (pinned)", bandwidth),
+    ("Copies overlap compute", overlap),
+    ("GEMM throughput", gemm_throughput),
+    (
+        "Expert GEMMs: one strided batch against a loop",
+        expert_gemms,
+    ),
+];
+
+/// Probe, set up GPU 0, run every section and write `out/report.md`. An error only when the
+/// device cannot be set up at all (the one-line reason); section failures are in the summary.
+pub fn run(out: &Path) -> Result<Summary, DeviceError> {
+    super::probe()?;
+    std::fs::create_dir_all(out).map_err(|e| DeviceError::Driver {
+        what: format!("creating {}", out.display()),
+        error: e.to_string(),
+    })?;
+    let t0 = Instant::now();
+    let ledger = Arc::new(Ledger::new());
+    let be = CudaBackend::new(0, ledger)?;
+    let setup = t0.elapsed();
+    let (free, total) = be.context().mem_get_info().unwrap_or((0, 0));
+    let mut md = String::new();
+    let _ = writeln!(md, "# ganymede device check\n");
+    let _ = writeln!(
+        md,
+        "- device: {} ({}), {:.1} GiB ({:.1} GiB free)",
+        be.name(),
+        be.arch(),
+        total as f64 / (1u64 << 30) as f64,
+        free as f64 / (1u64 << 30) as f64
+    );
+    let files: Vec<&str> = crate::sources::SOURCES.iter().map(|(f, _)| *f).collect();
+    let _ = writeln!(
+        md,
+        "- NVRTC: {} kernel file(s) of `sources::SOURCES` ({}) and the backend's own, compiled \
+         and loaded in {:.2} s (context and cuBLAS included)\n",
+        files.len(),
+        if files.is_empty() {
+            "none yet".to_string()
+        } else {
+            files.join(", ")
+        },
+        setup.as_secs_f64()
+    );
+    let (mut passed, mut failed) = (0, 0);
+    for (title, body) in SECTIONS {
+        let t = Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(|| body(&be)))
+            .unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(&p))));
+        let secs = t.elapsed().as_secs_f64();
+        match r {
+            Ok(text) => {
+                passed += 1;
+                let _ = writeln!(md, "## PASS: {title} ({secs:.2} s)\n\n{text}");
+            }
+            Err(why) => {
+                failed += 1;
+                let _ = writeln!(md, "## FAIL: {title} ({secs:.2} s)\n\n{why}\n");
+            }
+        }
+        // A failed section may leave work queued or a sticky error; the next one starts clean.
+        let _ = be.context().synchronize();
+    }
+    let _ = writeln!(
+        md,
+        "{passed} section(s) passed, {failed} failed, {:.1} s in all.",
+        t0.elapsed().as_secs_f64()
+    );
+    let report = out.join("report.md");
+    std::fs::write(&report, md).map_err(|e| DeviceError::Driver {
+        what: format!("writing {}", report.display()),
+        error: e.to_string(),
+    })?;
+    Ok(Summary {
+        report,
+        passed,
+        failed,
+    })
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed ^ 0x9e37_79b9_7f4a_7c15;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn ensure(cond: bool, why: impl FnOnce() -> String) -> Result<(), String> {
+    if cond {
+        Ok(())
+    } else {
+        Err(why())
+    }
+}
+
+fn memory_roundtrip(be: &CudaBackend) -> Result<String, String> {
+    let n = 1 << 20;
+    let dev = be.device();
+    let before = be.ledger().in_use(dev);
+    let z = be.zeros(&[n], Category::Buffers);
+    ensure(be.ledger().in_use(dev) - before == 4 * n as u64, || {
+        "the ledger did not count the allocation's bytes".into()
+    })?;
+    ensure(be.download(z.view()).iter().all(|&x| x == 0.0), || {
+        "zeros are not zero".into()
+    })?;
+    let data = values(n, 1);
+    let t = be.upload(&data, &[n], Category::Buffers);
+    ensure(be.download(t.view()) == data, || {
+        "upload/download changed the data".into()
+    })?;
+    let mut c = be.zeros(&[n], Category::Buffers);
+    be.copy(c.slice_mut(10, n - 10), t.slice(0, n - 10));
+    let back = be.download(c.view());
+    ensure(
+        back[..10].iter().all(|&x| x == 0.0) && back[10..] == data[..n - 10],
+        || "a device-to-device copy at an offset is wrong".into(),
+    )?;
+    be.fill(c.slice_mut(5, 100), 0.75);
+    let back = be.download(c.slice(0, 200));
+    ensure(
+        back[5..105].iter().all(|&x| x == 0.75) && back[105] == data[95] && back[4] == 0.0,
+        || "fill wrote outside or missed its range".into(),
+    )?;
+    let mut h = be.zeros_of(&[n], DType::BF16, Category::Buffers);
+    be.write(h.view_mut(), &data);
+    let want: Vec<f32> = data
+        .iter()
+        .map(|&x| bf16::to_f32(bf16::from_f32(x)))
+        .collect();
+    ensure(be.download(h.view()) == want, || {
+        "a bf16 write/download is not the host's rounding".into()
+    })?;
+    // The sum of squares on the device (f64 accumulator, f32 and bf16 inputs).
+    let want: f64 = data.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    let got = be.sumsq(t.view());
+    ensure((got - want).abs() <= 1e-9 * want, || {
+        format!("sumsq of f32: {got} against the host's {want}")
+    })?;
+    let want16: f64 = data
+        .iter()
+        .map(|&x| f64::from(bf16::to_f32(bf16::from_f32(x))).powi(2))
+        .sum();
+    let mut acc = be.zeros_of(&[1], DType::F64, Category::Buffers);
+    be.sumsq_acc(acc.view_mut(), h.view());
+    be.sumsq_acc(acc.view_mut(), t.view());
+    let got = be.download_f64(acc.view())[0];
+    ensure(
+        (got - want - want16).abs() <= 1e-9 * (want + want16),
+        || {
+            format!(
+                "sumsq_acc of bf16 then f32: {got} against {}",
+                want + want16
+            )
+        },
+    )?;
+    drop((z, t, c, h, acc));
+    ensure(be.ledger().in_use(dev) == before, || {
+        "the ledger still counts freed tensors".into()
+    })?;
+    Ok(format!(
+        "{n} f32: zeros, upload/download, offset copy, fill, bf16 write, the f64 sum of squares \
+         (f32 and bf16 inputs, to 1e-9); the ledger counted and freed every byte.\n"
+    ))
+}
+
+fn pinned_async(be: &CudaBackend) -> Result<String, String> {
+    let n = 1 << 22;
+    let data = values(n, 2);
+    let src = be.upload(&data, &[n], Category::Buffers);
+    let mut host = be.pinned_zeros(&[n], Category::Buffers);
+    ensure(
+        host.device_buffer()
+            .and_then(|b| b.host_ptr(false))
+            .is_some(),
+        || "pinned memory has no host address".into(),
+    )?;
+    // Device -> pinned on the to-host stream, ordered after the upload by an event.
+    let up = be.record_event(Stream::Compute);
+    be.wait_event(Stream::ToHost, &up);
+    be.copy_async(host.view_mut(), src.view(), Stream::ToHost);
+    let done = be.record_event(Stream::ToHost);
+    be.synchronize_event(&done);
+    ensure(be.query_event(&done), || {
+        "a waited event is not complete".into()
+    })?;
+    ensure(host.view().host::<f32>() == &data[..], || {
+        "the CPU does not read what the to-host copy wrote".into()
+    })?;
+    // The CPU changes the pinned copy; pinned -> device on the from-host stream, compute waits.
+    for x in host.view_mut().host::<f32>().iter_mut() {
+        *x *= 2.0;
+    }
+    let mut dst = be.zeros(&[n], Category::Buffers);
+    let ready = be.record_event(Stream::Compute);
+    be.wait_event(Stream::FromHost, &ready);
+    be.copy_async(dst.view_mut(), host.view(), Stream::FromHost);
+    let arrived = be.record_event(Stream::FromHost);
+    be.wait_event(Stream::Compute, &arrived);
+    let back = be.download(dst.view());
+    ensure(back.iter().zip(&data).all(|(b, d)| *b == 2.0 * d), || {
+        "the from-host copy did not bring the CPU's values".into()
+    })?;
+    // Dropping a source while its copy may be in flight is allowed (stream-ordered free).
+    let tmp = be.upload(&data, &[n], Category::Buffers);
+    be.copy_async(host.view_mut(), tmp.view(), Stream::ToHost);
+    drop(tmp);
+    let e = be.record_event(Stream::ToHost);
+    be.synchronize_event(&e);
+    ensure(host.view().host::<f32>() == &data[..], || {
+        "a copy whose source was dropped in flight is wrong".into()
+    })?;
+    // Traced copies come back as spans on the host clock, with their bytes.
+    be.trace_copies(true);
+    be.copy_async(host.view_mut(), src.view(), Stream::ToHost);
+    let e = be.record_event(Stream::ToHost);
+    be.synchronize_event(&e);
+    let spans = be.take_copy_spans();
+    be.trace_copies(false);
+    ensure(
+        spans.len() == 1 && spans[0].bytes == 4 * n as u64 && spans[0].end >= spans[0].start,
+        || format!("the traced copy's span is wrong: {spans:?}"),
+    )?;
+    let ms = be.elapsed(&up, &done).as_secs_f64() * 1e3;
+    Ok(format!(
+        "{n} f32 each way through non-write-combined pinned memory on the to-host and \
+         from-host streams, ordered by events; event timing {ms:.3} ms for the first leg.\n"
+    ))
+}
+
+fn cast_kernels(be: &CudaBackend) -> Result<String, String> {
+    // Ties, values past bf16's range, infinities, NaNs, denormals and ordinary numbers.
+    let mut data: Vec<f32> = [
+        0.0f32,
+        -0.0,
+        1.0,
+        f32::from_bits(0x3f80_8000), // a tie, rounds to even (down)
+        f32::from_bits(0x3f81_8000), // a tie, rounds to even (up)
+        f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7f80_0001), // a signalling NaN that truncation would make infinite
+        f32::from_bits(0xff80_0001),
+        f32::from_bits(0x0000_0001), // the smallest denormal
+    ]
+    .to_vec();
+    data.extend(values(100_000, 3));
+    let n = data.len();
+    let src = be.upload(&data, &[n], Category::Buffers);
+    let mut h = be.zeros_of(&[n], DType::BF16, Category::Buffers);
+    be.cast(h.view_mut(), src.view());
+    let mut back = be.zeros(&[n], Category::Buffers);
+    be.cast(back.view_mut(), h.view());
+    let got = be.download(back.view());
+    for (i, (&g, &x)) in got.iter().zip(&data).enumerate() {
+        let want = bf16::to_f32(bf16::from_f32(x));
+        ensure(g.to_bits() == want.to_bits(), || {
+            format!(
+                "element {i}: {x:e} ({:#010x}) became {:#010x}, the host rounds to {:#010x}",
+                x.to_bits(),
+                g.to_bits(),
+                want.to_bits()
+            )
+        })?;
+    }
+    Ok(format!(
+        "{n} values f32 -> bf16 -> f32 on the device, bit for bit the host's rounding \
+         (ties to even, NaN kept, overflow to infinity).\n"
+    ))
+}
+
+/// Largest |got - want| over the largest |want|.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let scale = want.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let diff = got.iter().zip(want).fold(0f64, |m, (&g, &w)| {
+        m.max((f64::from(g) - f64::from(w)).abs())
+    });
+    diff / scale.max(1e-30)
+}
+
+fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
+    let cpu = CpuBackend::new(Arc::new(Ledger::new()));
+    let mut md = String::from("| m | n | k | transposes | ld padding | dtype | rel. error |\n|---|---|---|---|---|---|---|\n");
+    let shapes = [(64, 48, 32), (129, 77, 65), (256, 512, 384), (1, 300, 17)];
+    let mut i = 0;
+    for &(m, n, k) in &shapes {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            i += 1;
+            let pad = (i % 3) * 5;
+            let g0 = Gemm::new(m, n, k, ta, tb);
+            let g = g0
+                .alpha(if i % 2 == 0 { 1.0 } else { 0.5 })
+                .beta(if i % 4 == 0 { 1.0 } else { 0.0 })
+                .ld(g0.lda + pad, g0.ldb + pad, g0.ldc + pad);
+            let a_rows = if ta { k } else { m };
+            let b_rows = if tb { n } else { k };
+            let a = values(a_rows * g.lda, 10 + i as u64);
+            let b = values(b_rows * g.ldb, 20 + i as u64);
+            let c = values(m * g.ldc, 30 + i as u64);
+            let on = |be: &dyn Memory, x: &[f32]| be.upload(x, &[x.len()], Category::Buffers);
+            let mut want_t = on(&cpu, &c);
+            cpu.gemm(
+                want_t.view_mut(),
+                on(&cpu, &a).view(),
+                on(&cpu, &b).view(),
+                g,
+            );
+            let want = cpu.download(want_t.view());
+            // f32 through cublasSgemm.
+            let (da, db) = (on(be, &a), on(be, &b));
+            let mut dc = on(be, &c);
+            be.gemm(dc.view_mut(), da.view(), db.view(), g);
+            let e32 = rel_err(&be.download(dc.view()), &want);
+            let _ = writeln!(
+                md,
+                "| {m} | {n} | {k} | {ta}/{tb} | {pad} | f32 | {e32:.1e} |"
+            );
+            ensure(e32 < 1e-4, || format!("f32 {g:?}: relative error {e32:e}"))?;
+            // bf16 inputs, f32 output through cublasGemmEx, against the CPU on the same
+            // bf16-rounded inputs.
+            let round = |x: &[f32]| -> Vec<f32> {
+                x.iter().map(|&v| bf16::to_f32(bf16::from_f32(v))).collect()
+            };
+            let mut want_t = on(&cpu, &c);
+            cpu.gemm(
+                want_t.view_mut(),
+                on(&cpu, &round(&a)).view(),
+                on(&cpu, &round(&b)).view(),
+                g,
+            );
+            let want = cpu.download(want_t.view());
+            let bf = |t: &Tensor| {
+                let mut h = be.zeros_of(&[t.len()], DType::BF16, Category::Buffers);
+                be.cast(h.view_mut(), t.view());
+                h
+            };
+            let (ha, hb) = (bf(&da), bf(&db));
+            let mut dc = on(be, &c);
+            be.gemm(dc.view_mut(), ha.view(), hb.view(), g);
+            let e16 = rel_err(&be.download(dc.view()), &want);
+            let _ = writeln!(
+                md,
+                "| {m} | {n} | {k} | {ta}/{tb} | {pad} | bf16→f32 | {e16:.1e} |"
+            );
+            ensure(e16 < 1e-4, || format!("bf16 {g:?}: relative error {e16:e}"))?;
+        }
+    }
+    // Syrk (Newton–Schulz's X·Xᵀ): cublasSsyrk on one triangle plus the mirror kernel, both
+    // triangles against the CPU's, with beta reading a symmetric C.
+    for &(n, k, trans) in &[
+        (96usize, 64usize, false),
+        (77, 130, true),
+        (256, 512, false),
+    ] {
+        let s0 = Syrk::new(n, k, trans);
+        let s = s0.alpha(0.5).beta(1.0).ld(s0.lda + 3, s0.ldc + 2);
+        let rows = if trans { k } else { n };
+        let a = values(rows * s.lda, 50 + n as u64);
+        let r = values(n * s.ldc, 60 + n as u64);
+        let mut c = r.clone();
+        for x in 0..n {
+            for y in 0..n {
+                c[x * s.ldc + y] = r[x.max(y) * s.ldc + x.min(y)];
+            }
+        }
+        let on = |be: &dyn Memory, x: &[f32]| be.upload(x, &[x.len()], Category::Buffers);
+        let mut want_t = on(&cpu, &c);
+        cpu.syrk(want_t.view_mut(), on(&cpu, &a).view(), s);
+        let want = cpu.download(want_t.view());
+        let mut dc = on(be, &c);
+        be.syrk(dc.view_mut(), on(be, &a).view(), s);
+        let got = be.download(dc.view());
+        let e = rel_err(&got, &want);
+        let _ = writeln!(
+            md,
+            "| {n} | {n} | {k} | syrk {trans} | 3/2 | f32 | {e:.1e} |"
+        );
+        ensure(e < 1e-4, || format!("syrk {s:?}: relative error {e:e}"))?;
+        for x in 0..n {
+            for y in 0..x {
+                ensure(got[x * s.ldc + y] == got[y * s.ldc + x], || {
+                    format!("syrk {s:?}: ({x}, {y}) is not mirrored")
+                })?;
+            }
+        }
+    }
+    md.push_str(
+        "\nTolerance: 1e-4 of the largest |C| (f32 accumulation both sides; bf16 rows \
+                 against the CPU on the same bf16-rounded inputs).\n",
+    );
+    Ok(md)
+}
+
+fn bandwidth(be: &CudaBackend) -> Result<String, String> {
+    let n = 64 << 20; // 256 MiB of f32
+    let mut host = be.pinned_zeros(&[n], Category::Buffers);
+    let mut dev = be.zeros(&[n], Category::Buffers);
+    // Allocated and zeroed on the compute stream: done before the copy streams touch it.
+    be.synchronize();
+    let mut md =
+        String::from("| direction | stream | GB/s (256 MiB, best of 5) |\n|---|---|---|\n");
+    for (name, stream, to_host) in [
+        ("host → device", Stream::FromHost, false),
+        ("device → host", Stream::ToHost, true),
+    ] {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let a = be.record_event(stream);
+            if to_host {
+                be.copy_async(host.view_mut(), dev.view(), stream);
+            } else {
+                be.copy_async(dev.view_mut(), host.view(), stream);
+            }
+            let b = be.record_event(stream);
+            best = best.min(be.elapsed(&a, &b).as_secs_f64());
+        }
+        let gbs = (4 * n) as f64 / best / 1e9;
+        let _ = writeln!(md, "| {name} | {} | {gbs:.1} |", stream.name());
+        ensure(gbs > 1.0, || {
+            format!("{name}: {gbs:.2} GB/s is not pinned-memory speed")
+        })?;
+    }
+    Ok(md)
+}
+
+fn gemm_throughput(be: &CudaBackend) -> Result<String, String> {
+    let mut md = String::from("| m = n = k | dtype | ms | TFLOP/s |\n|---|---|---|---|\n");
+    for size in [1024usize, 2048, 4096, 8192] {
+        for dtype in [DType::F32, DType::BF16] {
+            let len = size * size;
+            let a = be.zeros_of(&[len], dtype, Category::Buffers);
+            let b = be.zeros_of(&[len], dtype, Category::Buffers);
+            let mut c = be.zeros(&[len], Category::Buffers);
+            let g = Gemm::new(size, size, size, false, true);
+            be.gemm(c.view_mut(), a.view(), b.view(), g); // warm-up (heuristics, clocks)
+            let iters = if size >= 4096 { 10 } else { 30 };
+            let start = be.record_event(Stream::Compute);
+            for _ in 0..iters {
+                be.gemm(c.view_mut(), a.view(), b.view(), g);
+            }
+            let end = be.record_event(Stream::Compute);
+            let s = be.elapsed(&start, &end).as_secs_f64() / iters as f64;
+            let tflops = g.flops() as f64 / s / 1e12;
+            let label = if dtype == DType::BF16 {
+                "bf16→f32"
+            } else {
+                "f32"
+            };
+            let _ = writeln!(md, "| {size} | {label} | {:.3} | {tflops:.1} |", s * 1e3);
+        }
+    }
+    md.push_str(
+        "\nB transposed (`x·Wᵀ`, the model's linear layers); f32 is cuBLAS's default math \
+                 (no TF32).\n",
+    );
+    Ok(md)
+}
+
+/// The experts' up projection at `medium`'s shapes (64 experts, 1,024 → 512, tokens sorted into
+/// equal slots per expert): one strided-batched call against one GEMM per expert, equal up to
+/// summation order (cuBLAS may pick another algorithm for the batch): 1e-4 of the largest |C|.
+fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
+    let mut md = String::from(
+        "| experts | tokens/expert | k → n | dtype | loop ms | batched ms | batched TFLOP/s | rel. diff |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let (experts, k, n) = (64usize, 1024usize, 512usize);
+    for tokens in [128usize, 512, 2048] {
+        let g = Gemm::new(tokens, n, k, false, true);
+        let (sa, sb, sc) = (tokens * k, n * k, tokens * n);
+        let x = be.upload(
+            &values(experts * sa, 40),
+            &[experts * sa],
+            Category::Buffers,
+        );
+        let w = be.upload(
+            &values(experts * sb, 41),
+            &[experts * sb],
+            Category::Buffers,
+        );
+        let mut xb = be.zeros_of(&[experts * sa], DType::BF16, Category::Buffers);
+        let mut wb = be.zeros_of(&[experts * sb], DType::BF16, Category::Buffers);
+        be.cast(xb.view_mut(), x.view());
+        be.cast(wb.view_mut(), w.view());
+        let mut looped = be.zeros(&[experts * sc], Category::Buffers);
+        let mut batched = be.zeros(&[experts * sc], Category::Buffers);
+        let run_loop = |c: &mut Tensor| {
+            for e in 0..experts {
+                be.gemm(
+                    c.slice_mut(e * sc, sc),
+                    xb.slice(e * sa, sa),
+                    wb.slice(e * sb, sb),
+                    g,
+                );
+            }
+        };
+        let run_batch = |c: &mut Tensor| {
+            be.gemm_strided_batched(c.view_mut(), xb.view(), wb.view(), g, experts, [sa, sb, sc])
+        };
+        run_loop(&mut looped);
+        run_batch(&mut batched);
+        let diff = rel_err(&be.download(batched.view()), &be.download(looped.view()));
+        ensure(diff < 1e-4, || {
+            format!("{tokens} tokens/expert: batched differs from the loop by {diff:e}")
+        })?;
+        let time = |f: &dyn Fn()| {
+            let iters = 10;
+            let a = be.record_event(Stream::Compute);
+            for _ in 0..iters {
+                f();
+            }
+            let b = be.record_event(Stream::Compute);
+            be.elapsed(&a, &b).as_secs_f64() / iters as f64
+        };
+        let cell = std::cell::RefCell::new(looped);
+        let t_loop = time(&|| run_loop(&mut cell.borrow_mut()));
+        let cell_b = std::cell::RefCell::new(batched);
+        let t_batch = time(&|| run_batch(&mut cell_b.borrow_mut()));
+        let tflops = (experts as f64 * g.flops() as f64) / t_batch / 1e12;
+        let _ = writeln!(
+            md,
+            "| {experts} | {tokens} | {k} → {n} | bf16→f32 | {:.3} | {:.3} | {tflops:.1} | {diff:.1e} |",
+            t_loop * 1e3,
+            t_batch * 1e3
+        );
+    }
+    Ok(md)
+}
+
+fn kernels_by_name(be: &CudaBackend) -> Result<String, String> {
+    let mut files: Vec<(&str, &str)> = crate::sources::SOURCES.to_vec();
+    files.push(super::PLUMBING);
+    let mut md = String::from("| file | kernels |\n|---|---|\n");
+    for (file, src) in files {
+        let names = super::nvrtc::kernel_names(src);
+        for n in &names {
+            be.function(n).map_err(|e| format!("{file}: {e}"))?;
+        }
+        let _ = writeln!(md, "| {file} | {} |", names.len());
+    }
+    Ok(md)
+}
+
+/// A device-to-host copy on the to-host stream beside GEMMs on the compute stream: together they
+/// must take less than one after the other (the streams run concurrently), as offload needs.
+fn overlap(be: &CudaBackend) -> Result<String, String> {
+    let n = 64 << 20; // 256 MiB of f32
+    let mut host = be.pinned_zeros(&[n], Category::Buffers);
+    let src = be.zeros(&[n], Category::Buffers);
+    let size = 4096;
+    let a = be.zeros_of(&[size * size], DType::BF16, Category::Buffers);
+    let mut c = be.zeros(&[size * size], Category::Buffers);
+    let g = Gemm::new(size, size, size, false, true);
+    be.synchronize();
+    let copy = |host: &mut Tensor| be.copy_async(host.view_mut(), src.view(), Stream::ToHost);
+    let gemms = |c: &mut Tensor| {
+        for _ in 0..40 {
+            be.gemm(c.view_mut(), a.view(), a.view(), g);
+        }
+    };
+    let timed = |stream: Stream, f: &mut dyn FnMut()| {
+        let s = be.record_event(stream);
+        f();
+        let e = be.record_event(stream);
+        be.elapsed(&s, &e).as_secs_f64()
+    };
+    gemms(&mut c); // warm-up
+    let t_copy = timed(Stream::ToHost, &mut || copy(&mut host));
+    let t_gemm = timed(Stream::Compute, &mut || gemms(&mut c));
+    // Both, started together: the copy stream waits for the compute stream's start event, and
+    // the end is compute's end after it has waited for the copy.
+    let start = be.record_event(Stream::Compute);
+    be.wait_event(Stream::ToHost, &start);
+    copy(&mut host);
+    gemms(&mut c);
+    let copied = be.record_event(Stream::ToHost);
+    be.wait_event(Stream::Compute, &copied);
+    let end = be.record_event(Stream::Compute);
+    let t_both = be.elapsed(&start, &end).as_secs_f64();
+    let hidden = (t_copy + t_gemm - t_both) / t_copy.min(t_gemm);
+    let md = format!(
+        "| copy 256 MiB to host | 40 bf16 GEMMs of 4096 | both | hidden |\n|---|---|---|---|\n\
+         | {:.2} ms | {:.2} ms | {:.2} ms | {:.0}% of the shorter |\n",
+        t_copy * 1e3,
+        t_gemm * 1e3,
+        t_both * 1e3,
+        100.0 * hidden
+    );
+    ensure(hidden > 0.25, || {
+        format!("the copy and the GEMMs hardly overlapped:\n\n{md}")
+    })?;
+    Ok(md)
+}

@@ -1,0 +1,532 @@
+//! Memory of the CUDA backend: device and pinned buffers behind the seam's `DeviceBuffer`,
+//! copies by unified address, stream-ordered free, events, the copy trace; `Memory` for
+//! [`CudaBackend`].
+
+use super::{ok, probe, CudaBackend, Streams};
+use cudarc::driver::sys::{self, CUevent_flags};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DriverError, PinnedHostSlice};
+use ganymede_core::{
+    bf16, Category, CopySpan, DType, Device, DeviceBuffer, Event, Ledger, Memory, MemoryError,
+    Stream, Tensor, View, ViewMut,
+};
+use std::any::Any;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which streams other than compute a buffer was used on (bit per [`Stream::index`]).
+pub(super) struct Uses(AtomicU8);
+
+impl Uses {
+    fn mark(&self, s: Stream) {
+        self.0.fetch_or(1 << s.index(), Ordering::Relaxed);
+    }
+    fn others(&self) -> impl Iterator<Item = Stream> + '_ {
+        let bits = self.0.load(Ordering::Relaxed);
+        Stream::ALL
+            .into_iter()
+            .filter(move |s| *s != Stream::Compute && bits & (1 << s.index()) != 0)
+    }
+}
+
+/// Device memory: `len` elements of `dtype`, allocated (and freed) on the compute stream.
+pub struct DeviceMemory {
+    _slice: CudaSlice<u8>,
+    addr: u64,
+    dtype: DType,
+    len: usize,
+    uses: Uses,
+    streams: Arc<Streams>,
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        // Stream-ordered free: the slice is freed on the compute stream (cudarc's drop), so make
+        // compute wait for the other streams that used it, as far as they have been issued.
+        let compute = self.streams.get(Stream::Compute);
+        // cudarc's free does not make the context current; a tensor may drop on any thread.
+        let _ = compute.context().bind_to_thread();
+        for s in self.uses.others() {
+            let stream = self.streams.get(s);
+            if let Ok(ev) = stream.record_event(None) {
+                let _ = compute.wait(&ev);
+            }
+        }
+    }
+}
+
+impl DeviceBuffer for DeviceMemory {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn describe(&self) -> String {
+        format!(
+            "CUDA device memory, {} {} elements",
+            self.dtype.name(),
+            self.len
+        )
+    }
+}
+
+/// Page-locked host memory (not write-combined: the CPU reads it), the end of asynchronous
+/// copies to and from the device.
+pub struct PinnedMemory {
+    _slice: PinnedHostSlice<u8>,
+    ptr: *mut u8,
+    dtype: DType,
+    len: usize,
+    uses: Uses,
+    streams: Arc<Streams>,
+}
+
+// SAFETY: `ptr` points into `_slice`'s allocation, which lives as long as this value; access is
+// ordered by the seam's events like any other memory of the backend.
+unsafe impl Send for PinnedMemory {}
+unsafe impl Sync for PinnedMemory {}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        // Host memory cannot be freed in stream order: wait for the streams that copied it.
+        let _ = self.streams.get(Stream::Compute).context().bind_to_thread();
+        for s in Stream::ALL {
+            if s == Stream::Compute || self.uses.others().any(|o| o == s) {
+                let _ = self.streams.get(s).synchronize();
+            }
+        }
+    }
+}
+
+impl DeviceBuffer for PinnedMemory {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn host_ptr(&self, _write: bool) -> Option<*mut u8> {
+        Some(self.ptr)
+    }
+    fn describe(&self) -> String {
+        format!(
+            "CUDA pinned host memory, {} {} elements",
+            self.dtype.name(),
+            self.len
+        )
+    }
+}
+
+/// The seam's event: a CUDA event made with timing, so `elapsed` works on any pair.
+struct SeamEvent(CudaEvent);
+
+/// Where a view's memory is, for copies (unified addressing: one address space for both).
+pub(super) struct Place<'a> {
+    pub(super) addr: u64,
+    pub(super) bytes: usize,
+    pub(super) dtype: DType,
+    pub(super) len: usize,
+    pub(super) uses: Option<&'a Uses>,
+    pub(super) on_device: bool,
+}
+
+fn place_of_buffer(buf: &dyn DeviceBuffer, offset: usize, len: usize) -> Place<'_> {
+    let size = buf.dtype().size();
+    if let Some(d) = buf.as_any().downcast_ref::<DeviceMemory>() {
+        return Place {
+            addr: d.addr + (offset * size) as u64,
+            bytes: len * size,
+            dtype: d.dtype,
+            len,
+            uses: Some(&d.uses),
+            on_device: true,
+        };
+    }
+    if let Some(p) = buf.as_any().downcast_ref::<PinnedMemory>() {
+        return Place {
+            addr: p.ptr as u64 + (offset * size) as u64,
+            bytes: len * size,
+            dtype: p.dtype,
+            len,
+            uses: Some(&p.uses),
+            on_device: false,
+        };
+    }
+    panic!(
+        "the CUDA backend was given memory of another backend: {}",
+        buf.describe()
+    )
+}
+
+pub(super) fn place<'a>(v: &View<'a>) -> Place<'a> {
+    let host = |addr: u64, len: usize, dtype: DType| Place {
+        addr,
+        bytes: len * dtype.size(),
+        dtype,
+        len,
+        uses: None,
+        on_device: false,
+    };
+    match *v {
+        View::Host(s) => host(s.as_ptr() as u64, s.len(), DType::F32),
+        View::Host64(s) => host(s.as_ptr() as u64, s.len(), DType::F64),
+        View::HostBf16(s) => host(s.as_ptr() as u64, s.len(), DType::BF16),
+        View::Device(d) => place_of_buffer(d.buffer(), d.offset(), d.len()),
+    }
+}
+
+pub(super) fn place_mut<'a>(v: &mut ViewMut<'a>) -> Place<'a> {
+    let host = |addr: u64, len: usize, dtype: DType| Place {
+        addr,
+        bytes: len * dtype.size(),
+        dtype,
+        len,
+        uses: None,
+        on_device: false,
+    };
+    match v {
+        ViewMut::Device(d) => place_of_buffer(d.buffer(), d.offset(), d.len()),
+        ViewMut::Host(s) => host(s.as_mut_ptr() as u64, s.len(), DType::F32),
+        ViewMut::Host64(s) => host(s.as_mut_ptr() as u64, s.len(), DType::F64),
+        ViewMut::HostBf16(s) => host(s.as_mut_ptr() as u64, s.len(), DType::BF16),
+    }
+}
+
+/// Asynchronous copies being timed for the trace: events around each, placed on the host clock
+/// through one base event whose host time is known.
+pub(super) struct CopyTrace {
+    base: CudaEvent,
+    base_at: Instant,
+    pending: Vec<(Stream, CudaEvent, CudaEvent, u64)>,
+}
+
+impl CudaBackend {
+    /// Device memory of `len` elements of `dtype`, zeroed on the compute stream.
+    pub(super) fn alloc(&self, len: usize, dtype: DType) -> Result<DeviceMemory, DriverError> {
+        let bytes = len * dtype.size();
+        let compute = self.compute();
+        // SAFETY: zeroed below before anything reads it; cuMemAlloc rejects 0 bytes.
+        let slice = unsafe { compute.alloc::<u8>(bytes.max(1)) }?;
+        let (addr, _) = slice.device_ptr(compute);
+        // SAFETY: `addr` is this allocation, `bytes` within it.
+        unsafe { sys::cuMemsetD8Async(addr, 0, bytes, compute.cu_stream()) }.result()?;
+        Ok(DeviceMemory {
+            _slice: slice,
+            addr,
+            dtype,
+            len,
+            uses: Uses(AtomicU8::new(0)),
+            streams: self.streams.clone(),
+        })
+    }
+
+    fn try_alloc_tensor(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: Category,
+    ) -> Result<Tensor, MemoryError> {
+        let len: usize = shape.iter().product();
+        match self.alloc(len, dtype) {
+            Ok(m) => Ok(Tensor::from_buffer(
+                ganymede_core::Buffer::Device(Box::new(m)),
+                shape,
+                self.device(),
+                category,
+                self.ledger.clone(),
+            )),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                let (free, total) = self.ctx.mem_get_info().unwrap_or((0, 0));
+                Err(MemoryError::OutOfMemory {
+                    device: self.device(),
+                    category,
+                    requested: (len * dtype.size()) as u64,
+                    in_use: (total - free) as u64,
+                    capacity: total as u64,
+                })
+            }
+            Err(e) => panic!("CUDA allocation: {}", probe::driver_error(&e)),
+        }
+    }
+
+    /// `cuMemcpyAsync` between two places on `stream` (any direction: unified addressing).
+    pub(super) fn memcpy(&self, dst: &Place, src: &Place, stream: Stream) {
+        assert_eq!(
+            (dst.dtype, dst.len),
+            (src.dtype, src.len),
+            "copy between views of different dtype or length"
+        );
+        if src.bytes == 0 {
+            return;
+        }
+        for p in [dst, src] {
+            if let Some(u) = p.uses {
+                u.mark(stream);
+            }
+        }
+        let s = self.streams.get(stream);
+        self.bind();
+        // SAFETY: both ranges were checked against their buffers when the views were made; the
+        // seam's rules keep them alive and unaliased until the copy is ordered.
+        ok(
+            unsafe { sys::cuMemcpyAsync(dst.addr, src.addr, src.bytes, s.cu_stream()) }.result(),
+            "copy",
+        );
+    }
+
+    pub(super) fn sync_compute(&self) {
+        ok(self.compute().synchronize(), "synchronize");
+    }
+
+    /// Copy a view into a host vector of its own dtype (blocking, on the compute stream).
+    fn read_raw<T: Default + Clone>(&self, src: &View, dtype: DType) -> Vec<T> {
+        let p = place(src);
+        assert_eq!(p.dtype, dtype);
+        let mut out = vec![T::default(); p.len];
+        let dst = Place {
+            addr: out.as_mut_ptr() as u64,
+            bytes: p.bytes,
+            dtype,
+            len: p.len,
+            uses: None,
+            on_device: false,
+        };
+        self.memcpy(&dst, &p, Stream::Compute);
+        self.sync_compute();
+        out
+    }
+
+    /// Copy host data of the view's dtype into it (blocking, on the compute stream).
+    fn write_raw<T>(&self, dst: &mut ViewMut, data: &[T], dtype: DType) {
+        let p = place_mut(dst);
+        let src = Place {
+            addr: data.as_ptr() as u64,
+            bytes: std::mem::size_of_val(data),
+            dtype,
+            len: data.len(),
+            uses: None,
+            on_device: false,
+        };
+        self.memcpy(&p, &src, Stream::Compute);
+        self.sync_compute();
+    }
+}
+
+fn to_f32(dtype: DType, be: &CudaBackend, src: &View) -> Vec<f32> {
+    match dtype {
+        DType::F32 => be.read_raw::<f32>(src, DType::F32),
+        DType::BF16 => bf16::to_f32_slice(&be.read_raw::<u16>(src, DType::BF16)),
+        DType::F64 => be
+            .read_raw::<f64>(src, DType::F64)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect(),
+    }
+}
+
+impl Memory for CudaBackend {
+    fn device(&self) -> Device {
+        Device::Gpu(self.ordinal)
+    }
+    fn ledger(&self) -> &Arc<Ledger> {
+        &self.ledger
+    }
+    fn zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.zeros_of(shape, DType::F32, category)
+    }
+    fn zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
+        self.try_alloc_tensor(shape, dtype, category)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+    fn try_zeros(&self, shape: &[usize], category: Category) -> Result<Tensor, MemoryError> {
+        self.try_alloc_tensor(shape, DType::F32, category)
+    }
+    fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor {
+        let mut t = self.zeros(shape, category);
+        self.write(t.view_mut(), data);
+        t
+    }
+    fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor {
+        // The backend computes in f32; f64 data is rounded, as its kernels would.
+        let v: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+        self.upload(&v, shape, category)
+    }
+    fn download(&self, src: View) -> Vec<f32> {
+        to_f32(src.dtype(), self, &src)
+    }
+    fn download_f64(&self, src: View) -> Vec<f64> {
+        match src.dtype() {
+            DType::F64 => self.read_raw::<f64>(&src, DType::F64),
+            d => to_f32(d, self, &src).into_iter().map(f64::from).collect(),
+        }
+    }
+    fn write(&self, mut dst: ViewMut, data: &[f32]) {
+        assert_eq!(dst.len(), data.len(), "write of a different length");
+        match dst.dtype() {
+            DType::F32 => self.write_raw(&mut dst, data, DType::F32),
+            DType::BF16 => self.write_raw(&mut dst, &bf16::from_f32_slice(data), DType::BF16),
+            DType::F64 => {
+                let v: Vec<f64> = data.iter().map(|&x| f64::from(x)).collect();
+                self.write_raw(&mut dst, &v, DType::F64)
+            }
+        }
+    }
+    fn copy(&self, mut dst: ViewMut, src: View) {
+        self.memcpy(&place_mut(&mut dst), &place(&src), Stream::Compute)
+    }
+    fn fill(&self, mut dst: ViewMut, value: f32) {
+        let p = place_mut(&mut dst);
+        if !p.on_device || p.len == 0 {
+            // Pinned or ordinary host memory: filled by the CPU once compute is done with it.
+            self.sync_compute();
+            let v = vec![value; p.len];
+            return self.write(dst, &v);
+        }
+        let s = self.compute().cu_stream();
+        self.bind();
+        // SAFETY: the range is the view's, inside its allocation.
+        let r = unsafe {
+            match p.dtype {
+                DType::F32 => sys::cuMemsetD32Async(p.addr, value.to_bits(), p.len, s),
+                DType::BF16 => sys::cuMemsetD16Async(p.addr, bf16::from_f32(value), p.len, s),
+                DType::F64 if value == 0.0 => sys::cuMemsetD8Async(p.addr, 0, p.bytes, s),
+                DType::F64 => {
+                    let v = vec![f64::from(value); p.len];
+                    self.write_raw(&mut dst, &v, DType::F64);
+                    sys::CUresult::CUDA_SUCCESS
+                }
+            }
+        };
+        ok(r.result(), "fill");
+    }
+    fn synchronize(&self) {
+        ok(self.ctx.synchronize(), "synchronize");
+    }
+    fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        let len: usize = shape.iter().product();
+        let dtype = DType::F32;
+        let bytes = (len * dtype.size()).max(1);
+        // Flags 0: not write-combined, so CPU reads of offloaded state are cached reads.
+        // SAFETY: zeroed below before anything reads it.
+        let mut slice = ok(
+            unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) },
+            "pinned allocation",
+        );
+        let ptr = ok(slice.as_mut_ptr(), "pinned pointer");
+        // SAFETY: `bytes` bytes were just allocated at `ptr`.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        let m = PinnedMemory {
+            _slice: slice,
+            ptr,
+            dtype,
+            len,
+            uses: Uses(AtomicU8::new(0)),
+            streams: self.streams.clone(),
+        };
+        Tensor::from_buffer(
+            ganymede_core::Buffer::Device(Box::new(m)),
+            shape,
+            Device::Host,
+            category,
+            self.ledger.clone(),
+        )
+    }
+    fn copy_async(&self, mut dst: ViewMut, src: View, stream: Stream) {
+        let (pd, ps) = (place_mut(&mut dst), place(&src));
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(t) = trace.as_mut() else {
+            drop(trace);
+            return self.memcpy(&pd, &ps, stream);
+        };
+        let s = self.streams.get(stream);
+        let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = ok(s.record_event(timed), "trace event");
+        self.memcpy(&pd, &ps, stream);
+        let end = ok(s.record_event(timed), "trace event");
+        t.pending.push((stream, start, end, ps.bytes as u64));
+    }
+    fn trace_copies(&self, on: bool) {
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        *trace = on.then(|| {
+            // The base event completes when the host waits for it; its host time is then known
+            // to within the wait's return, and copies are placed relative to it.
+            let base = ok(
+                self.compute()
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)),
+                "trace event",
+            );
+            ok(base.synchronize(), "trace event");
+            CopyTrace {
+                base,
+                base_at: Instant::now(),
+                pending: Vec::new(),
+            }
+        });
+    }
+    fn take_copy_spans(&self) -> Vec<CopySpan> {
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(t) = trace.as_mut() else {
+            return Vec::new();
+        };
+        let at = |e: &CudaEvent| {
+            let ms = ok(t.base.elapsed_ms(e), "trace elapsed");
+            t.base_at + Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)
+        };
+        let mut spans = Vec::new();
+        let mut still = Vec::new();
+        for (stream, start, end, bytes) in std::mem::take(&mut t.pending) {
+            if ok(end.try_is_complete(), "trace query") {
+                spans.push(CopySpan {
+                    stream,
+                    start: at(&start),
+                    end: at(&end),
+                    bytes,
+                });
+            } else {
+                still.push((stream, start, end, bytes));
+            }
+        }
+        t.pending = still;
+        spans
+    }
+    fn record_event(&self, stream: Stream) -> Event {
+        let ev = ok(
+            self.streams
+                .get(stream)
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)),
+            "event record",
+        );
+        Event::new(SeamEvent(ev))
+    }
+    fn wait_event(&self, stream: Stream, event: &Event) {
+        ok(
+            self.streams.get(stream).wait(&seam_event(event).0),
+            "event wait",
+        );
+    }
+    fn synchronize_event(&self, event: &Event) {
+        ok(seam_event(event).0.synchronize(), "event synchronize");
+    }
+    fn query_event(&self, event: &Event) -> bool {
+        ok(seam_event(event).0.try_is_complete(), "event query")
+    }
+    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
+        let ms = ok(
+            seam_event(start).0.elapsed_ms(&seam_event(end).0),
+            "elapsed",
+        );
+        Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)
+    }
+}
+
+fn seam_event(e: &Event) -> &SeamEvent {
+    e.downcast::<SeamEvent>()
+        .expect("an event recorded by another backend")
+}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# On the GPU machine (no Rust, no network): run the carried binary's device check with the CUDA
+# libraries of a Python venv's NVIDIA wheels, in under 8 minutes, and leave markdown in OUTDIR:
+# report.md (the binary's sections: smoke test, GEMM parity, GB/s, TFLOP/s) and environment.md
+# (GPU, libraries used, the binary's exit status and last lines, the train refusal).
+# Usage: scripts/device_check.sh OUTDIR   (GANYMEDE_BIN overrides target/dist/ganymede)
+set -uo pipefail
+out=${1:?usage: $0 OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=${GANYMEDE_BIN:-$root/target/dist/ganymede}
+env_md=$out/environment.md
+start=$(date +%s)
+
+# The wheels' library folders: ask every Python we can find for its site-packages (venvs
+# differ in layout and Python version), then fall back to a bounded search of the disk.
+dirs=()
+add() { [ -d "$1" ] && case " ${dirs[*]-} " in *" $1 "*) ;; *) dirs+=("$1") ;; esac; }
+pythons=("${GANYMEDE_PYTHON:-}" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" python3 python)
+for v in /opt/venv /venv "$HOME/.venv" "$HOME/venv" "$HOME/.cache/ganymede/venv" "$root/.venv"; do
+    pythons+=("$v/bin/python")
+done
+for py in "${pythons[@]}"; do
+    [ -n "$py" ] && command -v "$py" >/dev/null 2>&1 || continue
+    while IFS= read -r sp; do
+        add "$sp/nvidia/cu13/lib"
+        add "$sp/nvidia/nccl/lib"
+    done < <(timeout 20 "$py" -c 'import site, sysconfig
+paths = set(site.getsitepackages() + [site.getusersitepackages()] + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+print("\n".join(sorted(paths)))' 2>/dev/null)
+done
+if [ ${#dirs[@]} -eq 0 ]; then
+    while IFS= read -r d; do add "$d"; done < <(timeout 60 find / -xdev -maxdepth 8 -type d \
+        \( -path '*/nvidia/cu13/lib' -o -path '*/nvidia/nccl/lib' \) 2>/dev/null)
+fi
+if [ ${#dirs[@]} -gt 0 ]; then
+    LD_LIBRARY_PATH=$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LD_LIBRARY_PATH
+fi
+
+{
+    echo "# Environment of the device check"
+    echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), host $(hostname)"
+    echo "- binary: $bin ($(stat -c %s "$bin" 2>/dev/null || echo missing) bytes)"
+    echo "- CUDA library folders: ${dirs[*]:-none found}"
+    echo
+    echo '```'
+    if command -v nvidia-smi >/dev/null; then
+        timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+    else
+        echo "no nvidia-smi"
+    fi
+    for d in "${dirs[@]}"; do ls "$d" | grep -E '^lib(nvrtc|cublas|cublasLt|nccl)\.so' | sed "s|^|$d/|"; done
+    echo '```'
+} >"$env_md"
+
+if [ ! -x "$bin" ]; then
+    echo "no binary at $bin (build it with scripts/device_build.sh and carry it)" | tee -a "$env_md"
+    exit 1
+fi
+
+# 7 minutes for the check itself leaves room for the rest within 8.
+timeout 420 "$bin" device-check --out "$out" >"$out/device-check.log" 2>&1
+rc=$?
+# A run that ended before writing a report (the one-line error) still leaves one.
+[ -f "$out/report.md" ] || { echo "# ganymede device check"; echo; echo "Did not run (exit $rc):"; echo; echo '```'; tail -20 "$out/device-check.log"; echo '```'; } >"$out/report.md"
+
+refusal=$(timeout 60 "$bin" train --set device.kind=cuda --steps 1 --out "$(mktemp -d)" 2>&1 >/dev/null | tail -1)
+{
+    echo
+    echo "## Result"
+    echo
+    echo "- device-check exit status: $rc$([ $rc = 124 ] && echo ' (timed out)')"
+    echo "- \`train --set device.kind=cuda\`: \`$refusal\`"
+    echo "- $(($(date +%s) - start)) s in all"
+    echo
+    echo '```'
+    tail -20 "$out/device-check.log"
+    echo '```'
+} >>"$env_md"
+echo "device check: exit $rc; see $out/report.md and $out/environment.md"
+exit $rc
