@@ -7,7 +7,8 @@ mod nn;
 mod optim;
 
 pub use nn::{
-    AttnDims, AttnGrads, AttnSaved, Dispatched, HeadRope, NnOps, NormSaved, RouterDims, RouterOut,
+    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, HeadRope, NnOps, NormSaved,
+    RouterDims, RouterOut,
 };
 pub use optim::{AdamWStep, OptimOps};
 
