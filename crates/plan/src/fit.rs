@@ -414,7 +414,7 @@ fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
                 // The root gradients' reduce-scatter send buffers.
                 + root_padded)
             + gather_staging
-            + crate::ledger::STEP_SCALARS,
+            + crate::ledger::step_scalars(&job.model),
     };
     Some(Sharded {
         device,
