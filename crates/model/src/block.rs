@@ -210,7 +210,7 @@ pub(crate) fn block_forward(
                 pos: r.pos.view_mut(),
             };
             be.moe_dispatch(d, r.idx.view(), e, k);
-            // The step's one host read before its end: the per-expert counts size the expert
+            // The only host read before the step's end: the per-expert counts size the expert
             // GEMMs and the expert-parallel all-to-all, which take host sizes (as cuBLAS's
             // grouped GEMM and NCCL's send/recv do). The offsets follow on the host.
             let counts = be.download_u32(r.counts.view());
