@@ -1,7 +1,7 @@
 //! Tensors: a device buffer with a shape and a ledger category, and borrowed views of a range
 //! of it ([`View`], [`ViewMut`]) that backend operations take, like llm.c's pointers plus sizes.
 //!
-//! Host memory is a closed set of variants (`Host`, `Host64`, `HostBf16`); memory that only a
+//! Host memory is a closed set of variants (`Host`, `Host64`, `HostBf16`, `HostU32`); memory that only a
 //! backend understands (a CUDA device slice, pinned host memory, the CPU backend's emulated
 //! device memory) is an open [`DeviceBuffer`] trait object, so a backend in its own crate can
 //! put its memory in a [`Tensor`] without editing these enums. Views of such memory are
@@ -18,6 +18,8 @@ pub enum Buffer {
     Host(Vec<f32>),
     Host64(Vec<f64>),
     HostBf16(Vec<u16>),
+    /// Integer indices (token ids, routing decisions).
+    HostU32(Vec<u32>),
     /// Memory owned by a backend (see [`DeviceBuffer`]).
     Device(Box<dyn DeviceBuffer>),
 }
@@ -29,6 +31,8 @@ pub enum DType {
     F64,
     /// bfloat16: f32's exponent with 7 mantissa bits; stored on the host as `u16` bits.
     BF16,
+    /// Unsigned 32-bit integers: index tensors (token ids, routing) that kernels read.
+    U32,
 }
 
 impl DType {
@@ -37,6 +41,7 @@ impl DType {
             DType::F32 => 4,
             DType::F64 => 8,
             DType::BF16 => 2,
+            DType::U32 => 4,
         }
     }
     pub fn name(self) -> &'static str {
@@ -44,6 +49,7 @@ impl DType {
             DType::F32 => "f32",
             DType::F64 => "f64",
             DType::BF16 => "bf16",
+            DType::U32 => "u32",
         }
     }
 }
@@ -81,6 +87,7 @@ impl Buffer {
             Buffer::Host(v) => v.len(),
             Buffer::Host64(v) => v.len(),
             Buffer::HostBf16(v) => v.len(),
+            Buffer::HostU32(v) => v.len(),
             Buffer::Device(b) => b.len(),
         }
     }
@@ -89,6 +96,7 @@ impl Buffer {
             Buffer::Host(_) => DType::F32,
             Buffer::Host64(_) => DType::F64,
             Buffer::HostBf16(_) => DType::BF16,
+            Buffer::HostU32(_) => DType::U32,
             Buffer::Device(b) => b.dtype(),
         }
     }
@@ -190,6 +198,7 @@ impl Tensor {
             Buffer::Host(v) => View::Host(v),
             Buffer::Host64(v) => View::Host64(v),
             Buffer::HostBf16(v) => View::HostBf16(v),
+            Buffer::HostU32(v) => View::HostU32(v),
             Buffer::Device(b) => View::Device(DeviceView {
                 buf: &**b,
                 offset: 0,
@@ -203,6 +212,7 @@ impl Tensor {
             Buffer::Host(v) => ViewMut::Host(v),
             Buffer::Host64(v) => ViewMut::Host64(v),
             Buffer::HostBf16(v) => ViewMut::HostBf16(v),
+            Buffer::HostU32(v) => ViewMut::HostU32(v),
             Buffer::Device(b) => ViewMut::Device(DeviceViewMut {
                 buf: &**b,
                 offset: 0,
@@ -243,6 +253,7 @@ pub enum View<'a> {
     Host(&'a [f32]),
     Host64(&'a [f64]),
     HostBf16(&'a [u16]),
+    HostU32(&'a [u32]),
     Device(DeviceView<'a>),
 }
 
@@ -251,6 +262,7 @@ pub enum ViewMut<'a> {
     Host(&'a mut [f32]),
     Host64(&'a mut [f64]),
     HostBf16(&'a mut [u16]),
+    HostU32(&'a mut [u32]),
     Device(DeviceViewMut<'a>),
 }
 
@@ -423,6 +435,7 @@ impl<'a> View<'a> {
             View::Host(s) => s.len(),
             View::Host64(s) => s.len(),
             View::HostBf16(s) => s.len(),
+            View::HostU32(s) => s.len(),
             View::Device(d) => d.len(),
         }
     }
@@ -434,6 +447,7 @@ impl<'a> View<'a> {
             View::Host(_) => DType::F32,
             View::Host64(_) => DType::F64,
             View::HostBf16(_) => DType::BF16,
+            View::HostU32(_) => DType::U32,
             View::Device(d) => d.dtype(),
         }
     }
@@ -443,6 +457,7 @@ impl<'a> View<'a> {
             View::Host(s) => View::Host(&s[off..off + len]),
             View::Host64(s) => View::Host64(&s[off..off + len]),
             View::HostBf16(s) => View::HostBf16(&s[off..off + len]),
+            View::HostU32(s) => View::HostU32(&s[off..off + len]),
             View::Device(d) => View::Device(d.slice(off, len)),
         }
     }
@@ -460,6 +475,14 @@ impl<'a> View<'a> {
             _ => panic!("expected a bf16 host view"),
         }
     }
+    /// The integers behind a u32 view of host-addressable memory.
+    pub fn host_u32(self) -> &'a [u32] {
+        match self {
+            View::HostU32(s) => s,
+            View::Device(d) => d.host_elems(DType::U32),
+            _ => panic!("expected a u32 host view"),
+        }
+    }
 }
 
 impl<'a> ViewMut<'a> {
@@ -468,6 +491,7 @@ impl<'a> ViewMut<'a> {
             ViewMut::Host(s) => s.len(),
             ViewMut::Host64(s) => s.len(),
             ViewMut::HostBf16(s) => s.len(),
+            ViewMut::HostU32(s) => s.len(),
             ViewMut::Device(d) => d.len(),
         }
     }
@@ -479,6 +503,7 @@ impl<'a> ViewMut<'a> {
             ViewMut::Host(_) => DType::F32,
             ViewMut::Host64(_) => DType::F64,
             ViewMut::HostBf16(_) => DType::BF16,
+            ViewMut::HostU32(_) => DType::U32,
             ViewMut::Device(d) => d.dtype(),
         }
     }
@@ -487,6 +512,7 @@ impl<'a> ViewMut<'a> {
             ViewMut::Host(s) => ViewMut::Host(&mut s[off..off + len]),
             ViewMut::Host64(s) => ViewMut::Host64(&mut s[off..off + len]),
             ViewMut::HostBf16(s) => ViewMut::HostBf16(&mut s[off..off + len]),
+            ViewMut::HostU32(s) => ViewMut::HostU32(&mut s[off..off + len]),
             ViewMut::Device(d) => {
                 assert!(off + len <= d.len, "view slice out of range");
                 ViewMut::Device(DeviceViewMut {
@@ -503,6 +529,7 @@ impl<'a> ViewMut<'a> {
             ViewMut::Host(s) => ViewMut::Host(s),
             ViewMut::Host64(s) => ViewMut::Host64(s),
             ViewMut::HostBf16(s) => ViewMut::HostBf16(s),
+            ViewMut::HostU32(s) => ViewMut::HostU32(s),
             ViewMut::Device(d) => ViewMut::Device(DeviceViewMut {
                 buf: d.buf,
                 offset: d.offset,
@@ -517,6 +544,7 @@ impl<'a> ViewMut<'a> {
             ViewMut::Host(s) => View::Host(s),
             ViewMut::Host64(s) => View::Host64(s),
             ViewMut::HostBf16(s) => View::HostBf16(s),
+            ViewMut::HostU32(s) => View::HostU32(s),
             ViewMut::Device(d) => View::Device(DeviceView {
                 buf: d.buf,
                 offset: d.offset,
@@ -538,6 +566,10 @@ impl<'a> ViewMut<'a> {
             ViewMut::HostBf16(s) => {
                 let (a, b) = s.split_at_mut(mid);
                 (ViewMut::HostBf16(a), ViewMut::HostBf16(b))
+            }
+            ViewMut::HostU32(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (ViewMut::HostU32(a), ViewMut::HostU32(b))
             }
             ViewMut::Device(d) => {
                 assert!(mid <= d.len, "split point out of range");
@@ -566,6 +598,14 @@ impl<'a> ViewMut<'a> {
             ViewMut::HostBf16(s) => s,
             ViewMut::Device(d) => d.host_elems(DType::BF16),
             _ => panic!("expected a bf16 host view"),
+        }
+    }
+    /// See [`View::host_u32`].
+    pub fn host_u32(self) -> &'a mut [u32] {
+        match self {
+            ViewMut::HostU32(s) => s,
+            ViewMut::Device(d) => d.host_elems(DType::U32),
+            _ => panic!("expected a u32 host view"),
         }
     }
 }

@@ -256,6 +256,7 @@ pub fn host_view(v: View<'_>) -> View<'_> {
             ganymede_core::DType::F32 => View::Host(View::Device(d).host::<f32>()),
             ganymede_core::DType::F64 => View::Host64(View::Device(d).host::<f64>()),
             ganymede_core::DType::BF16 => View::HostBf16(View::Device(d).host_bf16()),
+            ganymede_core::DType::U32 => View::HostU32(View::Device(d).host_u32()),
         },
         v => v,
     }
@@ -268,6 +269,7 @@ pub fn host_view_mut(v: ViewMut<'_>) -> ViewMut<'_> {
             ganymede_core::DType::F32 => ViewMut::Host(ViewMut::Device(d).host::<f32>()),
             ganymede_core::DType::F64 => ViewMut::Host64(ViewMut::Device(d).host::<f64>()),
             ganymede_core::DType::BF16 => ViewMut::HostBf16(ViewMut::Device(d).host_bf16()),
+            ganymede_core::DType::U32 => ViewMut::HostU32(ViewMut::Device(d).host_u32()),
         },
         v => v,
     }

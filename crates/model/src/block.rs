@@ -15,8 +15,8 @@ use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::workspace::{BlockActs, FfnActs, GradScratch};
 use crate::{MlpIdx, Model};
 use ganymede_core::{
-    AttnDims, AttnGrads, AttnSaved, Backend, Dispatched, Gemm, HeadRope, NormSaved, ParamStore,
-    RouterDims, RouterOut, Tensor, View, ViewMut,
+    AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
+    ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
 };
 
 /// What every kernel call of a block shares: the backend, the model, its parameters as they
@@ -51,7 +51,8 @@ pub(crate) enum Kv<'a> {
 }
 
 /// Forward through block `layer`. `y` receives the output; `None` recomputes the internals
-/// only (activation checkpointing: the output is already known).
+/// only (activation checkpointing: the output is already known). A MoE layer writes its
+/// per-expert sums of router probabilities into `psum` (`[E]` f64).
 pub(crate) fn block_forward(
     cx: &Ctx,
     a: &mut BlockActs,
@@ -59,7 +60,7 @@ pub(crate) fn block_forward(
     x: View,
     mut y: Option<ViewMut>,
     kv: Kv,
-    (layer, ex): (usize, &mut dyn ExpertExecutor),
+    (layer, psum, ex): (usize, Option<ViewMut>, &mut dyn ExpertExecutor),
 ) {
     let Ctx {
         be,
@@ -189,11 +190,12 @@ pub(crate) fn block_forward(
                 w(router),
                 Gemm::new(n, e, h, false, true),
             );
+            let r = &mut m.r;
             let out = RouterOut {
                 probs: m.probs.view_mut(),
                 weights: m.rw.view_mut(),
-                idx: &mut m.r.idx[..n * k],
-                psum: &mut m.r.psum,
+                idx: r.idx.view_mut(),
+                psum: psum.expect("a MoE layer's routing sums"),
             };
             let rd = RouterDims {
                 experts: e,
@@ -201,12 +203,27 @@ pub(crate) fn block_forward(
                 renorm: cfg.norm_topk_prob,
             };
             be.router_forward(out, rl.slice(0, n * e), bias.map(w), rd);
-            m.r.dispatch(k);
-            be.moe_gather(m.xe.view_mut(), a.xn2.view(), &m.r.src, h);
+            let d = DispatchOut {
+                counts: r.counts.view_mut(),
+                offsets: r.offsets.view_mut(),
+                src: r.src.view_mut(),
+                pos: r.pos.view_mut(),
+            };
+            be.moe_dispatch(d, r.idx.view(), e, k);
+            // The only host read before the step's end: the per-expert counts size the expert
+            // GEMMs and the expert-parallel all-to-all, which take host sizes (as cuBLAS's
+            // grouped GEMM and NCCL's send/recv do). The offsets follow on the host.
+            let counts = be.download_u32(r.counts.view());
+            r.host_offsets[0] = 0;
+            for (x, &c) in counts.iter().enumerate() {
+                r.host_counts[x] = c as usize;
+                r.host_offsets[x + 1] = r.host_offsets[x] + c as usize;
+            }
+            be.moe_gather(m.xe.view_mut(), a.xn2.view(), r.src.view(), h);
             let io = ExpertsIo {
                 layer,
-                counts: &m.r.counts,
-                offsets: &m.r.offsets,
+                counts: &r.host_counts,
+                offsets: &r.host_offsets,
                 f,
                 h,
                 params,
@@ -224,7 +241,7 @@ pub(crate) fn block_forward(
             ex.forward(be, &io, bufs);
             if let Some(y) = y.as_mut() {
                 let d = Dispatched {
-                    pos: &m.r.pos,
+                    pos: m.r.pos.view(),
                     k,
                     dim: h,
                 };
@@ -273,14 +290,15 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
 
 /// Backward through one block whose internals are in `a`. On entry `g.dres` holds the gradient
 /// of the block's output; on return, of its input `x`. Weight gradients are added to `grads`.
-/// `dprob_const` is the auxiliary loss's gradient with respect to each router probability.
+/// `dprob_const` (`[E]` f64) is the auxiliary loss's gradient with respect to each router
+/// probability (unused in a dense layer).
 pub(crate) fn block_backward(
     cx: &Ctx,
     grads: &mut ParamStore,
     a: &BlockActs,
     g: &mut GradScratch,
     x: View,
-    dprob_const: &[f64],
+    dprob_const: Option<View>,
     (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) {
     let Ctx {
@@ -349,7 +367,7 @@ pub(crate) fn block_backward(
                 dxe.as_mut().unwrap(),
             );
             let disp = Dispatched {
-                pos: &m.r.pos,
+                pos: m.r.pos.view(),
                 k,
                 dim: h,
             };
@@ -357,8 +375,8 @@ pub(crate) fn block_backward(
             be.moe_combine_backward(dye.view_mut(), drw.view_mut(), dres.view(), ye, rw, disp);
             let io = ExpertsIo {
                 layer,
-                counts: &m.r.counts,
-                offsets: &m.r.offsets,
+                counts: &m.r.host_counts,
+                offsets: &m.r.host_offsets,
                 f,
                 h,
                 params,
@@ -383,8 +401,9 @@ pub(crate) fn block_backward(
                 k,
                 renorm: cfg.norm_topk_prob,
             };
-            let (idx, probs) = (&m.r.idx, m.probs.view());
-            be.router_backward(drl.view_mut(), drw.view(), probs, idx, dprob_const, rd);
+            let (idx, probs) = (m.r.idx.view(), m.probs.view());
+            let dc = dprob_const.expect("the auxiliary loss's gradient constant");
+            be.router_backward(drl.view_mut(), drw.view(), probs, idx, dc, rd);
             be.gemm(
                 dxn.view_mut(),
                 drl.view(),

@@ -5,7 +5,7 @@
 
 use crate::block::{block_forward, Ctx, Kv};
 use crate::experts::LocalExperts;
-use crate::workspace::Workspace;
+use crate::workspace::{moe_slot, Workspace};
 use crate::{Model, Rng};
 use ganymede_config::AcMode;
 use ganymede_core::{Backend, Category, Gemm, ParamStore, Tensor};
@@ -36,9 +36,12 @@ fn step_logits(
         blocks,
         grads,
         head,
+        route,
         ..
     } = ws;
-    be.embedding_forward(res.get_mut(0), params.get(model.embed).view(), ids, h);
+    be.write_u32(head.ids.view_mut(), ids);
+    let wte = params.get(model.embed).view();
+    be.embedding_forward(res.get_mut(0), wte, head.ids.view(), h);
     for l in 0..model.layers.len() {
         let (x, y) = res.pair(l);
         let kv = Kv::Cache {
@@ -53,6 +56,9 @@ fn step_logits(
             batch: 1,
             seq: n,
         };
+        // Routing sums go unread here, but the router writes them.
+        let e = cfg.experts;
+        let psum = (route.as_mut().zip(moe_slot(cfg, l))).map(|(r, s)| r.psum.slice_mut(s * e, e));
         block_forward(
             &cx,
             &mut blocks[0],
@@ -60,7 +66,7 @@ fn step_logits(
             x,
             Some(y),
             kv,
-            (l, &mut LocalExperts),
+            (l, psum, &mut LocalExperts),
         );
     }
     let eps = cfg.norm_eps as f32;

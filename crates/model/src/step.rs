@@ -4,10 +4,10 @@
 
 use crate::block::{block_backward, block_forward, Ctx, Kv};
 use crate::experts::{ExpertExecutor, LocalExperts};
-use crate::workspace::Workspace;
+use crate::workspace::{moe_slot, Workspace};
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
-use ganymede_core::{Backend, Gemm, NormSaved, ParamStore, Tensor};
+use ganymede_core::{Backend, Gemm, NormSaved, ParamStore, Tensor, ViewMut};
 
 /// Which pass wants a block's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,9 +33,14 @@ pub trait ParamSource {
     fn global_tokens(&self, local: usize) -> usize {
         local
     }
-    /// Turn a MoE layer's routing statistics of this slice into those of the global batch (in
-    /// place), so the auxiliary loss is the global batch's.
-    fn reduce_routing(&mut self, _layer: usize, _counts: &mut [usize], _psum: &mut [f64]) {}
+    /// Turn a MoE layer's per-expert counts of this slice (host data: the model reads them
+    /// back to size the expert GEMMs) into those of the global batch, in place, so the
+    /// auxiliary loss's gradient is the global batch's. Called after the layer's forward.
+    fn reduce_counts(&mut self, _layer: usize, _counts: &mut [usize]) {}
+    /// Sum the per-expert router probability sums of every MoE layer (`[moe layers, E]` f64,
+    /// a device tensor) over the slices of the global batch, in place. Called once, at the
+    /// step's end, before the step reads them for the auxiliary loss's value.
+    fn reduce_psum(&mut self, _be: &dyn Backend, _psum: ViewMut) {}
 }
 
 /// Where a step adds its gradients. A block's gradient entries are written only between
@@ -79,11 +84,11 @@ pub struct Hooks<'a> {
     pub experts: &'a mut dyn ExpertExecutor,
 }
 
-/// Routing statistics of one MoE layer in a step.
+/// Routing statistics of one MoE layer in a step: the global batch's per-expert counts (its
+/// probability sums stay on the device until the step's end).
 struct LayerStats {
     layer: usize,
     counts: Vec<usize>,
-    psum: Vec<f64>,
 }
 
 fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
@@ -105,9 +110,10 @@ fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
     );
 }
 
-/// Embedding, every block, final norm, logits and the summed cross-entropy. Leaves the
-/// logits in `ws.head.logits` and the loss sum in `ws.head.loss` (read at the step's end), and
-/// returns each MoE layer's routing statistics.
+/// Embedding, every block, final norm, logits and the summed cross-entropy. Writes the batch's
+/// tokens into the workspace, leaves the logits in `ws.head.logits`, the loss sum in
+/// `ws.head.loss` and the routing sums in `ws.route` (read at the step's end), and returns each
+/// MoE layer's per-expert counts.
 /// `backward`: a backward pass follows (which may read the blocks' internals).
 fn forward(
     be: &dyn Backend,
@@ -128,13 +134,17 @@ fn forward(
         grads,
         head,
         mode,
+        route,
         ..
     } = ws;
+    // The step's one upload of its tokens (host to device: no read).
+    be.write_u32(head.ids.view_mut(), inputs);
+    be.write_u32(head.targets.view_mut(), targets);
     res.before_write(be, 0);
     be.embedding_forward(
         res.get_mut(0),
         src.params().get(model.embed).view(),
-        inputs,
+        head.ids.view(),
         h,
     );
     if backward {
@@ -156,7 +166,8 @@ fn forward(
             batch,
             seq,
         };
-        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, &mut *ex));
+        let psum = psum_slot(cfg, route, l);
+        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex));
         src.release_block(be, l, Pass::Forward);
         if backward {
             res.after_write(be, l + 1);
@@ -169,10 +180,9 @@ fn forward(
         if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
             let mut s = LayerStats {
                 layer: l,
-                counts: m.r.counts.clone(),
-                psum: m.r.psum.clone(),
+                counts: m.r.host_counts.clone(),
             };
-            src.reduce_routing(l, &mut s.counts, &mut s.psum);
+            src.reduce_counts(l, &mut s.counts);
             stats.push(s);
         }
     }
@@ -190,20 +200,40 @@ fn forward(
     );
     be.fill(head.loss.view_mut(), 0.0);
     let (lse, loss) = (head.lse.view_mut(), head.loss.view_mut());
-    be.cross_entropy_forward(lse, head.logits.view(), targets, v, loss);
+    be.cross_entropy_forward(lse, head.logits.view(), head.targets.view(), v, loss);
     stats
+}
+
+/// Layer `l`'s row of the step's routing sums (`None` for a dense layer).
+fn psum_slot<'a>(
+    cfg: &ganymede_config::ModelConfig,
+    route: &'a mut Option<crate::workspace::RouteStats>,
+    l: usize,
+) -> Option<ViewMut<'a>> {
+    let e = cfg.experts;
+    let (r, slot) = route.as_mut().zip(moe_slot(cfg, l))?;
+    Some(r.psum.slice_mut(slot * e, e))
 }
 
 /// Switch auxiliary loss per layer (`E · Σ_i f_i · P_i`, f_i = selections of i / tokens,
 /// P_i = mean probability of i), averaged over MoE layers; and each layer's load.
-/// The step's one read of its scalars, at its end: the loss sum.
+/// The step's one read of its scalars, at its end: the loss sum and the routing sums (summed
+/// over the global batch's slices first).
 fn summarise(
     be: &dyn Backend,
     model: &Model,
-    ws: &Workspace,
+    src: &mut dyn ParamSource,
+    ws: &mut Workspace,
     n: usize,
     stats: &[LayerStats],
 ) -> StepOutput {
+    let psum = match ws.route.as_mut() {
+        Some(r) => {
+            src.reduce_psum(be, r.psum.view_mut());
+            be.download_f64(r.psum.view())
+        }
+        None => vec![],
+    };
     let loss_sum = be.download_f64(ws.head.loss.view())[0];
     let cfg = model.config();
     let (e, k) = (cfg.experts as f64, cfg.top_k as f64);
@@ -211,10 +241,12 @@ fn summarise(
     let mut aux = 0.0;
     let mut loads = vec![];
     for s in stats {
+        let slot = moe_slot(cfg, s.layer).expect("a MoE layer");
+        let psum = &psum[slot * cfg.experts..(slot + 1) * cfg.experts];
         aux += e * s
             .counts
             .iter()
-            .zip(&s.psum)
+            .zip(psum)
             .map(|(&c, &p)| (c as f64 / nf) * (p / nf))
             .sum::<f64>();
         loads.push(
@@ -272,7 +304,6 @@ pub fn forward_backward_with(
         grads: sink,
         experts: ex,
     } = hooks;
-    let Tokens { inputs, targets } = tokens;
     check_batch(model, ws, tokens);
     let stats = forward(be, model, src, ex, ws, tokens, true);
     let cfg = model.config();
@@ -288,12 +319,14 @@ pub fn forward_backward_with(
         grads: g,
         head,
         mode,
+        route,
         ..
     } = ws;
 
     // Head: in place, logits become their gradient.
     let scale = grad_scale / n as f32;
-    be.cross_entropy_backward(head.logits.view_mut(), head.lse.view(), targets, v, scale);
+    let (logits, lse) = (head.logits.view_mut(), head.lse.view());
+    be.cross_entropy_backward(logits, lse, head.targets.view(), v, scale);
     let (logits, xf) = (head.logits.view(), head.xf.view());
     let gw = Gemm::new(v, h, local_n, true, false).beta(1.0);
     be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
@@ -333,32 +366,37 @@ pub fn forward_backward_with(
             AcMode::None => &mut blocks[l],
             AcMode::Full => {
                 let a = &mut blocks[0];
-                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, &mut *ex));
+                let psum = psum_slot(cfg, route, l);
+                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, psum, &mut *ex));
                 a
             }
         };
-        if let MlpIdx::Moe { .. } = li.mlp {
+        let mut dprob_const = None;
+        if let (MlpIdx::Moe { .. }, Some(r)) = (&li.mlp, route.as_mut()) {
             let s = stats.iter().find(|s| s.layer == l).expect("layer stats");
             if local_n == n {
                 debug_assert_eq!(
-                    a.moe.as_ref().unwrap().r.counts,
+                    a.moe.as_ref().unwrap().r.host_counts,
                     s.counts,
                     "recompute changed routing"
                 );
             }
+            // From the global counts the host already holds: a small upload, no read.
             let c = grad_scale as f64 * cfg.aux_loss_coef * cfg.experts as f64 / (nf * moe_layers);
             for (d, &cnt) in dprob.iter_mut().zip(&s.counts) {
                 *d = c * cnt as f64 / nf;
             }
+            be.write_f64(r.dprob.view_mut(), &dprob);
+            dprob_const = Some(r.dprob.view());
         }
         let x = res.get(l);
-        block_backward(&cx, sink.grads(), a, g, x, &dprob, (l, &mut *ex));
+        block_backward(&cx, sink.grads(), a, g, x, dprob_const, (l, &mut *ex));
         sink.end_block(be, l);
         src.release_block(be, l, Pass::Backward);
     }
     let dwte = sink.grads().get_mut(model.embed).view_mut();
-    be.embedding_backward(dwte, g.dres.view(), inputs, h);
-    summarise(be, model, ws, n, &stats)
+    be.embedding_backward(dwte, g.dres.view(), head.ids.view(), h);
+    summarise(be, model, src, ws, n, &stats)
 }
 
 /// Forward only (eval): the same losses, no gradients.
@@ -385,7 +423,7 @@ pub fn forward_loss_with(
     check_batch(model, ws, tokens);
     let stats = forward(be, model, src, ex, ws, tokens, false);
     let n = src.global_tokens(ws.batch * ws.seq);
-    summarise(be, model, ws, n, &stats)
+    summarise(be, model, src, ws, n, &stats)
 }
 
 /// DeepSeek-V3 auxiliary-loss-free balancing, after a step: per MoE layer

@@ -7,6 +7,8 @@ use ganymede_config::{preset, AcMode, ModelConfig};
 use ganymede_core::{CpuBackend, Device, Ledger, Memory};
 use std::sync::Arc;
 
+mod host_reads;
+
 fn cfg(dense: bool, shared: bool, renorm: bool, bias: bool) -> ModelConfig {
     ModelConfig {
         vocab_size: 11,

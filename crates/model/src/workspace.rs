@@ -8,52 +8,23 @@ use crate::{MlpIdx, Model};
 use ganymede_config::{AcMode, ModelConfig};
 use ganymede_core::{Backend, Category, DType, Tensor};
 
-/// Host-side routing of one MoE layer (integer data a GPU backend would upload).
+/// Routing of one MoE layer: u32 tensors the router and `moe_dispatch` write on the device,
+/// and the one thing the host reads back, the per-expert counts (they size the expert GEMMs
+/// and the expert-parallel all-to-all).
 pub(crate) struct Routing {
     /// `[N, k]` chosen experts, best first.
-    pub idx: Vec<u32>,
+    pub idx: Tensor,
     /// `[N*k]` token of each dispatched row (rows grouped by expert, tokens in order).
-    pub src: Vec<u32>,
+    pub src: Tensor,
     /// `[N, k]` dispatched row of each (token, choice).
-    pub pos: Vec<u32>,
-    pub counts: Vec<usize>,
+    pub pos: Tensor,
+    /// `[E]` rows per expert.
+    pub counts: Tensor,
     /// `[E+1]` first dispatched row of each expert.
-    pub offsets: Vec<usize>,
-    /// Sum over tokens of each expert's router probability.
-    pub psum: Vec<f64>,
-}
-
-impl Routing {
-    fn new(n: usize, e: usize, k: usize) -> Self {
-        Routing {
-            idx: vec![0; n * k],
-            src: vec![0; n * k],
-            pos: vec![0; n * k],
-            counts: vec![0; e],
-            offsets: vec![0; e + 1],
-            psum: vec![0.0; e],
-        }
-    }
-
-    /// Group the (token, choice) pairs by expert: fills counts, offsets, src, pos from idx.
-    pub fn dispatch(&mut self, k: usize) {
-        let e = self.counts.len();
-        self.counts.fill(0);
-        for &i in &self.idx {
-            self.counts[i as usize] += 1;
-        }
-        self.offsets[0] = 0;
-        for x in 0..e {
-            self.offsets[x + 1] = self.offsets[x] + self.counts[x];
-        }
-        let mut next = self.offsets[..e].to_vec();
-        for (tj, &i) in self.idx.iter().enumerate() {
-            let p = next[i as usize];
-            next[i as usize] += 1;
-            self.src[p] = (tj / k) as u32;
-            self.pos[tj] = p as u32;
-        }
-    }
+    pub offsets: Tensor,
+    /// Host copy of `counts` (downloaded after the dispatch) and the offsets derived from it.
+    pub host_counts: Vec<usize>,
+    pub host_offsets: Vec<usize>,
 }
 
 /// Routed-expert internals: `[N, E]` probabilities, `[N, k]` weights, and per dispatched row
@@ -67,6 +38,12 @@ pub(crate) struct MoeActs {
     pub a: Tensor,
     pub ye: Tensor,
     pub r: Routing,
+}
+
+/// Which row of the step's per-layer routing sums a MoE layer writes.
+pub(crate) fn moe_slot(cfg: &ModelConfig, layer: usize) -> Option<usize> {
+    cfg.is_moe_layer(layer)
+        .then(|| (0..layer).filter(|&l| cfg.is_moe_layer(l)).count())
 }
 
 /// A SwiGLU every token runs (dense layer, or the stacked shared experts): `[N, width]`.
@@ -129,6 +106,20 @@ pub(crate) struct HeadActs {
     /// The loss sum, one f64 (`Category::Buffers`, outside the activation plan): the kernels
     /// add into it and the step reads it once, at its end.
     pub loss: Tensor,
+    /// The batch's input and target token ids (u32), written once at the step's start.
+    pub ids: Tensor,
+    pub targets: Tensor,
+}
+
+/// The step's routing scalars (f64, `Category::Buffers`, outside the activation plan, like the
+/// loss): per MoE layer the sum over tokens of each expert's router probability, read once at
+/// the step's end (for the auxiliary loss's value), and the auxiliary loss's per-expert
+/// gradient constant, written by the host before each MoE layer's backward.
+pub(crate) struct RouteStats {
+    /// `[moe layers, E]`.
+    pub psum: Tensor,
+    /// `[E]`.
+    pub dprob: Tensor,
 }
 
 /// All activation memory of a step, allocated once for (model, batch, seq, mode).
@@ -143,6 +134,8 @@ pub struct Workspace {
     pub(crate) blocks: Vec<BlockActs>,
     pub(crate) grads: GradScratch,
     pub(crate) head: HeadActs,
+    /// `None` without MoE layers.
+    pub(crate) route: Option<RouteStats>,
 }
 
 /// Width of the every-token SwiGLU of layer `l` (0 if none).
@@ -210,6 +203,11 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
                 ("u", n * k * f),
                 ("a", n * k * f),
                 ("ye", n * k * h),
+                ("idx", n * k),
+                ("src", n * k),
+                ("pos", n * k),
+                ("counts", e),
+                ("offsets", e + 1),
             ]);
         }
         if fw > 0 {
@@ -249,21 +247,33 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
         ("rstdf", n),
         ("logits", n * cfg.vocab_size),
         ("lse_ce", n),
+        ("ids", n),
+        ("targets", n),
     ]);
     p
 }
 
-/// Bytes of `Category::Activations` a [`Workspace`] allocates in f32 (twice that on the f64
-/// checking backend). With N = batch·seq tokens, H hidden, Q = heads·head_dim,
-/// K = kv_heads·head_dim, E experts, k top-k, F expert hidden, W_l the width of layer l's
-/// every-token SwiGLU (dense hidden, or shared experts × shared hidden; 0 if none), V vocab:
+/// The plan's u32 index tensors (routing, token ids); 4 bytes an element like f32.
+fn is_index(what: &str) -> bool {
+    matches!(
+        what,
+        "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets"
+    )
+}
+
+/// Bytes of `Category::Activations` a [`Workspace`] allocates in f32 (its float tensors take
+/// twice that on the f64 checking backend; its u32 index tensors do not). With N = batch·seq
+/// tokens, H hidden, Q = heads·head_dim, K = kv_heads·head_dim, E experts, k top-k, F expert
+/// hidden, W_l the width of layer l's every-token SwiGLU (dense hidden, or shared experts ×
+/// shared hidden; 0 if none), V vocab:
 ///
 /// ```text
 /// 4 · N · [ (L+1)·H                                   residual stream at block boundaries
 ///         + Σ_sets (3H + 3Q + 3K + 2·heads + kv_heads + 2)        attention-side internals
-///                  + [moe] (E + k + 2kH + 3kF) + 3·W_set           MLP internals
+///                  + [moe] (E + 4k + 2kH + 3kF) + 3·W_set   MLP internals, routing indices
 ///         + 2H + 3Q + 3K + [any MoE](E + k + 2kH + 3kF) + 3·max W  gradient scratch
-///         + H + V + 2 ]                                           final norm and logits
+///         + H + V + 4 ]                             final norm, logits, token ids/targets
+/// + 4 · (2E + 1) per MoE set                        per-expert counts and offsets
 /// ```
 ///
 /// where the sets are every layer (`AcMode::None`, each with its own kind) or one set sized
@@ -328,7 +338,10 @@ impl Workspace {
         let mut t = |name: &str| {
             let (what, len) = it.next().expect("workspace plan exhausted");
             assert_eq!(*what, name, "workspace plan order");
-            be.zeros(&[*len], Category::Activations)
+            match is_index(what) {
+                true => be.zeros_of(&[*len], DType::U32, Category::Activations),
+                false => be.zeros(&[*len], Category::Activations),
+            }
         };
         let sets: Vec<(bool, usize)> = match mode {
             AcMode::None => (0..cfg.layers)
@@ -371,7 +384,15 @@ impl Workspace {
                     u: t("u"),
                     a: t("a"),
                     ye: t("ye"),
-                    r: Routing::new(n, cfg.experts, cfg.top_k),
+                    r: Routing {
+                        idx: t("idx"),
+                        src: t("src"),
+                        pos: t("pos"),
+                        counts: t("counts"),
+                        offsets: t("offsets"),
+                        host_counts: vec![0; cfg.experts],
+                        host_offsets: vec![0; cfg.experts + 1],
+                    },
                 });
             }
             if fw > 0 {
@@ -428,8 +449,15 @@ impl Workspace {
             logits: t("logits"),
             lse: t("lse_ce"),
             loss: be.zeros_of(&[1], DType::F64, Category::Buffers),
+            ids: t("ids"),
+            targets: t("targets"),
         };
         assert!(it.next().is_none(), "workspace plan not fully allocated");
+        let moe_layers = (0..cfg.layers).filter(|&l| cfg.is_moe_layer(l)).count();
+        let route = (moe_layers > 0).then(|| RouteStats {
+            psum: be.zeros_of(&[moe_layers * cfg.experts], DType::F64, Category::Buffers),
+            dprob: be.zeros_of(&[cfg.experts], DType::F64, Category::Buffers),
+        });
         Workspace {
             batch,
             seq,
@@ -438,6 +466,7 @@ impl Workspace {
             blocks,
             grads,
             head,
+            route,
         }
     }
 
@@ -476,6 +505,10 @@ impl Workspace {
                 for t in [&m.probs, &m.rw, &m.xe, &m.g, &m.u, &m.a, &m.ye] {
                     add(t);
                 }
+                let r = &m.r;
+                for t in [&r.idx, &r.src, &r.pos, &r.counts, &r.offsets] {
+                    add(t);
+                }
             }
             if let Some(f) = &b.ffn {
                 for t in [&f.g, &f.u, &f.a] {
@@ -502,6 +535,8 @@ impl Workspace {
             &self.head.rstd,
             &self.head.logits,
             &self.head.lse,
+            &self.head.ids,
+            &self.head.targets,
         ] {
             add(t);
         }

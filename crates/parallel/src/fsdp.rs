@@ -439,20 +439,25 @@ impl ParamSource for FsdpParams {
         self.global_tokens
     }
 
-    fn reduce_routing(&mut self, _layer: usize, counts: &mut [usize], psum: &mut [f64]) {
+    fn reduce_counts(&mut self, _layer: usize, counts: &mut [usize]) {
         // Every rank routes its own tokens; the auxiliary loss is the global batch's. Counts are
-        // integers, exact in f64.
+        // integers, exact in f64; the host holds them already (they size the expert GEMMs).
         let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
-        buf.extend_from_slice(psum);
         self.groups
             .dp
             .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
-            .unwrap_or_else(|e| fail("summing routing statistics", e));
-        let e = counts.len();
-        for (c, &x) in counts.iter_mut().zip(&buf[..e]) {
+            .unwrap_or_else(|e| fail("summing expert counts", e));
+        for (c, &x) in counts.iter_mut().zip(&buf) {
             *c = x as usize;
         }
-        psum.copy_from_slice(&buf[e..]);
+    }
+
+    fn reduce_psum(&mut self, _be: &dyn Backend, psum: ViewMut) {
+        // On the device tensor itself, so the step reads it once, summed.
+        self.groups
+            .dp
+            .all_reduce(psum, Phase::Other)
+            .unwrap_or_else(|e| fail("summing routing statistics", e));
     }
 }
 

@@ -426,7 +426,7 @@ fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
                 // The root gradients' reduce-scatter send buffers.
                 + root_padded)
             + gather_staging
-            + crate::ledger::STEP_SCALARS,
+            + crate::ledger::step_scalars(&job.model),
     };
     let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;
     Some(Sharded {

@@ -28,17 +28,20 @@ pub const PAR_MATRIX_MAX_FLOPS: f64 = 1.4e9;
 pub struct ActivationTerms {
     /// The residual stream at the L + 1 block boundaries: 4·N·(L+1)·H.
     pub boundaries: f64,
-    /// One layer's internals, 4·N·(3H + 3Q + 3K + 2·heads + kv_heads + 2 + M + 3W): norm
-    /// outputs and rms, q/k/v, q/k after norm and RoPE with their rms, attention output and
-    /// log-sum-exp, residual; M = E + k + 2kH + 3kF in an MoE layer (router probabilities and
-    /// weights, dispatched input, gate, up, SwiGLU product, expert output), else 0. No `[T, T]`
-    /// attention matrix is kept. Under `none` there is one such set per layer (each its own
-    /// kind); under `full` one set, sized MoE if any layer is MoE and with the widest W.
+    /// One layer's internals, 4·N·(3H + 3Q + 3K + 2·heads + kv_heads + 2 + M + 3k + 3W) +
+    /// 4·(2E + 1): norm outputs and rms, q/k/v, q/k after norm and RoPE with their rms,
+    /// attention output and log-sum-exp, residual; M = E + k + 2kH + 3kF in an MoE layer
+    /// (router probabilities and weights, dispatched input, gate, up, SwiGLU product, expert
+    /// output), else 0, and in an MoE layer its u32 routing (chosen experts, dispatch order both
+    /// ways: 3k per token; per-expert counts and offsets: 2E + 1). No `[T, T]` attention matrix
+    /// is kept. Under `none` there is one such set per layer (each its own kind); under `full`
+    /// one set, sized MoE if any layer is MoE and with the widest W.
     pub layer_sets: f64,
     /// Gradient scratch shared by all layers: 4·N·(2H + 3Q + 3K + M + 3·max W), with M as
     /// above if any layer is MoE.
     pub grad_scratch: f64,
-    /// Final norm output and rms, logits and their log-sum-exp: 4·N·(H + V + 2).
+    /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
+    /// targets: 4·N·(H + V + 4).
     pub head: f64,
 }
 
@@ -97,19 +100,23 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     let any_moe = moe_layers > 0;
     let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0;
     let moe = e + k + 2.0 * k * h + 3.0 * k * ff;
-    let set = |is_moe: bool, w: f64| attn + if is_moe { moe } else { 0.0 } + 3.0 * w;
-    let sets: f64 = match job.activation_checkpoint.mode {
-        AcMode::None => (0..m.layers)
-            .map(|l| set(m.is_moe_layer(l), width(l)))
-            .sum(),
-        AcMode::Full => set(any_moe, max_w),
+    let routing = 3.0 * k;
+    let set = |is_moe: bool, w: f64| attn + if is_moe { moe + routing } else { 0.0 } + 3.0 * w;
+    let (sets, moe_sets): (f64, f64) = match job.activation_checkpoint.mode {
+        AcMode::None => (
+            (0..m.layers)
+                .map(|l| set(m.is_moe_layer(l), width(l)))
+                .sum(),
+            moe_layers as f64,
+        ),
+        AcMode::Full => (set(any_moe, max_w), any_moe as u8 as f64),
     };
     let scratch = 2.0 * h + 3.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w;
     let terms = ActivationTerms {
         boundaries: f * n * (m.layers as f64 + 1.0) * h,
-        layer_sets: f * n * sets,
+        layer_sets: f * n * sets + f * moe_sets * (2.0 * e + 1.0),
         grad_scratch: f * n * scratch,
-        head: f * n * (h + m.vocab_size as f64 + 2.0),
+        head: f * n * (h + m.vocab_size as f64 + 4.0),
     };
 
     // Muon scratch.
@@ -146,10 +153,21 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers + STEP_SCALARS,
+        buffers: buffers + step_scalars(m),
     }
 }
 
 /// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the
 /// step driver), one f64 each.
 pub const STEP_SCALARS: f64 = 16.0;
+
+/// Bytes of the step's f64 scalars: [`STEP_SCALARS`] and, with MoE layers, each MoE layer's
+/// per-expert router probability sums and the auxiliary loss's per-expert gradient constant.
+pub fn step_scalars(m: &ganymede_config::ModelConfig) -> f64 {
+    let moe_layers = m.layers - m.dense_layers.min(m.layers);
+    let routing = match moe_layers {
+        0 => 0,
+        l => 8 * m.experts * (l + 1),
+    };
+    STEP_SCALARS + routing as f64
+}

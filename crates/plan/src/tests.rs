@@ -688,8 +688,8 @@ fn cpu_ledger_params_grads_optimizer_exact() {
     job.optimizer.name = OptimizerName::Adamw;
     let a = predict_cpu_ledger(&job, 1);
     assert_eq!(a.optimizer, 8.0 * 451_968.0);
-    // AdamW has no scratch: only the step's two f64 scalars.
-    assert_eq!(a.buffers, 16.0);
+    // AdamW has no scratch: only the step's two f64 scalars and its routing ones (8·8·3).
+    assert_eq!(a.buffers, 16.0 + 192.0);
     // The DeepSeek selection bias adds [8] per MoE layer to params and grads, not to state.
     job.model.router_bias_update = 0.001;
     let b = predict_cpu_ledger(&job, 1);
@@ -703,21 +703,22 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     // F = 128, V = 256, no every-token SwiGLU (W = 0).
     // boundaries 4·N·3·64 = 786,432.
     // one set: attention 3·64 + 3·64 + 3·32 + 2·4 + 2 + 2 = 492, MoE 8 + 2 + 2·2·64 + 3·2·128
-    // = 1,034 → 1,526 floats per token → 4·N·1,526 = 6,250,496 (two sets under none).
+    // = 1,034, routing indices 3·2 = 6 → 1,532 per token → 4·N·1,532 = 6,275,072, plus the
+    // counts and offsets 4·(2·8 + 1) = 68: 6,275,140 (two sets under none).
     // gradient scratch 2·64 + 3·64 + 3·32 + 1,034 = 1,450 → 5,939,200.
-    // head 4·N·(64 + 256 + 2) = 1,318,912.
+    // head 4·N·(64 + 256 + 4) = 1,327,104.
     let mut job = preset("tiny").unwrap();
     job.activation_checkpoint.mode = AcMode::Full;
     let full = predict_cpu_ledger(&job, 1);
     let t = &full.activation_terms;
     assert_eq!(t.boundaries, 786_432.0);
-    assert_eq!(t.layer_sets, 6_250_496.0);
+    assert_eq!(t.layer_sets, 6_275_140.0);
     assert_eq!(t.grad_scratch, 5_939_200.0);
-    assert_eq!(t.head, 1_318_912.0);
-    assert_eq!(full.activations, 14_295_040.0);
+    assert_eq!(t.head, 1_327_104.0);
+    assert_eq!(full.activations, 14_327_876.0);
     job.activation_checkpoint.mode = AcMode::None;
     let none = predict_cpu_ledger(&job, 1);
-    assert_eq!(none.activations - full.activations, 6_250_496.0);
+    assert_eq!(none.activations - full.activations, 6_275_140.0);
 }
 
 #[test]
@@ -725,10 +726,13 @@ fn cpu_ledger_muon_scratch() {
     // tiny's Muon matrices: 64×64, 32×64, 128×64, 64×128. Largest r·c 8,192, largest s² 4,096:
     // one slot 4·(8,192 + 2·4,096 + 8,192) = 98,304 bytes. All 56 matrices are small (NS of
     // 64×128: 5·(4·64²·128 + 2·64³) = 13,107,200 FLOPs), so two threads add one more slot.
-    // Plus the step's two f64 scalars.
+    // Plus the step's two f64 scalars and its routing sums and gradient constant, 8·8·(2 + 1).
     let job = preset("tiny").unwrap();
-    assert_eq!(predict_cpu_ledger(&job, 1).buffers, 98_304.0 + 16.0);
-    assert_eq!(predict_cpu_ledger(&job, 2).buffers, 2.0 * 98_304.0 + 16.0);
+    assert_eq!(predict_cpu_ledger(&job, 1).buffers, 98_304.0 + 16.0 + 192.0);
+    assert_eq!(
+        predict_cpu_ledger(&job, 2).buffers,
+        2.0 * 98_304.0 + 16.0 + 192.0
+    );
 }
 
 #[test]
@@ -1026,17 +1030,17 @@ fn optimizer_offload_moves_the_state_and_adds_two_staging_slots() {
     assert_eq!(p.device.params, base.device.params);
     let adamw = two_memory("tiny", &["optimizer.offload=true", "optimizer.name=adamw"]);
     let a = predict_memory(&adamw, 1, 1).unwrap();
-    assert_eq!(a.device.buffers, 1_048_576.0 + 16.0);
+    assert_eq!(a.device.buffers, 1_048_576.0 + 16.0 + 192.0);
     assert_eq!(a.host.optimizer, 8.0 * 451_968.0);
 }
 
 #[test]
 fn the_fit_check_names_the_overflow_and_the_smallest_change() {
-    // tiny, one thread: params and grads 1,807,872 each, optimizer 1,944,576, buffers 98,320
-    // (Muon scratch and the step's two f64 scalars), activations 14,295,040: 19,953,680 bytes.
-    // 0.018 GiB = 19,327,352 bytes: the first four (5,658,640) fit, the activation workspace
-    // does not. Two layers: offloading them saves nothing (two pool slots), so the fix is
-    // optimizer offload: 19,953,680 − 1,944,576 + 524,288 = 18,533,392 bytes.
+    // tiny, one thread: params and grads 1,807,872 each, optimizer 1,944,576, buffers 98,512
+    // (Muon scratch, the step's two f64 scalars and its routing sums), activations 14,327,876:
+    // 19,986,708 bytes. 0.018 GiB = 19,327,352 bytes: the first four (5,658,832) fit, the
+    // activation workspace does not. Two layers: offloading them saves nothing (two pool
+    // slots), so the fix is optimizer offload: 19,986,708 − 1,944,576 + 524,288 = 18,566,420.
     assert!(
         fit_check(&two_memory("tiny", &[]), 1, 1).is_none(),
         "no capacity"
@@ -1044,14 +1048,14 @@ fn the_fit_check_names_the_overflow_and_the_smallest_change() {
     let c = fit_check(&two_memory("tiny", &["device.memory_gib=0.018"]), 1, 1).unwrap();
     assert!(!c.fits);
     assert_eq!(c.capacity, 19_327_352.0);
-    assert_eq!(c.prediction.device.total(), 19_953_680.0);
-    assert_eq!(c.overflow, vec![("activations", 14_295_040.0)]);
+    assert_eq!(c.prediction.device.total(), 19_986_708.0);
+    assert_eq!(c.overflow, vec![("activations", 14_327_876.0)]);
     let fix = c.fix.clone().unwrap();
     assert_eq!(fix.sets, vec!["optimizer.offload=true".to_string()]);
-    assert_eq!(fix.device_peak, 18_533_392.0);
+    assert_eq!(fix.device_peak, 18_566_420.0);
     let msg = c.message();
     assert!(
-        msg.contains("activations 0.01331 GiB")
+        msg.contains("activations 0.01334 GiB")
             && msg.contains("--set optimizer.offload=true")
             && msg.contains("exceeds device.memory_gib = 0.01800 GiB"),
         "{msg}"
@@ -1142,14 +1146,15 @@ fn the_fit_check_prefers_the_fewest_offloaded_layers_then_optimizer_offload_then
 fn fsdp_divides_state_and_workspace_by_the_ranks_when_nothing_pads() {
     // tiny on 4 ranks: every dim 0 (256, 64, 32, 16, 8 experts) divides by 4, so the rank holds
     // a quarter of the optimizer state, 1,944,576 / 4 = 486,144 bytes, and the workspace of 2 of
-    // the 8 sequences, linear in tokens: 14,295,040 / 4 = 3,573,760. After initialisation the
+    // the 8 sequences, linear in tokens but for the 68 bytes of per-expert counts and offsets:
+    // (14,327,876 − 68) / 4 + 68 = 3,582,020. After initialisation the
     // parameters are a quarter too, but each tensor is drawn whole first: the peak is the
     // shards before the last layer's down_proj (everything but it, the final norm and the LM
     // head: 451,968 − 65,536 − 64 − 16,384 = 369,984 elements, a quarter each: 92,496) plus
     // that tensor whole (65,536): 158,032 elements, 632,128 bytes.
     let p = predict_memory(&two_memory("tiny", &[]), 1, 4).unwrap();
     assert_eq!(p.device.optimizer, 486_144.0);
-    assert_eq!(p.device.activations, 3_573_760.0);
+    assert_eq!(p.device.activations, 3_582_020.0);
     assert_eq!(p.device.params, 632_128.0);
     // The device's peak total is after initialisation: the shards (451,968 bytes) in place of
     // the initialisation moment.

@@ -7,7 +7,8 @@ mod nn;
 mod optim;
 
 pub use nn::{
-    AttnDims, AttnGrads, AttnSaved, Dispatched, HeadRope, NnOps, NormSaved, RouterDims, RouterOut,
+    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, HeadRope, NnOps, NormSaved,
+    RouterDims, RouterOut,
 };
 pub use optim::{AdamWStep, OptimOps};
 
@@ -42,6 +43,15 @@ pub trait Memory: Send + Sync {
     fn download_f64(&self, src: View) -> Vec<f64>;
     /// Host to device copy into an existing view.
     fn write(&self, dst: ViewMut, data: &[f32]);
+    /// Like `write`, from f64 data into an f64 view, exactly (a step's small f64 constants).
+    fn write_f64(&self, dst: ViewMut, data: &[f64]);
+    /// A u32 tensor holding `data` (index tensors: token ids, routing).
+    fn upload_u32(&self, data: &[u32], shape: &[usize], category: Category) -> Tensor;
+    /// Host to device copy of indices into an existing u32 view (a step's tokens).
+    fn write_u32(&self, dst: ViewMut, data: &[u32]);
+    /// Device to host copy of a u32 view. A host read: inside a step only the per-expert
+    /// counts of a MoE layer come back this way (they size the expert GEMMs and all-to-all).
+    fn download_u32(&self, src: View) -> Vec<u32>;
     fn copy(&self, dst: ViewMut, src: View);
     fn fill(&self, dst: ViewMut, value: f32);
     /// Wait for queued work on every stream (a no-op on the CPU).

@@ -4,9 +4,11 @@
 //! Conventions, so the model can chain kernels without extra copies:
 //! - backward kernels ACCUMULATE (`+=`) into weight gradients (`dw`) and into gradients that
 //!   flow into the residual stream where noted; other outputs are overwritten;
-//! - integer data (token ids, routing indices) is host memory (`&[u32]`); a GPU backend uploads
-//!   it. Routing decisions and per-expert sums come back to the host because the model needs
-//!   them to size the per-expert GEMMs.
+//! - integer data (token ids, targets, routing indices) are u32 tensors ([`crate::DType::U32`])
+//!   in the backend's memory, like everything else a kernel reads: a step uploads its tokens
+//!   once and routing stays on the device. The one exception the model makes is a MoE layer's
+//!   per-expert counts, which it downloads after [`NnOps::moe_dispatch`]: grouped GEMMs and the
+//!   expert-parallel all-to-all take their sizes from the host (as cuBLAS and NCCL do).
 
 use crate::backend::Gemm;
 use crate::tensor::{View, ViewMut};
@@ -69,19 +71,29 @@ pub struct RouterDims {
 }
 
 /// What the router's forward writes: `[rows, experts]` probabilities, `[rows, k]` weights and
-/// chosen experts (best first), and the per-expert sum of probabilities over rows.
+/// chosen experts (best first, u32), and the per-expert sum of probabilities over rows (f64).
 pub struct RouterOut<'a> {
     pub probs: ViewMut<'a>,
     pub weights: ViewMut<'a>,
-    pub idx: &'a mut [u32],
-    pub psum: &'a mut [f64],
+    pub idx: ViewMut<'a>,
+    pub psum: ViewMut<'a>,
 }
 
-/// Where each (token, choice) went in the dispatched layout: `pos[t*k + j]` is the row of token
-/// `t`'s `j`-th choice; rows of `dim`.
+/// What [`NnOps::moe_dispatch`] writes, all u32: `[E]` rows per expert, `[E+1]` first row of
+/// each expert, and for the `[n*k]` dispatched rows the token each came from (`src`) and, per
+/// (token, choice), the row it went to (`pos`).
+pub struct DispatchOut<'a> {
+    pub counts: ViewMut<'a>,
+    pub offsets: ViewMut<'a>,
+    pub src: ViewMut<'a>,
+    pub pos: ViewMut<'a>,
+}
+
+/// Where each (token, choice) went in the dispatched layout: `pos[t*k + j]` (u32) is the row of
+/// token `t`'s `j`-th choice; rows of `dim`.
 #[derive(Clone, Copy)]
 pub struct Dispatched<'a> {
-    pub pos: &'a [u32],
+    pub pos: View<'a>,
     pub k: usize,
     pub dim: usize,
 }
@@ -92,10 +104,10 @@ pub trait NnOps: Send + Sync {
     /// offsets, what [`crate::Blas::gemm`] would. Output blocks must not overlap.
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]);
 
-    /// `out[t] = wte[ids[t]]`, rows of `dim`.
-    fn embedding_forward(&self, out: ViewMut, wte: View, ids: &[u32], dim: usize);
+    /// `out[t] = wte[ids[t]]`, rows of `dim`; `ids` is u32.
+    fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize);
     /// `dwte[ids[t]] += dout[t]`.
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: &[u32], dim: usize);
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize);
 
     /// RMSNorm of rows of `dim`: `out = w * x * rstd`, `rstd = 1/sqrt(mean(x²) + eps)` (saved).
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32);
@@ -134,19 +146,24 @@ pub trait NnOps: Send + Sync {
     /// over rows of `probs[:, e]` (for the auxiliary loss).
     fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims);
     /// `dlogits` (overwritten) from the gradient of the weights and a per-expert constant added
-    /// to every row's probability gradient (`dprob_const`, from the auxiliary loss).
+    /// to every row's probability gradient (`dprob_const`, `[experts]` f64, from the auxiliary
+    /// loss).
     fn router_backward(
         &self,
         dlogits: ViewMut,
         dweights: View,
         probs: View,
-        idx: &[u32],
-        dprob_const: &[f64],
+        idx: View,
+        dprob_const: View,
         d: RouterDims,
     );
 
-    /// Dispatch: `xe[i] = x[src[i]]`.
-    fn moe_gather(&self, xe: ViewMut, x: View, src: &[u32], dim: usize);
+    /// Group the `[n, k]` choices `idx` of a router by expert, a stable counting sort: expert
+    /// `e`'s rows are `offsets[e] .. offsets[e] + counts[e]`, holding its (token, choice) pairs
+    /// in token order (see [`DispatchOut`]).
+    fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize);
+    /// Dispatch: `xe[i] = x[src[i]]` (`src` u32).
+    fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize);
     /// `dx[t] += Σ_j dxe[pos[t*k + j]]`.
     fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched);
     /// Combine: `out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]]`.
@@ -169,7 +186,7 @@ pub trait NnOps: Send + Sync {
         &self,
         lse: ViewMut,
         logits: View,
-        targets: &[u32],
+        targets: View,
         vocab: usize,
         loss: ViewMut,
     );
@@ -178,7 +195,7 @@ pub trait NnOps: Send + Sync {
         &self,
         logits: ViewMut,
         lse: View,
-        targets: &[u32],
+        targets: View,
         vocab: usize,
         scale: f32,
     );

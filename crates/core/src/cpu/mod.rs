@@ -26,6 +26,7 @@ macro_rules! by_dtype {
             $crate::DType::F32 => $f::<f32>($($arg),*),
             $crate::DType::F64 => $f::<f64>($($arg),*),
             $crate::DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
+            $crate::DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     };
 }
@@ -58,6 +59,7 @@ impl CpuBackend {
             DType::F32 => Buffer::Host(vec![0.0; n]),
             DType::F64 => Buffer::Host64(vec![0.0; n]),
             DType::BF16 => Buffer::HostBf16(vec![0; n]),
+            DType::U32 => Buffer::HostU32(vec![0; n]),
         };
         Ok(self.tensor(buf, shape, category))
     }
@@ -140,6 +142,7 @@ impl Memory for CpuBackend {
             DType::F32 => Buffer::Host(data.to_vec()),
             DType::F64 => Buffer::Host64(data.iter().map(|&x| x as f64).collect()),
             DType::BF16 => Buffer::HostBf16(bf16::from_f32_slice(data)),
+            DType::U32 => unreachable!("a backend's precision is a float type"),
         };
         self.tensor(buf, shape, category)
     }
@@ -154,6 +157,7 @@ impl Memory for CpuBackend {
             DType::BF16 => {
                 Buffer::HostBf16(data.iter().map(|&x| bf16::from_f32(x as f32)).collect())
             }
+            DType::U32 => unreachable!("a backend's precision is a float type"),
         };
         self.tensor(buf, shape, category)
     }
@@ -164,6 +168,7 @@ impl Memory for CpuBackend {
             DType::F32 => src.host::<f32>().to_vec(),
             DType::F64 => src.host::<f64>().iter().map(|&x| x as f32).collect(),
             DType::BF16 => bf16::to_f32_slice(src.host_bf16()),
+            DType::U32 => panic!("download of a u32 view: use download_u32"),
         }
     }
     fn download_f64(&self, src: View) -> Vec<f64> {
@@ -175,6 +180,7 @@ impl Memory for CpuBackend {
                 .iter()
                 .map(|&h| bf16::to_f32(h) as f64)
                 .collect(),
+            DType::U32 => panic!("download of a u32 view: use download_u32"),
         }
     }
     fn write(&self, dst: ViewMut, data: &[f32]) {
@@ -190,7 +196,23 @@ impl Memory for CpuBackend {
                 .iter_mut()
                 .zip(data)
                 .for_each(|(d, &s)| *d = bf16::from_f32(s)),
+            DType::U32 => panic!("write to a u32 view: use write_u32"),
         }
+    }
+    fn write_f64(&self, dst: ViewMut, data: &[f64]) {
+        dst.host::<f64>().copy_from_slice(data)
+    }
+    fn upload_u32(&self, data: &[u32], shape: &[usize], category: Category) -> Tensor {
+        match &self.two {
+            Some(two) => two.upload(&self.ledger, data, shape, category, DType::U32),
+            None => self.tensor(Buffer::HostU32(data.to_vec()), shape, category),
+        }
+    }
+    fn write_u32(&self, dst: ViewMut, data: &[u32]) {
+        dst.host_u32().copy_from_slice(data)
+    }
+    fn download_u32(&self, src: View) -> Vec<u32> {
+        src.host_u32().to_vec()
     }
     fn copy(&self, dst: ViewMut, src: View) {
         assert_eq!(dst.dtype(), src.dtype(), "copy between different dtypes");
@@ -198,6 +220,7 @@ impl Memory for CpuBackend {
             DType::F32 => dst.host::<f32>().copy_from_slice(src.host::<f32>()),
             DType::F64 => dst.host::<f64>().copy_from_slice(src.host::<f64>()),
             DType::BF16 => dst.host_bf16().copy_from_slice(src.host_bf16()),
+            DType::U32 => dst.host_u32().copy_from_slice(src.host_u32()),
         }
     }
     fn fill(&self, dst: ViewMut, value: f32) {
@@ -205,6 +228,7 @@ impl Memory for CpuBackend {
             DType::F32 => dst.host::<f32>().fill(value),
             DType::F64 => dst.host::<f64>().fill(value as f64),
             DType::BF16 => dst.host_bf16().fill(bf16::from_f32(value)),
+            DType::U32 => dst.host_u32().fill(value as u32),
         }
     }
     fn synchronize(&self) {

@@ -5,8 +5,8 @@
 
 use super::CpuBackend;
 use crate::backend::{
-    AttnDims, AttnGrads, AttnSaved, Dispatched, Gemm, HeadRope, NnOps, NormSaved, RouterDims,
-    RouterOut,
+    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, Gemm, HeadRope, NnOps, NormSaved,
+    RouterDims, RouterOut,
 };
 use crate::by_dtype;
 use crate::tensor::{DType, Scalar, View, ViewMut};
@@ -47,8 +47,9 @@ fn s<S: Scalar>(x: f64) -> S {
 // ---------------------------------------------------------------------------------------------
 // Embedding
 
-fn embedding_forward<S: Scalar>(out: ViewMut, wte: View, ids: &[u32], dim: usize) {
+fn embedding_forward<S: Scalar>(out: ViewMut, wte: View, ids: View, dim: usize) {
     let (out, wte): (&mut [S], &[S]) = (out.host(), wte.host());
+    let ids = ids.host_u32();
     assert_eq!(out.len(), ids.len() * dim);
     out.par_chunks_mut(dim)
         .zip(ids.par_iter())
@@ -59,8 +60,9 @@ fn embedding_forward<S: Scalar>(out: ViewMut, wte: View, ids: &[u32], dim: usize
         });
 }
 
-fn embedding_backward<S: Scalar>(dwte: ViewMut, dout: View, ids: &[u32], dim: usize) {
+fn embedding_backward<S: Scalar>(dwte: ViewMut, dout: View, ids: View, dim: usize) {
     let (dwte, dout): (&mut [S], &[S]) = (dwte.host(), dout.host());
+    let ids = ids.host_u32();
     // Serial: repeated ids would race, and this is a tiny share of the step.
     for (t, &id) in ids.iter().enumerate() {
         let id = id as usize;
@@ -315,6 +317,8 @@ fn router_forward<S: Scalar>(out: RouterOut, logits: View, bias: Option<View>, d
     } = d;
     let (probs, weights, logits): (&mut [S], &mut [S], &[S]) =
         (probs.host(), weights.host(), logits.host());
+    let (idx, psum) = (idx.host_u32(), psum.host::<f64>());
+    assert_eq!(psum.len(), e, "psum holds one sum per expert");
     let bias: Option<&[S]> = bias.map(|b| b.host());
     probs
         .par_chunks_mut(e)
@@ -373,8 +377,8 @@ fn router_backward<S: Scalar>(
     dlogits: ViewMut,
     dweights: View,
     probs: View,
-    idx: &[u32],
-    dprob_const: &[f64],
+    idx: View,
+    dprob_const: View,
     d: RouterDims,
 ) {
     let RouterDims {
@@ -383,6 +387,7 @@ fn router_backward<S: Scalar>(
         renorm,
     } = d;
     let (dl, dw, probs): (&mut [S], &[S], &[S]) = (dlogits.host(), dweights.host(), probs.host());
+    let (idx, dprob_const) = (idx.host_u32(), dprob_const.host::<f64>());
     let c: Vec<S> = dprob_const.iter().map(|&v| s::<S>(v)).collect();
     dl.par_chunks_mut(e)
         .zip(dw.par_chunks(k))
@@ -417,8 +422,43 @@ fn router_backward<S: Scalar>(
 // ---------------------------------------------------------------------------------------------
 // Expert dispatch and combine
 
-fn moe_gather<S: Scalar>(xe: ViewMut, x: View, src: &[u32], dim: usize) {
+/// A stable counting sort of the (token, choice) pairs by expert, the order the grouped GEMMs
+/// read: serial, as it is O(n·k) integer work next to GEMMs of O(n·k·h·f).
+fn moe_dispatch(out: DispatchOut, idx: View, experts: usize, k: usize) {
+    let DispatchOut {
+        counts,
+        offsets,
+        src,
+        pos,
+    } = out;
+    let (counts, offsets) = (counts.host_u32(), offsets.host_u32());
+    let (src, pos, idx) = (src.host_u32(), pos.host_u32(), idx.host_u32());
+    assert_eq!(counts.len(), experts);
+    assert_eq!(offsets.len(), experts + 1);
+    assert!(src.len() == idx.len() && pos.len() == idx.len());
+    counts.fill(0);
+    for &i in idx.iter() {
+        let c = counts
+            .get_mut(i as usize)
+            .unwrap_or_else(|| panic!("moe_dispatch: expert {i} of {experts}"));
+        *c += 1;
+    }
+    offsets[0] = 0;
+    for x in 0..experts {
+        offsets[x + 1] = offsets[x] + counts[x];
+    }
+    let mut next = offsets[..experts].to_vec();
+    for (tj, &i) in idx.iter().enumerate() {
+        let p = next[i as usize] as usize;
+        next[i as usize] += 1;
+        src[p] = (tj / k) as u32;
+        pos[tj] = p as u32;
+    }
+}
+
+fn moe_gather<S: Scalar>(xe: ViewMut, x: View, src: View, dim: usize) {
     let (xe, x): (&mut [S], &[S]) = (xe.host(), x.host());
+    let src = src.host_u32();
     xe.par_chunks_mut(dim)
         .zip(src.par_iter())
         .with_min_len(min_rows(dim))
@@ -430,6 +470,7 @@ fn moe_gather<S: Scalar>(xe: ViewMut, x: View, src: &[u32], dim: usize) {
 
 fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, d: Dispatched) {
     let Dispatched { pos, k, dim } = d;
+    let pos = pos.host_u32();
     let (dx, dxe): (&mut [S], &[S]) = (dx.host(), dxe.host());
     dx.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
@@ -446,6 +487,7 @@ fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, d: Dispatched) {
 
 fn moe_combine<S: Scalar>(out: ViewMut, ye: View, w: View, d: Dispatched) {
     let Dispatched { pos, k, dim } = d;
+    let pos = pos.host_u32();
     let (out, ye, w): (&mut [S], &[S], &[S]) = (out.host(), ye.host(), w.host());
     out.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
@@ -470,6 +512,7 @@ fn moe_combine_backward<S: Scalar>(
     d: Dispatched,
 ) {
     let Dispatched { pos, k, dim } = d;
+    let pos = pos.host_u32();
     let dye: &mut [S] = dye.host();
     let dw: &mut [S] = dw.host();
     let dout: &[S] = dout.host();
@@ -519,11 +562,12 @@ fn moe_combine_backward<S: Scalar>(
 fn cross_entropy_forward<S: Scalar>(
     lse: ViewMut,
     logits: View,
-    targets: &[u32],
+    targets: View,
     v: usize,
     loss: ViewMut,
 ) {
     let (lse, logits): (&mut [S], &[S]) = (lse.host(), logits.host());
+    let targets = targets.host_u32();
     lse.par_iter_mut()
         .zip(logits.par_chunks(v))
         .with_min_len(min_rows(v))
@@ -541,11 +585,12 @@ fn cross_entropy_forward<S: Scalar>(
 fn cross_entropy_backward<S: Scalar>(
     logits: ViewMut,
     lse: View,
-    targets: &[u32],
+    targets: View,
     v: usize,
     scale: f32,
 ) {
     let (logits, lse): (&mut [S], &[S]) = (logits.host(), lse.host());
+    let targets = targets.host_u32();
     let scale = s::<S>(scale as f64);
     logits
         .par_chunks_mut(v)
@@ -570,12 +615,13 @@ impl NnOps for CpuBackend {
             DType::F32 => grouped::gemm_grouped::<f32>(c, a, b, groups),
             DType::F64 => grouped::gemm_grouped::<f64>(c, a, b, groups),
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
+            DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     }
-    fn embedding_forward(&self, out: ViewMut, wte: View, ids: &[u32], dim: usize) {
+    fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         by_dtype!(out.dtype(), embedding_forward(out, wte, ids, dim))
     }
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: &[u32], dim: usize) {
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
         by_dtype!(dt(&dout), embedding_backward(dwte, dout, ids, dim))
     }
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
@@ -610,6 +656,7 @@ impl NnOps for CpuBackend {
             DType::F32 => attention::forward::<f32>(out, lse, q, k, v, d),
             DType::F64 => attention::forward::<f64>(out, lse, q, k, v, d),
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
+            DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     }
     fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
@@ -617,6 +664,7 @@ impl NnOps for CpuBackend {
             DType::F32 => attention::backward::<f32>(g, dout, s, d),
             DType::F64 => attention::backward::<f64>(g, dout, s, d),
             DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
+            DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     }
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
@@ -633,8 +681,8 @@ impl NnOps for CpuBackend {
         dlogits: ViewMut,
         dweights: View,
         probs: View,
-        idx: &[u32],
-        dprob_const: &[f64],
+        idx: View,
+        dprob_const: View,
         d: RouterDims,
     ) {
         by_dtype!(
@@ -642,7 +690,10 @@ impl NnOps for CpuBackend {
             router_backward(dlogits, dweights, probs, idx, dprob_const, d)
         )
     }
-    fn moe_gather(&self, xe: ViewMut, x: View, src: &[u32], dim: usize) {
+    fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
+        moe_dispatch(out, idx, experts, k)
+    }
+    fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
         by_dtype!(dt(&x), moe_gather(xe, x, src, dim))
     }
     fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
@@ -666,7 +717,7 @@ impl NnOps for CpuBackend {
         &self,
         lse: ViewMut,
         logits: View,
-        targets: &[u32],
+        targets: View,
         vocab: usize,
         loss: ViewMut,
     ) {
@@ -679,7 +730,7 @@ impl NnOps for CpuBackend {
         &self,
         logits: ViewMut,
         lse: View,
-        targets: &[u32],
+        targets: View,
         vocab: usize,
         scale: f32,
     ) {

@@ -663,6 +663,7 @@ fn plain_ptr(v: View) -> *const u8 {
         View::Host(s) => s.as_ptr() as *const u8,
         View::Host64(s) => s.as_ptr() as *const u8,
         View::HostBf16(s) => s.as_ptr() as *const u8,
+        View::HostU32(s) => s.as_ptr() as *const u8,
         View::Device(d) => panic!("copy_async: {} is not host memory", d.buffer().describe()),
     }
 }
@@ -672,6 +673,7 @@ fn plain_mut_ptr(v: ViewMut) -> *mut u8 {
         ViewMut::Host(s) => s.as_mut_ptr() as *mut u8,
         ViewMut::Host64(s) => s.as_mut_ptr() as *mut u8,
         ViewMut::HostBf16(s) => s.as_mut_ptr() as *mut u8,
+        ViewMut::HostU32(s) => s.as_mut_ptr() as *mut u8,
         ViewMut::Device(d) => panic!("copy_async: {} is not host memory", d.buffer().describe()),
     }
 }

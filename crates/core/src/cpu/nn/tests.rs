@@ -2,8 +2,8 @@
 //! derivative of the forward), and each forward against a naive reference of its definition.
 
 use crate::backend::{
-    AttnDims, AttnGrads, AttnSaved, Blas, Dispatched, HeadRope, Memory, NnOps, NormSaved,
-    RouterDims, RouterOut,
+    AttnDims, AttnGrads, AttnSaved, Blas, DispatchOut, Dispatched, HeadRope, Memory, NnOps,
+    NormSaved, RouterDims, RouterOut,
 };
 use crate::ledger::{Category, Ledger};
 use crate::tensor::Tensor;
@@ -36,6 +36,10 @@ fn zeros(b: &CpuBackend, n: usize) -> Tensor {
 }
 fn down(b: &CpuBackend, t: &Tensor) -> Vec<f64> {
     b.download_f64(t.view())
+}
+/// An index tensor (token ids, routing).
+fn ix(b: &CpuBackend, x: &[u32]) -> Tensor {
+    b.upload_u32(x, &[x.len()], Category::Activations)
 }
 fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
@@ -83,16 +87,16 @@ fn embedding() {
     let b = be();
     let mut r = Rng(1);
     let (v, d) = (7, 5);
-    let ids = [3u32, 0, 3, 6, 1];
+    let ids = ix(&b, &[3, 0, 3, 6, 1]);
     let wte = r.vec(v * d);
     let ro = r.vec(ids.len() * d);
     let f = |x: &[Vec<f64>]| {
         let mut o = zeros(&b, ids.len() * d);
-        b.embedding_forward(o.view_mut(), up(&b, &x[0]).view(), &ids, d);
+        b.embedding_forward(o.view_mut(), up(&b, &x[0]).view(), ids.view(), d);
         dot(&down(&b, &o), &ro)
     };
     let mut g = zeros(&b, v * d);
-    b.embedding_backward(g.view_mut(), up(&b, &ro).view(), &ids, d);
+    b.embedding_backward(g.view_mut(), up(&b, &ro).view(), ids.view(), d);
     fd_check("embedding", &[wte], &[down(&b, &g)], f);
 }
 
@@ -359,18 +363,19 @@ fn router_case(renorm: bool, with_bias: bool) {
     };
     let run = |l: &[f64]| {
         let (mut p, mut w) = (zeros(&b, n * e), zeros(&b, n * k));
-        let (mut idx, mut psum) = (vec![0u32; n * k], vec![0.0; e]);
+        let (mut idx, mut psum) = (ix(&b, &vec![0; n * k]), zeros(&b, e));
         let (bt, lt) = (up(&b, &bias), up(&b, l));
         let out = RouterOut {
             probs: p.view_mut(),
             weights: w.view_mut(),
-            idx: &mut idx,
-            psum: &mut psum,
+            idx: idx.view_mut(),
+            psum: psum.view_mut(),
         };
         b.router_forward(out, lt.view(), with_bias.then(|| bt.view()), dims);
-        (p, w, idx, psum)
+        (p, w, idx, b.download_f64(psum.view()))
     };
-    let (p, w, idx, psum) = run(&logits);
+    let (p, w, idx_t, psum) = run(&logits);
+    let idx = b.download_u32(idx_t.view());
     // Reference selection: top-k of softmax + bias.
     let pv = down(&b, &p);
     for t in 0..n {
@@ -390,12 +395,24 @@ fn router_case(renorm: bool, with_bias: bool) {
     close("router psum", &psum, &colsum, 1e-12);
     let f = |x: &[Vec<f64>]| {
         let (_, w, idx2, psum) = run(&x[0]);
-        assert_eq!(idx2, idx, "perturbation changed the selection (a tie)");
+        assert_eq!(
+            b.download_u32(idx2.view()),
+            idx,
+            "perturbation changed the selection (a tie)"
+        );
         dot(&down(&b, &w), &rw) + dot(&psum, &c)
     };
     let mut dl = zeros(&b, n * e);
     let rwt = up(&b, &rw);
-    b.router_backward(dl.view_mut(), rwt.view(), p.view(), &idx, &c, dims);
+    let ct = up(&b, &c);
+    b.router_backward(
+        dl.view_mut(),
+        rwt.view(),
+        p.view(),
+        idx_t.view(),
+        ct.view(),
+        dims,
+    );
     let _ = w;
     fd_check(
         &format!("router renorm={renorm} bias={with_bias}"),
@@ -418,7 +435,7 @@ fn router_softmax_topk() {
 fn router_ties_prefer_lower_index() {
     let b = be();
     let (mut p, mut w) = (zeros(&b, 4), zeros(&b, 2));
-    let (mut idx, mut psum) = (vec![0u32; 2], vec![0.0; 4]);
+    let (mut idx, mut psum) = (ix(&b, &[0; 2]), zeros(&b, 4));
     let dims = RouterDims {
         experts: 4,
         k: 2,
@@ -428,11 +445,11 @@ fn router_ties_prefer_lower_index() {
         let out = RouterOut {
             probs: p.view_mut(),
             weights: w.view_mut(),
-            idx: &mut idx,
-            psum: &mut psum,
+            idx: idx.view_mut(),
+            psum: psum.view_mut(),
         };
         b.router_forward(out, up(&b, &logits).view(), None, dims);
-        assert_eq!(idx, want);
+        assert_eq!(b.download_u32(idx.view()), want);
     }
 }
 
@@ -449,9 +466,10 @@ fn dispatch_and_combine() {
     }
     let (x, ye, w) = (r.vec(n * d), r.vec(n * k * d), r.vec(n * k));
     let (rg, rc) = (r.vec(n * k * d), r.vec(n * d));
+    let (src_t, pos_t) = (ix(&b, &src), ix(&b, &pos));
     let gather = |x: &[f64]| {
         let mut o = zeros(&b, n * k * d);
-        b.moe_gather(o.view_mut(), up(&b, x).view(), &src, d);
+        b.moe_gather(o.view_mut(), up(&b, x).view(), src_t.view(), d);
         down(&b, &o)
     };
     let g = gather(&x);
@@ -460,7 +478,7 @@ fn dispatch_and_combine() {
     }
     let mut dx = zeros(&b, n * d);
     let disp = Dispatched {
-        pos: &pos,
+        pos: pos_t.view(),
         k,
         dim: d,
     };
@@ -493,13 +511,66 @@ fn dispatch_and_combine() {
     );
 }
 
+/// The device counting sort against the obvious reference: for each expert in turn, its
+/// (token, choice) pairs in token order.
+#[test]
+fn moe_dispatch_matches_a_reference_sort() {
+    for (seed, n, e, k) in [(1u64, 1, 1, 1), (2, 7, 4, 2), (3, 33, 8, 3), (4, 50, 16, 1)] {
+        let mut r = Rng(seed);
+        // Skewed choices so some experts get nothing.
+        let idx: Vec<u32> = (0..n * k)
+            .map(|_| ((r.next() + 1.0) * 0.5 * (e as f64 / 2.0).max(1.0)) as u32 % e as u32)
+            .collect();
+        let mut rows: Vec<(u32, usize)> = idx.iter().enumerate().map(|(tj, &x)| (x, tj)).collect();
+        rows.sort(); // by expert, then by (token, choice): stable
+        let want_src: Vec<u32> = rows.iter().map(|&(_, tj)| (tj / k) as u32).collect();
+        let mut want_pos = vec![0u32; n * k];
+        for (p, &(_, tj)) in rows.iter().enumerate() {
+            want_pos[tj] = p as u32;
+        }
+        let want_counts: Vec<u32> = (0..e as u32)
+            .map(|x| idx.iter().filter(|&&i| i == x).count() as u32)
+            .collect();
+        let mut want_offsets = vec![0u32];
+        for c in &want_counts {
+            want_offsets.push(want_offsets.last().unwrap() + c);
+        }
+        for b in [
+            CpuBackend::default(),
+            CpuBackend::two_memory(Arc::new(Ledger::new()), Default::default()),
+        ] {
+            let it = b.upload_u32(&idx, &[n * k], Category::Activations);
+            let u = |len| b.zeros_of(&[len], crate::DType::U32, Category::Activations);
+            // Stale contents must not leak into the result.
+            let (mut counts, mut offsets, mut src, mut pos) = (u(e), u(e + 1), u(n * k), u(n * k));
+            b.fill(counts.view_mut(), 7.0);
+            b.fill(src.view_mut(), 9.0);
+            let out = DispatchOut {
+                counts: counts.view_mut(),
+                offsets: offsets.view_mut(),
+                src: src.view_mut(),
+                pos: pos.view_mut(),
+            };
+            b.moe_dispatch(out, it.view(), e, k);
+            assert_eq!(
+                b.download_u32(counts.view()),
+                want_counts,
+                "n {n} e {e} k {k}"
+            );
+            assert_eq!(b.download_u32(offsets.view()), want_offsets);
+            assert_eq!(b.download_u32(src.view()), want_src);
+            assert_eq!(b.download_u32(pos.view()), want_pos);
+        }
+    }
+}
+
 #[test]
 #[should_panic(expected = "dispatched twice")]
 fn moe_combine_backward_refuses_a_pos_that_is_not_a_permutation() {
     // Two choices naming one dispatched row would be two writers of it: refused, not raced.
     let b = CpuBackend::default();
     let (n, k, d) = (2, 2, 3);
-    let pos = [0u32, 1, 1, 3];
+    let pos_t = ix(&b, &[0, 1, 1, 3]);
     let (mut dye, mut dw) = (
         b.zeros(&[n * k * d], Category::Buffers),
         b.zeros(&[n * k], Category::Buffers),
@@ -508,7 +579,7 @@ fn moe_combine_backward_refuses_a_pos_that_is_not_a_permutation() {
     let ye = b.upload(&[1.0; 12], &[n * k * d], Category::Buffers);
     let w = b.upload(&[0.5; 4], &[n * k], Category::Buffers);
     let disp = Dispatched {
-        pos: &pos,
+        pos: pos_t.view(),
         k,
         dim: d,
     };
@@ -529,6 +600,7 @@ fn cross_entropy() {
     let (n, v) = (4, 9);
     let logits: Vec<f64> = r.vec(n * v).iter().map(|x| 2.0 * x).collect();
     let targets = [3u32, 0, 8, 3];
+    let tt = ix(&b, &targets);
     let run = |l: &[f64]| {
         let mut lse = zeros(&b, n);
         // Accumulates: start from 0.5 and take it off.
@@ -536,7 +608,7 @@ fn cross_entropy() {
         b.cross_entropy_forward(
             lse.view_mut(),
             up(&b, l).view(),
-            &targets,
+            tt.view(),
             v,
             loss.view_mut(),
         );
@@ -552,7 +624,7 @@ fn cross_entropy() {
         .sum();
     assert!((sum - want).abs() < 1e-12);
     let mut d = up(&b, &logits);
-    b.cross_entropy_backward(d.view_mut(), lse.view(), &targets, v, 0.7);
+    b.cross_entropy_backward(d.view_mut(), lse.view(), tt.view(), v, 0.7);
     let dl: Vec<f64> = down(&b, &d).iter().map(|x| x / 0.7).collect();
     fd_check("cross_entropy", &[logits], &[dl], |a| run(&a[0]).0);
 }
@@ -616,7 +688,8 @@ fn f32_kernels_match_f64() {
         let mut l = b.zeros(&[6], Category::Activations);
         let mut loss = b.zeros_of(&[1], crate::DType::F64, Category::Buffers);
         let logits = b.upload_f64(&logits, &[1800], Category::Activations);
-        b.cross_entropy_forward(l.view_mut(), logits.view(), &targets, 300, loss.view_mut());
+        let tt = b.upload_u32(&targets, &[6], Category::Activations);
+        b.cross_entropy_forward(l.view_mut(), logits.view(), tt.view(), 300, loss.view_mut());
         sums.push(b.download_f64(loss.view())[0]);
     }
     assert!((sums[0] - sums[1]).abs() < 1e-5 * sums[0].abs(), "{sums:?}");

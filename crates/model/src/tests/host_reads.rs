@@ -1,0 +1,269 @@
+//! What a step reads back from the device: a CPU backend that counts its device-to-host reads
+//! (everything else delegated), so a read slipped into the step shows up as a failing count.
+
+use crate::*;
+use ganymede_config::{preset, AcMode};
+use ganymede_core::{
+    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, DType, Device,
+    DispatchOut, Dispatched, Gemm, HeadRope, Ledger, Memory, NnOps, NormSaved, OptimOps,
+    ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
+};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+#[derive(Default)]
+struct CountingReads {
+    be: CpuBackend,
+    /// (dtype, elements) of each read, in order.
+    reads: Mutex<Vec<(DType, usize)>>,
+    sumsq: AtomicUsize,
+}
+
+impl CountingReads {
+    fn read(&self, v: &View) {
+        self.reads.lock().unwrap().push((v.dtype(), v.len()));
+    }
+    fn take(&self) -> Vec<(DType, usize)> {
+        std::mem::take(&mut self.reads.lock().unwrap())
+    }
+}
+
+impl Memory for CountingReads {
+    fn device(&self) -> Device {
+        self.be.device()
+    }
+    fn ledger(&self) -> &Arc<Ledger> {
+        self.be.ledger()
+    }
+    fn zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.be.zeros(shape, category)
+    }
+    fn zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
+        self.be.zeros_of(shape, dtype, category)
+    }
+    fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor {
+        self.be.upload(data, shape, category)
+    }
+    fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor {
+        self.be.upload_f64(data, shape, category)
+    }
+    fn download(&self, src: View) -> Vec<f32> {
+        self.read(&src);
+        self.be.download(src)
+    }
+    fn download_f64(&self, src: View) -> Vec<f64> {
+        self.read(&src);
+        self.be.download_f64(src)
+    }
+    fn write(&self, dst: ViewMut, data: &[f32]) {
+        self.be.write(dst, data)
+    }
+    fn write_f64(&self, dst: ViewMut, data: &[f64]) {
+        self.be.write_f64(dst, data)
+    }
+    fn upload_u32(&self, data: &[u32], shape: &[usize], category: Category) -> Tensor {
+        self.be.upload_u32(data, shape, category)
+    }
+    fn write_u32(&self, dst: ViewMut, data: &[u32]) {
+        self.be.write_u32(dst, data)
+    }
+    fn download_u32(&self, src: View) -> Vec<u32> {
+        self.read(&src);
+        self.be.download_u32(src)
+    }
+    fn copy(&self, dst: ViewMut, src: View) {
+        self.be.copy(dst, src)
+    }
+    fn fill(&self, dst: ViewMut, value: f32) {
+        self.be.fill(dst, value)
+    }
+}
+
+impl Blas for CountingReads {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
+        self.be.gemm(c, a, b, g)
+    }
+    fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
+        self.be.axpy(y, alpha, x)
+    }
+    fn scale(&self, y: ViewMut, alpha: f32) {
+        self.be.scale(y, alpha)
+    }
+    fn sumsq(&self, x: View) -> f64 {
+        self.sumsq.fetch_add(1, Relaxed);
+        self.be.sumsq(x)
+    }
+    fn sumsq_acc(&self, acc: ViewMut, x: View) {
+        self.be.sumsq_acc(acc, x)
+    }
+    fn cast(&self, dst: ViewMut, src: View) {
+        self.be.cast(dst, src)
+    }
+}
+
+impl NnOps for CountingReads {
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        self.be.gemm_grouped(c, a, b, groups)
+    }
+    fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
+        self.be.embedding_forward(out, wte, ids, dim)
+    }
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
+        self.be.embedding_backward(dwte, dout, ids, dim)
+    }
+    fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
+        self.be.rmsnorm_forward(out, rstd, x, w, dim, eps)
+    }
+    fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
+        self.be.rmsnorm_backward(dx, dw, dout, s, dim)
+    }
+    fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
+        self.be.head_norm_rope_forward(out, rstd, x, w, d)
+    }
+    fn head_norm_rope_backward(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        d: HeadRope,
+    ) {
+        self.be.head_norm_rope_backward(dx, dw, dout, s, d)
+    }
+    fn attention_forward(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
+        d: AttnDims,
+    ) {
+        self.be.attention_forward(out, lse, q, k, v, d)
+    }
+    fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
+        self.be.attention_backward(g, dout, s, d)
+    }
+    fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
+        self.be.swiglu_forward(out, gate, up)
+    }
+    fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
+        self.be.swiglu_backward(dgate, dup, dout, gate, up)
+    }
+    fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
+        self.be.router_forward(out, logits, bias, d)
+    }
+    fn router_backward(
+        &self,
+        dlogits: ViewMut,
+        dweights: View,
+        probs: View,
+        idx: View,
+        dprob_const: View,
+        d: RouterDims,
+    ) {
+        self.be
+            .router_backward(dlogits, dweights, probs, idx, dprob_const, d)
+    }
+    fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
+        self.be.moe_dispatch(out, idx, experts, k)
+    }
+    fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
+        self.be.moe_gather(xe, x, src, dim)
+    }
+    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
+        self.be.moe_gather_backward(dx, dxe, d)
+    }
+    fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
+        self.be.moe_combine(out, ye, w, d)
+    }
+    fn moe_combine_backward(
+        &self,
+        dye: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        ye: View,
+        w: View,
+        d: Dispatched,
+    ) {
+        self.be.moe_combine_backward(dye, dw, dout, ye, w, d)
+    }
+    fn cross_entropy_forward(
+        &self,
+        lse: ViewMut,
+        logits: View,
+        targets: View,
+        vocab: usize,
+        loss: ViewMut,
+    ) {
+        self.be
+            .cross_entropy_forward(lse, logits, targets, vocab, loss)
+    }
+    fn cross_entropy_backward(
+        &self,
+        logits: ViewMut,
+        lse: View,
+        targets: View,
+        vocab: usize,
+        scale: f32,
+    ) {
+        self.be
+            .cross_entropy_backward(logits, lse, targets, vocab, scale)
+    }
+}
+
+impl OptimOps for CountingReads {
+    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
+        self.be.adamw_step(param, m, v, grad, h)
+    }
+    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64) {
+        self.be.nesterov_momentum(buf, grad, out, momentum)
+    }
+    fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
+        self.be.normalize_frobenius(x, eps)
+    }
+    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
+        self.be.decay_update(param, update, alpha, decay)
+    }
+}
+
+/// One training step of `tiny` (two MoE layers, 8 experts) reads back each MoE layer's `[8]`
+/// counts after each dispatch (forward, and the backward's recompute under full
+/// checkpointing), then, at its end, the `[2 × 8]` routing sums and the one loss sum: nothing
+/// else, and no `sumsq`. An evaluation step does the same without the recompute.
+#[test]
+fn a_step_reads_back_only_the_expert_counts_and_its_metrics() {
+    let c = preset("tiny").unwrap().model;
+    let be = CountingReads::default();
+    let model = Model::new(&c);
+    let params = model.init_params(&be, 3);
+    let (batch, seq) = (2, 16);
+    let inputs = (0..batch * seq).map(|i| (i * 7 % c.vocab_size) as u32);
+    let inputs: Vec<u32> = inputs.collect();
+    let targets: Vec<u32> = inputs
+        .iter()
+        .map(|&t| (t + 1) % c.vocab_size as u32)
+        .collect();
+    let tokens = Tokens {
+        inputs: &inputs,
+        targets: &targets,
+    };
+    let counts = (DType::U32, c.experts);
+    let end = [(DType::F64, 2 * c.experts), (DType::F64, 1)];
+    for (mode, passes) in [(AcMode::Full, 2), (AcMode::None, 1)] {
+        let mut ws = Workspace::new(&be, &model, batch, seq, mode);
+        let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+        be.take();
+        forward_backward(&be, &model, &params, &mut grads, &mut ws, tokens, 1.0);
+        let mut want = vec![counts; 2 * passes];
+        want.extend(end);
+        assert_eq!(be.take(), want, "{mode:?}");
+        forward_loss(&be, &model, &params, &mut ws, tokens);
+        assert_eq!(
+            be.take(),
+            [vec![counts; 2], end.to_vec()].concat(),
+            "{mode:?}"
+        );
+    }
+    assert_eq!(be.sumsq.load(Relaxed), 0);
+}
