@@ -764,9 +764,10 @@ fn embedding_forward_backward() {
             },
             |v| {
                 let mut out = b.zeros(&[rows * dim], Category::Activations);
-                b.embedding_forward(out.view_mut(), up(&b, &v[0]).view(), &ids, dim);
+                let ids = b.upload_u32(&ids, &[ids.len()], Category::Activations);
+                b.embedding_forward(out.view_mut(), up(&b, &v[0]).view(), ids.view(), dim);
                 let mut dwte = up(&b, &dwte0);
-                b.embedding_backward(dwte.view_mut(), up(&b, &v[1]).view(), &ids, dim);
+                b.embedding_backward(dwte.view_mut(), up(&b, &v[1]).view(), ids.view(), dim);
                 vec![down(&b, &out), down(&b, &dwte)]
             },
         );
@@ -982,9 +983,10 @@ fn cross_entropy_forward_backward() {
                 let mut lse = b.zeros(&[rows], Category::Activations);
                 let mut loss = b.zeros_of(&[1], DType::F64, Category::Activations);
                 b.write_f64_first(&mut loss, loss0);
-                b.cross_entropy_forward(lse.view_mut(), x.view(), &targets, vocab, loss.view_mut());
+                let t = b.upload_u32(&targets, &[targets.len()], Category::Activations);
+                b.cross_entropy_forward(lse.view_mut(), x.view(), t.view(), vocab, loss.view_mut());
                 let l = b.download_f64(loss.view())[0];
-                b.cross_entropy_backward(x.view_mut(), lse.view(), &targets, vocab, scale);
+                b.cross_entropy_backward(x.view_mut(), lse.view(), t.view(), vocab, scale);
                 vec![down(&b, &lse), vec![(l - loss0) as f32], down(&b, &x)]
             },
         );
@@ -1089,31 +1091,47 @@ fn router_forward_backward() {
             |v| {
                 let mut probs = b.zeros(&[rows * experts], Category::Activations);
                 let mut weights = b.zeros(&[rows * k], Category::Activations);
-                let mut idx = vec![0u32; rows * k];
-                let mut psum = vec![0f64; experts];
+                let mut idx_t = b.zeros_of(
+                    &[rows * k],
+                    ganymede_core::DType::U32,
+                    Category::Activations,
+                );
+                let mut psum_t =
+                    b.zeros_of(&[experts], ganymede_core::DType::F64, Category::Activations);
                 let bias_t = up(&b, &v[1]);
                 b.router_forward(
                     RouterOut {
                         probs: probs.view_mut(),
                         weights: weights.view_mut(),
-                        idx: &mut idx,
-                        psum: &mut psum,
+                        idx: idx_t.view_mut(),
+                        psum: psum_t.view_mut(),
                     },
                     up(&b, &v[0]).view(),
                     with_bias.then(|| bias_t.view()),
                     d,
                 );
                 let mut dl = b.zeros(&[rows * experts], Category::Activations);
+                let mut dconst_t =
+                    b.zeros_of(&[experts], ganymede_core::DType::F64, Category::Activations);
+                b.write_f64(dconst_t.view_mut(), &dconst);
                 b.router_backward(
                     dl.view_mut(),
                     up(&b, &v[2]).view(),
                     probs.view(),
-                    &idx,
-                    &dconst,
+                    idx_t.view(),
+                    dconst_t.view(),
                     d,
                 );
-                let idx: Vec<f32> = idx.iter().map(|&i| i as f32).collect();
-                let psum: Vec<f32> = psum.iter().map(|&s| s as f32).collect();
+                let idx: Vec<f32> = b
+                    .download_u32(idx_t.view())
+                    .iter()
+                    .map(|&i| i as f32)
+                    .collect();
+                let psum: Vec<f32> = b
+                    .download_f64(psum_t.view())
+                    .iter()
+                    .map(|&s| s as f32)
+                    .collect();
                 vec![
                     down(&b, &probs),
                     down(&b, &weights),
@@ -1229,7 +1247,15 @@ fn moe_gather_combine_forward_backward() {
     let acc0 = rng.vec(tokens * dim, 0.3);
     let w = rng.vec(n, 1.0);
     let b = cpu();
-    let d = Dispatched { pos: &pos, k, dim };
+    let (pos_t, src_t) = (
+        b.upload_u32(&pos, &[pos.len()], Category::Activations),
+        b.upload_u32(&src, &[src.len()], Category::Activations),
+    );
+    let d = Dispatched {
+        pos: pos_t.view(),
+        k,
+        dim,
+    };
     for st in [St::F32, St::Bf16] {
         // w stays f32 (router weights); the rest is storage.
         let mut inputs = st.inputs(&[
@@ -1301,7 +1327,7 @@ fn moe_gather_combine_forward_backward() {
             },
             |v| {
                 let mut xe = b.zeros(&[n * dim], Category::Activations);
-                b.moe_gather(xe.view_mut(), up(&b, &v[1]).view(), &src, dim);
+                b.moe_gather(xe.view_mut(), up(&b, &v[1]).view(), src_t.view(), dim);
                 let mut dx = up(&b, &v[4]);
                 b.moe_gather_backward(dx.view_mut(), up(&b, &v[3]).view(), d);
                 let mut out = up(&b, &v[4]);

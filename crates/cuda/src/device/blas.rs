@@ -58,7 +58,7 @@ impl CudaBackend {
         let ty = |d: DType| match d {
             DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
             DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-            DType::F64 => panic!("no CUDA gemm in f64"),
+            DType::F64 | DType::U32 => panic!("no CUDA gemm in {}", d.name()),
         };
         assert!(
             pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
@@ -339,7 +339,7 @@ impl Blas for CudaBackend {
         let kernel = match px.dtype {
             DType::F32 => "ganymede_sumsq_acc_f32",
             DType::BF16 => "ganymede_sumsq_acc_bf16",
-            DType::F64 => panic!("no CUDA sumsq of f64"),
+            DType::F64 | DType::U32 => panic!("no CUDA sumsq of {}", px.dtype.name()),
         };
         if px.len > 0 {
             self.launch3(kernel, [pa.addr, px.addr, px.len as u64], px.len);

@@ -178,6 +178,7 @@ pub(super) fn place<'a>(v: &View<'a>) -> Place<'a> {
         View::Host(s) => host(s.as_ptr() as u64, s.len(), DType::F32),
         View::Host64(s) => host(s.as_ptr() as u64, s.len(), DType::F64),
         View::HostBf16(s) => host(s.as_ptr() as u64, s.len(), DType::BF16),
+        View::HostU32(s) => host(s.as_ptr() as u64, s.len(), DType::U32),
         View::Device(d) => place_of_buffer(d.buffer(), d.offset(), d.len()),
     }
 }
@@ -196,6 +197,7 @@ pub(super) fn place_mut<'a>(v: &mut ViewMut<'a>) -> Place<'a> {
         ViewMut::Host(s) => host(s.as_mut_ptr() as u64, s.len(), DType::F32),
         ViewMut::Host64(s) => host(s.as_mut_ptr() as u64, s.len(), DType::F64),
         ViewMut::HostBf16(s) => host(s.as_mut_ptr() as u64, s.len(), DType::BF16),
+        ViewMut::HostU32(s) => host(s.as_mut_ptr() as u64, s.len(), DType::U32),
     }
 }
 
@@ -328,6 +330,7 @@ fn to_f32(dtype: DType, be: &CudaBackend, src: &View) -> Vec<f32> {
             .into_iter()
             .map(|x| x as f32)
             .collect(),
+        DType::U32 => panic!("a u32 view read as f32: use download_u32"),
     }
 }
 
@@ -376,7 +379,32 @@ impl Memory for CudaBackend {
                 let v: Vec<f64> = data.iter().map(|&x| f64::from(x)).collect();
                 self.write_raw(&mut dst, &v, DType::F64)
             }
+            DType::U32 => panic!("f32 data written into a u32 view: use write_u32"),
         }
+    }
+    fn write_f64(&self, mut dst: ViewMut, data: &[f64]) {
+        assert_eq!(dst.len(), data.len(), "write of a different length");
+        match dst.dtype() {
+            DType::F64 => self.write_raw(&mut dst, data, DType::F64),
+            _ => self.write(dst, &data.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        }
+    }
+    fn upload_u32(&self, data: &[u32], shape: &[usize], category: Category) -> Tensor {
+        let mut t = self.zeros_of(shape, DType::U32, category);
+        self.write_u32(t.view_mut(), data);
+        t
+    }
+    fn write_u32(&self, mut dst: ViewMut, data: &[u32]) {
+        assert_eq!(dst.len(), data.len(), "write of a different length");
+        assert_eq!(
+            dst.dtype(),
+            DType::U32,
+            "u32 data written into another dtype"
+        );
+        self.write_raw(&mut dst, data, DType::U32)
+    }
+    fn download_u32(&self, src: View) -> Vec<u32> {
+        self.read_raw::<u32>(&src, DType::U32)
     }
     fn copy(&self, mut dst: ViewMut, src: View) {
         self.memcpy(&place_mut(&mut dst), &place(&src), Stream::Compute)
@@ -402,6 +430,7 @@ impl Memory for CudaBackend {
                     self.write_raw(&mut dst, &v, DType::F64);
                     sys::CUresult::CUDA_SUCCESS
                 }
+                DType::U32 => sys::cuMemsetD32Async(p.addr, value as u32, p.len, s),
             }
         };
         ok(r.result(), "fill");
