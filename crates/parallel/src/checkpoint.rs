@@ -18,7 +18,7 @@ use ganymede_checkpoint::{
     self as checkpoint, sharded, CheckpointData, HostTensors, Manifest, NamedTensors, Position,
     ShardedParam, ShardsManifest, SHARDS_FILE,
 };
-use ganymede_core::{Memory, Tensor, View, ViewMut};
+use ganymede_core::{Tensor, View, ViewMut};
 use ganymede_dist::DeviceMesh;
 use ganymede_dist::Phase;
 use std::path::{Path, PathBuf};
@@ -67,8 +67,8 @@ impl RankState {
     /// (`optimizer.offload`), before checkpoint code reads or overwrites it.
     fn settle_opt_state(&self) {
         match &self.shards {
-            Shards::Whole { opt, .. } => opt.synchronize_state(&self.be),
-            Shards::Fsdp { opt, .. } => opt.synchronize_state(&self.be),
+            Shards::Whole { opt, .. } => opt.synchronize_state(self.be.as_ref()),
+            Shards::Fsdp { opt, .. } => opt.synchronize_state(self.be.as_ref()),
         }
     }
 

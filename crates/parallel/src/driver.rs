@@ -18,8 +18,8 @@ use crate::optim::ShardedOptimizer;
 use anyhow::{bail, Context, Result};
 use ganymede_config::{AcMode, DeviceKind, JobConfig, MuonPlacement};
 use ganymede_core::{
-    Backend, Blas, Category, CpuBackend, DType, Ledger, Memory, ParamSpec, ParamStore, Stream,
-    Tensor, TwoMemoryOptions, ViewMut,
+    Backend, Category, CpuBackend, DType, Ledger, ParamSpec, ParamStore, Stream, Tensor,
+    TwoMemoryOptions, ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::placement::plan;
@@ -90,21 +90,21 @@ fn trainable_grads<'a>(shards: &'a mut Shards, specs: &[ParamSpec]) -> Vec<&'a m
         .collect()
 }
 
-/// The backend `device` asks for, with a fresh ledger. `cuda` is refused here, never replaced
-/// by the CPU: its backend does not yet implement every op the step needs.
-pub fn backend(cfg: &JobConfig) -> Result<CpuBackend> {
+/// The backend `device` asks for, with a fresh ledger. `cuda` is never replaced by the CPU:
+/// without the `cuda` feature or a GPU it is refused with the reason.
+pub fn backend(cfg: &JobConfig) -> Result<Arc<dyn Backend>> {
     let ledger = Arc::new(Ledger::new());
     let d = &cfg.device;
     Ok(match d.kind {
-        DeviceKind::Cpu => CpuBackend::new(ledger),
-        DeviceKind::CpuTwoMemory => CpuBackend::two_memory(
+        DeviceKind::Cpu => Arc::new(CpuBackend::new(ledger)),
+        DeviceKind::CpuTwoMemory => Arc::new(CpuBackend::two_memory(
             ledger,
             TwoMemoryOptions {
                 device_capacity: (d.memory_gib > 0.0)
                     .then_some((d.memory_gib * (1u64 << 30) as f64) as u64),
                 checking: d.check_streams,
             },
-        ),
+        )),
         DeviceKind::Cuda => bail!(
             "device.kind = \"cuda\": training on the CUDA backend is not implemented yet \
              (`ganymede device-check --out DIR` exercises what exists)"
@@ -114,7 +114,7 @@ pub fn backend(cfg: &JobConfig) -> Result<CpuBackend> {
 
 /// Everything one rank holds.
 pub struct RankState {
-    pub be: CpuBackend,
+    pub be: Arc<dyn Backend>,
     pub model: Model,
     pub mesh: DeviceMesh,
     pub shards: Shards,
@@ -141,12 +141,13 @@ impl RankState {
                 t.batch_size
             );
         }
-        let be = backend(cfg)?;
+        let shared = backend(cfg)?;
+        let be: &dyn Backend = shared.as_ref();
         let model = Model::new(m);
         let shards = if w == 1 {
-            let params = model.init_params(&be, t.seed);
-            let grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
-            let opt = Optimizer::new(&be, &cfg.optimizer, model.param_specs());
+            let params = model.init_params(be, t.seed);
+            let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
+            let opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
             Shards::Whole { params, grads, opt }
         } else {
             let pl = plan(model.param_specs(), mesh.shape, policy(cfg))?;
@@ -160,9 +161,9 @@ impl RankState {
             // each.
             let groups = Groups::of(&mesh);
             let p = &cfg.parallelism;
-            let init = |i: usize| model.init_param(&be, i, t.seed);
+            let init = |i: usize| model.init_param(be, i, t.seed);
             let params = FsdpParams::new(
-                &be,
+                be,
                 layout.clone(),
                 groups.clone(),
                 p.gather_dtype,
@@ -170,8 +171,8 @@ impl RankState {
                 cfg.optimizer.offload,
                 &init,
             );
-            let grads = FsdpGrads::new(&be, layout.clone(), groups);
-            let opt = ShardedOptimizer::new(&be, &cfg.optimizer, &layout, &mesh, pl);
+            let grads = FsdpGrads::new(be, layout.clone(), groups);
+            let opt = ShardedOptimizer::new(be, &cfg.optimizer, &layout, &mesh, pl);
             Shards::Fsdp {
                 layout,
                 params,
@@ -185,7 +186,7 @@ impl RankState {
             AcMode::None => 0,
         };
         let ws =
-            Workspace::with_offload(&be, &model, t.batch_size / w, m.seq_len, ac.mode, offloaded);
+            Workspace::with_offload(be, &model, t.batch_size / w, m.seq_len, ac.mode, offloaded);
         let experts: Box<dyn ExpertExecutor> = if mesh.shape.ep > 1 {
             Box::new(EpExperts::new(mesh.ep.clone()))
         } else {
@@ -198,7 +199,7 @@ impl RankState {
         Ok(RankState {
             norm_acc,
             experts,
-            be,
+            be: shared,
             model,
             mesh,
             shards,
@@ -227,7 +228,7 @@ impl RankState {
         ctx.stats.reset();
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
         let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
-        let be: &dyn Backend = &self.be;
+        let be: &dyn Backend = self.be.as_ref();
         let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
         let tokens = Tokens {
             inputs: &x,
@@ -288,7 +289,7 @@ impl RankState {
             }
         }
         let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
-        let be: &dyn Backend = &self.be;
+        let be: &dyn Backend = self.be.as_ref();
         match &mut self.shards {
             Shards::Whole { params, grads, opt } => opt.step(be, params, grads, lr),
             Shards::Fsdp {
@@ -336,7 +337,7 @@ impl RankState {
         let per = batch / w;
         let nb = self.cfg.metrics.val_batches.max(1);
         let mut sums = vec![0f64; nb];
-        let be: &dyn Backend = &self.be;
+        let be: &dyn Backend = self.be.as_ref();
         for (i, s) in sums.iter_mut().enumerate() {
             let (x, y) = data.val_batch(i, batch, seq);
             let rows = r * per * seq..(r + 1) * per * seq;
@@ -372,7 +373,7 @@ impl RankState {
                     (&mut params.master_mut()[i], layout.range(i, rank))
                 }
             };
-            router_bias_step(&self.be, t, experts, load, coeff);
+            router_bias_step(self.be.as_ref(), t, experts, load, coeff);
         }
     }
 }

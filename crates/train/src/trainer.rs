@@ -18,7 +18,7 @@ use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::JobConfig;
 use ganymede_core::ledger::CATEGORIES;
-use ganymede_core::{Device, Memory};
+use ganymede_core::Device;
 use ganymede_data::Dataset;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};

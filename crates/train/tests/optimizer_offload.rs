@@ -4,7 +4,6 @@
 //! first step.
 
 use ganymede_config::JobConfig;
-use ganymede_core::Memory;
 use ganymede_data::Dataset;
 use ganymede_dist::{run_threads, ThreadsConfig};
 use ganymede_parallel::RankState;

@@ -387,7 +387,7 @@ fn buffer_bytes(cfg: &JobConfig, ranks: usize, steps: usize) -> Vec<(u64, u64)> 
     )
     .unwrap();
     let res = run_threads(ranks, &ThreadsConfig::default(), |world| {
-        use ganymede_core::{Category, Device, Memory};
+        use ganymede_core::{Category, Device};
         let mut st = RankState::new(world, &cfg).unwrap();
         let l = st.be.ledger().clone();
         (0..steps)
