@@ -1,0 +1,249 @@
+//! The model-level check: the `tiny` model's forward and backward, and a few optimizer steps
+//! (Muon and AdamW), on [`HostKernelBackend`] (every op but the GEMMs through the kernels'
+//! host build, via the same ops layer a GPU runs) against the CPU backend.
+//!
+//! Tolerances: the kernels follow the CPU's order of operations where they can, but reductions
+//! (attention's online softmax, block sums) round differently, and the differences flow through
+//! the whole network. A gradient tensor `g` against the CPU's `w` passes when
+//! `max |g - w| <= 2e-4 · max |w| + 1e-7`: its worst element within a small fraction of the
+//! tensor's scale (elementwise relative errors are meaningless for entries near zero). Losses
+//! within 1e-5 relative; parameters after the steps within 1e-4 of their scale.
+
+use ganymede_config::{preset, AcMode, ModelConfig};
+use ganymede_core::{Backend, Category, CpuBackend, Ledger, ParamStore};
+use ganymede_cuda::kernel_backend::HostKernelBackend;
+use ganymede_cuda::ops::Tuning;
+use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
+use ganymede_optim::Optimizer;
+use std::sync::Arc;
+
+const BATCH: usize = 2;
+const SEQ: usize = 32;
+/// The optimizer steps' learning rate.
+const LR: f64 = 1e-2;
+/// Parameters after step `s` within this fraction of `(s + 1) · LR`.
+const PARAM_TOL: f64 = 0.01;
+
+fn tiny() -> ModelConfig {
+    preset("tiny").unwrap().model
+}
+
+fn kernels() -> HostKernelBackend {
+    // Small launches: grid-stride loops and several query rows per attention block run even at
+    // these sizes.
+    let tuning = Tuning {
+        ew_block: 64,
+        ew_max_blocks: 8,
+        attn_rows: 4,
+    };
+    HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning)
+}
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// One forward + backward; gradients (downloaded) and the step's output.
+fn step(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    inputs: &[u32],
+    targets: &[u32],
+) -> (Vec<Vec<f32>>, StepOutput) {
+    let mut ws = Workspace::new(be, model, BATCH, SEQ, AcMode::Full);
+    let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
+    let out = forward_backward(
+        be,
+        model,
+        params,
+        &mut grads,
+        &mut ws,
+        Tokens { inputs, targets },
+        1.0,
+    );
+    let g = grads
+        .tensors()
+        .iter()
+        .map(|t| be.download(t.view()))
+        .collect();
+    (g, out)
+}
+
+/// `(max |got - want|, max |want|)`.
+fn err(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len());
+    let mut e = 0.0f64;
+    let mut scale = 0.0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (g as f64 - w as f64).abs();
+        // NaN fails.
+        e = if d.is_nan() { f64::INFINITY } else { e.max(d) };
+        scale = scale.max((w as f64).abs());
+    }
+    (e, scale)
+}
+
+/// Every tensor's worst error within `tol(scale)`, `scale` its largest magnitude; the worst
+/// error seen as a fraction of the scale, or the first tensor out of tolerance.
+fn compare(
+    names: &[String],
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+    tol: impl Fn(f64) -> f64,
+) -> Result<f64, String> {
+    let mut worst = 0.0f64;
+    for ((n, g), w) in names.iter().zip(got).zip(want) {
+        let (e, scale) = err(g, w);
+        if e > tol(scale) {
+            return Err(format!(
+                "{n}: max abs err {e:.3e} at scale {scale:.3e} (tol {:.3e})",
+                tol(scale)
+            ));
+        }
+        if scale > 0.0 {
+            worst = worst.max(e / scale);
+        }
+    }
+    Ok(worst)
+}
+
+/// Gradients: within 2e-4 of each tensor's scale.
+fn grad_tol(scale: f64) -> f64 {
+    1e-7 + 2e-4 * scale
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+#[test]
+fn tiny_forward_backward_matches_the_cpu() {
+    let c = tiny();
+    let model = Model::new(&c);
+    let (cpu, kern) = (CpuBackend::default(), kernels());
+    let (pc, pk) = (model.init_params(&cpu, 3), model.init_params(&kern, 3));
+    let inputs = tokens(BATCH * SEQ, c.vocab_size, 4);
+    let targets = tokens(BATCH * SEQ, c.vocab_size, 5);
+    let (gw, ow) = step(&cpu, &model, &pc, &inputs, &targets);
+    let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
+    let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
+
+    let (le, ae) = (rel(og.loss, ow.loss), rel(og.aux_loss, ow.aux_loss));
+    println!("loss {} vs {}: rel err {le:.3e}", og.loss, ow.loss);
+    println!(
+        "aux loss {} vs {}: rel err {ae:.3e}",
+        og.aux_loss, ow.aux_loss
+    );
+    assert!(le < 1e-5 && ae < 1e-5, "losses {og:?} vs {ow:?}");
+    // Routing is discrete: the same experts chose the same tokens.
+    assert_eq!(og.expert_load, ow.expert_load, "expert loads");
+    // Every parameter has a gradient worth comparing.
+    for (n, w) in names.iter().zip(&gw) {
+        let is_bias = n.contains("bias");
+        assert!(is_bias || w.iter().any(|&x| x != 0.0), "{n}: zero gradient");
+    }
+    let worst = compare(&names, &gg, &gw, grad_tol).unwrap_or_else(|e| panic!("gradient {e}"));
+    println!(
+        "{} gradient tensors: worst max-abs error {worst:.3e} of the tensor's scale",
+        names.len()
+    );
+
+    // The check can fail: a changed target moves the gradients past the tolerance.
+    let mut other = targets.clone();
+    other[7] = (other[7] + 1) % c.vocab_size as u32;
+    let (gb, _) = step(&cpu, &model, &pc, &inputs, &other);
+    let caught = compare(&names, &gb, &gw, grad_tol);
+    assert!(caught.is_err(), "one changed target went unnoticed");
+}
+
+/// Three steps of forward, backward and optimizer update (`optimizer` as configured: Muon for
+/// the hidden matrices and AdamW for the rest, or AdamW for everything), the parameters
+/// compared after each.
+fn train_steps(adamw_only: bool) {
+    let job = preset("tiny").unwrap();
+    let mut ocfg = job.optimizer.clone();
+    if adamw_only {
+        ocfg.name = ganymede_config::OptimizerName::Adamw;
+    }
+    let model = Model::new(&job.model);
+    let (cpu, kern) = (CpuBackend::default(), kernels());
+    let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
+    let mut run: Vec<(&dyn Backend, ParamStore, Optimizer)> = [&cpu as &dyn Backend, &kern]
+        .into_iter()
+        .map(|be| {
+            let p = model.init_params(be, 11);
+            let o = Optimizer::new(be, &ocfg, model.param_specs());
+            (be, p, o)
+        })
+        .collect();
+    for s in 0..4u64 {
+        let inputs = tokens(BATCH * SEQ, job.model.vocab_size, 20 + s);
+        let targets = tokens(BATCH * SEQ, job.model.vocab_size, 40 + s);
+        let mut losses = Vec::new();
+        let mut params = Vec::new();
+        for (be, p, o) in run.iter_mut() {
+            let mut ws = Workspace::new(*be, &model, BATCH, SEQ, AcMode::None);
+            let mut grads = ParamStore::zeros(*be, model.param_specs(), Category::Grads);
+            let out = forward_backward(
+                *be,
+                &model,
+                p,
+                &mut grads,
+                &mut ws,
+                Tokens {
+                    inputs: &inputs,
+                    targets: &targets,
+                },
+                1.0,
+            );
+            ganymede_optim::clip_grad_norm(*be, &mut grads, 1.0);
+            o.step(*be, p, &grads, LR);
+            losses.push(out.loss);
+            params.push(
+                p.tensors()
+                    .iter()
+                    .map(|t| be.download(t.view()))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let le = rel(losses[1], losses[0]);
+        println!(
+            "step {s}: loss {} vs {}: rel err {le:.3e}",
+            losses[1], losses[0]
+        );
+        assert!(le < 1e-5, "step {s}: losses {losses:?}");
+        let diff = |e: f64| {
+            let lr_units = params[1]
+                .iter()
+                .zip(&params[0])
+                .map(|(g, w)| err(g, w).0)
+                .fold(0.0, f64::max)
+                / LR;
+            println!("step {s}: parameters' worst max-abs error {e:.3e} of the tensor's scale, {lr_units:.3e} of lr");
+        };
+        let worst = compare(&names, &params[1], &params[0], |_| {
+            PARAM_TOL * LR * (s + 1) as f64
+        })
+        .unwrap_or_else(|e| panic!("step {s} param {e}"));
+        diff(worst);
+    }
+}
+
+#[test]
+fn muon_steps_match_the_cpu() {
+    train_steps(false);
+}
+
+#[test]
+fn adamw_steps_match_the_cpu() {
+    train_steps(true);
+}
