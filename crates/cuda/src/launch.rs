@@ -29,7 +29,9 @@ pub trait Launcher: Send + Sync {
     /// dropping the one it replaces must not free memory that queued work still uses (a GPU
     /// frees stream-ordered).
     fn alloc_scratch(&self, bytes: usize) -> Tensor;
-    /// Copy `src` to the memory at `dst`, ordered with the launches.
+    /// Copy `src` to the memory at `dst`, ordered with the launches (after those issued before,
+    /// before those issued after: a GPU copies on the compute stream). `src` may be reused once
+    /// this returns (pageable memory is staged by the driver before it does).
     ///
     /// # Safety
     /// `dst` must be valid for `src.len()` bytes.
@@ -40,6 +42,9 @@ pub trait Launcher: Send + Sync {
     /// `src` must be valid for `dst.len()` bytes.
     unsafe fn download(&self, dst: &mut [u8], src: *mut c_void);
 }
+
+// The trait stays object-safe (a backend may hold a `Box<dyn Launcher>`).
+const _: Option<&dyn Launcher> = None;
 
 /// The kernels' host build: launches run on the calling thread (see [`host::launch`]),
 /// addresses are host pointers, scratch comes from a CPU backend's memory.

@@ -48,7 +48,8 @@ impl Default for Tuning {
 /// give the same rounding.
 const CHUNK_ROWS: usize = 64;
 
-/// Scratch regions are aligned to this many bytes (any element type, coalesced access).
+/// Scratch regions start at multiples of this many bytes from the pool's start (any element
+/// type; coalesced access on a device, whose allocations are at least this aligned).
 const SCRATCH_ALIGN: usize = 256;
 
 /// The ops over launcher `L`.
@@ -180,5 +181,43 @@ fn cfg(grid: [u32; 3], block: u32) -> LaunchConfig {
         grid,
         block: [block, 1, 1],
         shared: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::HostLauncher;
+    use ganymede_core::{Category, CpuBackend, Device, Memory};
+
+    #[test]
+    fn scratch_regions_are_aligned_disjoint_and_pooled() {
+        let cpu = CpuBackend::default();
+        let ops = KernelOps::new(HostLauncher::new(cpu.clone()));
+        let held = || {
+            cpu.ledger()
+                .report()
+                .current(Device::Host, Category::Buffers)
+        };
+        let (s, [a, b, c]) = ops.scratch([10, 0, 300]);
+        let (a, b, c) = (a as usize, b as usize, c as usize);
+        // Offsets from the pool's start (a device allocation is at least that aligned; the
+        // host's f64 pool 8 bytes).
+        assert!(a % 8 == 0 && (b - a) % SCRATCH_ALIGN == 0 && (c - a) % SCRATCH_ALIGN == 0);
+        assert!(a + 10 <= b && b <= c, "in order, disjoint");
+        drop(s);
+        let first = held();
+        assert!(first >= (SCRATCH_ALIGN + 300) as u64);
+        // Smaller requests reuse the pool; a larger one replaces it (the old one freed).
+        drop(ops.scratch([64, 64]));
+        assert_eq!(held(), first);
+        drop(ops.scratch([4 * first as usize]));
+        assert!(held() >= 4 * first && held() < 5 * first + SCRATCH_ALIGN as u64);
+        // Bytes go there and back.
+        let (_s, [p]) = ops.scratch([12]);
+        ops.put(p, &[7u32, 8, 9]);
+        let mut back = [0u32; 3];
+        ops.get(&mut back, p);
+        assert_eq!(back, [7, 8, 9]);
     }
 }
