@@ -6,11 +6,13 @@
 //! (attention's online softmax, block sums) round differently, and the differences flow through
 //! the whole network. A gradient tensor `g` against the CPU's `w` passes when
 //! `max |g - w| <= 2e-4 · max |w| + 1e-7`: its worst element within a small fraction of the
-//! tensor's scale (elementwise relative errors are meaningless for entries near zero). Losses
-//! within 1e-5 relative; parameters after the steps within 1e-4 of their scale.
+//! tensor's scale (elementwise relative errors are meaningless for entries near zero); measured
+//! about 1e-6. Losses within 1e-5 relative (measured 1e-9 to 1e-7). After optimizer steps, each
+//! parameter tensor's movement from its start within 1e-3 of itself (measured up to 1.6e-4
+//! with AdamW, 4e-5 with Muon; leaving out AdamW's weight decay shows as 4e-3).
 
 use ganymede_config::{preset, AcMode, ModelConfig};
-use ganymede_core::{Backend, Category, CpuBackend, Ledger, ParamStore};
+use ganymede_core::{Backend, Category, CpuBackend, Ledger, Memory, ParamStore};
 use ganymede_cuda::kernel_backend::HostKernelBackend;
 use ganymede_cuda::ops::Tuning;
 use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
@@ -21,8 +23,8 @@ const BATCH: usize = 2;
 const SEQ: usize = 32;
 /// The optimizer steps' learning rate.
 const LR: f64 = 1e-2;
-/// Parameters after step `s` within this fraction of `(s + 1) · LR`.
-const PARAM_TOL: f64 = 0.01;
+/// Each parameter tensor's movement since the start within this fraction of itself.
+const MOVEMENT_TOL: f64 = 1e-3;
 
 fn tiny() -> ModelConfig {
     preset("tiny").unwrap().model
@@ -165,9 +167,35 @@ fn tiny_forward_backward_matches_the_cpu() {
     assert!(caught.is_err(), "one changed target went unnoticed");
 }
 
-/// Three steps of forward, backward and optimizer update (`optimizer` as configured: Muon for
-/// the hidden matrices and AdamW for the rest, or AdamW for everything), the parameters
-/// compared after each.
+/// `‖got − want‖ / ‖want − start‖` over one tensor: the error of the parameters' movement
+/// since the start, relative to that movement.
+fn movement_err(got: &[f32], want: &[f32], start: &[f32]) -> f64 {
+    let sq = |a: &[f32], b: &[f32]| -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+            .sum()
+    };
+    let moved = sq(want, start).sqrt();
+    let e = sq(got, want).sqrt();
+    if moved == 0.0 {
+        // A frozen tensor (the routers' selection bias): exactly unchanged on both.
+        if e == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        e / moved
+    }
+}
+
+/// Four steps of forward, backward, clipping and optimizer update (`optimizer` as configured:
+/// Muon for the hidden matrices and AdamW for the rest, or AdamW for everything), the
+/// parameters compared after each by how far they moved: elementwise errors say little here,
+/// since AdamW's first steps move a weight by about `lr · g / (|g| + eps)`, which for the
+/// gradients of magnitude ~eps (1e-8, seen on rarely routed experts' weights) turns their last
+/// bits into a visible part of `lr`; the movement of a whole tensor does not.
 fn train_steps(adamw_only: bool) {
     let job = preset("tiny").unwrap();
     let mut ocfg = job.optimizer.clone();
@@ -184,6 +212,12 @@ fn train_steps(adamw_only: bool) {
             let o = Optimizer::new(be, &ocfg, model.param_specs());
             (be, p, o)
         })
+        .collect();
+    let start: Vec<Vec<f32>> = run[0]
+        .1
+        .tensors()
+        .iter()
+        .map(|t| cpu.download(t.view()))
         .collect();
     for s in 0..4u64 {
         let inputs = tokens(BATCH * SEQ, job.model.vocab_size, 20 + s);
@@ -221,20 +255,20 @@ fn train_steps(adamw_only: bool) {
             losses[1], losses[0]
         );
         assert!(le < 1e-5, "step {s}: losses {losses:?}");
-        let diff = |e: f64| {
-            let lr_units = params[1]
-                .iter()
-                .zip(&params[0])
-                .map(|(g, w)| err(g, w).0)
-                .fold(0.0, f64::max)
-                / LR;
-            println!("step {s}: parameters' worst max-abs error {e:.3e} of the tensor's scale, {lr_units:.3e} of lr");
-        };
-        let worst = compare(&names, &params[1], &params[0], |_| {
-            PARAM_TOL * LR * (s + 1) as f64
-        })
-        .unwrap_or_else(|e| panic!("step {s} param {e}"));
-        diff(worst);
+        let (mut worst, mut max_abs) = (0.0f64, 0.0f64);
+        for (i, n) in names.iter().enumerate() {
+            let e = movement_err(&params[1][i], &params[0][i], &start[i]);
+            assert!(
+                e <= MOVEMENT_TOL,
+                "step {s} {n}: movement off by {e:.3e} of itself (tol {MOVEMENT_TOL:.0e})"
+            );
+            worst = worst.max(e);
+            max_abs = max_abs.max(err(&params[1][i], &params[0][i]).0);
+        }
+        println!(
+            "step {s}: parameters' movement within {worst:.3e} of itself; max abs err {:.3e} lr",
+            max_abs / LR
+        );
     }
 }
 
