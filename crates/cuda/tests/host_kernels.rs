@@ -21,11 +21,13 @@ use std::sync::Arc;
 fn cpu() -> CpuBackend {
     CpuBackend::new(Arc::new(Ledger::new()))
 }
-/// Grid-stride kernels in few small blocks, so every thread loops over several elements.
+/// Grid-stride kernels in few small blocks, so every thread loops over several elements, and
+/// row kernels in blocks of one warp, so rows wider than 32 loop.
 const SMALL: Tuning = Tuning {
     ew_block: 64,
     ew_max_blocks: 3,
     attn_rows: 4,
+    row_block_max: 32,
 };
 fn kernels(tuning: Tuning) -> HostKernelBackend {
     HostKernelBackend::host(cpu(), tuning)

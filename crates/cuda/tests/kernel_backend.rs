@@ -31,14 +31,18 @@ fn tiny() -> ModelConfig {
 }
 
 fn kernels() -> HostKernelBackend {
-    // Small launches: grid-stride loops and several query rows per attention block run even at
-    // these sizes.
-    let tuning = Tuning {
+    HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), small())
+}
+
+fn small() -> Tuning {
+    // Small launches: grid-stride loops, several query rows per attention block and rows wider
+    // than a block run even at these sizes.
+    Tuning {
         ew_block: 64,
         ew_max_blocks: 8,
         attn_rows: 4,
-    };
-    HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning)
+        row_block_max: 32,
+    }
 }
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -131,33 +135,42 @@ fn rel(a: f64, b: f64) -> f64 {
 fn tiny_forward_backward_matches_the_cpu() {
     let c = tiny();
     let model = Model::new(&c);
-    let (cpu, kern) = (CpuBackend::default(), kernels());
-    let (pc, pk) = (model.init_params(&cpu, 3), model.init_params(&kern, 3));
+    let cpu = CpuBackend::default();
+    let pc = model.init_params(&cpu, 3);
     let inputs = tokens(BATCH * SEQ, c.vocab_size, 4);
     let targets = tokens(BATCH * SEQ, c.vocab_size, 5);
     let (gw, ow) = step(&cpu, &model, &pc, &inputs, &targets);
-    let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
     let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
-
-    let (le, ae) = (rel(og.loss, ow.loss), rel(og.aux_loss, ow.aux_loss));
-    println!("loss {} vs {}: rel err {le:.3e}", og.loss, ow.loss);
-    println!(
-        "aux loss {} vs {}: rel err {ae:.3e}",
-        og.aux_loss, ow.aux_loss
-    );
-    assert!(le < 1e-5 && ae < 1e-5, "losses {og:?} vs {ow:?}");
-    // Routing is discrete: the same experts chose the same tokens.
-    assert_eq!(og.expert_load, ow.expert_load, "expert loads");
     // Every parameter has a gradient worth comparing.
     for (n, w) in names.iter().zip(&gw) {
         let is_bias = n.contains("bias");
         assert!(is_bias || w.iter().any(|&x| x != 0.0), "{n}: zero gradient");
     }
-    let worst = compare(&names, &gg, &gw, grad_tol).unwrap_or_else(|e| panic!("gradient {e}"));
-    println!(
-        "{} gradient tensors: worst max-abs error {worst:.3e} of the tensor's scale",
-        names.len()
-    );
+
+    // The small launches, and the GPU's default ones.
+    for (what, tuning) in [("small", small()), ("default", Tuning::default())] {
+        let kern = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
+        let pk = model.init_params(&kern, 3);
+        let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
+        let (le, ae) = (rel(og.loss, ow.loss), rel(og.aux_loss, ow.aux_loss));
+        println!(
+            "{what} launches: loss {} vs {}: rel err {le:.3e}",
+            og.loss, ow.loss
+        );
+        println!(
+            "{what} launches: aux loss {} vs {}: rel err {ae:.3e}",
+            og.aux_loss, ow.aux_loss
+        );
+        assert!(le < 1e-5 && ae < 1e-5, "losses {og:?} vs {ow:?}");
+        // Routing is discrete: the same experts chose the same tokens.
+        assert_eq!(og.expert_load, ow.expert_load, "expert loads");
+        let worst = compare(&names, &gg, &gw, grad_tol).unwrap_or_else(|e| panic!("gradient {e}"));
+        println!(
+            "{what} launches: {} gradient tensors, worst max-abs error {worst:.3e} of the \
+             tensor's scale",
+            names.len()
+        );
+    }
 
     // The check can fail: a changed target moves the gradients past the tolerance.
     let mut other = targets.clone();
@@ -298,7 +311,7 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
             checking: true,
         },
     );
-    let dev = HostKernelBackend::host(two, Tuning::default());
+    let dev = HostKernelBackend::host(two, small());
     let host = kernels();
     let inputs = tokens(BATCH * SEQ, c.vocab_size, 6);
     let targets = tokens(BATCH * SEQ, c.vocab_size, 7);
@@ -310,8 +323,6 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
     assert!(after_one > 0, "no scratch on the device");
     assert_eq!(pool(), after_one, "the scratch pool grew on a second step");
     assert_eq!(gd, gd2, "a second step differs");
-    // Launch sizes differ too (default vs small): the forward and backward kernels reduce in
-    // orders that do not depend on them, so the results are bitwise the same.
     let (gh, oh) = step(&host, &model, &ph, &inputs, &targets);
     assert_eq!((od.loss, od.aux_loss), (oh.loss, oh.aux_loss));
     assert_eq!(gd, gh, "gradients over two memories vs host memory");

@@ -32,6 +32,9 @@ pub struct Tuning {
     pub ew_max_blocks: u32,
     /// Query rows per attention forward block (one warp each, at most 16).
     pub attn_rows: u32,
+    /// At most this many threads per block of the kernels that take one block per row (norms,
+    /// embedding, gather/combine), a multiple of 32: a row wider than this loops.
+    pub row_block_max: u32,
 }
 
 impl Default for Tuning {
@@ -40,6 +43,7 @@ impl Default for Tuning {
             ew_block: 256,
             ew_max_blocks: 1024,
             attn_rows: 8,
+            row_block_max: 256,
         }
     }
 }
@@ -64,6 +68,21 @@ impl<L: Launcher> KernelOps<L> {
         Self::with_tuning(launcher, Tuning::default())
     }
     pub fn with_tuning(launcher: L, tuning: Tuning) -> Self {
+        let Tuning {
+            ew_block,
+            ew_max_blocks,
+            attn_rows,
+            row_block_max,
+        } = tuning;
+        assert!(
+            ew_block > 0
+                && ew_block.is_multiple_of(32)
+                && ew_max_blocks > 0
+                && (1..=16).contains(&attn_rows)
+                && row_block_max > 0
+                && row_block_max.is_multiple_of(32),
+            "launch sizes the kernels do not take: {tuning:?}"
+        );
         KernelOps {
             launcher,
             tuning,
@@ -87,6 +106,11 @@ impl<L: Launcher> KernelOps<L> {
         // Safety: every op checks its views' lengths against the sizes it passes, and carves
         // scratch of the sizes its kernels index, before calling this.
         unsafe { self.launcher.launch(name, cfg, args) }
+    }
+
+    /// Threads for one block per row of `dim`: a warp per 32 columns, up to the tuning's cap.
+    fn row_block(&self, dim: usize) -> u32 {
+        (dim.next_multiple_of(32) as u32).clamp(32, self.tuning.row_block_max)
     }
 
     /// A 1-D grid-stride launch over `n` elements.
@@ -165,11 +189,6 @@ fn i64_of(x: usize) -> Arg {
 }
 fn u32_of(x: usize) -> u32 {
     u32::try_from(x).expect("grid beyond u32")
-}
-
-/// One block per row of `dim`: a warp per 32 columns, at most 256 threads.
-fn row_block(dim: usize) -> u32 {
-    (dim.next_multiple_of(32)).clamp(32, 256) as u32
 }
 
 fn grid(x: usize, y: usize, z: usize) -> [u32; 3] {

@@ -42,7 +42,11 @@ impl<L: Launcher> KernelOps<L> {
         self.put(d_ids, ids);
         let args = [self.am(out), self.a(wte), d_ids.into(), i32_of(dim)];
         let name = format!("embedding_forward_{}", st(dt, "embedding_forward"));
-        self.launch(&name, cfg(grid(ids.len(), 1, 1), row_block(dim)), &args);
+        self.launch(
+            &name,
+            cfg(grid(ids.len(), 1, 1), self.row_block(dim)),
+            &args,
+        );
     }
 
     /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: the tokens grouped by id on the
@@ -73,7 +77,11 @@ impl<L: Launcher> KernelOps<L> {
             si.into(),
             i32_of(dim),
         ];
-        self.launch(&name, cfg(grid(seg_id.len(), 1, 1), row_block(dim)), &args);
+        self.launch(
+            &name,
+            cfg(grid(seg_id.len(), 1, 1), self.row_block(dim)),
+            &args,
+        );
     }
 
     // -----------------------------------------------------------------------------------------
@@ -126,7 +134,7 @@ impl<L: Launcher> KernelOps<L> {
             eps.into(),
         ];
         let name = format!("rmsnorm_forward_{}", st(dt, "rmsnorm_forward"));
-        self.launch(&name, cfg(grid(rows, 1, 1), row_block(dim)), &args);
+        self.launch(&name, cfg(grid(rows, 1, 1), self.row_block(dim)), &args);
     }
 
     pub fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
@@ -165,7 +173,7 @@ impl<L: Launcher> KernelOps<L> {
             self.a(s.rstd),
             i32_of(dim),
         ];
-        let blocks = cfg(grid(rows, 1, 1), row_block(dim));
+        let blocks = cfg(grid(rows, 1, 1), self.row_block(dim));
         self.launch(&format!("rmsnorm_backward_dx_{sfx}"), blocks, &args);
         let chunks = rows.div_ceil(CHUNK_ROWS);
         let (_s, [partial]) = self.scratch([chunks * dim * 4]);
@@ -229,7 +237,7 @@ impl<L: Launcher> KernelOps<L> {
         let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
-        let blocks = cfg(grid(rows * d.heads, 1, 1), row_block(d.head_dim));
+        let blocks = cfg(grid(rows * d.heads, 1, 1), self.row_block(d.head_dim));
         self.launch(&format!("{op}_{}", st(dt, op)), blocks, &args);
     }
 
@@ -270,7 +278,7 @@ impl<L: Launcher> KernelOps<L> {
             self.a(s.rstd),
         ];
         args.extend(self.rope_args(&d, freq));
-        let blocks = cfg(grid(rows * d.heads, 1, 1), row_block(d.head_dim));
+        let blocks = cfg(grid(rows * d.heads, 1, 1), self.row_block(d.head_dim));
         self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
         let mut args = vec![
             partial.into(),
@@ -339,7 +347,7 @@ impl<L: Launcher> KernelOps<L> {
         if nl == 0 {
             return;
         }
-        let w = self.tuning.attn_rows.clamp(1, 16) as usize;
+        let w = self.tuning.attn_rows as usize;
         let mut args = vec![self.am(out), self.am(lse), self.a(q), self.a(k), self.a(v)];
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
@@ -621,7 +629,7 @@ impl<L: Launcher> KernelOps<L> {
         let (_s, [d_src]) = self.scratch([src.len() * 4]);
         self.put(d_src, src);
         let args = [self.am(xe), self.a(x), d_src.into(), i32_of(dim)];
-        let shape = cfg(grid(src.len(), 1, 1), row_block(dim));
+        let shape = cfg(grid(src.len(), 1, 1), self.row_block(dim));
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
@@ -642,7 +650,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.k),
             i32_of(d.dim),
         ];
-        let shape = cfg(grid(tokens, 1, 1), row_block(d.dim));
+        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
@@ -665,7 +673,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.k),
             i32_of(d.dim),
         ];
-        let shape = cfg(grid(tokens, 1, 1), row_block(d.dim));
+        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
@@ -700,7 +708,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.k),
             i32_of(d.dim),
         ];
-        let shape = cfg(grid(tokens, 1, 1), row_block(d.dim));
+        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
