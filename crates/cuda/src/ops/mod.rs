@@ -22,7 +22,9 @@ use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
 /// Launch sizes the ops choose; the defaults suit a GPU, tests shrink them so that grid-stride
-/// loops and multi-row blocks are exercised on small shapes.
+/// loops and multi-row blocks are exercised on small shapes. Block reductions sum in an order
+/// that follows the block size, so results depend on these in their last bits; at fixed sizes
+/// they are deterministic (no floating-point atomics).
 #[derive(Clone, Copy, Debug)]
 pub struct Tuning {
     /// Threads per block of the 1-D elementwise (grid-stride) kernels and of the first pass of
