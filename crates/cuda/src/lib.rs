@@ -16,4 +16,7 @@ pub mod cublas_map;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod host;
+pub mod kernel_backend;
+pub mod launch;
+pub mod ops;
 pub mod sources;

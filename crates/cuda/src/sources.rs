@@ -6,7 +6,8 @@
 //! kernel documents its launch shape above its definition. The host build compiles the same
 //! files (`build.rs`, `host`), and the tests check these lists against both builds.
 //!
-//! Conventions the device side follows (`tests/host_kernels.rs` launches each op this way):
+//! Conventions the device side follows (`ops` launches each op this way, for the host build and
+//! the GPU alike; `tests/host_kernels.rs` checks each against the CPU backend):
 //! - names end in the storage type of the activations, `_f32` or `_bf16` (f32 arithmetic
 //!   either way); saved statistics (rstd, lse, delta) and weight gradients are f32, sums that
 //!   the step reads at its end (losses, sums of squares, per-expert probability sums) f64;

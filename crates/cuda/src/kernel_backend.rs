@@ -1,0 +1,320 @@
+//! A full [`ganymede_core::Backend`] from the kernel ops plus a device's memory and GEMMs:
+//! [`KernelBackend`]`<L, D>` runs every elementwise, norm, attention, routing, loss and
+//! optimizer op through [`KernelOps`]`<L>` and takes `Memory` and the GEMMs from `D`.
+//! [`HostKernelBackend`] is the host build over the CPU backend (the model-level check that the
+//! kernels compose into training, `tests/kernel_backend.rs`); the GPU backend is the same
+//! struct over a CUDA launcher and a device with cuBLAS.
+
+use crate::launch::{HostLauncher, Launcher};
+use crate::ops::{KernelOps, Tuning};
+use ganymede_core::{
+    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, CopySpan, CpuBackend, DType, Device,
+    DispatchOut, Dispatched, Event, Gemm, HeadRope, Ledger, Memory, MemoryError, NnOps, NormSaved,
+    OptimOps, RouterDims, RouterOut, Stream, Syrk, Tensor, View, ViewMut,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The matrix products a BLAS library provides (cuBLAS on a GPU), with the seam's semantics
+/// ([`Blas::gemm`], [`Blas::syrk`], [`NnOps::gemm_grouped`]).
+pub trait Gemms: Send + Sync {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm);
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk);
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]);
+}
+
+impl Gemms for CpuBackend {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
+        Blas::gemm(self, c, a, b, g)
+    }
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        Blas::syrk(self, c, a, s)
+    }
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        NnOps::gemm_grouped(self, c, a, b, groups)
+    }
+}
+
+/// Memory and GEMMs from `D`, every other op a kernel launched through `L`.
+pub struct KernelBackend<L: Launcher, D: Memory + Gemms> {
+    ops: KernelOps<L>,
+    dev: D,
+}
+
+impl<L: Launcher, D: Memory + Gemms> KernelBackend<L, D> {
+    pub fn new(ops: KernelOps<L>, dev: D) -> Self {
+        KernelBackend { ops, dev }
+    }
+    pub fn ops(&self) -> &KernelOps<L> {
+        &self.ops
+    }
+    pub fn device_memory(&self) -> &D {
+        &self.dev
+    }
+}
+
+/// The kernels' host build as a backend: the CPU backend's memory and GEMMs, the shim's kernels.
+pub type HostKernelBackend = KernelBackend<HostLauncher, CpuBackend>;
+
+impl HostKernelBackend {
+    /// Over `cpu` (an f32 backend, plain or two-memory), with the given launch sizes.
+    pub fn host(cpu: CpuBackend, tuning: Tuning) -> Self {
+        assert_eq!(cpu.dtype(), DType::F32, "the kernels are f32 (and bf16)");
+        let ops = KernelOps::with_tuning(HostLauncher::new(cpu.clone()), tuning);
+        KernelBackend::new(ops, cpu)
+    }
+}
+
+impl<L: Launcher, D: Memory + Gemms> Memory for KernelBackend<L, D> {
+    fn device(&self) -> Device {
+        self.dev.device()
+    }
+    fn ledger(&self) -> &Arc<Ledger> {
+        self.dev.ledger()
+    }
+    fn zeros(&self, shape: &[usize], category: ganymede_core::Category) -> Tensor {
+        self.dev.zeros(shape, category)
+    }
+    fn zeros_of(&self, shape: &[usize], dtype: DType, category: ganymede_core::Category) -> Tensor {
+        self.dev.zeros_of(shape, dtype, category)
+    }
+    fn upload(&self, data: &[f32], shape: &[usize], category: ganymede_core::Category) -> Tensor {
+        self.dev.upload(data, shape, category)
+    }
+    fn upload_f64(
+        &self,
+        data: &[f64],
+        shape: &[usize],
+        category: ganymede_core::Category,
+    ) -> Tensor {
+        self.dev.upload_f64(data, shape, category)
+    }
+    fn download(&self, src: View) -> Vec<f32> {
+        self.dev.download(src)
+    }
+    fn download_f64(&self, src: View) -> Vec<f64> {
+        self.dev.download_f64(src)
+    }
+    fn write(&self, dst: ViewMut, data: &[f32]) {
+        self.dev.write(dst, data)
+    }
+    fn write_f64(&self, dst: ViewMut, data: &[f64]) {
+        self.dev.write_f64(dst, data)
+    }
+    fn upload_u32(
+        &self,
+        data: &[u32],
+        shape: &[usize],
+        category: ganymede_core::Category,
+    ) -> Tensor {
+        self.dev.upload_u32(data, shape, category)
+    }
+    fn write_u32(&self, dst: ViewMut, data: &[u32]) {
+        self.dev.write_u32(dst, data)
+    }
+    fn download_u32(&self, src: View) -> Vec<u32> {
+        self.dev.download_u32(src)
+    }
+    fn copy(&self, dst: ViewMut, src: View) {
+        self.dev.copy(dst, src)
+    }
+    fn fill(&self, dst: ViewMut, value: f32) {
+        self.dev.fill(dst, value)
+    }
+    fn synchronize(&self) {
+        self.dev.synchronize()
+    }
+    fn try_zeros(
+        &self,
+        shape: &[usize],
+        category: ganymede_core::Category,
+    ) -> Result<Tensor, MemoryError> {
+        self.dev.try_zeros(shape, category)
+    }
+    fn pinned_zeros(&self, shape: &[usize], category: ganymede_core::Category) -> Tensor {
+        self.dev.pinned_zeros(shape, category)
+    }
+    fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
+        self.dev.copy_async(dst, src, stream)
+    }
+    fn record_event(&self, stream: Stream) -> Event {
+        self.dev.record_event(stream)
+    }
+    fn wait_event(&self, stream: Stream, event: &Event) {
+        self.dev.wait_event(stream, event)
+    }
+    fn synchronize_event(&self, event: &Event) {
+        self.dev.synchronize_event(event)
+    }
+    fn query_event(&self, event: &Event) -> bool {
+        self.dev.query_event(event)
+    }
+    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
+        self.dev.elapsed(start, end)
+    }
+    fn trace_copies(&self, on: bool) {
+        self.dev.trace_copies(on)
+    }
+    fn take_copy_spans(&self) -> Vec<CopySpan> {
+        self.dev.take_copy_spans()
+    }
+}
+
+impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
+        Gemms::gemm(&self.dev, c, a, b, g)
+    }
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        Gemms::syrk(&self.dev, c, a, s)
+    }
+    fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
+        self.ops.axpy(y, alpha, x)
+    }
+    fn scale(&self, y: ViewMut, alpha: f32) {
+        self.ops.scale(y, alpha)
+    }
+    fn add(&self, y: ViewMut, x: View) {
+        self.ops.add(y, x)
+    }
+    fn sumsq(&self, x: View) -> f64 {
+        self.ops.sumsq(x)
+    }
+    fn sumsq_acc(&self, acc: ViewMut, x: View) {
+        self.ops.sumsq_acc(acc, x)
+    }
+    fn cast(&self, dst: ViewMut, src: View) {
+        // A same-dtype "cast" is a copy, which is the memory's.
+        if dst.dtype() == src.dtype() {
+            assert_eq!(dst.len(), src.len(), "cast between different lengths");
+            self.dev.copy(dst, src)
+        } else {
+            self.ops.cast(dst, src)
+        }
+    }
+}
+
+impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        Gemms::gemm_grouped(&self.dev, c, a, b, groups)
+    }
+    fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
+        self.ops.embedding_forward(out, wte, ids, dim)
+    }
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
+        self.ops.embedding_backward(dwte, dout, ids, dim)
+    }
+    fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
+        self.ops.rmsnorm_forward(out, rstd, x, w, dim, eps)
+    }
+    fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
+        self.ops.rmsnorm_backward(dx, dw, dout, s, dim)
+    }
+    fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
+        self.ops.head_norm_rope_forward(out, rstd, x, w, d)
+    }
+    fn head_norm_rope_backward(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        d: HeadRope,
+    ) {
+        self.ops.head_norm_rope_backward(dx, dw, dout, s, d)
+    }
+    fn attention_forward(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
+        d: AttnDims,
+    ) {
+        self.ops.attention_forward(out, lse, q, k, v, d)
+    }
+    fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
+        self.ops.attention_backward(g, dout, s, d)
+    }
+    fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
+        self.ops.swiglu_forward(out, gate, up)
+    }
+    fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
+        self.ops.swiglu_backward(dgate, dup, dout, gate, up)
+    }
+    fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
+        self.ops.router_forward(out, logits, bias, d)
+    }
+    fn router_backward(
+        &self,
+        dlogits: ViewMut,
+        dweights: View,
+        probs: View,
+        idx: View,
+        dprob_const: View,
+        d: RouterDims,
+    ) {
+        self.ops
+            .router_backward(dlogits, dweights, probs, idx, dprob_const, d)
+    }
+    fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
+        self.ops.moe_dispatch(out, idx, experts, k)
+    }
+    fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
+        self.ops.moe_gather(xe, x, src, dim)
+    }
+    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
+        self.ops.moe_gather_backward(dx, dxe, d)
+    }
+    fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
+        self.ops.moe_combine(out, ye, w, d)
+    }
+    fn moe_combine_backward(
+        &self,
+        dye: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        ye: View,
+        w: View,
+        d: Dispatched,
+    ) {
+        self.ops.moe_combine_backward(dye, dw, dout, ye, w, d)
+    }
+    fn cross_entropy_forward(
+        &self,
+        lse: ViewMut,
+        logits: View,
+        targets: View,
+        vocab: usize,
+        loss: ViewMut,
+    ) {
+        self.ops
+            .cross_entropy_forward(lse, logits, targets, vocab, loss)
+    }
+    fn cross_entropy_backward(
+        &self,
+        logits: ViewMut,
+        lse: View,
+        targets: View,
+        vocab: usize,
+        scale: f32,
+    ) {
+        self.ops
+            .cross_entropy_backward(logits, lse, targets, vocab, scale)
+    }
+}
+
+impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
+    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
+        self.ops.adamw_step(param, m, v, grad, h)
+    }
+    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64) {
+        self.ops.nesterov_momentum(buf, grad, out, momentum)
+    }
+    fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
+        self.ops.normalize_frobenius(x, eps)
+    }
+    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
+        self.ops.decay_update(param, update, alpha, decay)
+    }
+}

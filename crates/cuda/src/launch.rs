@@ -1,0 +1,105 @@
+//! What the kernel ops ([`crate::ops::KernelOps`]) need from a device, so that one ops layer
+//! runs on the host build (the shim, [`HostLauncher`]) and on a GPU (a launcher over the device
+//! layer): the address of a view's first element, a kernel launch, scratch memory, and byte
+//! copies between host memory and such addresses (for the integer data the seam still passes
+//! on the host, and the few values that come back to it).
+//!
+//! Addresses are `*mut c_void`, as a kernel argument holds them ([`Arg::Ptr`]); a GPU
+//! launcher returns its `CUdeviceptr` cast to one. Work is ordered as on one stream: a launch
+//! or copy may be asynchronous, but `download` returns with the data.
+
+use crate::host::{self, Arg, LaunchConfig};
+use ganymede_core::{Category, CpuBackend, DType, Memory, Tensor, View, ViewMut};
+use std::ffi::c_void;
+
+/// A device as the kernel ops see it. Object-safe.
+pub trait Launcher: Send + Sync {
+    /// The address of `v`'s first element (read by kernels).
+    fn addr(&self, v: View) -> *mut c_void;
+    /// The address of `v`'s first element (written by kernels).
+    fn addr_mut(&self, v: ViewMut) -> *mut c_void;
+    /// Launch kernel `name` on the compute stream.
+    ///
+    /// # Safety
+    /// As `cuLaunchKernel`: the arguments must match the kernel's parameters, and every address
+    /// must be valid for what the kernel reads and writes at this configuration.
+    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]);
+    /// A tensor of at least `bytes` bytes, 8-byte aligned, charged to the ledger as
+    /// [`Category::Buffers`]. The ops keep it as a grow-only pool, so this is called rarely;
+    /// dropping the one it replaces must not free memory that queued work still uses (a GPU
+    /// frees stream-ordered).
+    fn alloc_scratch(&self, bytes: usize) -> Tensor;
+    /// Copy `src` to the memory at `dst`, ordered with the launches (after those issued before,
+    /// before those issued after: a GPU copies on the compute stream). `src` may be reused once
+    /// this returns (pageable memory is staged by the driver before it does).
+    ///
+    /// # Safety
+    /// `dst` must be valid for `src.len()` bytes.
+    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]);
+    /// Copy the memory at `src` into `dst` once the work before it is done.
+    ///
+    /// # Safety
+    /// `src` must be valid for `dst.len()` bytes.
+    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void);
+}
+
+// The trait stays object-safe (a backend may hold a `Box<dyn Launcher>`).
+const _: Option<&dyn Launcher> = None;
+
+/// The kernels' host build: launches run on the calling thread (see [`host::launch`]),
+/// addresses are host pointers, scratch comes from a CPU backend's memory.
+#[derive(Clone)]
+pub struct HostLauncher {
+    mem: CpuBackend,
+}
+
+impl HostLauncher {
+    /// Scratch is allocated (and charged) through `mem`, which should be the backend whose
+    /// tensors the kernels run on (two-memory mode included: its views are host-addressable).
+    pub fn new(mem: CpuBackend) -> Self {
+        HostLauncher { mem }
+    }
+}
+
+/// The host address of element `offset` of a device buffer, after its access checks.
+fn device_addr(buf: &dyn ganymede_core::DeviceBuffer, offset: usize, write: bool) -> *mut c_void {
+    let base = buf
+        .host_ptr(write)
+        .unwrap_or_else(|| panic!("{} is not host memory", buf.describe()));
+    base.wrapping_add(offset * buf.dtype().size()) as *mut c_void
+}
+
+impl Launcher for HostLauncher {
+    fn addr(&self, v: View) -> *mut c_void {
+        match v {
+            View::Host(s) => s.as_ptr() as *mut c_void,
+            View::Host64(s) => s.as_ptr() as *mut c_void,
+            View::HostBf16(s) => s.as_ptr() as *mut c_void,
+            View::HostU32(s) => s.as_ptr() as *mut c_void,
+            View::Device(d) => device_addr(d.buffer(), d.offset(), false),
+        }
+    }
+    fn addr_mut(&self, v: ViewMut) -> *mut c_void {
+        match v {
+            ViewMut::Host(s) => s.as_mut_ptr() as *mut c_void,
+            ViewMut::Host64(s) => s.as_mut_ptr() as *mut c_void,
+            ViewMut::HostBf16(s) => s.as_mut_ptr() as *mut c_void,
+            ViewMut::HostU32(s) => s.as_mut_ptr() as *mut c_void,
+            ViewMut::Device(d) => device_addr(d.buffer(), d.offset(), true),
+        }
+    }
+    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        host::launch(name, cfg, args)
+    }
+    fn alloc_scratch(&self, bytes: usize) -> Tensor {
+        // f64 elements: 8-byte alignment for the f64 partial sums carved from it.
+        self.mem
+            .zeros_of(&[bytes.div_ceil(8)], DType::F64, Category::Buffers)
+    }
+    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len())
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
+        std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
+    }
+}

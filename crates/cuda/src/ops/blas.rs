@@ -1,0 +1,89 @@
+//! Blas's vector operations (everything but the GEMMs): `elementwise.cu`.
+
+use super::*;
+
+impl<L: Launcher> KernelOps<L> {
+    /// `y += alpha * x` (f32 or bf16).
+    pub fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
+        let (n, dt) = (y.len(), y.dtype());
+        assert_eq!((x.len(), x.dtype()), (n, dt), "axpy: x vs y");
+        if n == 0 {
+            return;
+        }
+        let args = [self.am(y), alpha.into(), self.a(x), i64_of(n)];
+        self.launch(&format!("axpy_{}", st(dt, "axpy")), self.ew(n), &args);
+    }
+
+    /// `y *= alpha`.
+    pub fn scale(&self, y: ViewMut, alpha: f32) {
+        let (n, dt) = (y.len(), y.dtype());
+        if n == 0 {
+            return;
+        }
+        let args = [self.am(y), alpha.into(), i64_of(n)];
+        self.launch(&format!("scale_{}", st(dt, "scale")), self.ew(n), &args);
+    }
+
+    /// `y += x`.
+    pub fn add(&self, y: ViewMut, x: View) {
+        let (n, dt) = (y.len(), y.dtype());
+        assert_eq!((x.len(), x.dtype()), (n, dt), "add: x vs y");
+        if n == 0 {
+            return;
+        }
+        let args = [self.am(y), self.a(x), i64_of(n)];
+        self.launch(&format!("add_{}", st(dt, "add")), self.ew(n), &args);
+    }
+
+    /// `acc[0] += Σ x²` at the address `acc` (an f64), in two deterministic passes.
+    pub(super) fn sumsq_into(&self, acc: Arg, x: View, partial: *mut c_void, blocks: usize) {
+        let n = x.len();
+        let name = format!("sumsq_partial_{}", st(x.dtype(), "sumsq"));
+        let pass1 = LaunchConfig::linear(u32_of(blocks), self.tuning.ew_block);
+        self.launch(&name, pass1, &[partial.into(), self.a(x), i64_of(n)]);
+        let pass2 = LaunchConfig::linear(1, 256);
+        self.launch("sum_acc_f64", pass2, &[acc, partial.into(), i32_of(blocks)]);
+    }
+
+    /// Blocks of the first pass of a sum of squares over `n` elements.
+    pub(super) fn sumsq_blocks(&self, n: usize) -> usize {
+        self.ew(n).grid[0] as usize
+    }
+
+    /// Σ x² in f64, read back to the host.
+    pub fn sumsq(&self, x: View) -> f64 {
+        let blocks = self.sumsq_blocks(x.len());
+        let (_s, [partial, acc]) = self.scratch([blocks * 8, 8]);
+        self.put(acc, &[0.0f64]);
+        self.sumsq_into(acc.into(), x, partial, blocks);
+        let mut out = [0.0f64];
+        self.get(&mut out, acc);
+        out[0]
+    }
+
+    /// `acc[0] += Σ x²`, `acc` an f64 view.
+    pub fn sumsq_acc(&self, acc: ViewMut, x: View) {
+        assert_eq!(acc.dtype(), DType::F64, "sumsq_acc: acc must be f64");
+        assert!(!acc.is_empty(), "sumsq_acc: empty acc");
+        let blocks = self.sumsq_blocks(x.len());
+        let (_s, [partial]) = self.scratch([blocks * 8]);
+        self.sumsq_into(self.am(acc), x, partial, blocks);
+    }
+
+    /// `dst = src` between f32 and bf16 (round to nearest even, NaN kept). Same-dtype copies are
+    /// the memory's (`Memory::copy`), which [`crate::kernel_backend::KernelBackend`] routes.
+    pub fn cast(&self, dst: ViewMut, src: View) {
+        let n = dst.len();
+        assert_eq!(src.len(), n, "cast between different lengths");
+        let name = match (src.dtype(), dst.dtype()) {
+            (DType::F32, DType::BF16) => "cast_f32_to_bf16",
+            (DType::BF16, DType::F32) => "cast_bf16_to_f32",
+            (a, b) => panic!("no cast kernel from {} to {}", a.name(), b.name()),
+        };
+        if n == 0 {
+            return;
+        }
+        let args = [self.am(dst), self.a(src), i64_of(n)];
+        self.launch(name, self.ew(n), &args);
+    }
+}

@@ -1,0 +1,252 @@
+//! The seam's operations as kernel launches, over any [`Launcher`]: the host build checks them
+//! against the CPU backend and a GPU backend runs the very same launch logic.
+//!
+//! [`KernelOps`] implements [`ganymede_core::OptimOps`], and as inherent methods of the same
+//! signatures every [`ganymede_core::Blas`] operation except `gemm`/`syrk` and every
+//! [`ganymede_core::NnOps`] operation except `gemm_grouped` (those are a BLAS library's:
+//! [`crate::kernel_backend::KernelBackend`] puts the two together). Launch shapes follow the
+//! comment above each kernel in `kernels/*.cu`; each op checks its views' lengths before it
+//! launches, since a kernel, unlike the CPU backend's slices, would not.
+//!
+//! Scratch (partial sums, uploaded integer data) comes from one grow-only pool, locked for the
+//! duration of an op: launches are ordered on one stream, so the next op may reuse it.
+
+mod blas;
+mod nn;
+mod optim;
+
+use crate::host::{Arg, LaunchConfig};
+use crate::launch::Launcher;
+use ganymede_core::{DType, Tensor, View, ViewMut};
+use std::ffi::c_void;
+use std::sync::{Mutex, MutexGuard};
+
+/// Launch sizes the ops choose; the defaults suit a GPU, tests shrink them so that grid-stride
+/// loops and multi-row blocks are exercised on small shapes. Block reductions sum in an order
+/// that follows the block size, so results depend on these in their last bits; at fixed sizes
+/// they are deterministic (no floating-point atomics).
+#[derive(Clone, Copy, Debug)]
+pub struct Tuning {
+    /// Threads per block of the 1-D elementwise (grid-stride) kernels and of the first pass of
+    /// sums of squares.
+    pub ew_block: u32,
+    /// At most this many blocks for them (each thread then loops).
+    pub ew_max_blocks: u32,
+    /// Query rows per attention forward block (one warp each, at most 16).
+    pub attn_rows: u32,
+    /// At most this many threads per block of the kernels that take one block per row (norms,
+    /// embedding, gather/combine), a multiple of 32: a row wider than this loops.
+    pub row_block_max: u32,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            ew_block: 256,
+            ew_max_blocks: 1024,
+            attn_rows: 8,
+            row_block_max: 256,
+        }
+    }
+}
+
+/// The CPU backend's rows per partial sum of a column reduction (`RED_ROWS`): the same chunks
+/// give the same rounding.
+const CHUNK_ROWS: usize = 64;
+
+/// Scratch regions start at multiples of this many bytes from the pool's start (any element
+/// type; coalesced access on a device, whose allocations are at least this aligned).
+const SCRATCH_ALIGN: usize = 256;
+
+/// The ops over launcher `L`.
+pub struct KernelOps<L: Launcher> {
+    launcher: L,
+    tuning: Tuning,
+    pool: Mutex<Option<Tensor>>,
+}
+
+impl<L: Launcher> KernelOps<L> {
+    pub fn new(launcher: L) -> Self {
+        Self::with_tuning(launcher, Tuning::default())
+    }
+    pub fn with_tuning(launcher: L, tuning: Tuning) -> Self {
+        let Tuning {
+            ew_block,
+            ew_max_blocks,
+            attn_rows,
+            row_block_max,
+        } = tuning;
+        assert!(
+            ew_block > 0
+                && ew_block.is_multiple_of(32)
+                && ew_max_blocks > 0
+                && (1..=16).contains(&attn_rows)
+                && row_block_max > 0
+                && row_block_max.is_multiple_of(32),
+            "launch sizes the kernels do not take: {tuning:?}"
+        );
+        KernelOps {
+            launcher,
+            tuning,
+            pool: Mutex::new(None),
+        }
+    }
+    pub fn launcher(&self) -> &L {
+        &self.launcher
+    }
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
+    }
+
+    fn a(&self, v: View) -> Arg {
+        Arg::Ptr(self.launcher.addr(v))
+    }
+    fn am(&self, v: ViewMut) -> Arg {
+        Arg::Ptr(self.launcher.addr_mut(v))
+    }
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        // Safety: every op checks its views' lengths against the sizes it passes, and carves
+        // scratch of the sizes its kernels index, before calling this.
+        unsafe { self.launcher.launch(name, cfg, args) }
+    }
+
+    /// Threads for one block per row of `dim`: a warp per 32 columns, up to the tuning's cap.
+    fn row_block(&self, dim: usize) -> u32 {
+        (dim.next_multiple_of(32) as u32).clamp(32, self.tuning.row_block_max)
+    }
+
+    /// A 1-D grid-stride launch over `n` elements.
+    fn ew(&self, n: usize) -> LaunchConfig {
+        let t = self.tuning;
+        let blocks = n
+            .div_ceil(t.ew_block as usize)
+            .clamp(1, t.ew_max_blocks as usize);
+        LaunchConfig::linear(blocks as u32, t.ew_block)
+    }
+
+    /// Regions of `sizes` bytes from the pool (grown if needed), held until the guard drops.
+    fn scratch<const N: usize>(&self, sizes: [usize; N]) -> (Scratch<'_>, [*mut c_void; N]) {
+        let mut offs = [0usize; N];
+        let mut total = 0;
+        for (o, s) in offs.iter_mut().zip(sizes) {
+            *o = total;
+            total += s.next_multiple_of(SCRATCH_ALIGN);
+        }
+        let mut guard = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|t| t.bytes() < total) {
+            // Grow-only, with headroom, so the pool settles after the first steps.
+            let bytes = total.max(guard.as_ref().map_or(0, |t| t.bytes() * 2));
+            *guard = Some(self.launcher.alloc_scratch(bytes.max(SCRATCH_ALIGN)));
+        }
+        let base = self
+            .launcher
+            .addr_mut(guard.as_mut().expect("scratch").view_mut()) as *mut u8;
+        let ptrs = offs.map(|o| base.wrapping_add(o) as *mut c_void);
+        (Scratch { _guard: guard }, ptrs)
+    }
+
+    /// A u32 view's contents on the host (embedding backward groups the ids there).
+    fn read_u32(&self, v: View) -> Vec<u32> {
+        let mut out = vec![0u32; v.len()];
+        if !out.is_empty() {
+            let src = self.launcher.addr(v);
+            self.get(&mut out, src);
+        }
+        out
+    }
+
+    /// Host data into device memory (scratch regions, small constants), and back.
+    fn put<T: Copy>(&self, dst: *mut c_void, src: &[T]) {
+        // Safety: `dst` is a scratch region of at least `size_of_val(src)` bytes (callers size
+        // it so); T is a plain integer or float.
+        unsafe {
+            let bytes =
+                std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src));
+            self.launcher.upload(dst, bytes)
+        }
+    }
+    fn get<T: Copy>(&self, dst: &mut [T], src: *mut c_void) {
+        // Safety: as `put`, the other way.
+        unsafe {
+            let bytes = std::slice::from_raw_parts_mut(
+                dst.as_mut_ptr() as *mut u8,
+                std::mem::size_of_val(dst),
+            );
+            self.launcher.download(bytes, src)
+        }
+    }
+}
+
+/// Holds the scratch pool while an op's launches use it.
+struct Scratch<'a> {
+    _guard: MutexGuard<'a, Option<Tensor>>,
+}
+
+/// The storage suffix of the f32/bf16 kernel variants.
+fn st(dt: DType, op: &str) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F64 | DType::U32 => panic!("{op}: the kernels have no {} variant", dt.name()),
+    }
+}
+
+fn i32_of(x: usize) -> Arg {
+    Arg::I32(i32::try_from(x).expect("size beyond the kernels' int range"))
+}
+fn i64_of(x: usize) -> Arg {
+    Arg::I64(x as i64)
+}
+fn u32_of(x: usize) -> u32 {
+    u32::try_from(x).expect("grid beyond u32")
+}
+
+fn grid(x: usize, y: usize, z: usize) -> [u32; 3] {
+    [u32_of(x), u32_of(y), u32_of(z)]
+}
+
+fn cfg(grid: [u32; 3], block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid,
+        block: [block, 1, 1],
+        shared: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::HostLauncher;
+    use ganymede_core::{Category, CpuBackend, Device, Memory};
+
+    #[test]
+    fn scratch_regions_are_aligned_disjoint_and_pooled() {
+        let cpu = CpuBackend::default();
+        let ops = KernelOps::new(HostLauncher::new(cpu.clone()));
+        let held = || {
+            cpu.ledger()
+                .report()
+                .current(Device::Host, Category::Buffers)
+        };
+        let (s, [a, b, c]) = ops.scratch([10, 0, 300]);
+        let (a, b, c) = (a as usize, b as usize, c as usize);
+        // Offsets from the pool's start (a device allocation is at least that aligned; the
+        // host's f64 pool 8 bytes).
+        assert!(a % 8 == 0 && (b - a) % SCRATCH_ALIGN == 0 && (c - a) % SCRATCH_ALIGN == 0);
+        assert!(a + 10 <= b && b <= c, "in order, disjoint");
+        drop(s);
+        let first = held();
+        assert!(first >= (SCRATCH_ALIGN + 300) as u64);
+        // Smaller requests reuse the pool; a larger one replaces it (the old one freed).
+        drop(ops.scratch([64, 64]));
+        assert_eq!(held(), first);
+        drop(ops.scratch([4 * first as usize]));
+        assert!(held() >= 4 * first && held() < 5 * first + SCRATCH_ALIGN as u64);
+        // Bytes go there and back.
+        let (_s, [p]) = ops.scratch([12]);
+        ops.put(p, &[7u32, 8, 9]);
+        let mut back = [0u32; 3];
+        ops.get(&mut back, p);
+        assert_eq!(back, [7, 8, 9]);
+    }
+}

@@ -1,0 +1,830 @@
+//! The model's operations (NnOps but the grouped GEMM): `embed.cu`, `norm.cu`, `attention.cu`,
+//! `elementwise.cu` (SwiGLU), `router.cu`, `dispatch.cu`, `loss.cu`.
+
+use super::*;
+use crate::host::{embedding_segments, rope_inv_freq};
+use ganymede_core::{
+    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, HeadRope, NormSaved, RouterDims,
+    RouterOut,
+};
+
+fn rows_of(op: &str, len: usize, width: usize) -> usize {
+    assert!(
+        width > 0 && len.is_multiple_of(width),
+        "{op}: {len} elements are not rows of {width}"
+    );
+    len / width
+}
+
+fn same(op: &str, what: &str, got: (DType, usize), want: (DType, usize)) {
+    assert_eq!(got, want, "{op}: {what} (dtype, length)");
+}
+
+impl<L: Launcher> KernelOps<L> {
+    // -----------------------------------------------------------------------------------------
+    // Embedding
+
+    /// `out[t] = wte[ids[t]]`.
+    /// `out[t] = wte[ids[t]]` (ids u32; the data loader's ids are in range, checked there).
+    pub fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
+        let dt = out.dtype();
+        let n = ids.len();
+        assert_eq!(ids.dtype(), DType::U32, "embedding_forward: ids are u32");
+        same("embedding_forward", "out", (dt, out.len()), (dt, n * dim));
+        assert_eq!(wte.dtype(), dt, "embedding_forward: wte dtype");
+        rows_of("embedding_forward", wte.len(), dim);
+        if n == 0 {
+            return;
+        }
+        let args = [self.am(out), self.a(wte), self.a(ids), i32_of(dim)];
+        let name = format!("embedding_forward_{}", st(dt, "embedding_forward"));
+        self.launch(&name, cfg(grid(n, 1, 1), self.row_block(dim)), &args);
+    }
+
+    /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: the tokens grouped by id on the
+    /// host, one block per id. The grouping reads the step's ids back (the one read of this
+    /// backend beyond the seam's: a device-side segment sort would remove it).
+    pub fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
+        assert_eq!(ids.dtype(), DType::U32, "embedding_backward: ids are u32");
+        let ids = &self.read_u32(ids)[..];
+        assert_eq!(dwte.dtype(), DType::F32, "embedding_backward: dwte is f32");
+        let vocab = rows_of("embedding_backward", dwte.len(), dim);
+        assert_eq!(dout.len(), ids.len() * dim, "embedding_backward: dout");
+        assert!(ids.iter().all(|&i| (i as usize) < vocab), "id out of range");
+        if ids.is_empty() {
+            return;
+        }
+        let (order, seg_start, seg_id) = embedding_segments(ids);
+        let (_s, [o, ss, si]) =
+            self.scratch([order.len() * 4, seg_start.len() * 4, seg_id.len() * 4]);
+        self.put(o, &order);
+        self.put(ss, &seg_start);
+        self.put(si, &seg_id);
+        let name = format!(
+            "embedding_backward_sorted_{}",
+            st(dout.dtype(), "embedding_backward")
+        );
+        let args = [
+            self.am(dwte),
+            self.a(dout),
+            o.into(),
+            ss.into(),
+            si.into(),
+            i32_of(dim),
+        ];
+        self.launch(
+            &name,
+            cfg(grid(seg_id.len(), 1, 1), self.row_block(dim)),
+            &args,
+        );
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Norms
+
+    /// `dw += Σ_chunks partial` (`parts × cols` f32 at `partial`).
+    fn col_sum_acc(&self, dw: ViewMut, partial: *mut c_void, parts: usize) {
+        let cols = dw.len();
+        let args = [self.am(dw), partial.into(), i32_of(parts), i32_of(cols)];
+        self.launch(
+            "col_sum_acc_f32",
+            cfg(grid(cols.div_ceil(32), 1, 1), 32),
+            &args,
+        );
+    }
+
+    pub fn rmsnorm_forward(
+        &self,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
+        dim: usize,
+        eps: f32,
+    ) {
+        let dt = x.dtype();
+        let rows = rows_of("rmsnorm_forward", x.len(), dim);
+        same(
+            "rmsnorm_forward",
+            "out",
+            (out.dtype(), out.len()),
+            (dt, x.len()),
+        );
+        same("rmsnorm_forward", "w", (w.dtype(), w.len()), (dt, dim));
+        same(
+            "rmsnorm_forward",
+            "rstd",
+            (rstd.dtype(), rstd.len()),
+            (DType::F32, rows),
+        );
+        if rows == 0 {
+            return;
+        }
+        let args = [
+            self.am(out),
+            self.am(rstd),
+            self.a(x),
+            self.a(w),
+            i32_of(dim),
+            eps.into(),
+        ];
+        let name = format!("rmsnorm_forward_{}", st(dt, "rmsnorm_forward"));
+        self.launch(&name, cfg(grid(rows, 1, 1), self.row_block(dim)), &args);
+    }
+
+    pub fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
+        let dt = s.x.dtype();
+        let rows = rows_of("rmsnorm_backward", s.x.len(), dim);
+        let n = s.x.len();
+        same("rmsnorm_backward", "dx", (dx.dtype(), dx.len()), (dt, n));
+        same(
+            "rmsnorm_backward",
+            "dout",
+            (dout.dtype(), dout.len()),
+            (dt, n),
+        );
+        same("rmsnorm_backward", "w", (s.w.dtype(), s.w.len()), (dt, dim));
+        same(
+            "rmsnorm_backward",
+            "dw",
+            (dw.dtype(), dw.len()),
+            (DType::F32, dim),
+        );
+        same(
+            "rmsnorm_backward",
+            "rstd",
+            (s.rstd.dtype(), s.rstd.len()),
+            (DType::F32, rows),
+        );
+        if rows == 0 {
+            return;
+        }
+        let sfx = st(dt, "rmsnorm_backward");
+        let args = [
+            self.am(dx),
+            self.a(dout),
+            self.a(s.x),
+            self.a(s.w),
+            self.a(s.rstd),
+            i32_of(dim),
+        ];
+        let blocks = cfg(grid(rows, 1, 1), self.row_block(dim));
+        self.launch(&format!("rmsnorm_backward_dx_{sfx}"), blocks, &args);
+        let chunks = rows.div_ceil(CHUNK_ROWS);
+        let (_s, [partial]) = self.scratch([chunks * dim * 4]);
+        let args = [
+            partial.into(),
+            self.a(dout),
+            self.a(s.x),
+            self.a(s.rstd),
+            i32_of(rows),
+            i32_of(dim),
+            i32_of(CHUNK_ROWS),
+        ];
+        self.launch(
+            &format!("rmsnorm_backward_dw_partial_{sfx}"),
+            cfg(grid(dim.div_ceil(32), chunks, 1), 32),
+            &args,
+        );
+        self.col_sum_acc(dw, partial, chunks);
+    }
+
+    /// `heads, head_dim, seq, pos0, inv_freq`: the sizes every head-norm kernel takes.
+    fn rope_args(&self, d: &HeadRope, inv_freq: *mut c_void) -> [Arg; 5] {
+        [
+            i32_of(d.heads),
+            i32_of(d.head_dim),
+            i32_of(d.seq),
+            i32_of(d.pos0),
+            inv_freq.into(),
+        ]
+    }
+
+    /// RoPE's frequency table, uploaded to scratch (bitwise the CPU backend's).
+    fn inv_freq(&self, dst: *mut c_void, d: &HeadRope) {
+        self.put(dst, &rope_inv_freq(d.head_dim, d.theta));
+    }
+
+    pub fn head_norm_rope_forward(
+        &self,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
+        d: HeadRope,
+    ) {
+        let op = "head_norm_rope_forward";
+        let dt = x.dtype();
+        let rows = rows_of(op, x.len(), d.heads * d.head_dim);
+        same(op, "out", (out.dtype(), out.len()), (dt, x.len()));
+        same(op, "w", (w.dtype(), w.len()), (dt, d.head_dim));
+        same(
+            op,
+            "rstd",
+            (rstd.dtype(), rstd.len()),
+            (DType::F32, rows * d.heads),
+        );
+        if rows == 0 {
+            return;
+        }
+        let (_s, [freq]) = self.scratch([d.head_dim / 2 * 4]);
+        self.inv_freq(freq, &d);
+        let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
+        args.extend(self.rope_args(&d, freq));
+        args.push(d.eps.into());
+        let blocks = cfg(grid(rows * d.heads, 1, 1), self.row_block(d.head_dim));
+        self.launch(&format!("{op}_{}", st(dt, op)), blocks, &args);
+    }
+
+    pub fn head_norm_rope_backward(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        d: HeadRope,
+    ) {
+        let op = "head_norm_rope_backward";
+        let dt = s.x.dtype();
+        let n = s.x.len();
+        let rows = rows_of(op, n, d.heads * d.head_dim);
+        same(op, "dx", (dx.dtype(), dx.len()), (dt, n));
+        same(op, "dout", (dout.dtype(), dout.len()), (dt, n));
+        same(op, "w", (s.w.dtype(), s.w.len()), (dt, d.head_dim));
+        same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.head_dim));
+        same(
+            op,
+            "rstd",
+            (s.rstd.dtype(), s.rstd.len()),
+            (DType::F32, rows * d.heads),
+        );
+        if rows == 0 {
+            return;
+        }
+        let sfx = st(dt, op);
+        let chunks = rows.div_ceil(CHUNK_ROWS);
+        let (_s, [freq, partial]) = self.scratch([d.head_dim / 2 * 4, chunks * d.head_dim * 4]);
+        self.inv_freq(freq, &d);
+        let mut args = vec![
+            self.am(dx),
+            self.a(dout),
+            self.a(s.x),
+            self.a(s.w),
+            self.a(s.rstd),
+        ];
+        args.extend(self.rope_args(&d, freq));
+        let blocks = cfg(grid(rows * d.heads, 1, 1), self.row_block(d.head_dim));
+        self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
+        let mut args = vec![
+            partial.into(),
+            self.a(dout),
+            self.a(s.x),
+            self.a(s.rstd),
+            i32_of(rows),
+        ];
+        args.extend(self.rope_args(&d, freq));
+        args.push(i32_of(CHUNK_ROWS));
+        self.launch(
+            &format!("{op}_dw_partial_{sfx}"),
+            cfg(grid(d.head_dim.div_ceil(32), chunks, 1), 32),
+            &args,
+        );
+        self.col_sum_acc(dw, partial, chunks);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Attention
+
+    /// `tq, tk, heads, kv_heads, head_dim`.
+    fn attn_dims(d: &AttnDims) -> [Arg; 5] {
+        [
+            i32_of(d.tq),
+            i32_of(d.tk),
+            i32_of(d.heads),
+            i32_of(d.kv_heads),
+            i32_of(d.head_dim),
+        ]
+    }
+
+    fn attn_check(op: &str, d: &AttnDims, dt: DType, q: usize, k: usize, v: usize) -> usize {
+        assert!(
+            d.tk >= d.tq && d.kv_heads > 0 && d.heads.is_multiple_of(d.kv_heads),
+            "{op}: {d:?}"
+        );
+        assert!(d.head_dim <= 128, "{op}: head_dim {} > 128", d.head_dim);
+        let nq = d.batch * d.tq * d.heads * d.head_dim;
+        let nk = d.batch * d.tk * d.kv_heads * d.head_dim;
+        assert_eq!((q, k, v), (nq, nk, nk), "{op}: q, k, v lengths for {d:?}");
+        let _ = st(dt, op);
+        nq
+    }
+
+    fn attn_scale(d: &AttnDims) -> Arg {
+        Arg::F32((1.0 / (d.head_dim as f64).sqrt()) as f32)
+    }
+
+    pub fn attention_forward(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
+        d: AttnDims,
+    ) {
+        let op = "attention_forward";
+        let dt = q.dtype();
+        assert!(k.dtype() == dt && v.dtype() == dt, "{op}: q, k, v dtypes");
+        let nq = Self::attn_check(op, &d, dt, q.len(), k.len(), v.len());
+        same(op, "out", (out.dtype(), out.len()), (dt, nq));
+        let nl = d.batch * d.heads * d.tq;
+        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, nl));
+        if nl == 0 {
+            return;
+        }
+        let w = self.tuning.attn_rows as usize;
+        let mut args = vec![self.am(out), self.am(lse), self.a(q), self.a(k), self.a(v)];
+        args.extend(Self::attn_dims(&d));
+        args.push(Self::attn_scale(&d));
+        let shape = cfg(grid(d.tq.div_ceil(w), d.heads, d.batch), 32 * w as u32);
+        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+    }
+
+    pub fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
+        let op = "attention_backward";
+        let dt = s.q.dtype();
+        assert!(
+            s.k.dtype() == dt && s.v.dtype() == dt,
+            "{op}: q, k, v dtypes"
+        );
+        let nq = Self::attn_check(op, &d, dt, s.q.len(), s.k.len(), s.v.len());
+        let nk = s.k.len();
+        same(op, "out", (s.out.dtype(), s.out.len()), (dt, nq));
+        same(op, "dout", (dout.dtype(), dout.len()), (dt, nq));
+        same(op, "dq", (g.dq.dtype(), g.dq.len()), (dt, nq));
+        same(op, "dk", (g.dk.dtype(), g.dk.len()), (dt, nk));
+        same(op, "dv", (g.dv.dtype(), g.dv.len()), (dt, nk));
+        let nl = d.batch * d.heads * d.tq;
+        same(op, "lse", (s.lse.dtype(), s.lse.len()), (DType::F32, nl));
+        if nl == 0 {
+            return;
+        }
+        let sfx = st(dt, op);
+        let (_s, [delta]) = self.scratch([nl * 4]);
+        let args = [
+            delta.into(),
+            self.a(dout),
+            self.a(s.out),
+            i32_of(d.tq),
+            i32_of(d.heads),
+            i32_of(d.head_dim),
+        ];
+        self.launch(&format!("{op}_delta_{sfx}"), cfg(grid(nl, 1, 1), 32), &args);
+        let AttnGrads { dq, dk, dv } = g;
+        let tail = |args: &mut Vec<Arg>| {
+            args.extend(Self::attn_dims(&d));
+            args.push(Self::attn_scale(&d));
+        };
+        let mut args = vec![
+            self.am(dk),
+            self.am(dv),
+            self.a(dout),
+            self.a(s.q),
+            self.a(s.k),
+            self.a(s.v),
+            self.a(s.lse),
+            delta.into(),
+        ];
+        tail(&mut args);
+        let shape = cfg(grid(d.tk.div_ceil(16), d.kv_heads, d.batch), 128);
+        self.launch(&format!("{op}_dkdv_{sfx}"), shape, &args);
+        let mut args = vec![
+            self.am(dq),
+            self.a(dout),
+            self.a(s.q),
+            self.a(s.k),
+            self.a(s.v),
+            self.a(s.lse),
+            delta.into(),
+        ];
+        tail(&mut args);
+        let shape = cfg(grid(d.tq.div_ceil(8), d.heads, d.batch), 128);
+        self.launch(&format!("{op}_dq_{sfx}"), shape, &args);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // SwiGLU
+
+    pub fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
+        let (dt, n) = (out.dtype(), out.len());
+        same(
+            "swiglu_forward",
+            "gate",
+            (gate.dtype(), gate.len()),
+            (dt, n),
+        );
+        same("swiglu_forward", "up", (up.dtype(), up.len()), (dt, n));
+        if n == 0 {
+            return;
+        }
+        let args = [self.am(out), self.a(gate), self.a(up), i64_of(n)];
+        let name = format!("swiglu_forward_{}", st(dt, "swiglu_forward"));
+        self.launch(&name, self.ew(n), &args);
+    }
+
+    pub fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
+        let op = "swiglu_backward";
+        let (dt, n) = (dout.dtype(), dout.len());
+        same(op, "dgate", (dgate.dtype(), dgate.len()), (dt, n));
+        same(op, "dup", (dup.dtype(), dup.len()), (dt, n));
+        same(op, "gate", (gate.dtype(), gate.len()), (dt, n));
+        same(op, "up", (up.dtype(), up.len()), (dt, n));
+        if n == 0 {
+            return;
+        }
+        let args = [
+            self.am(dgate),
+            self.am(dup),
+            self.a(dout),
+            self.a(gate),
+            self.a(up),
+            i64_of(n),
+        ];
+        self.launch(&format!("{op}_{}", st(dt, op)), self.ew(n), &args);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Router (f32)
+
+    pub fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
+        let op = "router_forward";
+        let RouterDims { experts, k, renorm } = d;
+        assert!(
+            (1..=32).contains(&k) && k <= experts && experts <= 1024,
+            "{op}: {d:?}"
+        );
+        let rows = rows_of(op, logits.len(), experts);
+        let f = DType::F32;
+        same(
+            op,
+            "logits",
+            (logits.dtype(), logits.len()),
+            (f, rows * experts),
+        );
+        same(
+            op,
+            "probs",
+            (out.probs.dtype(), out.probs.len()),
+            (f, rows * experts),
+        );
+        same(
+            op,
+            "weights",
+            (out.weights.dtype(), out.weights.len()),
+            (f, rows * k),
+        );
+        same(
+            op,
+            "idx",
+            (out.idx.dtype(), out.idx.len()),
+            (DType::U32, rows * k),
+        );
+        same(
+            op,
+            "psum",
+            (out.psum.dtype(), out.psum.len()),
+            (DType::F64, experts),
+        );
+        if let Some(b) = bias {
+            same(op, "bias", (b.dtype(), b.len()), (f, experts));
+        }
+        let RouterOut {
+            mut probs,
+            weights,
+            idx,
+            psum,
+        } = out;
+        let psum = self.launcher.addr_mut(psum);
+        if rows == 0 {
+            self.put(psum, &vec![0f64; experts]);
+            return;
+        }
+        let chunks = rows.div_ceil(CHUNK_ROWS);
+        let (_s, [partial]) = self.scratch([chunks * experts * 8]);
+        let bias = bias.map_or(Arg::Ptr(std::ptr::null_mut()), |b| self.a(b));
+        let probs_addr = self.am(probs.reborrow());
+        let args = [
+            probs_addr,
+            self.am(weights),
+            self.am(idx),
+            self.a(logits),
+            bias,
+            i32_of(experts),
+            i32_of(k),
+            Arg::I32(renorm as i32),
+        ];
+        self.launch("router_forward_f32", cfg(grid(rows, 1, 1), 32), &args);
+        let col_blocks = experts.div_ceil(32);
+        let args = [
+            partial.into(),
+            probs_addr,
+            i32_of(rows),
+            i32_of(experts),
+            i32_of(CHUNK_ROWS),
+        ];
+        self.launch(
+            "col_sum_partial_f64",
+            cfg(grid(col_blocks, chunks, 1), 32),
+            &args,
+        );
+        let args = [psum.into(), partial.into(), i32_of(chunks), i32_of(experts)];
+        self.launch("col_sum_set_f64", cfg(grid(col_blocks, 1, 1), 32), &args);
+    }
+
+    pub fn router_backward(
+        &self,
+        dlogits: ViewMut,
+        dweights: View,
+        probs: View,
+        idx: View,
+        dprob_const: View,
+        d: RouterDims,
+    ) {
+        let op = "router_backward";
+        let RouterDims { experts, k, renorm } = d;
+        let rows = rows_of(op, probs.len(), experts);
+        let f = DType::F32;
+        same(
+            op,
+            "probs",
+            (probs.dtype(), probs.len()),
+            (f, rows * experts),
+        );
+        same(
+            op,
+            "dlogits",
+            (dlogits.dtype(), dlogits.len()),
+            (f, rows * experts),
+        );
+        same(
+            op,
+            "dweights",
+            (dweights.dtype(), dweights.len()),
+            (f, rows * k),
+        );
+        same(op, "idx", (idx.dtype(), idx.len()), (DType::U32, rows * k));
+        same(
+            op,
+            "dprob_const",
+            (dprob_const.dtype(), dprob_const.len()),
+            (DType::F64, experts),
+        );
+        if rows == 0 {
+            return;
+        }
+        let args = [
+            self.am(dlogits),
+            self.a(dweights),
+            self.a(probs),
+            self.a(idx),
+            self.a(dprob_const),
+            i32_of(experts),
+            i32_of(k),
+            Arg::I32(renorm as i32),
+        ];
+        self.launch("router_backward_f32", cfg(grid(rows, 1, 1), 32), &args);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Dispatch and combine
+
+    /// Checks `pos` (u32, `k` per token; its entries are rows of the dispatched layout, which
+    /// `moe_dispatch` wrote) and returns the tokens and its address.
+    fn dispatched(&self, op: &str, d: &Dispatched, rows: usize) -> (usize, Arg) {
+        assert_eq!(d.pos.dtype(), DType::U32, "{op}: pos is u32");
+        assert!(d.k > 0 && d.pos.len().is_multiple_of(d.k), "{op}: pos vs k");
+        assert!(
+            d.pos.len() <= rows,
+            "{op}: more choices than dispatched rows"
+        );
+        (d.pos.len() / d.k, self.a(d.pos))
+    }
+
+    /// The stable counting sort of the router's choices by expert (see
+    /// [`ganymede_core::DispatchOut`]): count, exclusive scan, then one block per expert
+    /// placing its choices in (token, choice) order.
+    pub fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
+        let op = "moe_dispatch";
+        let n = idx.len();
+        assert!(k > 0 && n.is_multiple_of(k), "{op}: idx vs k");
+        let u = DType::U32;
+        same(op, "idx", (idx.dtype(), n), (u, n));
+        same(
+            op,
+            "counts",
+            (out.counts.dtype(), out.counts.len()),
+            (u, experts),
+        );
+        same(
+            op,
+            "offsets",
+            (out.offsets.dtype(), out.offsets.len()),
+            (u, experts + 1),
+        );
+        same(op, "src", (out.src.dtype(), out.src.len()), (u, n));
+        same(op, "pos", (out.pos.dtype(), out.pos.len()), (u, n));
+        let (counts, offsets) = (
+            self.launcher.addr_mut(out.counts),
+            self.launcher.addr_mut(out.offsets),
+        );
+        self.put(counts, &vec![0u32; experts]);
+        let idx = self.a(idx);
+        if n > 0 {
+            self.launch(
+                "dispatch_count",
+                self.ew(n),
+                &[counts.into(), idx, i32_of(n)],
+            );
+        }
+        self.launch(
+            "dispatch_offsets",
+            cfg(grid(1, 1, 1), 1),
+            &[offsets.into(), counts.into(), i32_of(experts)],
+        );
+        if n > 0 {
+            let args = [
+                self.am(out.src),
+                self.am(out.pos),
+                offsets.into(),
+                idx,
+                i32_of(n),
+                i32_of(k),
+            ];
+            let block = self.tuning.row_block_max.clamp(32, 1024);
+            self.launch("dispatch_place", cfg(grid(experts, 1, 1), block), &args);
+        }
+    }
+
+    pub fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
+        let op = "moe_gather";
+        let dt = x.dtype();
+        rows_of(op, x.len(), dim);
+        assert_eq!(src.dtype(), DType::U32, "{op}: src is u32");
+        same(op, "xe", (xe.dtype(), xe.len()), (dt, src.len() * dim));
+        if src.is_empty() {
+            return;
+        }
+        let n = src.len();
+        let args = [self.am(xe), self.a(x), self.a(src), i32_of(dim)];
+        let shape = cfg(grid(n, 1, 1), self.row_block(dim));
+        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+    }
+
+    pub fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
+        let op = "moe_gather_backward";
+        let dt = dxe.dtype();
+        let rows = rows_of(op, dxe.len(), d.dim);
+        let (tokens, pos) = self.dispatched(op, &d, rows);
+        same(op, "dx", (dx.dtype(), dx.len()), (dt, tokens * d.dim));
+        if tokens == 0 {
+            return;
+        }
+        let args = [self.am(dx), self.a(dxe), pos, i32_of(d.k), i32_of(d.dim)];
+        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
+        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+    }
+
+    pub fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
+        let op = "moe_combine";
+        let dt = ye.dtype();
+        let rows = rows_of(op, ye.len(), d.dim);
+        let (tokens, pos) = self.dispatched(op, &d, rows);
+        same(op, "out", (out.dtype(), out.len()), (dt, tokens * d.dim));
+        same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
+        if tokens == 0 {
+            return;
+        }
+        let args = [
+            self.am(out),
+            self.a(ye),
+            self.a(w),
+            pos,
+            i32_of(d.k),
+            i32_of(d.dim),
+        ];
+        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
+        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+    }
+
+    pub fn moe_combine_backward(
+        &self,
+        dye: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        ye: View,
+        w: View,
+        d: Dispatched,
+    ) {
+        let op = "moe_combine_backward";
+        let dt = ye.dtype();
+        let rows = rows_of(op, ye.len(), d.dim);
+        let (tokens, pos) = self.dispatched(op, &d, rows);
+        same(op, "dye", (dye.dtype(), dye.len()), (dt, ye.len()));
+        same(op, "dout", (dout.dtype(), dout.len()), (dt, tokens * d.dim));
+        same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
+        same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.pos.len()));
+        if tokens == 0 {
+            return;
+        }
+        let args = [
+            self.am(dye),
+            self.am(dw),
+            self.a(dout),
+            self.a(ye),
+            self.a(w),
+            pos,
+            i32_of(d.k),
+            i32_of(d.dim),
+        ];
+        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
+        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Cross-entropy
+
+    pub fn cross_entropy_forward(
+        &self,
+        lse: ViewMut,
+        logits: View,
+        targets: View,
+        vocab: usize,
+        loss: ViewMut,
+    ) {
+        let op = "cross_entropy_forward";
+        let (dt, rows) = (logits.dtype(), targets.len());
+        assert_eq!(targets.dtype(), DType::U32, "{op}: targets are u32");
+        same(op, "logits", (dt, logits.len()), (dt, rows * vocab));
+        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, rows));
+        assert!(
+            loss.dtype() == DType::F64 && !loss.is_empty(),
+            "{op}: loss is an f64 element"
+        );
+        if rows == 0 {
+            return;
+        }
+        let sfx = st(dt, op);
+        let tg = self.a(targets);
+        let mut lse = lse;
+        let lse_addr = self.am(lse.reborrow());
+        let args = [lse_addr, self.a(logits), i32_of(vocab)];
+        self.launch(
+            &format!("cross_entropy_forward_{sfx}"),
+            cfg(grid(rows, 1, 1), 128),
+            &args,
+        );
+        let args = [
+            self.am(loss),
+            lse_addr,
+            self.a(logits),
+            tg,
+            i32_of(rows),
+            i32_of(vocab),
+        ];
+        self.launch(
+            &format!("cross_entropy_loss_acc_{sfx}"),
+            cfg([1, 1, 1], 128),
+            &args,
+        );
+    }
+
+    pub fn cross_entropy_backward(
+        &self,
+        logits: ViewMut,
+        lse: View,
+        targets: View,
+        vocab: usize,
+        scale: f32,
+    ) {
+        let op = "cross_entropy_backward";
+        let (dt, rows) = (logits.dtype(), targets.len());
+        assert_eq!(targets.dtype(), DType::U32, "{op}: targets are u32");
+        same(op, "logits", (dt, logits.len()), (dt, rows * vocab));
+        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, rows));
+        if rows == 0 {
+            return;
+        }
+        let args = [
+            self.am(logits),
+            self.a(lse),
+            self.a(targets),
+            i32_of(vocab),
+            scale.into(),
+        ];
+        self.launch(
+            &format!("{op}_{}", st(dt, op)),
+            cfg(grid(rows, 1, 1), 128),
+            &args,
+        );
+    }
+}

@@ -1,0 +1,103 @@
+//! The optimizers' fused updates: `optim.cu` (f32 master state). Hyperparameters are rounded to
+//! f32 once on the host, as the CPU backend rounds them.
+
+use super::*;
+use ganymede_core::{AdamWStep, OptimOps};
+
+fn f(x: f64) -> Arg {
+    Arg::F32(x as f32)
+}
+
+fn check_f32(op: &str, views: &[(DType, usize)], n: usize) {
+    for &(dt, len) in views {
+        assert_eq!((dt, len), (DType::F32, n), "{op}: f32 views of one length");
+    }
+}
+
+impl<L: Launcher> OptimOps for KernelOps<L> {
+    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
+        let n = param.len();
+        let views = [
+            (param.dtype(), n),
+            (m.dtype(), m.len()),
+            (v.dtype(), v.len()),
+            (grad.dtype(), grad.len()),
+        ];
+        check_f32("adamw_step", &views, n);
+        if n == 0 {
+            return;
+        }
+        let args = [
+            self.am(param),
+            self.am(m),
+            self.am(v),
+            self.a(grad),
+            i64_of(n),
+            f(h.beta1),
+            f(h.beta2),
+            f(1.0 - h.beta1),
+            f(1.0 - h.beta2),
+            f(1.0 - h.lr * h.weight_decay),
+            f(h.lr / h.bias_correction1),
+            f(1.0 / h.bias_correction2.sqrt()),
+            f(h.eps),
+        ];
+        self.launch("adamw_step_f32", self.ew(n), &args);
+    }
+
+    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64) {
+        let n = buf.len();
+        let views = [
+            (buf.dtype(), n),
+            (grad.dtype(), grad.len()),
+            (out.dtype(), out.len()),
+        ];
+        check_f32("nesterov_momentum", &views, n);
+        if n == 0 {
+            return;
+        }
+        let args = [
+            self.am(buf),
+            self.a(grad),
+            self.am(out),
+            i64_of(n),
+            f(momentum),
+        ];
+        self.launch("nesterov_f32", self.ew(n), &args);
+    }
+
+    fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
+        let n = x.len();
+        check_f32("normalize_frobenius", &[(x.dtype(), n)], n);
+        if n == 0 {
+            return;
+        }
+        // The norm stays on the device: partial sums, their total, then the scaling.
+        let blocks = self.sumsq_blocks(n);
+        let (_s, [partial, sumsq]) = self.scratch([blocks * 8, 8]);
+        self.put(sumsq, &[0.0f64]);
+        self.sumsq_into(sumsq.into(), x.as_view(), partial, blocks);
+        let args = [self.am(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
+        self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
+    }
+
+    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
+        let n = param.len();
+        check_f32(
+            "decay_update",
+            &[(param.dtype(), n), (update.dtype(), update.len())],
+            n,
+        );
+        if n == 0 {
+            return;
+        }
+        let args = [
+            self.am(param),
+            self.a(update),
+            i64_of(n),
+            f(alpha),
+            f(1.0 - decay),
+        ];
+        self.launch("decay_update_f32", self.ew(n), &args);
+    }
+}

@@ -1,0 +1,330 @@
+//! The model-level check: the `tiny` model's forward and backward, and a few optimizer steps
+//! (Muon and AdamW), on [`HostKernelBackend`] (every op but the GEMMs through the kernels'
+//! host build, via the same ops layer a GPU runs) against the CPU backend.
+//!
+//! Tolerances: the kernels follow the CPU's order of operations where they can, but reductions
+//! (attention's online softmax, block sums) round differently, and the differences flow through
+//! the whole network. A gradient tensor `g` against the CPU's `w` passes when
+//! `max |g - w| <= 2e-4 · max |w| + 1e-7`: its worst element within a small fraction of the
+//! tensor's scale (elementwise relative errors are meaningless for entries near zero); measured
+//! about 1e-6. Losses within 1e-5 relative (measured 1e-9 to 1e-7). After optimizer steps, each
+//! parameter tensor's movement from its start within 1e-3 of itself (measured up to 1.6e-4
+//! with AdamW, 4e-5 with Muon; leaving out AdamW's weight decay shows as 4e-3).
+
+use ganymede_config::{preset, AcMode, ModelConfig};
+use ganymede_core::{Backend, Category, CpuBackend, Ledger, Memory, ParamStore};
+use ganymede_cuda::kernel_backend::HostKernelBackend;
+use ganymede_cuda::ops::Tuning;
+use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
+use ganymede_optim::Optimizer;
+use std::sync::Arc;
+
+const BATCH: usize = 2;
+const SEQ: usize = 32;
+/// The optimizer steps' learning rate.
+const LR: f64 = 1e-2;
+/// Each parameter tensor's movement since the start within this fraction of itself.
+const MOVEMENT_TOL: f64 = 1e-3;
+
+fn tiny() -> ModelConfig {
+    preset("tiny").unwrap().model
+}
+
+fn kernels() -> HostKernelBackend {
+    HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), small())
+}
+
+fn small() -> Tuning {
+    // Small launches: grid-stride loops, several query rows per attention block and rows wider
+    // than a block run even at these sizes.
+    Tuning {
+        ew_block: 64,
+        ew_max_blocks: 8,
+        attn_rows: 4,
+        row_block_max: 32,
+    }
+}
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// One forward + backward; gradients (downloaded) and the step's output.
+fn step(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    inputs: &[u32],
+    targets: &[u32],
+) -> (Vec<Vec<f32>>, StepOutput) {
+    let mut ws = Workspace::new(be, model, BATCH, SEQ, AcMode::Full);
+    let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
+    let out = forward_backward(
+        be,
+        model,
+        params,
+        &mut grads,
+        &mut ws,
+        Tokens { inputs, targets },
+        1.0,
+    );
+    let g = grads
+        .tensors()
+        .iter()
+        .map(|t| be.download(t.view()))
+        .collect();
+    (g, out)
+}
+
+/// `(max |got - want|, max |want|)`.
+fn err(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len());
+    let mut e = 0.0f64;
+    let mut scale = 0.0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (g as f64 - w as f64).abs();
+        // NaN fails.
+        e = if d.is_nan() { f64::INFINITY } else { e.max(d) };
+        scale = scale.max((w as f64).abs());
+    }
+    (e, scale)
+}
+
+/// Every tensor's worst error within `tol(scale)`, `scale` its largest magnitude; the worst
+/// error seen as a fraction of the scale, or the first tensor out of tolerance.
+fn compare(
+    names: &[String],
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+    tol: impl Fn(f64) -> f64,
+) -> Result<f64, String> {
+    let mut worst = 0.0f64;
+    for ((n, g), w) in names.iter().zip(got).zip(want) {
+        let (e, scale) = err(g, w);
+        if e > tol(scale) {
+            return Err(format!(
+                "{n}: max abs err {e:.3e} at scale {scale:.3e} (tol {:.3e})",
+                tol(scale)
+            ));
+        }
+        if scale > 0.0 {
+            worst = worst.max(e / scale);
+        }
+    }
+    Ok(worst)
+}
+
+/// Gradients: within 2e-4 of each tensor's scale.
+fn grad_tol(scale: f64) -> f64 {
+    1e-7 + 2e-4 * scale
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+#[test]
+fn tiny_forward_backward_matches_the_cpu() {
+    let c = tiny();
+    let model = Model::new(&c);
+    let cpu = CpuBackend::default();
+    let pc = model.init_params(&cpu, 3);
+    let inputs = tokens(BATCH * SEQ, c.vocab_size, 4);
+    let targets = tokens(BATCH * SEQ, c.vocab_size, 5);
+    let (gw, ow) = step(&cpu, &model, &pc, &inputs, &targets);
+    let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
+    // Every parameter has a gradient worth comparing.
+    for (n, w) in names.iter().zip(&gw) {
+        let is_bias = n.contains("bias");
+        assert!(is_bias || w.iter().any(|&x| x != 0.0), "{n}: zero gradient");
+    }
+
+    // The small launches, and the GPU's default ones.
+    for (what, tuning) in [("small", small()), ("default", Tuning::default())] {
+        let kern = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
+        let pk = model.init_params(&kern, 3);
+        let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
+        let (le, ae) = (rel(og.loss, ow.loss), rel(og.aux_loss, ow.aux_loss));
+        println!(
+            "{what} launches: loss {} vs {}: rel err {le:.3e}",
+            og.loss, ow.loss
+        );
+        println!(
+            "{what} launches: aux loss {} vs {}: rel err {ae:.3e}",
+            og.aux_loss, ow.aux_loss
+        );
+        assert!(le < 1e-5 && ae < 1e-5, "losses {og:?} vs {ow:?}");
+        // Routing is discrete: the same experts chose the same tokens.
+        assert_eq!(og.expert_load, ow.expert_load, "expert loads");
+        let worst = compare(&names, &gg, &gw, grad_tol).unwrap_or_else(|e| panic!("gradient {e}"));
+        println!(
+            "{what} launches: {} gradient tensors, worst max-abs error {worst:.3e} of the \
+             tensor's scale",
+            names.len()
+        );
+    }
+
+    // The check can fail: a changed target moves the gradients past the tolerance.
+    let mut other = targets.clone();
+    other[7] = (other[7] + 1) % c.vocab_size as u32;
+    let (gb, _) = step(&cpu, &model, &pc, &inputs, &other);
+    let caught = compare(&names, &gb, &gw, grad_tol);
+    assert!(caught.is_err(), "one changed target went unnoticed");
+}
+
+/// `‖got − want‖ / ‖want − start‖` over one tensor: the error of the parameters' movement
+/// since the start, relative to that movement.
+fn movement_err(got: &[f32], want: &[f32], start: &[f32]) -> f64 {
+    let sq = |a: &[f32], b: &[f32]| -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+            .sum()
+    };
+    let moved = sq(want, start).sqrt();
+    let e = sq(got, want).sqrt();
+    if moved == 0.0 {
+        // A frozen tensor (the routers' selection bias): exactly unchanged on both.
+        if e == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        e / moved
+    }
+}
+
+/// Four steps of forward, backward, clipping and optimizer update (`optimizer` as configured:
+/// Muon for the hidden matrices and AdamW for the rest, or AdamW for everything), the
+/// parameters compared after each by how far they moved: elementwise errors say little here,
+/// since AdamW's first steps move a weight by about `lr · g / (|g| + eps)`, which for the
+/// gradients of magnitude ~eps (1e-8, seen on rarely routed experts' weights) turns their last
+/// bits into a visible part of `lr`; the movement of a whole tensor does not.
+fn train_steps(adamw_only: bool) {
+    let job = preset("tiny").unwrap();
+    let mut ocfg = job.optimizer.clone();
+    if adamw_only {
+        ocfg.name = ganymede_config::OptimizerName::Adamw;
+    }
+    let model = Model::new(&job.model);
+    let (cpu, kern) = (CpuBackend::default(), kernels());
+    let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
+    let mut run: Vec<(&dyn Backend, ParamStore, Optimizer)> = [&cpu as &dyn Backend, &kern]
+        .into_iter()
+        .map(|be| {
+            let p = model.init_params(be, 11);
+            let o = Optimizer::new(be, &ocfg, model.param_specs());
+            (be, p, o)
+        })
+        .collect();
+    let start: Vec<Vec<f32>> = run[0]
+        .1
+        .tensors()
+        .iter()
+        .map(|t| cpu.download(t.view()))
+        .collect();
+    for s in 0..4u64 {
+        let inputs = tokens(BATCH * SEQ, job.model.vocab_size, 20 + s);
+        let targets = tokens(BATCH * SEQ, job.model.vocab_size, 40 + s);
+        let mut losses = Vec::new();
+        let mut params = Vec::new();
+        for (be, p, o) in run.iter_mut() {
+            let mut ws = Workspace::new(*be, &model, BATCH, SEQ, AcMode::None);
+            let mut grads = ParamStore::zeros(*be, model.param_specs(), Category::Grads);
+            let out = forward_backward(
+                *be,
+                &model,
+                p,
+                &mut grads,
+                &mut ws,
+                Tokens {
+                    inputs: &inputs,
+                    targets: &targets,
+                },
+                1.0,
+            );
+            ganymede_optim::clip_grad_norm(*be, &mut grads, 1.0);
+            o.step(*be, p, &grads, LR);
+            losses.push(out.loss);
+            params.push(
+                p.tensors()
+                    .iter()
+                    .map(|t| be.download(t.view()))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let le = rel(losses[1], losses[0]);
+        println!(
+            "step {s}: loss {} vs {}: rel err {le:.3e}",
+            losses[1], losses[0]
+        );
+        assert!(le < 1e-5, "step {s}: losses {losses:?}");
+        let (mut worst, mut max_abs) = (0.0f64, 0.0f64);
+        for (i, n) in names.iter().enumerate() {
+            let e = movement_err(&params[1][i], &params[0][i], &start[i]);
+            assert!(
+                e <= MOVEMENT_TOL,
+                "step {s} {n}: movement off by {e:.3e} of itself (tol {MOVEMENT_TOL:.0e})"
+            );
+            worst = worst.max(e);
+            max_abs = max_abs.max(err(&params[1][i], &params[0][i]).0);
+        }
+        println!(
+            "step {s}: parameters' movement within {worst:.3e} of itself; max abs err {:.3e} lr",
+            max_abs / LR
+        );
+    }
+}
+
+#[test]
+fn muon_steps_match_the_cpu() {
+    train_steps(false);
+}
+
+#[test]
+fn adamw_steps_match_the_cpu() {
+    train_steps(true);
+}
+
+/// Over the CPU backend's two-memory mode (emulated device memory, every access checked
+/// against the copy streams) the kernels compute bitwise what they compute over host memory,
+/// and their scratch is one pool on the device, charged to buffers, that a second step reuses.
+#[test]
+fn two_memory_mode_and_a_reused_scratch_pool() {
+    use ganymede_core::{Device, TwoMemoryOptions};
+    let c = tiny();
+    let model = Model::new(&c);
+    let ledger = Arc::new(Ledger::new());
+    let two = CpuBackend::two_memory(
+        ledger.clone(),
+        TwoMemoryOptions {
+            device_capacity: None,
+            checking: true,
+        },
+    );
+    let dev = HostKernelBackend::host(two, small());
+    let host = kernels();
+    let inputs = tokens(BATCH * SEQ, c.vocab_size, 6);
+    let targets = tokens(BATCH * SEQ, c.vocab_size, 7);
+    let (pd, ph) = (model.init_params(&dev, 5), model.init_params(&host, 5));
+    let pool = || ledger.report().current(Device::Gpu(0), Category::Buffers);
+    let (gd, od) = step(&dev, &model, &pd, &inputs, &targets);
+    let after_one = pool();
+    let (gd2, _) = step(&dev, &model, &pd, &inputs, &targets);
+    assert!(after_one > 0, "no scratch on the device");
+    assert_eq!(pool(), after_one, "the scratch pool grew on a second step");
+    assert_eq!(gd, gd2, "a second step differs");
+    let (gh, oh) = step(&host, &model, &ph, &inputs, &targets);
+    assert_eq!((od.loss, od.aux_loss), (oh.loss, oh.aux_loss));
+    assert_eq!(gd, gh, "gradients over two memories vs host memory");
+    println!("two-memory mode: scratch pool of {after_one} bytes; gradients bitwise equal");
+}
