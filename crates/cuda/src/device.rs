@@ -11,11 +11,13 @@
 
 mod blas;
 pub mod check;
+mod launcher;
 mod memory;
 pub mod nvrtc;
 mod plumbing;
 pub mod probe;
 
+pub use launcher::{kernel_backend, CudaKernelBackend, CudaLauncher};
 pub use memory::{DeviceMemory, PinnedMemory};
 pub use plumbing::PLUMBING;
 pub use probe::{probe, probe_nvrtc, ProbeError};
@@ -108,8 +110,20 @@ struct Kernels {
     functions: Mutex<HashMap<String, CudaFunction>>,
 }
 
-/// The CUDA backend on one GPU.
-pub struct CudaBackend {
+/// The CUDA backend on one GPU. Cloning it shares the device state (the kernel launcher holds
+/// a clone beside the backend that owns the memory).
+#[derive(Clone)]
+pub struct CudaBackend(Arc<Inner>);
+
+impl std::ops::Deref for CudaBackend {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+/// What a [`CudaBackend`] holds.
+pub struct Inner {
     ctx: Arc<CudaContext>,
     streams: Arc<Streams>,
     blas: CudaBlas,
@@ -119,6 +133,8 @@ pub struct CudaBackend {
     arch: String,
     name: String,
     trace: Mutex<Option<CopyTrace>>,
+    /// Held around each cuBLAS call: rank threads and Newton–Schulz's lanes share the handle.
+    blas_lock: Mutex<()>,
 }
 
 impl CudaBackend {
@@ -160,7 +176,7 @@ impl CudaBackend {
                     .map_err(driver(&format!("loading {}", c.file)))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(CudaBackend {
+        Ok(CudaBackend(Arc::new(Inner {
             ctx,
             streams,
             blas,
@@ -173,7 +189,8 @@ impl CudaBackend {
             arch,
             name,
             trace: Mutex::new(None),
-        })
+            blas_lock: Mutex::new(()),
+        })))
     }
 
     /// `sm_XY` of the device.

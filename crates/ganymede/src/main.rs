@@ -192,7 +192,9 @@ fn run(cmd: Command) -> Result<()> {
                 ranks,
             )?;
             if cfg.device.kind == DeviceKind::Cuda {
-                return Err(refuse_cuda_training());
+                if let Some(e) = cuda_training_refusal() {
+                    return Err(e);
+                }
             }
             let name = match (&a.preset, &a.config) {
                 (Some(p), _) => p.clone(),
@@ -288,22 +290,17 @@ fn run(cmd: Command) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 const BUILD_WITH_CUDA: &str = "cargo build --release -p ganymede --features cuda";
 
-/// Why `train` with `device.kind = "cuda"` does not run, as one line: no CUDA in this binary,
-/// none on this machine, or (with a GPU) a backend that does not yet have every op. Never a
-/// silent run on the CPU instead.
-fn refuse_cuda_training() -> anyhow::Error {
+/// Why `train` with `device.kind = "cuda"` cannot run, as one line, before anything is built:
+/// no CUDA in this binary, or none on this machine. Never a silent run on the CPU instead.
+fn cuda_training_refusal() -> Option<anyhow::Error> {
     #[cfg(not(feature = "cuda"))]
-    return anyhow::anyhow!(
+    return Some(anyhow::anyhow!(
         "device.kind = \"cuda\", but this binary was built without CUDA: build it with `{BUILD_WITH_CUDA}`"
-    );
+    ));
     #[cfg(feature = "cuda")]
-    match ganymede_cuda::device::probe() {
-        Err(e) => anyhow::anyhow!("device.kind = \"cuda\": {e}"),
-        Ok(n) => anyhow::anyhow!(
-            "device.kind = \"cuda\": {n} GPU(s) here, but the CUDA backend cannot train yet (its model \
-             kernels are still to come); `ganymede device-check --out DIR` checks what exists"
-        ),
-    }
+    ganymede_cuda::device::probe()
+        .err()
+        .map(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))
 }
 
 #[cfg(not(feature = "cuda"))]

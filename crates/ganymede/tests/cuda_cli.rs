@@ -1,7 +1,7 @@
 //! `device.kind = "cuda"` and `device-check` end with one clear line where CUDA cannot run:
 //! a binary built without the `cuda` feature says so and how to build one; with the feature, a
-//! machine without a driver names the missing library; with a GPU, `train` is still refused
-//! (the backend lacks the model's kernels), never run on the CPU instead.
+//! machine without a driver names the missing library, and nothing runs on the CPU instead.
+//! (These run where there is no GPU; on a GPU machine `scripts/device_check.sh` trains.)
 
 mod util;
 
@@ -18,10 +18,7 @@ fn cuda_training_is_refused_in_one_line() {
     assert!(e.contains("device.kind = \"cuda\""), "{e}");
     if cfg!(feature = "cuda") {
         assert!(
-            e.contains("not found")
-                || e.contains("no GPU")
-                || e.contains("cannot train yet")
-                || e.contains("failed to start"),
+            e.contains("not found") || e.contains("no GPU") || e.contains("failed to start"),
             "{e}"
         );
     } else {

@@ -105,11 +105,29 @@ pub fn backend(cfg: &JobConfig) -> Result<Arc<dyn Backend>> {
                 checking: d.check_streams,
             },
         )),
-        DeviceKind::Cuda => bail!(
-            "device.kind = \"cuda\": training on the CUDA backend is not implemented yet \
-             (`ganymede device-check --out DIR` exercises what exists)"
-        ),
+        DeviceKind::Cuda => cuda_backend(ledger)?,
     })
+}
+
+/// The CUDA backend on this process's GPU: `LOCAL_RANK` under a launcher that starts one
+/// process per GPU, else GPU 0 (thread ranks share it).
+#[cfg(feature = "cuda")]
+fn cuda_backend(ledger: Arc<Ledger>) -> Result<Arc<dyn Backend>> {
+    let ordinal = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let be = ganymede_cuda::device::kernel_backend(ordinal, ledger)
+        .map_err(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))?;
+    Ok(Arc::new(be))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_ledger: Arc<Ledger>) -> Result<Arc<dyn Backend>> {
+    bail!(
+        "device.kind = \"cuda\", but this binary was built without CUDA: build it with \
+         `cargo build --release -p ganymede --features cuda`"
+    )
 }
 
 /// Everything one rank holds.

@@ -69,6 +69,7 @@ impl CudaBackend {
         );
         let (alpha, beta) = (call.alpha, call.beta);
         self.bind();
+        let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: every matrix of the batch was checked against its view above; the handle is
         // bound to the compute stream.
         cublas(
@@ -159,6 +160,7 @@ impl Blas for CudaBackend {
         let (first, second) = (addr(call.operands[0]), addr(call.operands[1]));
         let h = *self.blas.handle();
         self.bind();
+        let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
         let (alpha, beta) = (call.alpha, call.beta);
         match (pa.dtype, pb.dtype, pc.dtype) {
             (DType::F32, DType::F32, DType::F32) => cublas(
@@ -250,6 +252,7 @@ impl Blas for CudaBackend {
         let call = map_syrk(&s).unwrap_or_else(|e| panic!("syrk {s:?}: {e}"));
         let (alpha, beta) = (call.alpha, call.beta);
         self.bind();
+        let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: extents checked above; the handle is bound to the compute stream.
         cublas(
             unsafe {
@@ -291,6 +294,7 @@ impl Blas for CudaBackend {
         );
         let n = i32::try_from(py.len).expect("axpy longer than cuBLAS's int");
         self.bind();
+        let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: both ranges hold n f32 on the device; the handle is on the compute stream.
         cublas(
             unsafe {
@@ -316,6 +320,7 @@ impl Blas for CudaBackend {
         );
         let n = i32::try_from(py.len).expect("scale longer than cuBLAS's int");
         self.bind();
+        let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: as in axpy.
         cublas(
             unsafe {

@@ -1,0 +1,167 @@
+//! The kernel ops on the GPU: [`CudaLauncher`] gives [`crate::ops::KernelOps`] device
+//! addresses, launches on the compute stream and scratch from device memory, and
+//! [`CudaKernelBackend`] is the whole seam on one GPU: this backend's memory, streams and
+//! cuBLAS GEMMs, every other op a kernel of `kernels/*.cu` — the same ops layer, and the same
+//! launches, that the host build checks against the CPU backend in CI.
+
+use super::memory::{place, place_mut, Place};
+use super::{ok, CudaBackend, DeviceError};
+use crate::host::{Arg, LaunchConfig};
+use crate::kernel_backend::{Gemms, KernelBackend};
+use crate::launch::Launcher;
+use crate::ops::{KernelOps, Tuning};
+use cudarc::driver::LaunchConfig as CuLaunch;
+use cudarc::driver::PushKernelArg;
+use ganymede_core::Stream;
+use ganymede_core::{Blas, Category, DType, Gemm, Ledger, Memory, Syrk, Tensor, View, ViewMut};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Kernel launches on a [`CudaBackend`]'s compute stream.
+#[derive(Clone)]
+pub struct CudaLauncher {
+    be: CudaBackend,
+}
+
+/// The seam on one GPU: memory and GEMMs from the device layer, every other op a kernel.
+pub type CudaKernelBackend = KernelBackend<CudaLauncher, CudaBackend>;
+
+/// Probe, set up GPU `ordinal` (context, streams, cuBLAS, the kernels compiled by NVRTC) and
+/// return the full backend.
+pub fn kernel_backend(
+    ordinal: usize,
+    ledger: Arc<Ledger>,
+) -> Result<CudaKernelBackend, DeviceError> {
+    let be = CudaBackend::new(ordinal, ledger)?;
+    let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, Tuning::default());
+    Ok(KernelBackend::new(ops, be))
+}
+
+/// One launch argument by value, in the form cudarc pushes.
+enum Raw {
+    U64(u64),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+}
+
+impl Launcher for CudaLauncher {
+    fn addr(&self, v: View) -> *mut c_void {
+        place(&v).addr as *mut c_void
+    }
+    fn addr_mut(&self, mut v: ViewMut) -> *mut c_void {
+        place_mut(&mut v).addr as *mut c_void
+    }
+    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        let f = self.be.function(name).unwrap_or_else(|e| panic!("{e}"));
+        let raw: Vec<Raw> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => Raw::U64(p as u64),
+                Arg::I32(x) => Raw::I32(x),
+                Arg::U32(x) => Raw::U32(x),
+                Arg::I64(x) => Raw::I64(x),
+                Arg::F32(x) => Raw::F32(x),
+                Arg::F64(x) => Raw::F64(x),
+            })
+            .collect();
+        let mut b = self.be.compute().launch_builder(&f);
+        for r in &raw {
+            match r {
+                Raw::U64(x) => b.arg(x),
+                Raw::I32(x) => b.arg(x),
+                Raw::U32(x) => b.arg(x),
+                Raw::I64(x) => b.arg(x),
+                Raw::F32(x) => b.arg(x),
+                Raw::F64(x) => b.arg(x),
+            };
+        }
+        let c = CuLaunch {
+            grid_dim: (cfg.grid[0], cfg.grid[1], cfg.grid[2]),
+            block_dim: (cfg.block[0], cfg.block[1], cfg.block[2]),
+            shared_mem_bytes: u32::try_from(cfg.shared).expect("shared memory beyond u32"),
+        };
+        // SAFETY: the caller's (see the trait): arguments match the kernel's parameters (a
+        // pointer travels as its 64-bit value) and every address holds what the kernel touches.
+        ok(unsafe { b.launch(c) }.map(|_| ()), name);
+    }
+    fn alloc_scratch(&self, bytes: usize) -> Tensor {
+        // f64 elements: 8-byte alignment for the f64 partial sums carved from it. Freed in
+        // stream order when replaced, like every device tensor of this backend.
+        self.be
+            .zeros_of(&[bytes.div_ceil(8)], DType::F64, Category::Buffers)
+    }
+    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
+        self.copy_bytes(dst as u64, src.as_ptr() as u64, src.len());
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
+        self.copy_bytes(dst.as_mut_ptr() as u64, src as u64, dst.len());
+        self.be.sync_compute();
+    }
+}
+
+impl CudaLauncher {
+    /// `bytes` bytes by unified address on the compute stream (host memory is staged by the
+    /// driver before the call returns, so the source may be reused).
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) {
+        // Counted in bytes; the dtype only has to agree between the two sides.
+        let at = |addr| Place {
+            addr,
+            bytes,
+            dtype: DType::F32,
+            len: bytes,
+            uses: None,
+            on_device: false,
+        };
+        self.be.memcpy(&at(dst), &at(src), Stream::Compute);
+    }
+}
+
+impl Gemms for CudaBackend {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
+        Blas::gemm(self, c, a, b, g)
+    }
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        Blas::syrk(self, c, a, s)
+    }
+    /// One cuBLAS GEMM per group on sub-views (correct, not yet one grouped call: the experts'
+    /// grouped or sorted-strided batch is the next step, measured by the device check).
+    fn gemm_grouped(
+        &self,
+        mut c: ViewMut,
+        a: View,
+        b: View,
+        groups: &[(Gemm, usize, usize, usize)],
+    ) {
+        for &(g, ao, bo, co) in groups {
+            let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+            let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+            let (la, lb, lc) = (
+                extent(ar, ac, g.lda),
+                extent(br, bc, g.ldb),
+                extent(g.m, g.n, g.ldc),
+            );
+            if lc == 0 {
+                continue;
+            }
+            Blas::gemm(
+                self,
+                c.reborrow().slice(co, lc),
+                a.slice(ao, la),
+                b.slice(bo, lb),
+                g,
+            );
+        }
+    }
+}
+
+/// Elements a row-major `rows × cols` operand with row stride `ld` spans.
+fn extent(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
+}

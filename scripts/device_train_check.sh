@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The training half of the device check (called by scripts/device_check.sh; runnable alone):
+#   1. tiny and small, 50 steps on the device against the CPU: per-step losses, tolerance stated;
+#   2. activation offload and optimizer offload on the device: measured peaks against the planner;
+#   3. speed: tokens/s and MFU of `medium` on the device, then PyTorch on the same GPU with the
+#      same shapes (transformers' Qwen3-MoE, bf16 autocast, grouped_mm experts, SDPA, fused
+#      AdamW; torch.compile if time allows).
+# Writes OUTDIR/train.md. Every run has its own timeout, so a slow or failing part leaves the
+# rest and a line saying what happened.
+# Usage: scripts/device_train_check.sh OUTDIR
+#   GANYMEDE_BIN (default target/dist/ganymede), GANYMEDE_PYTHON (for PyTorch and the tables),
+#   GANYMEDE_CHECK_KIND (default cuda; cpu-two-memory dry-runs the script without a GPU),
+#   GANYMEDE_CHECK_STEPS (default 50), GANYMEDE_CHECK_SPEED (0 skips part 3).
+set -uo pipefail
+out=${1:?usage: $0 OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=${GANYMEDE_BIN:-$root/target/dist/ganymede}
+kind=${GANYMEDE_CHECK_KIND:-cuda}
+steps=${GANYMEDE_CHECK_STEPS:-50}
+speed=${GANYMEDE_CHECK_SPEED:-1}
+py=${GANYMEDE_PYTHON:-python3}
+md=$out/train.md
+runs=$out/runs
+mkdir -p "$runs"
+
+# One training run: NAME TIMEOUT ARGS...; its log beside its run directory.
+train() {
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$bin" train --out "$runs/$name" --set metrics.val_every=0 \
+        --set checkpoint.enable=false "$@" >"$runs/$name.log" 2>&1
+    local rc=$?
+    [ $rc = 0 ] || echo "- \`$name\`: exit $rc$([ $rc = 124 ] && echo ' (timed out)'): \`$(tail -1 "$runs/$name.log")\`" >>"$md"
+    return $rc
+}
+
+{
+    echo "# Training on the device ($kind)"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M:%S UTC'); binary $bin"
+    echo
+} >"$md"
+
+# 1. Losses against the CPU. Both compute in f32 (the CUDA kernels and cuBLAS SGEMM against the
+#    CPU backend); reductions add in other orders, so per-step losses drift apart by rounding.
+#    Tolerance: 1e-3 relative at every step.
+echo "## $steps steps against the CPU" >>"$md"
+echo >>"$md"
+for preset in tiny small; do
+    train "$preset-cpu" 150 --preset "$preset" --steps "$steps" --set device.kind=cpu
+    train "$preset-dev" 150 --preset "$preset" --steps "$steps" --set "device.kind=$kind"
+    "$py" - "$runs/$preset-cpu/metrics.jsonl" "$runs/$preset-dev/metrics.jsonl" "$preset" >>"$md" <<'EOF'
+import json, sys
+def losses(p):
+    try:
+        return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
+    except OSError:
+        return []
+a, b, name = losses(sys.argv[1]), losses(sys.argv[2]), sys.argv[3]
+n = min(len(a), len(b))
+if n == 0:
+    print(f"- {name}: no losses to compare (cpu {len(a)}, device {len(b)} steps)")
+else:
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n]))
+    ok = "PASS" if rel <= 1e-3 and len(a) == len(b) else "FAIL"
+    print(f"- {name}: {n} steps, loss {a[0]:.5f} → cpu {a[n-1]:.5f} / device {b[n-1]:.5f}; "
+          f"max relative difference {rel:.2e} (tolerance 1e-3): **{ok}**")
+EOF
+done
+echo >>"$md"
+
+# 2. Offload on the device: measured peaks against the planner's, per memory.
+echo "## Offload peaks against the planner" >>"$md"
+echo >>"$md"
+for what in "activations:--set activation_checkpoint.offload_fraction=1" \
+    "optimizer:--set optimizer.offload=true" \
+    "both:--set activation_checkpoint.offload_fraction=1 --set optimizer.offload=true"; do
+    name=offload-${what%%:*}
+    # shellcheck disable=SC2086
+    train "$name" 120 --preset tiny --steps 5 --set "device.kind=$kind" --set model.layers=4 ${what#*:}
+    "$py" - "$runs/$name/memory.json" "$name" >>"$md" <<'EOF'
+import json, sys
+try:
+    m = json.load(open(sys.argv[1]))
+except OSError:
+    print(f"- {sys.argv[2]}: no memory.json"); sys.exit()
+for dev, d in m.items():
+    if not isinstance(d, dict) or "planner_peak_bytes" not in d:
+        continue
+    meas, pred = d["peak_total_bytes"], d["planner_peak_total_bytes"]
+    cats = ", ".join(f"{c} {d['peak_bytes'].get(c, 0)/2**20:.2f}/{p/2**20:.2f}"
+                     for c, p in d["planner_peak_bytes"].items())
+    print(f"- {sys.argv[2]}, {dev}: peak {meas/2**20:.2f} MiB measured, {pred/2**20:.2f} planner "
+          f"({(meas/pred - 1)*100:+.1f}%); MiB measured/planner: {cats}")
+EOF
+done
+echo >>"$md"
+
+[ "$speed" = 1 ] || exit 0
+
+# 3. Speed at medium, ganymede then PyTorch, one after the other on the same GPU. MFU with the
+#    same model FLOPs per token for both (ganymede plan's, causal attention halved) over the
+#    GPU's dense bf16 peak (H200/H100 SXM: 989 TFLOP/s).
+peak=${GANYMEDE_PEAK_TFLOPS:-989}
+fpt=$("$bin" plan --preset medium --json 2>/dev/null | "$py" -c \
+    'import json, sys; f = json.load(sys.stdin)["flops"]; print(f["model_per_token"])' 2>/dev/null || echo 0)
+echo "## Speed at medium (model FLOPs/token $fpt, peak $peak TFLOP/s)" >>"$md"
+echo >>"$md"
+train medium-dev 150 --preset medium --steps 12 --set "device.kind=$kind"
+"$py" - "$runs/medium-dev/metrics.jsonl" "$fpt" "$peak" >>"$md" <<'EOF'
+import json, statistics, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1]) if '"step_s"' in l]
+except OSError:
+    rows = []
+fpt, peak = float(sys.argv[2]), float(sys.argv[3])
+t = [r["tokens_per_s"] for r in rows[2:]] or [r["tokens_per_s"] for r in rows]
+if t:
+    tps = statistics.median(t)
+    print(f"- ganymede ({len(rows)} steps, median of steps 3..): {tps:,.0f} tokens/s, "
+          f"MFU {tps * fpt / (peak * 1e12) * 100:.1f}%")
+else:
+    print("- ganymede: no steps")
+EOF
+for variant in "autocast-bf16:" "autocast-bf16:--compile"; do
+    prec=${variant%%:*}
+    extra=${variant#*:}
+    # shellcheck disable=SC2086
+    if timeout 150 "$py" "$root/bench/pytorch_qwen3moe.py" --preset medium --device cuda \
+        --precision "$prec" --experts grouped_mm --fused $extra --steps 8 --warmup 3 \
+        --flops-per-token "$fpt" --peak-tflops "$peak" >"$runs/torch-$prec$extra.json" \
+        2>"$runs/torch-$prec$extra.log"; then
+        "$py" - "$runs/torch-$prec$extra.json" >>"$md" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"- PyTorch {r['framework']} {r['precision']}, experts {r['experts']}, fused AdamW, "
+      f"compile {r['compile']}: {r['tokens_per_s']:,.0f} tokens/s, MFU {r.get('mfu', 0)*100:.1f}%, "
+      f"peak {r.get('peak_memory_gib', 0):.1f} GiB")
+EOF
+    else
+        echo "- PyTorch $prec $extra: did not finish ($(tail -1 "$runs/torch-$prec$extra.log"))" >>"$md"
+    fi
+done
+echo "train check: see $md"
