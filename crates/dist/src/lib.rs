@@ -2,7 +2,8 @@
 //! ([`ProcessGroup`]) with a threads backend ([`threads`]) and an MPI backend (feature `mpi`),
 //! the (dp_shard × ep) [`DeviceMesh`], byte accounting per [`Phase`] ([`CommStats`]), per-rank
 //! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check) and
-//! the FlexShard [`placement`] policy with its optimizer byte formulas.
+//! the FlexShard [`placement`] policy with its optimizer byte formulas, and the [`rendezvous`]
+//! that launchers without MPI need (torchrun-style or Slurm variables, a TCP store on rank 0).
 
 pub mod conformance;
 pub mod error;
@@ -13,6 +14,7 @@ pub mod mesh;
 pub mod mpi;
 pub mod muon_comm;
 pub mod placement;
+pub mod rendezvous;
 pub mod stats;
 pub mod threads;
 pub mod trace;
