@@ -243,9 +243,7 @@ impl FsdpParams {
         self.posted = 0;
         self.global_tokens = global_tokens;
         if self.master_on_host {
-            let root = self.layout.root.clone();
-            let stage = &mut self.root_stage;
-            copy_shards(be, &self.master, &root, stage);
+            copy_shards(be, &self.master, &self.layout.root, &mut self.root_stage);
         }
         for k in 0..self.layout.root.len() {
             let i = self.layout.root[k];

@@ -105,8 +105,8 @@ impl CudaBackend {
     }
 }
 
-/// Bytes a row-major `rows × cols` operand with row stride `ld` spans.
-fn extent(rows: usize, cols: usize, ld: usize) -> usize {
+/// Elements a row-major `rows × cols` operand with row stride `ld` spans.
+pub(super) fn extent(rows: usize, cols: usize, ld: usize) -> usize {
     if rows == 0 || cols == 0 {
         0
     } else {

@@ -4,6 +4,7 @@
 //! cuBLAS GEMMs, every other op a kernel of `kernels/*.cu` — the same ops layer, and the same
 //! launches, that the host build checks against the CPU backend in CI.
 
+use super::blas::extent;
 use super::memory::{place, place_mut, Place};
 use super::{ok, CudaBackend, DeviceError};
 use crate::host::{Arg, LaunchConfig};
@@ -37,16 +38,6 @@ pub fn kernel_backend(
     Ok(KernelBackend::new(ops, be))
 }
 
-/// One launch argument by value, in the form cudarc pushes.
-enum Raw {
-    U64(u64),
-    I32(i32),
-    U32(u32),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-}
-
 impl Launcher for CudaLauncher {
     fn addr(&self, v: View) -> *mut c_void {
         place(&v).addr as *mut c_void
@@ -56,26 +47,23 @@ impl Launcher for CudaLauncher {
     }
     unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
         let f = self.be.function(name).unwrap_or_else(|e| panic!("{e}"));
-        let raw: Vec<Raw> = args
+        // A pointer travels as its 64-bit value, which needs a place to live during the push.
+        let addrs: Vec<u64> = args
             .iter()
             .map(|a| match *a {
-                Arg::Ptr(p) => Raw::U64(p as u64),
-                Arg::I32(x) => Raw::I32(x),
-                Arg::U32(x) => Raw::U32(x),
-                Arg::I64(x) => Raw::I64(x),
-                Arg::F32(x) => Raw::F32(x),
-                Arg::F64(x) => Raw::F64(x),
+                Arg::Ptr(p) => p as u64,
+                _ => 0,
             })
             .collect();
         let mut b = self.be.compute().launch_builder(&f);
-        for r in &raw {
-            match r {
-                Raw::U64(x) => b.arg(x),
-                Raw::I32(x) => b.arg(x),
-                Raw::U32(x) => b.arg(x),
-                Raw::I64(x) => b.arg(x),
-                Raw::F32(x) => b.arg(x),
-                Raw::F64(x) => b.arg(x),
+        for (a, addr) in args.iter().zip(&addrs) {
+            match a {
+                Arg::Ptr(_) => b.arg(addr),
+                Arg::I32(x) => b.arg(x),
+                Arg::U32(x) => b.arg(x),
+                Arg::I64(x) => b.arg(x),
+                Arg::F32(x) => b.arg(x),
+                Arg::F64(x) => b.arg(x),
             };
         }
         let c = CuLaunch {
@@ -154,14 +142,5 @@ impl Gemms for CudaBackend {
                 g,
             );
         }
-    }
-}
-
-/// Elements a row-major `rows × cols` operand with row stride `ld` spans.
-fn extent(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
     }
 }
