@@ -2,6 +2,7 @@
 //! Prints the median GFLOP/s over repeated runs for square and training-shaped problems, at the
 //! rayon thread count given by RAYON_NUM_THREADS (default: all cores).
 
+use ganymede_core::cpu::syrk_host_strips;
 use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory, Syrk};
 use std::time::Instant;
 
@@ -53,7 +54,9 @@ fn main() {
         let mut c = be.zeros(&[n * n], Category::Buffers);
         let s = Syrk::new(n, k, trans);
         let reps = (1e9 / s.as_gemm().flops() as f64).clamp(3.0, 200.0) as usize;
-        let (mut tg, mut ts) = (Vec::new(), Vec::new());
+        let (mut tg, mut ts, mut tp) = (Vec::new(), Vec::new(), Vec::new());
+        let cpu: &mut [f32] = &mut vec![0.0; n * n];
+        let ah = vec![0.5f32; n * k];
         for _ in 0..7 {
             let t = Instant::now();
             for _ in 0..reps {
@@ -62,18 +65,27 @@ fn main() {
             tg.push(t.elapsed().as_secs_f64() / reps as f64);
             let t = Instant::now();
             for _ in 0..reps {
-                be.syrk(c.view_mut(), a.view(), s);
+                syrk_host_strips(cpu, &ah, s);
             }
             ts.push(t.elapsed().as_secs_f64() / reps as f64);
+            let t = Instant::now();
+            for _ in 0..reps {
+                be.syrk(c.view_mut(), a.view(), s);
+            }
+            tp.push(t.elapsed().as_secs_f64() / reps as f64);
         }
-        tg.sort_by(f64::total_cmp);
-        ts.sort_by(f64::total_cmp);
-        let (g, y) = (tg[3], ts[3]);
+        for t in [&mut tg, &mut ts, &mut tp] {
+            t.sort_by(f64::total_cmp);
+        }
+        let (g, y, p) = (tg[3], ts[3], tp[3]);
         println!(
-            "syrk n={n:>5} k={k:>5} trans={trans}: gemm {:8.3} ms, syrk {:8.3} ms, {:.2}x",
+            "syrk n={n:>5} k={k:>5} trans={trans}: gemm {:8.3} ms, strips {:8.3} ms ({:.2}x), \
+             packed {:8.3} ms ({:.2}x)",
             g * 1e3,
             y * 1e3,
-            g / y
+            g / y,
+            p * 1e3,
+            g / p
         );
     }
 }

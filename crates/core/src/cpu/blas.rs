@@ -3,7 +3,7 @@
 //! micro-kernels. The symmetric rank-k product computes strips of its lower triangle the same
 //! way and mirrors them.
 
-use super::{CpuBackend, PAR_MIN};
+use super::{syrk_avx2, CpuBackend, PAR_MIN};
 use crate::backend::{Blas, Gemm, Memory, Syrk};
 use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
@@ -37,9 +37,46 @@ pub trait GemmScalar: Scalar {
         rsc: isize,
         csc: isize,
     );
+    /// The lower triangle of a symmetric rank-k product by a packed triangular kernel, where
+    /// this type and CPU have one; `false` means nothing was done.
+    ///
+    /// # Safety
+    /// As for [`syrk_avx2::syrk_lower`]: valid extents, `c` not aliasing `a`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn syrk_lower(
+        _n: usize,
+        _k: usize,
+        _alpha: Self,
+        _beta: Self,
+        _a: &[Self],
+        _rsa: usize,
+        _csa: usize,
+        _c: *mut Self,
+        _ldc: usize,
+    ) -> bool {
+        false
+    }
 }
 
 impl GemmScalar for f32 {
+    unsafe fn syrk_lower(
+        n: usize,
+        k: usize,
+        alpha: f32,
+        beta: f32,
+        a: &[f32],
+        rsa: usize,
+        csa: usize,
+        c: *mut f32,
+        ldc: usize,
+    ) -> bool {
+        if !syrk_avx2::available() {
+            return false;
+        }
+        syrk_avx2::syrk_lower(n, k, alpha, beta, a, rsa, csa, c, ldc);
+        true
+    }
+
     unsafe fn raw(
         m: usize,
         k: usize,
@@ -182,6 +219,16 @@ fn syrk_strip(n: usize) -> usize {
 /// strictly upper triangle is then copied from the lower. Each element is the same k-long dot
 /// product a full GEMM computes; strips run on rayon's threads above a size.
 pub fn syrk_host<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
+    syrk_with(c, a, s, true)
+}
+
+/// [`syrk_host`] by `matrixmultiply` strips only, never the packed kernel: the path f64 and
+/// CPUs without AVX2 + FMA take, here so that tests and benchmarks can hold the two side by side.
+pub fn syrk_host_strips<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
+    syrk_with(c, a, s, false)
+}
+
+fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, packed: bool) {
     let Syrk {
         n,
         k,
@@ -205,11 +252,45 @@ pub fn syrk_host<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
     );
     // (row stride, column stride) of op(A); op(A)ᵀ has them swapped.
     let (rsa, csa) = if trans { (1, lda) } else { (lda, 1) };
+    let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
+    // Safety: bounds were checked above; `c` and `a` are distinct slices.
+    let packed =
+        packed && unsafe { S::syrk_lower(n, k, alpha, beta, a, rsa, csa, c.as_mut_ptr(), ldc) };
+    if !packed {
+        syrk_strips(c, a, n, k, alpha, beta, rsa, csa, ldc);
+    }
+    // Upper triangle from the lower, in tiles so that both sides stay in cache.
+    const TILE: usize = 32;
+    for i0 in (0..n).step_by(TILE) {
+        for j0 in (i0..n).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(n) {
+                for j in j0.max(i + 1)..(j0 + TILE).min(n) {
+                    c[i * ldc + j] = c[j * ldc + i];
+                }
+            }
+        }
+    }
+}
+
+/// The strip fallback of [`syrk_host`] (f64, or a CPU without AVX2 + FMA): strip `r` computes
+/// rows `[r·t, r·t+t)` of C for columns up to the end of its diagonal block, one
+/// `matrixmultiply` call each.
+#[allow(clippy::too_many_arguments)]
+fn syrk_strips<S: GemmScalar>(
+    c: &mut [S],
+    a: &[S],
+    n: usize,
+    k: usize,
+    alpha: S,
+    beta: S,
+    rsa: usize,
+    csa: usize,
+    ldc: usize,
+) {
     let t = syrk_strip(n);
     let strips = n.div_ceil(t);
     let cp = Ptr(c.as_mut_ptr());
     let ap = a.as_ptr() as usize;
-    let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
     // Safety: bounds were checked above; strips write disjoint rows of C.
     let run = move |r: usize| unsafe {
         let cp = cp;
@@ -238,17 +319,6 @@ pub fn syrk_host<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
         (0..strips)
             .into_par_iter()
             .for_each(|r| run(strips - 1 - r));
-    }
-    // Upper triangle from the lower, in tiles so that both sides stay in cache.
-    const TILE: usize = 32;
-    for i0 in (0..n).step_by(TILE) {
-        for j0 in (i0..n).step_by(TILE) {
-            for i in i0..(i0 + TILE).min(n) {
-                for j in j0.max(i + 1)..(j0 + TILE).min(n) {
-                    c[i * ldc + j] = c[j * ldc + i];
-                }
-            }
-        }
     }
 }
 
@@ -445,9 +515,19 @@ mod tests {
                     .unwrap()
             })
             .collect();
-        // Odd sizes, one strip and many (strips of 32..128 rows), and sizes big enough for the
-        // 2-thread pool to split the strips.
-        for &(n, k) in &[(1, 1), (3, 7), (33, 65), (130, 17), (257, 300), (300, 64)] {
+        // Odd sizes (partial 8×8 tiles), one strip or panel and many, k over several of the
+        // packed kernel's 256-long blocks, k = 0, and sizes big enough for the 2-thread pool
+        // to split the work.
+        for &(n, k) in &[
+            (1, 1),
+            (3, 7),
+            (33, 65),
+            (130, 17),
+            (257, 300),
+            (300, 64),
+            (75, 600),
+            (8, 0),
+        ] {
             for trans in [false, true] {
                 for (alpha, beta, pad) in [(1.0, 0.0, 0), (0.7, -0.3, 5)] {
                     let s = Syrk::new(n, k, trans).alpha(alpha).beta(beta);
@@ -457,9 +537,12 @@ mod tests {
                     let c0 = sym(n, s.ldc, 5);
                     let mut want = c0.clone();
                     naive(&a, &a, s.as_gemm(), &mut want);
-                    for pool in &pools {
+                    // The packed kernel (where the CPU has it) and the strip fallback.
+                    type Path = fn(&mut [f32], &[f32], Syrk);
+                    let paths: [Path; 2] = [syrk_host::<f32>, syrk_host_strips::<f32>];
+                    for (pool, path) in pools.iter().flat_map(|p| paths.map(|f| (p, f))) {
                         let mut got = c0.clone();
-                        pool.install(|| syrk_host(&mut got, &a, s));
+                        pool.install(|| path(&mut got, &a, s));
                         for i in 0..n {
                             for j in 0..s.ldc.min(extent(n, n, s.ldc) - i * s.ldc) {
                                 let (x, y) = (got[i * s.ldc + j], want[i * s.ldc + j]);

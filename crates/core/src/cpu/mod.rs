@@ -5,6 +5,7 @@
 mod blas;
 mod nn;
 mod optim;
+mod syrk_avx2;
 pub mod two_memory;
 
 use crate::backend::Memory;
@@ -12,6 +13,7 @@ use crate::bf16;
 use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, Tensor, View, ViewMut};
+pub use blas::{syrk_host, syrk_host_strips};
 use std::sync::Arc;
 use std::time::Duration;
 use two_memory::TwoMemory;
