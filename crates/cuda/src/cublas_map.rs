@@ -148,3 +148,39 @@ pub fn map_syrk(s: &Syrk) -> Result<CublasSyrk, MapError> {
         beta: s.beta,
     })
 }
+
+/// Independent seam GEMMs (the routed experts' GEMMs, one per expert, each over its own token
+/// count) as one `cublasGemmGroupedBatchedEx` call: one cuBLAS group per non-empty GEMM.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupedCall {
+    /// Each problem's call, as [`map_gemm`] maps it.
+    pub calls: Vec<CublasGemm>,
+    /// Element offsets of each problem's operands in the call's slot order: cuBLAS's `A`, its
+    /// `B`, and `C`.
+    pub offsets: Vec<[usize; 3]>,
+}
+
+/// The seam's grouped GEMM (`(shape, a_offset, b_offset, c_offset)` per group, as
+/// `NnOps::gemm_grouped` takes it) as one grouped cuBLAS call. GEMMs with no output (an expert
+/// without tokens) are left out: cuBLAS needs nothing done for them.
+pub fn map_gemm_grouped(groups: &[(Gemm, usize, usize, usize)]) -> Result<GroupedCall, MapError> {
+    let mut out = GroupedCall {
+        calls: Vec::new(),
+        offsets: Vec::new(),
+    };
+    for &(g, ao, bo, co) in groups {
+        if g.m == 0 || g.n == 0 {
+            continue;
+        }
+        let call = map_gemm(&g)?;
+        let off = |o: Operand| match o {
+            Operand::A => ao,
+            Operand::B => bo,
+        };
+        out.offsets
+            .push([off(call.operands[0]), off(call.operands[1]), co]);
+        out.calls.push(call);
+    }
+    int("groups", out.calls.len())?;
+    Ok(out)
+}

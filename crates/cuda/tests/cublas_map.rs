@@ -5,7 +5,8 @@
 
 use ganymede_core::{Blas, Category, CpuBackend, Gemm, Ledger, Memory, Syrk};
 use ganymede_cuda::cublas_map::{
-    map_gemm, map_gemm_strided_batched, map_syrk, CublasGemm, CublasSyrk, Operand,
+    map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, CublasSyrk,
+    Operand,
 };
 use std::sync::Arc;
 
@@ -182,6 +183,51 @@ fn unswapped_mapping_is_caught() {
     got.truncate(want.len());
     let diff: f64 = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).sum();
     assert!(diff > 1e-3, "a wrong mapping went unnoticed");
+}
+
+#[test]
+fn grouped_call_equals_cpu_gemm_per_group() {
+    // Groups of different shapes packed one after another in shared buffers (the routed
+    // experts' tokens and weights), one without output (an expert with no tokens).
+    let be = cpu();
+    let cases = gemm_cases();
+    for (t, chunk) in cases.chunks(9).enumerate().step_by(5) {
+        let mut groups = Vec::new();
+        let (mut la, mut lb, mut lc) = (0usize, 0usize, 0usize);
+        for (j, g) in chunk.iter().enumerate() {
+            let mut g = *g;
+            if j == 3 {
+                g.m = 0;
+            }
+            let a_rows = if g.trans_a { g.k } else { g.m };
+            let b_rows = if g.trans_b { g.n } else { g.k };
+            groups.push((g, la + 1, lb + 2, lc + 3));
+            la += 1 + storage(a_rows.max(1), g.lda);
+            lb += 2 + storage(b_rows.max(1), g.ldb);
+            lc += 3 + storage(g.m.max(1), g.ldc);
+        }
+        let a = values(la, 7 * t as u64);
+        let b = values(lb, 7 * t as u64 + 1);
+        let c0 = values(lc, 7 * t as u64 + 2);
+        let mut want = c0.clone();
+        for &(g, ao, bo, co) in &groups {
+            if g.m == 0 {
+                continue;
+            }
+            let r = cpu_gemm(&be, g, &a[ao..], &b[bo..], &want[co..]);
+            want[co..].copy_from_slice(&r);
+        }
+        let call = map_gemm_grouped(&groups).unwrap();
+        assert_eq!(call.calls.len(), groups.len() - 1, "the empty GEMM is left out");
+        let mut got = c0.clone();
+        for (c, off) in call.calls.iter().zip(&call.offsets) {
+            // Back from slot order to the seam's operands for the interpreter.
+            let at = |o: Operand| if c.operands[0] == o { off[0] } else { off[1] };
+            let (a_g, b_g) = (&a[at(Operand::A)..], &b[at(Operand::B)..]);
+            interpret_gemm(c, a_g, b_g, &mut got[off[2]..]);
+        }
+        assert_close(&got, &want, &format!("groups {t}"));
+    }
 }
 
 #[test]
