@@ -135,6 +135,8 @@ pub struct Inner {
     trace: Mutex<Option<CopyTrace>>,
     /// Held around each cuBLAS call: rank threads and Newton–Schulz's lanes share the handle.
     blas_lock: Mutex<()>,
+    /// Device pointer arrays of grouped GEMMs (see `blas::PtrRing`).
+    grouped: Mutex<blas::PtrRing>,
 }
 
 impl CudaBackend {
@@ -190,6 +192,7 @@ impl CudaBackend {
             name,
             trace: Mutex::new(None),
             blas_lock: Mutex::new(()),
+            grouped: Mutex::new(blas::PtrRing::default()),
         })))
     }
 

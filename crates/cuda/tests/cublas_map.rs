@@ -5,8 +5,7 @@
 
 use ganymede_core::{Blas, Category, CpuBackend, Gemm, Ledger, Memory, Syrk};
 use ganymede_cuda::cublas_map::{
-    map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, CublasSyrk,
-    Operand,
+    map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, CublasSyrk, Operand,
 };
 use std::sync::Arc;
 
@@ -218,7 +217,11 @@ fn grouped_call_equals_cpu_gemm_per_group() {
             want[co..].copy_from_slice(&r);
         }
         let call = map_gemm_grouped(&groups).unwrap();
-        assert_eq!(call.calls.len(), groups.len() - 1, "the empty GEMM is left out");
+        assert_eq!(
+            call.calls.len(),
+            groups.len() - 1,
+            "the empty GEMM is left out"
+        );
         let mut got = c0.clone();
         for (c, off) in call.calls.iter().zip(&call.offsets) {
             // Back from slot order to the seam's operands for the interpreter.

@@ -3,9 +3,45 @@
 
 use super::memory::{place, place_mut};
 use super::CudaBackend;
-use crate::cublas_map::{map_gemm, map_gemm_strided_batched, map_syrk, CublasGemm, Operand};
+use crate::cublas_map::{
+    map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, Operand,
+};
 use cudarc::cublas::sys as blas_sys;
-use ganymede_core::{Blas, Category, DType, Gemm, Memory, Syrk, View, ViewMut};
+use cudarc::driver::CudaEvent;
+use ganymede_core::{Blas, Category, DType, Gemm, Memory, Stream, Syrk, Tensor, View, ViewMut};
+
+/// Pointer-array slots kept for grouped GEMMs.
+const PTR_SLOTS: usize = 4;
+
+/// The device arrays of pointers a grouped cuBLAS call reads (its `Aarray`, `Barray`,
+/// `Carray`). Each call writes them into a pinned slot and copies that to the slot's device
+/// half on the compute stream, ahead of the GEMM. Slots are used in turn, and a slot's host half
+/// is rewritten only once its previous copy has completed (an event), so the host never races
+/// the copy engine; slots grow to the largest call and are then reused: after the first step,
+/// grouped GEMMs allocate nothing.
+#[derive(Default)]
+pub struct PtrRing {
+    slots: Vec<PtrSlot>,
+    next: usize,
+}
+
+struct PtrSlot {
+    /// Pinned, `2·cap` f32 words (`cap` u64 pointers).
+    host: Tensor,
+    /// Device, the same size.
+    dev: Tensor,
+    cap: usize,
+    copied: Option<CudaEvent>,
+}
+
+/// Data type of a grouped call's operand in cuBLAS's terms.
+fn cuda_type(d: DType) -> blas_sys::cudaDataType {
+    match d {
+        DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+        DType::F64 | DType::U32 => panic!("no CUDA gemm in {}", d.name()),
+    }
+}
 
 impl CudaBackend {
     /// `batch` GEMMs of one shape, the i-th at element `i · stride_*` of each operand (an
@@ -103,6 +139,154 @@ impl CudaBackend {
             "gemmStridedBatchedEx",
         )
     }
+
+    /// The seam's grouped GEMM (the routed experts', one GEMM per expert over its own tokens)
+    /// as one `cublasGemmGroupedBatchedEx` call, instead of one launch per expert. Dtypes as
+    /// [`Blas::gemm`]; f32 accumulation.
+    pub fn gemm_grouped_batched(
+        &self,
+        mut c: ViewMut,
+        a: View,
+        b: View,
+        groups: &[(Gemm, usize, usize, usize)],
+    ) {
+        for &(g, ao, bo, co) in groups {
+            let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+            let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+            if g.m == 0 || g.n == 0 {
+                continue;
+            }
+            assert!(
+                a.len() >= ao + extent(ar, ac, g.lda),
+                "grouped gemm: A too small {g:?}"
+            );
+            assert!(
+                b.len() >= bo + extent(br, bc, g.ldb),
+                "grouped gemm: B too small {g:?}"
+            );
+            assert!(
+                c.len() >= co + extent(g.m, g.n, g.ldc),
+                "grouped gemm: C too small {g:?}"
+            );
+        }
+        let call = map_gemm_grouped(groups).unwrap_or_else(|e| panic!("grouped gemm: {e}"));
+        let problems = call.calls.len();
+        if problems == 0 {
+            return;
+        }
+        let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
+        assert!(
+            pa.on_device && pb.on_device && pc.on_device,
+            "gemm on memory the device does not hold"
+        );
+        assert!(
+            pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
+            "no CUDA gemm for {} × {} → {}",
+            pa.dtype.name(),
+            pb.dtype.name(),
+            pc.dtype.name()
+        );
+        let (ein, eout) = (pa.dtype.size() as u64, pc.dtype.size() as u64);
+        let base = |o: Operand| match o {
+            Operand::A => pa.addr,
+            Operand::B => pb.addr,
+        };
+        // [cuBLAS A pointers | cuBLAS B pointers | C pointers].
+        let mut ptrs = vec![0u64; 3 * problems];
+        for (i, (cl, off)) in call.calls.iter().zip(&call.offsets).enumerate() {
+            ptrs[i] = base(cl.operands[0]) + off[0] as u64 * ein;
+            ptrs[problems + i] = base(cl.operands[1]) + off[1] as u64 * ein;
+            ptrs[2 * problems + i] = pc.addr + off[2] as u64 * eout;
+        }
+        let dev = self.pointer_arrays(&ptrs);
+        let col = |f: &dyn Fn(&CublasGemm) -> i32| call.calls.iter().map(f).collect::<Vec<i32>>();
+        let (m, n, k) = (col(&|x| x.m), col(&|x| x.n), col(&|x| x.k));
+        let (lda, ldb, ldc) = (col(&|x| x.lda), col(&|x| x.ldb), col(&|x| x.ldc));
+        let transa: Vec<_> = call.calls.iter().map(|x| op(x.transa)).collect();
+        let transb: Vec<_> = call.calls.iter().map(|x| op(x.transb)).collect();
+        let alpha: Vec<f32> = call.calls.iter().map(|x| x.alpha).collect();
+        let beta: Vec<f32> = call.calls.iter().map(|x| x.beta).collect();
+        let sizes = vec![1i32; problems];
+        self.bind();
+        let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: every problem's operands were checked against their views above; the pointer
+        // arrays were copied to `dev` on the compute stream, which this handle is bound to, ahead
+        // of the call; the host arrays outlive the call (cuBLAS reads them before returning).
+        cublas(
+            unsafe {
+                blas_sys::cublasGemmGroupedBatchedEx(
+                    *self.blas.handle(),
+                    transa.as_ptr(),
+                    transb.as_ptr(),
+                    m.as_ptr(),
+                    n.as_ptr(),
+                    k.as_ptr(),
+                    alpha.as_ptr() as *const _,
+                    dev as *const *const _,
+                    cuda_type(pa.dtype),
+                    lda.as_ptr(),
+                    (dev + 8 * problems as u64) as *const *const _,
+                    cuda_type(pb.dtype),
+                    ldb.as_ptr(),
+                    beta.as_ptr() as *const _,
+                    (dev + 16 * problems as u64) as *const *mut _,
+                    cuda_type(pc.dtype),
+                    ldc.as_ptr(),
+                    problems as i32,
+                    sizes.as_ptr(),
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                )
+            }
+            .result(),
+            "gemmGroupedBatchedEx",
+        )
+    }
+
+    /// `ptrs` in device memory, ordered before what the compute stream runs next: the device
+    /// address of the copy (see [`PtrRing`]).
+    fn pointer_arrays(&self, ptrs: &[u64]) -> u64 {
+        let mut ring = self.grouped.lock().unwrap_or_else(|e| e.into_inner());
+        let i = ring.next;
+        ring.next = (i + 1) % PTR_SLOTS;
+        let grow = ring.slots.get(i).is_none_or(|s| s.cap < ptrs.len());
+        if grow {
+            let cap = ptrs.len().next_power_of_two();
+            let slot = PtrSlot {
+                host: self.pinned_zeros(&[2 * cap], Category::Buffers),
+                dev: self.zeros(&[2 * cap], Category::Buffers),
+                cap,
+                copied: None,
+            };
+            if i < ring.slots.len() {
+                // The old slot's copy must be done before its pinned memory goes.
+                if let Some(ev) = ring.slots[i].copied.take() {
+                    ok(ev.synchronize(), "grouped gemm pointers");
+                }
+                ring.slots[i] = slot;
+            } else {
+                ring.slots.push(slot);
+            }
+        }
+        let slot = &mut ring.slots[i];
+        if let Some(ev) = slot.copied.take() {
+            ok(ev.synchronize(), "grouped gemm pointers");
+        }
+        let words = 2 * ptrs.len();
+        let host = place(&slot.host.slice(0, words));
+        // SAFETY: the slot's pinned memory holds `2·cap ≥ words` f32 words and no copy reads it
+        // now (its last one completed above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(ptrs.as_ptr(), host.addr as *mut u64, ptrs.len());
+        }
+        let mut dv = slot.dev.slice_mut(0, words);
+        let dev = place_mut(&mut dv);
+        self.memcpy(&dev, &host, Stream::Compute);
+        slot.copied = Some(ok(
+            self.compute().record_event(None),
+            "grouped gemm pointers",
+        ));
+        dev.addr
+    }
 }
 
 /// Elements a row-major `rows × cols` operand with row stride `ld` spans.
@@ -112,6 +296,10 @@ pub(super) fn extent(rows: usize, cols: usize, ld: usize) -> usize {
     } else {
         (rows - 1) * ld + cols
     }
+}
+
+fn ok<T>(r: Result<T, cudarc::driver::DriverError>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what}: {}", super::probe::driver_error(&e)))
 }
 
 fn cublas(r: Result<(), cudarc::cublas::result::CublasError>, what: &str) {

@@ -38,6 +38,10 @@ const SECTIONS: &[(&str, Section)] = &[
         "Expert GEMMs: one strided batch against a loop",
         expert_gemms,
     ),
+    (
+        "Expert GEMMs, uneven tokens: one grouped call against a loop",
+        grouped_expert_gemms,
+    ),
 ];
 
 /// Probe, set up GPU 0, run every section and write `out/report.md`. An error only when the
@@ -569,6 +573,75 @@ fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
             "| {experts} | {tokens} | {k} → {n} | bf16→f32 | {:.3} | {:.3} | {tflops:.1} | {diff:.1e} |",
             t_loop * 1e3,
             t_batch * 1e3
+        );
+    }
+    Ok(md)
+}
+
+/// The experts' up projection at `medium`'s shapes (64 experts, 1,024 → 512) with uneven token
+/// counts, as routing leaves them (some experts empty): one `cublasGemmGroupedBatchedEx`
+/// (`gemm_grouped_batched`, what training runs) against one GEMM per expert, equal up to
+/// summation order (1e-4 of the largest |C|), and their times. Twice in a row, so the second
+/// call reuses the pointer slots (no allocation).
+fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
+    let mut md = String::from(
+        "| experts (empty) | tokens | k → n | loop ms | grouped ms | grouped TFLOP/s | rel. diff |\n|---|---|---|---|---|---|---|\n",
+    );
+    let (experts, k, n) = (64usize, 1024usize, 512usize);
+    for mean in [128usize, 512, 2048] {
+        // A skewed split: expert e gets a share growing with (e mod 8)², every 9th none.
+        let weight = |e: usize| if e % 9 == 4 { 0 } else { 1 + (e % 8) * (e % 8) };
+        let total_w: usize = (0..experts).map(weight).sum();
+        let counts: Vec<usize> = (0..experts)
+            .map(|e| weight(e) * mean * experts / total_w)
+            .collect();
+        let tokens: usize = counts.iter().sum();
+        let x = be.upload(&values(tokens * k, 50), &[tokens * k], Category::Buffers);
+        let w = be.upload(
+            &values(experts * n * k, 51),
+            &[experts * n * k],
+            Category::Buffers,
+        );
+        let mut xb = be.zeros_of(&[tokens * k], DType::BF16, Category::Buffers);
+        let mut wb = be.zeros_of(&[experts * n * k], DType::BF16, Category::Buffers);
+        be.cast(xb.view_mut(), x.view());
+        be.cast(wb.view_mut(), w.view());
+        let mut groups = Vec::new();
+        let mut row = 0;
+        for (e, &t) in counts.iter().enumerate() {
+            groups.push((Gemm::new(t, n, k, false, true), row * k, e * n * k, row * n));
+            row += t;
+        }
+        let mut looped = be.zeros(&[tokens * n], Category::Buffers);
+        let mut grouped = be.zeros(&[tokens * n], Category::Buffers);
+        be.gemm_grouped_loop(looped.view_mut(), xb.view(), wb.view(), &groups);
+        be.gemm_grouped_batched(grouped.view_mut(), xb.view(), wb.view(), &groups);
+        let diff = rel_err(&be.download(grouped.view()), &be.download(looped.view()));
+        ensure(diff < 1e-4, || {
+            format!("mean {mean} tokens/expert: grouped differs from the loop by {diff:e}")
+        })?;
+        let time = |f: &mut dyn FnMut()| {
+            let iters = 10;
+            let a = be.record_event(Stream::Compute);
+            for _ in 0..iters {
+                f();
+            }
+            let b = be.record_event(Stream::Compute);
+            be.elapsed(&a, &b).as_secs_f64() / iters as f64
+        };
+        let t_loop =
+            time(&mut || be.gemm_grouped_loop(looped.view_mut(), xb.view(), wb.view(), &groups));
+        let t_grouped = time(&mut || {
+            be.gemm_grouped_batched(grouped.view_mut(), xb.view(), wb.view(), &groups)
+        });
+        let flops = 2.0 * (tokens * n * k) as f64;
+        let empty = counts.iter().filter(|&&c| c == 0).count();
+        let _ = writeln!(
+            md,
+            "| {experts} ({empty}) | {tokens} | {k} → {n} | {:.3} | {:.3} | {:.1} | {diff:.1e} |",
+            t_loop * 1e3,
+            t_grouped * 1e3,
+            flops / t_grouped / 1e12
         );
     }
     Ok(md)

@@ -114,9 +114,27 @@ impl Gemms for CudaBackend {
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         Blas::syrk(self, c, a, s)
     }
-    /// One cuBLAS GEMM per group on sub-views (correct, not yet one grouped call: the experts'
-    /// grouped or sorted-strided batch is the next step, measured by the device check).
-    fn gemm_grouped(
+    /// One `cublasGemmGroupedBatchedEx` for all groups (the experts' GEMMs); with
+    /// `GANYMEDE_CUDA_GROUPED=loop`, one GEMM per group instead (what the device check measures
+    /// the grouped call against).
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        if grouped_loop() {
+            self.gemm_grouped_loop(c, a, b, groups)
+        } else {
+            self.gemm_grouped_batched(c, a, b, groups)
+        }
+    }
+}
+
+/// `GANYMEDE_CUDA_GROUPED=loop`: one launch per expert (read once per process).
+fn grouped_loop() -> bool {
+    static LOOP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LOOP.get_or_init(|| std::env::var("GANYMEDE_CUDA_GROUPED").is_ok_and(|v| v == "loop"))
+}
+
+impl CudaBackend {
+    /// One cuBLAS GEMM per group on sub-views.
+    pub fn gemm_grouped_loop(
         &self,
         mut c: ViewMut,
         a: View,
