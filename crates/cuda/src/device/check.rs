@@ -38,6 +38,10 @@ const SECTIONS: &[(&str, Section)] = &[
         "Expert GEMMs: one strided batch against a loop",
         expert_gemms,
     ),
+    (
+        "NCCL group at world size 1: the conformance suite",
+        super::nccl::conformance_world1,
+    ),
 ];
 
 /// Probe, set up GPU 0, run every section and write `out/report.md`. An error only when the
