@@ -76,13 +76,13 @@ impl Comm {
     fn describe(&self, r: nc::ncclResult_t) -> String {
         // SAFETY: NCCL returns static or communicator-owned C strings (or null).
         let text = |p: *const std::ffi::c_char| {
-            (!p.is_null())
-                .then(|| {
-                    unsafe { std::ffi::CStr::from_ptr(p) }
-                        .to_string_lossy()
-                        .into_owned()
-                })
-                .unwrap_or_default()
+            if p.is_null() {
+                String::new()
+            } else {
+                unsafe { std::ffi::CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .into_owned()
+            }
         };
         let last = text(unsafe { nc::ncclGetLastError(self.raw) });
         let s = text(unsafe { nc::ncclGetErrorString(r) });
