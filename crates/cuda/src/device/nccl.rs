@@ -10,8 +10,9 @@
 //!
 //! Device views (the CUDA backend's memory) are used in place. Host views (the conformance
 //! suite's, the counts of `exchange_counts`) and pinned memory are staged through device memory
-//! the handle owns: copied in on the comm stream before the call and out after it, so the same
-//! suite that checks the threads and MPI groups checks this one.
+//! the handle owns: copied in on the compute stream before the fence and out once the watchdog
+//! has seen the collective complete, so no copy can block on a stalled peer, and the same suite
+//! that checks the threads and MPI groups checks this one.
 //!
 //! The uneven all-to-all, gather and scatter are grouped `ncclSend`/`ncclRecv`
 //! (`ncclGroupStart`/`ncclGroupEnd`), a rank's piece for itself a device copy; `split` is
@@ -260,10 +261,11 @@ impl<'g> Launch<'g> {
     /// The device address of `p`: itself on the device, else a staging buffer (copied in when
     /// `input`, copied back when `output`).
     fn operand(&mut self, p: Place, input: bool, output: bool) -> Result<Ptr> {
+        // Device memory is freed, and pinned memory released, only after the comm stream's work.
+        if let Some(u) = p.uses {
+            u.mark(Stream::Comm);
+        }
         if p.on_device {
-            if let Some(u) = p.uses {
-                u.mark(Stream::Comm);
-            }
             return Ok(Ptr {
                 addr: p.addr,
                 len: p.len,
@@ -302,10 +304,14 @@ impl<'g> Launch<'g> {
     }
 
     fn memcpy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.memcpy_on(Stream::Comm, dst, src, bytes)
+    }
+
+    fn memcpy_on(&self, stream: Stream, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        let s = self.g.comm_stream().cu_stream();
+        let s = self.g.be.stream(stream).cu_stream();
         // SAFETY: ranges of views or staging buffers of `bytes` bytes, kept alive by the handle.
         unsafe { cu::cuMemcpyAsync(dst, src, bytes, s) }
             .result()
@@ -332,11 +338,14 @@ impl<'g> Launch<'g> {
         let drv = |e: cudarc::driver::DriverError| {
             nccl_err(self.op.name(), super::probe::driver_error(&e))
         };
+        // Host data goes in on the compute stream, after the staging buffer's allocation: a
+        // copy from pageable memory may wait for its stream, and compute never waits for a
+        // pending collective, so this cannot block on a stalled peer (the comm stream could).
+        for &(d, s, b) in &self.copy_in {
+            self.memcpy_on(Stream::Compute, d, s, b)?;
+        }
         let fence = compute.record_event(None).map_err(drv)?;
         comm.wait(&fence).map_err(drv)?;
-        for &(d, s, b) in &self.copy_in {
-            self.memcpy(d, s, b)?;
-        }
         {
             let _l = g.comm.lock.lock().unwrap_or_else(|e| e.into_inner());
             if let Err(r) = body(&self, comm.cu_stream() as nc::cudaStream_t) {
@@ -350,9 +359,8 @@ impl<'g> Launch<'g> {
                 });
             }
         }
-        for &(d, s, b) in &self.copy_out {
-            self.memcpy(d, s, b)?;
-        }
+        // Copies back to host memory wait for the watchdog's all-clear (in `wait`): a copy into
+        // pageable memory blocks the host until the collective is done, with no deadline.
         let done = comm.record_event(None).map_err(drv)?;
         if record {
             g.ctx.stats.record(phase, self.op, vol.0, vol.1);
@@ -364,6 +372,7 @@ impl<'g> Launch<'g> {
             posted,
             bytes: vol.0,
             done: Some(done),
+            copy_out: self.copy_out,
             stages: self.stages,
             _borrow: PhantomData,
         })))
@@ -385,6 +394,8 @@ struct NcclPending<'a> {
     posted: Instant,
     bytes: u64,
     done: Option<CudaEvent>,
+    /// (host, staging, bytes): results to copy to host views after completion.
+    copy_out: Vec<(u64, u64, usize)>,
     stages: Vec<DeviceMemory>,
     /// The views' buffers stay borrowed until the wait.
     _borrow: PhantomData<&'a mut ()>,
@@ -411,8 +422,8 @@ impl Watched for Poller<'_> {
     }
     fn abort(&mut self) {
         self.comm.abort();
-        // The aborted kernels return; the copies queued after them then finish too, so the
-        // staging memory and the host buffers are no longer touched once this returns.
+        // The aborted kernels return, so the staging memory is no longer touched once this
+        // returns (host views are never written: their copy back needs a completed wait).
         let _ = self.stream.synchronize();
     }
 }
@@ -427,10 +438,11 @@ impl Pending for NcclPending<'_> {
             done: &done,
             stream: &stream,
         };
-        let r = watch(&self.g.watch_of(self.op), &mut p);
+        let mut r = watch(&self.g.watch_of(self.op), &mut p);
         if r.is_ok() {
             // Device results are ordered for the compute stream's later work.
             let _ = self.g.be.stream(Stream::Compute).wait(&done);
+            r = self.copy_back();
         }
         let t1 = Instant::now();
         let tr = &self.g.ctx.tracer;
@@ -451,6 +463,24 @@ impl Pending for NcclPending<'_> {
         self.g.comm.abort();
         let _ = self.g.comm_stream().synchronize();
         self.done = None;
+    }
+}
+
+impl NcclPending<'_> {
+    /// Staged results into the host views, once the collective is complete: synchronous
+    /// copies on the legacy stream, which the backend's non-blocking streams do not wait for
+    /// (a copy on the comm stream would queue behind collectives posted later, which may stall).
+    fn copy_back(&self) -> Result<()> {
+        for &(host, dev, bytes) in &self.copy_out {
+            if bytes > 0 {
+                // SAFETY: the host view (borrowed by this handle) and its staging buffer, both
+                // `bytes` long; the collective that wrote the staging buffer is complete.
+                unsafe { cu::cuMemcpyDtoH_v2(host as usize as *mut std::ffi::c_void, dev, bytes) }
+                    .result()
+                    .map_err(|e| nccl_err(self.op.name(), super::probe::driver_error(&e)))?;
+            }
+        }
+        Ok(())
     }
 }
 
