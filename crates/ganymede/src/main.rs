@@ -4,7 +4,7 @@
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use ganymede_config::DeviceKind;
-use ganymede_train::comm::{Bootstrap, Comm};
+use ganymede_train::comm::Comm;
 use ganymede_train::eval::{self, EvalSource, GenerateOptions};
 use ganymede_train::trainer::{self, TrainOptions};
 use std::path::{Path, PathBuf};
@@ -184,14 +184,35 @@ fn run(cmd: Command) -> Result<()> {
             );
             let ranks = mpi_size.or(a.ranks).unwrap_or(1);
             anyhow::ensure!(ranks >= 1, "--ranks 0: give at least one rank");
-            let (cfg, ckpt) = trainer::resolve_config(
-                a.preset.as_deref(),
-                a.config.as_deref(),
-                &a.set,
-                a.steps,
-                a.resume.as_deref(),
-                ranks,
-            )?;
+            let resolve = |n: usize| {
+                trainer::resolve_config(
+                    a.preset.as_deref(),
+                    a.config.as_deref(),
+                    &a.set,
+                    a.steps,
+                    a.resume.as_deref(),
+                    n,
+                )
+            };
+            // Processes started by a launcher without MPI (srun, torchrun-style) are the ranks
+            // of a CUDA job (one per GPU, over NCCL): fit the mesh to their number. Other jobs
+            // keep --ranks (a CPU job under srun is one process's, as before).
+            let launch_world = (mpi_size.is_none() && a.ranks.is_none())
+                .then(|| {
+                    ganymede_dist::rendezvous::LaunchEnv::from_env()
+                        .ok()
+                        .flatten()
+                })
+                .flatten()
+                .map(|e| e.world_size)
+                .filter(|&n| n > 1);
+            let (cfg, ckpt, ranks) = match launch_world.map(|n| (n, resolve(n))) {
+                Some((n, Ok((cfg, ckpt)))) if cfg.device.kind == DeviceKind::Cuda => (cfg, ckpt, n),
+                _ => {
+                    let (cfg, ckpt) = resolve(ranks)?;
+                    (cfg, ckpt, ranks)
+                }
+            };
             // CUDA on several processes is NCCL's; the launcher's variables say how many.
             let launch = if cfg.device.kind == DeviceKind::Cuda {
                 ganymede_dist::rendezvous::LaunchEnv::from_env()?
@@ -200,21 +221,6 @@ fn run(cmd: Command) -> Result<()> {
             };
             let comm =
                 ganymede_train::comm::choose(cfg.device.kind, mpi_size, launch.as_ref(), a.ranks)?;
-            // The launcher's world, not --ranks, is the rank count to fit the mesh to.
-            let (cfg, ckpt, ranks) = match &comm {
-                Comm::Nccl(Bootstrap::Store(env)) if env.world_size != ranks => {
-                    let (cfg, ckpt) = trainer::resolve_config(
-                        a.preset.as_deref(),
-                        a.config.as_deref(),
-                        &a.set,
-                        a.steps,
-                        a.resume.as_deref(),
-                        env.world_size,
-                    )?;
-                    (cfg, ckpt, env.world_size)
-                }
-                _ => (cfg, ckpt, ranks),
-            };
             if cfg.device.kind == DeviceKind::Cuda {
                 if let Some(e) = cuda_training_refusal(matches!(comm, Comm::Nccl(_))) {
                     return Err(e);

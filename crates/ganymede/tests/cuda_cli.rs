@@ -169,3 +169,29 @@ fn the_wheels_libnccl_so_2_is_made_loadable() {
     assert!(!e.contains("NCCL"), "NCCL was not made loadable: {e}");
     assert!(e.contains("device.kind = \"cuda\""), "{e}");
 }
+
+/// A CUDA job's mesh is fitted to the launcher's world (4 processes here), not to one rank:
+/// `parallelism.ep = 4` is valid there, and the refusal is CUDA's or NCCL's, not the config's.
+#[test]
+fn a_cuda_jobs_mesh_fits_the_launchers_world() {
+    let tmp = TempDir::new("nccl-world");
+    let e = fails(ganymede(
+        tmp.path(),
+        &[
+            "train",
+            "--set",
+            "device.kind=cuda",
+            "--set",
+            "parallelism.ep=4",
+            "--steps",
+            "1",
+        ],
+        &[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ],
+    ));
+    assert!(!e.contains("parallelism.ep"), "{e}");
+    assert!(e.contains("device.kind = \"cuda\""), "{e}");
+}
