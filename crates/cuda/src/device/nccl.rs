@@ -379,6 +379,20 @@ impl<'g> Launch<'g> {
     }
 }
 
+/// Rank `j`'s piece of a buffer holding `counts[j]` elements per rank, consecutive in rank order.
+fn pieces(p: Ptr, counts: &[usize]) -> Vec<(usize, Ptr)> {
+    let mut off = 0;
+    counts
+        .iter()
+        .enumerate()
+        .map(|(j, &c)| {
+            let x = (j, p.at(off, c));
+            off += c;
+            x
+        })
+        .collect()
+}
+
 fn ok(r: nc::ncclResult_t) -> std::result::Result<(), nc::ncclResult_t> {
     match r {
         nc::ncclResult_t::ncclSuccess | nc::ncclResult_t::ncclInProgress => Ok(()),
@@ -686,18 +700,6 @@ impl ProcessGroup for NcclGroup {
                 .sum()
         };
         let vol = (others(send_counts), others(recv_counts));
-        let pieces = |p: Ptr, counts: &[usize]| -> Vec<(usize, Ptr)> {
-            let mut off = 0;
-            counts
-                .iter()
-                .enumerate()
-                .map(|(j, &c)| {
-                    let x = (j, p.at(off, c));
-                    off += c;
-                    x
-                })
-                .collect()
-        };
         if send_counts[me] != recv_counts[me] {
             return Err(CommError::Mismatch {
                 op: "alltoallv",
@@ -983,4 +985,33 @@ pub fn conformance_world1(be: &CudaBackend) -> std::result::Result<String, Strin
          two ranks on one GPU.\n",
         out.len()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alltoallv_pieces_are_consecutive_in_rank_order_in_bytes() {
+        let p = Ptr {
+            addr: 1000,
+            len: 7,
+            dtype: DType::BF16,
+        };
+        let got: Vec<(usize, u64, usize)> = pieces(p, &[3, 0, 4])
+            .into_iter()
+            .map(|(j, q)| (j, q.addr, q.len))
+            .collect();
+        assert_eq!(got, vec![(0, 1000, 3), (1, 1006, 0), (2, 1006, 4)]);
+    }
+
+    #[test]
+    fn every_dtype_of_the_seam_has_an_nccl_type() {
+        use nc::ncclDataType_t::*;
+        let m = |d| nccl_dtype("t", d).unwrap();
+        assert_eq!(m(DType::F32), ncclFloat32);
+        assert_eq!(m(DType::F64), ncclFloat64);
+        assert_eq!(m(DType::BF16), ncclBfloat16);
+        assert_eq!(m(DType::U32), ncclUint32);
+    }
 }
