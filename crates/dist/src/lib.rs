@@ -29,7 +29,7 @@ pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
 pub use stats::{CommSnapshot, CommStats, Op, Phase};
 pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};
 pub use trace::{write_chrome_trace, Tracer, Track};
-pub use watchdog::{watch, Poll, Watch, Watched};
+pub use watchdog::{deadline, watch, DeadlineGuard, Poll, Watch, Watched};
 
 #[cfg(test)]
 mod tests;

@@ -88,6 +88,48 @@ pub fn watch(w: &Watch, p: &mut dyn Watched) -> Result<()> {
     }
 }
 
+/// A deadline for a blocking library call that cannot be polled (NCCL's communicator creation
+/// and split wait inside the library for every peer): if the guard is still alive after
+/// `timeout`, `on_expiry` runs on a watchdog thread with the one-line error naming the rank, the
+/// group and the call (the caller's `on_expiry` ends the process, since the call never returns).
+/// Dropping the guard disarms it.
+pub fn deadline(w: &Watch, on_expiry: impl FnOnce(String) + Send + 'static) -> DeadlineGuard {
+    let state = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let s2 = state.clone();
+    let (timeout, message) = (
+        w.timeout,
+        format!(
+            "{} on group {} did not return within {:?} on rank {}: a peer did not join",
+            w.op, w.group, w.timeout, w.rank
+        ),
+    );
+    std::thread::spawn(move || {
+        let (lock, cv) = &*s2;
+        let done = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (done, r) = cv
+            .wait_timeout_while(done, timeout, |d| !*d)
+            .unwrap_or_else(|e| e.into_inner());
+        if r.timed_out() && !*done {
+            drop(done);
+            on_expiry(message);
+        }
+    });
+    DeadlineGuard { state }
+}
+
+/// Disarms its [`deadline`] when dropped.
+pub struct DeadlineGuard {
+    state: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Drop for DeadlineGuard {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.state;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,5 +227,27 @@ mod tests {
         assert!(backoff(16) > Duration::ZERO);
         assert!((0..200).all(|i| backoff(i) <= Duration::from_millis(10)));
         assert_eq!(backoff(100), Duration::from_millis(10));
+    }
+
+    #[test]
+    fn a_blocking_call_past_its_deadline_is_named_and_one_in_time_is_not() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t2 = tx.clone();
+        let g = deadline(&w(2_000), move |m| t2.send(m).unwrap());
+        drop(g);
+        let _g = deadline(
+            &Watch {
+                op: "init",
+                ..w(50)
+            },
+            move |m| tx.send(m).unwrap(),
+        );
+        let m = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(
+            m.contains("init on group ep did not return") && m.contains("rank 3"),
+            "{m}"
+        );
+        // The disarmed one never fires.
+        assert!(rx.recv_timeout(Duration::from_millis(2_500)).is_err());
     }
 }

@@ -20,6 +20,9 @@
 //! its members' world ranks. Bytes are counted as the threads and MPI groups count them
 //! (`ganymede_dist::stats::volume`).
 //!
+//! Communicator creation and split block inside NCCL until every peer joins; they run under a
+//! deadline ([`ganymede_dist::deadline`]) that ends the process with the same naming.
+//!
 //! Not yet run on a GPU: `ganymede device-check` runs the conformance suite on it at world size 1.
 
 use super::memory::{place, place_mut, DeviceMemory, Place};
@@ -115,6 +118,13 @@ pub struct NcclGroup {
     timeout: Duration,
 }
 
+/// What a blocking NCCL call past its deadline does: it will never return, so end the process
+/// with the error (the launcher then ends the job).
+fn end_process(message: String) {
+    eprintln!("error: {message}; ending the job");
+    std::process::exit(1)
+}
+
 fn nccl_err(op: &'static str, message: String) -> CommError {
     CommError::Unsupported { op, message }
 }
@@ -150,8 +160,18 @@ impl NcclGroup {
             internal: id.map(|b| b as std::ffi::c_char),
         };
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
+        let guard = ganymede_dist::deadline(
+            &Watch {
+                op: "ncclCommInitRank",
+                group: "world".into(),
+                rank: ctx.world_rank,
+                timeout,
+            },
+            end_process,
+        );
         // SAFETY: out-parameter; NCCL uses the current device, the backend's (bound above).
         let r = unsafe { nc::ncclCommInitRank(&mut raw, size as i32, uid, rank as i32) };
+        drop(guard);
         if r != nc::ncclResult_t::ncclSuccess {
             return Err(CommError::Aborted {
                 op: "init",
@@ -888,10 +908,18 @@ impl ProcessGroup for NcclGroup {
             self.be.bind();
             // NCCL_SPLIT_NOCOLOR: this rank joins no group.
             let c = color.map_or(-1, |c| c as i32);
+            let guard = ganymede_dist::deadline(
+                &Watch {
+                    op: "ncclCommSplit",
+                    ..self.watch_of(Op::Split)
+                },
+                end_process,
+            );
             // SAFETY: a live communicator and an out-parameter; a null config inherits it.
             let r = unsafe {
                 nc::ncclCommSplit(self.comm.raw, c, key as i32, &mut new, std::ptr::null_mut())
             };
+            drop(guard);
             if r != nc::ncclResult_t::ncclSuccess {
                 let message = self.comm.describe(r);
                 self.comm.abort();
