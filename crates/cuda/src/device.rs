@@ -13,12 +13,14 @@ mod blas;
 pub mod check;
 mod launcher;
 mod memory;
+pub mod nccl;
 pub mod nvrtc;
 mod plumbing;
 pub mod probe;
 
 pub use launcher::{kernel_backend, CudaKernelBackend, CudaLauncher};
 pub use memory::{DeviceMemory, PinnedMemory};
+pub use nccl::NcclGroup;
 pub use plumbing::PLUMBING;
 pub use probe::{probe, probe_nvrtc, ProbeError};
 
@@ -104,6 +106,16 @@ impl Streams {
     }
 }
 
+/// Streams shared by every backend of a GPU in this process (see [`CudaBackend::share_streams`]).
+static SHARED_STREAMS: Mutex<Vec<(usize, Arc<Streams>)>> = Mutex::new(Vec::new());
+
+fn shared_streams(ordinal: usize) -> Option<Arc<Streams>> {
+    let reg = SHARED_STREAMS.lock().unwrap_or_else(|e| e.into_inner());
+    reg.iter()
+        .find(|(o, _)| *o == ordinal)
+        .map(|(_, s)| s.clone())
+}
+
 /// Kernels loaded into the context, looked up by name (cached).
 struct Kernels {
     modules: Vec<Arc<CudaModule>>,
@@ -149,9 +161,12 @@ impl CudaBackend {
         // and this backend frees memory in stream order itself.
         unsafe { ctx.disable_event_tracking() };
         let mk = || ctx.new_stream().map_err(driver("stream"));
-        let streams = Arc::new(Streams {
-            streams: [mk()?, mk()?, mk()?, mk()?],
-        });
+        let streams = match shared_streams(ordinal) {
+            Some(s) => s,
+            None => Arc::new(Streams {
+                streams: [mk()?, mk()?, mk()?, mk()?],
+            }),
+        };
         let blas = CudaBlas::new(streams.get(Stream::Compute).clone()).map_err(|e| {
             DeviceError::Cublas {
                 what: "handle".into(),
@@ -194,6 +209,15 @@ impl CudaBackend {
             blas_lock: Mutex::new(()),
             grouped: Mutex::new(blas::PtrRing::default()),
         })))
+    }
+
+    /// From now on every backend made in this process for this GPU uses this backend's
+    /// streams: the NCCL group is made before the training state (which makes its own
+    /// backend), and its collectives must be ordered against that state's compute stream.
+    pub fn share_streams(&self) {
+        let mut reg = SHARED_STREAMS.lock().unwrap_or_else(|e| e.into_inner());
+        reg.retain(|(o, _)| *o != self.ordinal as usize);
+        reg.push((self.ordinal as usize, self.streams.clone()));
     }
 
     /// `sm_XY` of the device.

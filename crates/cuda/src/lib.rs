@@ -18,5 +18,6 @@ pub mod device;
 pub mod host;
 pub mod kernel_backend;
 pub mod launch;
+pub mod nccl_lib;
 pub mod ops;
 pub mod sources;

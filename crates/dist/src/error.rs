@@ -48,6 +48,17 @@ pub enum CommError {
     /// An error reported by MPI.
     #[error("MPI: {0}")]
     Mpi(String),
+    /// The communication library failed this collective (NCCL's asynchronous error, a peer's
+    /// failure seen as a remote error); the communicator was aborted and the job must end.
+    #[error(
+        "{op} on group {group} failed on rank {rank}: {message}; the communicator was aborted"
+    )]
+    Aborted {
+        op: &'static str,
+        group: String,
+        rank: usize,
+        message: String,
+    },
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;

@@ -18,6 +18,7 @@ pub mod rendezvous;
 pub mod stats;
 pub mod threads;
 pub mod trace;
+pub mod watchdog;
 
 pub use error::{CommError, Result};
 pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
@@ -28,6 +29,7 @@ pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
 pub use stats::{CommSnapshot, CommStats, Op, Phase};
 pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};
 pub use trace::{write_chrome_trace, Tracer, Track};
+pub use watchdog::{deadline, watch, DeadlineGuard, Poll, Watch, Watched};
 
 #[cfg(test)]
 mod tests;

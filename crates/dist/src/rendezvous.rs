@@ -278,6 +278,15 @@ pub fn exchange(
     }
 }
 
+/// Rank 0's `bytes` (a fixed length on every rank) on every rank of a host group: how the
+/// NCCL unique id travels when MPI launched the job. Each byte travels as one f32, exact and
+/// safe from any reinterpretation of bit patterns on the way.
+pub fn broadcast_bytes(pg: &dyn crate::ProcessGroup, bytes: &[u8]) -> crate::Result<Vec<u8>> {
+    let mut v: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
+    pg.broadcast(ganymede_core::ViewMut::Host(&mut v), 0, crate::Phase::Other)?;
+    Ok(v.iter().map(|&x| x as u8).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,5 +428,22 @@ mod tests {
             )),
             "{e}"
         );
+    }
+
+    /// The NCCL id's path under MPI, run here over threads: every byte value arrives intact.
+    #[test]
+    fn broadcast_bytes_hands_rank_0s_bytes_to_all() {
+        let id: Vec<u8> = (0..128u32).map(|i| (i * 37 + 255) as u8).collect();
+        let outs = crate::run_threads(3, &crate::ThreadsConfig::default(), |g| {
+            let mine: Vec<u8> = if g.rank() == 0 {
+                id.clone()
+            } else {
+                vec![7; 128]
+            };
+            broadcast_bytes(&*g, &mine).unwrap()
+        });
+        for o in outs {
+            assert_eq!(o.unwrap(), id);
+        }
     }
 }

@@ -4,6 +4,7 @@
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use ganymede_config::DeviceKind;
+use ganymede_train::comm::Comm;
 use ganymede_train::eval::{self, EvalSource, GenerateOptions};
 use ganymede_train::trainer::{self, TrainOptions};
 use std::path::{Path, PathBuf};
@@ -183,16 +184,45 @@ fn run(cmd: Command) -> Result<()> {
             );
             let ranks = mpi_size.or(a.ranks).unwrap_or(1);
             anyhow::ensure!(ranks >= 1, "--ranks 0: give at least one rank");
-            let (cfg, ckpt) = trainer::resolve_config(
-                a.preset.as_deref(),
-                a.config.as_deref(),
-                &a.set,
-                a.steps,
-                a.resume.as_deref(),
-                ranks,
-            )?;
+            let resolve = |n: usize| {
+                trainer::resolve_config(
+                    a.preset.as_deref(),
+                    a.config.as_deref(),
+                    &a.set,
+                    a.steps,
+                    a.resume.as_deref(),
+                    n,
+                )
+            };
+            // Processes started by a launcher without MPI (srun, torchrun-style) are the ranks
+            // of a CUDA job (one per GPU, over NCCL): fit the mesh to their number. Other jobs
+            // keep --ranks (a CPU job under srun is one process's, as before).
+            let launch_world = (mpi_size.is_none() && a.ranks.is_none())
+                .then(|| {
+                    ganymede_dist::rendezvous::LaunchEnv::from_env()
+                        .ok()
+                        .flatten()
+                })
+                .flatten()
+                .map(|e| e.world_size)
+                .filter(|&n| n > 1);
+            let (cfg, ckpt, ranks) = match launch_world.map(|n| (n, resolve(n))) {
+                Some((n, Ok((cfg, ckpt)))) if cfg.device.kind == DeviceKind::Cuda => (cfg, ckpt, n),
+                _ => {
+                    let (cfg, ckpt) = resolve(ranks)?;
+                    (cfg, ckpt, ranks)
+                }
+            };
+            // CUDA on several processes is NCCL's; the launcher's variables say how many.
+            let launch = if cfg.device.kind == DeviceKind::Cuda {
+                ganymede_dist::rendezvous::LaunchEnv::from_env()?
+            } else {
+                None
+            };
+            let comm =
+                ganymede_train::comm::choose(cfg.device.kind, mpi_size, launch.as_ref(), a.ranks)?;
             if cfg.device.kind == DeviceKind::Cuda {
-                if let Some(e) = cuda_training_refusal() {
+                if let Some(e) = cuda_training_refusal(matches!(comm, Comm::Nccl(_))) {
                     return Err(e);
                 }
             }
@@ -212,6 +242,11 @@ fn run(cmd: Command) -> Result<()> {
                 trace: a.trace,
                 ..Default::default()
             };
+            #[cfg(feature = "cuda")]
+            if let Comm::Nccl(boot) = comm {
+                trainer::train_nccl(&cfg, ckpt.as_deref(), &opts, boot)?;
+                return Ok(());
+            }
             #[cfg(feature = "mpi")]
             if mpi_size.is_some() {
                 trainer::train_mpi(&cfg, ckpt.as_deref(), &opts)?;
@@ -291,12 +326,27 @@ fn run(cmd: Command) -> Result<()> {
 const BUILD_WITH_CUDA: &str = "cargo build --release -p ganymede --features cuda";
 
 /// Why `train` with `device.kind = "cuda"` cannot run, as one line, before anything is built:
-/// no CUDA in this binary, or none on this machine. Never a silent run on the CPU instead.
-fn cuda_training_refusal() -> Option<anyhow::Error> {
+/// no CUDA in this binary, or none on this machine, or (`nccl`: several processes) no NCCL.
+/// Never a silent run on the CPU instead.
+fn cuda_training_refusal(nccl: bool) -> Option<anyhow::Error> {
     #[cfg(not(feature = "cuda"))]
-    return Some(anyhow::anyhow!(
-        "device.kind = \"cuda\", but this binary was built without CUDA: build it with `{BUILD_WITH_CUDA}`"
-    ));
+    return {
+        let _ = nccl;
+        Some(anyhow::anyhow!(
+            "device.kind = \"cuda\", but this binary was built without CUDA: build it with `{BUILD_WITH_CUDA}`"
+        ))
+    };
+    #[cfg(feature = "cuda")]
+    if nccl {
+        // May start this program again with NCCL's folder on the loader's path (nothing has
+        // been built yet, and MPI is not initialised).
+        ganymede_cuda::nccl_lib::prepare();
+        if let Err(m) = ganymede_cuda::nccl_lib::check() {
+            return Some(anyhow::anyhow!(
+                "device.kind = \"cuda\" on several processes needs NCCL: {m}"
+            ));
+        }
+    }
     #[cfg(feature = "cuda")]
     ganymede_cuda::device::probe()
         .err()
@@ -310,6 +360,8 @@ fn device_check(_out: &Path) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn device_check(out: &Path) -> Result<()> {
+    // NCCL's library under the wheel's name too (the NCCL section needs it).
+    ganymede_cuda::nccl_lib::prepare();
     let s = ganymede_cuda::device::check::run(out)?;
     println!(
         "{} ({} section(s) passed, {} failed)",

@@ -9,6 +9,7 @@
 
 /// Checkpoints live in their own crate (the parallel crate saves and loads a rank's state too).
 pub use ganymede_checkpoint as checkpoint;
+pub mod comm;
 pub mod eval;
 pub mod export;
 pub mod metrics;

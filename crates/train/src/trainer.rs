@@ -28,6 +28,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
+pub use nccl::train_nccl;
+
 /// How a run is driven, beyond its configuration.
 #[derive(Clone, Debug, Default)]
 pub struct TrainOptions {

@@ -42,6 +42,10 @@ const SECTIONS: &[(&str, Section)] = &[
         "Expert GEMMs, uneven tokens: one grouped call against a loop",
         grouped_expert_gemms,
     ),
+    (
+        "NCCL group at world size 1: the conformance suite",
+        super::nccl::conformance_world1,
+    ),
 ];
 
 /// Probe, set up GPU 0, run every section and write `out/report.md`. An error only when the

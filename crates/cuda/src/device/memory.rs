@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 pub(super) struct Uses(AtomicU8);
 
 impl Uses {
-    fn mark(&self, s: Stream) {
+    pub(super) fn mark(&self, s: Stream) {
         self.0.fetch_or(1 << s.index(), Ordering::Relaxed);
     }
     fn others(&self) -> impl Iterator<Item = Stream> + '_ {
@@ -32,10 +32,10 @@ impl Uses {
 /// Device memory: `len` elements of `dtype`, allocated (and freed) on the compute stream.
 pub struct DeviceMemory {
     _slice: CudaSlice<u8>,
-    addr: u64,
+    pub(super) addr: u64,
     dtype: DType,
     len: usize,
-    uses: Uses,
+    pub(super) uses: Uses,
     streams: Arc<Streams>,
 }
 

@@ -1,0 +1,149 @@
+//! Training as one process of a multi-GPU job over NCCL (`device.kind = "cuda"`, one process
+//! per GPU under `srun`, `mpirun` or torchrun-style variables): rank 0 makes NCCL's unique id,
+//! every rank gets it (over MPI, or rank 0's TCP store), joins the communicator on its
+//! `LOCAL_RANK` GPU, then trains as an MPI rank does. A failing rank prints its error and ends
+//! (aborting the MPI job when MPI is there); a stalled or failed collective aborts the
+//! communicator within `parallelism.timeout_s` on the ranks that wait for it.
+//!
+//! Not yet run on GPUs.
+
+use super::*;
+use crate::comm::{local_rank_from, Bootstrap};
+use ganymede_cuda::device::{nccl, CudaBackend, NcclGroup};
+use ganymede_dist::RankCtx;
+
+/// Train `cfg` as this process's rank of an NCCL job bootstrapped by `boot`.
+pub fn train_nccl(
+    cfg: &JobConfig,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    boot: Bootstrap,
+) -> Result<TrainSummary> {
+    let timeout = Duration::from_secs_f64(cfg.parallelism.timeout_s);
+    let local = match &boot {
+        Bootstrap::Store(env) => env.local_rank,
+        Bootstrap::Mpi => local_rank_from(|k| std::env::var(k).ok()),
+    };
+    // The training state's backend takes its GPU from LOCAL_RANK; Slurm and Open MPI name it
+    // otherwise. Set before MPI or any thread starts.
+    std::env::set_var("LOCAL_RANK", local.to_string());
+    let zero = [0u8; nccl::UNIQUE_ID_BYTES];
+    let (rank, n, id, mpi_world) = match &boot {
+        Bootstrap::Store(env) => {
+            let id = if env.rank == 0 {
+                nccl::unique_id()?
+            } else {
+                zero
+            };
+            let got = ganymede_dist::rendezvous::exchange(env, &id, timeout)
+                .context("NCCL rendezvous")?;
+            (env.rank, env.world_size, got, None)
+        }
+        Bootstrap::Mpi => mpi_bootstrap(timeout)?,
+    };
+    let id: [u8; nccl::UNIQUE_ID_BYTES] = id
+        .as_slice()
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("NCCL rendezvous: {} bytes, not an NCCL id", id.len()))?;
+    let be = CudaBackend::new(local, Arc::new(ganymede_core::Ledger::new()))
+        .map_err(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))?;
+    // The training state makes its own backend for this GPU: it must use these streams.
+    be.share_streams();
+    let world = NcclGroup::world(
+        &be,
+        &id,
+        rank,
+        n,
+        RankCtx::new(rank, opts.trace.is_some()),
+        timeout,
+    )?;
+    let end_job = |msg: String| -> ! {
+        eprintln!("error: rank {rank}: {msg}; ending the job");
+        #[cfg(feature = "mpi")]
+        if let Some((_, g)) = &mpi_world {
+            g.abort(1)
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = &mpi_world;
+        std::process::exit(1)
+    };
+    if opts.out.is_none() && ckpt.and_then(run_dir_of).is_none() {
+        bail!(
+            "with several processes, give --out: every rank must write to the same run directory"
+        );
+    }
+    let mut cfg = cfg.clone();
+    fit_mesh(&mut cfg, n, &[]);
+    cfg.validate()?;
+    init_threads(cfg.training.threads);
+    check_fit(&cfg, n)?;
+    let run_dir = run_dir_for(ckpt, opts)?;
+    let data = if rank == 0 {
+        prepare_run_dir(&cfg, &run_dir)?;
+        build_data(&cfg, Some(&run_dir.join("data")))?
+    } else {
+        build_data(&cfg, None)?
+    };
+    let run = Run {
+        cfg,
+        ckpt: ckpt.map(Path::to_path_buf),
+        opts: opts.clone(),
+        data,
+        run_dir,
+    };
+    let dynw: Arc<dyn ProcessGroup> = world.clone();
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rank_loop(dynw, &run, rank == 0)
+    }));
+    let out = match res {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => end_job(format!("{e:#}")),
+        Err(p) => end_job(format!("died: {}", panic_message(p.as_ref()))),
+    };
+    if let Some(path) = &opts.trace {
+        let p = path.with_extension(format!("rank{rank}.json"));
+        write_chrome_trace(&p, &[out.tracer.as_ref()])
+            .with_context(|| format!("cannot write trace {}", p.display()))?;
+    }
+    let mut run = run;
+    run.opts.quiet |= rank != 0;
+    Ok(summary(&[out], &run))
+}
+
+/// MPI's world, kept alive while training (and used to abort the job).
+#[cfg(feature = "mpi")]
+type MpiKeep = (
+    ganymede_dist::mpi::MpiWorld,
+    Arc<ganymede_dist::mpi::MpiGroup>,
+);
+#[cfg(not(feature = "mpi"))]
+type MpiKeep = ();
+
+/// Rank, world size and NCCL's id from rank 0, over MPI.
+#[cfg(feature = "mpi")]
+fn mpi_bootstrap(timeout: Duration) -> Result<(usize, usize, Vec<u8>, Option<MpiKeep>)> {
+    let mcfg = ganymede_dist::mpi::MpiConfig {
+        timeout,
+        trace: false,
+    };
+    let (w, g) = ganymede_dist::mpi::init(&mcfg)?;
+    let (rank, n) = (g.rank(), g.size());
+    let id = if rank == 0 {
+        nccl::unique_id().unwrap_or_else(|e| {
+            eprintln!("error: rank 0: {e}; aborting the MPI job");
+            g.abort(1)
+        })
+    } else {
+        [0u8; nccl::UNIQUE_ID_BYTES]
+    };
+    let got = ganymede_dist::rendezvous::broadcast_bytes(&*g, &id)?;
+    Ok((rank, n, got, Some((w, g))))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_bootstrap(_timeout: Duration) -> Result<(usize, usize, Vec<u8>, Option<MpiKeep>)> {
+    bail!(
+        "NCCL under mpirun needs a binary built with `--features cuda,mpi`; or launch with srun \
+         or torchrun-style variables"
+    )
+}
