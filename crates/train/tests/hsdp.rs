@@ -59,18 +59,19 @@ fn hsdp_losses_equal_one_process() {
         let one = run(&tiny(4, &[&set]), 1, &format!("one-{name}"), None);
         // 2 replicas × dp_shard 2, and 2 replicas × (dp_shard 2 with ep 2) on 4 ranks.
         for (extra, label) in [
-            (&["parallelism.dp_replicate=2", "parallelism.dp_shard=2"][..], "2x2"),
+            (&["parallelism.dp_replicate=2", "parallelism.dp_shard=2"][..], "dp_shard 2"),
             (
                 &[
                     "parallelism.dp_replicate=2",
                     "parallelism.dp_shard=2",
                     "parallelism.ep=2",
                 ][..],
-                "2x2-ep2",
+                "dp_shard 2, ep 2",
             ),
         ] {
             let cfg = tiny(4, &[&[set.as_str()][..], extra].concat());
-            let got = run(&cfg, 4, &format!("{label}-{name}"), None);
+            let dir = format!("{}-{name}", label.replace([' ', ','], ""));
+            let got = run(&cfg, 4, &dir, None);
             let d = max_rel(&got, &one);
             println!("{name}, dp_replicate 2 x {label}: max relative loss difference {d:e}");
             assert!(d <= REL_BOUND, "{name} {label}: {d:e}");
@@ -152,6 +153,32 @@ fn replica_all_reduce_bytes_equal_the_planners_figure() {
     // And within a replica the reduce-scatter is FSDP over dp_shard, not the world.
     let rs = run_ranks(&job, 4, 1, Phase::GradReduceScatter);
     assert_eq!(rs[0].1 .0 as f64, plan.communication.fsdp_reduce_scatter);
+}
+
+#[test]
+fn metrics_and_trace_show_the_replica_all_reduce() {
+    let cfg = tiny(1, &["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]);
+    let (out, trace) = (tmp("trace-run"), tmp("trace").with_extension("json"));
+    let opts = TrainOptions {
+        ranks: 4,
+        out: Some(out.clone()),
+        quiet: true,
+        trace: Some(trace.clone()),
+        ..Default::default()
+    };
+    let s = train(&cfg, None, &opts).unwrap();
+    assert_eq!(s.ranks, 4);
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert!(
+        first["comm_bytes"]["grad_replica_all_reduce"]["sent"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{first}"
+    );
+    let t = std::fs::read_to_string(&trace).unwrap();
+    assert!(t.contains("all_reduce grad_replica_all_reduce"));
 }
 
 #[test]
