@@ -412,7 +412,11 @@ fn hsdp_mesh_puts_replicas_outermost() {
             m.ep.world_ranks().to_vec(),
             m.efsdp.world_ranks().to_vec(),
             b[0],
-            m.dp_shard.ctx().stats.snapshot().phase(Phase::GradReplicaAllReduce),
+            m.dp_shard
+                .ctx()
+                .stats
+                .snapshot()
+                .phase(Phase::GradReplicaAllReduce),
         )
     }));
     for (r, (world, dp, rep, ep, efsdp, b, bytes)) in got.into_iter().enumerate() {

@@ -566,7 +566,9 @@ impl FsdpGrads {
                 .iter_mut()
                 .map(|t| {
                     rep.iall_reduce(t.view_mut(), Phase::GradReplicaAllReduce)
-                        .unwrap_or_else(|e| fail("posting a gradient all-reduce across replicas", e))
+                        .unwrap_or_else(|e| {
+                            fail("posting a gradient all-reduce across replicas", e)
+                        })
                 })
                 .collect();
             ganymede_dist::wait_all(works)

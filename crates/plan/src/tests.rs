@@ -1183,7 +1183,11 @@ fn hsdp_adds_one_gradient_all_reduce_across_replicas() {
     assert_eq!(h.tokens_per_gpu_per_step, base.tokens_per_gpu_per_step);
     let total = params::count(&job.model).total as f64;
     let shard = 4.0 * total / 384.0;
-    assert!(close(h.communication.hsdp_all_reduce, shard, 1e-9), "{} vs {shard}", h.communication.hsdp_all_reduce);
+    assert!(
+        close(h.communication.hsdp_all_reduce, shard, 1e-9),
+        "{} vs {shard}",
+        h.communication.hsdp_all_reduce
+    );
     assert_eq!(base.communication.hsdp_all_reduce, 0.0);
     assert!(close(
         h.communication.ib_bytes - base.communication.ib_bytes,
@@ -1198,7 +1202,9 @@ fn hsdp_adds_one_gradient_all_reduce_across_replicas() {
     // The GPU count must be dp_replicate × dp_shard.
     let mut bad = l2.clone();
     bad.nodes = l.nodes;
-    let e = plan(&job, &jupiter(), &bad, &pol, &o).unwrap_err().to_string();
+    let e = plan(&job, &jupiter(), &bad, &pol, &o)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("dp_replicate = 2"), "{e}");
 }
 

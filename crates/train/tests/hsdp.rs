@@ -59,7 +59,10 @@ fn hsdp_losses_equal_one_process() {
         let one = run(&tiny(4, &[&set]), 1, &format!("one-{name}"), None);
         // 2 replicas × dp_shard 2, and 2 replicas × (dp_shard 2 with ep 2) on 4 ranks.
         for (extra, label) in [
-            (&["parallelism.dp_replicate=2", "parallelism.dp_shard=2"][..], "dp_shard 2"),
+            (
+                &["parallelism.dp_replicate=2", "parallelism.dp_shard=2"][..],
+                "dp_shard 2",
+            ),
             (
                 &[
                     "parallelism.dp_replicate=2",
@@ -81,12 +84,11 @@ fn hsdp_losses_equal_one_process() {
 
 /// `steps` steps of `cfg` on `ranks` thread ranks: each rank's parameters, gathered whole within
 /// its replica, and its bytes of `phase` in the last step (sent, received).
-fn run_ranks(
-    cfg: &JobConfig,
-    ranks: usize,
-    steps: usize,
-    phase: Phase,
-) -> Vec<(Vec<Vec<f32>>, (u64, u64))> {
+/// One rank's parameters (gathered whole within its replica) and its bytes (sent, received)
+/// of one phase.
+type RankResult = (Vec<Vec<f32>>, (u64, u64));
+
+fn run_ranks(cfg: &JobConfig, ranks: usize, steps: usize, phase: Phase) -> Vec<RankResult> {
     let data = Dataset::build(
         &cfg.data,
         cfg.model.vocab_size,
@@ -120,7 +122,10 @@ fn replicas_hold_identical_parameters() {
         // Rank 0 and 2 gather replica 0's and replica 1's parameters whole.
         assert!(res[0].0 == res[2].0, "{opt}: replicas drifted apart");
         assert!(res[1].0 == res[3].0);
-        assert!(res.iter().all(|r| r.1 .0 > 0), "{opt}: no cross-replica traffic");
+        assert!(
+            res.iter().all(|r| r.1 .0 > 0),
+            "{opt}: no cross-replica traffic"
+        );
     }
 }
 
@@ -129,14 +134,14 @@ fn replica_all_reduce_bytes_equal_the_planners_figure() {
     // Each rank all-reduces its f32 gradient shards (tiny's shapes divide by 2: no padding)
     // with the other replica: the ring volume 2·(2−1)/2 of its shard bytes each way, which the
     // planner models as the replicate group's reduce-scatter plus all-gather.
-    let mut job = tiny(
-        1,
-        &["parallelism.dp_replicate=2", "parallelism.dp_shard=2"],
-    );
+    let mut job = tiny(1, &["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]);
     job.parallelism.gather_dtype = ganymede_config::GatherDtype::Bf16;
     let cluster = ganymede_plan::Cluster::preset("dgx-h100").unwrap();
     let mut layout = ganymede_plan::Layout::from_job(&job, &cluster);
-    assert_eq!((layout.dp_replicate, layout.dp_shard, layout.gpus()), (2, 2, 4));
+    assert_eq!(
+        (layout.dp_replicate, layout.dp_shard, layout.gpus()),
+        (2, 2, 4)
+    );
     layout.micro_batch = job.training.batch_size / 4;
     let policy = ganymede_plan::MemoryPolicy::from_job(&job);
     let setup = ganymede_plan::OptimizerSetup::from_job(&job);
@@ -240,12 +245,18 @@ fn mesh_and_config_errors_name_dp_replicate() {
     let e = resolve_config(Some("tiny"), None, &set, None, None, 4)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("parallelism.dp_replicate = 3") && e.contains("4 ranks"), "{e}");
+    assert!(
+        e.contains("parallelism.dp_replicate = 3") && e.contains("4 ranks"),
+        "{e}"
+    );
     let set = ["parallelism.dp_replicate=0".to_string()];
     let e = resolve_config(Some("tiny"), None, &set, None, None, 4)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("parallelism.dp_replicate") && e.contains("at least 1"), "{e}");
+    assert!(
+        e.contains("parallelism.dp_replicate") && e.contains("at least 1"),
+        "{e}"
+    );
     // And it fits the mesh: 8 ranks with 2 replicas are dp_shard 4.
     let set = ["parallelism.dp_replicate=2".to_string()];
     let (c, _) = resolve_config(Some("tiny"), None, &set, None, None, 8).unwrap();
