@@ -82,12 +82,12 @@ fn hsdp_losses_equal_one_process() {
     }
 }
 
-/// `steps` steps of `cfg` on `ranks` thread ranks: each rank's parameters, gathered whole within
-/// its replica, and its bytes of `phase` in the last step (sent, received).
 /// One rank's parameters (gathered whole within its replica) and its bytes (sent, received)
 /// of one phase.
 type RankResult = (Vec<Vec<f32>>, (u64, u64));
 
+/// `steps` steps of `cfg` on `ranks` thread ranks: each rank's parameters, gathered whole within
+/// its replica, and its bytes of `phase` in the last step (sent, received).
 fn run_ranks(cfg: &JobConfig, ranks: usize, steps: usize, phase: Phase) -> Vec<RankResult> {
     let data = Dataset::build(
         &cfg.data,
