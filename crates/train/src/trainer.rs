@@ -159,7 +159,8 @@ pub fn fit_mesh(cfg: &mut JobConfig, ranks: usize, overrides: &[String]) {
         && r > 1
         && (!ranks.is_multiple_of(r) || ranks / r < 2)
     {
-        // Replicas are a layout, not part of the model: a checkpoint's resume anywhere.
+        // Replicas are a layout, not part of the model: a checkpoint's or file's value that
+        // does not fit this rank count falls back to plain FSDP, so any checkpoint resumes.
         p.dp_replicate = 1;
     }
     let r = p.dp_replicate;

@@ -229,6 +229,46 @@ fn hsdp_checkpoints_resume_to_the_same_losses() {
 }
 
 #[test]
+fn a_replicas_memory_is_fsdp_over_dp_shard_as_planned() {
+    // Two-memory mode: each rank's measured peaks per category against the planner's
+    // prediction for 2 replicas of dp_shard 2 (shards over 2 ranks, batch over 4), within 5%
+    // as the two-memory tests hold single-replica runs.
+    let cfg = tiny(
+        2,
+        &[
+            "device.kind=cpu-two-memory",
+            "parallelism.dp_replicate=2",
+            "parallelism.dp_shard=2",
+        ],
+    );
+    let out = tmp("memory");
+    let opts = TrainOptions {
+        ranks: 4,
+        out: Some(out.clone()),
+        quiet: true,
+        ..Default::default()
+    };
+    train(&cfg, None, &opts).unwrap();
+    let mem: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).unwrap()).unwrap();
+    let dev = &mem["gpu0"];
+    let pred = &dev["planner_peak_bytes"];
+    for cat in ["params", "grads", "optimizer", "activations", "buffers"] {
+        let measured = dev["peak_bytes"][cat].as_f64().unwrap_or(0.0);
+        let predicted = pred[cat].as_f64().unwrap();
+        println!("{cat}: measured {measured} bytes, planner {predicted}");
+        assert!(
+            (measured - predicted).abs() <= 0.05 * predicted.max(1.0),
+            "{cat}: measured {measured} bytes, planner {predicted}"
+        );
+    }
+    // The shards are over the replica's 2 ranks, not the world's 4: rank 0's parameter shards
+    // are half the model (f32), beyond init's moment with one whole tensor.
+    let total = ganymede_plan::count_params(&cfg.model).total as f64;
+    assert!(dev["peak_bytes"]["params"].as_f64().unwrap() >= 4.0 * total / 2.0);
+}
+
+#[test]
 fn mesh_and_config_errors_name_dp_replicate() {
     // A world that is not dp_replicate × dp_shard.
     let cfg = tiny(1, &["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]);
