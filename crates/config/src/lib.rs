@@ -465,7 +465,10 @@ impl Default for DeviceConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelismConfig {
-    /// FSDP degree (data-parallel shards).
+    /// HSDP: replicas of the FSDP group. The world is `dp_replicate × dp_shard` ranks, rank
+    /// `replica·dp_shard + shard rank`; gradients are all-reduced across replicas.
+    pub dp_replicate: usize,
+    /// FSDP degree (data-parallel shards within one replica).
     pub dp_shard: usize,
     /// Expert-parallel degree; divides `dp_shard` and `model.experts`.
     pub ep: usize,
@@ -481,6 +484,13 @@ pub struct ParallelismConfig {
     /// Sharded runs: each rank writes its own shards plus a layout manifest, instead of
     /// gathering every tensor into the single-process checkpoint files.
     pub sharded_checkpoints: bool,
+}
+
+impl ParallelismConfig {
+    /// Ranks in the job: `dp_replicate × dp_shard`.
+    pub fn world(&self) -> usize {
+        self.dp_replicate * self.dp_shard
+    }
 }
 
 /// Element type of FSDP's parameter gathers.
@@ -502,6 +512,7 @@ pub enum MuonPlacement {
 impl Default for ParallelismConfig {
     fn default() -> Self {
         Self {
+            dp_replicate: 1,
             dp_shard: 1,
             ep: 1,
             gather_dtype: GatherDtype::Bf16,
@@ -731,8 +742,20 @@ impl JobConfig {
             ));
         }
         let p = &self.parallelism;
+        if p.dp_replicate == 0 {
+            return Err(invalid("parallelism.dp_replicate", 0, "must be at least 1"));
+        }
         if p.dp_shard == 0 {
             return Err(invalid("parallelism.dp_shard", 0, "must be at least 1"));
+        }
+        // Replicas of a one-rank FSDP group would be plain DDP, whose unsharded path does not
+        // all-reduce: refuse rather than train replicas that silently drift apart.
+        if p.dp_replicate > 1 && p.dp_shard == 1 {
+            return Err(invalid(
+                "parallelism.dp_replicate",
+                p.dp_replicate,
+                "needs parallelism.dp_shard > 1 (HSDP replicates FSDP groups; plain DDP is not implemented)",
+            ));
         }
         if p.ep == 0 {
             return Err(invalid("parallelism.ep", 0, "must be at least 1"));

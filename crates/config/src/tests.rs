@@ -63,6 +63,16 @@ fn invalid_values_name_key_and_reason() {
         ),
         ("data.path=/no/such/file.txt", "data.path", "no such file"),
         (
+            "parallelism.dp_replicate=0",
+            "parallelism.dp_replicate",
+            "at least 1",
+        ),
+        (
+            "parallelism.dp_replicate=2",
+            "parallelism.dp_replicate",
+            "needs parallelism.dp_shard > 1",
+        ),
+        (
             "parallelism.timeout_s=0",
             "parallelism.timeout_s",
             "positive",

@@ -19,16 +19,19 @@ pub enum Phase {
     ForwardGather,
     BackwardGather,
     GradReduceScatter,
+    /// HSDP: the gradient shards all-reduced across replicas.
+    GradReplicaAllReduce,
     A2aDispatch,
     A2aCombine,
     Optimizer,
     Other,
 }
 
-pub const PHASES: [Phase; 7] = [
+pub const PHASES: [Phase; 8] = [
     Phase::ForwardGather,
     Phase::BackwardGather,
     Phase::GradReduceScatter,
+    Phase::GradReplicaAllReduce,
     Phase::A2aDispatch,
     Phase::A2aCombine,
     Phase::Optimizer,
@@ -41,6 +44,7 @@ impl Phase {
             Phase::ForwardGather => "forward_gather",
             Phase::BackwardGather => "backward_gather",
             Phase::GradReduceScatter => "grad_reduce_scatter",
+            Phase::GradReplicaAllReduce => "grad_replica_all_reduce",
             Phase::A2aDispatch => "a2a_dispatch",
             Phase::A2aCombine => "a2a_combine",
             Phase::Optimizer => "optimizer",

@@ -382,6 +382,69 @@ fn mesh_groups_have_the_right_members() {
 }
 
 #[test]
+fn hsdp_mesh_puts_replicas_outermost() {
+    assert_eq!(
+        MeshShape::hsdp(0, 2, 1).unwrap_err(),
+        MeshError::NoReplicas { dp_replicate: 0 }
+    );
+    let s = MeshShape::hsdp(2, 4, 2).unwrap();
+    assert_eq!(s.world(), 8);
+    assert_eq!(s.replica_coords(6), (1, 2));
+    assert_eq!(s.replicate_members(6), vec![2, 6]);
+
+    // 2 replicas × (dp_shard 4, ep 2) on 8 thread ranks.
+    let p = ParallelismConfig {
+        dp_replicate: 2,
+        dp_shard: 4,
+        ep: 2,
+        ..Default::default()
+    };
+    let got = ok(run_threads(8, &cfg(5_000), |pg| {
+        let m = DeviceMesh::new(pg.clone(), &p).unwrap();
+        let rep = m.replicate.as_ref().unwrap();
+        let mut b = vec![(1 << pg.rank()) as f32];
+        rep.all_reduce(ViewMut::Host(&mut b), Phase::GradReplicaAllReduce)
+            .unwrap();
+        (
+            m.world.world_ranks().to_vec(),
+            m.dp_shard.world_ranks().to_vec(),
+            rep.world_ranks().to_vec(),
+            m.ep.world_ranks().to_vec(),
+            m.efsdp.world_ranks().to_vec(),
+            b[0],
+            m.dp_shard
+                .ctx()
+                .stats
+                .snapshot()
+                .phase(Phase::GradReplicaAllReduce),
+        )
+    }));
+    for (r, (world, dp, rep, ep, efsdp, b, bytes)) in got.into_iter().enumerate() {
+        let (q, sr) = (r / 4, r % 4);
+        assert_eq!(world, (0..8).collect::<Vec<_>>());
+        assert_eq!(dp, (4 * q..4 * q + 4).collect::<Vec<_>>(), "rank {r}");
+        assert_eq!(rep, vec![sr, sr + 4], "rank {r}");
+        // ep groups stay on consecutive ranks inside the replica.
+        let f = sr / 2;
+        assert_eq!(ep, vec![4 * q + 2 * f, 4 * q + 2 * f + 1], "rank {r}");
+        assert_eq!(efsdp, vec![4 * q + sr % 2, 4 * q + 2 + sr % 2], "rank {r}");
+        assert_eq!(b, ((1 << sr) + (1 << (sr + 4))) as f32);
+        // Ring volume of one f32 over 2 ranks: 2·(2-1)·4/2 bytes each way.
+        assert_eq!(bytes, (4, 4));
+    }
+
+    // The world must be dp_replicate × dp_shard.
+    let got = ok(run_threads(4, &cfg(5_000), |pg| {
+        DeviceMesh::new(pg, &p).err().map(|e| e.to_string())
+    }));
+    let e = got[0].as_ref().unwrap();
+    assert!(
+        e.contains("dp_replicate × parallelism.dp_shard = 2 × 4 = 8") && e.contains("4 ranks"),
+        "{e}"
+    );
+}
+
+#[test]
 fn config_hash_mismatch_is_refused() {
     #[derive(serde::Serialize)]
     struct C {

@@ -3,6 +3,7 @@
 # (default 4) must give the per-step losses of a single-process run on the same global batch,
 # within 1e-6 (the bound the threads tests use). Installs nothing: needs the Debian packages
 # libopenmpi-dev openmpi-bin libclang-dev.
+# HSDP: `--set parallelism.dp_replicate=2` on 4 processes is 2 replicas of dp_shard 2.
 # Usage: crates/parallel/scripts/mpi_train_test.sh [ranks] [steps] [extra --set ...]
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -17,7 +18,7 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 common=(train --preset tiny --steps "$steps" --set parallelism.gather_dtype=f32 --set checkpoint.enable=false "$@")
 # The one-process reference takes every extra setting except the mesh's (a world of one has no
-# dp_shard = 4 or ep = 2 to give).
+# dp_shard = 4, ep = 2 or dp_replicate = 2 to give).
 one=(train --preset tiny --steps "$steps" --set checkpoint.enable=false)
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do

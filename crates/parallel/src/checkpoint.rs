@@ -8,6 +8,9 @@
 //!   shards (nothing gathered) and a layout record says how they fit
 //!   ([`ganymede_checkpoint::sharded`]).
 //!
+//! Under HSDP only replica 0 writes (the replicas are identical); both forms then describe
+//! one replica's `dp_shard` layout, and every replica loads them the same way.
+//!
 //! Loading reads either form whole ([`ganymede_checkpoint::read_tensors`]) and keeps this
 //! rank's part. (Every rank reads every file: simple, and fine at the sizes one machine trains.)
 
@@ -111,6 +114,12 @@ impl RankState {
         at: &Position,
         sharded: bool,
     ) -> Result<Option<PathBuf>> {
+        // HSDP: every replica holds the same parameters and optimizer state, so replica 0
+        // alone writes (its own collectives stay inside it); on resume every replica reads the
+        // same files.
+        if self.replica() != 0 {
+            return Ok(None);
+        }
         if sharded && self.mesh.dp_shard.size() > 1 {
             self.save_sharded_checkpoint(run_dir, at)
         } else {

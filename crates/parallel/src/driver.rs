@@ -10,6 +10,11 @@
 //!
 //! Losses and gradients are normalised by the global batch's token count, so at any rank count
 //! they are one process's on the same global batch (up to the order of floating-point sums).
+//!
+//! HSDP (`parallelism.dp_replicate > 1`): every world rank takes its own slice of the batch,
+//! each replica runs FSDP over its `dp_shard` ranks, and [`FsdpGrads::finish`] sums the
+//! gradient shards across replicas, so every replica takes the same optimizer step on the same
+//! shards and the replicas stay identical without ever exchanging parameters.
 
 use crate::ep::EpExperts;
 use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
@@ -151,7 +156,11 @@ impl RankState {
         check_config_hash(world.as_ref(), config_hash(cfg))
             .context("ranks started with different configurations")?;
         let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
+        // The batch is split over every rank (all replicas); parameters over one replica's.
         let w = world.size();
+        if mesh.shape.dp_replicate > 1 && mesh.shape.dp_shard == 1 {
+            bail!("parallelism.dp_replicate > 1 needs parallelism.dp_shard > 1 (plain DDP is not implemented)");
+        }
         let (m, t) = (&cfg.model, &cfg.training);
         if !t.batch_size.is_multiple_of(w) {
             bail!(
@@ -162,7 +171,7 @@ impl RankState {
         let shared = backend(cfg)?;
         let be: &dyn Backend = shared.as_ref();
         let model = Model::new(m);
-        let shards = if w == 1 {
+        let shards = if mesh.shape.dp_shard == 1 {
             let params = model.init_params(be, t.seed);
             let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
             let opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
@@ -230,8 +239,14 @@ impl RankState {
         &self.cfg
     }
 
+    /// Every rank of the job (all replicas).
     pub fn world(&self) -> &Arc<dyn ProcessGroup> {
-        &self.mesh.dp_shard
+        &self.mesh.world
+    }
+
+    /// This rank's replica (0 without HSDP).
+    pub fn replica(&self) -> usize {
+        self.mesh.shape.replica_coords(self.mesh.world.rank()).0
     }
 
     /// Parameter count of the whole model.
@@ -241,7 +256,7 @@ impl RankState {
 
     /// One optimizer step on global batch `step` (0-based).
     pub fn step(&mut self, data: &Dataset, step: usize) -> Result<StepReport> {
-        let world = self.mesh.dp_shard.clone();
+        let world = self.mesh.world.clone();
         let ctx = world.ctx().clone();
         ctx.stats.reset();
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
@@ -291,6 +306,10 @@ impl RankState {
             self.be.sumsq_acc(self.norm_acc.view_mut(), g.view());
         }
         let sumsq = self.be.download_f64(self.norm_acc.view())[0];
+        // The loss is summed over every rank's slice; the gradient norm over one replica's
+        // shards only (after the cross-replica all-reduce every replica holds the same
+        // gradients, so counting them all would multiply the norm by the replica count).
+        let sumsq = if self.replica() == 0 { sumsq } else { 0.0 };
         let mut red = [out.loss, sumsq];
         world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
         let (loss, norm) = (red[0], red[1].sqrt());
@@ -349,7 +368,7 @@ impl RankState {
     /// Collective: mean loss over `metrics.val_batches` fixed validation batches (aux excluded),
     /// each split over the ranks like a training batch: one process's figure at any rank count.
     pub fn validate(&mut self, data: &Dataset) -> Result<f64> {
-        let world = self.mesh.dp_shard.clone();
+        let world = self.mesh.world.clone();
         let (w, r) = (world.size(), world.rank());
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
         let per = batch / w;

@@ -15,6 +15,9 @@
 //! - Gradients: a block's full gradients live in one reused set of tensors while its backward
 //!   runs, then are reduce-scattered in f32 onto the gradient shards; the reduce-scatter of block
 //!   `l` travels while block `l-1` computes (two staging buffers alternate).
+//! - HSDP (`dp_replicate > 1`): the shards are then all-reduced across replicas, so every
+//!   replica holds the global batch's gradient shards; the routing statistics (expert counts,
+//!   the auxiliary loss's sums) are summed over all ranks, as each holds its own slice of the batch.
 //!
 //! Collective failures (a peer that died or stalled) panic with the backend's message: the
 //! model's hooks cannot return errors, and the threads driver turns a panic into a poisoned
@@ -52,11 +55,15 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("{what}: {e}")
 }
 
-/// Groups by [`ShardGroup`].
+/// Groups by [`ShardGroup`], plus the ones HSDP adds.
 #[derive(Clone)]
 pub struct Groups {
     pub dp: Arc<dyn ProcessGroup>,
     pub efsdp: Arc<dyn ProcessGroup>,
+    /// Every rank (each with its own slice of the batch): batch-wide sums go here.
+    pub world: Arc<dyn ProcessGroup>,
+    /// Same shards in every replica; `None` without replicas.
+    pub replicate: Option<Arc<dyn ProcessGroup>>,
 }
 
 impl Groups {
@@ -64,6 +71,8 @@ impl Groups {
         Groups {
             dp: mesh.dp_shard.clone(),
             efsdp: mesh.efsdp.clone(),
+            world: mesh.world.clone(),
+            replicate: mesh.replicate.clone(),
         }
     }
     pub fn get(&self, g: ShardGroup) -> &Arc<dyn ProcessGroup> {
@@ -442,7 +451,7 @@ impl ParamSource for FsdpParams {
         // integers, exact in f64; the host holds them already (they size the expert GEMMs).
         let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
         self.groups
-            .dp
+            .world
             .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
             .unwrap_or_else(|e| fail("summing expert counts", e));
         for (c, &x) in counts.iter_mut().zip(&buf) {
@@ -453,7 +462,7 @@ impl ParamSource for FsdpParams {
     fn reduce_psum(&mut self, _be: &dyn Backend, psum: ViewMut) {
         // On the device tensor itself, so the step reads it once, summed.
         self.groups
-            .dp
+            .world
             .all_reduce(psum, Phase::Other)
             .unwrap_or_else(|e| fail("summing routing statistics", e));
     }
@@ -527,8 +536,8 @@ impl FsdpGrads {
         }
     }
 
-    /// Reduce-scatter the root gradients and wait for every reduce-scatter: the shards then hold
-    /// the global batch's gradients.
+    /// Reduce-scatter the root gradients and wait for every reduce-scatter, then (HSDP) sum the
+    /// shards across replicas: the shards then hold the global batch's gradients.
     pub fn finish(&mut self, be: &dyn Backend) {
         for (k, &i) in self.layout.root.clone().iter().enumerate() {
             let g = self.groups.get(self.layout.group[i]).clone();
@@ -547,6 +556,23 @@ impl FsdpGrads {
                 w.wait()
                     .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
             }
+        }
+        if let Some(rep) = &self.groups.replicate {
+            // Each replica's shards are its slices' share of the global mean (the loss is
+            // normalised by the global batch's tokens), so the sum is the global gradient. All
+            // posted at once so they travel together; padded tails are zero on every replica.
+            let works: Vec<Work<'_>> = self
+                .shards
+                .iter_mut()
+                .map(|t| {
+                    rep.iall_reduce(t.view_mut(), Phase::GradReplicaAllReduce)
+                        .unwrap_or_else(|e| {
+                            fail("posting a gradient all-reduce across replicas", e)
+                        })
+                })
+                .collect();
+            ganymede_dist::wait_all(works)
+                .unwrap_or_else(|e| fail("all-reducing gradients across replicas", e));
         }
     }
 

@@ -69,9 +69,13 @@ pub struct PlanArgs {
     /// GPUs per node (default: the cluster's).
     #[arg(long)]
     pub gpus_per_node: Option<usize>,
-    /// FSDP degree (must equal nodes x GPUs per node).
+    /// FSDP degree within one replica (dp_replicate x dp_shard must equal nodes x GPUs per
+    /// node).
     #[arg(long)]
     pub dp_shard: Option<usize>,
+    /// HSDP replicas of the FSDP group (default: the job's parallelism.dp_replicate).
+    #[arg(long)]
+    pub dp_replicate: Option<usize>,
     /// Expert-parallel degree.
     #[arg(long)]
     pub ep: Option<usize>,
@@ -162,30 +166,37 @@ impl PlanArgs {
 
     /// Load the job and cluster and fill the layout from flags, then the job config.
     pub fn resolve(&self) -> anyhow::Result<Resolved> {
-        let job = JobConfig::load(self.preset.as_deref(), self.config.as_deref(), &self.set)
+        let mut job = JobConfig::load(self.preset.as_deref(), self.config.as_deref(), &self.set)
             .context("loading the job config")?;
+        if let Some(r) = self.dp_replicate {
+            // The job's too, so the memory fit check below shards over one replica.
+            job.parallelism.dp_replicate = r;
+        }
         let mut cluster = Cluster::resolve(&self.cluster)?;
         if let Some(g) = self.gpus_per_node {
             cluster.gpus_per_node = g;
         }
         let mut layout = Layout::from_job(&job, &cluster);
         // Node size: the flag, else the cluster's. FSDP degree: the flag, else nodes x node
-        // size when nodes or node size were given, else the job's [parallelism] dp_shard.
+        // size (over the replicas) when nodes or node size were given, else the job's
+        // [parallelism] dp_shard. GPUs: dp_replicate x dp_shard.
         let gpn = cluster.gpus_per_node;
         let explicit_nodes = self.nodes.is_some() || self.gpus_per_node.is_some();
+        let replicas = layout.dp_replicate.max(1);
         match (self.dp_shard, explicit_nodes) {
             (Some(dp), _) => {
                 layout.dp_shard = dp;
+                let gpus = replicas * dp;
                 (layout.nodes, layout.gpus_per_node) = match self.nodes {
                     Some(n) => (n, gpn),
-                    None if dp < gpn && self.gpus_per_node.is_none() => (1, dp),
-                    None => (dp.div_ceil(gpn), gpn),
+                    None if gpus < gpn && self.gpus_per_node.is_none() => (1, gpus),
+                    None => (gpus.div_ceil(gpn), gpn),
                 };
             }
             (None, true) => {
                 layout.gpus_per_node = gpn;
                 layout.nodes = self.nodes.unwrap_or(layout.nodes);
-                layout.dp_shard = layout.nodes * gpn;
+                layout.dp_shard = layout.nodes * gpn / replicas;
             }
             (None, false) => {}
         }
@@ -287,7 +298,7 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
             format!(
                 "sweep on {} ({} GPUs), ranked by predicted tokens/s per GPU\n{}",
                 r.cluster.name,
-                r.layout.dp_shard,
+                r.layout.gpus(),
                 render::sweep_table(&entries, args.top)
             )
         });
@@ -307,7 +318,7 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
         }
         if r.job.device.kind == DeviceKind::CpuTwoMemory {
             let threads = crate::fit::run_threads(&r.job);
-            t.push_str(&crate::fit::render(&r.job, threads, r.layout.dp_shard));
+            t.push_str(&crate::fit::render(&r.job, threads, r.layout.world()));
         }
         t
     })

@@ -123,7 +123,8 @@ pub struct MemoryPrediction {
 /// over several ranks).
 pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<MemoryPrediction> {
     if ranks > 1 {
-        let mut sh = sharded(job, ranks, threads)?;
+        let w = shard_degree(job, ranks);
+        let mut sh = sharded(job, w, ranks, threads)?;
         let mut host = Categories::default();
         if job.optimizer.offload {
             sh.device.buffers += sh.stage;
@@ -135,7 +136,7 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<M
         }
         // Initialisation's peak is params alone, before anything else exists.
         let excess = sh.device.params - sh.params_steady;
-        let mut p = place(job, sh.device, host, ranks, largest_shard_state(job, ranks));
+        let mut p = place(job, sh.device, host, ranks, largest_shard_state(job, w));
         let (total, params) = match job.device.kind {
             DeviceKind::Cpu => (&mut p.host_peak, p.host.params),
             DeviceKind::CpuTwoMemory | DeviceKind::Cuda => (&mut p.device_peak, p.device.params),
@@ -328,8 +329,21 @@ struct Sharded {
     stage: f64,
 }
 
-/// One rank's bytes under FSDP over `w` ranks. `None` under expert parallelism.
-fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
+/// HSDP: the FSDP degree on `ranks` ranks. A rank holds the state of FSDP over its replica's
+/// `dp_shard` ranks (the cross-replica all-reduce is in place on the gradient shards, so it
+/// adds no bytes), while the batch is split over all `ranks`.
+pub fn shard_degree(job: &JobConfig, ranks: usize) -> usize {
+    let p = &job.parallelism;
+    if p.dp_replicate > 1 && p.world() == ranks {
+        p.dp_shard
+    } else {
+        ranks
+    }
+}
+
+/// One rank's bytes under FSDP over `w` ranks, the batch split over `ranks` (`w` but for HSDP's
+/// replicas). `None` under expert parallelism.
+fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sharded> {
     let p = &job.parallelism;
     if p.ep > 1 {
         return None;
@@ -396,7 +410,7 @@ fn sharded(job: &JobConfig, w: usize, threads: usize) -> Option<Sharded> {
     let slots = (p.prefetch + 1) as f64;
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
     let mut local = job.clone();
-    local.training.batch_size = job.training.batch_size / w;
+    local.training.batch_size = job.training.batch_size / ranks;
     // Each tensor is drawn whole before its shard is kept, in table order.
     let mut before = 0;
     let mut init_peak = 0;

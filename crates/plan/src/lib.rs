@@ -7,6 +7,7 @@
 //! - [`sweep()`]: layouts that fit, ranked by predicted tokens/s;
 //! - [`render`]: the human-readable table; the [`Plan`] itself serialises to JSON;
 //! - [`ledger`]: the bytes per category a single-process CPU run's memory ledger should report;
+//! - [`hsdp`]: the cross-replica gradient all-reduce of HSDP (`dp_replicate` > 1);
 //! - [`fit`]: those bytes placed on the two memories of the CPU backend's two-memory mode, and
 //!   the fit check against `device.memory_gib` that `ganymede train` runs before launch;
 //! - [`cli`]: `ganymede plan`'s arguments ([`PlanArgs`]) and [`run`].
@@ -14,6 +15,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod fit;
+pub mod hsdp;
 pub mod ledger;
 pub mod params;
 mod plan;

@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 pub struct Layout {
     pub nodes: usize,
     pub gpus_per_node: usize,
+    /// HSDP replicas of the FSDP group (1: plain FSDP); GPUs = dp_replicate × dp_shard.
+    #[serde(default = "one")]
+    pub dp_replicate: usize,
     /// FSDP degree: every rank holds a 1/dp_shard shard of every parameter.
     pub dp_shard: usize,
     /// Expert-parallel degree, carved out of `dp_shard` (experts are FSDP-sharded over
@@ -29,7 +32,8 @@ impl Layout {
     /// The job config's own layout: `[parallelism]`, `[training] batch_size`, `model.seq_len`,
     /// one sequence per microbatch; nodes follow from `dp_shard` and the cluster's node size.
     pub fn from_job(job: &JobConfig, cluster: &Cluster) -> Layout {
-        let dp = job.parallelism.dp_shard.max(1);
+        let replicas = job.parallelism.dp_replicate.max(1);
+        let dp = job.parallelism.dp_shard.max(1) * replicas;
         let gpn = cluster.gpus_per_node;
         let (nodes, gpus_per_node) = if dp.is_multiple_of(gpn) {
             (dp / gpn, gpn)
@@ -41,7 +45,8 @@ impl Layout {
         Layout {
             nodes,
             gpus_per_node,
-            dp_shard: dp,
+            dp_replicate: replicas,
+            dp_shard: dp / replicas,
             ep: job.parallelism.ep.max(1),
             seq_len: job.model.seq_len,
             micro_batch: 1,
@@ -51,9 +56,13 @@ impl Layout {
     pub fn gpus(&self) -> usize {
         self.nodes * self.gpus_per_node
     }
+    /// Data-parallel ranks: every replica's FSDP group (the batch is split over all of them).
+    pub fn world(&self) -> usize {
+        self.dp_replicate * self.dp_shard
+    }
     /// Forward/backward passes per GPU per step (gradient accumulation).
     pub fn microbatches(&self) -> usize {
-        self.global_batch / (self.dp_shard * self.micro_batch).max(1)
+        self.global_batch / (self.world() * self.micro_batch).max(1)
     }
     pub fn tokens_per_step(&self) -> u64 {
         self.global_batch as u64 * self.seq_len as u64
@@ -115,6 +124,10 @@ fn bf16_bytes() -> f64 {
     2.0
 }
 
+fn one() -> usize {
+    1
+}
+
 /// How Muon's whole-matrix Newton–Schulz meets FSDP's shards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -158,8 +171,9 @@ impl OptimizerSetup {
 pub enum PlanError {
     #[error("invalid job config: {0}")]
     Config(String),
-    #[error("FSDP degree dp_shard = {dp_shard} must equal the GPU count nodes x gpus_per_node = {nodes} x {gpus_per_node} = {gpus} (no other parallelism is modelled)")]
+    #[error("FSDP degree dp_shard = {dp_shard} times dp_replicate = {dp_replicate} replicas must equal the GPU count nodes x gpus_per_node = {nodes} x {gpus_per_node} = {gpus} (no other parallelism is modelled)")]
     GpuCount {
+        dp_replicate: usize,
         dp_shard: usize,
         nodes: usize,
         gpus_per_node: usize,
@@ -171,9 +185,10 @@ pub enum PlanError {
     EpShard { ep: usize, dp_shard: usize },
     #[error("expert-parallel groups must tile nodes: ep = {ep} must divide gpus_per_node = {gpus_per_node} or be a multiple of it")]
     EpNode { ep: usize, gpus_per_node: usize },
-    #[error("global batch {global_batch} sequences is not a multiple of dp_shard x micro_batch = {dp_shard} x {micro_batch}")]
+    #[error("global batch {global_batch} sequences is not a multiple of dp_replicate x dp_shard x micro_batch = {dp_replicate} x {dp_shard} x {micro_batch}")]
     Batch {
         global_batch: usize,
+        dp_replicate: usize,
         dp_shard: usize,
         micro_batch: usize,
     },
@@ -313,6 +328,8 @@ pub struct Communication {
     pub fsdp_all_gather_fwd: f64,
     pub fsdp_all_gather_bwd: f64,
     pub fsdp_reduce_scatter: f64,
+    /// HSDP: the gradient shards' all-reduce across replicas (0 without replicas).
+    pub hsdp_all_reduce: f64,
     /// Expert-dispatch all-to-all (dispatch + combine, forward, backward and recompute).
     pub ep_all_to_all: f64,
     /// Optimizer traffic of the chosen optimizer and placement.
@@ -359,6 +376,8 @@ pub struct StepTime {
     pub optimizer_s: f64,
     pub newton_schulz_s: f64,
     pub optimizer_comm_s: f64,
+    /// HSDP's cross-replica gradient all-reduce, exposed after backward (see [`crate::hsdp`]).
+    pub hsdp_all_reduce_s: f64,
     pub step_s: f64,
     /// What bounds forward and backward: "compute" or "communication".
     pub bound: String,
@@ -431,6 +450,7 @@ pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<
     for (key, v) in [
         ("nodes", layout.nodes),
         ("gpus_per_node", layout.gpus_per_node),
+        ("dp_replicate", layout.dp_replicate),
         ("dp_shard", layout.dp_shard),
         ("ep", layout.ep),
         ("seq_len", layout.seq_len),
@@ -445,8 +465,9 @@ pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<
             });
         }
     }
-    if layout.dp_shard != layout.gpus() {
+    if layout.world() != layout.gpus() {
         return Err(PlanError::GpuCount {
+            dp_replicate: layout.dp_replicate,
             dp_shard: layout.dp_shard,
             nodes: layout.nodes,
             gpus_per_node: layout.gpus_per_node,
@@ -475,10 +496,11 @@ pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<
     }
     if !layout
         .global_batch
-        .is_multiple_of(layout.dp_shard * layout.micro_batch)
+        .is_multiple_of(layout.world() * layout.micro_batch)
     {
         return Err(PlanError::Batch {
             global_batch: layout.global_batch,
+            dp_replicate: layout.dp_replicate,
             dp_shard: layout.dp_shard,
             micro_batch: layout.micro_batch,
         });
@@ -518,7 +540,7 @@ pub fn check(job: &JobConfig, layout: &Layout, policy: &MemoryPolicy) -> Result<
 ///
 /// A node needs the `(N-1)/N` of the tensor held on the other `N = n/q` nodes once; its `q`
 /// members bring it in through their own adapters (`/q` each) and spread it over NVLink.
-fn group_traffic(full: f64, n: usize, q: usize) -> (f64, f64) {
+pub(crate) fn group_traffic(full: f64, n: usize, q: usize) -> (f64, f64) {
     if n <= 1 {
         return (0.0, 0.0);
     }
@@ -895,10 +917,11 @@ fn evaluate(
         + mf * (l * rs_layer_nv + rs_o_nv)
         + a2a_step * (1.0 - a2a_ib_share)
         + if opt_on_ib { 0.0 } else { opt_bytes };
-    let communication = Communication {
+    let mut communication = Communication {
         fsdp_all_gather_fwd: mf * ag_once,
         fsdp_all_gather_bwd: mf * ag_bwd,
         fsdp_reduce_scatter: mf * rs_once,
+        hsdp_all_reduce: 0.0, // HSDP's block below
         ep_all_to_all: a2a_step,
         optimizer: opt_bytes,
         optimizer_naive_muon: naive_bytes,
@@ -1059,8 +1082,21 @@ fn evaluate(
         cluster.gpu.memory_bytes_per_s
     };
     let optimizer_s = ns_and_comm + copy_t + elem_bytes / elem_rate;
-    let step_s = forward_s + backward_s + mf * exposed + optimizer_s;
-    let tokens_per_gpu = (layout.tokens_per_step() as f64 / wf).round() as u64;
+    // ---- HSDP: the cross-replica gradient all-reduce (crate::hsdp), once per step ----
+    // A GPU's f32 (reduce_bytes) gradient shards: dense over the replica's dp_shard ranks,
+    // experts over ep × efsdp (the same ranks).
+    let grad_shard_bytes = l * dense_layer_bytes(rb) / wf
+        + l * expert_layer_bytes(rb) / efsdp as f64
+        + rb * outside / wf;
+    let hsdp = crate::hsdp::all_reduce(grad_shard_bytes, layout.dp_replicate, w, gpn, link_time);
+    communication.hsdp_all_reduce = hsdp.bytes;
+    communication.ib_bytes += hsdp.ib_bytes;
+    communication.nvlink_bytes += hsdp.nvlink_bytes;
+    let (ib_step, nv_step) = (ib_step + hsdp.ib_bytes, nv_step + hsdp.nvlink_bytes);
+    // ---- end of HSDP's block ----
+    let step_s = forward_s + backward_s + mf * exposed + optimizer_s + hsdp.time_s;
+    // The batch is split over every replica's ranks.
+    let tokens_per_gpu = (layout.tokens_per_step() as f64 / layout.world() as f64).round() as u64;
     let tps = tokens_per_gpu as f64 / step_s;
     let peak = cluster.gpu.peak_flops;
 
@@ -1078,6 +1114,7 @@ fn evaluate(
         optimizer_s,
         newton_schulz_s: ns_t,
         optimizer_comm_s: opt_comm_t,
+        hsdp_all_reduce_s: hsdp.time_s,
         step_s,
         bound: bound.into(),
     };

@@ -63,8 +63,8 @@ pub fn table(p: &Plan) -> String {
     let _ = writeln!(s, "ganymede plan: {} on {}", p.model, p.cluster);
     let _ = writeln!(
         s,
-        "  layout: {} nodes x {} GPUs, FSDP {}, EP {}, seq {}, micro-batch {}, global batch {} ({} microbatch(es) per step)",
-        l.nodes, l.gpus_per_node, l.dp_shard, l.ep, l.seq_len, l.micro_batch, l.global_batch, p.microbatches
+        "  layout: {} nodes x {} GPUs, {}FSDP {}, EP {}, seq {}, micro-batch {}, global batch {} ({} microbatch(es) per step)",
+        l.nodes, l.gpus_per_node, if l.dp_replicate > 1 { format!("{} replicas (HSDP) x ", l.dp_replicate) } else { String::new() }, l.dp_shard, l.ep, l.seq_len, l.micro_batch, l.global_batch, p.microbatches
     );
     let pol = &p.policy;
     let _ = writeln!(
@@ -232,6 +232,13 @@ pub fn table(p: &Plan) -> String {
         bytes(c.fsdp_all_gather_bwd),
     );
     w(&mut s, "FSDP reduce-scatter", bytes(c.fsdp_reduce_scatter));
+    if p.layout.dp_replicate > 1 {
+        w(
+            &mut s,
+            "HSDP all-reduce across replicas",
+            bytes(c.hsdp_all_reduce),
+        );
+    }
     w(
         &mut s,
         "expert all-to-all",
@@ -312,6 +319,13 @@ pub fn table(p: &Plan) -> String {
             secs(t.optimizer_comm_s)
         ),
     );
+    if p.layout.dp_replicate > 1 {
+        w(
+            &mut s,
+            "HSDP all-reduce (after backward)",
+            secs(t.hsdp_all_reduce_s),
+        );
+    }
     w(
         &mut s,
         "step",

@@ -1160,3 +1160,91 @@ fn fsdp_divides_state_and_workspace_by_the_ranks_when_nothing_pads() {
     // the initialisation moment.
     assert_eq!(p.device_peak, p.device.total() - 632_128.0 + 451_968.0);
 }
+
+// ---------------------------------------------------------------- HSDP
+
+#[test]
+fn hsdp_adds_one_gradient_all_reduce_across_replicas() {
+    // Two replicas of europa's 384-way FSDP on 192 jupiter nodes, twice the global batch so
+    // each GPU runs the same microbatches. Per GPU the memory is the 384-way plan's; the
+    // gradient shards (fp32, 4·total/384 bytes) are all-reduced with the one GPU 384 ranks
+    // away, on another node: a ring all-reduce of 2 ranks sends half the shard in its
+    // reduce-scatter and half in its all-gather, all over InfiniBand.
+    let job = europa();
+    let (l, pol, o) = final_setup(&job, 1.0);
+    let base = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    let mut l2 = l.clone();
+    l2.dp_replicate = 2;
+    l2.nodes *= 2;
+    l2.global_batch *= 2;
+    let h = plan(&job, &jupiter(), &l2, &pol, &o).unwrap();
+    assert_eq!(h.microbatches, base.microbatches);
+    assert_eq!(h.memory.gpu_total, base.memory.gpu_total);
+    assert_eq!(h.tokens_per_gpu_per_step, base.tokens_per_gpu_per_step);
+    let total = params::count(&job.model).total as f64;
+    let shard = 4.0 * total / 384.0;
+    assert!(
+        close(h.communication.hsdp_all_reduce, shard, 1e-9),
+        "{} vs {shard}",
+        h.communication.hsdp_all_reduce
+    );
+    assert_eq!(base.communication.hsdp_all_reduce, 0.0);
+    assert!(close(
+        h.communication.ib_bytes - base.communication.ib_bytes,
+        shard,
+        1e-9
+    ));
+    let c = jupiter();
+    let ib_rate = c.links.ib_bytes_per_s * c.links.ib_efficiency;
+    let t = 2.0 * (shard / 2.0 / ib_rate + c.links.collective_latency_s);
+    assert!(close(h.time.hsdp_all_reduce_s, t, 1e-12));
+    assert!(close(h.step_time_s, base.step_time_s + t, 1e-12));
+    // The GPU count must be dp_replicate × dp_shard.
+    let mut bad = l2.clone();
+    bad.nodes = l.nodes;
+    let e = plan(&job, &jupiter(), &bad, &pol, &o)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("dp_replicate = 2"), "{e}");
+}
+
+#[test]
+fn dp_replicate_flag_multiplies_the_gpus() {
+    let args = PlanArgs::parse_flags(&[
+        "--preset",
+        "europa-1t",
+        "--cluster",
+        "jupiter",
+        "--dp-replicate",
+        "2",
+        "--dp-shard",
+        "384",
+        "--global-batch",
+        "768",
+    ])
+    .unwrap();
+    let r = args.resolve().unwrap();
+    assert_eq!(
+        (r.layout.nodes, r.layout.dp_replicate, r.layout.dp_shard),
+        (192, 2, 384)
+    );
+    let p = args.plan().unwrap();
+    assert!(p.communication.hsdp_all_reduce > 0.0);
+    let table = crate::render::table(&p);
+    assert!(table.contains("2 replicas (HSDP) x FSDP 384"), "{table}");
+    assert!(table.contains("HSDP all-reduce across replicas"), "{table}");
+    // From the job config too.
+    let args = PlanArgs::parse_flags(&[
+        "--preset",
+        "europa-1t",
+        "--cluster",
+        "jupiter",
+        "--set",
+        "parallelism.dp_replicate=2",
+        "--global-batch",
+        "768",
+    ])
+    .unwrap();
+    let r = args.resolve().unwrap();
+    assert_eq!((r.layout.nodes, r.layout.world()), (192, 768));
+}

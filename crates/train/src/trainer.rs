@@ -91,9 +91,12 @@ pub fn init_threads(threads: usize) {
 /// fitted to the rank count, validated, and checked against the checkpoint being resumed
 /// (naming every key that differs).
 ///
-/// `parallelism.dp_shard` is the rank count. When `parallelism.ep` does not divide it and was not
-/// set on the command line (a checkpoint's or file's value), it becomes the largest value that
-/// does (gcd), so a checkpoint saved on any mesh resumes on any rank count.
+/// `parallelism.dp_shard` is the rank count over `parallelism.dp_replicate` (HSDP replicas, 1 by
+/// default). A `dp_replicate` set on the command line must divide the rank count; one from a
+/// checkpoint or file that does not (or would leave one rank per replica) becomes 1. When
+/// `parallelism.ep` does not divide `dp_shard` and was not set on the command line, it becomes
+/// the largest value that does (gcd), so a checkpoint saved on any mesh resumes on any rank
+/// count.
 pub fn resolve_config(
     preset: Option<&str>,
     file: Option<&Path>,
@@ -113,6 +116,13 @@ pub fn resolve_config(
     };
     if let Some(n) = steps {
         cfg.training.steps = n;
+    }
+    let r = cfg.parallelism.dp_replicate;
+    if given(overrides, "parallelism.dp_replicate") && r > 0 && !ranks.max(1).is_multiple_of(r) {
+        bail!(
+            "parallelism.dp_replicate = {r} must divide the {} ranks (the world is dp_replicate × dp_shard)",
+            ranks.max(1)
+        );
     }
     fit_mesh(&mut cfg, ranks, overrides);
     cfg.validate()?;
@@ -149,13 +159,34 @@ pub fn resolve_config(
 pub fn fit_mesh(cfg: &mut JobConfig, ranks: usize, overrides: &[String]) {
     let ranks = ranks.max(1);
     let p = &mut cfg.parallelism;
-    p.dp_shard = ranks;
-    let ep_given = overrides
-        .iter()
-        .any(|o| o.trim_start().starts_with("parallelism.ep"));
-    if !ep_given && p.ep > 0 && !ranks.is_multiple_of(p.ep) {
-        p.ep = gcd(p.ep, ranks);
+    let r = p.dp_replicate;
+    if !given(overrides, "parallelism.dp_replicate")
+        && r > 1
+        && (!ranks.is_multiple_of(r) || ranks / r < 2)
+    {
+        // Replicas are a layout, not part of the model: a checkpoint's or file's value that
+        // does not fit this rank count falls back to plain FSDP, so any checkpoint resumes.
+        p.dp_replicate = 1;
     }
+    let r = p.dp_replicate;
+    p.dp_shard = if r > 0 && ranks.is_multiple_of(r) {
+        ranks / r
+    } else {
+        ranks
+    };
+    let dp = p.dp_shard;
+    if !given(overrides, "parallelism.ep") && p.ep > 0 && !dp.is_multiple_of(p.ep) {
+        p.ep = gcd(p.ep, dp);
+    }
+}
+
+/// Whether an override sets `key`.
+fn given(overrides: &[String], key: &str) -> bool {
+    overrides.iter().any(|o| {
+        o.trim_start()
+            .strip_prefix(key)
+            .is_some_and(|rest| rest.trim_start().starts_with('='))
+    })
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -539,7 +570,12 @@ fn banner(
         format!("{} threads", rayon::current_num_threads())
     } else {
         format!(
-            "{n} ranks (FSDP with {:?} gathers, prefetch {}, ep {}, Muon placement {:?}), {} threads",
+            "{n} ranks ({}FSDP with {:?} gathers, prefetch {}, ep {}, Muon placement {:?}), {} threads",
+            if p.dp_replicate > 1 {
+                format!("{} replicas of {}-way ", p.dp_replicate, p.dp_shard)
+            } else {
+                String::new()
+            },
             p.gather_dtype,
             p.prefetch,
             p.ep,
@@ -603,7 +639,7 @@ fn write_memory(
 
 fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
     let o0 = &outs[0];
-    let n = run.cfg.parallelism.dp_shard;
+    let n = run.cfg.parallelism.world();
     let total_secs: f64 = o0.step_secs.iter().sum();
     let tokens_per_s = (o0.tokens * o0.step_secs.len()) as f64 / total_secs.max(1e-9);
     let skip = usize::from(o0.step_secs.len() > 1);
@@ -650,8 +686,8 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
     }
 }
 
-/// Train as one rank of an MPI job (`mpirun -n N ganymede train …`); `parallelism.dp_shard` is
-/// the job's size. Rank 0 writes the run directory and builds the data folder; the others build
+/// Train as one rank of an MPI job (`mpirun -n N ganymede train …`); `dp_replicate × dp_shard`
+/// is the job's size. Rank 0 writes the run directory and builds the data folder; the others build
 /// the same tokens in memory. A failing rank prints its error and aborts the job, and a stalled
 /// collective fails after `parallelism.timeout_s`, so no rank hangs. With a trace, each rank
 /// writes `FILE.rank<r>.json`.
