@@ -13,5 +13,6 @@ pub mod comm;
 pub mod eval;
 pub mod export;
 pub mod metrics;
+pub mod scratch;
 pub mod tensorboard;
 pub mod trainer;

@@ -14,8 +14,7 @@ fn mean(x: &[f64]) -> f64 {
 
 #[test]
 fn continuation_past_seq_len_keeps_the_in_window_loss() {
-    let dir = std::env::temp_dir().join(format!("ganymede-test-generation-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = ganymede_train::scratch::run_dir("gm-generation", "run");
     // A short window so a continuation of four windows stays cheap; trained long enough that the
     // model uses its context (the built-in corpus's loss falls well below a unigram model's).
     let seq = 32;

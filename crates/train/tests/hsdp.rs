@@ -10,9 +10,7 @@ use ganymede_train::trainer::{resolve_config, train, TrainOptions};
 use std::path::PathBuf;
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gm-hsdp-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    ganymede_train::scratch::run_dir("gm-hsdp", name)
 }
 
 fn tiny(steps: usize, extra: &[&str]) -> JobConfig {

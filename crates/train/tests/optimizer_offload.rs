@@ -11,9 +11,7 @@ use ganymede_train::trainer::{train, TrainOptions, TrainSummary};
 use std::path::{Path, PathBuf};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gm-optoff-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    ganymede_train::scratch::run_dir("gm-optoff", name)
 }
 
 /// `tiny` in the checking two-memory mode (a missing event wait panics), f32 gathers.

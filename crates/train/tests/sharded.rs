@@ -38,9 +38,7 @@ fn train_threads(cfg: &JobConfig, o: &ParOptions) -> anyhow::Result<TrainSummary
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gm-par-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    ganymede_train::scratch::run_dir("gm-par", name)
 }
 
 fn tiny(steps: usize, extra: &[&str]) -> JobConfig {

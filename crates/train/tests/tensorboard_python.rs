@@ -41,8 +41,7 @@ fn metrics(step: usize) -> StepMetrics {
 
 #[test]
 fn tensorboard_reads_back_the_metrics() {
-    let run = std::env::temp_dir().join(format!("ganymede-tb-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run);
+    let run = ganymede_train::scratch::run_dir("gm-tb", "run");
     std::fs::create_dir_all(&run).unwrap();
     // The run's own config turns it on, as `metrics.tensorboard = true` does for a real run.
     std::fs::write(run.join("config.toml"), "[metrics]\ntensorboard = true\n").unwrap();

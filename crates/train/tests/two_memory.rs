@@ -6,9 +6,7 @@ use ganymede_train::trainer::{train, TrainOptions};
 use std::path::PathBuf;
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("gm-two-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    ganymede_train::scratch::run_dir("gm-two", name)
 }
 
 fn tiny(extra: &[&str]) -> JobConfig {
