@@ -61,6 +61,106 @@ pub struct LinkSpec {
     pub collective_latency_s: f64,
 }
 
+/// Measured rates of CPU cores standing in for the GPU (`ganymede calibrate`). When a cluster
+/// has this section the planner times compute, element-wise work, ranks' traffic and the
+/// optimizer from it (see `cpu_time`) instead of from `gpu.peak_flops` x efficiencies; without
+/// it (the GPU presets) nothing changes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CpuSpec {
+    /// Cores the ranks of one node share.
+    pub cores: f64,
+    /// Threads of one process's pool when calibrated (`training.threads`; ranks as threads
+    /// share one pool, so 4 ranks on 2 cores divide the cores).
+    pub threads: usize,
+    /// GEMM rate as a function of size, whole pool: `[FLOPs of one call, FLOP/s]`, ascending
+    /// in FLOPs; interpolated in log(FLOPs), flat beyond the ends.
+    pub gemm: Vec<[f64; 2]>,
+    /// The same on one thread: GEMMs of a stack spread whole over the threads (experts,
+    /// Newton–Schulz of many matrices) each run at this rate, `threads` at once.
+    pub gemm_one_thread: Vec<[f64; 2]>,
+    /// Streaming element-wise rate, bytes read + written per second.
+    pub elementwise_bytes_per_s: f64,
+    /// Fixed cost of one parallel operation (a fork/join over the pool), seconds.
+    pub op_overhead_s: f64,
+    /// Cost of one collective among ranks as threads (a barrier round), seconds.
+    #[serde(default)]
+    pub sync_s: f64,
+    /// When and under what load the figures were measured.
+    #[serde(default)]
+    pub calibrated: String,
+}
+
+impl CpuSpec {
+    /// Interpolated GEMM rate (FLOP/s) of one call of `flops` FLOPs on a curve.
+    pub fn rate(curve: &[[f64; 2]], flops: f64) -> f64 {
+        let first = curve[0];
+        let last = curve[curve.len() - 1];
+        if flops <= first[0] {
+            return first[1];
+        }
+        if flops >= last[0] {
+            return last[1];
+        }
+        let i = curve.partition_point(|p| p[0] <= flops);
+        let (a, b) = (curve[i - 1], curve[i]);
+        // Linear in log(size): the curve climbs over decades of size.
+        let t = (flops.ln() - a[0].ln()) / (b[0].ln() - a[0].ln());
+        a[1] + t * (b[1] - a[1])
+    }
+
+    fn validate(&self, bad: &dyn Fn(&str, f64, &str) -> ClusterError) -> Result<(), ClusterError> {
+        if !(self.cores > 0.0 && self.cores.is_finite()) {
+            return Err(bad("cpu.cores", self.cores, "must be a positive number"));
+        }
+        if self.threads == 0 {
+            return Err(bad("cpu.threads", 0.0, "must be at least 1"));
+        }
+        for (key, curve) in [
+            ("cpu.gemm", &self.gemm),
+            ("cpu.gemm_one_thread", &self.gemm_one_thread),
+        ] {
+            if curve.is_empty() {
+                return Err(bad(
+                    key,
+                    0.0,
+                    "needs at least one [flops, flop_per_s] point",
+                ));
+            }
+            for (i, p) in curve.iter().enumerate() {
+                for (j, v) in p.iter().enumerate() {
+                    if !(*v > 0.0 && v.is_finite()) {
+                        return Err(bad(
+                            &format!("{key}[{i}][{j}]"),
+                            *v,
+                            "must be a positive number",
+                        ));
+                    }
+                }
+                if i > 0 && p[0] <= curve[i - 1][0] {
+                    return Err(bad(&format!("{key}[{i}][0]"), p[0], "sizes must ascend"));
+                }
+            }
+        }
+        if !(self.elementwise_bytes_per_s > 0.0 && self.elementwise_bytes_per_s.is_finite()) {
+            return Err(bad(
+                "cpu.elementwise_bytes_per_s",
+                self.elementwise_bytes_per_s,
+                "must be a positive number",
+            ));
+        }
+        for (k, v) in [
+            ("cpu.op_overhead_s", self.op_overhead_s),
+            ("cpu.sync_s", self.sync_s),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be >= 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A cluster: nodes of identical GPUs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -74,6 +174,10 @@ pub struct Cluster {
     pub gpu: GpuSpec,
     pub host: HostSpec,
     pub links: LinkSpec,
+    /// CPU cores as the compute device, calibrated (only the `local` preset and calibrated
+    /// files have it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuSpec>,
 }
 
 /// A cluster file or preset that cannot be used, naming the file and key.
@@ -198,9 +302,9 @@ collective_latency_s = 1e-4
 
 const LOCAL: &str = r#"
 name = "local"
-description = "This machine: 2 Zen 3 cores and 24 GiB, no accelerator. The 'GPU' is the CPU in f32; host and device memory are one pool, so host capacity is 0."
+description = "This machine: 2 AMD EPYC cores (AVX2+FMA) and 24 GiB, no accelerator. The 'GPU' is the CPU in f32; host and device memory are one pool, so host capacity is 0. Ranks are threads of one process sharing the cores; [cpu] holds rates measured by `ganymede calibrate` (replace them with your own: `--cluster FILE`)."
 nodes = 1
-gpus_per_node = 1
+gpus_per_node = 8                  # up to 8 ranks as threads of one process, on the one machine
 
 [gpu]
 name = "2 x Zen 3 cores (f32)"
@@ -226,6 +330,16 @@ ib_efficiency = 1.0
 d2h_bytes_per_s = 2e10
 h2d_bytes_per_s = 2e10
 collective_latency_s = 1e-5
+
+[cpu]
+cores = 2
+threads = 2
+gemm = [[6.5e4, 1.0e10], [1.0e6, 5.0e10], [1.6e7, 1.2e11], [2.7e8, 1.6e11], [1.1e9, 1.7e11]]
+gemm_one_thread = [[6.5e4, 1.0e10], [1.0e6, 4.0e10], [1.6e7, 7.0e10], [2.7e8, 8.5e10], [1.1e9, 8.5e10]]
+elementwise_bytes_per_s = 2.0e10
+op_overhead_s = 5e-6
+sync_s = 2e-5
+calibrated = "placeholder"
 "#;
 
 impl Cluster {
@@ -272,7 +386,8 @@ impl Cluster {
     }
 
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("cluster serialises")
+        // Not pretty: the calibrated GEMM curves stay one line each.
+        toml::to_string(self).expect("cluster serialises")
     }
 
     pub fn validate(&self, origin: &str) -> Result<(), ClusterError> {
@@ -332,6 +447,9 @@ impl Cluster {
             if !(v >= 0.0 && v.is_finite()) {
                 return Err(bad(k, v, "must be >= 0"));
             }
+        }
+        if let Some(cpu) = &self.cpu {
+            cpu.validate(&bad)?;
         }
         if self.gpu.reserved_bytes >= self.gpu.memory_bytes {
             return Err(bad(
