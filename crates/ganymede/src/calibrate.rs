@@ -8,7 +8,10 @@
 //! timed batches, so a neighbour's burst moves it less.
 
 use anyhow::{Context, Result};
-use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory};
+use ganymede_core::{
+    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, Gemm, Memory, NnOps,
+    OptimOps,
+};
 use ganymede_plan::{Cluster, CpuSpec};
 use std::path::Path;
 use std::sync::{Arc, Barrier};
@@ -59,36 +62,60 @@ fn gemm_curves(
     batch_s: f64,
     rounds: usize,
 ) -> (Vec<[f64; 2]>, Vec<[f64; 2]>) {
+    // Each shape cycles through copies of its operands covering `COLD_BYTES`, so that, as in
+    // a training step (which touches every layer's weights and activations in between), a
+    // call finds its operands in memory rather than in the cache the previous call warmed.
+    const COLD_BYTES: usize = 48 << 20;
     let mut cases: Vec<_> = SHAPES
         .iter()
         .map(|&(m, n, k)| {
-            let a = be.upload(&vec![0.5; m * k], &[m * k], Category::Buffers);
-            let b = be.upload(&vec![0.25; n * k], &[n * k], Category::Buffers);
-            let c = be.zeros(&[m * n], Category::Buffers);
-            (Gemm::new(m, n, k, false, true), a, b, c, 1usize)
+            let bytes = 4 * (m * k + n * k + m * n);
+            let copies = (COLD_BYTES / bytes).clamp(1, 4096);
+            let ops: Vec<_> = (0..copies)
+                .map(|_| {
+                    let a = be.upload(&vec![0.5; m * k], &[m * k], Category::Buffers);
+                    let b = be.upload(&vec![0.25; n * k], &[n * k], Category::Buffers);
+                    let c = be.zeros(&[m * n], Category::Buffers);
+                    (a, b, c)
+                })
+                .collect();
+            (Gemm::new(m, n, k, false, true), ops, 1usize)
         })
         .collect();
-    // Calls per batch: as many as fit in `batch_s` when warm, so that a batch is long against
-    // the timer and the wake-up of the pool.
-    for (g, a, b, c, reps) in &mut cases {
+    let call = |g: &Gemm,
+                ops: &mut Vec<(
+        ganymede_core::Tensor,
+        ganymede_core::Tensor,
+        ganymede_core::Tensor,
+    )>,
+                i: usize| {
+        let j = i % ops.len();
+        let (a, b, c) = &mut ops[j];
+        be.gemm(c.view_mut(), a.view(), b.view(), *g);
+    };
+    // Calls per batch: as many as fit in `batch_s`, so that a batch is long against the timer
+    // and the wake-up of the pool.
+    for (g, ops, reps) in &mut cases {
         pool.install(|| {
             let t = Instant::now();
             let mut n = 0;
             while n < 3 || t.elapsed().as_secs_f64() < batch_s {
-                be.gemm(c.view_mut(), a.view(), b.view(), *g);
+                call(g, ops, n);
                 n += 1;
             }
             *reps = n;
         });
     }
     let mut times = vec![[vec![], vec![]]; cases.len()];
+    let mut next = 0;
     for _ in 0..rounds {
-        for (i, (g, a, b, c, reps)) in cases.iter_mut().enumerate() {
+        for (i, (g, ops, reps)) in cases.iter_mut().enumerate() {
             for (j, p) in [pool, one].into_iter().enumerate() {
                 let t = p.install(|| {
                     let t = Instant::now();
                     for _ in 0..*reps {
-                        be.gemm(c.view_mut(), a.view(), b.view(), *g);
+                        call(g, ops, next);
+                        next += 1;
                     }
                     t.elapsed().as_secs_f64() / *reps as f64
                 });
@@ -111,6 +138,78 @@ fn gemm_curves(
     (curve(0), curve(1))
 }
 
+/// The fused causal attention kernel's forward and backward rates at head dims 16, 32 and 64
+/// (2 sequences of 256, 8 query and 4 KV heads), FLOPs counted as the planner counts them.
+fn attention_rates(
+    be: &CpuBackend,
+    pool: &rayon::ThreadPool,
+    batch_s: f64,
+    rounds: usize,
+) -> Vec<[f64; 3]> {
+    [16usize, 32, 64]
+        .iter()
+        .map(|&hd| {
+            let (b, s, h, kv) = (2, 256, 8, 4);
+            let d = AttnDims {
+                batch: b,
+                tq: s,
+                tk: s,
+                heads: h,
+                kv_heads: kv,
+                head_dim: hd,
+            };
+            let buf = |n: usize, x: f32| be.upload(&vec![x; n], &[n], Category::Buffers);
+            let (q, k, v) = (
+                buf(b * s * h * hd, 0.1),
+                buf(b * s * kv * hd, 0.2),
+                buf(b * s * kv * hd, 0.3),
+            );
+            let mut out = buf(b * s * h * hd, 0.0);
+            let mut lse = buf(b * h * s, 0.0);
+            let dout = buf(b * s * h * hd, 0.01);
+            let (mut dq, mut dk, mut dv) =
+                (buf(q.len(), 0.0), buf(k.len(), 0.0), buf(v.len(), 0.0));
+            let (mut tf, mut tb) = (vec![], vec![]);
+            pool.install(|| {
+                for _ in 0..rounds {
+                    tf.push(median_time(batch_s, 1, || {
+                        be.attention_forward(
+                            out.view_mut(),
+                            lse.view_mut(),
+                            q.view(),
+                            k.view(),
+                            v.view(),
+                            d,
+                        )
+                    }));
+                    tb.push(median_time(batch_s, 1, || {
+                        let g = AttnGrads {
+                            dq: dq.view_mut(),
+                            dk: dk.view_mut(),
+                            dv: dv.view_mut(),
+                        };
+                        let saved = AttnSaved {
+                            out: out.view(),
+                            q: q.view(),
+                            k: k.view(),
+                            v: v.view(),
+                            lse: lse.view(),
+                        };
+                        be.attention_backward(g, dout.view(), saved, d)
+                    }));
+                }
+            });
+            let med = |mut t: Vec<f64>| {
+                t.sort_by(f64::total_cmp);
+                t[t.len() / 2]
+            };
+            // Causal: QKᵀ and AV over half the square, 2·s²·hd per head and sequence.
+            let fwd = (b * h) as f64 * 2.0 * (s * s * hd) as f64;
+            [hd as f64, fwd / med(tf), 2.5 * fwd / med(tb)]
+        })
+        .collect()
+}
+
 /// Measure with a pool of `threads` (0 = all cores).
 pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -126,21 +225,49 @@ pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
     let (batch_s, rounds) = if quick { (0.003, 3) } else { (0.01, 9) };
     let be = CpuBackend::default();
     let (gemm, gemm_one_thread) = gemm_curves(&be, &pool, &one, batch_s, rounds);
-    // Streaming: y += a·x (12 bytes per element: read x and y, write y) at two
-    // activation-sized lengths, both above the backend's parallel threshold; a line through the
-    // two times gives the fixed cost of one parallel kernel (fork/join, waking the pool) and the
-    // bytes per second.
-    let stream = |n: usize| {
-        let x = be.upload(&vec![1.0; n], &[n], Category::Buffers);
-        let mut y = be.zeros(&[n], Category::Buffers);
-        let t = pool.install(|| median_time(batch_s, 7, || be.axpy(y.view_mut(), 1e-3, x.view())));
+    let attention = attention_rates(&be, &pool, batch_s, rounds.min(5));
+    // Element-wise: SwiGLU (reads gate and up, writes out: 12 bytes per element, with an exp
+    // per element like the norms and softmaxes) at two sizes above the backend's parallel
+    // threshold, the larger past the L2 caches as a step's activations are; a line through
+    // the two times gives the fixed cost of one parallel kernel (fork/join, waking the pool)
+    // and the bytes per second.
+    let swiglu = |n: usize| {
+        let g = be.upload(&vec![0.5; n], &[n], Category::Buffers);
+        let u = be.upload(&vec![0.25; n], &[n], Category::Buffers);
+        let mut o = be.zeros(&[n], Category::Buffers);
+        let t = pool.install(|| {
+            median_time(batch_s, 7, || {
+                be.swiglu_forward(o.view_mut(), g.view(), u.view())
+            })
+        });
         (12.0 * n as f64, t)
     };
-    let (b1, t1) = stream(1 << 16);
-    let (b2, t2) = stream(1 << 19);
+    let (b1, t1) = swiglu(1 << 16);
+    let (b2, t2) = swiglu(1 << 20);
     let per_byte = ((t2 - t1) / (b2 - b1)).max(t2 / b2 * 0.5);
     let elementwise_bytes_per_s = 1.0 / per_byte;
     let op_overhead_s = (t1 - b1 * per_byte).max(0.0);
+    // The optimizer's update streams every parameter's state from memory: AdamW over 4M
+    // parameters (48 MiB of state, past the L3), 28 bytes each (reads p, g, m, v; writes p,
+    // m, v).
+    let n = 1 << 22;
+    let buf = |x: f32| be.upload(&vec![x; n], &[n], Category::Buffers);
+    let (mut p, g, mut m, mut v) = (buf(0.1), buf(0.01), buf(0.0), buf(0.0));
+    let h = AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        bias_correction1: 0.1,
+        bias_correction2: 0.05,
+    };
+    let t = pool.install(|| {
+        median_time(batch_s.max(0.02), 5, || {
+            be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h)
+        })
+    });
+    let optimizer_bytes_per_s = 28.0 * n as f64 / t;
     // One barrier round among 4 threads (ranks as threads meet at every collective).
     let ranks = 4;
     let rounds = if quick { 200 } else { 2000 };
@@ -166,7 +293,9 @@ pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
         threads,
         gemm,
         gemm_one_thread,
+        attention,
         elementwise_bytes_per_s,
+        optimizer_bytes_per_s,
         op_overhead_s,
         sync_s,
         calibrated: String::new(),
@@ -244,12 +373,18 @@ pub fn summary(c: &Cluster, out: &Path) -> String {
             .join(" ")
     };
     format!(
-        "calibrated {}\nGEMM GFLOP/s by MFLOP per call, {} threads: {}\n  one thread: {}\nelement-wise {:.1} GB/s, fork/join {:.1} us, barrier (4 threads) {:.1} us\nwrote {}\n",
+        "calibrated {}\nGEMM GFLOP/s by MFLOP per call, {} threads: {}\n  one thread: {}\nattention GFLOP/s by head dim (forward/backward): {}\nelement-wise {:.1} GB/s, optimizer {:.1} GB/s, fork/join {:.1} us, barrier (4 threads) {:.1} us\nwrote {}\n",
         s.calibrated,
         s.threads,
         curve(&s.gemm),
         curve(&s.gemm_one_thread),
+        s.attention
+            .iter()
+            .map(|a| format!("{}:{:.1}/{:.1}", a[0], a[1] / 1e9, a[2] / 1e9))
+            .collect::<Vec<_>>()
+            .join(" "),
         s.elementwise_bytes_per_s / 1e9,
+        s.optimizer_bytes_per_s / 1e9,
         s.op_overhead_s * 1e6,
         s.sync_s * 1e6,
         out.display()

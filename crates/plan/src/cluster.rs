@@ -79,8 +79,18 @@ pub struct CpuSpec {
     /// The same on one thread: GEMMs of a stack spread whole over the threads (experts,
     /// Newton–Schulz of many matrices) each run at this rate, `threads` at once.
     pub gemm_one_thread: Vec<[f64; 2]>,
+    /// The fused causal attention kernel: `[head_dim, forward FLOP/s, backward FLOP/s]`,
+    /// ascending in head_dim, FLOPs counted as the causal products (forward 2·s²·head_dim per
+    /// head and sequence, backward 2.5x that); linear in head_dim, flat beyond the ends. Empty:
+    /// attention is timed as GEMMs.
+    #[serde(default)]
+    pub attention: Vec<[f64; 3]>,
     /// Streaming element-wise rate, bytes read + written per second.
     pub elementwise_bytes_per_s: f64,
+    /// The optimizer's element-wise update over all parameter state (from memory, not cache),
+    /// bytes per second; 0 (the default): `elementwise_bytes_per_s`.
+    #[serde(default)]
+    pub optimizer_bytes_per_s: f64,
     /// Fixed cost of one parallel operation (a fork/join over the pool), seconds.
     pub op_overhead_s: f64,
     /// Cost of one collective among ranks as threads (a barrier round), seconds.
@@ -107,6 +117,32 @@ impl CpuSpec {
         // Linear in log(size): the curve climbs over decades of size.
         let t = (flops.ln() - a[0].ln()) / (b[0].ln() - a[0].ln());
         a[1] + t * (b[1] - a[1])
+    }
+
+    /// The optimizer update's bytes per second.
+    pub fn optimizer_rate(&self) -> f64 {
+        if self.optimizer_bytes_per_s > 0.0 {
+            self.optimizer_bytes_per_s
+        } else {
+            self.elementwise_bytes_per_s
+        }
+    }
+
+    /// The attention kernel's rate at `head_dim`, forward or backward; `None` when not
+    /// calibrated.
+    pub fn attention_rate(&self, head_dim: f64, backward: bool) -> Option<f64> {
+        let j = if backward { 2 } else { 1 };
+        let a = &self.attention;
+        let (first, last) = (a.first()?, a.last()?);
+        if head_dim <= first[0] {
+            return Some(first[j]);
+        }
+        if head_dim >= last[0] {
+            return Some(last[j]);
+        }
+        let i = a.partition_point(|p| p[0] <= head_dim);
+        let (x, y) = (a[i - 1], a[i]);
+        Some(x[j] + (head_dim - x[0]) / (y[0] - x[0]) * (y[j] - x[j]))
     }
 
     fn validate(&self, bad: &dyn Fn(&str, f64, &str) -> ClusterError) -> Result<(), ClusterError> {
@@ -140,6 +176,24 @@ impl CpuSpec {
                 if i > 0 && p[0] <= curve[i - 1][0] {
                     return Err(bad(&format!("{key}[{i}][0]"), p[0], "sizes must ascend"));
                 }
+            }
+        }
+        for (i, p) in self.attention.iter().enumerate() {
+            for (j, v) in p.iter().enumerate() {
+                if !(*v > 0.0 && v.is_finite()) {
+                    return Err(bad(
+                        &format!("cpu.attention[{i}][{j}]"),
+                        *v,
+                        "must be a positive number",
+                    ));
+                }
+            }
+            if i > 0 && p[0] <= self.attention[i - 1][0] {
+                return Err(bad(
+                    &format!("cpu.attention[{i}][0]"),
+                    p[0],
+                    "head dims must ascend",
+                ));
             }
         }
         if !(self.elementwise_bytes_per_s > 0.0 && self.elementwise_bytes_per_s.is_finite()) {

@@ -27,6 +27,8 @@ const BWD_KERNELS_PER_FWD: f64 = 2.0;
 /// Backward element-wise traffic per forward byte: each op's backward reads its saved inputs
 /// and the output gradient and writes the input gradient (and adds into the residual stream).
 const BWD_BYTES_PER_FWD: f64 = 2.0;
+/// Bytes per parameter of the step's passes over the gradients (see `cpu_step`).
+pub const GRAD_PASS_BYTES: f64 = 16.0;
 
 /// One kind of GEMM call: `count` calls of m×n×k, `spread` when the calls go whole to separate
 /// threads (grouped expert GEMMs, attention heads, Newton–Schulz stacks) rather than each being
@@ -75,7 +77,11 @@ impl GemmCall {
         let each = 2.0 * self.m * self.n * self.k;
         let t = cpu.threads as f64;
         let rate = if self.spread && self.count >= t {
-            CpuSpec::rate(&cpu.gemm_one_thread, each) * t
+            // The threads' parallel speedup as measured on the largest GEMM (below `threads`
+            // when neighbours hold cores), times the one-thread rate at this size.
+            let big = |c: &[[f64; 2]]| c[c.len() - 1][1];
+            let speedup = (big(&cpu.gemm) / big(&cpu.gemm_one_thread)).clamp(1.0, t);
+            CpuSpec::rate(&cpu.gemm_one_thread, each) * speedup
         } else {
             CpuSpec::rate(&cpu.gemm, each)
         };
@@ -87,6 +93,11 @@ impl GemmCall {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerWork {
     pub gemms: Vec<GemmCall>,
+    /// Causal attention, per (sequence, head) the QKᵀ and AV products as a stack; the fused
+    /// kernel's own calibrated rate when the cluster has one, else as GEMMs.
+    pub attention: GemmCall,
+    pub head_dim: f64,
+    pub backward: bool,
     /// Element-wise bytes read + written (f32).
     pub elementwise_bytes: f64,
     /// Kernel launches besides the GEMMs.
@@ -96,11 +107,22 @@ pub struct LayerWork {
 impl LayerWork {
     pub fn seconds(&self, cpu: &CpuSpec) -> f64 {
         self.gemm_seconds(cpu)
+            + self.attention_seconds(cpu)
             + self.elementwise_bytes / cpu.elementwise_bytes_per_s
             + (self.kernels + self.gemms.len() as f64) * cpu.op_overhead_s
     }
     pub fn gemm_seconds(&self, cpu: &CpuSpec) -> f64 {
         self.gemms.iter().map(|g| g.seconds(cpu)).sum()
+    }
+    pub fn attention_seconds(&self, cpu: &CpuSpec) -> f64 {
+        match cpu.attention_rate(self.head_dim, self.backward) {
+            Some(r) => self.attention.flops() / r,
+            None => self.attention.seconds(cpu),
+        }
+    }
+    /// GEMM and attention FLOPs.
+    pub fn flops(&self) -> f64 {
+        self.gemms.iter().map(|g| g.flops()).sum::<f64>() + self.attention.flops()
     }
 }
 
@@ -114,14 +136,13 @@ pub fn layer_forward(m: &ModelConfig, n: f64, s: f64, moe: bool) -> LayerWork {
         GemmCall::one(n, kd, h),
         GemmCall::one(n, kd, h),
         GemmCall::one(n, h, qd),
-        // Attention per (sequence, head): QKᵀ and AV, causal (half the square), spread over
-        // heads.
-        // Backward: scores recomputed from the saved log-sum-exp, then dV, dP, dQ, dK.
-        GemmCall {
-            bwd: 2.5,
-            ..GemmCall::stack(s, s / 2.0, hd, 2.0 * seqs * m.heads as f64)
-        },
     ];
+    // Attention per (sequence, head): QKᵀ and AV, causal (half the square), spread over heads.
+    // Backward: scores recomputed from the saved log-sum-exp, then dV, dP, dQ, dK.
+    let attention = GemmCall {
+        bwd: 2.5,
+        ..GemmCall::stack(s, s / 2.0, hd, 2.0 * seqs * m.heads as f64)
+    };
     // norm (read x, write xn), head norm + RoPE on q and k (read, write), attention reads q, k,
     // v and writes its output, residual add (read 2, write 1), second norm.
     let mut bytes = n * (2.0 * h + 2.0 * (qd + kd) + (2.0 * qd + 2.0 * kd) + 3.0 * h + 2.0 * h);
@@ -153,6 +174,9 @@ pub fn layer_forward(m: &ModelConfig, n: f64, s: f64, moe: bool) -> LayerWork {
     }
     LayerWork {
         gemms: g,
+        attention,
+        head_dim: hd,
+        backward: false,
         elementwise_bytes: bytes * F32,
         kernels,
     }
@@ -168,8 +192,13 @@ pub fn layer_backward(f: &LayerWork) -> LayerWork {
         b.count *= c.bwd;
         g.push(b);
     }
+    let mut attention = f.attention;
+    attention.count *= f.attention.bwd;
     LayerWork {
         gemms: g,
+        attention,
+        head_dim: f.head_dim,
+        backward: true,
         elementwise_bytes: f.elementwise_bytes * BWD_BYTES_PER_FWD,
         kernels: f.kernels * BWD_KERNELS_PER_FWD,
     }
@@ -226,7 +255,7 @@ pub struct CpuTime {
     pub forward_s: f64,
     /// Backward, recompute under full checkpointing, LM head and loss.
     pub backward_s: f64,
-    /// Of forward + backward: GEMMs, element-wise bytes, kernel overheads.
+    /// Of forward + backward: GEMMs and attention, element-wise bytes, kernel overheads.
     pub gemm_s: f64,
     pub elementwise_s: f64,
     pub overhead_s: f64,
@@ -262,7 +291,7 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
     let mut elem_s = 0.0;
     let mut over_s = 0.0;
     let mut add = |w: &LayerWork, times: f64| {
-        gemm_s += times * w.gemm_seconds(cpu);
+        gemm_s += times * (w.gemm_seconds(cpu) + w.attention_seconds(cpu));
         elem_s += times * w.elementwise_bytes / cpu.elementwise_bytes_per_s;
         over_s += times * (w.kernels + w.gemms.len() as f64) * cpu.op_overhead_s;
         times * w.seconds(cpu)
@@ -283,13 +312,23 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
     // Outside the layers: embedding (write n·H; backward reads and scatters it), final norm,
     // LM head (one GEMM forward, two backward), cross-entropy (reads the logits twice and
     // writes their gradient), each once.
+    let none = GemmCall {
+        count: 0.0,
+        ..GemmCall::one(0.0, 0.0, 0.0)
+    };
     let head_f = LayerWork {
         gemms: vec![GemmCall::one(n, v, h)],
+        attention: none,
+        head_dim: 0.0,
+        backward: false,
         elementwise_bytes: F32 * n * (h + 2.0 * h),
         kernels: 2.0,
     };
     let head_b = LayerWork {
         gemms: vec![GemmCall::one(n, h, v), GemmCall::one(v, h, n)],
+        attention: none,
+        head_dim: 0.0,
+        backward: true,
         elementwise_bytes: F32 * n * (3.0 * v + 2.0 * h + 4.0 * h),
         kernels: 4.0,
     };
@@ -321,8 +360,12 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
         }
     }
     let tensors: f64 = ts.iter().map(|t| t.count as f64).sum::<f64>() / w;
-    let optimizer_s =
-        ns_s + x.optimizer_bytes / cpu.elementwise_bytes_per_s + tensors * cpu.op_overhead_s;
+    // Besides the update, each step passes over the gradients three times: zeroing them
+    // (write), their norm (read), clipping (read + write): 16 bytes per parameter.
+    let grad_bytes = GRAD_PASS_BYTES * params::count(m).total as f64 / w;
+    let optimizer_s = ns_s
+        + (x.optimizer_bytes + grad_bytes) / cpu.optimizer_rate()
+        + tensors * cpu.op_overhead_s;
 
     let share = (x.ranks_per_node as f64 * cpu.threads as f64 / cpu.cores).max(1.0);
     let step = forward_s + backward_s + comm_s + optimizer_s;
