@@ -388,12 +388,16 @@ collective_latency_s = 1e-5
 [cpu]
 cores = 2
 threads = 2
-gemm = [[6.5e4, 1.0e10], [1.0e6, 5.0e10], [1.6e7, 1.2e11], [2.7e8, 1.6e11], [1.1e9, 1.7e11]]
-gemm_one_thread = [[6.5e4, 1.0e10], [1.0e6, 4.0e10], [1.6e7, 7.0e10], [2.7e8, 8.5e10], [1.1e9, 8.5e10]]
-elementwise_bytes_per_s = 2.0e10
-op_overhead_s = 5e-6
-sync_s = 2e-5
-calibrated = "placeholder"
+# GEMM FLOP/s by FLOPs per call (2 threads; one thread), operands from memory
+gemm = [[6.55e+04, 1.56e+10], [5.24e+05, 4.46e+10], [1.05e+06, 5.85e+10], [2.1e+06, 7.63e+10], [4.19e+06, 8.98e+10], [8.39e+06, 9.08e+10], [3.36e+07, 1.08e+11], [6.71e+07, 1.12e+11], [1.34e+08, 1.2e+11], [2.68e+08, 1.28e+11], [1.07e+09, 1.22e+11]]
+gemm_one_thread = [[6.55e+04, 1.76e+10], [5.24e+05, 3.13e+10], [1.05e+06, 4.27e+10], [2.1e+06, 5.35e+10], [4.19e+06, 5.66e+10], [8.39e+06, 5.74e+10], [3.36e+07, 6.69e+10], [6.71e+07, 7.23e+10], [1.34e+08, 7.44e+10], [2.68e+08, 7.43e+10], [1.07e+09, 8.23e+10]]
+# fused causal attention: [head_dim, forward, backward FLOP/s]
+attention = [[16, 2.2e+10, 3.26e+10], [32, 3.2e+10, 4.07e+10], [64, 4.15e+10, 4.54e+10]]
+elementwise_bytes_per_s = 1.59e+10
+optimizer_bytes_per_s = 3.07e+10
+op_overhead_s = 9.39e-09
+sync_s = 2.71e-05
+calibrated = "2026-12-01 08:12:52 UTC, 2 threads on 2 cores, load average 4.05 5.51 5.33 before / 4.05 5.51 5.33 after, 4.1 s (`ganymede calibrate`, this machine under other engineers' builds)"
 "#;
 
 impl Cluster {

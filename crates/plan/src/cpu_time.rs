@@ -146,8 +146,7 @@ pub fn layer_forward(m: &ModelConfig, n: f64, s: f64, moe: bool) -> LayerWork {
     // norm (read x, write xn), head norm + RoPE on q and k (read, write), attention reads q, k,
     // v and writes its output, residual add (read 2, write 1), second norm.
     let mut bytes = n * (2.0 * h + 2.0 * (qd + kd) + (2.0 * qd + 2.0 * kd) + 3.0 * h + 2.0 * h);
-    let kernels;
-    if moe {
+    let kernels = if moe {
         let (e, k, f) = (m.experts as f64, m.top_k as f64, m.expert_hidden as f64);
         let c = n * k / e; // tokens per expert, balanced
         g.push(GemmCall::one(n, e, h));
@@ -163,15 +162,15 @@ pub fn layer_forward(m: &ModelConfig, n: f64, s: f64, moe: bool) -> LayerWork {
             g.push(GemmCall::one(n, h, fs));
             bytes += n * (3.0 * fs + 3.0 * h);
         }
-        kernels = FWD_KERNELS_MOE;
+        FWD_KERNELS_MOE
     } else {
         let d = m.dense_hidden as f64;
         g.push(GemmCall::one(n, d, h));
         g.push(GemmCall::one(n, d, h));
         g.push(GemmCall::one(n, h, d));
         bytes += n * (3.0 * d + 3.0 * h);
-        kernels = FWD_KERNELS_DENSE;
-    }
+        FWD_KERNELS_DENSE
+    };
     LayerWork {
         gemms: g,
         attention,
