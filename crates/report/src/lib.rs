@@ -119,6 +119,15 @@ fn gib(b: f64) -> String {
     }
 }
 
+/// Which cluster [`predicted_step_s`] used, for labels.
+fn planner_cluster(run: &Run) -> &'static str {
+    if run.dir.join("cluster.toml").exists() {
+        "RUN/cluster.toml"
+    } else {
+        "local"
+    }
+}
+
 /// The planner's step time for the run's own config on the `local` cluster, with the layout
 /// the run used (its `[parallelism]` degree as the GPU count). A calibrated cluster file in the
 /// run directory (`ganymede calibrate --out RUN/cluster.toml`, measured under the run's load)
@@ -214,10 +223,13 @@ fn summary(h: &mut String, run: &Run) {
     }
     match (predicted, measured) {
         (Some(p), Some(m)) => row(
-            "step time, planner (cluster local)",
+            &format!("step time, planner (cluster {})", planner_cluster(run)),
             format!("{p:.4} s (measured / predicted = {:.2})", m / p),
         ),
-        (Some(p), None) => row("step time, planner (cluster local)", format!("{p:.4} s")),
+        (Some(p), None) => row(
+            &format!("step time, planner (cluster {})", planner_cluster(run)),
+            format!("{p:.4} s"),
+        ),
         _ => {}
     }
     h.push_str("</table>\n");

@@ -138,6 +138,29 @@ fn a_full_run_has_every_chart_and_its_values() {
 }
 
 #[test]
+fn a_calibrated_cluster_in_the_run_directory_replaces_the_preset() {
+    let d = full_run();
+    let preset = ganymede_plan::Cluster::preset("local").unwrap();
+    // The same machine, GEMMs and attention ten times slower: a longer prediction.
+    let mut slow = preset.clone();
+    let cpu = slow.cpu.as_mut().unwrap();
+    for p in cpu.gemm.iter_mut().chain(cpu.gemm_one_thread.iter_mut()) {
+        p[1] /= 10.0;
+    }
+    for a in cpu.attention.iter_mut() {
+        (a[1], a[2]) = (a[1] / 10.0, a[2] / 10.0);
+    }
+    let run = Run::load(&d).unwrap();
+    let before = predicted_step_s(&run).unwrap();
+    fs::write(d.join("cluster.toml"), slow.to_toml()).unwrap();
+    let after = predicted_step_s(&run).unwrap();
+    assert!(after > 3.0 * before, "{after} vs {before}");
+    let html = fs::read_to_string(write(&d).unwrap()).unwrap();
+    assert!(html.contains("step time, planner (cluster RUN/cluster.toml)"));
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
 fn a_bare_run_renders_with_notes_for_what_is_missing() {
     let d = temp_run("bare");
     fs::write(
