@@ -43,7 +43,11 @@ fn temp_run(tag: &str) -> PathBuf {
 
 /// A sharded-looking run: every optional input present.
 fn full_run() -> PathBuf {
-    let d = temp_run("full");
+    full_run_in("full")
+}
+
+fn full_run_in(tag: &str) -> PathBuf {
+    let d = temp_run(tag);
     let mut text = String::new();
     for step in 1..=20u64 {
         let s = step as f64;
@@ -139,7 +143,7 @@ fn a_full_run_has_every_chart_and_its_values() {
 
 #[test]
 fn a_calibrated_cluster_in_the_run_directory_replaces_the_preset() {
-    let d = full_run();
+    let d = full_run_in("calibrated");
     let preset = ganymede_plan::Cluster::preset("local").unwrap();
     // The same machine, GEMMs and attention ten times slower: a longer prediction.
     let mut slow = preset.clone();
