@@ -2,10 +2,11 @@
 //! file (the `local` preset with a measured `[cpu]` section) for `ganymede plan --cluster FILE`.
 //!
 //! Measures, on a rayon pool of the training thread count: GEMM rate over a range of sizes (the
-//! presets' shapes run far below peak when small), on the whole pool and on one thread; the
-//! streaming element-wise rate on activation-sized buffers; the fork/join cost of one parallel
-//! kernel; and one barrier round among ranks as threads. Each figure is the median of several
-//! timed batches, so a neighbour's burst moves it less.
+//! presets' shapes run far below peak when small), on the whole pool and on one thread, operands
+//! from memory; the fused attention kernel by head dim; the element-wise rate (SwiGLU) and the
+//! fixed cost of one parallel kernel; the optimizer update's rate over state in memory (AdamW);
+//! and one barrier round among ranks as threads. Each figure is the median of several timed
+//! batches, so a neighbour's burst moves it less.
 
 use anyhow::{Context, Result};
 use ganymede_core::{
