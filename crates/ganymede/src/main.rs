@@ -10,6 +10,8 @@ use ganymede_train::trainer::{self, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod calibrate;
+
 #[derive(Parser)]
 #[command(
     name = "ganymede",
@@ -36,6 +38,20 @@ enum Command {
     Tokenizer(TokenizerCommand),
     /// Predict memory, communication and step time of a parallel layout.
     Plan(ganymede_plan::PlanArgs),
+    /// Measure this machine's CPU backend (GEMM rate by size, element-wise bandwidth, per-kernel
+    /// and per-collective overheads) in a few seconds and write a cluster file for
+    /// `ganymede plan --cluster FILE` (the `local` preset with a measured [cpu] section).
+    Calibrate {
+        /// Threads of the pool to measure (training.threads; 0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Cluster file to write.
+        #[arg(long, value_name = "FILE", default_value = "cluster.toml")]
+        out: PathBuf,
+        /// Shorter timing batches (about a second in all; noisier).
+        #[arg(long)]
+        quick: bool,
+    },
     /// Write RUN/report.html: charts of a run's metrics, memory and communication, its config.
     /// Check the GPU (binaries built with `--features cuda`): context, memory, pinned copies,
     /// an NVRTC kernel, GEMMs against the CPU, host<->device GB/s, GEMM TFLOP/s; writes
@@ -312,6 +328,14 @@ fn run(cmd: Command) -> Result<()> {
             );
         }
         Command::Plan(a) => ganymede_plan::run(a)?,
+        Command::Calibrate {
+            threads,
+            out,
+            quick,
+        } => {
+            let c = calibrate::run(threads, &out, quick)?;
+            print!("{}", calibrate::summary(&c, &out));
+        }
         Command::DeviceCheck { out } => device_check(&out)?,
         Command::Report { run, trace } => {
             let path = ganymede_report::write_with_trace(&run, trace.as_deref())?;

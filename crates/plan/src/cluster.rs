@@ -61,6 +61,160 @@ pub struct LinkSpec {
     pub collective_latency_s: f64,
 }
 
+/// Measured rates of CPU cores standing in for the GPU (`ganymede calibrate`). When a cluster
+/// has this section the planner times compute, element-wise work, ranks' traffic and the
+/// optimizer from it (see `cpu_time`) instead of from `gpu.peak_flops` x efficiencies; without
+/// it (the GPU presets) nothing changes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CpuSpec {
+    /// Cores the ranks of one node share.
+    pub cores: f64,
+    /// Threads of one process's pool when calibrated (`training.threads`; ranks as threads
+    /// share one pool, so 4 ranks on 2 cores divide the cores).
+    pub threads: usize,
+    /// GEMM rate as a function of size, whole pool: `[FLOPs of one call, FLOP/s]`, ascending
+    /// in FLOPs; interpolated in log(FLOPs), flat beyond the ends.
+    pub gemm: Vec<[f64; 2]>,
+    /// The same on one thread: GEMMs of a stack spread whole over the threads (experts,
+    /// Newton–Schulz of many matrices) each run at this rate, `threads` at once.
+    pub gemm_one_thread: Vec<[f64; 2]>,
+    /// The fused causal attention kernel: `[head_dim, forward FLOP/s, backward FLOP/s]`,
+    /// ascending in head_dim, FLOPs counted as the causal products (forward 2·s²·head_dim per
+    /// head and sequence, backward 2.5x that); linear in head_dim, flat beyond the ends. Empty:
+    /// attention is timed as GEMMs.
+    #[serde(default)]
+    pub attention: Vec<[f64; 3]>,
+    /// Streaming element-wise rate, bytes read + written per second.
+    pub elementwise_bytes_per_s: f64,
+    /// The optimizer's element-wise update over all parameter state (from memory, not cache),
+    /// bytes per second; 0 (the default): `elementwise_bytes_per_s`.
+    #[serde(default)]
+    pub optimizer_bytes_per_s: f64,
+    /// Fixed cost of one parallel operation (a fork/join over the pool), seconds.
+    pub op_overhead_s: f64,
+    /// Cost of one collective among ranks as threads (a barrier round), seconds.
+    #[serde(default)]
+    pub sync_s: f64,
+    /// When and under what load the figures were measured.
+    #[serde(default)]
+    pub calibrated: String,
+}
+
+impl CpuSpec {
+    /// Interpolated GEMM rate (FLOP/s) of one call of `flops` FLOPs on a curve.
+    pub fn rate(curve: &[[f64; 2]], flops: f64) -> f64 {
+        let first = curve[0];
+        let last = curve[curve.len() - 1];
+        if flops <= first[0] {
+            return first[1];
+        }
+        if flops >= last[0] {
+            return last[1];
+        }
+        let i = curve.partition_point(|p| p[0] <= flops);
+        let (a, b) = (curve[i - 1], curve[i]);
+        // Linear in log(size): the curve climbs over decades of size.
+        let t = (flops.ln() - a[0].ln()) / (b[0].ln() - a[0].ln());
+        a[1] + t * (b[1] - a[1])
+    }
+
+    /// The optimizer update's bytes per second.
+    pub fn optimizer_rate(&self) -> f64 {
+        if self.optimizer_bytes_per_s > 0.0 {
+            self.optimizer_bytes_per_s
+        } else {
+            self.elementwise_bytes_per_s
+        }
+    }
+
+    /// The attention kernel's rate at `head_dim`, forward or backward; `None` when not
+    /// calibrated.
+    pub fn attention_rate(&self, head_dim: f64, backward: bool) -> Option<f64> {
+        let j = if backward { 2 } else { 1 };
+        let a = &self.attention;
+        let (first, last) = (a.first()?, a.last()?);
+        if head_dim <= first[0] {
+            return Some(first[j]);
+        }
+        if head_dim >= last[0] {
+            return Some(last[j]);
+        }
+        let i = a.partition_point(|p| p[0] <= head_dim);
+        let (x, y) = (a[i - 1], a[i]);
+        Some(x[j] + (head_dim - x[0]) / (y[0] - x[0]) * (y[j] - x[j]))
+    }
+
+    fn validate(&self, bad: &dyn Fn(&str, f64, &str) -> ClusterError) -> Result<(), ClusterError> {
+        if !(self.cores > 0.0 && self.cores.is_finite()) {
+            return Err(bad("cpu.cores", self.cores, "must be a positive number"));
+        }
+        if self.threads == 0 {
+            return Err(bad("cpu.threads", 0.0, "must be at least 1"));
+        }
+        for (key, curve) in [
+            ("cpu.gemm", &self.gemm),
+            ("cpu.gemm_one_thread", &self.gemm_one_thread),
+        ] {
+            if curve.is_empty() {
+                return Err(bad(
+                    key,
+                    0.0,
+                    "needs at least one [flops, flop_per_s] point",
+                ));
+            }
+            for (i, p) in curve.iter().enumerate() {
+                for (j, v) in p.iter().enumerate() {
+                    if !(*v > 0.0 && v.is_finite()) {
+                        return Err(bad(
+                            &format!("{key}[{i}][{j}]"),
+                            *v,
+                            "must be a positive number",
+                        ));
+                    }
+                }
+                if i > 0 && p[0] <= curve[i - 1][0] {
+                    return Err(bad(&format!("{key}[{i}][0]"), p[0], "sizes must ascend"));
+                }
+            }
+        }
+        for (i, p) in self.attention.iter().enumerate() {
+            for (j, v) in p.iter().enumerate() {
+                if !(*v > 0.0 && v.is_finite()) {
+                    return Err(bad(
+                        &format!("cpu.attention[{i}][{j}]"),
+                        *v,
+                        "must be a positive number",
+                    ));
+                }
+            }
+            if i > 0 && p[0] <= self.attention[i - 1][0] {
+                return Err(bad(
+                    &format!("cpu.attention[{i}][0]"),
+                    p[0],
+                    "head dims must ascend",
+                ));
+            }
+        }
+        if !(self.elementwise_bytes_per_s > 0.0 && self.elementwise_bytes_per_s.is_finite()) {
+            return Err(bad(
+                "cpu.elementwise_bytes_per_s",
+                self.elementwise_bytes_per_s,
+                "must be a positive number",
+            ));
+        }
+        for (k, v) in [
+            ("cpu.op_overhead_s", self.op_overhead_s),
+            ("cpu.sync_s", self.sync_s),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be >= 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A cluster: nodes of identical GPUs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -74,6 +228,10 @@ pub struct Cluster {
     pub gpu: GpuSpec,
     pub host: HostSpec,
     pub links: LinkSpec,
+    /// CPU cores as the compute device, calibrated (only the `local` preset and calibrated
+    /// files have it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuSpec>,
 }
 
 /// A cluster file or preset that cannot be used, naming the file and key.
@@ -198,9 +356,9 @@ collective_latency_s = 1e-4
 
 const LOCAL: &str = r#"
 name = "local"
-description = "This machine: 2 Zen 3 cores and 24 GiB, no accelerator. The 'GPU' is the CPU in f32; host and device memory are one pool, so host capacity is 0."
+description = "This machine: 2 AMD EPYC cores (AVX2+FMA) and 24 GiB, no accelerator. The 'GPU' is the CPU in f32; host and device memory are one pool, so host capacity is 0. Ranks are threads of one process sharing the cores; [cpu] holds rates measured by `ganymede calibrate` (replace them with your own: `--cluster FILE`)."
 nodes = 1
-gpus_per_node = 1
+gpus_per_node = 8                  # up to 8 ranks as threads of one process, on the one machine
 
 [gpu]
 name = "2 x Zen 3 cores (f32)"
@@ -226,6 +384,20 @@ ib_efficiency = 1.0
 d2h_bytes_per_s = 2e10
 h2d_bytes_per_s = 2e10
 collective_latency_s = 1e-5
+
+[cpu]
+cores = 2
+threads = 2
+# GEMM FLOP/s by FLOPs per call (2 threads; one thread), operands from memory
+gemm = [[6.55e+04, 1.56e+10], [5.24e+05, 4.46e+10], [1.05e+06, 5.85e+10], [2.1e+06, 7.63e+10], [4.19e+06, 8.98e+10], [8.39e+06, 9.08e+10], [3.36e+07, 1.08e+11], [6.71e+07, 1.12e+11], [1.34e+08, 1.2e+11], [2.68e+08, 1.28e+11], [1.07e+09, 1.22e+11]]
+gemm_one_thread = [[6.55e+04, 1.76e+10], [5.24e+05, 3.13e+10], [1.05e+06, 4.27e+10], [2.1e+06, 5.35e+10], [4.19e+06, 5.66e+10], [8.39e+06, 5.74e+10], [3.36e+07, 6.69e+10], [6.71e+07, 7.23e+10], [1.34e+08, 7.44e+10], [2.68e+08, 7.43e+10], [1.07e+09, 8.23e+10]]
+# fused causal attention: [head_dim, forward, backward FLOP/s]
+attention = [[16, 2.2e+10, 3.26e+10], [32, 3.2e+10, 4.07e+10], [64, 4.15e+10, 4.54e+10]]
+elementwise_bytes_per_s = 1.59e+10
+optimizer_bytes_per_s = 3.07e+10
+op_overhead_s = 9.39e-09
+sync_s = 2.71e-05
+calibrated = "2026-12-01 08:12:52 UTC, 2 threads on 2 cores, load average 4.05 5.51 5.33 before / 4.05 5.51 5.33 after, 4.1 s (`ganymede calibrate`, this machine under other engineers' builds)"
 "#;
 
 impl Cluster {
@@ -272,7 +444,8 @@ impl Cluster {
     }
 
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("cluster serialises")
+        // Not pretty: the calibrated GEMM curves stay one line each.
+        toml::to_string(self).expect("cluster serialises")
     }
 
     pub fn validate(&self, origin: &str) -> Result<(), ClusterError> {
@@ -332,6 +505,9 @@ impl Cluster {
             if !(v >= 0.0 && v.is_finite()) {
                 return Err(bad(k, v, "must be >= 0"));
             }
+        }
+        if let Some(cpu) = &self.cpu {
+            cpu.validate(&bad)?;
         }
         if self.gpu.reserved_bytes >= self.gpu.memory_bytes {
             return Err(bad(

@@ -14,6 +14,7 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod cpu_time;
 pub mod fit;
 pub mod hsdp;
 pub mod ledger;
@@ -23,7 +24,7 @@ pub mod render;
 mod sweep;
 
 pub use cli::{run, run_cli, PlanArgs};
-pub use cluster::{Cluster, ClusterError, CLUSTERS};
+pub use cluster::{Cluster, ClusterError, CpuSpec, CLUSTERS};
 pub use fit::{fit_check, predict_memory, FitCheck, MemoryPrediction};
 pub use ledger::{predict_cpu_ledger, CpuLedger};
 pub use params::{count as count_params, ParamCounts};

@@ -381,6 +381,10 @@ pub struct StepTime {
     pub step_s: f64,
     /// What bounds forward and backward: "compute" or "communication".
     pub bound: String,
+    /// The CPU model's breakdown, on a cluster with a calibrated `[cpu]` section (which then
+    /// sets every figure above that it covers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<crate::cpu_time::CpuTime>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -1081,7 +1085,7 @@ fn evaluate(
     } else {
         cluster.gpu.memory_bytes_per_s
     };
-    let optimizer_s = ns_and_comm + copy_t + elem_bytes / elem_rate;
+    let mut optimizer_s = ns_and_comm + copy_t + elem_bytes / elem_rate;
     // ---- HSDP: the cross-replica gradient all-reduce (crate::hsdp), once per step ----
     // A GPU's f32 (reduce_bytes) gradient shards: dense over the replica's dp_shard ranks,
     // experts over ep × efsdp (the same ranks).
@@ -1094,7 +1098,46 @@ fn evaluate(
     communication.nvlink_bytes += hsdp.nvlink_bytes;
     let (ib_step, nv_step) = (ib_step + hsdp.ib_bytes, nv_step + hsdp.nvlink_bytes);
     // ---- end of HSDP's block ----
-    let step_s = forward_s + backward_s + mf * exposed + optimizer_s + hsdp.time_s;
+    let mut step_s = forward_s + backward_s + mf * exposed + optimizer_s + hsdp.time_s;
+    let (mut forward_s, mut backward_s, mut exposed_s, mut compute_s, mut ns_t) =
+        (forward_s, backward_s, mf * exposed, compute_s, ns_t);
+    let (mut fsdp_comm_s, mut opt_comm_t) = (fsdp_comm_s, opt_comm_t);
+    let cpu = cluster.cpu.as_ref().map(|spec| {
+        // Collectives a rank joins per step: gathers forward and backward, reduce-scatters,
+        // the embedding/head's three, the all-to-all's per MoE layer, the optimizer's.
+        let a2a_calls = if has_moe && ep > 1 {
+            shape.moe_layers as f64 * if policy.ac == AcMode::Full { 6.0 } else { 4.0 }
+        } else {
+            0.0
+        };
+        let collectives = mf * ((l + l_bwd_gathers) + l + 3.0 + a2a_calls) + opt_colls as f64;
+        let t = crate::cpu_time::cpu_step(
+            m,
+            spec,
+            &crate::cpu_time::CpuStepInputs {
+                ranks: w,
+                ranks_per_node: gpn,
+                tokens_per_rank: (layout.tokens_per_step() as f64 / layout.world() as f64).max(1.0),
+                seq,
+                ac: policy.ac,
+                muon,
+                ns_steps: opt.ns_steps,
+                comm_bytes: ib_step + nv_step,
+                collectives,
+                optimizer_bytes: elem_bytes,
+            },
+        );
+        forward_s = t.forward_s;
+        backward_s = t.backward_s;
+        exposed_s = t.comm_s;
+        compute_s = t.forward_s + t.backward_s;
+        ns_t = t.newton_schulz_s;
+        fsdp_comm_s = t.comm_s;
+        opt_comm_t = 0.0;
+        optimizer_s = t.optimizer_s;
+        step_s = t.step_s;
+        t
+    });
     // The batch is split over every replica's ranks.
     let tokens_per_gpu = (layout.tokens_per_step() as f64 / layout.world() as f64).round() as u64;
     let tps = tokens_per_gpu as f64 / step_s;
@@ -1110,13 +1153,14 @@ fn evaluate(
         h2d_s: h2d / cluster.links.h2d_bytes_per_s,
         forward_s,
         backward_s,
-        exposed_s: mf * exposed,
+        exposed_s,
         optimizer_s,
         newton_schulz_s: ns_t,
         optimizer_comm_s: opt_comm_t,
         hsdp_all_reduce_s: hsdp.time_s,
         step_s,
         bound: bound.into(),
+        cpu,
     };
 
     let gpu_total = gmem.total();

@@ -408,8 +408,10 @@ fn single_gpu_step_is_compute_plus_optimizer() {
     // tiny on one CPU "GPU": no communication; forward = L · c_fwd with
     // c_fwd = 2·N·(matmul params per layer)/gemm + 2·N·s·q_dim/attention; backward = 3·c_fwd
     // per layer (full AC) + the LM head's 6·V·H·N/gemm.
+    // (`local` without its calibrated [cpu] section: the rate model every GPU cluster uses.)
     let job = preset("tiny").unwrap();
-    let c = Cluster::preset("local").unwrap();
+    let mut c = Cluster::preset("local").unwrap();
+    c.cpu = None;
     let l = Layout::from_job(&job, &c);
     assert_eq!(
         (l.nodes, l.gpus_per_node, l.dp_shard, l.microbatches()),
@@ -1247,4 +1249,186 @@ fn dp_replicate_flag_multiplies_the_gpus() {
     .unwrap();
     let r = args.resolve().unwrap();
     assert_eq!((r.layout.nodes, r.layout.world()), (192, 768));
+}
+
+// ---------------------------------------------------------------- the CPU model (issue 11)
+
+use crate::cluster::CpuSpec;
+use crate::cpu_time::{layer_forward, ns_flops_cpu, syrk_madds};
+
+/// A CPU with one GEMM rate at every size (`rate` on the pool, `rate / 2` on each of 2 threads,
+/// so spreading a stack gives the same rate), `bw` bytes/s, no fixed costs.
+fn flat_cpu(rate: f64, bw: f64) -> Cluster {
+    let mut c = Cluster::preset("local").unwrap();
+    c.cpu = Some(CpuSpec {
+        cores: 2.0,
+        threads: 2,
+        gemm: vec![[1.0, rate]],
+        gemm_one_thread: vec![[1.0, rate / 2.0]],
+        attention: vec![],
+        elementwise_bytes_per_s: bw,
+        optimizer_bytes_per_s: 0.0,
+        op_overhead_s: 0.0,
+        sync_s: 0.0,
+        calibrated: "test".into(),
+    });
+    c
+}
+
+#[test]
+fn syrk_counts_the_strips_the_cpu_backend_computes() {
+    // 256×256: strips of 64 rows; strip r computes 64 rows × (r+1)·64 columns × k:
+    // 64·256·(64+128+192+256) = 10,485,760 = 0.625 of 256³.
+    assert_eq!(syrk_madds(256, 256), 10_485_760.0);
+    // 64 rows: one strip, the full square (64·64·1024).
+    assert_eq!(syrk_madds(64, 1024), 4_194_304.0);
+    // 1024: 16 strips of 64, 17/32 of the square: 1024³·17/32 = 570,425,344.
+    assert_eq!(syrk_madds(1024, 1024), 570_425_344.0);
+    // Newton–Schulz on 256×256, 5 steps: 2·syrk(X) + 2·syrk(A) + 2·s³ per step =
+    // 5·(20,971,520 + 20,971,520 + 33,554,432) = 377,487,360, against the GEMM-equivalent
+    // 5·6·256³ = 503,316,480.
+    assert_eq!(ns_flops_cpu(256, 256, 5), 377_487_360.0);
+    assert_eq!(ns_flops(256, 256, 5), 503_316_480.0);
+}
+
+#[test]
+fn tiny_layer_forward_work_by_hand() {
+    // tiny, 8 sequences of 128 = 1,024 tokens; H 64, q 64, kv 32, head 16 × 4, 8 experts top-2
+    // of hidden 128.
+    let job = preset("tiny").unwrap();
+    let w = layer_forward(&job.model, 1024.0, 128.0, true);
+    // projections 2·1024·(64·64 + 2·32·64 + 64·64) = 25,165,824; attention per (sequence,
+    // head) two causal 128×64×16 products: 2·128·64·16·(2·8·4) = 16,777,216; router
+    // 2·1024·8·64 = 1,048,576; experts (256 tokens each) gate+up 2·256·128·64·16 = 67,108,864,
+    // down 2·256·64·128·8 = 33,554,432. Sum 143,654,912.
+    assert_eq!(w.flops(), 143_654_912.0);
+    assert_eq!(w.attention.flops(), 16_777_216.0);
+    // Element-wise f32 bytes: attention side 1024·(2·64 + 2·96 + 2·96 + 3·64 + 2·64) = 1024·832;
+    // MoE side 1024·(3·8 + 2·2·64 + 3·2·128 + 3·64 + 3·64) = 1024·1,432; × 4 bytes = 9,273,344.
+    assert_eq!(w.elementwise_bytes, 9_273_344.0);
+}
+
+#[test]
+fn cpu_step_of_tiny_by_hand() {
+    let job = preset("tiny").unwrap();
+    let (rate, bw) = (1e11, 1e10);
+    let c = flat_cpu(rate, bw);
+    let l = Layout::from_job(&job, &c);
+    let pol = MemoryPolicy::from_job(&job); // full checkpointing
+    let o = OptimizerSetup {
+        name: OptimizerName::Adamw,
+        ..OptimizerSetup::from_job(&job)
+    };
+    let p = plan(&job, &c, &l, &pol, &o).unwrap();
+    let t = p.time.cpu.clone().expect("the CPU model ran");
+    // GEMM FLOPs: per layer forward 143,654,912 (above), again as recompute, backward twice
+    // every GEMM but attention's 16,777,216 (2.5×): 2·126,877,696 + 2.5·16,777,216 =
+    // 295,698,432; two layers: 2·(2·143,654,912 + 295,698,432) = 1,166,016,512; LM head
+    // 3·2·1024·256·64 = 100,663,296. Total 1,266,679,808.
+    // Element-wise bytes: layers 2·9,273,344·(1 + 1 + 2) = 74,186,752; outside the layers
+    // forward 4·1024·3·64 = 786,432, backward 4·1024·(3·256 + 6·64) = 4,718,592: 79,691,776.
+    // Optimizer: AdamW 28 B per parameter, and 16 B of gradient passes (zero, norm, clip).
+    let opt_bytes = (28.0 + 16.0) * p.params.total as f64;
+    let want = 1_266_679_808.0 / rate + (79_691_776.0 + opt_bytes) / bw;
+    assert!(
+        close(p.step_time_s, want, 1e-12),
+        "{} vs {want}: {t:?}",
+        p.step_time_s
+    );
+    assert_eq!(t.share, 1.0);
+    assert!(close(t.optimizer_s, opt_bytes / bw, 1e-12));
+
+    // Four ranks as threads on the same 2 cores divide them: each rank has a quarter of the
+    // tokens, and the four share the cores, so forward + backward take as long as on one rank
+    // (every term here is linear in tokens); the collectives come on top.
+    let mut l4 = l.clone();
+    (l4.dp_shard, l4.gpus_per_node) = (4, 4);
+    let p4 = plan(&job, &c, &l4, &pol, &o).unwrap();
+    let t4 = p4.time.cpu.unwrap();
+    assert_eq!(t4.share, 4.0);
+    assert!(close(
+        t4.forward_s + t4.backward_s,
+        t.forward_s + t.backward_s,
+        1e-12
+    ));
+    assert!(t4.comm_s > 0.0);
+
+    // Muon adds Newton–Schulz at the syrk-counted FLOPs: with flat rates exactly their sum.
+    let muon = OptimizerSetup {
+        name: OptimizerName::Muon,
+        ..o.clone()
+    };
+    let pm = plan(&job, &c, &l, &pol, &muon).unwrap();
+    let ns: f64 = params::tensors(&job.model)
+        .iter()
+        .filter(|t| t.handler() == Handler::Muon)
+        .map(|t| t.count as f64 * ns_flops_cpu(t.rows, t.cols, 5))
+        .sum();
+    let copies: f64 = params::tensors(&job.model)
+        .iter()
+        .filter(|t| t.handler() == Handler::Muon)
+        .map(|t| {
+            let (s, l) = (t.rows.min(t.cols) as f64, t.rows.max(t.cols) as f64);
+            t.count as f64 * 5.0 * 8.0 * (s * s + s * l)
+        })
+        .sum();
+    assert!(close(
+        pm.time.newton_schulz_s,
+        ns / rate + copies / bw,
+        1e-12
+    ));
+}
+
+#[test]
+fn gpu_clusters_have_no_cpu_model() {
+    for name in ["jupiter", "dgx-h100", "dgx-h200"] {
+        assert!(Cluster::preset(name).unwrap().cpu.is_none());
+    }
+    let job = europa();
+    let (l, pol, o) = final_setup(&job, 1.0);
+    assert!(plan(&job, &jupiter(), &l, &pol, &o)
+        .unwrap()
+        .time
+        .cpu
+        .is_none());
+}
+
+#[test]
+fn gemm_rate_interpolates_in_log_size() {
+    let curve = [[1e6, 1e10], [1e8, 3e10]];
+    assert_eq!(CpuSpec::rate(&curve, 1e3), 1e10);
+    assert_eq!(CpuSpec::rate(&curve, 1e9), 3e10);
+    // 1e7 is half-way in log(size): 2e10.
+    assert!(close(CpuSpec::rate(&curve, 1e7), 2e10, 1e-12));
+}
+
+#[test]
+fn cpu_section_round_trips_is_optional_and_bad_values_are_named() {
+    let local = Cluster::preset("local").unwrap();
+    assert!(local.cpu.is_some());
+    let text = local.to_toml();
+    assert_eq!(Cluster::from_toml_str(&text, "rt").unwrap(), local);
+    // A file without [cpu] (every cluster file before it existed) still parses.
+    let cut = &text[..text.find("\n[cpu]").unwrap()];
+    assert!(Cluster::from_toml_str(cut, "old.toml")
+        .unwrap()
+        .cpu
+        .is_none());
+    let bad = |from: &str, to: &str| {
+        assert!(text.contains(from), "{from}");
+        Cluster::from_toml_str(&text.replacen(from, to, 1), "cal.toml")
+            .unwrap_err()
+            .to_string()
+    };
+    let e = bad("elementwise_bytes_per_s = ", "elementwise_bytes_per_s = -");
+    assert!(
+        e.contains("cal.toml") && e.contains("cpu.elementwise_bytes_per_s"),
+        "{e}"
+    );
+    let e = bad("threads = 2", "threads = 0");
+    assert!(e.contains("cpu.threads"), "{e}");
+    let e = bad("gemm = [[", "gemm = [[1e12, 1.0], [");
+    assert!(e.contains("cpu.gemm[1][0]") && e.contains("ascend"), "{e}");
+    let e = bad("op_overhead_s", "op_overhaed_s");
+    assert!(e.contains("cal.toml") && e.contains("op_overhaed_s"), "{e}");
 }

@@ -119,11 +119,28 @@ fn gib(b: f64) -> String {
     }
 }
 
+/// Which cluster [`predicted_step_s`] used, for labels.
+fn planner_cluster(run: &Run) -> &'static str {
+    if run.dir.join("cluster.toml").exists() {
+        "RUN/cluster.toml"
+    } else {
+        "local"
+    }
+}
+
 /// The planner's step time for the run's own config on the `local` cluster, with the layout
-/// the run used (its `[parallelism]` degree as the GPU count).
-fn predicted_step_s(config_text: &str) -> Option<f64> {
+/// the run used (its `[parallelism]` degree as the GPU count). A calibrated cluster file in the
+/// run directory (`ganymede calibrate --out RUN/cluster.toml`, measured under the run's load)
+/// replaces the preset.
+fn predicted_step_s(run: &Run) -> Option<f64> {
+    let config_text = run.config_text.as_deref()?;
     let job = ganymede_config::JobConfig::from_toml_str(config_text, "config.toml").ok()?;
-    let cluster = ganymede_plan::Cluster::preset("local").ok()?;
+    let file = run.dir.join("cluster.toml");
+    let cluster = if file.exists() {
+        ganymede_plan::Cluster::from_file(&file).ok()?
+    } else {
+        ganymede_plan::Cluster::preset("local").ok()?
+    };
     let layout = ganymede_plan::Layout::from_job(&job, &cluster);
     let policy = ganymede_plan::MemoryPolicy::from_job(&job);
     let opt = ganymede_plan::OptimizerSetup::from_job(&job);
@@ -182,7 +199,7 @@ fn summary(h: &mut String, run: &Run) {
             .copied()
             .collect(),
     );
-    let predicted = run.config_text.as_deref().and_then(predicted_step_s);
+    let predicted = predicted_step_s(run);
     h.push_str("<h2>Summary</h2>\n<table id=\"summary\">\n");
     let mut row = |k: &str, v: String| {
         let _ = writeln!(h, "<tr><th>{}</th><td>{}</td></tr>", escape(k), escape(&v));
@@ -206,10 +223,13 @@ fn summary(h: &mut String, run: &Run) {
     }
     match (predicted, measured) {
         (Some(p), Some(m)) => row(
-            "step time, planner (cluster local)",
+            &format!("step time, planner (cluster {})", planner_cluster(run)),
             format!("{p:.4} s (measured / predicted = {:.2})", m / p),
         ),
-        (Some(p), None) => row("step time, planner (cluster local)", format!("{p:.4} s")),
+        (Some(p), None) => row(
+            &format!("step time, planner (cluster {})", planner_cluster(run)),
+            format!("{p:.4} s"),
+        ),
         _ => {}
     }
     h.push_str("</table>\n");
@@ -271,7 +291,7 @@ fn training_charts(h: &mut String, run: &Run) {
         ],
     );
     let mut st = vec![named("measured", run.step_times())];
-    if let Some(p) = run.config_text.as_deref().and_then(predicted_step_s) {
+    if let Some(p) = predicted_step_s(run) {
         let steps: Vec<f64> = run
             .lines
             .iter()

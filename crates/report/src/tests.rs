@@ -43,7 +43,11 @@ fn temp_run(tag: &str) -> PathBuf {
 
 /// A sharded-looking run: every optional input present.
 fn full_run() -> PathBuf {
-    let d = temp_run("full");
+    full_run_in("full")
+}
+
+fn full_run_in(tag: &str) -> PathBuf {
+    let d = temp_run(tag);
     let mut text = String::new();
     for step in 1..=20u64 {
         let s = step as f64;
@@ -134,6 +138,29 @@ fn a_full_run_has_every_chart_and_its_values() {
     // The configuration, escaped, and a planner prediction for it.
     assert!(html.contains("[model]"));
     assert!(html.contains("step time, planner (cluster local)"));
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_calibrated_cluster_in_the_run_directory_replaces_the_preset() {
+    let d = full_run_in("calibrated");
+    let preset = ganymede_plan::Cluster::preset("local").unwrap();
+    // The same machine, GEMMs and attention ten times slower: a longer prediction.
+    let mut slow = preset.clone();
+    let cpu = slow.cpu.as_mut().unwrap();
+    for p in cpu.gemm.iter_mut().chain(cpu.gemm_one_thread.iter_mut()) {
+        p[1] /= 10.0;
+    }
+    for a in cpu.attention.iter_mut() {
+        (a[1], a[2]) = (a[1] / 10.0, a[2] / 10.0);
+    }
+    let run = Run::load(&d).unwrap();
+    let before = predicted_step_s(&run).unwrap();
+    fs::write(d.join("cluster.toml"), slow.to_toml()).unwrap();
+    let after = predicted_step_s(&run).unwrap();
+    assert!(after > 3.0 * before, "{after} vs {before}");
+    let html = fs::read_to_string(write(&d).unwrap()).unwrap();
+    assert!(html.contains("step time, planner (cluster RUN/cluster.toml)"));
     fs::remove_dir_all(&d).unwrap();
 }
 
