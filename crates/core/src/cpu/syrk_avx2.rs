@@ -43,10 +43,9 @@ struct Ptr(*mut f32);
 unsafe impl Send for Ptr {}
 unsafe impl Sync for Ptr {}
 
-thread_local! {
-    /// The packed operand, kept between calls so that Newton–Schulz's loop does not allocate.
-    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
+/// Packed operands kept between calls, so that Newton–Schulz's loop does not allocate. A pool,
+/// not one buffer per thread: a rayon worker waiting inside one product may run another.
+static PACKED: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
 /// `C[i][j] = alpha·Σ_p op(A)[i][p]·op(A)[j][p] + beta·C[i][j]` for `j ≤ i` (the lower
 /// triangle, and the diagonal tiles' upper part, which the caller overwrites by mirroring).
@@ -96,16 +95,13 @@ pub unsafe fn syrk_lower(
                 .for_each(|b| rows(blocks - 1 - b));
         }
     };
-    PACKED.with(|buf| match buf.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < len {
-                buf.resize(len, 0.0);
-            }
-            run(&mut buf[..len])
-        }
-        // A rayon worker that stole another product while this one waits: its own buffer.
-        Err(_) => run(&mut vec![0.0; len]),
-    });
+    let take = || PACKED.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let mut buf = take().unwrap_or_default();
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    run(&mut buf[..len]);
+    PACKED.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
 }
 
 /// `packed[r][p][ii] = op(A)[r·8 + ii][p]`, zero past row `n`.
