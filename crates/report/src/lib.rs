@@ -523,7 +523,14 @@ fn overlap_section(h: &mut String, run: &Run) {
          <th>waiting</th><th>to-host copies</th><th>hidden</th><th>from-host copies</th>\
          <th>hidden</th></tr>\n",
     );
-    let ms = |us: f64| format!("{:.1} ms", us / 1e3);
+    // Offload copies of small runs take microseconds: keep them visible.
+    let ms = |us: f64| {
+        if us >= 1e3 {
+            format!("{:.1} ms", us / 1e3)
+        } else {
+            format!("{:.3} ms", us / 1e3)
+        }
+    };
     let share = |b: &overlap::Busy| {
         b.hidden_share()
             .map_or_else(|| "–".to_string(), |s| format!("{:.0}%", 100.0 * s))
