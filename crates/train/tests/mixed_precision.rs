@@ -102,3 +102,38 @@ fn a_bf16_step_after_the_first_allocates_nothing() {
         assert_eq!(allocs_after_first_step(&cfg, ranks), vec![0; ranks], "{ranks} ranks");
     }
 }
+
+/// Peak buffer bytes of rank 0 over two steps.
+fn buffer_peak(cfg: &JobConfig, ranks: usize) -> u64 {
+    let mut cfg = cfg.clone();
+    cfg.parallelism.dp_shard = ranks;
+    let m = &cfg.model;
+    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
+    run_threads(ranks, &ThreadsConfig::default(), |world| {
+        let mut st = RankState::new(world, &cfg).unwrap();
+        st.step(&data, 0).unwrap();
+        st.step(&data, 1).unwrap();
+        let dev = st.be.device();
+        st.be.ledger().report().peak(dev, ganymede_core::Category::Buffers)
+    })
+    .into_iter()
+    .next()
+    .unwrap()
+    .unwrap()
+}
+
+/// The cast scratch is on the ledger as buffers, and the planner predicts its bytes.
+#[test]
+fn the_planner_predicts_the_cast_scratch() {
+    for ranks in [1, 2] {
+        let f = tiny(2, &[]);
+        let b = tiny(2, &[BF16]);
+        let mut local = b.clone();
+        local.training.batch_size /= ranks;
+        let measured = buffer_peak(&b, ranks) as f64 - buffer_peak(&f, ranks) as f64;
+        let predicted = ganymede_plan::ledger::bf16_gemm_scratch(&local);
+        println!("{ranks} ranks: cast scratch {measured} bytes, predicted {predicted}");
+        assert!(measured > 0.0, "no scratch on the ledger");
+        assert_eq!(measured, predicted, "{ranks} ranks");
+    }
+}
