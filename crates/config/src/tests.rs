@@ -177,7 +177,11 @@ fn device_kind_cuda_parses_and_refuses_cpu_only_knobs() {
 #[test]
 fn compute_dtype_parses_round_trips_and_names_bad_values() {
     let c = JobConfig::load(Some("tiny"), None, &[]).unwrap();
-    assert_eq!(c.training.compute_dtype, ComputeDtype::F32, "default stays exact f32");
+    assert_eq!(
+        c.training.compute_dtype,
+        ComputeDtype::F32,
+        "default stays exact f32"
+    );
     let c = JobConfig::load(Some("tiny"), None, &["training.compute_dtype=bf16".into()]).unwrap();
     c.validate().unwrap();
     assert_eq!(c.training.compute_dtype, ComputeDtype::Bf16);

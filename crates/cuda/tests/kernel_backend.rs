@@ -346,11 +346,16 @@ fn bf16_compute_matches_the_cpu() {
     let kern = kernels();
     let pk = model.init_params(&kern, 3);
     let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
-    println!("bf16: loss {} vs {}: rel err {:.3e}", og.loss, ow.loss, rel(og.loss, ow.loss));
+    println!(
+        "bf16: loss {} vs {}: rel err {:.3e}",
+        og.loss,
+        ow.loss,
+        rel(og.loss, ow.loss)
+    );
     assert!(rel(og.loss, ow.loss) < 1e-5, "{og:?} vs {ow:?}");
     let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
-    let worst = compare(&names, &gg, &gw, |s| 1e-7 + 1e-2 * s)
-        .unwrap_or_else(|e| panic!("gradient {e}"));
+    let worst =
+        compare(&names, &gg, &gw, |s| 1e-7 + 1e-2 * s).unwrap_or_else(|e| panic!("gradient {e}"));
     println!("bf16: worst gradient error {worst:.3e} of the tensor's scale");
     let f32_model = Model::new(&c);
     let (_, of) = step(&cpu, &f32_model, &pc, &inputs, &targets);

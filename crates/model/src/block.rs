@@ -284,7 +284,10 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
                 y.reborrow(),
                 f.a.slice(s * fs, (n - 1) * width + fs),
                 wd.slice(s * h * fs, h * fs),
-                Gemm::new(n, h, fs, false, true).bf16_inputs(cx.model.bf16).ld(width, fs, h).beta(1.0),
+                Gemm::new(n, h, fs, false, true)
+                    .bf16_inputs(cx.model.bf16)
+                    .ld(width, fs, h)
+                    .beta(1.0),
             );
         }
     }
@@ -447,7 +450,9 @@ pub(crate) fn block_backward(
         w(li.o),
         Gemm::new(n, qd, h, false, false).bf16_inputs(cx.model.bf16),
     );
-    let go = Gemm::new(h, qd, n, true, false).bf16_inputs(cx.model.bf16).beta(1.0);
+    let go = Gemm::new(h, qd, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(
         grads.get_mut(li.o).view_mut(),
         g.dres.view(),
@@ -501,11 +506,17 @@ pub(crate) fn block_backward(
         w(li.q),
         Gemm::new(n, h, qd, false, false).bf16_inputs(cx.model.bf16),
     );
-    let gx = Gemm::new(n, h, kd, false, false).bf16_inputs(cx.model.bf16).beta(1.0);
+    let gx = Gemm::new(n, h, kd, false, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
     be.gemm(g.dxn.view_mut(), g.dv.view(), w(li.v), gx);
-    let gq = Gemm::new(qd, h, n, true, false).bf16_inputs(cx.model.bf16).beta(1.0);
-    let gk = Gemm::new(kd, h, n, true, false).bf16_inputs(cx.model.bf16).beta(1.0);
+    let gq = Gemm::new(qd, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
+    let gk = Gemm::new(kd, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(
         grads.get_mut(li.q).view_mut(),
         g.dq.view(),
@@ -565,13 +576,18 @@ fn ffn_backward(
             dfa.slice_mut(s * fs, ext),
             g.dres.view(),
             wd.slice(s * h * fs, h * fs),
-            Gemm::new(n, fs, h, false, false).bf16_inputs(cx.model.bf16).ld(h, fs, width),
+            Gemm::new(n, fs, h, false, false)
+                .bf16_inputs(cx.model.bf16)
+                .ld(h, fs, width),
         );
         be.gemm(
             grads.get_mut(down).slice_mut(s * h * fs, h * fs),
             g.dres.view(),
             f.a.slice(s * fs, ext),
-            Gemm::new(h, fs, n, true, false).bf16_inputs(cx.model.bf16).ld(h, width, fs).beta(1.0),
+            Gemm::new(h, fs, n, true, false)
+                .bf16_inputs(cx.model.bf16)
+                .ld(h, width, fs)
+                .beta(1.0),
         );
     }
     let (dg, du) = (dfg.slice_mut(0, nw), dfu.slice_mut(0, nw));
@@ -589,7 +605,9 @@ fn ffn_backward(
         params.get(up).view(),
         gx.beta(1.0),
     );
-    let gw = Gemm::new(width, h, n, true, false).bf16_inputs(cx.model.bf16).beta(1.0);
+    let gw = Gemm::new(width, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(grads.get_mut(gate).view_mut(), dfg.slice(0, nw), xn, gw);
     be.gemm(grads.get_mut(up).view_mut(), dfu.slice(0, nw), xn, gw);
 }

@@ -328,7 +328,9 @@ pub fn forward_backward_with(
     let (logits, lse) = (head.logits.view_mut(), head.lse.view());
     be.cross_entropy_backward(logits, lse, head.targets.view(), v, scale);
     let (logits, xf) = (head.logits.view(), head.xf.view());
-    let gw = Gemm::new(v, h, local_n, true, false).bf16_inputs(model.bf16).beta(1.0);
+    let gw = Gemm::new(v, h, local_n, true, false)
+        .bf16_inputs(model.bf16)
+        .beta(1.0);
     be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
     let gx = Gemm::new(local_n, h, v, false, false).bf16_inputs(model.bf16);
     be.gemm(

@@ -188,7 +188,9 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
         })
         .fold(0.0, f64::max);
     let rows = n * k * h.max(ff);
-    let a = [n * v, rows, n * width, n * h, n * q].into_iter().fold(0.0, f64::max);
+    let a = [n * v, rows, n * width, n * h, n * q]
+        .into_iter()
+        .fold(0.0, f64::max);
     let b = [v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h]
         .into_iter()
         .fold(0.0, f64::max);

@@ -99,7 +99,11 @@ fn allocs_after_first_step(cfg: &JobConfig, ranks: usize) -> Vec<u64> {
 fn a_bf16_step_after_the_first_allocates_nothing() {
     for ranks in [1, 2] {
         let cfg = tiny(4, &[BF16, "parallelism.gather_dtype=bf16"]);
-        assert_eq!(allocs_after_first_step(&cfg, ranks), vec![0; ranks], "{ranks} ranks");
+        assert_eq!(
+            allocs_after_first_step(&cfg, ranks),
+            vec![0; ranks],
+            "{ranks} ranks"
+        );
     }
 }
 
@@ -114,7 +118,10 @@ fn buffer_peak(cfg: &JobConfig, ranks: usize) -> u64 {
         st.step(&data, 0).unwrap();
         st.step(&data, 1).unwrap();
         let dev = st.be.device();
-        st.be.ledger().report().peak(dev, ganymede_core::Category::Buffers)
+        st.be
+            .ledger()
+            .report()
+            .peak(dev, ganymede_core::Category::Buffers)
     })
     .into_iter()
     .next()

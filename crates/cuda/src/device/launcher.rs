@@ -123,7 +123,8 @@ impl Gemms for CudaBackend {
             // Whole views, cast once for every group (which rows the groups read follows the
             // routing); the per-group calls then see bf16 operands.
             let n = (a.len(), b.len());
-            return self.with_bf16_operands(a, b, n, |a, b| Gemms::gemm_grouped(self, c, a, b, groups));
+            return self
+                .with_bf16_operands(a, b, n, |a, b| Gemms::gemm_grouped(self, c, a, b, groups));
         }
         if grouped_loop() {
             self.gemm_grouped_loop(c, a, b, groups)

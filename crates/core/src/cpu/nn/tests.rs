@@ -793,7 +793,10 @@ fn bf16_input_gemm_rounds_operands() {
                 .zip(&want)
                 .fold(0f64, |e, (&g, &w)| e.max((g as f64 - w).abs()));
             // Only f32 summation of k exact products differs: a few ulps of the largest term.
-            assert!(err <= 1e-6 * scale, "bf16 gemm off by {err} (scale {scale})");
+            assert!(
+                err <= 1e-6 * scale,
+                "bf16 gemm off by {err} (scale {scale})"
+            );
         }
         // The f32 GEMM of unrounded inputs is far from it: rounding really happened.
         let f32_err = run(false, false)
@@ -806,8 +809,18 @@ fn bf16_input_gemm_rounds_operands() {
     let before = ledger.alloc_count();
     let mut c = b.zeros(&[m * n], Category::Activations);
     let after_c = ledger.alloc_count();
-    b.gemm(c.view_mut(), at.view(), wt.view(), Gemm::new(m, n, k, false, false).bf16_inputs(true));
+    b.gemm(
+        c.view_mut(),
+        at.view(),
+        wt.view(),
+        Gemm::new(m, n, k, false, false).bf16_inputs(true),
+    );
     assert_eq!(ledger.alloc_count(), after_c);
     assert!(after_c == before + 1);
-    assert!(ledger.report().current(crate::ledger::Device::Host, Category::Buffers) >= ((m * k + k * n) * 4) as u64);
+    assert!(
+        ledger
+            .report()
+            .current(crate::ledger::Device::Host, Category::Buffers)
+            >= ((m * k + k * n) * 4) as u64
+    );
 }
