@@ -10,8 +10,10 @@
 //! - `optimizer`: Muon one f32 momentum per Muon-handled parameter, AdamW two per parameter it
 //!   handles; the selection bias has none.
 //! - `activations`: the workspace, see [`ActivationTerms`].
-//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], and the step's two f64 scalars
-//!   (the loss sum and the squared gradient norm, summed on the device and read at its end).
+//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], the step's two f64 scalars
+//!   (the loss sum and the squared gradient norm, summed on the device and read at its end),
+//!   and under `training.compute_dtype = "bf16"` the GEMM operands' cast scratch
+//!   ([`bf16_gemm_scratch`]).
 
 use crate::params::{self, Handler};
 use ganymede_config::{AcMode, JobConfig, OptimizerName};
