@@ -221,6 +221,35 @@ pub struct TrainingConfig {
     pub grad_clip: f64,
     /// Worker threads for the CPU backend (0 = all cores).
     pub threads: usize,
+    /// Operand precision of the model's GEMMs (TorchTitan's `mixed_precision_param`): `f32`,
+    /// or `bf16` (inputs rounded to bf16, f32 accumulation and output). Master weights,
+    /// gradient reduction and optimizer state stay f32 either way.
+    pub compute_dtype: ComputeDtype,
+}
+
+/// Operand precision of the model's GEMMs (`training.compute_dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    /// Exact f32 GEMMs (the default: every exactness test compares against these).
+    #[default]
+    F32,
+    /// bf16 × bf16 → f32 GEMMs (tensor cores on a GPU).
+    Bf16,
+}
+
+// By hand so that a bad value names its key (serde's "unknown variant" does not).
+impl<'de> Deserialize<'de> for ComputeDtype {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid value for training.compute_dtype = '{s}': expected \"f32\" or \"bf16\""
+            ))),
+        }
+    }
 }
 
 impl Default for TrainingConfig {
@@ -231,6 +260,7 @@ impl Default for TrainingConfig {
             seed: 42,
             grad_clip: 1.0,
             threads: 0,
+            compute_dtype: ComputeDtype::F32,
         }
     }
 }

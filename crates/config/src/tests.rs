@@ -173,3 +173,23 @@ fn device_kind_cuda_parses_and_refuses_cpu_only_knobs() {
         );
     }
 }
+
+#[test]
+fn compute_dtype_parses_round_trips_and_names_bad_values() {
+    let c = JobConfig::load(Some("tiny"), None, &[]).unwrap();
+    assert_eq!(
+        c.training.compute_dtype,
+        ComputeDtype::F32,
+        "default stays exact f32"
+    );
+    let c = JobConfig::load(Some("tiny"), None, &["training.compute_dtype=bf16".into()]).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.training.compute_dtype, ComputeDtype::Bf16);
+    assert!(c.to_toml().contains("compute_dtype = \"bf16\""));
+    let back = JobConfig::from_toml_str(&c.to_toml(), "round trip").unwrap();
+    assert_eq!(back, c);
+    let e = JobConfig::load(Some("tiny"), None, &["training.compute_dtype=fp16".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("compute_dtype") && e.contains("fp16"), "{e}");
+}

@@ -149,6 +149,9 @@ pub struct Inner {
     blas_lock: Mutex<()>,
     /// Device pointer arrays of grouped GEMMs (see `blas::PtrRing`).
     grouped: Mutex<blas::PtrRing>,
+    /// bf16 copies of the f32 A and B operands of bf16-input GEMMs (see
+    /// `CudaBackend::with_bf16_operands`).
+    bf16_scratch: Mutex<[Option<ganymede_core::Tensor>; 2]>,
 }
 
 impl CudaBackend {
@@ -208,6 +211,7 @@ impl CudaBackend {
             trace: Mutex::new(None),
             blas_lock: Mutex::new(()),
             grouped: Mutex::new(blas::PtrRing::default()),
+            bf16_scratch: Mutex::new([None, None]),
         })))
     }
 

@@ -31,6 +31,11 @@ fn bad_config_values_name_the_key() {
     assert!(e.contains("half"), "{e}");
     let e = err_of(&["train", "--set", "training.steps"]);
     assert!(e.contains("training.steps"), "{e}");
+    let e = err_of(&["train", "--set", "training.compute_dtype=fp16"]);
+    assert!(
+        e.contains("training.compute_dtype") && e.contains("fp16") && e.contains("bf16"),
+        "{e}"
+    );
     let e = err_of(&["train", "--steps", "0"]);
     assert!(e.contains("training.steps"), "{e}");
 }

@@ -95,19 +95,19 @@ pub(crate) fn block_forward(
         a.q.view_mut(),
         a.xn1.view(),
         w(li.q),
-        Gemm::new(n, qd, h, false, true),
+        Gemm::new(n, qd, h, false, true).bf16_inputs(cx.model.bf16),
     );
     be.gemm(
         a.k.view_mut(),
         a.xn1.view(),
         w(li.k),
-        Gemm::new(n, kd, h, false, true),
+        Gemm::new(n, kd, h, false, true).bf16_inputs(cx.model.bf16),
     );
     be.gemm(
         a.v.view_mut(),
         a.xn1.view(),
         w(li.v),
-        Gemm::new(n, kd, h, false, true),
+        Gemm::new(n, kd, h, false, true).bf16_inputs(cx.model.bf16),
     );
     let pos0 = match &kv {
         Kv::Own => 0,
@@ -154,7 +154,7 @@ pub(crate) fn block_forward(
         a.xmid.view_mut(),
         a.att.view(),
         w(li.o),
-        Gemm::new(n, h, qd, false, true),
+        Gemm::new(n, h, qd, false, true).bf16_inputs(cx.model.bf16),
     );
     be.add(a.xmid.view_mut(), x);
     let (xn2, rstd2) = (a.xn2.view_mut(), a.rstd2.view_mut());
@@ -188,6 +188,7 @@ pub(crate) fn block_forward(
                 rl.view_mut(),
                 a.xn2.view(),
                 w(router),
+                // The router stays f32 (see `Model::bf16`).
                 Gemm::new(n, e, h, false, true),
             );
             let r = &mut m.r;
@@ -230,6 +231,7 @@ pub(crate) fn block_forward(
                 gate,
                 up,
                 down,
+                bf16: cx.model.bf16,
             };
             let bufs = ExpertsFwdBufs {
                 xe: m.xe.view(),
@@ -271,7 +273,7 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
     } = ffn;
     let width = parts * fs;
     let nw = n * width;
-    let gm = Gemm::new(n, width, h, false, true);
+    let gm = Gemm::new(n, width, h, false, true).bf16_inputs(cx.model.bf16);
     be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).view(), gm);
     be.gemm(f.u.slice_mut(0, nw), xn, params.get(up).view(), gm);
     be.swiglu_forward(f.a.slice_mut(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
@@ -282,7 +284,10 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
                 y.reborrow(),
                 f.a.slice(s * fs, (n - 1) * width + fs),
                 wd.slice(s * h * fs, h * fs),
-                Gemm::new(n, h, fs, false, true).ld(width, fs, h).beta(1.0),
+                Gemm::new(n, h, fs, false, true)
+                    .bf16_inputs(cx.model.bf16)
+                    .ld(width, fs, h)
+                    .beta(1.0),
             );
         }
     }
@@ -383,6 +388,7 @@ pub(crate) fn block_backward(
                 gate,
                 up,
                 down,
+                bf16: cx.model.bf16,
             };
             let bufs = ExpertsBwdBufs {
                 xe: m.xe.view(),
@@ -442,9 +448,11 @@ pub(crate) fn block_backward(
         g.datt.view_mut(),
         g.dres.view(),
         w(li.o),
-        Gemm::new(n, qd, h, false, false),
+        Gemm::new(n, qd, h, false, false).bf16_inputs(cx.model.bf16),
     );
-    let go = Gemm::new(h, qd, n, true, false).beta(1.0);
+    let go = Gemm::new(h, qd, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(
         grads.get_mut(li.o).view_mut(),
         g.dres.view(),
@@ -496,13 +504,19 @@ pub(crate) fn block_backward(
         g.dxn.view_mut(),
         g.dq.view(),
         w(li.q),
-        Gemm::new(n, h, qd, false, false),
+        Gemm::new(n, h, qd, false, false).bf16_inputs(cx.model.bf16),
     );
-    let gx = Gemm::new(n, h, kd, false, false).beta(1.0);
+    let gx = Gemm::new(n, h, kd, false, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
     be.gemm(g.dxn.view_mut(), g.dv.view(), w(li.v), gx);
-    let gq = Gemm::new(qd, h, n, true, false).beta(1.0);
-    let gk = Gemm::new(kd, h, n, true, false).beta(1.0);
+    let gq = Gemm::new(qd, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
+    let gk = Gemm::new(kd, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(
         grads.get_mut(li.q).view_mut(),
         g.dq.view(),
@@ -562,18 +576,23 @@ fn ffn_backward(
             dfa.slice_mut(s * fs, ext),
             g.dres.view(),
             wd.slice(s * h * fs, h * fs),
-            Gemm::new(n, fs, h, false, false).ld(h, fs, width),
+            Gemm::new(n, fs, h, false, false)
+                .bf16_inputs(cx.model.bf16)
+                .ld(h, fs, width),
         );
         be.gemm(
             grads.get_mut(down).slice_mut(s * h * fs, h * fs),
             g.dres.view(),
             f.a.slice(s * fs, ext),
-            Gemm::new(h, fs, n, true, false).ld(h, width, fs).beta(1.0),
+            Gemm::new(h, fs, n, true, false)
+                .bf16_inputs(cx.model.bf16)
+                .ld(h, width, fs)
+                .beta(1.0),
         );
     }
     let (dg, du) = (dfg.slice_mut(0, nw), dfu.slice_mut(0, nw));
     be.swiglu_backward(dg, du, dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
-    let gx = Gemm::new(n, h, width, false, false);
+    let gx = Gemm::new(n, h, width, false, false).bf16_inputs(cx.model.bf16);
     be.gemm(
         g.dxn.view_mut(),
         dfg.slice(0, nw),
@@ -586,7 +605,9 @@ fn ffn_backward(
         params.get(up).view(),
         gx.beta(1.0),
     );
-    let gw = Gemm::new(width, h, n, true, false).beta(1.0);
+    let gw = Gemm::new(width, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(grads.get_mut(gate).view_mut(), dfg.slice(0, nw), xn, gw);
     be.gemm(grads.get_mut(up).view_mut(), dfu.slice(0, nw), xn, gw);
 }

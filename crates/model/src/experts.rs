@@ -18,6 +18,8 @@ pub struct ExpertsIo<'a> {
     pub gate: usize,
     pub up: usize,
     pub down: usize,
+    /// bf16-input GEMMs (the model's compute dtype).
+    pub bf16: bool,
 }
 
 /// The block's buffers for one routed-expert pass (rows grouped by expert).
@@ -93,13 +95,23 @@ impl ExpertExecutor for LocalExperts {
         );
         // One GEMM per expert over its tokens: rows r0..r0+c of the dispatched buffers.
         let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
-            (Gemm::new(c, f, h, false, true), r0 * h, ex * f * h, r0 * f)
+            (
+                Gemm::new(c, f, h, false, true).bf16_inputs(io.bf16),
+                r0 * h,
+                ex * f * h,
+                r0 * f,
+            )
         });
         be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
         be.gemm_grouped(u.reborrow(), xe, wu.view(), &gs);
         be.swiglu_forward(a.reborrow(), g.as_view(), u.as_view());
         let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
-            (Gemm::new(c, h, f, false, true), r0 * f, ex * h * f, r0 * h)
+            (
+                Gemm::new(c, h, f, false, true).bf16_inputs(io.bf16),
+                r0 * f,
+                ex * h * f,
+                r0 * h,
+            )
         });
         be.gemm_grouped(ye, a.as_view(), wd.view(), &gs);
     }
@@ -131,18 +143,30 @@ impl ExpertExecutor for LocalExperts {
         let (off, cnt) = (io.offsets, io.counts);
         // dA = dY·W_down[e];  dW_down[e] += dYᵀ·A
         let gs = expert_groups(off, cnt, |r0, c, ex| {
-            (Gemm::new(c, f, h, false, false), r0 * h, ex * h * f, r0 * f)
+            (
+                Gemm::new(c, f, h, false, false).bf16_inputs(io.bf16),
+                r0 * h,
+                ex * h * f,
+                r0 * f,
+            )
         });
         be.gemm_grouped(da.reborrow(), dye, wd.view(), &gs);
         let gs = expert_groups(off, cnt, |r0, c, ex| {
-            let gm = Gemm::new(h, f, c, true, false).beta(1.0);
+            let gm = Gemm::new(h, f, c, true, false)
+                .bf16_inputs(io.bf16)
+                .beta(1.0);
             (gm, r0 * h, r0 * f, ex * h * f)
         });
         be.gemm_grouped(grads.get_mut(io.down).view_mut(), dye, a, &gs);
         be.swiglu_backward(dg.reborrow(), du.reborrow(), da.as_view(), g, u);
         // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
         let gs = expert_groups(off, cnt, |r0, c, ex| {
-            (Gemm::new(c, h, f, false, false), r0 * f, ex * f * h, r0 * h)
+            (
+                Gemm::new(c, h, f, false, false).bf16_inputs(io.bf16),
+                r0 * f,
+                ex * f * h,
+                r0 * h,
+            )
         });
         be.gemm_grouped(dxe.reborrow(), dg.as_view(), wg.view(), &gs);
         let gs1: Vec<_> = gs
@@ -151,7 +175,9 @@ impl ExpertExecutor for LocalExperts {
             .collect();
         be.gemm_grouped(dxe.reborrow(), du.as_view(), wu.view(), &gs1);
         let gs = expert_groups(off, cnt, |r0, c, ex| {
-            let gm = Gemm::new(f, h, c, true, false).beta(1.0);
+            let gm = Gemm::new(f, h, c, true, false)
+                .bf16_inputs(io.bf16)
+                .beta(1.0);
             (gm, r0 * f, r0 * h, ex * f * h)
         });
         be.gemm_grouped(grads.get_mut(io.gate).view_mut(), dg.as_view(), xe, &gs);

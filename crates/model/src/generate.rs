@@ -78,7 +78,7 @@ fn step_logits(
         head.logits.slice_mut(0, v),
         head.xf.slice((n - 1) * h, h),
         params.get(model.lm_head).view(),
-        Gemm::new(1, v, h, false, true),
+        Gemm::new(1, v, h, false, true).bf16_inputs(model.bf16),
     );
     be.download_f64(head.logits.slice(0, v))
 }

@@ -199,6 +199,10 @@ pub struct Model {
     pub(crate) norm: usize,
     pub(crate) lm_head: usize,
     pub(crate) layers: Vec<LayerIdx>,
+    /// bf16 × bf16 → f32 GEMMs (`training.compute_dtype = "bf16"`) for every linear layer but
+    /// the router's, whose top-k choice is discrete and whose GEMM is tiny (as Megatron's fp32
+    /// router). Parameters, gradients and optimizer state stay f32.
+    pub(crate) bf16: bool,
 }
 
 /// Positions of one layer's parameters in the parameter table.
@@ -233,6 +237,12 @@ pub(crate) enum MlpIdx {
 }
 
 impl Model {
+    /// The model with its GEMMs' operand precision set (see `training.compute_dtype`).
+    pub fn with_compute_dtype(mut self, dtype: ganymede_config::ComputeDtype) -> Model {
+        self.bf16 = dtype == ganymede_config::ComputeDtype::Bf16;
+        self
+    }
+
     pub fn new(cfg: &ModelConfig) -> Model {
         let specs = param_specs(cfg);
         let at = |name: &str| {
@@ -288,6 +298,7 @@ impl Model {
             lm_head: at("lm_head.weight"),
             layers,
             specs,
+            bf16: false,
         }
     }
     pub fn config(&self) -> &ModelConfig {

@@ -196,7 +196,7 @@ fn forward(
         logits,
         head.xf.view(),
         lm_head,
-        Gemm::new(n, v, h, false, true),
+        Gemm::new(n, v, h, false, true).bf16_inputs(model.bf16),
     );
     be.fill(head.loss.view_mut(), 0.0);
     let (lse, loss) = (head.lse.view_mut(), head.loss.view_mut());
@@ -328,9 +328,11 @@ pub fn forward_backward_with(
     let (logits, lse) = (head.logits.view_mut(), head.lse.view());
     be.cross_entropy_backward(logits, lse, head.targets.view(), v, scale);
     let (logits, xf) = (head.logits.view(), head.xf.view());
-    let gw = Gemm::new(v, h, local_n, true, false).beta(1.0);
+    let gw = Gemm::new(v, h, local_n, true, false)
+        .bf16_inputs(model.bf16)
+        .beta(1.0);
     be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
-    let gx = Gemm::new(local_n, h, v, false, false);
+    let gx = Gemm::new(local_n, h, v, false, false).bf16_inputs(model.bf16);
     be.gemm(
         g.dxn.view_mut(),
         logits,

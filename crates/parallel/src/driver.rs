@@ -170,7 +170,7 @@ impl RankState {
         }
         let shared = backend(cfg)?;
         let be: &dyn Backend = shared.as_ref();
-        let model = Model::new(m);
+        let model = Model::new(m).with_compute_dtype(t.compute_dtype);
         let shards = if mesh.shape.dp_shard == 1 {
             let params = model.init_params(be, t.seed);
             let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);

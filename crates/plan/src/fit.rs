@@ -440,7 +440,8 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
                 // The root gradients' reduce-scatter send buffers.
                 + root_padded)
             + gather_staging
-            + crate::ledger::step_scalars(&job.model),
+            + crate::ledger::step_scalars(&job.model)
+            + crate::ledger::bf16_gemm_scratch(&local),
     };
     let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;
     Some(Sharded {

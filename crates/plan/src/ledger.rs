@@ -10,8 +10,10 @@
 //! - `optimizer`: Muon one f32 momentum per Muon-handled parameter, AdamW two per parameter it
 //!   handles; the selection bias has none.
 //! - `activations`: the workspace, see [`ActivationTerms`].
-//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], and the step's two f64 scalars
-//!   (the loss sum and the squared gradient norm, summed on the device and read at its end).
+//! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], the step's two f64 scalars
+//!   (the loss sum and the squared gradient norm, summed on the device and read at its end),
+//!   and under `training.compute_dtype = "bf16"` the GEMM operands' cast scratch
+//!   ([`bf16_gemm_scratch`]).
 
 use crate::params::{self, Handler};
 use ganymede_config::{AcMode, JobConfig, OptimizerName};
@@ -153,8 +155,48 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers + step_scalars(m),
+        buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job),
     }
+}
+
+/// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`, else 0):
+/// the backend keeps one slot per operand position, each grown to the longest view it has seen
+/// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
+/// holds at most the logits `N·V` (the LM head's weight gradient) or a routed-expert buffer
+/// (`N·k·max(H, F)`), slot B a weight (LM head `V·H`, stacked experts `E·F·H`) or the experts'
+/// rows (`N·k·max(H, F)`); the other GEMMs' operands are smaller.
+pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
+    if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
+        return 0.0;
+    }
+    let m = &job.model;
+    let size = match job.device.kind {
+        ganymede_config::DeviceKind::Cuda => 2.0,
+        _ => 4.0,
+    };
+    let n = (job.training.batch_size * m.seq_len) as f64;
+    let (h, v) = (m.hidden as f64, m.vocab_size as f64);
+    let (q, kv) = (m.q_dim() as f64, m.kv_dim() as f64);
+    let moe = m.layers > m.dense_layers.min(m.layers);
+    let (e, k, ff) = if moe {
+        (m.experts as f64, m.top_k as f64, m.expert_hidden as f64)
+    } else {
+        (0.0, 0.0, 0.0)
+    };
+    let width = (0..m.layers)
+        .map(|l| match m.is_moe_layer(l) {
+            true => (m.shared_experts * m.shared_hidden()) as f64,
+            false => m.dense_hidden as f64,
+        })
+        .fold(0.0, f64::max);
+    let rows = n * k * h.max(ff);
+    let a = [n * v, rows, n * width, n * h, n * q]
+        .into_iter()
+        .fold(0.0, f64::max);
+    let b = [v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h]
+        .into_iter()
+        .fold(0.0, f64::max);
+    size * (a + b)
 }
 
 /// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the

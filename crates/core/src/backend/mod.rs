@@ -128,6 +128,11 @@ pub struct Gemm {
     pub lda: usize,
     pub ldb: usize,
     pub ldc: usize,
+    /// Mixed precision (`training.compute_dtype = "bf16"`): A and B enter the product rounded
+    /// to bf16 (nearest even), products are accumulated and C written in f32, as cuBLAS's
+    /// bf16 × bf16 → f32 GemmEx. The backend casts f32 operands into a reused scratch it owns
+    /// (charged to the ledger as buffers); bf16 operands are taken as they are.
+    pub bf16_inputs: bool,
 }
 
 impl Gemm {
@@ -144,6 +149,7 @@ impl Gemm {
             lda: if trans_a { m } else { k },
             ldb: if trans_b { k } else { n },
             ldc: n,
+            bf16_inputs: false,
         }
     }
     pub fn alpha(mut self, alpha: f32) -> Self {
@@ -152,6 +158,11 @@ impl Gemm {
     }
     pub fn beta(mut self, beta: f32) -> Self {
         self.beta = beta;
+        self
+    }
+    /// bf16 operands with f32 accumulation when `on` (see [`Gemm::bf16_inputs`]).
+    pub fn bf16_inputs(mut self, on: bool) -> Self {
+        self.bf16_inputs = on;
         self
     }
     /// Override leading dimensions (strided sub-matrix views).

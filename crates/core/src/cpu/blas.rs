@@ -5,6 +5,7 @@
 
 use super::{syrk_avx2, CpuBackend, PAR_MIN};
 use crate::backend::{Blas, Gemm, Memory, Syrk};
+use crate::ledger::Category;
 use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
 
@@ -139,6 +140,7 @@ pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
         lda,
         ldb,
         ldc,
+        ..
     } = g;
     if m == 0 || n == 0 {
         return;
@@ -382,8 +384,66 @@ fn syrk<S: GemmScalar>(c: ViewMut, a: View, s: Syrk) {
     syrk_host::<S>(c.host(), a.host(), s)
 }
 
+/// Elements of an operand a GEMM reads (from its view's start).
+pub(crate) fn operand_extent(g: &Gemm) -> (usize, usize) {
+    let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+    (extent(ar, ac, g.lda), extent(br, bc, g.ldb))
+}
+
+/// `dst[..n] = src[..n]` rounded to bf16 and held in f32 (bf16 sources widen exactly).
+fn round_into(dst: &mut [f32], src: View, n: usize) {
+    let dst = &mut dst[..n];
+    match src.dtype() {
+        DType::F32 => dst
+            .par_iter_mut()
+            .zip(src.host::<f32>()[..n].par_iter())
+            .with_min_len(PAR_MIN)
+            .for_each(|(d, &x)| *d = crate::bf16::to_f32(crate::bf16::from_f32(x))),
+        DType::BF16 => dst
+            .par_iter_mut()
+            .zip(src.host_bf16()[..n].par_iter())
+            .with_min_len(PAR_MIN)
+            .for_each(|(d, &h)| *d = crate::bf16::to_f32(h)),
+        d => panic!("bf16-input gemm on a {} operand", d.name()),
+    }
+}
+
+impl CpuBackend {
+    /// Run `f` on A and B rounded to bf16 (in f32, so `matrixmultiply` runs them: a product of
+    /// two bf16 values is exact in f32, so this is what a bf16 × bf16 → f32 GEMM computes, up
+    /// to summation order). The scratch is sized by the operand views' lengths, which are fixed
+    /// buffers from step to step, so it grows in the first step only; `na`/`nb` elements (what
+    /// the GEMM reads) are rounded.
+    pub(crate) fn with_bf16_operands(
+        &self,
+        a: View,
+        b: View,
+        (na, nb): (usize, usize),
+        f: impl FnOnce(View, View),
+    ) {
+        let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        for (slot, len) in slots.iter_mut().zip([a.len(), b.len()]) {
+            if slot.as_ref().is_none_or(|t| t.len() < len) {
+                *slot = None; // free before allocating, so the ledger's peak sees one of them
+                *slot = Some(self.zeros_of(&[len], DType::F32, Category::Buffers));
+            }
+        }
+        let [sa, sb] = &mut *slots;
+        let (sa, sb) = (sa.as_mut().unwrap(), sb.as_mut().unwrap());
+        round_into(sa.view_mut().host::<f32>(), a, na.min(a.len()));
+        round_into(sb.view_mut().host::<f32>(), b, nb.min(b.len()));
+        f(sa.slice(0, a.len()), sb.slice(0, b.len()))
+    }
+}
+
 impl Blas for CpuBackend {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
+        if g.bf16_inputs {
+            assert_eq!(c.dtype(), DType::F32, "bf16-input gemm writes f32");
+            let n = operand_extent(&g);
+            return self.with_bf16_operands(a, b, n, |a, b| gemm::<f32>(c, a, b, g));
+        }
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
     }
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {

@@ -14,7 +14,7 @@ use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, Tensor, View, ViewMut};
 pub use blas::{syrk_host, syrk_host_strips};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use two_memory::TwoMemory;
 pub use two_memory::TwoMemoryOptions;
@@ -44,6 +44,9 @@ pub struct CpuBackend {
     dtype: DType,
     /// The emulated device and copy streams of the two-memory mode.
     two: Option<Arc<TwoMemory>>,
+    /// f32 scratch for the A and B operands of bf16-input GEMMs, holding them rounded to bf16:
+    /// grown to the largest operand seen (the first step), then reused.
+    bf16_scratch: Arc<Mutex<[Option<Tensor>; 2]>>,
 }
 
 impl CpuBackend {
@@ -71,6 +74,7 @@ impl CpuBackend {
             ledger,
             dtype: DType::F32,
             two: None,
+            bf16_scratch: Default::default(),
         }
     }
     /// An f64 backend, for gradient checks.
@@ -79,6 +83,7 @@ impl CpuBackend {
             ledger,
             dtype: DType::F64,
             two: None,
+            bf16_scratch: Default::default(),
         }
     }
     /// An f32 backend with two memories, as a GPU has: `zeros`/`upload` allocate on an
@@ -91,6 +96,7 @@ impl CpuBackend {
             ledger,
             dtype: DType::F32,
             two: Some(Arc::new(TwoMemory::new(options))),
+            bf16_scratch: Default::default(),
         }
     }
     pub fn dtype(&self) -> DType {

@@ -314,12 +314,59 @@ fn op(t: bool) -> blas_sys::cublasOperation_t {
     }
 }
 
+impl CudaBackend {
+    /// Run `f` on A and B as bf16 (`Gemm::bf16_inputs`): an f32 operand is cast (nearest even,
+    /// the cast kernel) into a bf16 scratch of the backend's, a bf16 one passed as it is, so that
+    /// cuBLAS multiplies bf16 × bf16 on tensor cores. The scratch is sized by the operand views,
+    /// fixed buffers from step to step, so it grows in the first step only; it is charged to
+    /// the ledger as buffers. The lock orders users on the host; the cast and the GEMM are both
+    /// on the compute stream, so a later cast into the scratch runs after this GEMM read it.
+    pub(crate) fn with_bf16_operands(
+        &self,
+        a: View,
+        b: View,
+        (na, nb): (usize, usize),
+        f: impl FnOnce(View, View),
+    ) {
+        let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let [sa, sb] = &mut *slots;
+        for (slot, v, n) in [(&mut *sa, a, na), (&mut *sb, b, nb)] {
+            if v.dtype() == DType::BF16 {
+                continue;
+            }
+            if slot.as_ref().is_none_or(|t| t.len() < v.len()) {
+                *slot = None; // free first: the ledger's peak holds one of them
+                *slot = Some(self.zeros_of(&[v.len()], DType::BF16, Category::Buffers));
+            }
+            let n = n.min(v.len());
+            let t = slot.as_mut().unwrap();
+            Blas::cast(self, t.slice_mut(0, n), v.slice(0, n));
+        }
+        let va = match (a.dtype(), sa.as_ref()) {
+            (DType::BF16, _) | (_, None) => a,
+            (_, Some(t)) => t.slice(0, a.len()),
+        };
+        let vb = match (b.dtype(), sb.as_ref()) {
+            (DType::BF16, _) | (_, None) => b,
+            (_, Some(t)) => t.slice(0, b.len()),
+        };
+        f(va, vb)
+    }
+}
+
 impl Blas for CudaBackend {
     /// f32 × f32 → f32 with `cublasSgemm`; bf16 × bf16 → f32 or bf16 with `cublasGemmEx`,
-    /// accumulating in f32 (FSDP2's mixed precision).
+    /// accumulating in f32 (FSDP2's mixed precision). With `g.bf16_inputs`, f32 operands are
+    /// cast to bf16 first (`with_bf16_operands`).
     fn gemm(&self, mut c: ViewMut, a: View, b: View, g: Gemm) {
         if g.m == 0 || g.n == 0 {
             return;
+        }
+        if g.bf16_inputs && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
+            let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+            let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+            let n = (extent(ar, ac, g.lda), extent(br, bc, g.ldb));
+            return self.with_bf16_operands(a, b, n, |a, b| Blas::gemm(self, c, a, b, g));
         }
         let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
         let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };

@@ -399,6 +399,18 @@ fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
                 "| {m} | {n} | {k} | {ta}/{tb} | {pad} | bf16→f32 | {e16:.1e} |"
             );
             ensure(e16 < 1e-4, || format!("bf16 {g:?}: relative error {e16:e}"))?;
+            // The same product from the f32 operands with `Gemm::bf16_inputs` (what training
+            // with compute_dtype = "bf16" runs): the backend's own cast into its scratch.
+            let mut dc = on(be, &c);
+            be.gemm(dc.view_mut(), da.view(), db.view(), g.bf16_inputs(true));
+            let ein = rel_err(&be.download(dc.view()), &want);
+            let _ = writeln!(
+                md,
+                "| {m} | {n} | {k} | {ta}/{tb} | {pad} | f32 as bf16 | {ein:.1e} |"
+            );
+            ensure(ein < 1e-4, || {
+                format!("bf16_inputs {g:?}: relative error {ein:e}")
+            })?;
         }
     }
     // Syrk (Newton–Schulz's X·Xᵀ): cublasSsyrk on one triangle plus the mirror kernel, both
@@ -623,6 +635,18 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
         let diff = rel_err(&be.download(grouped.view()), &be.download(looped.view()));
         ensure(diff < 1e-4, || {
             format!("mean {mean} tokens/expert: grouped differs from the loop by {diff:e}")
+        })?;
+        // From the f32 operands with `Gemm::bf16_inputs`: one cast of each whole operand, then
+        // the grouped call on bf16.
+        let gb: Vec<_> = groups
+            .iter()
+            .map(|&(g, a, b, c)| (g.bf16_inputs(true), a, b, c))
+            .collect();
+        let mut cast_in = be.zeros(&[tokens * n], Category::Buffers);
+        crate::kernel_backend::Gemms::gemm_grouped(be, cast_in.view_mut(), x.view(), w.view(), &gb);
+        let d_in = rel_err(&be.download(cast_in.view()), &be.download(looped.view()));
+        ensure(d_in < 1e-4, || {
+            format!("mean {mean} tokens/expert: bf16_inputs differs from the loop by {d_in:e}")
         })?;
         let time = |f: &mut dyn FnMut()| {
             let iters = 10;

@@ -118,6 +118,14 @@ impl Gemms for CudaBackend {
     /// `GANYMEDE_CUDA_GROUPED=loop`, one GEMM per group instead (what the device check measures
     /// the grouped call against).
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        let bf16 = groups.iter().any(|(g, ..)| g.bf16_inputs);
+        if bf16 && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
+            // Whole views, cast once for every group (which rows the groups read follows the
+            // routing); the per-group calls then see bf16 operands.
+            let n = (a.len(), b.len());
+            return self
+                .with_bf16_operands(a, b, n, |a, b| Gemms::gemm_grouped(self, c, a, b, groups));
+        }
         if grouped_loop() {
             self.gemm_grouped_loop(c, a, b, groups)
         } else {

@@ -742,3 +742,85 @@ fn grouped_gemm_matches_one_gemm_per_group() {
     }
     assert_eq!(b.download(got.view()), b.download(want.view()));
 }
+
+/// f64 reference of `C = op(A)·op(B)` (row-major, dense leading dimensions).
+fn gemm_ref(a: &[f64], b: &[f64], m: usize, n: usize, k: usize, ta: bool, tb: bool) -> Vec<f64> {
+    let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
+    let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            c[i * n + j] = (0..k).map(|p| at(i, p) * bt(p, j)).sum();
+        }
+    }
+    c
+}
+
+/// A bf16-input GEMM (plain and grouped, every transpose) is the exact product of the
+/// bf16-rounded operands up to f32 summation order, and not the f32 GEMM of the raw ones.
+#[test]
+fn bf16_input_gemm_rounds_operands() {
+    use crate::backend::Gemm;
+    use crate::bf16::{from_f32, to_f32};
+    let ledger = Arc::new(Ledger::new());
+    let b = CpuBackend::new(ledger.clone());
+    let mut r = Rng(29);
+    let (m, n, k) = (37, 29, 300);
+    let a: Vec<f32> = r.vec(m * k).iter().map(|&v| v as f32).collect();
+    let w: Vec<f32> = r.vec(k * n).iter().map(|&v| v as f32).collect();
+    let round = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| to_f32(from_f32(x)) as f64).collect() };
+    let (at, wt) = (
+        b.upload(&a, &[a.len()], Category::Activations),
+        b.upload(&w, &[w.len()], Category::Activations),
+    );
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        let want = gemm_ref(&round(&a), &round(&w), m, n, k, ta, tb);
+        let run = |bf16: bool, grouped: bool| {
+            let mut c = b.zeros(&[m * n], Category::Activations);
+            let g = Gemm::new(m, n, k, ta, tb).bf16_inputs(bf16);
+            if grouped {
+                b.gemm_grouped(c.view_mut(), at.view(), wt.view(), &[(g, 0, 0, 0)]);
+            } else {
+                b.gemm(c.view_mut(), at.view(), wt.view(), g);
+            }
+            b.download(c.view())
+        };
+        let scale = want.iter().fold(0f64, |s, x| s.max(x.abs()));
+        for grouped in [false, true] {
+            let got = run(true, grouped);
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f64, |e, (&g, &w)| e.max((g as f64 - w).abs()));
+            // Only f32 summation of k exact products differs: a few ulps of the largest term.
+            assert!(
+                err <= 1e-6 * scale,
+                "bf16 gemm off by {err} (scale {scale})"
+            );
+        }
+        // The f32 GEMM of unrounded inputs is far from it: rounding really happened.
+        let f32_err = run(false, false)
+            .iter()
+            .zip(&want)
+            .fold(0f64, |e, (&g, &w)| e.max((g as f64 - w).abs()));
+        assert!(f32_err > 1e-3 * scale, "f32 gemm only {f32_err} from bf16");
+    }
+    // The scratch is charged to the ledger and reused: a second GEMM allocates nothing.
+    let before = ledger.alloc_count();
+    let mut c = b.zeros(&[m * n], Category::Activations);
+    let after_c = ledger.alloc_count();
+    b.gemm(
+        c.view_mut(),
+        at.view(),
+        wt.view(),
+        Gemm::new(m, n, k, false, false).bf16_inputs(true),
+    );
+    assert_eq!(ledger.alloc_count(), after_c);
+    assert!(after_c == before + 1);
+    assert!(
+        ledger
+            .report()
+            .current(crate::ledger::Device::Host, Category::Buffers)
+            >= ((m * k + k * n) * 4) as u64
+    );
+}
