@@ -38,7 +38,7 @@ pub trait GemmScalar: Scalar {
         rsc: isize,
         csc: isize,
     );
-    /// The lower triangle of a symmetric rank-k product by a packed triangular kernel, where
+    /// A symmetric rank-k product (lower triangle, then mirrored) by a packed kernel, where
     /// this type and CPU have one; `false` means nothing was done.
     ///
     /// # Safety
@@ -75,6 +75,9 @@ impl GemmScalar for f32 {
             return false;
         }
         syrk_avx2::syrk_lower(n, k, alpha, beta, a, rsa, csa, c, ldc);
+        // Safety: `c` holds the n×n matrix (the caller checked its extent).
+        let len = (n - 1) * ldc + n;
+        syrk_avx2::mirror_lower(std::slice::from_raw_parts_mut(c, len), n, ldc);
         true
     }
 
@@ -258,9 +261,11 @@ fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, packed: bool) {
     // Safety: bounds were checked above; `c` and `a` are distinct slices.
     let packed =
         packed && unsafe { S::syrk_lower(n, k, alpha, beta, a, rsa, csa, c.as_mut_ptr(), ldc) };
-    if !packed {
-        syrk_strips(c, a, n, k, alpha, beta, rsa, csa, ldc);
+    if packed {
+        // The packed kernel mirrored the triangle itself.
+        return;
     }
+    syrk_strips(c, a, n, k, alpha, beta, rsa, csa, ldc);
     // Upper triangle from the lower, in tiles so that both sides stay in cache.
     const TILE: usize = 32;
     for i0 in (0..n).step_by(TILE) {

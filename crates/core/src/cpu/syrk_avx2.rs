@@ -104,6 +104,33 @@ pub unsafe fn syrk_lower(
     PACKED.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
 }
 
+/// The strictly upper triangle of the n×n matrix `c` (row stride `ldc`) from its lower one,
+/// whole 8×8 tiles by register transposes, the rest element by element.
+///
+/// # Safety
+/// `available()` must be true and `c` must hold the matrix.
+pub unsafe fn mirror_lower(c: &mut [f32], n: usize, ldc: usize) {
+    let full = n - n % MR;
+    let cp = c.as_mut_ptr();
+    for i0 in (0..full).step_by(MR) {
+        for j0 in (i0 + MR..full).step_by(MR) {
+            // Rows i0.., columns j0.. (upper) from rows j0.., columns i0.. (lower).
+            transpose8(cp.add(j0 * ldc + i0), ldc, cp.add(i0 * ldc + j0), ldc);
+        }
+    }
+    // Inside the diagonal tiles, the columns past the last whole tile, and the rows below it.
+    for i in 0..n {
+        let (tile_end, tail) = if i < full {
+            (i - i % MR + MR, full)
+        } else {
+            (n, n)
+        };
+        for j in (i + 1..tile_end).chain(tail..n) {
+            c[i * ldc + j] = c[j * ldc + i];
+        }
+    }
+}
+
 /// `packed[r][p][ii] = op(A)[r·8 + ii][p]`, zero past row `n`.
 fn pack(packed: &mut [f32], n: usize, k: usize, a: &[f32], rsa: usize, csa: usize) {
     if k == 0 {
@@ -121,6 +148,28 @@ fn pack(packed: &mut [f32], n: usize, k: usize, a: &[f32], rsa: usize, csa: usiz
                 let src = &a[p * csa + i0..p * csa + i0 + rows];
                 panel[p * MR..p * MR + rows].copy_from_slice(src);
             }
+        } else if csa == 1 && rows == MR {
+            // Rows contiguous (op(A) = A): eight rows by eight columns at a time, transposed in
+            // registers, instead of eight strided stores per value read.
+            let p8 = k - k % 8;
+            for p in (0..p8).step_by(8) {
+                // Safety: rows i0..i0+8 hold k ≥ p+8 values from i·rsa (checked by the caller);
+                // the panel holds 8·k values.
+                unsafe {
+                    transpose8(
+                        a.as_ptr().add(i0 * rsa + p),
+                        rsa,
+                        panel[p * MR..].as_mut_ptr(),
+                        MR,
+                    )
+                };
+            }
+            for ii in 0..MR {
+                let i = i0 + ii;
+                for p in p8..k {
+                    panel[p * MR + ii] = a[i * rsa + p];
+                }
+            }
         } else {
             for ii in 0..rows {
                 let i = i0 + ii;
@@ -135,6 +184,57 @@ fn pack(packed: &mut [f32], n: usize, k: usize, a: &[f32], rsa: usize, csa: usiz
     } else {
         packed.par_chunks_mut(k * MR).enumerate().for_each(fill);
     }
+}
+
+/// `dst[q·ldd + ii] = src[ii·ld + q]` for an 8×8 block (`ldd = 8`: the packed layout of eight
+/// consecutive `p`).
+///
+/// # Safety
+/// `src` and `dst` must hold 8 rows of 8 values `ld` / `ldd` apart; the CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose8(src: *const f32, ld: usize, dst: *mut f32, ldd: usize) {
+    let r = |ii: usize| _mm256_loadu_ps(src.add(ii * ld));
+    let (r0, r1, r2, r3, r4, r5, r6, r7) = (r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7));
+    // Interleave pairs of rows, then pairs of pairs, then the 128-bit halves.
+    let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+    let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+    let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+    let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+    let (u0, u1) = (
+        _mm256_shuffle_ps::<0x44>(t0, t2),
+        _mm256_shuffle_ps::<0xEE>(t0, t2),
+    );
+    let (u2, u3) = (
+        _mm256_shuffle_ps::<0x44>(t1, t3),
+        _mm256_shuffle_ps::<0xEE>(t1, t3),
+    );
+    let (u4, u5) = (
+        _mm256_shuffle_ps::<0x44>(t4, t6),
+        _mm256_shuffle_ps::<0xEE>(t4, t6),
+    );
+    let (u6, u7) = (
+        _mm256_shuffle_ps::<0x44>(t5, t7),
+        _mm256_shuffle_ps::<0xEE>(t5, t7),
+    );
+    let out = [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ];
+    for (q, v) in out.iter().enumerate() {
+        _mm256_storeu_ps(dst.add(q * ldd), *v);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn transpose8(_: *const f32, _: usize, _: *mut f32, _: usize) {
+    unreachable!("syrk_avx2 on a CPU without AVX2")
 }
 
 /// Row block `rb` (panels `[rb·mc, rb·mc + mc)`, `mc ≤ MC`): its tiles on and left of the diagonal, `k`
