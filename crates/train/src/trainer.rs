@@ -691,6 +691,40 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
 /// the same tokens in memory. A failing rank prints its error and aborts the job, and a stalled
 /// collective fails after `parallelism.timeout_s`, so no rank hangs. With a trace, each rank
 /// writes `FILE.rank<r>.json`.
+/// One process's share of a multi-process job (MPI or NCCL ranks): the config fitted to the
+/// world, the fit check, the run directory (rank 0 prepares it and writes the data cache) and
+/// the data.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+fn process_run(
+    cfg: &JobConfig,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    rank: usize,
+    n: usize,
+) -> Result<Run> {
+    let mut cfg = cfg.clone();
+    fit_mesh(&mut cfg, n, &[]);
+    cfg.validate()?;
+    init_threads(cfg.training.threads);
+    check_fit(&cfg, n)?;
+    // Every rank checks the directory (the same answer on a shared file system), so a refusal
+    // ends every rank rather than leaving the others waiting.
+    let run_dir = run_dir_for(ckpt, opts)?;
+    let data = if rank == 0 {
+        prepare_run_dir(&cfg, &run_dir)?;
+        build_data(&cfg, Some(&run_dir.join("data")))?
+    } else {
+        build_data(&cfg, None)?
+    };
+    Ok(Run {
+        cfg,
+        ckpt: ckpt.map(Path::to_path_buf),
+        opts: opts.clone(),
+        data,
+        run_dir,
+    })
+}
+
 #[cfg(feature = "mpi")]
 pub fn train_mpi(
     cfg: &JobConfig,
@@ -706,27 +740,7 @@ pub fn train_mpi(
     if opts.out.is_none() && ckpt.and_then(run_dir_of).is_none() {
         bail!("under mpirun, give --out: every rank must write to the same run directory");
     }
-    let mut cfg = cfg.clone();
-    fit_mesh(&mut cfg, n, &[]);
-    cfg.validate()?;
-    init_threads(cfg.training.threads);
-    check_fit(&cfg, n)?;
-    // Every rank checks the directory (the same answer on a shared file system), so a refusal
-    // ends every rank rather than leaving the others waiting.
-    let run_dir = run_dir_for(ckpt, opts)?;
-    let data = if rank == 0 {
-        prepare_run_dir(&cfg, &run_dir)?;
-        build_data(&cfg, Some(&run_dir.join("data")))?
-    } else {
-        build_data(&cfg, None)?
-    };
-    let run = Run {
-        cfg,
-        ckpt: ckpt.map(Path::to_path_buf),
-        opts: opts.clone(),
-        data,
-        run_dir,
-    };
+    let run = process_run(cfg, ckpt, opts, rank, n)?;
     let dynw: Arc<dyn ProcessGroup> = world.clone();
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         rank_loop(dynw, &run, rank == 0)

@@ -151,23 +151,13 @@ impl CudaBackend {
         groups: &[(Gemm, usize, usize, usize)],
     ) {
         for &(g, ao, bo, co) in groups {
-            let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-            let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-            if g.m == 0 || g.n == 0 {
+            let [la, lb, lc] = operand_extents(&g);
+            if lc == 0 {
                 continue;
             }
-            assert!(
-                a.len() >= ao + extent(ar, ac, g.lda),
-                "grouped gemm: A too small {g:?}"
-            );
-            assert!(
-                b.len() >= bo + extent(br, bc, g.ldb),
-                "grouped gemm: B too small {g:?}"
-            );
-            assert!(
-                c.len() >= co + extent(g.m, g.n, g.ldc),
-                "grouped gemm: C too small {g:?}"
-            );
+            assert!(a.len() >= ao + la, "grouped gemm: A too small {g:?}");
+            assert!(b.len() >= bo + lb, "grouped gemm: B too small {g:?}");
+            assert!(c.len() >= co + lc, "grouped gemm: C too small {g:?}");
         }
         let call = map_gemm_grouped(groups).unwrap_or_else(|e| panic!("grouped gemm: {e}"));
         let problems = call.calls.len();
@@ -287,6 +277,17 @@ impl CudaBackend {
         ));
         dev.addr
     }
+}
+
+/// Elements each operand of `g` spans (A, B, C); C's is 0 when the product is empty.
+pub(super) fn operand_extents(g: &Gemm) -> [usize; 3] {
+    let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+    [
+        extent(ar, ac, g.lda),
+        extent(br, bc, g.ldb),
+        extent(g.m, g.n, g.ldc),
+    ]
 }
 
 /// Elements a row-major `rows × cols` operand with row stride `ld` spans.

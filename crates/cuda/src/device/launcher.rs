@@ -4,7 +4,7 @@
 //! cuBLAS GEMMs, every other op a kernel of `kernels/*.cu` — the same ops layer, and the same
 //! launches, that the host build checks against the CPU backend in CI.
 
-use super::blas::extent;
+use super::blas::operand_extents;
 use super::memory::{place, place_mut, Place};
 use super::{ok, CudaBackend, DeviceError};
 use crate::host::{Arg, LaunchConfig};
@@ -150,13 +150,7 @@ impl CudaBackend {
         groups: &[(Gemm, usize, usize, usize)],
     ) {
         for &(g, ao, bo, co) in groups {
-            let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-            let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-            let (la, lb, lc) = (
-                extent(ar, ac, g.lda),
-                extent(br, bc, g.ldb),
-                extent(g.m, g.n, g.ldc),
-            );
+            let [la, lb, lc] = operand_extents(&g);
             if lc == 0 {
                 continue;
             }

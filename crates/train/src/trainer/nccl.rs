@@ -72,25 +72,7 @@ pub fn train_nccl(
             "with several processes, give --out: every rank must write to the same run directory"
         );
     }
-    let mut cfg = cfg.clone();
-    fit_mesh(&mut cfg, n, &[]);
-    cfg.validate()?;
-    init_threads(cfg.training.threads);
-    check_fit(&cfg, n)?;
-    let run_dir = run_dir_for(ckpt, opts)?;
-    let data = if rank == 0 {
-        prepare_run_dir(&cfg, &run_dir)?;
-        build_data(&cfg, Some(&run_dir.join("data")))?
-    } else {
-        build_data(&cfg, None)?
-    };
-    let run = Run {
-        cfg,
-        ckpt: ckpt.map(Path::to_path_buf),
-        opts: opts.clone(),
-        data,
-        run_dir,
-    };
+    let run = process_run(cfg, ckpt, opts, rank, n)?;
     let dynw: Arc<dyn ProcessGroup> = world.clone();
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         rank_loop(dynw, &run, rank == 0)
