@@ -7,7 +7,9 @@ use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::{moe_slot, Workspace};
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
-use ganymede_core::{Backend, Gemm, NormSaved, ParamStore, Tensor, ViewMut};
+use ganymede_core::{
+    embedding_segments, Backend, EmbedIds, Gemm, NormSaved, ParamStore, Tensor, ViewMut,
+};
 
 /// Which pass wants a block's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,6 +142,15 @@ fn forward(
     // The step's one upload of its tokens (host to device: no read).
     be.write_u32(head.ids.view_mut(), inputs);
     be.write_u32(head.targets.view_mut(), targets);
+    if backward {
+        // With the ids, their grouping by id: the host has them, the embedding's backward
+        // would otherwise read them back.
+        let (order, seg_start, seg_id) = embedding_segments(inputs);
+        be.write_u32(head.order.slice_mut(0, order.len()), &order);
+        be.write_u32(head.seg_start.slice_mut(0, seg_start.len()), &seg_start);
+        be.write_u32(head.seg_id.slice_mut(0, seg_id.len()), &seg_id);
+        head.segments = seg_id.len();
+    }
     res.before_write(be, 0);
     be.embedding_forward(
         res.get_mut(0),
@@ -397,7 +408,14 @@ pub fn forward_backward_with(
         src.release_block(be, l, Pass::Backward);
     }
     let dwte = sink.grads().get_mut(model.embed).view_mut();
-    be.embedding_backward(dwte, g.dres.view(), head.ids.view(), h);
+    let ids = EmbedIds {
+        ids: head.ids.view(),
+        order: head.order.view(),
+        seg_start: head.seg_start.view(),
+        seg_id: head.seg_id.view(),
+        segments: head.segments,
+    };
+    be.embedding_backward(dwte, g.dres.view(), ids, h);
     summarise(be, model, src, ws, n, &stats)
 }
 

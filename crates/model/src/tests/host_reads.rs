@@ -5,7 +5,7 @@ use crate::*;
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{
     AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, DType, Device,
-    DispatchOut, Dispatched, Gemm, HeadRope, Ledger, Memory, NnOps, NormSaved, OptimOps,
+    DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Ledger, Memory, NnOps, NormSaved, OptimOps,
     ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -108,7 +108,7 @@ impl NnOps for CountingReads {
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         self.be.embedding_forward(out, wte, ids, dim)
     }
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
         self.be.embedding_backward(dwte, dout, ids, dim)
     }
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
