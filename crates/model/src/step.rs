@@ -146,9 +146,12 @@ fn forward(
         // With the ids, their grouping by id: the host has them, the embedding's backward
         // would otherwise read them back.
         let (order, seg_start, seg_id) = embedding_segments(inputs);
-        be.write_u32(head.order.slice_mut(0, order.len()), &order);
-        be.write_u32(head.seg_start.slice_mut(0, seg_start.len()), &seg_start);
-        be.write_u32(head.seg_id.slice_mut(0, seg_id.len()), &seg_id);
+        let mut groups = order;
+        groups.extend(&seg_start);
+        groups.resize(2 * n + 1, 0);
+        groups.extend(&seg_id);
+        groups.resize(3 * n + 1, 0);
+        be.write_u32(head.id_groups.view_mut(), &groups);
         head.segments = seg_id.len();
     }
     res.before_write(be, 0);
@@ -408,11 +411,13 @@ pub fn forward_backward_with(
         src.release_block(be, l, Pass::Backward);
     }
     let dwte = sink.grads().get_mut(model.embed).view_mut();
+    // This slice's tokens (`n` counts the global batch's), laid out as `forward` wrote them.
+    let ln = local_n;
     let ids = EmbedIds {
         ids: head.ids.view(),
-        order: head.order.view(),
-        seg_start: head.seg_start.view(),
-        seg_id: head.seg_id.view(),
+        order: head.id_groups.slice(0, ln),
+        seg_start: head.id_groups.slice(ln, ln + 1),
+        seg_id: head.id_groups.slice(2 * ln + 1, ln),
         segments: head.segments,
     };
     be.embedding_backward(dwte, g.dres.view(), ids, h);

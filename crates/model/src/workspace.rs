@@ -109,12 +109,11 @@ pub(crate) struct HeadActs {
     /// The batch's input and target token ids (u32), written once at the step's start.
     pub ids: Tensor,
     pub targets: Tensor,
-    /// The input ids grouped by id (`ganymede_core::embedding_segments`: `[N]`, `[N + 1]`,
-    /// `[N]` u32, the first `segments` (+1) entries used), written with the ids by a step that
-    /// runs backward: the embedding's backward then needs no read of the ids.
-    pub order: Tensor,
-    pub seg_start: Tensor,
-    pub seg_id: Tensor,
+    /// The input ids grouped by id (`ganymede_core::embedding_segments`), u32 `[3N + 1]`: order
+    /// at `0..N`, segment starts at `N..2N + 1`, segment ids at `2N + 1..3N + 1`, the first
+    /// `segments` (+1) of each used. Written with the ids, in one upload, by a step that runs
+    /// backward: the embedding's backward then needs no read of the ids.
+    pub id_groups: Tensor,
     pub segments: usize,
 }
 
@@ -256,9 +255,7 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
         ("lse_ce", n),
         ("ids", n),
         ("targets", n),
-        ("order", n),
-        ("seg_start", n + 1),
-        ("seg_id", n),
+        ("id_groups", 3 * n + 1),
     ]);
     p
 }
@@ -267,16 +264,7 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
 fn is_index(what: &str) -> bool {
     matches!(
         what,
-        "idx"
-            | "src"
-            | "pos"
-            | "counts"
-            | "offsets"
-            | "ids"
-            | "targets"
-            | "order"
-            | "seg_start"
-            | "seg_id"
+        "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets" | "id_groups"
     )
 }
 
@@ -471,9 +459,7 @@ impl Workspace {
             loss: be.zeros_of(&[1], DType::F64, Category::Buffers),
             ids: t("ids"),
             targets: t("targets"),
-            order: t("order"),
-            seg_start: t("seg_start"),
-            seg_id: t("seg_id"),
+            id_groups: t("id_groups"),
             segments: 0,
         };
         assert!(it.next().is_none(), "workspace plan not fully allocated");
@@ -561,9 +547,7 @@ impl Workspace {
             &self.head.lse,
             &self.head.ids,
             &self.head.targets,
-            &self.head.order,
-            &self.head.seg_start,
-            &self.head.seg_id,
+            &self.head.id_groups,
         ] {
             add(t);
         }

@@ -43,7 +43,7 @@ pub struct ActivationTerms {
     /// above if any layer is MoE.
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
-    /// targets, the ids' grouping by id (order `N`, segment starts `N + 1`, segment ids `N`):
+    /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
     /// 4·N·(H + V + 7) + 4.
     pub head: f64,
 }
