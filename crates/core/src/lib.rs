@@ -48,8 +48,9 @@ pub mod stream;
 pub mod tensor;
 
 pub use backend::{
-    AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, DispatchOut, Dispatched, Gemm,
-    HeadRope, Memory, NnOps, NormSaved, OptimOps, RouterDims, RouterOut, Syrk,
+    embedding_segments, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, DispatchOut,
+    Dispatched, EmbedIds, Gemm, HeadRope, Memory, NnOps, NormSaved, OptimOps, RouterDims,
+    RouterOut, Syrk,
 };
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};

@@ -9,9 +9,9 @@ __device__ void embedding_fwd(T* out, const T* wte, const unsigned* ids, int dim
 }
 
 // dwte[ids[t]] += dout[t] without atomics, deterministically: the host groups the token ids
-// (host::embedding_segments: `order` lists the tokens sorted by id, stably, and segment s holds
-// order[seg_start[s] .. seg_start[s+1]], all of id seg_id[s]), and each block adds its
-// segment's rows in token order, as the CPU backend does.
+// when it builds the batch (ganymede_core::embedding_segments: `order` lists the tokens sorted
+// by id, stably, and segment s holds order[seg_start[s] .. seg_start[s+1]], all of id
+// seg_id[s]), and each block adds its segment's rows in token order, as the CPU backend does.
 // Launch: grid = number of segments, any 1-D block.
 template <class T>
 __device__ void embedding_bwd_sorted(float* dwte, const T* dout, const unsigned* order,

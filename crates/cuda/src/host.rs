@@ -175,24 +175,8 @@ pub unsafe fn launch(name: &str, cfg: LaunchConfig, args: &[Arg]) {
     assert_eq!(rc, 0, "kernel {name}: launch failed ({cfg:?})");
 }
 
-/// What `embedding_backward_sorted_*` reads, computed on the host from the token ids (which the
-/// seam keeps on the host): `order` lists the tokens sorted by id, stably (ties in token order),
-/// and segment `s` is `order[seg_start[s]..seg_start[s + 1]]`, all of id `seg_id[s]`. One block
-/// per segment then adds its rows in token order, without atomics.
-pub fn embedding_segments(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
-    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
-    order.sort_by_key(|&t| ids[t as usize]);
-    let (mut seg_start, mut seg_id) = (Vec::new(), Vec::new());
-    for (p, &t) in order.iter().enumerate() {
-        let id = ids[t as usize];
-        if seg_id.last() != Some(&id) {
-            seg_start.push(p as u32);
-            seg_id.push(id);
-        }
-    }
-    seg_start.push(ids.len() as u32);
-    (order, seg_start, seg_id)
-}
+/// What `embedding_backward_sorted_*` reads (defined in core, where the batch builder uses it).
+pub use ganymede_core::embedding_segments;
 
 /// RoPE's frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, in f32 as the CPU
 /// backend (and transformers) compute them: what `head_norm_rope_*` kernels read as `inv_freq`.

@@ -9,8 +9,8 @@ use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};
 use ganymede_core::{
     AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, CopySpan, CpuBackend, DType, Device,
-    DispatchOut, Dispatched, Event, Gemm, HeadRope, Ledger, Memory, MemoryError, NnOps, NormSaved,
-    OptimOps, RouterDims, RouterOut, Stream, Syrk, Tensor, View, ViewMut,
+    DispatchOut, Dispatched, EmbedIds, Event, Gemm, HeadRope, Ledger, Memory, MemoryError, NnOps,
+    NormSaved, OptimOps, RouterDims, RouterOut, Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -200,7 +200,7 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         self.ops.embedding_forward(out, wte, ids, dim)
     }
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
         self.ops.embedding_backward(dwte, dout, ids, dim)
     }
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {

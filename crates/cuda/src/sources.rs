@@ -22,8 +22,8 @@
 //!   - cross-entropy: `cross_entropy_forward_*` (lse) then `cross_entropy_loss_acc_*`;
 //!   - attention backward: `delta`, `batch × heads × tq` f32 (`attention_backward_delta_*`),
 //!     then `attention_backward_dkdv_*` and `attention_backward_dq_*`;
-//!   - embedding backward: the host's `host::embedding_segments(ids)` uploaded (three u32
-//!     arrays);
+//!   - embedding backward: the ids' grouping (`ganymede_core::embedding_segments`, three u32
+//!     arrays), uploaded by the step with its ids (`EmbedIds`);
 //! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
 //!   (`host::rope_inv_freq`, bitwise the CPU backend's);
 //! - `dispatch_count` needs its counts zeroed first; `dispatch_offsets` runs as one thread.

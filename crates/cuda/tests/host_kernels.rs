@@ -12,10 +12,15 @@
 //! within twice what one bf16 rounding of the output allows (2^-7 relative: a rounding is up
 //! to 2^-8, and the f32 work before it differs by a few ulps).
 
-use ganymede_core::{bf16, Backend, Blas, Category, CpuBackend, DType, Ledger, Memory, Tensor};
+use ganymede_core::{
+    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Ledger, Memory, Tensor,
+};
 use ganymede_cuda::host::{launch, set_schedule, Arg, LaunchConfig, Schedule};
-use ganymede_cuda::kernel_backend::HostKernelBackend;
-use ganymede_cuda::ops::Tuning;
+use ganymede_cuda::kernel_backend::{HostKernelBackend, KernelBackend};
+use ganymede_cuda::launch::{HostLauncher, Launcher};
+use ganymede_cuda::ops::{KernelOps, Tuning};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 fn cpu() -> CpuBackend {
@@ -544,13 +549,47 @@ fn head_norm_rope_forward_backward() {
 // ---------------------------------------------------------------------------------------------
 // Embedding
 
+/// Ids and their grouping uploaded as the batch builder does; `e(&t)` views them.
+struct Grouped {
+    ids: Tensor,
+    order: Tensor,
+    seg_start: Tensor,
+    seg_id: Tensor,
+    segments: usize,
+}
+
+impl Grouped {
+    fn up(be: &dyn Backend, ids: &[u32]) -> Self {
+        let (order, seg_start, seg_id) = ganymede_core::embedding_segments(ids);
+        let u = |x: &[u32]| be.upload_u32(x, &[x.len()], Category::Activations);
+        Grouped {
+            ids: u(ids),
+            order: u(&order),
+            seg_start: u(&seg_start),
+            seg_id: u(&seg_id),
+            segments: seg_id.len(),
+        }
+    }
+    fn e(&self) -> EmbedIds<'_> {
+        EmbedIds {
+            ids: self.ids.view(),
+            order: self.order.view(),
+            seg_start: self.seg_start.view(),
+            seg_id: self.seg_id.view(),
+            segments: self.segments,
+        }
+    }
+}
+
 #[test]
 fn embedding_forward_backward() {
     let (rows, vocab, dim) = (57usize, 23usize, 70usize);
     let mut rng = Rng::new(7);
-    let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
-    let (_, _, seg_id) = ganymede_cuda::host::embedding_segments(&ids);
+    // Ids 1..vocab-2 only: 0 and the last two never occur (their rows must stay as they were).
+    let ids: Vec<u32> = (0..rows).map(|_| 1 + rng.below(vocab - 3)).collect();
+    let (_, _, seg_id) = ganymede_core::embedding_segments(&ids);
     assert!(seg_id.len() < rows, "the test wants repeated ids");
+    assert!(seg_id.len() < vocab - 3 + 1 && !seg_id.contains(&0));
     let wte = rng.vec(vocab * dim, 1.0);
     let dout = rng.vec(rows * dim, 1.0);
     let dwte0 = rng.vec(vocab * dim, 0.3);
@@ -558,11 +597,16 @@ fn embedding_forward_backward() {
     // wte and dout in storage st, dwte f32.
     let run = |be: &dyn Backend, st: St, v: &[Vec<f32>]| {
         let mut out = st.up(be, &vec![f32::NAN; rows * dim]);
-        let ids = be.upload_u32(&ids, &[ids.len()], Category::Activations);
-        be.embedding_forward(out.view_mut(), st.up(be, &v[0]).view(), ids.view(), dim);
+        let g = Grouped::up(be, &ids);
+        be.embedding_forward(out.view_mut(), st.up(be, &v[0]).view(), g.ids.view(), dim);
         let mut dwte = up(be, &dwte0);
-        be.embedding_backward(dwte.view_mut(), st.up(be, &v[1]).view(), ids.view(), dim);
-        vec![down(be, &out), down(be, &dwte)]
+        be.embedding_backward(dwte.view_mut(), st.up(be, &v[1]).view(), g.e(), dim);
+        let dwte = down(be, &dwte);
+        for id in [0, vocab - 2, vocab - 1] {
+            let r = id * dim..(id + 1) * dim;
+            assert_eq!(dwte[r.clone()], dwte0[r], "row {id} has no token");
+        }
+        vec![down(be, &out), dwte]
     };
     for st in [St::F32, St::Bf16] {
         let inputs = st.inputs(&[wte.clone(), dout.clone()]);
@@ -575,6 +619,85 @@ fn embedding_forward_backward() {
             |v| run(&b, St::F32, v),
         );
     }
+}
+
+/// The host launcher, counting the op layer's transfers between host and device memory.
+#[derive(Clone)]
+struct CountingLauncher {
+    inner: HostLauncher,
+    downloads: Arc<AtomicUsize>,
+    uploads: Arc<AtomicUsize>,
+}
+
+impl Launcher for CountingLauncher {
+    fn addr(&self, v: ganymede_core::View) -> *mut c_void {
+        self.inner.addr(v)
+    }
+    fn addr_mut(&self, v: ganymede_core::ViewMut) -> *mut c_void {
+        self.inner.addr_mut(v)
+    }
+    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        self.inner.launch(name, cfg, args)
+    }
+    fn alloc_scratch(&self, bytes: usize) -> Tensor {
+        self.inner.alloc_scratch(bytes)
+    }
+    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
+        self.uploads.fetch_add(1, Ordering::SeqCst);
+        self.inner.upload(dst, src)
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
+        self.downloads.fetch_add(1, Ordering::SeqCst);
+        self.inner.download(dst, src)
+    }
+}
+
+#[test]
+fn embedding_backward_moves_nothing_between_host_and_device() {
+    // Reading the ids back would stall the GPU's pipeline every step; the grouping comes with
+    // the batch instead. Counted where the op layer moves data (the launcher).
+    let cpu = cpu();
+    let l = CountingLauncher {
+        inner: HostLauncher::new(cpu.clone()),
+        downloads: Arc::default(),
+        uploads: Arc::default(),
+    };
+    let kb = KernelBackend::new(KernelOps::with_tuning(l.clone(), SMALL), cpu);
+    let (rows, vocab, dim) = (40usize, 9usize, 16usize);
+    let mut rng = Rng::new(3);
+    let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
+    let g = Grouped::up(&kb, &ids);
+    let dout = up(&kb, &rng.vec(rows * dim, 1.0));
+    let mut dwte = zeros(&kb, vocab * dim);
+    be_embedding_backward(&kb, &mut dwte, &dout, &g, dim);
+    assert_eq!(
+        l.downloads.load(Ordering::SeqCst),
+        0,
+        "device-to-host reads"
+    );
+    assert_eq!(l.uploads.load(Ordering::SeqCst), 0, "host-to-device writes");
+    // And it did the work: the CPU backend's result.
+    let b = cpu_backend_result(&ids, &down(&kb, &dout), vocab, dim);
+    assert_eq!(down(&kb, &dwte), b);
+}
+
+fn be_embedding_backward(
+    be: &dyn Backend,
+    dwte: &mut Tensor,
+    dout: &Tensor,
+    g: &Grouped,
+    dim: usize,
+) {
+    be.embedding_backward(dwte.view_mut(), dout.view(), g.e(), dim);
+}
+
+fn cpu_backend_result(ids: &[u32], dout: &[f32], vocab: usize, dim: usize) -> Vec<f32> {
+    let b = cpu();
+    let g = Grouped::up(&b, ids);
+    let mut dwte = zeros(&b, vocab * dim);
+    let dout = up(&b, dout);
+    be_embedding_backward(&b, &mut dwte, &dout, &g, dim);
+    down(&b, &dwte)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::{moe_slot, Workspace};
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
-use ganymede_core::{Backend, Gemm, NormSaved, ParamStore, Tensor, ViewMut};
+use ganymede_core::{
+    embedding_segments, Backend, EmbedIds, Gemm, NormSaved, ParamStore, Tensor, ViewMut,
+};
 
 /// Which pass wants a block's parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,6 +142,18 @@ fn forward(
     // The step's one upload of its tokens (host to device: no read).
     be.write_u32(head.ids.view_mut(), inputs);
     be.write_u32(head.targets.view_mut(), targets);
+    if backward {
+        // With the ids, their grouping by id: the host has them, the embedding's backward
+        // would otherwise read them back.
+        let (order, seg_start, seg_id) = embedding_segments(inputs);
+        let mut groups = order;
+        groups.extend(&seg_start);
+        groups.resize(2 * n + 1, 0);
+        groups.extend(&seg_id);
+        groups.resize(3 * n + 1, 0);
+        be.write_u32(head.id_groups.view_mut(), &groups);
+        head.segments = seg_id.len();
+    }
     res.before_write(be, 0);
     be.embedding_forward(
         res.get_mut(0),
@@ -397,7 +411,16 @@ pub fn forward_backward_with(
         src.release_block(be, l, Pass::Backward);
     }
     let dwte = sink.grads().get_mut(model.embed).view_mut();
-    be.embedding_backward(dwte, g.dres.view(), head.ids.view(), h);
+    // This slice's tokens (`n` counts the global batch's), laid out as `forward` wrote them.
+    let ln = local_n;
+    let ids = EmbedIds {
+        ids: head.ids.view(),
+        order: head.id_groups.slice(0, ln),
+        seg_start: head.id_groups.slice(ln, ln + 1),
+        seg_id: head.id_groups.slice(2 * ln + 1, ln),
+        segments: head.segments,
+    };
+    be.embedding_backward(dwte, g.dres.view(), ids, h);
     summarise(be, model, src, ws, n, &stats)
 }
 

@@ -109,6 +109,12 @@ pub(crate) struct HeadActs {
     /// The batch's input and target token ids (u32), written once at the step's start.
     pub ids: Tensor,
     pub targets: Tensor,
+    /// The input ids grouped by id (`ganymede_core::embedding_segments`), u32 `[3N + 1]`: order
+    /// at `0..N`, segment starts at `N..2N + 1`, segment ids at `2N + 1..3N + 1`, the first
+    /// `segments` (+1) of each used. Written with the ids, in one upload, by a step that runs
+    /// backward: the embedding's backward then needs no read of the ids.
+    pub id_groups: Tensor,
+    pub segments: usize,
 }
 
 /// The step's routing scalars (f64, `Category::Buffers`, outside the activation plan, like the
@@ -249,6 +255,7 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
         ("lse_ce", n),
         ("ids", n),
         ("targets", n),
+        ("id_groups", 3 * n + 1),
     ]);
     p
 }
@@ -257,7 +264,7 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
 fn is_index(what: &str) -> bool {
     matches!(
         what,
-        "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets"
+        "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets" | "id_groups"
     )
 }
 
@@ -272,8 +279,9 @@ fn is_index(what: &str) -> bool {
 ///         + Σ_sets (3H + 3Q + 3K + 2·heads + kv_heads + 2)        attention-side internals
 ///                  + [moe] (E + 4k + 2kH + 3kF) + 3·W_set   MLP internals, routing indices
 ///         + 2H + 3Q + 3K + [any MoE](E + k + 2kH + 3kF) + 3·max W  gradient scratch
-///         + H + V + 4 ]                             final norm, logits, token ids/targets
+///         + H + V + 7 ]               final norm, logits, token ids/targets, ids' grouping
 /// + 4 · (2E + 1) per MoE set                        per-expert counts and offsets
+/// + 4                                               the grouping's last segment end
 /// ```
 ///
 /// where the sets are every layer (`AcMode::None`, each with its own kind) or one set sized
@@ -451,6 +459,8 @@ impl Workspace {
             loss: be.zeros_of(&[1], DType::F64, Category::Buffers),
             ids: t("ids"),
             targets: t("targets"),
+            id_groups: t("id_groups"),
+            segments: 0,
         };
         assert!(it.next().is_none(), "workspace plan not fully allocated");
         let moe_layers = (0..cfg.layers).filter(|&l| cfg.is_moe_layer(l)).count();
@@ -537,6 +547,7 @@ impl Workspace {
             &self.head.lse,
             &self.head.ids,
             &self.head.targets,
+            &self.head.id_groups,
         ] {
             add(t);
         }

@@ -43,7 +43,8 @@ pub struct ActivationTerms {
     /// above if any layer is MoE.
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
-    /// targets: 4·N·(H + V + 4).
+    /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
+    /// 4·N·(H + V + 7) + 4.
     pub head: f64,
 }
 
@@ -118,7 +119,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         boundaries: f * n * (m.layers as f64 + 1.0) * h,
         layer_sets: f * n * sets + f * moe_sets * (2.0 * e + 1.0),
         grad_scratch: f * n * scratch,
-        head: f * n * (h + m.vocab_size as f64 + 4.0),
+        head: f * n * (h + m.vocab_size as f64 + 7.0) + f,
     };
 
     // Muon scratch.

@@ -7,8 +7,8 @@ mod nn;
 mod optim;
 
 pub use nn::{
-    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, HeadRope, NnOps, NormSaved,
-    RouterDims, RouterOut,
+    embedding_segments, AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds,
+    HeadRope, NnOps, NormSaved, RouterDims, RouterOut,
 };
 pub use optim::{AdamWStep, OptimOps};
 

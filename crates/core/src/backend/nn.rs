@@ -98,6 +98,42 @@ pub struct Dispatched<'a> {
     pub dim: usize,
 }
 
+/// A step's token ids with their grouping by id, both uploaded by the host with the batch
+/// ([`embedding_segments`] of the same ids), so that a backend can add the embedding gradient
+/// one id at a time, deterministically, without reading the ids back. All u32.
+#[derive(Clone, Copy)]
+pub struct EmbedIds<'a> {
+    /// `[n]`: the token ids.
+    pub ids: View<'a>,
+    /// At least `[n]`: the tokens sorted by id, stably.
+    pub order: View<'a>,
+    /// At least `[segments + 1]`: segment `s` is `order[seg_start[s]..seg_start[s + 1]]`.
+    pub seg_start: View<'a>,
+    /// At least `[segments]`: the id of segment `s`.
+    pub seg_id: View<'a>,
+    /// The number of distinct ids (0 when there are no tokens).
+    pub segments: usize,
+}
+
+/// The grouping [`EmbedIds`] carries, computed on the host from the ids the host uploads:
+/// `(order, seg_start, seg_id)` — `order` lists the tokens sorted by id, stably (ties in token
+/// order), and segment `s` is `order[seg_start[s]..seg_start[s + 1]]`, all of id `seg_id[s]`.
+/// The one definition of it (the batch builder and the tests use it).
+pub fn embedding_segments(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+    order.sort_by_key(|&t| ids[t as usize]);
+    let (mut seg_start, mut seg_id) = (Vec::new(), Vec::new());
+    for (p, &t) in order.iter().enumerate() {
+        let id = ids[t as usize];
+        if seg_id.last() != Some(&id) {
+            seg_start.push(p as u32);
+            seg_id.push(id);
+        }
+    }
+    seg_start.push(ids.len() as u32);
+    (order, seg_start, seg_id)
+}
+
 pub trait NnOps: Send + Sync {
     /// Independent GEMMs in one call (the routed experts' GEMMs over their tokens): each
     /// `(shape, a_offset, b_offset, c_offset)` computes, on the views starting at those element
@@ -106,8 +142,8 @@ pub trait NnOps: Send + Sync {
 
     /// `out[t] = wte[ids[t]]`, rows of `dim`; `ids` is u32.
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize);
-    /// `dwte[ids[t]] += dout[t]`.
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize);
+    /// `dwte[ids[t]] += dout[t]` (`ids` with its grouping, see [`EmbedIds`]).
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize);
 
     /// RMSNorm of rows of `dim`: `out = w * x * rstd`, `rstd = 1/sqrt(mean(x²) + eps)` (saved).
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32);

@@ -5,8 +5,8 @@
 
 use super::CpuBackend;
 use crate::backend::{
-    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, Gemm, HeadRope, NnOps, NormSaved,
-    RouterDims, RouterOut,
+    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, NnOps,
+    NormSaved, RouterDims, RouterOut,
 };
 use crate::by_dtype;
 use crate::tensor::{DType, Scalar, View, ViewMut};
@@ -634,8 +634,9 @@ impl NnOps for CpuBackend {
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         by_dtype!(out.dtype(), embedding_forward(out, wte, ids, dim))
     }
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
-        by_dtype!(dt(&dout), embedding_backward(dwte, dout, ids, dim))
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
+        // Row by row in token order, the ids read in place: the grouping is not needed.
+        by_dtype!(dt(&dout), embedding_backward(dwte, dout, ids.ids, dim))
     }
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
         by_dtype!(dt(&x), rmsnorm_forward(out, rstd, x, w, dim, eps))

@@ -145,16 +145,6 @@ impl<L: Launcher> KernelOps<L> {
         (Scratch { _guard: guard }, ptrs)
     }
 
-    /// A u32 view's contents on the host (embedding backward groups the ids there).
-    fn read_u32(&self, v: View) -> Vec<u32> {
-        let mut out = vec![0u32; v.len()];
-        if !out.is_empty() {
-            let src = self.launcher.addr(v);
-            self.get(&mut out, src);
-        }
-        out
-    }
-
     /// Host data into device memory (scratch regions, small constants), and back.
     fn put<T: Copy>(&self, dst: *mut c_void, src: &[T]) {
         // Safety: `dst` is a scratch region of at least `size_of_val(src)` bytes (callers size

@@ -2,10 +2,10 @@
 //! `elementwise.cu` (SwiGLU), `router.cu`, `dispatch.cu`, `loss.cu`.
 
 use super::*;
-use crate::host::{embedding_segments, rope_inv_freq};
+use crate::host::rope_inv_freq;
 use ganymede_core::{
-    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, HeadRope, NormSaved, RouterDims,
-    RouterOut,
+    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds, HeadRope, NormSaved,
+    RouterDims, RouterOut,
 };
 
 fn rows_of(op: &str, len: usize, width: usize) -> usize {
@@ -41,25 +41,34 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(&name, cfg(grid(n, 1, 1), self.row_block(dim)), &args);
     }
 
-    /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: the tokens grouped by id on the
-    /// host, one block per id. The grouping reads the step's ids back (the one read of this
-    /// backend beyond the seam's: a device-side segment sort would remove it).
-    pub fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
-        assert_eq!(ids.dtype(), DType::U32, "embedding_backward: ids are u32");
-        let ids = &self.read_u32(ids)[..];
+    /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: one block per distinct id over the
+    /// grouping the host uploaded with the batch (`EmbedIds`), so nothing is read back here.
+    pub fn embedding_backward(&self, dwte: ViewMut, dout: View, e: EmbedIds, dim: usize) {
+        let n = e.ids.len();
+        for (v, what) in [
+            (e.ids, "ids"),
+            (e.order, "order"),
+            (e.seg_start, "seg_start"),
+            (e.seg_id, "seg_id"),
+        ] {
+            assert_eq!(v.dtype(), DType::U32, "embedding_backward: {what} is u32");
+        }
         assert_eq!(dwte.dtype(), DType::F32, "embedding_backward: dwte is f32");
-        let vocab = rows_of("embedding_backward", dwte.len(), dim);
-        assert_eq!(dout.len(), ids.len() * dim, "embedding_backward: dout");
-        assert!(ids.iter().all(|&i| (i as usize) < vocab), "id out of range");
-        if ids.is_empty() {
+        rows_of("embedding_backward", dwte.len(), dim);
+        assert_eq!(dout.len(), n * dim, "embedding_backward: dout");
+        // Shapes only: the ids' range was checked where the host built the batch.
+        assert!(
+            e.segments <= n
+                && e.order.len() >= n
+                && e.seg_start.len() > e.segments
+                && e.seg_id.len() >= e.segments
+                && (n == 0) == (e.segments == 0),
+            "embedding_backward: grouping of {} segments for {n} tokens",
+            e.segments
+        );
+        if e.segments == 0 {
             return;
         }
-        let (order, seg_start, seg_id) = embedding_segments(ids);
-        let (_s, [o, ss, si]) =
-            self.scratch([order.len() * 4, seg_start.len() * 4, seg_id.len() * 4]);
-        self.put(o, &order);
-        self.put(ss, &seg_start);
-        self.put(si, &seg_id);
         let name = format!(
             "embedding_backward_sorted_{}",
             st(dout.dtype(), "embedding_backward")
@@ -67,14 +76,14 @@ impl<L: Launcher> KernelOps<L> {
         let args = [
             self.am(dwte),
             self.a(dout),
-            o.into(),
-            ss.into(),
-            si.into(),
+            self.a(e.order),
+            self.a(e.seg_start),
+            self.a(e.seg_id),
             i32_of(dim),
         ];
         self.launch(
             &name,
-            cfg(grid(seg_id.len(), 1, 1), self.row_block(dim)),
+            cfg(grid(e.segments, 1, 1), self.row_block(dim)),
             &args,
         );
     }

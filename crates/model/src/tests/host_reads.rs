@@ -4,9 +4,9 @@
 use crate::*;
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{
-    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, DType, Device,
-    DispatchOut, Dispatched, Gemm, HeadRope, Ledger, Memory, NnOps, NormSaved, OptimOps,
-    ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
+    embedding_segments, AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend,
+    DType, Device, DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Ledger, Memory, NnOps,
+    NormSaved, OptimOps, ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -108,7 +108,15 @@ impl NnOps for CountingReads {
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         self.be.embedding_forward(out, wte, ids, dim)
     }
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: View, dim: usize) {
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
+        // The CPU backend ignores the grouping the step uploaded: check it here (uncounted
+        // reads, the test's own), as a kernel backend would use it.
+        let got = |v: View, len: usize| self.be.download_u32(v)[..len].to_vec();
+        let (order, seg_start, seg_id) = embedding_segments(&self.be.download_u32(ids.ids));
+        assert_eq!(ids.segments, seg_id.len());
+        assert_eq!(got(ids.order, order.len()), order);
+        assert_eq!(got(ids.seg_start, seg_start.len()), seg_start);
+        assert_eq!(got(ids.seg_id, seg_id.len()), seg_id);
         self.be.embedding_backward(dwte, dout, ids, dim)
     }
     fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {

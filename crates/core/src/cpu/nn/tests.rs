@@ -2,8 +2,8 @@
 //! derivative of the forward), and each forward against a naive reference of its definition.
 
 use crate::backend::{
-    AttnDims, AttnGrads, AttnSaved, Blas, DispatchOut, Dispatched, HeadRope, Memory, NnOps,
-    NormSaved, RouterDims, RouterOut,
+    embedding_segments, AttnDims, AttnGrads, AttnSaved, Blas, DispatchOut, Dispatched, EmbedIds,
+    HeadRope, Memory, NnOps, NormSaved, RouterDims, RouterOut,
 };
 use crate::ledger::{Category, Ledger};
 use crate::tensor::Tensor;
@@ -96,8 +96,26 @@ fn embedding() {
         dot(&down(&b, &o), &ro)
     };
     let mut g = zeros(&b, v * d);
-    b.embedding_backward(g.view_mut(), up(&b, &ro).view(), ids.view(), d);
+    let (order, seg_start, seg_id) = embedding_segments(&[3, 0, 3, 6, 1]);
+    let (o, ss, si) = (ix(&b, &order), ix(&b, &seg_start), ix(&b, &seg_id));
+    let e = EmbedIds {
+        ids: ids.view(),
+        order: o.view(),
+        seg_start: ss.view(),
+        seg_id: si.view(),
+        segments: seg_id.len(),
+    };
+    b.embedding_backward(g.view_mut(), up(&b, &ro).view(), e, d);
     fd_check("embedding", &[wte], &[down(&b, &g)], f);
+}
+
+#[test]
+fn embedding_segments_group_tokens_by_id_stably() {
+    let (order, seg_start, seg_id) = embedding_segments(&[3, 0, 3, 6, 1, 0]);
+    assert_eq!(order, [1, 5, 4, 0, 2, 3]);
+    assert_eq!(seg_start, [0, 2, 3, 5, 6]);
+    assert_eq!(seg_id, [0, 1, 3, 6]);
+    assert_eq!(embedding_segments(&[]), (vec![], vec![0], vec![]));
 }
 
 #[test]
