@@ -9,20 +9,11 @@ use ganymede_parallel::RankState;
 use ganymede_train::trainer::{resolve_config, train, TrainOptions};
 use std::path::PathBuf;
 
+mod common;
+use common::{max_rel, tiny};
+
 fn tmp(name: &str) -> PathBuf {
     ganymede_train::scratch::run_dir("gm-hsdp", name)
-}
-
-fn tiny(steps: usize, extra: &[&str]) -> JobConfig {
-    let mut o: Vec<String> = vec![
-        format!("training.steps={steps}"),
-        "checkpoint.enable=false".into(),
-        "parallelism.gather_dtype=f32".into(),
-    ];
-    o.extend(extra.iter().map(|s| s.to_string()));
-    let c = JobConfig::load(Some("tiny"), None, &o).unwrap();
-    c.validate().unwrap();
-    c
 }
 
 /// Losses of `cfg` on `ranks` thread ranks (1: one process), resumed from `resume` if given.
@@ -34,15 +25,6 @@ fn run(cfg: &JobConfig, ranks: usize, name: &str, resume: Option<PathBuf>) -> Ve
         ..Default::default()
     };
     train(cfg, resume.as_deref(), &opts).unwrap().losses
-}
-
-/// Largest |a − b| / |b| over the steps.
-fn max_rel(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| ((x - y) / y).abs())
-        .fold(0.0, f64::max)
 }
 
 /// Relative bound on HSDP's losses against one process: only the order of floating-point sums

@@ -6,37 +6,12 @@ use ganymede_config::JobConfig;
 use ganymede_data::Dataset;
 use ganymede_dist::{run_threads, ThreadsConfig};
 use ganymede_parallel::RankState;
-use ganymede_train::trainer::{train, TrainOptions};
 
-fn tiny(steps: usize, extra: &[&str]) -> JobConfig {
-    let mut o: Vec<String> = vec![
-        format!("training.steps={steps}"),
-        "checkpoint.enable=false".into(),
-        "parallelism.gather_dtype=f32".into(),
-    ];
-    o.extend(extra.iter().map(|s| s.to_string()));
-    let c = JobConfig::load(Some("tiny"), None, &o).unwrap();
-    c.validate().unwrap();
-    c
-}
+mod common;
+use common::{allocs_after_first_step, max_rel, tiny};
 
 fn losses(cfg: &JobConfig, ranks: usize, name: &str) -> Vec<f64> {
-    let opts = TrainOptions {
-        ranks,
-        out: Some(ganymede_train::scratch::run_dir("gm-bf16", name)),
-        quiet: true,
-        ..Default::default()
-    };
-    train(cfg, None, &opts).unwrap().losses
-}
-
-/// max over steps of |a − b| / |b|.
-fn max_rel(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| ((x - y) / y).abs())
-        .fold(0.0, f64::max)
+    common::losses(cfg, ranks, "gm-bf16", name)
 }
 
 const BF16: &str = "training.compute_dtype=bf16";
@@ -72,25 +47,6 @@ fn bf16_compute_across_ranks_matches_one_process() {
     let rel = max_rel(&losses(&ep, 4, "ep2"), &one);
     println!("bf16, dp_shard 4 ep 2 vs one process: max relative loss gap {rel:e}");
     assert!(rel < 5e-4, "ep 2: {rel:e}");
-}
-
-/// Ledger allocations in steps 2 and 3, per rank.
-fn allocs_after_first_step(cfg: &JobConfig, ranks: usize) -> Vec<u64> {
-    let mut cfg = cfg.clone();
-    cfg.parallelism.dp_shard = ranks;
-    let m = &cfg.model;
-    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
-    run_threads(ranks, &ThreadsConfig::default(), |world| {
-        let mut st = RankState::new(world, &cfg).unwrap();
-        st.step(&data, 0).unwrap();
-        st.be.ledger().mark_window();
-        st.step(&data, 1).unwrap();
-        st.step(&data, 2).unwrap();
-        st.be.ledger().window_alloc_count()
-    })
-    .into_iter()
-    .map(|r| r.unwrap())
-    .collect()
 }
 
 /// The cast scratch is made in the first step and reused: later steps allocate nothing, and

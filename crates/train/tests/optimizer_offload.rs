@@ -4,11 +4,11 @@
 //! first step.
 
 use ganymede_config::JobConfig;
-use ganymede_data::Dataset;
-use ganymede_dist::{run_threads, ThreadsConfig};
-use ganymede_parallel::RankState;
 use ganymede_train::trainer::{train, TrainOptions, TrainSummary};
 use std::path::{Path, PathBuf};
+
+mod common;
+use common::allocs_after_first_step;
 
 fn tmp(name: &str) -> PathBuf {
     ganymede_train::scratch::run_dir("gm-optoff", name)
@@ -185,25 +185,6 @@ fn the_ledger_puts_offloaded_state_on_the_host() {
         assert_eq!(dev_off, host_on);
         assert!(buf_on > buf_off && buf_on - buf_off < dev_off, "{pair:?}");
     }
-}
-
-/// Ledger allocations in steps 2 and 3 (after step 1 has made every buffer), per rank.
-fn allocs_after_first_step(cfg: &JobConfig, ranks: usize) -> Vec<u64> {
-    let mut cfg = cfg.clone();
-    cfg.parallelism.dp_shard = ranks;
-    let m = &cfg.model;
-    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
-    run_threads(ranks, &ThreadsConfig::default(), |world| {
-        let mut st = RankState::new(world, &cfg).unwrap();
-        st.step(&data, 0).unwrap();
-        st.be.ledger().mark_window();
-        st.step(&data, 1).unwrap();
-        st.step(&data, 2).unwrap();
-        st.be.ledger().window_alloc_count()
-    })
-    .into_iter()
-    .map(|r| r.unwrap())
-    .collect()
 }
 
 /// Fixed buffers: after the first step a training step allocates nothing, at one rank, with

@@ -10,6 +10,9 @@ use ganymede_train::trainer::{train, TrainOptions, TrainSummary};
 use std::path::PathBuf;
 use std::time::Instant;
 
+mod common;
+use common::tiny;
+
 /// A run on `ranks` ranks as threads, resumed from `resume` if given: the one training loop
 /// with these options.
 #[derive(Default)]
@@ -39,18 +42,6 @@ fn train_threads(cfg: &JobConfig, o: &ParOptions) -> anyhow::Result<TrainSummary
 
 fn tmp(name: &str) -> PathBuf {
     ganymede_train::scratch::run_dir("gm-par", name)
-}
-
-fn tiny(steps: usize, extra: &[&str]) -> JobConfig {
-    let mut o: Vec<String> = vec![
-        format!("training.steps={steps}"),
-        "checkpoint.enable=false".into(),
-        "parallelism.gather_dtype=f32".into(),
-    ];
-    o.extend(extra.iter().map(|s| s.to_string()));
-    let c = JobConfig::load(Some("tiny"), None, &o).unwrap();
-    c.validate().unwrap();
-    c
 }
 
 fn sharded(cfg: &JobConfig, ranks: usize, name: &str) -> Vec<f64> {
