@@ -8,9 +8,8 @@
 use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};
 use ganymede_core::{
-    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, CopySpan, CpuBackend, DType, Device,
-    DispatchOut, Dispatched, EmbedIds, Event, Gemm, HeadRope, Ledger, Memory, MemoryError, NnOps,
-    NormSaved, OptimOps, RouterDims, RouterOut, Stream, Syrk, Tensor, View, ViewMut,
+    AdamWStep, Blas, CopySpan, CpuBackend, DType, Device, Event, Gemm, Ledger, Memory, MemoryError,
+    NnOps, OptimOps, Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -197,111 +196,13 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         Gemms::gemm_grouped(&self.dev, c, a, b, groups)
     }
-    fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
-        self.ops.embedding_forward(out, wte, ids, dim)
-    }
-    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
-        self.ops.embedding_backward(dwte, dout, ids, dim)
-    }
-    fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
-        self.ops.rmsnorm_forward(out, rstd, x, w, dim, eps)
-    }
-    fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
-        self.ops.rmsnorm_backward(dx, dw, dout, s, dim)
-    }
-    fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
-        self.ops.head_norm_rope_forward(out, rstd, x, w, d)
-    }
-    fn head_norm_rope_backward(
-        &self,
-        dx: ViewMut,
-        dw: ViewMut,
-        dout: View,
-        s: NormSaved,
-        d: HeadRope,
-    ) {
-        self.ops.head_norm_rope_backward(dx, dw, dout, s, d)
-    }
-    fn attention_forward(
-        &self,
-        out: ViewMut,
-        lse: ViewMut,
-        q: View,
-        k: View,
-        v: View,
-        d: AttnDims,
-    ) {
-        self.ops.attention_forward(out, lse, q, k, v, d)
-    }
-    fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
-        self.ops.attention_backward(g, dout, s, d)
-    }
-    fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
-        self.ops.swiglu_forward(out, gate, up)
-    }
-    fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
-        self.ops.swiglu_backward(dgate, dup, dout, gate, up)
-    }
-    fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
-        self.ops.router_forward(out, logits, bias, d)
-    }
-    fn router_backward(
-        &self,
-        dlogits: ViewMut,
-        dweights: View,
-        probs: View,
-        idx: View,
-        dprob_const: View,
-        d: RouterDims,
-    ) {
-        self.ops
-            .router_backward(dlogits, dweights, probs, idx, dprob_const, d)
-    }
-    fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
-        self.ops.moe_dispatch(out, idx, experts, k)
-    }
-    fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
-        self.ops.moe_gather(xe, x, src, dim)
-    }
-    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
-        self.ops.moe_gather_backward(dx, dxe, d)
-    }
-    fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
-        self.ops.moe_combine(out, ye, w, d)
-    }
-    fn moe_combine_backward(
-        &self,
-        dye: ViewMut,
-        dw: ViewMut,
-        dout: View,
-        ye: View,
-        w: View,
-        d: Dispatched,
-    ) {
-        self.ops.moe_combine_backward(dye, dw, dout, ye, w, d)
-    }
-    fn cross_entropy_forward(
-        &self,
-        lse: ViewMut,
-        logits: View,
-        targets: View,
-        vocab: usize,
-        loss: ViewMut,
-    ) {
-        self.ops
-            .cross_entropy_forward(lse, logits, targets, vocab, loss)
-    }
-    fn cross_entropy_backward(
-        &self,
-        logits: ViewMut,
-        lse: View,
-        targets: View,
-        vocab: usize,
-        scale: f32,
-    ) {
-        self.ops
-            .cross_entropy_backward(logits, lse, targets, vocab, scale)
-    }
+    ganymede_core::forward_nn_ops!(ops:
+        embedding_forward, embedding_backward, rmsnorm_forward, rmsnorm_backward,
+        head_norm_rope_forward, head_norm_rope_backward, attention_forward, attention_backward,
+        swiglu_forward, swiglu_backward, router_forward, router_backward, moe_dispatch,
+        moe_gather, moe_gather_backward, moe_combine, moe_combine_backward,
+        cross_entropy_forward, cross_entropy_backward,
+    );
 }
 
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {

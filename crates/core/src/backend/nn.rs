@@ -236,3 +236,67 @@ pub trait NnOps: Send + Sync {
         scale: f32,
     );
 }
+
+/// [`NnOps`] methods that forward to a field: `forward_nn_ops!(ops: rmsnorm_forward, …)` inside
+/// an `impl NnOps` writes each named method as `self.ops.method(args)`, so a wrapper (a kernel
+/// backend over its ops, a test backend over the CPU one) writes out only the methods it changes.
+/// One list of signatures besides the trait: a changed signature fails to compile here, not in
+/// each wrapper.
+#[macro_export]
+macro_rules! forward_nn_ops {
+    ($t:ident: $($m:ident),+ $(,)?) => { $( $crate::forward_nn_ops!(@ $t $m); )+ };
+    (@ $t:ident embedding_forward) => { $crate::forward_nn_ops!(@fn $t embedding_forward(
+        out: $crate::ViewMut, wte: $crate::View, ids: $crate::View, dim: usize)); };
+    (@ $t:ident embedding_backward) => { $crate::forward_nn_ops!(@fn $t embedding_backward(
+        dwte: $crate::ViewMut, dout: $crate::View, ids: $crate::EmbedIds, dim: usize)); };
+    (@ $t:ident rmsnorm_forward) => { $crate::forward_nn_ops!(@fn $t rmsnorm_forward(
+        out: $crate::ViewMut, rstd: $crate::ViewMut, x: $crate::View, w: $crate::View,
+        dim: usize, eps: f32)); };
+    (@ $t:ident rmsnorm_backward) => { $crate::forward_nn_ops!(@fn $t rmsnorm_backward(
+        dx: $crate::ViewMut, dw: $crate::ViewMut, dout: $crate::View, s: $crate::NormSaved,
+        dim: usize)); };
+    (@ $t:ident head_norm_rope_forward) => { $crate::forward_nn_ops!(@fn $t head_norm_rope_forward(
+        out: $crate::ViewMut, rstd: $crate::ViewMut, x: $crate::View, w: $crate::View,
+        d: $crate::HeadRope)); };
+    (@ $t:ident head_norm_rope_backward) => { $crate::forward_nn_ops!(@fn $t head_norm_rope_backward(
+        dx: $crate::ViewMut, dw: $crate::ViewMut, dout: $crate::View, s: $crate::NormSaved,
+        d: $crate::HeadRope)); };
+    (@ $t:ident attention_forward) => { $crate::forward_nn_ops!(@fn $t attention_forward(
+        out: $crate::ViewMut, lse: $crate::ViewMut, q: $crate::View, k: $crate::View,
+        v: $crate::View, d: $crate::AttnDims)); };
+    (@ $t:ident attention_backward) => { $crate::forward_nn_ops!(@fn $t attention_backward(
+        g: $crate::AttnGrads, dout: $crate::View, s: $crate::AttnSaved, d: $crate::AttnDims)); };
+    (@ $t:ident swiglu_forward) => { $crate::forward_nn_ops!(@fn $t swiglu_forward(
+        out: $crate::ViewMut, gate: $crate::View, up: $crate::View)); };
+    (@ $t:ident swiglu_backward) => { $crate::forward_nn_ops!(@fn $t swiglu_backward(
+        dgate: $crate::ViewMut, dup: $crate::ViewMut, dout: $crate::View, gate: $crate::View,
+        up: $crate::View)); };
+    (@ $t:ident router_forward) => { $crate::forward_nn_ops!(@fn $t router_forward(
+        out: $crate::RouterOut, logits: $crate::View, bias: Option<$crate::View>,
+        d: $crate::RouterDims)); };
+    (@ $t:ident router_backward) => { $crate::forward_nn_ops!(@fn $t router_backward(
+        dlogits: $crate::ViewMut, dweights: $crate::View, probs: $crate::View, idx: $crate::View,
+        dprob_const: $crate::View, d: $crate::RouterDims)); };
+    (@ $t:ident moe_dispatch) => { $crate::forward_nn_ops!(@fn $t moe_dispatch(
+        out: $crate::DispatchOut, idx: $crate::View, experts: usize, k: usize)); };
+    (@ $t:ident moe_gather) => { $crate::forward_nn_ops!(@fn $t moe_gather(
+        xe: $crate::ViewMut, x: $crate::View, src: $crate::View, dim: usize)); };
+    (@ $t:ident moe_gather_backward) => { $crate::forward_nn_ops!(@fn $t moe_gather_backward(
+        dx: $crate::ViewMut, dxe: $crate::View, d: $crate::Dispatched)); };
+    (@ $t:ident moe_combine) => { $crate::forward_nn_ops!(@fn $t moe_combine(
+        out: $crate::ViewMut, ye: $crate::View, w: $crate::View, d: $crate::Dispatched)); };
+    (@ $t:ident moe_combine_backward) => { $crate::forward_nn_ops!(@fn $t moe_combine_backward(
+        dye: $crate::ViewMut, dw: $crate::ViewMut, dout: $crate::View, ye: $crate::View,
+        w: $crate::View, d: $crate::Dispatched)); };
+    (@ $t:ident cross_entropy_forward) => { $crate::forward_nn_ops!(@fn $t cross_entropy_forward(
+        lse: $crate::ViewMut, logits: $crate::View, targets: $crate::View, vocab: usize,
+        loss: $crate::ViewMut)); };
+    (@ $t:ident cross_entropy_backward) => { $crate::forward_nn_ops!(@fn $t cross_entropy_backward(
+        logits: $crate::ViewMut, lse: $crate::View, targets: $crate::View, vocab: usize,
+        scale: f32)); };
+    (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?)) => {
+        fn $m(&self, $($a: $ty),*) {
+            self.$t.$m($($a),*)
+        }
+    };
+}

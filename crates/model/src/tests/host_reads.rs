@@ -4,9 +4,8 @@
 use crate::*;
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{
-    embedding_segments, AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend,
-    DType, Device, DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Ledger, Memory, NnOps,
-    NormSaved, OptimOps, ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
+    embedding_segments, AdamWStep, Blas, Category, CpuBackend, DType, Device, EmbedIds, Gemm,
+    Ledger, Memory, NnOps, OptimOps, ParamStore, Tensor, View, ViewMut,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -105,9 +104,6 @@ impl NnOps for CountingReads {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         self.be.gemm_grouped(c, a, b, groups)
     }
-    fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
-        self.be.embedding_forward(out, wte, ids, dim)
-    }
     fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
         // The CPU backend ignores the grouping the step uploaded: check it here (uncounted
         // reads, the test's own), as a kernel backend would use it.
@@ -119,105 +115,13 @@ impl NnOps for CountingReads {
         assert_eq!(got(ids.seg_id, seg_id.len()), seg_id);
         self.be.embedding_backward(dwte, dout, ids, dim)
     }
-    fn rmsnorm_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, dim: usize, eps: f32) {
-        self.be.rmsnorm_forward(out, rstd, x, w, dim, eps)
-    }
-    fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
-        self.be.rmsnorm_backward(dx, dw, dout, s, dim)
-    }
-    fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
-        self.be.head_norm_rope_forward(out, rstd, x, w, d)
-    }
-    fn head_norm_rope_backward(
-        &self,
-        dx: ViewMut,
-        dw: ViewMut,
-        dout: View,
-        s: NormSaved,
-        d: HeadRope,
-    ) {
-        self.be.head_norm_rope_backward(dx, dw, dout, s, d)
-    }
-    fn attention_forward(
-        &self,
-        out: ViewMut,
-        lse: ViewMut,
-        q: View,
-        k: View,
-        v: View,
-        d: AttnDims,
-    ) {
-        self.be.attention_forward(out, lse, q, k, v, d)
-    }
-    fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
-        self.be.attention_backward(g, dout, s, d)
-    }
-    fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
-        self.be.swiglu_forward(out, gate, up)
-    }
-    fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
-        self.be.swiglu_backward(dgate, dup, dout, gate, up)
-    }
-    fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
-        self.be.router_forward(out, logits, bias, d)
-    }
-    fn router_backward(
-        &self,
-        dlogits: ViewMut,
-        dweights: View,
-        probs: View,
-        idx: View,
-        dprob_const: View,
-        d: RouterDims,
-    ) {
-        self.be
-            .router_backward(dlogits, dweights, probs, idx, dprob_const, d)
-    }
-    fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
-        self.be.moe_dispatch(out, idx, experts, k)
-    }
-    fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
-        self.be.moe_gather(xe, x, src, dim)
-    }
-    fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
-        self.be.moe_gather_backward(dx, dxe, d)
-    }
-    fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
-        self.be.moe_combine(out, ye, w, d)
-    }
-    fn moe_combine_backward(
-        &self,
-        dye: ViewMut,
-        dw: ViewMut,
-        dout: View,
-        ye: View,
-        w: View,
-        d: Dispatched,
-    ) {
-        self.be.moe_combine_backward(dye, dw, dout, ye, w, d)
-    }
-    fn cross_entropy_forward(
-        &self,
-        lse: ViewMut,
-        logits: View,
-        targets: View,
-        vocab: usize,
-        loss: ViewMut,
-    ) {
-        self.be
-            .cross_entropy_forward(lse, logits, targets, vocab, loss)
-    }
-    fn cross_entropy_backward(
-        &self,
-        logits: ViewMut,
-        lse: View,
-        targets: View,
-        vocab: usize,
-        scale: f32,
-    ) {
-        self.be
-            .cross_entropy_backward(logits, lse, targets, vocab, scale)
-    }
+    ganymede_core::forward_nn_ops!(be:
+        embedding_forward, rmsnorm_forward, rmsnorm_backward, head_norm_rope_forward,
+        head_norm_rope_backward, attention_forward, attention_backward, swiglu_forward,
+        swiglu_backward, router_forward, router_backward, moe_dispatch, moe_gather,
+        moe_gather_backward, moe_combine, moe_combine_backward, cross_entropy_forward,
+        cross_entropy_backward,
+    );
 }
 
 impl OptimOps for CountingReads {
