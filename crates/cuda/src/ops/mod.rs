@@ -115,6 +115,11 @@ impl<L: Launcher> KernelOps<L> {
         (dim.next_multiple_of(32) as u32).clamp(32, self.tuning.row_block_max)
     }
 
+    /// One block per row: `rows` blocks of [`Self::row_block`] threads.
+    fn per_row(&self, rows: usize, dim: usize) -> LaunchConfig {
+        cfg(grid(rows, 1, 1), self.row_block(dim))
+    }
+
     /// A 1-D grid-stride launch over `n` elements.
     fn ew(&self, n: usize) -> LaunchConfig {
         let t = self.tuning;

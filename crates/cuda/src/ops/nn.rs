@@ -38,7 +38,7 @@ impl<L: Launcher> KernelOps<L> {
         }
         let args = [self.am(out), self.a(wte), self.a(ids), i32_of(dim)];
         let name = format!("embedding_forward_{}", st(dt, "embedding_forward"));
-        self.launch(&name, cfg(grid(n, 1, 1), self.row_block(dim)), &args);
+        self.launch(&name, self.per_row(n, dim), &args);
     }
 
     /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: one block per distinct id over the
@@ -81,11 +81,7 @@ impl<L: Launcher> KernelOps<L> {
             self.a(e.seg_id),
             i32_of(dim),
         ];
-        self.launch(
-            &name,
-            cfg(grid(e.segments, 1, 1), self.row_block(dim)),
-            &args,
-        );
+        self.launch(&name, self.per_row(e.segments, dim), &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -138,7 +134,7 @@ impl<L: Launcher> KernelOps<L> {
             eps.into(),
         ];
         let name = format!("rmsnorm_forward_{}", st(dt, "rmsnorm_forward"));
-        self.launch(&name, cfg(grid(rows, 1, 1), self.row_block(dim)), &args);
+        self.launch(&name, self.per_row(rows, dim), &args);
     }
 
     pub fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
@@ -177,7 +173,7 @@ impl<L: Launcher> KernelOps<L> {
             self.a(s.rstd),
             i32_of(dim),
         ];
-        let blocks = cfg(grid(rows, 1, 1), self.row_block(dim));
+        let blocks = self.per_row(rows, dim);
         self.launch(&format!("rmsnorm_backward_dx_{sfx}"), blocks, &args);
         let chunks = rows.div_ceil(CHUNK_ROWS);
         let (_s, [partial]) = self.scratch([chunks * dim * 4]);
@@ -241,7 +237,7 @@ impl<L: Launcher> KernelOps<L> {
         let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
-        let blocks = cfg(grid(rows * d.heads, 1, 1), self.row_block(d.head_dim));
+        let blocks = self.per_row(rows * d.heads, d.head_dim);
         self.launch(&format!("{op}_{}", st(dt, op)), blocks, &args);
     }
 
@@ -282,7 +278,7 @@ impl<L: Launcher> KernelOps<L> {
             self.a(s.rstd),
         ];
         args.extend(self.rope_args(&d, freq));
-        let blocks = cfg(grid(rows * d.heads, 1, 1), self.row_block(d.head_dim));
+        let blocks = self.per_row(rows * d.heads, d.head_dim);
         self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
         let mut args = vec![
             partial.into(),
@@ -685,7 +681,7 @@ impl<L: Launcher> KernelOps<L> {
         }
         let n = src.len();
         let args = [self.am(xe), self.a(x), self.a(src), i32_of(dim)];
-        let shape = cfg(grid(n, 1, 1), self.row_block(dim));
+        let shape = self.per_row(n, dim);
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
@@ -699,7 +695,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.am(dx), self.a(dxe), pos, i32_of(d.k), i32_of(d.dim)];
-        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
+        let shape = self.per_row(tokens, d.dim);
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
@@ -721,7 +717,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.k),
             i32_of(d.dim),
         ];
-        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
+        let shape = self.per_row(tokens, d.dim);
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
@@ -755,7 +751,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.k),
             i32_of(d.dim),
         ];
-        let shape = cfg(grid(tokens, 1, 1), self.row_block(d.dim));
+        let shape = self.per_row(tokens, d.dim);
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
