@@ -1,7 +1,7 @@
 //! GEMMs through cuBLAS (the row-major seam mapped by `cublas_map`), and the backend's small
 //! kernels for the rest of `Blas`.
 
-use super::memory::{place, place_mut};
+use super::memory::{place, place_mut, Place};
 use super::CudaBackend;
 use crate::cublas_map::{
     map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, Operand,
@@ -34,7 +34,22 @@ struct PtrSlot {
     copied: Option<CudaEvent>,
 }
 
-/// Data type of a grouped call's operand in cuBLAS's terms.
+/// The batched calls' operands: on the device, A and B of one type, C of it or f32.
+fn check_operands(pa: &Place, pb: &Place, pc: &Place) {
+    assert!(
+        pa.on_device && pb.on_device && pc.on_device,
+        "gemm on memory the device does not hold"
+    );
+    assert!(
+        pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
+        "no CUDA gemm for {} × {} → {}",
+        pa.dtype.name(),
+        pb.dtype.name(),
+        pc.dtype.name()
+    );
+}
+
+/// A GEMM operand's data type in cuBLAS's terms.
 fn cuda_type(d: DType) -> blas_sys::cudaDataType {
     match d {
         DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
@@ -83,26 +98,11 @@ impl CudaBackend {
         let (call, st) = map_gemm_strided_batched(&g, batch, sa, sb, sc)
             .unwrap_or_else(|e| panic!("batched gemm {g:?}: {e}"));
         let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
-        assert!(
-            pa.on_device && pb.on_device && pc.on_device,
-            "gemm on memory the device does not hold"
-        );
+        check_operands(&pa, &pb, &pc);
         let addr = |o: Operand| match o {
             Operand::A => pa.addr,
             Operand::B => pb.addr,
         };
-        let ty = |d: DType| match d {
-            DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
-            DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-            DType::F64 | DType::U32 => panic!("no CUDA gemm in {}", d.name()),
-        };
-        assert!(
-            pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
-            "no CUDA gemm for {} × {} → {}",
-            pa.dtype.name(),
-            pb.dtype.name(),
-            pc.dtype.name()
-        );
         let (alpha, beta) = (call.alpha, call.beta);
         self.bind();
         let _blas = self.blas_lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -119,16 +119,16 @@ impl CudaBackend {
                     call.k,
                     &alpha as *const f32 as *const _,
                     addr(call.operands[0]) as *const _,
-                    ty(pa.dtype),
+                    cuda_type(pa.dtype),
                     call.lda,
                     st.stride_a,
                     addr(call.operands[1]) as *const _,
-                    ty(pb.dtype),
+                    cuda_type(pb.dtype),
                     call.ldb,
                     st.stride_b,
                     &beta as *const f32 as *const _,
                     pc.addr as *mut _,
-                    ty(pc.dtype),
+                    cuda_type(pc.dtype),
                     call.ldc,
                     st.stride_c,
                     st.batch,
@@ -165,17 +165,7 @@ impl CudaBackend {
             return;
         }
         let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
-        assert!(
-            pa.on_device && pb.on_device && pc.on_device,
-            "gemm on memory the device does not hold"
-        );
-        assert!(
-            pa.dtype == pb.dtype && (pc.dtype == DType::F32 || pc.dtype == pa.dtype),
-            "no CUDA gemm for {} × {} → {}",
-            pa.dtype.name(),
-            pb.dtype.name(),
-            pc.dtype.name()
-        );
+        check_operands(&pa, &pb, &pc);
         let (ein, eout) = (pa.dtype.size() as u64, pc.dtype.size() as u64);
         let base = |o: Operand| match o {
             Operand::A => pa.addr,
@@ -422,10 +412,6 @@ impl Blas for CudaBackend {
                 "sgemm",
             ),
             (DType::BF16, DType::BF16, out @ (DType::F32 | DType::BF16)) => {
-                let ty = |d: DType| match d {
-                    DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
-                    _ => blas_sys::cudaDataType::CUDA_R_32F,
-                };
                 cublas(
                     // SAFETY: as above; alpha and beta are f32 for the f32 compute type.
                     unsafe {
@@ -438,14 +424,14 @@ impl Blas for CudaBackend {
                             call.k,
                             &alpha as *const f32 as *const _,
                             first as *const _,
-                            ty(DType::BF16),
+                            cuda_type(DType::BF16),
                             call.lda,
                             second as *const _,
-                            ty(DType::BF16),
+                            cuda_type(DType::BF16),
                             call.ldb,
                             &beta as *const f32 as *const _,
                             pc.addr as *mut _,
-                            ty(out),
+                            cuda_type(out),
                             call.ldc,
                             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
