@@ -1,8 +1,8 @@
 //! GEMM throughput of the CPU backend: `cargo run --release -p ganymede-core --example gemm_bench`.
-//! Prints the median GFLOP/s over repeated runs for square and training-shaped problems, at the
-//! rayon thread count given by RAYON_NUM_THREADS (default: all cores).
+//! Prints the median GFLOP/s over repeated runs for square and training-shaped problems, the
+//! packed f32 kernel side by side with `matrixmultiply`, at the rayon thread count given by RAYON_NUM_THREADS (default: all cores).
 
-use ganymede_core::cpu::syrk_host_strips;
+use ganymede_core::cpu::{gemm_host, gemm_host_matrixmultiply, syrk_host_strips};
 use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory, Syrk};
 use std::time::Instant;
 
@@ -11,33 +11,51 @@ fn main() {
     let shapes: &[(usize, usize, usize, bool, bool)] = &[
         (1024, 1024, 1024, false, false),
         (512, 512, 512, false, false),
+        // Newton–Schulz at `small`: the polynomial times X.
         (256, 256, 256, false, false),
         // tiny/small training shapes: tokens x in -> out (weights [out, in], B transposed)
         (1024, 128, 64, false, true),
         (2048, 256, 256, false, true),
         (2048, 4096, 256, false, true),
         (512, 256, 256, false, true),
+        // backward: dX = dY·W (B plain), dW = dYᵀ·X (A transposed, k = tokens)
+        (2048, 256, 4096, false, false),
+        (512, 256, 256, false, false),
+        (256, 256, 2048, true, false),
+        (4096, 256, 2048, true, false),
     ];
     println!("threads {}", rayon::current_num_threads());
+    // This crate's packed kernel (the backend's f32 path) against `matrixmultiply`, timed
+    // alternately so that both see the same load.
     for &(m, n, k, ta, tb) in shapes {
-        let a = be.upload(&vec![0.5; m * k], &[m * k], Category::Buffers);
-        let b = be.upload(&vec![0.25; k * n], &[k * n], Category::Buffers);
-        let mut c = be.zeros(&[m * n], Category::Buffers);
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
+        let mut c = vec![0f32; m * n];
         let g = Gemm::new(m, n, k, ta, tb);
-        let reps = (2e9 / g.flops() as f64).clamp(3.0, 200.0) as usize;
-        let mut times = Vec::new();
+        let reps = (1e9 / g.flops() as f64).clamp(3.0, 200.0) as usize;
+        let (mut tp, mut tm) = (Vec::new(), Vec::new());
         for _ in 0..7 {
             let t = Instant::now();
             for _ in 0..reps {
-                be.gemm(c.view_mut(), a.view(), b.view(), g);
+                gemm_host(&mut c, &a, &b, g);
             }
-            times.push(t.elapsed().as_secs_f64() / reps as f64);
+            tp.push(t.elapsed().as_secs_f64() / reps as f64);
+            let t = Instant::now();
+            for _ in 0..reps {
+                gemm_host_matrixmultiply(&mut c, &a, &b, g);
+            }
+            tm.push(t.elapsed().as_secs_f64() / reps as f64);
         }
-        times.sort_by(f64::total_cmp);
-        let med = times[times.len() / 2];
+        tp.sort_by(f64::total_cmp);
+        tm.sort_by(f64::total_cmp);
+        let (p, mm) = (tp[3], tm[3]);
+        let gf = |t: f64| g.flops() as f64 / t / 1e9;
         println!(
-            "{m:>5}x{n:>5}x{k:>5} ta={ta} tb={tb}: {:7.1} GFLOP/s",
-            g.flops() as f64 / med / 1e9
+            "{m:>5}x{n:>5}x{k:>5} ta={ta:<5} tb={tb:<5}: packed {:6.1} GFLOP/s, \
+             matrixmultiply {:6.1} GFLOP/s, {:.2}x",
+            gf(p),
+            gf(mm),
+            mm / p
         );
     }
 

@@ -1,9 +1,10 @@
-//! GEMM and vector kernels. GEMMs above a size are split across rayon's threads along the longer
-//! output dimension; each piece is one `matrixmultiply` call, which packs and runs AVX2/FMA
-//! micro-kernels. The symmetric rank-k product computes strips of its lower triangle the same
-//! way and mirrors them.
+//! GEMM and vector kernels. f32 GEMMs on a CPU with AVX2 + FMA run this crate's packed kernel
+//! ([`gemm_avx2`]), which splits the work between rayon's threads itself. Otherwise (f64, other
+//! CPUs) GEMMs above a size are split across rayon's threads along the longer output dimension,
+//! each piece one `matrixmultiply` call. The symmetric rank-k product has a packed kernel
+//! ([`syrk_avx2`]) and a fallback of `matrixmultiply` strips of its lower triangle.
 
-use super::{syrk_avx2, CpuBackend, PAR_MIN};
+use super::{gemm_avx2, syrk_avx2, CpuBackend, PAR_MIN};
 use crate::backend::{Blas, Gemm, Memory, Syrk};
 use crate::ledger::Category;
 use crate::tensor::{DType, Scalar, View, ViewMut};
@@ -38,6 +39,29 @@ pub trait GemmScalar: Scalar {
         rsc: isize,
         csc: isize,
     );
+    /// The whole product by this crate's packed kernel, threads included, where this type and
+    /// CPU have one (see [`gemm_avx2`]); `false` means nothing was done.
+    ///
+    /// # Safety
+    /// As for [`gemm_avx2::gemm`]: valid extents, `c` not aliasing `a` or `b`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn packed(
+        _m: usize,
+        _n: usize,
+        _k: usize,
+        _alpha: Self,
+        _a: *const Self,
+        _rsa: usize,
+        _csa: usize,
+        _b: *const Self,
+        _rsb: usize,
+        _csb: usize,
+        _beta: Self,
+        _c: *mut Self,
+        _ldc: usize,
+    ) -> bool {
+        false
+    }
     /// A symmetric rank-k product (lower triangle, then mirrored) by a packed kernel, where
     /// this type and CPU have one; `false` means nothing was done.
     ///
@@ -60,6 +84,28 @@ pub trait GemmScalar: Scalar {
 }
 
 impl GemmScalar for f32 {
+    unsafe fn packed(
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: *const f32,
+        rsa: usize,
+        csa: usize,
+        b: *const f32,
+        rsb: usize,
+        csb: usize,
+        beta: f32,
+        c: *mut f32,
+        ldc: usize,
+    ) -> bool {
+        if !gemm_avx2::available() {
+            return false;
+        }
+        gemm_avx2::gemm(m, n, k, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc);
+        true
+    }
+
     unsafe fn syrk_lower(
         n: usize,
         k: usize,
@@ -132,6 +178,16 @@ fn extent(rows: usize, cols: usize, ld: usize) -> usize {
 
 /// Row-major GEMM on host slices, with bounds checked once up front.
 pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
+    gemm_with(c, a, b, g, true)
+}
+
+/// [`gemm_host`] by `matrixmultiply` only, never the packed kernel: the path f64 and CPUs
+/// without AVX2 + FMA take, here so that tests and benchmarks can hold the two side by side.
+pub fn gemm_host_matrixmultiply<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
+    gemm_with(c, a, b, g, false)
+}
+
+fn gemm_with<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm, packed: bool) {
     let Gemm {
         m,
         n,
@@ -165,11 +221,16 @@ pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
     // (row stride, column stride) of op(A) and op(B).
     let (rsa, csa) = if trans_a { (1, lda) } else { (lda, 1) };
     let (rsb, csb) = if trans_b { (1, ldb) } else { (ldb, 1) };
+    let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
+    // Safety: bounds were checked above; `c` is a distinct mutable slice.
+    let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+    if packed && unsafe { S::packed(m, n, k, alpha, ap, rsa, csa, bp, rsb, csb, beta, cp, ldc) } {
+        return;
+    }
     let threads = rayon::current_num_threads();
     let work = m * n * k;
     let cp = Ptr(c.as_mut_ptr());
     let (ap, bp) = (a.as_ptr() as usize, b.as_ptr() as usize);
-    let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
     // Safety: bounds were checked above; pieces write disjoint blocks of C.
     let run = move |i0: usize, i1: usize, j0: usize, j1: usize| unsafe {
         let cp = cp;

@@ -3,6 +3,7 @@
 //! memory, with asynchronous copies between them (see [`two_memory`]).
 
 mod blas;
+mod gemm_avx2;
 mod nn;
 mod optim;
 mod syrk_avx2;
@@ -13,7 +14,7 @@ use crate::bf16;
 use crate::ledger::{Category, Device, Ledger};
 use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, Tensor, View, ViewMut};
-pub use blas::{syrk_host, syrk_host_strips};
+pub use blas::{gemm_host, gemm_host_matrixmultiply, syrk_host, syrk_host_strips};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use two_memory::TwoMemory;
