@@ -14,6 +14,7 @@
 //! Loading reads either form whole ([`ganymede_checkpoint::read_tensors`]) and keeps this
 //! rank's part. (Every rank reads every file: simple, and fine at the sizes one machine trains.)
 
+use crate::compute_copy::ComputeCopy;
 use crate::driver::{RankState, Shards};
 use crate::layout::Layout;
 use anyhow::{bail, Result};
@@ -101,7 +102,13 @@ impl RankState {
     /// This rank's parameter tensors (whole at world size 1, else its shards).
     fn param_tensors(&mut self) -> &mut [Tensor] {
         match &mut self.shards {
-            Shards::Whole { params, .. } => params.tensors_mut(),
+            Shards::Whole {
+                params, compute, ..
+            } => {
+                // Loading overwrites the masters: the bf16 copies are cast again.
+                compute.as_mut().map(ComputeCopy::invalidate);
+                params.tensors_mut()
+            }
             Shards::Fsdp { params, .. } => params.master_mut(),
         }
     }

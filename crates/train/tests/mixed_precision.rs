@@ -1,8 +1,10 @@
 //! `training.compute_dtype = "bf16"`: bf16 × bf16 → f32 GEMMs over f32 master state. Tracks the
-//! f32 run closely without being it, matches itself across ranks, and allocates nothing after
-//! the first step.
+//! f32 run closely without being it, matches itself across ranks, allocates nothing after the
+//! first step, and hands the GEMM weights to the model in bf16 (cast once per step or gather)
+//! with the same losses, to the bit, as casting them in every GEMM.
 
 use ganymede_config::JobConfig;
+use ganymede_core::Category;
 use ganymede_data::Dataset;
 use ganymede_dist::{run_threads, ThreadsConfig};
 use ganymede_parallel::RankState;
@@ -98,5 +100,61 @@ fn the_planner_predicts_the_cast_scratch() {
         println!("{ranks} ranks: cast scratch {measured} bytes, predicted {predicted}");
         assert!(measured > 0.0, "no scratch on the ledger");
         assert_eq!(measured, predicted, "{ranks} ranks");
+    }
+}
+
+/// Losses of `steps` steps and the validation loss after them, on `ranks` thread ranks, with
+/// the GEMM weights handed to the model in bf16 (`bf16_weights`) or in f32, each GEMM casting
+/// them (the reference); and rank 0's peak buffer bytes.
+fn bf16_weight_run(cfg: &JobConfig, ranks: usize, bf16_weights: bool) -> (Vec<f64>, u64) {
+    let mut cfg = cfg.clone();
+    if cfg.parallelism.ep == 1 {
+        cfg.parallelism.dp_shard = ranks;
+    }
+    let m = &cfg.model;
+    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
+    run_threads(ranks, &ThreadsConfig::default(), |world| {
+        let mut st = match bf16_weights {
+            true => RankState::new(world, &cfg).unwrap(),
+            false => RankState::new_with_f32_weights(world, &cfg).unwrap(),
+        };
+        let mut out: Vec<f64> = (0..cfg.training.steps)
+            .map(|s| st.step(&data, s).unwrap().loss)
+            .collect();
+        out.push(st.validate(&data).unwrap());
+        let dev = st.be.device();
+        let peak = st.be.ledger().report().peak(dev, Category::Buffers);
+        (out, peak)
+    })
+    .into_iter()
+    .next()
+    .unwrap()
+    .unwrap()
+}
+
+/// bf16 weights (a bf16 compute copy at one rank, bf16 gathered weights under FSDP) give the
+/// losses of casting the f32 weights in each GEMM bit for bit: bf16 → f32 is exact, and the
+/// f32 → bf16 cast is the same rounding wherever it happens. At one rank, at 4 FSDP ranks with
+/// f32 and bf16 gathers, and with expert parallelism 2.
+#[test]
+fn bf16_weights_give_the_losses_of_casting_in_every_gemm() {
+    let steps = 4;
+    let cases: [(usize, &[&str]); 4] = [
+        (1, &[BF16]),
+        (4, &[BF16]),
+        (4, &[BF16, "parallelism.gather_dtype=bf16"]),
+        (4, &[BF16, "parallelism.dp_shard=4", "parallelism.ep=2"]),
+    ];
+    for (ranks, sets) in cases {
+        let cfg = tiny(steps, sets);
+        let (new, _) = bf16_weight_run(&cfg, ranks, true);
+        let (old, _) = bf16_weight_run(&cfg, ranks, false);
+        println!("{ranks} ranks {sets:?}: losses then val loss {new:?}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&new),
+            bits(&old),
+            "{ranks} ranks {sets:?}: {new:?} vs {old:?}"
+        );
     }
 }
