@@ -7,6 +7,7 @@ use ganymede_config::JobConfig;
 use ganymede_core::Category;
 use ganymede_data::Dataset;
 use ganymede_dist::{run_threads, ThreadsConfig};
+use ganymede_model::Model;
 use ganymede_parallel::RankState;
 
 mod common;
@@ -65,29 +66,8 @@ fn a_bf16_step_after_the_first_allocates_nothing() {
     }
 }
 
-/// Peak buffer bytes of rank 0 over two steps.
-fn buffer_peak(cfg: &JobConfig, ranks: usize) -> u64 {
-    let mut cfg = cfg.clone();
-    cfg.parallelism.dp_shard = ranks;
-    let m = &cfg.model;
-    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
-    run_threads(ranks, &ThreadsConfig::default(), |world| {
-        let mut st = RankState::new(world, &cfg).unwrap();
-        st.step(&data, 0).unwrap();
-        st.step(&data, 1).unwrap();
-        let dev = st.be.device();
-        st.be
-            .ledger()
-            .report()
-            .peak(dev, ganymede_core::Category::Buffers)
-    })
-    .into_iter()
-    .next()
-    .unwrap()
-    .unwrap()
-}
-
-/// The cast scratch is on the ledger as buffers, and the planner predicts its bytes.
+/// The cast scratch is on the ledger as buffers, and the planner predicts its bytes (the
+/// bf16 run with f32 weights, so that the scratch is the only difference).
 #[test]
 fn the_planner_predicts_the_cast_scratch() {
     for ranks in [1, 2] {
@@ -95,7 +75,8 @@ fn the_planner_predicts_the_cast_scratch() {
         let b = tiny(2, &[BF16]);
         let mut local = b.clone();
         local.training.batch_size /= ranks;
-        let measured = buffer_peak(&b, ranks) as f64 - buffer_peak(&f, ranks) as f64;
+        let peak = |cfg: &JobConfig| bf16_weight_run(cfg, ranks, false).1 as f64;
+        let measured = peak(&b) - peak(&f);
         let predicted = ganymede_plan::ledger::bf16_gemm_scratch(&local);
         println!("{ranks} ranks: cast scratch {measured} bytes, predicted {predicted}");
         assert!(measured > 0.0, "no scratch on the ledger");
@@ -156,5 +137,45 @@ fn bf16_weights_give_the_losses_of_casting_in_every_gemm() {
             bits(&old),
             "{ranks} ranks {sets:?}: {new:?} vs {old:?}"
         );
+    }
+}
+
+/// The bf16 weights on the ledger: at one rank a bf16 compute copy, 2 bytes per GEMM-weight
+/// element on top of the per-GEMM path; under FSDP the unsharded GEMM weights (the root's LM
+/// head, `prefetch + 1` slots of one block's) in 2 bytes instead of 4, with f32 and bf16
+/// gathers. The measured buffer peak equals the planner's to the byte.
+#[test]
+fn bf16_weights_on_the_ledger_equal_the_planner() {
+    for (ranks, gather) in [(1, "f32"), (2, "f32"), (2, "bf16")] {
+        let gather = format!("parallelism.gather_dtype={gather}");
+        let mut cfg = tiny(2, &[BF16, &gather]);
+        cfg.parallelism.dp_shard = ranks;
+        let (_, new) = bf16_weight_run(&cfg, ranks, true);
+        let (_, old) = bf16_weight_run(&cfg, ranks, false);
+        let model = Model::new(&cfg.model).with_compute_dtype(cfg.training.compute_dtype);
+        let specs = model.param_specs();
+        let weights = |keep: &dyn Fn(&str) -> bool| -> i64 {
+            (0..specs.len())
+                .filter(|&i| model.bf16_weight(i) && keep(&specs[i].name))
+                .map(|i| specs[i].numel() as i64)
+                .sum()
+        };
+        let (delta, expected) = if ranks == 1 {
+            (new as i64 - old as i64, 2 * weights(&|_| true))
+        } else {
+            let root = weights(&|n| !n.starts_with("model.layers."));
+            let block = weights(&|n| n.starts_with("model.layers.0."));
+            let slots = (cfg.parallelism.prefetch + 1) as i64;
+            (old as i64 - new as i64, 2 * (root + slots * block))
+        };
+        let threads = rayon::current_num_threads();
+        let predicted = ganymede_plan::predict_memory(&cfg, threads, ranks).unwrap();
+        let predicted = predicted.host.buffers;
+        println!(
+            "{ranks} ranks, {gather}: buffers {new} bytes (per-GEMM casts: {old}), \
+             difference {delta}, planner {predicted}"
+        );
+        assert_eq!(delta, expected, "{ranks} ranks, {gather}");
+        assert_eq!(new as f64, predicted, "{ranks} ranks, {gather}");
     }
 }
