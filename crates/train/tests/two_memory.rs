@@ -166,10 +166,7 @@ fn the_two_memory_prediction_matches_the_measured_peaks() {
             4,
             "tiny",
             "bf16 compute, four ranks, optimizer offload",
-            vec![
-                "training.compute_dtype=\"bf16\"",
-                "optimizer.offload=true",
-            ],
+            vec!["training.compute_dtype=\"bf16\"", "optimizer.offload=true"],
         ),
         // small on a short corpus, one step (its BPE vocabulary is trained first).
         (
