@@ -201,7 +201,8 @@ pub struct Model {
     pub(crate) layers: Vec<LayerIdx>,
     /// bf16 × bf16 → f32 GEMMs (`training.compute_dtype = "bf16"`) for every linear layer but
     /// the router's, whose top-k choice is discrete and whose GEMM is tiny (as Megatron's fp32
-    /// router). Parameters, gradients and optimizer state stay f32.
+    /// router). Master parameters, gradients and optimizer state stay f32; the weights the
+    /// GEMMs read may be handed over in bf16 ([`Model::bf16_weight`]).
     pub(crate) bf16: bool,
 }
 
