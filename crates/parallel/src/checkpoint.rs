@@ -14,7 +14,6 @@
 //! Loading reads either form whole ([`ganymede_checkpoint::read_tensors`]) and keeps this
 //! rank's part. (Every rank reads every file: simple, and fine at the sizes one machine trains.)
 
-use crate::compute_copy::ComputeCopy;
 use crate::driver::{RankState, Shards};
 use crate::layout::Layout;
 use anyhow::{bail, Result};
@@ -106,7 +105,9 @@ impl RankState {
                 params, compute, ..
             } => {
                 // Loading overwrites the masters: the bf16 copies are cast again.
-                compute.as_mut().map(ComputeCopy::invalidate);
+                if let Some(c) = compute {
+                    c.invalidate();
+                }
                 params.tensors_mut()
             }
             Shards::Fsdp { params, .. } => params.master_mut(),

@@ -302,6 +302,7 @@ impl RankState {
                 for g in grads.tensors_mut() {
                     be.fill(g.view_mut(), 0.0);
                 }
+                // The bf16 compute copy with the other masters lent in, or the masters alone.
                 let mut local;
                 let mut lent;
                 let inner: &mut dyn ParamSource = match compute {
@@ -377,7 +378,9 @@ impl RankState {
                 compute,
             } => {
                 opt.step(be, params, grads, lr);
-                compute.as_mut().map(ComputeCopy::invalidate);
+                if let Some(c) = compute {
+                    c.invalidate();
+                }
             }
             Shards::Fsdp {
                 params, grads, opt, ..
