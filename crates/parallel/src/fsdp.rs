@@ -165,8 +165,8 @@ fn full(be: &dyn Backend, shape: &[usize], bf16: bool) -> Tensor {
 
 impl FsdpParams {
     /// `init(i)` gives initial parameter `i` whole; each rank keeps its shard of it, one tensor
-    /// at a time, in pinned host memory if `master_on_host`. `bf16_weight[i]`: parameter `i` is handed
-    /// to the model in bf16.
+    /// at a time, in pinned host memory if `master_on_host`. `bf16_weight[i]`: parameter `i` is
+    /// handed to the model in bf16.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &dyn Backend,
@@ -328,21 +328,16 @@ impl FsdpParams {
         let slot = &mut self.slots[item % nslots];
         debug_assert!(slot.work.is_empty(), "slot reused while in flight");
         // (Re)shape the slot for this block; uniform blocks never reallocate.
-        let dtype = |i: usize| {
-            if self.bf16_weight[i] {
-                DType::BF16
-            } else {
-                DType::F32
-            }
-        };
+        let half = &self.bf16_weight;
         let fits = slot.full.len() == idx.len()
             && idx.iter().zip(&slot.full).all(|(&i, t)| {
-                t.shape() == layout.local_shape[i].as_slice() && t.dtype() == dtype(i)
+                t.shape() == layout.local_shape[i].as_slice()
+                    && (t.dtype() == DType::BF16) == half[i]
             });
         if !fits {
             slot.full = idx
                 .iter()
-                .map(|&i| full(be, &layout.local_shape[i], self.bf16_weight[i]))
+                .map(|&i| full(be, &layout.local_shape[i], half[i]))
                 .collect();
             slot.recv32.clear();
             slot.send16.clear();
