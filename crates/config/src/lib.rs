@@ -222,8 +222,9 @@ pub struct TrainingConfig {
     /// Worker threads for the CPU backend (0 = all cores).
     pub threads: usize,
     /// Operand precision of the model's GEMMs (TorchTitan's `mixed_precision_param`): `f32`,
-    /// or `bf16` (inputs rounded to bf16, f32 accumulation and output). Master weights,
-    /// gradient reduction and optimizer state stay f32 either way.
+    /// or `bf16` (inputs rounded to bf16, f32 accumulation and output; the weights only GEMMs
+    /// read reach the model in bf16, cast once per step or gather). Master weights, gradient
+    /// reduction and optimizer state stay f32 either way.
     pub compute_dtype: ComputeDtype,
 }
 

@@ -12,7 +12,7 @@
 //! with AdamW, 4e-5 with Muon; leaving out AdamW's weight decay shows as 4e-3).
 
 use ganymede_config::{preset, AcMode, ModelConfig};
-use ganymede_core::{Backend, Category, CpuBackend, Ledger, Memory, ParamStore};
+use ganymede_core::{Backend, Blas, Category, CpuBackend, Ledger, Memory, ParamStore};
 use ganymede_cuda::kernel_backend::HostKernelBackend;
 use ganymede_cuda::ops::Tuning;
 use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
@@ -360,4 +360,24 @@ fn bf16_compute_matches_the_cpu() {
     let f32_model = Model::new(&c);
     let (_, of) = step(&cpu, &f32_model, &pc, &inputs, &targets);
     assert_ne!(of.loss, ow.loss, "bf16 GEMMs changed nothing");
+    // The GEMM weights handed over in bf16 (as FSDP's gathers and the one-process compute copy
+    // do): the kernel backend passes them to its GEMMs as they are, to the same bits.
+    let mixed = ParamStore::from_tensors(
+        model.param_specs().to_vec(),
+        (0..pk.len())
+            .map(|i| {
+                let t = pk.get(i);
+                let dtype = match model.bf16_weight(i) {
+                    true => ganymede_core::DType::BF16,
+                    false => ganymede_core::DType::F32,
+                };
+                let mut w = kern.zeros_of(t.shape(), dtype, Category::Params);
+                kern.cast(w.view_mut(), t.view());
+                w
+            })
+            .collect(),
+    );
+    let (gm, om) = step(&kern, &model, &mixed, &inputs, &targets);
+    assert_eq!(og.loss.to_bits(), om.loss.to_bits(), "bf16 weights: loss");
+    assert_eq!(gg, gm, "bf16 weights: gradients");
 }

@@ -201,7 +201,8 @@ pub struct Model {
     pub(crate) layers: Vec<LayerIdx>,
     /// bf16 × bf16 → f32 GEMMs (`training.compute_dtype = "bf16"`) for every linear layer but
     /// the router's, whose top-k choice is discrete and whose GEMM is tiny (as Megatron's fp32
-    /// router). Parameters, gradients and optimizer state stay f32.
+    /// router). Master parameters, gradients and optimizer state stay f32; the weights the
+    /// GEMMs read may be handed over in bf16 ([`Model::bf16_weight`]).
     pub(crate) bf16: bool,
 }
 
@@ -318,6 +319,19 @@ impl Model {
 
     pub fn param_specs(&self) -> &[ParamSpec] {
         &self.specs
+    }
+
+    /// Whether parameter `i` may be handed to the model in bf16: under bf16 compute, the
+    /// weights that only bf16-input GEMMs read (attention, dense and expert SwiGLU matrices,
+    /// the LM head), as FSDP2's `param_dtype`. The embedding (read by the f32 lookup kernel),
+    /// the router (an f32 GEMM), norm gains and the selection bias stay f32. The model reads
+    /// either dtype; the GEMM casts only what is not bf16 yet.
+    pub fn bf16_weight(&self, i: usize) -> bool {
+        self.bf16
+            && matches!(
+                self.specs[i].kind,
+                ParamKind::Matrix | ParamKind::Experts | ParamKind::LmHead
+            )
     }
     /// Parameters initialised deterministically from `seed` (Category::Params).
     pub fn init_params(&self, be: &dyn Backend, seed: u64) -> ParamStore {

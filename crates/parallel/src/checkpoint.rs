@@ -101,7 +101,15 @@ impl RankState {
     /// This rank's parameter tensors (whole at world size 1, else its shards).
     fn param_tensors(&mut self) -> &mut [Tensor] {
         match &mut self.shards {
-            Shards::Whole { params, .. } => params.tensors_mut(),
+            Shards::Whole {
+                params, compute, ..
+            } => {
+                // Loading overwrites the masters: the bf16 copies are cast again.
+                if let Some(c) = compute {
+                    c.invalidate();
+                }
+                params.tensors_mut()
+            }
             Shards::Fsdp { params, .. } => params.master_mut(),
         }
     }

@@ -16,6 +16,7 @@
 //! gradient shards across replicas, so every replica takes the same optimizer step on the same
 //! shards and the replicas stay identical without ever exchanging parameters.
 
+use crate::compute_copy::ComputeCopy;
 use crate::ep::EpExperts;
 use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
 use crate::layout::Layout;
@@ -71,6 +72,8 @@ pub enum Shards {
         params: ParamStore,
         grads: ParamStore,
         opt: Optimizer,
+        /// Under bf16 compute, the bf16 weights the model reads (cast once per step).
+        compute: Option<ComputeCopy>,
     },
     /// FSDP over the mesh: shards, gather and reduce-scatter hooks, the sharded optimizer.
     Fsdp {
@@ -153,6 +156,18 @@ impl RankState {
     /// Collective over `world`: checks the configuration hash, builds the mesh and this rank's
     /// parameters (whole at world size 1, else its shards of the initial tensors).
     pub fn new(world: Arc<dyn ProcessGroup>, cfg: &JobConfig) -> Result<Self> {
+        Self::build(world, cfg, true)
+    }
+
+    /// [`RankState::new`] with every parameter handed to the model in f32 under bf16 compute,
+    /// each GEMM casting its weight again (what ran before the bf16 weights): the reference the
+    /// tests hold the bf16 weights' losses and bytes against.
+    #[doc(hidden)]
+    pub fn new_with_f32_weights(world: Arc<dyn ProcessGroup>, cfg: &JobConfig) -> Result<Self> {
+        Self::build(world, cfg, false)
+    }
+
+    fn build(world: Arc<dyn ProcessGroup>, cfg: &JobConfig, bf16_weights: bool) -> Result<Self> {
         check_config_hash(world.as_ref(), config_hash(cfg))
             .context("ranks started with different configurations")?;
         let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
@@ -175,7 +190,13 @@ impl RankState {
             let params = model.init_params(be, t.seed);
             let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
             let opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
-            Shards::Whole { params, grads, opt }
+            let compute = ComputeCopy::new(be, &model).filter(|_| bf16_weights);
+            Shards::Whole {
+                params,
+                grads,
+                opt,
+                compute,
+            }
         } else {
             let pl = plan(model.param_specs(), mesh.shape, policy(cfg))?;
             let layout = Arc::new(Layout::new(
@@ -189,11 +210,15 @@ impl RankState {
             let groups = Groups::of(&mesh);
             let p = &cfg.parallelism;
             let init = |i: usize| model.init_param(be, i, t.seed);
+            let bf16 = (0..layout.specs.len())
+                .map(|i| bf16_weights && model.bf16_weight(i))
+                .collect();
             let params = FsdpParams::new(
                 be,
                 layout.clone(),
                 groups.clone(),
                 p.gather_dtype,
+                bf16,
                 p.prefetch,
                 cfg.optimizer.offload,
                 &init,
@@ -268,13 +293,31 @@ impl RankState {
             targets: &y,
         };
         let out = match &mut self.shards {
-            Shards::Whole { params, grads, .. } => {
+            Shards::Whole {
+                params,
+                grads,
+                compute,
+                ..
+            } => {
                 for g in grads.tensors_mut() {
                     be.fill(g.view_mut(), 0.0);
                 }
+                // The bf16 compute copy with the other masters lent in, or the masters alone.
+                let mut local;
+                let mut lent;
+                let inner: &mut dyn ParamSource = match compute {
+                    Some(c) => {
+                        lent = c.lend(be, params);
+                        &mut lent
+                    }
+                    None => {
+                        local = LocalParams(params);
+                        &mut local
+                    }
+                };
                 let hooks = Hooks {
                     params: &mut TracedBlocks {
-                        inner: LocalParams(params),
+                        inner,
                         tracer: &ctx.tracer,
                         started: None,
                     },
@@ -328,7 +371,17 @@ impl RankState {
         let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
         let be: &dyn Backend = self.be.as_ref();
         match &mut self.shards {
-            Shards::Whole { params, grads, opt } => opt.step(be, params, grads, lr),
+            Shards::Whole {
+                params,
+                grads,
+                opt,
+                compute,
+            } => {
+                opt.step(be, params, grads, lr);
+                if let Some(c) = compute {
+                    c.invalidate();
+                }
+            }
             Shards::Fsdp {
                 params, grads, opt, ..
             } => opt.step(be, &self.mesh, params.master_mut(), grads.shards(), lr)?,
@@ -384,6 +437,11 @@ impl RankState {
             };
             let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
             *s = match &mut self.shards {
+                Shards::Whole {
+                    params,
+                    compute: Some(c),
+                    ..
+                } => forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens).loss,
                 Shards::Whole { params, .. } => {
                     forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens).loss
                 }
@@ -404,6 +462,7 @@ impl RankState {
         let rank = self.mesh.dp_shard.rank();
         let biases = self.model.router_biases();
         for (&i, load) in biases.iter().zip(loads) {
+            // The selection bias is f32 (not in a bf16 compute copy).
             let (t, experts) = match &mut self.shards {
                 Shards::Whole { params, .. } => (params.get_mut(i), 0..load.len()),
                 Shards::Fsdp { layout, params, .. } => {
@@ -418,7 +477,7 @@ impl RankState {
 /// The single-process parameter source, recording each block's compute on the trace as the
 /// FSDP hooks do on more ranks (so a world of one shows its copies against its blocks too).
 struct TracedBlocks<'a> {
-    inner: LocalParams<'a>,
+    inner: &'a mut dyn ParamSource,
     tracer: &'a Tracer,
     started: Option<Instant>,
 }

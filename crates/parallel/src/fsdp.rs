@@ -9,6 +9,11 @@
 //!   `prefetch + 1` slots (`Category::Buffers`), so the memory of unsharded parameters is the
 //!   same at every step and every block. The gathers of the next `prefetch` blocks are posted
 //!   when a block starts, so they travel while it computes.
+//! - Mixed precision (`training.compute_dtype = "bf16"`), as FSDP2's `param_dtype`: the weights
+//!   that only bf16-input GEMMs read ([`Model::bf16_weight`](ganymede_model::Model)) are handed
+//!   to the model as bf16 tensors, copied out of the bf16 receive buffer (or cast from the f32
+//!   one), so no f32 copy of them is made and their unsharded bytes halve; the GEMMs then cast
+//!   only their other operand. Everything else is handed over in f32.
 //! - The step's order of block uses is fixed (forward 0..L, then backward L-1..0), so prefetch is
 //!   a walk along that schedule; the backward pass gathers each block again (parameters are freed
 //!   after forward, FSDP2's `reshard_after_forward`).
@@ -89,7 +94,7 @@ struct Slot {
     work: Vec<Work<'static>>,
     /// The block whose parameters the slot holds or receives.
     block: Option<usize>,
-    /// Exact-shape parameters handed to the model.
+    /// Exact-shape parameters handed to the model (bf16 for the bf16 weights).
     full: Vec<Tensor>,
     /// Padded receive buffers (f32 gathers).
     recv32: Vec<Tensor>,
@@ -106,6 +111,8 @@ pub struct FsdpParams {
     layout: Arc<Layout>,
     groups: Groups,
     dtype: GatherDtype,
+    /// Whether each parameter is handed to the model in bf16 (see the module documentation).
+    bf16_weight: Vec<bool>,
     prefetch: usize,
     /// Master shards, f32, in table order. Private: posted f32 gathers read them, so every
     /// access goes through [`FsdpParams::master_mut`] or [`FsdpParams::shard`], which check that
@@ -148,18 +155,34 @@ fn empty(be: &dyn Backend) -> Tensor {
     be.zeros(&[0], Category::Buffers)
 }
 
+/// An unsharded parameter as the model reads it: bf16 or f32.
+fn full(be: &dyn Backend, shape: &[usize], bf16: bool) -> Tensor {
+    match bf16 {
+        true => be.zeros_of(shape, DType::BF16, Category::Buffers),
+        false => be.zeros(shape, Category::Buffers),
+    }
+}
+
 impl FsdpParams {
     /// `init(i)` gives initial parameter `i` whole; each rank keeps its shard of it, one tensor
-    /// at a time, in pinned host memory if `master_on_host`.
+    /// at a time, in pinned host memory if `master_on_host`. `bf16_weight[i]`: parameter `i` is
+    /// handed to the model in bf16.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &dyn Backend,
         layout: Arc<Layout>,
         groups: Groups,
         dtype: GatherDtype,
+        bf16_weight: Vec<bool>,
         prefetch: usize,
         master_on_host: bool,
         init: &dyn Fn(usize) -> Tensor,
     ) -> Self {
+        assert_eq!(
+            bf16_weight.len(),
+            layout.specs.len(),
+            "one dtype per parameter"
+        );
         let master = (0..layout.specs.len())
             .map(|i| {
                 let r = layout.range(i, groups.get(layout.group[i]).rank());
@@ -180,7 +203,7 @@ impl FsdpParams {
         let tensors = (0..specs.len())
             .map(|i| {
                 if layout.root.contains(&i) {
-                    be.zeros(&layout.local_shape[i], Category::Buffers)
+                    full(be, &layout.local_shape[i], bf16_weight[i])
                 } else {
                     specs[i].shape = vec![0];
                     empty(be)
@@ -219,6 +242,7 @@ impl FsdpParams {
             layout,
             groups,
             dtype,
+            bf16_weight,
             prefetch,
             master,
             master_on_host,
@@ -269,7 +293,8 @@ impl FsdpParams {
                     let recv = &mut self.root_recv32[k];
                     g.all_gather(shard.view(), recv.view_mut(), Phase::ForwardGather)
                         .unwrap_or_else(|e| fail("gathering the root parameters", e));
-                    be.copy(self.store.get_mut(i).view_mut(), recv.slice(0, n));
+                    // A copy, or a cast for a bf16 weight.
+                    be.cast(self.store.get_mut(i).view_mut(), recv.slice(0, n));
                 }
                 GatherDtype::Bf16 => {
                     let (send, recv) = (&mut self.root_send16[k], &mut self.root_recv16[k]);
@@ -303,15 +328,16 @@ impl FsdpParams {
         let slot = &mut self.slots[item % nslots];
         debug_assert!(slot.work.is_empty(), "slot reused while in flight");
         // (Re)shape the slot for this block; uniform blocks never reallocate.
+        let half = &self.bf16_weight;
         let fits = slot.full.len() == idx.len()
-            && idx
-                .iter()
-                .zip(&slot.full)
-                .all(|(&i, t)| t.shape() == layout.local_shape[i].as_slice());
+            && idx.iter().zip(&slot.full).all(|(&i, t)| {
+                t.shape() == layout.local_shape[i].as_slice()
+                    && (t.dtype() == DType::BF16) == half[i]
+            });
         if !fits {
             slot.full = idx
                 .iter()
-                .map(|&i| be.zeros(&layout.local_shape[i], Category::Buffers))
+                .map(|&i| full(be, &layout.local_shape[i], half[i]))
                 .collect();
             slot.recv32.clear();
             slot.send16.clear();
@@ -412,10 +438,12 @@ impl ParamSource for FsdpParams {
         let idx = &self.layout.blocks[l];
         for (k, &i) in idx.iter().enumerate() {
             let n = self.layout.numel(i);
-            match self.dtype {
-                GatherDtype::F32 => be.copy(slot.full[k].view_mut(), slot.recv32[k].slice(0, n)),
-                GatherDtype::Bf16 => be.cast(slot.full[k].view_mut(), slot.recv16[k].slice(0, n)),
-            }
+            // A copy where the dtypes agree (a bf16 weight from a bf16 gather), else a cast.
+            let recv = match self.dtype {
+                GatherDtype::F32 => slot.recv32[k].slice(0, n),
+                GatherDtype::Bf16 => slot.recv16[k].slice(0, n),
+            };
+            be.cast(slot.full[k].view_mut(), recv);
             std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
         }
         self.started = Some(Instant::now());

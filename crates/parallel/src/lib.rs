@@ -5,6 +5,8 @@
 //! - [`driver`]: one rank's state and its training step at any world size ([`RankState`]):
 //!   whole parameters at world size 1, FSDP shards beyond. The training loop that drives it for
 //!   one process, threads and MPI is `ganymede_train::trainer`.
+//! - [`compute_copy`]: the bf16 weights the model reads at world size 1 under bf16 compute
+//!   (FSDP's gathers hand them over on more ranks).
 //! - [`layout`]: units (one per block, plus the root unit) and shard ranges.
 //! - [`fsdp`]: per-block all-gathers (bf16 or f32) into a fixed pool with prefetch, gradient
 //!   reduce-scatters in f32.
@@ -15,6 +17,7 @@
 //!   as per-rank shards with a layout record; either loads at any rank count and mesh shape.
 
 pub mod checkpoint;
+pub mod compute_copy;
 pub mod driver;
 pub mod ep;
 pub mod fsdp;

@@ -35,7 +35,8 @@
 //! of every tensor (dim-0 rows split in W, padded; under FlexShard a layer's routed experts
 //! split by whole experts), its gradient and optimizer-state shards, the activation workspace
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
-//! `prefetch + 1` gather slots of one block's parameters, one block's full gradients
+//! `prefetch + 1` gather slots of one block's parameters (f32, but bf16 for the GEMM weights
+//! under `training.compute_dtype = "bf16"`), one block's full gradients
 //! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, the whole
 //! matrices the rank gathers as a Newton–Schulz root (rank 0's, see [`root_elems`]), one
 //! Newton–Schulz scratch (and one per further thread for the small shapes), the root
@@ -230,20 +231,26 @@ struct Rt {
     block: Option<usize>,
     shape: Vec<u64>,
     kind: Kind,
+    /// Read only by the GEMMs: handed to the model in bf16 under bf16 compute
+    /// (`ganymede_model::Model::bf16_weight`).
+    gemm_weight: bool,
 }
 
 fn runtime_tensors(m: &ganymede_config::ModelConfig) -> Vec<Rt> {
     let (v, h, hd) = (m.vocab_size as u64, m.hidden as u64, m.head_dim as u64);
     let (q, kv, e) = (m.q_dim() as u64, m.kv_dim() as u64, m.experts as u64);
-    let root = |shape: Vec<u64>, kind| Rt {
+    let root = |shape: Vec<u64>, kind, gemm_weight| Rt {
         block: None,
         shape,
         kind,
+        gemm_weight,
     };
-    let mut out = vec![root(vec![v, h], Kind::AdamW)];
+    let mut out = vec![root(vec![v, h], Kind::AdamW, false)];
     for l in 0..m.layers {
+        // Matrices and experts are GEMM weights; norms, the router and the bias are not.
         let t = |shape: Vec<u64>, kind| Rt {
             block: Some(l),
+            gemm_weight: matches!(kind, Kind::Matrix | Kind::Experts { .. }),
             shape,
             kind,
         };
@@ -287,8 +294,8 @@ fn runtime_tensors(m: &ganymede_config::ModelConfig) -> Vec<Rt> {
             ]);
         }
     }
-    out.push(root(vec![h], Kind::AdamW));
-    out.push(root(vec![v, h], Kind::AdamW));
+    out.push(root(vec![h], Kind::AdamW, false));
+    out.push(root(vec![v, h], Kind::AdamW, true));
     out
 }
 
@@ -364,6 +371,14 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
             .fold(0.0, f64::max)
     };
     let block_full = block(&|t| t.numel());
+    // What the model reads: bf16 GEMM weights under bf16 compute, the rest f32.
+    let bf16_compute = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
+    let unsharded = |t: &Rt| match bf16_compute && t.gemm_weight {
+        true => 2 * t.numel(),
+        false => 4 * t.numel(),
+    };
+    let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
+    let block_bytes = block(&unsharded);
     let block_padded = block(&|t| t.shard(wu, flex) * wu);
     let block_shard = block(&|t| t.shard(wu, flex));
     let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {
@@ -430,10 +445,9 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
         grads: f * (shards + root_full + block_full),
         optimizer: f * state,
         activations: predict_cpu_ledger(&local, 1).activations,
-        buffers: f
-            * (root_full
-                + slots * block_full
-                + 2.0 * block_padded
+        buffers: root_bytes
+            + slots * block_bytes
+            + f * (2.0 * block_padded
                 + muon_shards
                 + root_elems(&ts, wu, flex, muon) as f64
                 + ns_scratch

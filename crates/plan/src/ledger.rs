@@ -13,7 +13,8 @@
 //! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], the step's two f64 scalars
 //!   (the loss sum and the squared gradient norm, summed on the device and read at its end),
 //!   and under `training.compute_dtype = "bf16"` the GEMM operands' cast scratch
-//!   ([`bf16_gemm_scratch`]).
+//!   ([`bf16_gemm_scratch`]) and the bf16 compute copy of the GEMM weights
+//!   ([`bf16_weight_copy`]).
 
 use crate::params::{self, Handler};
 use ganymede_config::{AcMode, JobConfig, OptimizerName};
@@ -156,8 +157,23 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job),
+        buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job) + bf16_weight_copy(job),
     }
+}
+
+/// Bytes of the bf16 compute copy a single process keeps of the weights only GEMMs read
+/// (`training.compute_dtype = "bf16"`, else 0): 2 per element of the attention, SwiGLU and
+/// expert matrices and the LM head, cast from the f32 masters once per step.
+pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
+    if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
+        return 0.0;
+    }
+    let ts = params::tensors(&job.model);
+    2.0 * ts
+        .iter()
+        .filter(|t| t.gemm_weight())
+        .map(|t| t.total())
+        .sum::<u64>() as f64
 }
 
 /// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`, else 0):
@@ -165,7 +181,10 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
 /// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
 /// holds at most the logits `N·V` (the LM head's weight gradient) or a routed-expert buffer
 /// (`N·k·max(H, F)`), slot B a weight (LM head `V·H`, stacked experts `E·F·H`) or the experts'
-/// rows (`N·k·max(H, F)`); the other GEMMs' operands are smaller.
+/// rows (`N·k·max(H, F)`); the other GEMMs' operands are smaller. The weights reach the GEMMs
+/// in bf16 already, which a GPU takes as they are: there slot B holds only the activations the
+/// weight gradients read (`N·H`, attention's `N·Q`, a SwiGLU's `N·W`, the experts' rows). The
+/// CPU widens them into its f32 scratch like any operand.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
         return 0.0;
@@ -194,9 +213,11 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     let a = [n * v, rows, n * width, n * h, n * q]
         .into_iter()
         .fold(0.0, f64::max);
-    let b = [v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h]
-        .into_iter()
-        .fold(0.0, f64::max);
+    let b = match job.device.kind {
+        ganymede_config::DeviceKind::Cuda => vec![rows, n * h, n * q, n * width],
+        _ => vec![v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h],
+    };
+    let b = b.into_iter().fold(0.0, f64::max);
     size * (a + b)
 }
 

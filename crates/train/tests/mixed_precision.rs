@@ -1,10 +1,13 @@
 //! `training.compute_dtype = "bf16"`: bf16 × bf16 → f32 GEMMs over f32 master state. Tracks the
-//! f32 run closely without being it, matches itself across ranks, and allocates nothing after
-//! the first step.
+//! f32 run closely without being it, matches itself across ranks, allocates nothing after the
+//! first step, and hands the GEMM weights to the model in bf16 (cast once per step or gather)
+//! with the same losses, to the bit, as casting them in every GEMM.
 
 use ganymede_config::JobConfig;
+use ganymede_core::Category;
 use ganymede_data::Dataset;
 use ganymede_dist::{run_threads, ThreadsConfig};
+use ganymede_model::Model;
 use ganymede_parallel::RankState;
 
 mod common;
@@ -63,29 +66,8 @@ fn a_bf16_step_after_the_first_allocates_nothing() {
     }
 }
 
-/// Peak buffer bytes of rank 0 over two steps.
-fn buffer_peak(cfg: &JobConfig, ranks: usize) -> u64 {
-    let mut cfg = cfg.clone();
-    cfg.parallelism.dp_shard = ranks;
-    let m = &cfg.model;
-    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
-    run_threads(ranks, &ThreadsConfig::default(), |world| {
-        let mut st = RankState::new(world, &cfg).unwrap();
-        st.step(&data, 0).unwrap();
-        st.step(&data, 1).unwrap();
-        let dev = st.be.device();
-        st.be
-            .ledger()
-            .report()
-            .peak(dev, ganymede_core::Category::Buffers)
-    })
-    .into_iter()
-    .next()
-    .unwrap()
-    .unwrap()
-}
-
-/// The cast scratch is on the ledger as buffers, and the planner predicts its bytes.
+/// The cast scratch is on the ledger as buffers, and the planner predicts its bytes (the
+/// bf16 run with f32 weights, so that the scratch is the only difference).
 #[test]
 fn the_planner_predicts_the_cast_scratch() {
     for ranks in [1, 2] {
@@ -93,10 +75,107 @@ fn the_planner_predicts_the_cast_scratch() {
         let b = tiny(2, &[BF16]);
         let mut local = b.clone();
         local.training.batch_size /= ranks;
-        let measured = buffer_peak(&b, ranks) as f64 - buffer_peak(&f, ranks) as f64;
+        let peak = |cfg: &JobConfig| bf16_weight_run(cfg, ranks, false).1 as f64;
+        let measured = peak(&b) - peak(&f);
         let predicted = ganymede_plan::ledger::bf16_gemm_scratch(&local);
         println!("{ranks} ranks: cast scratch {measured} bytes, predicted {predicted}");
         assert!(measured > 0.0, "no scratch on the ledger");
         assert_eq!(measured, predicted, "{ranks} ranks");
+    }
+}
+
+/// Losses of `steps` steps and the validation loss after them, on `ranks` thread ranks, with
+/// the GEMM weights handed to the model in bf16 (`bf16_weights`) or in f32, each GEMM casting
+/// them (the reference); and rank 0's peak buffer bytes.
+fn bf16_weight_run(cfg: &JobConfig, ranks: usize, bf16_weights: bool) -> (Vec<f64>, u64) {
+    let mut cfg = cfg.clone();
+    if cfg.parallelism.ep == 1 {
+        cfg.parallelism.dp_shard = ranks;
+    }
+    let m = &cfg.model;
+    let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
+    run_threads(ranks, &ThreadsConfig::default(), |world| {
+        let mut st = match bf16_weights {
+            true => RankState::new(world, &cfg).unwrap(),
+            false => RankState::new_with_f32_weights(world, &cfg).unwrap(),
+        };
+        let mut out: Vec<f64> = (0..cfg.training.steps)
+            .map(|s| st.step(&data, s).unwrap().loss)
+            .collect();
+        out.push(st.validate(&data).unwrap());
+        let dev = st.be.device();
+        let peak = st.be.ledger().report().peak(dev, Category::Buffers);
+        (out, peak)
+    })
+    .into_iter()
+    .next()
+    .unwrap()
+    .unwrap()
+}
+
+/// bf16 weights (a bf16 compute copy at one rank, bf16 gathered weights under FSDP) give the
+/// losses of casting the f32 weights in each GEMM bit for bit: bf16 → f32 is exact, and the
+/// f32 → bf16 cast is the same rounding wherever it happens. At one rank, at 4 FSDP ranks with
+/// f32 and bf16 gathers, and with expert parallelism 2.
+#[test]
+fn bf16_weights_give_the_losses_of_casting_in_every_gemm() {
+    let steps = 4;
+    let cases: [(usize, &[&str]); 4] = [
+        (1, &[BF16]),
+        (4, &[BF16]),
+        (4, &[BF16, "parallelism.gather_dtype=bf16"]),
+        (4, &[BF16, "parallelism.dp_shard=4", "parallelism.ep=2"]),
+    ];
+    for (ranks, sets) in cases {
+        let cfg = tiny(steps, sets);
+        let (new, _) = bf16_weight_run(&cfg, ranks, true);
+        let (old, _) = bf16_weight_run(&cfg, ranks, false);
+        println!("{ranks} ranks {sets:?}: losses then val loss {new:?}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&new),
+            bits(&old),
+            "{ranks} ranks {sets:?}: {new:?} vs {old:?}"
+        );
+    }
+}
+
+/// The bf16 weights on the ledger: at one rank a bf16 compute copy, 2 bytes per GEMM-weight
+/// element on top of the per-GEMM path; under FSDP the unsharded GEMM weights (the root's LM
+/// head, `prefetch + 1` slots of one block's) in 2 bytes instead of 4, with f32 and bf16
+/// gathers. The measured buffer peak equals the planner's to the byte.
+#[test]
+fn bf16_weights_on_the_ledger_equal_the_planner() {
+    for (ranks, gather) in [(1, "f32"), (2, "f32"), (2, "bf16")] {
+        let gather = format!("parallelism.gather_dtype={gather}");
+        let mut cfg = tiny(2, &[BF16, &gather]);
+        cfg.parallelism.dp_shard = ranks;
+        let (_, new) = bf16_weight_run(&cfg, ranks, true);
+        let (_, old) = bf16_weight_run(&cfg, ranks, false);
+        let model = Model::new(&cfg.model).with_compute_dtype(cfg.training.compute_dtype);
+        let specs = model.param_specs();
+        let weights = |keep: &dyn Fn(&str) -> bool| -> i64 {
+            (0..specs.len())
+                .filter(|&i| model.bf16_weight(i) && keep(&specs[i].name))
+                .map(|i| specs[i].numel() as i64)
+                .sum()
+        };
+        let (delta, expected) = if ranks == 1 {
+            (new as i64 - old as i64, 2 * weights(&|_| true))
+        } else {
+            let root = weights(&|n| !n.starts_with("model.layers."));
+            let block = weights(&|n| n.starts_with("model.layers.0."));
+            let slots = (cfg.parallelism.prefetch + 1) as i64;
+            (old as i64 - new as i64, 2 * (root + slots * block))
+        };
+        let threads = rayon::current_num_threads();
+        let predicted = ganymede_plan::predict_memory(&cfg, threads, ranks).unwrap();
+        let predicted = predicted.host.buffers;
+        println!(
+            "{ranks} ranks, {gather}: buffers {new} bytes (per-GEMM casts: {old}), \
+             difference {delta}, planner {predicted}"
+        );
+        assert_eq!(delta, expected, "{ranks} ranks, {gather}");
+        assert_eq!(new as f64, predicted, "{ranks} ranks, {gather}");
     }
 }

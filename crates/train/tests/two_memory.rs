@@ -154,6 +154,20 @@ fn the_two_memory_prediction_matches_the_measured_peaks() {
                 "parallelism.prefetch=2",
             ],
         ),
+        // bf16 compute: the cast scratch, and the GEMM weights in bf16 (a compute copy at one
+        // rank, bf16 unsharded weights in the gather slots on more).
+        (
+            1,
+            "tiny",
+            "bf16 compute",
+            vec!["training.compute_dtype=\"bf16\""],
+        ),
+        (
+            4,
+            "tiny",
+            "bf16 compute, four ranks, optimizer offload",
+            vec!["training.compute_dtype=\"bf16\"", "optimizer.offload=true"],
+        ),
         // small on a short corpus, one step (its BPE vocabulary is trained first).
         (
             1,

@@ -411,6 +411,24 @@ fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
             ensure(ein < 1e-4, || {
                 format!("bf16_inputs {g:?}: relative error {ein:e}")
             })?;
+            // An f32 A with a B that is bf16 already (the weights under bf16 compute): only A
+            // is cast, B goes to cuBLAS as it is. The same inputs reach the same GEMM, so the
+            // result should be the one above to the bit (the report says whether it is).
+            let mut dw = on(be, &c);
+            be.gemm(dw.view_mut(), da.view(), hb.view(), g.bf16_inputs(true));
+            let (got_w, got_in) = (be.download(dw.view()), be.download(dc.view()));
+            let ew = rel_err(&got_w, &want);
+            let bitwise = got_w
+                .iter()
+                .zip(&got_in)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            let _ = writeln!(
+                md,
+                "| {m} | {n} | {k} | {ta}/{tb} | {pad} | f32 × bf16 weight (bitwise: {bitwise}) | {ew:.1e} |"
+            );
+            ensure(ew < 1e-4, || {
+                format!("bf16 weight {g:?}: relative error {ew:e}")
+            })?;
         }
     }
     // Syrk (Newton–Schulz's X·Xᵀ): cublasSsyrk on one triangle plus the mirror kernel, both
@@ -647,6 +665,19 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
         let d_in = rel_err(&be.download(cast_in.view()), &be.download(looped.view()));
         ensure(d_in < 1e-4, || {
             format!("mean {mean} tokens/expert: bf16_inputs differs from the loop by {d_in:e}")
+        })?;
+        // With the experts' weights bf16 already: only the rows are cast.
+        let mut weight16 = be.zeros(&[tokens * n], Category::Buffers);
+        crate::kernel_backend::Gemms::gemm_grouped(
+            be,
+            weight16.view_mut(),
+            x.view(),
+            wb.view(),
+            &gb,
+        );
+        let d_w = rel_err(&be.download(weight16.view()), &be.download(looped.view()));
+        ensure(d_w < 1e-4, || {
+            format!("mean {mean} tokens/expert: bf16 weights differ from the loop by {d_w:e}")
         })?;
         let time = |f: &mut dyn FnMut()| {
             let iters = 10;

@@ -774,6 +774,53 @@ fn gemm_ref(a: &[f64], b: &[f64], m: usize, n: usize, k: usize, ta: bool, tb: bo
     c
 }
 
+/// An operand that is bf16 already (the weights under bf16 compute) gives a bf16-input GEMM,
+/// plain and grouped, every transpose, the result of its f32 original to the bit: the backend
+/// widens it exactly where it would have rounded the f32 one.
+#[test]
+fn bf16_input_gemm_takes_bf16_operands_as_they_are() {
+    use crate::backend::{Blas, Gemm};
+    use crate::tensor::DType;
+    let b = CpuBackend::new(Arc::new(Ledger::new()));
+    let mut r = Rng(31);
+    let (m, n, k) = (19, 23, 70);
+    let a: Vec<f32> = r.vec(m * k).iter().map(|&v| v as f32).collect();
+    let w: Vec<f32> = r.vec(k * n).iter().map(|&v| v as f32).collect();
+    let up = |v: &[f32]| b.upload(v, &[v.len()], Category::Activations);
+    let (a32, w32) = (up(&a), up(&w));
+    let half = |t: &Tensor| {
+        let mut h = b.zeros_of(&[t.len()], DType::BF16, Category::Activations);
+        b.cast(h.view_mut(), t.view());
+        h
+    };
+    let (a16, w16) = (half(&a32), half(&w32));
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        let g = Gemm::new(m, n, k, ta, tb).bf16_inputs(true);
+        let run = |x: &Tensor, y: &Tensor, grouped: bool| {
+            let mut c = b.zeros(&[m * n], Category::Activations);
+            if grouped {
+                b.gemm_grouped(c.view_mut(), x.view(), y.view(), &[(g, 0, 0, 0)]);
+            } else {
+                b.gemm(c.view_mut(), x.view(), y.view(), g);
+            }
+            b.download(c.view())
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        for grouped in [false, true] {
+            let want = run(&a32, &w32, grouped);
+            assert_eq!(run(&a32, &w16, grouped), want, "bf16 B {ta} {tb} {grouped}");
+            assert_eq!(run(&a16, &w32, grouped), want, "bf16 A {ta} {tb} {grouped}");
+            assert_eq!(
+                run(&a16, &w16, grouped),
+                want,
+                "bf16 A, B {ta} {tb} {grouped}"
+            );
+        }
+    }
+}
+
 /// A bf16-input GEMM (plain and grouped, every transpose) is the exact product of the
 /// bf16-rounded operands up to f32 summation order, and not the f32 GEMM of the raw ones.
 #[test]
