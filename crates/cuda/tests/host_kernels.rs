@@ -33,6 +33,7 @@ const SMALL: Tuning = Tuning {
     ew_max_blocks: 3,
     attn_rows: 4,
     row_block_max: 32,
+    attn_tc: false,
 };
 fn kernels(tuning: Tuning) -> HostKernelBackend {
     HostKernelBackend::host(cpu(), tuning)
@@ -1226,6 +1227,124 @@ fn attention_at_the_largest_head_dim() {
         8,
         15,
     );
+}
+
+// Tensor-core attention (`attention_*_tc_bf16`, mma.sync through the shim's emulation of its
+// register layout) against the CPU backend in f32 on the same bf16 inputs. Besides the output's
+// bf16 rounding, the kernels round the probabilities (forward, dk/dv) and dS (dq, dk) to bf16 as
+// operands, so an output element that sums many such terms is off by up to a few 2^-9 of the
+// largest term: each output o is held to |got - want| <= TC_RTOL |want| + TC_ATOL max|want_o|
+// (lse, from f32 scores of exact bf16 products, to the f32 tolerance).
+const TC_RTOL: f64 = 1.0 / 64.0;
+const TC_ATOL: f64 = 1.0 / 128.0;
+
+fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64) {
+    let (nq, nk) = (
+        d.batch * d.tq * d.heads * d.head_dim,
+        d.batch * d.tk * d.kv_heads * d.head_dim,
+    );
+    let mut rng = Rng::new(seed);
+    let inputs = St::Bf16.inputs(&[
+        rng.vec(nq, 1.5),
+        rng.vec(nk, 1.5),
+        rng.vec(nk, 1.0),
+        rng.vec(nq, 1.0),
+    ]);
+    let b = cpu();
+    let kb = kernels(Tuning {
+        attn_tc: true,
+        ..SMALL
+    });
+    let reference = |x: &[Vec<f32>]| attention_run(&b, St::F32, St::Bf16, x, d);
+    let tols: Vec<Tol> = reference(&inputs)
+        .iter()
+        .enumerate()
+        .map(|(o, w)| match o {
+            1 => F32,
+            _ => Tol {
+                rtol: TC_RTOL,
+                atol: TC_ATOL * w.iter().fold(0.0f64, |a, x| a.max(x.abs() as f64)),
+            },
+        })
+        .collect();
+    parity(
+        &format!("attention_tc_bf16 {d:?}"),
+        &inputs,
+        1,
+        &tols,
+        |x| attention_run(&kb, St::Bf16, St::Bf16, x, d),
+        reference,
+    );
+}
+
+fn dims(
+    batch: usize,
+    tq: usize,
+    tk: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> ganymede_core::AttnDims {
+    ganymede_core::AttnDims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads,
+        head_dim,
+    }
+}
+
+#[test]
+fn attention_tc_gqa_with_a_key_prefix() {
+    // tq < tk inside one tile, two query heads per kv head, head_dim 32 (small's).
+    attention_tc_case(dims(2, 13, 37, 4, 2, 32), 21);
+}
+
+#[test]
+fn attention_tc_across_tiles() {
+    // Two 64-row tiles either way, the second partial; head_dim 64 (medium's).
+    attention_tc_case(dims(1, 100, 100, 2, 1, 64), 22);
+}
+
+#[test]
+fn attention_tc_key_prefix_across_tiles_head_dim_16() {
+    // tq < tk with the causal offset (63) crossing tile edges, three heads per kv head.
+    attention_tc_case(dims(1, 70, 133, 3, 1, 16), 23);
+}
+
+#[test]
+fn attention_tc_at_the_largest_head_dim() {
+    attention_tc_case(dims(1, 21, 40, 2, 2, 128), 24);
+}
+
+#[test]
+fn attention_tc_falls_back_where_it_does_not_apply() {
+    // head_dim 40 (not a multiple of 16) and f32 take the SIMT kernels even with attn_tc on:
+    // bitwise the results of a backend without it.
+    let tc = kernels(Tuning {
+        attn_tc: true,
+        ..SMALL
+    });
+    let simt = kernels(SMALL);
+    for (st, hd) in [(St::Bf16, 40), (St::F32, 32)] {
+        let d = dims(1, 9, 17, 2, 1, hd);
+        let mut rng = Rng::new(25);
+        let x = st.inputs(&[
+            rng.vec(9 * 2 * hd, 1.0),
+            rng.vec(17 * hd, 1.0),
+            rng.vec(17 * hd, 1.0),
+            rng.vec(9 * 2 * hd, 1.0),
+        ]);
+        let (a, b) = (
+            attention_run(&tc, st, st, &x, d),
+            attention_run(&simt, st, st, &x, d),
+        );
+        for (o, (a, b)) in a.iter().zip(&b).enumerate() {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{st:?} head_dim {hd}: output {o} differs");
+        }
+    }
 }
 
 /// Run by `a_broken_launch_precondition_traps` in a child process: attention past its

@@ -34,7 +34,8 @@ pub fn kernel_backend(
     ledger: Arc<Ledger>,
 ) -> Result<CudaKernelBackend, DeviceError> {
     let be = CudaBackend::new(ordinal, ledger)?;
-    let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, Tuning::default());
+    let tuning = Tuning::for_device(be.compute_major());
+    let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, tuning);
     Ok(KernelBackend::new(ops, be))
 }
 
