@@ -321,7 +321,8 @@ GANY_ATTENTION(bf16, bf16)
 #define TC_BK 64            // keys per tile (forward, dq) or per block (dk, dv)
 #define TC_PAD 8            // bf16 padding of shared rows: a warp's pair loads hit 32 banks
 // Shared bf16 elements for the largest head_dim: the forward's K and transposed V tiles; the
-// backward's two [64][head_dim + pad] tiles fit in it too.
+// backward's two [64][head_dim + pad] tiles fit in it too. (Sized for 128 at every head_dim:
+// static shared memory, no opt-in needed, and 36 KiB leaves room for several blocks per SM.)
 #define TC_SMEM (TC_BK * (ATT_MAXD + TC_PAD) + ATT_MAXD * (TC_BK + TC_PAD))
 static_assert(2 * TC_BQ * (ATT_MAXD + TC_PAD) <= TC_SMEM && TC_BQ == TC_BK, "tile sizes");
 
@@ -707,50 +708,36 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     }
 }
 
-// One kernel per op over the head_dims the tensor-core kernels take; shared memory is declared
-// once here, for the largest, so the instantiations do not each reserve their own.
-#define TC_HEAD_DIMS(CALL) \
-    switch (head_dim) {    \
-    case 16: CALL(16); break; \
-    case 32: CALL(32); break; \
-    case 64: CALL(64); break; \
-    case 128: CALL(128); break; \
-    default: __trap();     \
+// One kernel per op and head_dim (attention_forward_tc64_bf16, ...): a kernel's registers are
+// those of its largest path, so head_dim 64 does not pay for 128's.
+#define GANY_ATTENTION_TC(HD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_forward_tc##HD##_bf16(    \
+        bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int tq, int tk,     \
+        int heads, int kv_heads, int head_dim, float scale) {                                   \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_fwd_tc<HD>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);                 \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W)                                     \
+        attention_backward_dkdv_tc##HD##_bf16(                                                  \
+            bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,  \
+            const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
+            int head_dim, float scale) {                                                        \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        __shared__ float Ls[TC_BQ], Dl[TC_BQ];                                                  \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_bwd_dkdv_tc<HD>(sm, Ls, Dl, dk, dv, dout, q, k, v, lse, delta, tq, tk, heads,      \
+                             kv_heads, scale);                                                  \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_backward_dq_tc##HD##_bf16( \
+        bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,                \
+        const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,          \
+        int head_dim, float scale) {                                                            \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
     }
-
-extern "C" __global__ void attention_forward_tc_bf16(bf16* out, float* lse, const bf16* q,
-                                                     const bf16* k, const bf16* v, int tq,
-                                                     int tk, int heads, int kv_heads,
-                                                     int head_dim, float scale) {
-    __shared__ __align__(16) bf16 sm[TC_SMEM];
-    GANY_REQUIRE(blockDim.x == 32 * TC_W);
-#define CALL(HD) attn_fwd_tc<HD>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale)
-    TC_HEAD_DIMS(CALL)
-#undef CALL
-}
-extern "C" __global__ void attention_backward_dkdv_tc_bf16(
-    bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-    const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads, int head_dim,
-    float scale) {
-    __shared__ __align__(16) bf16 sm[TC_SMEM];
-    __shared__ float Ls[TC_BQ], Dl[TC_BQ];
-    GANY_REQUIRE(blockDim.x == 32 * TC_W);
-#define CALL(HD)                                                                              \
-    attn_bwd_dkdv_tc<HD>(sm, Ls, Dl, dk, dv, dout, q, k, v, lse, delta, tq, tk, heads,         \
-                         kv_heads, scale)
-    TC_HEAD_DIMS(CALL)
-#undef CALL
-}
-extern "C" __global__ void attention_backward_dq_tc_bf16(bf16* dq, const bf16* dout,
-                                                         const bf16* q, const bf16* k,
-                                                         const bf16* v, const float* lse,
-                                                         const float* delta, int tq, int tk,
-                                                         int heads, int kv_heads, int head_dim,
-                                                         float scale) {
-    __shared__ __align__(16) bf16 sm[TC_SMEM];
-    GANY_REQUIRE(blockDim.x == 32 * TC_W);
-#define CALL(HD)                                                                              \
-    attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale)
-    TC_HEAD_DIMS(CALL)
-#undef CALL
-}
+GANY_ATTENTION_TC(16)
+GANY_ATTENTION_TC(32)
+GANY_ATTENTION_TC(64)
+GANY_ATTENTION_TC(128)

@@ -1229,7 +1229,7 @@ fn attention_at_the_largest_head_dim() {
     );
 }
 
-// Tensor-core attention (`attention_*_tc_bf16`, mma.sync through the shim's emulation of its
+// Tensor-core attention (`attention_*_tc{head_dim}_bf16`, mma.sync through the shim's emulation of its
 // register layout) against the CPU backend in f32 on the same bf16 inputs. Besides the output's
 // bf16 rounding, the kernels round the probabilities (forward, dk/dv) and dS (dq, dk) to bf16 as
 // operands, so an output element that sums many such terms is off by up to a few 2^-9 of the

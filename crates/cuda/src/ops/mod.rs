@@ -37,8 +37,9 @@ pub struct Tuning {
     /// At most this many threads per block of the kernels that take one block per row (norms,
     /// embedding, gather/combine), a multiple of 32: a row wider than this loops.
     pub row_block_max: u32,
-    /// bf16 attention on the tensor-core kernels (`attention_*_tc_bf16`: mma.sync, sm_80 and
-    /// later) where head_dim is 16, 32, 64 or 128; otherwise, and for f32, the SIMT kernels.
+    /// bf16 attention on the tensor-core kernels (`attention_*_tc{head_dim}_bf16`: mma.sync,
+    /// sm_80 and later) where head_dim is 16, 32, 64 or 128; otherwise, and for f32, the SIMT
+    /// kernels.
     /// Off by default; a GPU backend turns it on from compute capability 8.0
     /// ([`Tuning::for_device`]).
     pub attn_tc: bool,

@@ -362,7 +362,7 @@ impl<L: Launcher> KernelOps<L> {
         args.push(Self::attn_scale(&d));
         if self.attn_tc(dt, &d) {
             let shape = cfg(grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch), TC_BLOCK);
-            self.launch(&format!("{op}_tc_bf16"), shape, &args);
+            self.launch(&format!("{op}_tc{}_bf16", d.head_dim), shape, &args);
             return;
         }
         let w = self.tuning.attn_rows as usize;
@@ -419,7 +419,7 @@ impl<L: Launcher> KernelOps<L> {
         let tc = self.attn_tc(dt, &d);
         let (shape, name) = if tc {
             let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            (cfg(g, TC_BLOCK), format!("{op}_dkdv_tc_bf16"))
+            (cfg(g, TC_BLOCK), format!("{op}_dkdv_tc{}_bf16", d.head_dim))
         } else {
             let g = grid(d.tk.div_ceil(16), d.kv_heads, d.batch);
             (cfg(g, 128), format!("{op}_dkdv_{sfx}"))
@@ -437,7 +437,7 @@ impl<L: Launcher> KernelOps<L> {
         tail(&mut args);
         let (shape, name) = if tc {
             let g = grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch);
-            (cfg(g, TC_BLOCK), format!("{op}_dq_tc_bf16"))
+            (cfg(g, TC_BLOCK), format!("{op}_dq_tc{}_bf16", d.head_dim))
         } else {
             let g = grid(d.tq.div_ceil(8), d.heads, d.batch);
             (cfg(g, 128), format!("{op}_dq_{sfx}"))
