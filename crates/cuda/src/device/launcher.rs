@@ -39,6 +39,13 @@ pub fn kernel_backend(
     Ok(KernelBackend::new(ops, be))
 }
 
+impl CudaLauncher {
+    /// Launches on `be`'s compute stream (the device check builds ops of its own tuning).
+    pub(crate) fn new(be: CudaBackend) -> Self {
+        CudaLauncher { be }
+    }
+}
+
 impl Launcher for CudaLauncher {
     fn addr(&self, v: View) -> *mut c_void {
         place(&v).addr as *mut c_void
