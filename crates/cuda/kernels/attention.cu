@@ -319,6 +319,7 @@ GANY_ATTENTION(bf16, bf16)
 #define TC_W 4              // warps per block
 #define TC_BQ (16 * TC_W)   // queries per block (forward, dq) or per tile (dk, dv)
 #define TC_BK 64            // keys per tile (forward, dq) or per block (dk, dv)
+#define TC_HQ 32            // queries per step of dk/dv's score registers
 #define TC_PAD 8            // bf16 padding of shared rows: a warp's pair loads hit 32 banks
 // Shared bf16 elements for the largest head_dim: the forward's K and transposed V tiles; the
 // backward's two [64][head_dim + pad] tiles fit in it too. (Sized for 128 at every head_dim:
@@ -545,49 +546,52 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
             __syncthreads();
             const int ilast = (i0 + TC_BQ < tq ? i0 + TC_BQ : tq) - 1;
             if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
-            float sp[TC_BQ / 8][4], dp[TC_BQ / 8][4];  // S^T then P^T; dP^T then dS^T
+            // The tile's queries in two halves of TC_HQ: half the score registers live.
+            for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
+                float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
 #pragma unroll
-            for (int n = 0; n < TC_BQ / 8; n++) {
+                for (int n = 0; n < TC_HQ / 8; n++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
+                    for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
-                for (int kk = 0; kk < HD / 16; kk++) {
-                    const int at = (n * 8 + gq) * S + kk * 16 + 2 * t;
-                    const unsigned bq[2] = {lds_pair(Qs + at), lds_pair(Qs + at + 8)};
-                    const unsigned bd[2] = {lds_pair(Ds + at), lds_pair(Ds + at + 8)};
-                    mma_bf16_16816(sp[n], ka[kk], bq);
-                    mma_bf16_16816(dp[n], va[kk], bd);
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < TC_BQ / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int j = k0 + gq + 8 * (e >> 1), ii = n * 8 + 2 * t + (e & 1);
-                    const int i = i0 + ii;
-                    float p = 0.0f, ds = 0.0f;
-                    if (i < tq && j < tk && j <= off + i) {
-                        p = expf(scale * sp[n][e] - Ls[ii]);
-                        ds = p * (dp[n][e] - Dl[ii]);
+                    for (int kk = 0; kk < HD / 16; kk++) {
+                        const int at = (h0 + n * 8 + gq) * S + kk * 16 + 2 * t;
+                        const unsigned bq[2] = {lds_pair(Qs + at), lds_pair(Qs + at + 8)};
+                        const unsigned bd[2] = {lds_pair(Ds + at), lds_pair(Ds + at + 8)};
+                        mma_bf16_16816(sp[n], ka[kk], bq);
+                        mma_bf16_16816(dp[n], va[kk], bd);
                     }
-                    sp[n][e] = p;
-                    dp[n][e] = ds;
                 }
 #pragma unroll
-            for (int kk = 0; kk < TC_BQ / 16; kk++) {
-                unsigned pa[4], sa[4];
-                acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
-                acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
+                for (int n = 0; n < TC_HQ / 8; n++)
 #pragma unroll
-                for (int n = 0; n < HD / 8; n++) {
-                    // B (k = query, n = d): column pairs of the [query][d] tiles.
-                    const int at = (kk * 16 + 2 * t) * S + n * 8 + gq;
-                    const unsigned bd[2] = {lds_col_pair(Ds + at, S),
-                                            lds_col_pair(Ds + at + 8 * S, S)};
-                    const unsigned bq[2] = {lds_col_pair(Qs + at, S),
-                                            lds_col_pair(Qs + at + 8 * S, S)};
-                    mma_bf16_16816(dvc[n], pa, bd);
-                    mma_bf16_16816(dkc[n], sa, bq);
+                    for (int e = 0; e < 4; e++) {
+                        const int j = k0 + gq + 8 * (e >> 1);
+                        const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
+                        float p = 0.0f, ds = 0.0f;
+                        if (i < tq && j < tk && j <= off + i) {
+                            p = expf(scale * sp[n][e] - Ls[ii]);
+                            ds = p * (dp[n][e] - Dl[ii]);
+                        }
+                        sp[n][e] = p;
+                        dp[n][e] = ds;
+                    }
+#pragma unroll
+                for (int kk = 0; kk < TC_HQ / 16; kk++) {
+                    unsigned pa[4], sa[4];
+                    acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
+                    acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+                    for (int n = 0; n < HD / 8; n++) {
+                        // B (k = query, n = d): column pairs of the [query][d] tiles.
+                        const int at = (h0 + kk * 16 + 2 * t) * S + n * 8 + gq;
+                        const unsigned bd[2] = {lds_col_pair(Ds + at, S),
+                                                lds_col_pair(Ds + at + 8 * S, S)};
+                        const unsigned bq[2] = {lds_col_pair(Qs + at, S),
+                                                lds_col_pair(Qs + at + 8 * S, S)};
+                        mma_bf16_16816(dvc[n], pa, bd);
+                        mma_bf16_16816(dkc[n], sa, bq);
+                    }
                 }
             }
         }
