@@ -370,6 +370,49 @@ __device__ __forceinline__ void acc_to_a(unsigned* a, const float* c0, const flo
     a[2] = pack_bf16(c1[0], c1[1]);
     a[3] = pack_bf16(c1[2], c1[3]);
 }
+// 64 rows r0 .. r0 + 63 of x (row r at x + r rs, HD wide; zero at or past n) into shared dst
+// with row stride ds, or transposed (dst[d ds + row]). Eight elements (16 bytes) per load where
+// x's rows are 16-byte aligned, as whole tensors are; a view at another offset goes element by
+// element. Row-major: a warp reads consecutive 16-byte chunks of rows; transposed: consecutive
+// rows, so its 16-bit stores land in distinct words.
+struct __align__(16) bf16x8 {
+    bf16 h[8];
+};
+template <int HD, bool TRANSPOSE>
+__device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x, long long rs,
+                                               int r0, int n) {
+    constexpr int ROWS = 64, CH = HD / 8;
+    if ((unsigned long long)x % 16 == 0 && rs % 8 == 0) {
+        for (int e = threadIdx.x; e < ROWS * CH; e += blockDim.x) {
+            const int rr = TRANSPOSE ? e % ROWS : e / CH, d = 8 * (TRANSPOSE ? e / ROWS : e % CH);
+            bf16x8 c;
+            if (r0 + rr < n) {
+                const bf16* src = x + (r0 + rr) * rs + d;
+#ifdef GANY_HOST
+                std::memcpy(&c, src, 16);
+#else
+                c = *reinterpret_cast<const bf16x8*>(src);
+#endif
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) c.h[i] = 0;
+            }
+            if (TRANSPOSE) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) dst[(d + i) * ds + rr] = c.h[i];
+            } else {
+                *reinterpret_cast<bf16x8*>(dst + rr * ds + d) = c;
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
+            const int rr = e / HD, d = e % HD;
+            const bf16 val = r0 + rr < n ? x[(r0 + rr) * rs + d] : (bf16)0;
+            dst[TRANSPOSE ? d * ds + rr : rr * ds + d] = val;
+        }
+    }
+}
+
 // A operands (rows r0 + gq, + 8; HD/16 tiles of 16 columns) of a [*, heads, HD]-strided row
 // block of x; rows at or past n are zero. rs: elements between consecutive rows.
 template <int HD>
@@ -405,21 +448,14 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     float o[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    const bf16 *kb = k + kv_off(b, 0, g, tk, kvh, HD), *vb = v + kv_off(b, 0, g, tk, kvh, HD);
+    const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);  // keys the block needs
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);         // keys this warp needs
     for (int j0 = 0; j0 < bend; j0 += TC_BK) {
         __syncthreads();
-        for (int e = threadIdx.x; e < TC_BK * HD; e += blockDim.x) {
-            const int jj = e / HD, d = e % HD, j = j0 + jj;
-            bf16 kk = 0, vv = 0;
-            if (j < tk) {
-                const long long ko = kv_off(b, j, g, tk, kvh, HD) + d;
-                kk = k[ko];
-                vv = v[ko];
-            }
-            Ks[jj * KS + d] = kk;
-            Vt[d * VS + jj] = vv;
-        }
+        tile_to_shared<HD, false>(Ks, KS, kb, kvrs, j0, tk);
+        tile_to_shared<HD, true>(Vt, VS, vb, kvrs, j0, tk);
         __syncthreads();
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
         float s[TC_BK / 8][4];
@@ -526,17 +562,9 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     for (int h = g * rep; h < (g + 1) * rep; h++) {
         for (int i0 = first; i0 < tq; i0 += TC_BQ) {
             __syncthreads();
-            for (int e = threadIdx.x; e < TC_BQ * HD; e += blockDim.x) {
-                const int ii = e / HD, d = e % HD, i = i0 + ii;
-                bf16 qq = 0, dd = 0;
-                if (i < tq) {
-                    const long long o = q_off(b, i, h, tq, heads, HD) + d;
-                    qq = q[o];
-                    dd = dout[o];
-                }
-                Qs[ii * S + d] = qq;
-                Ds[ii * S + d] = dd;
-            }
+            const long long qo = q_off(b, 0, h, tq, heads, HD), qrs = (long long)heads * HD;
+            tile_to_shared<HD, false>(Qs, S, q + qo, qrs, i0, tq);
+            tile_to_shared<HD, false>(Ds, S, dout + qo, qrs, i0, tq);
             for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
                 const int i = i0 + ii;
                 const long long r = ((long long)b * heads + h) * tq + i;
@@ -641,21 +669,14 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     float dqc[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) dqc[n][0] = dqc[n][1] = dqc[n][2] = dqc[n][3] = 0.0f;
+    const bf16 *kb = k + kv_off(b, 0, g, tk, kvh, HD), *vb = v + kv_off(b, 0, g, tk, kvh, HD);
+    const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);
     for (int j0 = 0; j0 < bend; j0 += TC_BK) {
         __syncthreads();
-        for (int e = threadIdx.x; e < TC_BK * HD; e += blockDim.x) {
-            const int jj = e / HD, d = e % HD, j = j0 + jj;
-            bf16 kk = 0, vv = 0;
-            if (j < tk) {
-                const long long ko = kv_off(b, j, g, tk, kvh, HD) + d;
-                kk = k[ko];
-                vv = v[ko];
-            }
-            Ks[jj * S + d] = kk;
-            Vs[jj * S + d] = vv;
-        }
+        tile_to_shared<HD, false>(Ks, S, kb, kvrs, j0, tk);
+        tile_to_shared<HD, false>(Vs, S, vb, kvrs, j0, tk);
         __syncthreads();
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform
         float s[TC_BK / 8][4], dp[TC_BK / 8][4];

@@ -1097,20 +1097,28 @@ fn attention_run(
     x: &[Vec<f32>],
     d: ganymede_core::AttnDims,
 ) -> Vec<Vec<f32>> {
+    attention_run_at(be, st, round, x, d, 0)
+}
+
+/// [`attention_run`] with q, k, v and dout as views that start `at` elements into their
+/// tensors.
+fn attention_run_at(
+    be: &dyn Backend,
+    st: St,
+    round: St,
+    x: &[Vec<f32>],
+    d: ganymede_core::AttnDims,
+    at: usize,
+) -> Vec<Vec<f32>> {
     use ganymede_core::{AttnGrads, AttnSaved};
     let (nq, nk) = (x[0].len(), x[1].len());
     let nl = d.batch * d.heads * d.tq;
-    let (qt, kt, vt) = (st.up(be, &x[0]), st.up(be, &x[1]), st.up(be, &x[2]));
+    let input = |x: &[f32]| st.up(be, &[vec![0.0; at], x.to_vec()].concat());
+    let (qt, kt, vt, dt) = (input(&x[0]), input(&x[1]), input(&x[2]), input(&x[3]));
+    let (qv, kv, vv) = (qt.slice(at, nq), kt.slice(at, nk), vt.slice(at, nk));
     let mut out = st.up(be, &vec![f32::NAN; nq]);
     let mut lse = up(be, &vec![f32::NAN; nl]);
-    be.attention_forward(
-        out.view_mut(),
-        lse.view_mut(),
-        qt.view(),
-        kt.view(),
-        vt.view(),
-        d,
-    );
+    be.attention_forward(out.view_mut(), lse.view_mut(), qv, kv, vv, d);
     let (mut dq, mut dk, mut dv) = (
         st.up(be, &vec![f32::NAN; nq]),
         st.up(be, &vec![f32::NAN; nk]),
@@ -1123,12 +1131,12 @@ fn attention_run(
             dk: dk.view_mut(),
             dv: dv.view_mut(),
         },
-        st.up(be, &x[3]).view(),
+        dt.slice(at, nq),
         AttnSaved {
             out: saved_out.view(),
-            q: qt.view(),
-            k: kt.view(),
-            v: vt.view(),
+            q: qv,
+            k: kv,
+            v: vv,
             lse: lse.view(),
         },
         d,
@@ -1238,7 +1246,9 @@ fn attention_at_the_largest_head_dim() {
 const TC_RTOL: f64 = 1.0 / 64.0;
 const TC_ATOL: f64 = 1.0 / 128.0;
 
-fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64) {
+/// `at`: the inputs' views start this many elements into their tensors (1: not 16-byte aligned,
+/// the kernels' element-by-element loads; 0: aligned, their 16-byte loads).
+fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
     let (nq, nk) = (
         d.batch * d.tq * d.heads * d.head_dim,
         d.batch * d.tk * d.kv_heads * d.head_dim,
@@ -1272,7 +1282,7 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64) {
         &inputs,
         1,
         &tols,
-        |x| attention_run(&kb, St::Bf16, St::Bf16, x, d),
+        |x| attention_run_at(&kb, St::Bf16, St::Bf16, x, d, at),
         reference,
     );
 }
@@ -1298,24 +1308,41 @@ fn dims(
 #[test]
 fn attention_tc_gqa_with_a_key_prefix() {
     // tq < tk inside one tile, two query heads per kv head, head_dim 32 (small's).
-    attention_tc_case(dims(2, 13, 37, 4, 2, 32), 21);
+    attention_tc_case(dims(2, 13, 37, 4, 2, 32), 21, 0);
 }
 
 #[test]
 fn attention_tc_across_tiles() {
     // Two 64-row tiles either way, the second partial; head_dim 64 (medium's).
-    attention_tc_case(dims(1, 100, 100, 2, 1, 64), 22);
+    attention_tc_case(dims(1, 100, 100, 2, 1, 64), 22, 0);
 }
 
 #[test]
 fn attention_tc_key_prefix_across_tiles_head_dim_16() {
     // tq < tk with the causal offset (63) crossing tile edges, three heads per kv head.
-    attention_tc_case(dims(1, 70, 133, 3, 1, 16), 23);
+    attention_tc_case(dims(1, 70, 133, 3, 1, 16), 23, 0);
 }
 
 #[test]
 fn attention_tc_at_the_largest_head_dim() {
-    attention_tc_case(dims(1, 21, 40, 2, 2, 128), 24);
+    attention_tc_case(dims(1, 21, 40, 2, 2, 128), 24, 0);
+}
+
+#[test]
+fn attention_tc_unaligned_views() {
+    // Views one element into their tensors: the loads that do not assume 16-byte rows.
+    attention_tc_case(dims(1, 70, 90, 2, 1, 32), 26, 1);
+}
+
+#[test]
+fn attention_tc_views_choose_the_load() {
+    // The cases above take each load path: whole tensors are 16-byte aligned, one element in
+    // is not (so both paths are what those tests check).
+    let be = kernels(SMALL);
+    let t = St::Bf16.up(&be, &[0.0; 64]);
+    let addr = |v: ganymede_core::View| be.ops().launcher().addr(v) as usize;
+    assert_eq!(addr(t.view()) % 16, 0);
+    assert_ne!(addr(t.slice(1, 32)) % 16, 0);
 }
 
 #[test]
