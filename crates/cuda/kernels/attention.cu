@@ -428,9 +428,9 @@ __device__ __forceinline__ void load_a_rows(unsigned (*a)[4], const bf16* x, int
         }
 }
 
-// Forward. Warp w of block x takes queries 64 x + 16 w .. + 15; the block's K/V tiles of 64
-// keys go through shared memory (K as [key][d], V transposed as [d][key], so every B operand
-// is a pair load). Launch: grid (ceil(tq / 64), heads, batch), block 128.
+// Forward. Block x takes the 64 queries from 64 (gridDim.x - 1 - x), warp w 16 of them; the
+// block's K/V tiles of 64 keys go through shared memory (K as [key][d], V transposed as
+// [d][key], so every B operand is a pair load). Launch: grid (ceil(tq / 64), heads, batch), block 128.
 template <int HD>
 __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, const bf16* k,
                             const bf16* v, int tq, int tk, int heads, int kvh, float scale) {
@@ -439,7 +439,8 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     bf16* Vt = sm + TC_BK * KS; // [HD][VS]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
-    const int i0 = blockIdx.x * TC_BQ, r0 = i0 + 16 * w;
+    // The last query tile first: it sees the most keys, so the longest blocks start earliest.
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * TC_BQ, r0 = i0 + 16 * w;
     unsigned qa[HD / 16][4];
     load_a_rows<HD>(qa, q + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
     // Per lane: rows gq and gq + 8 of the warp's 16; l sums this lane's columns only (the
@@ -640,7 +641,7 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     }
 }
 
-// dq (overwritten) for 64 queries of head h, warp w owning queries 64 x + 16 w .. + 15 (its
+// dq (overwritten) for 64 queries of head h (the last tile in block 0), warp w owning 16 (its
 // Q and dO rows in registers), over the keys they see in tiles of 64 through shared memory
 // (K, V as [key][d]): S = Q K^T, dP = dO V^T, dQ += dS K with dS as the A operand.
 // Launch: grid (ceil(tq / 64), heads, batch), block 128.
@@ -654,7 +655,8 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     bf16* Vs = sm + TC_BK * S;  // [TC_BK][S]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
-    const int i0 = blockIdx.x * TC_BQ, r0 = i0 + 16 * w;
+    // The last query tile first: it sees the most keys, so the longest blocks start earliest.
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * TC_BQ, r0 = i0 + 16 * w;
     unsigned qa[HD / 16][4], da[HD / 16][4];
     load_a_rows<HD>(qa, q + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
     load_a_rows<HD>(da, dout + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
