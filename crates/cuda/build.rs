@@ -41,6 +41,8 @@ fn main() {
         .opt_level(2)
         // Exactly the operations written: no contraction into fused multiply-adds.
         .flag_if_supported("-ffp-contract=off")
+        // `#pragma unroll` is a hint for NVRTC only.
+        .flag_if_supported("-Wno-unknown-pragmas")
         .include(&out);
     let table = kernel_table(&build, &kernels_only, &kernels);
     std::fs::write(out.join("kernel_table.inc"), table).unwrap();

@@ -297,3 +297,474 @@ __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const 
     }
 GANY_ATTENTION(f32, float)
 GANY_ATTENTION(bf16, bf16)
+
+// -------------------------------------------------------------------------------------------
+// Tensor-core kernels (bf16 storage): the same contract as above, for head_dim 16, 32, 64 or
+// 128, with every product on mma.sync m16n8k16 (bf16 operands, f32 accumulators) as
+// FlashAttention-2 arranges it. A warp owns 16 rows of each product; the softmax runs in f32 on
+// the accumulator registers, and a probability tile goes back into the next product as an
+// operand without leaving registers (the accumulator layout of two 16×8 tiles is the operand
+// layout of one 16×16 tile). Probabilities and dS are rounded to bf16 as operands; the log-sum-
+// exp, the row sums and every accumulation stay f32. Blocks are TC_W warps; K/V (forward, dq) or
+// Q/dO (dk, dv) tiles pass through shared memory as bf16. Deterministic: every output element is
+// one thread's, summed in a fixed order. Needs sm_80 (traps on older devices; the host chooses
+// the kernels above there, see ops::Tuning::attn_tc).
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16), lane = 4 gq + t: A (16×16, row-major)
+// a[0] = A[gq][2t, 2t+1], a[1] = A[gq+8][2t, 2t+1], a[2] = A[gq][2t+8, 2t+9],
+// a[3] = A[gq+8][2t+8, 2t+9]; B (16×8, k × n) b[0] = B[2t, 2t+1][gq], b[1] = B[2t+8, 2t+9][gq];
+// C (16×8) c[0..1] = C[gq][2t, 2t+1], c[2..3] = C[gq+8][2t, 2t+1]. A pair's lower index is the
+// register's low half. The host shim emulates exactly this (shim/cuda_shim.h).
+
+#define TC_W 4              // warps per block
+#define TC_BQ (16 * TC_W)   // queries per block (forward, dq) or per tile (dk, dv)
+#define TC_BK 64            // keys per tile (forward, dq) or per block (dk, dv)
+#define TC_HQ 32            // queries per step of dk/dv's score registers
+#define TC_PAD 8            // bf16 padding of shared rows: a warp's pair loads hit 32 banks
+// Shared bf16 elements for the largest head_dim: the forward's K and transposed V tiles; the
+// backward's two [64][head_dim + pad] tiles fit in it too. (Sized for 128 at every head_dim:
+// static shared memory, no opt-in needed, and 36 KiB leaves room for several blocks per SM.)
+#define TC_SMEM (TC_BK * (ATT_MAXD + TC_PAD) + ATT_MAXD * (TC_BK + TC_PAD))
+static_assert(2 * TC_BQ * (ATT_MAXD + TC_PAD) <= TC_SMEM && TC_BQ == TC_BK, "tile sizes");
+
+// c += a b on the tensor cores.
+__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+#if defined(GANY_HOST)
+    gany_mma_m16n8k16_bf16(c, a, b);
+#elif __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+
+// Two bf16 as one operand register, x in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float x, float y) {
+    return (unsigned)f32_to_bf16(x) | ((unsigned)f32_to_bf16(y) << 16);
+}
+// p[0], p[1] (adjacent, p 4-byte aligned in shared memory) as one register.
+__device__ __forceinline__ unsigned lds_pair(const bf16* p) {
+#ifdef GANY_HOST
+    return (unsigned)p[0] | ((unsigned)p[1] << 16);
+#else
+    return *reinterpret_cast<const unsigned*>(p);
+#endif
+}
+// p[0] and p[stride] (a column pair) as one register.
+__device__ __forceinline__ unsigned lds_col_pair(const bf16* p, int stride) {
+    return (unsigned)p[0] | ((unsigned)p[stride] << 16);
+}
+// Global loads element by element: a view may start at any element.
+__device__ __forceinline__ unsigned ldg_pair(const bf16* p) {
+    return (unsigned)p[0] | ((unsigned)p[1] << 16);
+}
+// The A operand of 16×16 tile from c (two adjacent 16×8 accumulator tiles): columns 0-7 from
+// c0, 8-15 from c1.
+__device__ __forceinline__ void acc_to_a(unsigned* a, const float* c0, const float* c1) {
+    a[0] = pack_bf16(c0[0], c0[1]);
+    a[1] = pack_bf16(c0[2], c0[3]);
+    a[2] = pack_bf16(c1[0], c1[1]);
+    a[3] = pack_bf16(c1[2], c1[3]);
+}
+// 64 rows r0 .. r0 + 63 of x (row r at x + r rs, HD wide; zero at or past n) into shared dst
+// with row stride ds, or transposed (dst[d ds + row]). Eight elements (16 bytes) per load where
+// x's rows are 16-byte aligned, as whole tensors are; a view at another offset goes element by
+// element. Row-major: a warp reads consecutive 16-byte chunks of rows; transposed: consecutive
+// rows, so its 16-bit stores land in distinct words.
+struct __align__(16) bf16x8 {
+    bf16 h[8];
+};
+template <int HD, bool TRANSPOSE>
+__device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x, long long rs,
+                                               int r0, int n) {
+    constexpr int ROWS = 64, CH = HD / 8;
+    if ((unsigned long long)x % 16 == 0 && rs % 8 == 0) {
+        for (int e = threadIdx.x; e < ROWS * CH; e += blockDim.x) {
+            const int rr = TRANSPOSE ? e % ROWS : e / CH, d = 8 * (TRANSPOSE ? e / ROWS : e % CH);
+            bf16x8 c;
+            if (r0 + rr < n) {
+                const bf16* src = x + (r0 + rr) * rs + d;
+#ifdef GANY_HOST
+                std::memcpy(&c, src, 16);
+#else
+                c = *reinterpret_cast<const bf16x8*>(src);
+#endif
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) c.h[i] = 0;
+            }
+            if (TRANSPOSE) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) dst[(d + i) * ds + rr] = c.h[i];
+            } else {
+                *reinterpret_cast<bf16x8*>(dst + rr * ds + d) = c;
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
+            const int rr = e / HD, d = e % HD;
+            const bf16 val = r0 + rr < n ? x[(r0 + rr) * rs + d] : (bf16)0;
+            dst[TRANSPOSE ? d * ds + rr : rr * ds + d] = val;
+        }
+    }
+}
+
+// A operands (rows r0 + gq, + 8; HD/16 tiles of 16 columns) of a [*, heads, HD]-strided row
+// block of x; rows at or past n are zero. rs: elements between consecutive rows.
+template <int HD>
+__device__ __forceinline__ void load_a_rows(unsigned (*a)[4], const bf16* x, int r0, int n,
+                                            long long rs) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int row = r0 + gq + 8 * (r & 1), col = kk * 16 + 2 * t + 8 * (r >> 1);
+            a[kk][r] = row < n ? ldg_pair(x + row * rs + col) : 0u;
+        }
+}
+
+// Forward. Block x takes the 64 queries from 64 (gridDim.x - 1 - x), warp w 16 of them; the
+// block's K/V tiles of 64 keys go through shared memory (K as [key][d], V transposed as
+// [d][key], so every B operand is a pair load). Launch: grid (ceil(tq / 64), heads, batch), block 128.
+template <int HD>
+__device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, const bf16* k,
+                            const bf16* v, int tq, int tk, int heads, int kvh, float scale) {
+    constexpr int KS = HD + TC_PAD, VS = TC_BK + TC_PAD;
+    bf16* Ks = sm;              // [TC_BK][KS]
+    bf16* Vt = sm + TC_BK * KS; // [HD][VS]
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
+    // The last query tile first: it sees the most keys, so the longest blocks start earliest.
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * TC_BQ, r0 = i0 + 16 * w;
+    unsigned qa[HD / 16][4];
+    load_a_rows<HD>(qa, q + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
+    // Per lane: rows gq and gq + 8 of the warp's 16; l sums this lane's columns only (the
+    // quad's lanes share a row's max, so their partial sums add up at the end).
+    float m[2] = {GANY_NEG_INF, GANY_NEG_INF}, l[2] = {0.0f, 0.0f};
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    const bf16 *kb = k + kv_off(b, 0, g, tk, kvh, HD), *vb = v + kv_off(b, 0, g, tk, kvh, HD);
+    const long long kvrs = (long long)kvh * HD;  // between consecutive keys
+    const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);  // keys the block needs
+    const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);         // keys this warp needs
+    for (int j0 = 0; j0 < bend; j0 += TC_BK) {
+        __syncthreads();
+        tile_to_shared<HD, false>(Ks, KS, kb, kvrs, j0, tk);
+        tile_to_shared<HD, true>(Vt, VS, vb, kvrs, j0, tk);
+        __syncthreads();
+        if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
+        float s[TC_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < TC_BK / 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const bf16* kp = Ks + (n * 8 + gq) * KS + kk * 16 + 2 * t;
+                const unsigned bb[2] = {lds_pair(kp), lds_pair(kp + 8)};
+                mma_bf16_16816(s[n], qa[kk], bb);
+            }
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < TC_BK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
+                s[n][e] = j <= off + i && j < tk ? scale * s[n][e] : GANY_NEG_INF;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            alpha[r] = m[r] == GANY_NEG_INF ? 0.0f : expf(m[r] - mx[r]);
+            l[r] *= alpha[r];
+            m[r] = mx[r];
+        }
+#pragma unroll
+        for (int n = 0; n < TC_BK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float p = s[n][e] == GANY_NEG_INF ? 0.0f : expf(s[n][e] - mx[e >> 1]);
+                s[n][e] = p;
+                l[e >> 1] += p;
+            }
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < TC_BK / 16; kk++) {
+            unsigned pa[4];
+            acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                const bf16* vp = Vt + (n * 8 + gq) * VS + kk * 16 + 2 * t;
+                const unsigned bb[2] = {lds_pair(vp), lds_pair(vp + 8)};
+                mma_bf16_16816(o[n], pa, bb);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int i = r0 + gq + 8 * r;
+        if (i < tq) {
+            const float inv = 1.0f / l[r];
+            const long long qo = q_off(b, i, h, tq, heads, HD);
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                st(out + qo + n * 8 + 2 * t, o[n][2 * r] * inv);
+                st(out + qo + n * 8 + 2 * t + 1, o[n][2 * r + 1] * inv);
+            }
+            if (t == 0) lse[((long long)b * heads + h) * tq + i] = m[r] + logf(l[r]);
+        }
+    }
+}
+
+// dk, dv (overwritten) for 64 keys of kv head g, warp w owning keys 64 x + 16 w .. + 15 (its
+// K and V rows stay in registers as A operands), over every query of the group's heads that
+// sees them, in tiles of 64 queries through shared memory (Q, dO as [query][d]): S^T = K Q^T,
+// dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as A operands.
+// Launch: grid (ceil(tk / 64), kv_heads, batch), block 128.
+template <int HD>
+__device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16* dv,
+                                 const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                                 const float* lse, const float* delta, int tq, int tk, int heads,
+                                 int kvh, float scale) {
+    constexpr int S = HD + TC_PAD;
+    bf16* Qs = sm;            // [TC_BQ][S]
+    bf16* Ds = sm + TC_BQ * S;  // [TC_BQ][S]
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+    const int g = blockIdx.y, b = blockIdx.z, rep = heads / kvh, off = tk - tq;
+    const int j0 = blockIdx.x * TC_BK, k0 = j0 + 16 * w;
+    unsigned ka[HD / 16][4], va[HD / 16][4];
+    load_a_rows<HD>(ka, k + kv_off(b, 0, g, tk, kvh, HD), k0, tk, (long long)kvh * HD);
+    load_a_rows<HD>(va, v + kv_off(b, 0, g, tk, kvh, HD), k0, tk, (long long)kvh * HD);
+    float dkc[HD / 8][4], dvc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dkc[n][e] = dvc[n][e] = 0.0f;
+    // The first query that sees key j0 is j0 - off.
+    int first = j0 - off;
+    first = first < 0 ? 0 : first / TC_BQ * TC_BQ;
+    for (int h = g * rep; h < (g + 1) * rep; h++) {
+        for (int i0 = first; i0 < tq; i0 += TC_BQ) {
+            __syncthreads();
+            const long long qo = q_off(b, 0, h, tq, heads, HD), qrs = (long long)heads * HD;
+            tile_to_shared<HD, false>(Qs, S, q + qo, qrs, i0, tq);
+            tile_to_shared<HD, false>(Ds, S, dout + qo, qrs, i0, tq);
+            for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
+                const int i = i0 + ii;
+                const long long r = ((long long)b * heads + h) * tq + i;
+                Ls[ii] = i < tq ? lse[r] : 0.0f;
+                Dl[ii] = i < tq ? delta[r] : 0.0f;
+            }
+            __syncthreads();
+            const int ilast = (i0 + TC_BQ < tq ? i0 + TC_BQ : tq) - 1;
+            if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
+            // The tile's queries in two halves of TC_HQ: half the score registers live.
+            for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
+                float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
+#pragma unroll
+                for (int n = 0; n < TC_HQ / 8; n++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+                    for (int kk = 0; kk < HD / 16; kk++) {
+                        const int at = (h0 + n * 8 + gq) * S + kk * 16 + 2 * t;
+                        const unsigned bq[2] = {lds_pair(Qs + at), lds_pair(Qs + at + 8)};
+                        const unsigned bd[2] = {lds_pair(Ds + at), lds_pair(Ds + at + 8)};
+                        mma_bf16_16816(sp[n], ka[kk], bq);
+                        mma_bf16_16816(dp[n], va[kk], bd);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < TC_HQ / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int j = k0 + gq + 8 * (e >> 1);
+                        const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
+                        float p = 0.0f, ds = 0.0f;
+                        if (i < tq && j < tk && j <= off + i) {
+                            p = expf(scale * sp[n][e] - Ls[ii]);
+                            ds = p * (dp[n][e] - Dl[ii]);
+                        }
+                        sp[n][e] = p;
+                        dp[n][e] = ds;
+                    }
+#pragma unroll
+                for (int kk = 0; kk < TC_HQ / 16; kk++) {
+                    unsigned pa[4], sa[4];
+                    acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
+                    acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+                    for (int n = 0; n < HD / 8; n++) {
+                        // B (k = query, n = d): column pairs of the [query][d] tiles.
+                        const int at = (h0 + kk * 16 + 2 * t) * S + n * 8 + gq;
+                        const unsigned bd[2] = {lds_col_pair(Ds + at, S),
+                                                lds_col_pair(Ds + at + 8 * S, S)};
+                        const unsigned bq[2] = {lds_col_pair(Qs + at, S),
+                                                lds_col_pair(Qs + at + 8 * S, S)};
+                        mma_bf16_16816(dvc[n], pa, bd);
+                        mma_bf16_16816(dkc[n], sa, bq);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int j = k0 + gq + 8 * r;
+        if (j < tk) {
+            const long long o = kv_off(b, j, g, tk, kvh, HD);
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    st(dk + o + n * 8 + 2 * t + c, scale * dkc[n][2 * r + c]);
+                    st(dv + o + n * 8 + 2 * t + c, dvc[n][2 * r + c]);
+                }
+        }
+    }
+}
+
+// dq (overwritten) for 64 queries of head h (the last tile in block 0), warp w owning 16 (its
+// Q and dO rows in registers), over the keys they see in tiles of 64 through shared memory
+// (K, V as [key][d]): S = Q K^T, dP = dO V^T, dQ += dS K with dS as the A operand.
+// Launch: grid (ceil(tq / 64), heads, batch), block 128.
+template <int HD>
+__device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16* q,
+                               const bf16* k, const bf16* v, const float* lse,
+                               const float* delta, int tq, int tk, int heads, int kvh,
+                               float scale) {
+    constexpr int S = HD + TC_PAD;
+    bf16* Ks = sm;              // [TC_BK][S]
+    bf16* Vs = sm + TC_BK * S;  // [TC_BK][S]
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
+    // The last query tile first: it sees the most keys, so the longest blocks start earliest.
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * TC_BQ, r0 = i0 + 16 * w;
+    unsigned qa[HD / 16][4], da[HD / 16][4];
+    load_a_rows<HD>(qa, q + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
+    load_a_rows<HD>(da, dout + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
+    float L[2], Dv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int i = r0 + gq + 8 * r;
+        const long long at = ((long long)b * heads + h) * tq + i;
+        L[r] = i < tq ? lse[at] : 0.0f;
+        Dv[r] = i < tq ? delta[at] : 0.0f;
+    }
+    float dqc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) dqc[n][0] = dqc[n][1] = dqc[n][2] = dqc[n][3] = 0.0f;
+    const bf16 *kb = k + kv_off(b, 0, g, tk, kvh, HD), *vb = v + kv_off(b, 0, g, tk, kvh, HD);
+    const long long kvrs = (long long)kvh * HD;  // between consecutive keys
+    const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);
+    const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);
+    for (int j0 = 0; j0 < bend; j0 += TC_BK) {
+        __syncthreads();
+        tile_to_shared<HD, false>(Ks, S, kb, kvrs, j0, tk);
+        tile_to_shared<HD, false>(Vs, S, vb, kvrs, j0, tk);
+        __syncthreads();
+        if (r0 >= tq || j0 >= wend) continue;  // warp-uniform
+        float s[TC_BK / 8][4], dp[TC_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < TC_BK / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const int at = (n * 8 + gq) * S + kk * 16 + 2 * t;
+                const unsigned bk[2] = {lds_pair(Ks + at), lds_pair(Ks + at + 8)};
+                const unsigned bv[2] = {lds_pair(Vs + at), lds_pair(Vs + at + 8)};
+                mma_bf16_16816(s[n], qa[kk], bk);
+                mma_bf16_16816(dp[n], da[kk], bv);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < TC_BK / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
+                float ds = 0.0f;
+                if (i < tq && j < tk && j <= off + i) {
+                    const float p = expf(scale * s[n][e] - L[e >> 1]);
+                    ds = p * (dp[n][e] - Dv[e >> 1]);
+                }
+                s[n][e] = ds;
+            }
+#pragma unroll
+        for (int kk = 0; kk < TC_BK / 16; kk++) {
+            unsigned sa[4];
+            acc_to_a(sa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                // B (k = key, n = d): column pairs of the [key][d] tile.
+                const int at = (kk * 16 + 2 * t) * S + n * 8 + gq;
+                const unsigned bk[2] = {lds_col_pair(Ks + at, S),
+                                        lds_col_pair(Ks + at + 8 * S, S)};
+                mma_bf16_16816(dqc[n], sa, bk);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int i = r0 + gq + 8 * r;
+        if (i < tq) {
+            const long long o = q_off(b, i, h, tq, heads, HD);
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                st(dq + o + n * 8 + 2 * t, scale * dqc[n][2 * r]);
+                st(dq + o + n * 8 + 2 * t + 1, scale * dqc[n][2 * r + 1]);
+            }
+        }
+    }
+}
+
+// One kernel per op and head_dim (attention_forward_tc64_bf16, ...): a kernel's registers are
+// those of its largest path, so head_dim 64 does not pay for 128's.
+#define GANY_ATTENTION_TC(HD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_forward_tc##HD##_bf16(    \
+        bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int tq, int tk,     \
+        int heads, int kv_heads, int head_dim, float scale) {                                   \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_fwd_tc<HD>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);                 \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W)                                     \
+        attention_backward_dkdv_tc##HD##_bf16(                                                  \
+            bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,  \
+            const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
+            int head_dim, float scale) {                                                        \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        __shared__ float Ls[TC_BQ], Dl[TC_BQ];                                                  \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_bwd_dkdv_tc<HD>(sm, Ls, Dl, dk, dv, dout, q, k, v, lse, delta, tq, tk, heads,      \
+                             kv_heads, scale);                                                  \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_backward_dq_tc##HD##_bf16( \
+        bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,                \
+        const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,          \
+        int head_dim, float scale) {                                                            \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
+    }
+GANY_ATTENTION_TC(16)
+GANY_ATTENTION_TC(32)
+GANY_ATTENTION_TC(64)
+GANY_ATTENTION_TC(128)

@@ -46,6 +46,7 @@ extern "C" void gany_syncthreads();
 extern "C" void gany_syncwarp();
 extern "C" void* gany_dynamic_shared();
 extern "C" unsigned long long* gany_warp_slots();
+extern "C" unsigned* gany_warp_mma_slots();
 
 inline void __syncthreads() { gany_syncthreads(); }
 inline void gany_full_mask(unsigned mask);
@@ -120,6 +121,48 @@ inline T __shfl_sync(unsigned member_mask, T v, int src_lane, int width = 32) {
     gany_full_mask(member_mask);
     const int lane = gany_lane();
     return gany_exchange(v, (lane & ~(width - 1)) + (src_lane % width));
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with C = D (c += a b), emulated with the
+// hardware's register layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"), so a kernel that
+// assumes another layout computes something else here too. Lane = 4 gq + t holds
+// a[0] = A[gq][2t, 2t+1], a[1] = A[gq+8][2t, 2t+1], a[2] = A[gq][2t+8, 2t+9],
+// a[3] = A[gq+8][2t+8, 2t+9] (A 16×16, bf16 pairs, the lower index in the low half),
+// b[0] = B[2t, 2t+1][gq], b[1] = B[2t+8, 2t+9][gq] (B 16×8), and c[0..1] = C[gq][2t, 2t+1],
+// c[2..3] = C[gq+8][2t, 2t+1] (C 16×8, f32). Every lane publishes its operands, waits for the
+// warp, computes its own four results (products exact in f32, summed in k order onto c), and
+// waits again before the slots can be reused. The whole warp must take part, as on the device.
+inline void gany_mma_m16n8k16_bf16(float* c, const unsigned* a, const unsigned* b) {
+    unsigned* slots = gany_warp_mma_slots();  // 6 words per lane
+    const int lane = gany_lane();
+    for (int r = 0; r < 4; r++) slots[6 * lane + r] = a[r];
+    slots[6 * lane + 4] = b[0];
+    slots[6 * lane + 5] = b[1];
+    gany_syncwarp();
+    auto half = [](unsigned word, int hi) {
+        const unsigned bits = (hi ? word >> 16 : word & 0xffffu) << 16;
+        float x;
+        std::memcpy(&x, &bits, 4);
+        return x;
+    };
+    auto A = [&](int row, int col) {
+        const int owner = 4 * (row % 8) + (col % 8) / 2, reg = (row / 8) + 2 * (col / 8);
+        return half(slots[6 * owner + reg], col & 1);
+    };
+    auto B = [&](int kk, int col) {
+        const int owner = 4 * col + (kk % 8) / 2, reg = kk / 8;
+        return half(slots[6 * owner + 4 + reg], kk & 1);
+    };
+    const int gq = lane / 4, t = lane % 4;
+    float d[4];
+    for (int e = 0; e < 4; e++) {
+        const int row = gq + 8 * (e / 2), col = 2 * t + (e & 1);
+        float acc = c[e];
+        for (int kk = 0; kk < 16; kk++) acc += A(row, kk) * B(kk, col);
+        d[e] = acc;
+    }
+    gany_syncwarp();
+    for (int e = 0; e < 4; e++) c[e] = d[e];
 }
 
 // Atomics: fibers switch only at barriers, so a read-modify-write is never interleaved within a

@@ -41,6 +41,7 @@ struct Block {
     Barrier block_barrier;
     std::vector<Barrier> warp_barriers;
     std::vector<unsigned long long> warp_slots;  // 32 per warp
+    std::vector<unsigned> warp_mma;              // 6 × 32 per warp (the mma emulation)
     std::vector<unsigned char> dynamic_shared;
     void (*body)(void**) = nullptr;
     void** args = nullptr;
@@ -137,6 +138,10 @@ extern "C" unsigned long long* gany_warp_slots() {
     return g_block->warp_slots.data() + 32 * (linear_tid() / 32);
 }
 
+extern "C" unsigned* gany_warp_mma_slots() {
+    return g_block->warp_mma.data() + 6 * 32 * (linear_tid() / 32);
+}
+
 extern "C" void* gany_dynamic_shared() { return g_block->dynamic_shared.data(); }
 
 namespace {
@@ -205,6 +210,7 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
     for (unsigned w = 0; w < warps; w++)
         b.warp_barriers[w].expected = w + 1 < warps ? 32 : nthreads - 32 * w;
     b.warp_slots.assign(32 * warps, 0);
+    b.warp_mma.assign(6 * 32 * warps, 0);
     b.body = e->call;
     b.args = args;
     blockDim = {block[0], block[1], block[2]};

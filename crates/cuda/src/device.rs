@@ -224,6 +224,12 @@ impl CudaBackend {
         reg.push((self.ordinal as usize, self.streams.clone()));
     }
 
+    /// The major compute capability (9 on an H100/H200); 0 if the driver does not say.
+    pub fn compute_major(&self) -> u32 {
+        self.context()
+            .compute_capability()
+            .map_or(0, |(major, _)| major.max(0) as u32)
+    }
     /// `sm_XY` of the device.
     pub fn arch(&self) -> &str {
         &self.arch

@@ -21,7 +21,8 @@
 //!     then `col_sum_set_f64`;
 //!   - cross-entropy: `cross_entropy_forward_*` (lse) then `cross_entropy_loss_acc_*`;
 //!   - attention backward: `delta`, `batch × heads × tq` f32 (`attention_backward_delta_*`),
-//!     then `attention_backward_dkdv_*` and `attention_backward_dq_*`;
+//!     then `attention_backward_dkdv_*` and `attention_backward_dq_*` (or their tensor-core
+//!     `*_tc{head_dim}_bf16` versions);
 //!   - embedding backward: the ids' grouping (`ganymede_core::embedding_segments`, three u32
 //!     arrays), uploaded by the step with its ids (`EmbedIds`);
 //! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
@@ -162,6 +163,18 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "attention_backward_delta_bf16",
             "attention_backward_dkdv_bf16",
             "attention_backward_dq_bf16",
+            "attention_forward_tc16_bf16",
+            "attention_backward_dkdv_tc16_bf16",
+            "attention_backward_dq_tc16_bf16",
+            "attention_forward_tc32_bf16",
+            "attention_backward_dkdv_tc32_bf16",
+            "attention_backward_dq_tc32_bf16",
+            "attention_forward_tc64_bf16",
+            "attention_backward_dkdv_tc64_bf16",
+            "attention_backward_dq_tc64_bf16",
+            "attention_forward_tc128_bf16",
+            "attention_backward_dkdv_tc128_bf16",
+            "attention_backward_dq_tc128_bf16",
         ],
     ),
 ];

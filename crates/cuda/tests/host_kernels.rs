@@ -33,6 +33,7 @@ const SMALL: Tuning = Tuning {
     ew_max_blocks: 3,
     attn_rows: 4,
     row_block_max: 32,
+    attn_tc: false,
 };
 fn kernels(tuning: Tuning) -> HostKernelBackend {
     HostKernelBackend::host(cpu(), tuning)
@@ -1096,20 +1097,28 @@ fn attention_run(
     x: &[Vec<f32>],
     d: ganymede_core::AttnDims,
 ) -> Vec<Vec<f32>> {
+    attention_run_at(be, st, round, x, d, 0)
+}
+
+/// [`attention_run`] with q, k, v and dout as views that start `at` elements into their
+/// tensors.
+fn attention_run_at(
+    be: &dyn Backend,
+    st: St,
+    round: St,
+    x: &[Vec<f32>],
+    d: ganymede_core::AttnDims,
+    at: usize,
+) -> Vec<Vec<f32>> {
     use ganymede_core::{AttnGrads, AttnSaved};
     let (nq, nk) = (x[0].len(), x[1].len());
     let nl = d.batch * d.heads * d.tq;
-    let (qt, kt, vt) = (st.up(be, &x[0]), st.up(be, &x[1]), st.up(be, &x[2]));
+    let input = |x: &[f32]| st.up(be, &[vec![0.0; at], x.to_vec()].concat());
+    let (qt, kt, vt, dt) = (input(&x[0]), input(&x[1]), input(&x[2]), input(&x[3]));
+    let (qv, kv, vv) = (qt.slice(at, nq), kt.slice(at, nk), vt.slice(at, nk));
     let mut out = st.up(be, &vec![f32::NAN; nq]);
     let mut lse = up(be, &vec![f32::NAN; nl]);
-    be.attention_forward(
-        out.view_mut(),
-        lse.view_mut(),
-        qt.view(),
-        kt.view(),
-        vt.view(),
-        d,
-    );
+    be.attention_forward(out.view_mut(), lse.view_mut(), qv, kv, vv, d);
     let (mut dq, mut dk, mut dv) = (
         st.up(be, &vec![f32::NAN; nq]),
         st.up(be, &vec![f32::NAN; nk]),
@@ -1122,12 +1131,12 @@ fn attention_run(
             dk: dk.view_mut(),
             dv: dv.view_mut(),
         },
-        st.up(be, &x[3]).view(),
+        dt.slice(at, nq),
         AttnSaved {
             out: saved_out.view(),
-            q: qt.view(),
-            k: kt.view(),
-            v: vt.view(),
+            q: qv,
+            k: kv,
+            v: vv,
             lse: lse.view(),
         },
         d,
@@ -1226,6 +1235,143 @@ fn attention_at_the_largest_head_dim() {
         8,
         15,
     );
+}
+
+// Tensor-core attention (`attention_*_tc{head_dim}_bf16`, mma.sync through the shim's emulation of its
+// register layout) against the CPU backend in f32 on the same bf16 inputs. Besides the output's
+// bf16 rounding, the kernels round the probabilities (forward, dk/dv) and dS (dq, dk) to bf16 as
+// operands, so an output element that sums many such terms is off by up to a few 2^-9 of the
+// largest term: each output o is held to |got - want| <= TC_RTOL |want| + TC_ATOL max|want_o|
+// (lse, from f32 scores of exact bf16 products, to the f32 tolerance).
+const TC_RTOL: f64 = 1.0 / 64.0;
+const TC_ATOL: f64 = 1.0 / 128.0;
+
+/// `at`: the inputs' views start this many elements into their tensors (1: not 16-byte aligned,
+/// the kernels' element-by-element loads; 0: aligned, their 16-byte loads).
+fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
+    let (nq, nk) = (
+        d.batch * d.tq * d.heads * d.head_dim,
+        d.batch * d.tk * d.kv_heads * d.head_dim,
+    );
+    let mut rng = Rng::new(seed);
+    let inputs = St::Bf16.inputs(&[
+        rng.vec(nq, 1.5),
+        rng.vec(nk, 1.5),
+        rng.vec(nk, 1.0),
+        rng.vec(nq, 1.0),
+    ]);
+    let b = cpu();
+    let kb = kernels(Tuning {
+        attn_tc: true,
+        ..SMALL
+    });
+    let reference = |x: &[Vec<f32>]| attention_run(&b, St::F32, St::Bf16, x, d);
+    let tols: Vec<Tol> = reference(&inputs)
+        .iter()
+        .enumerate()
+        .map(|(o, w)| match o {
+            1 => F32,
+            _ => Tol {
+                rtol: TC_RTOL,
+                atol: TC_ATOL * w.iter().fold(0.0f64, |a, x| a.max(x.abs() as f64)),
+            },
+        })
+        .collect();
+    parity(
+        &format!("attention_tc_bf16 {d:?}"),
+        &inputs,
+        1,
+        &tols,
+        |x| attention_run_at(&kb, St::Bf16, St::Bf16, x, d, at),
+        reference,
+    );
+}
+
+fn dims(
+    batch: usize,
+    tq: usize,
+    tk: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> ganymede_core::AttnDims {
+    ganymede_core::AttnDims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads,
+        head_dim,
+    }
+}
+
+#[test]
+fn attention_tc_gqa_with_a_key_prefix() {
+    // tq < tk inside one tile, two query heads per kv head, head_dim 32 (small's).
+    attention_tc_case(dims(2, 13, 37, 4, 2, 32), 21, 0);
+}
+
+#[test]
+fn attention_tc_across_tiles() {
+    // Two 64-row tiles either way, the second partial; head_dim 64 (medium's).
+    attention_tc_case(dims(1, 100, 100, 2, 1, 64), 22, 0);
+}
+
+#[test]
+fn attention_tc_key_prefix_across_tiles_head_dim_16() {
+    // tq < tk with the causal offset (63) crossing tile edges, three heads per kv head.
+    attention_tc_case(dims(1, 70, 133, 3, 1, 16), 23, 0);
+}
+
+#[test]
+fn attention_tc_at_the_largest_head_dim() {
+    attention_tc_case(dims(1, 21, 40, 2, 2, 128), 24, 0);
+}
+
+#[test]
+fn attention_tc_unaligned_views() {
+    // Views one element into their tensors: the loads that do not assume 16-byte rows.
+    attention_tc_case(dims(1, 70, 90, 2, 1, 32), 26, 1);
+}
+
+#[test]
+fn attention_tc_views_choose_the_load() {
+    // The cases above take each load path: whole tensors are 16-byte aligned, one element in
+    // is not (so both paths are what those tests check).
+    let be = kernels(SMALL);
+    let t = St::Bf16.up(&be, &[0.0; 64]);
+    let addr = |v: ganymede_core::View| be.ops().launcher().addr(v) as usize;
+    assert_eq!(addr(t.view()) % 16, 0);
+    assert_ne!(addr(t.slice(1, 32)) % 16, 0);
+}
+
+#[test]
+fn attention_tc_falls_back_where_it_does_not_apply() {
+    // head_dim 40 (not a multiple of 16) and f32 take the SIMT kernels even with attn_tc on:
+    // bitwise the results of a backend without it.
+    let tc = kernels(Tuning {
+        attn_tc: true,
+        ..SMALL
+    });
+    let simt = kernels(SMALL);
+    for (st, hd) in [(St::Bf16, 40), (St::F32, 32)] {
+        let d = dims(1, 9, 17, 2, 1, hd);
+        let mut rng = Rng::new(25);
+        let x = st.inputs(&[
+            rng.vec(9 * 2 * hd, 1.0),
+            rng.vec(17 * hd, 1.0),
+            rng.vec(17 * hd, 1.0),
+            rng.vec(9 * 2 * hd, 1.0),
+        ]);
+        let (a, b) = (
+            attention_run(&tc, st, st, &x, d),
+            attention_run(&simt, st, st, &x, d),
+        );
+        for (o, (a, b)) in a.iter().zip(&b).enumerate() {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{st:?} head_dim {hd}: output {o} differs");
+        }
+    }
 }
 
 /// Run by `a_broken_launch_precondition_traps` in a child process: attention past its

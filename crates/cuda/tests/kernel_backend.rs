@@ -42,6 +42,7 @@ fn small() -> Tuning {
         ew_max_blocks: 8,
         attn_rows: 4,
         row_block_max: 32,
+        attn_tc: false,
     }
 }
 

@@ -43,6 +43,10 @@ const SECTIONS: &[(&str, Section)] = &[
         grouped_expert_gemms,
     ),
     (
+        "Attention at medium's shape: SIMT against tensor-core kernels",
+        attention_kernels,
+    ),
+    (
         "NCCL group at world size 1: the conformance suite",
         super::nccl::conformance_world1,
     ),
@@ -769,4 +773,164 @@ fn overlap(be: &CudaBackend) -> Result<String, String> {
         format!("the copy and the GEMMs hardly overlapped:\n\n{md}")
     })?;
     Ok(md)
+}
+
+/// Causal attention at `medium`'s shape (batch 4, seq 4,096, 16 query heads on 4 kv heads,
+/// head_dim 64, bf16): forward and backward on the SIMT kernels (`attention_*_bf16`) and on the
+/// tensor-core kernels (`attention_*_tc64_bf16`), timed, and the tensor-core results checked
+/// against the SIMT ones. Both read the same bf16 inputs and accumulate in f32; the tensor-core
+/// kernels also round probabilities and dS to bf16 as operands, so each output is held to
+/// 2^-6 of its largest |SIMT value| (the host tests see up to 3.9e-3, about 2^-8, against the CPU in f32), and
+/// lse, from f32 scores either way, to 1e-4. FLOPs are causal (half the T × T products): forward
+/// 2 matmuls, 4 B H T² d / 2; backward counted as 2.5 times the forward, the usual convention
+/// (these kernels do 3.5 times: dk/dv and dq each recompute S).
+fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
+    use super::launcher::CudaLauncher;
+    use crate::ops::{KernelOps, Tuning};
+    use ganymede_core::{AttnDims, AttnGrads, AttnSaved};
+    let d = AttnDims {
+        batch: 4,
+        tq: 4096,
+        tk: 4096,
+        heads: 16,
+        kv_heads: 4,
+        head_dim: 64,
+    };
+    let nq = d.batch * d.tq * d.heads * d.head_dim;
+    let nk = d.batch * d.tk * d.kv_heads * d.head_dim;
+    let nl = d.batch * d.heads * d.tq;
+    let bf = |x: Vec<f32>| {
+        let src = be.upload(&x, &[x.len()], Category::Buffers);
+        let mut t = be.zeros_of(&[x.len()], DType::BF16, Category::Buffers);
+        be.cast(t.view_mut(), src.view());
+        t
+    };
+    let to_f32 = |t: &Tensor| {
+        let mut f = be.zeros(&[t.len()], Category::Buffers);
+        be.cast(f.view_mut(), t.view());
+        be.download(f.view())
+    };
+    // q, k scaled so that scores spread (softmax neither uniform nor one-hot).
+    let scaled = |n, seed, s: f32| values(n, seed).into_iter().map(|x| x * s).collect();
+    let (q, k, v, dout) = (
+        bf(scaled(nq, 50, 2.0)),
+        bf(scaled(nk, 51, 2.0)),
+        bf(values(nk, 52)),
+        bf(values(nq, 53)),
+    );
+    let fwd_flops =
+        4.0 * (d.batch * d.heads) as f64 * (d.tq * d.tk) as f64 * d.head_dim as f64 / 2.0;
+    let mut md = String::from(
+        "| kernels | forward ms | forward TFLOP/s | backward ms | backward TFLOP/s |\n|---|---|---|---|---|\n",
+    );
+    let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
+    for tc in [false, true] {
+        let ops = KernelOps::with_tuning(
+            CudaLauncher::new(be.clone()),
+            Tuning {
+                attn_tc: tc,
+                ..Tuning::default()
+            },
+        );
+        let mut out = be.zeros_of(&[nq], DType::BF16, Category::Buffers);
+        let mut lse = be.zeros(&[nl], Category::Buffers);
+        let mut dq = be.zeros_of(&[nq], DType::BF16, Category::Buffers);
+        let mut dk = be.zeros_of(&[nk], DType::BF16, Category::Buffers);
+        let mut dv = be.zeros_of(&[nk], DType::BF16, Category::Buffers);
+        let iters = 3;
+        let mut fwd = || {
+            ops.attention_forward(
+                out.view_mut(),
+                lse.view_mut(),
+                q.view(),
+                k.view(),
+                v.view(),
+                d,
+            )
+        };
+        fwd(); // warm-up
+        let a = be.record_event(Stream::Compute);
+        for _ in 0..iters {
+            fwd();
+        }
+        let b = be.record_event(Stream::Compute);
+        let t_fwd = be.elapsed(&a, &b).as_secs_f64() / iters as f64;
+        let mut bwd = || {
+            ops.attention_backward(
+                AttnGrads {
+                    dq: dq.view_mut(),
+                    dk: dk.view_mut(),
+                    dv: dv.view_mut(),
+                },
+                dout.view(),
+                AttnSaved {
+                    out: out.view(),
+                    q: q.view(),
+                    k: k.view(),
+                    v: v.view(),
+                    lse: lse.view(),
+                },
+                d,
+            )
+        };
+        bwd();
+        let a = be.record_event(Stream::Compute);
+        for _ in 0..iters {
+            bwd();
+        }
+        let b = be.record_event(Stream::Compute);
+        let t_bwd = be.elapsed(&a, &b).as_secs_f64() / iters as f64;
+        let _ = writeln!(
+            md,
+            "| {} | {:.3} | {:.1} | {:.3} | {:.1} |",
+            if tc {
+                "tensor cores (mma.sync bf16)"
+            } else {
+                "SIMT (f32 CUDA cores)"
+            },
+            t_fwd * 1e3,
+            fwd_flops / t_fwd / 1e12,
+            t_bwd * 1e3,
+            2.5 * fwd_flops / t_bwd / 1e12
+        );
+        results.push(vec![
+            to_f32(&out),
+            be.download(lse.view()),
+            to_f32(&dq),
+            to_f32(&dk),
+            to_f32(&dv),
+        ]);
+    }
+    let _ = writeln!(
+        md,
+        "\nbatch {}, seq {}, {} q heads / {} kv heads, head_dim {}, causal, bf16; mean of 3 \
+         after a warm-up. Tensor cores against SIMT (max |diff| / max |SIMT|; lse absolute):\n",
+        d.batch, d.tq, d.heads, d.kv_heads, d.head_dim
+    );
+    let names = ["out", "lse", "dq", "dk", "dv"];
+    let mut bad = Vec::new();
+    for (o, name) in names.iter().enumerate() {
+        let (simt, tc) = (&results[0][o], &results[1][o]);
+        let finite = tc.iter().all(|x| x.is_finite());
+        let (err, tol) = if o == 1 {
+            let e = tc.iter().zip(simt).fold(0f64, |m, (&a, &b)| {
+                m.max((f64::from(a) - f64::from(b)).abs())
+            });
+            (e, 1e-4)
+        } else {
+            (rel_err(tc, simt), 1.0 / 64.0)
+        };
+        let _ = writeln!(md, "- {name}: {err:.2e} (tolerance {tol:.1e})");
+        if !finite || err.is_nan() || err > tol {
+            bad.push(format!("{name}: {err:e} > {tol:e} (all finite: {finite})"));
+        }
+    }
+    if bad.is_empty() {
+        Ok(md)
+    } else {
+        Err(format!(
+            "{md}\ntensor cores differ from SIMT: {}",
+            bad.join("; ")
+        ))
+    }
 }

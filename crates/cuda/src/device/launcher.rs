@@ -34,8 +34,16 @@ pub fn kernel_backend(
     ledger: Arc<Ledger>,
 ) -> Result<CudaKernelBackend, DeviceError> {
     let be = CudaBackend::new(ordinal, ledger)?;
-    let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, Tuning::default());
+    let tuning = Tuning::for_device(be.compute_major());
+    let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, tuning);
     Ok(KernelBackend::new(ops, be))
+}
+
+impl CudaLauncher {
+    /// Launches on `be`'s compute stream (the device check builds ops of its own tuning).
+    pub(crate) fn new(be: CudaBackend) -> Self {
+        CudaLauncher { be }
+    }
 }
 
 impl Launcher for CudaLauncher {

@@ -37,6 +37,12 @@ pub struct Tuning {
     /// At most this many threads per block of the kernels that take one block per row (norms,
     /// embedding, gather/combine), a multiple of 32: a row wider than this loops.
     pub row_block_max: u32,
+    /// bf16 attention on the tensor-core kernels (`attention_*_tc{head_dim}_bf16`: mma.sync,
+    /// sm_80 and later) where head_dim is 16, 32, 64 or 128; otherwise, and for f32, the SIMT
+    /// kernels.
+    /// Off by default; a GPU backend turns it on from compute capability 8.0
+    /// ([`Tuning::for_device`]).
+    pub attn_tc: bool,
 }
 
 impl Default for Tuning {
@@ -46,6 +52,19 @@ impl Default for Tuning {
             ew_max_blocks: 1024,
             attn_rows: 8,
             row_block_max: 256,
+            attn_tc: false,
+        }
+    }
+}
+
+impl Tuning {
+    /// The defaults for a device of compute capability `major`.`_`: tensor-core attention from
+    /// 8.0 on, unless `GANYMEDE_CUDA_ATTENTION=simt` keeps the SIMT kernels.
+    pub fn for_device(major: u32) -> Self {
+        let simt = std::env::var("GANYMEDE_CUDA_ATTENTION").is_ok_and(|v| v == "simt");
+        Tuning {
+            attn_tc: major >= 8 && !simt,
+            ..Tuning::default()
         }
     }
 }
@@ -75,6 +94,7 @@ impl<L: Launcher> KernelOps<L> {
             ew_max_blocks,
             attn_rows,
             row_block_max,
+            attn_tc: _,
         } = tuning;
         assert!(
             ew_block > 0

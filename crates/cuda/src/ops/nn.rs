@@ -8,6 +8,11 @@ use ganymede_core::{
     RouterDims, RouterOut,
 };
 
+/// Queries (forward, dq) or keys (dk, dv) per block of the tensor-core attention kernels, and
+/// their block size (`TC_BQ`, `TC_BK`, `TC_W` of attention.cu).
+const TC_TILE: usize = 64;
+const TC_BLOCK: u32 = 128;
+
 fn rows_of(op: &str, len: usize, width: usize) -> usize {
     assert!(
         width > 0 && len.is_multiple_of(width),
@@ -324,6 +329,11 @@ impl<L: Launcher> KernelOps<L> {
         nq
     }
 
+    /// Whether this attention runs on the tensor-core kernels (see [`Tuning::attn_tc`]).
+    fn attn_tc(&self, dt: DType, d: &AttnDims) -> bool {
+        self.tuning.attn_tc && dt == DType::BF16 && matches!(d.head_dim, 16 | 32 | 64 | 128)
+    }
+
     fn attn_scale(d: &AttnDims) -> Arg {
         Arg::F32((1.0 / (d.head_dim as f64).sqrt()) as f32)
     }
@@ -347,10 +357,15 @@ impl<L: Launcher> KernelOps<L> {
         if nl == 0 {
             return;
         }
-        let w = self.tuning.attn_rows as usize;
         let mut args = vec![self.am(out), self.am(lse), self.a(q), self.a(k), self.a(v)];
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
+        if self.attn_tc(dt, &d) {
+            let shape = cfg(grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch), TC_BLOCK);
+            self.launch(&format!("{op}_tc{}_bf16", d.head_dim), shape, &args);
+            return;
+        }
+        let w = self.tuning.attn_rows as usize;
         let shape = cfg(grid(d.tq.div_ceil(w), d.heads, d.batch), 32 * w as u32);
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
@@ -401,8 +416,15 @@ impl<L: Launcher> KernelOps<L> {
             delta.into(),
         ];
         tail(&mut args);
-        let shape = cfg(grid(d.tk.div_ceil(16), d.kv_heads, d.batch), 128);
-        self.launch(&format!("{op}_dkdv_{sfx}"), shape, &args);
+        let tc = self.attn_tc(dt, &d);
+        let (shape, name) = if tc {
+            let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
+            (cfg(g, TC_BLOCK), format!("{op}_dkdv_tc{}_bf16", d.head_dim))
+        } else {
+            let g = grid(d.tk.div_ceil(16), d.kv_heads, d.batch);
+            (cfg(g, 128), format!("{op}_dkdv_{sfx}"))
+        };
+        self.launch(&name, shape, &args);
         let mut args = vec![
             self.am(dq),
             self.a(dout),
@@ -413,8 +435,14 @@ impl<L: Launcher> KernelOps<L> {
             delta.into(),
         ];
         tail(&mut args);
-        let shape = cfg(grid(d.tq.div_ceil(8), d.heads, d.batch), 128);
-        self.launch(&format!("{op}_dq_{sfx}"), shape, &args);
+        let (shape, name) = if tc {
+            let g = grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch);
+            (cfg(g, TC_BLOCK), format!("{op}_dq_tc{}_bf16", d.head_dim))
+        } else {
+            let g = grid(d.tq.div_ceil(8), d.heads, d.batch);
+            (cfg(g, 128), format!("{op}_dq_{sfx}"))
+        };
+        self.launch(&name, shape, &args);
     }
 
     // -----------------------------------------------------------------------------------------
