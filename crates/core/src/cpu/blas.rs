@@ -62,6 +62,43 @@ pub trait GemmScalar: Scalar {
     ) -> bool {
         false
     }
+    /// One product on the calling thread (for callers that split the work themselves), by the
+    /// packed kernel where there is one, else `matrixmultiply`; `C[i][j]` at `c[i·ldc + j]`.
+    ///
+    /// # Safety
+    /// As for [`GemmScalar::raw`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn serial(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: Self,
+        a: *const Self,
+        (rsa, csa): (usize, usize),
+        b: *const Self,
+        (rsb, csb): (usize, usize),
+        beta: Self,
+        c: *mut Self,
+        ldc: usize,
+    ) {
+        let i = |x: usize| x as isize;
+        Self::raw(
+            m,
+            k,
+            n,
+            alpha,
+            a,
+            i(rsa),
+            i(csa),
+            b,
+            i(rsb),
+            i(csb),
+            beta,
+            c,
+            i(ldc),
+            1,
+        )
+    }
     /// A symmetric rank-k product (lower triangle, then mirrored) by a packed kernel, where
     /// this type and CPU have one; `false` means nothing was done.
     ///
@@ -102,8 +139,46 @@ impl GemmScalar for f32 {
         if !gemm_avx2::available() {
             return false;
         }
-        gemm_avx2::gemm(m, n, k, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc);
+        gemm_avx2::gemm(m, n, k, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, true);
         true
+    }
+
+    unsafe fn serial(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f32,
+        a: *const f32,
+        (rsa, csa): (usize, usize),
+        b: *const f32,
+        (rsb, csb): (usize, usize),
+        beta: f32,
+        c: *mut f32,
+        ldc: usize,
+    ) {
+        if gemm_avx2::available() {
+            gemm_avx2::gemm(
+                m, n, k, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, false,
+            );
+        } else {
+            let i = |x: usize| x as isize;
+            Self::raw(
+                m,
+                k,
+                n,
+                alpha,
+                a,
+                i(rsa),
+                i(csa),
+                b,
+                i(rsb),
+                i(csb),
+                beta,
+                c,
+                i(ldc),
+                1,
+            )
+        }
     }
 
     unsafe fn syrk_lower(

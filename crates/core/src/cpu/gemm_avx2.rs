@@ -97,7 +97,8 @@ impl Operand {
 
 /// `C = alpha·op(A)·op(B) + beta·C` for an m×k `op(A)` and a k×n `op(B)`, with `op(A)[i][p]` at
 /// `a[i·rsa + p·csa]`, `op(B)[p][j]` at `b[p·rsb + j·csb]` and `C[i][j]` at `c[i·ldc + j]`. With
-/// `beta == 0` C is not read.
+/// `beta == 0` C is not read. With `parallel` the work is split between rayon's threads above a
+/// size; without, it all runs on the calling thread (for callers that split the work already).
 ///
 /// # Safety
 /// `available()` must be true; the pointers must describe valid matrices (the caller checks the
@@ -117,6 +118,7 @@ pub unsafe fn gemm(
     beta: f32,
     c: *mut f32,
     ldc: usize,
+    parallel: bool,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -136,7 +138,7 @@ pub unsafe fn gemm(
         cs: csb,
     };
     let threads = rayon::current_num_threads();
-    let parallel = threads > 1 && m * n * k >= PAR_MIN;
+    let parallel = parallel && threads > 1 && m * n * k >= PAR_MIN;
     let nc_max = NC.min(n.next_multiple_of(NR));
     let kc_max = KC.min(k);
     let mut bbuf = take(nc_max * kc_max);
@@ -162,14 +164,35 @@ pub unsafe fn gemm(
                 if q0 >= q1 {
                     return;
                 }
-                let mut abuf = take((i1 - i0).next_multiple_of(MR) * kc + 2);
-                pack_a(&mut abuf, a, i0, i1 - i0, p0, kc);
+                let rows = i1 - i0;
+                // A row-major op(A) is read in place: the kernel broadcasts from six row
+                // pointers as cheaply as from a packed panel, and its rows stream from L2.
+                // Only a last partial panel is packed (zero rows past m). Other layouts are
+                // packed whole.
+                let direct = a.cs == 1;
+                let packed_rows = if direct { rows % MR } else { rows };
+                let mut abuf = take(packed_rows.next_multiple_of(MR) * kc + 2);
+                let panels_a = if direct {
+                    let full = rows / MR;
+                    if packed_rows > 0 {
+                        pack_a(&mut abuf, a, i0 + full * MR, packed_rows, p0, kc);
+                    }
+                    APanels::Direct {
+                        base: ConstPtr(a.base().wrapping_add(i0 * a.rs + p0)),
+                        rs: a.rs,
+                        full,
+                        tail: &abuf,
+                    }
+                } else {
+                    pack_a(&mut abuf, a, i0, rows, p0, kc);
+                    APanels::Packed(&abuf)
+                };
                 // Safety: task `t` writes only rows i0..i1, columns of panels q0..q1, of C.
                 macro_block(
-                    &abuf,
+                    &panels_a,
                     bpack,
                     i0,
-                    i1 - i0,
+                    rows,
                     j0,
                     nc,
                     q0,
@@ -333,10 +356,46 @@ fn pack_a(out: &mut [f32], a: Operand, i0: usize, rows: usize, p0: usize, kc: us
     }
 }
 
+/// Where a block's row panels of `op(A)` are: packed (`[r][p][6]`), or in place with a packed
+/// last partial panel.
+enum APanels<'a> {
+    Packed(&'a [f32]),
+    Direct {
+        /// Row 0 of the block at its first `p`.
+        base: ConstPtr,
+        /// Row stride (the column stride is 1).
+        rs: usize,
+        /// Whole panels read in place; the panel after them is `tail`.
+        full: usize,
+        tail: &'a [f32],
+    },
+}
+
+impl APanels<'_> {
+    /// Row panel `r` as (pointer, row stride, stride between consecutive `p`).
+    fn panel(&self, r: usize, kc: usize) -> (*const f32, usize, usize) {
+        match *self {
+            APanels::Packed(p) => (p[r * MR * kc..].as_ptr(), 1, MR),
+            APanels::Direct {
+                base,
+                rs,
+                full,
+                tail,
+            } => {
+                if r < full {
+                    (base.0.wrapping_add(r * MR * rs), rs, 1)
+                } else {
+                    (tail.as_ptr(), 1, MR)
+                }
+            }
+        }
+    }
+}
+
 /// The tiles of rows `i0..i0+rows` and column panels `q0..q1` of the block at column `j0`.
 #[allow(clippy::too_many_arguments)]
 fn macro_block(
-    apack: &[f32],
+    apanels: &APanels,
     bpack: &[f32],
     i0: usize,
     rows: usize,
@@ -356,14 +415,15 @@ fn macro_block(
         let j = j0 + q * NR;
         let cols = NR.min(j0 + nc - j);
         for r in 0..row_panels {
-            let ar = apack[r * MR * kc..].as_ptr();
+            let (ar, rs, cs) = apanels.panel(r, kc);
             let live = MR.min(rows - r * MR);
-            // Safety: the panels hold kc·6 and kc·16 values; the tile is inside C.
+            // Safety: the panels hold kc·6 and kc·16 values (or the rows of op(A) kc long);
+            // the tile is inside C.
             unsafe {
                 // C's rows are `ldc` apart and far from cache after the previous block of k:
                 // fetch the tile's lines while the kernel runs, or the stores wait on them.
                 prefetch_tile(c.add((i0 + r * MR) * ldc + j), live, ldc);
-                let acc = kernel6x16(kc, ar, bq);
+                let acc = kernel6x16(kc, ar, rs, cs, bq);
                 store(
                     &acc,
                     live,
@@ -392,16 +452,19 @@ unsafe fn prefetch_tile(c: *const f32, rows: usize, ldc: usize) {
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn prefetch_tile(_: *const f32, _: usize, _: usize) {}
 
-/// One 6×16 tile: `acc[2·ii + v]` holds row `ii`, columns `8v..8v+8`, Σ_p a[p][ii]·b[p][·].
+/// One 6×16 tile: `acc[2·ii + v]` holds row `ii`, columns `8v..8v+8`, Σ_p a[ii·rs + p·cs]·b[p][·]
+/// (a packed panel has rs = 1, cs = 6; a row-major operand in place rs = its stride, cs = 1).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 // Out of line: inlined, the caller's live values crowd the accumulators' registers.
 #[inline(never)]
-unsafe fn kernel6x16(kc: usize, a: *const f32, b: *const f32) -> [__m256; 12] {
+unsafe fn kernel6x16(kc: usize, a: *const f32, rs: usize, cs: usize, b: *const f32) -> [__m256; 12] {
     let z = _mm256_setzero_ps;
     let (mut c00, mut c01, mut c10, mut c11) = (z(), z(), z(), z());
     let (mut c20, mut c21, mut c30, mut c31) = (z(), z(), z(), z());
     let (mut c40, mut c41, mut c50, mut c51) = (z(), z(), z(), z());
+    // The six rows' offsets from the current column of A.
+    let (o1, o2, o3, o4, o5) = (rs, 2 * rs, 3 * rs, 4 * rs, 5 * rs);
     // One step of p: two vectors of B, six broadcasts of A, twelve FMAs.
     macro_rules! step {
         ($a:expr, $b:expr) => {{
@@ -409,19 +472,19 @@ unsafe fn kernel6x16(kc: usize, a: *const f32, b: *const f32) -> [__m256; 12] {
             let r = _mm256_broadcast_ss(&*$a);
             c00 = _mm256_fmadd_ps(r, x0, c00);
             c01 = _mm256_fmadd_ps(r, x1, c01);
-            let r = _mm256_broadcast_ss(&*$a.add(1));
+            let r = _mm256_broadcast_ss(&*$a.add(o1));
             c10 = _mm256_fmadd_ps(r, x0, c10);
             c11 = _mm256_fmadd_ps(r, x1, c11);
-            let r = _mm256_broadcast_ss(&*$a.add(2));
+            let r = _mm256_broadcast_ss(&*$a.add(o2));
             c20 = _mm256_fmadd_ps(r, x0, c20);
             c21 = _mm256_fmadd_ps(r, x1, c21);
-            let r = _mm256_broadcast_ss(&*$a.add(3));
+            let r = _mm256_broadcast_ss(&*$a.add(o3));
             c30 = _mm256_fmadd_ps(r, x0, c30);
             c31 = _mm256_fmadd_ps(r, x1, c31);
-            let r = _mm256_broadcast_ss(&*$a.add(4));
+            let r = _mm256_broadcast_ss(&*$a.add(o4));
             c40 = _mm256_fmadd_ps(r, x0, c40);
             c41 = _mm256_fmadd_ps(r, x1, c41);
-            let r = _mm256_broadcast_ss(&*$a.add(5));
+            let r = _mm256_broadcast_ss(&*$a.add(o5));
             c50 = _mm256_fmadd_ps(r, x0, c50);
             c51 = _mm256_fmadd_ps(r, x1, c51);
         }};
@@ -430,22 +493,22 @@ unsafe fn kernel6x16(kc: usize, a: *const f32, b: *const f32) -> [__m256; 12] {
     // Four steps per iteration: fewer loop instructions among the FMAs.
     for _ in 0..kc / 4 {
         step!(a, b);
-        step!(a.add(MR), b.add(NR));
-        step!(a.add(2 * MR), b.add(2 * NR));
-        step!(a.add(3 * MR), b.add(3 * NR));
-        a = a.add(4 * MR);
+        step!(a.add(cs), b.add(NR));
+        step!(a.add(2 * cs), b.add(2 * NR));
+        step!(a.add(3 * cs), b.add(3 * NR));
+        a = a.add(4 * cs);
         b = b.add(4 * NR);
     }
     for _ in 0..kc % 4 {
         step!(a, b);
-        a = a.add(MR);
+        a = a.add(cs);
         b = b.add(NR);
     }
     [c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51]
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel6x16(_: usize, _: *const f32, _: *const f32) -> [f32; 12] {
+unsafe fn kernel6x16(_: usize, _: *const f32, _: usize, _: usize, _: *const f32) -> [f32; 12] {
     unreachable!("gemm_avx2 on a CPU without AVX2")
 }
 
@@ -635,6 +698,7 @@ mod tests {
                 beta,
                 got.as_mut_ptr(),
                 ldc,
+                true,
             )
         };
         // Only the live part of each row is compared; the padding is outside C.

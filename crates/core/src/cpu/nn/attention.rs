@@ -36,22 +36,7 @@ unsafe fn mm<S: GemmScalar>(
     c: *mut S,
     rsc: usize,
 ) {
-    S::raw(
-        m,
-        k,
-        n,
-        alpha,
-        a,
-        rsa as isize,
-        csa as isize,
-        b,
-        rsb as isize,
-        csb as isize,
-        beta,
-        c,
-        rsc as isize,
-        1,
-    )
+    S::serial(m, k, n, alpha, a, (rsa, csa), b, (rsb, csb), beta, c, rsc)
 }
 
 fn check(d: &Dims, q: usize, k: usize, v: usize, out: usize, lse: usize) {

@@ -83,21 +83,18 @@ pub fn gemm_grouped<S: GemmScalar>(
         let (rsb, csb) = if g.trans_b { (1, g.ldb) } else { (g.ldb, 1) };
         // Safety: extents were checked above; pieces write disjoint blocks of disjoint groups.
         unsafe {
-            S::raw(
+            S::serial(
                 i1 - i0,
                 g.k,
                 j1 - j0,
                 S::of_f64(g.alpha as f64),
                 (ap as *const S).add(ao + i0 * rsa),
-                rsa as isize,
-                csa as isize,
+                (rsa, csa),
                 (bp as *const S).add(bo + j0 * csb),
-                rsb as isize,
-                csb as isize,
+                (rsb, csb),
                 S::of_f64(g.beta as f64),
                 cp.get().add(co + i0 * g.ldc + j0),
-                g.ldc as isize,
-                1,
+                g.ldc,
             )
         }
     };
