@@ -458,7 +458,13 @@ unsafe fn prefetch_tile(_: *const f32, _: usize, _: usize) {}
 #[target_feature(enable = "avx2,fma")]
 // Out of line: inlined, the caller's live values crowd the accumulators' registers.
 #[inline(never)]
-unsafe fn kernel6x16(kc: usize, a: *const f32, rs: usize, cs: usize, b: *const f32) -> [__m256; 12] {
+unsafe fn kernel6x16(
+    kc: usize,
+    a: *const f32,
+    rs: usize,
+    cs: usize,
+    b: *const f32,
+) -> [__m256; 12] {
     let z = _mm256_setzero_ps;
     let (mut c00, mut c01, mut c10, mut c11) = (z(), z(), z(), z());
     let (mut c20, mut c21, mut c30, mut c31) = (z(), z(), z(), z());
@@ -555,13 +561,14 @@ unsafe fn store(_: &[f32; 12], _: usize, _: usize, _: f32, _: f32, _: *mut f32, 
     unreachable!("gemm_avx2 on a CPU without AVX2")
 }
 
-/// `dst[q·ldd + ii] = src[ii·ld + q]` for an 8×8 block.
+/// `dst[q·ldd + ii] = src[ii·ld + q]` for an 8×8 block (also packing and mirroring in
+/// [`super::syrk_avx2`]).
 ///
 /// # Safety
 /// `src` and `dst` must hold 8 rows of 8 values `ld` / `ldd` apart; the CPU has AVX.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn transpose8(src: *const f32, ld: usize, dst: *mut f32, ldd: usize) {
+pub(super) unsafe fn transpose8(src: *const f32, ld: usize, dst: *mut f32, ldd: usize) {
     let r = |ii: usize| _mm256_loadu_ps(src.add(ii * ld));
     let rows = [r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7)];
     for (q, v) in transpose8_regs(rows).iter().enumerate() {
@@ -623,7 +630,7 @@ unsafe fn transpose8_regs(r: [__m256; 8]) -> [__m256; 8] {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn transpose8(_: *const f32, _: usize, _: *mut f32, _: usize) {
+pub(super) unsafe fn transpose8(_: *const f32, _: usize, _: *mut f32, _: usize) {
     unreachable!("gemm_avx2 on a CPU without AVX2")
 }
 

@@ -12,6 +12,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::gemm_avx2::transpose8;
 use rayon::prelude::*;
 
 /// Rows per panel and micro-tile side.
@@ -184,57 +185,6 @@ fn pack(packed: &mut [f32], n: usize, k: usize, a: &[f32], rsa: usize, csa: usiz
     } else {
         packed.par_chunks_mut(k * MR).enumerate().for_each(fill);
     }
-}
-
-/// `dst[q·ldd + ii] = src[ii·ld + q]` for an 8×8 block (`ldd = 8`: the packed layout of eight
-/// consecutive `p`).
-///
-/// # Safety
-/// `src` and `dst` must hold 8 rows of 8 values `ld` / `ldd` apart; the CPU has AVX.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn transpose8(src: *const f32, ld: usize, dst: *mut f32, ldd: usize) {
-    let r = |ii: usize| _mm256_loadu_ps(src.add(ii * ld));
-    let (r0, r1, r2, r3, r4, r5, r6, r7) = (r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7));
-    // Interleave pairs of rows, then pairs of pairs, then the 128-bit halves.
-    let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
-    let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
-    let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
-    let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
-    let (u0, u1) = (
-        _mm256_shuffle_ps::<0x44>(t0, t2),
-        _mm256_shuffle_ps::<0xEE>(t0, t2),
-    );
-    let (u2, u3) = (
-        _mm256_shuffle_ps::<0x44>(t1, t3),
-        _mm256_shuffle_ps::<0xEE>(t1, t3),
-    );
-    let (u4, u5) = (
-        _mm256_shuffle_ps::<0x44>(t4, t6),
-        _mm256_shuffle_ps::<0xEE>(t4, t6),
-    );
-    let (u6, u7) = (
-        _mm256_shuffle_ps::<0x44>(t5, t7),
-        _mm256_shuffle_ps::<0xEE>(t5, t7),
-    );
-    let out = [
-        _mm256_permute2f128_ps::<0x20>(u0, u4),
-        _mm256_permute2f128_ps::<0x20>(u1, u5),
-        _mm256_permute2f128_ps::<0x20>(u2, u6),
-        _mm256_permute2f128_ps::<0x20>(u3, u7),
-        _mm256_permute2f128_ps::<0x31>(u0, u4),
-        _mm256_permute2f128_ps::<0x31>(u1, u5),
-        _mm256_permute2f128_ps::<0x31>(u2, u6),
-        _mm256_permute2f128_ps::<0x31>(u3, u7),
-    ];
-    for (q, v) in out.iter().enumerate() {
-        _mm256_storeu_ps(dst.add(q * ldd), *v);
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn transpose8(_: *const f32, _: usize, _: *mut f32, _: usize) {
-    unreachable!("syrk_avx2 on a CPU without AVX2")
 }
 
 /// Row block `rb` (panels `[rb·mc, rb·mc + mc)`, `mc ≤ MC`): its tiles on and left of the diagonal, `k`
