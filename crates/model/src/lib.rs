@@ -44,7 +44,9 @@ pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,
     update_router_bias, GradSink, Hooks, LocalParams, ParamSource, Pass, Tokens,
 };
-pub use workspace::{activation_bytes, activation_bytes_offloaded, Workspace};
+pub use workspace::{
+    activation_bytes, activation_bytes_bf16, activation_bytes_offloaded, Workspace,
+};
 
 /// The parameter table, in a fixed order: embedding, layers, final norm, LM head.
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
