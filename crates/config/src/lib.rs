@@ -223,8 +223,9 @@ pub struct TrainingConfig {
     pub threads: usize,
     /// Operand precision of the model's GEMMs (TorchTitan's `mixed_precision_param`): `f32`,
     /// or `bf16` (inputs rounded to bf16, f32 accumulation and output; the weights only GEMMs
-    /// read reach the model in bf16, cast once per step or gather). Master weights, gradient
-    /// reduction and optimizer state stay f32 either way.
+    /// read reach the model in bf16, cast once per step or gather; attention runs on bf16 q, k,
+    /// v, as autocast's SDPA). Master weights, gradient reduction and optimizer state stay f32
+    /// either way.
     pub compute_dtype: ComputeDtype,
 }
 
@@ -235,7 +236,7 @@ pub enum ComputeDtype {
     /// Exact f32 GEMMs (the default: every exactness test compares against these).
     #[default]
     F32,
-    /// bf16 × bf16 → f32 GEMMs (tensor cores on a GPU).
+    /// bf16 × bf16 → f32 GEMMs and bf16 attention (tensor cores on a GPU).
     Bf16,
 }
 

@@ -330,13 +330,40 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
     println!("two-memory mode: scratch pool of {after_one} bytes; gradients bitwise equal");
 }
 
-/// `training.compute_dtype = "bf16"` through the kernel backend's GEMM forwarding: the same
-/// forward and backward as the CPU backend's bf16 GEMMs, and not the f32 model's. The kernels'
-/// f32 results differ from the CPU's in the last bits, and an operand one ulp apart can round
-/// to the neighbouring bf16 (2^-8 apart), so gradients get 1e-2 of each tensor's scale instead
-/// of f32's 2e-4 (measured 3.3e-3 at worst); the loss still within 1e-5 (measured 3e-7).
+/// `training.compute_dtype = "bf16"` through the kernel backend's GEMM forwarding and its bf16
+/// attention kernels (SIMT, and the tensor-core `attention_*_tc16_bf16` with `Tuning::attn_tc`
+/// on, as a GPU from sm_80 runs them): the same forward and backward as the CPU backend's bf16
+/// GEMMs and bf16 attention, and not the f32 model's. The kernels' f32 results differ from the
+/// CPU's in the last bits (the tensor cores' sums in another order), and a value one ulp apart
+/// can round to the neighbouring bf16 (2^-8 apart), so gradients get 1e-2 of each tensor's
+/// scale instead of f32's 2e-4; the loss within 1e-5 on the SIMT kernels (measured 6.3e-7).
+/// The tensor-core kernels also round the probabilities and dS to bf16 as mma operands
+/// (FlashAttention's arrangement; the CPU keeps them f32), so their loss gets 1e-4 (measured
+/// 1.2e-5) and gradients 2e-2 of each tensor's scale (measured 8.1e-3; SIMT 3.7e-3). The
+/// two tunings differ only in the attention kernels, so their different losses show that the
+/// tensor-core kernels ran.
 #[test]
 fn bf16_compute_matches_the_cpu() {
+    let mut losses = vec![];
+    for (what, tuning, tol) in [
+        ("simt", small(), (1e-5, 1e-2)),
+        (
+            "tensor cores",
+            Tuning {
+                attn_tc: true,
+                ..small()
+            },
+            (1e-4, 2e-2),
+        ),
+    ] {
+        losses.push(bf16_compute_case(what, tuning, tol));
+    }
+    assert_ne!(losses[0], losses[1], "the tensor-core kernels did not run");
+}
+
+/// One bf16 forward and backward on the kernel backend with `tuning` against the CPU's, loss
+/// and gradients within `(loss_tol, grad_tol)`; the kernel backend's loss.
+fn bf16_compute_case(what: &str, tuning: Tuning, (loss_tol, grad_tol): (f64, f64)) -> f64 {
     let c = tiny();
     let model = Model::new(&c).with_compute_dtype(ganymede_config::ComputeDtype::Bf16);
     let cpu = CpuBackend::default();
@@ -344,20 +371,20 @@ fn bf16_compute_matches_the_cpu() {
     let inputs = tokens(BATCH * SEQ, c.vocab_size, 4);
     let targets = tokens(BATCH * SEQ, c.vocab_size, 5);
     let (gw, ow) = step(&cpu, &model, &pc, &inputs, &targets);
-    let kern = kernels();
+    let kern = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
     let pk = model.init_params(&kern, 3);
     let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
     println!(
-        "bf16: loss {} vs {}: rel err {:.3e}",
+        "bf16, {what}: loss {} vs {}: rel err {:.3e}",
         og.loss,
         ow.loss,
         rel(og.loss, ow.loss)
     );
-    assert!(rel(og.loss, ow.loss) < 1e-5, "{og:?} vs {ow:?}");
+    assert!(rel(og.loss, ow.loss) < loss_tol, "{what}: {og:?} vs {ow:?}");
     let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
-    let worst =
-        compare(&names, &gg, &gw, |s| 1e-7 + 1e-2 * s).unwrap_or_else(|e| panic!("gradient {e}"));
-    println!("bf16: worst gradient error {worst:.3e} of the tensor's scale");
+    let worst = compare(&names, &gg, &gw, |s| 1e-7 + grad_tol * s)
+        .unwrap_or_else(|e| panic!("{what}: gradient {e}"));
+    println!("bf16, {what}: worst gradient error {worst:.3e} of the tensor's scale");
     let f32_model = Model::new(&c);
     let (_, of) = step(&cpu, &f32_model, &pc, &inputs, &targets);
     assert_ne!(of.loss, ow.loss, "bf16 GEMMs changed nothing");
@@ -381,4 +408,5 @@ fn bf16_compute_matches_the_cpu() {
     let (gm, om) = step(&kern, &model, &mixed, &inputs, &targets);
     assert_eq!(og.loss.to_bits(), om.loss.to_bits(), "bf16 weights: loss");
     assert_eq!(gg, gm, "bf16 weights: gradients");
+    og.loss
 }

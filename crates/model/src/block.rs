@@ -7,6 +7,13 @@
 //! y = xmid + mlp(xn2)         mlp = Σ_topk w·expert(xn2) [+ shared(xn2)]  or a dense SwiGLU
 //! ```
 //!
+//! Under bf16 compute (`Model::bf16`) attention runs on bf16 q, k, v (rounded after RoPE / the
+//! q-k norms, from f32 staged in the gradient scratch) and writes a bf16 output, which the
+//! o-projection reads as a bf16 operand; its backward takes the output gradient rounded to
+//! bf16 and writes bf16 dq, dk, dv (as PyTorch's autocast around SDPA, and as the CUDA
+//! backend's tensor-core kernels require). The q/k norm backward widens dq, dk to f32; dv
+//! enters its GEMMs as a bf16 operand. Generation's cached path keeps f32 attention.
+//!
 //! Routed experts run as one GEMM per expert over the tokens routed to it (rows grouped by
 //! expert); the every-token SwiGLU (dense layer or stacked shared experts) is one GEMM for gate
 //! and up across all its experts.
@@ -103,11 +110,15 @@ pub(crate) fn block_forward(
         w(li.k),
         Gemm::new(n, kd, h, false, true).bf16_inputs(cx.model.bf16),
     );
+    // Under bf16 compute, v and the normed, rotated q and k are made in f32 in the gradient
+    // scratch (free during forward) and rounded into the saved bf16 tensors.
+    let bf16 = model.bf16;
+    let v32 = if bf16 { &mut g.dv } else { &mut a.v };
     be.gemm(
-        a.v.view_mut(),
+        v32.view_mut(),
         a.xn1.view(),
         w(li.v),
-        Gemm::new(n, kd, h, false, true).bf16_inputs(cx.model.bf16),
+        Gemm::new(n, kd, h, false, true).bf16_inputs(bf16),
     );
     let pos0 = match &kv {
         Kv::Own => 0,
@@ -129,12 +140,20 @@ pub(crate) fn block_forward(
         kv_heads: nkv,
         head_dim: hd,
     };
-    let (qr, rstdq) = (a.qr.view_mut(), a.rstdq.view_mut());
+    let qr32 = if bf16 { &mut g.dqr } else { &mut a.qr };
+    let (qr, rstdq) = (qr32.view_mut(), a.rstdq.view_mut());
     be.head_norm_rope_forward(qr, rstdq, a.q.view(), w(li.q_norm), rope(nh, pos0));
+    let cached = matches!(kv, Kv::Cache { .. });
     match kv {
         Kv::Own => {
-            let (kr, rstdk) = (a.kr.view_mut(), a.rstdk.view_mut());
+            let kr32 = if bf16 { &mut g.dkr } else { &mut a.kr };
+            let (kr, rstdk) = (kr32.view_mut(), a.rstdk.view_mut());
             be.head_norm_rope_forward(kr, rstdk, a.k.view(), w(li.k_norm), rope(nkv, 0));
+            if bf16 {
+                be.cast(a.qr.view_mut(), g.dqr.view());
+                be.cast(a.kr.view_mut(), g.dkr.view());
+                be.cast(a.v.view_mut(), g.dv.view());
+            }
             let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
             let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
             be.attention_forward(att, lse, q, k, v, attn(batch, seq));
@@ -144,15 +163,24 @@ pub(crate) fn block_forward(
             let tk = pos0 + seq;
             let (kc, rstdk) = (k.slice_mut(pos0 * kd, n * kd), a.rstdk.view_mut());
             be.head_norm_rope_forward(kc, rstdk, a.k.view(), w(li.k_norm), rope(nkv, pos0));
-            be.copy(v.slice_mut(pos0 * kd, n * kd), a.v.view());
-            let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
-            let (q, k, v) = (a.qr.view(), k.slice(0, tk * kd), v.slice(0, tk * kd));
+            // The cache is f32: under bf16 compute q, v and the output stay in the f32 staging.
+            let v32 = if bf16 { &g.dv } else { &a.v };
+            be.copy(v.slice_mut(pos0 * kd, n * kd), v32.view());
+            let att32 = if bf16 { &mut g.datt } else { &mut a.att };
+            let (att, lse) = (att32.view_mut(), a.lse.view_mut());
+            let q = if bf16 { g.dqr.view() } else { a.qr.view() };
+            let (k, v) = (k.slice(0, tk * kd), v.slice(0, tk * kd));
             be.attention_forward(att, lse, q, k, v, attn(1, tk));
         }
     }
+    let att = if bf16 && cached {
+        g.datt.view()
+    } else {
+        a.att.view()
+    };
     be.gemm(
         a.xmid.view_mut(),
-        a.att.view(),
+        att,
         w(li.o),
         Gemm::new(n, h, qd, false, true).bf16_inputs(cx.model.bf16),
     );
@@ -459,10 +487,28 @@ pub(crate) fn block_backward(
         a.att.view(),
         go,
     );
-    let ag = AttnGrads {
-        dq: g.dqr.view_mut(),
-        dk: g.dkr.view_mut(),
-        dv: g.dv.view_mut(),
+    // Under bf16 compute attention's gradients are bf16: the output's rounded here, dq and dk
+    // widened for the norms' backward below, dv read by its GEMMs as a bf16 operand.
+    if let Some(a16) = g.attn16.as_mut() {
+        be.cast(a16.datt.view_mut(), g.datt.view());
+    }
+    let (ag, dout) = match g.attn16.as_mut() {
+        Some(a16) => (
+            AttnGrads {
+                dq: a16.dq.view_mut(),
+                dk: a16.dk.view_mut(),
+                dv: a16.dv.view_mut(),
+            },
+            a16.datt.view(),
+        ),
+        None => (
+            AttnGrads {
+                dq: g.dqr.view_mut(),
+                dk: g.dkr.view_mut(),
+                dv: g.dv.view_mut(),
+            },
+            g.datt.view(),
+        ),
     };
     let saved = AttnSaved {
         out: a.att.view(),
@@ -479,7 +525,11 @@ pub(crate) fn block_backward(
         kv_heads: nkv,
         head_dim: hd,
     };
-    be.attention_backward(ag, g.datt.view(), saved, dims);
+    be.attention_backward(ag, dout, saved, dims);
+    if let Some(a16) = g.attn16.as_ref() {
+        be.cast(g.dqr.view_mut(), a16.dq.view());
+        be.cast(g.dkr.view_mut(), a16.dk.view());
+    }
     let rope = |heads| HeadRope {
         heads,
         head_dim: hd,
@@ -510,7 +560,11 @@ pub(crate) fn block_backward(
         .bf16_inputs(cx.model.bf16)
         .beta(1.0);
     be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
-    be.gemm(g.dxn.view_mut(), g.dv.view(), w(li.v), gx);
+    let dv = match g.attn16.as_ref() {
+        Some(a16) => a16.dv.view(),
+        None => g.dv.view(),
+    };
+    be.gemm(g.dxn.view_mut(), dv, w(li.v), gx);
     let gq = Gemm::new(qd, h, n, true, false)
         .bf16_inputs(cx.model.bf16)
         .beta(1.0);
@@ -529,12 +583,7 @@ pub(crate) fn block_backward(
         a.xn1.view(),
         gk,
     );
-    be.gemm(
-        grads.get_mut(li.v).view_mut(),
-        g.dv.view(),
-        a.xn1.view(),
-        gk,
-    );
+    be.gemm(grads.get_mut(li.v).view_mut(), dv, a.xn1.view(), gk);
     let saved = NormSaved {
         x,
         w: w(li.in_norm),

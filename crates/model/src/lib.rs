@@ -44,7 +44,9 @@ pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,
     update_router_bias, GradSink, Hooks, LocalParams, ParamSource, Pass, Tokens,
 };
-pub use workspace::{activation_bytes, activation_bytes_offloaded, Workspace};
+pub use workspace::{
+    activation_bytes, activation_bytes_bf16, activation_bytes_offloaded, Workspace,
+};
 
 /// The parameter table, in a fixed order: embedding, layers, final norm, LM head.
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
@@ -202,7 +204,8 @@ pub struct Model {
     /// bf16 × bf16 → f32 GEMMs (`training.compute_dtype = "bf16"`) for every linear layer but
     /// the router's, whose top-k choice is discrete and whose GEMM is tiny (as Megatron's fp32
     /// router). Master parameters, gradients and optimizer state stay f32; the weights the
-    /// GEMMs read may be handed over in bf16 ([`Model::bf16_weight`]).
+    /// GEMMs read may be handed over in bf16 ([`Model::bf16_weight`]). Attention then runs on
+    /// bf16 q, k, v with a bf16 output and bf16 gradients (see `block.rs`).
     pub(crate) bf16: bool,
 }
 

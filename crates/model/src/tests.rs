@@ -262,6 +262,25 @@ fn activation_bytes_match_the_ledger() {
             let measured = ledger.report().peak(Device::Host, Category::Activations);
             assert_eq!(measured, activation_bytes(&c, 3, 7, mode), "{mode:?}");
             assert_eq!(ws.bytes(), measured);
+            // bf16 compute: each set's v, qr, kr, att in bf16, four bf16 attention gradients
+            // in the scratch.
+            let ledger = Arc::new(Ledger::new());
+            let be = CpuBackend::new(ledger.clone());
+            let model = Model::new(&c).with_compute_dtype(ganymede_config::ComputeDtype::Bf16);
+            let ws = Workspace::new(&be, &model, 3, 7, mode);
+            let measured = ledger.report().peak(Device::Host, Category::Activations);
+            assert_eq!(measured, activation_bytes_bf16(&c, 3, 7, mode), "{mode:?}");
+            assert_eq!(ws.bytes(), measured);
+            let sets = match mode {
+                AcMode::None => c.layers as u64,
+                AcMode::Full => 1,
+            };
+            let attn16 = 2 * 21 * (2 * c.q_dim() + 2 * c.kv_dim()) as u64;
+            assert_eq!(
+                activation_bytes(&c, 3, 7, mode) - measured,
+                (sets - 1) * attn16,
+                "{mode:?}"
+            );
         }
     }
     // Full checkpointing keeps less than keeping everything once there are several layers.

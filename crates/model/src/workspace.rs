@@ -2,6 +2,11 @@
 //! activation plan): the residual stream at every block boundary, the internals of one block
 //! (`AcMode::Full`: recomputed in backward) or of every block (`AcMode::None`), one set of
 //! gradient scratch, and the head (final norm, logits). [`activation_bytes`] states the sizes.
+//!
+//! Under bf16 compute (`Model::bf16`) attention runs on bf16 tensors, as autocast's SDPA does:
+//! the saved `v`, `qr`, `kr` and `att` are bf16 (half the bytes), the f32 results of v's GEMM
+//! and the q/k norms pass through the gradient scratch's `dv`, `dqr`, `dkr` on their way there,
+//! and [`AttnBf16Grads`] holds attention's bf16 output gradient and input gradients.
 
 use crate::offload::Boundaries;
 use crate::{MlpIdx, Model};
@@ -73,6 +78,16 @@ pub(crate) struct BlockActs {
     pub ffn: Option<FfnActs>,
 }
 
+/// Attention's bf16 gradients under bf16 compute: the output's (`[N, Q]`, rounded from the
+/// o-projection's f32 GEMM) and the inputs' (`[N, Q]`, `[N, K]`, `[N, K]`, written by the
+/// attention backward in bf16, as its bf16 kernels do).
+pub(crate) struct AttnBf16Grads {
+    pub datt: Tensor,
+    pub dq: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+}
+
 /// Gradient scratch, one set shared by all blocks.
 pub(crate) struct GradScratch {
     /// Gradient of the residual stream at the current block boundary.
@@ -85,6 +100,8 @@ pub(crate) struct GradScratch {
     pub dkr: Tensor,
     pub dk: Tensor,
     pub dv: Tensor,
+    /// Under bf16 compute only.
+    pub attn16: Option<AttnBf16Grads>,
     /// `[N, E]` router logits (forward) and their gradient (backward).
     pub drl: Option<Tensor>,
     pub drw: Option<Tensor>,
@@ -157,7 +174,13 @@ fn ffn_width(cfg: &ModelConfig, l: usize) -> usize {
 /// place sizes are decided; [`Workspace::new`] allocates exactly these. The boundaries come
 /// first: `res` on the device, `res_slot` the device slots offloaded ones rotate through,
 /// `res_host` their pinned host copies (`n_off` of them, see [`crate::offload`]).
-fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'static str, usize)> {
+fn plan(
+    cfg: &ModelConfig,
+    n: usize,
+    mode: AcMode,
+    n_off: usize,
+    bf16: bool,
+) -> Vec<(&'static str, usize)> {
     let (h, qd, kd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
     let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
     let any_moe = cfg.layers > cfg.dense_layers;
@@ -230,6 +253,14 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
         ("dk", n * kd),
         ("dv", n * kd),
     ]);
+    if bf16 {
+        p.extend([
+            ("datt16", n * qd),
+            ("dqr16", n * qd),
+            ("dkr16", n * kd),
+            ("dv16", n * kd),
+        ]);
+    }
     if any_moe {
         p.extend([
             ("drl", n * e),
@@ -260,12 +291,29 @@ fn plan(cfg: &ModelConfig, n: usize, mode: AcMode, n_off: usize) -> Vec<(&'stati
     p
 }
 
-/// The plan's u32 index tensors (routing, token ids); 4 bytes an element like f32.
-fn is_index(what: &str) -> bool {
-    matches!(
-        what,
-        "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets" | "id_groups"
-    )
+/// The dtype of a plan entry: u32 for index tensors (routing, token ids; 4 bytes an element
+/// like f32), bf16 for attention's inputs, output and gradients under bf16 compute, else f32.
+fn dtype_of(what: &str, bf16: bool) -> DType {
+    match what {
+        "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets" | "id_groups" => {
+            DType::U32
+        }
+        "v" | "qr" | "kr" | "att" | "datt16" | "dqr16" | "dkr16" | "dv16" if bf16 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
+/// Bytes of the plan's entries (f32 and u32: 4 an element, bf16: 2).
+fn plan_bytes<'a>(p: impl Iterator<Item = &'a (&'static str, usize)>, bf16: bool) -> u64 {
+    p.map(|(w, n)| {
+        *n as u64
+            * if dtype_of(w, bf16) == DType::BF16 {
+                2
+            } else {
+                4
+            }
+    })
+    .sum()
 }
 
 /// Bytes of `Category::Activations` a [`Workspace`] allocates in f32 (its float tensors take
@@ -286,11 +334,16 @@ fn is_index(what: &str) -> bool {
 ///
 /// where the sets are every layer (`AcMode::None`, each with its own kind) or one set sized
 /// for all layers (`AcMode::Full`: an MoE set if any layer is MoE, `W_set = max W`).
+/// [`activation_bytes_bf16`] states bf16 compute's.
 pub fn activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
-    plan(cfg, batch * seq, mode, 0)
-        .iter()
-        .map(|(_, n)| 4 * *n as u64)
-        .sum()
+    plan_bytes(plan(cfg, batch * seq, mode, 0, false).iter(), false)
+}
+
+/// [`activation_bytes`] under bf16 compute (`training.compute_dtype = "bf16"`): each set's
+/// `v`, `qr`, `kr` and `att` in bf16 (`2·N·(2Q + 2K)` bytes less per set), and the gradient
+/// scratch's bf16 attention gradients (`2·N·(2Q + 2K)` more, once).
+pub fn activation_bytes_bf16(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
+    plan_bytes(plan(cfg, batch * seq, mode, 0, true).iter(), true)
 }
 
 /// [`activation_bytes`] split by memory with the first `offloaded` block inputs in host memory
@@ -301,13 +354,8 @@ pub fn activation_bytes_offloaded(
     seq: usize,
     offloaded: usize,
 ) -> (u64, u64) {
-    let p = plan(cfg, batch * seq, AcMode::Full, offloaded);
-    let sum = |host: bool| -> u64 {
-        p.iter()
-            .filter(|(w, _)| (*w == "res_host") == host)
-            .map(|(_, n)| 4 * *n as u64)
-            .sum()
-    };
+    let p = plan(cfg, batch * seq, AcMode::Full, offloaded, false);
+    let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), false);
     (sum(false), sum(true))
 }
 
@@ -338,7 +386,8 @@ impl Workspace {
             offloaded == 0 || mode == AcMode::Full,
             "activation offload needs full activation checkpointing"
         );
-        let sizes = plan(cfg, n, mode, offloaded);
+        let bf16 = model.bf16;
+        let sizes = plan(cfg, n, mode, offloaded, bf16);
         let mut it = sizes.iter().peekable();
         // The boundaries are allocated by `Boundaries` in the plan's order.
         while it.next_if(|(w, _)| w.starts_with("res")).is_some() {}
@@ -346,9 +395,9 @@ impl Workspace {
         let mut t = |name: &str| {
             let (what, len) = it.next().expect("workspace plan exhausted");
             assert_eq!(*what, name, "workspace plan order");
-            match is_index(what) {
-                true => be.zeros_of(&[*len], DType::U32, Category::Activations),
-                false => be.zeros(&[*len], Category::Activations),
+            match dtype_of(what, bf16) {
+                DType::F32 => be.zeros(&[*len], Category::Activations),
+                dt => be.zeros_of(&[*len], dt, Category::Activations),
             }
         };
         let sets: Vec<(bool, usize)> = match mode {
@@ -426,6 +475,7 @@ impl Workspace {
             dkr: t("dkr"),
             dk: t("dk"),
             dv: t("dv"),
+            attn16: None,
             drl: None,
             drw: None,
             dye: None,
@@ -437,6 +487,14 @@ impl Workspace {
             dfg: None,
             dfu: None,
         };
+        if bf16 {
+            grads.attn16 = Some(AttnBf16Grads {
+                datt: t("datt16"),
+                dq: t("dqr16"),
+                dk: t("dkr16"),
+                dv: t("dv16"),
+            });
+        }
         if any_moe {
             grads.drl = Some(t("drl"));
             grads.drw = Some(t("drw"));
@@ -498,8 +556,8 @@ impl Workspace {
     pub fn inject_offload_fault(&mut self, fault: Option<crate::offload::OffloadFault>) {
         self.res.inject_fault(fault);
     }
-    /// Bytes this workspace holds, in both memories (equals [`activation_bytes`] for an f32
-    /// backend without offload).
+    /// Bytes this workspace holds, in both memories (equals [`activation_bytes`], or
+    /// [`activation_bytes_bf16`] under bf16 compute, for an f32 backend without offload).
     pub fn bytes(&self) -> u64 {
         let mut total = 0u64;
         total += self.res.bytes();
@@ -531,6 +589,11 @@ impl Workspace {
             &g.dres, &g.dxn, &g.datt, &g.dqr, &g.dq, &g.dkr, &g.dk, &g.dv,
         ] {
             add(t);
+        }
+        if let Some(a) = &g.attn16 {
+            for t in [&a.datt, &a.dq, &a.dk, &a.dv] {
+                add(t);
+            }
         }
         for t in [
             &g.drl, &g.drw, &g.dye, &g.da, &g.dg, &g.du, &g.dxe, &g.dfa, &g.dfg, &g.dfu,

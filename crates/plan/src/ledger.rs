@@ -9,7 +9,8 @@
 //!   untrained buffer with a gradient slot).
 //! - `optimizer`: Muon one f32 momentum per Muon-handled parameter, AdamW two per parameter it
 //!   handles; the selection bias has none.
-//! - `activations`: the workspace, see [`ActivationTerms`].
+//! - `activations`: the workspace, see [`ActivationTerms`] (f32, but under
+//!   `training.compute_dtype = "bf16"` attention's q, k, v, output and gradients in bf16).
 //! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], the step's two f64 scalars
 //!   (the loss sum and the squared gradient norm, summed on the device and read at its end),
 //!   and under `training.compute_dtype = "bf16"` the GEMM operands' cast scratch
@@ -38,10 +39,12 @@ pub struct ActivationTerms {
     /// output), else 0, and in an MoE layer its u32 routing (chosen experts, dispatch order both
     /// ways: 3k per token; per-expert counts and offsets: 2E + 1). No `[T, T]` attention matrix
     /// is kept. Under `none` there is one such set per layer (each its own kind); under `full`
-    /// one set, sized MoE if any layer is MoE and with the widest W.
+    /// one set, sized MoE if any layer is MoE and with the widest W. Under bf16 compute the
+    /// set's v, normed-and-rotated q and k, and attention output are bf16: 2·N·(2Q + 2K) less.
     pub layer_sets: f64,
     /// Gradient scratch shared by all layers: 4·N·(2H + 3Q + 3K + M + 3·max W), with M as
-    /// above if any layer is MoE.
+    /// above if any layer is MoE; under bf16 compute 2·N·(2Q + 2K) more (attention's bf16
+    /// output and input gradients).
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
     /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
@@ -102,7 +105,12 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     };
     let max_w = (0..m.layers).map(width).fold(0.0, f64::max);
     let any_moe = moe_layers > 0;
-    let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0;
+    // bf16 attention tensors (q, k after RoPE, v, output; their gradients), in f32 elements.
+    let attn16 = match job.training.compute_dtype {
+        ganymede_config::ComputeDtype::Bf16 => 0.5 * (2.0 * q + 2.0 * kv),
+        _ => 0.0,
+    };
+    let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0 - attn16;
     let moe = e + k + 2.0 * k * h + 3.0 * k * ff;
     let routing = 3.0 * k;
     let set = |is_moe: bool, w: f64| attn + if is_moe { moe + routing } else { 0.0 } + 3.0 * w;
@@ -115,7 +123,8 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         ),
         AcMode::Full => (set(any_moe, max_w), any_moe as u8 as f64),
     };
-    let scratch = 2.0 * h + 3.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w;
+    let scratch =
+        2.0 * h + 3.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w + attn16;
     let terms = ActivationTerms {
         boundaries: f * n * (m.layers as f64 + 1.0) * h,
         layer_sets: f * n * sets + f * moe_sets * (2.0 * e + 1.0),
@@ -183,8 +192,9 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// (`N·k·max(H, F)`), slot B a weight (LM head `V·H`, stacked experts `E·F·H`) or the experts'
 /// rows (`N·k·max(H, F)`); the other GEMMs' operands are smaller. The weights reach the GEMMs
 /// in bf16 already, which a GPU takes as they are: there slot B holds only the activations the
-/// weight gradients read (`N·H`, attention's `N·Q`, a SwiGLU's `N·W`, the experts' rows). The
-/// CPU widens them into its f32 scratch like any operand.
+/// weight gradients read (`N·H`, a SwiGLU's `N·W`, the experts' rows; attention's output,
+/// `N·Q`, is bf16 already under bf16 compute). The CPU widens bf16 operands into its f32 scratch
+/// like any operand.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
         return 0.0;
@@ -214,7 +224,7 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
         .into_iter()
         .fold(0.0, f64::max);
     let b = match job.device.kind {
-        ganymede_config::DeviceKind::Cuda => vec![rows, n * h, n * q, n * width],
+        ganymede_config::DeviceKind::Cuda => vec![rows, n * h, n * width],
         _ => vec![v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h],
     };
     let b = b.into_iter().fold(0.0, f64::max);

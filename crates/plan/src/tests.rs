@@ -721,6 +721,17 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     job.activation_checkpoint.mode = AcMode::None;
     let none = predict_cpu_ledger(&job, 1);
     assert_eq!(none.activations - full.activations, 6_275_140.0);
+    // bf16 compute: each set's v, q and k after RoPE, and attention output in bf16,
+    // 2·N·(2·64 + 2·32) = 393,216 bytes less; the scratch's four bf16 attention gradients as
+    // much more. Under full checkpointing (one set) the total is unchanged.
+    job.training.compute_dtype = ganymede_config::ComputeDtype::Bf16;
+    let b = predict_cpu_ledger(&job, 1);
+    let (tb, tn) = (&b.activation_terms, &none.activation_terms);
+    assert_eq!(tn.layer_sets - tb.layer_sets, 2.0 * 393_216.0);
+    assert_eq!(tb.grad_scratch - tn.grad_scratch, 393_216.0);
+    assert_eq!(none.activations - b.activations, 393_216.0);
+    job.activation_checkpoint.mode = AcMode::Full;
+    assert_eq!(predict_cpu_ledger(&job, 1).activations, full.activations);
 }
 
 #[test]

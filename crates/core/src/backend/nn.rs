@@ -167,6 +167,9 @@ pub trait NnOps: Send + Sync {
     /// `[batch, tq, heads, head_dim]`; `k`, `v`: `[batch, tk, kv_heads, head_dim]`, `tk >= tq`,
     /// query `i` sitting at key position `tk - tq + i`. Saves the log-sum-exp of each score row,
     /// `lse: [batch, heads, tq]`, so backward recomputes probabilities without storing them.
+    /// `q`, `k`, `v`, `out` (and backward's `dout`, `dq`, `dk`, `dv`) share one dtype; in bf16
+    /// (`training.compute_dtype = "bf16"`) the arithmetic is f32, each output rounded to bf16
+    /// once, and `lse` is f32, otherwise it is the inputs' dtype.
     fn attention_forward(&self, out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: AttnDims);
     /// The gradients of `q`, `k`, `v` (overwritten) from that of the output.
     fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims);

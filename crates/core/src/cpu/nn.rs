@@ -669,7 +669,7 @@ impl NnOps for CpuBackend {
         match dt(&q) {
             DType::F32 => attention::forward::<f32>(out, lse, q, k, v, d),
             DType::F64 => attention::forward::<f64>(out, lse, q, k, v, d),
-            DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
+            DType::BF16 => attention::forward_bf16(out, lse, q, k, v, d),
             DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     }
@@ -677,7 +677,7 @@ impl NnOps for CpuBackend {
         match dt(&s.q) {
             DType::F32 => attention::backward::<f32>(g, dout, s, d),
             DType::F64 => attention::backward::<f64>(g, dout, s, d),
-            DType::BF16 => panic!("the CPU backend has no bf16 kernels"),
+            DType::BF16 => attention::backward_bf16(g, dout, s, d),
             DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     }

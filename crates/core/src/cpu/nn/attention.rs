@@ -56,6 +56,210 @@ fn check(d: &Dims, q: usize, k: usize, v: usize, out: usize, lse: usize) {
     assert_eq!(lse, d.batch * d.heads * d.tq, "attention: lse size");
 }
 
+/// A row-major matrix through a raw pointer: its first element and row stride.
+#[derive(Clone, Copy)]
+struct Mat<S>(*const S, usize);
+#[derive(Clone, Copy)]
+struct MatMut<S>(*mut S, usize);
+
+/// One query head's forward: its `tq` query rows against the first `tk` rows of `k`, `v`
+/// (query `i` at key position `tk - tq + i`), into `o` and `lse` (`tq` contiguous values).
+///
+/// # Safety
+/// The matrices hold the rows and `hd` columns read or written; `sc` holds `BLK.min(tq) × tk`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn head_forward<S: GemmScalar>(
+    sc: &mut [S],
+    Mat(qb, qd): Mat<S>,
+    Mat(kb, kd): Mat<S>,
+    Mat(vb, vd): Mat<S>,
+    MatMut(ob, od): MatMut<S>,
+    lb: *mut S,
+    (tq, tk, hd): (usize, usize, usize),
+    scale: S,
+) {
+    let off = tk - tq;
+    for r0 in (0..tq).step_by(BLK) {
+        let r1 = (r0 + BLK).min(tq);
+        let rb = r1 - r0;
+        let nc = off + r1;
+        let s = sc.as_mut_ptr();
+        mm(
+            rb,
+            nc,
+            hd,
+            scale,
+            qb.add(r0 * qd),
+            (qd, 1),
+            kb,
+            (1, kd),
+            S::zero(),
+            s,
+            nc,
+        );
+        for i in 0..rb {
+            let valid = off + r0 + i + 1;
+            let row = &mut sc[i * nc..(i + 1) * nc];
+            let m = row[..valid]
+                .iter()
+                .fold(S::neg_infinity(), |a, &x| a.max(x));
+            let sum = exp_sub_sum(&mut row[..valid], m);
+            *lb.add(r0 + i) = m + sum.ln();
+            let inv = S::one() / sum;
+            row[..valid].iter_mut().for_each(|x| *x *= inv);
+            row[valid..].fill(S::zero());
+        }
+        mm(
+            rb,
+            hd,
+            nc,
+            S::one(),
+            sc.as_ptr(),
+            (nc, 1),
+            vb,
+            (vd, 1),
+            S::zero(),
+            ob.add(r0 * od),
+            od,
+        );
+    }
+}
+
+/// What one query head's backward reads: its queries, its kv head's keys and values, the
+/// output's gradient and the output, and the head's log-sum-exp row (`tq`).
+struct HeadIn<'a, S> {
+    q: Mat<S>,
+    k: Mat<S>,
+    v: Mat<S>,
+    dout: Mat<S>,
+    out: Mat<S>,
+    lse: &'a [S],
+}
+
+/// One query head's backward: `dq` overwritten, `dk`, `dv` accumulated (`+=`).
+///
+/// # Safety
+/// As [`head_forward`]; `pt`, `dpt` hold `BLK.min(tq) × tk` each.
+unsafe fn head_backward<S: GemmScalar>(
+    (pt, dpt): (&mut [S], &mut [S]),
+    x: HeadIn<S>,
+    (MatMut(dqb, dqd), MatMut(dkb, dkd), MatMut(dvb, dvd)): (MatMut<S>, MatMut<S>, MatMut<S>),
+    (tq, tk, hd): (usize, usize, usize),
+    scale: S,
+) {
+    let (Mat(qb, qd), Mat(kb, kd), Mat(vb, vd)) = (x.q, x.k, x.v);
+    let (Mat(dob, dod), Mat(outb, outd)) = (x.dout, x.out);
+    let off = tk - tq;
+    for r0 in (0..tq).step_by(BLK) {
+        let r1 = (r0 + BLK).min(tq);
+        let rb = r1 - r0;
+        let nc = off + r1;
+        let dor = dob.add(r0 * dod);
+        // P, recomputed.
+        mm(
+            rb,
+            nc,
+            hd,
+            scale,
+            qb.add(r0 * qd),
+            (qd, 1),
+            kb,
+            (1, kd),
+            S::zero(),
+            pt.as_mut_ptr(),
+            nc,
+        );
+        // dP = dO · Vᵀ
+        mm(
+            rb,
+            nc,
+            hd,
+            S::one(),
+            dor,
+            (dod, 1),
+            vb,
+            (1, vd),
+            S::zero(),
+            dpt.as_mut_ptr(),
+            nc,
+        );
+        for i in 0..rb {
+            let valid = off + r0 + i + 1;
+            let row = &mut pt[i * nc..(i + 1) * nc];
+            exp_sub_scale(&mut row[..valid], x.lse[r0 + i], S::one());
+            row[valid..].fill(S::zero());
+            let dorow = std::slice::from_raw_parts(dob.add((r0 + i) * dod), hd);
+            let orow = std::slice::from_raw_parts(outb.add((r0 + i) * outd), hd);
+            let dd: S = dorow.iter().zip(orow).map(|(&a, &b)| a * b).sum();
+            let drow = &mut dpt[i * nc..(i + 1) * nc];
+            for (ds, &p) in drow.iter_mut().zip(row.iter()) {
+                *ds = p * (*ds - dd);
+            }
+        }
+        // dQ = scale · dS · K;  dK += scale · dSᵀ · Q;  dV += Pᵀ · dO
+        mm(
+            rb,
+            hd,
+            nc,
+            scale,
+            dpt.as_ptr(),
+            (nc, 1),
+            kb,
+            (kd, 1),
+            S::zero(),
+            dqb.add(r0 * dqd),
+            dqd,
+        );
+        mm(
+            nc,
+            hd,
+            rb,
+            scale,
+            dpt.as_ptr(),
+            (1, nc),
+            qb.add(r0 * qd),
+            (qd, 1),
+            S::one(),
+            dkb,
+            dkd,
+        );
+        mm(
+            nc,
+            hd,
+            rb,
+            S::one(),
+            pt.as_ptr(),
+            (1, nc),
+            dor,
+            (dod, 1),
+            S::one(),
+            dvb,
+            dvd,
+        );
+    }
+}
+
+/// `dst = rows × hd` of the bf16 matrix at `src` (row stride `rs`), widened (exactly).
+unsafe fn widen(dst: &mut [f32], src: *const u16, rs: usize, hd: usize) {
+    for (r, d) in dst.chunks_exact_mut(hd).enumerate() {
+        let s = std::slice::from_raw_parts(src.add(r * rs), hd);
+        d.iter_mut()
+            .zip(s)
+            .for_each(|(d, &h)| *d = crate::bf16::to_f32(h));
+    }
+}
+
+/// The bf16 matrix at `dst` (row stride `rs`) = `src` (`rows × hd`) rounded to nearest even.
+unsafe fn narrow(dst: *mut u16, rs: usize, src: &[f32], hd: usize) {
+    for (r, s) in src.chunks_exact(hd).enumerate() {
+        let d = std::slice::from_raw_parts_mut(dst.add(r * rs), hd);
+        d.iter_mut()
+            .zip(s)
+            .for_each(|(d, &x)| *d = crate::bf16::from_f32(x));
+    }
+}
+
+/// Forward over f32 or f64 tensors.
 pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Dims) {
     let out: &mut [S] = out.host();
     let lse: &mut [S] = lse.host();
@@ -72,7 +276,6 @@ pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: V
         head_dim: hd,
     } = d;
     let (rep, qd, kd) = (heads / kv_heads, heads * hd, kv_heads * hd);
-    let off = tk - tq;
     let scale = S::of_f64(1.0 / (hd as f64).sqrt());
     let (op, lp) = (Ptr(out.as_mut_ptr()), Ptr(lse.as_mut_ptr()));
     let (qp, kp, vp) = (CPtr(q.as_ptr()), CPtr(k.as_ptr()), CPtr(v.as_ptr()));
@@ -84,62 +287,94 @@ pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: V
             // Safety: sizes were checked; this task writes only its own heads' columns of `out`
             // and rows of `lse`.
             unsafe {
-                let kb = kp.0.add(b * tk * kd + g * hd);
-                let vb = vp.0.add(b * tk * kd + g * hd);
+                let k = Mat(kp.0.add(b * tk * kd + g * hd), kd);
+                let v = Mat(vp.0.add(b * tk * kd + g * hd), kd);
                 for h in g * rep..(g + 1) * rep {
-                    let qb = qp.0.add(b * tq * qd + h * hd);
-                    let ob = op.0.add(b * tq * qd + h * hd);
+                    let q = Mat(qp.0.add(b * tq * qd + h * hd), qd);
+                    let o = MatMut(op.0.add(b * tq * qd + h * hd), qd);
                     let lb = lp.0.add((b * heads + h) * tq);
-                    for r0 in (0..tq).step_by(BLK) {
-                        let r1 = (r0 + BLK).min(tq);
-                        let rb = r1 - r0;
-                        let nc = off + r1;
-                        let s = sc.as_mut_ptr();
-                        mm(
-                            rb,
-                            nc,
-                            hd,
-                            scale,
-                            qb.add(r0 * qd),
-                            (qd, 1),
-                            kb,
-                            (1, kd),
-                            S::zero(),
-                            s,
-                            nc,
-                        );
-                        for i in 0..rb {
-                            let valid = off + r0 + i + 1;
-                            let row = &mut sc[i * nc..(i + 1) * nc];
-                            let m = row[..valid]
-                                .iter()
-                                .fold(S::neg_infinity(), |a, &x| a.max(x));
-                            let sum = exp_sub_sum(&mut row[..valid], m);
-                            *lb.add(r0 + i) = m + sum.ln();
-                            let inv = S::one() / sum;
-                            row[..valid].iter_mut().for_each(|x| *x *= inv);
-                            row[valid..].fill(S::zero());
-                        }
-                        mm(
-                            rb,
-                            hd,
-                            nc,
-                            S::one(),
-                            sc.as_ptr(),
-                            (nc, 1),
-                            vb,
-                            (kd, 1),
-                            S::zero(),
-                            ob.add(r0 * qd),
-                            qd,
-                        );
-                    }
+                    head_forward(sc, q, k, v, o, lb, (tq, tk, hd), scale);
                 }
             }
         },
     );
 }
 
+/// A task's f32 copies of its bf16 operands (`tk × hd` keys and values, `tq × hd` per query
+/// head), made once per rayon job like the score tiles.
+struct Widened {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    dout: Vec<f32>,
+    out: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+impl Widened {
+    fn new(d: &Dims, backward: bool) -> Self {
+        let (nk, nq) = (d.tk * d.head_dim, d.tq * d.head_dim);
+        let bw = |n: usize| vec![0f32; if backward { n } else { 0 }];
+        Widened {
+            k: vec![0.0; nk],
+            v: vec![0.0; nk],
+            q: vec![0.0; nq],
+            out: vec![0.0; nq],
+            dout: bw(nq),
+            dq: bw(nq),
+            dk: bw(nk),
+            dv: bw(nk),
+        }
+    }
+}
+
+/// Forward over bf16 `q`, `k`, `v` and `out` (f32 `lse`), as a bf16 attention kernel with f32
+/// arithmetic computes it: the inputs widened exactly, the f32 kernel's math, the output
+/// rounded to bf16 once.
+pub fn forward_bf16(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Dims) {
+    let out = out.host_bf16();
+    let lse: &mut [f32] = lse.host();
+    let (q, k, v) = (q.host_bf16(), k.host_bf16(), v.host_bf16());
+    check(&d, q.len(), k.len(), v.len(), out.len(), lse.len());
+    let Dims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = d;
+    let (rep, qd, kd) = (heads / kv_heads, heads * hd, kv_heads * hd);
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let (op, lp) = (Ptr(out.as_mut_ptr()), Ptr(lse.as_mut_ptr()));
+    let (qp, kp, vp) = (CPtr(q.as_ptr()), CPtr(k.as_ptr()), CPtr(v.as_ptr()));
+    (0..batch * kv_heads).into_par_iter().for_each_init(
+        || (vec![0f32; BLK.min(tq) * tk], Widened::new(&d, false)),
+        |(sc, w), task| {
+            let (op, lp, qp, kp, vp) = (op, lp, qp, kp, vp);
+            let (b, g) = (task / kv_heads, task % kv_heads);
+            // Safety: as in `forward`; the widened copies are this task's own.
+            unsafe {
+                widen(&mut w.k, kp.0.add(b * tk * kd + g * hd), kd, hd);
+                widen(&mut w.v, vp.0.add(b * tk * kd + g * hd), kd, hd);
+                let (k, v) = (Mat(w.k.as_ptr(), hd), Mat(w.v.as_ptr(), hd));
+                for h in g * rep..(g + 1) * rep {
+                    let base = b * tq * qd + h * hd;
+                    widen(&mut w.q, qp.0.add(base), qd, hd);
+                    let q = Mat(w.q.as_ptr(), hd);
+                    let o = MatMut(w.out.as_mut_ptr(), hd);
+                    let lb = lp.0.add((b * heads + h) * tq);
+                    head_forward(sc, q, k, v, o, lb, (tq, tk, hd), scale);
+                    narrow(op.0.add(base), qd, &w.out, hd);
+                }
+            }
+        },
+    );
+}
+
+/// Backward over f32 or f64 tensors.
 pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
     let AttnSaved { out, q, k, v, lse } = saved;
     let (dq, dk, dv): (&mut [S], &mut [S], &mut [S]) = (g.dq.host(), g.dk.host(), g.dv.host());
@@ -162,7 +397,6 @@ pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Di
         head_dim: hd,
     } = d;
     let (rep, qd, kd) = (heads / kv_heads, heads * hd, kv_heads * hd);
-    let off = tk - tq;
     let scale = S::of_f64(1.0 / (hd as f64).sqrt());
     let (dqp, dkp, dvp) = (
         Ptr(dq.as_mut_ptr()),
@@ -170,122 +404,117 @@ pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Di
         Ptr(dv.as_mut_ptr()),
     );
     let (qp, kp, vp) = (CPtr(q.as_ptr()), CPtr(k.as_ptr()), CPtr(v.as_ptr()));
+    let (dop, outp) = (CPtr(dout.as_ptr()), CPtr(out.as_ptr()));
     (0..batch * kv_heads).into_par_iter().for_each_init(
         || {
             let n = BLK.min(tq) * tk;
             (vec![S::zero(); n], vec![S::zero(); n])
         },
         |(pt, dpt), task| {
-            let (dqp, dkp, dvp, qp, kp, vp) = (dqp, dkp, dvp, qp, kp, vp);
+            let (dqp, dkp, dvp, qp, kp, vp, dop, outp) = (dqp, dkp, dvp, qp, kp, vp, dop, outp);
             let (b, g) = (task / kv_heads, task % kv_heads);
             // Safety: sizes were checked; this task owns the columns of its heads in `dq` and of
             // its kv head (rows of sequence `b`) in `dk` and `dv`.
             unsafe {
-                let kb = kp.0.add(b * tk * kd + g * hd);
-                let vb = vp.0.add(b * tk * kd + g * hd);
-                let dkb = dkp.0.add(b * tk * kd + g * hd);
-                let dvb = dvp.0.add(b * tk * kd + g * hd);
+                let kv0 = b * tk * kd + g * hd;
+                let dkb = dkp.0.add(kv0);
+                let dvb = dvp.0.add(kv0);
                 for j in 0..tk {
                     std::slice::from_raw_parts_mut(dkb.add(j * kd), hd).fill(S::zero());
                     std::slice::from_raw_parts_mut(dvb.add(j * kd), hd).fill(S::zero());
                 }
                 for h in g * rep..(g + 1) * rep {
                     let base = b * tq * qd + h * hd;
-                    let qb = qp.0.add(base);
-                    let dqb = dqp.0.add(base);
-                    let lrow = &lse[(b * heads + h) * tq..(b * heads + h + 1) * tq];
-                    for r0 in (0..tq).step_by(BLK) {
-                        let r1 = (r0 + BLK).min(tq);
-                        let rb = r1 - r0;
-                        let nc = off + r1;
-                        let dob = dout.as_ptr().add(base + r0 * qd);
-                        // P, recomputed.
-                        mm(
-                            rb,
-                            nc,
-                            hd,
-                            scale,
-                            qb.add(r0 * qd),
-                            (qd, 1),
-                            kb,
-                            (1, kd),
-                            S::zero(),
-                            pt.as_mut_ptr(),
-                            nc,
-                        );
-                        // dP = dO · Vᵀ
-                        mm(
-                            rb,
-                            nc,
-                            hd,
-                            S::one(),
-                            dob,
-                            (qd, 1),
-                            vb,
-                            (1, kd),
-                            S::zero(),
-                            dpt.as_mut_ptr(),
-                            nc,
-                        );
-                        for i in 0..rb {
-                            let valid = off + r0 + i + 1;
-                            let row = &mut pt[i * nc..(i + 1) * nc];
-                            let l = lrow[r0 + i];
-                            exp_sub_scale(&mut row[..valid], l, S::one());
-                            row[valid..].fill(S::zero());
-                            let o = base + (r0 + i) * qd;
-                            let dd: S = dout[o..o + hd]
-                                .iter()
-                                .zip(&out[o..o + hd])
-                                .map(|(&a, &b)| a * b)
-                                .sum();
-                            let drow = &mut dpt[i * nc..(i + 1) * nc];
-                            for (ds, &p) in drow.iter_mut().zip(row.iter()) {
-                                *ds = p * (*ds - dd);
-                            }
-                        }
-                        // dQ = scale · dS · K;  dK += scale · dSᵀ · Q;  dV += Pᵀ · dO
-                        mm(
-                            rb,
-                            hd,
-                            nc,
-                            scale,
-                            dpt.as_ptr(),
-                            (nc, 1),
-                            kb,
-                            (kd, 1),
-                            S::zero(),
-                            dqb.add(r0 * qd),
-                            qd,
-                        );
-                        mm(
-                            nc,
-                            hd,
-                            rb,
-                            scale,
-                            dpt.as_ptr(),
-                            (1, nc),
-                            qb.add(r0 * qd),
-                            (qd, 1),
-                            S::one(),
-                            dkb,
-                            kd,
-                        );
-                        mm(
-                            nc,
-                            hd,
-                            rb,
-                            S::one(),
-                            pt.as_ptr(),
-                            (1, nc),
-                            dob,
-                            (qd, 1),
-                            S::one(),
-                            dvb,
-                            kd,
-                        );
-                    }
+                    let l0 = (b * heads + h) * tq;
+                    let x = HeadIn {
+                        q: Mat(qp.0.add(base), qd),
+                        k: Mat(kp.0.add(kv0), kd),
+                        v: Mat(vp.0.add(kv0), kd),
+                        dout: Mat(dop.0.add(base), qd),
+                        out: Mat(outp.0.add(base), qd),
+                        lse: &lse[l0..l0 + tq],
+                    };
+                    let gr = (
+                        MatMut(dqp.0.add(base), qd),
+                        MatMut(dkb, kd),
+                        MatMut(dvb, kd),
+                    );
+                    head_backward((pt, dpt), x, gr, (tq, tk, hd), scale);
                 }
+            }
+        },
+    );
+}
+
+/// Backward over bf16 `q`, `k`, `v`, `out`, `dout` and gradients (f32 `lse`): the inputs
+/// widened, the f32 math (`dk`, `dv` summed over the group's query heads in f32), each gradient
+/// rounded to bf16 once.
+pub fn backward_bf16(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
+    let AttnSaved { out, q, k, v, lse } = saved;
+    let (dq, dk, dv) = (g.dq.host_bf16(), g.dk.host_bf16(), g.dv.host_bf16());
+    let (dout, out) = (dout.host_bf16(), out.host_bf16());
+    let (q, k, v) = (q.host_bf16(), k.host_bf16(), v.host_bf16());
+    let lse: &[f32] = lse.host();
+    check(&d, q.len(), k.len(), v.len(), out.len(), lse.len());
+    assert!(
+        dq.len() == q.len() && dout.len() == q.len() && dk.len() == k.len() && dv.len() == k.len()
+    );
+    let Dims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = d;
+    let (rep, qd, kd) = (heads / kv_heads, heads * hd, kv_heads * hd);
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+    let (dqp, dkp, dvp) = (
+        Ptr(dq.as_mut_ptr()),
+        Ptr(dk.as_mut_ptr()),
+        Ptr(dv.as_mut_ptr()),
+    );
+    let (qp, kp, vp) = (CPtr(q.as_ptr()), CPtr(k.as_ptr()), CPtr(v.as_ptr()));
+    let (dop, outp) = (CPtr(dout.as_ptr()), CPtr(out.as_ptr()));
+    (0..batch * kv_heads).into_par_iter().for_each_init(
+        || {
+            let n = BLK.min(tq) * tk;
+            (vec![0f32; n], vec![0f32; n], Widened::new(&d, true))
+        },
+        |(pt, dpt, w), task| {
+            let (dqp, dkp, dvp, qp, kp, vp, dop, outp) = (dqp, dkp, dvp, qp, kp, vp, dop, outp);
+            let (b, g) = (task / kv_heads, task % kv_heads);
+            // Safety: as in `backward`; the widened copies are this task's own.
+            unsafe {
+                let kv0 = b * tk * kd + g * hd;
+                widen(&mut w.k, kp.0.add(kv0), kd, hd);
+                widen(&mut w.v, vp.0.add(kv0), kd, hd);
+                w.dk.fill(0.0);
+                w.dv.fill(0.0);
+                for h in g * rep..(g + 1) * rep {
+                    let base = b * tq * qd + h * hd;
+                    let l0 = (b * heads + h) * tq;
+                    widen(&mut w.q, qp.0.add(base), qd, hd);
+                    widen(&mut w.dout, dop.0.add(base), qd, hd);
+                    widen(&mut w.out, outp.0.add(base), qd, hd);
+                    let x = HeadIn {
+                        q: Mat(w.q.as_ptr(), hd),
+                        k: Mat(w.k.as_ptr(), hd),
+                        v: Mat(w.v.as_ptr(), hd),
+                        dout: Mat(w.dout.as_ptr(), hd),
+                        out: Mat(w.out.as_ptr(), hd),
+                        lse: &lse[l0..l0 + tq],
+                    };
+                    let gr = (
+                        MatMut(w.dq.as_mut_ptr(), hd),
+                        MatMut(w.dk.as_mut_ptr(), hd),
+                        MatMut(w.dv.as_mut_ptr(), hd),
+                    );
+                    head_backward((pt, dpt), x, gr, (tq, tk, hd), scale);
+                    narrow(dqp.0.add(base), qd, &w.dq, hd);
+                }
+                narrow(dkp.0.add(kv0), kd, &w.dk, hd);
+                narrow(dvp.0.add(kv0), kd, &w.dv, hd);
             }
         },
     );

@@ -889,3 +889,132 @@ fn bf16_input_gemm_rounds_operands() {
             >= ((m * k + k * n) * 4) as u64
     );
 }
+
+/// bf16 attention (`training.compute_dtype = "bf16"`) is the f32 kernel on the widened inputs
+/// with each output rounded to bf16 once, to the bit; `lse` stays f32.
+fn attention_bf16_case(batch: usize, tq: usize, tk: usize, heads: usize, kvh: usize, hd: usize) {
+    use crate::bf16::{from_f32, to_f32};
+    use crate::tensor::DType;
+    let b = CpuBackend::new(Arc::new(Ledger::new()));
+    let mut r = Rng(11);
+    let (nq, nk, nl) = (
+        batch * tq * heads * hd,
+        batch * tk * kvh * hd,
+        batch * heads * tq,
+    );
+    let round =
+        |x: Vec<f64>| -> Vec<f32> { x.iter().map(|&x| to_f32(from_f32(x as f32))).collect() };
+    let (q, k, v, dout) = (
+        round(r.vec(nq)),
+        round(r.vec(nk)),
+        round(r.vec(nk)),
+        round(r.vec(nq)),
+    );
+    let dims = AttnDims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+    };
+    let f32_of = |x: &[f32]| b.upload(x, &[x.len()], Category::Activations);
+    let bf16_of = |x: &[f32]| {
+        let mut t = b.zeros_of(&[x.len()], DType::BF16, Category::Activations);
+        b.cast(t.view_mut(), f32_of(x).view());
+        t
+    };
+    let widened = |t: &Tensor| {
+        let mut w = b.zeros(&[t.len()], Category::Activations);
+        b.cast(w.view_mut(), t.view());
+        b.download(w.view())
+    };
+    // Each precision's forward and backward: (out, lse, dq, dk, dv) as f32.
+    let run = |of: &dyn Fn(&[f32]) -> Tensor, dt: DType| -> [Vec<f32>; 5] {
+        let (q, k, v, dout) = (of(&q), of(&k), of(&v), of(&dout));
+        let z = |n: usize| b.zeros_of(&[n], dt, Category::Activations);
+        let (mut o, mut l) = (z(nq), b.zeros(&[nl], Category::Activations));
+        let (qv, kv, vv) = (q.view(), k.view(), v.view());
+        b.attention_forward(o.view_mut(), l.view_mut(), qv, kv, vv, dims);
+        let (mut dq, mut dk, mut dv) = (z(nq), z(nk), z(nk));
+        let g = AttnGrads {
+            dq: dq.view_mut(),
+            dk: dk.view_mut(),
+            dv: dv.view_mut(),
+        };
+        let s = AttnSaved {
+            out: o.view(),
+            q: q.view(),
+            k: k.view(),
+            v: v.view(),
+            lse: l.view(),
+        };
+        b.attention_backward(g, dout.view(), s, dims);
+        [
+            widened(&o),
+            b.download(l.view()),
+            widened(&dq),
+            widened(&dk),
+            widened(&dv),
+        ]
+    };
+    let got = run(&bf16_of, DType::BF16);
+    // The f32 reference reads the bf16 output in its backward, as the bf16 kernel does.
+    let want = {
+        let (qt, kt, vt) = (f32_of(&q), f32_of(&k), f32_of(&v));
+        let (mut o, mut l) = (
+            b.zeros(&[nq], Category::Activations),
+            b.zeros(&[nl], Category::Activations),
+        );
+        b.attention_forward(
+            o.view_mut(),
+            l.view_mut(),
+            qt.view(),
+            kt.view(),
+            vt.view(),
+            dims,
+        );
+        let o = round(b.download_f64(o.view()));
+        let ot = f32_of(&o);
+        let z = |n: usize| b.zeros(&[n], Category::Activations);
+        let (mut dq, mut dk, mut dv) = (z(nq), z(nk), z(nk));
+        let g = AttnGrads {
+            dq: dq.view_mut(),
+            dk: dk.view_mut(),
+            dv: dv.view_mut(),
+        };
+        let s = AttnSaved {
+            out: ot.view(),
+            q: qt.view(),
+            k: kt.view(),
+            v: vt.view(),
+            lse: l.view(),
+        };
+        b.attention_backward(g, f32_of(&dout).view(), s, dims);
+        let r = |t: &Tensor| round(b.download_f64(t.view()));
+        [o, b.download(l.view()), r(&dq), r(&dk), r(&dv)]
+    };
+    for (what, (g, w)) in ["out", "lse", "dq", "dk", "dv"]
+        .iter()
+        .zip(got.iter().zip(&want))
+    {
+        assert!(g.iter().any(|&x| x != 0.0), "{what}: all zero");
+        let diff = g
+            .iter()
+            .zip(w)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            diff,
+            0,
+            "bf16 attention {what}, {dims:?}: {diff} of {} differ",
+            g.len()
+        );
+    }
+}
+
+#[test]
+fn attention_bf16_is_the_f32_kernel_rounded_once() {
+    attention_bf16_case(2, 70, 70, 4, 2, 16);
+    attention_bf16_case(1, 3, 7, 2, 1, 4);
+}
