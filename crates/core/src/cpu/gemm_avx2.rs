@@ -88,6 +88,27 @@ struct Operand {
     cs: usize,
 }
 
+impl ConstPtr {
+    /// Through a method, so that a closure captures the `Sync` wrapper, not its raw field.
+    fn get(self) -> *const f32 {
+        self.0
+    }
+}
+
+/// Whether a parallel product splits C into one whole product per thread (each packing its own
+/// op(B)) rather than sharing each packed block of op(B) between the threads: when k spans
+/// several blocks (a join per block) or the product is small (the shared packing runs on one
+/// thread while the others wait). `GANYMEDE_GEMM_SPLIT=shared|whole` forces one, to measure.
+fn split_whole(m: usize, n: usize, k: usize) -> bool {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = MODE.get_or_init(|| match std::env::var("GANYMEDE_GEMM_SPLIT").as_deref() {
+        Ok("whole") => Some(true),
+        Ok("shared") => Some(false),
+        _ => None,
+    });
+    forced.unwrap_or(k > KC || m * n * k <= 1 << 26)
+}
+
 impl Operand {
     /// Through a method, so that a closure captures the `Sync` operand, not its raw field.
     fn base(self) -> *const f32 {
@@ -127,6 +148,63 @@ pub unsafe fn gemm(
         scale_c(m, n, beta, c, ldc);
         return;
     }
+    let threads = rayon::current_num_threads();
+    let parallel = parallel && threads > 1 && m * n * k >= PAR_MIN;
+    if parallel && split_whole(m, n, k) {
+        // One independent product per thread over all of k, each packing its own op(B): no
+        // join per block of k, which small products (a weight gradient's 256 × 256 over 2,048
+        // tokens, Newton–Schulz's 256 × 256 × 256) cannot amortise.
+        let split_m = m >= n;
+        let (len, unit) = if split_m { (m, MR) } else { (n, NR) };
+        let pieces = threads.min(len.div_ceil(unit));
+        let step = len.div_ceil(pieces).next_multiple_of(unit);
+        let (ap, bp, cp) = (ConstPtr(a), ConstPtr(b), Ptr(c));
+        (0..len.div_ceil(step)).into_par_iter().for_each(|p| {
+            let (s, e) = (p * step, (p * step + step).min(len));
+            let (a, b, c) = (ap.get(), bp.get(), cp.get());
+            // Safety: pieces are disjoint blocks of C inside the caller's extents.
+            unsafe {
+                if split_m {
+                    let (a, c) = (a.add(s * rsa), c.add(s * ldc));
+                    gemm(
+                        e - s,
+                        n,
+                        k,
+                        alpha,
+                        a,
+                        rsa,
+                        csa,
+                        b,
+                        rsb,
+                        csb,
+                        beta,
+                        c,
+                        ldc,
+                        false,
+                    )
+                } else {
+                    let (b, c) = (b.add(s * csb), c.add(s));
+                    gemm(
+                        m,
+                        e - s,
+                        k,
+                        alpha,
+                        a,
+                        rsa,
+                        csa,
+                        b,
+                        rsb,
+                        csb,
+                        beta,
+                        c,
+                        ldc,
+                        false,
+                    )
+                }
+            }
+        });
+        return;
+    }
     let a = Operand {
         ptr: ConstPtr(a),
         rs: rsa,
@@ -137,8 +215,6 @@ pub unsafe fn gemm(
         rs: rsb,
         cs: csb,
     };
-    let threads = rayon::current_num_threads();
-    let parallel = parallel && threads > 1 && m * n * k >= PAR_MIN;
     let nc_max = NC.min(n.next_multiple_of(NR));
     let kc_max = KC.min(k);
     let mut bbuf = take(nc_max * kc_max);
