@@ -9,7 +9,12 @@ pub struct TempDir(PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ganymede-test-{tag}-{}", std::process::id()));
+        // A counter as well as the pid: tests of one binary run in parallel and may share a tag,
+        // and one's drop must not remove the directory another is running in.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("ganymede-test-{tag}-{}-{n}", std::process::id());
+        let p = std::env::temp_dir().join(name);
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap();
         TempDir(p)
