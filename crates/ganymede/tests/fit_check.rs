@@ -87,6 +87,32 @@ fn a_job_that_does_not_fit_is_refused_and_the_suggested_checkpointing_runs() {
     let p = ok(ganymede(tmp.path(), &plan_args("tiny", &job), &[]));
     assert!(p.contains("verdict: does not fit"), "{p}");
     assert_eq!(suggestion(&p), fix, "plan: {p}");
+    // `--json` carries the same verdict, overflow and fix for scripts.
+    let mut json_args = plan_args("tiny", &job);
+    json_args.push("--json".into());
+    let j: serde_json::Value = serde_json::from_str(&ok(ganymede(tmp.path(), &json_args, &[])))
+        .expect("plan --json parses");
+    let fit = &j["two_memory"]["fit"];
+    assert_eq!(fit["fits"], false, "{j}");
+    assert_eq!(
+        fit["capacity"].as_f64(),
+        Some((0.02f64 * (1u64 << 30) as f64).floor())
+    );
+    assert!(
+        fit["overflow"]
+            .as_array()
+            .is_some_and(|o| o.iter().any(|c| c[0] == "activations")),
+        "{fit}"
+    );
+    assert_eq!(
+        fit["fix"]["sets"],
+        serde_json::json!(["activation_checkpoint.mode=full"]),
+        "{fit}"
+    );
+    assert!(
+        fit["prediction"]["device_peak"].as_f64().unwrap() > fit["capacity"].as_f64().unwrap(),
+        "{fit}"
+    );
 
     // Pasted back, the suggestion fits: planned, and trained for two steps within the
     // capacity, its measured peak within 5% of the planner's.

@@ -305,7 +305,19 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
     }
     let p = plan(&r.job, &r.cluster, &r.layout, &r.policy, &r.optimizer)?;
     Ok(if args.json {
-        serde_json::to_string_pretty(&p)? + "\n"
+        let mut v = serde_json::to_value(&p)?;
+        if r.job.device.kind == DeviceKind::CpuTwoMemory {
+            // The same prediction and verdict the table's fit section prints, for scripts.
+            let threads = crate::fit::run_threads(&r.job);
+            let ranks = r.layout.world();
+            v["two_memory"] = serde_json::json!({
+                "threads": threads,
+                "ranks": ranks,
+                "prediction": crate::fit::predict_memory(&r.job, threads, ranks),
+                "fit": crate::fit::fit_check(&r.job, threads, ranks),
+            });
+        }
+        serde_json::to_string_pretty(&v)? + "\n"
     } else {
         let mut t = render::table(&p);
         if let Some(x) = args.measured {
