@@ -39,8 +39,9 @@ pub trait GemmScalar: Scalar {
         rsc: isize,
         csc: isize,
     );
-    /// The whole product by this crate's packed kernel, threads included, where this type and
-    /// CPU have one (see [`gemm_avx2`]); `false` means nothing was done.
+    /// The whole product by this crate's packed kernel (see [`gemm_avx2`]), where this type
+    /// and CPU have one, split between rayon's threads with `parallel`; `false` means nothing
+    /// was done. Operands are (pointer, row stride, column stride) of op(A) and op(B).
     ///
     /// # Safety
     /// As for [`gemm_avx2::gemm`]: valid extents, `c` not aliasing `a` or `b`.
@@ -50,15 +51,12 @@ pub trait GemmScalar: Scalar {
         _n: usize,
         _k: usize,
         _alpha: Self,
-        _a: *const Self,
-        _rsa: usize,
-        _csa: usize,
-        _b: *const Self,
-        _rsb: usize,
-        _csb: usize,
+        _a: (*const Self, usize, usize),
+        _b: (*const Self, usize, usize),
         _beta: Self,
         _c: *mut Self,
         _ldc: usize,
+        _parallel: bool,
     ) -> bool {
         false
     }
@@ -81,6 +79,10 @@ pub trait GemmScalar: Scalar {
         c: *mut Self,
         ldc: usize,
     ) {
+        let (oa, ob) = ((a, rsa, csa), (b, rsb, csb));
+        if Self::packed(m, n, k, alpha, oa, ob, beta, c, ldc, false) {
+            return;
+        }
         let i = |x: usize| x as isize;
         Self::raw(
             m,
@@ -126,59 +128,18 @@ impl GemmScalar for f32 {
         n: usize,
         k: usize,
         alpha: f32,
-        a: *const f32,
-        rsa: usize,
-        csa: usize,
-        b: *const f32,
-        rsb: usize,
-        csb: usize,
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize, usize),
         beta: f32,
         c: *mut f32,
         ldc: usize,
+        parallel: bool,
     ) -> bool {
         if !gemm_avx2::available() {
             return false;
         }
-        gemm_avx2::gemm(m, n, k, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, true);
+        gemm_avx2::gemm(m, n, k, alpha, a, b, beta, c, ldc, parallel);
         true
-    }
-
-    unsafe fn serial(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: f32,
-        a: *const f32,
-        (rsa, csa): (usize, usize),
-        b: *const f32,
-        (rsb, csb): (usize, usize),
-        beta: f32,
-        c: *mut f32,
-        ldc: usize,
-    ) {
-        if gemm_avx2::available() {
-            gemm_avx2::gemm(
-                m, n, k, alpha, a, rsa, csa, b, rsb, csb, beta, c, ldc, false,
-            );
-        } else {
-            let i = |x: usize| x as isize;
-            Self::raw(
-                m,
-                k,
-                n,
-                alpha,
-                a,
-                i(rsa),
-                i(csa),
-                b,
-                i(rsb),
-                i(csb),
-                beta,
-                c,
-                i(ldc),
-                1,
-            )
-        }
     }
 
     unsafe fn syrk_lower(
@@ -299,7 +260,8 @@ fn gemm_with<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm, packed: bool
     let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
     // Safety: bounds were checked above; `c` is a distinct mutable slice.
     let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
-    if packed && unsafe { S::packed(m, n, k, alpha, ap, rsa, csa, bp, rsb, csb, beta, cp, ldc) } {
+    let (oa, ob) = ((ap, rsa, csa), (bp, rsb, csb));
+    if packed && unsafe { S::packed(m, n, k, alpha, oa, ob, beta, cp, ldc, true) } {
         return;
     }
     let threads = rayon::current_num_threads();

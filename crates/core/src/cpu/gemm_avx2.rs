@@ -28,18 +28,22 @@ const NC: usize = 2048;
 /// Below this many multiply-adds the product runs on the calling thread.
 const PAR_MIN: usize = 1 << 17;
 
-/// Whether to use the kernel: this CPU has AVX2 and FMA (detected at run time), and
-/// `GANYMEDE_CPU_GEMM` is not `matrixmultiply` (which keeps that crate's kernels, for
-/// side-by-side benchmarks in one binary). Read once per process.
+/// Whether this CPU has AVX2 and FMA (detected at run time; also for [`super::syrk_avx2`]).
+pub(super) fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether to use the kernel: [`avx2_fma`], and `GANYMEDE_CPU_GEMM` is not `matrixmultiply`
+/// (which keeps that crate's kernels, for side-by-side benchmarks in one binary). Read once per
+/// process.
 pub fn available() -> bool {
     static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *USE.get_or_init(|| {
         let other = std::env::var("GANYMEDE_CPU_GEMM").is_ok_and(|v| v == "matrixmultiply");
-        #[cfg(target_arch = "x86_64")]
-        let cpu = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
-        #[cfg(not(target_arch = "x86_64"))]
-        let cpu = false;
-        cpu && !other
+        avx2_fma() && !other
     })
 }
 
@@ -130,12 +134,8 @@ pub unsafe fn gemm(
     n: usize,
     k: usize,
     alpha: f32,
-    a: *const f32,
-    rsa: usize,
-    csa: usize,
-    b: *const f32,
-    rsb: usize,
-    csb: usize,
+    (a, rsa, csa): (*const f32, usize, usize),
+    (b, rsb, csb): (*const f32, usize, usize),
     beta: f32,
     c: *mut f32,
     ldc: usize,
@@ -162,45 +162,32 @@ pub unsafe fn gemm(
         (0..len.div_ceil(step)).into_par_iter().for_each(|p| {
             let (s, e) = (p * step, (p * step + step).min(len));
             let (a, b, c) = (ap.get(), bp.get(), cp.get());
+            // The piece: rows s..e of C (and of op(A)), or columns s..e (and of op(B)).
+            let (mp, np, a, b, c) = if split_m {
+                (
+                    e - s,
+                    n,
+                    a.wrapping_add(s * rsa),
+                    b,
+                    c.wrapping_add(s * ldc),
+                )
+            } else {
+                (m, e - s, a, b.wrapping_add(s * csb), c.wrapping_add(s))
+            };
             // Safety: pieces are disjoint blocks of C inside the caller's extents.
             unsafe {
-                if split_m {
-                    let (a, c) = (a.add(s * rsa), c.add(s * ldc));
-                    gemm(
-                        e - s,
-                        n,
-                        k,
-                        alpha,
-                        a,
-                        rsa,
-                        csa,
-                        b,
-                        rsb,
-                        csb,
-                        beta,
-                        c,
-                        ldc,
-                        false,
-                    )
-                } else {
-                    let (b, c) = (b.add(s * csb), c.add(s));
-                    gemm(
-                        m,
-                        e - s,
-                        k,
-                        alpha,
-                        a,
-                        rsa,
-                        csa,
-                        b,
-                        rsb,
-                        csb,
-                        beta,
-                        c,
-                        ldc,
-                        false,
-                    )
-                }
+                gemm(
+                    mp,
+                    np,
+                    k,
+                    alpha,
+                    (a, rsa, csa),
+                    (b, rsb, csb),
+                    beta,
+                    c,
+                    ldc,
+                    false,
+                )
             }
         });
         return;
@@ -772,12 +759,8 @@ mod tests {
                 n,
                 k,
                 alpha,
-                a.as_ptr(),
-                rsa,
-                csa,
-                b.as_ptr(),
-                rsb,
-                csb,
+                (a.as_ptr(), rsa, csa),
+                (b.as_ptr(), rsb, csb),
                 beta,
                 got.as_mut_ptr(),
                 ldc,

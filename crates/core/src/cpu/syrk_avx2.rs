@@ -31,11 +31,7 @@ pub fn available() -> bool {
     static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *USE.get_or_init(|| {
         let strips = std::env::var("GANYMEDE_CPU_SYRK").is_ok_and(|v| v == "strips");
-        #[cfg(target_arch = "x86_64")]
-        let cpu = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
-        #[cfg(not(target_arch = "x86_64"))]
-        let cpu = false;
-        cpu && !strips
+        super::gemm_avx2::avx2_fma() && !strips
     })
 }
 
