@@ -284,6 +284,12 @@ impl CudaBackend {
     /// Launch one of the backend's own kernels, whose arguments are three 64-bit values
     /// (pointers and counts), over `n` elements with 256-thread blocks.
     fn launch3(&self, kernel: &str, args: [u64; 3], n: usize) {
+        self.launch_u64(kernel, &args, n)
+    }
+
+    /// A grid-stride kernel over `n` items whose parameters are all 64-bit values (pointers,
+    /// counts, or a float's bits in the low half).
+    fn launch_u64(&self, kernel: &str, args: &[u64], n: usize) {
         let f = self.function(kernel).unwrap_or_else(|e| panic!("{e}"));
         let blocks = (n as u64).div_ceil(256).clamp(1, 4096) as u32;
         let cfg = LaunchConfig {
@@ -292,9 +298,11 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let mut b = self.compute().launch_builder(&f);
-        b.arg(&args[0]).arg(&args[1]).arg(&args[2]);
-        // SAFETY: each of these kernels takes (pointer, pointer or count, count) as 64-bit
-        // values, and the callers pass ranges that hold what the kernel touches.
+        for a in args {
+            b.arg(a);
+        }
+        // SAFETY: each of these kernels takes its parameters as 64-bit values, and the callers
+        // pass ranges that hold what the kernel touches.
         ok(unsafe { b.launch(cfg) }.map(|_| ()), kernel);
     }
 }

@@ -55,10 +55,10 @@ impl NsScratch {
 
 /// Orthogonalise the row-major `rows × cols` matrix in `x` in place with `steps` quintic
 /// Newton–Schulz iterations: `X = x/(‖x‖_F + 1e-7)`, then per step (wide orientation, s ≤ l)
-/// `A = X·Xᵀ, B = b·A + c·A·A, X = a·X + B·X`.
+/// `A = X·Xᵀ, X = (a·I + b·A + c·A·A)·X`, the polynomial as [`ns_shifted`] writes it.
 ///
 /// A tall matrix (rows > cols) is not transposed in memory: with `X` tall the same iteration on
-/// `Xᵀ` reads `A = Xᵀ·X, X = a·X + X·B` (`B` is symmetric), which the GEMM's transpose flags
+/// `Xᵀ` reads `A = Xᵀ·X, X = X·P` (the polynomial `P` is symmetric), which the GEMM's transpose flags
 /// express directly. So `NS(Xᵀ) = NS(X)ᵀ` up to rounding.
 pub fn newton_schulz(
     be: &dyn Backend,
@@ -76,7 +76,7 @@ pub fn newton_schulz(
         "newton_schulz: scratch too small for {rows}x{cols}"
     );
     let wide = rows <= cols;
-    let (ca, cb, cc) = NS_COEFFS;
+    let (shift, offset, cc) = ns_shifted();
 
     be.normalize_frobenius(x.reborrow(), NS_EPS);
 
@@ -87,34 +87,55 @@ pub fn newton_schulz(
     // After an odd number of steps the result sits in `y`; `in_x` tracks where X is.
     let mut in_x = true;
     for _ in 0..steps {
-        let (src, mut dst) = if in_x {
+        let (src, dst) = if in_x {
             (x.reborrow(), y.reborrow())
         } else {
             (y.reborrow(), x.reborrow())
         };
-        // A = X·Xᵀ (wide, X is s×l) or Xᵀ·X (tall, X is l×s): s×s either way.
-        be.syrk(a.reborrow(), src.as_view(), Syrk::new(s, l, !wide));
-        // B = b·A + c·A·A, and A·A = A·Aᵀ as A is (exactly, mirrored) symmetric.
-        be.copy(b.reborrow(), a.as_view());
+        // A' = X·Xᵀ + β·I (wide, X is s×l) or Xᵀ·X + β·I (tall, X is l×s): s×s either way.
+        be.syrk(
+            a.reborrow(),
+            src.as_view(),
+            Syrk::new(s, l, !wide).diag(shift as f32),
+        );
+        // P = c·A'·A' + δ·I = a·I + b·A + c·A·A, and A'·A' = A'·A'ᵀ as A' is (exactly,
+        // mirrored) symmetric.
         be.syrk(
             b.reborrow(),
             a.as_view(),
-            Syrk::new(s, s, false).alpha(cc as f32).beta(cb as f32),
+            Syrk::new(s, s, false).alpha(cc as f32).diag(offset as f32),
         );
-        // X' = a·X + B·X (wide) or a·X + X·B (tall).
-        be.copy(dst.reborrow(), src.as_view());
+        // X' = P·X (wide) or X·P (tall).
         if wide {
-            let g = Gemm::new(s, l, s, false, false).beta(ca as f32);
-            be.gemm(dst.reborrow(), b.as_view(), src.as_view(), g);
+            be.gemm(
+                dst,
+                b.as_view(),
+                src.as_view(),
+                Gemm::new(s, l, s, false, false),
+            );
         } else {
-            let g = Gemm::new(l, s, s, false, false).beta(ca as f32);
-            be.gemm(dst.reborrow(), src.as_view(), b.as_view(), g);
+            be.gemm(
+                dst,
+                src.as_view(),
+                b.as_view(),
+                Gemm::new(l, s, s, false, false),
+            );
         }
         in_x = !in_x;
     }
     if !in_x {
         be.copy(x, y.as_view());
     }
+}
+
+/// The quintic's matrix polynomial completed to a square: `a·I + b·A + c·A² = c·(A + β·I)² + δ·I`
+/// with `β = b/(2c)` and `δ = a − c·β²`, returned as `(β, δ, c)`. Each step is then two
+/// symmetric products with a diagonal term and one GEMM, with no copy of A (for `b·A`) or of X
+/// (for `a·X`); the same polynomial, rounded differently.
+pub fn ns_shifted() -> (f64, f64, f64) {
+    let (ca, cb, cc) = NS_COEFFS;
+    let shift = cb / (2.0 * cc);
+    (shift, ca - cc * shift * shift, cc)
 }
 
 /// [`newton_schulz_batch`]: `count` matrices of `rows × cols` stored one after another in `x`

@@ -148,7 +148,7 @@ fn transposition_symmetry() {
 
 /// On the f64 backend, the GEMM formulation (tall matrices via Xᵀ·X without a transpose) equals a
 /// textbook loop implementation to rounding, for any number of steps (odd counts end in scratch).
-/// The reference takes the coefficients rounded to f32, as `Gemm::alpha/beta` carry them (with
+/// The reference takes the coefficients as the f32 `Syrk` fields carry them (`coeffs_f32`; with
 /// the exact ones the two differ by ~3e-9 per step).
 #[test]
 fn matches_reference_loops_in_f64() {
@@ -158,7 +158,7 @@ fn matches_reference_loops_in_f64() {
         for steps in [0usize, 1, 2, 5] {
             let g = rng.normals(r * c);
             let got = run_ns(&be, &g, r, c, steps);
-            let want = ns_reference_with(COEFFS_F32, &g, r, c, steps);
+            let want = ns_reference_with(coeffs_f32(), &g, r, c, steps);
             let err = max_abs_diff(&got, &want);
             assert!(err < 1e-12, "{r}x{c} steps {steps}: {err}");
         }

@@ -54,7 +54,7 @@ struct Reference {
     m: Vec<Vec<f64>>,
     v: Vec<Vec<f64>>,
     t: i32,
-    /// Newton–Schulz coefficients (f32-rounded for an f64 backend, see `COEFFS_F32`).
+    /// Newton–Schulz coefficients (f32-rounded for an f64 backend, see `coeffs_f32`).
     coeffs: (f64, f64, f64),
 }
 
@@ -67,7 +67,7 @@ impl Reference {
             m: z.clone(),
             v: z,
             t: 0,
-            coeffs: COEFFS_F32,
+            coeffs: coeffs_f32(),
         }
     }
 

@@ -352,10 +352,11 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
             for g in ns_gemms(t.rows, t.cols, x.ns_steps, mats) {
                 ns_s += g.seconds(cpu);
             }
-            // Per matrix and step: two copies (s² and s·l, read + write) and five calls.
+            // Per matrix: the normalisation (read + write) and, after an odd number of steps,
+            // the copy of the result back from scratch (read + write).
             let (s, l) = (t.rows.min(t.cols) as f64, t.rows.max(t.cols) as f64);
-            ns_s += mats * x.ns_steps as f64 * 2.0 * F32 * (s * s + s * l)
-                / cpu.elementwise_bytes_per_s;
+            let passes = 1.0 + (x.ns_steps % 2) as f64;
+            ns_s += mats * passes * 2.0 * F32 * s * l / cpu.elementwise_bytes_per_s;
         }
     }
     let tensors: f64 = ts.iter().map(|t| t.count as f64).sum::<f64>() / w;

@@ -177,7 +177,8 @@ impl Gemm {
     }
 }
 
-/// Shape of one symmetric rank-k product: `C[n,n] = alpha * op(A)·op(A)ᵀ + beta * C`, with
+/// Shape of one symmetric rank-k product: `C[n,n] = alpha * op(A)·op(A)ᵀ + beta * C + diag * I`,
+/// with
 /// `op(A) = A` stored `[n, k]` (`A·Aᵀ`), or `op(A) = Aᵀ` with A stored `[k, n]` (`Aᵀ·A`) when
 /// `trans`. Row-major with leading dimensions, as [`Gemm`]. The result is symmetric, so a
 /// backend may compute one triangle and mirror it: when `beta != 0`, C must hold a symmetric
@@ -192,6 +193,9 @@ pub struct Syrk {
     pub beta: f32,
     pub lda: usize,
     pub ldc: usize,
+    /// Added to C's diagonal after the product: Newton–Schulz shifts by a multiple of the
+    /// identity this way instead of copying whole matrices (`ganymede_optim::newton_schulz`).
+    pub diag: f32,
 }
 
 impl Syrk {
@@ -205,6 +209,7 @@ impl Syrk {
             beta: 0.0,
             lda: if trans { n } else { k },
             ldc: n,
+            diag: 0.0,
         }
     }
     pub fn alpha(mut self, alpha: f32) -> Self {
@@ -215,13 +220,19 @@ impl Syrk {
         self.beta = beta;
         self
     }
+    /// `diag · I` added to the result (see [`Syrk::diag`]).
+    pub fn diag(mut self, diag: f32) -> Self {
+        self.diag = diag;
+        self
+    }
     /// Override leading dimensions (strided sub-matrix views).
     pub fn ld(mut self, lda: usize, ldc: usize) -> Self {
         self.lda = lda;
         self.ldc = ldc;
         self
     }
-    /// The same product as a general GEMM (`A` passed as both operands).
+    /// The same product as a general GEMM (`A` passed as both operands), without the diagonal
+    /// term, which the caller adds.
     pub fn as_gemm(&self) -> Gemm {
         Gemm::new(self.n, self.n, self.k, self.trans, !self.trans)
             .alpha(self.alpha)
@@ -233,8 +244,13 @@ impl Syrk {
 pub trait Blas: Send + Sync {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm);
     /// Symmetric rank-k product (see [`Syrk`]). The default is a full GEMM, correct on any
-    /// backend; a backend with a triangular kernel does about half the multiply-adds.
+    /// backend for `diag == 0`; a backend with a triangular kernel does about half the
+    /// multiply-adds. Every backend here implements it, the diagonal term included.
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        assert!(
+            s.diag == 0.0,
+            "this backend's syrk has no diagonal term: {s:?}"
+        );
         self.gemm(c, a, a, s.as_gemm())
     }
     /// `y += alpha * x`

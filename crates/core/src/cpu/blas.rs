@@ -102,7 +102,8 @@ pub trait GemmScalar: Scalar {
         )
     }
     /// A symmetric rank-k product (lower triangle, then mirrored) by a packed kernel, where
-    /// this type and CPU have one; `false` means nothing was done.
+    /// this type and CPU have one: the GEMM's 6×16 kernel over the lower tiles, or with
+    /// `own_8x8` the symmetric module's own; `false` means nothing was done.
     ///
     /// # Safety
     /// As for [`syrk_avx2::syrk_lower`]: valid extents, `c` not aliasing `a`.
@@ -117,6 +118,7 @@ pub trait GemmScalar: Scalar {
         _csa: usize,
         _c: *mut Self,
         _ldc: usize,
+        _own_8x8: bool,
     ) -> bool {
         false
     }
@@ -152,11 +154,17 @@ impl GemmScalar for f32 {
         csa: usize,
         c: *mut f32,
         ldc: usize,
+        own_8x8: bool,
     ) -> bool {
         if !syrk_avx2::available() {
             return false;
         }
-        syrk_avx2::syrk_lower(n, k, alpha, beta, a, rsa, csa, c, ldc);
+        if gemm_avx2::available() && !own_8x8 {
+            let parallel = true;
+            gemm_avx2::syrk_lower(n, k, alpha, (a.as_ptr(), rsa, csa), beta, c, ldc, parallel);
+        } else {
+            syrk_avx2::syrk_lower(n, k, alpha, beta, a, rsa, csa, c, ldc);
+        }
         // Safety: `c` holds the n×n matrix (the caller checked its extent).
         let len = (n - 1) * ldc + n;
         syrk_avx2::mirror_lower(std::slice::from_raw_parts_mut(c, len), n, ldc);
@@ -322,16 +330,37 @@ fn syrk_strip(n: usize) -> usize {
 /// strictly upper triangle is then copied from the lower. Each element is the same k-long dot
 /// product a full GEMM computes; strips run on rayon's threads above a size.
 pub fn syrk_host<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
-    syrk_with(c, a, s, true)
+    // Measured (BENCHMARKS.md, "Newton–Schulz without copies"): at n = 256 the 8×8 kernel's
+    // smaller diagonal tiles win (0.209 against 0.219 ms at k = 256, 0.91 against 1.27 ms at
+    // k = 1024); from n = 512 the GEMM's 6×16 kernel does (1.85 against 1.94 ms at 512², 14.5
+    // against 20.0 ms at 1024²).
+    let path = match syrk_avx2::forced() {
+        Some(own_8x8) if own_8x8 => SyrkPath::Packed8x8,
+        Some(_) => SyrkPath::Packed,
+        None if s.n >= 512 => SyrkPath::Packed,
+        None => SyrkPath::Packed8x8,
+    };
+    syrk_with(c, a, s, path)
 }
 
 /// [`syrk_host`] by `matrixmultiply` strips only, never the packed kernel: the path f64 and
 /// CPUs without AVX2 + FMA take, here so that tests and benchmarks can hold the two side by side.
 pub fn syrk_host_strips<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
-    syrk_with(c, a, s, false)
+    syrk_with(c, a, s, SyrkPath::Strips)
 }
 
-fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, packed: bool) {
+/// Which kernel [`syrk_with`] tries first (it falls back to the strips where the CPU or the
+/// type has no packed kernel).
+#[derive(Clone, Copy, PartialEq)]
+enum SyrkPath {
+    /// The GEMM's 6×16 kernel over the lower tiles.
+    Packed,
+    /// [`syrk_avx2`]'s own 8×8 and 4×16 kernels.
+    Packed8x8,
+    Strips,
+}
+
+fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, path: SyrkPath) {
     let Syrk {
         n,
         k,
@@ -340,6 +369,7 @@ fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, packed: bool) {
         beta,
         lda,
         ldc,
+        diag,
     } = s;
     if n == 0 {
         return;
@@ -357,13 +387,23 @@ fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, packed: bool) {
     let (rsa, csa) = if trans { (1, lda) } else { (lda, 1) };
     let (alpha, beta) = (S::of_f64(alpha as f64), S::of_f64(beta as f64));
     // Safety: bounds were checked above; `c` and `a` are distinct slices.
-    let packed =
-        packed && unsafe { S::syrk_lower(n, k, alpha, beta, a, rsa, csa, c.as_mut_ptr(), ldc) };
+    let own_8x8 = path == SyrkPath::Packed8x8;
+    let packed = path != SyrkPath::Strips
+        && unsafe { S::syrk_lower(n, k, alpha, beta, a, rsa, csa, c.as_mut_ptr(), ldc, own_8x8) };
+    // The diagonal term last: the product's sums stay what a GEMM computes.
+    let add_diag = |c: &mut [S]| {
+        if diag != 0.0 {
+            let d = S::of_f64(diag as f64);
+            (0..n).for_each(|i| c[i * ldc + i] += d);
+        }
+    };
     if packed {
         // The packed kernel mirrored the triangle itself.
+        add_diag(c);
         return;
     }
     syrk_strips(c, a, n, k, alpha, beta, rsa, csa, ldc);
+    add_diag(c);
     // Upper triangle from the lower, in tiles so that both sides stay in cache.
     const TILE: usize = 32;
     for i0 in (0..n).step_by(TILE) {
@@ -692,17 +732,22 @@ mod tests {
             (8, 0),
         ] {
             for trans in [false, true] {
-                for (alpha, beta, pad) in [(1.0, 0.0, 0), (0.7, -0.3, 5)] {
-                    let s = Syrk::new(n, k, trans).alpha(alpha).beta(beta);
+                for (alpha, beta, pad, diag) in [(1.0, 0.0, 0, 0.0), (0.7, -0.3, 5, -1.25)] {
+                    let s = Syrk::new(n, k, trans).alpha(alpha).beta(beta).diag(diag);
                     let s = s.ld(s.lda + pad, s.ldc + pad + 1);
                     let a_rows = if trans { k } else { n };
                     let a = rand(extent(a_rows, s.lda - pad, s.lda), 4);
                     let c0 = sym(n, s.ldc, 5);
                     let mut want = c0.clone();
                     naive(&a, &a, s.as_gemm(), &mut want);
-                    // The packed kernel (where the CPU has it) and the strip fallback.
+                    (0..n).for_each(|i| want[i * s.ldc + i] += diag);
+                    // Both packed kernels (where the CPU has them) and the strip fallback.
                     type Path = fn(&mut [f32], &[f32], Syrk);
-                    let paths: [Path; 2] = [syrk_host::<f32>, syrk_host_strips::<f32>];
+                    let paths: [Path; 3] = [
+                        |c, a, s| syrk_with::<f32>(c, a, s, SyrkPath::Packed),
+                        |c, a, s| syrk_with::<f32>(c, a, s, SyrkPath::Packed8x8),
+                        syrk_host_strips::<f32>,
+                    ];
                     for (pool, path) in pools.iter().flat_map(|p| paths.map(|f| (p, f))) {
                         let mut got = c0.clone();
                         pool.install(|| path(&mut got, &a, s));
@@ -730,18 +775,19 @@ mod tests {
     fn syrk_through_the_backend_equals_default_gemm_f64() {
         use crate::{Category, Ledger, Memory};
         // The CPU kernel against what the trait's default does (a full GEMM of A with itself),
-        // in f64, where the two differ by far less than the tolerance.
+        // plus the diagonal term, in f64, where the two differ by far less than the tolerance.
         let be = CpuBackend::new_f64(std::sync::Arc::new(Ledger::new()));
         let (n, k) = (70, 45);
         for trans in [false, true] {
             let a: Vec<f64> = rand(n * k, 7).iter().map(|&v| v as f64).collect();
             let a = be.upload_f64(&a, &[n * k], Category::Params);
-            let s = Syrk::new(n, k, trans).alpha(0.5);
+            let s = Syrk::new(n, k, trans).alpha(0.5).diag(0.75);
             let mut c1 = be.zeros(&[n, n], Category::Params);
             let mut c2 = be.zeros(&[n, n], Category::Params);
             be.syrk(c1.view_mut(), a.view(), s);
             be.gemm(c2.view_mut(), a.view(), a.view(), s.as_gemm());
-            let (x, y) = (be.download_f64(c1.view()), be.download_f64(c2.view()));
+            let (x, mut y) = (be.download_f64(c1.view()), be.download_f64(c2.view()));
+            (0..n).for_each(|i| y[i * n + i] += 0.75);
             for (i, (x, y)) in x.iter().zip(&y).enumerate() {
                 assert!((x - y).abs() < 1e-12, "trans={trans} at {i}: {x} vs {y}");
             }

@@ -134,12 +134,97 @@ pub unsafe fn gemm(
     n: usize,
     k: usize,
     alpha: f32,
+    a: (*const f32, usize, usize),
+    b: (*const f32, usize, usize),
+    beta: f32,
+    c: *mut f32,
+    ldc: usize,
+    parallel: bool,
+) {
+    gemm_impl(m, n, k, alpha, a, b, beta, c, ldc, parallel, None)
+}
+
+/// The lower triangle of the symmetric `C = alpha·op(A)·op(A)ᵀ + beta·C` (n×n, `op(A)` n×k at
+/// `a[i·rsa + p·csa]`) by the GEMM's kernel, skipping every 6×16 tile above the diagonal: about
+/// half the product's multiply-adds, at the GEMM's rate (the 16-column panels of `op(A)ᵀ` are
+/// packed once per block of k, as for any `op(B)`). Tiles that cross the diagonal also write
+/// some of the upper triangle, which the caller overwrites by mirroring. With `parallel`,
+/// threads take row bands of equal triangle area.
+///
+/// # Safety
+/// As for [`gemm`], with `a` as both operands.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn syrk_lower(
+    n: usize,
+    k: usize,
+    alpha: f32,
+    (a, rsa, csa): (*const f32, usize, usize),
+    beta: f32,
+    c: *mut f32,
+    ldc: usize,
+    parallel: bool,
+) {
+    let (opa, opb) = ((a, rsa, csa), (a, csa, rsa));
+    let threads = rayon::current_num_threads();
+    if !(parallel && threads > 1 && n * n * k / 2 >= PAR_MIN) {
+        return gemm_impl(n, n, k, alpha, opa, opb, beta, c, ldc, false, Some(0));
+    }
+    // Row band t of T ends at n·√(t/T) (so each holds ~1/T of the triangle), rounded to whole
+    // tiles; a band needs only the columns up to its last row.
+    let bands = 2 * threads;
+    let ends: Vec<usize> = (1..=bands)
+        .map(|t| {
+            let e = (n as f64 * (t as f64 / bands as f64).sqrt()).round() as usize;
+            if t == bands {
+                n
+            } else {
+                e.next_multiple_of(MR).min(n)
+            }
+        })
+        .collect();
+    let (ap, cp) = (ConstPtr(a), Ptr(c));
+    // The longest bands (the bottom ones) first.
+    (0..bands).into_par_iter().rev().for_each(|t| {
+        let s = if t == 0 { 0 } else { ends[t - 1] };
+        let e = ends[t];
+        if s >= e {
+            return;
+        }
+        let (a, c) = (ap.get(), cp.get());
+        // Safety: bands are disjoint row ranges of C inside the caller's extents.
+        unsafe {
+            gemm_impl(
+                e - s,
+                e,
+                k,
+                alpha,
+                (a.wrapping_add(s * rsa), rsa, csa),
+                (a, csa, rsa),
+                beta,
+                c.wrapping_add(s * ldc),
+                ldc,
+                false,
+                Some(s),
+            )
+        }
+    });
+}
+
+/// [`gemm`], or with `lower = Some(r0)` only the tiles that reach on or below the diagonal of a
+/// C whose first row is row `r0` of a square matrix (column `j` of C being column `j` there).
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_impl(
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
     (a, rsa, csa): (*const f32, usize, usize),
     (b, rsb, csb): (*const f32, usize, usize),
     beta: f32,
     c: *mut f32,
     ldc: usize,
     parallel: bool,
+    lower: Option<usize>,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -150,7 +235,7 @@ pub unsafe fn gemm(
     }
     let threads = rayon::current_num_threads();
     let parallel = parallel && threads > 1 && m * n * k >= PAR_MIN;
-    if parallel && split_whole(m, n, k) {
+    if parallel && lower.is_none() && split_whole(m, n, k) {
         // One independent product per thread over all of k, each packing its own op(B): no
         // join per block of k, which small products (a weight gradient's 256 × 256 over 2,048
         // tokens, Newton–Schulz's 256 × 256 × 256) cannot amortise.
@@ -265,6 +350,7 @@ pub unsafe fn gemm(
                     bet,
                     cp.get(),
                     ldc,
+                    lower,
                 );
                 give(abuf);
             };
@@ -455,7 +541,8 @@ impl APanels<'_> {
     }
 }
 
-/// The tiles of rows `i0..i0+rows` and column panels `q0..q1` of the block at column `j0`.
+/// The tiles of rows `i0..i0+rows` and column panels `q0..q1` of the block at column `j0` (with
+/// `lower`, only those reaching the diagonal or below it, see [`gemm_impl`]).
 #[allow(clippy::too_many_arguments)]
 fn macro_block(
     apanels: &APanels,
@@ -471,6 +558,7 @@ fn macro_block(
     beta: f32,
     c: *mut f32,
     ldc: usize,
+    lower: Option<usize>,
 ) {
     let row_panels = rows.div_ceil(MR);
     for q in q0..q1 {
@@ -480,6 +568,11 @@ fn macro_block(
         for r in 0..row_panels {
             let (ar, rs, cs) = apanels.panel(r, kc);
             let live = MR.min(rows - r * MR);
+            // Lower triangle only: a tile whose first column is right of its last row's
+            // diagonal entry lies wholly above the diagonal.
+            if lower.is_some_and(|r0| j >= r0 + i0 + r * MR + live) {
+                continue;
+            }
             // Safety: the panels hold kc·6 and kc·16 values (or the rows of op(A) kc long);
             // the tile is inside C.
             unsafe {

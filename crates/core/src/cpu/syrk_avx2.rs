@@ -35,6 +35,19 @@ pub fn available() -> bool {
     })
 }
 
+/// `GANYMEDE_CPU_SYRK=8x8` (`Some(true)`): this module's kernel for every size; `=6x16`
+/// (`Some(false)`): the GEMM's kernel over the lower tiles ([`super::gemm_avx2::syrk_lower`]) for
+/// every size; unset, the size decides (`syrk_host`). For side-by-side benchmarks in one binary.
+/// Read once per process.
+pub fn forced() -> Option<bool> {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| match std::env::var("GANYMEDE_CPU_SYRK").as_deref() {
+        Ok("8x8") => Some(true),
+        Ok("6x16") => Some(false),
+        _ => None,
+    })
+}
+
 #[derive(Clone, Copy)]
 struct Ptr(*mut f32);
 unsafe impl Send for Ptr {}

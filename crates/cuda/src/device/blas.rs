@@ -448,11 +448,15 @@ impl Blas for CudaBackend {
             ),
         }
     }
-    /// f32: `cublasSsyrk` on one triangle, then mirrored by a kernel (about half a GEMM's
-    /// multiply-adds); other dtypes as a full GEMM.
+    /// f32: `cublasSsyrk` on one triangle, then mirrored by a kernel that also adds the
+    /// diagonal term (about half a GEMM's multiply-adds); other dtypes as a full GEMM.
     fn syrk(&self, mut c: ViewMut, a: View, s: Syrk) {
         let (pc, pa) = (place_mut(&mut c), place(&a));
         if !(pc.dtype == DType::F32 && pa.dtype == DType::F32) {
+            assert!(
+                s.diag == 0.0,
+                "CUDA syrk: a diagonal term on f32 only {s:?}"
+            );
             return self.gemm(c, a, a, s.as_gemm());
         }
         if s.n == 0 {
@@ -501,9 +505,9 @@ impl Blas for CudaBackend {
         );
         // The mapping's column-major upper triangle is the row-major lower one.
         debug_assert!(call.upper);
-        self.launch3(
+        self.launch_u64(
             "ganymede_mirror_lower_f32",
-            [pc.addr, s.n as u64, s.ldc as u64],
+            &[pc.addr, s.n as u64, s.ldc as u64, s.diag.to_bits() as u64],
             s.n * s.n,
         );
     }

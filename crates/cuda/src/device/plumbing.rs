@@ -55,13 +55,17 @@ extern "C" __global__ void ganymede_sumsq_acc_bf16(double* acc, const unsigned s
 }
 
 // Row-major C [n, n] with row stride ldc: the strictly lower triangle copied onto the upper one
-// (cuBLAS's syrk writes one triangle; the seam wants both).
+// (cuBLAS's syrk writes one triangle; the seam wants both), and the float whose bits are the
+// low half of `diag_bits` added to the diagonal (Syrk::diag).
 extern "C" __global__ void ganymede_mirror_lower_f32(float* c, unsigned long long n,
-                                                     unsigned long long ldc) {
+                                                     unsigned long long ldc,
+                                                     unsigned long long diag_bits) {
+    float diag = __uint_as_float((unsigned int)diag_bits);
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
          i < n * n; i += (unsigned long long)gridDim.x * blockDim.x) {
         unsigned long long r = i / n, col = i % n;
         if (r > col) c[col * ldc + r] = c[r * ldc + col];
+        if (r == col && diag != 0.0f) c[r * ldc + r] += diag;
     }
 }
 

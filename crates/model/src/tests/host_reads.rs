@@ -5,7 +5,7 @@ use crate::*;
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{
     embedding_segments, AdamWStep, Blas, Category, CpuBackend, DType, Device, EmbedIds, Gemm,
-    Ledger, Memory, NnOps, OptimOps, ParamStore, Tensor, View, ViewMut,
+    Ledger, Memory, NnOps, OptimOps, ParamStore, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -81,6 +81,9 @@ impl Memory for CountingReads {
 impl Blas for CountingReads {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
         self.be.gemm(c, a, b, g)
+    }
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        self.be.syrk(c, a, s)
     }
     fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
         self.be.axpy(y, alpha, x)

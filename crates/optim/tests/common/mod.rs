@@ -164,9 +164,15 @@ pub fn p_iter(s: f64, steps: usize) -> f64 {
     (0..steps).fold(s, |s, _| p(s))
 }
 
-/// The coefficients as the backend's GEMM receives them (`Gemm::alpha/beta` are f32): an f64
-/// backend matches a reference using these to rounding.
-pub const COEFFS_F32: (f64, f64, f64) = (A as f32 as f64, B as f32 as f64, C as f32 as f64);
+/// The coefficients as the backend receives them: `ns_shifted`'s (β, δ, c) rounded to f32 (the
+/// `Syrk` fields are f32) and mapped back to `a = δ + c·β², b = 2·c·β, c`. An f64 backend matches
+/// a reference using these to rounding.
+pub fn coeffs_f32() -> (f64, f64, f64) {
+    let (shift, offset, c) = ganymede_optim::ns_shifted();
+    let f = |x: f64| x as f32 as f64;
+    let (shift, offset, c) = (f(shift), f(offset), f(c));
+    (offset + c * shift * shift, 2.0 * c * shift, c)
+}
 
 /// Reference Newton–Schulz, written out the textbook way: explicit transpose of tall matrices.
 pub fn ns_reference(g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
