@@ -3,7 +3,9 @@
 //! operands of an 8×8 micro-kernel, which runs only the tiles on and below the diagonal. That
 //! is about half a GEMM's multiply-adds with a single packing; splitting the product into
 //! `matrixmultiply` strips instead repacks the operands for every strip (BENCHMARKS.md,
-//! "Cheaper Newton–Schulz").
+//! "Cheaper Newton–Schulz"). From n = 512 the GEMM's 6×16 kernel over the lower tiles
+//! ([`super::gemm_avx2::syrk_lower`]) is faster, and `syrk_host` takes it there; at n = 256
+//! (Newton–Schulz at `small`) this kernel's smaller diagonal tiles win.
 //!
 //! Each element of C is one fixed-order sum: a fused multiply-add chain over `KC`-long blocks
 //! of `k`, the blocks added in order. Threads split the rows, so the result does not
