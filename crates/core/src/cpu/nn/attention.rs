@@ -4,7 +4,7 @@
 //! so memory is one `block × tk` tile per task, never `T × T` per head. Backward recomputes the
 //! probabilities from the saved log-sum-exp (as FlashAttention does) instead of storing them.
 
-use super::fastmath::{exp_sub_scale, exp_sub_sum};
+use super::fastmath::{dot, exp_sub_scale, exp_sub_sum, max_of};
 use super::Ptr;
 use crate::backend::{AttnDims as Dims, AttnGrads, AttnSaved};
 use crate::cpu::blas::GemmScalar;
@@ -100,9 +100,7 @@ unsafe fn head_forward<S: GemmScalar>(
         for i in 0..rb {
             let valid = off + r0 + i + 1;
             let row = &mut sc[i * nc..(i + 1) * nc];
-            let m = row[..valid]
-                .iter()
-                .fold(S::neg_infinity(), |a, &x| a.max(x));
+            let m = max_of(&row[..valid]);
             let sum = exp_sub_sum(&mut row[..valid], m);
             *lb.add(r0 + i) = m + sum.ln();
             let inv = S::one() / sum;
@@ -190,7 +188,7 @@ unsafe fn head_backward<S: GemmScalar>(
             row[valid..].fill(S::zero());
             let dorow = std::slice::from_raw_parts(dob.add((r0 + i) * dod), hd);
             let orow = std::slice::from_raw_parts(outb.add((r0 + i) * outd), hd);
-            let dd: S = dorow.iter().zip(orow).map(|(&a, &b)| a * b).sum();
+            let dd = dot(dorow, orow);
             let drow = &mut dpt[i * nc..(i + 1) * nc];
             for (ds, &p) in drow.iter_mut().zip(row.iter()) {
                 *ds = p * (*ds - dd);
