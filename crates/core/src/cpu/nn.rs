@@ -520,6 +520,7 @@ fn moe_combine_backward<S: Scalar>(
     let ye: &[S] = ye.host();
     let w: &[S] = w.host();
     assert_eq!(dye.len(), pos.len() * dim);
+    assert!(ye.len() == dye.len() && dw.len() == pos.len() && w.len() == pos.len());
     // Each dispatched row holds exactly one (token, choice): invert `pos`, checking that it is a
     // permutation, so every row of `dye` is written by one task and no unsafe code is needed.
     let mut inv = vec![u32::MAX; pos.len()];
@@ -536,25 +537,23 @@ fn moe_combine_backward<S: Scalar>(
         );
         *slot = i as u32;
     }
-    dw.par_chunks_mut(k)
-        .zip(pos.par_chunks(k))
-        .zip(dout.par_chunks(dim))
-        .with_min_len(min_rows(dim * k))
-        .for_each(|((dw, ps), d)| {
-            for j in 0..k {
-                let p = ps[j] as usize;
-                let y = &ye[p * dim..(p + 1) * dim];
-                dw[j] = dot(d, y);
-            }
-        });
+    // One pass over the dispatched rows in their order: `ye`, the largest operand, is streamed
+    // (token order reached its rows at random), and each row's `dout` serves both products.
+    let mut dwp = Vec::with_capacity(pos.len());
     dye.par_chunks_mut(dim)
+        .zip(ye.par_chunks(dim))
         .zip(inv.par_iter())
         .with_min_len(min_rows(dim))
-        .for_each(|(dy, &i)| {
+        .map(|((dy, y), &i)| {
             let (i, t) = (i as usize, i as usize / k);
             let d = &dout[t * dim..(t + 1) * dim];
             dy.iter_mut().zip(d).for_each(|(a, &b)| *a = w[i] * b);
-        });
+            dot(d, y)
+        })
+        .collect_into_vec(&mut dwp);
+    for (&i, &v) in inv.iter().zip(&dwp) {
+        dw[i as usize] = v;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
