@@ -18,7 +18,9 @@ mod grouped;
 #[cfg(test)]
 mod tests;
 
-use fastmath::{exp_sub_scale, exp_sub_sum, sum_exp_sub, swiglu_bwd, swiglu_fwd};
+use fastmath::{
+    dot, dot3, exp_sub_scale, exp_sub_sum, max_of, sum_exp_sub, swiglu_bwd, swiglu_fwd,
+};
 
 /// Rows per task for row-wise kernels: enough work to pay for a task.
 fn min_rows(dim: usize) -> usize {
@@ -86,7 +88,7 @@ fn rmsnorm_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: View, dim
         .zip(x.par_chunks(dim))
         .with_min_len(min_rows(dim))
         .for_each(|((o, r), x)| {
-            let ss: S = x.iter().map(|&v| v * v).sum();
+            let ss = dot(x, x);
             let rs = S::one() / (ss * inv_dim + eps).sqrt();
             *r = rs;
             for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
@@ -98,13 +100,12 @@ fn rmsnorm_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: View, dim
 /// Backward of `y = w * x * r` for one row: adds into `dx` and `dw`.
 #[inline]
 fn rms_row_backward<S: Scalar>(dx: &mut [S], dw: &mut [S], dy: &[S], x: &[S], w: &[S], r: S) {
-    let n = s::<S>(x.len() as f64);
-    let mut dot = S::zero();
-    for i in 0..x.len() {
-        dot += dy[i] * w[i] * x[i];
-    }
-    let c = dot * r * r / n;
-    for i in 0..x.len() {
+    let len = x.len();
+    // Equal lengths up front, so the loop below runs without bounds checks and vectorises.
+    let (dx, dw, dy, w) = (&mut dx[..len], &mut dw[..len], &dy[..len], &w[..len]);
+    let n = s::<S>(len as f64);
+    let c = dot3(dy, w, x) * r * r / n;
+    for i in 0..len {
         let xh = x[i] * r;
         dw[i] += dy[i] * xh;
         dx[i] += r * (dy[i] * w[i] - x[i] * c);
@@ -191,9 +192,9 @@ fn head_norm_rope_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: Vi
                 let (cs, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 for h in 0..heads {
                     let xh = &x[h * hd..(h + 1) * hd];
-                    let ss: S = xh.iter().map(|&v| v * v).sum();
-                    let rs = S::one() / (ss * inv_hd + eps).sqrt();
+                    let rs = S::one() / (dot(xh, xh) * inv_hd + eps).sqrt();
                     r[h] = rs;
+                    let (n, w) = (&mut n[..hd], &w[..hd]);
                     for i in 0..hd {
                         n[i] = w[i] * (xh[i] * rs);
                     }
@@ -327,7 +328,7 @@ fn router_forward<S: Scalar>(out: RouterOut, logits: View, bias: Option<View>, d
         .zip(logits.par_chunks(e))
         .with_min_len(min_rows(e * 4))
         .for_each(|(((p, w), ix), l)| {
-            let m = l.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
+            let m = max_of(l);
             p.copy_from_slice(l);
             let sum = exp_sub_sum(p, m);
             let inv = S::one() / sum;
@@ -519,6 +520,7 @@ fn moe_combine_backward<S: Scalar>(
     let ye: &[S] = ye.host();
     let w: &[S] = w.host();
     assert_eq!(dye.len(), pos.len() * dim);
+    assert!(ye.len() == dye.len() && dw.len() == pos.len() && w.len() == pos.len());
     // Each dispatched row holds exactly one (token, choice): invert `pos`, checking that it is a
     // permutation, so every row of `dye` is written by one task and no unsafe code is needed.
     let mut inv = vec![u32::MAX; pos.len()];
@@ -535,25 +537,23 @@ fn moe_combine_backward<S: Scalar>(
         );
         *slot = i as u32;
     }
-    dw.par_chunks_mut(k)
-        .zip(pos.par_chunks(k))
-        .zip(dout.par_chunks(dim))
-        .with_min_len(min_rows(dim * k))
-        .for_each(|((dw, ps), d)| {
-            for j in 0..k {
-                let p = ps[j] as usize;
-                let y = &ye[p * dim..(p + 1) * dim];
-                dw[j] = d.iter().zip(y).map(|(&a, &b)| a * b).sum();
-            }
-        });
+    // One pass over the dispatched rows in their order: `ye`, the largest operand, is streamed
+    // (token order reached its rows at random), and each row's `dout` serves both products.
+    let mut dwp = Vec::with_capacity(pos.len());
     dye.par_chunks_mut(dim)
+        .zip(ye.par_chunks(dim))
         .zip(inv.par_iter())
         .with_min_len(min_rows(dim))
-        .for_each(|(dy, &i)| {
+        .map(|((dy, y), &i)| {
             let (i, t) = (i as usize, i as usize / k);
             let d = &dout[t * dim..(t + 1) * dim];
             dy.iter_mut().zip(d).for_each(|(a, &b)| *a = w[i] * b);
-        });
+            dot(d, y)
+        })
+        .collect_into_vec(&mut dwp);
+    for (&i, &v) in inv.iter().zip(&dwp) {
+        dw[i as usize] = v;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,7 +572,7 @@ fn cross_entropy_forward<S: Scalar>(
         .zip(logits.par_chunks(v))
         .with_min_len(min_rows(v))
         .for_each(|(l, x)| {
-            let m = x.iter().fold(S::neg_infinity(), |a, &b| a.max(b));
+            let m = max_of(x);
             *l = m + sum_exp_sub(x, m).ln();
         });
     let mut total = 0.0f64;

@@ -4,7 +4,7 @@
 //! so memory is one `block × tk` tile per task, never `T × T` per head. Backward recomputes the
 //! probabilities from the saved log-sum-exp (as FlashAttention does) instead of storing them.
 
-use super::fastmath::{exp_sub_scale, exp_sub_sum};
+use super::fastmath::{dot, exp_sub_scale, exp_sub_sum, max_of};
 use super::Ptr;
 use crate::backend::{AttnDims as Dims, AttnGrads, AttnSaved};
 use crate::cpu::blas::GemmScalar;
@@ -100,9 +100,7 @@ unsafe fn head_forward<S: GemmScalar>(
         for i in 0..rb {
             let valid = off + r0 + i + 1;
             let row = &mut sc[i * nc..(i + 1) * nc];
-            let m = row[..valid]
-                .iter()
-                .fold(S::neg_infinity(), |a, &x| a.max(x));
+            let m = max_of(&row[..valid]);
             let sum = exp_sub_sum(&mut row[..valid], m);
             *lb.add(r0 + i) = m + sum.ln();
             let inv = S::one() / sum;
@@ -139,9 +137,9 @@ struct HeadIn<'a, S> {
 /// One query head's backward: `dq` overwritten, `dk`, `dv` accumulated (`+=`).
 ///
 /// # Safety
-/// As [`head_forward`]; `pt`, `dpt` hold `BLK.min(tq) × tk` each.
+/// As [`head_forward`]; `pt`, `dpt` hold `BLK.min(tq) × tk` each, `dd` holds `tq`.
 unsafe fn head_backward<S: GemmScalar>(
-    (pt, dpt): (&mut [S], &mut [S]),
+    (pt, dpt, dd): (&mut [S], &mut [S], &mut [S]),
     x: HeadIn<S>,
     (MatMut(dqb, dqd), MatMut(dkb, dkd), MatMut(dvb, dvd)): (MatMut<S>, MatMut<S>, MatMut<S>),
     (tq, tk, hd): (usize, usize, usize),
@@ -150,6 +148,13 @@ unsafe fn head_backward<S: GemmScalar>(
     let (Mat(qb, qd), Mat(kb, kd), Mat(vb, vd)) = (x.q, x.k, x.v);
     let (Mat(dob, dod), Mat(outb, outd)) = (x.dout, x.out);
     let off = tk - tq;
+    // Every row's dO·O up front, in one pass: the rows of O are read nowhere else, and reading
+    // them between the block GEMMs stalled on each row's cache misses in turn.
+    for (i, d) in dd[..tq].iter_mut().enumerate() {
+        let dorow = std::slice::from_raw_parts(dob.add(i * dod), hd);
+        let orow = std::slice::from_raw_parts(outb.add(i * outd), hd);
+        *d = dot(dorow, orow);
+    }
     for r0 in (0..tq).step_by(BLK) {
         let r1 = (r0 + BLK).min(tq);
         let rb = r1 - r0;
@@ -188,9 +193,7 @@ unsafe fn head_backward<S: GemmScalar>(
             let row = &mut pt[i * nc..(i + 1) * nc];
             exp_sub_scale(&mut row[..valid], x.lse[r0 + i], S::one());
             row[valid..].fill(S::zero());
-            let dorow = std::slice::from_raw_parts(dob.add((r0 + i) * dod), hd);
-            let orow = std::slice::from_raw_parts(outb.add((r0 + i) * outd), hd);
-            let dd: S = dorow.iter().zip(orow).map(|(&a, &b)| a * b).sum();
+            let dd = dd[r0 + i];
             let drow = &mut dpt[i * nc..(i + 1) * nc];
             for (ds, &p) in drow.iter_mut().zip(row.iter()) {
                 *ds = p * (*ds - dd);
@@ -408,9 +411,9 @@ pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Di
     (0..batch * kv_heads).into_par_iter().for_each_init(
         || {
             let n = BLK.min(tq) * tk;
-            (vec![S::zero(); n], vec![S::zero(); n])
+            (vec![S::zero(); n], vec![S::zero(); n], vec![S::zero(); tq])
         },
-        |(pt, dpt), task| {
+        |(pt, dpt, dd), task| {
             let (dqp, dkp, dvp, qp, kp, vp, dop, outp) = (dqp, dkp, dvp, qp, kp, vp, dop, outp);
             let (b, g) = (task / kv_heads, task % kv_heads);
             // Safety: sizes were checked; this task owns the columns of its heads in `dq` and of
@@ -439,7 +442,7 @@ pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Di
                         MatMut(dkb, kd),
                         MatMut(dvb, kd),
                     );
-                    head_backward((pt, dpt), x, gr, (tq, tk, hd), scale);
+                    head_backward((pt, dpt, dd), x, gr, (tq, tk, hd), scale);
                 }
             }
         },
@@ -479,9 +482,14 @@ pub fn backward_bf16(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
     (0..batch * kv_heads).into_par_iter().for_each_init(
         || {
             let n = BLK.min(tq) * tk;
-            (vec![0f32; n], vec![0f32; n], Widened::new(&d, true))
+            (
+                vec![0f32; n],
+                vec![0f32; n],
+                vec![0f32; tq],
+                Widened::new(&d, true),
+            )
         },
-        |(pt, dpt, w), task| {
+        |(pt, dpt, dd, w), task| {
             let (dqp, dkp, dvp, qp, kp, vp, dop, outp) = (dqp, dkp, dvp, qp, kp, vp, dop, outp);
             let (b, g) = (task / kv_heads, task % kv_heads);
             // Safety: as in `backward`; the widened copies are this task's own.
@@ -510,7 +518,7 @@ pub fn backward_bf16(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
                         MatMut(w.dk.as_mut_ptr(), hd),
                         MatMut(w.dv.as_mut_ptr(), hd),
                     );
-                    head_backward((pt, dpt), x, gr, (tq, tk, hd), scale);
+                    head_backward((pt, dpt, dd), x, gr, (tq, tk, hd), scale);
                     narrow(dqp.0.add(base), qd, &w.dq, hd);
                 }
                 narrow(dkp.0.add(kv0), kd, &w.dk, hd);

@@ -290,6 +290,72 @@ pub fn exp_sub_scale<S: Scalar>(x: &mut [S], m: S, scale: S) {
     x.iter_mut().for_each(|v| *v = (*v - m).exp() * scale);
 }
 
+/// Largest element (`-inf` for an empty slice), in eight lanes the compiler vectorises, where a
+/// single running maximum waits on each compare. A maximum is exact, so the value is the one
+/// the serial fold gives.
+#[inline]
+pub fn max_of<S: Scalar>(x: &[S]) -> S {
+    let mut acc = [S::neg_infinity(); 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    let m = it
+        .remainder()
+        .iter()
+        .fold(S::neg_infinity(), |a, &v| a.max(v));
+    acc.iter().fold(m, |a, &v| a.max(v))
+}
+
+/// Eight partial sums added in a fixed tree, as [`lanes_sum`] does for f32.
+#[inline(always)]
+fn tree8<S: Scalar>(a: [S; 8], rest: S) -> S {
+    ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])) + rest
+}
+
+/// Σ a[i]·b[i] in eight interleaved partial sums (lane `i % 8`, the tail in its own sum) added
+/// in a fixed tree: independent adds the compiler vectorises, where one running sum waits on
+/// each add. No fused multiply-add, so every CPU rounds it the same way.
+#[inline]
+pub fn dot<S: Scalar>(a: &[S], b: &[S]) -> S {
+    assert_eq!(a.len(), b.len());
+    let mut acc = [S::zero(); 8];
+    let (mut ia, mut ib) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (ca, cb) in (&mut ia).zip(&mut ib) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let rest = ia
+        .remainder()
+        .iter()
+        .zip(ib.remainder())
+        .fold(S::zero(), |s, (&x, &y)| s + x * y);
+    tree8(acc, rest)
+}
+
+/// Σ a[i]·b[i]·c[i] (multiplied left to right), summed as [`dot`] does.
+#[inline]
+pub fn dot3<S: Scalar>(a: &[S], b: &[S], c: &[S]) -> S {
+    assert!(a.len() == b.len() && a.len() == c.len());
+    let mut acc = [S::zero(); 8];
+    let (mut ia, mut ib, mut ic) = (a.chunks_exact(8), b.chunks_exact(8), c.chunks_exact(8));
+    for ((ca, cb), cc) in (&mut ia).zip(&mut ib).zip(&mut ic) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l] * cc[l];
+        }
+    }
+    let rest = ia
+        .remainder()
+        .iter()
+        .zip(ib.remainder())
+        .zip(ic.remainder())
+        .fold(S::zero(), |s, ((&x, &y), &z)| s + x * y * z);
+    tree8(acc, rest)
+}
+
 /// `o = silu(g) * u`.
 pub fn swiglu_fwd<S: Scalar>(o: &mut [S], g: &[S], u: &[S]) {
     if S::DTYPE == DType::F32 {
@@ -333,6 +399,43 @@ mod tests {
                 .map(|&g| g * super::sigmoid_f32(g) * g)
                 .collect();
             assert_eq!(o, want);
+        }
+    }
+
+    #[test]
+    fn lane_reductions_match_their_definitions() {
+        // Lengths with and without tails. The maximum is exact, so it equals the serial fold;
+        // the sums are checked against f64 and against the lane order written out by hand.
+        let x: Vec<f32> = (0..203)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37)
+            .collect();
+        let y: Vec<f32> = (0..203)
+            .map(|i| ((i * 53 % 89) as f32 - 40.0) * 0.11)
+            .collect();
+        for len in [0, 1, 7, 8, 9, 32, 203] {
+            let (a, b) = (&x[..len], &y[..len]);
+            let serial = a.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            assert_eq!(super::max_of(a).to_bits(), serial.to_bits());
+            let want: f64 = a.iter().zip(b).map(|(&p, &q)| p as f64 * q as f64).sum();
+            let got = super::dot(a, b);
+            assert!(
+                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "{len}: {got} {want}"
+            );
+            let mut lanes = [0f32; 8];
+            let n8 = len / 8 * 8;
+            for i in 0..n8 {
+                lanes[i % 8] += a[i] * b[i];
+            }
+            let rest = (n8..len).fold(0f32, |s, i| s + a[i] * b[i]);
+            assert_eq!(got.to_bits(), super::lanes_sum(lanes, rest).to_bits());
+            let got3 = super::dot3(a, b, a);
+            let mut lanes = [0f32; 8];
+            for i in 0..n8 {
+                lanes[i % 8] += a[i] * b[i] * a[i];
+            }
+            let rest = (n8..len).fold(0f32, |s, i| s + a[i] * b[i] * a[i]);
+            assert_eq!(got3.to_bits(), super::lanes_sum(lanes, rest).to_bits());
         }
     }
 
