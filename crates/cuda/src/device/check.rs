@@ -444,7 +444,11 @@ fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
         (256, 512, false),
     ] {
         let s0 = Syrk::new(n, k, trans);
-        let s = s0.alpha(0.5).beta(1.0).diag(-1.25).ld(s0.lda + 3, s0.ldc + 2);
+        let s = s0
+            .alpha(0.5)
+            .beta(1.0)
+            .diag(-1.25)
+            .ld(s0.lda + 3, s0.ldc + 2);
         let rows = if trans { k } else { n };
         let a = values(rows * s.lda, 50 + n as u64);
         let r = values(n * s.ldc, 60 + n as u64);
