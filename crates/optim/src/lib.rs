@@ -23,7 +23,8 @@ mod schedule;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
-    newton_schulz, newton_schulz_batch, ns_flops, ns_shifted, NsScratch, NS_COEFFS, NS_EPS,
+    newton_schulz, newton_schulz_batch, ns_bf16, ns_flops, ns_lanes, ns_shifted, NsScratch,
+    NS_COEFFS, NS_EPS,
 };
 pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
