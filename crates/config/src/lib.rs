@@ -317,6 +317,49 @@ pub struct OptimizerConfig {
     /// shards) in host memory and stream it through the device for each update (the write-up's
     /// "optimizer state in Grace memory, Newton–Schulz on the GPU").
     pub offload: bool,
+    /// Operand precision of Newton–Schulz's products (see [`NsDtype`]).
+    pub ns_dtype: NsDtype,
+}
+
+/// Operand precision of Newton–Schulz's matrix products (`optimizer.ns_dtype`). Accumulation
+/// and the iterate stay f32 either way; bf16 rounds each product's inputs, as PyTorch's and
+/// Keller Jordan's Muon run the iteration in bf16 on a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NsDtype {
+    /// bf16 where the backend multiplies bf16 natively (a CUDA device's tensor cores), f32
+    /// elsewhere (the CPU backend only emulates bf16, more slowly than f32).
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl NsDtype {
+    /// Whether the products take bf16 operands on a backend that does (`native_bf16`) or does
+    /// not multiply bf16 natively.
+    pub fn bf16_on(self, native_bf16: bool) -> bool {
+        match self {
+            NsDtype::Auto => native_bf16,
+            NsDtype::F32 => false,
+            NsDtype::Bf16 => true,
+        }
+    }
+}
+
+// By hand so that a bad value names its key, as `ComputeDtype`.
+impl<'de> Deserialize<'de> for NsDtype {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "auto" => Ok(Self::Auto),
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid value for optimizer.ns_dtype = '{s}': expected \"auto\", \"f32\" or \"bf16\""
+            ))),
+        }
+    }
 }
 
 impl Default for OptimizerConfig {
@@ -336,6 +379,7 @@ impl Default for OptimizerConfig {
             min_lr_ratio: 0.1,
             decay_fraction: 0.2,
             offload: false,
+            ns_dtype: NsDtype::Auto,
         }
     }
 }

@@ -193,3 +193,48 @@ fn compute_dtype_parses_round_trips_and_names_bad_values() {
         .to_string();
     assert!(e.contains("compute_dtype") && e.contains("fp16"), "{e}");
 }
+
+#[test]
+fn ns_dtype_parses_round_trips_defaults_for_old_configs_and_names_bad_values() {
+    let c = JobConfig::load(Some("tiny"), None, &[]).unwrap();
+    assert_eq!(c.optimizer.ns_dtype, NsDtype::Auto);
+    for (v, want) in [
+        ("auto", NsDtype::Auto),
+        ("f32", NsDtype::F32),
+        ("bf16", NsDtype::Bf16),
+    ] {
+        let c = JobConfig::load(Some("tiny"), None, &[format!("optimizer.ns_dtype={v}")]).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.optimizer.ns_dtype, want);
+        assert!(c.to_toml().contains(&format!("ns_dtype = \"{v}\"")));
+        let back = JobConfig::from_toml_str(&c.to_toml(), "round trip").unwrap();
+        assert_eq!(back, c);
+    }
+    // A config saved before the key existed (a checkpoint's, say) loads with the default.
+    let c = JobConfig::load(Some("tiny"), None, &["optimizer.ns_dtype=auto".into()]).unwrap();
+    let old: String = c
+        .to_toml()
+        .lines()
+        .filter(|l| !l.starts_with("ns_dtype"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(!old.contains("ns_dtype"));
+    assert_eq!(JobConfig::from_toml_str(&old, "old").unwrap(), c);
+    let e = JobConfig::load(Some("tiny"), None, &["optimizer.ns_dtype=fp16".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("optimizer.ns_dtype") && e.contains("fp16") && e.contains("auto"),
+        "{e}"
+    );
+}
+
+#[test]
+fn ns_dtype_auto_follows_native_bf16() {
+    assert!(!NsDtype::Auto.bf16_on(false), "auto is f32 on the CPU");
+    assert!(NsDtype::Auto.bf16_on(true), "auto is bf16 on a GPU");
+    for native in [false, true] {
+        assert!(!NsDtype::F32.bf16_on(native));
+        assert!(NsDtype::Bf16.bf16_on(native));
+    }
+}

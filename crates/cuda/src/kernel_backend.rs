@@ -19,6 +19,8 @@ use std::time::Duration;
 pub trait Gemms: Send + Sync {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm);
     fn syrk(&self, c: ViewMut, a: View, s: Syrk);
+    /// [`Blas::native_bf16`] of the library's device.
+    fn native_bf16(&self) -> bool;
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]);
 }
 
@@ -28,6 +30,9 @@ impl Gemms for CpuBackend {
     }
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         Blas::syrk(self, c, a, s)
+    }
+    fn native_bf16(&self) -> bool {
+        Blas::native_bf16(self)
     }
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         NnOps::gemm_grouped(self, c, a, b, groups)
@@ -165,6 +170,9 @@ impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
     }
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         Gemms::syrk(&self.dev, c, a, s)
+    }
+    fn native_bf16(&self) -> bool {
+        Gemms::native_bf16(&self.dev)
     }
     fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
         self.ops.axpy(y, alpha, x)

@@ -146,7 +146,7 @@ fn main() {
             3.0,
             &mut [&mut || {
                 be.write(x.view_mut(), &g);
-                newton_schulz(dynbe, x.view_mut(), r, c, 5, &mut scratch);
+                newton_schulz(dynbe, x.view_mut(), r, c, 5, false, &mut scratch);
             }],
         )
         .remove(0);

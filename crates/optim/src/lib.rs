@@ -17,14 +17,17 @@
 
 mod clip;
 mod ns;
+mod ns_timing;
 mod offload;
 mod optimizer;
 mod schedule;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
-    newton_schulz, newton_schulz_batch, ns_flops, ns_shifted, NsScratch, NS_COEFFS, NS_EPS,
+    newton_schulz, newton_schulz_batch, ns_bf16, ns_flops, ns_lanes, ns_shifted, NsScratch,
+    NS_COEFFS, NS_EPS,
 };
+pub use ns_timing::{median, ns_timing_input, ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
 pub use schedule::lr_at;

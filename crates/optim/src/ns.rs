@@ -57,6 +57,12 @@ impl NsScratch {
 /// Newton–Schulz iterations: `X = x/(‖x‖_F + 1e-7)`, then per step (wide orientation, s ≤ l)
 /// `A = X·Xᵀ, X = (a·I + b·A + c·A·A)·X`, the polynomial as [`ns_shifted`] writes it.
 ///
+/// With `bf16`, every product takes its operands rounded to bf16 (nearest even) and
+/// accumulates and writes f32 ([`Syrk::bf16_inputs`], [`Gemm::bf16_inputs`]), as PyTorch's Muon
+/// iterates in bf16 on a GPU; X, A and P stay f32 between products, so the only extra error is
+/// the operand rounding (relative 2⁻⁹), which the iteration does not amplify: its fixed point
+/// is a band, not a value (`optimizer.ns_dtype`).
+///
 /// A tall matrix (rows > cols) is not transposed in memory: with `X` tall the same iteration on
 /// `Xᵀ` reads `A = Xᵀ·X, X = X·P` (the polynomial `P` is symmetric), which the GEMM's transpose flags
 /// express directly. So `NS(Xᵀ) = NS(X)ᵀ` up to rounding.
@@ -66,6 +72,7 @@ pub fn newton_schulz(
     rows: usize,
     cols: usize,
     steps: usize,
+    bf16: bool,
     scratch: &mut NsScratch,
 ) {
     let n = rows * cols;
@@ -96,14 +103,17 @@ pub fn newton_schulz(
         be.syrk(
             a.reborrow(),
             src.as_view(),
-            Syrk::new(s, l, !wide).diag(shift as f32),
+            Syrk::new(s, l, !wide).diag(shift as f32).bf16_inputs(bf16),
         );
         // P = c·A'·A' + δ·I = a·I + b·A + c·A·A, and A'·A' = A'·A'ᵀ as A' is (exactly,
         // mirrored) symmetric.
         be.syrk(
             b.reborrow(),
             a.as_view(),
-            Syrk::new(s, s, false).alpha(cc as f32).diag(offset as f32),
+            Syrk::new(s, s, false)
+                .alpha(cc as f32)
+                .diag(offset as f32)
+                .bf16_inputs(bf16),
         );
         // X' = P·X (wide) or X·P (tall).
         if wide {
@@ -111,14 +121,14 @@ pub fn newton_schulz(
                 dst,
                 b.as_view(),
                 src.as_view(),
-                Gemm::new(s, l, s, false, false),
+                Gemm::new(s, l, s, false, false).bf16_inputs(bf16),
             );
         } else {
             be.gemm(
                 dst,
                 src.as_view(),
                 b.as_view(),
-                Gemm::new(l, s, s, false, false),
+                Gemm::new(l, s, s, false, false).bf16_inputs(bf16),
             );
         }
         in_x = !in_x;
@@ -144,7 +154,9 @@ pub fn ns_shifted() -> (f64, f64, f64) {
 /// most one per scratch, each taking the next matrix when done: for small matrices that beats
 /// splitting every GEMM across threads, whose pieces spend much of their time waiting. Each
 /// matrix gets exactly the backend calls of one [`newton_schulz`] call, so the result is the same
-/// bitwise.
+/// bitwise. In bf16 on a backend that only emulates it (the CPU's, [`ns_lanes`]) matrices go one
+/// at a time.
+#[allow(clippy::too_many_arguments)]
 pub fn newton_schulz_batch(
     be: &dyn Backend,
     x: ViewMut,
@@ -152,6 +164,7 @@ pub fn newton_schulz_batch(
     rows: usize,
     cols: usize,
     steps: usize,
+    bf16: bool,
     scratch: &mut [NsScratch],
 ) {
     let n = rows * cols;
@@ -171,10 +184,12 @@ pub fn newton_schulz_batch(
     if count > 0 {
         mats.push(rest);
     }
-    let lanes = scratch.len().min(rayon::current_num_threads()).min(count);
+    let lanes = ns_lanes(be, bf16, scratch.len())
+        .min(rayon::current_num_threads())
+        .min(count);
     if lanes <= 1 {
         for m in mats {
-            newton_schulz(be, m, rows, cols, steps, &mut scratch[0]);
+            newton_schulz(be, m, rows, cols, steps, bf16, &mut scratch[0]);
         }
         return;
     }
@@ -184,10 +199,27 @@ pub fn newton_schulz_batch(
     scratch[..lanes].par_iter_mut().for_each(|sc| loop {
         let m = queue.lock().unwrap().pop();
         match m {
-            Some(m) => newton_schulz(be, m, rows, cols, steps, sc),
+            Some(m) => newton_schulz(be, m, rows, cols, steps, bf16, sc),
             None => break,
         }
     });
+}
+
+/// How many matrices may run Newton–Schulz at once given `slots` scratch slots: one in bf16 on
+/// a backend without native bf16, whose emulation rounds into one shared scratch under a lock
+/// held through a product that itself runs on rayon's threads (a thread waiting there could
+/// pick up another matrix's task, which would wait for that lock forever).
+pub fn ns_lanes(be: &dyn Backend, bf16: bool, slots: usize) -> usize {
+    if bf16 && !be.native_bf16() {
+        slots.min(1)
+    } else {
+        slots
+    }
+}
+
+/// Whether Newton–Schulz runs in bf16 under `ns_dtype` on `be` (`optimizer.ns_dtype`).
+pub fn ns_bf16(ns_dtype: ganymede_config::NsDtype, be: &dyn Backend) -> bool {
+    ns_dtype.bf16_on(be.native_bf16())
 }
 
 /// FLOPs of one [`newton_schulz`] call counted as plain GEMMs: per step `2·s²·l` for A, `2·s³`

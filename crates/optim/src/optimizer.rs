@@ -1,7 +1,7 @@
 //! The optimizer the trainer holds: Muon for hidden matrices (each expert's matrix separately),
 //! AdamW for the rest, nothing for buffers.
 
-use crate::ns::{newton_schulz, ns_flops, NsScratch};
+use crate::ns::{newton_schulz, ns_bf16, ns_flops, ns_lanes, NsScratch};
 use crate::offload::{SkipWait, Staging};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
 use ganymede_core::{
@@ -74,6 +74,8 @@ struct MuonStep {
     momentum: f64,
     weight_decay: f64,
     ns_steps: usize,
+    /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
+    ns_bf16: bool,
 }
 
 /// One Muon matrix: Nesterov momentum into the slot, Newton–Schulz, decayed update. Both the
@@ -95,6 +97,7 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
         rows,
         cols,
         c.ns_steps,
+        c.ns_bf16,
         &mut slot.ns,
     );
     be.decay_update(p, slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
@@ -113,7 +116,7 @@ fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: b
     for item in large {
         run(item, &mut slots[0]);
     }
-    if slots.len() == 1 || small.len() <= 1 || !parallel {
+    if ns_lanes(be, c.ns_bf16, slots.len()) <= 1 || small.len() <= 1 || !parallel {
         for item in small {
             run(item, &mut slots[0]);
         }
@@ -347,6 +350,7 @@ impl Optimizer {
             momentum: cfg.momentum,
             weight_decay: cfg.weight_decay,
             ns_steps: cfg.ns_steps,
+            ns_bf16: ns_bf16(cfg.ns_dtype, be),
         };
         if let Some(staging) = &mut self.staging {
             // Host-resident state: one parameter at a time through the device slots; an expert

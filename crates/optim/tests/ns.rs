@@ -16,6 +16,7 @@ fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) ->
         rows,
         cols,
         steps,
+        false,
         &mut scratch,
     );
     be.download_f64(t.view())
@@ -174,12 +175,12 @@ fn zero_input_stays_zero_and_scratch_is_reused() {
     for &(r, c) in &[(16usize, 64usize), (64, 16), (32, 32), (8, 8)] {
         let g = rng.normals(r * c);
         let mut t = be.upload_f64(&g, &[r, c], Category::Params);
-        newton_schulz(&be, t.view_mut(), r, c, 5, &mut scratch);
+        newton_schulz(&be, t.view_mut(), r, c, 5, false, &mut scratch);
         let want = ns_reference(&g, r, c, 5);
         assert!(max_abs_diff(&be.download_f64(t.view()), &want) < 1e-4);
     }
     let mut z = be.zeros(&[8, 8], Category::Params);
-    newton_schulz(&be, z.view_mut(), 8, 8, 5, &mut scratch);
+    newton_schulz(&be, z.view_mut(), 8, 8, 5, false, &mut scratch);
     assert!(be.download(z.view()).iter().all(|&x| x == 0.0));
 }
 
@@ -202,7 +203,7 @@ fn batch_equals_one_call_per_matrix_bitwise() {
         let mut scratch = NsScratch::new(&be, r, c);
         for e in 0..count {
             let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
-            newton_schulz(&be, t.view_mut(), r, c, 5, &mut scratch);
+            newton_schulz(&be, t.view_mut(), r, c, 5, false, &mut scratch);
             want.extend(be.download(t.view()));
         }
         for threads in [1, 2] {
@@ -215,7 +216,7 @@ fn batch_equals_one_call_per_matrix_bitwise() {
                     (0..lanes).map(|_| NsScratch::new(&be, r, c)).collect();
                 let mut t = be.upload(&g, &[count, r, c], Category::Params);
                 pool.install(|| {
-                    newton_schulz_batch(&be, t.view_mut(), count, r, c, 5, &mut scratch)
+                    newton_schulz_batch(&be, t.view_mut(), count, r, c, 5, false, &mut scratch)
                 });
                 let got = be.download(t.view());
                 let same = got
@@ -226,4 +227,156 @@ fn batch_equals_one_call_per_matrix_bitwise() {
             }
         }
     }
+}
+
+/// [`run_ns`] on the f32 backend with the products' operands in bf16 or f32.
+fn run_ns_prec(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, bf16: bool) -> Vec<f64> {
+    let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
+    let mut scratch = NsScratch::new(be, rows, cols);
+    newton_schulz(be, t.view_mut(), rows, cols, 5, bf16, &mut scratch);
+    be.download_f64(t.view())
+}
+
+fn bf16_round(v: f64) -> f64 {
+    use ganymede_core::bf16;
+    bf16::to_f32(bf16::from_f32(v as f32)) as f64
+}
+
+/// The shifted iteration (`ns_shifted`, coefficients as f32) in f64 with every product's
+/// operands rounded to bf16, as `ns_dtype = "bf16"` defines it: `A' = r(X)·r(X)ᵀ + β·I`,
+/// `P = c·r(A')·r(A')ᵀ + δ·I`, `X = r(P)·r(X)` (wide orientation; a tall matrix transposed).
+fn ns_reference_bf16(g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
+    let f = |v: f64| v as f32 as f64;
+    let (ca, cb, cc) = ganymede_optim::NS_COEFFS;
+    let (beta, cc) = (f(cb / (2.0 * cc)), f(cc));
+    let delta = f(ca - cc * beta * beta);
+    let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let mut x: Vec<f64> = g.iter().map(|v| v / (norm + 1e-7)).collect();
+    let tall = rows > cols;
+    let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
+    if tall {
+        x = transpose(&x, rows, cols);
+    }
+    let r = |v: &[f64]| v.iter().map(|&v| bf16_round(v)).collect::<Vec<f64>>();
+    let add_diag = |m: &mut [f64], d: f64| (0..s).for_each(|i| m[i * s + i] += d);
+    for _ in 0..steps {
+        let xr = r(&x);
+        let mut a = matmul(&xr, &transpose(&xr, s, l), s, l, s);
+        add_diag(&mut a, beta);
+        let ar = r(&a);
+        let mut p: Vec<f64> = matmul(&ar, &transpose(&ar, s, s), s, s, s)
+            .iter()
+            .map(|v| cc * v)
+            .collect();
+        add_diag(&mut p, delta);
+        x = matmul(&r(&p), &xr, s, s, l);
+    }
+    if tall {
+        x = transpose(&x, s, l);
+    }
+    x
+}
+
+/// `ns_dtype = "bf16"` on the CPU backend: the result follows the bf16-operand reference far
+/// more closely than it follows f32 NS (so every product really rounds its inputs), stays
+/// within a bound of f32 NS, and its singular values land in the same band as f32's.
+///
+/// The reference cannot match exactly: where an f32 intermediate and its f64 counterpart
+/// round to different bf16 values (about one of the ~10⁴ roundings of a run), the two runs
+/// part by 2⁻⁸ of that entry, and the following steps spread it. Measured (max / rms of the
+/// difference; entries' rms 0.08 to 0.13): 48×48 bf16 vs f32 7.7e-3 / 1.8e-3, vs the reference
+/// 6e-8 / 7e-9; 32×80 (one such split) 6.1e-3 / 1.4e-3 against 1.9e-3 / 4.4e-4; 80×32 9.2e-3 /
+/// 1.5e-3 against 4e-8 / 4e-9; 64×96 7.0e-3 / 1.3e-3 against 8e-8 / 6e-9; 128×128 5.1e-3 /
+/// 1.0e-3 against 2.2e-3 / 2.4e-4. With the flag ignored every reference distance would be the
+/// f32 one.
+#[test]
+fn bf16_products_follow_the_rounded_reference_and_keep_the_band() {
+    let be = CpuBackend::default();
+    let mut rng = Rng::new(21);
+    let rms_diff = |a: &[f64], b: &[f64]| {
+        let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+        rms(&d)
+    };
+    let mut exact = 0;
+    for &(r, c) in &[(48usize, 48usize), (32, 80), (80, 32), (64, 96), (128, 128)] {
+        let g = rng.normals(r * c);
+        let f32_out = run_ns_prec(&be, &g, r, c, false);
+        let bf16_out = run_ns_prec(&be, &g, r, c, true);
+        let reference = ns_reference_bf16(&g, r, c, 5);
+        let max_f32 = max_abs_diff(&bf16_out, &f32_out);
+        let max_ref = max_abs_diff(&bf16_out, &reference);
+        let (rms_f32, rms_ref) = (
+            rms_diff(&bf16_out, &f32_out),
+            rms_diff(&bf16_out, &reference),
+        );
+        let scale = rms(&f32_out);
+        eprintln!(
+            "{r}x{c}: bf16 vs f32 max {max_f32:.2e} rms {rms_f32:.2e}; vs the rounded \
+             reference max {max_ref:.2e} rms {rms_ref:.2e} (entries' rms {scale:.3})"
+        );
+        // Operand rounding is relative 2⁻⁹ per product, 15 products: measured up to 10% of the
+        // entries' rms at worst; f32 rounding alone would be ~1e-6.
+        assert!(max_f32 < 0.2 * scale, "{r}x{c}: {max_f32}");
+        assert!(
+            rms_f32 > 3e-3 * scale,
+            "{r}x{c}: bf16 indistinguishable from f32"
+        );
+        assert!(
+            rms_ref < rms_f32 / 2.0,
+            "{r}x{c}: {rms_ref} from the rounded reference, {rms_f32} from f32"
+        );
+        if rms_ref < 1e-6 {
+            exact += 1;
+        }
+        // The band of `random_matrices_singular_values`.
+        let sv = singular_values(&bf16_out, r, c);
+        let sv_f32 = singular_values(&f32_out, r, c);
+        let in_band = |v: &[f64]| v.iter().filter(|s| (0.6..=1.2).contains(*s)).count();
+        assert!(sv.iter().all(|&s| s <= 1.2), "{r}x{c}: {sv:?}");
+        if r != c {
+            assert_eq!(in_band(&sv), sv.len(), "{r}x{c}: {sv:?}");
+        } else {
+            assert!(in_band(&sv) + 1 >= in_band(&sv_f32), "{r}x{c}: {sv:?}");
+        }
+    }
+    // Runs without a split rounding match to f32 accumulation error.
+    assert!(
+        exact >= 3,
+        "only {exact} of 5 shapes match the reference closely"
+    );
+}
+
+/// bf16 batched NS equals one call per matrix bitwise, one matrix at a time on a backend
+/// without native bf16 (`ns_lanes`) whatever the scratch count, and never deadlocks.
+#[test]
+fn bf16_batch_equals_one_call_per_matrix() {
+    let be = CpuBackend::default();
+    assert_eq!(ganymede_optim::ns_lanes(&be, true, 3), 1);
+    assert_eq!(ganymede_optim::ns_lanes(&be, false, 3), 3);
+    let (count, r, c) = (4, 96, 64);
+    let n = r * c;
+    let g: Vec<f32> = Rng::new(22)
+        .normals(count * n)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    let mut scratch = NsScratch::new(&be, r, c);
+    let mut want = Vec::new();
+    for e in 0..count {
+        let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
+        newton_schulz(&be, t.view_mut(), r, c, 5, true, &mut scratch);
+        want.extend(be.download(t.view()));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let mut scratch: Vec<NsScratch> = (0..3).map(|_| NsScratch::new(&be, r, c)).collect();
+    let mut t = be.upload(&g, &[count, r, c], Category::Params);
+    pool.install(|| newton_schulz_batch(&be, t.view_mut(), count, r, c, 5, true, &mut scratch));
+    let got = be.download(t.view());
+    assert!(got
+        .iter()
+        .zip(&want)
+        .all(|(x, y)| x.to_bits() == y.to_bits()));
 }

@@ -492,3 +492,62 @@ fn parallel_and_sequential_muon_agree_bitwise() {
     assert!(reference == run(3, true));
     assert!(reference == run(3, false));
 }
+
+/// `optimizer.ns_dtype`: `auto` is f32 on the CPU backend (the same bits as `f32`), `bf16`
+/// changes Muon's updates (by operand rounding, well under the updates' own size) and gives the
+/// same bits with matrices spread over threads or not (the CPU runs them one at a time in bf16).
+#[test]
+fn ns_dtype_auto_is_f32_on_the_cpu_and_bf16_differs() {
+    use ganymede_config::NsDtype;
+    let specs = specs();
+    let mut rng = Rng::new(15);
+    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
+    let g: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
+    let be = CpuBackend::default();
+    let run = |ns_dtype: NsDtype, parallel: bool| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut params = store(&be, &specs, &init, Category::Params);
+            let c = OptimizerConfig {
+                ns_dtype,
+                ..cfg(OptimizerName::Muon)
+            };
+            let mut opt = Optimizer::new(&be, &c, &specs);
+            opt.set_matrix_parallel(parallel);
+            opt.step(
+                &be,
+                &mut params,
+                &store(&be, &specs, &g, Category::Grads),
+                0.02,
+            );
+            download(&be, &params)
+        })
+    };
+    let f32_run = run(NsDtype::F32, true);
+    assert!(run(NsDtype::Auto, true) == f32_run);
+    let bf16_run = run(NsDtype::Bf16, true);
+    assert!(run(NsDtype::Bf16, false) == bf16_run);
+    let (mut diff, mut update) = (0f64, 0f64);
+    for ((s, a), (b, p0)) in specs.iter().zip(&bf16_run).zip(f32_run.iter().zip(&init)) {
+        if s.kind.is_muon() {
+            for ((a, b), p0) in a.iter().zip(b).zip(p0) {
+                diff = diff.max((a - b).abs());
+                update = update.max((b - p0).abs());
+            }
+        } else {
+            assert!(
+                a == b,
+                "{}: AdamW parameters do not depend on ns_dtype",
+                s.name
+            );
+        }
+    }
+    eprintln!("bf16 vs f32 Muon step: max {diff:.2e}, max update {update:.2e}");
+    assert!(
+        diff > 1e-7 && diff < 0.1 * update,
+        "{diff} against {update}"
+    );
+}

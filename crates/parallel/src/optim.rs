@@ -15,7 +15,7 @@ use ganymede_config::OptimizerConfig;
 use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{
-    newton_schulz_batch, ns_flops, update_rule, NsScratch, SkipWait, Staging, UpdateRule,
+    newton_schulz_batch, ns_bf16, ns_flops, update_rule, NsScratch, SkipWait, Staging, UpdateRule,
     PAR_MATRIX_MAX_FLOPS,
 };
 use std::sync::Arc;
@@ -273,6 +273,7 @@ impl ShardedOptimizer {
         }
         let mut roots: Vec<ViewMut> = self.roots.iter_mut().map(|t| t.view_mut()).collect();
         let steps = cfg.ns_steps;
+        let bf16 = ns_bf16(cfg.ns_dtype, be);
         let scratch = &mut self.scratch;
         let mut ns = |job: NsJob<'_>| {
             let (r, c) = (job.rows, job.cols);
@@ -281,7 +282,16 @@ impl ShardedOptimizer {
             } else {
                 1
             };
-            newton_schulz_batch(be, job.data, job.count, r, c, steps, &mut scratch[..lanes]);
+            newton_schulz_batch(
+                be,
+                job.data,
+                job.count,
+                r,
+                c,
+                steps,
+                bf16,
+                &mut scratch[..lanes],
+            );
         };
         muon_exchange(&self.plan, mesh, &mut slices, &mut roots, &mut ns)?;
         let decay = lr * cfg.weight_decay;

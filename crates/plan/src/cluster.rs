@@ -21,6 +21,11 @@ pub struct GpuSpec {
     pub reserved_bytes: f64,
     /// Dense bf16 peak, FLOP/s (the denominator of MFU).
     pub peak_flops: f64,
+    /// f32 peak without tensor cores, FLOP/s: Newton–Schulz's rate under
+    /// `optimizer.ns_dtype = "f32"` (cuBLAS's default f32 math). Absent: `peak_flops`, for a
+    /// device whose peak is f32 already (the `local` CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_f32_flops: Option<f64>,
     /// Achieved fraction of peak for the model's matrix multiplies.
     pub gemm_efficiency: f64,
     /// Achieved fraction of peak for attention (fused flash-style kernels).
@@ -269,6 +274,7 @@ name = "GH200 (96 GB HBM3)"
 memory_bytes = 102625181696     # 97,871 MiB: the 96 GB part as the driver reports it (assumption, not measured here)
 reserved_bytes = 2147483648        # 2 GiB: CUDA context, NCCL buffers (assumption)
 peak_flops = 989e12                # dense bf16 (H100/GH200 spec)
+peak_f32_flops = 67e12             # f32 without tensor cores (H100 SXM spec, same SM)
 gemm_efficiency = 0.8              # 790 of 989 TFLOP/s: large bf16 GEMM measured on an H200 (same SM)
 attention_efficiency = 0.55        # flash attention forward+backward, published H100 range (assumption)
 memory_bytes_per_s = 4.0e12        # HBM3 4 TB/s
@@ -301,6 +307,7 @@ name = "H100 SXM (80 GB)"
 memory_bytes = 85520809984         # 81,559 MiB: the 80 GB part as the driver reports it
 reserved_bytes = 2147483648
 peak_flops = 989e12
+peak_f32_flops = 67e12
 gemm_efficiency = 0.8
 attention_efficiency = 0.55
 memory_bytes_per_s = 3.35e12
@@ -333,6 +340,7 @@ name = "H200 SXM (141 GB)"
 memory_bytes = 150754820096        # 143,771 MiB: the 141 GB part as the driver reports it
 reserved_bytes = 2147483648
 peak_flops = 989e12
+peak_f32_flops = 67e12
 gemm_efficiency = 0.8              # 790 TFLOP/s bf16 GEMM measured in this workplace
 attention_efficiency = 0.55
 memory_bytes_per_s = 4.3e12        # device copy measured in this workplace
@@ -475,7 +483,8 @@ impl Cluster {
             ("links.d2h_bytes_per_s", self.links.d2h_bytes_per_s),
             ("links.h2d_bytes_per_s", self.links.h2d_bytes_per_s),
         ];
-        for (k, v) in positive {
+        let f32_peak = self.gpu.peak_f32_flops.map(|v| ("gpu.peak_f32_flops", v));
+        for (k, v) in positive.into_iter().chain(f32_peak) {
             if !(v > 0.0 && v.is_finite()) {
                 return Err(bad(k, v, "must be a positive number"));
             }

@@ -1056,8 +1056,13 @@ fn evaluate(
     } else {
         0.0
     };
+    // On a GPU at the bf16 GEMM rate unless `optimizer.ns_dtype = "f32"` (auto is bf16 there).
+    let ns_bf16 = job.optimizer.ns_dtype.bf16_on(true);
+    let gpu_f32_rate =
+        cluster.gpu.peak_f32_flops.unwrap_or(cluster.gpu.peak_flops) * cluster.gpu.gemm_efficiency;
     let ns_rate = match opt.ns_on {
-        NsOn::Gpu => gemm_rate,
+        NsOn::Gpu if ns_bf16 => gemm_rate,
+        NsOn::Gpu => gpu_f32_rate,
         NsOn::Cpu => cluster.host.peak_f32_flops_per_gpu * cluster.host.gemm_efficiency,
     };
     // Owners balanced: each GPU orthogonalises 1/W of the work.

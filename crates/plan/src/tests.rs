@@ -454,6 +454,30 @@ fn newton_schulz_on_the_cpu_is_slower_than_on_the_gpu() {
     assert!(cpu.tokens_per_s_per_gpu < gpu.tokens_per_s_per_gpu);
 }
 
+#[test]
+fn newton_schulz_in_f32_on_the_gpu_runs_at_the_f32_peak() {
+    let mut job = europa();
+    let (l, pol, o) = final_setup(&job, 1.0);
+    let auto = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    job.optimizer.ns_dtype = ganymede_config::NsDtype::Bf16;
+    let bf16 = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    job.optimizer.ns_dtype = ganymede_config::NsDtype::F32;
+    let f32 = plan(&job, &jupiter(), &l, &pol, &o).unwrap();
+    assert_eq!(auto.time.newton_schulz_s, bf16.time.newton_schulz_s);
+    // Same FLOPs, rates 989e12·0.8 vs 67e12·0.8: ratio 14.76.
+    let ratio = f32.time.newton_schulz_s / bf16.time.newton_schulz_s;
+    assert!(close(ratio, 989.0 / 67.0, 1e-9), "{ratio}");
+    // A cluster without the key: the f32 rate is `peak_flops`'s.
+    let mut c = jupiter();
+    c.gpu.peak_f32_flops = None;
+    let same = plan(&job, &c, &l, &pol, &o).unwrap();
+    assert!(close(
+        same.time.newton_schulz_s,
+        bf16.time.newton_schulz_s,
+        1e-12
+    ));
+}
+
 // ---------------------------------------------------------------- errors
 
 fn err(f: impl FnOnce(&mut Layout)) -> PlanError {

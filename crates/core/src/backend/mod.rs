@@ -196,6 +196,9 @@ pub struct Syrk {
     /// Added to C's diagonal after the product: Newton–Schulz shifts by a multiple of the
     /// identity this way instead of copying whole matrices (`ganymede_optim::newton_schulz`).
     pub diag: f32,
+    /// A enters the product rounded to bf16, with f32 accumulation and output, as
+    /// [`Gemm::bf16_inputs`] (Newton–Schulz under `optimizer.ns_dtype = "bf16"`).
+    pub bf16_inputs: bool,
 }
 
 impl Syrk {
@@ -210,6 +213,7 @@ impl Syrk {
             lda: if trans { n } else { k },
             ldc: n,
             diag: 0.0,
+            bf16_inputs: false,
         }
     }
     pub fn alpha(mut self, alpha: f32) -> Self {
@@ -225,33 +229,46 @@ impl Syrk {
         self.diag = diag;
         self
     }
+    /// bf16 operand with f32 accumulation when `on` (see [`Syrk::bf16_inputs`]).
+    pub fn bf16_inputs(mut self, on: bool) -> Self {
+        self.bf16_inputs = on;
+        self
+    }
     /// Override leading dimensions (strided sub-matrix views).
     pub fn ld(mut self, lda: usize, ldc: usize) -> Self {
         self.lda = lda;
         self.ldc = ldc;
         self
     }
-    /// The same product as a general GEMM (`A` passed as both operands), without the diagonal
-    /// term, which the caller adds.
+    /// The same product as a general GEMM (`A` passed as both operands, bf16 inputs carried
+    /// over), without the diagonal term, which the caller adds.
     pub fn as_gemm(&self) -> Gemm {
         Gemm::new(self.n, self.n, self.k, self.trans, !self.trans)
             .alpha(self.alpha)
             .beta(self.beta)
             .ld(self.lda, self.lda, self.ldc)
+            .bf16_inputs(self.bf16_inputs)
     }
 }
 
 pub trait Blas: Send + Sync {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm);
-    /// Symmetric rank-k product (see [`Syrk`]). The default is a full GEMM, correct on any
-    /// backend for `diag == 0`; a backend with a triangular kernel does about half the
-    /// multiply-adds. Every backend here implements it, the diagonal term included.
+    /// Symmetric rank-k product (see [`Syrk`]). The default is a full GEMM (bf16 inputs
+    /// included, through [`Gemm::bf16_inputs`]), correct on any backend for `diag == 0`; a
+    /// backend with a triangular kernel does about half the multiply-adds. Every backend here
+    /// implements it, the diagonal term and bf16 inputs included.
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         assert!(
             s.diag == 0.0,
             "this backend's syrk has no diagonal term: {s:?}"
         );
         self.gemm(c, a, a, s.as_gemm())
+    }
+    /// Whether bf16 × bf16 → f32 products run natively here (a GPU's tensor cores), faster
+    /// than f32 ones; `optimizer.ns_dtype = "auto"` picks bf16 where they do. The CPU backend
+    /// only emulates them (rounding into f32 scratch), so the default is false.
+    fn native_bf16(&self) -> bool {
+        false
     }
     /// `y += alpha * x`
     fn axpy(&self, y: ViewMut, alpha: f32, x: View);

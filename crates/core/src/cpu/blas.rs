@@ -370,6 +370,7 @@ fn syrk_with<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk, path: SyrkPath) {
         lda,
         ldc,
         diag,
+        ..
     } = s;
     if n == 0 {
         return;
@@ -578,6 +579,25 @@ impl CpuBackend {
         round_into(sb.view_mut().host::<f32>(), b, nb.min(b.len()));
         f(sa.slice(0, a.len()), sb.slice(0, b.len()))
     }
+
+    /// [`Self::with_bf16_operands`] for the one operand of a symmetric product: rounded once,
+    /// into the first slot, so the product reads the same rounded values on both sides and its
+    /// result is what rounding the input first gives. As there, the lock is held through `f`,
+    /// whose product may run on rayon's threads: callers must not run bf16 products from
+    /// several rayon tasks at once (a thread waiting inside `f` could pick up another task that
+    /// then waits for the lock it holds), which is why Newton–Schulz runs its matrices one at a
+    /// time in bf16 on a backend without native bf16 ([`Blas::native_bf16`]).
+    fn with_bf16_operand(&self, a: View, na: usize, f: impl FnOnce(View)) {
+        let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = &mut slots[0];
+        if slot.as_ref().is_none_or(|t| t.len() < a.len()) {
+            *slot = None; // free before allocating, as above
+            *slot = Some(self.zeros_of(&[a.len()], DType::F32, Category::Buffers));
+        }
+        let sa = slot.as_mut().unwrap();
+        round_into(sa.view_mut().host::<f32>(), a, na.min(a.len()));
+        f(sa.slice(0, a.len()))
+    }
 }
 
 impl Blas for CpuBackend {
@@ -590,6 +610,12 @@ impl Blas for CpuBackend {
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
     }
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        if s.bf16_inputs {
+            assert_eq!(c.dtype(), DType::F32, "bf16-input syrk writes f32");
+            let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
+            let na = extent(rows, cols, s.lda);
+            return self.with_bf16_operand(a, na, |a| syrk::<f32>(c, a, s));
+        }
         crate::by_dtype!(c.dtype(), syrk(c, a, s))
     }
     fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
@@ -790,6 +816,69 @@ mod tests {
             (0..n).for_each(|i| y[i * n + i] += 0.75);
             for (i, (x, y)) in x.iter().zip(&y).enumerate() {
                 assert!((x - y).abs() < 1e-12, "trans={trans} at {i}: {x} vs {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_syrk_is_the_f32_product_of_rounded_inputs() {
+        use crate::{Category, Ledger, Memory};
+        let be = CpuBackend::new(std::sync::Arc::new(Ledger::new()));
+        let round = |v: f32| crate::bf16::to_f32(crate::bf16::from_f32(v));
+        // Sizes on both sides of the packed kernels' switch (n = 512 is too slow to hold
+        // against the naive reference here; the switch itself is covered above in f32).
+        for &(n, k) in &[(37, 90), (130, 257)] {
+            for trans in [false, true] {
+                let s = Syrk::new(n, k, trans).alpha(0.7).beta(-0.3).diag(0.25);
+                let a: Vec<f32> = rand(n * k, 11).iter().map(|v| v * 3.0).collect();
+                let c0 = sym(n, n, 12);
+                let rounded: Vec<f32> = a.iter().map(|&v| round(v)).collect();
+                let mut want = c0.clone();
+                naive(&rounded, &rounded, s.as_gemm(), &mut want);
+                (0..n).for_each(|i| want[i * n + i] += 0.25);
+                let mut f32_want = c0.clone();
+                naive(&a, &a, s.as_gemm(), &mut f32_want);
+                (0..n).for_each(|i| f32_want[i * n + i] += 0.25);
+
+                let ta = be.upload(&a, &[a.len()], Category::Params);
+                let run = |s: Syrk| {
+                    let mut c = be.upload(&c0, &[n, n], Category::Params);
+                    be.syrk(c.view_mut(), ta.view(), s);
+                    be.download(c.view())
+                };
+                let got = run(s.bf16_inputs(true));
+                let (mut err, mut off_f32) = (0f32, 0f32);
+                for i in 0..n * n {
+                    err = err.max((got[i] - want[i]).abs());
+                    off_f32 = off_f32.max((got[i] - f32_want[i]).abs());
+                }
+                // f32 summation of k ≤ 257 exact products of size ≤ 2.25: a few ulps of the
+                // sums (≤ ~600), against bf16 rounding of the inputs (relative 2⁻⁹), which moves
+                // the result by far more: the flag is honoured.
+                assert!(
+                    err < 2e-4,
+                    "{n}x{k} trans={trans}: {err} from the rounded reference"
+                );
+                assert!(
+                    off_f32 > 1e-2,
+                    "{n}x{k} trans={trans}: only {off_f32} from f32"
+                );
+                for i in 0..n {
+                    for j in 0..n {
+                        assert_eq!(got[i * n + j].to_bits(), got[j * n + i].to_bits());
+                    }
+                }
+                // The trait's default (a full GEMM through `as_gemm`, which carries the flag)
+                // computes the same thing.
+                let mut c = be.upload(&c0, &[n, n], Category::Params);
+                let g = s.bf16_inputs(true).as_gemm();
+                assert!(g.bf16_inputs);
+                be.gemm(c.view_mut(), ta.view(), ta.view(), g);
+                let mut via_gemm = be.download(c.view());
+                (0..n).for_each(|i| via_gemm[i * n + i] += 0.25);
+                for i in 0..n * n {
+                    assert!((via_gemm[i] - got[i]).abs() < 2e-4, "{n}x{k} at {i}");
+                }
             }
         }
     }

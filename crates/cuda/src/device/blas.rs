@@ -343,9 +343,31 @@ impl CudaBackend {
         };
         f(va, vb)
     }
+
+    /// [`Self::with_bf16_operands`] for one operand (a symmetric product's), cast once into the
+    /// first slot; a bf16 operand is passed as it is.
+    pub(crate) fn with_bf16_operand(&self, a: View, na: usize, f: impl FnOnce(View)) {
+        if a.dtype() == DType::BF16 {
+            return f(a);
+        }
+        let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = &mut slots[0];
+        if slot.as_ref().is_none_or(|t| t.len() < a.len()) {
+            *slot = None; // free first, as above
+            *slot = Some(self.zeros_of(&[a.len()], DType::BF16, Category::Buffers));
+        }
+        let t = slot.as_mut().unwrap();
+        let n = na.min(a.len());
+        Blas::cast(self, t.slice_mut(0, n), a.slice(0, n));
+        f(t.slice(0, a.len()))
+    }
 }
 
 impl Blas for CudaBackend {
+    /// Tensor cores multiply bf16 at several times the f32 rate.
+    fn native_bf16(&self) -> bool {
+        true
+    }
     /// f32 × f32 → f32 with `cublasSgemm`; bf16 × bf16 → f32 or bf16 with `cublasGemmEx`,
     /// accumulating in f32 (FSDP2's mixed precision). With `g.bf16_inputs`, f32 operands are
     /// cast to bf16 first (`with_bf16_operands`).
@@ -449,8 +471,29 @@ impl Blas for CudaBackend {
         }
     }
     /// f32: `cublasSsyrk` on one triangle, then mirrored by a kernel that also adds the
-    /// diagonal term (about half a GEMM's multiply-adds); other dtypes as a full GEMM.
+    /// diagonal term (about half a GEMM's multiply-adds); bf16 inputs into f32: cuBLAS has no
+    /// bf16 syrk, so a full bf16 × bf16 → f32 `cublasGemmEx` of the operand (cast once) with
+    /// itself, whose lower triangle the same kernel mirrors, so that the result is exactly
+    /// symmetric as the seam promises; other dtypes as a full GEMM.
     fn syrk(&self, mut c: ViewMut, a: View, s: Syrk) {
+        if s.bf16_inputs && c.dtype() == DType::F32 {
+            if s.n == 0 {
+                return;
+            }
+            let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
+            let na = extent(rows, cols, s.lda);
+            let ldc = s.ldc;
+            let g = s.as_gemm();
+            // Both operands the same bf16 view: the GEMM casts nothing more.
+            self.with_bf16_operand(a, na, |a16| Blas::gemm(self, c.reborrow(), a16, a16, g));
+            let pc = place_mut(&mut c);
+            self.launch_u64(
+                "ganymede_mirror_lower_f32",
+                &[pc.addr, s.n as u64, ldc as u64, s.diag.to_bits() as u64],
+                s.n * s.n,
+            );
+            return;
+        }
         let (pc, pa) = (place_mut(&mut c), place(&a));
         if !(pc.dtype == DType::F32 && pa.dtype == DType::F32) {
             assert!(

@@ -35,6 +35,10 @@ const SECTIONS: &[(&str, Section)] = &[
     ("Copies overlap compute", overlap),
     ("GEMM throughput", gemm_throughput),
     (
+        "Newton–Schulz time per matrix size (f32 and bf16 products)",
+        newton_schulz_times,
+    ),
+    (
         "Expert GEMMs: one strided batch against a loop",
         expert_gemms,
     ),
@@ -437,14 +441,23 @@ fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
     }
     // Syrk (Newton–Schulz's X·Xᵀ): cublasSsyrk on one triangle plus the mirror kernel (which
     // also adds the diagonal term), both triangles against the CPU's, with beta reading a
-    // symmetric C.
-    for &(n, k, trans) in &[
-        (96usize, 64usize, false),
-        (77, 130, true),
-        (256, 512, false),
+    // symmetric C; with bf16 inputs (`optimizer.ns_dtype`), a full bf16 GemmEx then the same
+    // mirror kernel, against the CPU on the same rounded operand.
+    for &(n, k, trans, bf16) in &[
+        (96usize, 64usize, false, false),
+        (77, 130, true, false),
+        (256, 512, false, false),
+        (96, 64, false, true),
+        (77, 130, true, true),
+        (256, 512, false, true),
     ] {
         let s0 = Syrk::new(n, k, trans);
-        let s = s0.alpha(0.5).beta(1.0).diag(-1.25).ld(s0.lda + 3, s0.ldc + 2);
+        let s = s0
+            .alpha(0.5)
+            .beta(1.0)
+            .diag(-1.25)
+            .ld(s0.lda + 3, s0.ldc + 2)
+            .bf16_inputs(bf16);
         let rows = if trans { k } else { n };
         let a = values(rows * s.lda, 50 + n as u64);
         let r = values(n * s.ldc, 60 + n as u64);
@@ -464,7 +477,8 @@ fn gemm_parity(be: &CudaBackend) -> Result<String, String> {
         let e = rel_err(&got, &want);
         let _ = writeln!(
             md,
-            "| {n} | {n} | {k} | syrk {trans} | 3/2 | f32 | {e:.1e} |"
+            "| {n} | {n} | {k} | syrk {trans} | 3/2 | {} | {e:.1e} |",
+            if bf16 { "bf16→f32" } else { "f32" }
         );
         ensure(e < 1e-4, || format!("syrk {s:?}: relative error {e:e}"))?;
         for x in 0..n {
@@ -544,6 +558,51 @@ fn gemm_throughput(be: &CudaBackend) -> Result<String, String> {
         "\nB transposed (`x·Wᵀ`, the model's linear layers); f32 is cuBLAS's default math \
                  (no TF32).\n",
     );
+    Ok(md)
+}
+
+/// Newton–Schulz (5 steps, as Muon runs it) at square sizes and the write-up's expert shape
+/// (1,792 × 6,144), with f32 and with bf16 products (`optimizer.ns_dtype`; `auto` is bf16 here):
+/// median device ms of 5 calls each, and how far bf16's result is from f32's. The CPU tests hold
+/// bf16 NS to the same band of singular values as f32; here a deviation beyond 20% of the
+/// entries' rms means something other than operand rounding. By the FLOP count (4096², f32, at
+/// ~50 TFLOP/s: ~40 ms a call, 6 calls) well under 2 s of GPU time in all; not yet run.
+fn newton_schulz_times(be: &CudaBackend) -> Result<String, String> {
+    use super::launcher::CudaLauncher;
+    use crate::kernel_backend::KernelBackend;
+    use crate::ops::{KernelOps, Tuning};
+    use ganymede_optim::{ns_timings, ns_timings_markdown};
+    // The whole seam (NS normalises with a kernel), on this backend's context and streams.
+    let tuning = Tuning::for_device(be.compute_major());
+    let full = KernelBackend::new(
+        KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
+        be.clone(),
+    );
+    let shapes = [
+        (256, 256),
+        (1024, 1024),
+        (2048, 2048),
+        (4096, 4096),
+        (1792, 6144),
+    ];
+    let rows = ns_timings(&full, &shapes, 5, 5);
+    let mut md = ns_timings_markdown(&rows);
+    md.push_str(
+        "\nMedian of 5 calls after a warm-up, each on a fresh copy of the input, timed by \
+         events on the compute stream; TFLOP/s counts every product as a full GEMM \
+         (`ns_flops`). f32 is cuBLAS's default math (no TF32).\n",
+    );
+    for t in &rows {
+        ensure(t.f32_ms.is_finite() && t.bf16_ms.is_finite(), || {
+            format!("{}×{}: no time measured", t.rows, t.cols)
+        })?;
+        ensure(t.max_dev < 0.2 * t.rms, || {
+            format!(
+                "{}×{}: bf16 differs from f32 by {:.3e}, entries' rms {:.3e}\n\n{md}",
+                t.rows, t.cols, t.max_dev, t.rms
+            )
+        })?;
+    }
     Ok(md)
 }
 

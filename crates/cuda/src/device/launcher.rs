@@ -122,6 +122,9 @@ impl Gemms for CudaBackend {
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         Blas::syrk(self, c, a, s)
     }
+    fn native_bf16(&self) -> bool {
+        Blas::native_bf16(self)
+    }
     /// One `cublasGemmGroupedBatchedEx` for all groups (the experts' GEMMs); with
     /// `GANYMEDE_CUDA_GROUPED=loop`, one GEMM per group instead (what the device check measures
     /// the grouped call against).

@@ -85,6 +85,9 @@ impl Blas for CountingReads {
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         self.be.syrk(c, a, s)
     }
+    fn native_bf16(&self) -> bool {
+        self.be.native_bf16()
+    }
     fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
         self.be.axpy(y, alpha, x)
     }
