@@ -331,9 +331,9 @@ fn syrk_strip(n: usize) -> usize {
 /// product a full GEMM computes; strips run on rayon's threads above a size.
 pub fn syrk_host<S: GemmScalar>(c: &mut [S], a: &[S], s: Syrk) {
     // Measured (BENCHMARKS.md, "Newton–Schulz without copies"): at n = 256 the 8×8 kernel's
-    // smaller diagonal tiles win (0.209 against 0.219 ms at k = 256, 0.91 against 1.27 ms at
-    // k = 1024); from n = 512 the GEMM's 6×16 kernel does (1.85 against 1.94 ms at 512², 14.5
-    // against 20.0 ms at 1024²).
+    // smaller diagonal tiles win (best of 400 at k = 256: 0.208–0.213 against 0.219–0.230 ms);
+    // from n = 512 the GEMM's 6×16 kernel does (1.98 / 1.85 against 2.65 / 1.94 ms at 512²,
+    // 18.2 / 14.5 against 22.1 / 20.0 ms at 1024², two runs each).
     let path = match syrk_avx2::forced() {
         Some(own_8x8) if own_8x8 => SyrkPath::Packed8x8,
         Some(_) => SyrkPath::Packed,
