@@ -588,6 +588,15 @@ struct OffloadRun {
 /// the two-memory backend in checking mode (an unordered access panics). Two steps run, so the
 /// second's forward reuses slots and host copies the first's backward fetched from.
 fn offload_run(n_off: usize, fault: Option<OffloadFault>) -> OffloadRun {
+    offload_run_at(n_off, fault, ganymede_config::ComputeDtype::F32)
+}
+
+/// [`offload_run`] at a compute dtype.
+fn offload_run_at(
+    n_off: usize,
+    fault: Option<OffloadFault>,
+    dtype: ganymede_config::ComputeDtype,
+) -> OffloadRun {
     let mut c = cfg(true, true, true, false);
     c.layers = 5;
     let ledger = Arc::new(Ledger::new());
@@ -596,7 +605,7 @@ fn offload_run(n_off: usize, fault: Option<OffloadFault>) -> OffloadRun {
         checking: true,
     };
     let be = CpuBackend::two_memory(ledger.clone(), opts);
-    let model = Model::new(&c);
+    let model = Model::new(&c).with_compute_dtype(dtype);
     let params = random_params(&be, &model, 3);
     let mut ws = Workspace::with_offload(&be, &model, 2, c.seq_len, AcMode::Full, n_off);
     assert_eq!(ws.offloaded(), n_off);
@@ -635,31 +644,48 @@ fn offload_run(n_off: usize, fault: Option<OffloadFault>) -> OffloadRun {
     }
 }
 
+/// At f32 and bf16 compute: the same results whatever is offloaded, and both memories' peaks
+/// equal to [`activation_bytes_offloaded`]. Under bf16 the boundaries stay f32: the host's
+/// share is 4 bytes an element, as at f32.
 #[test]
 fn activation_offload_is_exact_ordered_and_accounted() {
-    let base = offload_run(0, None);
+    use ganymede_config::ComputeDtype;
     let c = {
         let mut c = cfg(true, true, true, false);
         c.layers = 5;
         c
     };
-    for n_off in 1..=c.layers {
-        let r = offload_run(n_off, None);
-        assert_eq!(r.losses, base.losses, "losses with {n_off} offloaded");
-        assert!(
-            r.grads == base.grads,
-            "gradients differ with {n_off} offloaded"
-        );
-        let (dev, host) = activation_bytes_offloaded(&c, 2, c.seq_len, n_off);
+    let mut f32_device = vec![];
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        let bf16 = dtype == ComputeDtype::Bf16;
+        let base = offload_run_at(0, None, dtype);
         assert_eq!(
-            (r.device, r.host),
-            (dev, host),
-            "ledger peaks with {n_off} offloaded"
+            base.device,
+            activation_bytes_offloaded(&c, 2, c.seq_len, 0, bf16).0
         );
-        let boundary = 4 * (2 * c.seq_len * c.hidden) as u64;
-        assert_eq!(host, n_off as u64 * boundary);
-        // Kept boundaries plus at most two slots: below the no-offload workspace from 3 on.
-        assert_eq!(base.device + n_off.min(2) as u64 * boundary, dev + host);
+        for n_off in 1..=c.layers {
+            let r = offload_run_at(n_off, None, dtype);
+            let what = format!("{dtype:?}, {n_off} offloaded");
+            assert_eq!(r.losses, base.losses, "losses, {what}");
+            assert!(r.grads == base.grads, "gradients differ, {what}");
+            let (dev, host) = activation_bytes_offloaded(&c, 2, c.seq_len, n_off, bf16);
+            assert_eq!((r.device, r.host), (dev, host), "ledger peaks, {what}");
+            let boundary = 4 * (2 * c.seq_len * c.hidden) as u64;
+            assert_eq!(host, n_off as u64 * boundary, "{what}");
+            // Kept boundaries plus at most two slots: below the no-offload workspace from 3 on.
+            assert_eq!(
+                base.device + n_off.min(2) as u64 * boundary,
+                dev + host,
+                "{what}"
+            );
+            if bf16 {
+                // Under full checkpointing the one set's bf16 v, q, k and output save what
+                // the scratch's four bf16 gradients add, so the device's share is f32's too.
+                assert_eq!(r.device, f32_device[n_off - 1], "{what}");
+            } else {
+                f32_device.push(r.device);
+            }
+        }
     }
 }
 

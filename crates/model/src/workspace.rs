@@ -346,16 +346,20 @@ pub fn activation_bytes_bf16(cfg: &ModelConfig, batch: usize, seq: usize, mode: 
     plan_bytes(plan(cfg, batch * seq, mode, 0, true).iter(), true)
 }
 
-/// [`activation_bytes`] split by memory with the first `offloaded` block inputs in host memory
-/// (`AcMode::Full` only): (device bytes, host bytes).
+/// [`activation_bytes`] (or [`activation_bytes_bf16`] under `bf16`) split by memory with the
+/// first `offloaded` block inputs in host memory (`AcMode::Full` only): (device bytes, host
+/// bytes). The boundaries are f32 under bf16 compute too (the residual stream is summed in
+/// f32, and a step's results must not depend on how many are offloaded), so the host's share
+/// is the same at either compute dtype; only the device's workspace shrinks.
 pub fn activation_bytes_offloaded(
     cfg: &ModelConfig,
     batch: usize,
     seq: usize,
     offloaded: usize,
+    bf16: bool,
 ) -> (u64, u64) {
-    let p = plan(cfg, batch * seq, AcMode::Full, offloaded, false);
-    let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), false);
+    let p = plan(cfg, batch * seq, AcMode::Full, offloaded, bf16);
+    let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), bf16);
     (sum(false), sum(true))
 }
 

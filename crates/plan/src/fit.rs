@@ -16,7 +16,8 @@
 //!    - activation offload (`activation_checkpoint.offload_fraction` f, only under
 //!      `mode = "full"`): with n = `offloaded_layers(f, L)` > 0, the block inputs (residual
 //!      boundaries) 0..n are in pinned host memory (`activations` on `host`, n·N·H f32, N the
-//!      rank's tokens); the device keeps the other L + 1 − n boundaries plus min(n, 2) pool
+//!      rank's tokens; f32 under bf16 compute too, as the model keeps its residual stream);
+//!      the device keeps the other L + 1 − n boundaries plus min(n, 2) pool
 //!      slots of N·H f32 (prefetch and write-back). Offloading one or two layers therefore
 //!      saves nothing.
 //!    - optimizer offload (`optimizer.offload = true`): the optimizer state (the rank's
@@ -192,6 +193,8 @@ fn place(
     };
     if n_off > 0 {
         let tokens = job.training.batch_size / ranks.max(1) * m.seq_len;
+        // f32 at either compute dtype: the model sums its residual stream in f32 and offloads
+        // it as it is (`ganymede_model::activation_bytes_offloaded`).
         let boundary = 4.0 * (tokens * m.hidden) as f64;
         host.activations += n_off as f64 * boundary;
         device.activations += (n_off.min(2) as f64 - n_off as f64) * boundary;
