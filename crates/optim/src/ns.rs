@@ -223,7 +223,7 @@ pub fn ns_bf16(ns_dtype: ganymede_config::NsDtype, be: &dyn Backend) -> bool {
 }
 
 /// FLOPs of one [`newton_schulz`] call counted as plain GEMMs: per step `2·s²·l` for A, `2·s³`
-/// for A·A and `2·s²·l` for B·X. (The symmetric products of A and A·A do about half of theirs;
+/// for A·A and `2·s²·l` for P·X. (The symmetric products of A and A·A do about half of theirs;
 /// rates quoted against this count are GEMM-equivalent.)
 pub fn ns_flops(rows: usize, cols: usize, steps: usize) -> u64 {
     let (s, l) = (rows.min(cols) as u64, rows.max(cols) as u64);

@@ -178,9 +178,8 @@ impl Gemm {
 }
 
 /// Shape of one symmetric rank-k product: `C[n,n] = alpha * op(A)·op(A)ᵀ + beta * C + diag * I`,
-/// with
-/// `op(A) = A` stored `[n, k]` (`A·Aᵀ`), or `op(A) = Aᵀ` with A stored `[k, n]` (`Aᵀ·A`) when
-/// `trans`. Row-major with leading dimensions, as [`Gemm`]. The result is symmetric, so a
+/// with `op(A) = A` stored `[n, k]` (`A·Aᵀ`), or `op(A) = Aᵀ` with A stored `[k, n]` (`Aᵀ·A`)
+/// when `trans`. Row-major with leading dimensions, as [`Gemm`]. The result is symmetric, so a
 /// backend may compute one triangle and mirror it: when `beta != 0`, C must hold a symmetric
 /// matrix on entry (only its lower triangle is guaranteed to be read). On return both triangles
 /// hold the result, bitwise mirrored.

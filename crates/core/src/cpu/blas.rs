@@ -7,7 +7,7 @@
 use super::{gemm_avx2, syrk_avx2, CpuBackend, PAR_MIN};
 use crate::backend::{Blas, Gemm, Memory, Syrk};
 use crate::ledger::Category;
-use crate::tensor::{DType, Scalar, View, ViewMut};
+use crate::tensor::{DType, Scalar, Tensor, View, ViewMut};
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a GEMM runs on one thread.
@@ -160,8 +160,7 @@ impl GemmScalar for f32 {
             return false;
         }
         if gemm_avx2::available() && !own_8x8 {
-            let parallel = true;
-            gemm_avx2::syrk_lower(n, k, alpha, (a.as_ptr(), rsa, csa), beta, c, ldc, parallel);
+            gemm_avx2::syrk_lower(n, k, alpha, (a.as_ptr(), rsa, csa), beta, c, ldc);
         } else {
             syrk_avx2::syrk_lower(n, k, alpha, beta, a, rsa, csa, c, ldc);
         }
@@ -567,17 +566,21 @@ impl CpuBackend {
         f: impl FnOnce(View, View),
     ) {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        for (slot, len) in slots.iter_mut().zip([a.len(), b.len()]) {
-            if slot.as_ref().is_none_or(|t| t.len() < len) {
-                *slot = None; // free before allocating, so the ledger's peak sees one of them
-                *slot = Some(self.zeros_of(&[len], DType::F32, Category::Buffers));
-            }
-        }
         let [sa, sb] = &mut *slots;
-        let (sa, sb) = (sa.as_mut().unwrap(), sb.as_mut().unwrap());
-        round_into(sa.view_mut().host::<f32>(), a, na.min(a.len()));
-        round_into(sb.view_mut().host::<f32>(), b, nb.min(b.len()));
+        self.round_into_slot(sa, a, na);
+        self.round_into_slot(sb, b, nb);
+        let (sa, sb) = (sa.as_ref().unwrap(), sb.as_ref().unwrap());
         f(sa.slice(0, a.len()), sb.slice(0, b.len()))
+    }
+
+    /// `n` values of `v` rounded to bf16 into `slot`, grown to `v.len()` first if short.
+    fn round_into_slot(&self, slot: &mut Option<Tensor>, v: View, n: usize) {
+        if slot.as_ref().is_none_or(|t| t.len() < v.len()) {
+            *slot = None; // free before allocating, so the ledger's peak sees one of them
+            *slot = Some(self.zeros_of(&[v.len()], DType::F32, Category::Buffers));
+        }
+        let t = slot.as_mut().unwrap();
+        round_into(t.view_mut().host::<f32>(), v, n.min(v.len()));
     }
 
     /// [`Self::with_bf16_operands`] for the one operand of a symmetric product: rounded once,
@@ -589,14 +592,8 @@ impl CpuBackend {
     /// time in bf16 on a backend without native bf16 ([`Blas::native_bf16`]).
     fn with_bf16_operand(&self, a: View, na: usize, f: impl FnOnce(View)) {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = &mut slots[0];
-        if slot.as_ref().is_none_or(|t| t.len() < a.len()) {
-            *slot = None; // free before allocating, as above
-            *slot = Some(self.zeros_of(&[a.len()], DType::F32, Category::Buffers));
-        }
-        let sa = slot.as_mut().unwrap();
-        round_into(sa.view_mut().host::<f32>(), a, na.min(a.len()));
-        f(sa.slice(0, a.len()))
+        self.round_into_slot(&mut slots[0], a, na);
+        f(slots[0].as_ref().unwrap().slice(0, a.len()))
     }
 }
 

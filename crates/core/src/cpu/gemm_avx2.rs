@@ -148,7 +148,7 @@ pub unsafe fn gemm(
 /// `a[i·rsa + p·csa]`) by the GEMM's kernel, skipping every 6×16 tile above the diagonal: about
 /// half the product's multiply-adds, at the GEMM's rate (the 16-column panels of `op(A)ᵀ` are
 /// packed once per block of k, as for any `op(B)`). Tiles that cross the diagonal also write
-/// some of the upper triangle, which the caller overwrites by mirroring. With `parallel`,
+/// some of the upper triangle, which the caller overwrites by mirroring. Above a size, rayon's
 /// threads take row bands of equal triangle area.
 ///
 /// # Safety
@@ -162,11 +162,10 @@ pub unsafe fn syrk_lower(
     beta: f32,
     c: *mut f32,
     ldc: usize,
-    parallel: bool,
 ) {
     let (opa, opb) = ((a, rsa, csa), (a, csa, rsa));
     let threads = rayon::current_num_threads();
-    if !(parallel && threads > 1 && n * n * k / 2 >= PAR_MIN) {
+    if threads == 1 || n * n * k / 2 < PAR_MIN {
         return gemm_impl(n, n, k, alpha, opa, opb, beta, c, ldc, false, Some(0));
     }
     // Row band t of T ends at n·√(t/T) (so each holds ~1/T of the triangle), rounded to whole

@@ -322,16 +322,9 @@ impl CudaBackend {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let [sa, sb] = &mut *slots;
         for (slot, v, n) in [(&mut *sa, a, na), (&mut *sb, b, nb)] {
-            if v.dtype() == DType::BF16 {
-                continue;
+            if v.dtype() != DType::BF16 {
+                self.cast_into_slot(slot, v, n);
             }
-            if slot.as_ref().is_none_or(|t| t.len() < v.len()) {
-                *slot = None; // free first: the ledger's peak holds one of them
-                *slot = Some(self.zeros_of(&[v.len()], DType::BF16, Category::Buffers));
-            }
-            let n = n.min(v.len());
-            let t = slot.as_mut().unwrap();
-            Blas::cast(self, t.slice_mut(0, n), v.slice(0, n));
         }
         let va = match (a.dtype(), sa.as_ref()) {
             (DType::BF16, _) | (_, None) => a,
@@ -351,15 +344,19 @@ impl CudaBackend {
             return f(a);
         }
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = &mut slots[0];
-        if slot.as_ref().is_none_or(|t| t.len() < a.len()) {
-            *slot = None; // free first, as above
-            *slot = Some(self.zeros_of(&[a.len()], DType::BF16, Category::Buffers));
+        self.cast_into_slot(&mut slots[0], a, na);
+        f(slots[0].as_ref().unwrap().slice(0, a.len()))
+    }
+
+    /// `n` values of `v` cast to bf16 into `slot`, grown to `v.len()` first if short.
+    fn cast_into_slot(&self, slot: &mut Option<Tensor>, v: View, n: usize) {
+        if slot.as_ref().is_none_or(|t| t.len() < v.len()) {
+            *slot = None; // free first: the ledger's peak holds one of them
+            *slot = Some(self.zeros_of(&[v.len()], DType::BF16, Category::Buffers));
         }
+        let n = n.min(v.len());
         let t = slot.as_mut().unwrap();
-        let n = na.min(a.len());
-        Blas::cast(self, t.slice_mut(0, n), a.slice(0, n));
-        f(t.slice(0, a.len()))
+        Blas::cast(self, t.slice_mut(0, n), v.slice(0, n));
     }
 }
 
