@@ -13,6 +13,9 @@ pub struct ExpertsIo<'a> {
     /// Expert hidden size and model width.
     pub f: usize,
     pub h: usize,
+    /// Experts each token picks (distinct ones): bounds the rows an expert-parallel owner can
+    /// receive.
+    pub top_k: usize,
     pub params: &'a ParamStore,
     /// Indices of the stacked gate, up and down weights in `params` (and in the gradients).
     pub gate: usize,
@@ -104,7 +107,14 @@ impl ExpertExecutor for LocalExperts {
         });
         be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
         be.gemm_grouped(u.reborrow(), xe, wu.view(), &gs);
-        be.swiglu_forward(a.reborrow(), g.as_view(), u.as_view());
+        // The views may be longer than the routed rows (an expert-parallel owner's buffers are
+        // sized for the most it can receive): the element-wise op covers the rows only.
+        let n = io.offsets.last().copied().unwrap_or(0) * f;
+        be.swiglu_forward(
+            a.reborrow().slice(0, n),
+            g.as_view().slice(0, n),
+            u.as_view().slice(0, n),
+        );
         let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
             (
                 Gemm::new(c, h, f, false, true).bf16_inputs(io.bf16),
@@ -158,7 +168,15 @@ impl ExpertExecutor for LocalExperts {
             (gm, r0 * h, r0 * f, ex * h * f)
         });
         be.gemm_grouped(grads.get_mut(io.down).view_mut(), dye, a, &gs);
-        be.swiglu_backward(dg.reborrow(), du.reborrow(), da.as_view(), g, u);
+        // Routed rows only, as in the forward.
+        let n = off.last().copied().unwrap_or(0) * f;
+        be.swiglu_backward(
+            dg.reborrow().slice(0, n),
+            du.reborrow().slice(0, n),
+            da.as_view().slice(0, n),
+            g.slice(0, n),
+            u.slice(0, n),
+        );
         // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
         let gs = expert_groups(off, cnt, |r0, c, ex| {
             (

@@ -10,8 +10,12 @@
 //! layer's forward for its backward (`Activations`) is held only while a backward will read it:
 //! under full activation checkpointing the model discards it after each forward and the
 //! backward's recompute makes it again, so one layer's worth is alive at a time, as for every
-//! other block internal. Sets of buffers are pooled and grow only when a step routes more rows
-//! to this rank than any before, so steady-state steps allocate nothing.
+//! other block internal. Sets of buffers are pooled, and each is sized in the first step for the
+//! most rows the rank can receive ([`capacity_rows`]), not for the rows that step routed: the
+//! routing changes every step, and a buffer sized to what was seen would grow whenever a later
+//! step sent this rank more. So after the first step no step allocates. The GEMMs are handed
+//! views of the whole capacity (they read the routed rows only) so that a backend's bf16 cast
+//! scratch, sized by the views, is fixed in the first step as well.
 
 use ganymede_core::{Backend, Category, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::{Phase, ProcessGroup};
@@ -19,7 +23,9 @@ use ganymede_model::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// A pooled tensor that is reallocated, larger, only when asked for more than it holds.
+/// A pooled tensor that is reallocated, larger, only when asked for more than it holds (a
+/// rank's token count is the same every training step, so only a differently shaped call such
+/// as an evaluation with another batch can do that).
 struct Grow {
     t: Option<Tensor>,
     category: Category,
@@ -34,8 +40,7 @@ impl Grow {
         if self.t.as_ref().is_none_or(|t| t.len() < n) {
             // Drop first, so the ledger's peak does not count both.
             self.t = None;
-            // A quarter of headroom: routing varies from step to step.
-            self.t = Some(be.zeros(&[n + n / 4], self.category));
+            self.t = Some(be.zeros(&[n], self.category));
         }
         self.t.as_mut().unwrap()
     }
@@ -72,6 +77,8 @@ struct Saved {
     recv: Vec<Vec<usize>>,
     /// Rows sent to each ep rank.
     send_rows: Vec<usize>,
+    /// [`capacity_rows`] of the forward: the length of the views the experts get.
+    cap: usize,
     bufs: Kept,
 }
 
@@ -97,6 +104,15 @@ pub struct EpExperts {
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("{what}: {e}")
+}
+
+/// The most rows this rank's `el` experts can receive in one layer: each of the `ep` ranks'
+/// tokens picks `top_k` distinct experts, so at most min(top_k, el) of a token's rows come
+/// here. Every rank holds as many tokens as this one (the same batch shape), which sends
+/// `sent` rows, `top_k` per token. Up to `ep` times the rows of an even routing: the price of
+/// never growing a buffer later.
+fn capacity_rows(ep: usize, el: usize, sent: usize, top_k: usize) -> usize {
+    ep * (sent / top_k.max(1)) * top_k.min(el)
 }
 
 /// Counts of local experts and their offsets in expert-major order.
@@ -199,12 +215,17 @@ impl ExpertExecutor for EpExperts {
         let send_rows: Vec<usize> = io.counts.chunks(el).map(|c| c.iter().sum()).collect();
         let recv_rows: Vec<usize> = recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
+        let cap = capacity_rows(ep, el, io.counts.iter().sum(), io.top_k);
+        assert!(
+            rows <= cap,
+            "expert parallelism: {rows} rows received, at most {cap} expected"
+        );
         // A previous forward of this layer whose backward never came (an aborted step) frees
         // its set first.
         self.discard(io.layer);
         let mut k = self.free.pop().unwrap_or_else(Kept::new);
-        let (xn, fnn) = (rows * h, rows * f);
-        self.scratch.wire.at_least(be, xn);
+        let (xn, xc, fc) = (rows * h, cap * h, cap * f);
+        self.scratch.wire.at_least(be, xc);
         let ep_g = self.ep.as_ref();
         a2a(
             ep_g,
@@ -215,7 +236,7 @@ impl ExpertExecutor for EpExperts {
             h,
             Phase::A2aDispatch,
         );
-        k.xe.at_least(be, xn);
+        k.xe.at_least(be, xc);
         reorder(
             be,
             &recv,
@@ -225,9 +246,9 @@ impl ExpertExecutor for EpExperts {
             k.xe.view_mut(xn),
         );
         for g in [&mut k.g, &mut k.u, &mut k.a] {
-            g.at_least(be, fnn);
+            g.at_least(be, fc);
         }
-        self.scratch.y.at_least(be, xn);
+        self.scratch.y.at_least(be, xc);
         let (counts, offsets) = local_layout(&recv);
         let lio = ExpertsIo {
             counts: &counts,
@@ -239,11 +260,11 @@ impl ExpertExecutor for EpExperts {
             be,
             &lio,
             ExpertsFwdBufs {
-                xe: xe.view(xn),
-                g: g.view_mut(fnn),
-                u: u.view_mut(fnn),
-                a: a.view_mut(fnn),
-                ye: self.scratch.y.view_mut(xn),
+                xe: xe.view(xc),
+                g: g.view_mut(fc),
+                u: u.view_mut(fc),
+                a: a.view_mut(fc),
+                ye: self.scratch.y.view_mut(xc),
             },
         );
         let Scratch { wire, y, .. } = &mut self.scratch;
@@ -262,6 +283,7 @@ impl ExpertExecutor for EpExperts {
             Saved {
                 recv,
                 send_rows,
+                cap,
                 bufs: k,
             },
         );
@@ -287,7 +309,7 @@ impl ExpertExecutor for EpExperts {
             .expect("expert-parallel backward without its forward");
         let recv_rows: Vec<usize> = s.recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
-        let (xn, fnn) = (rows * h, rows * f);
+        let (xn, (xc, fc)) = (rows * h, (s.cap * h, s.cap * f));
         let ep_g = self.ep.as_ref();
         let Scratch {
             wire,
@@ -297,8 +319,8 @@ impl ExpertExecutor for EpExperts {
             du,
             dxe,
         } = &mut self.scratch;
-        wire.at_least(be, xn);
-        y.at_least(be, xn);
+        wire.at_least(be, xc);
+        y.at_least(be, xc);
         // Output gradients travel to the owners (the combine's backward).
         a2a(
             ep_g,
@@ -311,9 +333,9 @@ impl ExpertExecutor for EpExperts {
         );
         reorder(be, &s.recv, h, true, wire.view(xn), y.view_mut(xn));
         for t in [&mut *da, &mut *dg, &mut *du] {
-            t.at_least(be, fnn);
+            t.at_least(be, fc);
         }
-        dxe.at_least(be, xn);
+        dxe.at_least(be, xc);
         let (counts, offsets) = local_layout(&s.recv);
         let lio = ExpertsIo {
             counts: &counts,
@@ -326,15 +348,15 @@ impl ExpertExecutor for EpExperts {
             &lio,
             grads,
             ExpertsBwdBufs {
-                xe: k.xe.view(xn),
-                g: k.g.view(fnn),
-                u: k.u.view(fnn),
-                a: k.a.view(fnn),
-                dye: y.view(xn),
-                da: da.view_mut(fnn),
-                dg: dg.view_mut(fnn),
-                du: du.view_mut(fnn),
-                dxe: dxe.view_mut(xn),
+                xe: k.xe.view(xc),
+                g: k.g.view(fc),
+                u: k.u.view(fc),
+                a: k.a.view(fc),
+                dye: y.view(xc),
+                da: da.view_mut(fc),
+                dg: dg.view_mut(fc),
+                du: du.view_mut(fc),
+                dxe: dxe.view_mut(xc),
             },
         );
         // Input gradients travel back (the dispatch's backward).
