@@ -49,6 +49,20 @@ pub struct ExpertsBwdBufs<'a> {
     pub dxe: ViewMut<'a>,
 }
 
+/// What an executor's fixed row buffers held in the steps since it was last asked
+/// ([`ExpertExecutor::take_use`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowBufferUse {
+    /// Rows the buffers are sized for now.
+    pub capacity: usize,
+    /// Most rows one layer's pass received.
+    pub peak: usize,
+    /// Rows of an even routing (what a rank receives when every expert is equally loaded).
+    pub even: usize,
+    /// Times a pass received more rows than the buffers held, so that they grew.
+    pub regrowths: u64,
+}
+
 /// Runs the routed experts of a MoE layer, forward and backward.
 pub trait ExpertExecutor {
     fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs);
@@ -56,6 +70,11 @@ pub trait ExpertExecutor {
     /// recomputed under full activation checkpointing, or there is no backward). An executor
     /// that keeps its own copy of them (expert parallelism) frees it here.
     fn discard(&mut self, _layer: usize) {}
+    /// The use of the executor's own row buffers since the last call, which starts a new
+    /// count; `None` for one that has none (it works in the block's buffers).
+    fn take_use(&mut self) -> Option<RowBufferUse> {
+        None
+    }
     /// Writes `dxe` and ADDS the weight gradients into `grads`.
     fn backward(
         &mut self,

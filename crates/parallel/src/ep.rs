@@ -10,22 +10,26 @@
 //! layer's forward for its backward (`Activations`) is held only while a backward will read it:
 //! under full activation checkpointing the model discards it after each forward and the
 //! backward's recompute makes it again, so one layer's worth is alive at a time, as for every
-//! other block internal. Sets of buffers are pooled, and each is sized in the first step for the
-//! most rows the rank can receive ([`capacity_rows`]), not for the rows that step routed: the
-//! routing changes every step, and a buffer sized to what was seen would grow whenever a later
-//! step sent this rank more. So after the first step no step allocates. The GEMMs are handed
-//! views of the whole capacity (they read the routed rows only) so that a backend's bf16 cast
-//! scratch, sized by the views, is fixed in the first step as well.
+//! other block internal. Sets of buffers are pooled and sized for a capacity of rows, not for
+//! the rows a step routed: the routing changes every step, and buffers sized to what was seen
+//! would grow whenever a later step sent this rank more. The capacity is
+//! `parallelism.ep_capacity_factor` times an even routing's rows, capped at the most the rank
+//! can receive ([`capacity_rows`]), set in the first step. A pass that receives more grows it
+//! (to a quarter above what came), counted in [`RowBufferUse`] so the trainer can say so; the
+//! pooled sets catch up when next used, so a regrowth's allocations end by the next step.
+//! Otherwise no step after the first allocates. The GEMMs are handed views of the whole
+//! capacity (they read the routed rows only) so that a backend's bf16 cast scratch, sized by
+//! the views, is fixed with it.
 
 use ganymede_core::{Backend, Category, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::{Phase, ProcessGroup};
-use ganymede_model::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
+use ganymede_model::{
+    ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts, RowBufferUse,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// A pooled tensor that is reallocated, larger, only when asked for more than it holds (a
-/// rank's token count is the same every training step, so only a differently shaped call such
-/// as an evaluation with another batch can do that).
+/// A pooled tensor that is reallocated, larger, only when asked for more than it holds.
 struct Grow {
     t: Option<Tensor>,
     category: Category,
@@ -77,7 +81,7 @@ struct Saved {
     recv: Vec<Vec<usize>>,
     /// Rows sent to each ep rank.
     send_rows: Vec<usize>,
-    /// [`capacity_rows`] of the forward: the length of the views the experts get.
+    /// The capacity at the forward: the length of the views the experts get.
     cap: usize,
     bufs: Kept,
 }
@@ -96,6 +100,10 @@ struct Scratch {
 
 pub struct EpExperts {
     ep: Arc<dyn ProcessGroup>,
+    /// `parallelism.ep_capacity_factor`.
+    factor: f64,
+    /// Rows the buffers are sized for (0 before the first forward), and their use.
+    rows: RowBufferUse,
     saved: HashMap<usize, Saved>,
     /// Buffer sets not holding any layer, for the next forward.
     free: Vec<Kept>,
@@ -106,13 +114,14 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("{what}: {e}")
 }
 
-/// The most rows this rank's `el` experts can receive in one layer: each of the `ep` ranks'
-/// tokens picks `top_k` distinct experts, so at most min(top_k, el) of a token's rows come
-/// here. Every rank holds as many tokens as this one (the same batch shape), which sends
-/// `sent` rows, `top_k` per token. Up to `ep` times the rows of an even routing: the price of
-/// never growing a buffer later.
-fn capacity_rows(ep: usize, el: usize, sent: usize, top_k: usize) -> usize {
-    ep * (sent / top_k.max(1)) * top_k.min(el)
+/// (capacity, most) rows for this rank's `el` experts in one layer. Every rank holds as many
+/// tokens as this one (the same batch shape), which sends `sent` rows, `top_k` per token; under
+/// an even routing it receives as many. Each token picks `top_k` distinct experts, so at most
+/// min(top_k, el) of a token's rows can come here, from each of the `ep` ranks: the most, up to
+/// `ep` times the even rows. The capacity is `factor` times the even rows, within the most.
+fn capacity_rows(ep: usize, el: usize, sent: usize, top_k: usize, factor: f64) -> (usize, usize) {
+    let most = ep * (sent / top_k.max(1)) * top_k.min(el);
+    (((sent as f64 * factor).ceil() as usize).min(most), most)
 }
 
 /// Counts of local experts and their offsets in expert-major order.
@@ -156,9 +165,11 @@ fn reorder(
 }
 
 impl EpExperts {
-    pub fn new(ep: Arc<dyn ProcessGroup>) -> Self {
+    pub fn new(ep: Arc<dyn ProcessGroup>, capacity_factor: f64) -> Self {
         EpExperts {
             ep,
+            factor: capacity_factor,
+            rows: RowBufferUse::default(),
             saved: HashMap::new(),
             free: Vec::new(),
             scratch: Scratch {
@@ -215,11 +226,20 @@ impl ExpertExecutor for EpExperts {
         let send_rows: Vec<usize> = io.counts.chunks(el).map(|c| c.iter().sum()).collect();
         let recv_rows: Vec<usize> = recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
-        let cap = capacity_rows(ep, el, io.counts.iter().sum(), io.top_k);
+        let sent = io.counts.iter().sum();
+        let (base, most) = capacity_rows(ep, el, sent, io.top_k, self.factor);
         assert!(
-            rows <= cap,
-            "expert parallelism: {rows} rows received, at most {cap} expected"
+            rows <= most,
+            "expert parallelism: {rows} rows received, at most {most} possible"
         );
+        let r = &mut self.rows;
+        (r.capacity, r.even) = (r.capacity.max(base), sent);
+        if rows > r.capacity {
+            r.capacity = (rows + rows / 4).min(most);
+            r.regrowths += 1;
+        }
+        r.peak = r.peak.max(rows);
+        let cap = r.capacity;
         // A previous forward of this layer whose backward never came (an aborted step) frees
         // its set first.
         self.discard(io.layer);
@@ -287,6 +307,12 @@ impl ExpertExecutor for EpExperts {
                 bufs: k,
             },
         );
+    }
+
+    fn take_use(&mut self) -> Option<RowBufferUse> {
+        let u = self.rows;
+        (self.rows.peak, self.rows.regrowths) = (0, 0);
+        Some(u)
     }
 
     fn discard(&mut self, layer: usize) {

@@ -45,7 +45,7 @@
 //! (f32 receive buffers, or bf16 send and receive buffers), all made once and on the device. Each tensor is drawn whole before its shard is
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
 //! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
-//! (its dispatch buffers, sized for the most rows a rank can receive, have no term here yet):
+//! (its dispatch buffers, sized by `parallelism.ep_capacity_factor`, have no term here yet):
 //! [`predict_memory`] returns `None`.
 //! Blocks of different shapes (`model.dense_layers` > 0) make
 //! the runtime reshape its slots and gradient pool as it walks the schedule, briefly holding

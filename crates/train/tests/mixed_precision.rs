@@ -71,36 +71,6 @@ fn a_bf16_step_after_the_first_allocates_nothing() {
     }
 }
 
-/// Expert parallelism: the rows a rank's experts receive change with the routing every step,
-/// yet after the first step no step allocates (neither the dispatch/combine buffers nor the
-/// bf16 cast scratch of the grouped GEMMs that read them), in f32 and bf16 at ep 2 and 4.
-#[test]
-fn an_expert_parallel_step_after_the_first_allocates_nothing() {
-    let steps = 12;
-    for dtype in ["f32", "bf16"] {
-        for (ranks, ep) in [(2, 2), (4, 2), (4, 4)] {
-            let cfg = tiny(
-                steps,
-                &[
-                    &format!("training.compute_dtype={dtype}"),
-                    &format!("parallelism.dp_shard={ranks}"),
-                    &format!("parallelism.ep={ep}"),
-                ],
-            );
-            let n = common::allocs_per_step(&cfg, ranks, steps);
-            println!("{dtype}, {ranks} ranks, ep {ep}: allocations per step per rank {n:?}");
-            for (r, per_step) in n.iter().enumerate() {
-                assert!(per_step[0] > 0, "rank {r}: the first step made nothing?");
-                assert_eq!(
-                    per_step[1..],
-                    vec![0; steps - 1],
-                    "{dtype}, {ranks} ranks, ep {ep}, rank {r}: allocations per step"
-                );
-            }
-        }
-    }
-}
-
 /// The cast scratch is on the ledger as buffers, and the planner predicts its bytes (the
 /// bf16 run with f32 weights, so that the scratch is the only difference).
 #[test]
