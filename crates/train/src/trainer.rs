@@ -621,27 +621,25 @@ fn write_memory(
     quiet: bool,
 ) -> Result<()> {
     let report = st.be.ledger().report();
-    let predicted: Option<metrics::Predicted> =
-        ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n).map(|p| {
-            let mut out = metrics::Predicted::default();
-            for (dev, cats, peak) in [
-                (Device::Gpu(0), &p.device, p.device_peak),
-                (Device::Host, &p.host, p.host_peak),
-            ] {
-                if dev == Device::Gpu(0) && peak == 0.0 {
-                    continue;
-                }
-                for (name, bytes) in cats.entries() {
-                    let c = *CATEGORIES
-                        .iter()
-                        .find(|c| c.name() == name)
-                        .expect("the planner's categories are the ledger's");
-                    out.categories.push((dev, c, bytes as u64));
-                }
-                out.totals.push((dev, peak as u64));
-            }
-            out
-        });
+    let p = ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n);
+    let mut predicted = metrics::Predicted::default();
+    for (dev, cats, peak) in [
+        (Device::Gpu(0), &p.device, p.device_peak),
+        (Device::Host, &p.host, p.host_peak),
+    ] {
+        if dev == Device::Gpu(0) && peak == 0.0 {
+            continue;
+        }
+        for (name, bytes) in cats.entries() {
+            let c = *CATEGORIES
+                .iter()
+                .find(|c| c.name() == name)
+                .expect("the planner's categories are the ledger's");
+            predicted.categories.push((dev, c, bytes as u64));
+        }
+        predicted.totals.push((dev, peak as u64));
+    }
+    let predicted = Some(predicted);
     let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, predicted.as_ref()))?;
     checkpoint::write_atomic(&run_dir.join("memory.json"), mem.as_bytes())?;
     if !quiet {

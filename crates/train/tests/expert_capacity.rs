@@ -231,3 +231,63 @@ fn routing_past_the_capacity_grows_the_buffers_and_says_so() {
         "metrics.jsonl's regrowths against the ranks' counts"
     );
 }
+
+/// The planner's prediction of an expert-parallel run, per memory and ledger category, against
+/// the ledger's peaks in `memory.json`, to the byte, where the capacity holds the routing (a
+/// factor of `ep`): ep 2 and 4, f32 and bf16 compute, with and without checkpointing, naive
+/// placement, optimizer offload, activation offload and HSDP.
+#[test]
+fn the_planner_predicts_an_expert_parallel_run_to_the_byte() {
+    let cases: &[(usize, usize, &[&str])] = &[
+        (2, 2, &[]),
+        (4, 2, &[]),
+        (4, 4, &["training.compute_dtype=bf16"]),
+        (4, 2, &["activation_checkpoint.mode=none"]),
+        (4, 4, &["parallelism.muon_placement=naive"]),
+        (
+            4,
+            2,
+            &["optimizer.offload=true", "training.compute_dtype=bf16"],
+        ),
+        (4, 2, &["activation_checkpoint.offload_fraction=1"]),
+        (
+            4,
+            2,
+            &["parallelism.dp_replicate=2", "optimizer.name=adamw"],
+        ),
+    ];
+    for &(ranks, ep, extra) in cases {
+        let mut o = vec!["device.kind=cpu-two-memory"];
+        o.extend(extra);
+        let mut c = cfg(2, ranks, ep, ep as f64, &o);
+        c.parallelism.dp_shard = ranks / c.parallelism.dp_replicate;
+        let what = format!("{ranks} ranks, ep {ep}, {extra:?}");
+        let dir = ganymede_train::scratch::run_dir("ep-capacity", "plan");
+        let opts = ganymede_train::trainer::TrainOptions {
+            ranks,
+            out: Some(dir.clone()),
+            quiet: true,
+            ..Default::default()
+        };
+        ganymede_train::trainer::train(&c, None, &opts).unwrap();
+        let mem: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("memory.json")).unwrap())
+                .unwrap();
+        let mut devices = 0;
+        for (dev, d) in mem.as_object().unwrap() {
+            let Some(pred) = d.get("planner_peak_bytes") else {
+                continue;
+            };
+            devices += 1;
+            for cat in ["params", "grads", "optimizer", "activations", "buffers"] {
+                let measured = d["peak_bytes"][cat].as_u64().unwrap_or(0);
+                assert_eq!(measured, pred[cat].as_u64().unwrap(), "{what}: {dev} {cat}");
+            }
+            assert_eq!(
+                d["peak_total_bytes"], d["planner_peak_total_bytes"],
+                "{what}: {dev} total"
+            );
+        }
+        assert!(devices >= 1, "{what}: no prediction in {mem}");
+    }
+}
