@@ -102,7 +102,9 @@ mod tests {
         let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
         // Uniform on [-1, 1): variance 1/3, so the mean's standard deviation is about 0.0018.
         assert!(mean.abs() < 0.01, "mean {mean}");
-        let (lo, hi) = v.iter().fold((1f32, -1f32), |(l, h), &x| (l.min(x), h.max(x)));
+        let (lo, hi) = v
+            .iter()
+            .fold((1f32, -1f32), |(l, h), &x| (l.min(x), h.max(x)));
         assert!(lo < -0.999 && hi > 0.999, "range [{lo}, {hi}]");
         let s = Lcg::new(11).values(1000, 0.25);
         assert!(s.iter().all(|x| (-0.25..0.25).contains(x)));

@@ -78,10 +78,7 @@ fn main() -> anyhow::Result<()> {
             &params,
             &mut grads,
             &mut ws,
-            Tokens {
-                inputs,
-                targets,
-            },
+            Tokens { inputs, targets },
             1.0,
         );
         let t1 = Instant::now();
