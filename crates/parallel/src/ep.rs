@@ -2,8 +2,8 @@
 //! experts `e·E/ep .. (e+1)·E/ep`, the local slice FSDP gathers over the expert-FSDP group).
 //! The block hands over its rows grouped by expert; rows for another rank's experts are
 //! contiguous, so one uneven all-to-all sends each rank its rows. The owner reorders what it
-//! received expert-major, runs its experts with the local executor, and the outputs travel back
-//! the same way. Backward mirrors it: output gradients out, input gradients back, weight
+//! received expert-major (one row gather by a permutation, [`row_orders`]), runs its experts
+//! with the local executor, and the outputs travel back the same way. Backward mirrors it: output gradients out, input gradients back, weight
 //! gradients accumulated on the owner.
 //!
 //! Memory: every buffer is a backend tensor charged to the ledger. What the owner keeps of a
@@ -21,7 +21,7 @@
 //! capacity (they read the routed rows only) so that a backend's bf16 cast scratch, sized by
 //! the views, is fixed with it.
 
-use ganymede_core::{Backend, Category, ParamStore, Tensor, View, ViewMut};
+use ganymede_core::{Backend, Category, DType, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::{Phase, ProcessGroup};
 use ganymede_model::{
     ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts, RowBufferUse,
@@ -33,18 +33,31 @@ use std::sync::Arc;
 struct Grow {
     t: Option<Tensor>,
     category: Category,
+    dtype: DType,
 }
 
 impl Grow {
     fn new(category: Category) -> Self {
-        Grow { t: None, category }
+        Grow {
+            t: None,
+            category,
+            dtype: DType::F32,
+        }
+    }
+    /// Row indices.
+    fn new_u32(category: Category) -> Self {
+        Grow {
+            t: None,
+            category,
+            dtype: DType::U32,
+        }
     }
     /// At least `n` elements (the first `n` are the caller's to use).
     fn at_least(&mut self, be: &dyn Backend, n: usize) -> &mut Tensor {
         if self.t.as_ref().is_none_or(|t| t.len() < n) {
             // Drop first, so the ledger's peak does not count both.
             self.t = None;
-            self.t = Some(be.zeros(&[n], self.category));
+            self.t = Some(be.zeros_of(&[n], self.dtype, self.category));
         }
         self.t.as_mut().unwrap()
     }
@@ -56,12 +69,16 @@ impl Grow {
     }
 }
 
-/// The owner's copy of a layer's expert inputs and internals (expert-major rows).
+/// The owner's copy of a layer's expert inputs and internals (expert-major rows), and the row
+/// orders between the all-to-all's source-major rows and the experts' expert-major ones.
 struct Kept {
     xe: Grow,
     g: Grow,
     u: Grow,
     a: Grow,
+    /// `to_em[i]`: the source-major row that expert-major row `i` is; `to_sm` the inverse.
+    to_em: Grow,
+    to_sm: Grow,
 }
 
 impl Kept {
@@ -71,6 +88,8 @@ impl Kept {
             g: Grow::new(Category::Activations),
             u: Grow::new(Category::Activations),
             a: Grow::new(Category::Activations),
+            to_em: Grow::new_u32(Category::Activations),
+            to_sm: Grow::new_u32(Category::Activations),
         }
     }
 }
@@ -135,33 +154,27 @@ fn local_layout(recv: &[Vec<usize>]) -> (Vec<usize>, Vec<usize>) {
     (counts, offsets)
 }
 
-/// Copy rows between source-major order (as received: per source rank, its rows of each local
-/// expert in order) and expert-major order, `w` elements per row, with backend copies.
-fn reorder(
-    be: &dyn Backend,
-    recv: &[Vec<usize>],
-    w: usize,
-    to_expert_major: bool,
-    src: View,
-    mut dst: ViewMut,
-) {
+/// The row orders between source-major rows (as received: per source rank, its rows of each
+/// local expert in order) and expert-major ones: `(to_em, to_sm)` with `to_em[i]` the
+/// source-major row of expert-major row `i` and `to_sm` its inverse. Each reorder is then one
+/// row gather on the backend (a kernel on a GPU, not a copy per source and expert).
+fn row_orders(recv: &[Vec<usize>]) -> (Vec<u32>, Vec<u32>) {
     let (_, offsets) = local_layout(recv);
+    let rows = offsets.last().copied().unwrap_or(0);
+    let (mut to_em, mut to_sm) = (vec![0u32; rows], vec![0u32; rows]);
     let mut next = offsets;
     let mut pos = 0;
     for r in recv {
         for (le, &c) in r.iter().enumerate() {
-            let (n, em) = (c * w, next[le] * w);
-            if n > 0 {
-                if to_expert_major {
-                    be.copy(dst.reborrow().slice(em, n), src.slice(pos, n));
-                } else {
-                    be.copy(dst.reborrow().slice(pos, n), src.slice(em, n));
-                }
+            for j in 0..c {
+                to_em[next[le] + j] = (pos + j) as u32;
+                to_sm[pos + j] = (next[le] + j) as u32;
             }
             next[le] += c;
-            pos += n;
+            pos += c;
         }
     }
+    (to_em, to_sm)
 }
 
 impl EpExperts {
@@ -245,6 +258,11 @@ impl ExpertExecutor for EpExperts {
         self.discard(io.layer);
         let mut k = self.free.pop().unwrap_or_else(Kept::new);
         let (xn, xc, fc) = (rows * h, cap * h, cap * f);
+        let (to_em, to_sm) = row_orders(&recv);
+        for (t, order) in [(&mut k.to_em, &to_em), (&mut k.to_sm, &to_sm)] {
+            t.at_least(be, cap);
+            be.write_u32(t.view_mut(rows), order);
+        }
         self.scratch.wire.at_least(be, xc);
         let ep_g = self.ep.as_ref();
         a2a(
@@ -257,13 +275,11 @@ impl ExpertExecutor for EpExperts {
             Phase::A2aDispatch,
         );
         k.xe.at_least(be, xc);
-        reorder(
-            be,
-            &recv,
-            h,
-            true,
-            self.scratch.wire.view(xn),
+        be.moe_gather(
             k.xe.view_mut(xn),
+            self.scratch.wire.view(xn),
+            k.to_em.view(rows),
+            h,
         );
         for g in [&mut k.g, &mut k.u, &mut k.a] {
             g.at_least(be, fc);
@@ -275,7 +291,7 @@ impl ExpertExecutor for EpExperts {
             offsets: &offsets,
             ..*io
         };
-        let Kept { xe, g, u, a } = &mut k;
+        let Kept { xe, g, u, a, .. } = &mut k;
         LocalExperts.forward(
             be,
             &lio,
@@ -288,7 +304,7 @@ impl ExpertExecutor for EpExperts {
             },
         );
         let Scratch { wire, y, .. } = &mut self.scratch;
-        reorder(be, &recv, h, false, y.view(xn), wire.view_mut(xn));
+        be.moe_gather(wire.view_mut(xn), y.view(xn), k.to_sm.view(rows), h);
         a2a(
             ep_g,
             wire.view(xn),
@@ -357,7 +373,7 @@ impl ExpertExecutor for EpExperts {
             h,
             Phase::A2aCombine,
         );
-        reorder(be, &s.recv, h, true, wire.view(xn), y.view_mut(xn));
+        be.moe_gather(y.view_mut(xn), wire.view(xn), s.bufs.to_em.view(rows), h);
         for t in [&mut *da, &mut *dg, &mut *du] {
             t.at_least(be, fc);
         }
@@ -386,7 +402,7 @@ impl ExpertExecutor for EpExperts {
             },
         );
         // Input gradients travel back (the dispatch's backward).
-        reorder(be, &s.recv, h, false, dxe.view(xn), wire.view_mut(xn));
+        be.moe_gather(wire.view_mut(xn), dxe.view(xn), s.bufs.to_sm.view(rows), h);
         a2a(
             ep_g,
             wire.view(xn),
@@ -397,5 +413,23 @@ impl ExpertExecutor for EpExperts {
             Phase::A2aDispatch,
         );
         self.free.push(s.bufs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_orders;
+
+    /// Two sources, two local experts: source 0 sends 2 rows of expert 0 and 1 of expert 1,
+    /// source 1 sends 1 of expert 0 and 2 of expert 1. Expert-major: expert 0's rows from
+    /// source 0 (rows 0, 1) then source 1 (row 3), then expert 1's (rows 2, 4, 5).
+    #[test]
+    fn row_orders_are_a_permutation_and_its_inverse() {
+        let (to_em, to_sm) = row_orders(&[vec![2, 1], vec![1, 2]]);
+        assert_eq!(to_em, vec![0, 1, 3, 2, 4, 5]);
+        for (i, &s) in to_em.iter().enumerate() {
+            assert_eq!(to_sm[s as usize] as usize, i);
+        }
+        assert_eq!(row_orders(&[vec![0, 0], vec![0, 0]]), (vec![], vec![]));
     }
 }

@@ -481,7 +481,8 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     // Expert parallelism's own row buffers (`ganymede_parallel::ep`), f32: per set of a layer's
     // kept rows, input and gate/up/SwiGLU (H + 3F; one set under full checkpointing, one per
-    // MoE layer without), and the all-to-all and gradient scratch (3H + 3F).
+    // MoE layer without) and the two u32 row orders, and the all-to-all and gradient scratch
+    // (3H + 3F).
     let (ep_kept, ep_scratch) = match ep_capacity_rows(&local) {
         Some(cap) => {
             let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
@@ -491,7 +492,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             };
             let cap = cap as f64;
             (
-                f * cap * (h + 3.0 * ff) * sets as f64,
+                (f * (h + 3.0 * ff) + 8.0) * cap * sets as f64,
                 f * cap * 3.0 * (h + ff),
             )
         }

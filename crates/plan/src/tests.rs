@@ -1015,9 +1015,9 @@ fn one_memory_puts_everything_on_the_host_and_two_memory_on_the_device() {
 }
 
 /// Expert parallelism's own buffers follow `ep_capacity_factor`: per row of capacity, the kept
-/// input and gate/up/SwiGLU rows (H + 3F, activations; one set under full checkpointing) and
-/// the all-to-all and gradient scratch (3H + 3F, buffers), f32. (The whole prediction is held
-/// against the ledger in crates/train/tests/expert_capacity.rs.)
+/// input and gate/up/SwiGLU rows (H + 3F f32, activations; one set under full checkpointing)
+/// with two u32 row orders, and the all-to-all and gradient scratch (3H + 3F f32, buffers). (The
+/// whole prediction is held against the ledger in crates/train/tests/expert_capacity.rs.)
 #[test]
 fn expert_parallel_buffers_follow_the_capacity_factor() {
     let at = |factor: &str| {
@@ -1039,7 +1039,7 @@ fn expert_parallel_buffers_follow_the_capacity_factor() {
     assert_eq!((ca, cb), (768.0, 1024.0));
     assert_eq!(
         b.device.activations - a.device.activations,
-        4.0 * (cb - ca) * (h + 3.0 * f)
+        (4.0 * (h + 3.0 * f) + 8.0) * (cb - ca)
     );
     assert_eq!(
         b.device.buffers - a.device.buffers,
