@@ -594,6 +594,12 @@ pub struct ParallelismConfig {
     pub dp_shard: usize,
     /// Expert-parallel degree; divides `dp_shard` and `model.experts`.
     pub ep: usize,
+    /// Expert parallelism: the rows a rank's experts are sized for, in units of an even
+    /// routing's (a rank receives as many rows as it sends when every expert is equally
+    /// loaded), capped at the most it can receive. The buffers are made in the first step; a
+    /// step that routes a rank more rows grows them (counted and reported), so a factor that
+    /// covers the routing keeps later steps from allocating.
+    pub ep_capacity_factor: f64,
     /// Element type of FSDP's parameter all-gathers (`f32` for exactness tests).
     pub gather_dtype: GatherDtype,
     /// Blocks whose gathers are in flight ahead of the one computing (0 = no prefetch).
@@ -637,6 +643,7 @@ impl Default for ParallelismConfig {
             dp_replicate: 1,
             dp_shard: 1,
             ep: 1,
+            ep_capacity_factor: 2.0,
             gather_dtype: GatherDtype::Bf16,
             prefetch: 1,
             muon_placement: MuonPlacement::Flexshard,
@@ -894,6 +901,13 @@ impl JobConfig {
                 "parallelism.ep",
                 p.ep,
                 format!("must divide parallelism.dp_shard = {}", p.dp_shard),
+            ));
+        }
+        if !(p.ep_capacity_factor >= 1.0 && p.ep_capacity_factor.is_finite()) {
+            return Err(invalid(
+                "parallelism.ep_capacity_factor",
+                p.ep_capacity_factor,
+                "must be a finite number of at least 1 (rows per rank over an even routing's)",
             ));
         }
         if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {

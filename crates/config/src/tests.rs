@@ -78,6 +78,11 @@ fn invalid_values_name_key_and_reason() {
             "positive",
         ),
         (
+            "parallelism.ep_capacity_factor=0.5",
+            "parallelism.ep_capacity_factor",
+            "at least 1",
+        ),
+        (
             "parallelism.prefetch=9",
             "parallelism.prefetch",
             "at most 8",

@@ -3,8 +3,13 @@
 //! packed f32 kernel side by side with `matrixmultiply`, at the rayon thread count given by RAYON_NUM_THREADS (default: all cores).
 
 use ganymede_core::cpu::{gemm_host, gemm_host_matrixmultiply, syrk_host_strips};
+use ganymede_core::sample::median;
 use ganymede_core::{Blas, Category, CpuBackend, Gemm, Memory, Syrk};
 use std::time::Instant;
+
+fn med(t: &[f64]) -> f64 {
+    median(t).expect("7 timings")
+}
 
 fn main() {
     let be = CpuBackend::default();
@@ -46,9 +51,7 @@ fn main() {
             }
             tm.push(t.elapsed().as_secs_f64() / reps as f64);
         }
-        tp.sort_by(f64::total_cmp);
-        tm.sort_by(f64::total_cmp);
-        let (p, mm) = (tp[3], tm[3]);
+        let (p, mm) = (med(&tp), med(&tm));
         let gf = |t: f64| g.flops() as f64 / t / 1e9;
         println!(
             "{m:>5}x{n:>5}x{k:>5} ta={ta:<5} tb={tb:<5}: packed {:6.1} GFLOP/s, \
@@ -92,10 +95,7 @@ fn main() {
             }
             tp.push(t.elapsed().as_secs_f64() / reps as f64);
         }
-        for t in [&mut tg, &mut ts, &mut tp] {
-            t.sort_by(f64::total_cmp);
-        }
-        let (g, y, p) = (tg[3], ts[3], tp[3]);
+        let (g, y, p) = (med(&tg), med(&ts), med(&tp));
         println!(
             "syrk n={n:>5} k={k:>5} trans={trans}: gemm {:8.3} ms, strips {:8.3} ms ({:.2}x), \
              packed {:8.3} ms ({:.2}x)",

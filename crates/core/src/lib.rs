@@ -38,12 +38,16 @@
 //!
 //! bf16 ([`DType::BF16`]) is stored on the host as `u16` bits; [`bf16`] converts with
 //! round-to-nearest-even, bit for bit as CUDA's `__float2bfloat16_rn`.
+//!
+//! [`sample`] holds the seeded inputs that tests, benchmarks and device checks share, and the
+//! median their timings use.
 
 pub mod backend;
 pub mod bf16;
 pub mod cpu;
 pub mod ledger;
 pub mod params;
+pub mod sample;
 pub mod stream;
 pub mod tensor;
 

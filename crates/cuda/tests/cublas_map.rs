@@ -3,25 +3,15 @@
 //! row-major result, over shapes, transposes, padded leading dimensions, alpha and beta. f64 so
 //! that any wrong index shows as a large difference, not rounding.
 
-use ganymede_core::{Blas, Category, CpuBackend, Gemm, Ledger, Memory, Syrk};
+use ganymede_core::{sample, Blas, Category, CpuBackend, Gemm, Ledger, Memory, Syrk};
 use ganymede_cuda::cublas_map::{
     map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, CublasSyrk, Operand,
 };
 use std::sync::Arc;
 
-/// Deterministic values in [-1, 1).
+/// Deterministic values in [-1, 1), as f64.
 fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
-        .collect()
+    sample::values(n, seed).into_iter().map(f64::from).collect()
 }
 
 /// Element (i, j) of op(X) for a column-major X with leading dimension `ld`.

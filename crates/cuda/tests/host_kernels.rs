@@ -12,6 +12,7 @@
 //! within twice what one bf16 rounding of the output allows (2^-7 relative: a rounding is up
 //! to 2^-8, and the f32 work before it differs by a few ulps).
 
+use ganymede_core::sample::Lcg;
 use ganymede_core::{
     bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Ledger, Memory, Tensor,
 };
@@ -49,28 +50,6 @@ fn set_f64(t: &mut Tensor, v: f64) {
 }
 fn zeros(b: &dyn Backend, n: usize) -> Tensor {
     b.zeros(&[n], Category::Activations)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    /// Uniform in [-1, 1).
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-    #[allow(dead_code)]
-    fn below(&mut self, n: usize) -> u32 {
-        ((self.next() * 0.5 + 0.5) * n as f32).min(n as f32 - 1.0) as u32
-    }
 }
 
 /// `|got - want| <= atol + rtol * |want|` elementwise.
@@ -183,8 +162,8 @@ const EW: LaunchConfig = LaunchConfig {
 
 #[test]
 fn casts_match_core_bit_for_bit() {
-    let mut rng = Rng::new(1);
-    let mut x: Vec<f32> = rng.vec(1001, 3.0);
+    let mut rng = Lcg::new(1);
+    let mut x: Vec<f32> = rng.values(1001, 3.0);
     // Ties, NaNs (one whose payload truncation would lose), infinities, subnormals, f32::MAX.
     for bits in [
         0x3f80_8000u32,
@@ -223,8 +202,8 @@ fn casts_match_core_bit_for_bit() {
 
 #[test]
 fn axpy_scale_add() {
-    let mut rng = Rng::new(2);
-    let (y, x) = (rng.vec(999, 1.0), rng.vec(999, 1.0));
+    let mut rng = Lcg::new(2);
+    let (y, x) = (rng.values(999, 1.0), rng.values(999, 1.0));
     let (b, kb) = (cpu(), kernels(SMALL));
     for st in [St::F32, St::Bf16] {
         let tol = [st.tols_with_reduction()[0]];
@@ -284,8 +263,8 @@ fn sumsq_with(be: &dyn Backend, st: St, x: &[f32], acc: f64) -> (f64, f64) {
 
 #[test]
 fn sumsq_accumulates_in_f64() {
-    let mut rng = Rng::new(3);
-    let x = rng.vec(1237, 2.0);
+    let mut rng = Lcg::new(3);
+    let x = rng.values(1237, 2.0);
     let (b, kb) = (cpu(), kernels(SMALL));
     let (want, want_read) = sumsq_with(&b, St::F32, &x, 0.25);
     let (got, got_read) = sumsq_with(&kb, St::F32, &x, 0.25);
@@ -325,9 +304,9 @@ fn swiglu_run(be: &dyn Backend, st: St, v: &[Vec<f32>]) -> Vec<Vec<f32>> {
 
 #[test]
 fn swiglu_forward_backward() {
-    let mut rng = Rng::new(4);
+    let mut rng = Lcg::new(4);
     let n = 1111;
-    let (g, u, d) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+    let (g, u, d) = (rng.values(n, 4.0), rng.values(n, 2.0), rng.values(n, 1.0));
     let (b, kb) = (cpu(), kernels(SMALL));
     let reference = |v: &[Vec<f32>]| swiglu_run(&b, St::F32, v);
     parity(
@@ -463,12 +442,12 @@ fn rmsnorm_run(
 #[test]
 fn rmsnorm_forward_backward() {
     let (rows, dim, eps) = (150usize, 100usize, 1e-6f32);
-    let mut rng = Rng::new(5);
-    let x = rng.vec(rows * dim, 2.0);
-    let w: Vec<f32> = rng.vec(dim, 0.5).iter().map(|v| 1.0 + v).collect();
-    let dout = rng.vec(rows * dim, 1.0);
-    let dx0 = rng.vec(rows * dim, 0.3);
-    let dw0 = rng.vec(dim, 0.3);
+    let mut rng = Lcg::new(5);
+    let x = rng.values(rows * dim, 2.0);
+    let w: Vec<f32> = rng.values(dim, 0.5).iter().map(|v| 1.0 + v).collect();
+    let dout = rng.values(rows * dim, 1.0);
+    let dx0 = rng.values(rows * dim, 0.3);
+    let dw0 = rng.values(dim, 0.3);
     let (b, kb) = (cpu(), kernels(SMALL));
     for st in [St::F32, St::Bf16] {
         let inputs = st.inputs(&[x.clone(), w.clone(), dout.clone(), dx0.clone()]);
@@ -528,11 +507,15 @@ fn head_norm_rope_forward_backward() {
     };
     let rows = 150usize;
     let n = rows * d.heads * d.head_dim;
-    let mut rng = Rng::new(6);
-    let x = rng.vec(n, 2.0);
-    let w: Vec<f32> = rng.vec(d.head_dim, 0.5).iter().map(|v| 1.0 + v).collect();
-    let dout = rng.vec(n, 1.0);
-    let dw0 = rng.vec(d.head_dim, 0.3);
+    let mut rng = Lcg::new(6);
+    let x = rng.values(n, 2.0);
+    let w: Vec<f32> = rng
+        .values(d.head_dim, 0.5)
+        .iter()
+        .map(|v| 1.0 + v)
+        .collect();
+    let dout = rng.values(n, 1.0);
+    let dw0 = rng.values(d.head_dim, 0.3);
     let (b, kb) = (cpu(), kernels(SMALL));
     for st in [St::F32, St::Bf16] {
         let inputs = st.inputs(&[x.clone(), w.clone(), dout.clone()]);
@@ -585,15 +568,15 @@ impl Grouped {
 #[test]
 fn embedding_forward_backward() {
     let (rows, vocab, dim) = (57usize, 23usize, 70usize);
-    let mut rng = Rng::new(7);
+    let mut rng = Lcg::new(7);
     // Ids 1..vocab-2 only: 0 and the last two never occur (their rows must stay as they were).
     let ids: Vec<u32> = (0..rows).map(|_| 1 + rng.below(vocab - 3)).collect();
     let (_, _, seg_id) = ganymede_core::embedding_segments(&ids);
     assert!(seg_id.len() < rows, "the test wants repeated ids");
     assert!(seg_id.len() < vocab - 3 + 1 && !seg_id.contains(&0));
-    let wte = rng.vec(vocab * dim, 1.0);
-    let dout = rng.vec(rows * dim, 1.0);
-    let dwte0 = rng.vec(vocab * dim, 0.3);
+    let wte = rng.values(vocab * dim, 1.0);
+    let dout = rng.values(rows * dim, 1.0);
+    let dwte0 = rng.values(vocab * dim, 0.3);
     let (b, kb) = (cpu(), kernels(SMALL));
     // wte and dout in storage st, dwte f32.
     let run = |be: &dyn Backend, st: St, v: &[Vec<f32>]| {
@@ -665,10 +648,10 @@ fn embedding_backward_moves_nothing_between_host_and_device() {
     };
     let kb = KernelBackend::new(KernelOps::with_tuning(l.clone(), SMALL), cpu);
     let (rows, vocab, dim) = (40usize, 9usize, 16usize);
-    let mut rng = Rng::new(3);
+    let mut rng = Lcg::new(3);
     let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
     let g = Grouped::up(&kb, &ids);
-    let dout = up(&kb, &rng.vec(rows * dim, 1.0));
+    let dout = up(&kb, &rng.values(rows * dim, 1.0));
     let mut dwte = zeros(&kb, vocab * dim);
     be_embedding_backward(&kb, &mut dwte, &dout, &g, dim);
     assert_eq!(
@@ -708,11 +691,11 @@ fn cpu_backend_result(ids: &[u32], dout: &[f32], vocab: usize, dim: usize) -> Ve
 fn optimizer_updates() {
     use ganymede_core::AdamWStep;
     let n = 1001usize;
-    let mut rng = Rng::new(8);
-    let p = rng.vec(n, 1.0);
-    let m = rng.vec(n, 0.1);
-    let v: Vec<f32> = rng.vec(n, 0.01).iter().map(|x| x.abs()).collect();
-    let g = rng.vec(n, 0.5);
+    let mut rng = Lcg::new(8);
+    let p = rng.values(n, 1.0);
+    let m = rng.values(n, 0.1);
+    let v: Vec<f32> = rng.values(n, 0.01).iter().map(|x| x.abs()).collect();
+    let g = rng.values(n, 0.5);
     let (b, kb) = (cpu(), kernels(SMALL));
     let h = AdamWStep {
         lr: 1e-2,
@@ -792,8 +775,8 @@ fn optimizer_updates() {
 #[test]
 fn cross_entropy_forward_backward() {
     let (rows, vocab) = (13usize, 1000usize);
-    let mut rng = Rng::new(9);
-    let logits = rng.vec(rows * vocab, 4.0);
+    let mut rng = Lcg::new(9);
+    let logits = rng.values(rows * vocab, 4.0);
     let targets: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
     let (scale, loss0) = (1.0f32 / 13.0, 0.5f64);
     let (b, kb) = (cpu(), kernels(SMALL));
@@ -829,15 +812,15 @@ fn cross_entropy_forward_backward() {
 fn router_forward_backward() {
     use ganymede_core::{RouterDims, RouterOut};
     let (rows, experts, k) = (150usize, 40usize, 3usize);
-    let mut rng = Rng::new(10);
-    let mut logits = rng.vec(rows * experts, 3.0);
+    let mut rng = Lcg::new(10);
+    let mut logits = rng.values(rows * experts, 3.0);
     // Ties, which must go to the lower index: a uniform row, and a row whose two best are equal.
     logits[5 * experts..6 * experts].fill(0.7);
     logits[6 * experts + 3] = 9.0;
     logits[6 * experts + 7] = 9.0;
-    let bias = rng.vec(experts, 0.05);
-    let dweights = rng.vec(rows * k, 1.0);
-    let dconst: Vec<f64> = rng.vec(experts, 0.1).iter().map(|&v| v as f64).collect();
+    let bias = rng.values(experts, 0.05);
+    let dweights = rng.values(rows * k, 1.0);
+    let dconst: Vec<f64> = rng.values(experts, 0.1).iter().map(|&v| v as f64).collect();
     let (b, kb) = (cpu(), kernels(SMALL));
     for (renorm, with_bias) in [(true, true), (false, false), (true, false)] {
         let d = RouterDims { experts, k, renorm };
@@ -919,7 +902,7 @@ fn dispatch_reference(idx: &[u32], experts: usize, k: usize) -> (Vec<u32>, Vec<u
 }
 
 /// Distinct experts per token, some experts left empty.
-fn routing(rng: &mut Rng, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
+fn routing(rng: &mut Lcg, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
     let mut idx = Vec::with_capacity(tokens * k);
     for _ in 0..tokens {
         let mut chosen = Vec::new();
@@ -937,7 +920,7 @@ fn routing(rng: &mut Rng, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
 #[test]
 fn dispatch_counting_sort() {
     let (tokens, experts, k) = (301usize, 13usize, 4usize);
-    let mut rng = Rng::new(11);
+    let mut rng = Lcg::new(11);
     let idx = routing(&mut rng, tokens, experts, k);
     let n = idx.len();
     let (want_off, want_src, want_pos) = dispatch_reference(&idx, experts, k);
@@ -987,7 +970,7 @@ fn dispatch_counting_sort() {
 fn moe_dispatch_through_the_ops_equals_the_cpu() {
     use ganymede_core::DispatchOut;
     let (tokens, experts, k) = (211usize, 9usize, 3usize);
-    let mut rng = Rng::new(21);
+    let mut rng = Lcg::new(21);
     let idx = routing(&mut rng, tokens, experts, k);
     let n = idx.len();
     let run = |be: &dyn Backend, idx: &[u32]| {
@@ -1016,16 +999,16 @@ fn moe_dispatch_through_the_ops_equals_the_cpu() {
 fn moe_gather_combine_forward_backward() {
     use ganymede_core::Dispatched;
     let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 70usize);
-    let mut rng = Rng::new(12);
+    let mut rng = Lcg::new(12);
     let idx = routing(&mut rng, tokens, experts, k);
     let (_, src, pos) = dispatch_reference(&idx, experts, k);
     let n = tokens * k;
-    let x = rng.vec(tokens * dim, 1.0);
-    let ye = rng.vec(n * dim, 1.0);
-    let dout = rng.vec(tokens * dim, 1.0);
-    let dxe = rng.vec(n * dim, 1.0);
-    let acc0 = rng.vec(tokens * dim, 0.3);
-    let w = rng.vec(n, 1.0);
+    let x = rng.values(tokens * dim, 1.0);
+    let ye = rng.values(n * dim, 1.0);
+    let dout = rng.values(tokens * dim, 1.0);
+    let dxe = rng.values(n * dim, 1.0);
+    let acc0 = rng.values(tokens * dim, 0.3);
+    let w = rng.values(n, 1.0);
     let (b, kb) = (cpu(), kernels(SMALL));
     // Outputs: xe, dx (+=), out (+=), dye, dw (w and dw f32, the rest storage st).
     let run = |be: &dyn Backend, st: St, v: &[Vec<f32>]| {
@@ -1156,12 +1139,12 @@ fn attention_case(d: ganymede_core::AttnDims, warps: usize, seed: u64) {
         d.batch * d.tq * d.heads * d.head_dim,
         d.batch * d.tk * d.kv_heads * d.head_dim,
     );
-    let mut rng = Rng::new(seed);
+    let mut rng = Lcg::new(seed);
     let (q, k, v, dout) = (
-        rng.vec(nq, 1.5),
-        rng.vec(nk, 1.5),
-        rng.vec(nk, 1.0),
-        rng.vec(nq, 1.0),
+        rng.values(nq, 1.5),
+        rng.values(nk, 1.5),
+        rng.values(nk, 1.0),
+        rng.values(nq, 1.0),
     );
     let b = cpu();
     let kb = kernels(Tuning {
@@ -1253,12 +1236,12 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
         d.batch * d.tq * d.heads * d.head_dim,
         d.batch * d.tk * d.kv_heads * d.head_dim,
     );
-    let mut rng = Rng::new(seed);
+    let mut rng = Lcg::new(seed);
     let inputs = St::Bf16.inputs(&[
-        rng.vec(nq, 1.5),
-        rng.vec(nk, 1.5),
-        rng.vec(nk, 1.0),
-        rng.vec(nq, 1.0),
+        rng.values(nq, 1.5),
+        rng.values(nk, 1.5),
+        rng.values(nk, 1.0),
+        rng.values(nq, 1.0),
     ]);
     let b = cpu();
     let kb = kernels(Tuning {
@@ -1356,12 +1339,12 @@ fn attention_tc_falls_back_where_it_does_not_apply() {
     let simt = kernels(SMALL);
     for (st, hd) in [(St::Bf16, 40), (St::F32, 32)] {
         let d = dims(1, 9, 17, 2, 1, hd);
-        let mut rng = Rng::new(25);
+        let mut rng = Lcg::new(25);
         let x = st.inputs(&[
-            rng.vec(9 * 2 * hd, 1.0),
-            rng.vec(17 * hd, 1.0),
-            rng.vec(17 * hd, 1.0),
-            rng.vec(9 * 2 * hd, 1.0),
+            rng.values(9 * 2 * hd, 1.0),
+            rng.values(17 * hd, 1.0),
+            rng.values(17 * hd, 1.0),
+            rng.values(9 * 2 * hd, 1.0),
         ]);
         let (a, b) = (
             attention_run(&tc, st, st, &x, d),

@@ -12,6 +12,7 @@
 //! with AdamW, 4e-5 with Muon; leaving out AdamW's weight decay shows as 4e-3).
 
 use ganymede_config::{preset, AcMode, ModelConfig};
+use ganymede_core::sample::tokens;
 use ganymede_core::{Backend, Blas, Category, CpuBackend, Ledger, Memory, ParamStore};
 use ganymede_cuda::kernel_backend::HostKernelBackend;
 use ganymede_cuda::ops::Tuning;
@@ -44,18 +45,6 @@ fn small() -> Tuning {
         row_block_max: 32,
         attn_tc: false,
     }
-}
-
-fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// One forward + backward; gradients (downloaded) and the step's output.

@@ -9,6 +9,7 @@
 //! batches, so a neighbour's burst moves it less.
 
 use anyhow::{Context, Result};
+use ganymede_core::sample::median;
 use ganymede_core::{
     AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, Gemm, Memory, NnOps,
     OptimOps,
@@ -40,7 +41,7 @@ fn median_time(batch_s: f64, batches: usize, mut f: impl FnMut()) -> f64 {
     f();
     let once = t.elapsed().as_secs_f64().max(1e-8);
     let reps = ((batch_s / once) as usize).clamp(1, 100_000);
-    let mut v: Vec<f64> = (0..batches)
+    let v: Vec<f64> = (0..batches)
         .map(|_| {
             let t = Instant::now();
             for _ in 0..reps {
@@ -49,8 +50,7 @@ fn median_time(batch_s: f64, batches: usize, mut f: impl FnMut()) -> f64 {
             t.elapsed().as_secs_f64() / reps as f64
         })
         .collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    median(&v).expect("at least one batch")
 }
 
 /// GEMM rate of every shape on the whole pool and on one thread, `[FLOPs, FLOP/s]` each.
@@ -129,10 +129,8 @@ fn gemm_curves(
             .iter()
             .zip(&times)
             .map(|((g, ..), t)| {
-                let mut t = t[j].clone();
-                t.sort_by(f64::total_cmp);
                 let flops = g.flops() as f64;
-                [flops, flops / t[t.len() / 2]]
+                [flops, flops / median(&t[j]).expect("at least one round")]
             })
             .collect()
     };
@@ -200,13 +198,10 @@ fn attention_rates(
                     }));
                 }
             });
-            let med = |mut t: Vec<f64>| {
-                t.sort_by(f64::total_cmp);
-                t[t.len() / 2]
-            };
+            let med = |t: &[f64]| median(t).expect("at least one round");
             // Causal: QKᵀ and AV over half the square, 2·s²·hd per head and sequence.
             let fwd = (b * h) as f64 * 2.0 * (s * s * hd) as f64;
-            [hd as f64, fwd / med(tf), 2.5 * fwd / med(tb)]
+            [hd as f64, fwd / med(&tf), 2.5 * fwd / med(&tb)]
         })
         .collect()
 }

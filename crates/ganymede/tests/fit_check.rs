@@ -198,7 +198,6 @@ fn the_fewest_offloaded_layers_are_suggested_as_a_fraction_that_round_trips() {
         1,
         1,
     )
-    .unwrap()
     .device
     .total();
     let cap = format!("device.memory_gib={}", (three + 1.0) / (1u64 << 30) as f64);

@@ -5,6 +5,7 @@
 //! `cargo run --release -p ganymede-model --example hf_dump -- OUT_DIR [renorm 0|1] [dense 0|1]`
 
 use ganymede_config::{preset, AcMode};
+use ganymede_core::sample::Lcg;
 use ganymede_core::{Category, CpuBackend, Memory, ParamStore};
 use ganymede_model::{forward_backward, Model, Tokens, Workspace};
 use std::io::Write;
@@ -38,26 +39,16 @@ fn main() {
     let model = Model::new(&cfg);
     let mut params = model.init_params(&be, 5);
     // Norm gains away from one, so a mix-up of gains would show.
-    let mut s = 99u64;
-    let mut rnd = || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (s >> 40) as f32 / (1u64 << 24) as f32
-    };
+    let mut g = Lcg::new(99);
     for (spec, t) in params.iter_mut() {
         if spec.shape.len() == 1 {
-            let x: Vec<f32> = (0..spec.numel()).map(|_| 0.7 + 0.6 * rnd()).collect();
+            let x: Vec<f32> = (0..spec.numel()).map(|_| 1.0 + 0.3 * g.uniform()).collect();
             be.write(t.view_mut(), &x);
         }
     }
     let n = batch * seq;
-    let inputs: Vec<u32> = (0..n)
-        .map(|_| (rnd() * cfg.vocab_size as f32) as u32)
-        .collect();
-    let targets: Vec<u32> = (0..n)
-        .map(|_| (rnd() * cfg.vocab_size as f32) as u32)
-        .collect();
+    let inputs: Vec<u32> = (0..n).map(|_| g.below(cfg.vocab_size)).collect();
+    let targets: Vec<u32> = (0..n).map(|_| g.below(cfg.vocab_size)).collect();
     let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     let mut ws = Workspace::new(&be, &model, batch, seq, AcMode::Full);
     let o = forward_backward(

@@ -5,7 +5,7 @@
 //! Threads: RAYON_NUM_THREADS (default: all cores).
 
 use ganymede_config::{preset, AcMode};
-use ganymede_core::{Category, CpuBackend, ParamStore};
+use ganymede_core::{sample, Category, CpuBackend, ParamStore};
 use ganymede_model::{activation_bytes, forward_backward, Model, Tokens, Workspace};
 use std::time::Instant;
 
@@ -44,15 +44,8 @@ fn main() {
         let params = model.init_params(&be, 1);
         let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
         let n = batch * seq;
-        let mut s = 12345u64;
-        let mut tok = || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % cfg.vocab_size as u64) as u32
-        };
-        let inputs: Vec<u32> = (0..n).map(|_| tok()).collect();
-        let targets: Vec<u32> = (0..n).map(|_| tok()).collect();
+        let tokens = sample::tokens(2 * n, cfg.vocab_size, 12345);
+        let (inputs, targets) = tokens.split_at(n);
         for mode in [AcMode::None, AcMode::Full] {
             println!(
                 "{name:6} ac={mode:?}: activation workspace {:.1} MiB",
@@ -68,10 +61,7 @@ fn main() {
                     &params,
                     &mut grads,
                     &mut ws,
-                    Tokens {
-                        inputs: &inputs,
-                        targets: &targets,
-                    },
+                    Tokens { inputs, targets },
                     1.0,
                 );
                 if i >= 2 {
@@ -79,17 +69,15 @@ fn main() {
                     cpus.push(cpu_time() - c);
                 }
             }
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                v[v.len() / 2]
-            };
-            let (med, cpu) = (median(&mut times), median(&mut cpus));
+            let median = |v: &[f64]| sample::median(v).expect("timed steps");
+            let (med, cpu) = (median(&times), median(&cpus));
+            let best = times.iter().copied().fold(f64::INFINITY, f64::min);
             let threads = rayon::current_num_threads() as f64;
             println!(
                 "{name:6} batch {batch} x seq {seq}  ac={mode:?}: {:8.0} tokens/s (median {:.1} ms/step, best {:.1} ms); {:.1} CPU-ms/step -> {:.0} tokens/s if the cores were free",
                 n as f64 / med,
                 med * 1e3,
-                times[0] * 1e3,
+                best * 1e3,
                 cpu * 1e3,
                 n as f64 / cpu * threads
             );

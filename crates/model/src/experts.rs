@@ -13,6 +13,9 @@ pub struct ExpertsIo<'a> {
     /// Expert hidden size and model width.
     pub f: usize,
     pub h: usize,
+    /// Experts each token picks (distinct ones): bounds the rows an expert-parallel owner can
+    /// receive.
+    pub top_k: usize,
     pub params: &'a ParamStore,
     /// Indices of the stacked gate, up and down weights in `params` (and in the gradients).
     pub gate: usize,
@@ -46,6 +49,20 @@ pub struct ExpertsBwdBufs<'a> {
     pub dxe: ViewMut<'a>,
 }
 
+/// What an executor's fixed row buffers held in the steps since it was last asked
+/// ([`ExpertExecutor::take_use`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowBufferUse {
+    /// Rows the buffers are sized for now.
+    pub capacity: usize,
+    /// Most rows one layer's pass received.
+    pub peak: usize,
+    /// Rows of an even routing (what a rank receives when every expert is equally loaded).
+    pub even: usize,
+    /// Times a pass received more rows than the buffers held, so that they grew.
+    pub regrowths: u64,
+}
+
 /// Runs the routed experts of a MoE layer, forward and backward.
 pub trait ExpertExecutor {
     fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs);
@@ -53,6 +70,11 @@ pub trait ExpertExecutor {
     /// recomputed under full activation checkpointing, or there is no backward). An executor
     /// that keeps its own copy of them (expert parallelism) frees it here.
     fn discard(&mut self, _layer: usize) {}
+    /// The use of the executor's own row buffers since the last call, which starts a new
+    /// count; `None` for one that has none (it works in the block's buffers).
+    fn take_use(&mut self) -> Option<RowBufferUse> {
+        None
+    }
     /// Writes `dxe` and ADDS the weight gradients into `grads`.
     fn backward(
         &mut self,
@@ -104,7 +126,14 @@ impl ExpertExecutor for LocalExperts {
         });
         be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
         be.gemm_grouped(u.reborrow(), xe, wu.view(), &gs);
-        be.swiglu_forward(a.reborrow(), g.as_view(), u.as_view());
+        // The views may be longer than the routed rows (an expert-parallel owner's buffers are
+        // sized for the most it can receive): the element-wise op covers the rows only.
+        let n = io.offsets.last().copied().unwrap_or(0) * f;
+        be.swiglu_forward(
+            a.reborrow().slice(0, n),
+            g.as_view().slice(0, n),
+            u.as_view().slice(0, n),
+        );
         let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
             (
                 Gemm::new(c, h, f, false, true).bf16_inputs(io.bf16),
@@ -158,7 +187,15 @@ impl ExpertExecutor for LocalExperts {
             (gm, r0 * h, r0 * f, ex * h * f)
         });
         be.gemm_grouped(grads.get_mut(io.down).view_mut(), dye, a, &gs);
-        be.swiglu_backward(dg.reborrow(), du.reborrow(), da.as_view(), g, u);
+        // Routed rows only, as in the forward.
+        let n = off.last().copied().unwrap_or(0) * f;
+        be.swiglu_backward(
+            dg.reborrow().slice(0, n),
+            du.reborrow().slice(0, n),
+            da.as_view().slice(0, n),
+            g.slice(0, n),
+            u.slice(0, n),
+        );
         // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
         let gs = expert_groups(off, cnt, |r0, c, ex| {
             (

@@ -37,7 +37,9 @@ mod step;
 mod tests;
 mod workspace;
 
-pub use experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
+pub use experts::{
+    ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts, RowBufferUse,
+};
 pub use generate::{continuation_losses, generate, Sampling};
 pub use offload::OffloadFault;
 pub use step::{

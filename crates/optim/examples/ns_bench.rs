@@ -5,6 +5,7 @@
 //! cargo run --release -p ganymede-optim --example ns_bench [-- THREADS]
 
 use ganymede_config::{OptimizerConfig, OptimizerName};
+use ganymede_core::sample::median;
 use ganymede_core::{Backend, Category, CpuBackend, Memory, ParamKind, ParamSpec, ParamStore};
 use ganymede_optim::{newton_schulz, ns_flops, NsScratch, Optimizer};
 use std::time::Instant;
@@ -75,13 +76,10 @@ fn time(budget: f64, fs: &mut [&mut dyn FnMut()]) -> Vec<Timing> {
     walls
         .into_iter()
         .zip(cpus)
-        .map(|(mut w, cpu)| {
-            w.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            Timing {
-                median: w[w.len() / 2],
-                min: w[0],
-                cpu: cpu / rounds as f64,
-            }
+        .map(|(w, cpu)| Timing {
+            median: median(&w).expect("at least 5 rounds"),
+            min: w.iter().copied().fold(f64::INFINITY, f64::min),
+            cpu: cpu / rounds as f64,
         })
         .collect()
 }

@@ -27,7 +27,7 @@ pub use ns::{
     newton_schulz, newton_schulz_batch, ns_bf16, ns_flops, ns_lanes, ns_shifted, NsScratch,
     NS_COEFFS, NS_EPS,
 };
-pub use ns_timing::{median, ns_timing_input, ns_timings, ns_timings_markdown, NsTiming};
+pub use ns_timing::{ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
 pub use schedule::lr_at;

@@ -4,6 +4,7 @@
 //! the CPU backend.
 
 use crate::ns::{newton_schulz, ns_flops, NsScratch};
+use ganymede_core::sample::{median, values};
 use ganymede_core::{Backend, Category, Stream};
 use std::fmt::Write as _;
 
@@ -23,31 +24,6 @@ pub struct NsTiming {
     pub rms: f64,
 }
 
-/// The median of `v` (the mean of the middle two for an even count); NaN for none. Medians,
-/// not means: a visit to a shared GPU has the odd slow repetition.
-pub fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
-}
-
-/// Deterministic inputs in [-1, 1) (an LCG: any spread of values does, NS normalises first).
-pub fn ns_timing_input(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 /// For each `(rows, cols)`: `reps` timed calls of [`newton_schulz`] with `steps` steps in f32
 /// and in bf16 (after one untimed warm-up each, which also gives the results compared), timed
 /// by events on the compute stream (device time on a GPU, host time on the CPU), each call on a
@@ -63,7 +39,8 @@ pub fn ns_timings(
         .enumerate()
         .map(|(i, &(rows, cols))| {
             let n = rows * cols;
-            let input = be.upload(&ns_timing_input(n, i as u64 + 1), &[n], Category::Buffers);
+            // Any spread of values does: Newton–Schulz normalises first.
+            let input = be.upload(&values(n, i as u64 + 1), &[n], Category::Buffers);
             let mut x = be.zeros(&[n], Category::Buffers);
             let mut scratch = NsScratch::new(be, rows, cols);
             let mut run = |bf16: bool| {
@@ -79,7 +56,8 @@ pub fn ns_timings(
                         be.elapsed(&a, &b).as_secs_f64() * 1e3
                     })
                     .collect();
-                (out, median(&ms))
+                // NaN for no repetitions.
+                (out, median(&ms).unwrap_or(f64::NAN))
             };
             let (f32_out, f32_ms) = run(false);
             let (bf16_out, bf16_ms) = run(true);
@@ -136,14 +114,6 @@ mod tests {
     use ganymede_core::{CpuBackend, Memory};
 
     #[test]
-    fn median_of_odd_even_and_unsorted() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert_eq!(median(&[5.0, 100.0, 4.0, 6.0, 5.5]), 5.5);
-        assert!(median(&[]).is_nan());
-    }
-
-    #[test]
     fn timings_on_the_cpu_compare_the_same_runs_as_direct_calls() {
         let be = CpuBackend::default();
         let shapes = [(24, 40), (40, 24), (32, 32)];
@@ -153,7 +123,7 @@ mod tests {
             assert_eq!((t.rows, t.cols, t.steps), (r, c, 5));
             assert!(t.f32_ms > 0.0 && t.bf16_ms > 0.0, "{t:?}");
             // The deviation is that of the two precisions on the input the timings used.
-            let input = ns_timing_input(r * c, i as u64 + 1);
+            let input = values(r * c, i as u64 + 1);
             let outs = [false, true].map(|bf16| {
                 let mut x = be.upload(&input, &[r * c], Category::Buffers);
                 let mut sc = NsScratch::new(&be, r, c);

@@ -35,7 +35,7 @@ use ganymede_dist::{
 };
 use ganymede_model::{
     forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, Hooks,
-    LocalExperts, LocalParams, Model, ParamSource, Pass, Tokens, Workspace,
+    LocalExperts, LocalParams, Model, ParamSource, Pass, RowBufferUse, Tokens, Workspace,
 };
 use ganymede_optim::{clip_coef, lr_at, Optimizer};
 use std::sync::Arc;
@@ -53,6 +53,10 @@ pub struct StepReport {
     pub expert_load: Vec<Vec<f32>>,
     /// This rank's bytes per phase and collective in the step.
     pub comm: CommSnapshot,
+    /// Expert parallelism: this rank's dispatch buffers in the step.
+    pub expert_rows: Option<RowBufferUse>,
+    /// Expert parallelism: regrowths of the dispatch buffers in the step, summed over ranks.
+    pub expert_regrowths: u64,
 }
 
 /// The placement policy a config asks for.
@@ -242,7 +246,10 @@ impl RankState {
         let ws =
             Workspace::with_offload(be, &model, t.batch_size / w, m.seq_len, ac.mode, offloaded);
         let experts: Box<dyn ExpertExecutor> = if mesh.shape.ep > 1 {
-            Box::new(EpExperts::new(mesh.ep.clone()))
+            Box::new(EpExperts::new(
+                mesh.ep.clone(),
+                cfg.parallelism.ep_capacity_factor,
+            ))
         } else {
             Box::new(LocalExperts)
         };
@@ -355,7 +362,10 @@ impl RankState {
         // shards only (after the cross-replica all-reduce every replica holds the same
         // gradients, so counting them all would multiply the norm by the replica count).
         let sumsq = if self.replica() == 0 { sumsq } else { 0.0 };
-        let mut red = [out.loss, sumsq];
+        // The expert buffers' regrowths ride along, so every rank's can be reported.
+        let expert_rows = self.experts.take_use();
+        let regrew = expert_rows.map_or(0, |u| u.regrowths) as f64;
+        let mut red = [out.loss, sumsq, regrew];
         world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
         let (loss, norm) = (red[0], red[1].sqrt());
         if !loss.is_finite() {
@@ -402,6 +412,8 @@ impl RankState {
             tokens: out.tokens,
             expert_load: out.expert_load,
             comm: ctx.stats.snapshot(),
+            expert_rows,
+            expert_regrowths: red[2] as u64,
         })
     }
 

@@ -10,12 +10,22 @@
 //! layer's forward for its backward (`Activations`) is held only while a backward will read it:
 //! under full activation checkpointing the model discards it after each forward and the
 //! backward's recompute makes it again, so one layer's worth is alive at a time, as for every
-//! other block internal. Sets of buffers are pooled and grow only when a step routes more rows
-//! to this rank than any before, so steady-state steps allocate nothing.
+//! other block internal. Sets of buffers are pooled and sized for a capacity of rows, not for
+//! the rows a step routed: the routing changes every step, and buffers sized to what was seen
+//! would grow whenever a later step sent this rank more. The capacity is
+//! `parallelism.ep_capacity_factor` times an even routing's rows, capped at the most the rank
+//! can receive ([`capacity_rows`]), set in the first step. A pass that receives more grows it
+//! (to a quarter above what came), counted in [`RowBufferUse`] so the trainer can say so; the
+//! pooled sets catch up when next used, so a regrowth's allocations end by the next step.
+//! Otherwise no step after the first allocates. The GEMMs are handed views of the whole
+//! capacity (they read the routed rows only) so that a backend's bf16 cast scratch, sized by
+//! the views, is fixed with it.
 
 use ganymede_core::{Backend, Category, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::{Phase, ProcessGroup};
-use ganymede_model::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts};
+use ganymede_model::{
+    ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts, RowBufferUse,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -34,8 +44,7 @@ impl Grow {
         if self.t.as_ref().is_none_or(|t| t.len() < n) {
             // Drop first, so the ledger's peak does not count both.
             self.t = None;
-            // A quarter of headroom: routing varies from step to step.
-            self.t = Some(be.zeros(&[n + n / 4], self.category));
+            self.t = Some(be.zeros(&[n], self.category));
         }
         self.t.as_mut().unwrap()
     }
@@ -72,6 +81,8 @@ struct Saved {
     recv: Vec<Vec<usize>>,
     /// Rows sent to each ep rank.
     send_rows: Vec<usize>,
+    /// The capacity at the forward: the length of the views the experts get.
+    cap: usize,
     bufs: Kept,
 }
 
@@ -89,6 +100,10 @@ struct Scratch {
 
 pub struct EpExperts {
     ep: Arc<dyn ProcessGroup>,
+    /// `parallelism.ep_capacity_factor`.
+    factor: f64,
+    /// Rows the buffers are sized for (0 before the first forward), and their use.
+    rows: RowBufferUse,
     saved: HashMap<usize, Saved>,
     /// Buffer sets not holding any layer, for the next forward.
     free: Vec<Kept>,
@@ -97,6 +112,16 @@ pub struct EpExperts {
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("{what}: {e}")
+}
+
+/// (capacity, most) rows for this rank's `el` experts in one layer. Every rank holds as many
+/// tokens as this one (the same batch shape), which sends `sent` rows, `top_k` per token; under
+/// an even routing it receives as many. Each token picks `top_k` distinct experts, so at most
+/// min(top_k, el) of a token's rows can come here, from each of the `ep` ranks: the most, up to
+/// `ep` times the even rows. The capacity is `factor` times the even rows, within the most.
+fn capacity_rows(ep: usize, el: usize, sent: usize, top_k: usize, factor: f64) -> (usize, usize) {
+    let most = ep * (sent / top_k.max(1)) * top_k.min(el);
+    (((sent as f64 * factor).ceil() as usize).min(most), most)
 }
 
 /// Counts of local experts and their offsets in expert-major order.
@@ -140,9 +165,11 @@ fn reorder(
 }
 
 impl EpExperts {
-    pub fn new(ep: Arc<dyn ProcessGroup>) -> Self {
+    pub fn new(ep: Arc<dyn ProcessGroup>, capacity_factor: f64) -> Self {
         EpExperts {
             ep,
+            factor: capacity_factor,
+            rows: RowBufferUse::default(),
             saved: HashMap::new(),
             free: Vec::new(),
             scratch: Scratch {
@@ -199,12 +226,26 @@ impl ExpertExecutor for EpExperts {
         let send_rows: Vec<usize> = io.counts.chunks(el).map(|c| c.iter().sum()).collect();
         let recv_rows: Vec<usize> = recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
+        let sent = io.counts.iter().sum();
+        let (base, most) = capacity_rows(ep, el, sent, io.top_k, self.factor);
+        assert!(
+            rows <= most,
+            "expert parallelism: {rows} rows received, at most {most} possible"
+        );
+        let r = &mut self.rows;
+        (r.capacity, r.even) = (r.capacity.max(base), sent);
+        if rows > r.capacity {
+            r.capacity = (rows + rows / 4).min(most);
+            r.regrowths += 1;
+        }
+        r.peak = r.peak.max(rows);
+        let cap = r.capacity;
         // A previous forward of this layer whose backward never came (an aborted step) frees
         // its set first.
         self.discard(io.layer);
         let mut k = self.free.pop().unwrap_or_else(Kept::new);
-        let (xn, fnn) = (rows * h, rows * f);
-        self.scratch.wire.at_least(be, xn);
+        let (xn, xc, fc) = (rows * h, cap * h, cap * f);
+        self.scratch.wire.at_least(be, xc);
         let ep_g = self.ep.as_ref();
         a2a(
             ep_g,
@@ -215,7 +256,7 @@ impl ExpertExecutor for EpExperts {
             h,
             Phase::A2aDispatch,
         );
-        k.xe.at_least(be, xn);
+        k.xe.at_least(be, xc);
         reorder(
             be,
             &recv,
@@ -225,9 +266,9 @@ impl ExpertExecutor for EpExperts {
             k.xe.view_mut(xn),
         );
         for g in [&mut k.g, &mut k.u, &mut k.a] {
-            g.at_least(be, fnn);
+            g.at_least(be, fc);
         }
-        self.scratch.y.at_least(be, xn);
+        self.scratch.y.at_least(be, xc);
         let (counts, offsets) = local_layout(&recv);
         let lio = ExpertsIo {
             counts: &counts,
@@ -239,11 +280,11 @@ impl ExpertExecutor for EpExperts {
             be,
             &lio,
             ExpertsFwdBufs {
-                xe: xe.view(xn),
-                g: g.view_mut(fnn),
-                u: u.view_mut(fnn),
-                a: a.view_mut(fnn),
-                ye: self.scratch.y.view_mut(xn),
+                xe: xe.view(xc),
+                g: g.view_mut(fc),
+                u: u.view_mut(fc),
+                a: a.view_mut(fc),
+                ye: self.scratch.y.view_mut(xc),
             },
         );
         let Scratch { wire, y, .. } = &mut self.scratch;
@@ -262,9 +303,16 @@ impl ExpertExecutor for EpExperts {
             Saved {
                 recv,
                 send_rows,
+                cap,
                 bufs: k,
             },
         );
+    }
+
+    fn take_use(&mut self) -> Option<RowBufferUse> {
+        let u = self.rows;
+        (self.rows.peak, self.rows.regrowths) = (0, 0);
+        Some(u)
     }
 
     fn discard(&mut self, layer: usize) {
@@ -287,7 +335,7 @@ impl ExpertExecutor for EpExperts {
             .expect("expert-parallel backward without its forward");
         let recv_rows: Vec<usize> = s.recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
-        let (xn, fnn) = (rows * h, rows * f);
+        let (xn, (xc, fc)) = (rows * h, (s.cap * h, s.cap * f));
         let ep_g = self.ep.as_ref();
         let Scratch {
             wire,
@@ -297,8 +345,8 @@ impl ExpertExecutor for EpExperts {
             du,
             dxe,
         } = &mut self.scratch;
-        wire.at_least(be, xn);
-        y.at_least(be, xn);
+        wire.at_least(be, xc);
+        y.at_least(be, xc);
         // Output gradients travel to the owners (the combine's backward).
         a2a(
             ep_g,
@@ -311,9 +359,9 @@ impl ExpertExecutor for EpExperts {
         );
         reorder(be, &s.recv, h, true, wire.view(xn), y.view_mut(xn));
         for t in [&mut *da, &mut *dg, &mut *du] {
-            t.at_least(be, fnn);
+            t.at_least(be, fc);
         }
-        dxe.at_least(be, xn);
+        dxe.at_least(be, xc);
         let (counts, offsets) = local_layout(&s.recv);
         let lio = ExpertsIo {
             counts: &counts,
@@ -326,15 +374,15 @@ impl ExpertExecutor for EpExperts {
             &lio,
             grads,
             ExpertsBwdBufs {
-                xe: k.xe.view(xn),
-                g: k.g.view(fnn),
-                u: k.u.view(fnn),
-                a: k.a.view(fnn),
-                dye: y.view(xn),
-                da: da.view_mut(fnn),
-                dg: dg.view_mut(fnn),
-                du: du.view_mut(fnn),
-                dxe: dxe.view_mut(xn),
+                xe: k.xe.view(xc),
+                g: k.g.view(fc),
+                u: k.u.view(fc),
+                a: k.a.view(fc),
+                dye: y.view(xc),
+                da: da.view_mut(fc),
+                dg: dg.view_mut(fc),
+                du: du.view_mut(fc),
+                dxe: dxe.view_mut(xc),
             },
         );
         // Input gradients travel back (the dispatch's backward).

@@ -31,7 +31,7 @@
 //!      device gains one f32 copy of a block's shards per gather slot and of the root's (the
 //!      gathers' source), while initialisation briefly holds the largest whole tensor.
 //!
-//! # Sharded layouts (`ranks` = W > 1, expert parallelism 1)
+//! # Sharded layouts (`ranks` = W > 1)
 //!
 //! One rank's memory, from the FSDP layout of `crates/parallel` (see [`sharded`]): f32 shards
 //! of every tensor (dim-0 rows split in W, padded; under FlexShard a layer's routed experts
@@ -45,8 +45,10 @@
 //! gradients' reduce-scatter send buffers, and the gather staging of every slot and of the root
 //! (f32 receive buffers, or bf16 send and receive buffers), all made once and on the device. Each tensor is drawn whole before its shard is
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
-//! tensor, a moment before anything else exists. Expert parallelism (ep > 1) is not modelled
-//! (its dispatch buffers grow with the routing): [`predict_memory`] returns `None`.
+//! tensor, a moment before anything else exists. Under expert parallelism (ep > 1) a rank
+//! gathers its ep slice of each layer's routed experts (E/ep), sharded over the W/ep ranks that
+//! hold it, and holds the expert-parallel row buffers for [`ep_capacity_rows`] rows (see
+//! `sharded`); a step whose routing outgrows them grows them past this prediction.
 //! Blocks of different shapes (`model.dense_layers` > 0) make
 //! the runtime reshape its slots and gradient pool as it walks the schedule, briefly holding
 //! both shapes; the largest block stands for all here, which measured 16% low on `grads` and
@@ -122,12 +124,11 @@ pub struct MemoryPrediction {
 }
 
 /// The predicted peak bytes per memory and category of `job` run with `threads` worker threads
-/// on `ranks` ranks (one rank's); `None` where the layout is not modelled (expert parallelism
-/// over several ranks).
-pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<MemoryPrediction> {
+/// on `ranks` ranks (one rank's).
+pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> MemoryPrediction {
     if ranks > 1 {
         let w = shard_degree(job, ranks);
-        let mut sh = sharded(job, w, ranks, threads)?;
+        let mut sh = sharded(job, w, ranks, threads);
         let mut host = Categories::default();
         if job.optimizer.offload {
             sh.device.buffers += sh.stage;
@@ -145,7 +146,7 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<M
             DeviceKind::CpuTwoMemory | DeviceKind::Cuda => (&mut p.device_peak, p.device.params),
         };
         *total = (*total - excess).max(params);
-        return Some(p);
+        return p;
     }
     let one: CpuLedger = predict_cpu_ledger(job, threads);
     let all = Categories {
@@ -155,13 +156,13 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> Option<M
         activations: one.activations,
         buffers: one.buffers,
     };
-    Some(place(
+    place(
         job,
         all,
         Categories::default(),
         1,
         largest_shard_state(job, 1),
-    ))
+    )
 }
 
 /// The layout rules of the module documentation, applied to what a rank holds: `device`
@@ -307,20 +308,54 @@ fn runtime_tensors(m: &ganymede_config::ModelConfig) -> Vec<Rt> {
     out
 }
 
+/// How a rank's shards are cut: FSDP over `w` ranks, routed experts split over `ep` first (a
+/// rank gathers its slice of `E/ep` over the `w/ep` ranks holding that slice), FlexShard or not.
+#[derive(Clone, Copy)]
+struct Cut {
+    w: u64,
+    ep: u64,
+    flex: bool,
+}
+
 impl Rt {
     fn numel(&self) -> u64 {
         self.shape.iter().product()
     }
-    /// Elements of this rank's shard over `w` ranks, padding included (the placement plan's
-    /// `shard_elems`): dim-0 rows (a stacked tensor's first two dims) split evenly, or, for
-    /// routed experts under FlexShard, whole experts.
-    fn shard(&self, w: u64, flexshard: bool) -> u64 {
-        let s = &self.shape;
-        match self.kind {
-            Kind::Experts { routed: true } if flexshard => s[0].div_ceil(w) * s[1] * s[2],
-            Kind::Experts { .. } => (s[0] * s[1]).div_ceil(w) * s[2],
-            _ => s[0].div_ceil(w) * (self.numel() / s[0]),
+    fn routed(&self) -> bool {
+        matches!(self.kind, Kind::Experts { routed: true })
+    }
+    /// Elements a rank gathers and computes with: its ep slice of routed experts, else all.
+    fn local(&self, c: Cut) -> u64 {
+        if self.routed() {
+            self.numel() / c.ep
+        } else {
+            self.numel()
         }
+    }
+    /// Ranks the tensor is sharded over (the placement plan's group).
+    fn group(&self, c: Cut) -> u64 {
+        if self.routed() {
+            c.w / c.ep
+        } else {
+            c.w
+        }
+    }
+    /// Elements of this rank's shard, padding included (the placement plan's `shard_elems`):
+    /// dim-0 rows (a stacked tensor's first two dims) split evenly over [`Self::group`], or, for
+    /// routed experts under FlexShard, whole experts of the rank's ep slice.
+    fn shard(&self, c: Cut) -> u64 {
+        let s = &self.shape;
+        let g = self.group(c);
+        match self.kind {
+            Kind::Experts { routed: true } if c.flex => (s[0] / c.ep).div_ceil(g) * s[1] * s[2],
+            Kind::Experts { routed: true } => (s[0] / c.ep * s[1]).div_ceil(g) * s[2],
+            Kind::Experts { .. } => (s[0] * s[1]).div_ceil(g) * s[2],
+            _ => s[0].div_ceil(g) * (self.numel() / s[0]),
+        }
+    }
+    /// The gathered array with its padding: the shard times the group.
+    fn padded(&self, c: Cut) -> u64 {
+        self.shard(c) * self.group(c)
     }
     /// Muon's `(rows, cols)` under `muon`, else `None`.
     fn muon(&self, muon: bool) -> Option<(u64, u64)> {
@@ -357,20 +392,21 @@ pub fn shard_degree(job: &JobConfig, ranks: usize) -> usize {
 }
 
 /// One rank's bytes under FSDP over `w` ranks, the batch split over `ranks` (`w` but for HSDP's
-/// replicas). `None` under expert parallelism.
-fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sharded> {
+/// replicas), expert parallelism included.
+fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let p = &job.parallelism;
-    if p.ep > 1 {
-        return None;
-    }
     let m = &job.model;
     let ts = runtime_tensors(m);
-    let wu = w as u64;
     let flex = p.muon_placement == ganymede_config::MuonPlacement::Flexshard;
+    let cut = Cut {
+        w: w as u64,
+        ep: p.ep as u64,
+        flex,
+    };
     let muon = job.optimizer.name == OptimizerName::Muon;
     let f = 4.0;
     let sum = |it: &mut dyn Iterator<Item = u64>| it.sum::<u64>() as f64;
-    let shards = sum(&mut ts.iter().map(|t| t.shard(wu, flex)));
+    let shards = sum(&mut ts.iter().map(|t| t.shard(cut)));
     let root_full = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(Rt::numel));
     // Blocks of one shape are reused; the largest block stands for all.
     let block = |g: &dyn Fn(&Rt) -> u64| {
@@ -378,26 +414,26 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
             .map(|l| sum(&mut ts.iter().filter(|t| t.block == Some(l)).map(g)))
             .fold(0.0, f64::max)
     };
-    let block_full = block(&|t| t.numel());
+    let block_full = block(&|t| t.local(cut));
     // What the model reads: bf16 GEMM weights under bf16 compute, the rest f32.
     let bf16_compute = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
     let unsharded = |t: &Rt| match bf16_compute && t.gemm_weight {
-        true => 2 * t.numel(),
-        false => 4 * t.numel(),
+        true => 2 * t.local(cut),
+        false => 4 * t.local(cut),
     };
     let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
     let block_bytes = block(&unsharded);
-    let block_padded = block(&|t| t.shard(wu, flex) * wu);
-    let block_shard = block(&|t| t.shard(wu, flex));
+    let block_padded = block(&|t| t.padded(cut));
+    let block_shard = block(&|t| t.shard(cut));
     let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {
         (Kind::Frozen, _) => 0,
-        (_, Some(_)) => t.shard(wu, flex),
-        _ => 2 * t.shard(wu, flex),
+        (_, Some(_)) => t.shard(cut),
+        _ => 2 * t.shard(cut),
     }));
     let muon_shards = sum(&mut ts
         .iter()
         .filter(|t| t.muon(muon).is_some())
-        .map(|t| t.shard(wu, flex)));
+        .map(|t| t.shard(cut)));
     let scratch = |small_only: bool| {
         let (ss, sl) = ts
             .iter()
@@ -425,11 +461,11 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
     let root_padded = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none())
-        .map(|t| t.shard(wu, flex) * wu));
+        .map(|t| t.padded(cut)));
     let root_shard = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none())
-        .map(|t| t.shard(wu, flex)));
+        .map(|t| t.shard(cut)));
     let slots = (p.prefetch + 1) as f64;
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
     let mut local = job.clone();
@@ -439,7 +475,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
     let mut init_peak = 0;
     for t in &ts {
         init_peak = init_peak.max(before + t.numel());
-        before += t.shard(wu, flex);
+        before += t.shard(cut);
     }
     // The gather staging, made once: f32 receive buffers per slot and for the root, or bf16
     // send and receive buffers per slot and for the root.
@@ -448,37 +484,71 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Option<Sh
     } else {
         f * (slots * block_padded + root_padded)
     };
+    // Expert parallelism's own row buffers (`ganymede_parallel::ep`), f32: per set of a layer's
+    // kept rows, input and gate/up/SwiGLU (H + 3F; one set under full checkpointing, one per
+    // MoE layer without), and the all-to-all and gradient scratch (3H + 3F).
+    let (ep_kept, ep_scratch) = match ep_capacity_rows(&local) {
+        Some(cap) => {
+            let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
+            let sets = match job.activation_checkpoint.mode {
+                AcMode::Full => 1,
+                AcMode::None => (0..m.layers).filter(|&l| m.is_moe_layer(l)).count(),
+            };
+            let cap = cap as f64;
+            (
+                f * cap * (h + 3.0 * ff) * sets as f64,
+                f * cap * 3.0 * (h + ff),
+            )
+        }
+        None => (0.0, 0.0),
+    };
     let device = Categories {
         params: f * shards.max(init_peak as f64),
         grads: f * (shards + root_full + block_full),
         optimizer: f * state,
-        activations: predict_cpu_ledger(&local, 1).activations,
+        activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes
             + slots * block_bytes
             + f * (2.0 * block_padded
                 + muon_shards
-                + root_elems(&ts, wu, flex, muon) as f64
+                + root_elems(&ts, cut, muon) as f64
                 + ns_scratch
                 // The root gradients' reduce-scatter send buffers.
                 + root_padded)
             + gather_staging
+            + ep_scratch
             + crate::ledger::step_scalars(&job.model)
             + crate::ledger::bf16_gemm_scratch(&local),
     };
     let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;
-    Some(Sharded {
+    Sharded {
         device,
         params_steady: f * shards,
         init_whole: f * init_whole,
         stage: f * (slots * block_shard + root_shard),
-    })
+    }
+}
+
+/// Expert parallelism (`parallelism.ep` > 1): the rows a rank's expert buffers are sized for,
+/// `job`'s batch being one rank's (`ganymede_parallel::ep`): `ep_capacity_factor` times an
+/// even routing's rows (the rank's tokens × top_k), at most the most it can receive (ep × tokens
+/// × min(top_k, local experts)). `None` without expert parallelism or MoE layers.
+pub fn ep_capacity_rows(job: &JobConfig) -> Option<usize> {
+    let (m, p) = (&job.model, &job.parallelism);
+    if p.ep <= 1 || !(0..m.layers).any(|l| m.is_moe_layer(l)) {
+        return None;
+    }
+    let tokens = job.training.batch_size * m.seq_len;
+    let even = tokens * m.top_k;
+    let most = p.ep * tokens * m.top_k.min(m.experts / p.ep);
+    Some(((even as f64 * p.ep_capacity_factor).ceil() as usize).min(most))
 }
 
 /// Elements of the whole matrices rank 0 (whose ledger `memory.json` holds) gathers as a
 /// Newton–Schulz root, as `ganymede_dist::placement::plan` assigns them under ep = 1: round-robin
 /// over the Muon tensors (naive), or, under FlexShard, each rank's whole routed experts first,
 /// then the other Muon tensors heaviest first, each to the least-loaded rank (lowest on ties).
-fn root_elems(ts: &[Rt], w: u64, flex: bool, muon: bool) -> u64 {
+fn root_elems(ts: &[Rt], c: Cut, muon: bool) -> u64 {
     if !muon {
         return 0;
     }
@@ -486,29 +556,32 @@ fn root_elems(ts: &[Rt], w: u64, flex: bool, muon: bool) -> u64 {
         let (s, l) = (a.min(b), a.max(b));
         s * s * (2 * l + s)
     };
-    let routed = |t: &Rt| matches!(t.kind, Kind::Experts { routed: true });
-    let whole = |t: &Rt| t.shard(w, flex) * w;
     let mut muon_ts = ts
         .iter()
         .enumerate()
         .filter(|(_, t)| t.muon(true).is_some());
-    if !flex {
+    if !c.flex {
+        // Round-robin within each tensor's group; rank 0 is group rank 0 of both.
         return muon_ts
             .enumerate()
-            .filter(|(m, _)| (*m as u64).is_multiple_of(w))
-            .map(|(_, (_, t))| whole(t))
+            .filter(|(m, (_, t))| (*m as u64).is_multiple_of(t.group(c)))
+            .map(|(_, (_, t))| t.padded(c))
             .sum();
     }
-    let mut load = vec![0u64; w as usize];
-    for t in ts.iter().filter(|t| routed(t)) {
-        let (e, per) = (t.shape[0], t.shape[0].div_ceil(w));
+    // Newton–Schulz load per rank from the routed experts it owns whole: rank r holds slice
+    // r mod ep and is number r / ep among the ranks sharing it.
+    let mut load = vec![0u64; c.w as usize];
+    for t in ts.iter().filter(|t| t.routed()) {
+        let (el, g) = (t.shape[0] / c.ep, t.group(c));
+        let per = el.div_ceil(g);
         for (r, l) in (0u64..).zip(load.iter_mut()) {
-            *l += e.min((r + 1) * per).saturating_sub(r * per) * ns(t.shape[1], t.shape[2]);
+            let f = r / c.ep;
+            *l += el.min((f + 1) * per).saturating_sub(f * per) * ns(t.shape[1], t.shape[2]);
         }
     }
     let mut items: Vec<(u64, usize)> = muon_ts
         .by_ref()
-        .filter(|(_, t)| !routed(t))
+        .filter(|(_, t)| !t.routed())
         .map(|(i, t)| match t.kind {
             Kind::Experts { .. } => (t.shape[0] * ns(t.shape[1], t.shape[2]), i),
             _ => (ns(t.shape[0], t.shape[1]), i),
@@ -516,11 +589,11 @@ fn root_elems(ts: &[Rt], w: u64, flex: bool, muon: bool) -> u64 {
         .collect();
     items.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let mut elems = 0;
-    for (c, i) in items {
+    for (cost, i) in items {
         let r = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap();
-        load[r] += c;
+        load[r] += cost;
         if r == 0 {
-            elems += whole(&ts[i]);
+            elems += ts[i].padded(c);
         }
     }
     elems
@@ -531,14 +604,18 @@ fn root_elems(ts: &[Rt], w: u64, flex: bool, muon: bool) -> u64 {
 /// master shard travels with its moments.
 fn largest_shard_state(job: &JobConfig, w: usize) -> u64 {
     let adam = if w > 1 { 3 } else { 2 };
-    let flex = job.parallelism.muon_placement == ganymede_config::MuonPlacement::Flexshard;
+    let cut = Cut {
+        w: w as u64,
+        ep: job.parallelism.ep.min(w) as u64,
+        flex: job.parallelism.muon_placement == ganymede_config::MuonPlacement::Flexshard,
+    };
     let muon = job.optimizer.name == OptimizerName::Muon;
     runtime_tensors(&job.model)
         .iter()
         .map(|t| match (t.kind, t.muon(muon)) {
             (Kind::Frozen, _) => 0,
-            (_, Some(_)) => t.shard(w as u64, flex),
-            _ => adam * t.shard(w as u64, flex),
+            (_, Some(_)) => t.shard(cut),
+            _ => adam * t.shard(cut),
         })
         .max()
         .unwrap_or(0)
@@ -587,10 +664,10 @@ impl Fix {
 }
 
 /// Hold `job`'s predicted device peak against its `device.memory_gib`; `None` when there is no
-/// capacity (one memory, or `memory_gib = 0`) or the layout is not modelled.
+/// capacity (one memory, or `memory_gib = 0`).
 pub fn fit_check(job: &JobConfig, threads: usize, ranks: usize) -> Option<FitCheck> {
     let capacity = capacity_bytes(job)?;
-    let prediction = predict_memory(job, threads, ranks)?;
+    let prediction = predict_memory(job, threads, ranks);
     let fits = prediction.device_peak <= capacity;
     let (overflow, fix) = if fits {
         (vec![], None)
@@ -626,7 +703,7 @@ fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) ->
     if ac.mode == AcMode::None {
         modes.push(AcMode::Full);
     }
-    let peak = |j: &JobConfig| predict_memory(j, threads, ranks).map(|p| p.device_peak);
+    let peak = |j: &JobConfig| predict_memory(j, threads, ranks).device_peak;
     for mode in modes {
         for opt_offload in [job.optimizer.offload, true] {
             let mut j = job.clone();
@@ -639,7 +716,7 @@ fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) ->
                 j.optimizer.offload = true;
                 sets.push("optimizer.offload=true".to_string());
             }
-            let fits = |j: &JobConfig| peak(j).is_some_and(|p| p <= capacity);
+            let fits = |j: &JobConfig| peak(j) <= capacity;
             if !fits(&j) && mode == AcMode::Full {
                 let current = offloaded_layers(ac.offload_fraction, layers);
                 let Some(n) = (current + 1..=layers).find(|&n| {
@@ -662,7 +739,7 @@ fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) ->
             if !sets.is_empty() && fits(&j) {
                 return Some(Fix {
                     sets,
-                    device_peak: peak(&j)?,
+                    device_peak: peak(&j),
                 });
             }
         }
@@ -748,10 +825,7 @@ pub fn render(job: &JobConfig, threads: usize, ranks: usize) -> String {
         if threads == 1 { "" } else { "s" },
         if ranks == 1 { "" } else { "s" }
     );
-    let Some(p) = predict_memory(job, threads, ranks) else {
-        s.push_str("  not modelled: the prediction covers one rank only (sharded layouts later)\n");
-        return s;
-    };
+    let p = predict_memory(job, threads, ranks);
     s.push_str(&format!("  {:<14}{:>18}{:>18}\n", "", "gpu0", "host"));
     let row = |name: &str, d: f64, h: f64| format!("  {name:<14}{:>18}{:>18}\n", gib(d), gib(h));
     for ((name, d), (_, h)) in p.device.entries().into_iter().zip(p.host.entries()) {

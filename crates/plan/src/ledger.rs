@@ -204,8 +204,9 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// the backend keeps one slot per operand position, each grown to the longest view it has seen
 /// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
 /// holds at most the logits `N·V` (the LM head's weight gradient) or a routed-expert buffer
-/// (`N·k·max(H, F)`), slot B a weight (LM head `V·H`, stacked experts `E·F·H`) or the experts'
-/// rows (`N·k·max(H, F)`); the other GEMMs' operands are smaller. The weights reach the GEMMs
+/// (`N·k·max(H, F)`; under expert parallelism its capacity's rows, if more), slot B a weight
+/// (LM head `V·H`, stacked experts `E·F·H`, `E/ep` of them under expert parallelism) or the
+/// experts' rows; the other GEMMs' operands are smaller. The weights reach the GEMMs
 /// in bf16 already, which a GPU takes as they are: there slot B holds only the activations the
 /// weight gradients read (`N·H`, a SwiGLU's `N·W`, the experts' rows; attention's output,
 /// `N·Q`, is bf16 already under bf16 compute). The CPU widens bf16 operands into its f32 scratch
@@ -234,7 +235,11 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
             false => m.dense_hidden as f64,
         })
         .fold(0.0, f64::max);
-    let rows = n * k * h.max(ff);
+    // Expert parallelism hands the GEMMs views of its capacity, and a rank its ep slice of
+    // the stacked experts.
+    let rows = crate::fit::ep_capacity_rows(job).map_or(n * k, |c| (c as f64).max(n * k));
+    let e = e / job.parallelism.ep.max(1) as f64;
+    let rows = rows * h.max(ff);
     let a = [n * v, rows, n * width, n * h, n * q]
         .into_iter()
         .fold(0.0, f64::max);

@@ -10,6 +10,7 @@ pub mod overlap;
 mod svg;
 
 use anyhow::{bail, Context, Result};
+use ganymede_core::sample::median;
 use serde_json::Value;
 use std::fmt::Write;
 use std::fs;
@@ -92,19 +93,6 @@ impl Run {
         }
         out
     }
-}
-
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
 }
 
 fn gib(b: f64) -> String {
@@ -192,13 +180,7 @@ fn summary(h: &mut String, run: &Run) {
     let val = run.series("val_loss");
     let times: Vec<f64> = run.step_times().into_iter().map(|p| p.1).collect();
     // The first step warms caches and allocators; leave it out when there are others.
-    let measured = median(
-        times
-            .iter()
-            .skip(usize::from(times.len() > 1))
-            .copied()
-            .collect(),
-    );
+    let measured = median(&times[usize::from(times.len() > 1)..]);
     let predicted = predicted_step_s(run);
     h.push_str("<h2>Summary</h2>\n<table id=\"summary\">\n");
     let mut row = |k: &str, v: String| {

@@ -8,7 +8,7 @@
 //! Threads: `training.threads` (0 = RAYON_NUM_THREADS, else all cores). Prints one JSON line.
 
 use ganymede_config::JobConfig;
-use ganymede_core::{Backend, Category, CpuBackend, ParamStore};
+use ganymede_core::{sample, Backend, Category, CpuBackend, ParamStore};
 use ganymede_model::{forward_backward, update_router_bias, Model, Tokens, Workspace};
 use ganymede_optim::{clip_grad_norm, lr_at, Optimizer};
 use std::time::Instant;
@@ -28,16 +28,6 @@ fn cpu_time() -> f64 {
     // Safety: clock id 2 with a valid out-pointer.
     unsafe { clock_gettime(2, &mut t) };
     t.sec as f64 + t.nsec as f64 * 1e-9
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,17 +57,10 @@ fn main() -> anyhow::Result<()> {
     let mut opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
     let mut ws = Workspace::new(be, &model, batch, seq, cfg.activation_checkpoint.mode);
 
-    // A fixed random batch (an LCG, as step_bench does), like the PyTorch script.
+    // A fixed random batch (as step_bench's), like the PyTorch script.
     let n = batch * seq;
-    let mut s = 12345u64;
-    let mut tok = || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((s >> 33) % m.vocab_size as u64) as u32
-    };
-    let inputs: Vec<u32> = (0..n).map(|_| tok()).collect();
-    let targets: Vec<u32> = (0..n).map(|_| tok()).collect();
+    let tokens = sample::tokens(2 * n, m.vocab_size, 12345);
+    let (inputs, targets) = tokens.split_at(n);
 
     // Per step: wall, CPU, and the wall time of the optimizer part alone (clip + update), so
     // Muon's Newton–Schulz cost shows separately.
@@ -95,10 +78,7 @@ fn main() -> anyhow::Result<()> {
             &params,
             &mut grads,
             &mut ws,
-            Tokens {
-                inputs: &inputs,
-                targets: &targets,
-            },
+            Tokens { inputs, targets },
             1.0,
         );
         let t1 = Instant::now();
@@ -119,7 +99,8 @@ fn main() -> anyhow::Result<()> {
             opt_wall.push(t1.elapsed().as_secs_f64());
         }
     }
-    let (med, med_cpu) = (median(wall), median(cpu));
+    let median = |v: &[f64]| sample::median(v).expect("at least one timed step (--steps)");
+    let (med, med_cpu) = (median(&wall), median(&cpu));
     println!(
         "{}",
         serde_json::json!({
@@ -132,7 +113,7 @@ fn main() -> anyhow::Result<()> {
             "tokens_per_step": n,
             "median_step_s": med,
             "median_cpu_s": med_cpu,
-            "median_opt_s": median(opt_wall),
+            "median_opt_s": median(&opt_wall),
             "tokens_per_s": n as f64 / med,
             "tokens_per_cpu_s": n as f64 / med_cpu,
             "first_loss": first_loss,

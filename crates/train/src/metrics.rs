@@ -43,6 +43,13 @@ pub struct StepMetrics {
     /// Sharded runs: rank 0's bytes and calls per phase and collective kind.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm: Option<serde_json::Value>,
+    /// Expert parallelism: rank 0's most rows received by one layer's experts in the step,
+    /// over an even routing's (1 = even; its buffers hold `parallelism.ep_capacity_factor`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ep_rows_over_even: Option<f64>,
+    /// Expert parallelism: times in the step that a rank's dispatch buffers grew (all ranks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ep_regrowths: Option<u64>,
     /// Per MoE layer, each expert's share of the step's top-k assignments; written on
     /// validation steps only, so a report can draw the loads without bloating every line.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -530,9 +530,22 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 ranks: n,
                 comm_bytes: (n > 1).then(|| r.comm.by_phase_json()),
                 comm: (n > 1).then(|| serde_json::json!(r.comm.entries)),
+                ep_rows_over_even: r.expert_rows.map(|u| u.peak as f64 / u.even.max(1) as f64),
+                ep_regrowths: r.expert_rows.map(|_| r.expert_regrowths),
                 expert_load: val_due.then(|| r.expert_load.clone()),
             };
             w.write(&sm)?;
+            if r.expert_regrowths > 0 {
+                progress.println(&format!(
+                    "step {done}: expert-parallel dispatch buffers grew {} time(s) over the ranks: \
+                     a layer routed a rank more rows than parallelism.ep_capacity_factor = {} \
+                     holds (rank 0's most: {:.2}x an even routing); they allocate until the \
+                     factor covers the routing",
+                    r.expert_regrowths,
+                    cfg.parallelism.ep_capacity_factor,
+                    sm.ep_rows_over_even.unwrap_or(0.0)
+                ));
+            }
             for warning in collapse.observe(done, &r.expert_load) {
                 progress.println(&warning);
             }
@@ -608,27 +621,25 @@ fn write_memory(
     quiet: bool,
 ) -> Result<()> {
     let report = st.be.ledger().report();
-    let predicted: Option<metrics::Predicted> =
-        ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n).map(|p| {
-            let mut out = metrics::Predicted::default();
-            for (dev, cats, peak) in [
-                (Device::Gpu(0), &p.device, p.device_peak),
-                (Device::Host, &p.host, p.host_peak),
-            ] {
-                if dev == Device::Gpu(0) && peak == 0.0 {
-                    continue;
-                }
-                for (name, bytes) in cats.entries() {
-                    let c = *CATEGORIES
-                        .iter()
-                        .find(|c| c.name() == name)
-                        .expect("the planner's categories are the ledger's");
-                    out.categories.push((dev, c, bytes as u64));
-                }
-                out.totals.push((dev, peak as u64));
-            }
-            out
-        });
+    let p = ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), n);
+    let mut predicted = metrics::Predicted::default();
+    for (dev, cats, peak) in [
+        (Device::Gpu(0), &p.device, p.device_peak),
+        (Device::Host, &p.host, p.host_peak),
+    ] {
+        if dev == Device::Gpu(0) && peak == 0.0 {
+            continue;
+        }
+        for (name, bytes) in cats.entries() {
+            let c = *CATEGORIES
+                .iter()
+                .find(|c| c.name() == name)
+                .expect("the planner's categories are the ledger's");
+            predicted.categories.push((dev, c, bytes as u64));
+        }
+        predicted.totals.push((dev, peak as u64));
+    }
+    let predicted = Some(predicted);
     let mem = serde_json::to_string_pretty(&metrics::memory_json(&report, predicted.as_ref()))?;
     checkpoint::write_atomic(&run_dir.join("memory.json"), mem.as_bytes())?;
     if !quiet {

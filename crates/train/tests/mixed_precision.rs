@@ -201,7 +201,7 @@ fn bf16_weights_on_the_ledger_equal_the_planner() {
             (old as i64 - new as i64, 2 * (root + slots * block))
         };
         let threads = rayon::current_num_threads();
-        let predicted = ganymede_plan::predict_memory(&cfg, threads, ranks).unwrap();
+        let predicted = ganymede_plan::predict_memory(&cfg, threads, ranks);
         let predicted = predicted.host.buffers;
         println!(
             "{ranks} ranks, {gather}: buffers {new} bytes (per-GEMM casts: {old}), \
@@ -249,7 +249,7 @@ fn bf16_attention_activations_on_the_ledger_equal_the_planner() {
             let (mb, mf) = (activation_peak(&b, ranks), activation_peak(&f, ranks));
             let mut pb = b.clone();
             pb.parallelism.dp_shard = ranks;
-            let predicted = ganymede_plan::predict_memory(&pb, threads, ranks).unwrap();
+            let predicted = ganymede_plan::predict_memory(&pb, threads, ranks);
             let predicted = predicted.host.activations;
             let m = &b.model;
             let n = (b.training.batch_size / ranks * m.seq_len) as u64;

@@ -35,6 +35,8 @@ fn metrics(step: usize) -> StepMetrics {
         ranks: 1,
         comm_bytes: None,
         comm: None,
+        ep_rows_over_even: None,
+        ep_regrowths: None,
         expert_load: None,
     }
 }

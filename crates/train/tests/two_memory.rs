@@ -59,18 +59,22 @@ fn two_memory_training_equals_one_memory_and_charges_the_device() {
 
 #[test]
 fn an_allocation_past_the_device_capacity_ends_the_run_naming_category_and_bytes() {
-    // tiny's parameters alone are ~1.8 MB, half that per rank on two: 1/4 MiB of device
-    // memory cannot hold them. Expert parallelism, which the fit check before launch does not
-    // model yet, reaches the allocation itself.
-    let quarter = tiny(&[
+    // A device exactly as large as the planner's peak for expert parallelism with buffers for
+    // an even routing (factor 1): the fit check lets it run, and `tiny`'s uneven first routing
+    // grows the buffers past the capacity, which the allocation itself reports.
+    let mut even = tiny(&[
         "device.kind=\"cpu-two-memory\"",
-        "device.memory_gib=0.000244140625",
-        "parallelism.dp_shard=2",
+        "parallelism.dp_shard=4",
         "parallelism.ep=2",
+        "parallelism.ep_capacity_factor=1",
     ]);
-    let e = format!("{:#}", run(&quarter, "oom", 2).unwrap_err());
+    let peak = ganymede_plan::predict_memory(&even, rayon::current_num_threads(), 4).device_peak;
+    even.device.memory_gib = peak / (1u64 << 30) as f64;
+    let e = format!("{:#}", run(&even, "oom", 4).unwrap_err());
+    // The growing dispatch scratch (buffers) or kept rows (activations) is what fails.
+    let what = e.contains("buffers") || e.contains("activations");
     assert!(
-        e.contains("out of memory") && e.contains("params") && e.contains("bytes"),
+        e.contains("out of memory") && e.contains("bytes") && what,
         "{e}"
     );
     // One rank is refused before anything is built: the fit check names the categories.

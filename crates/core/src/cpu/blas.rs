@@ -668,18 +668,9 @@ mod tests {
         }
     }
 
+    /// Uniform in [-0.5, 0.5).
     fn rand(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
+        crate::sample::Lcg::new(seed).values(n, 0.5)
     }
 
     #[test]

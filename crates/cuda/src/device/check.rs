@@ -6,6 +6,7 @@
 //! report says what passed, what failed and what was measured.
 
 use super::{CudaBackend, DeviceError};
+use ganymede_core::sample::values;
 use ganymede_core::{
     bf16, Blas, Category, CpuBackend, DType, Gemm, Ledger, Memory, Stream, Syrk, Tensor,
 };
@@ -133,19 +134,6 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_else(|| "(no message)".into())
-}
-
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed ^ 0x9e37_79b9_7f4a_7c15;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 fn ensure(cond: bool, why: impl FnOnce() -> String) -> Result<(), String> {

@@ -46,17 +46,27 @@ pub fn max_rel(a: &[f64], b: &[f64]) -> f64 {
 
 /// Ledger allocations in steps 2 and 3 (after step 1 has made every buffer), per rank.
 pub fn allocs_after_first_step(cfg: &JobConfig, ranks: usize) -> Vec<u64> {
+    allocs_per_step(cfg, ranks, 3)
+        .into_iter()
+        .map(|steps| steps[1..].iter().sum())
+        .collect()
+}
+
+/// Ledger allocations of each of `steps` steps, per rank (`[rank][step]`).
+pub fn allocs_per_step(cfg: &JobConfig, ranks: usize, steps: usize) -> Vec<Vec<u64>> {
     let mut cfg = cfg.clone();
     cfg.parallelism.dp_shard = ranks;
     let m = &cfg.model;
     let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None).unwrap();
     run_threads(ranks, &ThreadsConfig::default(), |world| {
         let mut st = RankState::new(world, &cfg).unwrap();
-        st.step(&data, 0).unwrap();
-        st.be.ledger().mark_window();
-        st.step(&data, 1).unwrap();
-        st.step(&data, 2).unwrap();
-        st.be.ledger().window_alloc_count()
+        (0..steps)
+            .map(|s| {
+                st.be.ledger().mark_window();
+                st.step(&data, s).unwrap();
+                st.be.ledger().window_alloc_count()
+            })
+            .collect::<Vec<u64>>()
     })
     .into_iter()
     .map(|r| r.unwrap())

@@ -6,6 +6,7 @@ use crate::backend::{
     HeadRope, Memory, NnOps, NormSaved, RouterDims, RouterOut,
 };
 use crate::ledger::{Category, Ledger};
+use crate::sample::Lcg;
 use crate::tensor::Tensor;
 use crate::CpuBackend;
 use std::sync::Arc;
@@ -14,14 +15,14 @@ fn be() -> CpuBackend {
     CpuBackend::new_f64(Arc::new(Ledger::new()))
 }
 
-struct Rng(u64);
+/// The shared generator's values as f64 (multiples of 2⁻²³ in [-1, 1), exact in f64).
+struct Rng(Lcg);
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(Lcg::new(seed))
+    }
     fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        self.0.uniform() as f64
     }
     fn vec(&mut self, n: usize) -> Vec<f64> {
         (0..n).map(|_| self.next()).collect()
@@ -85,7 +86,7 @@ fn close(name: &str, a: &[f64], b: &[f64], tol: f64) {
 #[test]
 fn embedding() {
     let b = be();
-    let mut r = Rng(1);
+    let mut r = Rng::new(1);
     let (v, d) = (7, 5);
     let ids = ix(&b, &[3, 0, 3, 6, 1]);
     let wte = r.vec(v * d);
@@ -121,7 +122,7 @@ fn embedding_segments_group_tokens_by_id_stably() {
 #[test]
 fn rmsnorm() {
     let b = be();
-    let mut r = Rng(2);
+    let mut r = Rng::new(2);
     let (n, d) = (6, 8);
     let (x, w, ro) = (r.vec(n * d), r.vec(d), r.vec(n * d));
     let run = |x: &[f64], w: &[f64]| {
@@ -163,7 +164,7 @@ fn rmsnorm() {
 #[test]
 fn head_norm_rope() {
     let b = be();
-    let mut r = Rng(3);
+    let mut r = Rng::new(3);
     let (rows, heads, hd, seq, pos0, theta) = (6, 3, 8, 3, 2, 100.0);
     let row = heads * hd;
     let (x, w, ro) = (r.vec(rows * row), r.vec(hd), r.vec(rows * row));
@@ -268,7 +269,7 @@ fn attention_case(
     seed: u64,
 ) {
     let b = be();
-    let mut r = Rng(seed);
+    let mut r = Rng::new(seed);
     let (nq, nk) = (batch * tq * heads * hd, batch * tk * kvh * hd);
     let (q, k, v, ro) = (r.vec(nq), r.vec(nk), r.vec(nk), r.vec(nq));
     let dims = AttnDims {
@@ -342,7 +343,7 @@ fn attention_several_tiles() {
 #[test]
 fn swiglu() {
     let b = be();
-    let mut r = Rng(7);
+    let mut r = Rng::new(7);
     let n = 40;
     let (g, u, ro) = (r.vec(n), r.vec(n), r.vec(n));
     let run = |g: &[f64], u: &[f64]| {
@@ -369,7 +370,7 @@ fn swiglu() {
 
 fn router_case(renorm: bool, with_bias: bool) {
     let b = be();
-    let mut r = Rng(8 + renorm as u64 + 2 * with_bias as u64);
+    let mut r = Rng::new(8 + renorm as u64 + 2 * with_bias as u64);
     let (n, e, k) = (6, 5, 2);
     let logits: Vec<f64> = r.vec(n * e).iter().map(|x| 3.0 * x).collect();
     let bias: Vec<f64> = r.vec(e).iter().map(|x| 0.3 * x).collect();
@@ -474,7 +475,7 @@ fn router_ties_prefer_lower_index() {
 #[test]
 fn dispatch_and_combine() {
     let b = be();
-    let mut r = Rng(9);
+    let mut r = Rng::new(9);
     let (n, k, d) = (5, 2, 3);
     // Token t's j-th choice went to dispatched row pos[t*k+j]; src is the inverse.
     let pos: Vec<u32> = vec![3, 0, 7, 1, 9, 2, 4, 8, 6, 5];
@@ -534,7 +535,7 @@ fn dispatch_and_combine() {
 #[test]
 fn moe_dispatch_matches_a_reference_sort() {
     for (seed, n, e, k) in [(1u64, 1, 1, 1), (2, 7, 4, 2), (3, 33, 8, 3), (4, 50, 16, 1)] {
-        let mut r = Rng(seed);
+        let mut r = Rng::new(seed);
         // Skewed choices so some experts get nothing.
         let idx: Vec<u32> = (0..n * k)
             .map(|_| ((r.next() + 1.0) * 0.5 * (e as f64 / 2.0).max(1.0)) as u32 % e as u32)
@@ -614,7 +615,7 @@ fn moe_combine_backward_refuses_a_pos_that_is_not_a_permutation() {
 #[test]
 fn cross_entropy() {
     let b = be();
-    let mut r = Rng(10);
+    let mut r = Rng::new(10);
     let (n, v) = (4, 9);
     let logits: Vec<f64> = r.vec(n * v).iter().map(|x| 2.0 * x).collect();
     let targets = [3u32, 0, 8, 3];
@@ -650,7 +651,7 @@ fn cross_entropy() {
 #[test]
 fn residual() {
     let b = be();
-    let mut r = Rng(11);
+    let mut r = Rng::new(11);
     let (x, y, ro) = (r.vec(10), r.vec(10), r.vec(10));
     let run = |x: &[f64], y: &[f64]| {
         let mut o = up(&b, y);
@@ -668,7 +669,7 @@ fn f32_kernels_match_f64() {
     // The f32 path (fast exp, f32 accumulation) stays within float rounding of f64.
     let b64 = be();
     let b32 = CpuBackend::new(Arc::new(Ledger::new()));
-    let mut r = Rng(12);
+    let mut r = Rng::new(12);
     let (batch, t, h, kvh, hd) = (2, 80, 4, 2, 8);
     let (nq, nk) = (batch * t * h * hd, batch * t * kvh * hd);
     let (q, k, v) = (r.vec(nq), r.vec(nk), r.vec(nk));
@@ -717,7 +718,7 @@ fn f32_kernels_match_f64() {
 fn grouped_gemm_matches_one_gemm_per_group() {
     use crate::backend::Gemm;
     let b = CpuBackend::new(Arc::new(Ledger::new()));
-    let mut r = Rng(13);
+    let mut r = Rng::new(13);
     let (f, h) = (40, 24);
     // Uneven groups (one empty) of rows, each against its own weight, like experts.
     let rows = [70usize, 0, 5, 300];
@@ -782,7 +783,7 @@ fn bf16_input_gemm_takes_bf16_operands_as_they_are() {
     use crate::backend::{Blas, Gemm};
     use crate::tensor::DType;
     let b = CpuBackend::new(Arc::new(Ledger::new()));
-    let mut r = Rng(31);
+    let mut r = Rng::new(31);
     let (m, n, k) = (19, 23, 70);
     let a: Vec<f32> = r.vec(m * k).iter().map(|&v| v as f32).collect();
     let w: Vec<f32> = r.vec(k * n).iter().map(|&v| v as f32).collect();
@@ -829,7 +830,7 @@ fn bf16_input_gemm_rounds_operands() {
     use crate::bf16::{from_f32, to_f32};
     let ledger = Arc::new(Ledger::new());
     let b = CpuBackend::new(ledger.clone());
-    let mut r = Rng(29);
+    let mut r = Rng::new(29);
     let (m, n, k) = (37, 29, 300);
     let a: Vec<f32> = r.vec(m * k).iter().map(|&v| v as f32).collect();
     let w: Vec<f32> = r.vec(k * n).iter().map(|&v| v as f32).collect();
@@ -896,7 +897,7 @@ fn attention_bf16_case(batch: usize, tq: usize, tk: usize, heads: usize, kvh: us
     use crate::bf16::{from_f32, to_f32};
     use crate::tensor::DType;
     let b = CpuBackend::new(Arc::new(Ledger::new()));
-    let mut r = Rng(11);
+    let mut r = Rng::new(11);
     let (nq, nk, nl) = (
         batch * tq * heads * hd,
         batch * tk * kvh * hd,
