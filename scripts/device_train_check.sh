@@ -47,9 +47,10 @@ train() {
 #    CPU backend); reductions add in other orders, so per-step losses drift apart by rounding.
 #    Tolerance: 1e-3 relative at every step. `tiny` with training.compute_dtype = "bf16" too
 #    (cublasGemmEx on bf16 operands against the CPU's exact emulation): an operand one ulp apart
-#    can round to a neighbouring bf16, so 2e-3 (on the CPU, 4 ranks against one measured 2.4e-5).
-#    Its attention runs on bf16 q/k/v through the tensor-core kernels, which also round P and dS
-#    to bf16 (the CPU keeps them f32): one step's loss 1.2e-5 apart in the host build.
+#    can round to a neighbouring bf16, so 2e-3 (on the CPU, 4 ranks against one measured 1.9e-5
+#    with bf16 boundaries, bf16 compute's default; 2.4e-5 with f32 ones). Its attention runs on
+#    bf16 q/k/v through the tensor-core kernels, which also round P and dS to bf16 (the CPU keeps
+#    them f32): one step's loss 9.7e-6 apart in the host build (1.2e-5 with f32 boundaries).
 echo "## $steps steps against the CPU" >>"$md"
 echo >>"$md"
 for run in tiny:f32:1e-3 small:f32:1e-3 tiny:bf16:2e-3; do

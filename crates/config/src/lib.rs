@@ -470,6 +470,51 @@ pub struct ActivationCheckpointConfig {
     /// device memory is separate (`device.kind = "cpu-two-memory"`, GPUs); on the plain CPU it
     /// only adds copies.
     pub offload_fraction: f64,
+    /// Storage precision of the residual stream at block boundaries, what a step keeps of its
+    /// forward under `mode = "full"` and what activation offload moves (see [`BoundaryDtype`]).
+    pub boundary_dtype: BoundaryDtype,
+}
+
+/// Storage precision of the block boundaries (`activation_checkpoint.boundary_dtype`). Inside a
+/// block the residual stream is summed in f32 either way; with bf16 boundaries each block's
+/// output is rounded to bf16 when stored and widened again by its readers (the next block, the
+/// recompute, the final norm), as a PyTorch model trained in bf16 passes bf16 hidden states
+/// between its layers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BoundaryDtype {
+    /// The compute dtype (`training.compute_dtype`): f32 boundaries at f32 compute, bf16 at
+    /// bf16.
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl BoundaryDtype {
+    /// Whether the boundaries are stored in bf16 under `compute`.
+    pub fn bf16_under(self, compute: ComputeDtype) -> bool {
+        match self {
+            BoundaryDtype::Auto => compute == ComputeDtype::Bf16,
+            BoundaryDtype::F32 => false,
+            BoundaryDtype::Bf16 => true,
+        }
+    }
+}
+
+// By hand so that a bad value names its key, as `ComputeDtype`.
+impl<'de> Deserialize<'de> for BoundaryDtype {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "auto" => Ok(Self::Auto),
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid value for activation_checkpoint.boundary_dtype = '{s}': expected \"auto\", \"f32\" or \"bf16\""
+            ))),
+        }
+    }
 }
 
 /// Layers whose boundary activation goes to host memory at `fraction` of `layers`: the nearest
@@ -484,6 +529,7 @@ impl Default for ActivationCheckpointConfig {
         Self {
             mode: AcMode::Full,
             offload_fraction: 0.0,
+            boundary_dtype: BoundaryDtype::Auto,
         }
     }
 }

@@ -243,3 +243,49 @@ fn ns_dtype_auto_follows_native_bf16() {
         assert!(NsDtype::Bf16.bf16_on(native));
     }
 }
+
+#[test]
+fn boundary_dtype_parses_round_trips_follows_compute_and_names_bad_values() {
+    let c = JobConfig::load(Some("tiny"), None, &[]).unwrap();
+    assert_eq!(c.activation_checkpoint.boundary_dtype, BoundaryDtype::Auto);
+    for (v, want) in [
+        ("auto", BoundaryDtype::Auto),
+        ("f32", BoundaryDtype::F32),
+        ("bf16", BoundaryDtype::Bf16),
+    ] {
+        let set = format!("activation_checkpoint.boundary_dtype={v}");
+        let c = JobConfig::load(Some("tiny"), None, &[set]).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.activation_checkpoint.boundary_dtype, want);
+        assert!(c.to_toml().contains(&format!("boundary_dtype = \"{v}\"")));
+        let back = JobConfig::from_toml_str(&c.to_toml(), "round trip").unwrap();
+        assert_eq!(back, c);
+    }
+    // A config saved before the key existed loads with `auto`.
+    let old: String = c
+        .to_toml()
+        .lines()
+        .filter(|l| !l.starts_with("boundary_dtype"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(!old.contains("boundary_dtype"));
+    assert_eq!(JobConfig::from_toml_str(&old, "old").unwrap(), c);
+    let e = JobConfig::load(
+        Some("tiny"),
+        None,
+        &["activation_checkpoint.boundary_dtype=fp16".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("activation_checkpoint.boundary_dtype") && e.contains("fp16"),
+        "{e}"
+    );
+    // auto is the compute dtype.
+    assert!(!BoundaryDtype::Auto.bf16_under(ComputeDtype::F32));
+    assert!(BoundaryDtype::Auto.bf16_under(ComputeDtype::Bf16));
+    for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        assert!(!BoundaryDtype::F32.bf16_under(compute));
+        assert!(BoundaryDtype::Bf16.bf16_under(compute));
+    }
+}

@@ -138,6 +138,14 @@ impl<L: Launcher, D: Memory + Gemms> Memory for KernelBackend<L, D> {
     fn pinned_zeros(&self, shape: &[usize], category: ganymede_core::Category) -> Tensor {
         self.dev.pinned_zeros(shape, category)
     }
+    fn pinned_zeros_of(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: ganymede_core::Category,
+    ) -> Tensor {
+        self.dev.pinned_zeros_of(shape, dtype, category)
+    }
     fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
         self.dev.copy_async(dst, src, stream)
     }

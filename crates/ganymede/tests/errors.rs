@@ -36,6 +36,18 @@ fn bad_config_values_name_the_key() {
         e.contains("training.compute_dtype") && e.contains("fp16") && e.contains("bf16"),
         "{e}"
     );
+    let e = err_of(&["train", "--set", "activation_checkpoint.boundary_dtype=fp8"]);
+    assert!(
+        e.contains("activation_checkpoint.boundary_dtype")
+            && e.contains("fp8")
+            && e.contains("auto"),
+        "{e}"
+    );
+    let e = err_of(&["plan", "--set", "activation_checkpoint.boundary_dtype=f16"]);
+    assert!(
+        e.contains("activation_checkpoint.boundary_dtype") && e.contains("f16"),
+        "{e}"
+    );
     let e = err_of(&["train", "--steps", "0"]);
     assert!(e.contains("training.steps"), "{e}");
 }

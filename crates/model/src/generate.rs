@@ -41,9 +41,10 @@ fn step_logits(
     } = ws;
     be.write_u32(head.ids.view_mut(), ids);
     let wte = params.get(model.embed).view();
-    be.embedding_forward(res.get_mut(0), wte, head.ids.view(), h);
+    be.embedding_forward(res.out(0, &mut head.xf), wte, head.ids.view(), h);
+    res.store(be, 0, &head.xf);
     for l in 0..model.layers.len() {
-        let (x, y) = res.pair(l);
+        let (x, y) = res.pair(be, l, &mut head.xf);
         let kv = Kv::Cache {
             k: &mut cache.k[l],
             v: &mut cache.v[l],
@@ -68,7 +69,9 @@ fn step_logits(
             kv,
             (l, psum, &mut LocalExperts),
         );
+        res.store(be, l + 1, &head.xf);
     }
+    res.widen(be, cfg.layers);
     let eps = cfg.norm_eps as f32;
     let (xf, rstd) = (head.xf.view_mut(), head.rstd.view_mut());
     let norm = params.get(model.norm).view();

@@ -47,7 +47,8 @@ pub use step::{
     update_router_bias, GradSink, Hooks, LocalParams, ParamSource, Pass, Tokens,
 };
 pub use workspace::{
-    activation_bytes, activation_bytes_bf16, activation_bytes_offloaded, Workspace,
+    activation_bytes, activation_bytes_at, activation_bytes_bf16, activation_bytes_offloaded,
+    Precision, Workspace,
 };
 
 /// The parameter table, in a fixed order: embedding, layers, final norm, LM head.
@@ -209,6 +210,9 @@ pub struct Model {
     /// GEMMs read may be handed over in bf16 ([`Model::bf16_weight`]). Attention then runs on
     /// bf16 q, k, v with a bf16 output and bf16 gradients (see `block.rs`).
     pub(crate) bf16: bool,
+    /// Storage precision of the residual stream at block boundaries
+    /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).
+    boundary: ganymede_config::BoundaryDtype,
 }
 
 /// Positions of one layer's parameters in the parameter table.
@@ -247,6 +251,25 @@ impl Model {
     pub fn with_compute_dtype(mut self, dtype: ganymede_config::ComputeDtype) -> Model {
         self.bf16 = dtype == ganymede_config::ComputeDtype::Bf16;
         self
+    }
+
+    /// The model with its boundaries' storage precision set (`auto`, the default, follows the
+    /// compute dtype whenever that is set).
+    pub fn with_boundary_dtype(mut self, dtype: ganymede_config::BoundaryDtype) -> Model {
+        self.boundary = dtype;
+        self
+    }
+
+    /// Whether the residual stream between blocks is stored in bf16: each block's output is
+    /// rounded into its boundary, and every reader (the next block, its recompute and backward,
+    /// the final norm) widens the boundary into an f32 working copy (see `offload.rs`). The
+    /// rounding's backward is the identity, as PyTorch's casts'.
+    pub fn bf16_boundaries(&self) -> bool {
+        let compute = match self.bf16 {
+            true => ganymede_config::ComputeDtype::Bf16,
+            false => ganymede_config::ComputeDtype::F32,
+        };
+        self.boundary.bf16_under(compute)
     }
 
     pub fn new(cfg: &ModelConfig) -> Model {
@@ -305,6 +328,7 @@ impl Model {
             layers,
             specs,
             bf16: false,
+            boundary: ganymede_config::BoundaryDtype::Auto,
         }
     }
     pub fn config(&self) -> &ModelConfig {

@@ -16,8 +16,18 @@
 //!
 //! Every use is ordered by events as a GPU requires; the two-memory CPU backend's checking mode
 //! turns a missing wait into a panic at the access it leaves unordered.
+//!
+//! With bf16 boundaries (`Model::bf16_boundaries`) every boundary, its pool slots and its host
+//! copies are bf16, and one f32 working copy on the device stands between them and compute: a
+//! producer (the embedding, a block) writes its f32 output into a stage the caller lends
+//! ([`Boundaries::out`], [`Boundaries::pair`]; the head's `xf`, free until the final norm) and
+//! [`Boundaries::store`] rounds it into the boundary; a reader widens the boundary into the
+//! working copy ([`Boundaries::widen`]) and reads that ([`Boundaries::get`]). The forward, the
+//! recompute and the backward of a block thus read the same widened values, and the copies move
+//! half the bytes. Both casts run on the compute stream, between the same event waits as the
+//! f32 boundaries' own writes and reads.
 
-use ganymede_core::{Backend, Category, Event, Stream, Tensor, View, ViewMut};
+use ganymede_core::{Backend, Category, DType, Event, Stream, Tensor, View, ViewMut};
 
 /// Number of device slots the offloaded boundaries rotate through: the one a block reads and
 /// the one its neighbour writes (forward) or the prefetch fills (backward).
@@ -47,30 +57,37 @@ pub(crate) struct Boundaries {
     /// Per slot: the boundary being fetched into it and the event of that copy.
     fetching: [Option<(usize, Event)>; SLOTS],
     fault: Option<OffloadFault>,
+    /// With bf16 boundaries: the f32 working copy readers see, and the boundary it holds.
+    work: Option<(Tensor, Option<usize>)>,
 }
 
 impl Boundaries {
-    /// `layers + 1` boundaries of `len` elements; the first `n_off` (at most `layers`, the last
-    /// boundary feeds the head at once) offloaded.
-    pub fn new(be: &dyn Backend, layers: usize, len: usize, n_off: usize) -> Self {
+    /// `layers + 1` boundaries of `len` elements, bf16 or in the backend's precision; the first
+    /// `n_off` (at most `layers`, the last boundary feeds the head at once) offloaded.
+    pub fn new(be: &dyn Backend, layers: usize, len: usize, n_off: usize, bf16: bool) -> Self {
         let n_off = n_off.min(layers);
         let slots = n_off.min(SLOTS);
+        let zeros = |pinned: bool| match (bf16, pinned) {
+            (false, false) => be.zeros(&[len], Category::Activations),
+            (false, true) => be.pinned_zeros(&[len], Category::Activations),
+            (true, false) => be.zeros_of(&[len], DType::BF16, Category::Activations),
+            (true, true) => be.pinned_zeros_of(&[len], DType::BF16, Category::Activations),
+        };
         let mut dev = Vec::new();
         let mut loc = vec![0; layers + 1];
         for l in loc.iter_mut().skip(n_off) {
             *l = dev.len();
-            dev.push(be.zeros(&[len], Category::Activations));
+            dev.push(zeros(false));
         }
         let first_slot = dev.len();
         for _ in 0..slots {
-            dev.push(be.zeros(&[len], Category::Activations));
+            dev.push(zeros(false));
         }
         for (b, l) in loc.iter_mut().enumerate().take(n_off) {
             *l = first_slot + b % SLOTS;
         }
-        let host = (0..n_off)
-            .map(|_| be.pinned_zeros(&[len], Category::Activations))
-            .collect();
+        let work = bf16.then(|| (be.zeros(&[len], Category::Activations), None));
+        let host = (0..n_off).map(|_| zeros(true)).collect();
         Boundaries {
             dev,
             loc,
@@ -79,6 +96,7 @@ impl Boundaries {
             drained: [None, None],
             fetching: [None, None],
             fault: None,
+            work,
         }
     }
 
@@ -87,16 +105,60 @@ impl Boundaries {
         self.host.len()
     }
 
+    /// Boundary `b`'s values in the compute precision: the boundary itself, or with bf16
+    /// boundaries its working copy, which [`Boundaries::widen`] must have filled.
     pub fn get(&self, b: usize) -> View<'_> {
-        self.dev[self.loc[b]].view()
+        match &self.work {
+            None => self.dev[self.loc[b]].view(),
+            Some((w, holds)) => {
+                assert_eq!(*holds, Some(b), "boundary {b} read before it was widened");
+                w.view()
+            }
+        }
     }
 
-    pub fn get_mut(&mut self, b: usize) -> ViewMut<'_> {
-        self.dev[self.loc[b]].view_mut()
+    /// With bf16 boundaries, widen boundary `b` into the working copy (compute stream) for
+    /// [`Boundaries::get`]; nothing with f32 ones.
+    pub fn widen(&mut self, be: &dyn Backend, b: usize) {
+        if let Some((w, holds)) = &mut self.work {
+            be.cast(w.view_mut(), self.dev[self.loc[b]].view());
+            *holds = Some(b);
+        }
     }
 
-    /// Boundary `b` to read and boundary `b + 1` to write (a block's input and output).
-    pub fn pair(&mut self, b: usize) -> (View<'_>, ViewMut<'_>) {
+    /// Where boundary `b`'s producer writes its f32 values: the boundary itself, or with bf16
+    /// boundaries `stage`, which [`Boundaries::store`] then rounds into it.
+    pub fn out<'a>(&'a mut self, b: usize, stage: &'a mut Tensor) -> ViewMut<'a> {
+        match self.work {
+            None => self.dev[self.loc[b]].view_mut(),
+            Some(_) => stage.view_mut(),
+        }
+    }
+
+    /// With bf16 boundaries, round `stage` (what [`Boundaries::out`] or [`Boundaries::pair`]
+    /// lent) into boundary `b` (compute stream); nothing with f32 ones.
+    pub fn store(&mut self, be: &dyn Backend, b: usize, stage: &Tensor) {
+        if let Some((_, holds)) = &mut self.work {
+            be.cast(self.dev[self.loc[b]].view_mut(), stage.view());
+            if *holds == Some(b) {
+                *holds = None;
+            }
+        }
+    }
+
+    /// Block `b`'s input to read and where to write its output: boundaries `b` and `b + 1`,
+    /// or with bf16 boundaries boundary `b` widened and `stage` (then [`Boundaries::store`]).
+    pub fn pair<'a>(
+        &'a mut self,
+        be: &dyn Backend,
+        b: usize,
+        stage: &'a mut Tensor,
+    ) -> (View<'a>, ViewMut<'a>) {
+        if self.work.is_some() {
+            self.widen(be, b);
+            let (w, _) = self.work.as_ref().expect("a working copy");
+            return (w.view(), stage.view_mut());
+        }
         let (i, o) = (self.loc[b], self.loc[b + 1]);
         assert_ne!(i, o, "a block's input and output share a slot");
         if i < o {
@@ -112,6 +174,7 @@ impl Boundaries {
         self.dev
             .iter()
             .chain(&self.host)
+            .chain(self.work.as_ref().map(|(w, _)| w))
             .map(|t| t.bytes() as u64)
             .sum()
     }

@@ -154,13 +154,15 @@ fn forward(
         be.write_u32(head.id_groups.view_mut(), &groups);
         head.segments = seg_id.len();
     }
+    // `head.xf` is free until the final norm: it stages what is rounded into bf16 boundaries.
     res.before_write(be, 0);
     be.embedding_forward(
-        res.get_mut(0),
+        res.out(0, &mut head.xf),
         src.params().get(model.embed).view(),
         head.ids.view(),
         h,
     );
+    res.store(be, 0, &head.xf);
     if backward {
         res.after_write(be, 0);
     }
@@ -171,7 +173,7 @@ fn forward(
             AcMode::Full => &mut blocks[0],
         };
         res.before_write(be, l + 1);
-        let (x, y) = res.pair(l);
+        let (x, y) = res.pair(be, l, &mut head.xf);
         src.acquire_block(be, l, Pass::Forward);
         let cx = Ctx {
             be,
@@ -183,6 +185,7 @@ fn forward(
         let psum = psum_slot(cfg, route, l);
         block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex));
         src.release_block(be, l, Pass::Forward);
+        res.store(be, l + 1, &head.xf);
         if backward {
             res.after_write(be, l + 1);
         }
@@ -202,6 +205,9 @@ fn forward(
     }
     let params = src.params();
     let eps = cfg.norm_eps as f32;
+    // The last boundary is stored like the others: the head reads it widened, in forward and
+    // (the working copy still holds it) in backward.
+    res.widen(be, cfg.layers);
     let (xf, rstd) = (head.xf.view_mut(), head.rstd.view_mut());
     let norm = params.get(model.norm).view();
     be.rmsnorm_forward(xf, rstd, res.get(cfg.layers), norm, h, eps);
@@ -368,7 +374,9 @@ pub fn forward_backward_with(
     let mut dprob = vec![0.0f64; cfg.experts];
     for (l, li) in model.layers.iter().enumerate().rev() {
         // The input comes back from host memory if it was offloaded; the next one starts to.
+        // Recompute and backward read it widened, as the forward did.
         res.before_backward(be, l);
+        res.widen(be, l);
         src.acquire_block(be, l, Pass::Backward);
         sink.begin_block(be, l);
         let cx = Ctx {

@@ -7,6 +7,7 @@ use ganymede_config::{preset, AcMode, ModelConfig};
 use ganymede_core::{CpuBackend, Device, Ledger, Memory};
 use std::sync::Arc;
 
+mod boundaries;
 mod host_reads;
 
 fn cfg(dense: bool, shared: bool, renorm: bool, bias: bool) -> ModelConfig {
@@ -249,38 +250,59 @@ fn f32_forward_matches_f64() {
 
 #[test]
 fn activation_bytes_match_the_ledger() {
+    use ganymede_config::{BoundaryDtype, ComputeDtype};
     for c in [
         preset("tiny").unwrap().model,
         cfg(true, true, true, true),
         cfg(true, false, false, false),
     ] {
         for mode in [AcMode::None, AcMode::Full] {
-            let ledger = Arc::new(Ledger::new());
-            let be = CpuBackend::new(ledger.clone());
-            let model = Model::new(&c);
-            let ws = Workspace::new(&be, &model, 3, 7, mode);
-            let measured = ledger.report().peak(Device::Host, Category::Activations);
-            assert_eq!(measured, activation_bytes(&c, 3, 7, mode), "{mode:?}");
-            assert_eq!(ws.bytes(), measured);
-            // bf16 compute: each set's v, qr, kr, att in bf16, four bf16 attention gradients
-            // in the scratch.
-            let ledger = Arc::new(Ledger::new());
-            let be = CpuBackend::new(ledger.clone());
-            let model = Model::new(&c).with_compute_dtype(ganymede_config::ComputeDtype::Bf16);
-            let ws = Workspace::new(&be, &model, 3, 7, mode);
-            let measured = ledger.report().peak(Device::Host, Category::Activations);
-            assert_eq!(measured, activation_bytes_bf16(&c, 3, 7, mode), "{mode:?}");
-            assert_eq!(ws.bytes(), measured);
-            let sets = match mode {
-                AcMode::None => c.layers as u64,
-                AcMode::Full => 1,
-            };
-            let attn16 = 2 * 21 * (2 * c.q_dim() + 2 * c.kv_dim()) as u64;
-            assert_eq!(
-                activation_bytes(&c, 3, 7, mode) - measured,
-                (sets - 1) * attn16,
-                "{mode:?}"
-            );
+            for (compute, boundary) in [
+                (ComputeDtype::F32, BoundaryDtype::Auto),
+                (ComputeDtype::F32, BoundaryDtype::Bf16),
+                (ComputeDtype::Bf16, BoundaryDtype::F32),
+                (ComputeDtype::Bf16, BoundaryDtype::Auto),
+            ] {
+                let what = format!("{mode:?}, {compute:?} compute, {boundary:?} boundaries");
+                let ledger = Arc::new(Ledger::new());
+                let be = CpuBackend::new(ledger.clone());
+                let model = Model::new(&c)
+                    .with_compute_dtype(compute)
+                    .with_boundary_dtype(boundary);
+                let prec = Precision::of(&model);
+                let ws = Workspace::new(&be, &model, 3, 7, mode);
+                let measured = ledger.report().peak(Device::Host, Category::Activations);
+                assert_eq!(
+                    measured,
+                    activation_bytes_at(&c, 3, 7, mode, prec),
+                    "{what}"
+                );
+                assert_eq!(ws.bytes(), measured, "{what}");
+                // bf16 compute: each set's v, qr, kr, att in bf16, four bf16 attention
+                // gradients in the scratch. bf16 boundaries: L + 1 of them at 2 bytes an
+                // element and one f32 working copy.
+                let sets = match mode {
+                    AcMode::None => c.layers as u64,
+                    AcMode::Full => 1,
+                };
+                let attn16 = 2 * 21 * (2 * c.q_dim() + 2 * c.kv_dim()) as u64;
+                let nh = 21 * c.hidden as u64;
+                let saved = match prec.bf16 {
+                    true => (sets - 1) * attn16,
+                    false => 0,
+                } + match prec.bf16_boundaries {
+                    true => 2 * nh * (c.layers as u64 + 1) - 4 * nh,
+                    false => 0,
+                };
+                assert_eq!(activation_bytes(&c, 3, 7, mode) - measured, saved, "{what}");
+                if boundary == BoundaryDtype::Auto {
+                    let same = match compute {
+                        ComputeDtype::F32 => activation_bytes(&c, 3, 7, mode),
+                        ComputeDtype::Bf16 => activation_bytes_bf16(&c, 3, 7, mode),
+                    };
+                    assert_eq!(measured, same, "{what}");
+                }
+            }
         }
     }
     // Full checkpointing keeps less than keeping everything once there are several layers.
@@ -588,14 +610,18 @@ struct OffloadRun {
 /// the two-memory backend in checking mode (an unordered access panics). Two steps run, so the
 /// second's forward reuses slots and host copies the first's backward fetched from.
 fn offload_run(n_off: usize, fault: Option<OffloadFault>) -> OffloadRun {
-    offload_run_at(n_off, fault, ganymede_config::ComputeDtype::F32)
+    use ganymede_config::{BoundaryDtype, ComputeDtype};
+    offload_run_at(n_off, fault, (ComputeDtype::F32, BoundaryDtype::Auto))
 }
 
-/// [`offload_run`] at a compute dtype.
+/// [`offload_run`] at a compute dtype and boundary dtype.
 fn offload_run_at(
     n_off: usize,
     fault: Option<OffloadFault>,
-    dtype: ganymede_config::ComputeDtype,
+    (compute, boundary): (
+        ganymede_config::ComputeDtype,
+        ganymede_config::BoundaryDtype,
+    ),
 ) -> OffloadRun {
     let mut c = cfg(true, true, true, false);
     c.layers = 5;
@@ -605,7 +631,9 @@ fn offload_run_at(
         checking: true,
     };
     let be = CpuBackend::two_memory(ledger.clone(), opts);
-    let model = Model::new(&c).with_compute_dtype(dtype);
+    let model = Model::new(&c)
+        .with_compute_dtype(compute)
+        .with_boundary_dtype(boundary);
     let params = random_params(&be, &model, 3);
     let mut ws = Workspace::with_offload(&be, &model, 2, c.seq_len, AcMode::Full, n_off);
     assert_eq!(ws.offloaded(), n_off);
@@ -644,33 +672,43 @@ fn offload_run_at(
     }
 }
 
-/// At f32 and bf16 compute: the same results whatever is offloaded, and both memories' peaks
-/// equal to [`activation_bytes_offloaded`]. Under bf16 the boundaries stay f32: the host's
-/// share is 4 bytes an element, as at f32.
+/// At f32 and bf16 compute, with f32 and bf16 boundaries: the same results whatever is
+/// offloaded, and both memories' peaks equal to [`activation_bytes_offloaded`]. The host's
+/// share is n_off boundaries of 4 bytes an element, or 2 with bf16 boundaries (bf16 compute's
+/// default).
 #[test]
 fn activation_offload_is_exact_ordered_and_accounted() {
-    use ganymede_config::ComputeDtype;
+    use ganymede_config::{BoundaryDtype, ComputeDtype};
     let c = {
         let mut c = cfg(true, true, true, false);
         c.layers = 5;
         c
     };
     let mut f32_device = vec![];
-    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
-        let bf16 = dtype == ComputeDtype::Bf16;
-        let base = offload_run_at(0, None, dtype);
+    for dtypes in [
+        (ComputeDtype::F32, BoundaryDtype::Auto),
+        (ComputeDtype::Bf16, BoundaryDtype::F32),
+        (ComputeDtype::Bf16, BoundaryDtype::Auto),
+    ] {
+        let prec = Precision::of(
+            &Model::new(&c)
+                .with_compute_dtype(dtypes.0)
+                .with_boundary_dtype(dtypes.1),
+        );
+        let base = offload_run_at(0, None, dtypes);
         assert_eq!(
             base.device,
-            activation_bytes_offloaded(&c, 2, c.seq_len, 0, bf16).0
+            activation_bytes_offloaded(&c, 2, c.seq_len, 0, prec).0
         );
         for n_off in 1..=c.layers {
-            let r = offload_run_at(n_off, None, dtype);
-            let what = format!("{dtype:?}, {n_off} offloaded");
+            let r = offload_run_at(n_off, None, dtypes);
+            let what = format!("{dtypes:?}, {n_off} offloaded");
             assert_eq!(r.losses, base.losses, "losses, {what}");
             assert!(r.grads == base.grads, "gradients differ, {what}");
-            let (dev, host) = activation_bytes_offloaded(&c, 2, c.seq_len, n_off, bf16);
+            let (dev, host) = activation_bytes_offloaded(&c, 2, c.seq_len, n_off, prec);
             assert_eq!((r.device, r.host), (dev, host), "ledger peaks, {what}");
-            let boundary = 4 * (2 * c.seq_len * c.hidden) as u64;
+            let size = if prec.bf16_boundaries { 2 } else { 4 };
+            let boundary = size * (2 * c.seq_len * c.hidden) as u64;
             assert_eq!(host, n_off as u64 * boundary, "{what}");
             // Kept boundaries plus at most two slots: below the no-offload workspace from 3 on.
             assert_eq!(
@@ -678,15 +716,35 @@ fn activation_offload_is_exact_ordered_and_accounted() {
                 dev + host,
                 "{what}"
             );
-            if bf16 {
+            match dtypes {
+                (ComputeDtype::F32, _) => f32_device.push(r.device),
                 // Under full checkpointing the one set's bf16 v, q, k and output save what
                 // the scratch's four bf16 gradients add, so the device's share is f32's too.
-                assert_eq!(r.device, f32_device[n_off - 1], "{what}");
-            } else {
-                f32_device.push(r.device);
+                (_, BoundaryDtype::F32) => assert_eq!(r.device, f32_device[n_off - 1], "{what}"),
+                // bf16 boundaries: L + 1 − n_off kept and min(n_off, 2) slots at half the
+                // bytes, plus the f32 working copy.
+                _ => {
+                    let nh = (2 * c.seq_len * c.hidden) as u64;
+                    let kept = (c.layers + 1 - n_off + n_off.min(2)) as u64;
+                    assert_eq!(
+                        f32_device[n_off - 1] - r.device,
+                        2 * nh * kept - 4 * nh,
+                        "{what}"
+                    );
+                }
             }
         }
     }
+}
+
+/// The checking mode catches a missing prefetch wait with bf16 boundaries too (the widening
+/// cast reads the slot).
+#[test]
+#[should_panic(expected = "before waiting for the from-host stream's write of it")]
+fn a_missing_prefetch_wait_is_caught_with_bf16_boundaries() {
+    use ganymede_config::{BoundaryDtype, ComputeDtype};
+    let dtypes = (ComputeDtype::F32, BoundaryDtype::Bf16);
+    offload_run_at(3, Some(OffloadFault::SkipPrefetchWait), dtypes);
 }
 
 #[test]

@@ -7,6 +7,10 @@
 //! the saved `v`, `qr`, `kr` and `att` are bf16 (half the bytes), the f32 results of v's GEMM
 //! and the q/k norms pass through the gradient scratch's `dv`, `dqr`, `dkr` on their way there,
 //! and [`AttnBf16Grads`] holds attention's bf16 output gradient and input gradients.
+//!
+//! With bf16 boundaries (`activation_checkpoint.boundary_dtype`, by default the compute dtype)
+//! the residual stream between blocks, its offload pool slots and host copies are bf16, and
+//! one f32 working copy `res_f32` is added (see [`crate::offload`]).
 
 use crate::offload::Boundaries;
 use crate::{MlpIdx, Model};
@@ -170,17 +174,48 @@ fn ffn_width(cfg: &ModelConfig, l: usize) -> usize {
     }
 }
 
+/// The precisions a workspace is planned at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Precision {
+    /// bf16 compute (`training.compute_dtype = "bf16"`): attention's bf16 tensors.
+    pub bf16: bool,
+    /// bf16 boundaries ([`Model::bf16_boundaries`]).
+    pub bf16_boundaries: bool,
+}
+
+impl Precision {
+    /// f32 compute, f32 boundaries.
+    pub const F32: Precision = Precision {
+        bf16: false,
+        bf16_boundaries: false,
+    };
+    /// bf16 compute with its default (`auto`) boundaries, bf16.
+    pub const BF16: Precision = Precision {
+        bf16: true,
+        bf16_boundaries: true,
+    };
+    /// The model's.
+    pub fn of(model: &Model) -> Precision {
+        Precision {
+            bf16: model.bf16,
+            bf16_boundaries: model.bf16_boundaries(),
+        }
+    }
+}
+
 /// Element counts of the workspace's tensors, in allocation order: (what, elements). The one
 /// place sizes are decided; [`Workspace::new`] allocates exactly these. The boundaries come
 /// first: `res` on the device, `res_slot` the device slots offloaded ones rotate through,
-/// `res_host` their pinned host copies (`n_off` of them, see [`crate::offload`]).
+/// `res_f32` the f32 working copy of bf16 boundaries, `res_host` the offloaded ones' pinned
+/// host copies (`n_off` of them, see [`crate::offload`]).
 fn plan(
     cfg: &ModelConfig,
     n: usize,
     mode: AcMode,
     n_off: usize,
-    bf16: bool,
+    prec: Precision,
 ) -> Vec<(&'static str, usize)> {
+    let bf16 = prec.bf16;
     let (h, qd, kd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
     let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
     let any_moe = cfg.layers > cfg.dense_layers;
@@ -195,6 +230,9 @@ fn plan(
     }
     for _ in 0..n_off.min(2) {
         p.push(("res_slot", n * h));
+    }
+    if prec.bf16_boundaries {
+        p.push(("res_f32", n * h));
     }
     for _ in 0..n_off {
         p.push(("res_host", n * h));
@@ -292,22 +330,26 @@ fn plan(
 }
 
 /// The dtype of a plan entry: u32 for index tensors (routing, token ids; 4 bytes an element
-/// like f32), bf16 for attention's inputs, output and gradients under bf16 compute, else f32.
-fn dtype_of(what: &str, bf16: bool) -> DType {
+/// like f32), bf16 for attention's inputs, output and gradients under bf16 compute and for
+/// bf16 boundaries, else f32.
+fn dtype_of(what: &str, prec: Precision) -> DType {
     match what {
         "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets" | "id_groups" => {
             DType::U32
         }
-        "v" | "qr" | "kr" | "att" | "datt16" | "dqr16" | "dkr16" | "dv16" if bf16 => DType::BF16,
+        "v" | "qr" | "kr" | "att" | "datt16" | "dqr16" | "dkr16" | "dv16" if prec.bf16 => {
+            DType::BF16
+        }
+        "res" | "res_slot" | "res_host" if prec.bf16_boundaries => DType::BF16,
         _ => DType::F32,
     }
 }
 
 /// Bytes of the plan's entries (f32 and u32: 4 an element, bf16: 2).
-fn plan_bytes<'a>(p: impl Iterator<Item = &'a (&'static str, usize)>, bf16: bool) -> u64 {
+fn plan_bytes<'a>(p: impl Iterator<Item = &'a (&'static str, usize)>, prec: Precision) -> u64 {
     p.map(|(w, n)| {
         *n as u64
-            * if dtype_of(w, bf16) == DType::BF16 {
+            * if dtype_of(w, prec) == DType::BF16 {
                 2
             } else {
                 4
@@ -323,7 +365,7 @@ fn plan_bytes<'a>(p: impl Iterator<Item = &'a (&'static str, usize)>, bf16: bool
 /// shared hidden; 0 if none), V vocab:
 ///
 /// ```text
-/// 4 · N · [ (L+1)·H                                   residual stream at block boundaries
+/// 4 · N · [ (L+1)·H                   residual stream at block boundaries (f32 boundaries)
 ///         + Σ_sets (3H + 3Q + 3K + 2·heads + kv_heads + 2)        attention-side internals
 ///                  + [moe] (E + 4k + 2kH + 3kF) + 3·W_set   MLP internals, routing indices
 ///         + 2H + 3Q + 3K + [any MoE](E + k + 2kH + 3kF) + 3·max W  gradient scratch
@@ -334,32 +376,44 @@ fn plan_bytes<'a>(p: impl Iterator<Item = &'a (&'static str, usize)>, bf16: bool
 ///
 /// where the sets are every layer (`AcMode::None`, each with its own kind) or one set sized
 /// for all layers (`AcMode::Full`: an MoE set if any layer is MoE, `W_set = max W`).
-/// [`activation_bytes_bf16`] states bf16 compute's.
+/// [`activation_bytes_at`] states the other precisions'.
 pub fn activation_bytes(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
-    plan_bytes(plan(cfg, batch * seq, mode, 0, false).iter(), false)
+    activation_bytes_at(cfg, batch, seq, mode, Precision::F32)
 }
 
-/// [`activation_bytes`] under bf16 compute (`training.compute_dtype = "bf16"`): each set's
-/// `v`, `qr`, `kr` and `att` in bf16 (`2·N·(2Q + 2K)` bytes less per set), and the gradient
-/// scratch's bf16 attention gradients (`2·N·(2Q + 2K)` more, once).
+/// [`activation_bytes`] under bf16 compute with its default bf16 boundaries
+/// ([`Precision::BF16`]).
 pub fn activation_bytes_bf16(cfg: &ModelConfig, batch: usize, seq: usize, mode: AcMode) -> u64 {
-    plan_bytes(plan(cfg, batch * seq, mode, 0, true).iter(), true)
+    activation_bytes_at(cfg, batch, seq, mode, Precision::BF16)
 }
 
-/// [`activation_bytes`] (or [`activation_bytes_bf16`] under `bf16`) split by memory with the
-/// first `offloaded` block inputs in host memory (`AcMode::Full` only): (device bytes, host
-/// bytes). The boundaries are f32 under bf16 compute too (the residual stream is summed in
-/// f32, and a step's results must not depend on how many are offloaded), so the host's share
-/// is the same at either compute dtype; only the device's workspace shrinks.
+/// [`activation_bytes`] at `prec`. bf16 compute: each set's `v`, `qr`, `kr` and `att` in bf16
+/// (`2·N·(2Q + 2K)` bytes less per set), and the gradient scratch's bf16 attention gradients
+/// (`2·N·(2Q + 2K)` more, once). bf16 boundaries: the L + 1 boundaries take `2·N·(L+1)·H`,
+/// plus `4·N·H` for their f32 working copy.
+pub fn activation_bytes_at(
+    cfg: &ModelConfig,
+    batch: usize,
+    seq: usize,
+    mode: AcMode,
+    prec: Precision,
+) -> u64 {
+    plan_bytes(plan(cfg, batch * seq, mode, 0, prec).iter(), prec)
+}
+
+/// [`activation_bytes_at`] split by memory with the first `offloaded` block inputs in host
+/// memory (`AcMode::Full` only): (device bytes, host bytes). The host holds `offloaded`
+/// boundaries of N·H elements, 4 bytes each, or 2 with bf16 boundaries; the device the others,
+/// `min(offloaded, 2)` pool slots of the same dtype and everything else.
 pub fn activation_bytes_offloaded(
     cfg: &ModelConfig,
     batch: usize,
     seq: usize,
     offloaded: usize,
-    bf16: bool,
+    prec: Precision,
 ) -> (u64, u64) {
-    let p = plan(cfg, batch * seq, AcMode::Full, offloaded, bf16);
-    let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), bf16);
+    let p = plan(cfg, batch * seq, AcMode::Full, offloaded, prec);
+    let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), prec);
     (sum(false), sum(true))
 }
 
@@ -390,16 +444,23 @@ impl Workspace {
             offloaded == 0 || mode == AcMode::Full,
             "activation offload needs full activation checkpointing"
         );
-        let bf16 = model.bf16;
-        let sizes = plan(cfg, n, mode, offloaded, bf16);
+        let prec = Precision::of(model);
+        let bf16 = prec.bf16;
+        let sizes = plan(cfg, n, mode, offloaded, prec);
         let mut it = sizes.iter().peekable();
         // The boundaries are allocated by `Boundaries` in the plan's order.
         while it.next_if(|(w, _)| w.starts_with("res")).is_some() {}
-        let res = Boundaries::new(be, cfg.layers, n * cfg.hidden, offloaded);
+        let res = Boundaries::new(
+            be,
+            cfg.layers,
+            n * cfg.hidden,
+            offloaded,
+            prec.bf16_boundaries,
+        );
         let mut t = |name: &str| {
             let (what, len) = it.next().expect("workspace plan exhausted");
             assert_eq!(*what, name, "workspace plan order");
-            match dtype_of(what, bf16) {
+            match dtype_of(what, prec) {
                 DType::F32 => be.zeros(&[*len], Category::Activations),
                 dt => be.zeros_of(&[*len], dt, Category::Activations),
             }
@@ -560,8 +621,8 @@ impl Workspace {
     pub fn inject_offload_fault(&mut self, fault: Option<crate::offload::OffloadFault>) {
         self.res.inject_fault(fault);
     }
-    /// Bytes this workspace holds, in both memories (equals [`activation_bytes`], or
-    /// [`activation_bytes_bf16`] under bf16 compute, for an f32 backend without offload).
+    /// Bytes this workspace holds, in both memories (equals [`activation_bytes_at`] at the
+    /// model's [`Precision`] for an f32 backend without offload).
     pub fn bytes(&self) -> u64 {
         let mut total = 0u64;
         total += self.res.bytes();

@@ -189,7 +189,9 @@ impl RankState {
         }
         let shared = backend(cfg)?;
         let be: &dyn Backend = shared.as_ref();
-        let model = Model::new(m).with_compute_dtype(t.compute_dtype);
+        let model = Model::new(m)
+            .with_compute_dtype(t.compute_dtype)
+            .with_boundary_dtype(cfg.activation_checkpoint.boundary_dtype);
         let shards = if mesh.shape.dp_shard == 1 {
             let params = model.init_params(be, t.seed);
             let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);

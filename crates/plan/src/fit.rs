@@ -15,11 +15,12 @@
 //! 2. `device.kind = "cpu-two-memory"`: every category on the device, except:
 //!    - activation offload (`activation_checkpoint.offload_fraction` f, only under
 //!      `mode = "full"`): with n = `offloaded_layers(f, L)` > 0, the block inputs (residual
-//!      boundaries) 0..n are in pinned host memory (`activations` on `host`, n·N·H f32, N the
-//!      rank's tokens; f32 under bf16 compute too, as the model keeps its residual stream);
-//!      the device keeps the other L + 1 − n boundaries plus min(n, 2) pool
-//!      slots of N·H f32 (prefetch and write-back). Offloading one or two layers therefore
-//!      saves nothing.
+//!      boundaries) 0..n are in pinned host memory (`activations` on `host`, n·N·H elements,
+//!      N the rank's tokens, in the boundaries' dtype: f32, or bf16 under
+//!      `activation_checkpoint.boundary_dtype = "bf16"` and its default `auto` at bf16
+//!      compute); the device keeps the other L + 1 − n boundaries plus min(n, 2) pool slots
+//!      of N·H elements of that dtype (prefetch and write-back), and with bf16 boundaries
+//!      their f32 working copy. Offloading one or two layers therefore saves nothing.
 //!    - optimizer offload (`optimizer.offload = true`): the optimizer state (the rank's
 //!      shards) is on `host`; gradients and Muon's scratch stay on the device, which gains two
 //!      staging slots (`buffers`), each sized for the largest single tensor's (shard's) state:
@@ -194,9 +195,13 @@ fn place(
     };
     if n_off > 0 {
         let tokens = job.training.batch_size / ranks.max(1) * m.seq_len;
-        // f32 at either compute dtype: the model sums its residual stream in f32 and offloads
-        // it as it is (`ganymede_model::activation_bytes_offloaded`).
-        let boundary = 4.0 * (tokens * m.hidden) as f64;
+        // In the boundaries' dtype, as the model stores and offloads them
+        // (`ganymede_model::activation_bytes_offloaded`).
+        let size = match crate::ledger::bf16_boundaries(job) {
+            true => 2.0,
+            false => 4.0,
+        };
+        let boundary = size * (tokens * m.hidden) as f64;
         host.activations += n_off as f64 * boundary;
         device.activations += (n_off.min(2) as f64 - n_off as f64) * boundary;
     }

@@ -10,7 +10,8 @@
 //! - `optimizer`: Muon one f32 momentum per Muon-handled parameter, AdamW two per parameter it
 //!   handles; the selection bias has none.
 //! - `activations`: the workspace, see [`ActivationTerms`] (f32, but under
-//!   `training.compute_dtype = "bf16"` attention's q, k, v, output and gradients in bf16).
+//!   `training.compute_dtype = "bf16"` attention's q, k, v, output and gradients in bf16, and
+//!   with bf16 boundaries, `activation_checkpoint.boundary_dtype`, the residual stream's).
 //! - `buffers`: Muon's scratch, see [`CpuLedger::buffers`], the step's two f64 scalars
 //!   (the loss sum and the squared gradient norm, summed on the device and read at its end),
 //!   and under `training.compute_dtype = "bf16"` the GEMM operands' cast scratch
@@ -30,7 +31,9 @@ pub const PAR_MATRIX_MAX_FLOPS: f64 = 1.4e9;
 /// width (dense hidden in a dense layer, shared experts × shared hidden in an MoE layer), V vocab.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ActivationTerms {
-    /// The residual stream at the L + 1 block boundaries: 4·N·(L+1)·H.
+    /// The residual stream at the L + 1 block boundaries: 4·N·(L+1)·H; with bf16 boundaries
+    /// (`activation_checkpoint.boundary_dtype`, `auto` under bf16 compute) 2·N·(L+1)·H plus
+    /// their f32 working copy, 4·N·H.
     pub boundaries: f64,
     /// One layer's internals, 4·N·(3H + 3Q + 3K + 2·heads + kv_heads + 2 + M + 3k + 3W) +
     /// 4·(2E + 1): norm outputs and rms, q/k/v, q/k after norm and RoPE with their rms,
@@ -125,8 +128,12 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     };
     let scratch =
         2.0 * h + 3.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w + attn16;
+    let boundaries = match bf16_boundaries(job) {
+        true => 2.0 * n * (m.layers as f64 + 1.0) * h + f * n * h,
+        false => f * n * (m.layers as f64 + 1.0) * h,
+    };
     let terms = ActivationTerms {
-        boundaries: f * n * (m.layers as f64 + 1.0) * h,
+        boundaries,
         layer_sets: f * n * sets + f * moe_sets * (2.0 * e + 1.0),
         grad_scratch: f * n * scratch,
         head: f * n * (h + m.vocab_size as f64 + 7.0) + f,
@@ -168,6 +175,14 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         activation_terms: terms,
         buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job) + bf16_weight_copy(job),
     }
+}
+
+/// Whether the run stores its block boundaries in bf16 (`activation_checkpoint.boundary_dtype`
+/// under `training.compute_dtype`).
+pub fn bf16_boundaries(job: &JobConfig) -> bool {
+    job.activation_checkpoint
+        .boundary_dtype
+        .bf16_under(job.training.compute_dtype)
 }
 
 /// Bytes of the bf16 compute copy a single process keeps of the weights only GEMMs read

@@ -93,6 +93,11 @@ pub struct MemoryPolicy {
     pub gather_bytes: f64,
     /// Bytes per element of the gradient reduce-scatter (4: fp32, TorchTitan's default).
     pub reduce_bytes: f64,
+    /// Bytes per element of the residual stream at block boundaries, kept and offloaded
+    /// (`activation_checkpoint.boundary_dtype`): 2 (bf16; `auto` under the planner's bf16
+    /// compute), or 4 (f32).
+    #[serde(default = "bf16_bytes")]
+    pub boundary_bytes: f64,
     /// Keep the last block unsharded from the end of forward into backward (TorchTitan does:
     /// backward needs it first), which saves one layer's gather per microbatch. Off by default
     /// because ganymede's sharded trainer gathers it again (its byte counts are tested against
@@ -114,6 +119,12 @@ impl MemoryPolicy {
             param_bytes: 2.0,
             gather_bytes: 2.0,
             reduce_bytes: 4.0,
+            // The planner computes in bf16 (`param_bytes`), so `auto` is bf16 here whatever
+            // `training.compute_dtype` says (the CPU run's own dtype is the ledger's business).
+            boundary_bytes: match job.activation_checkpoint.boundary_dtype {
+                ganymede_config::BoundaryDtype::F32 => 4.0,
+                ganymede_config::BoundaryDtype::Auto | ganymede_config::BoundaryDtype::Bf16 => 2.0,
+            },
             keep_last_block: false,
             loss_chunk_tokens: 4096,
         }
@@ -726,7 +737,9 @@ fn evaluate(
     let unsharded = gb * local_layer * (1 + policy.prefetch) as f64 + pb * head;
     // Gradients are computed in bf16 whatever the gather precision.
     let unsharded_grads = (2.0 + rb) * local_layer;
-    let boundary_layer = n_tok * h * 2.0;
+    // Block boundaries in `boundary_bytes` (bf16 by default, as a bf16 PyTorch model's hidden
+    // states between layers).
+    let boundary_layer = n_tok * h * policy.boundary_bytes;
     let boundary_all = boundary_layer * l;
     // One layer's saved tensors (bf16 unless noted), N tokens:
     //   norm outputs 2·H, q/k/v 2·kv+q, q/k after norm+RoPE q+kv, attention output q,

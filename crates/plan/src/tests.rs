@@ -7,7 +7,7 @@ use crate::plan::{ns_flops, plan, Layout, MemoryPolicy, NsOn, OptimizerSetup, Pl
 use crate::{
     fit_check, predict_cpu_ledger, predict_memory, sweep, PlanArgs, PlanError, SweepSpace,
 };
-use ganymede_config::{preset, AcMode, JobConfig, OptimizerName};
+use ganymede_config::{preset, AcMode, BoundaryDtype, JobConfig, OptimizerName};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -169,6 +169,33 @@ fn boundary_activations_at_65536_tokens() {
     assert_eq!(p.memory.offloaded_layers, 74);
     assert_eq!(p.memory.host.boundary_activations, 59_592_671_232.0);
     assert_eq!(p.memory.gpu.boundary_activations, 0.0);
+}
+
+#[test]
+fn f32_boundaries_double_the_boundary_bytes_and_their_copies() {
+    // The planner computes in bf16: `auto` and `bf16` keep the write-up's 2-byte boundaries;
+    // `f32` doubles them (74 × 65,536 × 6,144 × 4 = 119,185,342,464 bytes, more than the
+    // host's ~108 GiB per GPU) and the time of their copies.
+    let job = europa();
+    let at = |dtype: &str| {
+        let set = format!("activation_checkpoint.boundary_dtype={dtype}");
+        let job = job.with_overrides(&[set]).unwrap();
+        let (l, p, o) = final_setup(&job, 1.0);
+        (
+            p.boundary_bytes,
+            plan(&job, &jupiter(), &l, &p, &o).unwrap(),
+        )
+    };
+    let (auto_bytes, auto) = at("auto");
+    let (bf16_bytes, bf16) = at("bf16");
+    let (f32_bytes, f32) = at("f32");
+    assert_eq!((auto_bytes, bf16_bytes, f32_bytes), (2.0, 2.0, 4.0));
+    assert_eq!(auto.memory.boundary_activation_bytes, 59_592_671_232.0);
+    assert_eq!(bf16.memory, auto.memory);
+    assert_eq!(f32.memory.boundary_activation_bytes, 119_185_342_464.0);
+    assert_eq!(f32.memory.host.boundary_activations, 119_185_342_464.0);
+    assert!(f32.memory.host.total() > jupiter().host.usable_bytes_per_gpu);
+    assert!(auto.memory.host.total() <= jupiter().host.usable_bytes_per_gpu);
 }
 
 #[test]
@@ -745,17 +772,30 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     job.activation_checkpoint.mode = AcMode::None;
     let none = predict_cpu_ledger(&job, 1);
     assert_eq!(none.activations - full.activations, 6_275_140.0);
-    // bf16 compute: each set's v, q and k after RoPE, and attention output in bf16,
-    // 2·N·(2·64 + 2·32) = 393,216 bytes less; the scratch's four bf16 attention gradients as
-    // much more. Under full checkpointing (one set) the total is unchanged.
+    // bf16 compute (f32 boundaries): each set's v, q and k after RoPE, and attention output
+    // in bf16, 2·N·(2·64 + 2·32) = 393,216 bytes less; the scratch's four bf16 attention
+    // gradients as much more. Under full checkpointing (one set) the total is unchanged.
     job.training.compute_dtype = ganymede_config::ComputeDtype::Bf16;
+    job.activation_checkpoint.boundary_dtype = BoundaryDtype::F32;
     let b = predict_cpu_ledger(&job, 1);
     let (tb, tn) = (&b.activation_terms, &none.activation_terms);
     assert_eq!(tn.layer_sets - tb.layer_sets, 2.0 * 393_216.0);
     assert_eq!(tb.grad_scratch - tn.grad_scratch, 393_216.0);
+    assert_eq!(tb.boundaries, tn.boundaries);
     assert_eq!(none.activations - b.activations, 393_216.0);
+    // bf16 boundaries (`auto` under bf16 compute): 2·N·3·64 = 393,216 plus the f32 working
+    // copy 4·N·64 = 262,144, 131,072 less than f32's 786,432.
+    job.activation_checkpoint.boundary_dtype = BoundaryDtype::Auto;
+    let b16 = predict_cpu_ledger(&job, 1);
+    assert_eq!(b16.activation_terms.boundaries, 655_360.0);
+    assert_eq!(b.activations - b16.activations, 131_072.0);
     job.activation_checkpoint.mode = AcMode::Full;
-    assert_eq!(predict_cpu_ledger(&job, 1).activations, full.activations);
+    let full16 = predict_cpu_ledger(&job, 1).activations;
+    assert_eq!(full16, full.activations - 131_072.0);
+    // At f32 compute too, when asked.
+    job.training.compute_dtype = ganymede_config::ComputeDtype::F32;
+    job.activation_checkpoint.boundary_dtype = BoundaryDtype::Bf16;
+    assert_eq!(predict_cpu_ledger(&job, 1).activations, full16);
 }
 
 #[test]
@@ -1072,6 +1112,20 @@ fn activation_offload_moves_whole_boundaries_and_keeps_two_pool_slots() {
             "{f}"
         );
         assert_eq!(p.device.optimizer, base.device.optimizer);
+    }
+    // With bf16 boundaries (bf16 compute's default) a boundary and a pool slot are 2·N·H =
+    // 1,048,576 bytes.
+    let bf16 = ["training.compute_dtype=bf16"];
+    let base = predict_memory(&two_memory("small", &bf16), 1, 1);
+    for (f, n, saved) in [("0.5", 2.0, 0.0), ("1", 4.0, 2.0)] {
+        let set = format!("activation_checkpoint.offload_fraction={f}");
+        let p = predict_memory(&two_memory("small", &[bf16[0], &set]), 1, 1);
+        assert_eq!(p.host.activations, n * b / 2.0, "bf16, {f}");
+        assert_eq!(
+            p.device.activations,
+            base.device.activations - saved * b / 2.0,
+            "bf16, {f}"
+        );
     }
     // Only under full checkpointing.
     let none = two_memory(

@@ -329,45 +329,55 @@ fn activation_offload_changes_no_loss_at_one_and_four_ranks() {
     }
 }
 
-/// Under bf16 compute the offloaded boundaries are f32, as at f32 compute (the model keeps its
-/// residual stream in f32): the host's activation peak is n_off · 4·N·H bytes at both compute
-/// dtypes, and each memory's activation peak equals the planner's to the byte, at 1 and 4
-/// ranks, with half and all of four layers offloaded.
+/// The offloaded boundaries are in the boundaries' dtype: 4·N·H bytes each at f32 compute and
+/// under bf16 compute with `activation_checkpoint.boundary_dtype = "f32"`, 2·N·H under bf16
+/// compute's default (`auto`, bf16) and with `bf16` at f32 compute. Each memory's activation
+/// peak equals the planner's to the byte, at 1 and 4 ranks, with half and all of four layers
+/// offloaded.
 #[test]
-fn bf16_compute_offloads_f32_boundaries_as_the_planner_says() {
+fn offloaded_boundaries_take_their_dtype_as_the_planner_says() {
     for ranks in [1, 4] {
         for f in ["0.5", "1"] {
             let mut host_f32 = None;
-            for dtype in ["f32", "bf16"] {
+            for (compute, boundary) in [
+                ("f32", "auto"),
+                ("bf16", "f32"),
+                ("bf16", "auto"),
+                ("f32", "bf16"),
+            ] {
                 let cfg = tiny(&[
                     "model.layers=4",
                     "training.steps=2",
                     "device.kind=\"cpu-two-memory\"",
-                    &format!("training.compute_dtype=\"{dtype}\""),
+                    &format!("training.compute_dtype=\"{compute}\""),
+                    &format!("activation_checkpoint.boundary_dtype=\"{boundary}\""),
                     &format!("activation_checkpoint.offload_fraction={f}"),
                 ]);
-                let s = run(&cfg, &format!("bf16-offload-{ranks}-{f}-{dtype}"), ranks).unwrap();
+                let name = format!("offload-dtype-{ranks}-{f}-{compute}-{boundary}");
+                let s = run(&cfg, &name, ranks).unwrap();
                 let mem: serde_json::Value = serde_json::from_str(
                     &std::fs::read_to_string(s.run_dir.join("memory.json")).unwrap(),
                 )
                 .unwrap();
                 let act = |dev: &str, key: &str| mem[dev][key]["activations"].as_f64().unwrap();
                 let (host, dev) = (act("host", "peak_bytes"), act("gpu0", "peak_bytes"));
-                let what = format!("{dtype}, {ranks} ranks, fraction {f}");
+                let what = format!("{compute} compute, {boundary} boundaries, {ranks} ranks, {f}");
                 println!(
                     "{what}: activations host {host} bytes (planner {}), device {dev} (planner {})",
                     act("host", "planner_peak_bytes"),
                     act("gpu0", "planner_peak_bytes")
                 );
                 let n_off = ganymede_config::offloaded_layers(f.parse().unwrap(), 4) as f64;
-                // One boundary: the rank's tokens × hidden, f32.
-                let boundary = 4.0 * (8 / ranks * 128 * 64) as f64;
-                assert_eq!(host, n_off * boundary, "{what}");
+                let bf16 = boundary == "bf16" || (boundary == "auto" && compute == "bf16");
+                // One boundary: the rank's tokens × hidden, 2 or 4 bytes an element.
+                let size = if bf16 { 2.0 } else { 4.0 };
+                let boundary_bytes = size * (8 / ranks * 128 * 64) as f64;
+                assert_eq!(host, n_off * boundary_bytes, "{what}");
                 assert_eq!(host, act("host", "planner_peak_bytes"), "{what}");
                 assert_eq!(dev, act("gpu0", "planner_peak_bytes"), "{what}");
                 match host_f32 {
                     None => host_f32 = Some(host),
-                    Some(h) => assert_eq!(host, h, "{what}: host bytes differ from f32's"),
+                    Some(h) => assert_eq!(host, if bf16 { h / 2.0 } else { h }, "{what}"),
                 }
             }
         }

@@ -68,6 +68,10 @@ pub trait Memory: Send + Sync {
     fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
         self.zeros(shape, category)
     }
+    /// Like `pinned_zeros`, of `dtype` (bf16 boundaries of activation offload).
+    fn pinned_zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
+        self.zeros_of(shape, dtype, category)
+    }
     /// Copy `src` into `dst` on `stream` without waiting: device to host, host to device, or
     /// within one memory. `dst` may be used only after an event recorded on `stream` after this
     /// call has been waited on (`wait_event`, `synchronize_event`), and `src` must not be

@@ -136,11 +136,14 @@ impl Memory for CpuBackend {
             .unwrap_or_else(|e| panic!("{e}"))
     }
     fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.pinned_zeros_of(shape, self.dtype, category)
+    }
+    fn pinned_zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
         match &self.two {
             Some(two) => two
-                .alloc(&self.ledger, Device::Host, shape, category, self.dtype)
+                .alloc(&self.ledger, Device::Host, shape, category, dtype)
                 .unwrap_or_else(|e| panic!("{e}")),
-            None => self.zeros(shape, category),
+            None => self.zeros_of(shape, dtype, category),
         }
     }
     fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor {

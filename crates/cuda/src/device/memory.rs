@@ -439,8 +439,10 @@ impl Memory for CudaBackend {
         ok(self.ctx.synchronize(), "synchronize");
     }
     fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.pinned_zeros_of(shape, DType::F32, category)
+    }
+    fn pinned_zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
         let len: usize = shape.iter().product();
-        let dtype = DType::F32;
         let bytes = (len * dtype.size()).max(1);
         // Flags 0: not write-combined, so CPU reads of offloaded state are cached reads.
         // SAFETY: zeroed below before anything reads it.
