@@ -318,6 +318,7 @@ fn balance_charts(h: &mut String, run: &Run) {
         "Coefficient of variation of expert loads, per layer",
         cv,
     );
+    ep_rows_chart(h, run);
     // The latest per-layer per-expert loads, where the lines carry them.
     let loads = run.lines.iter().rev().find_map(|l| {
         let rows: Vec<Vec<f64>> = l
@@ -343,6 +344,55 @@ fn balance_charts(h: &mut String, run: &Run) {
         ),
     }
     h.push_str("</div>\n");
+}
+
+/// Expert-parallel runs only: how close the routing came to the dispatch buffers' capacity
+/// (`ep_rows_over_even` against `parallelism.ep_capacity_factor`), and the steps that grew them.
+fn ep_rows_chart(h: &mut String, run: &Run) {
+    let rows = run.series("ep_rows_over_even");
+    if rows.is_empty() {
+        return;
+    }
+    let mut series = vec![named("rank 0, most / even", rows.clone())];
+    let factor = run.config_text.as_deref().and_then(|t| {
+        ganymede_config::JobConfig::from_toml_str(t, "config.toml")
+            .ok()
+            .map(|j| j.parallelism.ep_capacity_factor)
+    });
+    if let Some(f) = factor {
+        series.push(named(
+            "capacity factor",
+            rows.iter().map(|&(s, _)| (s, f)).collect(),
+        ));
+    }
+    h.push_str(&svg::line_chart(
+        "ep_rows",
+        "Expert parallelism: most rows a layer sent rank 0, over an even routing's",
+        "step",
+        &series,
+    ));
+    let grew: Vec<(f64, f64)> = run
+        .series("ep_regrowths")
+        .into_iter()
+        .filter(|&(_, n)| n > 0.0)
+        .collect();
+    let text = if grew.is_empty() {
+        "the dispatch buffers never grew: the capacity held the routing".to_string()
+    } else {
+        let steps: Vec<String> = grew
+            .iter()
+            .map(|(s, n)| format!("step {s} ({n} times)"))
+            .collect();
+        format!(
+            "the dispatch buffers grew past the planned capacity at {} (summed over ranks)",
+            steps.join(", ")
+        )
+    };
+    let _ = writeln!(
+        h,
+        "<p class=\"note\" id=\"ep_regrowths\">{}</p>",
+        escape(&text)
+    );
 }
 
 fn memory_section(h: &mut String, run: &Run) {

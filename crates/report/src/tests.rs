@@ -66,6 +66,8 @@ fn full_run_in(tag: &str) -> PathBuf {
             "comm_bytes": {"forward_gather": {"sent": 3000, "recv": 9000},
                            "grad_reduce_scatter": {"sent": 6000, "recv": 2000}},
             "expert_load": [[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]],
+            "ep_rows_over_even": 1.0 + 0.05 * s,
+            "ep_regrowths": if step == 7 { 3 } else { 0 },
         });
         if step % 10 == 0 {
             v["val_loss"] = (5.5 - 0.01 * s).into();
@@ -112,6 +114,7 @@ fn a_full_run_has_every_chart_and_its_values() {
         "step_time",
         "load_max",
         "load_cv",
+        "ep_rows",
         "expert_load",
         "memory",
         "comm",
@@ -135,6 +138,10 @@ fn a_full_run_has_every_chart_and_its_values() {
     assert!(html.contains("<td>activations</td><td>3.0 MiB</td><td>2.0 MiB</td>"));
     // Communication: mean bytes per step per phase.
     assert!(html.contains("<td>forward_gather</td><td>2.9 KiB</td><td>8.8 KiB</td>"));
+    // Expert parallelism: the routing against the config's capacity, and the growth named.
+    assert!(html.contains(r#"data-name="rank 0, most / even" data-points="20""#));
+    assert!(html.contains(r#"data-name="capacity factor" data-points="20""#));
+    assert!(html.contains("grew past the planned capacity at step 7 (3 times)"));
     // The configuration, escaped, and a planner prediction for it.
     assert!(html.contains("[model]"));
     assert!(html.contains("step time, planner (cluster local)"));
@@ -179,6 +186,10 @@ fn a_bare_run_renders_with_notes_for_what_is_missing() {
         assert!(html.contains(id), "{id}");
     }
     assert!(!html.contains("Communication"));
+    assert!(
+        !html.contains("ep_rows"),
+        "no expert-parallel chart without its metrics"
+    );
     assert!(html.contains("no config.toml"));
     fs::remove_dir_all(&d).unwrap();
 }
