@@ -321,6 +321,24 @@ pub struct OptimizerConfig {
     pub ns_dtype: NsDtype,
 }
 
+/// A key whose value is `auto`, `f32` or `bf16`, read into `choices` in that order; any other
+/// value is an error naming `key`.
+fn auto_f32_bf16<'de, D: serde::Deserializer<'de>, T: Copy>(
+    d: D,
+    key: &str,
+    [auto, f32, bf16]: [T; 3],
+) -> Result<T, D::Error> {
+    let s = String::deserialize(d)?;
+    match s.as_str() {
+        "auto" => Ok(auto),
+        "f32" => Ok(f32),
+        "bf16" => Ok(bf16),
+        _ => Err(serde::de::Error::custom(format!(
+            "invalid value for {key} = '{s}': expected \"auto\", \"f32\" or \"bf16\""
+        ))),
+    }
+}
+
 /// Operand precision of Newton–Schulz's matrix products (`optimizer.ns_dtype`). Accumulation
 /// and the iterate stay f32 either way; bf16 rounds each product's inputs, as PyTorch's and
 /// Keller Jordan's Muon run the iteration in bf16 on a GPU.
@@ -350,15 +368,7 @@ impl NsDtype {
 // By hand so that a bad value names its key, as `ComputeDtype`.
 impl<'de> Deserialize<'de> for NsDtype {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        match s.as_str() {
-            "auto" => Ok(Self::Auto),
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            _ => Err(serde::de::Error::custom(format!(
-                "invalid value for optimizer.ns_dtype = '{s}': expected \"auto\", \"f32\" or \"bf16\""
-            ))),
-        }
+        auto_f32_bf16(d, "optimizer.ns_dtype", [Self::Auto, Self::F32, Self::Bf16])
     }
 }
 
@@ -505,15 +515,11 @@ impl BoundaryDtype {
 // By hand so that a bad value names its key, as `ComputeDtype`.
 impl<'de> Deserialize<'de> for BoundaryDtype {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        match s.as_str() {
-            "auto" => Ok(Self::Auto),
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            _ => Err(serde::de::Error::custom(format!(
-                "invalid value for activation_checkpoint.boundary_dtype = '{s}': expected \"auto\", \"f32\" or \"bf16\""
-            ))),
-        }
+        auto_f32_bf16(
+            d,
+            "activation_checkpoint.boundary_dtype",
+            [Self::Auto, Self::F32, Self::Bf16],
+        )
     }
 }
 

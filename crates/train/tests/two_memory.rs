@@ -1,6 +1,8 @@
 //! Training on the two-memory CPU mode (`device.kind = "cpu-two-memory"`): the emulated device
 //! memory that GPU memory behaviour is tested on without a GPU.
 
+mod common;
+
 use ganymede_config::JobConfig;
 use ganymede_train::trainer::{train, TrainOptions};
 use std::path::PathBuf;
@@ -99,33 +101,12 @@ fn an_allocation_past_the_device_capacity_ends_the_run_naming_category_and_bytes
 /// Measured peaks per device and category (and the device totals) of a finished run against
 /// the planner's prediction in its memory.json, within 5%.
 fn check_prediction(run_dir: &std::path::Path, what: &str) {
-    let mem: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("memory.json")).unwrap())
-            .unwrap();
-    let mut devices = 0;
-    for (dev, d) in mem.as_object().unwrap() {
-        let Some(pred) = d.get("planner_peak_bytes") else {
-            continue;
-        };
-        devices += 1;
-        for cat in ["params", "grads", "optimizer", "activations", "buffers"] {
-            let measured = d["peak_bytes"][cat].as_f64().unwrap_or(0.0);
-            let predicted = pred[cat].as_f64().unwrap();
-            assert!(
-                (measured - predicted).abs() <= 0.05 * predicted.max(1.0),
-                "{what}: {dev} {cat}: measured {measured} bytes, planner {predicted}"
-            );
-        }
-        let (measured, predicted) = (
-            d["peak_total_bytes"].as_f64().unwrap(),
-            d["planner_peak_total_bytes"].as_f64().unwrap(),
-        );
+    for (dev, cat, measured, predicted) in common::measured_and_planned(run_dir) {
         assert!(
             (measured - predicted).abs() <= 0.05 * predicted.max(1.0),
-            "{what}: {dev} total: measured {measured} bytes, planner {predicted}"
+            "{what}: {dev} {cat}: measured {measured} bytes, planner {predicted}"
         );
     }
-    assert!(devices >= 1, "{what}: no prediction in {mem}");
 }
 
 /// The planner's two-memory prediction against the ledger of real runs: checkpointing modes,

@@ -72,3 +72,29 @@ pub fn allocs_per_step(cfg: &JobConfig, ranks: usize, steps: usize) -> Vec<Vec<u
     .map(|r| r.unwrap())
     .collect()
 }
+
+/// A finished run's `memory.json`, per device the planner predicted: (device, ledger category
+/// or "total", measured peak bytes, planner's bytes). Panics where there is no prediction.
+pub fn measured_and_planned(run_dir: &std::path::Path) -> Vec<(String, &'static str, f64, f64)> {
+    let text = std::fs::read_to_string(run_dir.join("memory.json")).unwrap();
+    let mem: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut out = vec![];
+    for (dev, d) in mem.as_object().unwrap() {
+        let Some(pred) = d.get("planner_peak_bytes") else {
+            continue;
+        };
+        for cat in ["params", "grads", "optimizer", "activations", "buffers"] {
+            let measured = d["peak_bytes"][cat].as_f64().unwrap_or(0.0);
+            out.push((dev.clone(), cat, measured, pred[cat].as_f64().unwrap()));
+        }
+        let total = |k: &str| d[k].as_f64().unwrap();
+        out.push((
+            dev.clone(),
+            "total",
+            total("peak_total_bytes"),
+            total("planner_peak_total_bytes"),
+        ));
+    }
+    assert!(!out.is_empty(), "no prediction in {text}");
+    out
+}
