@@ -227,6 +227,11 @@ pub struct TrainingConfig {
     /// v, as autocast's SDPA). Master weights, gradient reduction and optimizer state stay f32
     /// either way.
     pub compute_dtype: ComputeDtype,
+    /// Tokens whose logits the head holds at once (0 = every token of the rank's batch): the
+    /// loss and its gradients go a chunk at a time, so the head keeps `chunk × vocab` logits
+    /// instead of `tokens × vocab` (64 GiB at 65,536 tokens and a 256k vocabulary), at the
+    /// price of recomputing every chunk's logits but the last in backward.
+    pub loss_chunk_tokens: usize,
 }
 
 /// Operand precision of the model's GEMMs (`training.compute_dtype`).
@@ -263,6 +268,7 @@ impl Default for TrainingConfig {
             grad_clip: 1.0,
             threads: 0,
             compute_dtype: ComputeDtype::F32,
+            loss_chunk_tokens: 0,
         }
     }
 }

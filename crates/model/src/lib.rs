@@ -213,6 +213,8 @@ pub struct Model {
     /// Storage precision of the residual stream at block boundaries
     /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).
     boundary: ganymede_config::BoundaryDtype,
+    /// Tokens whose logits the head holds at once (0 = all; [`Model::head_rows`]).
+    loss_chunk: usize,
 }
 
 /// Positions of one layer's parameters in the parameter table.
@@ -258,6 +260,17 @@ impl Model {
     pub fn with_boundary_dtype(mut self, dtype: ganymede_config::BoundaryDtype) -> Model {
         self.boundary = dtype;
         self
+    }
+
+    /// The model with its head's loss chunk set (`training.loss_chunk_tokens`; 0 = all tokens).
+    pub fn with_loss_chunk(mut self, tokens: usize) -> Model {
+        self.loss_chunk = tokens;
+        self
+    }
+
+    /// Rows of logits the head holds for `n` tokens: the loss chunk, or all of them.
+    pub fn head_rows(&self, n: usize) -> usize {
+        head_rows(n, self.loss_chunk)
     }
 
     /// Whether the residual stream between blocks is stored in bf16: each block's output is
@@ -329,6 +342,7 @@ impl Model {
             specs,
             bf16: false,
             boundary: ganymede_config::BoundaryDtype::Auto,
+            loss_chunk: 0,
         }
     }
     pub fn config(&self) -> &ModelConfig {
@@ -400,4 +414,13 @@ pub struct StepOutput {
     pub tokens: usize,
     /// Per MoE layer: fraction of the batch's top-k assignments per expert (sums to 1).
     pub expert_load: Vec<Vec<f32>>,
+}
+
+/// Rows of logits a head holds for `n` tokens under a loss chunk of `chunk` tokens (0 = all).
+pub fn head_rows(n: usize, chunk: usize) -> usize {
+    if chunk == 0 {
+        n
+    } else {
+        chunk.min(n)
+    }
 }

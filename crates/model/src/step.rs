@@ -211,17 +211,40 @@ fn forward(
     let (xf, rstd) = (head.xf.view_mut(), head.rstd.view_mut());
     let norm = params.get(model.norm).view();
     be.rmsnorm_forward(xf, rstd, res.get(cfg.layers), norm, h, eps);
-    let (logits, lm_head) = (head.logits.view_mut(), params.get(model.lm_head).view());
-    be.gemm(
-        logits,
-        head.xf.view(),
-        lm_head,
-        Gemm::new(n, v, h, false, true).bf16_inputs(model.bf16),
-    );
+    // The loss a chunk of tokens at a time (one chunk unless `training.loss_chunk_tokens`
+    // asks for less); the last chunk's logits stay for the backward.
     be.fill(head.loss.view_mut(), 0.0);
-    let (lse, loss) = (head.lse.view_mut(), head.loss.view_mut());
-    be.cross_entropy_forward(lse, head.logits.view(), head.targets.view(), v, loss);
+    for (r0, rows) in chunks(n, model.head_rows(n)) {
+        head_logits(be, model, params, head, r0, rows);
+        let lse = head.lse.slice_mut(r0, rows);
+        let (logits, targets) = (head.logits.slice(0, rows * v), head.targets.slice(r0, rows));
+        be.cross_entropy_forward(lse, logits, targets, v, head.loss.view_mut());
+    }
     stats
+}
+
+/// `(first row, rows)` of each chunk of `n` rows, `rows` at a time.
+fn chunks(n: usize, rows: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> {
+    (0..n.div_ceil(rows.max(1))).map(move |c| (c * rows, rows.min(n - c * rows)))
+}
+
+/// The logits of tokens `r0 .. r0 + rows` into the head's logits buffer, from the final norm's
+/// output.
+fn head_logits(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    head: &mut crate::workspace::HeadActs,
+    r0: usize,
+    rows: usize,
+) {
+    let (h, v) = (model.config().hidden, model.config().vocab_size);
+    be.gemm(
+        head.logits.slice_mut(0, rows * v),
+        head.xf.slice(r0 * h, rows * h),
+        params.get(model.lm_head).view(),
+        Gemm::new(rows, v, h, false, true).bf16_inputs(model.bf16),
+    );
 }
 
 /// Layer `l`'s row of the step's routing sums (`None` for a dense layer).
@@ -343,22 +366,32 @@ pub fn forward_backward_with(
         ..
     } = ws;
 
-    // Head: in place, logits become their gradient.
+    // Head: in place, logits become their gradient, a chunk at a time from the last (whose
+    // logits the forward left), the others' recomputed.
     let scale = grad_scale / n as f32;
-    let (logits, lse) = (head.logits.view_mut(), head.lse.view());
-    be.cross_entropy_backward(logits, lse, head.targets.view(), v, scale);
-    let (logits, xf) = (head.logits.view(), head.xf.view());
-    let gw = Gemm::new(v, h, local_n, true, false)
-        .bf16_inputs(model.bf16)
-        .beta(1.0);
-    be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
-    let gx = Gemm::new(local_n, h, v, false, false).bf16_inputs(model.bf16);
-    be.gemm(
-        g.dxn.view_mut(),
-        logits,
-        params.get(model.lm_head).view(),
-        gx,
-    );
+    for (r0, rows) in chunks(local_n, model.head_rows(local_n)).rev() {
+        if r0 + rows != local_n {
+            head_logits(be, model, params, head, r0, rows);
+        }
+        let logits = head.logits.slice_mut(0, rows * v);
+        let (lse, targets) = (head.lse.slice(r0, rows), head.targets.slice(r0, rows));
+        be.cross_entropy_backward(logits, lse, targets, v, scale);
+        let (logits, xf) = (
+            head.logits.slice(0, rows * v),
+            head.xf.slice(r0 * h, rows * h),
+        );
+        let gw = Gemm::new(v, h, rows, true, false)
+            .bf16_inputs(model.bf16)
+            .beta(1.0);
+        be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
+        let gx = Gemm::new(rows, h, v, false, false).bf16_inputs(model.bf16);
+        be.gemm(
+            g.dxn.slice_mut(r0 * h, rows * h),
+            logits,
+            params.get(model.lm_head).view(),
+            gx,
+        );
+    }
     be.fill(g.dres.view_mut(), 0.0);
     let saved = NormSaved {
         x: res.get(cfg.layers),

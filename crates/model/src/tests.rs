@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 mod boundaries;
 mod host_reads;
+mod loss_chunk;
 
 fn cfg(dense: bool, shared: bool, renorm: bool, bias: bool) -> ModelConfig {
     ModelConfig {

@@ -181,6 +181,9 @@ pub struct Precision {
     pub bf16: bool,
     /// bf16 boundaries ([`Model::bf16_boundaries`]).
     pub bf16_boundaries: bool,
+    /// The head's loss chunk in tokens, 0 = all ([`Model::head_rows`]): not a precision, but
+    /// the other model setting that sizes the workspace.
+    pub loss_chunk: usize,
 }
 
 impl Precision {
@@ -188,17 +191,20 @@ impl Precision {
     pub const F32: Precision = Precision {
         bf16: false,
         bf16_boundaries: false,
+        loss_chunk: 0,
     };
     /// bf16 compute with its default (`auto`) boundaries, bf16.
     pub const BF16: Precision = Precision {
         bf16: true,
         bf16_boundaries: true,
+        loss_chunk: 0,
     };
     /// The model's.
     pub fn of(model: &Model) -> Precision {
         Precision {
             bf16: model.bf16,
             bf16_boundaries: model.bf16_boundaries(),
+            loss_chunk: model.loss_chunk,
         }
     }
 }
@@ -320,7 +326,10 @@ fn plan(
     p.extend([
         ("xf", n * h),
         ("rstdf", n),
-        ("logits", n * cfg.vocab_size),
+        (
+            "logits",
+            crate::head_rows(n, prec.loss_chunk) * cfg.vocab_size,
+        ),
         ("lse_ce", n),
         ("ids", n),
         ("targets", n),

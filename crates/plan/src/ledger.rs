@@ -51,7 +51,8 @@ pub struct ActivationTerms {
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
     /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
-    /// 4·N·(H + V + 7) + 4.
+    /// 4·N·(H + V + 7) + 4, with V·C in place of V·N where `training.loss_chunk_tokens` = C
+    /// is below N (the head holds one chunk's logits).
     pub head: f64,
 }
 
@@ -136,7 +137,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         boundaries,
         layer_sets: f * n * sets + f * moe_sets * (2.0 * e + 1.0),
         grad_scratch: f * n * scratch,
-        head: f * n * (h + m.vocab_size as f64 + 7.0) + f,
+        head: f * (n * (h + 7.0) + head_rows(job, n) * m.vocab_size as f64) + f,
     };
 
     // Muon scratch.
@@ -203,7 +204,8 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`, else 0):
 /// the backend keeps one slot per operand position, each grown to the longest view it has seen
 /// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
-/// holds at most the logits `N·V` (the LM head's weight gradient) or a routed-expert buffer
+/// holds at most the logits `N·V` (`C·V` under a loss chunk of C tokens; the LM head's weight
+/// gradient) or a routed-expert buffer
 /// (`N·k·max(H, F)`; under expert parallelism its capacity's rows, if more), slot B a weight
 /// (LM head `V·H`, stacked experts `E·F·H`, `E/ep` of them under expert parallelism) or the
 /// experts' rows; the other GEMMs' operands are smaller. The weights reach the GEMMs
@@ -240,7 +242,7 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     let rows = crate::fit::ep_capacity_rows(job).map_or(n * k, |c| (c as f64).max(n * k));
     let e = e / job.parallelism.ep.max(1) as f64;
     let rows = rows * h.max(ff);
-    let a = [n * v, rows, n * width, n * h, n * q]
+    let a = [head_rows(job, n) * v, rows, n * width, n * h, n * q]
         .into_iter()
         .fold(0.0, f64::max);
     let b = match job.device.kind {
@@ -264,4 +266,13 @@ pub fn step_scalars(m: &ganymede_config::ModelConfig) -> f64 {
         l => 8 * m.experts * (l + 1),
     };
     STEP_SCALARS + routing as f64
+}
+
+/// Rows of logits the head holds for `n` of a rank's tokens (`training.loss_chunk_tokens`, 0 =
+/// all; `ganymede_model::head_rows`).
+fn head_rows(job: &JobConfig, n: f64) -> f64 {
+    match job.training.loss_chunk_tokens {
+        0 => n,
+        c => (c as f64).min(n),
+    }
 }

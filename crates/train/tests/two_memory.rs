@@ -445,3 +445,29 @@ fn small_on_four_ranks_offloads_without_changing_a_loss_and_as_predicted() {
     }
     assert_eq!(losses[0], losses[1]);
 }
+
+/// The head a chunk of tokens at a time (`training.loss_chunk_tokens`): a logits buffer of one
+/// chunk, and the planner's prediction equal to the ledger to the byte (1 and 2 ranks, f32 and
+/// bf16 compute, a chunk that leaves a short last one).
+#[test]
+fn the_planner_predicts_a_chunked_head_to_the_byte() {
+    for (ranks, extra) in [
+        (1, vec!["training.loss_chunk_tokens=100"]),
+        (
+            2,
+            vec![
+                "training.loss_chunk_tokens=100",
+                "training.compute_dtype=\"bf16\"",
+            ],
+        ),
+    ] {
+        let mut o = vec!["device.kind=\"cpu-two-memory\"", "training.steps=2"];
+        o.extend(extra.iter());
+        let mut cfg = tiny(&o);
+        cfg.parallelism.dp_shard = ranks;
+        let s = run(&cfg, "chunked-head", ranks).unwrap();
+        for (dev, cat, measured, planned) in common::measured_and_planned(&s.run_dir) {
+            assert_eq!(measured, planned, "{ranks} ranks {extra:?}: {dev} {cat}");
+        }
+    }
+}
