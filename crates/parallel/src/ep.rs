@@ -3,8 +3,8 @@
 //! The block hands over its rows grouped by expert; rows for another rank's experts are
 //! contiguous, so one uneven all-to-all sends each rank its rows. The owner reorders what it
 //! received expert-major (one row gather by a permutation, [`row_orders`]), runs its experts
-//! with the local executor, and the outputs travel back the same way. Backward mirrors it: output gradients out, input gradients back, weight
-//! gradients accumulated on the owner.
+//! with the local executor, and the outputs travel back the same way. Backward mirrors it:
+//! output gradients out, input gradients back, weight gradients accumulated on the owner.
 //!
 //! Memory: every buffer is a backend tensor charged to the ledger. What the owner keeps of a
 //! layer's forward for its backward (`Activations`) is held only while a backward will read it:
