@@ -45,6 +45,32 @@ fn tokens(n: usize, v: usize, seed: u64) -> Vec<u32> {
     (0..n).map(|_| (r.next_u64() % v as u64) as u32).collect()
 }
 
+/// One step of `model` (a `tiny` shape) on a batch of 2 × 32 tokens in `mode`: the step's
+/// output, the gradients, the loss of a forward alone on the same batch, and the length of the
+/// head's logits buffer.
+fn tiny_step(model: &Model, mode: AcMode) -> (StepOutput, Vec<Vec<f32>>, f64, usize) {
+    let c = model.config();
+    let be = ganymede_core::CpuBackend::default();
+    let params = model.init_params(&be, 3);
+    let (batch, seq) = (2, 32);
+    let inputs = tokens(batch * seq, c.vocab_size, 4);
+    let targets = tokens(batch * seq, c.vocab_size, 5);
+    let t = Tokens {
+        inputs: &inputs,
+        targets: &targets,
+    };
+    let mut ws = Workspace::new(&be, model, batch, seq, mode);
+    let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+    let out = forward_backward(&be, model, &params, &mut grads, &mut ws, t, 1.0);
+    let eval = forward_loss(&be, model, &params, &mut ws, t).loss;
+    let g = grads
+        .tensors()
+        .iter()
+        .map(|t| be.download(t.view()))
+        .collect();
+    (out, g, eval, ws.head.logits.len())
+}
+
 /// Parameters with every entry (norm gains and the selection bias included) away from its
 /// special initial value, so no gradient term can vanish by symmetry.
 fn random_params(be: &dyn Backend, model: &Model, seed: u64) -> ParamStore {

@@ -1,10 +1,8 @@
 //! bf16 boundaries (`activation_checkpoint.boundary_dtype`): the residual stream between blocks
 //! is rounded to bf16 where it is stored, and every reader widens the same stored values.
 
-use super::tokens;
 use crate::*;
 use ganymede_config::{preset, AcMode, BoundaryDtype, ComputeDtype};
-use ganymede_core::{Category, CpuBackend, Memory};
 
 /// One step of `tiny` (batch 2 × 32) at the given dtypes: the step's output, the gradients and
 /// the loss of a forward alone on the same batch.
@@ -13,28 +11,10 @@ fn step(
     boundary: BoundaryDtype,
     mode: AcMode,
 ) -> (StepOutput, Vec<Vec<f32>>, f64) {
-    let c = preset("tiny").unwrap().model;
-    let be = CpuBackend::default();
-    let model = Model::new(&c)
+    let model = Model::new(&preset("tiny").unwrap().model)
         .with_compute_dtype(compute)
         .with_boundary_dtype(boundary);
-    let params = model.init_params(&be, 3);
-    let (batch, seq) = (2, 32);
-    let inputs = tokens(batch * seq, c.vocab_size, 4);
-    let targets = tokens(batch * seq, c.vocab_size, 5);
-    let t = Tokens {
-        inputs: &inputs,
-        targets: &targets,
-    };
-    let mut ws = Workspace::new(&be, &model, batch, seq, mode);
-    let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
-    let out = forward_backward(&be, &model, &params, &mut grads, &mut ws, t, 1.0);
-    let eval = forward_loss(&be, &model, &params, &mut ws, t).loss;
-    let g = grads
-        .tensors()
-        .iter()
-        .map(|t| be.download(t.view()))
-        .collect();
+    let (out, g, eval, _) = super::tiny_step(&model, mode);
     (out, g, eval)
 }
 

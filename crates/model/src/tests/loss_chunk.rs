@@ -1,37 +1,16 @@
 //! The head a chunk of tokens at a time (`training.loss_chunk_tokens`): the same loss and
 //! gradients as all tokens at once, up to summation order, from a logits buffer of one chunk.
 
-use super::tokens;
 use crate::*;
 use ganymede_config::{preset, AcMode, ComputeDtype};
-use ganymede_core::{Category, CpuBackend, Memory};
 
 /// One step of `tiny` (batch 2 × 32 = 64 tokens) with a loss chunk of `chunk` tokens: the
 /// step's output, the gradients, a forward alone's loss and the logits buffer's length.
 fn step(chunk: usize, compute: ComputeDtype) -> (StepOutput, Vec<Vec<f32>>, f64, usize) {
-    let c = preset("tiny").unwrap().model;
-    let be = CpuBackend::default();
-    let model = Model::new(&c)
+    let model = Model::new(&preset("tiny").unwrap().model)
         .with_compute_dtype(compute)
         .with_loss_chunk(chunk);
-    let params = model.init_params(&be, 3);
-    let (batch, seq) = (2, 32);
-    let inputs = tokens(batch * seq, c.vocab_size, 4);
-    let targets = tokens(batch * seq, c.vocab_size, 5);
-    let t = Tokens {
-        inputs: &inputs,
-        targets: &targets,
-    };
-    let mut ws = Workspace::new(&be, &model, batch, seq, AcMode::Full);
-    let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
-    let out = forward_backward(&be, &model, &params, &mut grads, &mut ws, t, 1.0);
-    let eval = forward_loss(&be, &model, &params, &mut ws, t).loss;
-    let g = grads
-        .tensors()
-        .iter()
-        .map(|t| be.download(t.view()))
-        .collect();
-    (out, g, eval, ws.head.logits.len())
+    super::tiny_step(&model, AcMode::Full)
 }
 
 /// Largest |a − b| over all gradients, relative to the largest |b|.
