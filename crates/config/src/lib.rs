@@ -536,6 +536,34 @@ pub fn offloaded_layers(fraction: f64, layers: usize) -> usize {
     ((fraction.clamp(0.0, 1.0) * layers as f64).round() as usize).min(layers)
 }
 
+/// Rows of logits the head holds for `tokens` of a rank's tokens under
+/// `training.loss_chunk_tokens` = `chunk` (0 = all). The rule the planner and the runtime share.
+pub fn head_rows(tokens: usize, chunk: usize) -> usize {
+    if chunk == 0 {
+        tokens
+    } else {
+        chunk.min(tokens)
+    }
+}
+
+/// Expert parallelism: (capacity, most) rows of one layer that a rank's `experts / ep` local
+/// experts are sized for. Every rank holds as many tokens as this one, which sends `sent` rows,
+/// `top_k` per token; under an even routing it receives as many. Each token picks `top_k`
+/// distinct experts, so at most min(top_k, local experts) of a token's rows come here, from
+/// each of the `ep` ranks: the most, up to `ep` times the even rows. The capacity is
+/// `parallelism.ep_capacity_factor` = `factor` times the even rows, within the most. The rule
+/// the planner and the runtime share.
+pub fn ep_capacity_rows(
+    ep: usize,
+    experts: usize,
+    top_k: usize,
+    sent: usize,
+    factor: f64,
+) -> (usize, usize) {
+    let most = ep * (sent / top_k.max(1)) * top_k.min(experts / ep.max(1));
+    (((sent as f64 * factor).ceil() as usize).min(most), most)
+}
+
 impl Default for ActivationCheckpointConfig {
     fn default() -> Self {
         Self {

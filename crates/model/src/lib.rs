@@ -270,7 +270,7 @@ impl Model {
 
     /// Rows of logits the head holds for `n` tokens: the loss chunk, or all of them.
     pub fn head_rows(&self, n: usize) -> usize {
-        head_rows(n, self.loss_chunk)
+        ganymede_config::head_rows(n, self.loss_chunk)
     }
 
     /// Whether the residual stream between blocks is stored in bf16: each block's output is
@@ -414,13 +414,4 @@ pub struct StepOutput {
     pub tokens: usize,
     /// Per MoE layer: fraction of the batch's top-k assignments per expert (sums to 1).
     pub expert_load: Vec<Vec<f32>>,
-}
-
-/// Rows of logits a head holds for `n` tokens under a loss chunk of `chunk` tokens (0 = all).
-pub fn head_rows(n: usize, chunk: usize) -> usize {
-    if chunk == 0 {
-        n
-    } else {
-        chunk.min(n)
-    }
 }

@@ -181,9 +181,6 @@ pub struct Precision {
     pub bf16: bool,
     /// bf16 boundaries ([`Model::bf16_boundaries`]).
     pub bf16_boundaries: bool,
-    /// The head's loss chunk in tokens, 0 = all ([`Model::head_rows`]): not a precision, but
-    /// the other model setting that sizes the workspace.
-    pub loss_chunk: usize,
 }
 
 impl Precision {
@@ -191,20 +188,17 @@ impl Precision {
     pub const F32: Precision = Precision {
         bf16: false,
         bf16_boundaries: false,
-        loss_chunk: 0,
     };
     /// bf16 compute with its default (`auto`) boundaries, bf16.
     pub const BF16: Precision = Precision {
         bf16: true,
         bf16_boundaries: true,
-        loss_chunk: 0,
     };
     /// The model's.
     pub fn of(model: &Model) -> Precision {
         Precision {
             bf16: model.bf16,
             bf16_boundaries: model.bf16_boundaries(),
-            loss_chunk: model.loss_chunk,
         }
     }
 }
@@ -213,13 +207,15 @@ impl Precision {
 /// place sizes are decided; [`Workspace::new`] allocates exactly these. The boundaries come
 /// first: `res` on the device, `res_slot` the device slots offloaded ones rotate through,
 /// `res_f32` the f32 working copy of bf16 boundaries, `res_host` the offloaded ones' pinned
-/// host copies (`n_off` of them, see [`crate::offload`]).
+/// host copies (`n_off` of them, see [`crate::offload`]). The head holds `head_rows` rows of
+/// logits ([`Model::head_rows`]; the byte counts below hold all `n`, no loss chunk).
 fn plan(
     cfg: &ModelConfig,
     n: usize,
     mode: AcMode,
     n_off: usize,
     prec: Precision,
+    head_rows: usize,
 ) -> Vec<(&'static str, usize)> {
     let bf16 = prec.bf16;
     let (h, qd, kd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
@@ -326,10 +322,7 @@ fn plan(
     p.extend([
         ("xf", n * h),
         ("rstdf", n),
-        (
-            "logits",
-            crate::head_rows(n, prec.loss_chunk) * cfg.vocab_size,
-        ),
+        ("logits", head_rows * cfg.vocab_size),
         ("lse_ce", n),
         ("ids", n),
         ("targets", n),
@@ -407,7 +400,8 @@ pub fn activation_bytes_at(
     mode: AcMode,
     prec: Precision,
 ) -> u64 {
-    plan_bytes(plan(cfg, batch * seq, mode, 0, prec).iter(), prec)
+    let n = batch * seq;
+    plan_bytes(plan(cfg, n, mode, 0, prec, n).iter(), prec)
 }
 
 /// [`activation_bytes_at`] split by memory with the first `offloaded` block inputs in host
@@ -421,7 +415,8 @@ pub fn activation_bytes_offloaded(
     offloaded: usize,
     prec: Precision,
 ) -> (u64, u64) {
-    let p = plan(cfg, batch * seq, AcMode::Full, offloaded, prec);
+    let n = batch * seq;
+    let p = plan(cfg, n, AcMode::Full, offloaded, prec, n);
     let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), prec);
     (sum(false), sum(true))
 }
@@ -455,7 +450,7 @@ impl Workspace {
         );
         let prec = Precision::of(model);
         let bf16 = prec.bf16;
-        let sizes = plan(cfg, n, mode, offloaded, prec);
+        let sizes = plan(cfg, n, mode, offloaded, prec, model.head_rows(n));
         let mut it = sizes.iter().peekable();
         // The boundaries are allocated by `Boundaries` in the plan's order.
         while it.next_if(|(w, _)| w.starts_with("res")).is_some() {}

@@ -14,7 +14,7 @@
 //! the rows a step routed: the routing changes every step, and buffers sized to what was seen
 //! would grow whenever a later step sent this rank more. The capacity is
 //! `parallelism.ep_capacity_factor` times an even routing's rows, capped at the most the rank
-//! can receive ([`capacity_rows`]), set in the first step. A pass that receives more grows it
+//! can receive (`ganymede_config::ep_capacity_rows`), set in the first step. A pass that receives more grows it
 //! (to a quarter above what came), counted in [`RowBufferUse`] so the trainer can say so; the
 //! pooled sets catch up when next used, so a regrowth's allocations end by the next step.
 //! Otherwise no step after the first allocates. The GEMMs are handed views of the whole
@@ -133,16 +133,6 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("{what}: {e}")
 }
 
-/// (capacity, most) rows for this rank's `el` experts in one layer. Every rank holds as many
-/// tokens as this one (the same batch shape), which sends `sent` rows, `top_k` per token; under
-/// an even routing it receives as many. Each token picks `top_k` distinct experts, so at most
-/// min(top_k, el) of a token's rows can come here, from each of the `ep` ranks: the most, up to
-/// `ep` times the even rows. The capacity is `factor` times the even rows, within the most.
-fn capacity_rows(ep: usize, el: usize, sent: usize, top_k: usize, factor: f64) -> (usize, usize) {
-    let most = ep * (sent / top_k.max(1)) * top_k.min(el);
-    (((sent as f64 * factor).ceil() as usize).min(most), most)
-}
-
 /// Counts of local experts and their offsets in expert-major order.
 fn local_layout(recv: &[Vec<usize>]) -> (Vec<usize>, Vec<usize>) {
     let el = recv.first().map_or(0, |r| r.len());
@@ -240,7 +230,7 @@ impl ExpertExecutor for EpExperts {
         let recv_rows: Vec<usize> = recv.iter().map(|r| r.iter().sum()).collect();
         let rows: usize = recv_rows.iter().sum();
         let sent = io.counts.iter().sum();
-        let (base, most) = capacity_rows(ep, el, sent, io.top_k, self.factor);
+        let (base, most) = ganymede_config::ep_capacity_rows(ep, e, io.top_k, sent, self.factor);
         assert!(
             rows <= most,
             "expert parallelism: {rows} rows received, at most {most} possible"

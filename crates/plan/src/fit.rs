@@ -539,10 +539,10 @@ pub fn ep_capacity_rows(job: &JobConfig) -> Option<usize> {
     if p.ep <= 1 || !(0..m.layers).any(|l| m.is_moe_layer(l)) {
         return None;
     }
-    let tokens = job.training.batch_size * m.seq_len;
-    let even = tokens * m.top_k;
-    let most = p.ep * tokens * m.top_k.min(m.experts / p.ep);
-    Some(((even as f64 * p.ep_capacity_factor).ceil() as usize).min(most))
+    let sent = job.training.batch_size * m.seq_len * m.top_k;
+    let (cap, _) =
+        ganymede_config::ep_capacity_rows(p.ep, m.experts, m.top_k, sent, p.ep_capacity_factor);
+    Some(cap)
 }
 
 /// Elements of the whole matrices rank 0 (whose ledger `memory.json` holds) gathers as a

@@ -268,11 +268,7 @@ pub fn step_scalars(m: &ganymede_config::ModelConfig) -> f64 {
     STEP_SCALARS + routing as f64
 }
 
-/// Rows of logits the head holds for `n` of a rank's tokens (`training.loss_chunk_tokens`, 0 =
-/// all; `ganymede_model::head_rows`).
+/// [`ganymede_config::head_rows`] for `n` of a rank's tokens, as f64.
 fn head_rows(job: &JobConfig, n: f64) -> f64 {
-    match job.training.loss_chunk_tokens {
-        0 => n,
-        c => (c as f64).min(n),
-    }
+    ganymede_config::head_rows(n as usize, job.training.loss_chunk_tokens) as f64
 }
