@@ -232,6 +232,13 @@ pub struct TrainingConfig {
     /// instead of `tokens × vocab` (64 GiB at 65,536 tokens and a 256k vocabulary), at the
     /// price of recomputing every chunk's logits but the last in backward.
     pub loss_chunk_tokens: usize,
+    /// Tokens a MoE layer's routed experts take at once (0 = every token of the rank's batch):
+    /// each chunk is dispatched, run and combined in turn, so the expert rows, their f32
+    /// internals and gradient scratch, and the expert-parallel buffers hold `chunk × top_k`
+    /// rows instead of `tokens × top_k` (524,288 at 65,536 tokens and top-8), at the price of
+    /// recomputing every chunk's experts but the last in backward (no extra compute under full
+    /// checkpointing, which recomputes them anyway).
+    pub moe_chunk_tokens: usize,
 }
 
 /// Operand precision of the model's GEMMs (`training.compute_dtype`).
@@ -269,6 +276,7 @@ impl Default for TrainingConfig {
             threads: 0,
             compute_dtype: ComputeDtype::F32,
             loss_chunk_tokens: 0,
+            moe_chunk_tokens: 0,
         }
     }
 }
@@ -544,6 +552,12 @@ pub fn head_rows(tokens: usize, chunk: usize) -> usize {
     } else {
         chunk.min(tokens)
     }
+}
+
+/// Tokens a MoE layer's routed experts take at once for `tokens` of a rank's tokens under
+/// `training.moe_chunk_tokens` = `chunk` (0 = all): the same rule as the head's.
+pub fn moe_rows(tokens: usize, chunk: usize) -> usize {
+    head_rows(tokens, chunk)
 }
 
 /// Expert parallelism: (capacity, most) rows of one layer that a rank's `experts / ep` local

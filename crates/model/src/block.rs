@@ -19,7 +19,8 @@
 //! and up across all its experts.
 
 use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
-use crate::workspace::{BlockActs, FfnActs, GradScratch};
+use crate::step::chunks;
+use crate::workspace::{BlockActs, FfnActs, GradScratch, MoeActs, Routing};
 use crate::{MlpIdx, Model};
 use ganymede_core::{
     AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
@@ -209,7 +210,7 @@ pub(crate) fn block_forward(
             shared,
             bias,
         } => {
-            let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
+            let (e, k) = (cfg.experts, cfg.top_k);
             let m = a.moe.as_mut().expect("MoE activations");
             let rl = g.drl.as_mut().expect("router scratch");
             be.gemm(
@@ -232,51 +233,36 @@ pub(crate) fn block_forward(
                 renorm: cfg.norm_topk_prob,
             };
             be.router_forward(out, rl.slice(0, n * e), bias.map(w), rd);
-            let d = DispatchOut {
-                counts: r.counts.view_mut(),
-                offsets: r.offsets.view_mut(),
-                src: r.src.view_mut(),
-                pos: r.pos.view_mut(),
-            };
-            be.moe_dispatch(d, r.idx.view(), e, k);
-            // The only host read before the step's end: the per-expert counts size the expert
-            // GEMMs and the expert-parallel all-to-all, which take host sizes (as cuBLAS's
-            // grouped GEMM and NCCL's send/recv do). The offsets follow on the host.
-            let counts = be.download_u32(r.counts.view());
-            r.host_offsets[0] = 0;
-            for (x, &c) in counts.iter().enumerate() {
-                r.host_counts[x] = c as usize;
-                r.host_offsets[x + 1] = r.host_offsets[x] + c as usize;
-            }
-            be.moe_gather(m.xe.view_mut(), a.xn2.view(), r.src.view(), h);
-            let io = ExpertsIo {
+            // The routed experts a chunk of tokens at a time (one chunk unless
+            // `training.moe_chunk_tokens` is set): each is dispatched, run and combined in turn.
+            // A recompute (`y` = None) runs only the last chunk's experts: the backward starts
+            // there and recomputes the others itself.
+            let parts: Vec<_> = chunks(n, model.moe_rows(n)).collect();
+            m.r.host_counts.iter_mut().for_each(|c| *c = 0);
+            let mx = MoeIdx {
                 layer,
-                counts: &r.host_counts,
-                offsets: &r.host_offsets,
-                f,
-                h,
-                top_k: k,
-                params,
                 gate,
                 up,
                 down,
-                bf16: cx.model.bf16,
             };
-            let bufs = ExpertsFwdBufs {
-                xe: m.xe.view(),
-                g: m.g.view_mut(),
-                u: m.u.view_mut(),
-                a: m.a.view_mut(),
-                ye: m.ye.view_mut(),
-            };
-            ex.forward(be, &io, bufs);
-            if let Some(y) = y.as_mut() {
-                let d = Dispatched {
-                    pos: m.r.pos.view(),
-                    k,
-                    dim: h,
-                };
-                be.moe_combine(y.reborrow(), m.ye.view(), m.rw.view(), d);
+            for (j, &(t0, tn)) in parts.iter().enumerate() {
+                dispatch_chunk(be, &mut m.r, j, (t0, tn), (e, k));
+                if y.is_none() && j + 1 < parts.len() {
+                    continue;
+                }
+                experts_forward(cx, m, (j, t0, tn), a.xn2.view(), mx, ex);
+                if let Some(y) = y.as_mut() {
+                    let d = Dispatched {
+                        pos: m.r.pos.slice(t0 * k, tn * k),
+                        k,
+                        dim: h,
+                    };
+                    let (yc, rw) = (
+                        y.reborrow().slice(t0 * h, tn * h),
+                        m.rw.slice(t0 * k, tn * k),
+                    );
+                    be.moe_combine(yc, m.ye.slice(0, tn * k * h), rw, d);
+                }
             }
             if let Some(sh) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
@@ -289,6 +275,191 @@ pub(crate) fn block_forward(
             }
         }
     }
+}
+
+/// A MoE layer's routed-expert parameters in the table, and the layer.
+#[derive(Clone, Copy)]
+struct MoeIdx {
+    layer: usize,
+    gate: usize,
+    up: usize,
+    down: usize,
+}
+
+/// Dispatch chunk `j` of a MoE layer's tokens (`tn` from `t0`): its rows grouped by expert
+/// into its slice of `src` and `pos` (chunk-relative tokens and rows), and its per-expert
+/// counts read back, added into the layer's.
+fn dispatch_chunk(
+    be: &dyn Backend,
+    r: &mut Routing,
+    j: usize,
+    (t0, tn): (usize, usize),
+    (e, k): (usize, usize),
+) {
+    let d = DispatchOut {
+        counts: r.counts.view_mut(),
+        offsets: r.offsets.view_mut(),
+        src: r.src.slice_mut(t0 * k, tn * k),
+        pos: r.pos.slice_mut(t0 * k, tn * k),
+    };
+    be.moe_dispatch(d, r.idx.slice(t0 * k, tn * k), e, k);
+    // The only host read before the step's end: the per-expert counts size the expert GEMMs
+    // and the expert-parallel all-to-all, which take host sizes (as cuBLAS's grouped GEMM and
+    // NCCL's send/recv do). The offsets follow on the host.
+    let counts = be.download_u32(r.counts.view());
+    let c = &mut r.chunks[j];
+    c.counts = counts.iter().map(|&x| x as usize).collect();
+    c.offsets = std::iter::once(0)
+        .chain(c.counts.iter().scan(0, |s, &x| {
+            *s += x;
+            Some(*s)
+        }))
+        .collect();
+    for (t, &x) in r.host_counts.iter_mut().zip(&c.counts) {
+        *t += x;
+    }
+}
+
+/// The routed experts over chunk `j` (dispatched already; `tn` tokens from `t0`): its rows
+/// gathered from `xn2`, the layer's normed tokens, their gate, up and SwiGLU kept in `m`, their
+/// outputs in `m.ye`.
+fn experts_forward(
+    cx: &Ctx,
+    m: &mut MoeActs,
+    (j, t0, tn): (usize, usize, usize),
+    xn2: View,
+    mx: MoeIdx,
+    ex: &mut dyn ExpertExecutor,
+) {
+    let cfg = cx.model.config();
+    let (h, f, k) = (cfg.hidden, cfg.expert_hidden, cfg.top_k);
+    let c = &m.r.chunks[j];
+    let rows = tn * k;
+    let (xe, src) = (m.xe.slice_mut(0, rows * h), m.r.src.slice(t0 * k, rows));
+    cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
+    let io = ExpertsIo {
+        layer: mx.layer,
+        counts: &c.counts,
+        offsets: &c.offsets,
+        f,
+        h,
+        top_k: k,
+        params: cx.params,
+        gate: mx.gate,
+        up: mx.up,
+        down: mx.down,
+        bf16: cx.model.bf16,
+    };
+    let bufs = ExpertsFwdBufs {
+        xe: m.xe.slice(0, rows * h),
+        g: m.g.slice_mut(0, rows * f),
+        u: m.u.slice_mut(0, rows * f),
+        a: m.a.slice_mut(0, rows * f),
+        ye: m.ye.slice_mut(0, rows * h),
+    };
+    ex.forward(cx.be, &io, bufs);
+}
+
+/// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens, the
+/// router's index, its shape and the auxiliary loss's gradient constant.
+struct MoeChunkBwd<'a> {
+    xn2: View<'a>,
+    router: usize,
+    rd: RouterDims,
+    dc: View<'a>,
+}
+
+/// Backward through chunk `j`'s routed experts and router (its internals in `m`), with the
+/// gradient of the layer's output in `g.dres`: writes the chunk's rows of `g.dxn` and adds the
+/// experts' and router's weight gradients.
+#[allow(clippy::too_many_arguments)]
+fn moe_chunk_backward(
+    cx: &Ctx,
+    grads: &mut ParamStore,
+    m: &MoeActs,
+    g: &mut GradScratch,
+    (j, t0, tn): (usize, usize, usize),
+    b: MoeChunkBwd,
+    mx: MoeIdx,
+    ex: &mut dyn ExpertExecutor,
+) {
+    let be = cx.be;
+    let cfg = cx.model.config();
+    let (h, f, k, e) = (cfg.hidden, cfg.expert_hidden, cfg.top_k, cfg.experts);
+    let GradScratch {
+        dres,
+        dxn,
+        drl,
+        drw,
+        dye,
+        da,
+        dg,
+        du,
+        dxe,
+        ..
+    } = g;
+    let (drl, drw, dye, da) = (
+        drl.as_mut().unwrap(),
+        drw.as_mut().unwrap(),
+        dye.as_mut().unwrap(),
+        da.as_mut().unwrap(),
+    );
+    let (dg, du, dxe) = (
+        dg.as_mut().unwrap(),
+        du.as_mut().unwrap(),
+        dxe.as_mut().unwrap(),
+    );
+    let (rows, tk) = (tn * k, t0 * k);
+    let disp = Dispatched {
+        pos: m.r.pos.slice(tk, rows),
+        k,
+        dim: h,
+    };
+    let (ye, rw) = (m.ye.slice(0, rows * h), m.rw.slice(tk, rows));
+    be.moe_combine_backward(
+        dye.slice_mut(0, rows * h),
+        drw.slice_mut(tk, rows),
+        dres.slice(t0 * h, tn * h),
+        ye,
+        rw,
+        disp,
+    );
+    let c = &m.r.chunks[j];
+    let io = ExpertsIo {
+        layer: mx.layer,
+        counts: &c.counts,
+        offsets: &c.offsets,
+        f,
+        h,
+        top_k: k,
+        params: cx.params,
+        gate: mx.gate,
+        up: mx.up,
+        down: mx.down,
+        bf16: cx.model.bf16,
+    };
+    let bufs = ExpertsBwdBufs {
+        xe: m.xe.slice(0, rows * h),
+        g: m.g.slice(0, rows * f),
+        u: m.u.slice(0, rows * f),
+        a: m.a.slice(0, rows * f),
+        dye: dye.slice(0, rows * h),
+        da: da.slice_mut(0, rows * f),
+        dg: dg.slice_mut(0, rows * f),
+        du: du.slice_mut(0, rows * f),
+        dxe: dxe.slice_mut(0, rows * h),
+    };
+    ex.backward(be, &io, grads, bufs);
+    let (idx, probs) = (m.r.idx.slice(tk, rows), m.probs.slice(t0 * e, tn * e));
+    let (dl, dw) = (drl.slice_mut(t0 * e, tn * e), drw.slice(tk, rows));
+    be.router_backward(dl, dw, probs, idx, b.dc, b.rd);
+    let drl = drl.slice(t0 * e, tn * e);
+    let wr = cx.params.get(b.router).view();
+    let dxn_c = dxn.slice_mut(t0 * h, tn * h);
+    be.gemm(dxn_c, drl, wr, Gemm::new(tn, h, e, false, false));
+    let gr = Gemm::new(e, h, tn, true, false).beta(1.0);
+    be.gemm(grads.get_mut(b.router).view_mut(), drl, b.xn2, gr);
+    be.moe_gather_backward(dxn.slice_mut(t0 * h, tn * h), dxe.slice(0, rows * h), disp);
 }
 
 /// An every-token SwiGLU; adds its output into `y`.
@@ -329,7 +500,7 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
 pub(crate) fn block_backward(
     cx: &Ctx,
     grads: &mut ParamStore,
-    a: &BlockActs,
+    a: &mut BlockActs,
     g: &mut GradScratch,
     x: View,
     dprob_const: Option<View>,
@@ -375,85 +546,36 @@ pub(crate) fn block_backward(
             shared,
             ..
         } => {
-            let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
-            let m = a.moe.as_ref().expect("MoE activations");
-            let GradScratch {
-                dres,
-                dxn,
-                drl,
-                drw,
-                dye,
-                da,
-                dg,
-                du,
-                dxe,
-                ..
-            } = &mut *g;
-            let (drl, drw, dye, da) = (
-                drl.as_mut().unwrap(),
-                drw.as_mut().unwrap(),
-                dye.as_mut().unwrap(),
-                da.as_mut().unwrap(),
-            );
-            let (dg, du, dxe) = (
-                dg.as_mut().unwrap(),
-                du.as_mut().unwrap(),
-                dxe.as_mut().unwrap(),
-            );
-            let disp = Dispatched {
-                pos: m.r.pos.view(),
-                k,
-                dim: h,
-            };
-            let (ye, rw) = (m.ye.view(), m.rw.view());
-            be.moe_combine_backward(dye.view_mut(), drw.view_mut(), dres.view(), ye, rw, disp);
-            let io = ExpertsIo {
-                layer,
-                counts: &m.r.host_counts,
-                offsets: &m.r.host_offsets,
-                f,
-                h,
-                top_k: k,
-                params,
-                gate,
-                up,
-                down,
-                bf16: cx.model.bf16,
-            };
-            let bufs = ExpertsBwdBufs {
-                xe: m.xe.view(),
-                g: m.g.view(),
-                u: m.u.view(),
-                a: m.a.view(),
-                dye: dye.view(),
-                da: da.view_mut(),
-                dg: dg.view_mut(),
-                du: du.view_mut(),
-                dxe: dxe.view_mut(),
-            };
-            ex.backward(be, &io, grads, bufs);
+            let (e, k) = (cfg.experts, cfg.top_k);
+            let m = a.moe.as_mut().expect("MoE activations");
             let rd = RouterDims {
                 experts: e,
                 k,
                 renorm: cfg.norm_topk_prob,
             };
-            let (idx, probs) = (m.r.idx.view(), m.probs.view());
             let dc = dprob_const.expect("the auxiliary loss's gradient constant");
-            be.router_backward(drl.view_mut(), drw.view(), probs, idx, dc, rd);
-            be.gemm(
-                dxn.view_mut(),
-                drl.view(),
-                w(router),
-                Gemm::new(n, h, e, false, false),
-            );
-            let gr = Gemm::new(e, h, n, true, false).beta(1.0);
-            be.gemm(
-                grads.get_mut(router).view_mut(),
-                drl.view(),
-                a.xn2.view(),
-                gr,
-            );
-            be.moe_gather_backward(dxn.view_mut(), dxe.view(), disp);
+            let mx = MoeIdx {
+                layer,
+                gate,
+                up,
+                down,
+            };
+            // Chunk by chunk, last first: the forward (or its recompute) left the last chunk's
+            // internals; every other chunk's are recomputed here. The router's backward is per
+            // token, so each chunk finishes its tokens' gradient of xn2.
+            let parts: Vec<_> = chunks(n, model.moe_rows(n)).collect();
+            for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
+                if j + 1 < parts.len() {
+                    experts_forward(cx, m, (j, t0, tn), a.xn2.view(), mx, ex);
+                }
+                let bwd = MoeChunkBwd {
+                    xn2: a.xn2.slice(t0 * h, tn * h),
+                    router,
+                    rd,
+                    dc,
+                };
+                moe_chunk_backward(cx, grads, m, g, (j, t0, tn), bwd, mx, ex);
+            }
             if let Some(sh) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
                 let ffn = Ffn {

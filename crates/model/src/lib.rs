@@ -215,6 +215,8 @@ pub struct Model {
     boundary: ganymede_config::BoundaryDtype,
     /// Tokens whose logits the head holds at once (0 = all; [`Model::head_rows`]).
     loss_chunk: usize,
+    /// Tokens a MoE layer's routed experts take at once (0 = all; [`Model::moe_rows`]).
+    moe_chunk: usize,
 }
 
 /// Positions of one layer's parameters in the parameter table.
@@ -266,6 +268,17 @@ impl Model {
     pub fn with_loss_chunk(mut self, tokens: usize) -> Model {
         self.loss_chunk = tokens;
         self
+    }
+
+    /// The model with its MoE layers' token chunk set (`training.moe_chunk_tokens`; 0 = all).
+    pub fn with_moe_chunk(mut self, tokens: usize) -> Model {
+        self.moe_chunk = tokens;
+        self
+    }
+
+    /// Tokens a MoE layer's routed experts take at once out of `n`: the MoE chunk, or all.
+    pub fn moe_rows(&self, n: usize) -> usize {
+        ganymede_config::moe_rows(n, self.moe_chunk)
     }
 
     /// Rows of logits the head holds for `n` tokens: the loss chunk, or all of them.
@@ -343,6 +356,7 @@ impl Model {
             bf16: false,
             boundary: ganymede_config::BoundaryDtype::Auto,
             loss_chunk: 0,
+            moe_chunk: 0,
         }
     }
     pub fn config(&self) -> &ModelConfig {

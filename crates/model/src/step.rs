@@ -224,7 +224,7 @@ fn forward(
 }
 
 /// `(first row, rows)` of each chunk of `n` rows, `rows` at a time.
-fn chunks(n: usize, rows: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> {
+pub(crate) fn chunks(n: usize, rows: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> {
     (0..n.div_ceil(rows.max(1))).map(move |c| (c * rows, rows.min(n - c * rows)))
 }
 

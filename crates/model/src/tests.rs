@@ -10,6 +10,7 @@ use std::sync::Arc;
 mod boundaries;
 mod host_reads;
 mod loss_chunk;
+mod moe_chunk;
 
 fn cfg(dense: bool, shared: bool, renorm: bool, bias: bool) -> ModelConfig {
     ModelConfig {
@@ -46,9 +47,8 @@ fn tokens(n: usize, v: usize, seed: u64) -> Vec<u32> {
 }
 
 /// One step of `model` (a `tiny` shape) on a batch of 2 × 32 tokens in `mode`: the step's
-/// output, the gradients, the loss of a forward alone on the same batch, and the length of the
-/// head's logits buffer.
-fn tiny_step(model: &Model, mode: AcMode) -> (StepOutput, Vec<Vec<f32>>, f64, usize) {
+/// output, the gradients, the loss of a forward alone on the same batch, and the workspace.
+fn tiny_step(model: &Model, mode: AcMode) -> (StepOutput, Vec<Vec<f32>>, f64, Workspace) {
     let c = model.config();
     let be = ganymede_core::CpuBackend::default();
     let params = model.init_params(&be, 3);
@@ -68,7 +68,7 @@ fn tiny_step(model: &Model, mode: AcMode) -> (StepOutput, Vec<Vec<f32>>, f64, us
         .iter()
         .map(|t| be.download(t.view()))
         .collect();
-    (out, g, eval, ws.head.logits.len())
+    (out, g, eval, ws)
 }
 
 /// Parameters with every entry (norm gains and the selection bias included) away from its
@@ -100,17 +100,22 @@ fn total_loss(o: &StepOutput, cfg: &ModelConfig) -> f64 {
 }
 
 fn grad_check(cfg: &ModelConfig, mode: AcMode) {
+    grad_check_of(&Model::new(cfg), mode)
+}
+
+/// [`grad_check`] of `model` (its config and options, e.g. a MoE chunk).
+fn grad_check_of(model: &Model, mode: AcMode) {
     let be = be64();
-    let model = Model::new(cfg);
-    let mut params = random_params(&be, &model, 7);
+    let cfg = model.config();
+    let mut params = random_params(&be, model, 7);
     let (batch, seq) = (2, cfg.seq_len);
     let inputs = tokens(batch * seq, cfg.vocab_size, 1);
     let targets = tokens(batch * seq, cfg.vocab_size, 2);
-    let mut ws = Workspace::new(&be, &model, batch, seq, mode);
+    let mut ws = Workspace::new(&be, model, batch, seq, mode);
     let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
     let out = forward_backward(
         &be,
-        &model,
+        model,
         &params,
         &mut grads,
         &mut ws,
@@ -142,7 +147,7 @@ fn grad_check(cfg: &ModelConfig, mode: AcMode) {
                 set(&be, params.get_mut(i), &x);
                 let o = forward_loss(
                     &be,
-                    &model,
+                    model,
                     &params,
                     &mut ws,
                     Tokens {

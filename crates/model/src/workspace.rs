@@ -31,13 +31,23 @@ pub(crate) struct Routing {
     pub counts: Tensor,
     /// `[E+1]` first dispatched row of each expert.
     pub offsets: Tensor,
-    /// Host copy of `counts` (downloaded after the dispatch) and the offsets derived from it.
+    /// The layer's rows per expert, summed over its token chunks (host data).
     pub host_counts: Vec<usize>,
-    pub host_offsets: Vec<usize>,
+    /// Each token chunk's per-expert counts (downloaded after its dispatch) and the offsets
+    /// derived from them (`training.moe_chunk_tokens`; one chunk by default).
+    pub chunks: Vec<ChunkRoute>,
+}
+
+/// The host's copy of one token chunk's dispatch: rows per expert and each expert's first row.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ChunkRoute {
+    pub counts: Vec<usize>,
+    pub offsets: Vec<usize>,
 }
 
 /// Routed-expert internals: `[N, E]` probabilities, `[N, k]` weights, and per dispatched row
-/// the gathered input, gate, up, SwiGLU output and expert output.
+/// of one token chunk (`C·k` rows, C = [`Model::moe_rows`]) the gathered input, gate, up,
+/// SwiGLU output and expert output.
 pub(crate) struct MoeActs {
     pub probs: Tensor,
     pub rw: Tensor,
@@ -208,18 +218,20 @@ impl Precision {
 /// first: `res` on the device, `res_slot` the device slots offloaded ones rotate through,
 /// `res_f32` the f32 working copy of bf16 boundaries, `res_host` the offloaded ones' pinned
 /// host copies (`n_off` of them, see [`crate::offload`]). The head holds `head_rows` rows of
-/// logits ([`Model::head_rows`]; the byte counts below hold all `n`, no loss chunk).
+/// logits ([`Model::head_rows`]), and a MoE layer's expert rows are those of `moe_rows` tokens
+/// ([`Model::moe_rows`]; the byte counts below hold all `n`, no chunks).
 fn plan(
     cfg: &ModelConfig,
     n: usize,
     mode: AcMode,
     n_off: usize,
     prec: Precision,
-    head_rows: usize,
+    (head_rows, moe_rows): (usize, usize),
 ) -> Vec<(&'static str, usize)> {
     let bf16 = prec.bf16;
     let (h, qd, kd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
     let (e, k, f) = (cfg.experts, cfg.top_k, cfg.expert_hidden);
+    let c = moe_rows;
     let any_moe = cfg.layers > cfg.dense_layers;
     let max_ffn = (0..cfg.layers)
         .map(|l| ffn_width(cfg, l))
@@ -267,11 +279,11 @@ fn plan(
             p.extend([
                 ("probs", n * e),
                 ("rw", n * k),
-                ("xe", n * k * h),
-                ("g", n * k * f),
-                ("u", n * k * f),
-                ("a", n * k * f),
-                ("ye", n * k * h),
+                ("xe", c * k * h),
+                ("g", c * k * f),
+                ("u", c * k * f),
+                ("a", c * k * f),
+                ("ye", c * k * h),
                 ("idx", n * k),
                 ("src", n * k),
                 ("pos", n * k),
@@ -305,11 +317,11 @@ fn plan(
         p.extend([
             ("drl", n * e),
             ("drw", n * k),
-            ("dye", n * k * h),
-            ("da", n * k * f),
-            ("dg", n * k * f),
-            ("du", n * k * f),
-            ("dxe", n * k * h),
+            ("dye", c * k * h),
+            ("da", c * k * f),
+            ("dg", c * k * f),
+            ("du", c * k * f),
+            ("dxe", c * k * h),
         ]);
     }
     if max_ffn > 0 {
@@ -401,7 +413,7 @@ pub fn activation_bytes_at(
     prec: Precision,
 ) -> u64 {
     let n = batch * seq;
-    plan_bytes(plan(cfg, n, mode, 0, prec, n).iter(), prec)
+    plan_bytes(plan(cfg, n, mode, 0, prec, (n, n)).iter(), prec)
 }
 
 /// [`activation_bytes_at`] split by memory with the first `offloaded` block inputs in host
@@ -416,7 +428,7 @@ pub fn activation_bytes_offloaded(
     prec: Precision,
 ) -> (u64, u64) {
     let n = batch * seq;
-    let p = plan(cfg, n, AcMode::Full, offloaded, prec, n);
+    let p = plan(cfg, n, AcMode::Full, offloaded, prec, (n, n));
     let sum = |host: bool| plan_bytes(p.iter().filter(|(w, _)| (*w == "res_host") == host), prec);
     (sum(false), sum(true))
 }
@@ -450,7 +462,8 @@ impl Workspace {
         );
         let prec = Precision::of(model);
         let bf16 = prec.bf16;
-        let sizes = plan(cfg, n, mode, offloaded, prec, model.head_rows(n));
+        let rows = (model.head_rows(n), model.moe_rows(n));
+        let sizes = plan(cfg, n, mode, offloaded, prec, rows);
         let mut it = sizes.iter().peekable();
         // The boundaries are allocated by `Boundaries` in the plan's order.
         while it.next_if(|(w, _)| w.starts_with("res")).is_some() {}
@@ -517,7 +530,7 @@ impl Workspace {
                         counts: t("counts"),
                         offsets: t("offsets"),
                         host_counts: vec![0; cfg.experts],
-                        host_offsets: vec![0; cfg.experts + 1],
+                        chunks: vec![ChunkRoute::default(); n.div_ceil(rows.1.max(1))],
                     },
                 });
             }

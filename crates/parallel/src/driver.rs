@@ -192,7 +192,8 @@ impl RankState {
         let model = Model::new(m)
             .with_compute_dtype(t.compute_dtype)
             .with_boundary_dtype(cfg.activation_checkpoint.boundary_dtype)
-            .with_loss_chunk(t.loss_chunk_tokens);
+            .with_loss_chunk(t.loss_chunk_tokens)
+            .with_moe_chunk(t.moe_chunk_tokens);
         let shards = if mesh.shape.dp_shard == 1 {
             let params = model.init_params(be, t.seed);
             let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);

@@ -539,7 +539,8 @@ pub fn ep_capacity_rows(job: &JobConfig) -> Option<usize> {
     if p.ep <= 1 || !(0..m.layers).any(|l| m.is_moe_layer(l)) {
         return None;
     }
-    let sent = job.training.batch_size * m.seq_len * m.top_k;
+    let tokens = job.training.batch_size * m.seq_len;
+    let sent = ganymede_config::moe_rows(tokens, job.training.moe_chunk_tokens) * m.top_k;
     let (cap, _) =
         ganymede_config::ep_capacity_rows(p.ep, m.experts, m.top_k, sent, p.ep_capacity_factor);
     Some(cap)

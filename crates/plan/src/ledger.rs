@@ -36,18 +36,19 @@ pub struct ActivationTerms {
     /// their f32 working copy, 4·N·H.
     pub boundaries: f64,
     /// One layer's internals, 4·N·(3H + 3Q + 3K + 2·heads + kv_heads + 2 + M + 3k + 3W) +
-    /// 4·(2E + 1): norm outputs and rms, q/k/v, q/k after norm and RoPE with their rms,
-    /// attention output and log-sum-exp, residual; M = E + k + 2kH + 3kF in an MoE layer
-    /// (router probabilities and weights, dispatched input, gate, up, SwiGLU product, expert
-    /// output), else 0, and in an MoE layer its u32 routing (chosen experts, dispatch order both
+    /// 4·(C·R + 2E + 1): norm outputs and rms, q/k/v, q/k after norm and RoPE with their rms,
+    /// attention output and log-sum-exp, residual; in an MoE layer (else 0) M = E + k (router
+    /// probabilities and weights), R = 2kH + 3kF per token of one MoE chunk of C tokens
+    /// (`training.moe_chunk_tokens`, C = N by default: dispatched input, gate, up, SwiGLU
+    /// product, expert output), and its u32 routing (chosen experts, dispatch order both
     /// ways: 3k per token; per-expert counts and offsets: 2E + 1). No `[T, T]` attention matrix
     /// is kept. Under `none` there is one such set per layer (each its own kind); under `full`
     /// one set, sized MoE if any layer is MoE and with the widest W. Under bf16 compute the
     /// set's v, normed-and-rotated q and k, and attention output are bf16: 2·N·(2Q + 2K) less.
     pub layer_sets: f64,
-    /// Gradient scratch shared by all layers: 4·N·(2H + 3Q + 3K + M + 3·max W), with M as
-    /// above if any layer is MoE; under bf16 compute 2·N·(2Q + 2K) more (attention's bf16
-    /// output and input gradients).
+    /// Gradient scratch shared by all layers: 4·N·(2H + 3Q + 3K + M + 3·max W) + 4·C·R, with
+    /// M, C and R as above if any layer is MoE; under bf16 compute 2·N·(2Q + 2K) more
+    /// (attention's bf16 output and input gradients).
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
     /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
@@ -115,7 +116,10 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         _ => 0.0,
     };
     let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0 - attn16;
-    let moe = e + k + 2.0 * k * h + 3.0 * k * ff;
+    // Per token: router probabilities and weights; per token of a MoE chunk (C of the N
+    // tokens, `training.moe_chunk_tokens`): the expert rows and their internals.
+    let moe = e + k;
+    let (c, rows) = (moe_rows(job, n), 2.0 * k * h + 3.0 * k * ff);
     let routing = 3.0 * k;
     let set = |is_moe: bool, w: f64| attn + if is_moe { moe + routing } else { 0.0 } + 3.0 * w;
     let (sets, moe_sets): (f64, f64) = match job.activation_checkpoint.mode {
@@ -135,8 +139,8 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     };
     let terms = ActivationTerms {
         boundaries,
-        layer_sets: f * n * sets + f * moe_sets * (2.0 * e + 1.0),
-        grad_scratch: f * n * scratch,
+        layer_sets: f * n * sets + f * moe_sets * (c * rows + 2.0 * e + 1.0),
+        grad_scratch: f * n * scratch + if any_moe { f * c * rows } else { 0.0 },
         head: f * (n * (h + 7.0) + head_rows(job, n) * m.vocab_size as f64) + f,
     };
 
@@ -239,7 +243,8 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
         .fold(0.0, f64::max);
     // Expert parallelism hands the GEMMs views of its capacity, and a rank its ep slice of
     // the stacked experts.
-    let rows = crate::fit::ep_capacity_rows(job).map_or(n * k, |c| (c as f64).max(n * k));
+    let nk = moe_rows(job, n) * k;
+    let rows = crate::fit::ep_capacity_rows(job).map_or(nk, |c| (c as f64).max(nk));
     let e = e / job.parallelism.ep.max(1) as f64;
     let rows = rows * h.max(ff);
     let a = [head_rows(job, n) * v, rows, n * width, n * h, n * q]
@@ -266,6 +271,11 @@ pub fn step_scalars(m: &ganymede_config::ModelConfig) -> f64 {
         l => 8 * m.experts * (l + 1),
     };
     STEP_SCALARS + routing as f64
+}
+
+/// [`ganymede_config::moe_rows`] for `n` of a rank's tokens, as f64.
+pub(crate) fn moe_rows(job: &JobConfig, n: f64) -> f64 {
+    ganymede_config::moe_rows(n as usize, job.training.moe_chunk_tokens) as f64
 }
 
 /// [`ganymede_config::head_rows`] for `n` of a rank's tokens, as f64.

@@ -256,6 +256,16 @@ fn the_planner_predicts_an_expert_parallel_run_to_the_byte() {
             2,
             &["parallelism.dp_replicate=2", "optimizer.name=adamw"],
         ),
+        (4, 2, &["training.moe_chunk_tokens=100"]),
+        (
+            4,
+            4,
+            &[
+                "training.moe_chunk_tokens=48",
+                "training.compute_dtype=bf16",
+                "activation_checkpoint.mode=none",
+            ],
+        ),
     ];
     for &(ranks, ep, extra) in cases {
         let mut o = vec!["device.kind=cpu-two-memory"];
@@ -273,6 +283,52 @@ fn the_planner_predicts_an_expert_parallel_run_to_the_byte() {
         ganymede_train::trainer::train(&c, None, &opts).unwrap();
         for (dev, cat, measured, planned) in common::measured_and_planned(&dir) {
             assert_eq!(measured, planned, "{what}: {dev} {cat}");
+        }
+    }
+}
+
+/// The MoE layers a chunk of tokens at a time (`training.moe_chunk_tokens`) under expert
+/// parallelism: each chunk is its own all-to-all, so the buffers hold the capacity of one
+/// chunk's rows (smaller by exactly the rows' difference), and the losses are those of the
+/// unchunked run up to the weight gradients' summation order (f32; 4 ranks, ep 2 and 4, both
+/// checkpointing modes, 100 of a rank's 256 tokens: chunks of 100, 100 and 56).
+#[test]
+fn chunked_moe_passes_send_a_chunk_at_a_time() {
+    let (ranks, steps) = (4, 4);
+    for (ep, ac) in [(2, "full"), (4, "none")] {
+        let ac = format!("activation_checkpoint.mode={ac}");
+        let whole = cfg(steps, ranks, ep, ep as f64, &[&ac]);
+        let chunked = cfg(
+            steps,
+            ranks,
+            ep,
+            ep as f64,
+            &[&ac, "training.moe_chunk_tokens=100"],
+        );
+        let tokens = whole.training.batch_size / ranks * whole.model.seq_len;
+        assert_eq!(tokens, 256, "the chunks this test means");
+        let (rw, rc) = (run(&whole, ranks), run(&chunked, ranks));
+        let (cw, cc) = (
+            expected_capacity(&whole, ranks),
+            ep * 100 * whole.model.top_k,
+        );
+        for (r, (w, c)) in rw.iter().zip(&rc).enumerate() {
+            let at = format!("ep {ep}, {ac}, rank {r}");
+            assert!(c.rows.iter().all(|u| u.capacity == cc && u.regrowths == 0));
+            assert!(w.rows.iter().all(|u| u.capacity == cw && u.regrowths == 0));
+            let (h, f) = (whole.model.hidden as u64, whole.model.expert_hidden as u64);
+            let d = (cw - cc) as u64;
+            assert_eq!(
+                w.buffers - c.buffers,
+                4 * d * (3 * h + 3 * f),
+                "{at}: buffer bytes"
+            );
+            for (s, (a, b)) in w.losses.iter().zip(&c.losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * a,
+                    "{at}, step {s}: {b} chunked vs {a}"
+                );
+            }
         }
     }
 }

@@ -446,16 +446,33 @@ fn small_on_four_ranks_offloads_without_changing_a_loss_and_as_predicted() {
     assert_eq!(losses[0], losses[1]);
 }
 
-/// The head a chunk of tokens at a time (`training.loss_chunk_tokens`): a logits buffer of one
-/// chunk, and the planner's prediction equal to the ledger to the byte (1 and 2 ranks, f32 and
-/// bf16 compute, a chunk that leaves a short last one).
+/// The head and the MoE layers a chunk of tokens at a time (`training.loss_chunk_tokens`,
+/// `training.moe_chunk_tokens`): the planner's prediction equal to the ledger to the byte (1
+/// and 2 ranks, f32 and bf16 compute, with and without checkpointing, chunks that leave a short
+/// last one).
 #[test]
-fn the_planner_predicts_a_chunked_head_to_the_byte() {
+fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
     for (ranks, extra) in [
         (1, vec!["training.loss_chunk_tokens=100"]),
         (
             2,
             vec![
+                "training.loss_chunk_tokens=100",
+                "training.compute_dtype=\"bf16\"",
+            ],
+        ),
+        (1, vec!["training.moe_chunk_tokens=100"]),
+        (
+            1,
+            vec![
+                "training.moe_chunk_tokens=100",
+                "activation_checkpoint.mode=\"none\"",
+            ],
+        ),
+        (
+            2,
+            vec![
+                "training.moe_chunk_tokens=48",
                 "training.loss_chunk_tokens=100",
                 "training.compute_dtype=\"bf16\"",
             ],

@@ -10,7 +10,8 @@ fn step(chunk: usize, compute: ComputeDtype) -> (StepOutput, Vec<Vec<f32>>, f64,
     let model = Model::new(&preset("tiny").unwrap().model)
         .with_compute_dtype(compute)
         .with_loss_chunk(chunk);
-    super::tiny_step(&model, AcMode::Full)
+    let (o, g, e, ws) = super::tiny_step(&model, AcMode::Full);
+    (o, g, e, ws.head.logits.len())
 }
 
 /// Largest |a − b| over all gradients, relative to the largest |b|.
