@@ -17,9 +17,11 @@
 //! - The step's order of block uses is fixed (forward 0..L, then backward L-1..0), so prefetch is
 //!   a walk along that schedule; the backward pass gathers each block again (parameters are freed
 //!   after forward, FSDP2's `reshard_after_forward`).
-//! - Gradients: a block's full gradients live in one reused set of tensors while its backward
-//!   runs, then are reduce-scattered in f32 onto the gradient shards; the reduce-scatter of block
-//!   `l` travels while block `l-1` computes (two staging buffers alternate).
+//! - Gradients: a block's full gradients live in one of two reused sets of tensors while its
+//!   backward runs, then are reduce-scattered in f32 onto the gradient shards; the reduce-scatter
+//!   of block `l` travels while block `l-1` computes in the other set. A tensor whose rows split
+//!   evenly over its group (at the write-up's shape, the routed experts: nearly all of a block)
+//!   is sent as it is; only the others are copied into a zero-padded send buffer.
 //! - HSDP (`dp_replicate > 1`): the shards are then all-reduced across replicas, so every
 //!   replica holds the global batch's gradient shards; the routing statistics (expert counts,
 //!   the auxiliary loss's sums) are summed over all ranks, as each holds its own slice of the batch.
@@ -504,12 +506,15 @@ pub struct FsdpGrads {
     groups: Groups,
     /// What the model writes: root gradients resident, block entries empty except in backward.
     store: ParamStore,
-    /// One block's full gradients (reused by every block of the same shapes).
-    pool: Vec<Tensor>,
+    /// One block's full gradients, two sets alternating so a reduce-scatter (which sends from
+    /// its set) travels during the next block's backward (reused by every block of the same
+    /// shapes).
+    pool: [Vec<Tensor>; 2],
     pool_block: Option<usize>,
-    /// Padded send buffers, two sets alternating so a reduce-scatter travels during the next
-    /// block's backward. Tails stay zero.
+    /// Per set, the padded send buffers of the tensors whose shards need padding (an empty
+    /// tensor for the others, sent from `pool`). Tails stay zero.
     stage: [Vec<Tensor>; 2],
+    /// The set the next block's backward writes.
     turn: usize,
     /// Padded send buffers of the root gradients' reduce-scatters (tails stay zero), made once.
     root_send: Vec<Tensor>,
@@ -546,7 +551,7 @@ impl FsdpGrads {
         FsdpGrads {
             pending: [Vec::new(), Vec::new()],
             store: ParamStore::from_tensors(specs, tensors),
-            pool: Vec::new(),
+            pool: [Vec::new(), Vec::new()],
             pool_block: None,
             stage: [Vec::new(), Vec::new()],
             turn: 0,
@@ -627,12 +632,19 @@ impl FsdpGrads {
         &mut self.shards
     }
 
+    /// Whether parameter `i`'s gathered array splits into its group's shards with no padding,
+    /// so its full gradient is the reduce-scatter's send buffer as it is.
+    fn unpadded(&self, i: usize) -> bool {
+        let w = self.groups.get(self.layout.group[i]).size();
+        self.layout.numel(i) == self.layout.shard[i] * w
+    }
+
     fn shape_for(&mut self, be: &dyn Backend, l: usize) {
         let idx = &self.layout.blocks[l];
-        let fits = self.pool.len() == idx.len()
+        let fits = self.pool[0].len() == idx.len()
             && idx
                 .iter()
-                .zip(&self.pool)
+                .zip(&self.pool[0])
                 .all(|(&i, t)| t.shape() == self.layout.local_shape[i].as_slice());
         if fits {
             return;
@@ -643,16 +655,23 @@ impl FsdpGrads {
                     .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
             }
         }
-        self.pool = idx
-            .iter()
-            .map(|&i| be.zeros(&self.layout.local_shape[i], Category::Grads))
-            .collect();
-        for s in &mut self.stage {
-            *s = idx
+        let idx = idx.clone();
+        // Drop the old sets first, so the ledger's peak does not count both.
+        self.pool = [Vec::new(), Vec::new()];
+        self.stage = [Vec::new(), Vec::new()];
+        for t in 0..2 {
+            self.pool[t] = idx
                 .iter()
-                .map(|&i| {
-                    let w = self.groups.get(self.layout.group[i]).size();
-                    be.zeros(&[self.layout.shard[i] * w], Category::Buffers)
+                .map(|&i| be.zeros(&self.layout.local_shape[i], Category::Grads))
+                .collect();
+            self.stage[t] = idx
+                .iter()
+                .map(|&i| match self.unpadded(i) {
+                    true => be.zeros(&[0], Category::Buffers),
+                    false => {
+                        let w = self.groups.get(self.layout.group[i]).size();
+                        be.zeros(&[self.layout.shard[i] * w], Category::Buffers)
+                    }
                 })
                 .collect();
         }
@@ -667,31 +686,38 @@ impl GradSink for FsdpGrads {
     fn begin_block(&mut self, be: &dyn Backend, l: usize) {
         self.shape_for(be, l);
         self.pool_block = Some(l);
+        let t = self.turn;
+        // The set about to be written: its reduce-scatters (two blocks ago) must be done.
+        for w in self.pending[t].drain(..) {
+            w.wait()
+                .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
+        }
         for (k, &i) in self.layout.blocks[l].iter().enumerate() {
-            be.fill(self.pool[k].view_mut(), 0.0);
-            std::mem::swap(self.store.get_mut(i), &mut self.pool[k]);
+            be.fill(self.pool[t][k].view_mut(), 0.0);
+            std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
         }
     }
 
     fn end_block(&mut self, be: &dyn Backend, l: usize) {
         let t = self.turn;
         self.turn ^= 1;
-        // The staging set about to be reused: its reduce-scatters (two blocks ago) must be done.
-        for w in self.pending[t].drain(..) {
-            w.wait()
-                .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
-        }
         let idx = self.layout.blocks[l].clone();
         for (k, &i) in idx.iter().enumerate() {
-            std::mem::swap(self.store.get_mut(i), &mut self.pool[k]);
-            let n = self.layout.numel(i);
-            be.copy(self.stage[t][k].slice_mut(0, n), self.pool[k].view());
+            std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
+            let send = match self.unpadded(i) {
+                true => &self.pool[t][k],
+                false => {
+                    let n = self.layout.numel(i);
+                    be.copy(self.stage[t][k].slice_mut(0, n), self.pool[t][k].view());
+                    &self.stage[t][k]
+                }
+            };
             let g: &'static dyn ProcessGroup =
                 unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
-            // SAFETY: see `forever`; the shards are read only through `shards()`, which checks
-            // that no reduce-scatter is pending.
-            let (send, recv) =
-                unsafe { (forever(&self.stage[t][k]), forever_mut(&mut self.shards[i])) };
+            // SAFETY: see `forever`; the send set is not written again before this work is
+            // waited on (`begin_block` of the block two later), and the shards are read only
+            // through `shards()`, which checks that no reduce-scatter is pending.
+            let (send, recv) = unsafe { (forever(send), forever_mut(&mut self.shards[i])) };
             let w = g
                 .ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
                 .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e));

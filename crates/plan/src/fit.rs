@@ -38,8 +38,10 @@
 //! split by whole experts), its gradient and optimizer-state shards, the activation workspace
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters (f32, but bf16 for the GEMM weights
-//! under `training.compute_dtype = "bf16"`), one block's full gradients
-//! (`grads`), two reduce-scatter staging sets of one block, the Muon update shards, the whole
+//! under `training.compute_dtype = "bf16"`), two sets of one block's full gradients
+//! (`grads`; a reduce-scatter sends from one while the next block writes the other), padded
+//! send buffers in both sets for the block's tensors whose rows do not split evenly over their
+//! group (the others are sent as they are), the Muon update shards, the whole
 //! matrices the rank gathers as a Newton–Schulz root (rank 0's, see [`root_elems`]), one
 //! Newton–Schulz scratch (and one per further thread for the small shapes), the root
 //! gradients' reduce-scatter send buffers, and the gather staging of every slot and of the root
@@ -424,6 +426,11 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
     let block_bytes = block(&unsharded);
     let block_padded = block(&|t| t.padded(cut));
+    // The block's reduce-scatter send buffers: tensors whose shards need padding only.
+    let block_send = block(&|t| match t.padded(cut) == t.local(cut) {
+        true => 0,
+        false => t.padded(cut),
+    });
     let block_shard = block(&|t| t.shard(cut));
     let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {
         (Kind::Frozen, _) => 0,
@@ -505,12 +512,12 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let device = Categories {
         params: f * shards.max(init_peak as f64),
-        grads: f * (shards + root_full + block_full),
+        grads: f * (shards + root_full + 2.0 * block_full),
         optimizer: f * state,
         activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes
             + slots * block_bytes
-            + f * (2.0 * block_padded
+            + f * (2.0 * block_send
                 + muon_shards
                 + root_elems(&ts, cut, muon) as f64
                 + ns_scratch

@@ -85,6 +85,41 @@ fn sharded_losses_equal_one_process() {
     }
 }
 
+/// A block whose tensors split evenly over 4 ranks and ones that do not: head dimension 10
+/// (q/k norms of 10 over 4 ranks need padding; q with 40 rows and k, v with 20 do not) and 6
+/// experts (whole experts over 4 ranks need padding; the router's 6 rows too). The gradients of
+/// the even ones are reduce-scattered from the block's gradient set as they are, the others
+/// through zero-padded send buffers: the losses are those of one process, and the two-memory
+/// prediction (two gradient sets, send buffers for the padded tensors only) equals the ledger
+/// to the byte.
+#[test]
+fn padded_and_unpadded_gradients_reduce_scatter_alike() {
+    let shape = ["model.head_dim=10", "model.experts=6"];
+    let cfg = tiny(6, &shape);
+    let opts = TrainOptions {
+        out: Some(tmp("single-padded")),
+        quiet: true,
+        ..Default::default()
+    };
+    let base = train(&cfg, None, &opts).unwrap().losses;
+    let mut two = shape.to_vec();
+    two.extend(["device.kind=cpu-two-memory", "parallelism.dp_shard=4"]);
+    let four = tiny(6, &two);
+    let dir = tmp("padded-4");
+    let o = ParOptions {
+        ranks: 4,
+        out: Some(dir.clone()),
+        quiet: true,
+        ..Default::default()
+    };
+    let d = max_diff(&train_threads(&four, &o).unwrap().losses, &base);
+    println!("4 ranks, padded and unpadded tensors: max |loss - one process| = {d:e}");
+    assert!(d <= LOSS_BOUND, "4 ranks: loss differs by {d:e}");
+    for (dev, cat, measured, planned) in common::measured_and_planned(&dir) {
+        assert_eq!(measured, planned, "{dev} {cat}");
+    }
+}
+
 #[test]
 fn expert_parallel_losses_equal_one_process() {
     // dp_shard 4 with ep 2: experts 0-3 on ep rank 0, 4-7 on ep rank 1, each slice sharded by
