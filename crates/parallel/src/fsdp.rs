@@ -11,9 +11,12 @@
 //!   when a block starts, so they travel while it computes.
 //! - Mixed precision (`training.compute_dtype = "bf16"`), as FSDP2's `param_dtype`: the weights
 //!   that only bf16-input GEMMs read ([`Model::bf16_weight`](ganymede_model::Model)) are handed
-//!   to the model as bf16 tensors, copied out of the bf16 receive buffer (or cast from the f32
-//!   one), so no f32 copy of them is made and their unsharded bytes halve; the GEMMs then cast
-//!   only their other operand. Everything else is handed over in f32.
+//!   to the model as bf16 tensors, so no f32 copy of them is made and their unsharded bytes
+//!   halve; the GEMMs then cast only their other operand. Everything else is handed over in f32.
+//! - A parameter whose rows split evenly over its group, gathered in the dtype the model reads,
+//!   is gathered straight into the tensor handed to the model (at the write-up's shape, the
+//!   routed experts: nearly all of a block); the others go through a padded receive buffer and
+//!   a copy or cast.
 //! - The step's order of block uses is fixed (forward 0..L, then backward L-1..0), so prefetch is
 //!   a walk along that schedule; the backward pass gathers each block again (parameters are freed
 //!   after forward, FSDP2's `reshard_after_forward`).
@@ -96,11 +99,12 @@ struct Slot {
     work: Vec<Work<'static>>,
     /// The block whose parameters the slot holds or receives.
     block: Option<usize>,
-    /// Exact-shape parameters handed to the model (bf16 for the bf16 weights).
+    /// Exact-shape parameters handed to the model (bf16 for the bf16 weights); a gather
+    /// writes straight into one that is [`FsdpParams::direct`].
     full: Vec<Tensor>,
-    /// Padded receive buffers (f32 gathers).
+    /// Padded receive buffers (f32 gathers), empty for a direct parameter.
     recv32: Vec<Tensor>,
-    /// bf16 send (this rank's shard) and receive buffers.
+    /// bf16 send (this rank's shard) and receive buffers (empty for a direct parameter).
     send16: Vec<Tensor>,
     recv16: Vec<Tensor>,
     /// Device copies of host-resident master shards, the gathers' source.
@@ -150,6 +154,20 @@ fn copy_shards(be: &dyn Backend, master: &[Tensor], idx: &[usize], stage: &mut [
     }
     let copied = be.record_event(Stream::FromHost);
     be.wait_event(Stream::Compute, &copied);
+}
+
+/// Whether parameter `i` is gathered straight into the tensor handed to the model: its rows
+/// split evenly over its group (no padding) and the gather's dtype is the one the model reads.
+/// Otherwise it is gathered into a padded receive buffer and copied or cast from there.
+fn direct(
+    layout: &Layout,
+    groups: &Groups,
+    dtype: GatherDtype,
+    bf16_weight: &[bool],
+    i: usize,
+) -> bool {
+    let w = groups.get(layout.group[i]).size();
+    layout.numel(i) == layout.shard[i] * w && (dtype == GatherDtype::Bf16) == bf16_weight[i]
 }
 
 /// A zero-length stand-in for a block parameter that is not gathered.
@@ -217,14 +235,18 @@ impl FsdpParams {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for &i in &layout.root {
             let padded = layout.shard[i] * groups.get(layout.group[i]).size();
+            let recv = match direct(&layout, &groups, dtype, &bf16_weight, i) {
+                true => 0,
+                false => padded,
+            };
             if master_on_host {
                 root_stage.push(be.zeros(&[layout.shard[i]], Category::Buffers));
             }
             match dtype {
-                GatherDtype::F32 => root_recv32.push(be.zeros(&[padded], Category::Buffers)),
+                GatherDtype::F32 => root_recv32.push(be.zeros(&[recv], Category::Buffers)),
                 GatherDtype::Bf16 => {
                     root_send16.push(bf16(be, layout.shard[i]));
-                    root_recv16.push(bf16(be, padded));
+                    root_recv16.push(bf16(be, recv));
                 }
             }
         }
@@ -286,28 +308,40 @@ impl FsdpParams {
             // The root unit is gathered at once (needed by the embedding straight away), in
             // the same dtype as the blocks.
             let n = self.layout.numel(i);
+            let direct = self.direct(i);
             let shard = match self.master_on_host {
                 true => &self.root_stage[k],
                 false => &self.master[i],
             };
-            match self.dtype {
-                GatherDtype::F32 => {
-                    let recv = &mut self.root_recv32[k];
-                    g.all_gather(shard.view(), recv.view_mut(), Phase::ForwardGather)
-                        .unwrap_or_else(|e| fail("gathering the root parameters", e));
-                    // A copy, or a cast for a bf16 weight.
-                    be.cast(self.store.get_mut(i).view_mut(), recv.slice(0, n));
-                }
+            let send = match self.dtype {
+                GatherDtype::F32 => shard,
                 GatherDtype::Bf16 => {
-                    let (send, recv) = (&mut self.root_send16[k], &mut self.root_recv16[k]);
-                    be.cast(send.view_mut(), shard.view());
-                    g.all_gather(send.view(), recv.view_mut(), Phase::ForwardGather)
-                        .unwrap_or_else(|e| fail("gathering the root parameters", e));
-                    be.cast(self.store.get_mut(i).view_mut(), recv.slice(0, n));
+                    be.cast(self.root_send16[k].view_mut(), shard.view());
+                    &self.root_send16[k]
                 }
+            };
+            let recv = match (direct, self.dtype) {
+                (true, _) => self.store.get_mut(i),
+                (false, GatherDtype::F32) => &mut self.root_recv32[k],
+                (false, GatherDtype::Bf16) => &mut self.root_recv16[k],
+            };
+            g.all_gather(send.view(), recv.view_mut(), Phase::ForwardGather)
+                .unwrap_or_else(|e| fail("gathering the root parameters", e));
+            if !direct {
+                // A copy, or a cast for a bf16 weight.
+                let recv = match self.dtype {
+                    GatherDtype::F32 => self.root_recv32[k].slice(0, n),
+                    GatherDtype::Bf16 => self.root_recv16[k].slice(0, n),
+                };
+                be.cast(self.store.get_mut(i).view_mut(), recv);
             }
         }
         self.post_until(be, self.prefetch);
+    }
+
+    /// [`direct`] for this rank's parameter `i`.
+    fn direct(&self, i: usize) -> bool {
+        direct(&self.layout, &self.groups, self.dtype, &self.bf16_weight, i)
     }
 
     /// Post gathers for schedule items up to `last` (inclusive).
@@ -347,17 +381,19 @@ impl FsdpParams {
             slot.stage.clear();
             for &i in idx {
                 let w = self.groups.get(layout.group[i]).size();
+                let recv = match direct(&layout, &self.groups, self.dtype, half, i) {
+                    true => 0,
+                    false => layout.shard[i] * w,
+                };
                 if self.master_on_host {
                     slot.stage
                         .push(be.zeros(&[layout.shard[i]], Category::Buffers));
                 }
                 match self.dtype {
-                    GatherDtype::F32 => slot
-                        .recv32
-                        .push(be.zeros(&[layout.shard[i] * w], Category::Buffers)),
+                    GatherDtype::F32 => slot.recv32.push(be.zeros(&[recv], Category::Buffers)),
                     GatherDtype::Bf16 => {
                         slot.send16.push(bf16(be, layout.shard[i]));
-                        slot.recv16.push(bf16(be, layout.shard[i] * w));
+                        slot.recv16.push(bf16(be, recv));
                     }
                 }
             }
@@ -373,15 +409,26 @@ impl FsdpParams {
                 true => &slot.stage[k],
                 false => &self.master[i],
             };
-            // SAFETY: see `forever`; the master shards are not written while gathers are in
-            // flight (`master_mut` checks), nor a slot's stage (the slot's gathers are done).
-            let (send, recv) = match self.dtype {
-                GatherDtype::F32 => unsafe { (forever(shard), forever_mut(&mut slot.recv32[k])) },
+            let send = match self.dtype {
+                GatherDtype::F32 => shard,
                 GatherDtype::Bf16 => {
                     be.cast(slot.send16[k].view_mut(), shard.view());
-                    unsafe { (forever(&slot.send16[k]), forever_mut(&mut slot.recv16[k])) }
+                    &slot.send16[k]
                 }
             };
+            let recv = match (
+                direct(&layout, &self.groups, self.dtype, half, i),
+                self.dtype,
+            ) {
+                (true, _) => &mut slot.full[k],
+                (false, GatherDtype::F32) => &mut slot.recv32[k],
+                (false, GatherDtype::Bf16) => &mut slot.recv16[k],
+            };
+            // SAFETY: see `forever`; the master shards are not written while gathers are in
+            // flight (`master_mut` checks), nor a slot's stage (the slot's gathers are done);
+            // a direct parameter's tensor is in the slot, not handed to the model, until the
+            // gather is waited on (`acquire_block`).
+            let (send, recv) = unsafe { (forever(send), forever_mut(recv)) };
             let w = g.iall_gather(send.view(), recv.view_mut(), phase);
             slot.work
                 .push(w.unwrap_or_else(|e| fail("posting a parameter gather", e)));
@@ -440,12 +487,14 @@ impl ParamSource for FsdpParams {
         let idx = &self.layout.blocks[l];
         for (k, &i) in idx.iter().enumerate() {
             let n = self.layout.numel(i);
-            // A copy where the dtypes agree (a bf16 weight from a bf16 gather), else a cast.
-            let recv = match self.dtype {
-                GatherDtype::F32 => slot.recv32[k].slice(0, n),
-                GatherDtype::Bf16 => slot.recv16[k].slice(0, n),
-            };
-            be.cast(slot.full[k].view_mut(), recv);
+            // A copy where the dtypes agree but the shards were padded, else a cast.
+            if !direct(&self.layout, &self.groups, self.dtype, &self.bf16_weight, i) {
+                let recv = match self.dtype {
+                    GatherDtype::F32 => slot.recv32[k].slice(0, n),
+                    GatherDtype::Bf16 => slot.recv16[k].slice(0, n),
+                };
+                be.cast(slot.full[k].view_mut(), recv);
+            }
             std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
         }
         self.started = Some(Instant::now());
@@ -540,12 +589,16 @@ impl FsdpGrads {
         let shards = (0..layout.specs.len())
             .map(|i| be.zeros(&[layout.shard[i]], Category::Grads))
             .collect();
+        // Only the root tensors whose shards need padding get a send buffer (see `unpadded`).
         let root_send = layout
             .root
             .iter()
             .map(|&i| {
                 let w = groups.get(layout.group[i]).size();
-                be.zeros(&[layout.shard[i] * w], Category::Buffers)
+                match layout.numel(i) == layout.shard[i] * w {
+                    true => be.zeros(&[0], Category::Buffers),
+                    false => be.zeros(&[layout.shard[i] * w], Category::Buffers),
+                }
             })
             .collect();
         FsdpGrads {
@@ -574,9 +627,14 @@ impl FsdpGrads {
     pub fn finish(&mut self, be: &dyn Backend) {
         for (k, &i) in self.layout.root.clone().iter().enumerate() {
             let g = self.groups.get(self.layout.group[i]).clone();
-            let send = &mut self.root_send[k];
-            let n = self.layout.numel(i);
-            be.copy(send.slice_mut(0, n), self.store.get(i).view());
+            let send = match self.unpadded(i) {
+                true => self.store.get(i),
+                false => {
+                    let n = self.layout.numel(i);
+                    be.copy(self.root_send[k].slice_mut(0, n), self.store.get(i).view());
+                    &self.root_send[k]
+                }
+            };
             g.reduce_scatter(
                 send.view(),
                 self.shards[i].view_mut(),

@@ -425,7 +425,6 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
     let block_bytes = block(&unsharded);
-    let block_padded = block(&|t| t.padded(cut));
     // The block's reduce-scatter send buffers: tensors whose shards need padding only.
     let block_send = block(&|t| match t.padded(cut) == t.local(cut) {
         true => 0,
@@ -465,16 +464,26 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         } else {
             0.0
         };
-    let root_padded = sum(&mut ts
-        .iter()
-        .filter(|t| t.block.is_none())
-        .map(|t| t.padded(cut)));
     let root_shard = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none())
         .map(|t| t.shard(cut)));
     let slots = (p.prefetch + 1) as f64;
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
+    // Receive buffers of the gathers: none for a tensor gathered straight into what the model
+    // reads (rows split evenly, the gather's dtype the model's), else padded.
+    let recv =
+        |t: &Rt| match t.padded(cut) == t.local(cut) && bf16 == (bf16_compute && t.gemm_weight) {
+            true => 0,
+            false => t.padded(cut),
+        };
+    let block_recv = block(&recv);
+    let root_recv = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(recv));
+    // The root gradients' reduce-scatter send buffers: tensors whose shards need padding only.
+    let root_send = sum(&mut ts
+        .iter()
+        .filter(|t| t.block.is_none() && t.padded(cut) != t.local(cut))
+        .map(|t| t.padded(cut)));
     let mut local = job.clone();
     local.training.batch_size = job.training.batch_size / ranks;
     // Each tensor is drawn whole before its shard is kept, in table order.
@@ -487,9 +496,9 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     // The gather staging, made once: f32 receive buffers per slot and for the root, or bf16
     // send and receive buffers per slot and for the root.
     let gather_staging = if bf16 {
-        2.0 * (slots * (block_shard + block_padded) + root_shard + root_padded)
+        2.0 * (slots * (block_shard + block_recv) + root_shard + root_recv)
     } else {
-        f * (slots * block_padded + root_padded)
+        f * (slots * block_recv + root_recv)
     };
     // Expert parallelism's own row buffers (`ganymede_parallel::ep`), f32: per set of a layer's
     // kept rows, input and gate/up/SwiGLU (H + 3F; one set under full checkpointing, one per
@@ -521,8 +530,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
                 + muon_shards
                 + root_elems(&ts, cut, muon) as f64
                 + ns_scratch
-                // The root gradients' reduce-scatter send buffers.
-                + root_padded)
+                + root_send)
             + gather_staging
             + ep_scratch
             + crate::ledger::step_scalars(&job.model)

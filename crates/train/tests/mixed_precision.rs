@@ -173,9 +173,12 @@ fn bf16_weights_give_the_losses_of_casting_in_every_gemm() {
 }
 
 /// The bf16 weights on the ledger: at one rank a bf16 compute copy, 2 bytes per GEMM-weight
-/// element on top of the per-GEMM path; under FSDP the unsharded GEMM weights (the root's LM
-/// head, `prefetch + 1` slots of one block's) in 2 bytes instead of 4, with f32 and bf16
-/// gathers. The measured buffer peak equals the planner's to the byte.
+/// element on top of the per-GEMM path. Under FSDP the unsharded GEMM weights (the root's LM
+/// head, `prefetch + 1` slots of one block's; `tiny`'s rows all split evenly over 2 ranks) are
+/// gathered straight into the tensors the model reads when the gather's dtype is theirs: with
+/// bf16 gathers the bf16 weights then take 2 bytes an element instead of a bf16 receive buffer
+/// and an f32 copy (6); with f32 gathers, an f32 receive buffer and a bf16 copy (6) instead of
+/// f32 weights gathered in place (4). The measured buffer peak equals the planner's to the byte.
 #[test]
 fn bf16_weights_on_the_ledger_equal_the_planner() {
     for (ranks, gather) in [(1, "f32"), (2, "f32"), (2, "bf16")] {
@@ -198,7 +201,8 @@ fn bf16_weights_on_the_ledger_equal_the_planner() {
             let root = weights(&|n| !n.starts_with("model.layers."));
             let block = weights(&|n| n.starts_with("model.layers.0."));
             let slots = (cfg.parallelism.prefetch + 1) as i64;
-            (old as i64 - new as i64, 2 * (root + slots * block))
+            let saved = if gather.ends_with("bf16") { 4 } else { -2 };
+            (old as i64 - new as i64, saved * (root + slots * block))
         };
         let threads = rayon::current_num_threads();
         let predicted = ganymede_plan::predict_memory(&cfg, threads, ranks);
