@@ -248,3 +248,32 @@ fn a_sharded_job_is_checked_per_rank() {
     args.extend(["--ranks".into(), "4".into()]);
     ok(ganymede(tmp.path(), &args, &[]));
 }
+
+#[test]
+fn token_chunks_are_suggested_when_no_offload_fits_and_then_run() {
+    // tiny at 1,024-token sequences (8,192 tokens a step): 0.1121 GiB on the device, mostly
+    // the head's logits and the MoE rows. At 0.07 GiB no offload or checkpointing change fits;
+    // the loss in chunks of 4,096 tokens and the experts in chunks of 2,048 do (0.06133 GiB).
+    let tmp = TempDir::new("fit-chunks");
+    let run = tmp.path().join("run");
+    let job = ["model.seq_len=1024", "device.memory_gib=0.07"];
+    let e = fails(ganymede(tmp.path(), &train_args(&run, "tiny", &job), &[]));
+    let fix = suggestion(&e);
+    assert!(
+        fix.ends_with(
+            ": --set training.loss_chunk_tokens=4096 --set training.moe_chunk_tokens=2048"
+        ),
+        "{e}"
+    );
+    assert!(!run.exists());
+    let mut fixed: Vec<&str> = job.to_vec();
+    let fix_sets = suggested_sets(&fix);
+    fixed.extend(fix_sets.iter().map(String::as_str));
+    ok(ganymede(tmp.path(), &train_args(&run, "tiny", &fixed), &[]));
+    let mem: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("memory.json")).unwrap()).unwrap();
+    let measured = mem["gpu0"]["peak_total_bytes"].as_f64().unwrap();
+    let predicted = mem["gpu0"]["planner_peak_total_bytes"].as_f64().unwrap();
+    assert!(measured <= 0.07 * (1u64 << 30) as f64, "{mem}");
+    assert_eq!(measured, predicted, "{mem}");
+}

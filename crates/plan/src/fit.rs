@@ -712,8 +712,61 @@ pub fn fit_check(job: &JobConfig, threads: usize, ranks: usize) -> Option<FitChe
 
 /// Candidate changes, least intrusive first, as the GPU planner orders them: more activation
 /// offload (whole layers, the fewest that fit); optimizer offload; both; then full
-/// checkpointing (when off) with the same three. The first that fits wins.
+/// checkpointing (when off) with the same three. The first that fits wins. When none does, the
+/// same again with the token chunks of [`chunk_variants`], which trade recompute or smaller
+/// GEMMs for memory.
 fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) -> Option<Fix> {
+    chunk_variants(job, ranks)
+        .into_iter()
+        .find_map(|(sets, j)| offload_fix(&j, sets, threads, ranks, capacity))
+}
+
+/// Tokens a chunked head holds at a time when the fit check proposes one (the GPU planner's
+/// `loss_chunk_tokens` default).
+pub const FIT_LOSS_CHUNK: usize = 4096;
+/// The fewest tokens a MoE chunk the fit check proposes holds.
+pub const FIT_MOE_CHUNK_MIN: usize = 1024;
+
+/// `job` as it is, then with the head's loss in chunks of [`FIT_LOSS_CHUNK`] tokens (where a
+/// rank holds more and no smaller chunk is set), then with that and each MoE layer's experts in
+/// chunks halving from half a rank's tokens down to [`FIT_MOE_CHUNK_MIN`] (largest first;
+/// smaller than any chunk set): each with the `--set`s that make it.
+fn chunk_variants(job: &JobConfig, ranks: usize) -> Vec<(Vec<String>, JobConfig)> {
+    let mut out = vec![(vec![], job.clone())];
+    let t = &job.training;
+    let n = t.batch_size / ranks.max(1) * job.model.seq_len;
+    let (mut sets, mut j) = (vec![], job.clone());
+    if ganymede_config::head_rows(n, t.loss_chunk_tokens) > FIT_LOSS_CHUNK {
+        j.training.loss_chunk_tokens = FIT_LOSS_CHUNK;
+        sets.push(format!("training.loss_chunk_tokens={FIT_LOSS_CHUNK}"));
+        out.push((sets.clone(), j.clone()));
+    }
+    if (0..job.model.layers).any(|l| job.model.is_moe_layer(l)) {
+        let held = ganymede_config::moe_rows(n, t.moe_chunk_tokens);
+        let mut c = n / 2;
+        while c >= FIT_MOE_CHUNK_MIN {
+            if c < held {
+                let mut k = j.clone();
+                k.training.moe_chunk_tokens = c;
+                let mut s = sets.clone();
+                s.push(format!("training.moe_chunk_tokens={c}"));
+                out.push((s, k));
+            }
+            c /= 2;
+        }
+    }
+    out
+}
+
+/// [`smallest_fix`]'s offload and checkpointing candidates for `job`, which `base` (`--set`s
+/// already applied to it) made.
+fn offload_fix(
+    job: &JobConfig,
+    base: Vec<String>,
+    threads: usize,
+    ranks: usize,
+    capacity: f64,
+) -> Option<Fix> {
     let layers = job.model.layers;
     let ac = &job.activation_checkpoint;
     let mut modes = vec![ac.mode];
@@ -724,7 +777,7 @@ fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) ->
     for mode in modes {
         for opt_offload in [job.optimizer.offload, true] {
             let mut j = job.clone();
-            let mut sets = vec![];
+            let mut sets = base.clone();
             if mode != ac.mode {
                 j.activation_checkpoint.mode = mode;
                 sets.push("activation_checkpoint.mode=full".to_string());
@@ -810,9 +863,9 @@ impl FitCheck {
                 gib(f.device_peak),
                 f.flags()
             ),
-            None => "nothing fits: no activation offload, optimizer offload or checkpointing \
-                     brings it under the capacity (raise device.memory_gib or shrink the model \
-                     or training.batch_size)"
+            None => "nothing fits: no activation offload, optimizer offload, checkpointing or \
+                     token chunk brings it under the capacity (raise device.memory_gib or shrink \
+                     the model or training.batch_size)"
                 .to_string(),
         };
         format!(

@@ -1262,6 +1262,56 @@ fn the_fit_check_prefers_the_fewest_offloaded_layers_then_optimizer_offload_then
     );
 }
 
+/// When no offload or checkpointing change fits, the fit check proposes token chunks: the
+/// head's loss in chunks of 4,096 tokens first, then also the MoE layers' experts in chunks
+/// halving from half the tokens (the largest that fits), each with the offloads it still needs.
+/// `small` at 4,096-token sequences (32,768 tokens a step); capacities read off the predictions.
+#[test]
+fn the_fit_check_proposes_token_chunks_when_offloading_is_not_enough() {
+    let seq = "model.seq_len=4096";
+    let peak = |sets: &[&str]| {
+        let mut all = vec![seq];
+        all.extend(sets);
+        predict_memory(&two_memory("small", &all), 1, 1).device_peak
+    };
+    let fix_at = |cap: f64| {
+        let gib = format!("device.memory_gib={}", cap / GIB);
+        let c = fit_check(&two_memory("small", &[seq, &gib]), 1, 1).unwrap();
+        assert!(!c.fits, "{cap}");
+        c.fix.map(|f| (f.sets, f.device_peak))
+    };
+    let offloads = [
+        "optimizer.offload=true",
+        "activation_checkpoint.offload_fraction=1",
+    ];
+    let with_offloads = |sets: &[&'static str]| {
+        let mut all = sets.to_vec();
+        all.extend(offloads);
+        peak(&all)
+    };
+    let loss = "training.loss_chunk_tokens=4096";
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    // The loss chunk alone fits where every offload without it does not.
+    let cap = peak(&[loss]) + 0.5;
+    assert!(
+        with_offloads(&[]) > cap,
+        "the premise: offloads are not enough"
+    );
+    assert_eq!(fix_at(cap), Some((s(&[loss]), peak(&[loss]))));
+    // Below it (and below it with every offload), the MoE chunk too: 8,192 tokens, since
+    // 16,384 with every offload does not fit.
+    let (m16, m8) = (
+        "training.moe_chunk_tokens=16384",
+        "training.moe_chunk_tokens=8192",
+    );
+    let cap = peak(&[loss, m8]) + 0.5;
+    assert!(with_offloads(&[loss]) > cap && with_offloads(&[loss, m16]) > cap);
+    assert_eq!(fix_at(cap), Some((s(&[loss, m8]), peak(&[loss, m8]))));
+    // Below the smallest chunk with every offload, nothing fits.
+    let floor = with_offloads(&[loss, "training.moe_chunk_tokens=1024"]);
+    assert_eq!(fix_at(floor - 1.0), None);
+}
+
 #[test]
 fn fsdp_divides_state_and_workspace_by_the_ranks_when_nothing_pads() {
     // tiny on 4 ranks: every dim 0 (256, 64, 32, 16, 8 experts) divides by 4, so the rank holds
