@@ -46,12 +46,16 @@ pub trait ParamSource {
 }
 
 /// Where a step adds its gradients. A block's gradient entries are written only between
-/// `begin_block` and `end_block` (FSDP reduce-scatters them in `end_block`); the embedding, final
-/// norm and LM head at any time.
+/// `begin_block` and `end_block` (FSDP reduce-scatters them in `end_block`); the final norm's
+/// and LM head's before `end_head` (the head's backward, the step's first); the embedding's
+/// after `begin_embedding` (its backward, the step's last). FSDP reduce-scatters the head's
+/// gradients at `end_head` and reuses their memory for the embedding's.
 pub trait GradSink {
     fn grads(&mut self) -> &mut ParamStore;
     fn begin_block(&mut self, _be: &dyn Backend, _l: usize) {}
     fn end_block(&mut self, _be: &dyn Backend, _l: usize) {}
+    fn end_head(&mut self, _be: &dyn Backend) {}
+    fn begin_embedding(&mut self, _be: &dyn Backend) {}
 }
 
 /// Every parameter resident: one process, no sharding.
@@ -400,6 +404,7 @@ pub fn forward_backward_with(
     };
     let dw = grads.get_mut(model.norm).view_mut();
     be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
+    sink.end_head(be);
 
     // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
     let moe_layers = stats.len().max(1) as f64;
@@ -451,6 +456,7 @@ pub fn forward_backward_with(
         sink.end_block(be, l);
         src.release_block(be, l, Pass::Backward);
     }
+    sink.begin_embedding(be);
     let dwte = sink.grads().get_mut(model.embed).view_mut();
     // This slice's tokens (`n` counts the global batch's), laid out as `forward` wrote them.
     let ln = local_n;

@@ -25,6 +25,10 @@
 //!   of block `l` travels while block `l-1` computes in the other set. A tensor whose rows split
 //!   evenly over its group (at the write-up's shape, the routed experts: nearly all of a block)
 //!   is sent as it is; only the others are copied into a zero-padded send buffer.
+//! - The root's gradients: the final norm's and LM head's are reduce-scattered as soon as the
+//!   head's backward (the step's first) ends, travelling during the blocks' backward; the
+//!   embedding's backward (the step's last) then writes the LM head's tensor, of the same shape,
+//!   so one `[V, H]` f32 gradient (and, where it needs padding, one send buffer) serves both.
 //! - HSDP (`dp_replicate > 1`): the shards are then all-reduced across replicas, so every
 //!   replica holds the global batch's gradient shards; the routing statistics (expert counts,
 //!   the auxiliary loss's sums) are summed over all ranks, as each holds its own slice of the batch.
@@ -551,6 +555,15 @@ impl ParamSource for FsdpParams {
 pub struct FsdpGrads {
     /// Reduce-scatters in flight, per staging set; declared first (dropping waits).
     pending: [Vec<Work<'static>>; 2],
+    /// Reduce-scatters of the head's gradients (final norm, LM head) in flight, posted when
+    /// the head's backward ends; declared first (dropping waits).
+    head_pending: Vec<Work<'static>>,
+    /// `(embedding, LM head)` when they have one shape and shard: one gradient tensor serves
+    /// both, the head's until its reduce-scatter is done, then the embedding's, whose backward
+    /// is the step's last. One padded send buffer (the head's) likewise.
+    share: Option<(usize, usize)>,
+    /// The head's gradients were reduce-scattered this step (`end_head`).
+    head_sent: bool,
     layout: Arc<Layout>,
     groups: Groups,
     /// What the model writes: root gradients resident, block entries empty except in backward.
@@ -565,7 +578,8 @@ pub struct FsdpGrads {
     stage: [Vec<Tensor>; 2],
     /// The set the next block's backward writes.
     turn: usize,
-    /// Padded send buffers of the root gradients' reduce-scatters (tails stay zero), made once.
+    /// Padded send buffers of the root gradients' reduce-scatters (tails stay zero), made once,
+    /// in root order; empty for an unpadded tensor and for the embedding under `share`.
     root_send: Vec<Tensor>,
     /// Gradient shards, f32, in table order. Private: posted reduce-scatters write them, so
     /// access goes through [`FsdpGrads::shards`] / [`FsdpGrads::shards_mut`], which check that
@@ -575,10 +589,25 @@ pub struct FsdpGrads {
 
 impl FsdpGrads {
     pub fn new(be: &dyn Backend, layout: Arc<Layout>, groups: Groups) -> Self {
+        let find = |name: &str| {
+            let mut root = layout.root.iter().copied();
+            root.find(|&i| layout.specs[i].name == name)
+        };
+        let share = match (find("model.embed_tokens.weight"), find("lm_head.weight")) {
+            (Some(e), Some(h))
+                if layout.local_shape[e] == layout.local_shape[h]
+                    && layout.shard[e] == layout.shard[h]
+                    && layout.group[e] == layout.group[h] =>
+            {
+                Some((e, h))
+            }
+            _ => None,
+        };
+        let shared_embed = |i: usize| share.is_some_and(|(e, _)| e == i);
         let mut specs = layout.specs.clone();
         let tensors = (0..specs.len())
             .map(|i| {
-                if layout.root.contains(&i) {
+                if layout.root.contains(&i) && !shared_embed(i) {
                     be.zeros(&layout.local_shape[i], Category::Grads)
                 } else {
                     specs[i].shape = vec![0];
@@ -595,7 +624,7 @@ impl FsdpGrads {
             .iter()
             .map(|&i| {
                 let w = groups.get(layout.group[i]).size();
-                match layout.numel(i) == layout.shard[i] * w {
+                match layout.numel(i) == layout.shard[i] * w || shared_embed(i) {
                     true => be.zeros(&[0], Category::Buffers),
                     false => be.zeros(&[layout.shard[i] * w], Category::Buffers),
                 }
@@ -603,6 +632,9 @@ impl FsdpGrads {
             .collect();
         FsdpGrads {
             pending: [Vec::new(), Vec::new()],
+            head_pending: Vec::new(),
+            share,
+            head_sent: false,
             store: ParamStore::from_tensors(specs, tensors),
             pool: [Vec::new(), Vec::new()],
             pool_block: None,
@@ -615,25 +647,63 @@ impl FsdpGrads {
         }
     }
 
-    /// Zero the resident root gradients (start of a step).
+    /// Zero the resident root gradients (start of a step); a shared tensor goes back to the
+    /// LM head.
     pub fn begin(&mut self, be: &dyn Backend) {
+        if let Some((e, h)) = self.share {
+            if self.store.get(h).is_empty() {
+                self.store.tensors_mut().swap(e, h);
+            }
+        }
         for &i in &self.layout.root {
             be.fill(self.store.get_mut(i).view_mut(), 0.0);
         }
     }
 
-    /// Reduce-scatter the root gradients and wait for every reduce-scatter, then (HSDP) sum the
-    /// shards across replicas: the shards then hold the global batch's gradients.
+    /// Whether root parameter `i` is the embedding (reduce-scattered at the step's end; the
+    /// head's others when the head's backward ends).
+    fn is_embedding(&self, i: usize) -> bool {
+        self.layout.specs[i].name == "model.embed_tokens.weight"
+    }
+
+    /// Prepare root parameter `i`'s gradient for its reduce-scatter: `None` to send the tensor
+    /// itself (its shards need no padding), else the send buffer it was copied into (zero-padded;
+    /// the LM head's for a shared embedding).
+    fn prepare_root_send(&mut self, be: &dyn Backend, i: usize) -> Option<usize> {
+        if self.unpadded(i) {
+            return None;
+        }
+        let owner = match self.share {
+            Some((e, h)) if e == i => h,
+            _ => i,
+        };
+        let k = self.layout.root.iter().position(|&r| r == owner).unwrap();
+        let n = self.layout.numel(i);
+        be.copy(self.root_send[k].slice_mut(0, n), self.store.get(i).view());
+        Some(k)
+    }
+
+    /// Wait for the head's reduce-scatters.
+    fn wait_head(&mut self) {
+        for w in self.head_pending.drain(..) {
+            w.wait()
+                .unwrap_or_else(|e| fail("reduce-scattering the head's gradients", e));
+        }
+    }
+
+    /// Reduce-scatter the root gradients not yet sent and wait for every reduce-scatter, then
+    /// (HSDP) sum the shards across replicas: the shards then hold the global batch's gradients.
     pub fn finish(&mut self, be: &dyn Backend) {
-        for (k, &i) in self.layout.root.clone().iter().enumerate() {
+        self.wait_head();
+        let head_sent = std::mem::take(&mut self.head_sent);
+        for &i in self.layout.root.clone().iter() {
+            if head_sent && !self.is_embedding(i) {
+                continue;
+            }
             let g = self.groups.get(self.layout.group[i]).clone();
-            let send = match self.unpadded(i) {
-                true => self.store.get(i),
-                false => {
-                    let n = self.layout.numel(i);
-                    be.copy(self.root_send[k].slice_mut(0, n), self.store.get(i).view());
-                    &self.root_send[k]
-                }
+            let send = match self.prepare_root_send(be, i) {
+                None => self.store.get(i),
+                Some(k) => &self.root_send[k],
             };
             g.reduce_scatter(
                 send.view(),
@@ -668,7 +738,7 @@ impl FsdpGrads {
     }
 
     fn in_flight(&self) -> bool {
-        self.pending.iter().any(|p| !p.is_empty())
+        self.pending.iter().any(|p| !p.is_empty()) || !self.head_pending.is_empty()
     }
 
     /// The gradient shards (the global batch's after [`FsdpGrads::finish`]). Panics while a
@@ -753,6 +823,40 @@ impl GradSink for FsdpGrads {
         for (k, &i) in self.layout.blocks[l].iter().enumerate() {
             be.fill(self.pool[t][k].view_mut(), 0.0);
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
+        }
+    }
+
+    fn end_head(&mut self, be: &dyn Backend) {
+        for i in self.layout.root.clone() {
+            if self.is_embedding(i) {
+                continue;
+            }
+            let src = self.prepare_root_send(be, i);
+            let send = match src {
+                None => self.store.get(i),
+                Some(k) => &self.root_send[k],
+            };
+            let g: &'static dyn ProcessGroup =
+                unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
+            // SAFETY: see `forever`; neither the head's gradient nor its send buffer is written
+            // again before this work is waited on (`begin_embedding` or `finish`), and the
+            // shards are read only through `shards()`, which checks that none is pending.
+            let (send, recv) = unsafe { (forever(send), forever_mut(&mut self.shards[i])) };
+            let w = g
+                .ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
+                .unwrap_or_else(|e| fail("posting the head's gradient reduce-scatter", e));
+            self.head_pending.push(w);
+        }
+        self.head_sent = true;
+    }
+
+    fn begin_embedding(&mut self, be: &dyn Backend) {
+        if let Some((e, h)) = self.share {
+            // The LM head's reduce-scatter reads the tensor (or, padded, the send buffer the
+            // embedding's will use): done before the embedding writes it.
+            self.wait_head();
+            self.store.tensors_mut().swap(e, h);
+            be.fill(self.store.get_mut(e).view_mut(), 0.0);
         }
     }
 

@@ -410,6 +410,13 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let sum = |it: &mut dyn Iterator<Item = u64>| it.sum::<u64>() as f64;
     let shards = sum(&mut ts.iter().map(|t| t.shard(cut)));
     let root_full = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(Rt::numel));
+    // The root's gradients: the embedding's shares the LM head's tensor (and its padded send
+    // buffer), one shape [V, H]; the head's are reduce-scattered before the embedding's backward.
+    let embedding = ts
+        .iter()
+        .find(|t| t.block.is_none())
+        .expect("the embedding");
+    let root_grads = root_full - embedding.numel() as f64;
     // Blocks of one shape are reused; the largest block stands for all.
     let block = |g: &dyn Fn(&Rt) -> u64| {
         (0..m.layers)
@@ -483,7 +490,11 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let root_send = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none() && t.padded(cut) != t.local(cut))
-        .map(|t| t.padded(cut)));
+        .map(|t| t.padded(cut)))
+        - match embedding.padded(cut) != embedding.local(cut) {
+            true => embedding.padded(cut) as f64,
+            false => 0.0,
+        };
     let mut local = job.clone();
     local.training.batch_size = job.training.batch_size / ranks;
     // Each tensor is drawn whole before its shard is kept, in table order.
@@ -521,7 +532,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let device = Categories {
         params: f * shards.max(init_peak as f64),
-        grads: f * (shards + root_full + 2.0 * block_full),
+        grads: f * (shards + root_grads + 2.0 * block_full),
         optimizer: f * state,
         activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes

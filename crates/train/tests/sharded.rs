@@ -87,17 +87,25 @@ fn sharded_losses_equal_one_process() {
 
 /// A block whose tensors split evenly over 4 ranks and ones that do not: head dimension 10
 /// (q/k norms of 10 over 4 ranks need padding; q with 40 rows and k, v with 20 do not) and 6
-/// experts (whole experts over 4 ranks need padding; the router's 6 rows too). The gradients of
-/// the even ones are reduce-scattered from the block's gradient set as they are, the others
-/// through zero-padded send buffers: the losses are those of one process, and the two-memory
-/// prediction (two gradient sets, send buffers for the padded tensors only) equals the ledger
-/// to the byte.
+/// experts (whole experts over 4 ranks need padding; the router's 6 rows too); and a root whose
+/// embedding and LM head do not (258 rows) while the final norm does. The gradients of the even
+/// ones are reduce-scattered from the block's gradient set as they are, the others through
+/// zero-padded send buffers, the embedding's through the LM head's tensor and buffer: the losses
+/// are those of one process, and the two-memory prediction (two gradient sets, send buffers for
+/// the padded tensors only, one root gradient of shape [V, H]) equals the ledger to the byte.
+/// Without the vocabulary change (256 rows, no padding) the same holds.
 #[test]
 fn padded_and_unpadded_gradients_reduce_scatter_alike() {
-    let shape = ["model.head_dim=10", "model.experts=6"];
+    for vocab in ["model.vocab_size=258", "model.vocab_size=256"] {
+        padded_and_unpadded_at(vocab);
+    }
+}
+
+fn padded_and_unpadded_at(vocab: &str) {
+    let shape = ["model.head_dim=10", "model.experts=6", vocab];
     let cfg = tiny(6, &shape);
     let opts = TrainOptions {
-        out: Some(tmp("single-padded")),
+        out: Some(tmp(&format!("single-padded-{vocab}"))),
         quiet: true,
         ..Default::default()
     };
@@ -105,7 +113,7 @@ fn padded_and_unpadded_gradients_reduce_scatter_alike() {
     let mut two = shape.to_vec();
     two.extend(["device.kind=cpu-two-memory", "parallelism.dp_shard=4"]);
     let four = tiny(6, &two);
-    let dir = tmp("padded-4");
+    let dir = tmp(&format!("padded-4-{vocab}"));
     let o = ParOptions {
         ranks: 4,
         out: Some(dir.clone()),
@@ -113,10 +121,10 @@ fn padded_and_unpadded_gradients_reduce_scatter_alike() {
         ..Default::default()
     };
     let d = max_diff(&train_threads(&four, &o).unwrap().losses, &base);
-    println!("4 ranks, padded and unpadded tensors: max |loss - one process| = {d:e}");
-    assert!(d <= LOSS_BOUND, "4 ranks: loss differs by {d:e}");
+    println!("4 ranks, {vocab}: max |loss - one process| = {d:e}");
+    assert!(d <= LOSS_BOUND, "4 ranks, {vocab}: loss differs by {d:e}");
     for (dev, cat, measured, planned) in common::measured_and_planned(&dir) {
-        assert_eq!(measured, planned, "{dev} {cat}");
+        assert_eq!(measured, planned, "{vocab}: {dev} {cat}");
     }
 }
 
