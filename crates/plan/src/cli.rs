@@ -122,9 +122,10 @@ pub struct PlanArgs {
     /// Model the allocator without FSDP's unshard_async_op.
     #[arg(long)]
     pub no_unshard_async: bool,
-    /// Tokens per LM-head/loss chunk.
-    #[arg(long, default_value_t = 4096)]
-    pub loss_chunk: usize,
+    /// Tokens per LM-head/loss chunk (default: the job's `training.loss_chunk_tokens` where
+    /// set, else 4096).
+    #[arg(long)]
+    pub loss_chunk: Option<usize>,
     /// Print JSON instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -234,7 +235,9 @@ impl PlanArgs {
             GatherDtypeArg::Fp8 => 1.0,
         };
         policy.keep_last_block = self.keep_last_block;
-        policy.loss_chunk_tokens = self.loss_chunk;
+        if let Some(c) = self.loss_chunk {
+            policy.loss_chunk_tokens = c;
+        }
         let mut optimizer = OptimizerSetup::from_job(&job);
         if let Some(o) = self.optimizer {
             optimizer.name = match o {

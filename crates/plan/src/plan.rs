@@ -104,7 +104,9 @@ pub struct MemoryPolicy {
     /// the planner's).
     #[serde(default)]
     pub keep_last_block: bool,
-    /// Tokens per chunk of the LM head + cross-entropy (logits are never materialised for more).
+    /// Tokens per chunk of the LM head + cross-entropy (logits are never materialised for more):
+    /// the job's `training.loss_chunk_tokens` where set, else 4,096 (the write-up's system
+    /// chunks its loss).
     pub loss_chunk_tokens: usize,
 }
 
@@ -126,7 +128,10 @@ impl MemoryPolicy {
                 ganymede_config::BoundaryDtype::Auto | ganymede_config::BoundaryDtype::Bf16 => 2.0,
             },
             keep_last_block: false,
-            loss_chunk_tokens: 4096,
+            loss_chunk_tokens: match job.training.loss_chunk_tokens {
+                0 => 4096,
+                c => c,
+            },
         }
     }
 }

@@ -42,6 +42,24 @@ fn europa_plan(offload: f64) -> Plan {
     plan(&job, &jupiter(), &l, &p, &o).unwrap()
 }
 
+/// The GPU planner's loss chunk follows the job's `training.loss_chunk_tokens` where set (else
+/// 4,096, the write-up's chunked loss): its logits, 2·C·V·4 bytes, scale with C.
+#[test]
+fn the_gpu_planners_loss_chunk_follows_the_job() {
+    let base = europa();
+    let mut half = europa();
+    half.training.loss_chunk_tokens = 2048;
+    assert_eq!(MemoryPolicy::from_job(&base).loss_chunk_tokens, 4096);
+    assert_eq!(MemoryPolicy::from_job(&half).loss_chunk_tokens, 2048);
+    let logits = |job: &JobConfig| {
+        let (l, p, o) = final_setup(job, 0.73);
+        plan(job, &jupiter(), &l, &p, &o).unwrap().memory.gpu.logits
+    };
+    let v = base.model.vocab_size as f64;
+    assert_eq!(logits(&base), 2.0 * 4096.0 * v * 4.0);
+    assert_eq!(logits(&half), 2.0 * 2048.0 * v * 4.0);
+}
+
 fn close(a: f64, b: f64, rel: f64) -> bool {
     ((a - b) / b).abs() <= rel
 }
