@@ -20,7 +20,7 @@
 
 use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::step::chunks;
-use crate::workspace::{BlockActs, FfnActs, GradScratch, MoeActs, Routing};
+use crate::workspace::{BlockActs, ChunkRoute, FfnActs, GradScratch, MoeActs, Routing};
 use crate::{MlpIdx, Model};
 use ganymede_core::{
     AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
@@ -320,6 +320,24 @@ fn dispatch_chunk(
     }
 }
 
+/// What the expert executor needs of a chunk `c` of layer `mx.layer`'s tokens.
+fn chunk_io<'a>(cx: &Ctx<'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
+    let cfg = cx.model.config();
+    ExpertsIo {
+        layer: mx.layer,
+        counts: &c.counts,
+        offsets: &c.offsets,
+        f: cfg.expert_hidden,
+        h: cfg.hidden,
+        top_k: cfg.top_k,
+        params: cx.params,
+        gate: mx.gate,
+        up: mx.up,
+        down: mx.down,
+        bf16: cx.model.bf16,
+    }
+}
+
 /// The routed experts over chunk `j` (dispatched already; `tn` tokens from `t0`): its rows
 /// gathered from `xn2`, the layer's normed tokens, their gate, up and SwiGLU kept in `m`, their
 /// outputs in `m.ye`.
@@ -333,23 +351,10 @@ fn experts_forward(
 ) {
     let cfg = cx.model.config();
     let (h, f, k) = (cfg.hidden, cfg.expert_hidden, cfg.top_k);
-    let c = &m.r.chunks[j];
     let rows = tn * k;
     let (xe, src) = (m.xe.slice_mut(0, rows * h), m.r.src.slice(t0 * k, rows));
     cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
-    let io = ExpertsIo {
-        layer: mx.layer,
-        counts: &c.counts,
-        offsets: &c.offsets,
-        f,
-        h,
-        top_k: k,
-        params: cx.params,
-        gate: mx.gate,
-        up: mx.up,
-        down: mx.down,
-        bf16: cx.model.bf16,
-    };
+    let io = chunk_io(cx, &m.r.chunks[j], mx);
     let bufs = ExpertsFwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice_mut(0, rows * f),
@@ -424,20 +429,7 @@ fn moe_chunk_backward(
         rw,
         disp,
     );
-    let c = &m.r.chunks[j];
-    let io = ExpertsIo {
-        layer: mx.layer,
-        counts: &c.counts,
-        offsets: &c.offsets,
-        f,
-        h,
-        top_k: k,
-        params: cx.params,
-        gate: mx.gate,
-        up: mx.up,
-        down: mx.down,
-        bf16: cx.model.bf16,
-    };
+    let io = chunk_io(cx, &m.r.chunks[j], mx);
     let bufs = ExpertsBwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice(0, rows * f),

@@ -71,6 +71,16 @@ fn tiny_step(model: &Model, mode: AcMode) -> (StepOutput, Vec<Vec<f32>>, f64, Wo
     (out, g, eval, ws)
 }
 
+/// Largest |a − b| over all gradients, relative to the largest |b|.
+fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut d, mut m) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+        d = d.max((x - y).abs() as f64);
+        m = m.max(y.abs() as f64);
+    }
+    d / m
+}
+
 /// Parameters with every entry (norm gains and the selection bias included) away from its
 /// special initial value, so no gradient term can vanish by symmetry.
 fn random_params(be: &dyn Backend, model: &Model, seed: u64) -> ParamStore {

@@ -132,11 +132,12 @@ pub struct FsdpParams {
     master_on_host: bool,
     /// What the model reads: root parameters resident, block entries empty except while in use.
     store: ParamStore,
-    /// Receive buffers of the root unit's gathers, one per root parameter (f32 or bf16 per
-    /// the gather dtype), made once so a step allocates nothing.
-    root_recv32: Vec<Tensor>,
-    root_send16: Vec<Tensor>,
-    root_recv16: Vec<Tensor>,
+    /// The receive buffer of the root unit's gathers (f32 or bf16 per the gather dtype; empty
+    /// when every root parameter is direct) and, for bf16 gathers, the send buffer: one each,
+    /// sized for the largest root parameter, since the root's gathers run one after another.
+    /// Made once so a step allocates nothing.
+    root_recv: Tensor,
+    root_send16: Tensor,
     root_stage: Vec<Tensor>,
     /// The step's block uses in order, and how far the step has got.
     schedule: Vec<(usize, Pass)>,
@@ -235,25 +236,22 @@ impl FsdpParams {
             })
             .collect();
         let store = ParamStore::from_tensors(specs, tensors);
-        let (mut root_recv32, mut root_send16, mut root_recv16, mut root_stage) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut root_stage = Vec::new();
+        let (mut recv, mut send) = (0, 0);
         for &i in &layout.root {
             let padded = layout.shard[i] * groups.get(layout.group[i]).size();
-            let recv = match direct(&layout, &groups, dtype, &bf16_weight, i) {
-                true => 0,
-                false => padded,
-            };
+            if !direct(&layout, &groups, dtype, &bf16_weight, i) {
+                recv = recv.max(padded);
+            }
+            send = send.max(layout.shard[i]);
             if master_on_host {
                 root_stage.push(be.zeros(&[layout.shard[i]], Category::Buffers));
             }
-            match dtype {
-                GatherDtype::F32 => root_recv32.push(be.zeros(&[recv], Category::Buffers)),
-                GatherDtype::Bf16 => {
-                    root_send16.push(bf16(be, layout.shard[i]));
-                    root_recv16.push(bf16(be, recv));
-                }
-            }
         }
+        let (root_recv, root_send16) = match dtype {
+            GatherDtype::F32 => (be.zeros(&[recv], Category::Buffers), bf16(be, 0)),
+            GatherDtype::Bf16 => (bf16(be, recv), bf16(be, send)),
+        };
         let slots = (0..prefetch + 1)
             .map(|_| Slot {
                 work: Vec::new(),
@@ -275,9 +273,8 @@ impl FsdpParams {
             master,
             master_on_host,
             store,
-            root_recv32,
+            root_recv,
             root_send16,
-            root_recv16,
             root_stage,
             schedule: Vec::new(),
             pos: 0,
@@ -311,33 +308,29 @@ impl FsdpParams {
             let g = self.groups.get(self.layout.group[i]).clone();
             // The root unit is gathered at once (needed by the embedding straight away), in
             // the same dtype as the blocks.
-            let n = self.layout.numel(i);
+            let (n, s) = (self.layout.numel(i), self.layout.shard[i]);
+            let padded = s * g.size();
             let direct = self.direct(i);
             let shard = match self.master_on_host {
                 true => &self.root_stage[k],
                 false => &self.master[i],
             };
             let send = match self.dtype {
-                GatherDtype::F32 => shard,
+                GatherDtype::F32 => shard.view(),
                 GatherDtype::Bf16 => {
-                    be.cast(self.root_send16[k].view_mut(), shard.view());
-                    &self.root_send16[k]
+                    be.cast(self.root_send16.slice_mut(0, s), shard.view());
+                    self.root_send16.slice(0, s)
                 }
             };
-            let recv = match (direct, self.dtype) {
-                (true, _) => self.store.get_mut(i),
-                (false, GatherDtype::F32) => &mut self.root_recv32[k],
-                (false, GatherDtype::Bf16) => &mut self.root_recv16[k],
+            let recv = match direct {
+                true => self.store.get_mut(i).view_mut(),
+                false => self.root_recv.slice_mut(0, padded),
             };
-            g.all_gather(send.view(), recv.view_mut(), Phase::ForwardGather)
+            g.all_gather(send, recv, Phase::ForwardGather)
                 .unwrap_or_else(|e| fail("gathering the root parameters", e));
             if !direct {
                 // A copy, or a cast for a bf16 weight.
-                let recv = match self.dtype {
-                    GatherDtype::F32 => self.root_recv32[k].slice(0, n),
-                    GatherDtype::Bf16 => self.root_recv16[k].slice(0, n),
-                };
-                be.cast(self.store.get_mut(i).view_mut(), recv);
+                be.cast(self.store.get_mut(i).view_mut(), self.root_recv.slice(0, n));
             }
         }
         self.post_until(be, self.prefetch);
@@ -549,6 +542,25 @@ impl ParamSource for FsdpParams {
             .all_reduce(psum, Phase::Other)
             .unwrap_or_else(|e| fail("summing routing statistics", e));
     }
+}
+
+/// Post the reduce-scatter of parameter `i`'s gradient, in `send` (padded to the shard times the
+/// group), onto `shard`.
+///
+/// SAFETY (for callers): see [`forever`]: `send` must stay allocated and unwritten until the
+/// returned work is waited on or dropped. The shards are read only through
+/// [`FsdpGrads::shards`], which checks that no reduce-scatter is pending.
+unsafe fn post_reduce_scatter(
+    groups: &Groups,
+    layout: &Layout,
+    i: usize,
+    send: &Tensor,
+    shard: &mut Tensor,
+) -> Work<'static> {
+    let g: &'static dyn ProcessGroup = forever(groups.get(layout.group[i]).as_ref());
+    let (send, recv) = (forever(send), forever_mut(shard));
+    g.ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
+        .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e))
 }
 
 /// The gradient side of FSDP for one rank.
@@ -836,15 +848,11 @@ impl GradSink for FsdpGrads {
                 None => self.store.get(i),
                 Some(k) => &self.root_send[k],
             };
-            let g: &'static dyn ProcessGroup =
-                unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
-            // SAFETY: see `forever`; neither the head's gradient nor its send buffer is written
-            // again before this work is waited on (`begin_embedding` or `finish`), and the
-            // shards are read only through `shards()`, which checks that none is pending.
-            let (send, recv) = unsafe { (forever(send), forever_mut(&mut self.shards[i])) };
-            let w = g
-                .ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
-                .unwrap_or_else(|e| fail("posting the head's gradient reduce-scatter", e));
+            // SAFETY: neither the head's gradient nor its send buffer is written again before
+            // this work is waited on (`begin_embedding` or `finish`).
+            let w = unsafe {
+                post_reduce_scatter(&self.groups, &self.layout, i, send, &mut self.shards[i])
+            };
             self.head_pending.push(w);
         }
         self.head_sent = true;
@@ -874,15 +882,11 @@ impl GradSink for FsdpGrads {
                     &self.stage[t][k]
                 }
             };
-            let g: &'static dyn ProcessGroup =
-                unsafe { forever(self.groups.get(self.layout.group[i]).as_ref()) };
-            // SAFETY: see `forever`; the send set is not written again before this work is
-            // waited on (`begin_block` of the block two later), and the shards are read only
-            // through `shards()`, which checks that no reduce-scatter is pending.
-            let (send, recv) = unsafe { (forever(send), forever_mut(&mut self.shards[i])) };
-            let w = g
-                .ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
-                .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e));
+            // SAFETY: the send set is not written again before this work is waited on
+            // (`begin_block` of the block two later).
+            let w = unsafe {
+                post_reduce_scatter(&self.groups, &self.layout, i, send, &mut self.shards[i])
+            };
             self.pending[t].push(w);
         }
         self.pool_block = None;

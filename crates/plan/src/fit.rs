@@ -485,7 +485,14 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             false => t.padded(cut),
         };
     let block_recv = block(&recv);
-    let root_recv = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(recv));
+    // The root's gathers run one after another through one receive buffer and (bf16) one send
+    // buffer, each sized for the largest root tensor.
+    let root_max = |g: &dyn Fn(&Rt) -> u64| {
+        let root = ts.iter().filter(|t| t.block.is_none());
+        root.map(g).max().unwrap_or(0) as f64
+    };
+    let root_recv = root_max(&recv);
+    let root_send16 = root_max(&|t| t.shard(cut));
     // The root gradients' reduce-scatter send buffers: tensors whose shards need padding only.
     let root_send = sum(&mut ts
         .iter()
@@ -507,7 +514,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     // The gather staging, made once: f32 receive buffers per slot and for the root, or bf16
     // send and receive buffers per slot and for the root.
     let gather_staging = if bf16 {
-        2.0 * (slots * (block_shard + block_recv) + root_shard + root_recv)
+        2.0 * (slots * (block_shard + block_recv) + root_send16 + root_recv)
     } else {
         f * (slots * block_recv + root_recv)
     };

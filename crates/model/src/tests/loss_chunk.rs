@@ -14,16 +14,6 @@ fn step(chunk: usize, compute: ComputeDtype) -> (StepOutput, Vec<Vec<f32>>, f64,
     (o, g, e, ws.head.logits.len())
 }
 
-/// Largest |a − b| over all gradients, relative to the largest |b|.
-fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    let (mut d, mut m) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
-        d = d.max((x - y).abs() as f64);
-        m = m.max(y.abs() as f64);
-    }
-    d / m
-}
-
 #[test]
 fn a_chunked_head_gives_the_loss_and_gradients_of_the_whole() {
     let v = preset("tiny").unwrap().model.vocab_size;
@@ -47,7 +37,7 @@ fn a_chunked_head_gives_the_loss_and_gradients_of_the_whole() {
                 "{at}: forward alone {ec} vs {e}"
             );
             // Only the LM head's weight gradient sums over chunks in another order.
-            let d = max_rel(&gc, &g);
+            let d = super::max_rel(&gc, &g);
             eprintln!("{at}: gradients within {d:.1e} of the largest");
             assert!(d < 1e-5, "{at}: gradients differ by {d:e} of the largest");
             if chunk >= 64 {

@@ -20,16 +20,6 @@ fn chunked_moe_gradients_match_finite_differences() {
     }
 }
 
-/// Largest |a − b| over all gradients, relative to the largest |b|.
-fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    let (mut d, mut m) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
-        d = d.max((x - y).abs() as f64);
-        m = m.max(y.abs() as f64);
-    }
-    d / m
-}
-
 #[test]
 fn chunked_moe_gives_the_loss_and_gradients_of_the_whole() {
     let c = preset("tiny").unwrap().model;
@@ -72,7 +62,7 @@ fn chunked_moe_gives_the_loss_and_gradients_of_the_whole() {
                     "{what}: forward alone {ec} vs {e}"
                 );
                 assert_eq!(oc.expert_load, o.expert_load, "{what}: routing");
-                let d = max_rel(&gc, &g);
+                let d = super::max_rel(&gc, &g);
                 eprintln!(
                     "{what}: loss {:.1e} relative, gradients within {d:.1e} of the largest",
                     (oc.loss - o.loss).abs() / o.loss
