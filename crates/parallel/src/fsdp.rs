@@ -662,6 +662,10 @@ impl FsdpGrads {
     /// Zero the resident root gradients (start of a step); a shared tensor goes back to the
     /// LM head.
     pub fn begin(&mut self, be: &dyn Backend) {
+        // A step that ended early (an error between `end_head` and `finish`) left its head's
+        // reduce-scatters: done before the tensors are zeroed.
+        self.wait_head();
+        self.head_sent = false;
         if let Some((e, h)) = self.share {
             if self.store.get(h).is_empty() {
                 self.store.tensors_mut().swap(e, h);
