@@ -238,7 +238,6 @@ pub(crate) fn block_forward(
             // A recompute (`y` = None) runs only the last chunk's experts: the backward starts
             // there and recomputes the others itself.
             let parts: Vec<_> = chunks(n, model.moe_rows(n)).collect();
-            m.r.host_counts.iter_mut().for_each(|c| *c = 0);
             let mx = MoeIdx {
                 layer,
                 gate,
@@ -288,7 +287,7 @@ struct MoeIdx {
 
 /// Dispatch chunk `j` of a MoE layer's tokens (`tn` from `t0`): its rows grouped by expert
 /// into its slice of `src` and `pos` (chunk-relative tokens and rows), and its per-expert
-/// counts read back, added into the layer's.
+/// counts read back into the chunk's host copy (reused: no allocation a step).
 fn dispatch_chunk(
     be: &dyn Backend,
     r: &mut Routing,
@@ -303,20 +302,17 @@ fn dispatch_chunk(
         pos: r.pos.slice_mut(t0 * k, tn * k),
     };
     be.moe_dispatch(d, r.idx.slice(t0 * k, tn * k), e, k);
-    // The only host read before the step's end: the per-expert counts size the expert GEMMs
-    // and the expert-parallel all-to-all, which take host sizes (as cuBLAS's grouped GEMM and
-    // NCCL's send/recv do). The offsets follow on the host.
+    // The only host read before the step's end, once a chunk: the per-expert counts size the
+    // expert GEMMs and the expert-parallel all-to-all, which take host sizes (as cuBLAS's
+    // grouped GEMM and NCCL's send/recv do). The offsets follow on the host.
     let counts = be.download_u32(r.counts.view());
     let c = &mut r.chunks[j];
-    c.counts = counts.iter().map(|&x| x as usize).collect();
-    c.offsets = std::iter::once(0)
-        .chain(c.counts.iter().scan(0, |s, &x| {
-            *s += x;
-            Some(*s)
-        }))
-        .collect();
-    for (t, &x) in r.host_counts.iter_mut().zip(&c.counts) {
-        *t += x;
+    c.counts.clear();
+    c.counts.extend(counts.iter().map(|&x| x as usize));
+    c.offsets.clear();
+    c.offsets.push(0);
+    for &x in &c.counts {
+        c.offsets.push(c.offsets[c.offsets.len() - 1] + x);
     }
 }
 

@@ -201,7 +201,7 @@ fn forward(
         if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
             let mut s = LayerStats {
                 layer: l,
-                counts: m.r.host_counts.clone(),
+                counts: m.r.layer_counts(),
             };
             src.reduce_counts(l, &mut s.counts);
             stats.push(s);
@@ -438,7 +438,7 @@ pub fn forward_backward_with(
             let s = stats.iter().find(|s| s.layer == l).expect("layer stats");
             if local_n == n {
                 debug_assert_eq!(
-                    a.moe.as_ref().unwrap().r.host_counts,
+                    a.moe.as_ref().unwrap().r.layer_counts(),
                     s.counts,
                     "recompute changed routing"
                 );

@@ -31,11 +31,20 @@ pub(crate) struct Routing {
     pub counts: Tensor,
     /// `[E+1]` first dispatched row of each expert.
     pub offsets: Tensor,
-    /// The layer's rows per expert, summed over its token chunks (host data).
-    pub host_counts: Vec<usize>,
     /// Each token chunk's per-expert counts (downloaded after its dispatch) and the offsets
     /// derived from them (`training.moe_chunk_tokens`; one chunk by default).
     pub chunks: Vec<ChunkRoute>,
+}
+
+impl Routing {
+    /// The layer's rows per expert: its chunks' counts summed (host data).
+    pub fn layer_counts(&self) -> Vec<usize> {
+        let mut total = vec![0; self.counts.len()];
+        for c in &self.chunks {
+            total.iter_mut().zip(&c.counts).for_each(|(t, &x)| *t += x);
+        }
+        total
+    }
 }
 
 /// The host's copy of one token chunk's dispatch: rows per expert and each expert's first row.
@@ -529,8 +538,7 @@ impl Workspace {
                         pos: t("pos"),
                         counts: t("counts"),
                         offsets: t("offsets"),
-                        host_counts: vec![0; cfg.experts],
-                        chunks: vec![ChunkRoute::default(); n.div_ceil(rows.1.max(1))],
+                        chunks: vec![ChunkRoute::default(); crate::step::chunks(n, rows.1).count()],
                     },
                 });
             }

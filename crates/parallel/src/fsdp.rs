@@ -171,8 +171,13 @@ fn direct(
     bf16_weight: &[bool],
     i: usize,
 ) -> bool {
-    let w = groups.get(layout.group[i]).size();
-    layout.numel(i) == layout.shard[i] * w && (dtype == GatherDtype::Bf16) == bf16_weight[i]
+    unpadded(layout, groups, i) && (dtype == GatherDtype::Bf16) == bf16_weight[i]
+}
+
+/// Whether parameter `i`'s gathered array splits into its group's shards with no padding: then
+/// the tensor itself is what a gather receives or a reduce-scatter sends.
+fn unpadded(layout: &Layout, groups: &Groups, i: usize) -> bool {
+    layout.numel(i) == layout.shard[i] * groups.get(layout.group[i]).size()
 }
 
 /// A zero-length stand-in for a block parameter that is not gathered.
@@ -576,6 +581,8 @@ pub struct FsdpGrads {
     share: Option<(usize, usize)>,
     /// The head's gradients were reduce-scattered this step (`end_head`).
     head_sent: bool,
+    /// The embedding's index in the table, if the root has one.
+    embedding: Option<usize>,
     layout: Arc<Layout>,
     groups: Groups,
     /// What the model writes: root gradients resident, block entries empty except in backward.
@@ -605,7 +612,8 @@ impl FsdpGrads {
             let mut root = layout.root.iter().copied();
             root.find(|&i| layout.specs[i].name == name)
         };
-        let share = match (find("model.embed_tokens.weight"), find("lm_head.weight")) {
+        let embedding = find("model.embed_tokens.weight");
+        let share = match (embedding, find("lm_head.weight")) {
             (Some(e), Some(h))
                 if layout.local_shape[e] == layout.local_shape[h]
                     && layout.shard[e] == layout.shard[h]
@@ -636,7 +644,7 @@ impl FsdpGrads {
             .iter()
             .map(|&i| {
                 let w = groups.get(layout.group[i]).size();
-                match layout.numel(i) == layout.shard[i] * w || shared_embed(i) {
+                match unpadded(&layout, &groups, i) || shared_embed(i) {
                     true => be.zeros(&[0], Category::Buffers),
                     false => be.zeros(&[layout.shard[i] * w], Category::Buffers),
                 }
@@ -647,6 +655,7 @@ impl FsdpGrads {
             head_pending: Vec::new(),
             share,
             head_sent: false,
+            embedding,
             store: ParamStore::from_tensors(specs, tensors),
             pool: [Vec::new(), Vec::new()],
             pool_block: None,
@@ -679,7 +688,7 @@ impl FsdpGrads {
     /// Whether root parameter `i` is the embedding (reduce-scattered at the step's end; the
     /// head's others when the head's backward ends).
     fn is_embedding(&self, i: usize) -> bool {
-        self.layout.specs[i].name == "model.embed_tokens.weight"
+        self.embedding == Some(i)
     }
 
     /// Prepare root parameter `i`'s gradient for its reduce-scatter: `None` to send the tensor
@@ -776,11 +785,9 @@ impl FsdpGrads {
         &mut self.shards
     }
 
-    /// Whether parameter `i`'s gathered array splits into its group's shards with no padding,
-    /// so its full gradient is the reduce-scatter's send buffer as it is.
+    /// [`unpadded`]: its full gradient is the reduce-scatter's send buffer as it is.
     fn unpadded(&self, i: usize) -> bool {
-        let w = self.groups.get(self.layout.group[i]).size();
-        self.layout.numel(i) == self.layout.shard[i] * w
+        unpadded(&self.layout, &self.groups, i)
     }
 
     fn shape_for(&mut self, be: &dyn Backend, l: usize) {

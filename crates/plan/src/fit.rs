@@ -359,6 +359,19 @@ impl Rt {
     fn padded(&self, c: Cut) -> u64 {
         self.shard(c) * self.group(c)
     }
+    /// Whether its rows split evenly over its group: no padding, so the runtime gathers into and
+    /// reduce-scatters from the tensor itself.
+    fn unpadded(&self, c: Cut) -> bool {
+        self.padded(c) == self.local(c)
+    }
+    /// Elements of a padded buffer the tensor needs for a gather or reduce-scatter: 0 when
+    /// [`Self::unpadded`].
+    fn pad_buffer(&self, c: Cut) -> u64 {
+        match self.unpadded(c) {
+            true => 0,
+            false => self.padded(c),
+        }
+    }
     /// Muon's `(rows, cols)` under `muon`, else `None`.
     fn muon(&self, muon: bool) -> Option<(u64, u64)> {
         match (muon, self.kind) {
@@ -433,10 +446,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
     let block_bytes = block(&unsharded);
     // The block's reduce-scatter send buffers: tensors whose shards need padding only.
-    let block_send = block(&|t| match t.padded(cut) == t.local(cut) {
-        true => 0,
-        false => t.padded(cut),
-    });
+    let block_send = block(&|t| t.pad_buffer(cut));
     let block_shard = block(&|t| t.shard(cut));
     let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {
         (Kind::Frozen, _) => 0,
@@ -479,11 +489,10 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
     // Receive buffers of the gathers: none for a tensor gathered straight into what the model
     // reads (rows split evenly, the gather's dtype the model's), else padded.
-    let recv =
-        |t: &Rt| match t.padded(cut) == t.local(cut) && bf16 == (bf16_compute && t.gemm_weight) {
-            true => 0,
-            false => t.padded(cut),
-        };
+    let recv = |t: &Rt| match bf16 == (bf16_compute && t.gemm_weight) {
+        true => t.pad_buffer(cut),
+        false => t.padded(cut),
+    };
     let block_recv = block(&recv);
     // The root's gathers run one after another through one receive buffer and (bf16) one send
     // buffer, each sized for the largest root tensor.
@@ -493,15 +502,13 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let root_recv = root_max(&recv);
     let root_send16 = root_max(&|t| t.shard(cut));
-    // The root gradients' reduce-scatter send buffers: tensors whose shards need padding only.
+    // The root gradients' reduce-scatter send buffers: tensors whose shards need padding only,
+    // the embedding using the LM head's.
     let root_send = sum(&mut ts
         .iter()
-        .filter(|t| t.block.is_none() && t.padded(cut) != t.local(cut))
-        .map(|t| t.padded(cut)))
-        - match embedding.padded(cut) != embedding.local(cut) {
-            true => embedding.padded(cut) as f64,
-            false => 0.0,
-        };
+        .filter(|t| t.block.is_none())
+        .map(|t| t.pad_buffer(cut)))
+        - embedding.pad_buffer(cut) as f64;
     let mut local = job.clone();
     local.training.batch_size = job.training.batch_size / ranks;
     // Each tensor is drawn whole before its shard is kept, in table order.
