@@ -102,10 +102,14 @@ impl Buffer {
     }
 }
 
-/// An owned tensor, charged to the ledger for as long as it lives.
+/// An owned tensor, charged to the ledger for as long as it lives. Its buffer may be longer
+/// than its shape ([`Tensor::padded_to`]): views show the shape's elements, and
+/// [`Tensor::padded_view_mut`] the whole buffer (a collective's padded rows live there).
 pub struct Tensor {
     buf: Buffer,
     shape: Vec<usize>,
+    /// Elements of the shape (at most the buffer's).
+    len: usize,
     device: Device,
     category: Category,
     ledger: Arc<Ledger>,
@@ -145,6 +149,7 @@ impl Tensor {
             "buffer/shape mismatch"
         );
         Self {
+            len: buf.len(),
             buf,
             shape: shape.to_vec(),
             device,
@@ -156,14 +161,36 @@ impl Tensor {
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// Elements of the shape.
     pub fn len(&self) -> usize {
-        self.buf.len()
+        self.len
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Bytes of the buffer, padding included (what the ledger is charged).
     pub fn bytes(&self) -> usize {
-        self.len() * self.buf.dtype().size()
+        self.buf.len() * self.buf.dtype().size()
+    }
+    /// Elements of the buffer, padding included.
+    pub fn capacity(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// This buffer seen as `shape`, whose elements may be fewer than the buffer's: the rest is
+    /// padding, outside every view but [`Tensor::padded_view`] / [`Tensor::padded_view_mut`].
+    /// An FSDP gather receives, and a reduce-scatter sends, the padded rows of a tensor whose
+    /// rows do not split evenly over the ranks, with no second buffer and no copy.
+    pub fn padded_to(mut self, shape: &[usize]) -> Self {
+        let n = shape.iter().product::<usize>();
+        assert!(
+            n <= self.buf.len(),
+            "shape {shape:?} is larger than the buffer ({} elements)",
+            self.buf.len()
+        );
+        self.shape = shape.to_vec();
+        self.len = n;
+        self
     }
     pub fn dtype(&self) -> DType {
         self.buf.dtype()
@@ -194,6 +221,15 @@ impl Tensor {
 
     /// A view of the whole tensor.
     pub fn view(&self) -> View<'_> {
+        self.padded_view().slice(0, self.len)
+    }
+    /// A mutable view of the whole tensor.
+    pub fn view_mut(&mut self) -> ViewMut<'_> {
+        let n = self.len;
+        self.padded_view_mut().slice(0, n)
+    }
+    /// A view of the whole buffer, padding included.
+    pub fn padded_view(&self) -> View<'_> {
         match &self.buf {
             Buffer::Host(v) => View::Host(v),
             Buffer::Host64(v) => View::Host64(v),
@@ -206,8 +242,8 @@ impl Tensor {
             }),
         }
     }
-    /// A mutable view of the whole tensor.
-    pub fn view_mut(&mut self) -> ViewMut<'_> {
+    /// A mutable view of the whole buffer, padding included.
+    pub fn padded_view_mut(&mut self) -> ViewMut<'_> {
         match &mut self.buf {
             Buffer::Host(v) => ViewMut::Host(v),
             Buffer::Host64(v) => ViewMut::Host64(v),
@@ -674,6 +710,36 @@ mod tests {
         assert!(msg.contains("bf16 10 elements is not host memory"), "{msg}");
         drop(t);
         assert_eq!(ledger.report().current(gpu, Category::Params), 0);
+    }
+
+    #[test]
+    fn a_padded_tensor_shows_its_shape_and_charges_its_buffer() {
+        let be = CpuBackend::default();
+        let mut t = be.zeros(&[7], Category::Grads).padded_to(&[2, 3]);
+        assert_eq!(
+            (t.shape(), t.len(), t.capacity(), t.bytes()),
+            (&[2, 3][..], 6, 7, 28)
+        );
+        assert_eq!(
+            be.ledger().report().current(Device::Host, Category::Grads),
+            28
+        );
+        be.fill(t.view_mut(), 1.0);
+        // The view stops at the shape; the padding is untouched until written through the
+        // padded view.
+        assert_eq!(be.download(t.view()), [1.0; 6]);
+        assert_eq!(be.download(t.padded_view()), [1., 1., 1., 1., 1., 1., 0.]);
+        be.fill(t.padded_view_mut().slice(6, 1), 5.0);
+        assert_eq!(be.download(t.view()).len(), 6);
+        assert_eq!(be.download(t.padded_view())[6], 5.0);
+        let too_large =
+            std::panic::catch_unwind(|| be.zeros(&[5], Category::Grads).padded_to(&[2, 3]));
+        assert!(too_large.is_err());
+        drop(t);
+        assert_eq!(
+            be.ledger().report().current(Device::Host, Category::Grads),
+            0
+        );
     }
 
     #[test]

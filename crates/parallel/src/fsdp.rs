@@ -13,22 +13,21 @@
 //!   that only bf16-input GEMMs read ([`Model::bf16_weight`](ganymede_model::Model)) are handed
 //!   to the model as bf16 tensors, so no f32 copy of them is made and their unsharded bytes
 //!   halve; the GEMMs then cast only their other operand. Everything else is handed over in f32.
-//! - A parameter whose rows split evenly over its group, gathered in the dtype the model reads,
-//!   is gathered straight into the tensor handed to the model (at the write-up's shape, the
-//!   routed experts: nearly all of a block); the others go through a padded receive buffer and
-//!   a copy or cast.
+//! - A parameter gathered in the dtype the model reads is gathered straight into the tensor
+//!   handed to the model, whose buffer has room for the padded rows when its rows do not split
+//!   evenly over its group ([`Tensor::padded_to`]); only f32 gathers of bf16 weights go through
+//!   a receive buffer and a cast.
 //! - The step's order of block uses is fixed (forward 0..L, then backward L-1..0), so prefetch is
 //!   a walk along that schedule; the backward pass gathers each block again (parameters are freed
 //!   after forward, FSDP2's `reshard_after_forward`).
 //! - Gradients: a block's full gradients live in one of two reused sets of tensors while its
 //!   backward runs, then are reduce-scattered in f32 onto the gradient shards; the reduce-scatter
-//!   of block `l` travels while block `l-1` computes in the other set. A tensor whose rows split
-//!   evenly over its group (at the write-up's shape, the routed experts: nearly all of a block)
-//!   is sent as it is; only the others are copied into a zero-padded send buffer.
+//!   of block `l` travels while block `l-1` computes in the other set. Each is sent as it is:
+//!   its buffer holds the padded rows, which stay zero.
 //! - The root's gradients: the final norm's and LM head's are reduce-scattered as soon as the
 //!   head's backward (the step's first) ends, travelling during the blocks' backward; the
 //!   embedding's backward (the step's last) then writes the LM head's tensor, of the same shape,
-//!   so one `[V, H]` f32 gradient (and, where it needs padding, one send buffer) serves both.
+//!   so one `[V, H]` f32 gradient serves both.
 //! - HSDP (`dp_replicate > 1`): the shards are then all-reduced across replicas, so every
 //!   replica holds the global batch's gradient shards; the routing statistics (expert counts,
 //!   the auxiliary loss's sums) are summed over all ranks, as each holds its own slice of the batch.
@@ -103,8 +102,8 @@ struct Slot {
     work: Vec<Work<'static>>,
     /// The block whose parameters the slot holds or receives.
     block: Option<usize>,
-    /// Exact-shape parameters handed to the model (bf16 for the bf16 weights); a gather
-    /// writes straight into one that is [`FsdpParams::direct`].
+    /// Parameters handed to the model (bf16 for the bf16 weights); a gather writes straight
+    /// into one that is [`direct`], whose buffer then holds the padded rows.
     full: Vec<Tensor>,
     /// Padded receive buffers (f32 gathers), empty for a direct parameter.
     recv32: Vec<Tensor>,
@@ -133,7 +132,7 @@ pub struct FsdpParams {
     /// What the model reads: root parameters resident, block entries empty except while in use.
     store: ParamStore,
     /// The receive buffer of the root unit's gathers (f32 or bf16 per the gather dtype; empty
-    /// when every root parameter is direct) and, for bf16 gathers, the send buffer: one each,
+    /// when every root parameter is [`direct`]) and, for bf16 gathers, the send buffer: one each,
     /// sized for the largest root parameter, since the root's gathers run one after another.
     /// Made once so a step allocates nothing.
     root_recv: Tensor,
@@ -161,23 +160,16 @@ fn copy_shards(be: &dyn Backend, master: &[Tensor], idx: &[usize], stage: &mut [
     be.wait_event(Stream::Compute, &copied);
 }
 
-/// Whether parameter `i` is gathered straight into the tensor handed to the model: its rows
-/// split evenly over its group (no padding) and the gather's dtype is the one the model reads.
-/// Otherwise it is gathered into a padded receive buffer and copied or cast from there.
-fn direct(
-    layout: &Layout,
-    groups: &Groups,
-    dtype: GatherDtype,
-    bf16_weight: &[bool],
-    i: usize,
-) -> bool {
-    unpadded(layout, groups, i) && (dtype == GatherDtype::Bf16) == bf16_weight[i]
+/// Whether parameter `i` is gathered straight into the tensor handed to the model: the
+/// gather's dtype is the one the model reads. Otherwise (f32 gathers of a bf16 weight) it is
+/// gathered into a receive buffer and cast from there.
+fn direct(dtype: GatherDtype, bf16_weight: &[bool], i: usize) -> bool {
+    (dtype == GatherDtype::Bf16) == bf16_weight[i]
 }
 
-/// Whether parameter `i`'s gathered array splits into its group's shards with no padding: then
-/// the tensor itself is what a gather receives or a reduce-scatter sends.
-fn unpadded(layout: &Layout, groups: &Groups, i: usize) -> bool {
-    layout.numel(i) == layout.shard[i] * groups.get(layout.group[i]).size()
+/// Elements of parameter `i`'s gathered array: its shard times its group, padding included.
+fn padded(layout: &Layout, groups: &Groups, i: usize) -> usize {
+    layout.shard[i] * groups.get(layout.group[i]).size()
 }
 
 /// A zero-length stand-in for a block parameter that is not gathered.
@@ -185,12 +177,12 @@ fn empty(be: &dyn Backend) -> Tensor {
     be.zeros(&[0], Category::Buffers)
 }
 
-/// An unsharded parameter as the model reads it: bf16 or f32.
-fn full(be: &dyn Backend, shape: &[usize], bf16: bool) -> Tensor {
-    match bf16 {
-        true => be.zeros_of(shape, DType::BF16, Category::Buffers),
-        false => be.zeros(shape, Category::Buffers),
-    }
+/// An unsharded parameter as the model reads it, bf16 or f32, in a buffer of `len` elements
+/// (its gathered array's, padding included, when a gather writes it).
+fn full(be: &dyn Backend, shape: &[usize], bf16: bool, len: usize) -> Tensor {
+    let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+    be.zeros_of(&[len], dtype, Category::Buffers)
+        .padded_to(shape)
 }
 
 impl FsdpParams {
@@ -233,7 +225,11 @@ impl FsdpParams {
         let tensors = (0..specs.len())
             .map(|i| {
                 if layout.root.contains(&i) {
-                    full(be, &layout.local_shape[i], bf16_weight[i])
+                    let len = match direct(dtype, &bf16_weight, i) {
+                        true => padded(&layout, &groups, i),
+                        false => layout.numel(i),
+                    };
+                    full(be, &layout.local_shape[i], bf16_weight[i], len)
                 } else {
                     specs[i].shape = vec![0];
                     empty(be)
@@ -244,9 +240,8 @@ impl FsdpParams {
         let mut root_stage = Vec::new();
         let (mut recv, mut send) = (0, 0);
         for &i in &layout.root {
-            let padded = layout.shard[i] * groups.get(layout.group[i]).size();
-            if !direct(&layout, &groups, dtype, &bf16_weight, i) {
-                recv = recv.max(padded);
+            if !direct(dtype, &bf16_weight, i) {
+                recv = recv.max(padded(&layout, &groups, i));
             }
             send = send.max(layout.shard[i]);
             if master_on_host {
@@ -328,7 +323,7 @@ impl FsdpParams {
                 }
             };
             let recv = match direct {
-                true => self.store.get_mut(i).view_mut(),
+                true => self.store.get_mut(i).padded_view_mut(),
                 false => self.root_recv.slice_mut(0, padded),
             };
             g.all_gather(send, recv, Phase::ForwardGather)
@@ -341,9 +336,9 @@ impl FsdpParams {
         self.post_until(be, self.prefetch);
     }
 
-    /// [`direct`] for this rank's parameter `i`.
+    /// [`direct`] for parameter `i`.
     fn direct(&self, i: usize) -> bool {
-        direct(&self.layout, &self.groups, self.dtype, &self.bf16_weight, i)
+        direct(self.dtype, &self.bf16_weight, i)
     }
 
     /// Post gathers for schedule items up to `last` (inclusive).
@@ -367,25 +362,29 @@ impl FsdpParams {
         debug_assert!(slot.work.is_empty(), "slot reused while in flight");
         // (Re)shape the slot for this block; uniform blocks never reallocate.
         let half = &self.bf16_weight;
+        let len = |i: usize| match direct(self.dtype, half, i) {
+            true => padded(&layout, &self.groups, i),
+            false => layout.numel(i),
+        };
         let fits = slot.full.len() == idx.len()
             && idx.iter().zip(&slot.full).all(|(&i, t)| {
                 t.shape() == layout.local_shape[i].as_slice()
+                    && t.capacity() == len(i)
                     && (t.dtype() == DType::BF16) == half[i]
             });
         if !fits {
             slot.full = idx
                 .iter()
-                .map(|&i| full(be, &layout.local_shape[i], half[i]))
+                .map(|&i| full(be, &layout.local_shape[i], half[i], len(i)))
                 .collect();
             slot.recv32.clear();
             slot.send16.clear();
             slot.recv16.clear();
             slot.stage.clear();
             for &i in idx {
-                let w = self.groups.get(layout.group[i]).size();
-                let recv = match direct(&layout, &self.groups, self.dtype, half, i) {
+                let recv = match direct(self.dtype, half, i) {
                     true => 0,
-                    false => layout.shard[i] * w,
+                    false => padded(&layout, &self.groups, i),
                 };
                 if self.master_on_host {
                     slot.stage
@@ -418,10 +417,7 @@ impl FsdpParams {
                     &slot.send16[k]
                 }
             };
-            let recv = match (
-                direct(&layout, &self.groups, self.dtype, half, i),
-                self.dtype,
-            ) {
+            let recv = match (direct(self.dtype, half, i), self.dtype) {
                 (true, _) => &mut slot.full[k],
                 (false, GatherDtype::F32) => &mut slot.recv32[k],
                 (false, GatherDtype::Bf16) => &mut slot.recv16[k],
@@ -431,7 +427,7 @@ impl FsdpParams {
             // a direct parameter's tensor is in the slot, not handed to the model, until the
             // gather is waited on (`acquire_block`).
             let (send, recv) = unsafe { (forever(send), forever_mut(recv)) };
-            let w = g.iall_gather(send.view(), recv.view_mut(), phase);
+            let w = g.iall_gather(send.view(), recv.padded_view_mut(), phase);
             slot.work
                 .push(w.unwrap_or_else(|e| fail("posting a parameter gather", e)));
         }
@@ -489,8 +485,7 @@ impl ParamSource for FsdpParams {
         let idx = &self.layout.blocks[l];
         for (k, &i) in idx.iter().enumerate() {
             let n = self.layout.numel(i);
-            // A copy where the dtypes agree but the shards were padded, else a cast.
-            if !direct(&self.layout, &self.groups, self.dtype, &self.bf16_weight, i) {
+            if !direct(self.dtype, &self.bf16_weight, i) {
                 let recv = match self.dtype {
                     GatherDtype::F32 => slot.recv32[k].slice(0, n),
                     GatherDtype::Bf16 => slot.recv16[k].slice(0, n),
@@ -549,8 +544,8 @@ impl ParamSource for FsdpParams {
     }
 }
 
-/// Post the reduce-scatter of parameter `i`'s gradient, in `send` (padded to the shard times the
-/// group), onto `shard`.
+/// Post the reduce-scatter of parameter `i`'s gradient, `send` with its padded rows (zero), onto
+/// `shard`.
 ///
 /// SAFETY (for callers): see [`forever`]: `send` must stay allocated and unwritten until the
 /// returned work is waited on or dropped. The shards are read only through
@@ -564,8 +559,20 @@ unsafe fn post_reduce_scatter(
 ) -> Work<'static> {
     let g: &'static dyn ProcessGroup = forever(groups.get(layout.group[i]).as_ref());
     let (send, recv) = (forever(send), forever_mut(shard));
-    g.ireduce_scatter(send.view(), recv.view_mut(), Phase::GradReduceScatter)
-        .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e))
+    g.ireduce_scatter(
+        send.padded_view(),
+        recv.view_mut(),
+        Phase::GradReduceScatter,
+    )
+    .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e))
+}
+
+/// A zero gradient for parameter `i` in a buffer with room for its padded rows, which stay
+/// zero: the model writes only the tensor's own elements.
+fn padded_grad(be: &dyn Backend, layout: &Layout, groups: &Groups, i: usize) -> Tensor {
+    let len = padded(layout, groups, i);
+    be.zeros(&[len], Category::Grads)
+        .padded_to(&layout.local_shape[i])
 }
 
 /// The gradient side of FSDP for one rank.
@@ -577,7 +584,7 @@ pub struct FsdpGrads {
     head_pending: Vec<Work<'static>>,
     /// `(embedding, LM head)` when they have one shape and shard: one gradient tensor serves
     /// both, the head's until its reduce-scatter is done, then the embedding's, whose backward
-    /// is the step's last. One padded send buffer (the head's) likewise.
+    /// is the step's last.
     share: Option<(usize, usize)>,
     /// The head's gradients were reduce-scattered this step (`end_head`).
     head_sent: bool,
@@ -586,20 +593,16 @@ pub struct FsdpGrads {
     layout: Arc<Layout>,
     groups: Groups,
     /// What the model writes: root gradients resident, block entries empty except in backward.
+    /// Each gradient's buffer holds its padded rows (zero, never written): a reduce-scatter
+    /// sends the tensor as it is.
     store: ParamStore,
     /// One block's full gradients, two sets alternating so a reduce-scatter (which sends from
     /// its set) travels during the next block's backward (reused by every block of the same
     /// shapes).
     pool: [Vec<Tensor>; 2],
     pool_block: Option<usize>,
-    /// Per set, the padded send buffers of the tensors whose shards need padding (an empty
-    /// tensor for the others, sent from `pool`). Tails stay zero.
-    stage: [Vec<Tensor>; 2],
     /// The set the next block's backward writes.
     turn: usize,
-    /// Padded send buffers of the root gradients' reduce-scatters (tails stay zero), made once,
-    /// in root order; empty for an unpadded tensor and for the embedding under `share`.
-    root_send: Vec<Tensor>,
     /// Gradient shards, f32, in table order. Private: posted reduce-scatters write them, so
     /// access goes through [`FsdpGrads::shards`] / [`FsdpGrads::shards_mut`], which check that
     /// none is in flight.
@@ -628,7 +631,7 @@ impl FsdpGrads {
         let tensors = (0..specs.len())
             .map(|i| {
                 if layout.root.contains(&i) && !shared_embed(i) {
-                    be.zeros(&layout.local_shape[i], Category::Grads)
+                    padded_grad(be, &layout, &groups, i)
                 } else {
                     specs[i].shape = vec![0];
                     be.zeros(&[0], Category::Grads)
@@ -637,18 +640,6 @@ impl FsdpGrads {
             .collect();
         let shards = (0..layout.specs.len())
             .map(|i| be.zeros(&[layout.shard[i]], Category::Grads))
-            .collect();
-        // Only the root tensors whose shards need padding get a send buffer (see `unpadded`).
-        let root_send = layout
-            .root
-            .iter()
-            .map(|&i| {
-                let w = groups.get(layout.group[i]).size();
-                match unpadded(&layout, &groups, i) || shared_embed(i) {
-                    true => be.zeros(&[0], Category::Buffers),
-                    false => be.zeros(&[layout.shard[i] * w], Category::Buffers),
-                }
-            })
             .collect();
         FsdpGrads {
             pending: [Vec::new(), Vec::new()],
@@ -659,9 +650,7 @@ impl FsdpGrads {
             store: ParamStore::from_tensors(specs, tensors),
             pool: [Vec::new(), Vec::new()],
             pool_block: None,
-            stage: [Vec::new(), Vec::new()],
             turn: 0,
-            root_send,
             shards,
             layout,
             groups,
@@ -691,23 +680,6 @@ impl FsdpGrads {
         self.embedding == Some(i)
     }
 
-    /// Prepare root parameter `i`'s gradient for its reduce-scatter: `None` to send the tensor
-    /// itself (its shards need no padding), else the send buffer it was copied into (zero-padded;
-    /// the LM head's for a shared embedding).
-    fn prepare_root_send(&mut self, be: &dyn Backend, i: usize) -> Option<usize> {
-        if self.unpadded(i) {
-            return None;
-        }
-        let owner = match self.share {
-            Some((e, h)) if e == i => h,
-            _ => i,
-        };
-        let k = self.layout.root.iter().position(|&r| r == owner).unwrap();
-        let n = self.layout.numel(i);
-        be.copy(self.root_send[k].slice_mut(0, n), self.store.get(i).view());
-        Some(k)
-    }
-
     /// Wait for the head's reduce-scatters.
     fn wait_head(&mut self) {
         for w in self.head_pending.drain(..) {
@@ -718,7 +690,7 @@ impl FsdpGrads {
 
     /// Reduce-scatter the root gradients not yet sent and wait for every reduce-scatter, then
     /// (HSDP) sum the shards across replicas: the shards then hold the global batch's gradients.
-    pub fn finish(&mut self, be: &dyn Backend) {
+    pub fn finish(&mut self, _be: &dyn Backend) {
         self.wait_head();
         let head_sent = std::mem::take(&mut self.head_sent);
         for &i in self.layout.root.clone().iter() {
@@ -726,12 +698,8 @@ impl FsdpGrads {
                 continue;
             }
             let g = self.groups.get(self.layout.group[i]).clone();
-            let send = match self.prepare_root_send(be, i) {
-                None => self.store.get(i),
-                Some(k) => &self.root_send[k],
-            };
             g.reduce_scatter(
-                send.view(),
+                self.store.get(i).padded_view(),
                 self.shards[i].view_mut(),
                 Phase::GradReduceScatter,
             )
@@ -785,11 +753,6 @@ impl FsdpGrads {
         &mut self.shards
     }
 
-    /// [`unpadded`]: its full gradient is the reduce-scatter's send buffer as it is.
-    fn unpadded(&self, i: usize) -> bool {
-        unpadded(&self.layout, &self.groups, i)
-    }
-
     fn shape_for(&mut self, be: &dyn Backend, l: usize) {
         let idx = &self.layout.blocks[l];
         let fits = self.pool[0].len() == idx.len()
@@ -809,21 +772,10 @@ impl FsdpGrads {
         let idx = idx.clone();
         // Drop the old sets first, so the ledger's peak does not count both.
         self.pool = [Vec::new(), Vec::new()];
-        self.stage = [Vec::new(), Vec::new()];
         for t in 0..2 {
             self.pool[t] = idx
                 .iter()
-                .map(|&i| be.zeros(&self.layout.local_shape[i], Category::Grads))
-                .collect();
-            self.stage[t] = idx
-                .iter()
-                .map(|&i| match self.unpadded(i) {
-                    true => be.zeros(&[0], Category::Buffers),
-                    false => {
-                        let w = self.groups.get(self.layout.group[i]).size();
-                        be.zeros(&[self.layout.shard[i] * w], Category::Buffers)
-                    }
-                })
+                .map(|&i| padded_grad(be, &self.layout, &self.groups, i))
                 .collect();
         }
     }
@@ -849,18 +801,14 @@ impl GradSink for FsdpGrads {
         }
     }
 
-    fn end_head(&mut self, be: &dyn Backend) {
+    fn end_head(&mut self, _be: &dyn Backend) {
         for i in self.layout.root.clone() {
             if self.is_embedding(i) {
                 continue;
             }
-            let src = self.prepare_root_send(be, i);
-            let send = match src {
-                None => self.store.get(i),
-                Some(k) => &self.root_send[k],
-            };
-            // SAFETY: neither the head's gradient nor its send buffer is written again before
-            // this work is waited on (`begin_embedding` or `finish`).
+            let send = self.store.get(i);
+            // SAFETY: the head's gradient is not written again before this work is waited on
+            // (`begin_embedding` or `finish`).
             let w = unsafe {
                 post_reduce_scatter(&self.groups, &self.layout, i, send, &mut self.shards[i])
             };
@@ -871,28 +819,20 @@ impl GradSink for FsdpGrads {
 
     fn begin_embedding(&mut self, be: &dyn Backend) {
         if let Some((e, h)) = self.share {
-            // The LM head's reduce-scatter reads the tensor (or, padded, the send buffer the
-            // embedding's will use): done before the embedding writes it.
+            // The LM head's reduce-scatter reads the tensor: done before the embedding writes it.
             self.wait_head();
             self.store.tensors_mut().swap(e, h);
             be.fill(self.store.get_mut(e).view_mut(), 0.0);
         }
     }
 
-    fn end_block(&mut self, be: &dyn Backend, l: usize) {
+    fn end_block(&mut self, _be: &dyn Backend, l: usize) {
         let t = self.turn;
         self.turn ^= 1;
         let idx = self.layout.blocks[l].clone();
         for (k, &i) in idx.iter().enumerate() {
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
-            let send = match self.unpadded(i) {
-                true => &self.pool[t][k],
-                false => {
-                    let n = self.layout.numel(i);
-                    be.copy(self.stage[t][k].slice_mut(0, n), self.pool[t][k].view());
-                    &self.stage[t][k]
-                }
-            };
+            let send = &self.pool[t][k];
             // SAFETY: the send set is not written again before this work is waited on
             // (`begin_block` of the block two later).
             let w = unsafe {

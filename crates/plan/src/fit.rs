@@ -39,13 +39,14 @@
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters (f32, but bf16 for the GEMM weights
 //! under `training.compute_dtype = "bf16"`), two sets of one block's full gradients
-//! (`grads`; a reduce-scatter sends from one while the next block writes the other), padded
-//! send buffers in both sets for the block's tensors whose rows do not split evenly over their
-//! group (the others are sent as they are), the Muon update shards, the whole
-//! matrices the rank gathers as a Newton–Schulz root (rank 0's, see [`root_elems`]), one
-//! Newton–Schulz scratch (and one per further thread for the small shapes), the root
-//! gradients' reduce-scatter send buffers, and the gather staging of every slot and of the root
-//! (f32 receive buffers, or bf16 send and receive buffers), all made once and on the device. Each tensor is drawn whole before its shard is
+//! (`grads`; a reduce-scatter sends from one while the next block writes the other), the Muon
+//! update shards, the whole matrices the rank gathers as a Newton–Schulz root (rank 0's, see
+//! [`root_elems`]), one Newton–Schulz scratch (and one per further thread for the small
+//! shapes), and the gather staging of every slot and of the root (f32 receive buffers for
+//! what is not gathered in the dtype the model reads, or bf16 send buffers and such receive
+//! buffers), all made once and on the device. Unsharded parameters gathered in the dtype the
+//! model reads, and every full gradient, are held in buffers with room for their padded rows
+//! (the shard times the group), which the gathers write and the reduce-scatters send. Each tensor is drawn whole before its shard is
 //! kept, so the `params` peak is the shards before the largest such moment plus that whole
 //! tensor, a moment before anything else exists. Under expert parallelism (ep > 1) a rank
 //! gathers its ep slice of each layer's routed experts (E/ep), sharded over the W/ep ranks that
@@ -355,22 +356,10 @@ impl Rt {
             _ => s[0].div_ceil(g) * (self.numel() / s[0]),
         }
     }
-    /// The gathered array with its padding: the shard times the group.
+    /// The gathered array with its padding: the shard times the group. The runtime's gradient
+    /// tensors, and the unsharded parameters a gather writes, have buffers this long.
     fn padded(&self, c: Cut) -> u64 {
         self.shard(c) * self.group(c)
-    }
-    /// Whether its rows split evenly over its group: no padding, so the runtime gathers into and
-    /// reduce-scatters from the tensor itself.
-    fn unpadded(&self, c: Cut) -> bool {
-        self.padded(c) == self.local(c)
-    }
-    /// Elements of a padded buffer the tensor needs for a gather or reduce-scatter: 0 when
-    /// [`Self::unpadded`].
-    fn pad_buffer(&self, c: Cut) -> u64 {
-        match self.unpadded(c) {
-            true => 0,
-            false => self.padded(c),
-        }
     }
     /// Muon's `(rows, cols)` under `muon`, else `None`.
     fn muon(&self, muon: bool) -> Option<(u64, u64)> {
@@ -422,31 +411,43 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let f = 4.0;
     let sum = |it: &mut dyn Iterator<Item = u64>| it.sum::<u64>() as f64;
     let shards = sum(&mut ts.iter().map(|t| t.shard(cut)));
-    let root_full = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(Rt::numel));
-    // The root's gradients: the embedding's shares the LM head's tensor (and its padded send
-    // buffer), one shape [V, H]; the head's are reduce-scattered before the embedding's backward.
+    // Gradients are held with their padded rows, which the reduce-scatters send as they are.
+    let root_full = sum(&mut ts
+        .iter()
+        .filter(|t| t.block.is_none())
+        .map(|t| t.padded(cut)));
+    // The root's gradients: the embedding's shares the LM head's tensor, one shape [V, H]; the
+    // head's are reduce-scattered before the embedding's backward.
     let embedding = ts
         .iter()
         .find(|t| t.block.is_none())
         .expect("the embedding");
-    let root_grads = root_full - embedding.numel() as f64;
+    let root_grads = root_full - embedding.padded(cut) as f64;
     // Blocks of one shape are reused; the largest block stands for all.
     let block = |g: &dyn Fn(&Rt) -> u64| {
         (0..m.layers)
             .map(|l| sum(&mut ts.iter().filter(|t| t.block == Some(l)).map(g)))
             .fold(0.0, f64::max)
     };
-    let block_full = block(&|t| t.local(cut));
-    // What the model reads: bf16 GEMM weights under bf16 compute, the rest f32.
+    let block_full = block(&|t| t.padded(cut));
+    // What the model reads: bf16 GEMM weights under bf16 compute, the rest f32. A tensor
+    // gathered in that dtype is gathered straight into it (its buffer holds the padded rows);
+    // the others (f32 gathers of bf16 weights) through a padded receive buffer and a cast.
     let bf16_compute = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
-    let unsharded = |t: &Rt| match bf16_compute && t.gemm_weight {
-        true => 2 * t.local(cut),
-        false => 4 * t.local(cut),
+    let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
+    let direct = |t: &Rt| bf16 == (bf16_compute && t.gemm_weight);
+    let unsharded = |t: &Rt| {
+        let elems = match direct(t) {
+            true => t.padded(cut),
+            false => t.local(cut),
+        };
+        match bf16_compute && t.gemm_weight {
+            true => 2 * elems,
+            false => 4 * elems,
+        }
     };
     let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
     let block_bytes = block(&unsharded);
-    // The block's reduce-scatter send buffers: tensors whose shards need padding only.
-    let block_send = block(&|t| t.pad_buffer(cut));
     let block_shard = block(&|t| t.shard(cut));
     let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {
         (Kind::Frozen, _) => 0,
@@ -486,11 +487,10 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         .filter(|t| t.block.is_none())
         .map(|t| t.shard(cut)));
     let slots = (p.prefetch + 1) as f64;
-    let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
     // Receive buffers of the gathers: none for a tensor gathered straight into what the model
-    // reads (rows split evenly, the gather's dtype the model's), else padded.
-    let recv = |t: &Rt| match bf16 == (bf16_compute && t.gemm_weight) {
-        true => t.pad_buffer(cut),
+    // reads, else padded.
+    let recv = |t: &Rt| match direct(t) {
+        true => 0,
         false => t.padded(cut),
     };
     let block_recv = block(&recv);
@@ -502,13 +502,6 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let root_recv = root_max(&recv);
     let root_send16 = root_max(&|t| t.shard(cut));
-    // The root gradients' reduce-scatter send buffers: tensors whose shards need padding only,
-    // the embedding using the LM head's.
-    let root_send = sum(&mut ts
-        .iter()
-        .filter(|t| t.block.is_none())
-        .map(|t| t.pad_buffer(cut)))
-        - embedding.pad_buffer(cut) as f64;
     let mut local = job.clone();
     local.training.batch_size = job.training.batch_size / ranks;
     // Each tensor is drawn whole before its shard is kept, in table order.
@@ -551,11 +544,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes
             + slots * block_bytes
-            + f * (2.0 * block_send
-                + muon_shards
-                + root_elems(&ts, cut, muon) as f64
-                + ns_scratch
-                + root_send)
+            + f * (muon_shards + root_elems(&ts, cut, muon) as f64 + ns_scratch)
             + gather_staging
             + ep_scratch
             + crate::ledger::step_scalars(&job.model)
