@@ -97,15 +97,17 @@ fn sharded_losses_equal_one_process() {
 #[test]
 fn padded_and_unpadded_gradients_reduce_scatter_alike() {
     for vocab in ["model.vocab_size=258", "model.vocab_size=256"] {
-        padded_and_unpadded_at(vocab);
+        padded_and_unpadded_at(vocab, "training.compute_dtype=f32");
     }
+    // bf16 weights gathered in bf16 straight into tensors with padded rows.
+    padded_and_unpadded_at("model.vocab_size=258", "training.compute_dtype=bf16");
 }
 
-fn padded_and_unpadded_at(vocab: &str) {
-    let shape = ["model.head_dim=10", "model.experts=6", vocab];
+fn padded_and_unpadded_at(vocab: &str, dtype: &str) {
+    let shape = ["model.head_dim=10", "model.experts=6", vocab, dtype];
     let cfg = tiny(6, &shape);
     let opts = TrainOptions {
-        out: Some(tmp(&format!("single-padded-{vocab}"))),
+        out: Some(tmp(&format!("single-padded-{vocab}-{dtype}"))),
         quiet: true,
         ..Default::default()
     };
@@ -113,7 +115,7 @@ fn padded_and_unpadded_at(vocab: &str) {
     let mut two = shape.to_vec();
     two.extend(["device.kind=cpu-two-memory", "parallelism.dp_shard=4"]);
     let four = tiny(6, &two);
-    let dir = tmp(&format!("padded-4-{vocab}"));
+    let dir = tmp(&format!("padded-4-{vocab}-{dtype}"));
     let o = ParOptions {
         ranks: 4,
         out: Some(dir.clone()),
@@ -121,10 +123,15 @@ fn padded_and_unpadded_at(vocab: &str) {
         ..Default::default()
     };
     let d = max_diff(&train_threads(&four, &o).unwrap().losses, &base);
-    println!("4 ranks, {vocab}: max |loss - one process| = {d:e}");
-    assert!(d <= LOSS_BOUND, "4 ranks, {vocab}: loss differs by {d:e}");
+    println!("4 ranks, {vocab}, {dtype}: max |loss - one process| = {d:e}");
+    // bf16: mixed_precision.rs's bound across ranks, 5e-4 of losses near 5.5 (measured 5.7e-5).
+    let bound = match dtype.ends_with("bf16") {
+        true => 2.5e-3,
+        false => LOSS_BOUND,
+    };
+    assert!(d <= bound, "4 ranks, {vocab}, {dtype}: loss differs by {d:e}");
     for (dev, cat, measured, planned) in common::measured_and_planned(&dir) {
-        assert_eq!(measured, planned, "{vocab}: {dev} {cat}");
+        assert_eq!(measured, planned, "{vocab}, {dtype}: {dev} {cat}");
     }
 }
 
