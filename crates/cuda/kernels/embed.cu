@@ -1,11 +1,12 @@
 // Token embedding, forward and backward. Compiled after common.cuh (see src/sources.rs).
 
-// out[r] = wte[ids[r]], rows of dim. Launch: grid rows, any 1-D block.
-template <class T>
-__device__ void embedding_fwd(T* out, const T* wte, const unsigned* ids, int dim) {
+// out[r] = wte[ids[r]], rows of dim (a bf16 table widened into f32 rows under bf16 compute).
+// Launch: grid rows, any 1-D block.
+template <class T, class W>
+__device__ void embedding_fwd(T* out, const W* wte, const unsigned* ids, int dim) {
     const long long r = blockIdx.x;
     const long long src = (long long)ids[r] * dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[r * dim + i] = wte[src + i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) st(out + r * dim + i, ld(wte + src + i));
 }
 
 // dwte[ids[t]] += dout[t] without atomics, deterministically: the host groups the token ids
@@ -32,6 +33,10 @@ extern "C" __global__ void embedding_forward_f32(float* out, const float* wte,
 }
 extern "C" __global__ void embedding_forward_bf16(bf16* out, const bf16* wte, const unsigned* ids,
                                                   int dim) {
+    embedding_fwd(out, wte, ids, dim);
+}
+extern "C" __global__ void embedding_forward_f32_bf16(float* out, const bf16* wte,
+                                                      const unsigned* ids, int dim) {
     embedding_fwd(out, wte, ids, dim);
 }
 extern "C" __global__ void embedding_backward_sorted_f32(float* dwte, const float* dout,

@@ -103,6 +103,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         &[
             "embedding_forward_f32",
             "embedding_forward_bf16",
+            "embedding_forward_f32_bf16",
             "embedding_backward_sorted_f32",
             "embedding_backward_sorted_bf16",
         ],

@@ -592,6 +592,23 @@ fn embedding_forward_backward() {
         }
         vec![down(be, &out), dwte]
     };
+    // A bf16 table widened into f32 rows (a bf16 weight under bf16 compute): exactly the
+    // table's values.
+    let wte16 = bf16::from_f32_slice(&wte);
+    let kd: &dyn Backend = &kb;
+    let mut t = kd.zeros_of(&[vocab * dim], DType::BF16, Category::Params);
+    kd.write(t.view_mut(), &wte);
+    let mut out = kd.zeros(&[rows * dim], Category::Activations);
+    let g = Grouped::up(kd, &ids);
+    kd.embedding_forward(out.view_mut(), t.view(), g.ids.view(), dim);
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&id| {
+            let r = id as usize * dim..(id as usize + 1) * dim;
+            wte16[r].iter().map(|&h| bf16::to_f32(h))
+        })
+        .collect();
+    assert_eq!(down(kd, &out), want, "embedding from a bf16 table");
     for st in [St::F32, St::Bf16] {
         let inputs = st.inputs(&[wte.clone(), dout.clone()]);
         parity(

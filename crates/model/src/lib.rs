@@ -380,14 +380,14 @@ impl Model {
 
     /// Whether parameter `i` may be handed to the model in bf16: under bf16 compute, the
     /// weights that only bf16-input GEMMs read (attention, dense and expert SwiGLU matrices,
-    /// the LM head), as FSDP2's `param_dtype`. The embedding (read by the f32 lookup kernel),
-    /// the router (an f32 GEMM), norm gains and the selection bias stay f32. The model reads
-    /// either dtype; the GEMM casts only what is not bf16 yet.
+    /// the LM head) and the embedding, whose lookup widens its rows into the f32 residual
+    /// stream, as FSDP2's `param_dtype`. The router (an f32 GEMM), norm gains and the selection
+    /// bias stay f32. The model reads either dtype; the GEMM casts only what is not bf16 yet.
     pub fn bf16_weight(&self, i: usize) -> bool {
         self.bf16
             && matches!(
                 self.specs[i].kind,
-                ParamKind::Matrix | ParamKind::Experts | ParamKind::LmHead
+                ParamKind::Matrix | ParamKind::Experts | ParamKind::LmHead | ParamKind::Embedding
             )
     }
     /// Parameters initialised deterministically from `seed` (Category::Params).

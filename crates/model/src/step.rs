@@ -23,9 +23,13 @@ pub enum Pass {
 /// gathers a block's shards in `acquire_block` and frees them in `release_block`) while the
 /// model code stays the same at any rank count; [`LocalParams`] is the single-process source.
 pub trait ParamSource {
-    /// The parameter table as it stands: the embedding, final norm and LM head always, a block's
-    /// entries between its `acquire_block` and `release_block`.
+    /// The parameter table as it stands: the final norm always, the embedding until
+    /// `acquire_head` and the LM head from then on (FSDP may hold both in one tensor), a
+    /// block's entries between its `acquire_block` and `release_block`.
     fn params(&self) -> &ParamStore;
+    /// The forward pass is at the final norm: the LM head is about to be read (in this
+    /// forward and the backward that follows), the embedding no longer.
+    fn acquire_head(&mut self, _be: &dyn Backend) {}
     /// Block `l` is about to run in `pass`.
     fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {}
     /// Block `l` is done in `pass` (its parameters may go).
@@ -207,6 +211,7 @@ fn forward(
             stats.push(s);
         }
     }
+    src.acquire_head(be);
     let params = src.params();
     let eps = cfg.norm_eps as f32;
     // The last boundary is stored like the others: the head reads it widened, in forward and

@@ -502,6 +502,9 @@ impl ParamSource for TracedBlocks<'_> {
     fn params(&self) -> &ParamStore {
         self.inner.params()
     }
+    fn acquire_head(&mut self, be: &dyn Backend) {
+        self.inner.acquire_head(be);
+    }
     fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {
         self.started = self.tracer.enabled().then(Instant::now);
     }

@@ -131,6 +131,10 @@ pub struct FsdpParams {
     master_on_host: bool,
     /// What the model reads: root parameters resident, block entries empty except while in use.
     store: ParamStore,
+    /// `(embedding, LM head)` when they have one shape, shard and dtype: one tensor holds the
+    /// embedding, gathered when the step begins, then the LM head, gathered into it at the
+    /// final norm (`acquire_head`); the other's entry is empty meanwhile.
+    share: Option<(usize, usize)>,
     /// The receive buffer of the root unit's gathers (f32 or bf16 per the gather dtype; empty
     /// when every root parameter is [`direct`]) and, for bf16 gathers, the send buffer: one each,
     /// sized for the largest root parameter, since the root's gathers run one after another.
@@ -170,6 +174,21 @@ fn direct(dtype: GatherDtype, bf16_weight: &[bool], i: usize) -> bool {
 /// Elements of parameter `i`'s gathered array: its shard times its group, padding included.
 fn padded(layout: &Layout, groups: &Groups, i: usize) -> usize {
     layout.shard[i] * groups.get(layout.group[i]).size()
+}
+
+/// The root's embedding, if it has one.
+fn embedding(layout: &Layout) -> Option<usize> {
+    root_param(layout, "model.embed_tokens.weight")
+}
+
+/// `(embedding, LM head)` indices, when the root holds both.
+fn embedding_and_head(layout: &Layout) -> Option<(usize, usize)> {
+    embedding(layout).zip(root_param(layout, "lm_head.weight"))
+}
+
+fn root_param(layout: &Layout, name: &str) -> Option<usize> {
+    let mut root = layout.root.iter().copied();
+    root.find(|&i| layout.specs[i].name == name)
 }
 
 /// A zero-length stand-in for a block parameter that is not gathered.
@@ -221,10 +240,17 @@ impl FsdpParams {
                 }
             })
             .collect();
+        let share = embedding_and_head(&layout).filter(|&(e, h)| {
+            let same = |f: &dyn Fn(usize) -> bool| f(e) == f(h);
+            layout.local_shape[e] == layout.local_shape[h]
+                && layout.shard[e] == layout.shard[h]
+                && layout.group[e] == layout.group[h]
+                && same(&|i| bf16_weight[i])
+        });
         let mut specs = layout.specs.clone();
         let tensors = (0..specs.len())
             .map(|i| {
-                if layout.root.contains(&i) {
+                if layout.root.contains(&i) && share.is_none_or(|(_, h)| h != i) {
                     let len = match direct(dtype, &bf16_weight, i) {
                         true => padded(&layout, &groups, i),
                         false => layout.numel(i),
@@ -273,6 +299,7 @@ impl FsdpParams {
             master,
             master_on_host,
             store,
+            share,
             root_recv,
             root_send16,
             root_stage,
@@ -303,37 +330,48 @@ impl FsdpParams {
         if self.master_on_host {
             copy_shards(be, &self.master, &self.layout.root, &mut self.root_stage);
         }
-        for k in 0..self.layout.root.len() {
-            let i = self.layout.root[k];
-            let g = self.groups.get(self.layout.group[i]).clone();
-            // The root unit is gathered at once (needed by the embedding straight away), in
-            // the same dtype as the blocks.
-            let (n, s) = (self.layout.numel(i), self.layout.shard[i]);
-            let padded = s * g.size();
-            let direct = self.direct(i);
-            let shard = match self.master_on_host {
-                true => &self.root_stage[k],
-                false => &self.master[i],
-            };
-            let send = match self.dtype {
-                GatherDtype::F32 => shard.view(),
-                GatherDtype::Bf16 => {
-                    be.cast(self.root_send16.slice_mut(0, s), shard.view());
-                    self.root_send16.slice(0, s)
-                }
-            };
-            let recv = match direct {
-                true => self.store.get_mut(i).padded_view_mut(),
-                false => self.root_recv.slice_mut(0, padded),
-            };
-            g.all_gather(send, recv, Phase::ForwardGather)
-                .unwrap_or_else(|e| fail("gathering the root parameters", e));
-            if !direct {
-                // A copy, or a cast for a bf16 weight.
-                be.cast(self.store.get_mut(i).view_mut(), self.root_recv.slice(0, n));
+        if let Some((e, h)) = self.share {
+            if self.store.get(e).is_empty() {
+                self.store.tensors_mut().swap(e, h);
             }
         }
+        for k in 0..self.layout.root.len() {
+            if self.share.is_some_and(|(_, h)| h == self.layout.root[k]) {
+                continue;
+            }
+            self.gather_root(be, k);
+        }
         self.post_until(be, self.prefetch);
+    }
+
+    /// Gather the root unit's `k`-th parameter into the store, in the same dtype as the blocks.
+    fn gather_root(&mut self, be: &dyn Backend, k: usize) {
+        let i = self.layout.root[k];
+        let g = self.groups.get(self.layout.group[i]).clone();
+        let (n, s) = (self.layout.numel(i), self.layout.shard[i]);
+        let padded = s * g.size();
+        let direct = self.direct(i);
+        let shard = match self.master_on_host {
+            true => &self.root_stage[k],
+            false => &self.master[i],
+        };
+        let send = match self.dtype {
+            GatherDtype::F32 => shard.view(),
+            GatherDtype::Bf16 => {
+                be.cast(self.root_send16.slice_mut(0, s), shard.view());
+                self.root_send16.slice(0, s)
+            }
+        };
+        let recv = match direct {
+            true => self.store.get_mut(i).padded_view_mut(),
+            false => self.root_recv.slice_mut(0, padded),
+        };
+        g.all_gather(send, recv, Phase::ForwardGather)
+            .unwrap_or_else(|e| fail("gathering the root parameters", e));
+        if !direct {
+            // A cast for a bf16 weight gathered in f32, a copy for an f32 one in bf16.
+            be.cast(self.store.get_mut(i).view_mut(), self.root_recv.slice(0, n));
+        }
     }
 
     /// [`direct`] for parameter `i`.
@@ -462,6 +500,15 @@ impl FsdpParams {
 impl ParamSource for FsdpParams {
     fn params(&self) -> &ParamStore {
         &self.store
+    }
+
+    fn acquire_head(&mut self, be: &dyn Backend) {
+        if let Some((e, h)) = self.share {
+            // The embedding's lookup is done: its tensor takes the LM head.
+            self.store.tensors_mut().swap(e, h);
+            let k = self.layout.root.iter().position(|&r| r == h).unwrap();
+            self.gather_root(be, k);
+        }
     }
 
     fn acquire_block(&mut self, be: &dyn Backend, l: usize, pass: Pass) {
@@ -611,21 +658,12 @@ pub struct FsdpGrads {
 
 impl FsdpGrads {
     pub fn new(be: &dyn Backend, layout: Arc<Layout>, groups: Groups) -> Self {
-        let find = |name: &str| {
-            let mut root = layout.root.iter().copied();
-            root.find(|&i| layout.specs[i].name == name)
-        };
-        let embedding = find("model.embed_tokens.weight");
-        let share = match (embedding, find("lm_head.weight")) {
-            (Some(e), Some(h))
-                if layout.local_shape[e] == layout.local_shape[h]
-                    && layout.shard[e] == layout.shard[h]
-                    && layout.group[e] == layout.group[h] =>
-            {
-                Some((e, h))
-            }
-            _ => None,
-        };
+        let embedding = embedding(&layout);
+        let share = embedding_and_head(&layout).filter(|&(e, h)| {
+            layout.local_shape[e] == layout.local_shape[h]
+                && layout.shard[e] == layout.shard[h]
+                && layout.group[e] == layout.group[h]
+        });
         let shared_embed = |i: usize| share.is_some_and(|(e, _)| e == i);
         let mut specs = layout.specs.clone();
         let tensors = (0..specs.len())

@@ -243,26 +243,26 @@ struct Rt {
     block: Option<usize>,
     shape: Vec<u64>,
     kind: Kind,
-    /// Read only by the GEMMs: handed to the model in bf16 under bf16 compute
-    /// (`ganymede_model::Model::bf16_weight`).
-    gemm_weight: bool,
+    /// Handed to the model in bf16 under bf16 compute (`ganymede_model::Model::bf16_weight`:
+    /// the GEMM weights and the embedding).
+    bf16_weight: bool,
 }
 
 fn runtime_tensors(m: &ganymede_config::ModelConfig) -> Vec<Rt> {
     let (v, h, hd) = (m.vocab_size as u64, m.hidden as u64, m.head_dim as u64);
     let (q, kv, e) = (m.q_dim() as u64, m.kv_dim() as u64, m.experts as u64);
-    let root = |shape: Vec<u64>, kind, gemm_weight| Rt {
+    let root = |shape: Vec<u64>, kind, bf16_weight| Rt {
         block: None,
         shape,
         kind,
-        gemm_weight,
+        bf16_weight,
     };
-    let mut out = vec![root(vec![v, h], Kind::AdamW, false)];
+    let mut out = vec![root(vec![v, h], Kind::AdamW, true)];
     for l in 0..m.layers {
-        // Matrices and experts are GEMM weights; norms, the router and the bias are not.
+        // Matrices and experts are bf16 weights; norms, the router and the bias are not.
         let t = |shape: Vec<u64>, kind| Rt {
             block: Some(l),
-            gemm_weight: matches!(kind, Kind::Matrix | Kind::Experts { .. }),
+            bf16_weight: matches!(kind, Kind::Matrix | Kind::Experts { .. }),
             shape,
             kind,
         };
@@ -430,23 +430,27 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             .fold(0.0, f64::max)
     };
     let block_full = block(&|t| t.padded(cut));
-    // What the model reads: bf16 GEMM weights under bf16 compute, the rest f32. A tensor
+    // What the model reads: bf16 weights under bf16 compute, the rest f32. A tensor
     // gathered in that dtype is gathered straight into it (its buffer holds the padded rows);
     // the others (f32 gathers of bf16 weights) through a padded receive buffer and a cast.
     let bf16_compute = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
-    let direct = |t: &Rt| bf16 == (bf16_compute && t.gemm_weight);
+    let direct = |t: &Rt| bf16 == (bf16_compute && t.bf16_weight);
     let unsharded = |t: &Rt| {
         let elems = match direct(t) {
             true => t.padded(cut),
             false => t.local(cut),
         };
-        match bf16_compute && t.gemm_weight {
+        match bf16_compute && t.bf16_weight {
             true => 2 * elems,
             false => 4 * elems,
         }
     };
-    let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded));
+    // The embedding and the LM head (same shape and dtype) take turns in one tensor: the
+    // embedding's while the step begins, the LM head's from the final norm on.
+    let lm_head = ts.iter().rfind(|t| t.block.is_none()).expect("the LM head");
+    let root_bytes = sum(&mut ts.iter().filter(|t| t.block.is_none()).map(unsharded))
+        - unsharded(lm_head) as f64;
     let block_bytes = block(&unsharded);
     let block_shard = block(&|t| t.shard(cut));
     let state = sum(&mut ts.iter().map(|t| match (t.kind, t.muon(muon)) {

@@ -190,9 +190,9 @@ pub fn bf16_boundaries(job: &JobConfig) -> bool {
         .bf16_under(job.training.compute_dtype)
 }
 
-/// Bytes of the bf16 compute copy a single process keeps of the weights only GEMMs read
-/// (`training.compute_dtype = "bf16"`, else 0): 2 per element of the attention, SwiGLU and
-/// expert matrices and the LM head, cast from the f32 masters once per step.
+/// Bytes of the bf16 compute copy a single process keeps of the weights handed to the model in
+/// bf16 (`training.compute_dtype = "bf16"`, else 0): 2 per element of the attention, SwiGLU
+/// and expert matrices, the LM head and the embedding, cast from the f32 masters once per step.
 pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
         return 0.0;
@@ -200,7 +200,7 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
     let ts = params::tensors(&job.model);
     2.0 * ts
         .iter()
-        .filter(|t| t.gemm_weight())
+        .filter(|t| t.bf16_weight())
         .map(|t| t.total())
         .sum::<u64>() as f64
 }

@@ -64,10 +64,11 @@ impl TensorKind {
     pub fn is_matrix(&self) -> bool {
         self.cols > 1 && self.rows > 1
     }
-    /// Read only by bf16-input GEMMs under bf16 compute, so handed to the model in bf16
-    /// (`ganymede_model::Model::bf16_weight`): everything but the embedding, norms and router.
-    pub fn gemm_weight(&self) -> bool {
-        !matches!(self.group, Group::Embedding | Group::Norms | Group::Router)
+    /// Handed to the model in bf16 under bf16 compute (`ganymede_model::Model::bf16_weight`):
+    /// what only bf16-input GEMMs and the embedding's lookup read, everything but the norms and
+    /// the router.
+    pub fn bf16_weight(&self) -> bool {
+        !matches!(self.group, Group::Norms | Group::Router)
     }
     /// Muon for 2-D matrices other than the router, embedding and LM head.
     pub fn handler(&self) -> Handler {

@@ -172,15 +172,14 @@ fn bf16_weights_give_the_losses_of_casting_in_every_gemm() {
     }
 }
 
-/// The bf16 weights on the ledger: at one rank a bf16 compute copy, 2 bytes per GEMM-weight
-/// element on top of the per-GEMM path. Under FSDP the unsharded GEMM weights (the root's LM
-/// head, `prefetch + 1` slots of one block's; `tiny`'s rows all split evenly over 2 ranks) are
-/// gathered straight into the tensors the model reads when the gather's dtype is theirs: with
-/// bf16 gathers the bf16 weights then take 2 bytes an element instead of a bf16 receive buffer
-/// and an f32 copy (6); with f32 gathers, an f32 receive buffer and a bf16 copy (6) instead of
-/// f32 weights gathered in place (4). The root's gathers share one receive buffer, which the
-/// f32 embedding sizes either way under bf16 gathers: there the LM head saves its f32 copy's
-/// 2 bytes over bf16 only. The measured buffer peak equals the planner's to the byte.
+/// The bf16 weights on the ledger: at one rank a bf16 compute copy, 2 bytes per bf16-weight
+/// element (the GEMM weights and the embedding) on top of the per-GEMM path. Under FSDP
+/// (`tiny`'s rows all split evenly over 2 ranks) a parameter gathered in the dtype the model
+/// reads is gathered straight into the tensor the model reads; the others go through a receive
+/// buffer in the gather's dtype and a copy or cast. A block's parameters have a receive buffer
+/// each, in each of `prefetch + 1` slots; the root's gathers, one after another, share one
+/// sized for the largest, and the embedding and LM head take turns in one tensor. The difference between the two runs follows from that rule alone,
+/// and the measured buffer peak equals the planner's to the byte.
 #[test]
 fn bf16_weights_on_the_ledger_equal_the_planner() {
     for (ranks, gather) in [(1, "f32"), (2, "f32"), (2, "bf16")] {
@@ -200,14 +199,37 @@ fn bf16_weights_on_the_ledger_equal_the_planner() {
         let (delta, expected) = if ranks == 1 {
             (new as i64 - old as i64, 2 * weights(&|_| true))
         } else {
-            let root = weights(&|n| !n.starts_with("model.layers."));
-            let block = weights(&|n| n.starts_with("model.layers.0."));
-            let slots = (cfg.parallelism.prefetch + 1) as i64;
-            let saved = match gather.ends_with("bf16") {
-                true => 2 * root + 4 * slots * block,
-                false => -2 * (root + slots * block),
+            // (unsharded bytes, receive buffer bytes) of parameter i, in bf16 or f32.
+            let g16 = gather.ends_with("bf16");
+            let held = |i: usize, half: bool| {
+                let n = specs[i].numel() as i64;
+                let model_bytes = if half { 2 } else { 4 };
+                match g16 == half {
+                    true => (model_bytes * n, 0),
+                    false => (model_bytes * n, if g16 { 2 * n } else { 4 * n }),
+                }
             };
-            (old as i64 - new as i64, saved)
+            let bytes = |half_weights: bool| {
+                let half = |i: usize| half_weights && model.bf16_weight(i);
+                // The LM head takes its turn in the embedding's tensor.
+                let root = (0..specs.len()).filter(|&i| {
+                    !specs[i].name.starts_with("model.layers.") && specs[i].name != "lm_head.weight"
+                });
+                let (r_held, r_recv) = root.fold((0, 0), |(a, m), i| {
+                    let (h, r) = held(i, half(i));
+                    (a + h, m.max(r))
+                });
+                let block =
+                    (0..specs.len()).filter(|&i| specs[i].name.starts_with("model.layers.0."));
+                let b: i64 = block
+                    .map(|i| {
+                        let (h, r) = held(i, half(i));
+                        h + r
+                    })
+                    .sum();
+                r_held + r_recv + (cfg.parallelism.prefetch as i64 + 1) * b
+            };
+            (old as i64 - new as i64, bytes(false) - bytes(true))
         };
         let threads = rayon::current_num_threads();
         let predicted = ganymede_plan::predict_memory(&cfg, threads, ranks);

@@ -129,7 +129,10 @@ fn padded_and_unpadded_at(vocab: &str, dtype: &str) {
         true => 2.5e-3,
         false => LOSS_BOUND,
     };
-    assert!(d <= bound, "4 ranks, {vocab}, {dtype}: loss differs by {d:e}");
+    assert!(
+        d <= bound,
+        "4 ranks, {vocab}, {dtype}: loss differs by {d:e}"
+    );
     for (dev, cat, measured, planned) in common::measured_and_planned(&dir) {
         assert_eq!(measured, planned, "{vocab}, {dtype}: {dev} {cat}");
     }

@@ -62,6 +62,22 @@ fn embedding_forward<S: Scalar>(out: ViewMut, wte: View, ids: View, dim: usize) 
         });
 }
 
+/// [`embedding_forward`] from a bf16 table (a bf16 weight under bf16 compute), widened.
+fn embedding_forward_bf16(out: ViewMut, wte: View, ids: View, dim: usize) {
+    let (out, wte): (&mut [f32], &[u16]) = (out.host(), wte.host_bf16());
+    let ids = ids.host_u32();
+    assert_eq!(out.len(), ids.len() * dim);
+    out.par_chunks_mut(dim)
+        .zip(ids.par_iter())
+        .with_min_len(min_rows(dim))
+        .for_each(|(o, &id)| {
+            let row = &wte[id as usize * dim..(id as usize + 1) * dim];
+            o.iter_mut()
+                .zip(row)
+                .for_each(|(o, &w)| *o = crate::bf16::to_f32(w));
+        });
+}
+
 fn embedding_backward<S: Scalar>(dwte: ViewMut, dout: View, ids: View, dim: usize) {
     let (dwte, dout): (&mut [S], &[S]) = (dwte.host(), dout.host());
     let ids = ids.host_u32();
@@ -632,7 +648,13 @@ impl NnOps for CpuBackend {
         }
     }
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
-        by_dtype!(out.dtype(), embedding_forward(out, wte, ids, dim))
+        match (out.dtype(), wte.dtype()) {
+            (DType::F32, DType::BF16) => embedding_forward_bf16(out, wte, ids, dim),
+            (o, w) => {
+                assert_eq!(o, w, "embedding_forward: a {} table", w.name());
+                by_dtype!(o, embedding_forward(out, wte, ids, dim))
+            }
+        }
     }
     fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
         // Row by row in token order, the ids read in place: the grouping is not needed.

@@ -29,20 +29,30 @@ impl<L: Launcher> KernelOps<L> {
     // -----------------------------------------------------------------------------------------
     // Embedding
 
-    /// `out[t] = wte[ids[t]]`.
-    /// `out[t] = wte[ids[t]]` (ids u32; the data loader's ids are in range, checked there).
+    /// `out[t] = wte[ids[t]]` (ids u32; the data loader's ids are in range, checked there). The
+    /// table is in `out`'s dtype, or bf16 widened into f32 rows (a bf16 weight under bf16
+    /// compute).
     pub fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         let dt = out.dtype();
         let n = ids.len();
         assert_eq!(ids.dtype(), DType::U32, "embedding_forward: ids are u32");
         same("embedding_forward", "out", (dt, out.len()), (dt, n * dim));
-        assert_eq!(wte.dtype(), dt, "embedding_forward: wte dtype");
+        let widen = (dt, wte.dtype()) == (DType::F32, DType::BF16);
+        assert!(
+            wte.dtype() == dt || widen,
+            "embedding_forward: a {} table for {} rows",
+            wte.dtype().name(),
+            dt.name()
+        );
         rows_of("embedding_forward", wte.len(), dim);
         if n == 0 {
             return;
         }
         let args = [self.am(out), self.a(wte), self.a(ids), i32_of(dim)];
-        let name = format!("embedding_forward_{}", st(dt, "embedding_forward"));
+        let name = match widen {
+            true => "embedding_forward_f32_bf16".to_string(),
+            false => format!("embedding_forward_{}", st(dt, "embedding_forward")),
+        };
         self.launch(&name, self.per_row(n, dim), &args);
     }
 

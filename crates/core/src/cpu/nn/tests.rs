@@ -110,6 +110,32 @@ fn embedding() {
     fd_check("embedding", &[wte], &[down(&b, &g)], f);
 }
 
+/// A bf16 table (a bf16 weight under bf16 compute) is widened into f32 rows: the rows are the
+/// table's bf16 values exactly.
+#[test]
+fn embedding_from_a_bf16_table() {
+    let b = CpuBackend::default();
+    let (v, d) = (5, 3);
+    let mut rng = Rng::new(3);
+    let wte: Vec<f32> = (0..v * d).map(|_| rng.next() as f32).collect();
+    let bits = crate::bf16::from_f32_slice(&wte);
+    let mut t16 = b.zeros_of(&[v * d], crate::DType::BF16, Category::Params);
+    b.write(t16.view_mut(), &wte);
+    let ids = b.upload_u32(&[4, 0, 4, 2], &[4], Category::Activations);
+    let mut out = b.zeros(&[4 * d], Category::Activations);
+    b.embedding_forward(out.view_mut(), t16.view(), ids.view(), d);
+    let want: Vec<f32> = [4, 0, 4, 2]
+        .iter()
+        .flat_map(|&id| {
+            bits[id * d..(id + 1) * d]
+                .iter()
+                .map(|&h| crate::bf16::to_f32(h))
+        })
+        .collect();
+    assert_eq!(b.download(out.view()), want);
+    assert_ne!(want[..d], wte[4 * d..5 * d], "the values were not rounded");
+}
+
 #[test]
 fn embedding_segments_group_tokens_by_id_stably() {
     let (order, seg_start, seg_id) = embedding_segments(&[3, 0, 3, 6, 1, 0]);
