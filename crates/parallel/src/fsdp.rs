@@ -10,9 +10,13 @@
 //!   same at every step and every block. The gathers of the next `prefetch` blocks are posted
 //!   when a block starts, so they travel while it computes.
 //! - Mixed precision (`training.compute_dtype = "bf16"`), as FSDP2's `param_dtype`: the weights
-//!   that only bf16-input GEMMs read ([`Model::bf16_weight`](ganymede_model::Model)) are handed
-//!   to the model as bf16 tensors, so no f32 copy of them is made and their unsharded bytes
-//!   halve; the GEMMs then cast only their other operand. Everything else is handed over in f32.
+//!   that only bf16-input GEMMs read and the embedding
+//!   ([`Model::bf16_weight`](ganymede_model::Model)) are handed to the model as bf16 tensors, so
+//!   no f32 copy of them is made and their unsharded bytes halve; the GEMMs then cast only their
+//!   other operand. Everything else is handed over in f32.
+//! - The root unit (embedding, final norm, LM head) is gathered when the step begins, but for
+//!   the LM head, which is gathered at the final norm into the embedding's tensor (same shape
+//!   and dtype): the embedding's lookup is done by then, so one `[V, H]` tensor serves both.
 //! - A parameter gathered in the dtype the model reads is gathered straight into the tensor
 //!   handed to the model, whose buffer has room for the padded rows when its rows do not split
 //!   evenly over its group ([`Tensor::padded_to`]); only f32 gathers of bf16 weights go through
