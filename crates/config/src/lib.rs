@@ -658,6 +658,10 @@ pub struct ParallelismConfig {
     pub gather_dtype: GatherDtype,
     /// Blocks whose gathers are in flight ahead of the one computing (0 = no prefetch).
     pub prefetch: usize,
+    /// Sets of one block's full gradients FSDP holds: 2 lets a block's reduce-scatter travel
+    /// while the next block's backward writes the other set; 1 saves a set's memory and waits
+    /// for each reduce-scatter before the next block's backward.
+    pub gradient_sets: usize,
     /// How distributed Muon places its Newton–Schulz work: `flexshard` (experts whole per rank,
     /// dense matrices on LPT owners) or `naive` (every matrix gathered on a round-robin root).
     pub muon_placement: MuonPlacement,
@@ -700,6 +704,7 @@ impl Default for ParallelismConfig {
             ep_capacity_factor: 2.0,
             gather_dtype: GatherDtype::Bf16,
             prefetch: 1,
+            gradient_sets: 2,
             muon_placement: MuonPlacement::Flexshard,
             timeout_s: 120.0,
             sharded_checkpoints: false,
@@ -969,6 +974,13 @@ impl JobConfig {
                 "parallelism.timeout_s",
                 p.timeout_s,
                 "must be a positive number of seconds",
+            ));
+        }
+        if !(1..=2).contains(&p.gradient_sets) {
+            return Err(invalid(
+                "parallelism.gradient_sets",
+                p.gradient_sets,
+                "must be 1 (least memory) or 2 (reduce-scatters overlap the next block's backward)",
             ));
         }
         if p.prefetch > 8 {

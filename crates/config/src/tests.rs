@@ -87,6 +87,16 @@ fn invalid_values_name_key_and_reason() {
             "parallelism.prefetch",
             "at most 8",
         ),
+        (
+            "parallelism.gradient_sets=3",
+            "parallelism.gradient_sets",
+            "must be 1",
+        ),
+        (
+            "parallelism.gradient_sets=0",
+            "parallelism.gradient_sets",
+            "must be 1",
+        ),
         ("training.steps=0", "training.steps", "at least 1"),
     ];
     for (o, key, reason) in cases {

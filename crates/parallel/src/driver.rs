@@ -231,7 +231,8 @@ impl RankState {
                 cfg.optimizer.offload,
                 &init,
             );
-            let grads = FsdpGrads::new(be, layout.clone(), groups);
+            let sets = cfg.parallelism.gradient_sets;
+            let grads = FsdpGrads::new(be, layout.clone(), groups, sets);
             let opt = ShardedOptimizer::new(be, &cfg.optimizer, &layout, &mesh, pl);
             Shards::Fsdp {
                 layout,

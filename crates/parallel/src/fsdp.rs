@@ -628,8 +628,8 @@ fn padded_grad(be: &dyn Backend, layout: &Layout, groups: &Groups, i: usize) -> 
 
 /// The gradient side of FSDP for one rank.
 pub struct FsdpGrads {
-    /// Reduce-scatters in flight, per staging set; declared first (dropping waits).
-    pending: [Vec<Work<'static>>; 2],
+    /// Reduce-scatters in flight, per gradient set; declared first (dropping waits).
+    pending: Vec<Vec<Work<'static>>>,
     /// Reduce-scatters of the head's gradients (final norm, LM head) in flight, posted when
     /// the head's backward ends; declared first (dropping waits).
     head_pending: Vec<Work<'static>>,
@@ -647,10 +647,11 @@ pub struct FsdpGrads {
     /// Each gradient's buffer holds its padded rows (zero, never written): a reduce-scatter
     /// sends the tensor as it is.
     store: ParamStore,
-    /// One block's full gradients, two sets alternating so a reduce-scatter (which sends from
-    /// its set) travels during the next block's backward (reused by every block of the same
-    /// shapes).
-    pool: [Vec<Tensor>; 2],
+    /// One block's full gradients, in `parallelism.gradient_sets` sets taken in turn: with two,
+    /// a reduce-scatter (which sends from its set) travels during the next block's backward;
+    /// with one, the next block's backward waits for it. Reused by every block of the same
+    /// shapes.
+    pool: Vec<Vec<Tensor>>,
     pool_block: Option<usize>,
     /// The set the next block's backward writes.
     turn: usize,
@@ -661,7 +662,9 @@ pub struct FsdpGrads {
 }
 
 impl FsdpGrads {
-    pub fn new(be: &dyn Backend, layout: Arc<Layout>, groups: Groups) -> Self {
+    /// `sets`: `parallelism.gradient_sets` (1 or 2).
+    pub fn new(be: &dyn Backend, layout: Arc<Layout>, groups: Groups, sets: usize) -> Self {
+        assert!((1..=2).contains(&sets), "1 or 2 gradient sets, not {sets}");
         let embedding = embedding(&layout);
         let share = embedding_and_head(&layout).filter(|&(e, h)| {
             layout.local_shape[e] == layout.local_shape[h]
@@ -684,13 +687,13 @@ impl FsdpGrads {
             .map(|i| be.zeros(&[layout.shard[i]], Category::Grads))
             .collect();
         FsdpGrads {
-            pending: [Vec::new(), Vec::new()],
+            pending: (0..sets).map(|_| Vec::new()).collect(),
             head_pending: Vec::new(),
             share,
             head_sent: false,
             embedding,
             store: ParamStore::from_tensors(specs, tensors),
-            pool: [Vec::new(), Vec::new()],
+            pool: (0..sets).map(|_| Vec::new()).collect(),
             pool_block: None,
             turn: 0,
             shards,
@@ -813,8 +816,9 @@ impl FsdpGrads {
         }
         let idx = idx.clone();
         // Drop the old sets first, so the ledger's peak does not count both.
-        self.pool = [Vec::new(), Vec::new()];
-        for t in 0..2 {
+        let sets = self.pool.len();
+        self.pool = (0..sets).map(|_| Vec::new()).collect();
+        for t in 0..sets {
             self.pool[t] = idx
                 .iter()
                 .map(|&i| padded_grad(be, &self.layout, &self.groups, i))
@@ -832,7 +836,8 @@ impl GradSink for FsdpGrads {
         self.shape_for(be, l);
         self.pool_block = Some(l);
         let t = self.turn;
-        // The set about to be written: its reduce-scatters (two blocks ago) must be done.
+        // The set about to be written: its reduce-scatters (the block that last took it) must
+        // be done.
         for w in self.pending[t].drain(..) {
             w.wait()
                 .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
@@ -870,13 +875,13 @@ impl GradSink for FsdpGrads {
 
     fn end_block(&mut self, _be: &dyn Backend, l: usize) {
         let t = self.turn;
-        self.turn ^= 1;
+        self.turn = (t + 1) % self.pool.len();
         let idx = self.layout.blocks[l].clone();
         for (k, &i) in idx.iter().enumerate() {
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
             let send = &self.pool[t][k];
             // SAFETY: the send set is not written again before this work is waited on
-            // (`begin_block` of the block two later).
+            // (`begin_block` of the next block to take this set).
             let w = unsafe {
                 post_reduce_scatter(&self.groups, &self.layout, i, send, &mut self.shards[i])
             };

@@ -38,8 +38,9 @@
 //! split by whole experts), its gradient and optimizer-state shards, the activation workspace
 //! of batch/W sequences, and the buffers: the root unit (embedding, final norm, LM head) whole,
 //! `prefetch + 1` gather slots of one block's parameters (f32, but bf16 for the GEMM weights
-//! under `training.compute_dtype = "bf16"`), two sets of one block's full gradients
-//! (`grads`; a reduce-scatter sends from one while the next block writes the other), the Muon
+//! under `training.compute_dtype = "bf16"`), `parallelism.gradient_sets` (default two) sets of
+//! one block's full gradients (`grads`; a reduce-scatter sends from one while the next block
+//! writes the other), the Muon
 //! update shards, the whole matrices the rank gathers as a Newton–Schulz root (rank 0's, see
 //! [`root_elems`]), one Newton–Schulz scratch (and one per further thread for the small
 //! shapes), and the gather staging of every slot and of the root (f32 receive buffers for
@@ -543,7 +544,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let device = Categories {
         params: f * shards.max(init_peak as f64),
-        grads: f * (shards + root_grads + 2.0 * block_full),
+        grads: f * (shards + root_grads + p.gradient_sets as f64 * block_full),
         optimizer: f * state,
         activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes
@@ -732,9 +733,23 @@ pub fn fit_check(job: &JobConfig, threads: usize, ranks: usize) -> Option<FitChe
 /// offload (whole layers, the fewest that fit); optimizer offload; both; then full
 /// checkpointing (when off) with the same three. The first that fits wins. When none does, the
 /// same again with the token chunks of [`chunk_variants`], which trade recompute or smaller
-/// GEMMs for memory.
+/// GEMMs for memory; and last, on several ranks, all of that with one gradient set, which
+/// leaves each block's reduce-scatter in the open (on the write-up's network the costliest).
 fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) -> Option<Fix> {
-    chunk_variants(job, ranks)
+    let mut variants = chunk_variants(job, ranks);
+    if ranks > 1 && job.parallelism.gradient_sets > 1 {
+        let one: Vec<_> = variants
+            .iter()
+            .map(|(sets, j)| {
+                let (mut sets, mut j) = (sets.clone(), j.clone());
+                j.parallelism.gradient_sets = 1;
+                sets.push("parallelism.gradient_sets=1".to_string());
+                (sets, j)
+            })
+            .collect();
+        variants.extend(one);
+    }
+    variants
         .into_iter()
         .find_map(|(sets, j)| offload_fix(&j, sets, threads, ranks, capacity))
 }
@@ -881,9 +896,9 @@ impl FitCheck {
                 gib(f.device_peak),
                 f.flags()
             ),
-            None => "nothing fits: no activation offload, optimizer offload, checkpointing or \
-                     token chunk brings it under the capacity (raise device.memory_gib or shrink \
-                     the model or training.batch_size)"
+            None => "nothing fits: no activation offload, optimizer offload, checkpointing, \
+                     token chunk or single gradient set brings it under the capacity (raise \
+                     device.memory_gib or shrink the model or training.batch_size)"
                 .to_string(),
         };
         format!(

@@ -1330,6 +1330,45 @@ fn the_fit_check_proposes_token_chunks_when_offloading_is_not_enough() {
     assert_eq!(fix_at(floor - 1.0), None);
 }
 
+/// On several ranks, when nothing else fits, one gradient set: a set is one block's full
+/// gradients (`tiny` on 4 ranks: 8 experts of 3·128·64, q and o 64·64, k and v 32·64, the q/k
+/// norms 16, the block's two norms 64, the router 8·64; f32, nothing padded), and it is
+/// proposed only after every offload, with the ones still needed.
+#[test]
+fn the_fit_check_proposes_one_gradient_set_last() {
+    let job = |sets: &[&str]| two_memory("tiny", sets);
+    let peak = |sets: &[&str]| predict_memory(&job(sets), 1, 4).device_peak;
+    let one = "parallelism.gradient_sets=1";
+    let p = predict_memory(&job(&[]), 1, 4);
+    let q = predict_memory(&job(&[one]), 1, 4);
+    let block = 8 * 3 * 128 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 2 * 16 + 2 * 64 + 8 * 64;
+    let block = block as f64;
+    assert_eq!(p.device.grads - q.device.grads, 4.0 * block);
+    let all = [
+        "training.loss_chunk_tokens=4096",
+        "optimizer.offload=true",
+        "activation_checkpoint.offload_fraction=1",
+    ];
+    // tiny's 256-token batch per rank is below every chunk: the candidates are the offloads.
+    let floor = peak(&all[1..]);
+    let cap = peak(&[one]) + 1.0;
+    assert!(
+        floor > cap,
+        "the premise: every offload with two sets does not fit"
+    );
+    let gib = format!("device.memory_gib={}", cap / GIB);
+    let c = fit_check(&job(&[&gib]), 1, 4).unwrap();
+    let fix = c.fix.expect("one set fits");
+    assert_eq!(fix.sets, vec![one.to_string()]);
+    assert_eq!(fix.device_peak, peak(&[one]));
+    // Below that, with the optimizer offloaded too.
+    let cap = peak(&[one, all[1]]) + 1.0;
+    assert!(peak(&[one]) > cap);
+    let gib = format!("device.memory_gib={}", cap / GIB);
+    let fix = fit_check(&job(&[&gib]), 1, 4).unwrap().fix.unwrap();
+    assert_eq!(fix.sets, vec![one.to_string(), all[1].to_string()]);
+}
+
 #[test]
 fn fsdp_divides_state_and_workspace_by_the_ranks_when_nothing_pads() {
     // tiny on 4 ranks: every dim 0 (256, 64, 32, 16, 8 experts) divides by 4, so the rank holds

@@ -85,6 +85,40 @@ fn sharded_losses_equal_one_process() {
     }
 }
 
+/// One gradient set instead of two: the same reduce-scatters of the same sums, only waited on
+/// before the next block's backward, so the losses are bitwise those of two sets; the device
+/// holds one block's full gradients less (`tiny` on 4 ranks: 209,568 f32), and the planner
+/// equals the ledger either way.
+#[test]
+fn one_gradient_set_gives_the_losses_of_two_and_one_set_less() {
+    let run = |sets: usize| {
+        let cfg = tiny(6, &["device.kind=cpu-two-memory", "parallelism.dp_shard=4"]);
+        let mut cfg = cfg;
+        cfg.parallelism.gradient_sets = sets;
+        let dir = tmp(&format!("grad-sets-{sets}"));
+        let o = ParOptions {
+            ranks: 4,
+            out: Some(dir.clone()),
+            quiet: true,
+            ..Default::default()
+        };
+        let losses = train_threads(&cfg, &o).unwrap().losses;
+        let mut grads = 0.0;
+        for (dev, cat, measured, planned) in common::measured_and_planned(&dir) {
+            assert_eq!(measured, planned, "{sets} sets: {dev} {cat}");
+            if cat == "grads" {
+                grads = measured;
+            }
+        }
+        (losses, grads)
+    };
+    let (two, g2) = run(2);
+    let (one, g1) = run(1);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&one), bits(&two));
+    assert_eq!(g2 - g1, 4.0 * 209_568.0);
+}
+
 /// A block whose tensors split evenly over 4 ranks and ones that do not: head dimension 10
 /// (q/k norms of 10 over 4 ranks need padding; q with 40 rows and k, v with 20 do not) and 6
 /// experts (whole experts over 4 ranks need padding; the router's 6 rows too); and a root whose
