@@ -136,7 +136,9 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> MemoryPr
         let mut host = Categories::default();
         if job.optimizer.offload {
             sh.device.buffers += sh.stage;
-            if job.device.kind == DeviceKind::CpuTwoMemory {
+            // With two memories the master shards are in pinned host memory (with one, `place`
+            // puts everything on the host anyway).
+            if job.device.kind != DeviceKind::Cpu {
                 host.params = sh.params_steady;
                 sh.device.params = sh.init_whole;
                 sh.params_steady = 0.0;

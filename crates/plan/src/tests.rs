@@ -1058,6 +1058,24 @@ fn two_memory(name: &str, sets: &[&str]) -> JobConfig {
     JobConfig::load(Some(name), None, &o).unwrap()
 }
 
+/// The CUDA backend places bytes as the two-memory emulation does: at f32 compute (no cast
+/// scratch, whose elements are 4 bytes on the CPU and 2 on a GPU) the predictions are equal,
+/// the master shards on the host under optimizer offload on several ranks included.
+#[test]
+fn a_cuda_job_is_placed_as_the_two_memory_emulation() {
+    for (ranks, offload) in [(1, false), (1, true), (4, false), (4, true)] {
+        let o = format!("optimizer.offload={offload}");
+        let emu = two_memory("tiny", &[&o, "activation_checkpoint.offload_fraction=1"]);
+        let mut gpu = emu.clone();
+        gpu.device.kind = ganymede_config::DeviceKind::Cuda;
+        let (a, b) = (predict_memory(&emu, 1, ranks), predict_memory(&gpu, 1, ranks));
+        assert_eq!(a, b, "{ranks} ranks, {o}");
+        if ranks > 1 && offload {
+            assert!(b.host.params > 0.0, "the master shards on the host");
+        }
+    }
+}
+
 #[test]
 fn one_memory_puts_everything_on_the_host_and_two_memory_on_the_device() {
     // Without offload the two-memory layout is the one-memory ledger moved to gpu0, whole.
