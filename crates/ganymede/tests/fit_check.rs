@@ -277,3 +277,65 @@ fn token_chunks_are_suggested_when_no_offload_fits_and_then_run() {
     assert!(measured <= 0.07 * (1u64 << 30) as f64, "{mem}");
     assert_eq!(measured, predicted, "{mem}");
 }
+
+/// `ganymede plan` for a CUDA job prints this binary's own prediction beside the write-up's
+/// system, held against the cluster GPU's usable memory: the write-up's layout (384 ranks,
+/// ep 4, bf16, the loss and MoE passes in chunks) does not fit a GH200 as it is, and the fix
+/// it proposes fits by the same prediction (JSON: `cuda`).
+#[test]
+fn plan_checks_a_cuda_job_against_the_gpu() {
+    let tmp = TempDir::new("fit-cuda");
+    let sets = [
+        "device.kind=cuda",
+        "training.compute_dtype=bf16",
+        "parallelism.ep=4",
+        "parallelism.dp_shard=384",
+        "training.loss_chunk_tokens=4096",
+        "training.moe_chunk_tokens=8192",
+    ];
+    let mut args: Vec<String> = ["plan", "--preset", "europa-1t", "--cluster", "jupiter"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(
+        sets.iter()
+            .flat_map(|s| ["--set".to_string(), s.to_string()]),
+    );
+    let text = ok(ganymede(tmp.path(), &args, &[]));
+    let i = text
+        .find("This job on ganymede's CUDA backend")
+        .unwrap_or_else(|| panic!("{text}"));
+    let fix = suggestion(&text[i..]);
+    assert!(fix.contains("GiB): --set"), "{fix}");
+    args.push("--json".into());
+    let v: serde_json::Value = serde_json::from_str(&ok(ganymede(tmp.path(), &args, &[]))).unwrap();
+    let fit = &v["cuda"]["fit"];
+    let capacity = fit["capacity"].as_f64().unwrap();
+    assert!(!fit["fits"].as_bool().unwrap(), "{fit}");
+    assert!(v["cuda"]["prediction"]["device_peak"].as_f64().unwrap() > capacity);
+    // The proposed change, applied, fits.
+    let fix_sets: Vec<String> = fit["fix"]["sets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect();
+    assert!(!fix_sets.is_empty());
+    let mut fixed = args.clone();
+    fixed.extend(
+        fix_sets
+            .iter()
+            .flat_map(|s| ["--set".to_string(), s.clone()]),
+    );
+    let w: serde_json::Value =
+        serde_json::from_str(&ok(ganymede(tmp.path(), &fixed, &[]))).unwrap();
+    assert!(
+        w["cuda"]["fit"]["fits"].as_bool().unwrap(),
+        "{}",
+        w["cuda"]["fit"]
+    );
+    assert_eq!(
+        w["cuda"]["prediction"]["device_peak"],
+        fit["fix"]["device_peak"]
+    );
+}

@@ -320,6 +320,17 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
                 "fit": crate::fit::fit_check(&r.job, threads, ranks),
             });
         }
+        if r.job.device.kind == DeviceKind::Cuda {
+            // This binary's own layout on the cluster's GPU, beside the write-up's system.
+            let threads = crate::fit::run_threads(&r.job);
+            let ranks = r.layout.world();
+            v["cuda"] = serde_json::json!({
+                "threads": threads,
+                "ranks": ranks,
+                "prediction": crate::fit::predict_memory(&r.job, threads, ranks),
+                "fit": crate::fit::cuda_fit(&r.job, threads, ranks, usable_gpu(&r.cluster)),
+            });
+        }
         serde_json::to_string_pretty(&v)? + "\n"
     } else {
         let mut t = render::table(&p);
@@ -331,12 +342,29 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
                 100.0 * tt
             ));
         }
-        if r.job.device.kind == DeviceKind::CpuTwoMemory {
-            let threads = crate::fit::run_threads(&r.job);
-            t.push_str(&crate::fit::render(&r.job, threads, r.layout.world()));
+        let threads = crate::fit::run_threads(&r.job);
+        match r.job.device.kind {
+            DeviceKind::CpuTwoMemory => {
+                t.push_str(&crate::fit::render(&r.job, threads, r.layout.world()));
+            }
+            DeviceKind::Cuda => {
+                let gpu = usable_gpu(&r.cluster);
+                t.push_str(&crate::fit::render_cuda(
+                    &r.job,
+                    threads,
+                    r.layout.world(),
+                    gpu,
+                ));
+            }
+            DeviceKind::Cpu => {}
         }
         t
     })
+}
+
+/// The cluster's GPU: its name and the memory a job can use (less what the runtime reserves).
+fn usable_gpu(c: &crate::cluster::Cluster) -> (&str, f64) {
+    (&c.gpu.name, c.gpu.memory_bytes - c.gpu.reserved_bytes)
 }
 
 /// Parse `args` (without the program name) as `plan`'s flags and run.

@@ -671,6 +671,8 @@ pub fn capacity_bytes(job: &JobConfig) -> Option<f64> {
 pub struct FitCheck {
     /// Device capacity in bytes.
     pub capacity: f64,
+    /// Where the capacity comes from, as the verdict names it (`device.memory_gib = …`).
+    pub limit: String,
     pub prediction: MemoryPrediction,
     pub fits: bool,
     /// When it does not fit: the categories past the capacity when the device is filled in
@@ -705,6 +707,19 @@ impl Fix {
 /// capacity (one memory, or `memory_gib = 0`).
 pub fn fit_check(job: &JobConfig, threads: usize, ranks: usize) -> Option<FitCheck> {
     let capacity = capacity_bytes(job)?;
+    let limit = format!("device.memory_gib = {}", gib(capacity));
+    Some(fit_check_at(job, threads, ranks, capacity, limit))
+}
+
+/// [`fit_check`] against `capacity` bytes, which `limit` names (a GPU's usable memory for a
+/// CUDA job, which has no `device.memory_gib`).
+pub fn fit_check_at(
+    job: &JobConfig,
+    threads: usize,
+    ranks: usize,
+    capacity: f64,
+    limit: String,
+) -> FitCheck {
     let prediction = predict_memory(job, threads, ranks);
     let fits = prediction.device_peak <= capacity;
     let (overflow, fix) = if fits {
@@ -722,13 +737,14 @@ pub fn fit_check(job: &JobConfig, threads: usize, ranks: usize) -> Option<FitChe
             .collect();
         (over, smallest_fix(job, threads, ranks, capacity))
     };
-    Some(FitCheck {
+    FitCheck {
         capacity,
+        limit,
         prediction,
         fits,
         overflow,
         fix,
-    })
+    }
 }
 
 /// Candidate changes, least intrusive first, as the GPU planner orders them: more activation
@@ -871,10 +887,10 @@ impl FitCheck {
     pub fn message(&self) -> String {
         let d = &self.prediction.device;
         let head = format!(
-            "predicted device peak {} {} device.memory_gib = {}",
+            "predicted device peak {} {} {}",
             gib(self.prediction.device_peak),
             if self.fits { "fits in" } else { "exceeds" },
-            gib(self.capacity)
+            self.limit
         );
         if self.fits {
             return head;
@@ -930,6 +946,36 @@ pub fn render(job: &JobConfig, threads: usize, ranks: usize) -> String {
         if threads == 1 { "" } else { "s" },
         if ranks == 1 { "" } else { "s" }
     );
+    s.push_str(&render_prediction(job, threads, ranks));
+    match fit_check(job, threads, ranks) {
+        Some(c) => s.push_str(&c.verdict_line()),
+        None => s.push_str("  verdict: no capacity set (device.memory_gib = 0)\n"),
+    }
+    s
+}
+
+/// What this binary holds running `job` on the CUDA backend, one rank's (the plan's tables are
+/// the write-up's system): [`predict_memory`] with GPU sizing, held against the usable memory
+/// of the GPU `(name, bytes)`.
+pub fn render_cuda(job: &JobConfig, threads: usize, ranks: usize, gpu: (&str, f64)) -> String {
+    let mut s = format!(
+        "\nThis job on ganymede's CUDA backend (device.kind = cuda, {ranks} rank{}), per GPU\n",
+        if ranks == 1 { "" } else { "s" }
+    );
+    s.push_str(&render_prediction(job, threads, ranks));
+    s.push_str(&cuda_fit(job, threads, ranks, gpu).verdict_line());
+    s
+}
+
+/// [`fit_check_at`] for a CUDA job against the usable memory of the GPU `(name, bytes)`.
+pub fn cuda_fit(job: &JobConfig, threads: usize, ranks: usize, gpu: (&str, f64)) -> FitCheck {
+    let limit = format!("the {}'s usable {}", gpu.0, gib(gpu.1));
+    fit_check_at(job, threads, ranks, gpu.1, limit)
+}
+
+/// The per-category table of [`predict_memory`].
+fn render_prediction(job: &JobConfig, threads: usize, ranks: usize) -> String {
+    let mut s = String::new();
     let p = predict_memory(job, threads, ranks);
     s.push_str(&format!("  {:<14}{:>18}{:>18}\n", "", "gpu0", "host"));
     let row = |name: &str, d: f64, h: f64| format!("  {name:<14}{:>18}{:>18}\n", gib(d), gib(h));
@@ -938,13 +984,12 @@ pub fn render(job: &JobConfig, threads: usize, ranks: usize) -> String {
     }
     s.push_str(&row("sum", p.device.total(), p.host.total()));
     s.push_str(&row("peak", p.device_peak, p.host_peak));
-    match fit_check(job, threads, ranks) {
-        Some(c) => s.push_str(&format!(
-            "  verdict: {}: {}\n",
-            if c.fits { "fits" } else { "does not fit" },
-            c.message()
-        )),
-        None => s.push_str("  verdict: no capacity set (device.memory_gib = 0)\n"),
-    }
     s
+}
+
+impl FitCheck {
+    fn verdict_line(&self) -> String {
+        let v = if self.fits { "fits" } else { "does not fit" };
+        format!("  verdict: {v}: {}\n", self.message())
+    }
 }

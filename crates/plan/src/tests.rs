@@ -1068,7 +1068,10 @@ fn a_cuda_job_is_placed_as_the_two_memory_emulation() {
         let emu = two_memory("tiny", &[&o, "activation_checkpoint.offload_fraction=1"]);
         let mut gpu = emu.clone();
         gpu.device.kind = ganymede_config::DeviceKind::Cuda;
-        let (a, b) = (predict_memory(&emu, 1, ranks), predict_memory(&gpu, 1, ranks));
+        let (a, b) = (
+            predict_memory(&emu, 1, ranks),
+            predict_memory(&gpu, 1, ranks),
+        );
         assert_eq!(a, b, "{ranks} ranks, {o}");
         if ranks > 1 && offload {
             assert!(b.host.params > 0.0, "the master shards on the host");
