@@ -207,8 +207,9 @@ pub struct Model {
     /// bf16 × bf16 → f32 GEMMs (`training.compute_dtype = "bf16"`) for every linear layer but
     /// the router's, whose top-k choice is discrete and whose GEMM is tiny (as Megatron's fp32
     /// router). Master parameters, gradients and optimizer state stay f32; the weights the
-    /// GEMMs read may be handed over in bf16 ([`Model::bf16_weight`]). Attention then runs on
-    /// bf16 q, k, v with a bf16 output and bf16 gradients (see `block.rs`).
+    /// GEMMs and the embedding read may be handed over in bf16 ([`Model::bf16_weight`]).
+    /// Attention then runs on bf16 q, k, v with a bf16 output and bf16 gradients (see
+    /// `block.rs`).
     pub(crate) bf16: bool,
     /// Storage precision of the residual stream at block boundaries
     /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).

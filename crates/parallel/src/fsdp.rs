@@ -373,7 +373,7 @@ impl FsdpParams {
         g.all_gather(send, recv, Phase::ForwardGather)
             .unwrap_or_else(|e| fail("gathering the root parameters", e));
         if !direct {
-            // A cast for a bf16 weight gathered in f32, a copy for an f32 one in bf16.
+            // Widened (an f32 parameter gathered in bf16) or rounded (a bf16 weight in f32).
             be.cast(self.store.get_mut(i).view_mut(), self.root_recv.slice(0, n));
         }
     }

@@ -1,6 +1,7 @@
 //! `ganymede plan`: arguments and the entry point the binary calls.
 
 use crate::cluster::Cluster;
+use crate::fit::{cuda_fit, fit_check};
 use crate::plan::{plan, Layout, MemoryPolicy, NsOn, OptimizerSetup, Placement, Plan};
 use crate::render;
 use crate::sweep::{sweep, SweepSpace};
@@ -309,26 +310,24 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
     let p = plan(&r.job, &r.cluster, &r.layout, &r.policy, &r.optimizer)?;
     Ok(if args.json {
         let mut v = serde_json::to_value(&p)?;
-        if r.job.device.kind == DeviceKind::CpuTwoMemory {
-            // The same prediction and verdict the table's fit section prints, for scripts.
-            let threads = crate::fit::run_threads(&r.job);
-            let ranks = r.layout.world();
-            v["two_memory"] = serde_json::json!({
+        // The same prediction and verdict the table's section prints, for scripts: this
+        // binary's own layout (on a CUDA job, on the cluster's GPU, beside the write-up's system).
+        let threads = crate::fit::run_threads(&r.job);
+        let ranks = r.layout.world();
+        let fit = match r.job.device.kind {
+            DeviceKind::CpuTwoMemory => Some(("two_memory", fit_check(&r.job, threads, ranks))),
+            DeviceKind::Cuda => {
+                let c = cuda_fit(&r.job, threads, ranks, usable_gpu(&r.cluster));
+                Some(("cuda", Some(c)))
+            }
+            DeviceKind::Cpu => None,
+        };
+        if let Some((key, fit)) = fit {
+            v[key] = serde_json::json!({
                 "threads": threads,
                 "ranks": ranks,
                 "prediction": crate::fit::predict_memory(&r.job, threads, ranks),
-                "fit": crate::fit::fit_check(&r.job, threads, ranks),
-            });
-        }
-        if r.job.device.kind == DeviceKind::Cuda {
-            // This binary's own layout on the cluster's GPU, beside the write-up's system.
-            let threads = crate::fit::run_threads(&r.job);
-            let ranks = r.layout.world();
-            v["cuda"] = serde_json::json!({
-                "threads": threads,
-                "ranks": ranks,
-                "prediction": crate::fit::predict_memory(&r.job, threads, ranks),
-                "fit": crate::fit::cuda_fit(&r.job, threads, ranks, usable_gpu(&r.cluster)),
+                "fit": fit,
             });
         }
         serde_json::to_string_pretty(&v)? + "\n"
@@ -363,7 +362,7 @@ pub fn output(args: &PlanArgs) -> anyhow::Result<String> {
 }
 
 /// The cluster's GPU: its name and the memory a job can use (less what the runtime reserves).
-fn usable_gpu(c: &crate::cluster::Cluster) -> (&str, f64) {
+fn usable_gpu(c: &Cluster) -> (&str, f64) {
     (&c.gpu.name, c.gpu.memory_bytes - c.gpu.reserved_bytes)
 }
 

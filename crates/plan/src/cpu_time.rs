@@ -128,6 +128,28 @@ impl LayerWork {
 
 /// The forward of one attention + MoE (or dense) layer over `n` tokens in sequences of `s`.
 pub fn layer_forward(m: &ModelConfig, n: f64, s: f64, moe: bool) -> LayerWork {
+    layer_forward_chunked(m, n, s, moe, n)
+}
+
+/// The routed experts' GEMMs of `chunks` MoE chunks of `rows` tokens each (balanced routing):
+/// gate and up, then down, per expert.
+fn expert_gemms(m: &ModelConfig, rows: f64, chunks: f64) -> [GemmCall; 2] {
+    let (e, k, f, h) = (
+        m.experts as f64,
+        m.top_k as f64,
+        m.expert_hidden as f64,
+        m.hidden as f64,
+    );
+    let c = rows * k / e; // tokens per expert, balanced
+    [
+        GemmCall::stack(c, f, h, 2.0 * e * chunks),
+        GemmCall::stack(c, h, f, e * chunks),
+    ]
+}
+
+/// [`layer_forward`] with the routed experts run a chunk of `chunk` tokens at a time
+/// (`training.moe_chunk_tokens`): the same FLOPs in smaller GEMMs.
+pub fn layer_forward_chunked(m: &ModelConfig, n: f64, s: f64, moe: bool, chunk: f64) -> LayerWork {
     let h = m.hidden as f64;
     let (qd, kd, hd) = (m.q_dim() as f64, m.kv_dim() as f64, m.head_dim as f64);
     let seqs = (n / s).max(1.0);
@@ -148,12 +170,11 @@ pub fn layer_forward(m: &ModelConfig, n: f64, s: f64, moe: bool) -> LayerWork {
     let mut bytes = n * (2.0 * h + 2.0 * (qd + kd) + (2.0 * qd + 2.0 * kd) + 3.0 * h + 2.0 * h);
     let kernels = if moe {
         let (e, k, f) = (m.experts as f64, m.top_k as f64, m.expert_hidden as f64);
-        let c = n * k / e; // tokens per expert, balanced
         g.push(GemmCall::one(n, e, h));
-        g.push(GemmCall::stack(c, f, h, 2.0 * e)); // gate, up
-        g.push(GemmCall::stack(c, h, f, e)); // down
-                                             // router softmax/top-k (read logits, write probs, read again), gather (read, write
-                                             // k·H per token), SwiGLU (read 2, write 1), combine (read k·H, write H), residual add.
+        let chunk = chunk.clamp(1.0, n.max(1.0));
+        g.extend(expert_gemms(m, chunk, n / chunk));
+        // router softmax/top-k (read logits, write probs, read again), gather (read, write
+        // k·H per token), SwiGLU (read 2, write 1), combine (read k·H, write H), residual add.
         bytes += n * (3.0 * e + 2.0 * k * h + 3.0 * k * f + (k + 1.0) * h + 3.0 * h);
         if m.shared_experts > 0 {
             let fs = (m.shared_experts * m.shared_hidden()) as f64;
@@ -280,6 +301,9 @@ pub struct CpuStepInputs {
     pub collectives: f64,
     /// Optimizer element-wise bytes of one rank (the planner's 20/28 B per parameter).
     pub optimizer_bytes: f64,
+    /// `training.moe_chunk_tokens` and `training.loss_chunk_tokens` (0 = all the rank's).
+    pub moe_chunk_tokens: usize,
+    pub loss_chunk_tokens: usize,
 }
 
 pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
@@ -298,15 +322,34 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
     let recompute = if x.ac == AcMode::Full { 1.0 } else { 0.0 };
     let mut forward_s = 0.0;
     let mut backward_s = 0.0;
+    let tokens = n.round() as usize;
+    let chunk = ganymede_config::moe_rows(tokens, x.moe_chunk_tokens) as f64;
+    let chunks = (n / chunk).ceil();
     for (layers, moe) in [(shape.moe_layers, true), (shape.dense_layers, false)] {
         if layers == 0 {
             continue;
         }
-        let f = layer_forward(m, n, x.seq, moe);
+        let f = layer_forward_chunked(m, n, x.seq, moe, chunk);
         let b = layer_backward(&f);
         let l = layers as f64;
         forward_s += add(&f, l);
         backward_s += add(&f, l * recompute) + add(&b, l);
+        if moe && x.ac == AcMode::None && chunks > 1.0 {
+            // Without checkpointing the backward recomputes every chunk's experts but the
+            // last's (under full checkpointing the recompute runs only the last's: no more).
+            let again = LayerWork {
+                gemms: expert_gemms(m, chunk, chunks - 1.0).to_vec(),
+                attention: GemmCall {
+                    count: 0.0,
+                    ..GemmCall::one(0.0, 0.0, 0.0)
+                },
+                head_dim: 0.0,
+                backward: true,
+                elementwise_bytes: 0.0,
+                kernels: 0.0,
+            };
+            backward_s += add(&again, l);
+        }
     }
     // Outside the layers: embedding (write n·H; backward reads and scatters it), final norm,
     // LM head (one GEMM forward, two backward), cross-entropy (reads the logits twice and
@@ -315,16 +358,28 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
         count: 0.0,
         ..GemmCall::one(0.0, 0.0, 0.0)
     };
+    // With the loss in chunks of `c` tokens, the logits' GEMMs are one per chunk, and the
+    // backward recomputes every chunk's logits but the last's.
+    let c = ganymede_config::head_rows(tokens, x.loss_chunk_tokens) as f64;
+    let head_chunks = (n / c).ceil();
+    let per_chunk = |m: f64, n: f64, k: f64, count: f64| GemmCall {
+        count,
+        ..GemmCall::one(m, n, k)
+    };
     let head_f = LayerWork {
-        gemms: vec![GemmCall::one(n, v, h)],
+        gemms: vec![per_chunk(c, v, h, n / c)],
         attention: none,
         head_dim: 0.0,
         backward: false,
         elementwise_bytes: F32 * n * (h + 2.0 * h),
         kernels: 2.0,
     };
+    let mut head_gemms = vec![per_chunk(c, h, v, n / c), per_chunk(v, h, c, n / c)];
+    if head_chunks > 1.0 {
+        head_gemms.push(per_chunk(c, v, h, head_chunks - 1.0));
+    }
     let head_b = LayerWork {
-        gemms: vec![GemmCall::one(n, h, v), GemmCall::one(v, h, n)],
+        gemms: head_gemms,
         attention: none,
         head_dim: 0.0,
         backward: true,

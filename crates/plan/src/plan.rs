@@ -1148,6 +1148,8 @@ fn evaluate(
                 comm_bytes: ib_step + nv_step,
                 collectives,
                 optimizer_bytes: elem_bytes,
+                moe_chunk_tokens: job.training.moe_chunk_tokens,
+                loss_chunk_tokens: job.training.loss_chunk_tokens,
             },
         );
         forward_s = t.forward_s;

@@ -1500,7 +1500,7 @@ fn dp_replicate_flag_multiplies_the_gpus() {
 // ---------------------------------------------------------------- the CPU model (issue 11)
 
 use crate::cluster::CpuSpec;
-use crate::cpu_time::{layer_forward, ns_flops_cpu, syrk_madds};
+use crate::cpu_time::{layer_forward, layer_forward_chunked, ns_flops_cpu, syrk_madds};
 
 /// A CPU with one GEMM rate at every size (`rate` on the pool, `rate / 2` on each of 2 threads,
 /// so spreading a stack gives the same rate), `bw` bytes/s, no fixed costs.
@@ -1552,6 +1552,45 @@ fn tiny_layer_forward_work_by_hand() {
     // Element-wise f32 bytes: attention side 1024·(2·64 + 2·96 + 2·96 + 3·64 + 2·64) = 1024·832;
     // MoE side 1024·(3·8 + 2·2·64 + 3·2·128 + 3·64 + 3·64) = 1024·1,432; × 4 bytes = 9,273,344.
     assert_eq!(w.elementwise_bytes, 9_273_344.0);
+}
+
+/// The MoE and loss chunks in the CPU time model, at flat rates (so only FLOPs count), `tiny`
+/// (1,024 tokens, chunks of 256): under full checkpointing the MoE chunk adds nothing (the
+/// recompute runs only the last chunk's experts) and the loss chunk recomputes three chunks'
+/// logits (3·2·256·256·64); without checkpointing the backward also recomputes three chunks'
+/// experts (two layers of 3/4 of 100,663,296 expert FLOPs).
+#[test]
+fn cpu_time_of_moe_and_loss_chunks_by_hand() {
+    let rate = 1e11;
+    let c = flat_cpu(rate, 1e10);
+    let step = |moe: usize, loss: usize, ac: AcMode| {
+        let mut job = preset("tiny").unwrap();
+        job.training.moe_chunk_tokens = moe;
+        job.training.loss_chunk_tokens = loss;
+        let l = Layout::from_job(&job, &c);
+        let mut pol = MemoryPolicy::from_job(&job);
+        pol.ac = ac;
+        let o = OptimizerSetup {
+            name: OptimizerName::Adamw,
+            ..OptimizerSetup::from_job(&job)
+        };
+        plan(&job, &c, &l, &pol, &o).unwrap().step_time_s
+    };
+    let chunked = layer_forward_chunked(&preset("tiny").unwrap().model, 1024.0, 128.0, true, 256.0);
+    let whole = layer_forward(&preset("tiny").unwrap().model, 1024.0, 128.0, true);
+    assert_eq!(chunked.flops(), whole.flops());
+    let rows: Vec<f64> = chunked.gemms.iter().map(|g| g.m).collect();
+    assert!(
+        rows.contains(&64.0),
+        "a chunk's 256·2/8 rows per expert: {rows:?}"
+    );
+    let full = AcMode::Full;
+    assert!(close(step(256, 0, full), step(0, 0, full), 1e-12));
+    let logits = 3.0 * 2.0 * 256.0 * 256.0 * 64.0 / rate;
+    assert!(close(step(0, 256, full), step(0, 0, full) + logits, 1e-12));
+    let experts = 2.0 * 0.75 * 100_663_296.0 / rate;
+    let none = AcMode::None;
+    assert!(close(step(256, 0, none), step(0, 0, none) + experts, 1e-12));
 }
 
 #[test]

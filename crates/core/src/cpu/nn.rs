@@ -51,31 +51,33 @@ fn s<S: Scalar>(x: f64) -> S {
 
 fn embedding_forward<S: Scalar>(out: ViewMut, wte: View, ids: View, dim: usize) {
     let (out, wte): (&mut [S], &[S]) = (out.host(), wte.host());
-    let ids = ids.host_u32();
-    assert_eq!(out.len(), ids.len() * dim);
-    out.par_chunks_mut(dim)
-        .zip(ids.par_iter())
-        .with_min_len(min_rows(dim))
-        .for_each(|(o, &id)| {
-            let id = id as usize;
-            o.copy_from_slice(&wte[id * dim..(id + 1) * dim]);
-        });
+    embedding_rows(out, wte, ids, dim, |o, w| o.copy_from_slice(w));
 }
 
 /// [`embedding_forward`] from a bf16 table (a bf16 weight under bf16 compute), widened.
 fn embedding_forward_bf16(out: ViewMut, wte: View, ids: View, dim: usize) {
     let (out, wte): (&mut [f32], &[u16]) = (out.host(), wte.host_bf16());
+    embedding_rows(out, wte, ids, dim, |o, w| {
+        o.iter_mut()
+            .zip(w)
+            .for_each(|(o, &w)| *o = crate::bf16::to_f32(w))
+    });
+}
+
+/// `row(out[t], wte[ids[t]])` for every token t, rows of `dim`, in parallel.
+fn embedding_rows<O: Send, W: Sync>(
+    out: &mut [O],
+    wte: &[W],
+    ids: View,
+    dim: usize,
+    row: impl Fn(&mut [O], &[W]) + Sync,
+) {
     let ids = ids.host_u32();
     assert_eq!(out.len(), ids.len() * dim);
     out.par_chunks_mut(dim)
         .zip(ids.par_iter())
         .with_min_len(min_rows(dim))
-        .for_each(|(o, &id)| {
-            let row = &wte[id as usize * dim..(id as usize + 1) * dim];
-            o.iter_mut()
-                .zip(row)
-                .for_each(|(o, &w)| *o = crate::bf16::to_f32(w));
-        });
+        .for_each(|(o, &id)| row(o, &wte[id as usize * dim..(id as usize + 1) * dim]));
 }
 
 fn embedding_backward<S: Scalar>(dwte: ViewMut, dout: View, ids: View, dim: usize) {
