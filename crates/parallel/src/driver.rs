@@ -57,6 +57,9 @@ pub struct StepReport {
     pub expert_rows: Option<RowBufferUse>,
     /// Expert parallelism: regrowths of the dispatch buffers in the step, summed over ranks.
     pub expert_regrowths: u64,
+    /// Expert parallelism: the most rows one layer's experts received on any rank in the step,
+    /// over an even routing's (what `parallelism.ep_capacity_factor` is held against).
+    pub expert_rows_over_even: Option<f64>,
 }
 
 /// The placement policy a config asks for.
@@ -365,11 +368,19 @@ impl RankState {
         // shards only (after the cross-replica all-reduce every replica holds the same
         // gradients, so counting them all would multiply the norm by the replica count).
         let sumsq = if self.replica() == 0 { sumsq } else { 0.0 };
-        // The expert buffers' regrowths ride along, so every rank's can be reported.
+        // The expert buffers' regrowths ride along, summed, and each rank's most rows over an
+        // even routing in its own slot (zero in the others), so the most over ranks is known
+        // without another collective.
         let expert_rows = self.experts.take_use();
         let regrew = expert_rows.map_or(0, |u| u.regrowths) as f64;
-        let mut red = [out.loss, sumsq, regrew];
+        let mut red = vec![out.loss, sumsq, regrew];
+        if expert_rows.is_some() {
+            red.resize(3 + world.size(), 0.0);
+            red[3 + world.rank()] =
+                expert_rows.map_or(0.0, |u| u.peak as f64 / u.even.max(1) as f64);
+        }
         world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
+        let rows_over_even = expert_rows.map(|_| red[3..].iter().copied().fold(0.0, f64::max));
         let (loss, norm) = (red[0], red[1].sqrt());
         if !loss.is_finite() {
             bail!(
@@ -417,6 +428,7 @@ impl RankState {
             comm: ctx.stats.snapshot(),
             expert_rows,
             expert_regrowths: red[2] as u64,
+            expert_rows_over_even: rows_over_even,
         })
     }
 

@@ -43,8 +43,8 @@ pub struct StepMetrics {
     /// Sharded runs: rank 0's bytes and calls per phase and collective kind.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm: Option<serde_json::Value>,
-    /// Expert parallelism: rank 0's most rows received by one layer's experts in the step,
-    /// over an even routing's (1 = even; its buffers hold `parallelism.ep_capacity_factor`).
+    /// Expert parallelism: the most rows one layer's experts received on any rank in the step,
+    /// over an even routing's (1 = even; the buffers hold `parallelism.ep_capacity_factor`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ep_rows_over_even: Option<f64>,
     /// Expert parallelism: times in the step that a rank's dispatch buffers grew (all ranks).

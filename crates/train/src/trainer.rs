@@ -530,7 +530,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 ranks: n,
                 comm_bytes: (n > 1).then(|| r.comm.by_phase_json()),
                 comm: (n > 1).then(|| serde_json::json!(r.comm.entries)),
-                ep_rows_over_even: r.expert_rows.map(|u| u.peak as f64 / u.even.max(1) as f64),
+                ep_rows_over_even: r.expert_rows_over_even,
                 ep_regrowths: r.expert_rows.map(|_| r.expert_regrowths),
                 expert_load: val_due.then(|| r.expert_load.clone()),
             };
@@ -539,8 +539,8 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 progress.println(&format!(
                     "step {done}: expert-parallel dispatch buffers grew {} time(s) over the ranks: \
                      a layer routed a rank more rows than parallelism.ep_capacity_factor = {} \
-                     holds (rank 0's most: {:.2}x an even routing); they allocate until the \
-                     factor covers the routing",
+                     holds (the most on any rank: {:.2}x an even routing); they allocate until \
+                     the factor covers the routing",
                     r.expert_regrowths,
                     cfg.parallelism.ep_capacity_factor,
                     sm.ep_rows_over_even.unwrap_or(0.0)

@@ -20,6 +20,8 @@ struct Rank {
     rows: Vec<RowBufferUse>,
     /// Regrowths of each step, summed over the ranks.
     regrowths_all: Vec<u64>,
+    /// Each step's most rows over an even routing, over the ranks.
+    over_even_all: Vec<f64>,
     /// Bytes held at the end.
     activations: u64,
     buffers: u64,
@@ -35,6 +37,7 @@ fn run(cfg: &JobConfig, ranks: usize) -> Vec<Rank> {
             allocs: vec![],
             rows: vec![],
             regrowths_all: vec![],
+            over_even_all: vec![],
             activations: 0,
             buffers: 0,
         };
@@ -48,6 +51,8 @@ fn run(cfg: &JobConfig, ranks: usize) -> Vec<Rank> {
                     .expect("an expert-parallel run reports its rows"),
             );
             r.regrowths_all.push(rep.expert_regrowths);
+            r.over_even_all
+                .push(rep.expert_rows_over_even.expect("rows over even"));
         }
         let l = st.be.ledger().report();
         r.activations = l.current(Device::Host, Category::Activations);
@@ -182,12 +187,21 @@ fn routing_past_the_capacity_grows_the_buffers_and_says_so() {
         total > 0,
         "factor 1 on tiny grew nothing: the test shows nothing"
     );
+    let mut uneven = false;
     for s in 0..steps {
         let sum: u64 = run.iter().map(|r| r.rows[s].regrowths).sum();
+        let ratio = |u: &RowBufferUse| u.peak as f64 / u.even as f64;
+        let most = run.iter().map(|r| ratio(&r.rows[s])).fold(0.0, f64::max);
+        uneven |= ratio(&run[0].rows[s]) != most;
         for r in &run {
             assert_eq!(r.regrowths_all[s], sum, "step {s}: the total over ranks");
+            assert_eq!(r.over_even_all[s], most, "step {s}: the most over ranks");
         }
     }
+    assert!(
+        uneven,
+        "rank 0 held the most every step: the test shows nothing"
+    );
     for (i, r) in run.iter().enumerate() {
         let mut cap = 0;
         for s in 0..steps {
