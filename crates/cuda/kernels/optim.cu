@@ -19,13 +19,13 @@ extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const fl
     }
 }
 
-// Nesterov momentum: buf = mu·buf + g; out = g + mu·buf (the new buf).
-extern "C" __global__ void nesterov_f32(float* buf, const float* g, float* out, long long n,
-                                        float mu) {
+// Nesterov momentum, in place on the gradient: buf = mu·buf + g; g = g + mu·buf (the new buf).
+extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu) {
     for (long long i = global_tid(); i < n; i += grid_threads()) {
-        const float b = mu * buf[i] + g[i];
+        const float gi = g[i];
+        const float b = mu * buf[i] + gi;
         buf[i] = b;
-        out[i] = g[i] + mu * b;
+        g[i] = gi + mu * b;
     }
 }
 

@@ -90,7 +90,9 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
         scale,
     } = item;
     let n = rows * cols;
-    be.nesterov_momentum(mom, g, slot.u.slice_mut(0, n), c.momentum);
+    // The update is made in the slot, from a copy of the gradient (the caller's to keep).
+    be.copy(slot.u.slice_mut(0, n), g);
+    be.nesterov_momentum(mom, slot.u.slice_mut(0, n), c.momentum);
     newton_schulz(
         be,
         slot.u.slice_mut(0, n),

@@ -410,7 +410,7 @@ impl RankState {
             }
             Shards::Fsdp {
                 params, grads, opt, ..
-            } => opt.step(be, &self.mesh, params.master_mut(), grads.shards(), lr)?,
+            } => opt.step(be, &self.mesh, params.master_mut(), grads.shards_mut(), lr)?,
         }
         if self.cfg.model.router_bias_update > 0.0 {
             self.update_router_bias(&out.expert_load);

@@ -23,7 +23,6 @@ use std::sync::Arc;
 enum Rule {
     Muon {
         momentum: Tensor,
-        u: Tensor,
         scale: f64,
     },
     AdamW {
@@ -78,7 +77,6 @@ impl ShardedOptimizer {
                         shapes.push((rows, cols));
                         Rule::Muon {
                             momentum: state(n),
-                            u: be.zeros(&[n], Category::Buffers),
                             scale,
                         }
                     }
@@ -183,13 +181,15 @@ impl ShardedOptimizer {
 
     /// One update of the shards `params` from the gradient shards `grads`; collective over the
     /// mesh when Muon is in use. With `optimizer.offload`, `params` are in host memory too, and
-    /// complete when this returns.
+    /// complete when this returns. A Muon parameter's gradient shard becomes its update (Nesterov
+    /// momentum in place, then Newton–Schulz), so no update buffer is held between steps: the
+    /// gradient shards are not read again before the next step's reduce-scatters overwrite them.
     pub fn step(
         &mut self,
         be: &dyn Backend,
         mesh: &DeviceMesh,
         params: &mut [Tensor],
-        grads: &[Tensor],
+        grads: &mut [Tensor],
         lr: f64,
     ) -> ganymede_dist::Result<()> {
         self.step += 1;
@@ -209,30 +209,30 @@ impl ShardedOptimizer {
             // Host-resident state: each shard's through a device slot, the same kernels.
             let mut which = Vec::new();
             let mut states = Vec::new();
-            let mut us: Vec<Option<&mut Tensor>> = Vec::new();
+            let mut muon = Vec::new();
             let mut wds = Vec::new();
             for (i, (rule, p)) in self.rules.iter_mut().zip(params.iter_mut()).enumerate() {
                 match rule {
                     Rule::Frozen => continue,
-                    Rule::Muon { momentum, u, .. } => {
+                    Rule::Muon { momentum, .. } => {
                         states.push(vec![momentum]);
-                        us.push(Some(u));
+                        muon.push(true);
                         wds.push(0.0);
                         muon_items.push(i);
                     }
                     Rule::AdamW { m, v, weight_decay } => {
                         states.push(vec![p, m, v]);
-                        us.push(None);
+                        muon.push(false);
                         wds.push(*weight_decay);
                     }
                 }
                 which.push(i);
             }
             staging.stream(be, &mut states, |k, state| {
-                let g = &grads[which[k]];
-                match us[k].as_deref_mut() {
-                    Some(u) => be.nesterov_momentum(state, g.view(), u.view_mut(), cfg.momentum),
-                    None => {
+                let g = &mut grads[which[k]];
+                match muon[k] {
+                    true => be.nesterov_momentum(state, g.view_mut(), cfg.momentum),
+                    false => {
                         let (p, mv) = state.split_at(g.len());
                         let (m, v) = mv.split_at(g.len());
                         be.adamw_step(p, m, v, g.view(), &adam(wds[k]));
@@ -243,7 +243,7 @@ impl ShardedOptimizer {
             for (i, (rule, (p, g))) in self
                 .rules
                 .iter_mut()
-                .zip(params.iter_mut().zip(grads))
+                .zip(params.iter_mut().zip(grads.iter_mut()))
                 .enumerate()
             {
                 match rule {
@@ -252,9 +252,8 @@ impl ShardedOptimizer {
                         let h = adam(*weight_decay);
                         be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
                     }
-                    Rule::Muon { momentum, u, .. } => {
-                        let (m, u) = (momentum.view_mut(), u.view_mut());
-                        be.nesterov_momentum(m, g.view(), u, cfg.momentum);
+                    Rule::Muon { momentum, .. } => {
+                        be.nesterov_momentum(momentum.view_mut(), g.view_mut(), cfg.momentum);
                         muon_items.push(i);
                     }
                 }
@@ -264,11 +263,12 @@ impl ShardedOptimizer {
             self.settle(be);
             return Ok(());
         }
-        // Newton–Schulz where the plan puts each matrix; `u` slices come back orthogonalised.
+        // Newton–Schulz where the plan puts each matrix; the update slices (in the gradient
+        // shards) come back orthogonalised.
         let mut slices: Vec<(usize, ViewMut)> = Vec::new();
-        for (i, rule) in self.rules.iter_mut().enumerate() {
-            if let Rule::Muon { u, .. } = rule {
-                slices.push((i, u.view_mut()));
+        for (i, (rule, g)) in self.rules.iter().zip(grads.iter_mut()).enumerate() {
+            if let Rule::Muon { .. } = rule {
+                slices.push((i, g.view_mut()));
             }
         }
         let mut roots: Vec<ViewMut> = self.roots.iter_mut().map(|t| t.view_mut()).collect();
@@ -301,9 +301,9 @@ impl ShardedOptimizer {
                 let mut ps: Vec<Vec<&mut Tensor>> = Vec::new();
                 let mut updates = Vec::new();
                 for (i, p) in params.iter_mut().enumerate() {
-                    if let Rule::Muon { u, scale, .. } = &self.rules[i] {
+                    if let Rule::Muon { scale, .. } = &self.rules[i] {
                         ps.push(vec![p]);
-                        updates.push((u, lr * scale));
+                        updates.push((&grads[i], lr * scale));
                     }
                 }
                 staging.stream(be, &mut ps, |k, p| {
@@ -313,8 +313,8 @@ impl ShardedOptimizer {
             }
             None => {
                 for i in muon_items {
-                    if let Rule::Muon { u, scale, .. } = &self.rules[i] {
-                        be.decay_update(params[i].view_mut(), u.view(), lr * scale, decay);
+                    if let Rule::Muon { scale, .. } = &self.rules[i] {
+                        be.decay_update(params[i].view_mut(), grads[i].view(), lr * scale, decay);
                     }
                 }
             }

@@ -40,8 +40,8 @@
 //! `prefetch + 1` gather slots of one block's parameters (f32, but bf16 for the GEMM weights
 //! under `training.compute_dtype = "bf16"`), `parallelism.gradient_sets` (default two) sets of
 //! one block's full gradients (`grads`; a reduce-scatter sends from one while the next block
-//! writes the other), the Muon
-//! update shards, the whole matrices the rank gathers as a Newton–Schulz root (rank 0's, see
+//! writes the other; Muon's update is made in the gradient shards, so it adds none), the
+//! whole matrices the rank gathers as a Newton–Schulz root (rank 0's, see
 //! [`root_elems`]), one Newton–Schulz scratch (and one per further thread for the small
 //! shapes), and the gather staging of every slot and of the root (f32 receive buffers for
 //! what is not gathered in the dtype the model reads, or bf16 send buffers and such receive
@@ -461,10 +461,6 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         (_, Some(_)) => t.shard(cut),
         _ => 2 * t.shard(cut),
     }));
-    let muon_shards = sum(&mut ts
-        .iter()
-        .filter(|t| t.muon(muon).is_some())
-        .map(|t| t.shard(cut)));
     let scratch = |small_only: bool| {
         let (ss, sl) = ts
             .iter()
@@ -551,7 +547,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes
             + slots * block_bytes
-            + f * (muon_shards + root_elems(&ts, cut, muon) as f64 + ns_scratch)
+            + f * (root_elems(&ts, cut, muon) as f64 + ns_scratch)
             + gather_staging
             + ep_scratch
             + crate::ledger::step_scalars(&job.model)

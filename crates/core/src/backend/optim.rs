@@ -28,8 +28,10 @@ pub trait OptimOps: Send + Sync {
     /// `θ = θ·(1 − lr·wd) − (lr/bc1) · m / (sqrt(v)/sqrt(bc2) + eps)`.
     fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep);
 
-    /// Nesterov momentum: `buf = μ·buf + g; out = g + μ·buf` (with the new `buf`).
-    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64);
+    /// Nesterov momentum, in place on the gradient, which becomes the update:
+    /// `buf = μ·buf + g; g = g + μ·buf` (with the new `buf`). Sharded Muon keeps no update
+    /// buffer of its own: the gradient shard is not read again in the step.
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64);
 
     /// `x = x / (‖x‖_F + eps)` with the norm accumulated in f64: Newton–Schulz's normalisation,
     /// on the device so a GPU backend needs no host round trip per matrix.

@@ -42,25 +42,24 @@ fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep) 
     }
 }
 
-fn nesterov<S: Scalar>(buf: ViewMut, g: View, out: ViewMut, mu: f64) {
-    let (buf, g, out): (&mut [S], &[S], &mut [S]) = (buf.host(), g.host(), out.host());
+fn nesterov<S: Scalar>(buf: ViewMut, g: ViewMut, mu: f64) {
+    let (buf, g): (&mut [S], &mut [S]) = (buf.host(), g.host());
     let n = buf.len();
-    assert!(g.len() == n && out.len() == n, "nesterov lengths");
+    assert!(g.len() == n, "nesterov lengths");
     let mu = S::of_f64(mu);
-    let kernel = |b: &mut [S], g: &[S], o: &mut [S]| {
+    let kernel = |b: &mut [S], g: &mut [S]| {
         for i in 0..b.len() {
             let bi = mu * b[i] + g[i];
             b[i] = bi;
-            o[i] = g[i] + mu * bi;
+            g[i] += mu * bi;
         }
     };
     if n < PAR_MIN {
-        kernel(buf, g, out);
+        kernel(buf, g);
     } else {
         buf.par_chunks_mut(PAR_MIN)
-            .zip(g.par_chunks(PAR_MIN))
-            .zip(out.par_chunks_mut(PAR_MIN))
-            .for_each(|((b, g), o)| kernel(b, g, o));
+            .zip(g.par_chunks_mut(PAR_MIN))
+            .for_each(|(b, g)| kernel(b, g));
     }
 }
 
@@ -105,8 +104,8 @@ impl OptimOps for CpuBackend {
     fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
         crate::by_dtype!(param.dtype(), adamw(param, m, v, grad, h))
     }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64) {
-        crate::by_dtype!(buf.dtype(), nesterov(buf, grad, out, momentum))
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64) {
+        crate::by_dtype!(buf.dtype(), nesterov(buf, grad, momentum))
     }
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         crate::by_dtype!(x.dtype(), normalize(x, eps))

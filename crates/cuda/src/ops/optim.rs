@@ -45,24 +45,14 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         self.launch("adamw_step_f32", self.ew(n), &args);
     }
 
-    fn nesterov_momentum(&self, buf: ViewMut, grad: View, out: ViewMut, momentum: f64) {
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64) {
         let n = buf.len();
-        let views = [
-            (buf.dtype(), n),
-            (grad.dtype(), grad.len()),
-            (out.dtype(), out.len()),
-        ];
+        let views = [(buf.dtype(), n), (grad.dtype(), grad.len())];
         check_f32("nesterov_momentum", &views, n);
         if n == 0 {
             return;
         }
-        let args = [
-            self.am(buf),
-            self.a(grad),
-            self.am(out),
-            i64_of(n),
-            f(momentum),
-        ];
+        let args = [self.am(buf), self.am(grad), i64_of(n), f(momentum)];
         self.launch("nesterov_f32", self.ew(n), &args);
     }
 
