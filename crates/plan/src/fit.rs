@@ -769,35 +769,47 @@ fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) ->
 }
 
 /// Tokens a chunked head holds at a time when the fit check proposes one (the GPU planner's
-/// `loss_chunk_tokens` default).
+/// `loss_chunk_tokens` default), the largest of the loss chunks it tries.
 pub const FIT_LOSS_CHUNK: usize = 4096;
+/// The fewest tokens a loss chunk the fit check proposes holds.
+pub const FIT_LOSS_CHUNK_MIN: usize = 1024;
 /// The fewest tokens a MoE chunk the fit check proposes holds.
 pub const FIT_MOE_CHUNK_MIN: usize = 1024;
 
-/// `job` as it is, then with the head's loss in chunks of [`FIT_LOSS_CHUNK`] tokens (where a
-/// rank holds more and no smaller chunk is set), then with that and each MoE layer's experts in
-/// chunks halving from half a rank's tokens down to [`FIT_MOE_CHUNK_MIN`] (largest first;
-/// smaller than any chunk set): each with the `--set`s that make it.
+/// `job` as it is, then with the head's loss in chunks halving from [`FIT_LOSS_CHUNK`] to
+/// [`FIT_LOSS_CHUNK_MIN`] tokens (smaller than the rank's tokens and any chunk set), then each
+/// MoE layer's experts in chunks halving from half a rank's tokens down to
+/// [`FIT_MOE_CHUNK_MIN`] (largest first; smaller than any chunk set), each with those loss
+/// chunks: each with the `--set`s that make it. A smaller loss chunk costs next to nothing (the
+/// LM head's GEMMs stay large; the recompute is one head forward either way), a smaller MoE
+/// chunk makes the experts' GEMMs smaller, so the loss chunks come first.
 fn chunk_variants(job: &JobConfig, ranks: usize) -> Vec<(Vec<String>, JobConfig)> {
-    let mut out = vec![(vec![], job.clone())];
     let t = &job.training;
     let n = t.batch_size / ranks.max(1) * job.model.seq_len;
-    let (mut sets, mut j) = (vec![], job.clone());
-    if ganymede_config::head_rows(n, t.loss_chunk_tokens) > FIT_LOSS_CHUNK {
-        j.training.loss_chunk_tokens = FIT_LOSS_CHUNK;
-        sets.push(format!("training.loss_chunk_tokens={FIT_LOSS_CHUNK}"));
-        out.push((sets.clone(), j.clone()));
+    let held = ganymede_config::head_rows(n, t.loss_chunk_tokens);
+    let mut losses = vec![(vec![], job.clone())];
+    let mut c = FIT_LOSS_CHUNK;
+    while c >= FIT_LOSS_CHUNK_MIN {
+        if c < held {
+            let mut j = job.clone();
+            j.training.loss_chunk_tokens = c;
+            losses.push((vec![format!("training.loss_chunk_tokens={c}")], j));
+        }
+        c /= 2;
     }
+    let mut out = losses.clone();
     if (0..job.model.layers).any(|l| job.model.is_moe_layer(l)) {
         let held = ganymede_config::moe_rows(n, t.moe_chunk_tokens);
         let mut c = n / 2;
         while c >= FIT_MOE_CHUNK_MIN {
             if c < held {
-                let mut k = j.clone();
-                k.training.moe_chunk_tokens = c;
-                let mut s = sets.clone();
-                s.push(format!("training.moe_chunk_tokens={c}"));
-                out.push((s, k));
+                for (sets, j) in &losses {
+                    let mut k = j.clone();
+                    k.training.moe_chunk_tokens = c;
+                    let mut s = sets.clone();
+                    s.push(format!("training.moe_chunk_tokens={c}"));
+                    out.push((s, k));
+                }
             }
             c /= 2;
         }

@@ -1302,8 +1302,9 @@ fn the_fit_check_prefers_the_fewest_offloaded_layers_then_optimizer_offload_then
 }
 
 /// When no offload or checkpointing change fits, the fit check proposes token chunks: the
-/// head's loss in chunks of 4,096 tokens first, then also the MoE layers' experts in chunks
-/// halving from half the tokens (the largest that fits), each with the offloads it still needs.
+/// head's loss in chunks halving from 4,096 tokens to 1,024 first, then also the MoE layers'
+/// experts in chunks halving from half the tokens, with those loss chunks (the largest that
+/// fit), each with the offloads it still needs.
 /// `small` at 4,096-token sequences (32,768 tokens a step); capacities read off the predictions.
 #[test]
 fn the_fit_check_proposes_token_chunks_when_offloading_is_not_enough() {
@@ -1337,17 +1338,24 @@ fn the_fit_check_proposes_token_chunks_when_offloading_is_not_enough() {
         "the premise: offloads are not enough"
     );
     assert_eq!(fix_at(cap), Some((s(&[loss]), peak(&[loss]))));
-    // Below it (and below it with every offload), the MoE chunk too: 8,192 tokens, since
-    // 16,384 with every offload does not fit.
+    // Below it with every offload, a smaller loss chunk (with what offload it still needs).
+    let l2 = "training.loss_chunk_tokens=2048";
+    let cap = with_offloads(&[loss]) - 1.0;
+    assert!(with_offloads(&[l2]) <= cap, "the premise: 2,048 is enough");
+    let (sets, p) = fix_at(cap).expect("a fix");
+    assert_eq!((sets[0].as_str(), p <= cap), (l2, true), "{sets:?}");
+    // Below every loss chunk (and below them with every offload), the MoE chunk too: 8,192
+    // tokens, since 16,384 with every offload and the smallest loss chunk does not fit.
     let (m16, m8) = (
         "training.moe_chunk_tokens=16384",
         "training.moe_chunk_tokens=8192",
     );
+    let l1 = "training.loss_chunk_tokens=1024";
     let cap = peak(&[loss, m8]) + 0.5;
-    assert!(with_offloads(&[loss]) > cap && with_offloads(&[loss, m16]) > cap);
+    assert!(with_offloads(&[l1]) > cap && with_offloads(&[l1, m16]) > cap);
     assert_eq!(fix_at(cap), Some((s(&[loss, m8]), peak(&[loss, m8]))));
-    // Below the smallest chunk with every offload, nothing fits.
-    let floor = with_offloads(&[loss, "training.moe_chunk_tokens=1024"]);
+    // Below the smallest chunks with every offload, nothing fits.
+    let floor = with_offloads(&[l1, "training.moe_chunk_tokens=1024"]);
     assert_eq!(fix_at(floor - 1.0), None);
 }
 
