@@ -92,8 +92,7 @@ fn sharded_losses_equal_one_process() {
 #[test]
 fn one_gradient_set_gives_the_losses_of_two_and_one_set_less() {
     let run = |sets: usize| {
-        let cfg = tiny(6, &["device.kind=cpu-two-memory", "parallelism.dp_shard=4"]);
-        let mut cfg = cfg;
+        let mut cfg = tiny(6, &["device.kind=cpu-two-memory", "parallelism.dp_shard=4"]);
         cfg.parallelism.gradient_sets = sets;
         let dir = tmp(&format!("grad-sets-{sets}"));
         let o = ParOptions {
@@ -122,12 +121,13 @@ fn one_gradient_set_gives_the_losses_of_two_and_one_set_less() {
 /// A block whose tensors split evenly over 4 ranks and ones that do not: head dimension 10
 /// (q/k norms of 10 over 4 ranks need padding; q with 40 rows and k, v with 20 do not) and 6
 /// experts (whole experts over 4 ranks need padding; the router's 6 rows too); and a root whose
-/// embedding and LM head do not (258 rows) while the final norm does. The gradients of the even
-/// ones are reduce-scattered from the block's gradient set as they are, the others through
-/// zero-padded send buffers, the embedding's through the LM head's tensor and buffer: the losses
-/// are those of one process, and the two-memory prediction (two gradient sets, send buffers for
-/// the padded tensors only, one root gradient of shape [V, H]) equals the ledger to the byte.
-/// Without the vocabulary change (256 rows, no padding) the same holds.
+/// embedding and LM head do not (258 rows) while the final norm does. Every gradient is
+/// reduce-scattered from its own tensor, whose buffer holds its padded rows (zero), and every
+/// parameter gathered in the model's dtype is gathered into the tensor the model reads, padded
+/// or not (f32, and bf16 weights under bf16 compute); the embedding's gradient and parameter
+/// take turns with the LM head's in one tensor each: the losses are those of one process, and
+/// the two-memory prediction equals the ledger to the byte. Without the vocabulary change (256
+/// rows, no padding) the same holds.
 #[test]
 fn padded_and_unpadded_gradients_reduce_scatter_alike() {
     for vocab in ["model.vocab_size=258", "model.vocab_size=256"] {
