@@ -222,10 +222,10 @@ fn the_fewest_offloaded_layers_are_suggested_as_a_fraction_that_round_trips() {
 #[test]
 fn a_sharded_job_is_checked_per_rank() {
     // tiny on 4 ranks (FSDP, bf16 gathers straight into the weights on the device, the
-    // embedding and LM head in one tensor, Muon's update in the gradient shards): 0.008977 GiB
+    // embedding and LM head in one tensor, Muon's update in the gradient shards): 0.008916 GiB
     // per rank on the device; 0.0088 GiB is short of it. The rank's optimizer state (486 KB)
     // on the host, less two staging slots of its largest shard's state (2·4·16,384 bytes),
-    // fits (0.008646 GiB).
+    // fits (0.008585 GiB).
     let tmp = TempDir::new("fit-sharded");
     let run = tmp.path().join("run");
     let mut args = train_args(&run, "tiny", &["device.memory_gib=0.0088"]);
@@ -252,10 +252,10 @@ fn a_sharded_job_is_checked_per_rank() {
 
 #[test]
 fn token_chunks_are_suggested_when_no_offload_fits_and_then_run() {
-    // tiny at 1,024-token sequences (8,192 tokens a step): 0.1121 GiB on the device, mostly
+    // tiny at 1,024-token sequences (8,192 tokens a step): 0.1102 GiB on the device, mostly
     // the head's logits and the MoE rows. At 0.07 GiB no offload or checkpointing change fits,
     // nor any loss chunk (4,096 to 1,024 tokens) nor the experts in chunks of 4,096; the experts
-    // in chunks of 2,048 do (0.06524 GiB).
+    // in chunks of 2,048 do (0.06328 GiB).
     let tmp = TempDir::new("fit-chunks");
     let run = tmp.path().join("run");
     let job = ["model.seq_len=1024", "device.memory_gib=0.07"];

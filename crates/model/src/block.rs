@@ -650,8 +650,10 @@ pub(crate) fn block_backward(
         theta,
         eps: cfg.norm_eps as f32,
     };
+    // q's gradient goes where the output's was: attention's backward has read that (or, under
+    // bf16, its bf16 copy).
     for (dx, norm, dout, x, rstd, heads) in [
-        (&mut g.dq, li.q_norm, &g.dqr, &a.q, &a.rstdq, nh),
+        (&mut g.datt, li.q_norm, &g.dqr, &a.q, &a.rstdq, nh),
         (&mut g.dk, li.k_norm, &g.dkr, &a.k, &a.rstdk, nkv),
     ] {
         let saved = NormSaved {
@@ -664,7 +666,7 @@ pub(crate) fn block_backward(
     }
     be.gemm(
         g.dxn.view_mut(),
-        g.dq.view(),
+        g.datt.view(),
         w(li.q),
         Gemm::new(n, h, qd, false, false).bf16_inputs(cx.model.bf16),
     );
@@ -685,7 +687,7 @@ pub(crate) fn block_backward(
         .beta(1.0);
     be.gemm(
         grads.get_mut(li.q).view_mut(),
-        g.dq.view(),
+        g.datt.view(),
         a.xn1.view(),
         gq,
     );

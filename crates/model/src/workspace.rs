@@ -117,9 +117,10 @@ pub(crate) struct GradScratch {
     pub dres: Tensor,
     /// Gradient of a norm's output.
     pub dxn: Tensor,
+    /// The attention output's gradient, then (once attention's backward has read it) q's, before
+    /// its norm and RoPE: one `[N, Q]` buffer for both.
     pub datt: Tensor,
     pub dqr: Tensor,
-    pub dq: Tensor,
     pub dkr: Tensor,
     pub dk: Tensor,
     pub dv: Tensor,
@@ -309,7 +310,6 @@ fn plan(
         ("dxn", n * h),
         ("datt", n * qd),
         ("dqr", n * qd),
-        ("dq", n * qd),
         ("dkr", n * kd),
         ("dk", n * kd),
         ("dv", n * kd),
@@ -391,7 +391,7 @@ fn plan_bytes<'a>(p: impl Iterator<Item = &'a (&'static str, usize)>, prec: Prec
 /// 4 · N · [ (L+1)·H                   residual stream at block boundaries (f32 boundaries)
 ///         + Σ_sets (3H + 3Q + 3K + 2·heads + kv_heads + 2)        attention-side internals
 ///                  + [moe] (E + 4k + 2kH + 3kF) + 3·W_set   MLP internals, routing indices
-///         + 2H + 3Q + 3K + [any MoE](E + k + 2kH + 3kF) + 3·max W  gradient scratch
+///         + 2H + 2Q + 3K + [any MoE](E + k + 2kH + 3kF) + 3·max W  gradient scratch
 ///         + H + V + 7 ]               final norm, logits, token ids/targets, ids' grouping
 /// + 4 · (2E + 1) per MoE set                        per-expert counts and offsets
 /// + 4                                               the grouping's last segment end
@@ -561,7 +561,6 @@ impl Workspace {
             dxn: t("dxn"),
             datt: t("datt"),
             dqr: t("dqr"),
-            dq: t("dq"),
             dkr: t("dkr"),
             dk: t("dk"),
             dv: t("dv"),
@@ -675,9 +674,7 @@ impl Workspace {
             }
         }
         let g = &self.grads;
-        for t in [
-            &g.dres, &g.dxn, &g.datt, &g.dqr, &g.dq, &g.dkr, &g.dk, &g.dv,
-        ] {
+        for t in [&g.dres, &g.dxn, &g.datt, &g.dqr, &g.dkr, &g.dk, &g.dv] {
             add(t);
         }
         if let Some(a) = &g.attn16 {

@@ -46,7 +46,7 @@ pub struct ActivationTerms {
     /// one set, sized MoE if any layer is MoE and with the widest W. Under bf16 compute the
     /// set's v, normed-and-rotated q and k, and attention output are bf16: 2·N·(2Q + 2K) less.
     pub layer_sets: f64,
-    /// Gradient scratch shared by all layers: 4·N·(2H + 3Q + 3K + M + 3·max W) + 4·C·R, with
+    /// Gradient scratch shared by all layers: 4·N·(2H + 2Q + 3K + M + 3·max W) + 4·C·R, with
     /// M, C and R as above if any layer is MoE; under bf16 compute 2·N·(2Q + 2K) more
     /// (attention's bf16 output and input gradients).
     pub grad_scratch: f64,
@@ -131,8 +131,9 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         ),
         AcMode::Full => (set(any_moe, max_w), any_moe as u8 as f64),
     };
+    // q's gradient reuses the output gradient's buffer: 2Q, not 3Q.
     let scratch =
-        2.0 * h + 3.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w + attn16;
+        2.0 * h + 2.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w + attn16;
     let boundaries = match bf16_boundaries(job) {
         true => 2.0 * n * (m.layers as f64 + 1.0) * h + f * n * h,
         false => f * n * (m.layers as f64 + 1.0) * h,
