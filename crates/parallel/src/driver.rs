@@ -350,7 +350,7 @@ impl RankState {
                     experts: ex,
                 };
                 let out = forward_backward_with(be, model, hooks, ws, tokens, 1.0);
-                grads.finish(be);
+                grads.finish();
                 out
             }
         };

@@ -185,9 +185,15 @@ fn embedding(layout: &Layout) -> Option<usize> {
     root_param(layout, "model.embed_tokens.weight")
 }
 
-/// `(embedding, LM head)` indices, when the root holds both.
+/// `(embedding, LM head)` indices, when the root holds both with one shape, shard and group:
+/// then one tensor can serve both in turn.
 fn embedding_and_head(layout: &Layout) -> Option<(usize, usize)> {
-    embedding(layout).zip(root_param(layout, "lm_head.weight"))
+    let pair = embedding(layout).zip(root_param(layout, "lm_head.weight"));
+    pair.filter(|&(e, h)| {
+        layout.local_shape[e] == layout.local_shape[h]
+            && layout.shard[e] == layout.shard[h]
+            && layout.group[e] == layout.group[h]
+    })
 }
 
 fn root_param(layout: &Layout, name: &str) -> Option<usize> {
@@ -244,13 +250,7 @@ impl FsdpParams {
                 }
             })
             .collect();
-        let share = embedding_and_head(&layout).filter(|&(e, h)| {
-            let same = |f: &dyn Fn(usize) -> bool| f(e) == f(h);
-            layout.local_shape[e] == layout.local_shape[h]
-                && layout.shard[e] == layout.shard[h]
-                && layout.group[e] == layout.group[h]
-                && same(&|i| bf16_weight[i])
-        });
+        let share = embedding_and_head(&layout).filter(|&(e, h)| bf16_weight[e] == bf16_weight[h]);
         let mut specs = layout.specs.clone();
         let tensors = (0..specs.len())
             .map(|i| {
@@ -666,11 +666,7 @@ impl FsdpGrads {
     pub fn new(be: &dyn Backend, layout: Arc<Layout>, groups: Groups, sets: usize) -> Self {
         assert!((1..=2).contains(&sets), "1 or 2 gradient sets, not {sets}");
         let embedding = embedding(&layout);
-        let share = embedding_and_head(&layout).filter(|&(e, h)| {
-            layout.local_shape[e] == layout.local_shape[h]
-                && layout.shard[e] == layout.shard[h]
-                && layout.group[e] == layout.group[h]
-        });
+        let share = embedding_and_head(&layout);
         let shared_embed = |i: usize| share.is_some_and(|(e, _)| e == i);
         let mut specs = layout.specs.clone();
         let tensors = (0..specs.len())
@@ -735,7 +731,7 @@ impl FsdpGrads {
 
     /// Reduce-scatter the root gradients not yet sent and wait for every reduce-scatter, then
     /// (HSDP) sum the shards across replicas: the shards then hold the global batch's gradients.
-    pub fn finish(&mut self, _be: &dyn Backend) {
+    pub fn finish(&mut self) {
         self.wait_head();
         let head_sent = std::mem::take(&mut self.head_sent);
         for &i in self.layout.root.clone().iter() {

@@ -105,6 +105,20 @@ pub struct LayerWork {
 }
 
 impl LayerWork {
+    /// Work with GEMMs but no attention (the LM head, a recompute of the experts).
+    fn without_attention(gemms: Vec<GemmCall>, backward: bool, bytes: f64, kernels: f64) -> Self {
+        LayerWork {
+            gemms,
+            attention: GemmCall {
+                count: 0.0,
+                ..GemmCall::one(0.0, 0.0, 0.0)
+            },
+            head_dim: 0.0,
+            backward,
+            elementwise_bytes: bytes,
+            kernels,
+        }
+    }
     pub fn seconds(&self, cpu: &CpuSpec) -> f64 {
         self.gemm_seconds(cpu)
             + self.attention_seconds(cpu)
@@ -337,27 +351,14 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
         if moe && x.ac == AcMode::None && chunks > 1.0 {
             // Without checkpointing the backward recomputes every chunk's experts but the
             // last's (under full checkpointing the recompute runs only the last's: no more).
-            let again = LayerWork {
-                gemms: expert_gemms(m, chunk, chunks - 1.0).to_vec(),
-                attention: GemmCall {
-                    count: 0.0,
-                    ..GemmCall::one(0.0, 0.0, 0.0)
-                },
-                head_dim: 0.0,
-                backward: true,
-                elementwise_bytes: 0.0,
-                kernels: 0.0,
-            };
+            let gemms = expert_gemms(m, chunk, chunks - 1.0).to_vec();
+            let again = LayerWork::without_attention(gemms, true, 0.0, 0.0);
             backward_s += add(&again, l);
         }
     }
     // Outside the layers: embedding (write n·H; backward reads and scatters it), final norm,
     // LM head (one GEMM forward, two backward), cross-entropy (reads the logits twice and
     // writes their gradient), each once.
-    let none = GemmCall {
-        count: 0.0,
-        ..GemmCall::one(0.0, 0.0, 0.0)
-    };
     // With the loss in chunks of `c` tokens, the logits' GEMMs are one per chunk, and the
     // backward recomputes every chunk's logits but the last's.
     let c = ganymede_config::head_rows(tokens, x.loss_chunk_tokens) as f64;
@@ -366,26 +367,22 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
         count,
         ..GemmCall::one(m, n, k)
     };
-    let head_f = LayerWork {
-        gemms: vec![per_chunk(c, v, h, n / c)],
-        attention: none,
-        head_dim: 0.0,
-        backward: false,
-        elementwise_bytes: F32 * n * (h + 2.0 * h),
-        kernels: 2.0,
-    };
+    let head_f = LayerWork::without_attention(
+        vec![per_chunk(c, v, h, n / c)],
+        false,
+        F32 * n * (h + 2.0 * h),
+        2.0,
+    );
     let mut head_gemms = vec![per_chunk(c, h, v, n / c), per_chunk(v, h, c, n / c)];
     if head_chunks > 1.0 {
         head_gemms.push(per_chunk(c, v, h, head_chunks - 1.0));
     }
-    let head_b = LayerWork {
-        gemms: head_gemms,
-        attention: none,
-        head_dim: 0.0,
-        backward: true,
-        elementwise_bytes: F32 * n * (3.0 * v + 2.0 * h + 4.0 * h),
-        kernels: 4.0,
-    };
+    let head_b = LayerWork::without_attention(
+        head_gemms,
+        true,
+        F32 * n * (3.0 * v + 2.0 * h + 4.0 * h),
+        4.0,
+    );
     forward_s += add(&head_f, 1.0);
     backward_s += add(&head_b, 1.0);
 

@@ -438,15 +438,17 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     // the others (f32 gathers of bf16 weights) through a padded receive buffer and a cast.
     let bf16_compute = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
     let bf16 = p.gather_dtype == ganymede_config::GatherDtype::Bf16;
-    let direct = |t: &Rt| bf16 == (bf16_compute && t.bf16_weight);
+    let half = |t: &Rt| bf16_compute && t.bf16_weight;
+    let direct = |t: &Rt| bf16 == half(t);
     let unsharded = |t: &Rt| {
         let elems = match direct(t) {
             true => t.padded(cut),
             false => t.local(cut),
         };
-        match bf16_compute && t.bf16_weight {
-            true => 2 * elems,
-            false => 4 * elems,
+        if half(t) {
+            2 * elems
+        } else {
+            4 * elems
         }
     };
     // The embedding and the LM head (same shape and dtype) take turns in one tensor: the
