@@ -107,6 +107,27 @@ fn medium_is_the_size_issue_9_asks_for() {
     assert_eq!(p.active, 250_374_656);
 }
 
+/// `medium` is the GPU speed comparison's job: it trains as PyTorch is run beside it (bf16 GEMM
+/// operands, every activation kept), and this binary's own CUDA prediction fits one H200 that
+/// way, as it would not on the 24 GiB of a smaller card.
+#[test]
+fn medium_runs_as_pytorch_does_and_fits_an_h200() {
+    let job = preset("medium").unwrap();
+    assert_eq!(
+        job.training.compute_dtype,
+        ganymede_config::ComputeDtype::Bf16
+    );
+    assert_eq!(job.activation_checkpoint.mode, AcMode::None);
+    let mut cuda = job.clone();
+    cuda.device.kind = ganymede_config::DeviceKind::Cuda;
+    let h200 = Cluster::preset("dgx-h200").unwrap();
+    let usable = h200.gpu.memory_bytes - h200.gpu.reserved_bytes;
+    let fit = crate::fit::cuda_fit(&cuda, 1, 1, ("H200", usable));
+    assert!(fit.fits, "{}", fit.message());
+    let small_card = crate::fit::cuda_fit(&cuda, 1, 1, ("24 GiB", 24.0 * (1u64 << 30) as f64));
+    assert!(!small_card.fits, "{}", small_card.message());
+}
+
 #[test]
 fn europa_total_and_active_parameters() {
     // embedding = LM head = 256,000·6,144 = 1,572,864,000; final norm 6,144.
