@@ -3,10 +3,18 @@
 //! The output is a CUBIN for the exact architecture (`sm_90` on H100/H200), not PTX: PTX would
 //! be JIT-compiled by the driver, which refuses PTX from an NVRTC newer than itself, while a
 //! CUBIN only needs a driver of the same CUDA major version.
+//!
+//! CUBINs are also kept on disk ([`cache_dir`]), so a process that finds its file, source,
+//! options, architecture and NVRTC version compiled before loads it instead of compiling
+//! (seconds a process: every rank and every run of a job would compile the same code). A cache
+//! file is written whole under another name and renamed into place, so ranks writing at once or
+//! a process killed mid-write leave a complete file or none; one whose key or checksum does not
+//! match is compiled again and replaced.
 
 use cudarc::nvrtc::{result, sys};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// One source file compiled for one architecture.
@@ -40,8 +48,10 @@ impl std::fmt::Display for CompileError {
 impl std::error::Error for CompileError {}
 
 /// The options every file is compiled with. Precise division and square roots and no flushing
-/// of denormals, so device results can be held against the CPU backend's; the CUDA headers'
-/// folders where found (see [`include_dirs`]).
+/// of denormals, so device results can be held against the CPU backend's; fused multiply-adds
+/// allowed, as nvcc's default (the host build contracts none, so the two differ by rounding,
+/// which the device check's tolerances allow for); the CUDA headers' folders where found (see
+/// [`include_dirs`]).
 pub fn options(arch: &str) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),
@@ -131,8 +141,9 @@ pub fn compile(file: &str, src: &str, arch: &str) -> Result<Compiled, CompileErr
 
 type Cached = Arc<Result<Vec<Compiled>, CompileError>>;
 
-/// Every file of `sources` compiled for `arch`, once per process: later calls (another backend
-/// on the same device, a second rank's thread) get the same CUBINs.
+/// Every file of `sources` compiled for `arch` (or loaded from [`cache_dir`]), once per
+/// process: later calls (another backend on the same device, a second rank's thread) get the
+/// same CUBINs.
 pub fn compile_all_once(sources: &[(&str, &str)], arch: &str) -> Cached {
     static CACHE: OnceLock<Mutex<HashMap<String, Cached>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
@@ -141,14 +152,156 @@ pub fn compile_all_once(sources: &[(&str, &str)], arch: &str) -> Cached {
     let names: Vec<&str> = sources.iter().map(|(f, _)| *f).collect();
     map.entry(format!("{arch}:{}", names.join(",")))
         .or_insert_with(|| {
+            let dir = cache_dir();
             Arc::new(
                 sources
                     .iter()
-                    .map(|(file, src)| compile(file, src, arch))
+                    .map(|(file, src)| compile_cached(file, src, arch, dir.as_deref()).0)
                     .collect(),
             )
         })
         .clone()
+}
+
+/// Where compiled kernels are kept between processes: `GANYMEDE_KERNEL_CACHE` (empty or `off`:
+/// nowhere), else `$XDG_CACHE_HOME/ganymede/kernels`, else `$HOME/.cache/ganymede/kernels`.
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(v) = std::env::var_os("GANYMEDE_KERNEL_CACHE") {
+        return (!v.is_empty() && v != "off").then(|| PathBuf::from(v));
+    }
+    var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| Path::new(&h).join(".cache")))
+        .map(|c| c.join("ganymede").join("kernels"))
+}
+
+/// Where a compile came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// Read from the cache.
+    Cache,
+    /// Compiled by NVRTC (and written to the cache, where there is one).
+    Compiled,
+}
+
+/// [`compile`], through the cache in `dir` (none: always compile). A cache that cannot be read
+/// or written only costs the compile: the error is NVRTC's alone.
+pub fn compile_cached(
+    file: &str,
+    src: &str,
+    arch: &str,
+    dir: Option<&Path>,
+) -> (Result<Compiled, CompileError>, Origin) {
+    let Some(dir) = dir else {
+        return (compile(file, src, arch), Origin::Compiled);
+    };
+    let key = cache_key(file, src, arch);
+    let path = dir.join(format!(
+        "{}-{:016x}.cubin",
+        sanitize(file),
+        fnv1a(key.as_bytes())
+    ));
+    if let Some(cubin) = std::fs::read(&path)
+        .ok()
+        .and_then(|b| cache_decode(&b, &key))
+    {
+        let file = file.to_string();
+        return (Ok(Compiled { file, cubin }), Origin::Cache);
+    }
+    let out = compile(file, src, arch);
+    if let Ok(c) = &out {
+        // Best effort: a read-only or full disk leaves the compile as it is.
+        let _ = write_atomically(&path, &cache_encode(&key, &c.cubin));
+    }
+    (out, Origin::Compiled)
+}
+
+/// Everything a CUBIN depends on: the file's name and source, the options, the architecture
+/// and the NVRTC library's version.
+fn cache_key(file: &str, src: &str, arch: &str) -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters; a failure leaves 0.0, which only makes the key stricter.
+    let _ = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+    format!(
+        "{file}\n{arch}\nnvrtc {major}.{minor}\n{}\n{} bytes {:016x}",
+        options(arch).join(" "),
+        src.len(),
+        fnv1a(src.as_bytes())
+    )
+}
+
+const CACHE_MAGIC: &[u8] = b"ganymede cubin 1\n";
+
+/// A cache file: magic, the key's length and bytes, the CUBIN's checksum, length and bytes.
+fn cache_encode(key: &str, cubin: &[u8]) -> Vec<u8> {
+    let mut b = CACHE_MAGIC.to_vec();
+    b.extend((key.len() as u64).to_le_bytes());
+    b.extend(key.as_bytes());
+    b.extend(fnv1a(cubin).to_le_bytes());
+    b.extend((cubin.len() as u64).to_le_bytes());
+    b.extend(cubin);
+    b
+}
+
+/// The CUBIN of a cache file written for `key`; `None` for any other key, a truncated or
+/// altered file, or one that is not an ELF image.
+fn cache_decode(b: &[u8], key: &str) -> Option<Vec<u8>> {
+    let rest = b.strip_prefix(CACHE_MAGIC)?;
+    let u64_at = |b: &[u8], i: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+    };
+    let klen = usize::try_from(u64_at(rest, 0)?).ok()?;
+    let k = rest.get(8..8usize.checked_add(klen)?)?;
+    if k != key.as_bytes() {
+        return None;
+    }
+    let rest = &rest[8 + klen..];
+    let (sum, len) = (u64_at(rest, 0)?, usize::try_from(u64_at(rest, 8)?).ok()?);
+    let cubin = rest.get(16..)?;
+    (cubin.len() == len && fnv1a(cubin) == sum && cubin.starts_with(b"\x7fELF"))
+        .then(|| cubin.to_vec())
+}
+
+/// Write `bytes` to a unique file beside `path`, then rename it over `path`.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp.{}.{n}", std::process::id()));
+    let r = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+/// 64-bit FNV-1a: a cache file's name and checksums (not a defence against tampering; the key
+/// inside the file is compared whole).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A file name's characters outside `[A-Za-z0-9._-]` as `_`.
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// Names of the `extern "C" __global__` kernels a source defines, in order: what the device
@@ -197,5 +350,93 @@ mod tests {
         let plumbing = super::kernel_names(crate::device::PLUMBING.1);
         assert!(plumbing.contains(&"ganymede_cast_f32_to_bf16".to_string()));
         assert!(!plumbing.iter().any(|n| n == "ganymede_block_add"));
+    }
+
+    use super::{cache_decode, cache_encode, compile_cached, Origin};
+    use std::path::PathBuf;
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("ganymede-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_cache_file_gives_back_its_cubin_for_its_key_only() {
+        let cubin = b"\x7fELF and some machine code".to_vec();
+        let f = cache_encode("key one", &cubin);
+        assert_eq!(cache_decode(&f, "key one"), Some(cubin.clone()));
+        assert_eq!(cache_decode(&f, "key two"), None, "another key");
+        assert_eq!(cache_decode(&f, "key on"), None, "a prefix of the key");
+        for cut in [0, 10, f.len() / 2, f.len() - 1] {
+            assert_eq!(cache_decode(&f[..cut], "key one"), None, "cut at {cut}");
+        }
+        let mut longer = f.clone();
+        longer.push(0);
+        assert_eq!(cache_decode(&longer, "key one"), None, "a byte too many");
+        let mut flipped = f.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        assert_eq!(cache_decode(&flipped, "key one"), None, "a changed byte");
+        let not_elf = cache_encode("k", b"PTX text");
+        assert_eq!(cache_decode(&not_elf, "k"), None, "not an ELF image");
+    }
+
+    /// A second compile of the same source reads the cache, byte for byte; a changed source
+    /// misses; a damaged file is compiled again and replaced; no temporary file is left.
+    #[test]
+    fn a_second_compile_is_read_from_the_disk_cache() {
+        // SAFETY: a probe for the library; cudarc panics on first use without one.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert_ne!(
+                std::env::var("GANYMEDE_REQUIRE_NVRTC").as_deref(),
+                Ok("1"),
+                "GANYMEDE_REQUIRE_NVRTC=1 but no NVRTC library"
+            );
+            println!("SKIPPED: no NVRTC library");
+            return;
+        }
+        let dir = temp_dir("kernel-cache");
+        let src = "extern \"C\" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n";
+        let (first, o1) = compile_cached("t.cu", src, "sm_90", Some(&dir));
+        let first = first.expect("compiles").cubin;
+        assert_eq!(o1, Origin::Compiled);
+        let (second, o2) = compile_cached("t.cu", src, "sm_90", Some(&dir));
+        assert_eq!(o2, Origin::Cache);
+        assert_eq!(second.unwrap().cubin, first);
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        // Another source, another architecture: misses, each its own file.
+        let other = src.replace("2.0f", "3.0f");
+        assert_eq!(
+            compile_cached("t.cu", &other, "sm_90", Some(&dir)).1,
+            Origin::Compiled
+        );
+        assert_eq!(
+            compile_cached("t.cu", src, "sm_80", Some(&dir)).1,
+            Origin::Compiled
+        );
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 3);
+        // A damaged file: compiled again, and the next call reads the rewritten one.
+        let mut bytes = std::fs::read(&files[0]).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x55;
+        std::fs::write(&files[0], &bytes).unwrap();
+        let (again, o3) = compile_cached("t.cu", src, "sm_90", Some(&dir));
+        assert_eq!(o3, Origin::Compiled);
+        assert_eq!(again.unwrap().cubin, first);
+        assert_eq!(
+            compile_cached("t.cu", src, "sm_90", Some(&dir)).1,
+            Origin::Cache
+        );
+        // A compile error is NVRTC's, and nothing is cached for it.
+        let (bad, o4) = compile_cached("bad.cu", "this is not C++", "sm_90", Some(&dir));
+        assert!(bad.is_err());
+        assert_eq!(o4, Origin::Compiled);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
