@@ -66,10 +66,18 @@ fi
 # About 3 minutes for the binary's check, the rest of the 8 for training.
 timeout 200 "$bin" device-check --out "$out" >"$out/device-check.log" 2>&1
 rc=$?
-# A run that ended before writing a report (the one-line error) still leaves one.
-[ -f "$out/report.md" ] || { echo "# ganymede device check"; echo; echo "Did not run (exit $rc):"; echo; echo '```'; tail -20 "$out/device-check.log"; echo '```'; } >"$out/report.md"
+# A run that ended before writing a report (the one-line error) still leaves one; one that
+# died or timed out in a section leaves the sections before it (written as they end) and why.
+if [ ! -f "$out/report.md" ]; then
+    { echo "# ganymede device check"; echo; echo "Did not run (exit $rc):"; echo; echo '```'; tail -20 "$out/device-check.log"; echo '```'; } >"$out/report.md"
+elif [ $rc -ne 0 ] && [ $rc -ne 1 ]; then
+    # 1 is "some section failed", already in the report; anything else ended the process.
+    { echo; echo "## Ended early (exit $rc$([ $rc = 124 ] && echo ': timed out'))"; echo; echo '```'; tail -20 "$out/device-check.log"; echo '```'; } >>"$out/report.md"
+fi
 
 left=$((465 - ($(date +%s) - start)))
+# `timeout 0` would mean no limit at all.
+[ "$left" -ge 30 ] || left=30
 py=python3
 for p in "${pythons[@]}"; do
     [ -n "$p" ] && "$p" -c 'import torch' >/dev/null 2>&1 && { py=$p; break; }

@@ -17,6 +17,7 @@ pub mod nccl;
 pub mod nvrtc;
 mod plumbing;
 pub mod probe;
+pub mod profile;
 
 pub use launcher::{kernel_backend, CudaKernelBackend, CudaLauncher};
 pub use memory::{DeviceMemory, PinnedMemory};
@@ -152,6 +153,15 @@ pub struct Inner {
     /// bf16 copies of the f32 A and B operands of bf16-input GEMMs (see
     /// `CudaBackend::with_bf16_operands`).
     bf16_scratch: Mutex<[Option<ganymede_core::Tensor>; 2]>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last ops' events, read while the context lives.
+        if let Some(p) = profile::profile() {
+            p.flush();
+        }
+    }
 }
 
 impl CudaBackend {

@@ -142,14 +142,31 @@ impl CudaBackend {
 
     /// The seam's grouped GEMM (the routed experts', one GEMM per expert over its own tokens)
     /// as one `cublasGemmGroupedBatchedEx` call, instead of one launch per expert. Dtypes as
-    /// [`Blas::gemm`]; f32 accumulation.
+    /// [`Blas::gemm`]; f32 accumulation. Panics where cuBLAS refuses the call
+    /// ([`CudaBackend::try_gemm_grouped_batched`] returns the refusal).
     pub fn gemm_grouped_batched(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        groups: &[(Gemm, usize, usize, usize)],
+    ) {
+        cublas(
+            self.try_gemm_grouped_batched(c, a, b, groups),
+            "gemmGroupedBatchedEx",
+        )
+    }
+
+    /// [`CudaBackend::gemm_grouped_batched`], with cuBLAS's status returned instead of a
+    /// panic: its documented type combinations for this call are fewer than `GemmEx`'s (bf16
+    /// operands with an f32 result may be refused), and a refused call writes nothing.
+    pub fn try_gemm_grouped_batched(
         &self,
         mut c: ViewMut,
         a: View,
         b: View,
         groups: &[(Gemm, usize, usize, usize)],
-    ) {
+    ) -> Result<(), cudarc::cublas::result::CublasError> {
         for &(g, ao, bo, co) in groups {
             let [la, lb, lc] = operand_extents(&g);
             if lc == 0 {
@@ -162,7 +179,7 @@ impl CudaBackend {
         let call = map_gemm_grouped(groups).unwrap_or_else(|e| panic!("grouped gemm: {e}"));
         let problems = call.calls.len();
         if problems == 0 {
-            return;
+            return Ok(());
         }
         let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
         check_operands(&pa, &pb, &pc);
@@ -192,34 +209,31 @@ impl CudaBackend {
         // SAFETY: every problem's operands were checked against their views above; the pointer
         // arrays were copied to `dev` on the compute stream, which this handle is bound to, ahead
         // of the call; the host arrays outlive the call (cuBLAS reads them before returning).
-        cublas(
-            unsafe {
-                blas_sys::cublasGemmGroupedBatchedEx(
-                    *self.blas.handle(),
-                    transa.as_ptr(),
-                    transb.as_ptr(),
-                    m.as_ptr(),
-                    n.as_ptr(),
-                    k.as_ptr(),
-                    alpha.as_ptr() as *const _,
-                    dev as *const *const _,
-                    cuda_type(pa.dtype),
-                    lda.as_ptr(),
-                    (dev + 8 * problems as u64) as *const *const _,
-                    cuda_type(pb.dtype),
-                    ldb.as_ptr(),
-                    beta.as_ptr() as *const _,
-                    (dev + 16 * problems as u64) as *const *mut _,
-                    cuda_type(pc.dtype),
-                    ldc.as_ptr(),
-                    problems as i32,
-                    sizes.as_ptr(),
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                )
-            }
-            .result(),
-            "gemmGroupedBatchedEx",
-        )
+        unsafe {
+            blas_sys::cublasGemmGroupedBatchedEx(
+                *self.blas.handle(),
+                transa.as_ptr(),
+                transb.as_ptr(),
+                m.as_ptr(),
+                n.as_ptr(),
+                k.as_ptr(),
+                alpha.as_ptr() as *const _,
+                dev as *const *const _,
+                cuda_type(pa.dtype),
+                lda.as_ptr(),
+                (dev + 8 * problems as u64) as *const *const _,
+                cuda_type(pb.dtype),
+                ldb.as_ptr(),
+                beta.as_ptr() as *const _,
+                (dev + 16 * problems as u64) as *const *mut _,
+                cuda_type(pc.dtype),
+                ldc.as_ptr(),
+                problems as i32,
+                sizes.as_ptr(),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        }
+        .result()
     }
 
     /// `ptrs` in device memory, ordered before what the compute stream runs next: the device

@@ -81,7 +81,11 @@ impl Launcher for CudaLauncher {
         };
         // SAFETY: the caller's (see the trait): arguments match the kernel's parameters (a
         // pointer travels as its 64-bit value) and every address holds what the kernel touches.
-        ok(unsafe { b.launch(c) }.map(|_| ()), name);
+        let mut go = move || ok(unsafe { b.launch(c) }.map(|_| ()), name);
+        match super::profile::profile() {
+            Some(p) => p.op(self.be.compute(), || name.to_string(), go),
+            None => go(),
+        }
     }
     fn alloc_scratch(&self, bytes: usize) -> Tensor {
         // f64 elements: 8-byte alignment for the f64 partial sums carved from it. Freed in
@@ -115,20 +119,52 @@ impl CudaLauncher {
     }
 }
 
+impl CudaBackend {
+    /// `op`, charged to `name` when profiling (see `profile`).
+    fn profiled<R>(&self, name: impl FnOnce() -> String, op: impl FnOnce() -> R) -> R {
+        match super::profile::profile() {
+            Some(p) => p.op(self.compute(), name, op),
+            None => op(),
+        }
+    }
+}
+
+/// A GEMM's name in the profile: its shape and operand precision.
+fn gemm_name(kind: &str, m: usize, n: usize, k: usize, bf16: bool) -> String {
+    format!(
+        "cublas {kind} {m}x{n}x{k}{}",
+        if bf16 { " bf16" } else { "" }
+    )
+}
+
 impl Gemms for CudaBackend {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
-        Blas::gemm(self, c, a, b, g)
+        self.profiled(
+            || gemm_name("gemm", g.m, g.n, g.k, g.bf16_inputs),
+            || Blas::gemm(self, c, a, b, g),
+        )
     }
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
-        Blas::syrk(self, c, a, s)
+        self.profiled(
+            || gemm_name("syrk", s.n, s.n, s.k, s.bf16_inputs),
+            || Blas::syrk(self, c, a, s),
+        )
     }
     fn native_bf16(&self) -> bool {
         Blas::native_bf16(self)
     }
     /// One `cublasGemmGroupedBatchedEx` for all groups (the experts' GEMMs); with
     /// `GANYMEDE_CUDA_GROUPED=loop`, one GEMM per group instead (what the device check measures
-    /// the grouped call against).
-    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+    /// the grouped call against). Where cuBLAS refuses the grouped call for these dtypes (its
+    /// table for it is shorter than `GemmEx`'s: bf16 operands with an f32 result may not be in
+    /// it), the process says so once and loops for those dtypes from then on.
+    fn gemm_grouped(
+        &self,
+        mut c: ViewMut,
+        a: View,
+        b: View,
+        groups: &[(Gemm, usize, usize, usize)],
+    ) {
         let bf16 = groups.iter().any(|(g, ..)| g.bf16_inputs);
         if bf16 && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
             // Whole views, cast once for every group (which rows the groups read follows the
@@ -137,10 +173,41 @@ impl Gemms for CudaBackend {
             return self
                 .with_bf16_operands(a, b, n, |a, b| Gemms::gemm_grouped(self, c, a, b, groups));
         }
-        if grouped_loop() {
+        let dtypes = [a.dtype(), b.dtype(), c.dtype()];
+        let g0 = groups.first().map(|x| x.0);
+        let name = |kind: &str| {
+            let (n, k) = g0.map_or((0, 0), |g| (g.n, g.k));
+            let rows: usize = groups.iter().map(|x| x.0.m).sum();
+            format!(
+                "cublas {kind} {} groups, {rows} rows, n {n} k {k}",
+                groups.len()
+            )
+        };
+        if grouped_loop() || grouped_refused(dtypes).is_some() {
+            return self.profiled(
+                || name("grouped as a loop"),
+                || self.gemm_grouped_loop(c, a, b, groups),
+            );
+        }
+        let tried = self.profiled(
+            || name("grouped"),
+            || self.try_gemm_grouped_batched(c.reborrow(), a, b, groups),
+        );
+        if let Err(e) = tried {
+            use cudarc::cublas::sys::cublasStatus_t as St;
+            if !matches!(
+                e.0,
+                St::CUBLAS_STATUS_NOT_SUPPORTED | St::CUBLAS_STATUS_INVALID_VALUE
+            ) {
+                panic!("cuBLAS gemmGroupedBatchedEx: {e}");
+            }
+            eprintln!(
+                "note: cuBLAS refused a grouped GEMM of {:?} x {:?} -> {:?} ({e}); those run one \
+                 GEMM per group from now on",
+                dtypes[0], dtypes[1], dtypes[2]
+            );
+            refuse_grouped(dtypes, e);
             self.gemm_grouped_loop(c, a, b, groups)
-        } else {
-            self.gemm_grouped_batched(c, a, b, groups)
         }
     }
 }
@@ -149,6 +216,23 @@ impl Gemms for CudaBackend {
 fn grouped_loop() -> bool {
     static LOOP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *LOOP.get_or_init(|| std::env::var("GANYMEDE_CUDA_GROUPED").is_ok_and(|v| v == "loop"))
+}
+
+/// Operand and result dtypes (A, B, C) whose grouped GEMM cuBLAS refused in this process, with
+/// its status.
+static REFUSED: std::sync::Mutex<Vec<([DType; 3], String)>> = std::sync::Mutex::new(Vec::new());
+
+/// cuBLAS's refusal of a grouped GEMM of these dtypes in this process, if it refused one.
+pub fn grouped_refused(dtypes: [DType; 3]) -> Option<String> {
+    let r = REFUSED.lock().unwrap_or_else(|e| e.into_inner());
+    r.iter().find(|(d, _)| *d == dtypes).map(|(_, e)| e.clone())
+}
+
+fn refuse_grouped(dtypes: [DType; 3], e: cudarc::cublas::result::CublasError) {
+    let mut r = REFUSED.lock().unwrap_or_else(|e| e.into_inner());
+    if !r.iter().any(|(d, _)| *d == dtypes) {
+        r.push((dtypes, e.to_string()));
+    }
 }
 
 impl CudaBackend {
