@@ -24,25 +24,94 @@ extern "C" __global__ void dispatch_offsets(unsigned* offsets, const unsigned* c
     offsets[experts] = s;
 }
 
-// One block per expert scans every choice in order and places its own with a block prefix sum:
-// stable, so rows within an expert are in (token, choice) order.
-// Launch: grid experts, block a multiple of 32.
-extern "C" __global__ void dispatch_place(unsigned* src, unsigned* pos, const unsigned* offsets,
-                                          const unsigned* idx, int n, int k) {
-    const unsigned e = blockIdx.x;
-    unsigned next = offsets[e];
-    for (int base = 0; base < n; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        const unsigned mine = (i < n && idx[i] == e) ? 1u : 0u;
-        unsigned total;
-        const unsigned rank = block_exclusive_scan(mine, &total);
-        if (mine) {
-            const unsigned p = next + rank;
-            src[p] = (unsigned)(i / k);
-            pos[i] = p;
-        }
-        next += total;
+// The placement, in three kernels over tiles of tile_len choices (one block per tile; a
+// block's chunks of blockDim choices in order): per-tile counts per expert, their scan into
+// each tile's first row per expert, then each tile placing its choices. Stable: within a tile
+// choices go in order, and tiles in order. Every thread's rank among equal experts earlier in
+// its chunk is counted through shared memory, and the last of them moves the expert's cursor,
+// so no atomics and the result is the same on every run. At most GANY_MAX_EXPERTS experts.
+#define GANY_MAX_EXPERTS 1024
+#define GANY_NO_EXPERT 0xffffffffu
+
+// For the thread holding expert `mine` (or GANY_NO_EXPERT) in a chunk whose experts are in
+// ids[0..blockDim): how many threads before it hold the same expert, and whether none after
+// it does.
+__device__ __forceinline__ unsigned chunk_rank(const unsigned* ids, unsigned mine, bool* last) {
+    unsigned rank = 0;
+    *last = true;
+    for (int j = 0; j < (int)blockDim.x; j++) {
+        if (ids[j] != mine) continue;
+        if (j < (int)threadIdx.x) rank++;
+        if (j > (int)threadIdx.x) *last = false;
     }
+    return rank;
+}
+
+// One tile's pass: per chunk, `place(i, expert, row)` for each choice, where `row` is the
+// expert's cursor plus the choice's rank; the cursors (cursor[0..experts], shared) move past
+// the chunk.
+template <class F>
+__device__ void tile_pass(unsigned* cursor, const unsigned* idx, long long n, long long tile_len,
+                          F place) {
+    __shared__ unsigned ids[1024];
+    const long long i0 = (long long)blockIdx.x * tile_len;
+    const long long i1 = i0 + tile_len < n ? i0 + tile_len : n;
+    for (long long base = i0; base < i1; base += blockDim.x) {
+        const long long i = base + threadIdx.x;
+        const unsigned mine = i < i1 ? idx[i] : GANY_NO_EXPERT;
+        ids[threadIdx.x] = mine;
+        __syncthreads();
+        bool last;
+        const unsigned rank = chunk_rank(ids, mine, &last);
+        if (mine != GANY_NO_EXPERT) place(i, mine, cursor[mine] + rank);
+        __syncthreads();
+        if (mine != GANY_NO_EXPERT && last) cursor[mine] += rank + 1;
+        __syncthreads();
+    }
+}
+
+// tiles[t * experts + e] = choices of expert e in tile t.
+// Launch: grid ceil(n / tile_len), block a multiple of 32 up to 1024.
+extern "C" __global__ void dispatch_tile_counts(unsigned* tiles, const unsigned* idx, int n,
+                                                int experts, int tile_len) {
+    __shared__ unsigned cursor[GANY_MAX_EXPERTS];
+    GANY_REQUIRE(experts <= GANY_MAX_EXPERTS && blockDim.x <= 1024);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) cursor[e] = 0;
+    __syncthreads();
+    tile_pass(cursor, idx, n, tile_len, [](long long, unsigned, unsigned) {});
+    for (int e = threadIdx.x; e < experts; e += blockDim.x)
+        tiles[(long long)blockIdx.x * experts + e] = cursor[e];
+}
+
+// In place: tiles[t * experts + e] = offsets[e] + Σ_{t' < t} (the counts of t'), tile t's first
+// row of expert e. Launch: 1-D, experts threads in all.
+extern "C" __global__ void dispatch_tile_scan(unsigned* tiles, const unsigned* offsets,
+                                              int n_tiles, int experts) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= experts) return;
+    unsigned run = offsets[e];
+    for (int t = 0; t < n_tiles; t++) {
+        const long long at = (long long)t * experts + e;
+        const unsigned c = tiles[at];
+        tiles[at] = run;
+        run += c;
+    }
+}
+
+// src[row] = the choice's token, pos[choice] = row, tile by tile from the scanned first rows.
+// Launch: as dispatch_tile_counts.
+extern "C" __global__ void dispatch_place(unsigned* src, unsigned* pos, const unsigned* tiles,
+                                          const unsigned* idx, int n, int k, int experts,
+                                          int tile_len) {
+    __shared__ unsigned cursor[GANY_MAX_EXPERTS];
+    GANY_REQUIRE(experts <= GANY_MAX_EXPERTS && blockDim.x <= 1024);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x)
+        cursor[e] = tiles[(long long)blockIdx.x * experts + e];
+    __syncthreads();
+    tile_pass(cursor, idx, n, tile_len, [=](long long i, unsigned, unsigned row) {
+        src[row] = (unsigned)(i / k);
+        pos[i] = row;
+    });
 }
 
 // xe[r] = x[src[r]]. Launch: grid = dispatched rows, any 1-D block.

@@ -161,8 +161,12 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
     }
 }
 
-// partial[chunk, i] = Σ over the chunk's rows, then heads, of g_i * (x_i * rstd).
-// Launch: grid (ceil(head_dim / block), ceil(rows / chunk_rows)), 1-D block.
+// partial[chunk, i] = Σ over the chunk's head rows (rows × heads of them, a head row being one
+// head of one position, in memory order) of g_i * (x_i * rstd). Chunks of head rows rather than
+// of positions: with every head of a position in one thread's loop, a step's 16k positions
+// gave the GPU too few threads, each with too long a loop.
+// Launch: grid (ceil(head_dim / block), min(chunks, 65535)), 1-D block; a block takes chunks
+// blockIdx.y, + gridDim.y, ...
 template <class T>
 __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, const T* x,
                                               const float* rstd, int rows, int heads, int hd,
@@ -172,20 +176,22 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
     if (i >= hd) return;
     const int half = hd / 2;
     const int j = i < half ? i : i - half;  // the frequency of this column
-    const int r0 = blockIdx.y * chunk_rows;
-    const int r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
-    float acc = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        float c, s;
-        rope_cs(j, inv_freq, pos0 + r % seq, &c, &s);
-        for (int h = 0; h < heads; h++) {
-            const long long off = ((long long)r * heads + h) * hd;
+    const long long total = (long long)rows * heads;
+    const long long chunks = (total + chunk_rows - 1) / chunk_rows;
+    for (long long ch = blockIdx.y; ch < chunks; ch += gridDim.y) {
+        const long long r0 = ch * chunk_rows;
+        const long long r1 = r0 + chunk_rows < total ? r0 + chunk_rows : total;
+        float acc = 0.0f;
+        for (long long hr = r0; hr < r1; hr++) {
+            float c, s;
+            rope_cs(j, inv_freq, pos0 + (int)((hr / heads) % seq), &c, &s);
+            const long long off = hr * hd;
             const float da = ld(dout + off + j), db = ld(dout + off + j + half);
             const float g = i < half ? da * c + db * s : db * c - da * s;
-            acc += g * (ld(x + off + i) * rstd[(long long)r * heads + h]);
+            acc += g * (ld(x + off + i) * rstd[hr]);
         }
+        partial[ch * hd + i] = acc;
     }
-    partial[(long long)blockIdx.y * hd + i] = acc;
 }
 
 #define GANY_HEAD_NORM_ROPE(S, T)                                                                \

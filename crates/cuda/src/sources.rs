@@ -142,6 +142,8 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         &[
             "dispatch_count",
             "dispatch_offsets",
+            "dispatch_tile_counts",
+            "dispatch_tile_scan",
             "dispatch_place",
             "moe_gather_f32",
             "moe_gather_backward_f32",

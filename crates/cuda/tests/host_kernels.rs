@@ -934,59 +934,101 @@ fn routing(rng: &mut Lcg, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
     idx
 }
 
+/// The counting sort's kernels launched one by one, with tiles of `tile` choices taken in
+/// chunks of `block`: offsets, src and pos.
+fn dispatch_kernels(
+    idx: &[u32],
+    experts: usize,
+    k: usize,
+    (tile, block): (usize, u32),
+) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let n = idx.len();
+    let tiles = n.div_ceil(tile);
+    let mut counts = vec![0u32; experts];
+    let mut offsets = vec![u32::MAX; experts + 1];
+    let mut per_tile = vec![u32::MAX; tiles * experts];
+    let (mut src, mut pos) = (vec![u32::MAX; n], vec![u32::MAX; n]);
+    let (n32, e32, t32) = (n as i32, experts as i32, tile as i32);
+    unsafe {
+        launch(
+            "dispatch_count",
+            EW,
+            &[ptr(&mut counts), cptr(idx), n32.into()],
+        );
+        launch(
+            "dispatch_offsets",
+            cfg([1, 1, 1], 1),
+            &[ptr(&mut offsets), cptr(&counts), e32.into()],
+        );
+        let blocks = cfg([tiles as u32, 1, 1], block);
+        launch(
+            "dispatch_tile_counts",
+            blocks,
+            &[
+                ptr(&mut per_tile),
+                cptr(idx),
+                n32.into(),
+                e32.into(),
+                t32.into(),
+            ],
+        );
+        launch(
+            "dispatch_tile_scan",
+            cfg([experts.div_ceil(32) as u32, 1, 1], 32),
+            &[
+                ptr(&mut per_tile),
+                cptr(&offsets),
+                (tiles as i32).into(),
+                e32.into(),
+            ],
+        );
+        launch(
+            "dispatch_place",
+            blocks,
+            &[
+                ptr(&mut src),
+                ptr(&mut pos),
+                cptr(&per_tile),
+                cptr(idx),
+                n32.into(),
+                (k as i32).into(),
+                e32.into(),
+                t32.into(),
+            ],
+        );
+    }
+    (offsets, src, pos)
+}
+
 #[test]
 fn dispatch_counting_sort() {
     let (tokens, experts, k) = (301usize, 13usize, 4usize);
     let mut rng = Lcg::new(11);
     let idx = routing(&mut rng, tokens, experts, k);
     let n = idx.len();
-    let (want_off, want_src, want_pos) = dispatch_reference(&idx, experts, k);
-    let run = |idx: &[u32]| {
-        let mut counts = vec![0u32; experts];
-        let mut offsets = vec![u32::MAX; experts + 1];
-        let (mut src, mut pos) = (vec![u32::MAX; n], vec![u32::MAX; n]);
-        unsafe {
-            launch(
-                "dispatch_count",
-                EW,
-                &[ptr(&mut counts), cptr(idx), (n as i32).into()],
-            );
-            launch(
-                "dispatch_offsets",
-                cfg([1, 1, 1], 1),
-                &[ptr(&mut offsets), cptr(&counts), (experts as i32).into()],
-            );
-            launch(
-                "dispatch_place",
-                cfg([experts as u32, 1, 1], 96),
-                &[
-                    ptr(&mut src),
-                    ptr(&mut pos),
-                    cptr(&offsets),
-                    cptr(idx),
-                    (n as i32).into(),
-                    (k as i32).into(),
-                ],
-            );
-        }
-        (offsets, src, pos)
-    };
-    let (off, src, pos) = run(&idx);
-    assert_eq!(off, want_off, "offsets");
-    assert_eq!(src, want_src, "src");
-    assert_eq!(pos, want_pos, "pos");
+    let want = dispatch_reference(&idx, experts, k);
+    // One tile and one chunk; many tiles of several chunks, the last ones partial; chunks
+    // larger than a tile.
+    for shape in [(n, 1024), (96, 32), (100, 32), (37, 64), (1, 32)] {
+        let got = dispatch_kernels(&idx, experts, k, shape);
+        assert_eq!(got.0, want.0, "offsets, tiles {shape:?}");
+        assert_eq!(got.1, want.1, "src, tiles {shape:?}");
+        assert_eq!(got.2, want.2, "pos, tiles {shape:?}");
+    }
     println!("dispatch: {n} choices over {experts} experts: offsets, src, pos equal");
     // Swapping two choices of different experts must show.
     let mut bad = idx.clone();
     let j = (0..n).find(|&j| bad[j] != bad[n / 2]).unwrap();
     bad.swap(j, n / 2);
-    assert_ne!(run(&bad).2, want_pos);
+    assert_ne!(dispatch_kernels(&bad, experts, k, (96, 32)).2, want.2);
 }
 
 #[test]
 fn moe_dispatch_through_the_ops_equals_the_cpu() {
     use ganymede_core::DispatchOut;
-    let (tokens, experts, k) = (211usize, 9usize, 3usize);
+    // 2,133 choices: three of the ops' placement tiles, the last partial.
+    let (tokens, experts, k) = (711usize, 9usize, 3usize);
+    assert!(tokens * k > 2 * ganymede_cuda::ops::DISPATCH_TILE);
     let mut rng = Lcg::new(21);
     let idx = routing(&mut rng, tokens, experts, k);
     let n = idx.len();

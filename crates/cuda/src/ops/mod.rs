@@ -73,6 +73,10 @@ impl Tuning {
 /// give the same rounding.
 const CHUNK_ROWS: usize = 64;
 
+/// Router choices per block of the dispatch's placement: a step of `medium` (16,384 tokens,
+/// top-8) is 128 tiles, each taken in chunks of 256 by one block.
+pub const DISPATCH_TILE: usize = 1024;
+
 /// Scratch regions start at multiples of this many bytes from the pool's start (any element
 /// type; coalesced access on a device, whose allocations are at least this aligned).
 const SCRATCH_ALIGN: usize = 256;

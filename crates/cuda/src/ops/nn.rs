@@ -282,7 +282,8 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let sfx = st(dt, op);
-        let chunks = rows.div_ceil(CHUNK_ROWS);
+        // The weight gradient's chunks are of head rows (a position's heads one after another).
+        let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
         let (_s, [freq, partial]) = self.scratch([d.head_dim / 2 * 4, chunks * d.head_dim * 4]);
         self.inv_freq(freq, &d);
         let mut args = vec![
@@ -306,7 +307,7 @@ impl<L: Launcher> KernelOps<L> {
         args.push(i32_of(CHUNK_ROWS));
         self.launch(
             &format!("{op}_dw_partial_{sfx}"),
-            cfg(grid(d.head_dim.div_ceil(32), chunks, 1), 32),
+            cfg(grid(d.head_dim.div_ceil(32), chunks.min(65535), 1), 32),
             &args,
         );
         self.col_sum_acc(dw, partial, chunks);
@@ -654,8 +655,9 @@ impl<L: Launcher> KernelOps<L> {
     }
 
     /// The stable counting sort of the router's choices by expert (see
-    /// [`ganymede_core::DispatchOut`]): count, exclusive scan, then one block per expert
-    /// placing its choices in (token, choice) order.
+    /// [`ganymede_core::DispatchOut`]): count, exclusive scan, then tiles of
+    /// [`DISPATCH_TILE`] choices placing theirs in (token, choice) order (per-tile counts,
+    /// their scan, the placement; `dispatch.cu`).
     pub fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
         let op = "moe_dispatch";
         let n = idx.len();
@@ -695,16 +697,32 @@ impl<L: Launcher> KernelOps<L> {
             &[offsets.into(), counts.into(), i32_of(experts)],
         );
         if n > 0 {
+            assert!(experts <= 1024, "{op}: at most 1024 experts, not {experts}");
+            let tiles = n.div_ceil(DISPATCH_TILE);
+            let (_s, [t]) = self.scratch([tiles * experts * 4]);
+            let block = cfg(grid(tiles, 1, 1), 256);
+            let (n32, e32, tile) = (i32_of(n), i32_of(experts), i32_of(DISPATCH_TILE));
+            self.launch(
+                "dispatch_tile_counts",
+                block,
+                &[t.into(), idx, n32, e32, tile],
+            );
+            self.launch(
+                "dispatch_tile_scan",
+                cfg(grid(experts.div_ceil(128), 1, 1), 128),
+                &[t.into(), offsets.into(), i32_of(tiles), e32],
+            );
             let args = [
                 self.am(out.src),
                 self.am(out.pos),
-                offsets.into(),
+                t.into(),
                 idx,
-                i32_of(n),
+                n32,
                 i32_of(k),
+                e32,
+                tile,
             ];
-            let block = self.tuning.row_block_max.clamp(32, 1024);
-            self.launch("dispatch_place", cfg(grid(experts, 1, 1), block), &args);
+            self.launch("dispatch_place", block, &args);
         }
     }
 
