@@ -11,6 +11,7 @@
 
 mod blas;
 pub mod check;
+mod check_model;
 mod launcher;
 mod memory;
 pub mod nccl;

@@ -32,6 +32,10 @@ const SECTIONS: &[(&str, Section)] = &[
     ("Pinned memory and asynchronous copies", pinned_async),
     ("NVRTC kernel launch (f32 <-> bf16 casts)", cast_kernels),
     ("GEMM against the CPU backend", gemm_parity),
+    (
+        "The tiny model's gradients against the CPU backend, tensor by tensor",
+        super::check_model::tiny_gradients,
+    ),
     ("Host <-> device bandwidth (pinned)", bandwidth),
     ("Copies overlap compute", overlap),
     ("GEMM throughput", gemm_throughput),

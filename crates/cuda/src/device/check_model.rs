@@ -1,0 +1,195 @@
+//! The device check's model-level parity: the `tiny` model's forward and backward on the GPU
+//! (every op through the kernels and cuBLAS) against the CPU backend, gradient tensor by
+//! gradient tensor, so a wrong kernel shows by name (the q/k norm gain's gradient for the
+//! per-head norm, a layer's router for the router's kernels, ...) rather than only as a drift of
+//! the 50-step losses. The tolerances are the host build's (`tests/kernel_backend.rs`): each
+//! tensor's worst element within 2e-4 of the tensor's largest value in f32, and 2e-2 under bf16
+//! compute with the tensor-core attention (bf16 operands rounded one ulp apart go to different
+//! neighbours; P and dS are rounded as operands); losses within 1e-5 and 1e-4 relative.
+
+use super::launcher::{CudaKernelBackend, CudaLauncher};
+use super::CudaBackend;
+use crate::kernel_backend::KernelBackend;
+use crate::ops::{KernelOps, Tuning};
+use ganymede_config::{preset, AcMode, ComputeDtype};
+use ganymede_core::sample::tokens;
+use ganymede_core::{Backend, Category, CpuBackend, ParamStore};
+use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
+use std::fmt::Write as _;
+
+const BATCH: usize = 2;
+const SEQ: usize = 64;
+
+/// One forward and backward of `model` on `be` from parameters seeded `seed`: the gradients
+/// (downloaded) and the step's output.
+fn step(
+    be: &dyn Backend,
+    model: &Model,
+    (inputs, targets): (&[u32], &[u32]),
+    mode: AcMode,
+    seed: u64,
+) -> (Vec<Vec<f32>>, StepOutput) {
+    let params = model.init_params(be, seed);
+    let mut ws = Workspace::new(be, model, BATCH, SEQ, mode);
+    let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
+    let out = forward_backward(
+        be,
+        model,
+        &params,
+        &mut grads,
+        &mut ws,
+        Tokens { inputs, targets },
+        1.0,
+    );
+    let g = grads
+        .tensors()
+        .iter()
+        .map(|t| be.download(t.view()))
+        .collect();
+    (g, out)
+}
+
+/// `max |got - want| / max |want|` over one tensor (infinite for a NaN or a length mismatch).
+fn scaled_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let (mut e, mut scale) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (g as f64 - w as f64).abs();
+        e = if d.is_nan() { f64::INFINITY } else { e.max(d) };
+        scale = scale.max((w as f64).abs());
+    }
+    if scale == 0.0 {
+        if e == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        e / scale
+    }
+}
+
+/// The section: f32 with both checkpointing modes, then bf16 compute on the device's tuning
+/// (tensor-core attention from sm_80).
+pub(super) fn tiny_gradients(be: &CudaBackend) -> Result<String, String> {
+    let tuning = Tuning::for_device(be.compute_major());
+    let gpu: CudaKernelBackend = KernelBackend::new(
+        KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
+        be.clone(),
+    );
+    gradient_parity(&gpu, &CpuBackend::default(), 3)
+}
+
+/// The section's body for any backend `dev` against `cpu`, `dev`'s parameters seeded
+/// `dev_seed` (the CPU's 3: another seed must fail).
+fn gradient_parity(dev: &dyn Backend, cpu: &dyn Backend, dev_seed: u64) -> Result<String, String> {
+    let job = preset("tiny").map_err(|e| e.to_string())?;
+    let inputs = tokens(BATCH * SEQ, job.model.vocab_size, 4);
+    let targets = tokens(BATCH * SEQ, job.model.vocab_size, 5);
+    let mut md = String::from(
+        "| run | loss (device / CPU) | rel. diff | expert loads equal | tensors within tol | worst tensor (error / its scale) |\n|---|---|---|---|---|---|\n",
+    );
+    let mut failures = Vec::new();
+    let cases = [
+        (
+            "f32, full checkpointing",
+            ComputeDtype::F32,
+            AcMode::Full,
+            1e-5,
+            2e-4,
+        ),
+        (
+            "f32, every activation kept",
+            ComputeDtype::F32,
+            AcMode::None,
+            1e-5,
+            2e-4,
+        ),
+        ("bf16 compute", ComputeDtype::Bf16, AcMode::None, 1e-4, 2e-2),
+    ];
+    for (what, dtype, mode, loss_tol, grad_tol) in cases {
+        let model = Model::new(&job.model).with_compute_dtype(dtype);
+        let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
+        let (gw, ow) = step(cpu, &model, (&inputs, &targets), mode, 3);
+        let (gg, og) = step(dev, &model, (&inputs, &targets), mode, dev_seed);
+        let rel = (og.loss - ow.loss).abs() / ow.loss.abs().max(1e-30);
+        let mut errs: Vec<(f64, &str)> = gg
+            .iter()
+            .zip(&gw)
+            .zip(&names)
+            .map(|((g, w), n)| (scaled_err(g, w), n.as_str()))
+            .collect();
+        errs.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let within = errs.iter().filter(|e| e.0 <= grad_tol).count();
+        let loads = og.expert_load == ow.expert_load;
+        let worst = errs
+            .first()
+            .map_or("-".to_string(), |(e, n)| format!("`{n}` {e:.2e}"));
+        let _ = writeln!(
+            md,
+            "| {what} | {:.6} / {:.6} | {rel:.2e} (tol {loss_tol}) | {loads} | {within} of {} (tol {grad_tol}) | {worst} |",
+            og.loss,
+            ow.loss,
+            errs.len()
+        );
+        if rel > loss_tol || within < errs.len() {
+            let bad: Vec<String> = errs
+                .iter()
+                .filter(|e| e.0 > grad_tol)
+                .take(8)
+                .map(|(e, n)| format!("`{n}` {e:.2e}"))
+                .collect();
+            failures.push(format!(
+                "{what}: loss {rel:.2e} apart; gradients past {grad_tol}: {}",
+                if bad.is_empty() {
+                    "none".into()
+                } else {
+                    bad.join(", ")
+                }
+            ));
+        }
+    }
+    if failures.is_empty() {
+        Ok(md)
+    } else {
+        Err(format!("{md}\n{}", failures.join("\n\n")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{gradient_parity, scaled_err};
+    use crate::kernel_backend::HostKernelBackend;
+    use crate::ops::Tuning;
+    use ganymede_core::{CpuBackend, Ledger};
+    use std::sync::Arc;
+
+    /// The section passes on the kernels' host build with the tensor-core attention (what an
+    /// H200 runs), and fails when the two sides start from other parameters.
+    #[test]
+    fn the_host_build_passes_the_gradient_section() {
+        let tuning = Tuning {
+            attn_tc: true,
+            ..Tuning::default()
+        };
+        let host = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
+        let cpu = CpuBackend::default();
+        let md = gradient_parity(&host, &cpu, 3).unwrap_or_else(|e| panic!("{e}"));
+        println!("{md}");
+        assert_eq!(md.lines().count(), 5, "{md}");
+        let err = gradient_parity(&host, &cpu, 4).expect_err("another seed passed");
+        assert!(err.contains("gradients past"), "{err}");
+    }
+
+    #[test]
+    fn errors_are_scaled_by_the_tensor() {
+        assert_eq!(scaled_err(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((scaled_err(&[1.0, 2.1], &[1.0, 2.0]) - 0.05).abs() < 1e-6);
+        assert_eq!(scaled_err(&[0.0], &[0.0]), 0.0);
+        assert_eq!(scaled_err(&[1e-9], &[0.0]), f64::INFINITY);
+        assert_eq!(scaled_err(&[f32::NAN], &[1.0]), f64::INFINITY);
+        assert_eq!(scaled_err(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+    }
+}
