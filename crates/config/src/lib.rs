@@ -554,6 +554,20 @@ pub fn head_rows(tokens: usize, chunk: usize) -> usize {
     }
 }
 
+/// Bytes of f32 working memory a batched Newton–Schulz (a GPU's, `Blas::batches_matrices`)
+/// may take for one expert stack at a time: the Nesterov output, two `s²` and one `s·l` per
+/// matrix. 256 MiB holds `medium`'s 64 experts of 512 × 1,024 in two batches.
+pub const NS_STACK_BYTES: usize = 256 << 20;
+
+/// Matrices of a stack of `count` `rows × cols` ones that a batched Newton–Schulz takes at
+/// once within `budget` bytes ([`NS_STACK_BYTES`] in training): as many as fit, at least one.
+/// The one rule the optimizer and the planner share.
+pub fn ns_stack_batch(rows: usize, cols: usize, count: usize, budget: usize) -> usize {
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    let per = 4 * (rows * cols + 2 * s * s + s * l);
+    (budget / per.max(1)).clamp(1, count.max(1))
+}
+
 /// Tokens a MoE layer's routed experts take at once for `tokens` of a rank's tokens under
 /// `training.moe_chunk_tokens` = `chunk` (0 = all): the same rule as the head's.
 pub fn moe_rows(tokens: usize, chunk: usize) -> usize {

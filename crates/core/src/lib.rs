@@ -52,9 +52,9 @@ pub mod stream;
 pub mod tensor;
 
 pub use backend::{
-    embedding_segments, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, DispatchOut,
-    Dispatched, EmbedIds, Gemm, HeadRope, Memory, NnOps, NormSaved, OptimOps, RouterDims,
-    RouterOut, Syrk,
+    embedding_segments, extent, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas,
+    DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Memory, NnOps, NormSaved, OptimOps,
+    RouterDims, RouterOut, Syrk,
 };
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use ledger::{Category, Device, Ledger, LedgerReport};

@@ -22,9 +22,40 @@ pub trait Gemms: Send + Sync {
     /// [`Blas::native_bf16`] of the library's device.
     fn native_bf16(&self) -> bool;
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]);
+    /// [`Blas::gemm_strided`]: one call per matrix unless the library batches.
+    fn gemm_strided(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    );
+    /// [`Blas::syrk_strided`].
+    fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]);
+    /// [`Blas::batches_matrices`].
+    fn batches_matrices(&self) -> bool;
 }
 
 impl Gemms for CpuBackend {
+    fn gemm_strided(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        Blas::gemm_strided(self, c, a, b, g, batch, strides)
+    }
+    fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
+        Blas::syrk_strided(self, c, a, s, batch, strides)
+    }
+    fn batches_matrices(&self) -> bool {
+        Blas::batches_matrices(self)
+    }
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
         Blas::gemm(self, c, a, b, g)
     }
@@ -181,6 +212,23 @@ impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
     }
     fn native_bf16(&self) -> bool {
         Gemms::native_bf16(&self.dev)
+    }
+    fn gemm_strided(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        Gemms::gemm_strided(&self.dev, c, a, b, g, batch, strides)
+    }
+    fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
+        Gemms::syrk_strided(&self.dev, c, a, s, batch, strides)
+    }
+    fn batches_matrices(&self) -> bool {
+        Gemms::batches_matrices(&self.dev)
     }
     fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
         self.ops.axpy(y, alpha, x)

@@ -24,8 +24,8 @@ mod schedule;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
-    newton_schulz, newton_schulz_batch, ns_bf16, ns_flops, ns_lanes, ns_shifted, NsScratch,
-    NS_COEFFS, NS_EPS,
+    newton_schulz, newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes,
+    ns_shifted, NsScratch, NS_COEFFS, NS_EPS,
 };
 pub use ns_timing::{ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};

@@ -51,6 +51,25 @@ impl NsScratch {
     fn fits(&self, s: usize, l: usize) -> bool {
         self.a.len() >= s * s && self.y.len() >= s * l
     }
+
+    /// Scratch with `ss` elements for each of A and B and `sl` for the ping-pong copy.
+    pub fn from_lens(be: &dyn Backend, ss: usize, sl: usize) -> Self {
+        NsScratch {
+            a: be.zeros(&[ss], Category::Buffers),
+            b: be.zeros(&[ss], Category::Buffers),
+            y: be.zeros(&[sl], Category::Buffers),
+        }
+    }
+
+    /// Scratch for [`newton_schulz_strided`] on `count` matrices of `rows × cols`.
+    pub fn for_batch(be: &dyn Backend, rows: usize, cols: usize, count: usize) -> Self {
+        let (s, l) = (rows.min(cols), rows.max(cols));
+        NsScratch {
+            a: be.zeros(&[count * s * s], Category::Buffers),
+            b: be.zeros(&[count * s * s], Category::Buffers),
+            y: be.zeros(&[count * s * l], Category::Buffers),
+        }
+    }
 }
 
 /// Orthogonalise the row-major `rows × cols` matrix in `x` in place with `steps` quintic
@@ -130,6 +149,78 @@ pub fn newton_schulz(
                 b.as_view(),
                 Gemm::new(l, s, s, false, false).bf16_inputs(bf16),
             );
+        }
+        in_x = !in_x;
+    }
+    if !in_x {
+        be.copy(x, y.as_view());
+    }
+}
+
+/// [`newton_schulz`] on `count` matrices of `rows × cols` stored one after another in `x`, each
+/// of its products one strided call over all of them ([`Blas::gemm_strided`],
+/// [`Blas::syrk_strided`]; the normalisation one call per matrix): on a GPU a few launches per
+/// step instead of a few per matrix per step. Each matrix gets the calls of one
+/// [`newton_schulz`] call, so on a backend whose strided calls are the default loops the result
+/// is the same bitwise. `scratch` from [`NsScratch::for_batch`] for at least `count`.
+///
+/// [`Blas::gemm_strided`]: ganymede_core::Blas::gemm_strided
+/// [`Blas::syrk_strided`]: ganymede_core::Blas::syrk_strided
+#[allow(clippy::too_many_arguments)]
+pub fn newton_schulz_strided(
+    be: &dyn Backend,
+    mut x: ViewMut,
+    count: usize,
+    rows: usize,
+    cols: usize,
+    steps: usize,
+    bf16: bool,
+    scratch: &mut NsScratch,
+) {
+    let n = rows * cols;
+    assert_eq!(
+        x.len(),
+        count * n,
+        "newton_schulz_strided: view is not {count}x{rows}x{cols}"
+    );
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    assert!(
+        scratch.a.len() >= count * s * s && scratch.y.len() >= count * n,
+        "newton_schulz_strided: scratch too small for {count}x{rows}x{cols}"
+    );
+    if count == 0 {
+        return;
+    }
+    let wide = rows <= cols;
+    let (shift, offset, cc) = ns_shifted();
+    for i in 0..count {
+        be.normalize_frobenius(x.reborrow().slice(i * n, n), NS_EPS);
+    }
+    let NsScratch { a, b, y } = scratch;
+    let ss = s * s;
+    let mut a = a.slice_mut(0, count * ss);
+    let mut b = b.slice_mut(0, count * ss);
+    let mut y = y.slice_mut(0, count * n);
+    let mut in_x = true;
+    for _ in 0..steps {
+        let (src, dst) = if in_x {
+            (x.reborrow(), y.reborrow())
+        } else {
+            (y.reborrow(), x.reborrow())
+        };
+        let sy = Syrk::new(s, l, !wide).diag(shift as f32).bf16_inputs(bf16);
+        be.syrk_strided(a.reborrow(), src.as_view(), sy, count, [n, ss]);
+        let sy = Syrk::new(s, s, false)
+            .alpha(cc as f32)
+            .diag(offset as f32)
+            .bf16_inputs(bf16);
+        be.syrk_strided(b.reborrow(), a.as_view(), sy, count, [ss, ss]);
+        if wide {
+            let g = Gemm::new(s, l, s, false, false).bf16_inputs(bf16);
+            be.gemm_strided(dst, b.as_view(), src.as_view(), g, count, [ss, n, n]);
+        } else {
+            let g = Gemm::new(l, s, s, false, false).bf16_inputs(bf16);
+            be.gemm_strided(dst, src.as_view(), b.as_view(), g, count, [n, ss, n]);
         }
         in_x = !in_x;
     }

@@ -1,7 +1,7 @@
 //! The optimizer the trainer holds: Muon for hidden matrices (each expert's matrix separately),
 //! AdamW for the rest, nothing for buffers.
 
-use crate::ns::{newton_schulz, ns_bf16, ns_flops, ns_lanes, NsScratch};
+use crate::ns::{newton_schulz, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes, NsScratch};
 use crate::offload::{SkipWait, Staging};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
 use ganymede_core::{
@@ -54,6 +54,84 @@ impl Slot {
     }
     fn bytes(&self) -> usize {
         self.u.bytes() + self.ns.bytes()
+    }
+}
+
+/// Working memory of batched Muon on a backend that batches matrices
+/// ([`Blas::batches_matrices`]): the Nesterov outputs and Newton–Schulz scratch of up to
+/// [`ganymede_config::ns_stack_batch`] matrices of a stack at once.
+///
+/// [`Blas::batches_matrices`]: ganymede_core::Blas::batches_matrices
+struct StackSlot {
+    u: Tensor,
+    ns: NsScratch,
+    /// Bytes a batch may take ([`ganymede_config::NS_STACK_BYTES`] in training).
+    budget: usize,
+}
+
+impl StackSlot {
+    /// Sized for every stack (`count > 1`) of `stacks` (`rows, cols, count`) in batches within
+    /// `budget` bytes; `None` if there is none.
+    fn new(be: &dyn Backend, stacks: &[(usize, usize, usize)], budget: usize) -> Option<Self> {
+        let (mut u, mut ss, mut sl) = (0, 0, 0);
+        for &(r, c, count) in stacks.iter().filter(|s| s.2 > 1) {
+            let b = ganymede_config::ns_stack_batch(r, c, count, budget);
+            let (s, l) = (r.min(c), r.max(c));
+            u = u.max(b * r * c);
+            ss = ss.max(b * s * s);
+            sl = sl.max(b * s * l);
+        }
+        (u > 0).then(|| StackSlot {
+            u: be.zeros(&[u], Category::Buffers),
+            ns: NsScratch::from_lens(be, ss, sl),
+            budget,
+        })
+    }
+    fn bytes(&self) -> usize {
+        self.u.bytes() + self.ns.bytes()
+    }
+}
+
+/// A stack of `count` Muon matrices (a layer's experts, one after another in `p`, `mom`, `g`),
+/// [`ganymede_config::ns_stack_batch`] of them at a time: each elementwise step one call over
+/// the batch, Newton–Schulz strided ([`newton_schulz_strided`]). Per matrix the calls of
+/// [`run_matrix`], so on a backend whose strided calls are loops the same bits.
+#[allow(clippy::too_many_arguments)]
+fn run_stack(
+    be: &dyn Backend,
+    mut p: ViewMut,
+    mut mom: ViewMut,
+    g: View,
+    (rows, cols, count, scale): (usize, usize, usize, f64),
+    st: &mut StackSlot,
+    c: MuonStep,
+) {
+    let n = rows * cols;
+    let batch = ganymede_config::ns_stack_batch(rows, cols, count, st.budget);
+    let mut e0 = 0;
+    while e0 < count {
+        let b = batch.min(count - e0);
+        let (off, len) = (e0 * n, b * n);
+        let mut u = st.u.slice_mut(0, len);
+        be.copy(u.reborrow(), g.slice(off, len));
+        be.nesterov_momentum(mom.reborrow().slice(off, len), u.reborrow(), c.momentum);
+        newton_schulz_strided(
+            be,
+            u.reborrow(),
+            b,
+            rows,
+            cols,
+            c.ns_steps,
+            c.ns_bf16,
+            &mut st.ns,
+        );
+        be.decay_update(
+            p.reborrow().slice(off, len),
+            st.u.slice(0, len),
+            c.lr * scale,
+            c.lr * c.weight_decay,
+        );
+        e0 += b;
     }
 }
 
@@ -146,6 +224,9 @@ pub struct Optimizer {
     slots: Vec<Slot>,
     /// Spread small matrices across threads (see [`PAR_MATRIX_MAX_FLOPS`]).
     matrix_parallel: bool,
+    /// Expert stacks batched through strided products (a backend that batches matrices; see
+    /// [`run_stack`]); `None` runs them matrix by matrix.
+    stacks: Option<StackSlot>,
     /// With `optimizer.offload`: state in host memory, streamed through these device slots.
     staging: Option<Staging>,
     step: u64,
@@ -262,6 +343,7 @@ impl Optimizer {
         };
         // Shapes for scratch sizing, and how many matrices may run in parallel.
         let (mut all, mut small, mut n_small) = (Vec::new(), Vec::new(), 0);
+        let mut stacks = Vec::new();
         for s in specs {
             let rule = match update_rule(cfg, s) {
                 UpdateRule::Frozen => Rule::Frozen,
@@ -272,6 +354,7 @@ impl Optimizer {
                     scale,
                 } => {
                     all.push((rows, cols));
+                    stacks.push((rows, cols, count));
                     if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
                         small.push((rows, cols));
                         n_small += count;
@@ -303,12 +386,18 @@ impl Optimizer {
             let extra = rayon::current_num_threads().min(n_small.max(1)) - 1;
             slots.extend((0..extra).map(|_| Slot::new(be, &small)));
         }
+        let stacks = if be.batches_matrices() {
+            StackSlot::new(be, &stacks, ganymede_config::NS_STACK_BYTES)
+        } else {
+            None
+        };
         Optimizer {
             cfg: cfg.clone(),
             names: specs.iter().map(|s| s.name.clone()).collect(),
             rules,
             slots,
             matrix_parallel: true,
+            stacks,
             staging,
             step: 0,
         }
@@ -374,6 +463,7 @@ impl Optimizer {
                 .collect();
             let (ps, gs) = (params.tensors_mut(), grads.tensors());
             let (slots, parallel) = (&mut self.slots, self.matrix_parallel);
+            let stacks = &mut self.stacks;
             staging.stream(be, &mut states, |k, state| {
                 let (p, g) = (ps[which[k]].view_mut(), &gs[which[k]]);
                 match rules[k] {
@@ -387,6 +477,10 @@ impl Optimizer {
                         count,
                         scale,
                     } => {
+                        if let (Some(st), true) = (stacks.as_mut(), count > 1) {
+                            let shape = (rows, cols, count, scale);
+                            return run_stack(be, p, state, g.view(), shape, st, mc);
+                        }
                         // An expert stack's matrices spread over the slots as on the device
                         // path (one parameter's state is in the staging slot at a time).
                         let n = rows * cols;
@@ -434,6 +528,12 @@ impl Optimizer {
                     count,
                     scale,
                 } => {
+                    if let (Some(st), true) = (self.stacks.as_mut(), *count > 1) {
+                        let shape = (*rows, *cols, *count, *scale);
+                        let (p, mom) = (p.view_mut(), momentum.view_mut());
+                        run_stack(be, p, mom, g.view(), shape, st, mc);
+                        continue;
+                    }
                     let n = *rows * *cols;
                     let ps = split_views(p.view_mut(), *count, n);
                     let ms = split_views(momentum.view_mut(), *count, n);
@@ -537,7 +637,35 @@ impl Optimizer {
 
     /// Bytes of Newton–Schulz working memory (charged to `Category::Buffers`).
     pub fn scratch_bytes(&self) -> u64 {
-        self.slots.iter().map(|s| s.bytes() as u64).sum()
+        let stacks = self.stacks.as_ref().map_or(0, |s| s.bytes() as u64);
+        self.slots.iter().map(|s| s.bytes() as u64).sum::<u64>() + stacks
+    }
+
+    /// Run expert stacks batched (strided products) in batches within `budget` bytes, or
+    /// (`None`) matrix by matrix, whatever the backend prefers: the same bits where the strided
+    /// calls are per-matrix loops (the CPU's), which the tests hold. Batching allocates the
+    /// stack scratch.
+    pub fn with_stack_batching(
+        mut self,
+        be: &dyn Backend,
+        specs: &[ParamSpec],
+        budget: Option<usize>,
+    ) -> Self {
+        self.stacks = if let Some(budget) = budget {
+            let stacks: Vec<_> = specs
+                .iter()
+                .filter_map(|s| match update_rule(&self.cfg, s) {
+                    UpdateRule::Muon {
+                        rows, cols, count, ..
+                    } => Some((rows, cols, count)),
+                    _ => None,
+                })
+                .collect();
+            StackSlot::new(be, &stacks, budget)
+        } else {
+            None
+        };
+        self
     }
 
     /// Which rule each parameter gets: `"muon"`, `"adamw"` or `"none"`, with its weight decay.

@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use ganymede_core::{Backend, Category, CpuBackend, Memory};
-use ganymede_optim::{newton_schulz, newton_schulz_batch, NsScratch};
+use ganymede_optim::{newton_schulz, newton_schulz_batch, newton_schulz_strided, NsScratch};
 
 fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
     let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
@@ -224,6 +224,46 @@ fn batch_equals_one_call_per_matrix_bitwise() {
                     .zip(&want)
                     .all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(same, "{r}x{c}, {threads} threads, {lanes} scratches");
+            }
+        }
+    }
+}
+
+/// The strided form (one call per product over a whole stack, what a GPU runs) gives every
+/// matrix the calls of its own `newton_schulz`: on the CPU, whose strided calls are per-matrix
+/// loops, the same bits, f32 and bf16 products, wide and tall, odd and even step counts (the
+/// result ending in the scratch and copied back, or not).
+#[test]
+fn the_strided_form_is_the_per_matrix_one() {
+    let be = CpuBackend::default();
+    let count = 3;
+    for &(r, c) in &[(24usize, 40usize), (40, 24), (16, 16), (1, 9)] {
+        let n = r * c;
+        let g: Vec<f32> = Rng::new(13)
+            .normals(count * n)
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        for bf16 in [false, true] {
+            for steps in [5, 4] {
+                let mut want = Vec::new();
+                let mut scratch = NsScratch::new(&be, r, c);
+                for e in 0..count {
+                    let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
+                    newton_schulz(&be, t.view_mut(), r, c, steps, bf16, &mut scratch);
+                    want.extend(be.download(t.view()));
+                }
+                let mut scratch = NsScratch::for_batch(&be, r, c, count);
+                let mut t = be.upload(&g, &[count, r, c], Category::Params);
+                newton_schulz_strided(&be, t.view_mut(), count, r, c, steps, bf16, &mut scratch);
+                let got = be.download(t.view());
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{r}x{c}, bf16 {bf16}, {steps} steps");
+                // And it is an orthogonalisation, not the input: the singular values moved.
+                assert!(got.iter().zip(&g).any(|(x, y)| (x - y).abs() > 1e-3));
             }
         }
     }

@@ -69,7 +69,8 @@ pub struct CpuLedger {
     /// Muon scratch: one slot sized for every Muon matrix (the Nesterov output max r·c, two
     /// max s² and one max s·l for Newton–Schulz, s ≤ l the sides), plus, when `threads` > 1,
     /// min(threads, number of small matrices) − 1 more slots sized for the small ones
-    /// (NS FLOPs ≤ [`PAR_MATRIX_MAX_FLOPS`]). 0 under AdamW.
+    /// (NS FLOPs ≤ [`PAR_MATRIX_MAX_FLOPS`]); on a GPU (`device.kind = "cuda"`) also the
+    /// batched Newton–Schulz's stack slot ([`ns_stack_elems`]). 0 under AdamW.
     pub buffers: f64,
 }
 
@@ -169,7 +170,13 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         let small: Vec<(u64, u64)> = small_mats.iter().map(|t| (t.rows, t.cols)).collect();
         let n_small: u64 = small_mats.iter().map(|t| t.count).sum();
         let extra = (threads.max(1) as u64).min(n_small.max(1)) - 1;
-        slot(&all) + extra as f64 * slot(&small)
+        let stacks = if job.device.kind == ganymede_config::DeviceKind::Cuda {
+            let (u, ss, sl) = ns_stack_elems(job);
+            f * (u + 2 * ss + sl) as f64
+        } else {
+            0.0
+        };
+        slot(&all) + extra as f64 * slot(&small) + stacks
     } else {
         0.0
     };
@@ -181,6 +188,64 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         activation_terms: terms,
         buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job) + bf16_weight_copy(job),
     }
+}
+
+/// Muon's Newton–Schulz matrices of `job`: `(rows, cols, stack)` per kind of Muon tensor, the
+/// stack being the matrices one parameter holds (a layer's routed or shared experts, else 1).
+fn muon_stacks(job: &JobConfig) -> Vec<(usize, usize, usize)> {
+    let m = &job.model;
+    params::tensors(m)
+        .iter()
+        .filter(|t| t.handler() == Handler::Muon)
+        .map(|t| {
+            let stack = match t.group {
+                _ if t.expert => m.experts,
+                params::Group::SharedExperts => m.shared_experts,
+                _ => 1,
+            };
+            (t.rows as usize, t.cols as usize, stack)
+        })
+        .collect()
+}
+
+/// Elements of the batched Newton–Schulz working memory a GPU's optimizer holds for the expert
+/// stacks (`ganymede_optim`'s stack slot, `Blas::batches_matrices`): the largest batch's
+/// Nesterov outputs, `s²` (each of A and B) and `s·l`, batches of
+/// [`ganymede_config::ns_stack_batch`]. Zeros without a stack.
+fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
+    let (mut u, mut ss, mut sl) = (0u64, 0u64, 0u64);
+    for (r, c, count) in muon_stacks(job).into_iter().filter(|s| s.2 > 1) {
+        let b = ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES);
+        let (s, l) = (r.min(c) as u64, r.max(c) as u64);
+        u = u.max((b * r * c) as u64);
+        ss = ss.max(b as u64 * s * s);
+        sl = sl.max(b as u64 * s * l);
+    }
+    (u, ss, sl)
+}
+
+/// The operand views Newton–Schulz's bf16 products hand a GPU's cast scratch (slot A, slot B),
+/// elements: per Muon matrix or batch of `b` (a stack's, else 1) of `n = s·l`, the first symmetric
+/// product casts `b·n` and the second `b·s²` into slot A, and `P·X` (wide) takes `b·s²` into A
+/// and `b·n` into B, `X·P` (tall) `b·n` and `b·s²`. Zeros unless Muon runs in bf16 on a GPU.
+fn ns_cast_elems(job: &JobConfig) -> (f64, f64) {
+    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+    if !(cuda && job.optimizer.name == OptimizerName::Muon && job.optimizer.ns_dtype.bf16_on(true))
+    {
+        return (0.0, 0.0);
+    }
+    let (mut a, mut b) = (0.0f64, 0.0f64);
+    for (r, c, count) in muon_stacks(job) {
+        let batch = if count > 1 {
+            ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES)
+        } else {
+            1
+        } as f64;
+        let (s, n) = (r.min(c) as f64, (r * c) as f64);
+        a = a.max(batch * n);
+        b = b.max(batch * if r <= c { n } else { s * s });
+    }
+    (a, b)
 }
 
 /// Whether the run stores its block boundaries in bf16 (`activation_checkpoint.boundary_dtype`
@@ -206,7 +271,8 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
         .sum::<u64>() as f64
 }
 
-/// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`, else 0):
+/// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`; on a GPU
+/// also Muon's bf16 products, [`ns_cast_elems`], at any compute dtype; else 0):
 /// the backend keeps one slot per operand position, each grown to the longest view it has seen
 /// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
 /// holds at most the logits `N·V` (`C·V` under a loss chunk of C tokens; the LM head's weight
@@ -219,8 +285,10 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// `N·Q`, is bf16 already under bf16 compute). The CPU widens bf16 operands into its f32 scratch
 /// like any operand.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
+    // Muon's bf16 products on a GPU use the same two slots, at any compute dtype.
+    let (ns_a, ns_b) = ns_cast_elems(job);
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
-        return 0.0;
+        return 2.0 * (ns_a + ns_b);
     }
     let m = &job.model;
     let size = match job.device.kind {
@@ -256,7 +324,7 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
         _ => vec![v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h],
     };
     let b = b.into_iter().fold(0.0, f64::max);
-    size * (a + b)
+    size * (a.max(ns_a) + b.max(ns_b))
 }
 
 /// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the

@@ -1082,23 +1082,61 @@ fn two_memory(name: &str, sets: &[&str]) -> JobConfig {
 
 /// The CUDA backend places bytes as the two-memory emulation does: at f32 compute (no cast
 /// scratch, whose elements are 4 bytes on the CPU and 2 on a GPU) the predictions are equal,
-/// the master shards on the host under optimizer offload on several ranks included.
+/// the master shards on the host under optimizer offload on several ranks included; but one
+/// GPU batches Muon's expert stacks, which the emulation does not (below), so there Muon is
+/// set to f32 products and the stack slot taken off.
 #[test]
 fn a_cuda_job_is_placed_as_the_two_memory_emulation() {
     for (ranks, offload) in [(1, false), (1, true), (4, false), (4, true)] {
         let o = format!("optimizer.offload={offload}");
-        let emu = two_memory("tiny", &[&o, "activation_checkpoint.offload_fraction=1"]);
+        let sets = [
+            &o,
+            "activation_checkpoint.offload_fraction=1",
+            "optimizer.ns_dtype=f32",
+        ];
+        let emu = two_memory("tiny", &sets);
         let mut gpu = emu.clone();
         gpu.device.kind = ganymede_config::DeviceKind::Cuda;
-        let (a, b) = (
+        let (a, mut b) = (
             predict_memory(&emu, 1, ranks),
             predict_memory(&gpu, 1, ranks),
         );
+        if ranks == 1 {
+            // tiny's stacks: 8 experts of 128 x 64 in one batch, u 65,536, A and B 32,768
+            // each, Y 65,536 f32 elements.
+            let stack = 4.0 * (65_536.0 + 2.0 * 32_768.0 + 65_536.0);
+            b.device.buffers -= stack;
+            b.device_peak -= stack;
+        }
         assert_eq!(a, b, "{ranks} ranks, {o}");
         if ranks > 1 && offload {
             assert!(b.host.params > 0.0, "the master shards on the host");
         }
     }
+}
+
+/// One GPU's Muon in bf16 (`ns_dtype = "auto"` there) batches an expert stack's products, and
+/// the planner counts both the stack slot and what its casts put in the GEMMs' bf16 scratch,
+/// against the same job run by the emulation (which neither batches nor casts on the device):
+/// tiny's 8 experts of 128 x 64 (gate and up tall, down wide) in one batch give a slot of
+/// 4 (65,536 + 2 x 32,768 + 65,536) bytes and casts of 2 (65,536 + 65,536); AdamW has neither.
+#[test]
+fn one_gpu_counts_batched_muon() {
+    let emu = two_memory("tiny", &[]);
+    let mut gpu = emu.clone();
+    gpu.device.kind = ganymede_config::DeviceKind::Cuda;
+    let (a, b) = (predict_memory(&emu, 1, 1), predict_memory(&gpu, 1, 1));
+    let extra = 4.0 * (65_536.0 + 2.0 * 32_768.0 + 65_536.0) + 2.0 * (65_536.0 + 65_536.0);
+    assert_eq!(b.device.buffers - a.device.buffers, extra);
+    assert_eq!(b.device_peak - a.device_peak, extra);
+    let mut adamw = gpu.clone();
+    adamw.optimizer.name = OptimizerName::Adamw;
+    let mut emu_adamw = emu.clone();
+    emu_adamw.optimizer.name = OptimizerName::Adamw;
+    assert_eq!(
+        predict_memory(&adamw, 1, 1),
+        predict_memory(&emu_adamw, 1, 1)
+    );
 }
 
 #[test]

@@ -139,7 +139,34 @@ pub struct Gemm {
     pub bf16_inputs: bool,
 }
 
+/// Elements a row-major `rows × cols` operand with row stride `ld` spans (0 when empty).
+pub fn extent(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
+}
+
 impl Gemm {
+    /// Elements A, B and C span (row strides included; C's is 0 for an empty product).
+    pub fn extents(&self) -> [usize; 3] {
+        let (ar, ac) = if self.trans_a {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (br, bc) = if self.trans_b {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
+        [
+            extent(ar, ac, self.lda),
+            extent(br, bc, self.ldb),
+            extent(self.m, self.n, self.ldc),
+        ]
+    }
     /// Dense row-major GEMM with leading dimensions implied by the shapes, alpha 1, beta 0.
     pub fn new(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool) -> Self {
         Gemm {
@@ -243,6 +270,18 @@ impl Syrk {
         self.ldc = ldc;
         self
     }
+    /// Elements A spans and C spans (row strides included).
+    pub fn extents(&self) -> [usize; 2] {
+        let (rows, cols) = if self.trans {
+            (self.k, self.n)
+        } else {
+            (self.n, self.k)
+        };
+        [
+            extent(rows, cols, self.lda),
+            extent(self.n, self.n, self.ldc),
+        ]
+    }
     /// The same product as a general GEMM (`A` passed as both operands, bf16 inputs carried
     /// over), without the diagonal term, which the caller adds.
     pub fn as_gemm(&self) -> Gemm {
@@ -271,6 +310,48 @@ pub trait Blas: Send + Sync {
     /// than f32 ones; `optimizer.ns_dtype = "auto"` picks bf16 where they do. The CPU backend
     /// only emulates them (rounding into f32 scratch), so the default is false.
     fn native_bf16(&self) -> bool {
+        false
+    }
+    /// `batch` GEMMs of one shape `g`, the i-th reading A from element `i·strides[0]`, B from
+    /// `i·strides[1]` and writing C from `i·strides[2]` (C blocks disjoint). The default is one
+    /// [`Blas::gemm`] each, in order; a GPU makes it one call (see [`Blas::batches_matrices`]).
+    fn gemm_strided(
+        &self,
+        mut c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        let [la, lb, lc] = g.extents();
+        for i in 0..batch {
+            self.gemm(
+                c.reborrow().slice(i * strides[2], lc),
+                a.slice(i * strides[0], la),
+                b.slice(i * strides[1], lb),
+                g,
+            );
+        }
+    }
+    /// `batch` symmetric products of one shape `s` ([`Blas::syrk`]), the i-th reading A from
+    /// element `i·strides[0]` and writing C from `i·strides[1]`. The default is one
+    /// [`Blas::syrk`] each, in order.
+    fn syrk_strided(&self, mut c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
+        let [la, lc] = s.extents();
+        for i in 0..batch {
+            self.syrk(
+                c.reborrow().slice(i * strides[1], lc),
+                a.slice(i * strides[0], la),
+                s,
+            );
+        }
+    }
+    /// Whether one call over many matrices beats a call each (a GPU, where every call costs a
+    /// kernel launch and small products leave most of the chip idle): Muon then runs an expert
+    /// stack's Newton–Schulz through [`Blas::gemm_strided`] and [`Blas::syrk_strided`]. False
+    /// on the CPU, whose threads are better spread over whole matrices.
+    fn batches_matrices(&self) -> bool {
         false
     }
     /// `y += alpha * x`

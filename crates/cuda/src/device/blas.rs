@@ -285,23 +285,10 @@ impl CudaBackend {
 
 /// Elements each operand of `g` spans (A, B, C); C's is 0 when the product is empty.
 pub(super) fn operand_extents(g: &Gemm) -> [usize; 3] {
-    let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-    let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-    [
-        extent(ar, ac, g.lda),
-        extent(br, bc, g.ldb),
-        extent(g.m, g.n, g.ldc),
-    ]
+    g.extents()
 }
 
-/// Elements a row-major `rows × cols` operand with row stride `ld` spans.
-pub(super) fn extent(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
-    }
-}
+pub(super) use ganymede_core::extent;
 
 fn ok<T>(r: Result<T, cudarc::driver::DriverError>, what: &str) -> T {
     r.unwrap_or_else(|e| panic!("CUDA {what}: {}", super::probe::driver_error(&e)))
@@ -360,6 +347,15 @@ impl CudaBackend {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
         self.cast_into_slot(&mut slots[0], a, na);
         f(slots[0].as_ref().unwrap().slice(0, a.len()))
+    }
+
+    /// `f(a)`, with `a` cast to bf16 first when `bf16` (unless it is bf16 already).
+    pub(crate) fn with_bf16_operand_if(&self, bf16: bool, a: View, f: impl FnOnce(View)) {
+        if bf16 {
+            self.with_bf16_operand(a, a.len(), f)
+        } else {
+            f(a)
+        }
     }
 
     /// `n` values of `v` cast to bf16 into `slot`, grown to `v.len()` first if short.

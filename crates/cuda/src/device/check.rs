@@ -44,6 +44,10 @@ const SECTIONS: &[(&str, Section)] = &[
         newton_schulz_times,
     ),
     (
+        "Newton–Schulz on an expert stack: one matrix at a time against one strided batch",
+        newton_schulz_stack,
+    ),
+    (
         "Expert GEMMs: one strided batch against a loop",
         expert_gemms,
     ),
@@ -598,6 +602,82 @@ fn newton_schulz_times(be: &CudaBackend) -> Result<String, String> {
             )
         })?;
     }
+    Ok(md)
+}
+
+/// Muon on one of `medium`'s expert stacks (64 matrices of 512 × 1,024, bf16 products): the
+/// matrices one at a time (`newton_schulz`, ~50 launches each) against the batch at once
+/// (`newton_schulz_strided`, what the optimizer runs on a GPU), timed, the two within 2e-2 of
+/// the entries' largest magnitude (cuBLAS may sum a batch in another order, and bf16 operands
+/// one ulp apart round apart).
+fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
+    use super::launcher::CudaLauncher;
+    use crate::kernel_backend::KernelBackend;
+    use crate::ops::{KernelOps, Tuning};
+    use ganymede_optim::{newton_schulz, newton_schulz_strided, NsScratch};
+    let tuning = Tuning::for_device(be.compute_major());
+    let full = KernelBackend::new(
+        KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
+        be.clone(),
+    );
+    let (count, rows, cols) = (64usize, 512usize, 1024usize);
+    let n = rows * cols;
+    let g = be.upload(&values(count * n, 60), &[count * n], Category::Buffers);
+    let mut one = be.zeros(&[count * n], Category::Buffers);
+    let mut batch = be.zeros(&[count * n], Category::Buffers);
+    let mut sc1 = NsScratch::new(&full, rows, cols);
+    let mut scb = NsScratch::for_batch(&full, rows, cols, count);
+    let mut per_matrix = |t: &mut Tensor| {
+        be.copy(t.view_mut(), g.view());
+        for e in 0..count {
+            newton_schulz(&full, t.slice_mut(e * n, n), rows, cols, 5, true, &mut sc1);
+        }
+    };
+    let mut strided = |t: &mut Tensor| {
+        be.copy(t.view_mut(), g.view());
+        newton_schulz_strided(&full, t.view_mut(), count, rows, cols, 5, true, &mut scb);
+    };
+    // Warm-up (the cast scratch grows), then timed by events.
+    per_matrix(&mut one);
+    strided(&mut batch);
+    let time = |f: &mut dyn FnMut()| {
+        let a = be.record_event(Stream::Compute);
+        f();
+        let b = be.record_event(Stream::Compute);
+        be.elapsed(&a, &b).as_secs_f64()
+    };
+    let t0 = std::time::Instant::now();
+    let t_one = time(&mut || per_matrix(&mut one));
+    let wall_one = t0.elapsed().as_secs_f64();
+    let t0 = std::time::Instant::now();
+    let t_batch = time(&mut || strided(&mut batch));
+    let wall_batch = t0.elapsed().as_secs_f64();
+    let (a, b) = (be.download(one.view()), be.download(batch.view()));
+    let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max);
+    let flops = count as f64 * ganymede_optim::ns_flops(rows, cols, 5) as f64;
+    let md = format!(
+        "| {count} × {rows}×{cols}, bf16 | GPU ms | host ms (enqueue) | TFLOP/s |
+|---|---|---|---|
+         | one at a time | {:.2} | {:.2} | {:.1} |
+| strided batch | {:.2} | {:.2} | {:.1} |
+
+         Batch against one at a time: max difference {diff:.2e} at entries up to {scale:.2e}.
+",
+        t_one * 1e3,
+        wall_one * 1e3,
+        flops / t_one / 1e12,
+        t_batch * 1e3,
+        wall_batch * 1e3,
+        flops / t_batch / 1e12,
+    );
+    ensure(diff <= 2e-2 * scale, || {
+        format!("the batch differs\n\n{md}")
+    })?;
     Ok(md)
 }
 

@@ -153,6 +153,64 @@ impl Gemms for CudaBackend {
     fn native_bf16(&self) -> bool {
         Blas::native_bf16(self)
     }
+    /// One `cublasGemmStridedBatchedEx` for the batch (bf16-input operands cast once, whole).
+    fn gemm_strided(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        if batch == 0 || g.m == 0 || g.n == 0 {
+            return;
+        }
+        if g.bf16_inputs && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
+            let n = (a.len(), b.len());
+            return self.with_bf16_operands(a, b, n, |a, b| {
+                Gemms::gemm_strided(self, c, a, b, g, batch, strides)
+            });
+        }
+        self.profiled(
+            || {
+                format!(
+                    "{} x{batch}",
+                    gemm_name("gemm strided", g.m, g.n, g.k, g.bf16_inputs)
+                )
+            },
+            || self.gemm_strided_batched(c, a, b, g, batch, strides),
+        )
+    }
+    /// As a strided batch of GEMMs of A with itself (both triangles), then every matrix's lower
+    /// triangle mirrored with the diagonal term added (one kernel for the batch).
+    fn syrk_strided(&self, mut c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
+        if batch == 0 || s.n == 0 {
+            return;
+        }
+        assert_eq!(c.dtype(), DType::F32, "strided syrk writes f32");
+        let [sa, sc] = strides;
+        let g = s.as_gemm();
+        self.with_bf16_operand_if(s.bf16_inputs, a, |a| {
+            Gemms::gemm_strided(self, c.reborrow(), a, a, g, batch, [sa, sa, sc])
+        });
+        let pc = place_mut(&mut c);
+        let args = [pc.addr, s.n as u64, s.ldc as u64, s.diag.to_bits() as u64];
+        let args = [&args[..], &[sc as u64, batch as u64]].concat();
+        self.profiled(
+            || format!("mirror x{batch} ({}x{})", s.n, s.n),
+            || {
+                self.launch_u64(
+                    "ganymede_mirror_lower_batched_f32",
+                    &args,
+                    batch * s.n * s.n,
+                )
+            },
+        );
+    }
+    fn batches_matrices(&self) -> bool {
+        true
+    }
     /// One `cublasGemmGroupedBatchedEx` for all groups (the experts' GEMMs); with
     /// `GANYMEDE_CUDA_GROUPED=loop`, one GEMM per group instead (what the device check measures
     /// the grouped call against). Where cuBLAS refuses the grouped call for these dtypes (its

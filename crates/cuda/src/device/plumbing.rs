@@ -69,6 +69,22 @@ extern "C" __global__ void ganymede_mirror_lower_f32(float* c, unsigned long lon
     }
 }
 
+// ganymede_mirror_lower_f32 on `batch` such matrices, the i-th at c + i * stride.
+extern "C" __global__ void ganymede_mirror_lower_batched_f32(float* c, unsigned long long n,
+                                                             unsigned long long ldc,
+                                                             unsigned long long diag_bits,
+                                                             unsigned long long stride,
+                                                             unsigned long long batch) {
+    float diag = __uint_as_float((unsigned int)diag_bits);
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < batch * n * n; i += (unsigned long long)gridDim.x * blockDim.x) {
+        unsigned long long j = i % (n * n), r = j / n, col = j % n;
+        float* m = c + (i / (n * n)) * stride;
+        if (r > col) m[col * ldc + r] = m[r * ldc + col];
+        if (r == col && diag != 0.0f) m[r * ldc + r] += diag;
+    }
+}
+
 extern "C" __global__ void ganymede_cast_bf16_to_f32(float* dst, const unsigned short* src,
                                                      unsigned long long n) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
