@@ -186,7 +186,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job) + bf16_weight_copy(job),
+        buffers: buffers + step_scalars(m) + gemm_scratch(job, true) + bf16_weight_copy(job),
     }
 }
 
@@ -225,10 +225,11 @@ fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
 }
 
 /// The operand views Newton–Schulz's bf16 products hand a GPU's cast scratch (slot A, slot B),
-/// elements: per Muon matrix or batch of `b` (a stack's, else 1) of `n = s·l`, the first symmetric
-/// product casts `b·n` and the second `b·s²` into slot A, and `P·X` (wide) takes `b·s²` into A
-/// and `b·n` into B, `X·P` (tall) `b·n` and `b·s²`. Zeros unless Muon runs in bf16 on a GPU.
-fn ns_cast_elems(job: &JobConfig) -> (f64, f64) {
+/// elements: per Muon matrix or batch of `b` (with `batched`, one process's, a stack's batch,
+/// else 1) of `n = s·l`, the first symmetric product casts `b·n` and the second `b·s²` into
+/// slot A, and `P·X` (wide) takes `b·s²` into A and `b·n` into B, `X·P` (tall) `b·n` and
+/// `b·s²`. Zeros unless Muon runs in bf16 on a GPU.
+fn ns_cast_elems(job: &JobConfig, batched: bool) -> (f64, f64) {
     let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
     if !(cuda && job.optimizer.name == OptimizerName::Muon && job.optimizer.ns_dtype.bf16_on(true))
     {
@@ -236,7 +237,7 @@ fn ns_cast_elems(job: &JobConfig) -> (f64, f64) {
     }
     let (mut a, mut b) = (0.0f64, 0.0f64);
     for (r, c, count) in muon_stacks(job) {
-        let batch = if count > 1 {
+        let batch = if batched && count > 1 {
             ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES)
         } else {
             1
@@ -272,7 +273,8 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 }
 
 /// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`; on a GPU
-/// also Muon's bf16 products, [`ns_cast_elems`], at any compute dtype; else 0):
+/// also Muon's bf16 products, [`ns_cast_elems`], at any compute dtype, here matrix by matrix as
+/// several ranks run them; else 0):
 /// the backend keeps one slot per operand position, each grown to the longest view it has seen
 /// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
 /// holds at most the logits `N·V` (`C·V` under a loss chunk of C tokens; the LM head's weight
@@ -285,8 +287,14 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// `N·Q`, is bf16 already under bf16 compute). The CPU widens bf16 operands into its f32 scratch
 /// like any operand.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
+    gemm_scratch(job, false)
+}
+
+/// [`bf16_gemm_scratch`], with Muon's products batched by stack (`batched`: one process on a
+/// GPU) or matrix by matrix (several ranks).
+fn gemm_scratch(job: &JobConfig, batched: bool) -> f64 {
     // Muon's bf16 products on a GPU use the same two slots, at any compute dtype.
-    let (ns_a, ns_b) = ns_cast_elems(job);
+    let (ns_a, ns_b) = ns_cast_elems(job, batched);
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
         return 2.0 * (ns_a + ns_b);
     }
