@@ -3,6 +3,12 @@
 //
 // Launch: 1-D, any grid and block (grid-stride loops), unless a kernel says otherwise.
 
+// n 32-bit words set to 0 (f32 and f64 zeros, u32 counts): what a zeroing upload from the host
+// would do, without one (a pageable upload may wait for the stream).
+extern "C" __global__ void zero_u32(unsigned* dst, long long n) {
+    for (long long i = global_tid(); i < n; i += grid_threads()) dst[i] = 0u;
+}
+
 extern "C" __global__ void cast_f32_to_bf16(bf16* dst, const float* src, long long n) {
     for (long long i = global_tid(); i < n; i += grid_threads()) dst[i] = f32_to_bf16(src[i]);
 }

@@ -63,6 +63,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
     (
         "elementwise.cu",
         &[
+            "zero_u32",
             "cast_f32_to_bf16",
             "cast_bf16_to_f32",
             "axpy_f32",

@@ -54,7 +54,7 @@ impl<L: Launcher> KernelOps<L> {
     pub fn sumsq(&self, x: View) -> f64 {
         let blocks = self.sumsq_blocks(x.len());
         let (_s, [partial, acc]) = self.scratch([blocks * 8, 8]);
-        self.put(acc, &[0.0f64]);
+        self.zero(acc, 8);
         self.sumsq_into(acc.into(), x, partial, blocks);
         let mut out = [0.0f64];
         self.get(&mut out, acc);

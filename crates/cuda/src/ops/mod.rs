@@ -86,6 +86,9 @@ pub struct KernelOps<L: Launcher> {
     launcher: L,
     tuning: Tuning,
     pool: Mutex<Option<Tensor>>,
+    /// RoPE's frequency tables by (head_dim, theta's bits), uploaded once each: an upload per
+    /// op from pageable host memory may wait for the stream.
+    freqs: Mutex<Vec<((usize, u64), Tensor)>>,
 }
 
 impl<L: Launcher> KernelOps<L> {
@@ -113,6 +116,7 @@ impl<L: Launcher> KernelOps<L> {
             launcher,
             tuning,
             pool: Mutex::new(None),
+            freqs: Mutex::new(Vec::new()),
         }
     }
     pub fn launcher(&self) -> &L {
@@ -172,6 +176,15 @@ impl<L: Launcher> KernelOps<L> {
             .addr_mut(guard.as_mut().expect("scratch").view_mut()) as *mut u8;
         let ptrs = offs.map(|o| base.wrapping_add(o) as *mut c_void);
         (Scratch { _guard: guard }, ptrs)
+    }
+
+    /// `bytes` (a multiple of 4) of device memory at `dst` set to zero by a kernel.
+    fn zero(&self, dst: *mut c_void, bytes: usize) {
+        assert!(bytes.is_multiple_of(4), "zero: {bytes} bytes");
+        let n = bytes / 4;
+        if n > 0 {
+            self.launch("zero_u32", self.ew(n), &[dst.into(), i64_of(n)]);
+        }
     }
 
     /// Host data into device memory (scratch regions, small constants), and back.

@@ -220,9 +220,22 @@ impl<L: Launcher> KernelOps<L> {
         ]
     }
 
-    /// RoPE's frequency table, uploaded to scratch (bitwise the CPU backend's).
-    fn inv_freq(&self, dst: *mut c_void, d: &HeadRope) {
-        self.put(dst, &rope_inv_freq(d.head_dim, d.theta));
+    /// RoPE's frequency table (bitwise the CPU backend's), uploaded the first time a
+    /// (head_dim, theta) is asked for and kept.
+    fn inv_freq(&self, d: &HeadRope) -> *mut c_void {
+        let key = (d.head_dim, d.theta.to_bits());
+        let mut freqs = self.freqs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, t)) = freqs.iter_mut().find(|(k, _)| *k == key) {
+            return self.launcher.addr_mut(t.view_mut());
+        }
+        let table = rope_inv_freq(d.head_dim, d.theta);
+        let mut t = self
+            .launcher
+            .alloc_scratch(std::mem::size_of_val(&table[..]));
+        let p = self.launcher.addr_mut(t.view_mut());
+        self.put(p, &table);
+        freqs.push((key, t));
+        p
     }
 
     pub fn head_norm_rope_forward(
@@ -247,8 +260,7 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let (_s, [freq]) = self.scratch([d.head_dim / 2 * 4]);
-        self.inv_freq(freq, &d);
+        let freq = self.inv_freq(&d);
         let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
@@ -284,8 +296,8 @@ impl<L: Launcher> KernelOps<L> {
         let sfx = st(dt, op);
         // The weight gradient's chunks are of head rows (a position's heads one after another).
         let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
-        let (_s, [freq, partial]) = self.scratch([d.head_dim / 2 * 4, chunks * d.head_dim * 4]);
-        self.inv_freq(freq, &d);
+        let freq = self.inv_freq(&d);
+        let (_s, [partial]) = self.scratch([chunks * d.head_dim * 4]);
         let mut args = vec![
             self.am(dx),
             self.a(dout),
@@ -550,7 +562,7 @@ impl<L: Launcher> KernelOps<L> {
         } = out;
         let psum = self.launcher.addr_mut(psum);
         if rows == 0 {
-            self.put(psum, &vec![0f64; experts]);
+            self.zero(psum, experts * 8);
             return;
         }
         let chunks = rows.div_ceil(CHUNK_ROWS);
@@ -682,7 +694,7 @@ impl<L: Launcher> KernelOps<L> {
             self.launcher.addr_mut(out.counts),
             self.launcher.addr_mut(out.offsets),
         );
-        self.put(counts, &vec![0u32; experts]);
+        self.zero(counts, experts * 4);
         let idx = self.a(idx);
         if n > 0 {
             self.launch(

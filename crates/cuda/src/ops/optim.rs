@@ -65,7 +65,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         // The norm stays on the device: partial sums, their total, then the scaling.
         let blocks = self.sumsq_blocks(n);
         let (_s, [partial, sumsq]) = self.scratch([blocks * 8, 8]);
-        self.put(sumsq, &[0.0f64]);
+        self.zero(sumsq, 8);
         self.sumsq_into(sumsq.into(), x.as_view(), partial, blocks);
         let args = [self.am(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
         self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
