@@ -96,7 +96,6 @@ impl StackSlot {
 /// [`ganymede_config::ns_stack_batch`] of them at a time: each elementwise step one call over
 /// the batch, Newton–Schulz strided ([`newton_schulz_strided`]). Per matrix the calls of
 /// [`run_matrix`], so on a backend whose strided calls are loops the same bits.
-#[allow(clippy::too_many_arguments)]
 fn run_stack(
     be: &dyn Backend,
     mut p: ViewMut,
