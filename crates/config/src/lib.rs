@@ -333,6 +333,50 @@ pub struct OptimizerConfig {
     pub offload: bool,
     /// Operand precision of Newton–Schulz's products (see [`NsDtype`]).
     pub ns_dtype: NsDtype,
+    /// Whether one process runs an expert stack's Newton–Schulz as strided batches (see
+    /// [`NsBatch`]).
+    pub ns_batch: NsBatch,
+}
+
+/// Whether one process orthogonalises an expert stack in strided batches of
+/// [`ns_stack_batch`] matrices, each product one call for the batch, or matrix by matrix
+/// (`optimizer.ns_batch`). The same arithmetic per matrix; a GPU saves a few dozen launches a
+/// matrix, at [`NS_STACK_BYTES`] of working memory. Several ranks go matrix by matrix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NsBatch {
+    /// Batched where the backend prefers it (a GPU), matrix by matrix elsewhere (the CPU
+    /// spreads whole matrices over its threads instead).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl NsBatch {
+    /// Whether stacks are batched on a backend that does (`prefers`) or does not prefer it.
+    pub fn on(self, prefers: bool) -> bool {
+        match self {
+            NsBatch::Auto => prefers,
+            NsBatch::On => true,
+            NsBatch::Off => false,
+        }
+    }
+}
+
+// By hand so that a bad value names its key.
+impl<'de> Deserialize<'de> for NsBatch {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "auto" => Ok(NsBatch::Auto),
+            "on" => Ok(NsBatch::On),
+            "off" => Ok(NsBatch::Off),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid value for optimizer.ns_batch = '{s}': expected \"auto\", \"on\" or \"off\""
+            ))),
+        }
+    }
 }
 
 /// A key whose value is `auto`, `f32` or `bf16`, read into `choices` in that order; any other
@@ -404,6 +448,7 @@ impl Default for OptimizerConfig {
             decay_fraction: 0.2,
             offload: false,
             ns_dtype: NsDtype::Auto,
+            ns_batch: NsBatch::Auto,
         }
     }
 }

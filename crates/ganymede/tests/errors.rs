@@ -36,6 +36,11 @@ fn bad_config_values_name_the_key() {
         e.contains("training.compute_dtype") && e.contains("fp16") && e.contains("bf16"),
         "{e}"
     );
+    let e = err_of(&["train", "--set", "optimizer.ns_batch=sometimes"]);
+    assert!(
+        e.contains("optimizer.ns_batch") && e.contains("sometimes") && e.contains("\"on\""),
+        "{e}"
+    );
     let e = err_of(&["train", "--set", "activation_checkpoint.boundary_dtype=fp8"]);
     assert!(
         e.contains("activation_checkpoint.boundary_dtype")

@@ -385,7 +385,7 @@ impl Optimizer {
             let extra = rayon::current_num_threads().min(n_small.max(1)) - 1;
             slots.extend((0..extra).map(|_| Slot::new(be, &small)));
         }
-        let stacks = if be.batches_matrices() {
+        let stacks = if cfg.ns_batch.on(be.batches_matrices()) {
             StackSlot::new(be, &stacks, ganymede_config::NS_STACK_BYTES)
         } else {
             None

@@ -170,7 +170,8 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         let small: Vec<(u64, u64)> = small_mats.iter().map(|t| (t.rows, t.cols)).collect();
         let n_small: u64 = small_mats.iter().map(|t| t.count).sum();
         let extra = (threads.max(1) as u64).min(n_small.max(1)) - 1;
-        let stacks = if job.device.kind == ganymede_config::DeviceKind::Cuda {
+        let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+        let stacks = if job.optimizer.ns_batch.on(cuda) {
             let (u, ss, sl) = ns_stack_elems(job);
             f * (u + 2 * ss + sl) as f64
         } else {
@@ -231,6 +232,7 @@ fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
 /// `b·s²`. Zeros unless Muon runs in bf16 on a GPU.
 fn ns_cast_elems(job: &JobConfig, batched: bool) -> (f64, f64) {
     let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+    let batched = batched && job.optimizer.ns_batch.on(cuda);
     if !(cuda && job.optimizer.name == OptimizerName::Muon && job.optimizer.ns_dtype.bf16_on(true))
     {
         return (0.0, 0.0);

@@ -488,3 +488,38 @@ fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
         }
     }
 }
+
+/// Muon's expert stacks in strided batches (`optimizer.ns_batch = "on"`, a GPU's default): the
+/// same losses bit for bit as matrix by matrix (the CPU's strided calls are per-matrix loops),
+/// and the planner's prediction equal to the ledger to the byte with the stack slot on the
+/// device, with and without optimizer offload; the slot is what the two runs' buffers differ by.
+#[test]
+fn batched_stacks_are_on_the_ledger_as_the_planner_says() {
+    for offload in [false, true] {
+        let mut losses = Vec::new();
+        let mut buffers = Vec::new();
+        for batch in ["off", "on"] {
+            let b = format!("optimizer.ns_batch=\"{batch}\"");
+            let off = format!("optimizer.offload={offload}");
+            let cfg = tiny(&["device.kind=\"cpu-two-memory\"", &b, &off]);
+            let s = run(&cfg, "ns-batch", 1).unwrap();
+            for (dev, cat, measured, planned) in common::measured_and_planned(&s.run_dir) {
+                assert_eq!(
+                    measured, planned,
+                    "ns_batch {batch}, offload {offload}: {dev} {cat}"
+                );
+                if dev == "gpu0" && cat == "buffers" {
+                    buffers.push(measured);
+                }
+            }
+            losses.push(s.losses);
+        }
+        assert_eq!(losses[0], losses[1], "offload {offload}");
+        // tiny's stacks: 8 experts of 128 x 64 in one batch, 4 (65,536 + 2 x 32,768 + 65,536).
+        assert_eq!(
+            buffers[1] - buffers[0],
+            786_432.0,
+            "offload {offload}: {buffers:?}"
+        );
+    }
+}
