@@ -333,15 +333,14 @@ pub struct OptimizerConfig {
     pub offload: bool,
     /// Operand precision of Newton–Schulz's products (see [`NsDtype`]).
     pub ns_dtype: NsDtype,
-    /// Whether one process runs an expert stack's Newton–Schulz as strided batches (see
-    /// [`NsBatch`]).
+    /// Whether expert stacks' Newton–Schulz runs as strided batches (see [`NsBatch`]).
     pub ns_batch: NsBatch,
 }
 
-/// Whether one process orthogonalises an expert stack in strided batches of
-/// [`ns_stack_batch`] matrices, each product one call for the batch, or matrix by matrix
-/// (`optimizer.ns_batch`). The same arithmetic per matrix; a GPU saves a few dozen launches a
-/// matrix, at [`NS_STACK_BYTES`] of working memory. Several ranks go matrix by matrix.
+/// Whether Muon orthogonalises an expert stack (on several ranks, the experts a rank owns of
+/// one) in strided batches of [`ns_stack_batch`] matrices, each product one call for the batch,
+/// or matrix by matrix (`optimizer.ns_batch`). The same arithmetic per matrix; a GPU saves a
+/// few dozen launches a matrix, at up to [`NS_STACK_BYTES`] of working memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NsBatch {

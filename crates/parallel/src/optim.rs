@@ -13,10 +13,10 @@
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
-use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
+use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Placement, Plan};
 use ganymede_optim::{
-    newton_schulz_batch, ns_bf16, ns_flops, update_rule, NsScratch, SkipWait, Staging, UpdateRule,
-    PAR_MATRIX_MAX_FLOPS,
+    newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops, update_rule, NsScratch,
+    SkipWait, Staging, UpdateRule, PAR_MATRIX_MAX_FLOPS,
 };
 use std::sync::Arc;
 
@@ -40,6 +40,9 @@ pub struct ShardedOptimizer {
     /// Newton–Schulz scratch: `[0]` fits every shape, the rest (one per further thread) the
     /// small ones, whose stacks (experts) are spread across threads whole.
     scratch: Vec<NsScratch>,
+    /// With `optimizer.ns_batch` batching (a GPU's default): scratch for the largest strided
+    /// batch of a matrix set this rank may orthogonalise ([`batch_counts`]).
+    batch: Option<NsScratch>,
     /// With `optimizer.offload`: state in host memory, streamed through these device slots.
     staging: Option<Staging>,
     /// The whole matrices this rank gathers as a Newton–Schulz root (`root_buffers` order).
@@ -111,6 +114,17 @@ impl ShardedOptimizer {
             let extra = rayon::current_num_threads() - 1;
             scratch.extend((0..extra).map(|_| NsScratch::for_shapes(be, small.iter().copied())));
         }
+        let batch = cfg.ns_batch.on(be.batches_matrices()).then(|| {
+            let (mut ss, mut sl) = (0, 0);
+            for (r, c, count) in batch_counts(&plan).into_iter().filter(|s| s.2 > 1) {
+                let b =
+                    ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES);
+                let (s, l) = (r.min(c), r.max(c));
+                ss = ss.max(b * s * s);
+                sl = sl.max(b * s * l);
+            }
+            NsScratch::from_lens(be, ss, sl)
+        });
         // The matrices this rank gathers whole for Newton–Schulz, made once.
         let roots = root_buffers(&plan, mesh)
             .iter()
@@ -122,6 +136,7 @@ impl ShardedOptimizer {
             rules,
             plan,
             scratch,
+            batch,
             staging,
             roots,
             step: 0,
@@ -275,8 +290,29 @@ impl ShardedOptimizer {
         let steps = cfg.ns_steps;
         let bf16 = ns_bf16(cfg.ns_dtype, be);
         let scratch = &mut self.scratch;
+        let batch = &mut self.batch;
         let mut ns = |job: NsJob<'_>| {
             let (r, c) = (job.rows, job.cols);
+            if let (Some(st), true) = (batch.as_mut(), job.count > 1) {
+                // A matrix set in strided batches: each matrix gets the calls of its own
+                // Newton–Schulz (the same bits where the strided calls are loops).
+                let n = r * c;
+                let b = ganymede_config::ns_stack_batch(
+                    r,
+                    c,
+                    job.count,
+                    ganymede_config::NS_STACK_BYTES,
+                );
+                let mut data = job.data;
+                let mut e0 = 0;
+                while e0 < job.count {
+                    let k = b.min(job.count - e0);
+                    let x = data.reborrow().slice(e0 * n, k * n);
+                    newton_schulz_strided(be, x, k, r, c, steps, bf16, st);
+                    e0 += k;
+                }
+                return;
+            }
             let lanes = if ns_flops(r, c, steps) <= PAR_MATRIX_MAX_FLOPS {
                 scratch.len()
             } else {
@@ -331,4 +367,21 @@ impl ShardedOptimizer {
             s.synchronize(be);
         }
     }
+}
+
+/// The matrix sets a rank may orthogonalise, as `(rows, cols, count)` per Muon parameter of
+/// `plan`: a routed stack's owned experts under FlexShard (`per_owner`, the most a rank owns),
+/// any other stack whole (its root's), a dense matrix alone. Every rank sizes its batched
+/// scratch by them alike; the planner counts the same (`ganymede_plan`'s sharded prediction).
+fn batch_counts(plan: &Plan) -> Vec<(usize, usize, usize)> {
+    plan.params
+        .iter()
+        .filter(|p| p.is_muon())
+        .filter_map(|p| match (p.placement, p.local_shape.as_slice()) {
+            (Placement::Expert { per_owner }, &[e, r, c]) => Some((r, c, per_owner.min(e))),
+            (_, &[e, r, c]) => Some((r, c, e)),
+            (_, &[r, c]) => Some((r, c, 1)),
+            _ => None,
+        })
+        .collect()
 }

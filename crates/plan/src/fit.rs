@@ -374,6 +374,32 @@ impl Rt {
     }
 }
 
+/// The matrix sets one rank of several orthogonalises, as `(rows, cols, count)`: a routed
+/// stack's owned experts under FlexShard (`ceil(E/ep / efsdp)`, the most a rank owns), under
+/// naive placement its ep slice whole (on its root), a shared-expert stack whole, a dense
+/// matrix alone. `ganymede_parallel::optim` sizes its batched Newton–Schulz scratch by the
+/// same counts, on every rank.
+fn sharded_stacks(ts: &[Rt], c: Cut) -> Vec<(usize, usize, usize)> {
+    ts.iter()
+        .filter_map(|t| {
+            let (r, cols) = t.muon(true)?;
+            let count = match t.kind {
+                Kind::Experts { routed: true } => {
+                    let local = t.shape[0] / c.ep;
+                    if c.flex {
+                        local.div_ceil(t.group(c)).min(local)
+                    } else {
+                        local
+                    }
+                }
+                Kind::Experts { routed: false } => t.shape[0],
+                _ => 1,
+            };
+            Some((r as usize, cols as usize, count as usize))
+        })
+        .collect()
+}
+
 /// One rank's bytes under FSDP, before offload.
 struct Sharded {
     /// Everything, gather staging included, as if on the device.
@@ -479,9 +505,21 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         (2 * ss + sl) as f64
     };
     // One Newton–Schulz scratch for every shape, and one per further thread for the small
-    // shapes, whose stacks (experts) spread across threads whole.
+    // shapes, whose stacks (experts) spread across threads whole; with `optimizer.ns_batch`
+    // batching (a GPU's default), A, B and the ping-pong copy of the largest batch too (in
+    // place on the gradient shards: no Nesterov copy).
     let small = scratch(true);
+    let stacks = sharded_stacks(&ts, cut);
+    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+    let batched = muon && job.optimizer.ns_batch.on(cuda);
+    let ns_batch = if batched {
+        let (_, ss, sl) = crate::ledger::ns_batch_elems(&stacks);
+        (2 * ss + sl) as f64
+    } else {
+        0.0
+    };
     let ns_scratch = scratch(false)
+        + ns_batch
         + if small > 0.0 {
             (threads.max(1) - 1) as f64 * small
         } else {
@@ -553,7 +591,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             + gather_staging
             + ep_scratch
             + crate::ledger::step_scalars(&job.model)
-            + crate::ledger::bf16_gemm_scratch(&local),
+            + crate::ledger::gemm_scratch(&local, Some(&stacks)),
     };
     let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;
     Sharded {

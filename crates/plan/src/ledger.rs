@@ -187,7 +187,10 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers + step_scalars(m) + gemm_scratch(job, true) + bf16_weight_copy(job),
+        buffers: buffers
+            + step_scalars(m)
+            + gemm_scratch(job, Some(&muon_stacks(job)))
+            + bf16_weight_copy(job),
     }
 }
 
@@ -214,8 +217,14 @@ fn muon_stacks(job: &JobConfig) -> Vec<(usize, usize, usize)> {
 /// Nesterov outputs, `s²` (each of A and B) and `s·l`, batches of
 /// [`ganymede_config::ns_stack_batch`]. Zeros without a stack.
 fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
+    ns_batch_elems(&muon_stacks(job))
+}
+
+/// The largest batch's `(u, s², s·l)` elements over `stacks` (`rows, cols, count`; those of
+/// `count > 1` batched, in batches of [`ganymede_config::ns_stack_batch`]).
+pub(crate) fn ns_batch_elems(stacks: &[(usize, usize, usize)]) -> (u64, u64, u64) {
     let (mut u, mut ss, mut sl) = (0u64, 0u64, 0u64);
-    for (r, c, count) in muon_stacks(job).into_iter().filter(|s| s.2 > 1) {
+    for &(r, c, count) in stacks.iter().filter(|s| s.2 > 1) {
         let b = ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES);
         let (s, l) = (r.min(c) as u64, r.max(c) as u64);
         u = u.max((b * r * c) as u64);
@@ -230,16 +239,24 @@ fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
 /// else 1) of `n = s·l`, the first symmetric product casts `b·n` and the second `b·s²` into
 /// slot A, and `P·X` (wide) takes `b·s²` into A and `b·n` into B, `X·P` (tall) `b·n` and
 /// `b·s²`. Zeros unless Muon runs in bf16 on a GPU.
-fn ns_cast_elems(job: &JobConfig, batched: bool) -> (f64, f64) {
+fn ns_cast_elems(job: &JobConfig, batched: Option<&[(usize, usize, usize)]>) -> (f64, f64) {
     let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
-    let batched = batched && job.optimizer.ns_batch.on(cuda);
     if !(cuda && job.optimizer.name == OptimizerName::Muon && job.optimizer.ns_dtype.bf16_on(true))
     {
         return (0.0, 0.0);
     }
+    // Matrix by matrix: every Muon matrix alone; batched: the given stacks' batches too.
+    let one: Vec<_> = muon_stacks(job)
+        .into_iter()
+        .map(|(r, c, _)| (r, c, 1))
+        .collect();
+    let stacks = match batched {
+        Some(s) if job.optimizer.ns_batch.on(cuda) => s,
+        _ => &one[..],
+    };
     let (mut a, mut b) = (0.0f64, 0.0f64);
-    for (r, c, count) in muon_stacks(job) {
-        let batch = if batched && count > 1 {
+    for &(r, c, count) in stacks.iter().chain(&one) {
+        let batch = if count > 1 {
             ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES)
         } else {
             1
@@ -289,14 +306,15 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// `N·Q`, is bf16 already under bf16 compute). The CPU widens bf16 operands into its f32 scratch
 /// like any operand.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
-    gemm_scratch(job, false)
+    gemm_scratch(job, None)
 }
 
-/// [`bf16_gemm_scratch`], with Muon's products batched by stack (`batched`: one process on a
-/// GPU) or matrix by matrix (several ranks).
-fn gemm_scratch(job: &JobConfig, batched: bool) -> f64 {
+/// [`bf16_gemm_scratch`], with Muon's products batched over `stacks` (`rows, cols, count` of
+/// the matrix sets a rank orthogonalises) where `optimizer.ns_batch` batches, else (and with
+/// `None`) matrix by matrix.
+pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usize)]>) -> f64 {
     // Muon's bf16 products on a GPU use the same two slots, at any compute dtype.
-    let (ns_a, ns_b) = ns_cast_elems(job, batched);
+    let (ns_a, ns_b) = ns_cast_elems(job, stacks);
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
         return 2.0 * (ns_a + ns_b);
     }

@@ -491,22 +491,44 @@ fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
 
 /// Muon's expert stacks in strided batches (`optimizer.ns_batch = "on"`, a GPU's default): the
 /// same losses bit for bit as matrix by matrix (the CPU's strided calls are per-matrix loops),
-/// and the planner's prediction equal to the ledger to the byte with the stack slot on the
-/// device, with and without optimizer offload; the slot is what the two runs' buffers differ by.
+/// and the planner's prediction equal to the ledger to the byte with the batch scratch on the
+/// device: one process (with and without optimizer offload), FSDP over 2 and 4 ranks (FlexShard's
+/// owned experts, naive placement's whole stacks on their roots). The batch scratch is what the
+/// two runs' buffers differ by: tiny's 8 experts of 128 x 64 in one batch on one process, a
+/// Nesterov copy, A, B and Y (4 (65,536 + 2 x 32,768 + 65,536) bytes); on several ranks in place
+/// on the gradient shards, A, B and Y of the experts a rank owns (FlexShard: 4 on 2 ranks, 2 on
+/// 4) or of the whole stack (naive).
 #[test]
 fn batched_stacks_are_on_the_ledger_as_the_planner_says() {
-    for offload in [false, true] {
+    let per = |experts: f64, u: bool| {
+        4.0 * experts * (if u { 8_192.0 } else { 0.0 } + 2.0 * 4_096.0 + 8_192.0)
+    };
+    for (ranks, extra, slot) in [
+        (1, "optimizer.offload=false", per(8.0, true)),
+        (1, "optimizer.offload=true", per(8.0, true)),
+        (
+            2,
+            "parallelism.muon_placement=\"flexshard\"",
+            per(4.0, false),
+        ),
+        (
+            4,
+            "parallelism.muon_placement=\"flexshard\"",
+            per(2.0, false),
+        ),
+        (2, "parallelism.muon_placement=\"naive\"", per(8.0, false)),
+    ] {
         let mut losses = Vec::new();
         let mut buffers = Vec::new();
         for batch in ["off", "on"] {
             let b = format!("optimizer.ns_batch=\"{batch}\"");
-            let off = format!("optimizer.offload={offload}");
-            let cfg = tiny(&["device.kind=\"cpu-two-memory\"", &b, &off]);
-            let s = run(&cfg, "ns-batch", 1).unwrap();
+            let mut cfg = tiny(&["device.kind=\"cpu-two-memory\"", &b, extra]);
+            cfg.parallelism.dp_shard = ranks;
+            let s = run(&cfg, "ns-batch", ranks).unwrap();
             for (dev, cat, measured, planned) in common::measured_and_planned(&s.run_dir) {
                 assert_eq!(
                     measured, planned,
-                    "ns_batch {batch}, offload {offload}: {dev} {cat}"
+                    "ns_batch {batch}, {ranks} ranks, {extra}: {dev} {cat}"
                 );
                 if dev == "gpu0" && cat == "buffers" {
                     buffers.push(measured);
@@ -514,12 +536,11 @@ fn batched_stacks_are_on_the_ledger_as_the_planner_says() {
             }
             losses.push(s.losses);
         }
-        assert_eq!(losses[0], losses[1], "offload {offload}");
-        // tiny's stacks: 8 experts of 128 x 64 in one batch, 4 (65,536 + 2 x 32,768 + 65,536).
+        assert_eq!(losses[0], losses[1], "{ranks} ranks, {extra}");
         assert_eq!(
             buffers[1] - buffers[0],
-            786_432.0,
-            "offload {offload}: {buffers:?}"
+            slot,
+            "{ranks} ranks, {extra}: {buffers:?}"
         );
     }
 }
