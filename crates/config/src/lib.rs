@@ -612,6 +612,22 @@ pub fn ns_stack_batch(rows: usize, cols: usize, count: usize, budget: usize) -> 
     (budget / per.max(1)).clamp(1, count.max(1))
 }
 
+/// Elements of batched Newton–Schulz's working memory over `stacks` (`rows, cols, count`; those
+/// of `count > 1` in batches of [`ns_stack_batch`] within `budget` bytes): the largest batch's
+/// Nesterov copies (one process makes the update there), `s²` (each of A and B) and `s·l` (the
+/// ping-pong copy). The one rule the optimizers and the planner share.
+pub fn ns_batch_elems(stacks: &[(usize, usize, usize)], budget: usize) -> (usize, usize, usize) {
+    let (mut u, mut ss, mut sl) = (0, 0, 0);
+    for &(r, c, count) in stacks.iter().filter(|s| s.2 > 1) {
+        let b = ns_stack_batch(r, c, count, budget);
+        let (s, l) = (r.min(c), r.max(c));
+        u = u.max(b * r * c);
+        ss = ss.max(b * s * s);
+        sl = sl.max(b * s * l);
+    }
+    (u, ss, sl)
+}
+
 /// Tokens a MoE layer's routed experts take at once for `tokens` of a rank's tokens under
 /// `training.moe_chunk_tokens` = `chunk` (0 = all): the same rule as the head's.
 pub fn moe_rows(tokens: usize, chunk: usize) -> usize {

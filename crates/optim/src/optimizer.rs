@@ -73,14 +73,7 @@ impl StackSlot {
     /// Sized for every stack (`count > 1`) of `stacks` (`rows, cols, count`) in batches within
     /// `budget` bytes; `None` if there is none.
     fn new(be: &dyn Backend, stacks: &[(usize, usize, usize)], budget: usize) -> Option<Self> {
-        let (mut u, mut ss, mut sl) = (0, 0, 0);
-        for &(r, c, count) in stacks.iter().filter(|s| s.2 > 1) {
-            let b = ganymede_config::ns_stack_batch(r, c, count, budget);
-            let (s, l) = (r.min(c), r.max(c));
-            u = u.max(b * r * c);
-            ss = ss.max(b * s * s);
-            sl = sl.max(b * s * l);
-        }
+        let (u, ss, sl) = ganymede_config::ns_batch_elems(stacks, budget);
         (u > 0).then(|| StackSlot {
             u: be.zeros(&[u], Category::Buffers),
             ns: NsScratch::from_lens(be, ss, sl),

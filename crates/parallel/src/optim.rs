@@ -114,15 +114,10 @@ impl ShardedOptimizer {
             let extra = rayon::current_num_threads() - 1;
             scratch.extend((0..extra).map(|_| NsScratch::for_shapes(be, small.iter().copied())));
         }
+        // In place on the gradient shards: no Nesterov copy.
         let batch = cfg.ns_batch.on(be.batches_matrices()).then(|| {
-            let (mut ss, mut sl) = (0, 0);
-            for (r, c, count) in batch_counts(&plan).into_iter().filter(|s| s.2 > 1) {
-                let b =
-                    ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES);
-                let (s, l) = (r.min(c), r.max(c));
-                ss = ss.max(b * s * s);
-                sl = sl.max(b * s * l);
-            }
+            let budget = ganymede_config::NS_STACK_BYTES;
+            let (_, ss, sl) = ganymede_config::ns_batch_elems(&batch_counts(&plan), budget);
             NsScratch::from_lens(be, ss, sl)
         });
         // The matrices this rank gathers whole for Newton–Schulz, made once.

@@ -220,18 +220,10 @@ fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
     ns_batch_elems(&muon_stacks(job))
 }
 
-/// The largest batch's `(u, s², s·l)` elements over `stacks` (`rows, cols, count`; those of
-/// `count > 1` batched, in batches of [`ganymede_config::ns_stack_batch`]).
+/// [`ganymede_config::ns_batch_elems`] in training's budget, as `u64`s.
 pub(crate) fn ns_batch_elems(stacks: &[(usize, usize, usize)]) -> (u64, u64, u64) {
-    let (mut u, mut ss, mut sl) = (0u64, 0u64, 0u64);
-    for &(r, c, count) in stacks.iter().filter(|s| s.2 > 1) {
-        let b = ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES);
-        let (s, l) = (r.min(c) as u64, r.max(c) as u64);
-        u = u.max((b * r * c) as u64);
-        ss = ss.max(b as u64 * s * s);
-        sl = sl.max(b as u64 * s * l);
-    }
-    (u, ss, sl)
+    let (u, ss, sl) = ganymede_config::ns_batch_elems(stacks, ganymede_config::NS_STACK_BYTES);
+    (u as u64, ss as u64, sl as u64)
 }
 
 /// The operand views Newton–Schulz's bf16 products hand a GPU's cast scratch (slot A, slot B),
