@@ -211,13 +211,7 @@ impl GemmScalar for f64 {
     }
 }
 
-fn extent(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
-    }
-}
+use crate::backend::extent;
 
 /// Row-major GEMM on host slices, with bounds checked once up front.
 pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {
@@ -527,13 +521,6 @@ fn syrk<S: GemmScalar>(c: ViewMut, a: View, s: Syrk) {
     syrk_host::<S>(c.host(), a.host(), s)
 }
 
-/// Elements of an operand a GEMM reads (from its view's start).
-pub(crate) fn operand_extent(g: &Gemm) -> (usize, usize) {
-    let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-    let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-    (extent(ar, ac, g.lda), extent(br, bc, g.ldb))
-}
-
 /// `dst[..n] = src[..n]` rounded to bf16 and held in f32 (bf16 sources widen exactly).
 fn round_into(dst: &mut [f32], src: View, n: usize) {
     let dst = &mut dst[..n];
@@ -601,7 +588,8 @@ impl Blas for CpuBackend {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
         if g.bf16_inputs {
             assert_eq!(c.dtype(), DType::F32, "bf16-input gemm writes f32");
-            let n = operand_extent(&g);
+            let [na, nb, _] = g.extents();
+            let n = (na, nb);
             return self.with_bf16_operands(a, b, n, |a, b| gemm::<f32>(c, a, b, g));
         }
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
@@ -609,8 +597,7 @@ impl Blas for CpuBackend {
     fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
         if s.bf16_inputs {
             assert_eq!(c.dtype(), DType::F32, "bf16-input syrk writes f32");
-            let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
-            let na = extent(rows, cols, s.lda);
+            let [na, _] = s.extents();
             return self.with_bf16_operand(a, na, |a| syrk::<f32>(c, a, s));
         }
         crate::by_dtype!(c.dtype(), syrk(c, a, s))

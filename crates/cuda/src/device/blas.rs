@@ -76,25 +76,12 @@ impl CudaBackend {
             return;
         }
         let [sa, sb, sc] = strides;
-        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+        let [la, lb, lc] = g.extents();
         let last = batch - 1;
-        assert!(
-            a.len() >= last * sa + extent(a_rows, a_cols, g.lda),
-            "batched gemm: A too small"
-        );
-        assert!(
-            b.len() >= last * sb + extent(b_rows, b_cols, g.ldb),
-            "batched gemm: B too small"
-        );
-        assert!(
-            c.len() >= last * sc + extent(g.m, g.n, g.ldc),
-            "batched gemm: C too small"
-        );
-        assert!(
-            sc >= extent(g.m, g.n, g.ldc),
-            "batched gemm: the outputs overlap"
-        );
+        assert!(a.len() >= last * sa + la, "batched gemm: A too small");
+        assert!(b.len() >= last * sb + lb, "batched gemm: B too small");
+        assert!(c.len() >= last * sc + lc, "batched gemm: C too small");
+        assert!(sc >= lc, "batched gemm: the outputs overlap");
         let (call, st) = map_gemm_strided_batched(&g, batch, sa, sb, sc)
             .unwrap_or_else(|e| panic!("batched gemm {g:?}: {e}"));
         let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
@@ -168,7 +155,7 @@ impl CudaBackend {
         groups: &[(Gemm, usize, usize, usize)],
     ) -> Result<(), cudarc::cublas::result::CublasError> {
         for &(g, ao, bo, co) in groups {
-            let [la, lb, lc] = operand_extents(&g);
+            let [la, lb, lc] = g.extents();
             if lc == 0 {
                 continue;
             }
@@ -283,13 +270,6 @@ impl CudaBackend {
     }
 }
 
-/// Elements each operand of `g` spans (A, B, C); C's is 0 when the product is empty.
-pub(super) fn operand_extents(g: &Gemm) -> [usize; 3] {
-    g.extents()
-}
-
-pub(super) use ganymede_core::extent;
-
 fn ok<T>(r: Result<T, cudarc::driver::DriverError>, what: &str) -> T {
     r.unwrap_or_else(|e| panic!("CUDA {what}: {}", super::probe::driver_error(&e)))
 }
@@ -383,25 +363,13 @@ impl Blas for CudaBackend {
             return;
         }
         if g.bf16_inputs && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
-            let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-            let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-            let n = (extent(ar, ac, g.lda), extent(br, bc, g.ldb));
-            return self.with_bf16_operands(a, b, n, |a, b| Blas::gemm(self, c, a, b, g));
+            let [na, nb, _] = g.extents();
+            return self.with_bf16_operands(a, b, (na, nb), |a, b| Blas::gemm(self, c, a, b, g));
         }
-        let (a_rows, a_cols) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
-        let (b_rows, b_cols) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
-        assert!(
-            a.len() >= extent(a_rows, a_cols, g.lda),
-            "gemm: A too small {g:?}"
-        );
-        assert!(
-            b.len() >= extent(b_rows, b_cols, g.ldb),
-            "gemm: B too small {g:?}"
-        );
-        assert!(
-            c.len() >= extent(g.m, g.n, g.ldc),
-            "gemm: C too small {g:?}"
-        );
+        let [la, lb, lc] = g.extents();
+        assert!(a.len() >= la, "gemm: A too small {g:?}");
+        assert!(b.len() >= lb, "gemm: B too small {g:?}");
+        assert!(c.len() >= lc, "gemm: C too small {g:?}");
         let call: CublasGemm = map_gemm(&g).unwrap_or_else(|e| panic!("gemm {g:?}: {e}"));
         let (pa, pb, pc) = (place(&a), place(&b), place_mut(&mut c));
         assert!(
@@ -487,8 +455,7 @@ impl Blas for CudaBackend {
             if s.n == 0 {
                 return;
             }
-            let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
-            let na = extent(rows, cols, s.lda);
+            let [na, _] = s.extents();
             let ldc = s.ldc;
             let g = s.as_gemm();
             // Both operands the same bf16 view: the GEMM casts nothing more.
@@ -512,15 +479,9 @@ impl Blas for CudaBackend {
         if s.n == 0 {
             return;
         }
-        let (rows, cols) = if s.trans { (s.k, s.n) } else { (s.n, s.k) };
-        assert!(
-            a.len() >= extent(rows, cols, s.lda),
-            "syrk: A too small {s:?}"
-        );
-        assert!(
-            c.len() >= extent(s.n, s.n, s.ldc),
-            "syrk: C too small {s:?}"
-        );
+        let [la, lc] = s.extents();
+        assert!(a.len() >= la, "syrk: A too small {s:?}");
+        assert!(c.len() >= lc, "syrk: C too small {s:?}");
         assert!(
             pc.on_device && pa.on_device,
             "syrk on memory the device does not hold"

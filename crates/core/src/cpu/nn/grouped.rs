@@ -3,18 +3,10 @@
 //! every piece is one single-threaded `matrixmultiply` call; a piece writes its own block of C.
 
 use super::Ptr;
-use crate::backend::Gemm;
+use crate::backend::{extent, Gemm};
 use crate::cpu::blas::GemmScalar;
 use crate::tensor::{View, ViewMut};
 use rayon::prelude::*;
-
-fn extent(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
-    }
-}
 
 /// Multiply-adds below which a piece is not split further.
 const PIECE_MIN: usize = 1 << 16;
