@@ -12,6 +12,7 @@
 //! match is compiled again and replaced.
 
 use cudarc::nvrtc::{result, sys};
+use ganymede_dist::fnv1a64;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -200,7 +201,7 @@ pub fn compile_cached(
     let path = dir.join(format!(
         "{}-{:016x}.cubin",
         sanitize(file),
-        fnv1a(key.as_bytes())
+        fnv1a64(key.as_bytes())
     ));
     if let Some(cubin) = std::fs::read(&path)
         .ok()
@@ -212,7 +213,8 @@ pub fn compile_cached(
     let out = compile(file, src, arch);
     if let Ok(c) = &out {
         // Best effort: a read-only or full disk leaves the compile as it is.
-        let _ = write_atomically(&path, &cache_encode(&key, &c.cubin));
+        let _ = std::fs::create_dir_all(dir);
+        let _ = ganymede_checkpoint::write_atomic(&path, &cache_encode(&key, &c.cubin));
     }
     (out, Origin::Compiled)
 }
@@ -227,7 +229,7 @@ fn cache_key(file: &str, src: &str, arch: &str) -> String {
         "{file}\n{arch}\nnvrtc {major}.{minor}\n{}\n{} bytes {:016x}",
         options(arch).join(" "),
         src.len(),
-        fnv1a(src.as_bytes())
+        fnv1a64(src.as_bytes())
     )
 }
 
@@ -238,7 +240,7 @@ fn cache_encode(key: &str, cubin: &[u8]) -> Vec<u8> {
     let mut b = CACHE_MAGIC.to_vec();
     b.extend((key.len() as u64).to_le_bytes());
     b.extend(key.as_bytes());
-    b.extend(fnv1a(cubin).to_le_bytes());
+    b.extend(fnv1a64(cubin).to_le_bytes());
     b.extend((cubin.len() as u64).to_le_bytes());
     b.extend(cubin);
     b
@@ -259,36 +261,8 @@ fn cache_decode(b: &[u8], key: &str) -> Option<Vec<u8>> {
     let rest = &rest[8 + klen..];
     let (sum, len) = (u64_at(rest, 0)?, usize::try_from(u64_at(rest, 8)?).ok()?);
     let cubin = rest.get(16..)?;
-    (cubin.len() == len && fnv1a(cubin) == sum && cubin.starts_with(b"\x7fELF"))
+    (cubin.len() == len && fnv1a64(cubin) == sum && cubin.starts_with(b"\x7fELF"))
         .then(|| cubin.to_vec())
-}
-
-/// Write `bytes` to a unique file beside `path`, then rename it over `path`.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = path.with_extension(format!("tmp.{}.{n}", std::process::id()));
-    let r = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
-}
-
-/// 64-bit FNV-1a: a cache file's name and checksums (not a defence against tampering; the key
-/// inside the file is compared whole).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 /// A file name's characters outside `[A-Za-z0-9._-]` as `_`.
