@@ -48,8 +48,9 @@ impl NsScratch {
         self.a.bytes() + self.b.bytes() + self.y.bytes()
     }
 
-    fn fits(&self, s: usize, l: usize) -> bool {
-        self.a.len() >= s * s && self.y.len() >= s * l
+    /// Room for `count` matrices of short side `s` and long side `l`.
+    fn fits(&self, count: usize, s: usize, l: usize) -> bool {
+        self.a.len() >= count * s * s && self.y.len() >= count * s * l
     }
 
     /// Scratch with `ss` elements for each of A and B and `sl` for the ping-pong copy.
@@ -64,11 +65,7 @@ impl NsScratch {
     /// Scratch for [`newton_schulz_strided`] on `count` matrices of `rows × cols`.
     pub fn for_batch(be: &dyn Backend, rows: usize, cols: usize, count: usize) -> Self {
         let (s, l) = (rows.min(cols), rows.max(cols));
-        NsScratch {
-            a: be.zeros(&[count * s * s], Category::Buffers),
-            b: be.zeros(&[count * s * s], Category::Buffers),
-            y: be.zeros(&[count * s * l], Category::Buffers),
-        }
+        Self::from_lens(be, count * s * s, count * s * l)
     }
 }
 
@@ -87,82 +84,27 @@ impl NsScratch {
 /// express directly. So `NS(Xᵀ) = NS(X)ᵀ` up to rounding.
 pub fn newton_schulz(
     be: &dyn Backend,
-    mut x: ViewMut,
+    x: ViewMut,
     rows: usize,
     cols: usize,
     steps: usize,
     bf16: bool,
     scratch: &mut NsScratch,
 ) {
-    let n = rows * cols;
-    assert_eq!(x.len(), n, "newton_schulz: view is not {rows}x{cols}");
-    let (s, l) = (rows.min(cols), rows.max(cols));
-    assert!(
-        scratch.fits(s, l),
-        "newton_schulz: scratch too small for {rows}x{cols}"
+    assert_eq!(
+        x.len(),
+        rows * cols,
+        "newton_schulz: view is not {rows}x{cols}"
     );
-    let wide = rows <= cols;
-    let (shift, offset, cc) = ns_shifted();
-
-    be.normalize_frobenius(x.reborrow(), NS_EPS);
-
-    let NsScratch { a, b, y } = scratch;
-    let mut a = a.slice_mut(0, s * s);
-    let mut b = b.slice_mut(0, s * s);
-    let mut y = y.slice_mut(0, n);
-    // After an odd number of steps the result sits in `y`; `in_x` tracks where X is.
-    let mut in_x = true;
-    for _ in 0..steps {
-        let (src, dst) = if in_x {
-            (x.reborrow(), y.reborrow())
-        } else {
-            (y.reborrow(), x.reborrow())
-        };
-        // A' = X·Xᵀ + β·I (wide, X is s×l) or Xᵀ·X + β·I (tall, X is l×s): s×s either way.
-        be.syrk(
-            a.reborrow(),
-            src.as_view(),
-            Syrk::new(s, l, !wide).diag(shift as f32).bf16_inputs(bf16),
-        );
-        // P = c·A'·A' + δ·I = a·I + b·A + c·A·A, and A'·A' = A'·A'ᵀ as A' is (exactly,
-        // mirrored) symmetric.
-        be.syrk(
-            b.reborrow(),
-            a.as_view(),
-            Syrk::new(s, s, false)
-                .alpha(cc as f32)
-                .diag(offset as f32)
-                .bf16_inputs(bf16),
-        );
-        // X' = P·X (wide) or X·P (tall).
-        if wide {
-            be.gemm(
-                dst,
-                b.as_view(),
-                src.as_view(),
-                Gemm::new(s, l, s, false, false).bf16_inputs(bf16),
-            );
-        } else {
-            be.gemm(
-                dst,
-                src.as_view(),
-                b.as_view(),
-                Gemm::new(l, s, s, false, false).bf16_inputs(bf16),
-            );
-        }
-        in_x = !in_x;
-    }
-    if !in_x {
-        be.copy(x, y.as_view());
-    }
+    newton_schulz_strided(be, x, 1, rows, cols, steps, bf16, scratch)
 }
 
 /// [`newton_schulz`] on `count` matrices of `rows × cols` stored one after another in `x`, each
 /// of its products one strided call over all of them ([`Blas::gemm_strided`],
 /// [`Blas::syrk_strided`]; the normalisation one call per matrix): on a GPU a few launches per
-/// step instead of a few per matrix per step. Each matrix gets the calls of one
-/// [`newton_schulz`] call, so on a backend whose strided calls are the default loops the result
-/// is the same bitwise. `scratch` from [`NsScratch::for_batch`] for at least `count`.
+/// step instead of a few per matrix per step. [`newton_schulz`] is this with one matrix, so on a
+/// backend whose strided calls are the default loops each matrix gets the bits it would alone.
+/// `scratch` from [`NsScratch::for_batch`] for at least `count`.
 ///
 /// [`Blas::gemm_strided`]: ganymede_core::Blas::gemm_strided
 /// [`Blas::syrk_strided`]: ganymede_core::Blas::syrk_strided
@@ -185,8 +127,8 @@ pub fn newton_schulz_strided(
     );
     let (s, l) = (rows.min(cols), rows.max(cols));
     assert!(
-        scratch.a.len() >= count * s * s && scratch.y.len() >= count * n,
-        "newton_schulz_strided: scratch too small for {count}x{rows}x{cols}"
+        scratch.fits(count, s, l),
+        "newton_schulz: scratch too small for {count}x{rows}x{cols}"
     );
     if count == 0 {
         return;

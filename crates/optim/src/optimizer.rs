@@ -85,6 +85,19 @@ impl StackSlot {
     }
 }
 
+/// `(rows, cols, count)` of every Muon rule.
+fn muon_shapes(rules: &[Rule]) -> Vec<(usize, usize, usize)> {
+    rules
+        .iter()
+        .filter_map(|r| match *r {
+            Rule::Muon {
+                rows, cols, count, ..
+            } => Some((rows, cols, count)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A stack of `count` Muon matrices (a layer's experts, one after another in `p`, `mom`, `g`),
 /// [`ganymede_config::ns_stack_batch`] of them at a time: each elementwise step one call over
 /// the batch, Newton–Schulz strided ([`newton_schulz_strided`]). Per matrix the calls of
@@ -335,7 +348,6 @@ impl Optimizer {
         };
         // Shapes for scratch sizing, and how many matrices may run in parallel.
         let (mut all, mut small, mut n_small) = (Vec::new(), Vec::new(), 0);
-        let mut stacks = Vec::new();
         for s in specs {
             let rule = match update_rule(cfg, s) {
                 UpdateRule::Frozen => Rule::Frozen,
@@ -346,7 +358,6 @@ impl Optimizer {
                     scale,
                 } => {
                     all.push((rows, cols));
-                    stacks.push((rows, cols, count));
                     if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
                         small.push((rows, cols));
                         n_small += count;
@@ -379,7 +390,7 @@ impl Optimizer {
             slots.extend((0..extra).map(|_| Slot::new(be, &small)));
         }
         let stacks = if cfg.ns_batch.on(be.batches_matrices()) {
-            StackSlot::new(be, &stacks, ganymede_config::NS_STACK_BYTES)
+            StackSlot::new(be, &muon_shapes(&rules), ganymede_config::NS_STACK_BYTES)
         } else {
             None
         };
@@ -637,26 +648,8 @@ impl Optimizer {
     /// (`None`) matrix by matrix, whatever the backend prefers: the same bits where the strided
     /// calls are per-matrix loops (the CPU's), which the tests hold. Batching allocates the
     /// stack scratch.
-    pub fn with_stack_batching(
-        mut self,
-        be: &dyn Backend,
-        specs: &[ParamSpec],
-        budget: Option<usize>,
-    ) -> Self {
-        self.stacks = if let Some(budget) = budget {
-            let stacks: Vec<_> = specs
-                .iter()
-                .filter_map(|s| match update_rule(&self.cfg, s) {
-                    UpdateRule::Muon {
-                        rows, cols, count, ..
-                    } => Some((rows, cols, count)),
-                    _ => None,
-                })
-                .collect();
-            StackSlot::new(be, &stacks, budget)
-        } else {
-            None
-        };
+    pub fn with_stack_batching(mut self, be: &dyn Backend, budget: Option<usize>) -> Self {
+        self.stacks = budget.and_then(|b| StackSlot::new(be, &muon_shapes(&self.rules), b));
         self
     }
 

@@ -521,7 +521,7 @@ fn batched_stacks_agree_bitwise_with_matrix_by_matrix() {
         c.offload = offload;
         c.ns_dtype = ns_dtype;
         let mut params = store(&be, &specs, &init, Category::Params);
-        let mut opt = Optimizer::new(&be, &c, &specs).with_stack_batching(&be, &specs, batched);
+        let mut opt = Optimizer::new(&be, &c, &specs).with_stack_batching(&be, batched);
         let scratch = opt.scratch_bytes();
         for g in &gs {
             opt.step(

@@ -4,7 +4,6 @@
 //! cuBLAS GEMMs, every other op a kernel of `kernels/*.cu` — the same ops layer, and the same
 //! launches, that the host build checks against the CPU backend in CI.
 
-use super::blas::operand_extents;
 use super::memory::{place, place_mut, Place};
 use super::{ok, CudaBackend, DeviceError};
 use crate::host::{Arg, LaunchConfig};
@@ -166,6 +165,9 @@ impl Gemms for CudaBackend {
         if batch == 0 || g.m == 0 || g.n == 0 {
             return;
         }
+        if batch == 1 {
+            return Gemms::gemm(self, c, a, b, g);
+        }
         if g.bf16_inputs && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
             let n = (a.len(), b.len());
             return self.with_bf16_operands(a, b, n, |a, b| {
@@ -187,6 +189,10 @@ impl Gemms for CudaBackend {
     fn syrk_strided(&self, mut c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
         if batch == 0 || s.n == 0 {
             return;
+        }
+        if batch == 1 {
+            // One matrix: the plain symmetric product (cuBLAS's syrk in f32, half the work).
+            return Gemms::syrk(self, c, a, s);
         }
         assert_eq!(c.dtype(), DType::F32, "strided syrk writes f32");
         let [sa, sc] = strides;
@@ -303,7 +309,7 @@ impl CudaBackend {
         groups: &[(Gemm, usize, usize, usize)],
     ) {
         for &(g, ao, bo, co) in groups {
-            let [la, lb, lc] = operand_extents(&g);
+            let [la, lb, lc] = g.extents();
             if lc == 0 {
                 continue;
             }
