@@ -6,27 +6,10 @@
 // in increasing (token, choice) order; pos[t*k + j] is the row of token t's j-th choice and
 // src[row] its token.
 
-// counts[idx[i]] += 1 for the n = tokens * k choices; counts zeroed before.
-// Launch: 1-D, any grid and block.
-extern "C" __global__ void dispatch_count(unsigned* counts, const unsigned* idx, int n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) atomicAdd(&counts[idx[i]], 1u);
-}
-
-// offsets[e] = Σ_{f<e} counts[f]; offsets[experts] = n. Launch: one block, one thread.
-extern "C" __global__ void dispatch_offsets(unsigned* offsets, const unsigned* counts,
-                                            int experts) {
-    if (threadIdx.x != 0) return;
-    unsigned s = 0;
-    for (int e = 0; e < experts; e++) {
-        offsets[e] = s;
-        s += counts[e];
-    }
-    offsets[experts] = s;
-}
-
-// The placement, in three kernels over tiles of tile_len choices (one block per tile; a
-// block's chunks of blockDim choices in order): per-tile counts per expert, their scan into
-// each tile's first row per expert, then each tile placing its choices. Stable: within a tile
+// The counting sort in three kernels over tiles of tile_len choices (one block per tile; a
+// block's chunks of blockDim choices in order): per-tile counts per expert; their sums (the
+// counts), the offsets and each tile's first row per expert; then each tile placing its
+// choices. Stable: within a tile
 // choices go in order, and tiles in order. Every thread's rank among equal experts earlier in
 // its chunk is counted through shared memory, and the last of them moves the expert's cursor,
 // so no atomics and the result is the same on every run. At most GANY_MAX_EXPERTS experts.
@@ -83,19 +66,31 @@ extern "C" __global__ void dispatch_tile_counts(unsigned* tiles, const unsigned*
         tiles[(long long)blockIdx.x * experts + e] = cursor[e];
 }
 
-// In place: tiles[t * experts + e] = offsets[e] + Σ_{t' < t} (the counts of t'), tile t's first
-// row of expert e. Launch: 1-D, experts threads in all.
-extern "C" __global__ void dispatch_tile_scan(unsigned* tiles, const unsigned* offsets,
-                                              int n_tiles, int experts) {
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= experts) return;
-    unsigned run = offsets[e];
-    for (int t = 0; t < n_tiles; t++) {
-        const long long at = (long long)t * experts + e;
-        const unsigned c = tiles[at];
-        tiles[at] = run;
-        run += c;
+// From the per-tile counts: counts[e] (their sum over tiles), offsets[e] = Σ_{f<e} counts[f]
+// with offsets[experts] = n, and in place tiles[t * experts + e] = offsets[e] + Σ_{t' < t} (the
+// counts of t'), tile t's first row of expert e. Launch: one block, experts threads rounded up
+// to a multiple of 32 (at most 1024).
+extern "C" __global__ void dispatch_tile_scan(unsigned* tiles, unsigned* counts,
+                                              unsigned* offsets, int n_tiles, int experts) {
+    GANY_REQUIRE(gridDim.x == 1 && (int)blockDim.x >= experts);
+    const int e = threadIdx.x;
+    unsigned total = 0;
+    if (e < experts)
+        for (int t = 0; t < n_tiles; t++) total += tiles[(long long)t * experts + e];
+    unsigned all;
+    const unsigned first = block_exclusive_scan(total, &all);
+    if (e < experts) {
+        counts[e] = total;
+        offsets[e] = first;
+        unsigned run = first;
+        for (int t = 0; t < n_tiles; t++) {
+            const long long at = (long long)t * experts + e;
+            const unsigned c = tiles[at];
+            tiles[at] = run;
+            run += c;
+        }
     }
+    if (e == 0) offsets[experts] = all;
 }
 
 // src[row] = the choice's token, pos[choice] = row, tile by tile from the scanned first rows.

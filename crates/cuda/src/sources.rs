@@ -27,7 +27,7 @@
 //!     arrays), uploaded by the step with its ids (`EmbedIds`);
 //! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
 //!   (`host::rope_inv_freq`, bitwise the CPU backend's);
-//! - `dispatch_count` needs its counts zeroed first; `dispatch_offsets` runs as one thread.
+//! - `dispatch_tile_scan` runs as one block.
 
 macro_rules! kernel_file {
     ($name:literal) => {
@@ -141,8 +141,6 @@ pub const KERNELS: &[(&str, &[&str])] = &[
     (
         "dispatch.cu",
         &[
-            "dispatch_count",
-            "dispatch_offsets",
             "dispatch_tile_counts",
             "dispatch_tile_scan",
             "dispatch_place",

@@ -935,7 +935,7 @@ fn routing(rng: &mut Lcg, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
 }
 
 /// The counting sort's kernels launched one by one, with tiles of `tile` choices taken in
-/// chunks of `block`: offsets, src and pos.
+/// chunks of `block`: offsets, src and pos (the counts checked against the offsets).
 fn dispatch_kernels(
     idx: &[u32],
     experts: usize,
@@ -944,22 +944,12 @@ fn dispatch_kernels(
 ) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let n = idx.len();
     let tiles = n.div_ceil(tile);
-    let mut counts = vec![0u32; experts];
+    let mut counts = vec![u32::MAX; experts];
     let mut offsets = vec![u32::MAX; experts + 1];
     let mut per_tile = vec![u32::MAX; tiles * experts];
     let (mut src, mut pos) = (vec![u32::MAX; n], vec![u32::MAX; n]);
     let (n32, e32, t32) = (n as i32, experts as i32, tile as i32);
     unsafe {
-        launch(
-            "dispatch_count",
-            EW,
-            &[ptr(&mut counts), cptr(idx), n32.into()],
-        );
-        launch(
-            "dispatch_offsets",
-            cfg([1, 1, 1], 1),
-            &[ptr(&mut offsets), cptr(&counts), e32.into()],
-        );
         let blocks = cfg([tiles as u32, 1, 1], block);
         launch(
             "dispatch_tile_counts",
@@ -974,10 +964,11 @@ fn dispatch_kernels(
         );
         launch(
             "dispatch_tile_scan",
-            cfg([experts.div_ceil(32) as u32, 1, 1], 32),
+            cfg([1, 1, 1], experts.next_multiple_of(32) as u32),
             &[
                 ptr(&mut per_tile),
-                cptr(&offsets),
+                ptr(&mut counts),
+                ptr(&mut offsets),
                 (tiles as i32).into(),
                 e32.into(),
             ],
@@ -997,6 +988,11 @@ fn dispatch_kernels(
             ],
         );
     }
+    let diffs: Vec<u32> = offsets
+        .windows(2)
+        .map(|w| w[1].wrapping_sub(w[0]))
+        .collect();
+    assert_eq!(counts, diffs, "counts against offsets");
     (offsets, src, pos)
 }
 

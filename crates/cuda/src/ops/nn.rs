@@ -667,9 +667,9 @@ impl<L: Launcher> KernelOps<L> {
     }
 
     /// The stable counting sort of the router's choices by expert (see
-    /// [`ganymede_core::DispatchOut`]): count, exclusive scan, then tiles of
-    /// [`DISPATCH_TILE`] choices placing theirs in (token, choice) order (per-tile counts,
-    /// their scan, the placement; `dispatch.cu`).
+    /// [`ganymede_core::DispatchOut`]) over tiles of [`DISPATCH_TILE`] choices: per-tile
+    /// counts, then the counts, offsets and each tile's first rows in one block, then the
+    /// placement in (token, choice) order (`dispatch.cu`).
     pub fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {
         let op = "moe_dispatch";
         let n = idx.len();
@@ -694,36 +694,26 @@ impl<L: Launcher> KernelOps<L> {
             self.launcher.addr_mut(out.counts),
             self.launcher.addr_mut(out.offsets),
         );
-        self.zero(counts, experts * 4);
+        assert!(experts <= 1024, "{op}: at most 1024 experts, not {experts}");
         let idx = self.a(idx);
+        let tiles = n.div_ceil(DISPATCH_TILE);
+        let (_s, [t]) = self.scratch([tiles * experts * 4]);
+        let block = cfg(grid(tiles, 1, 1), 256);
+        let (n32, e32, tile) = (i32_of(n), i32_of(experts), i32_of(DISPATCH_TILE));
         if n > 0 {
-            self.launch(
-                "dispatch_count",
-                self.ew(n),
-                &[counts.into(), idx, i32_of(n)],
-            );
-        }
-        self.launch(
-            "dispatch_offsets",
-            cfg(grid(1, 1, 1), 1),
-            &[offsets.into(), counts.into(), i32_of(experts)],
-        );
-        if n > 0 {
-            assert!(experts <= 1024, "{op}: at most 1024 experts, not {experts}");
-            let tiles = n.div_ceil(DISPATCH_TILE);
-            let (_s, [t]) = self.scratch([tiles * experts * 4]);
-            let block = cfg(grid(tiles, 1, 1), 256);
-            let (n32, e32, tile) = (i32_of(n), i32_of(experts), i32_of(DISPATCH_TILE));
             self.launch(
                 "dispatch_tile_counts",
                 block,
                 &[t.into(), idx, n32, e32, tile],
             );
-            self.launch(
-                "dispatch_tile_scan",
-                cfg(grid(experts.div_ceil(128), 1, 1), 128),
-                &[t.into(), offsets.into(), i32_of(tiles), e32],
-            );
+        }
+        // With no choices: zero counts and offsets.
+        self.launch(
+            "dispatch_tile_scan",
+            cfg(grid(1, 1, 1), u32_of(experts.max(1).next_multiple_of(32))),
+            &[t.into(), counts.into(), offsets.into(), i32_of(tiles), e32],
+        );
+        if n > 0 {
             let args = [
                 self.am(out.src),
                 self.am(out.pos),
