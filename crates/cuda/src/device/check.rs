@@ -661,13 +661,11 @@ fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
         .fold(0.0, f64::max);
     let flops = count as f64 * ganymede_optim::ns_flops(rows, cols, 5) as f64;
     let md = format!(
-        "| {count} × {rows}×{cols}, bf16 | GPU ms | host ms (enqueue) | TFLOP/s |
-|---|---|---|---|
-         | one at a time | {:.2} | {:.2} | {:.1} |
-| strided batch | {:.2} | {:.2} | {:.1} |
-
-         Batch against one at a time: max difference {diff:.2e} at entries up to {scale:.2e}.
-",
+        "| {count} × {rows}×{cols}, bf16 | GPU ms | host ms (enqueue) | TFLOP/s |\n\
+         |---|---|---|---|\n\
+         | one at a time | {:.2} | {:.2} | {:.1} |\n\
+         | strided batch | {:.2} | {:.2} | {:.1} |\n\n\
+         Batch against one at a time: max difference {diff:.2e} at entries up to {scale:.2e}.\n",
         t_one * 1e3,
         wall_one * 1e3,
         flops / t_one / 1e12,
