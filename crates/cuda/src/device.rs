@@ -19,6 +19,7 @@ pub mod nvrtc;
 mod plumbing;
 pub mod probe;
 pub mod profile;
+mod staging;
 
 pub use launcher::{kernel_backend, CudaKernelBackend, CudaLauncher};
 pub use memory::{DeviceMemory, PinnedMemory};
@@ -149,8 +150,10 @@ pub struct Inner {
     trace: Mutex<Option<CopyTrace>>,
     /// Held around each cuBLAS call: rank threads and Newton–Schulz's lanes share the handle.
     blas_lock: Mutex<()>,
-    /// Device pointer arrays of grouped GEMMs (see `blas::PtrRing`).
-    grouped: Mutex<blas::PtrRing>,
+    /// Device pointer arrays of grouped GEMMs (see `blas::PtrArrays`).
+    grouped: Mutex<blas::PtrArrays>,
+    /// Pinned slots of small host-to-device writes (see `staging`).
+    staging: Mutex<staging::Staging>,
     /// bf16 copies of the f32 A and B operands of bf16-input GEMMs (see
     /// `CudaBackend::with_bf16_operands`).
     bf16_scratch: Mutex<[Option<ganymede_core::Tensor>; 2]>,
@@ -221,7 +224,8 @@ impl CudaBackend {
             name,
             trace: Mutex::new(None),
             blas_lock: Mutex::new(()),
-            grouped: Mutex::new(blas::PtrRing::default()),
+            grouped: Mutex::new(blas::PtrArrays::default()),
+            staging: Mutex::new(staging::Staging::default()),
             bf16_scratch: Mutex::new([None, None]),
         })))
     }

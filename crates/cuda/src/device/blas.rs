@@ -7,31 +7,15 @@ use crate::cublas_map::{
     map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, Operand,
 };
 use cudarc::cublas::sys as blas_sys;
-use cudarc::driver::CudaEvent;
-use ganymede_core::{Blas, Category, DType, Gemm, Memory, Stream, Syrk, Tensor, View, ViewMut};
-
-/// Pointer-array slots kept for grouped GEMMs.
-const PTR_SLOTS: usize = 4;
+use ganymede_core::{Blas, Category, DType, Gemm, Memory, Syrk, Tensor, View, ViewMut};
 
 /// The device arrays of pointers a grouped cuBLAS call reads (its `Aarray`, `Barray`,
-/// `Carray`). Each call writes them into a pinned slot and copies that to the slot's device
-/// half on the compute stream, ahead of the GEMM. Slots are used in turn, and a slot's host half
-/// is rewritten only once its previous copy has completed (an event), so the host never races
-/// the copy engine; slots grow to the largest call and are then reused: after the first step,
-/// grouped GEMMs allocate nothing.
+/// `Carray`): one device buffer, written through the staging ring on the compute stream ahead
+/// of each call (stream order keeps a write behind the previous call's reads). It grows to the
+/// largest call and is then reused: after the first step, grouped GEMMs allocate nothing.
 #[derive(Default)]
-pub struct PtrRing {
-    slots: Vec<PtrSlot>,
-    next: usize,
-}
-
-struct PtrSlot {
-    /// Pinned, `2·cap` f32 words (`cap` u64 pointers).
-    host: Tensor,
-    /// Device, the same size.
-    dev: Tensor,
-    cap: usize,
-    copied: Option<CudaEvent>,
+pub struct PtrArrays {
+    dev: Option<Tensor>,
 }
 
 /// The batched calls' operands: on the device, A and B of one type, C of it or f32.
@@ -224,54 +208,31 @@ impl CudaBackend {
     }
 
     /// `ptrs` in device memory, ordered before what the compute stream runs next: the device
-    /// address of the copy (see [`PtrRing`]).
+    /// address of the copy (see [`PtrArrays`]).
     fn pointer_arrays(&self, ptrs: &[u64]) -> u64 {
-        let mut ring = self.grouped.lock().unwrap_or_else(|e| e.into_inner());
-        let i = ring.next;
-        ring.next = (i + 1) % PTR_SLOTS;
-        let grow = ring.slots.get(i).is_none_or(|s| s.cap < ptrs.len());
-        if grow {
-            let cap = ptrs.len().next_power_of_two();
-            let slot = PtrSlot {
-                host: self.pinned_zeros(&[2 * cap], Category::Buffers),
-                dev: self.zeros(&[2 * cap], Category::Buffers),
-                cap,
-                copied: None,
-            };
-            if i < ring.slots.len() {
-                // The old slot's copy must be done before its pinned memory goes.
-                if let Some(ev) = ring.slots[i].copied.take() {
-                    ok(ev.synchronize(), "grouped gemm pointers");
-                }
-                ring.slots[i] = slot;
-            } else {
-                ring.slots.push(slot);
-            }
-        }
-        let slot = &mut ring.slots[i];
-        if let Some(ev) = slot.copied.take() {
-            ok(ev.synchronize(), "grouped gemm pointers");
-        }
+        let mut arrays = self.grouped.lock().unwrap_or_else(|e| e.into_inner());
         let words = 2 * ptrs.len();
-        let host = place(&slot.host.slice(0, words));
-        // SAFETY: the slot's pinned memory holds `2·cap ≥ words` f32 words and no copy reads it
-        // now (its last one completed above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(ptrs.as_ptr(), host.addr as *mut u64, ptrs.len());
+        if arrays.dev.as_ref().is_none_or(|t| t.len() < words) {
+            // Freed in stream order: a call still reading the old arrays finishes first.
+            arrays.dev = Some(self.zeros(&[words.next_power_of_two()], Category::Buffers));
         }
-        let mut dv = slot.dev.slice_mut(0, words);
+        let mut dv = arrays
+            .dev
+            .as_mut()
+            .expect("pointer arrays")
+            .slice_mut(0, words);
         let dev = place_mut(&mut dv);
-        self.memcpy(&dev, &host, Stream::Compute);
-        slot.copied = Some(ok(
-            self.compute().record_event(None),
-            "grouped gemm pointers",
-        ));
+        // SAFETY: u64s as bytes, read during the call.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(ptrs.as_ptr() as *const u8, std::mem::size_of_val(ptrs))
+        };
+        assert!(
+            self.stage(&dev, bytes),
+            "grouped GEMM pointer arrays of {} bytes not staged",
+            bytes.len()
+        );
         dev.addr
     }
-}
-
-fn ok<T>(r: Result<T, cudarc::driver::DriverError>, what: &str) -> T {
-    r.unwrap_or_else(|e| panic!("CUDA {what}: {}", super::probe::driver_error(&e)))
 }
 
 fn cublas(r: Result<(), cudarc::cublas::result::CublasError>, what: &str) {

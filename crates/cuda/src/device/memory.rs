@@ -305,9 +305,19 @@ impl CudaBackend {
         out
     }
 
-    /// Copy host data of the view's dtype into it (blocking, on the compute stream).
-    fn write_raw<T>(&self, dst: &mut ViewMut, data: &[T], dtype: DType) {
+    /// Copy host data of the view's dtype into it, on the compute stream: device memory through
+    /// a pinned slot without a host wait where the write is small (`staging`), otherwise
+    /// blocking.
+    fn write_raw<T: Copy>(&self, dst: &mut ViewMut, data: &[T], dtype: DType) {
         let p = place_mut(dst);
+        assert_eq!(p.dtype, dtype);
+        // SAFETY: T is a plain integer or float; the bytes are read, not kept.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
+        };
+        if self.stage(&p, bytes) {
+            return;
+        }
         let src = Place {
             addr: data.as_ptr() as u64,
             bytes: std::mem::size_of_val(data),
