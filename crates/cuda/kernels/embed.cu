@@ -12,19 +12,31 @@ __device__ void embedding_fwd(T* out, const W* wte, const unsigned* ids, int dim
 // dwte[ids[t]] += dout[t] without atomics, deterministically: the host groups the token ids
 // when it builds the batch (ganymede_core::embedding_segments: `order` lists the tokens sorted
 // by id, stably, and segment s holds order[seg_start[s] .. seg_start[s+1]], all of id
-// seg_id[s]), and each block adds its segment's rows in token order, as the CPU backend does.
-// Launch: grid = number of segments, any 1-D block.
+// seg_id[s]), and each thread adds its column of its segment's rows in token order, as the CPU
+// backend does (bit for bit). Byte ids leave a few segments thousands of rows long, so the rows
+// are read EMB_UNROLL at a time before they are added (in order): a long segment is then bound
+// by bandwidth rather than by one load's latency per row.
+// Launch: grid (segments, column chunks of blockDim.x), any 1-D block.
+#define EMB_UNROLL 8
 template <class T>
 __device__ void embedding_bwd_sorted(float* dwte, const T* dout, const unsigned* order,
                                      const unsigned* seg_start, const unsigned* seg_id, int dim) {
     const unsigned s = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= dim) return;  // no barrier below
     const long long row = (long long)seg_id[s] * dim;
-    const unsigned p0 = seg_start[s], p1 = seg_start[s + 1];
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float acc = dwte[row + i];
-        for (unsigned p = p0; p < p1; p++) acc += ld(dout + (long long)order[p] * dim + i);
-        dwte[row + i] = acc;
+    const unsigned p1 = seg_start[s + 1];
+    unsigned p = seg_start[s];
+    float acc = dwte[row + i];
+    for (; p + EMB_UNROLL <= p1; p += EMB_UNROLL) {
+        float v[EMB_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EMB_UNROLL; u++) v[u] = ld(dout + (long long)order[p + u] * dim + i);
+#pragma unroll
+        for (int u = 0; u < EMB_UNROLL; u++) acc += v[u];
     }
+    for (; p < p1; p++) acc += ld(dout + (long long)order[p] * dim + i);
+    dwte[row + i] = acc;
 }
 
 extern "C" __global__ void embedding_forward_f32(float* out, const float* wte,

@@ -622,6 +622,40 @@ fn embedding_forward_backward() {
     }
 }
 
+#[test]
+fn embedding_backward_long_segments_add_in_token_order() {
+    // Byte ids give a few ids thousands of rows: the kernel reads 8 rows at a time before adding
+    // them. Segments of 29 rows (three groups of 8 and a tail of 5), 8 (three of them: one
+    // group, no tail), 7 (a tail only) and 1, interleaved, over columns that are not a
+    // multiple of the block: the CPU backend's sum, bit for bit.
+    let (vocab, dim) = (6usize, 70usize);
+    let mut ids: Vec<u32> = (0..48).map(|t| [3, 1, 3, 5, 3, 0][t % 6]).collect();
+    ids.extend([3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 4, 4, 2]);
+    let count = |id| ids.iter().filter(|&&x| x == id).count();
+    assert_eq!((0..5).map(count).collect::<Vec<_>>(), [8, 8, 1, 29, 7]);
+    let mut rng = Lcg::new(11);
+    let dout = rng.values(ids.len() * dim, 1.0);
+    let kb = kernels(SMALL);
+    let g = Grouped::up(&kb, &ids);
+    let mut dwte = up(&kb, &rng.values(vocab * dim, 0.5));
+    let start = down(&kb, &dwte);
+    let dout_t = up(&kb, &dout);
+    be_embedding_backward(&kb, &mut dwte, &dout_t, &g, dim);
+    // The CPU backend on the same start.
+    let b = cpu();
+    let gb = Grouped::up(&b, &ids);
+    let mut want = up(&b, &start);
+    be_embedding_backward(&b, &mut want, &up(&b, &dout), &gb, dim);
+    assert_eq!(down(&kb, &dwte), down(&b, &want));
+    // And that sum is the token-order one (not merely the same on both sides).
+    let col = 69;
+    let mut acc = start[3 * dim + col];
+    for (t, _) in ids.iter().enumerate().filter(|(_, &x)| x == 3) {
+        acc += dout[t * dim + col];
+    }
+    assert_eq!(down(&kb, &dwte)[3 * dim + col].to_bits(), acc.to_bits());
+}
+
 /// The host launcher, counting the op layer's transfers between host and device memory.
 #[derive(Clone)]
 struct CountingLauncher {

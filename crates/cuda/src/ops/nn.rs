@@ -56,8 +56,9 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(&name, self.per_row(n, dim), &args);
     }
 
-    /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: one block per distinct id over the
-    /// grouping the host uploaded with the batch (`EmbedIds`), so nothing is read back here.
+    /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: blocks per distinct id (one per
+    /// chunk of its columns) over the grouping the host uploaded with the batch (`EmbedIds`), so
+    /// nothing is read back here.
     pub fn embedding_backward(&self, dwte: ViewMut, dout: View, e: EmbedIds, dim: usize) {
         let n = e.ids.len();
         for (v, what) in [
@@ -96,7 +97,11 @@ impl<L: Launcher> KernelOps<L> {
             self.a(e.seg_id),
             i32_of(dim),
         ];
-        self.launch(&name, self.per_row(e.segments, dim), &args);
+        // A thread per column of a segment: long segments (byte ids) are then as parallel as
+        // the columns allow.
+        let block = self.row_block(dim);
+        let chunks = dim.div_ceil(block as usize);
+        self.launch(&name, cfg(grid(e.segments, chunks, 1), block), &args);
     }
 
     // -----------------------------------------------------------------------------------------
