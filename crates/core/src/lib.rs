@@ -52,7 +52,7 @@ pub mod stream;
 pub mod tensor;
 
 pub use backend::{
-    embedding_segments, extent, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas,
+    embedding_segments, extent, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, CastSlot,
     DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Memory, NnOps, NormSaved, OptimOps,
     RouterDims, RouterOut, Syrk,
 };

@@ -156,7 +156,7 @@ pub struct Inner {
     staging: Mutex<staging::Staging>,
     /// bf16 copies of the f32 A and B operands of bf16-input GEMMs (see
     /// `CudaBackend::with_bf16_operands`).
-    bf16_scratch: Mutex<[Option<ganymede_core::Tensor>; 2]>,
+    bf16_scratch: Mutex<[ganymede_core::CastSlot; 2]>,
 }
 
 impl Drop for Inner {
@@ -226,7 +226,7 @@ impl CudaBackend {
             blas_lock: Mutex::new(()),
             grouped: Mutex::new(blas::PtrArrays::default()),
             staging: Mutex::new(staging::Staging::default()),
-            bf16_scratch: Mutex::new([None, None]),
+            bf16_scratch: Mutex::default(),
         })))
     }
 

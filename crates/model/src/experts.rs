@@ -100,6 +100,18 @@ pub(crate) fn expert_groups(
         .collect()
 }
 
+/// `groups` with the promise of `Gemm::unchanged` for A and B.
+fn unchanged(
+    groups: &[(Gemm, usize, usize, usize)],
+    a: bool,
+    b: bool,
+) -> Vec<(Gemm, usize, usize, usize)> {
+    groups
+        .iter()
+        .map(|&(g, x, y, z)| (g.unchanged(a, b), x, y, z))
+        .collect()
+}
+
 impl ExpertExecutor for LocalExperts {
     fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) {
         let ExpertsFwdBufs {
@@ -125,7 +137,8 @@ impl ExpertExecutor for LocalExperts {
             )
         });
         be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
-        be.gemm_grouped(u.reborrow(), xe, wu.view(), &gs);
+        // The same rows again: a bf16 backend reuses their cast (`Gemm::unchanged`).
+        be.gemm_grouped(u.reborrow(), xe, wu.view(), &unchanged(&gs, true, false));
         // The views may be longer than the routed rows (an expert-parallel owner's buffers are
         // sized for the most it can receive): the element-wise op covers the rows only.
         let n = io.offsets.last().copied().unwrap_or(0) * f;
@@ -186,7 +199,13 @@ impl ExpertExecutor for LocalExperts {
                 .beta(1.0);
             (gm, r0 * h, r0 * f, ex * h * f)
         });
-        be.gemm_grouped(grads.get_mut(io.down).view_mut(), dye, a, &gs);
+        // dye again in A (cast by the last call).
+        be.gemm_grouped(
+            grads.get_mut(io.down).view_mut(),
+            dye,
+            a,
+            &unchanged(&gs, true, false),
+        );
         // Routed rows only, as in the forward.
         let n = off.last().copied().unwrap_or(0) * f;
         be.swiglu_backward(
@@ -196,8 +215,10 @@ impl ExpertExecutor for LocalExperts {
             g.slice(0, n),
             u.slice(0, n),
         );
-        // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe
-        let gs = expert_groups(off, cnt, |r0, c, ex| {
+        // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe, in the
+        // order that reads each of dG and dU twice in a row in A, and Xe in B twice with only a
+        // bf16 weight in B between (so a bf16 backend casts each once; dXe's sum is unchanged).
+        let gx = expert_groups(off, cnt, |r0, c, ex| {
             (
                 Gemm::new(c, h, f, false, false).bf16_inputs(io.bf16),
                 r0 * f,
@@ -205,19 +226,21 @@ impl ExpertExecutor for LocalExperts {
                 r0 * h,
             )
         });
-        be.gemm_grouped(dxe.reborrow(), dg.as_view(), wg.view(), &gs);
-        let gs1: Vec<_> = gs
-            .iter()
-            .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
-            .collect();
-        be.gemm_grouped(dxe.reborrow(), du.as_view(), wu.view(), &gs1);
-        let gs = expert_groups(off, cnt, |r0, c, ex| {
+        let gw = expert_groups(off, cnt, |r0, c, ex| {
             let gm = Gemm::new(f, h, c, true, false)
                 .bf16_inputs(io.bf16)
                 .beta(1.0);
             (gm, r0 * f, r0 * h, ex * f * h)
         });
-        be.gemm_grouped(grads.get_mut(io.gate).view_mut(), dg.as_view(), xe, &gs);
-        be.gemm_grouped(grads.get_mut(io.up).view_mut(), du.as_view(), xe, &gs);
+        be.gemm_grouped(dxe.reborrow(), dg.as_view(), wg.view(), &gx);
+        let gw_g = unchanged(&gw, true, false);
+        be.gemm_grouped(grads.get_mut(io.gate).view_mut(), dg.as_view(), xe, &gw_g);
+        let gx: Vec<_> = gx
+            .iter()
+            .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
+            .collect();
+        be.gemm_grouped(dxe.reborrow(), du.as_view(), wu.view(), &gx);
+        let gw_u = unchanged(&gw, true, true);
+        be.gemm_grouped(grads.get_mut(io.up).view_mut(), du.as_view(), xe, &gw_u);
     }
 }

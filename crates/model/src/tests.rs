@@ -3,7 +3,7 @@
 //! activation plan against the ledger, and KV-cached generation against full recomputation.
 
 use crate::*;
-use ganymede_config::{preset, AcMode, ModelConfig};
+use ganymede_config::{preset, AcMode, ComputeDtype, ModelConfig};
 use ganymede_core::{CpuBackend, Device, Ledger, Memory};
 use std::sync::Arc;
 
@@ -215,17 +215,21 @@ fn gradients_all_moe_shared_no_renorm() {
 }
 
 fn tiny_f32(mode: AcMode) -> (Vec<Vec<f32>>, StepOutput) {
+    tiny_grads(&CpuBackend::default(), mode, ComputeDtype::F32)
+}
+
+/// `tiny`'s gradients and step output on `be`, with GEMM operands in `compute`.
+fn tiny_grads(be: &CpuBackend, mode: AcMode, compute: ComputeDtype) -> (Vec<Vec<f32>>, StepOutput) {
     let c = preset("tiny").unwrap().model;
-    let be = CpuBackend::default();
-    let model = Model::new(&c);
-    let params = model.init_params(&be, 3);
+    let model = Model::new(&c).with_compute_dtype(compute);
+    let params = model.init_params(be, 3);
     let (batch, seq) = (2, 32);
     let inputs = tokens(batch * seq, c.vocab_size, 4);
     let targets = tokens(batch * seq, c.vocab_size, 5);
-    let mut ws = Workspace::new(&be, &model, batch, seq, mode);
-    let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+    let mut ws = Workspace::new(be, &model, batch, seq, mode);
+    let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
     let out = forward_backward(
-        &be,
+        be,
         &model,
         &params,
         &mut grads,
@@ -292,7 +296,7 @@ fn f32_forward_matches_f64() {
 
 #[test]
 fn activation_bytes_match_the_ledger() {
-    use ganymede_config::{BoundaryDtype, ComputeDtype};
+    use ganymede_config::BoundaryDtype;
     for c in [
         preset("tiny").unwrap().model,
         cfg(true, true, true, true),
@@ -622,6 +626,21 @@ fn gradients_accumulate_scaled() {
         for (x, y) in be.download(a.view()).iter().zip(be.download(b.view())) {
             assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{x} vs {y}");
         }
+    }
+}
+
+#[test]
+fn the_experts_cast_promises_keep_every_bit() {
+    // Under bf16 compute the routed experts promise that an operand is unchanged since the last
+    // GEMM read it (`Gemm::unchanged`) and the backend skips the cast; ignoring every promise
+    // casts each time. A promise on an operand that did change (dU read where dG was cast, say)
+    // would give other gradients.
+    for mode in [AcMode::None, AcMode::Full] {
+        let (g1, o1) = tiny_grads(&CpuBackend::default(), mode, ComputeDtype::Bf16);
+        let be = CpuBackend::default().with_cast_promises(false);
+        let (g0, o0) = tiny_grads(&be, mode, ComputeDtype::Bf16);
+        assert_eq!(o1.loss, o0.loss);
+        assert_eq!(g1, g0, "{mode:?}");
     }
 }
 

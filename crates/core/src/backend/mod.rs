@@ -137,6 +137,82 @@ pub struct Gemm {
     /// bf16 × bf16 → f32 GemmEx. The backend casts f32 operands into a reused scratch it owns
     /// (charged to the ledger as buffers); bf16 operands are taken as they are.
     pub bf16_inputs: bool,
+    /// With `bf16_inputs`, a promise about A (`[0]`) and B (`[1]`): nothing has written the
+    /// operand's view since a bf16-input GEMM on this backend last read it in the same position.
+    /// A backend whose cast scratch for that position still holds that view's cast (it checks
+    /// the view's place and length, see [`CastSlot`]) multiplies it instead of casting again;
+    /// otherwise it casts as usual. The routed experts read the same rows twice in a row (gate
+    /// and up read `xe`; backward reads `dye`, `dg`, `du` and `xe` twice each).
+    pub unchanged: [bool; 2],
+}
+
+/// A grouped GEMM's [`Gemm::bf16_inputs`] and [`Gemm::unchanged`], which every group must share
+/// (the operands are cast whole, once for all groups).
+pub fn grouped_casts(groups: &[(Gemm, usize, usize, usize)]) -> (bool, [bool; 2]) {
+    let first = groups
+        .first()
+        .map_or((false, [false; 2]), |(g, ..)| (g.bf16_inputs, g.unchanged));
+    assert!(
+        groups
+            .iter()
+            .all(|(g, ..)| (g.bf16_inputs, g.unchanged) == first),
+        "grouped gemm: groups disagree on bf16 inputs or their promises"
+    );
+    first
+}
+
+/// Where a view's elements are, for [`CastSlot`]: its first element's address and its dtype.
+fn view_place(v: &View) -> (usize, DType) {
+    let at = match v {
+        View::Host(s) => s.as_ptr() as usize,
+        View::Host64(s) => s.as_ptr() as usize,
+        View::HostBf16(s) => s.as_ptr() as usize,
+        View::HostU32(s) => s.as_ptr() as usize,
+        View::Device(d) => {
+            let buf = d.buffer() as *const dyn crate::DeviceBuffer as *const u8 as usize;
+            buf + d.offset() * d.dtype().size()
+        }
+    };
+    (at, v.dtype())
+}
+
+/// A backend's cast scratch for one GEMM operand position under [`Gemm::bf16_inputs`]: the
+/// tensor (grown to the longest operand seen, then reused) and what it holds, so that a call
+/// promising [`Gemm::unchanged`] can use it as it is.
+#[derive(Default)]
+pub struct CastSlot {
+    pub tensor: Option<Tensor>,
+    /// The view the tensor's first `n` elements were cast from: (address, dtype, n).
+    holds: Option<(usize, DType, usize)>,
+}
+
+impl CastSlot {
+    /// Whether the first `n` elements of `v` need casting into the slot: not when `unchanged`
+    /// is promised and the slot holds at least those elements of the same view.
+    pub fn needs_cast(&self, v: &View, n: usize, unchanged: bool) -> bool {
+        let (at, dt) = view_place(v);
+        !(unchanged && matches!(self.holds, Some((a, d, m)) if a == at && d == dt && m >= n))
+    }
+    /// The slot's tensor, at least `len` elements of `dtype` (`alloc` makes one; the old one is
+    /// freed first, so the ledger's peak holds one of them). It is about to be overwritten, so
+    /// it holds nothing until [`Self::cast_from`].
+    pub fn tensor_for(&mut self, len: usize, alloc: impl FnOnce(usize) -> Tensor) -> &mut Tensor {
+        self.holds = None;
+        if self.tensor.as_ref().is_none_or(|t| t.len() < len) {
+            self.tensor = None;
+            self.tensor = Some(alloc(len));
+        }
+        self.tensor.as_mut().expect("cast slot")
+    }
+    /// Record that the tensor now holds `n` elements cast from `v`.
+    pub fn cast_from(&mut self, v: &View, n: usize) {
+        let (at, dt) = view_place(v);
+        self.holds = Some((at, dt, n));
+    }
+    /// The tensor's first `len` elements.
+    pub fn view(&self, len: usize) -> View<'_> {
+        self.tensor.as_ref().expect("cast slot").slice(0, len)
+    }
 }
 
 /// Elements a row-major `rows × cols` operand with row stride `ld` spans (0 when empty).
@@ -181,6 +257,7 @@ impl Gemm {
             ldb: if trans_b { k } else { n },
             ldc: n,
             bf16_inputs: false,
+            unchanged: [false; 2],
         }
     }
     pub fn alpha(mut self, alpha: f32) -> Self {
@@ -194,6 +271,11 @@ impl Gemm {
     /// bf16 operands with f32 accumulation when `on` (see [`Gemm::bf16_inputs`]).
     pub fn bf16_inputs(mut self, on: bool) -> Self {
         self.bf16_inputs = on;
+        self
+    }
+    /// The promise of [`Gemm::unchanged`] for A and B.
+    pub fn unchanged(mut self, a: bool, b: bool) -> Self {
+        self.unchanged = [a, b];
         self
     }
     /// Override leading dimensions (strided sub-matrix views).

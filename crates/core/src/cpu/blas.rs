@@ -5,9 +5,9 @@
 //! ([`syrk_avx2`]) and a fallback of `matrixmultiply` strips of its lower triangle.
 
 use super::{gemm_avx2, syrk_avx2, CpuBackend, PAR_MIN};
-use crate::backend::{Blas, Gemm, Memory, Syrk};
+use crate::backend::{Blas, CastSlot, Gemm, Memory, Syrk};
 use crate::ledger::Category;
-use crate::tensor::{DType, Scalar, Tensor, View, ViewMut};
+use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a GEMM runs on one thread.
@@ -550,24 +550,29 @@ impl CpuBackend {
         a: View,
         b: View,
         (na, nb): (usize, usize),
+        unchanged: [bool; 2],
         f: impl FnOnce(View, View),
     ) {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let [sa, sb] = &mut *slots;
-        self.round_into_slot(sa, a, na);
-        self.round_into_slot(sb, b, nb);
-        let (sa, sb) = (sa.as_ref().unwrap(), sb.as_ref().unwrap());
-        f(sa.slice(0, a.len()), sb.slice(0, b.len()))
+        let [ua, ub] = unchanged.map(|u| u && self.cast_promises);
+        self.round_into_slot(sa, a, na, ua);
+        self.round_into_slot(sb, b, nb, ub);
+        f(sa.view(a.len()), sb.view(b.len()))
     }
 
-    /// `n` values of `v` rounded to bf16 into `slot`, grown to `v.len()` first if short.
-    fn round_into_slot(&self, slot: &mut Option<Tensor>, v: View, n: usize) {
-        if slot.as_ref().is_none_or(|t| t.len() < v.len()) {
-            *slot = None; // free before allocating, so the ledger's peak sees one of them
-            *slot = Some(self.zeros_of(&[v.len()], DType::F32, Category::Buffers));
+    /// `n` values of `v` rounded to bf16 into `slot` (grown to `v.len()` first if short),
+    /// unless `unchanged` is promised and the slot holds them already (see [`Gemm::unchanged`]).
+    fn round_into_slot(&self, slot: &mut CastSlot, v: View, n: usize, unchanged: bool) {
+        let n = n.min(v.len());
+        if !slot.needs_cast(&v, n, unchanged) {
+            return;
         }
-        let t = slot.as_mut().unwrap();
-        round_into(t.view_mut().host::<f32>(), v, n.min(v.len()));
+        let t = slot.tensor_for(v.len(), |len| {
+            self.zeros_of(&[len], DType::F32, Category::Buffers)
+        });
+        round_into(t.view_mut().host::<f32>(), v, n);
+        slot.cast_from(&v, n);
     }
 
     /// [`Self::with_bf16_operands`] for the one operand of a symmetric product: rounded once,
@@ -579,8 +584,8 @@ impl CpuBackend {
     /// time in bf16 on a backend without native bf16 ([`Blas::native_bf16`]).
     fn with_bf16_operand(&self, a: View, na: usize, f: impl FnOnce(View)) {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        self.round_into_slot(&mut slots[0], a, na);
-        f(slots[0].as_ref().unwrap().slice(0, a.len()))
+        self.round_into_slot(&mut slots[0], a, na, false);
+        f(slots[0].view(a.len()))
     }
 }
 
@@ -590,7 +595,7 @@ impl Blas for CpuBackend {
             assert_eq!(c.dtype(), DType::F32, "bf16-input gemm writes f32");
             let [na, nb, _] = g.extents();
             let n = (na, nb);
-            return self.with_bf16_operands(a, b, n, |a, b| gemm::<f32>(c, a, b, g));
+            return self.with_bf16_operands(a, b, n, g.unchanged, |a, b| gemm::<f32>(c, a, b, g));
         }
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
     }
@@ -631,6 +636,7 @@ impl Blas for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Tensor;
 
     fn naive(a: &[f32], b: &[f32], g: Gemm, c: &mut [f32]) {
         for i in 0..g.m {
@@ -856,5 +862,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_promised_operand_reuses_its_cast_and_nothing_else_does() {
+        let (m, n, k) = (5, 4, 7);
+        let g = Gemm::new(m, n, k, false, false).bf16_inputs(true);
+        let (a0, a1, b) = (rand(m * k, 1), rand(m * k, 2), rand(k * n, 3));
+        let check = |be: &CpuBackend, honoured: bool| {
+            let bt = be.upload(&b, &[k, n], Category::Params);
+            let run = |a: &Tensor, g: Gemm| {
+                let mut c = be.zeros(&[g.m, n], Category::Activations);
+                be.gemm(c.view_mut(), a.view(), bt.view(), g);
+                be.download(c.view())
+            };
+            let mut a = be.upload(&a0, &[m, k], Category::Activations);
+            let c0 = run(&a, g);
+            assert_eq!(run(&a, g.unchanged(true, true)), c0, "a kept promise");
+            // A changes in place and a (false) promise says it did not: the old cast is
+            // multiplied, which shows that the cast was skipped; without the promise, or on a
+            // backend ignoring promises, the new values are.
+            be.write(a.view_mut(), &a1);
+            let stale = run(&a, g.unchanged(true, false));
+            let fresh = run(&a, g);
+            assert_ne!(fresh, c0);
+            assert_eq!(stale == c0, honoured);
+            assert_eq!(stale == fresh, !honoured);
+            // A promise about another view (same values as before, another place) casts.
+            let other = be.upload(&a0, &[m, k], Category::Activations);
+            assert_eq!(run(&other, g.unchanged(true, false)), c0);
+            // So does one about a view the slot holds fewer elements of than the call reads.
+            let a2 = be.upload(
+                &[a0.clone(), a1.clone()].concat(),
+                &[2 * m, k],
+                Category::Activations,
+            );
+            run(&a2, Gemm::new(m, n, k, false, false).bf16_inputs(true));
+            let g2 = Gemm::new(2 * m, n, k, false, false).bf16_inputs(true);
+            let mut want = c0.clone();
+            want.extend(fresh.clone());
+            assert_eq!(run(&a2, g2.unchanged(true, false)), want);
+        };
+        check(&CpuBackend::default(), true);
+        check(&CpuBackend::default().with_cast_promises(false), false);
     }
 }

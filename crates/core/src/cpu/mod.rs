@@ -47,7 +47,11 @@ pub struct CpuBackend {
     two: Option<Arc<TwoMemory>>,
     /// f32 scratch for the A and B operands of bf16-input GEMMs, holding them rounded to bf16:
     /// grown to the largest operand seen (the first step), then reused.
-    bf16_scratch: Arc<Mutex<[Option<Tensor>; 2]>>,
+    bf16_scratch: Arc<Mutex<[crate::CastSlot; 2]>>,
+    /// Whether [`crate::Gemm::unchanged`] lets a cast be reused (the default); without, every
+    /// bf16-input GEMM casts its operands, the bits every promise must keep (tests hold the
+    /// model's promises to that).
+    cast_promises: bool,
 }
 
 impl CpuBackend {
@@ -76,6 +80,7 @@ impl CpuBackend {
             dtype: DType::F32,
             two: None,
             bf16_scratch: Default::default(),
+            cast_promises: true,
         }
     }
     /// An f64 backend, for gradient checks.
@@ -85,6 +90,7 @@ impl CpuBackend {
             dtype: DType::F64,
             two: None,
             bf16_scratch: Default::default(),
+            cast_promises: true,
         }
     }
     /// An f32 backend with two memories, as a GPU has: `zeros`/`upload` allocate on an
@@ -98,10 +104,16 @@ impl CpuBackend {
             dtype: DType::F32,
             two: Some(Arc::new(TwoMemory::new(options))),
             bf16_scratch: Default::default(),
+            cast_promises: true,
         }
     }
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+    /// This backend with [`crate::Gemm::unchanged`] honoured (`true`, the default) or ignored.
+    pub fn with_cast_promises(mut self, on: bool) -> Self {
+        self.cast_promises = on;
+        self
     }
     fn tensor(&self, buf: Buffer, shape: &[usize], category: Category) -> Tensor {
         Tensor::from_buffer(buf, shape, Device::Host, category, self.ledger.clone())

@@ -629,16 +629,12 @@ fn dt(v: &View) -> DType {
 
 impl NnOps for CpuBackend {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
-        let bf16 = groups.first().is_some_and(|(g, ..)| g.bf16_inputs);
-        assert!(
-            groups.iter().all(|(g, ..)| g.bf16_inputs == bf16),
-            "grouped gemm: groups disagree on bf16 inputs"
-        );
+        let (bf16, unchanged) = crate::backend::grouped_casts(groups);
         if bf16 {
             assert_eq!(c.dtype(), DType::F32, "bf16-input gemm writes f32");
             // Whole views: which rows the groups read changes with the routing.
             let n = (a.len(), b.len());
-            return self.with_bf16_operands(a, b, n, |a, b| {
+            return self.with_bf16_operands(a, b, n, unchanged, |a, b| {
                 grouped::gemm_grouped::<f32>(c, a, b, groups)
             });
         }

@@ -7,7 +7,7 @@ use crate::cublas_map::{
     map_gemm, map_gemm_grouped, map_gemm_strided_batched, map_syrk, CublasGemm, Operand,
 };
 use cudarc::cublas::sys as blas_sys;
-use ganymede_core::{Blas, Category, DType, Gemm, Memory, Syrk, Tensor, View, ViewMut};
+use ganymede_core::{Blas, CastSlot, Category, DType, Gemm, Memory, Syrk, Tensor, View, ViewMut};
 
 /// The device arrays of pointers a grouped cuBLAS call reads (its `Aarray`, `Barray`,
 /// `Carray`): one device buffer, written through the staging ring on the compute stream ahead
@@ -239,6 +239,15 @@ fn cublas(r: Result<(), cudarc::cublas::result::CublasError>, what: &str) {
     r.unwrap_or_else(|e| panic!("cuBLAS {what}: {e}"))
 }
 
+/// What a bf16-input GEMM multiplies for `v`: `v` itself when it is bf16, else its cast in `s`.
+fn operand<'a>(v: View<'a>, s: &'a CastSlot) -> View<'a> {
+    if v.dtype() == DType::BF16 {
+        v
+    } else {
+        s.view(v.len())
+    }
+}
+
 fn op(t: bool) -> blas_sys::cublasOperation_t {
     if t {
         blas_sys::cublasOperation_t::CUBLAS_OP_T
@@ -259,24 +268,20 @@ impl CudaBackend {
         a: View,
         b: View,
         (na, nb): (usize, usize),
+        unchanged: [bool; 2],
         f: impl FnOnce(View, View),
     ) {
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let [sa, sb] = &mut *slots;
-        for (slot, v, n) in [(&mut *sa, a, na), (&mut *sb, b, nb)] {
+        for (slot, v, n, same) in [
+            (&mut *sa, a, na, unchanged[0]),
+            (&mut *sb, b, nb, unchanged[1]),
+        ] {
             if v.dtype() != DType::BF16 {
-                self.cast_into_slot(slot, v, n);
+                self.cast_into_slot(slot, v, n, same);
             }
         }
-        let va = match (a.dtype(), sa.as_ref()) {
-            (DType::BF16, _) | (_, None) => a,
-            (_, Some(t)) => t.slice(0, a.len()),
-        };
-        let vb = match (b.dtype(), sb.as_ref()) {
-            (DType::BF16, _) | (_, None) => b,
-            (_, Some(t)) => t.slice(0, b.len()),
-        };
-        f(va, vb)
+        f(operand(a, sa), operand(b, sb))
     }
 
     /// [`Self::with_bf16_operands`] for one operand (a symmetric product's), cast once into the
@@ -286,8 +291,8 @@ impl CudaBackend {
             return f(a);
         }
         let mut slots = self.bf16_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        self.cast_into_slot(&mut slots[0], a, na);
-        f(slots[0].as_ref().unwrap().slice(0, a.len()))
+        self.cast_into_slot(&mut slots[0], a, na, false);
+        f(slots[0].view(a.len()))
     }
 
     /// `f(a)`, with `a` cast to bf16 first when `bf16` (unless it is bf16 already).
@@ -299,15 +304,18 @@ impl CudaBackend {
         }
     }
 
-    /// `n` values of `v` cast to bf16 into `slot`, grown to `v.len()` first if short.
-    fn cast_into_slot(&self, slot: &mut Option<Tensor>, v: View, n: usize) {
-        if slot.as_ref().is_none_or(|t| t.len() < v.len()) {
-            *slot = None; // free first: the ledger's peak holds one of them
-            *slot = Some(self.zeros_of(&[v.len()], DType::BF16, Category::Buffers));
-        }
+    /// `n` values of `v` cast to bf16 into `slot` (grown to `v.len()` first if short), unless
+    /// `unchanged` is promised and the slot holds them already (see `Gemm::unchanged`).
+    fn cast_into_slot(&self, slot: &mut CastSlot, v: View, n: usize, unchanged: bool) {
         let n = n.min(v.len());
-        let t = slot.as_mut().unwrap();
+        if !slot.needs_cast(&v, n, unchanged) {
+            return;
+        }
+        let t = slot.tensor_for(v.len(), |len| {
+            self.zeros_of(&[len], DType::BF16, Category::Buffers)
+        });
         Blas::cast(self, t.slice_mut(0, n), v.slice(0, n));
+        slot.cast_from(&v, n);
     }
 }
 
@@ -325,7 +333,9 @@ impl Blas for CudaBackend {
         }
         if g.bf16_inputs && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
             let [na, nb, _] = g.extents();
-            return self.with_bf16_operands(a, b, (na, nb), |a, b| Blas::gemm(self, c, a, b, g));
+            return self.with_bf16_operands(a, b, (na, nb), g.unchanged, |a, b| {
+                Blas::gemm(self, c, a, b, g)
+            });
         }
         let [la, lb, lc] = g.extents();
         assert!(a.len() >= la, "gemm: A too small {g:?}");

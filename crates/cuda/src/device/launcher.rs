@@ -170,7 +170,7 @@ impl Gemms for CudaBackend {
         }
         if g.bf16_inputs && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
             let n = (a.len(), b.len());
-            return self.with_bf16_operands(a, b, n, |a, b| {
+            return self.with_bf16_operands(a, b, n, g.unchanged, |a, b| {
                 Gemms::gemm_strided(self, c, a, b, g, batch, strides)
             });
         }
@@ -229,13 +229,14 @@ impl Gemms for CudaBackend {
         b: View,
         groups: &[(Gemm, usize, usize, usize)],
     ) {
-        let bf16 = groups.iter().any(|(g, ..)| g.bf16_inputs);
+        let (bf16, unchanged) = ganymede_core::backend::grouped_casts(groups);
         if bf16 && (a.dtype() != DType::BF16 || b.dtype() != DType::BF16) {
             // Whole views, cast once for every group (which rows the groups read follows the
             // routing); the per-group calls then see bf16 operands.
             let n = (a.len(), b.len());
-            return self
-                .with_bf16_operands(a, b, n, |a, b| Gemms::gemm_grouped(self, c, a, b, groups));
+            return self.with_bf16_operands(a, b, n, unchanged, |a, b| {
+                Gemms::gemm_grouped(self, c, a, b, groups)
+            });
         }
         let dtypes = [a.dtype(), b.dtype(), c.dtype()];
         let g0 = groups.first().map(|x| x.0);
