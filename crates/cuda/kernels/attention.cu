@@ -342,6 +342,22 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, cons
 #endif
 }
 
+// 2^x on the special-function unit, subnormal results flushed to zero (a probability below
+// 2^-126 is nothing beside its row's largest, which is 1); the host build uses exp2f. The
+// tensor-core kernels take probabilities as ex2(s c - m c) with c = scale log2(e): one fused
+// multiply-add and one ex2 per score instead of a multiply, a subtraction and expf's longer
+// sequence: at head_dim 64 a score's softmax instructions rival its share of the products.
+#define GANY_LOG2E 1.4426950408889634f
+__device__ __forceinline__ float ex2(float x) {
+#if defined(GANY_HOST)
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
 // Two bf16 as one operand register, x in the low half.
 __device__ __forceinline__ unsigned pack_bf16(float x, float y) {
     return (unsigned)f32_to_bf16(x) | ((unsigned)f32_to_bf16(y) << 16);
@@ -446,6 +462,7 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     // Per lane: rows gq and gq + 8 of the warp's 16; l sums this lane's columns only (the
     // quad's lanes share a row's max, so their partial sums add up at the end).
     float m[2] = {GANY_NEG_INF, GANY_NEG_INF}, l[2] = {0.0f, 0.0f};
+    const float c = scale * GANY_LOG2E;
     float o[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
@@ -470,29 +487,36 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
                 mma_bf16_16816(s[n], qa[kk], bb);
             }
         }
+        // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum. Only a
+        // tile that crosses the diagonal or the end of the keys masks (warp-uniform).
+        const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int n = 0; n < TC_BK / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
-                s[n][e] = j <= off + i && j < tk ? scale * s[n][e] : GANY_NEG_INF;
+                if (!full) {
+                    const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
+                    if (!(j <= off + i && j < tk)) s[n][e] = GANY_NEG_INF;
+                }
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             }
-        float alpha[2];
+        float alpha[2], mc[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            alpha[r] = m[r] == GANY_NEG_INF ? 0.0f : expf(m[r] - mx[r]);
+            alpha[r] = m[r] == GANY_NEG_INF ? 0.0f : ex2((m[r] - mx[r]) * c);
             l[r] *= alpha[r];
             m[r] = mx[r];
+            mc[r] = mx[r] * c;
         }
 #pragma unroll
         for (int n = 0; n < TC_BK / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const float p = s[n][e] == GANY_NEG_INF ? 0.0f : expf(s[n][e] - mx[e >> 1]);
+                const float x = s[n][e];
+                const float p = !full && x == GANY_NEG_INF ? 0.0f : ex2(fmaf(x, c, -mc[e >> 1]));
                 s[n][e] = p;
                 l[e >> 1] += p;
             }
@@ -528,7 +552,7 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
                 st(out + qo + n * 8 + 2 * t, o[n][2 * r] * inv);
                 st(out + qo + n * 8 + 2 * t + 1, o[n][2 * r + 1] * inv);
             }
-            if (t == 0) lse[((long long)b * heads + h) * tq + i] = m[r] + logf(l[r]);
+            if (t == 0) lse[((long long)b * heads + h) * tq + i] = m[r] * scale + logf(l[r]);
         }
     }
 }
@@ -549,6 +573,7 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int g = blockIdx.y, b = blockIdx.z, rep = heads / kvh, off = tk - tq;
     const int j0 = blockIdx.x * TC_BK, k0 = j0 + 16 * w;
+    const float c = scale * GANY_LOG2E;
     unsigned ka[HD / 16][4], va[HD / 16][4];
     load_a_rows<HD>(ka, k + kv_off(b, 0, g, tk, kvh, HD), k0, tk, (long long)kvh * HD);
     load_a_rows<HD>(va, v + kv_off(b, 0, g, tk, kvh, HD), k0, tk, (long long)kvh * HD);
@@ -569,7 +594,7 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
             for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
                 const int i = i0 + ii;
                 const long long r = ((long long)b * heads + h) * tq + i;
-                Ls[ii] = i < tq ? lse[r] : 0.0f;
+                Ls[ii] = i < tq ? lse[r] * GANY_LOG2E : 0.0f;  // for ex2 (see there)
                 Dl[ii] = i < tq ? delta[r] : 0.0f;
             }
             __syncthreads();
@@ -591,6 +616,8 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
                         mma_bf16_16816(dp[n], va[kk], bd);
                     }
                 }
+                // Only a tile that crosses the diagonal or an end masks (warp-uniform).
+                const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
 #pragma unroll
                 for (int n = 0; n < TC_HQ / 8; n++)
 #pragma unroll
@@ -598,8 +625,8 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
                         const int j = k0 + gq + 8 * (e >> 1);
                         const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
                         float p = 0.0f, ds = 0.0f;
-                        if (i < tq && j < tk && j <= off + i) {
-                            p = expf(scale * sp[n][e] - Ls[ii]);
+                        if (full || (i < tq && j < tk && j <= off + i)) {
+                            p = ex2(fmaf(sp[n][e], c, -Ls[ii]));
                             ds = p * (dp[n][e] - Dl[ii]);
                         }
                         sp[n][e] = p;
@@ -657,6 +684,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     // The last query tile first: it sees the most keys, so the longest blocks start earliest.
     const int i0 = (gridDim.x - 1 - blockIdx.x) * TC_BQ, r0 = i0 + 16 * w;
+    const float c = scale * GANY_LOG2E;
     unsigned qa[HD / 16][4], da[HD / 16][4];
     load_a_rows<HD>(qa, q + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
     load_a_rows<HD>(da, dout + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
@@ -665,7 +693,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     for (int r = 0; r < 2; r++) {
         const int i = r0 + gq + 8 * r;
         const long long at = ((long long)b * heads + h) * tq + i;
-        L[r] = i < tq ? lse[at] : 0.0f;
+        L[r] = i < tq ? lse[at] * GANY_LOG2E : 0.0f;  // for ex2 (see there)
         Dv[r] = i < tq ? delta[at] : 0.0f;
     }
     float dqc[HD / 8][4];
@@ -695,14 +723,16 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
                 mma_bf16_16816(dp[n], da[kk], bv);
             }
         }
+        // Only a tile that crosses the diagonal or an end masks (warp-uniform).
+        const bool full = r0 + 16 <= tq && j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
 #pragma unroll
         for (int n = 0; n < TC_BK / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
                 float ds = 0.0f;
-                if (i < tq && j < tk && j <= off + i) {
-                    const float p = expf(scale * s[n][e] - L[e >> 1]);
+                if (full || (i < tq && j < tk && j <= off + i)) {
+                    const float p = ex2(fmaf(s[n][e], c, -L[e >> 1]));
                     ds = p * (dp[n][e] - Dv[e >> 1]);
                 }
                 s[n][e] = ds;
