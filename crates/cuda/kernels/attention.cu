@@ -320,11 +320,11 @@ GANY_ATTENTION(bf16, bf16)
 #define TC_BQ (16 * TC_W)   // queries per block (forward, dq) or per tile (dk, dv)
 #define TC_BK 64            // keys per tile (forward, dq) or per block (dk, dv)
 #define TC_HQ 32            // queries per step of dk/dv's score registers
-#define TC_PAD 8            // bf16 padding of shared rows: a warp's pair loads hit 32 banks
-// Shared bf16 elements for the largest head_dim: the forward's K and transposed V tiles; the
-// backward's two [64][head_dim + pad] tiles fit in it too. (Sized for 128 at every head_dim:
-// static shared memory, no opt-in needed, and 36 KiB leaves room for several blocks per SM.)
-#define TC_SMEM (TC_BK * (ATT_MAXD + TC_PAD) + ATT_MAXD * (TC_BK + TC_PAD))
+#define TC_PAD 8            // bf16 padding of shared rows: an ldmatrix's 8 rows hit 32 banks
+// Shared bf16 elements for the largest head_dim: two [64][head_dim + pad] tiles (K and V, or Q
+// and dO). Sized for 128 at every head_dim: static shared memory, no opt-in needed, and 34 KiB
+// leaves room for several blocks per SM.
+#define TC_SMEM (2 * TC_BK * (ATT_MAXD + TC_PAD))
 static_assert(2 * TC_BQ * (ATT_MAXD + TC_PAD) <= TC_SMEM && TC_BQ == TC_BK, "tile sizes");
 
 // c += a b on the tensor cores.
@@ -362,17 +362,58 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ unsigned pack_bf16(float x, float y) {
     return (unsigned)f32_to_bf16(x) | ((unsigned)f32_to_bf16(y) << 16);
 }
-// p[0], p[1] (adjacent, p 4-byte aligned in shared memory) as one register.
-__device__ __forceinline__ unsigned lds_pair(const bf16* p) {
-#ifdef GANY_HOST
-    return (unsigned)p[0] | ((unsigned)p[1] << 16);
+// A shared tile's address for the ldmatrix loads below. On the device, a 32-bit shared-window
+// address made opaque where each tile loop iteration takes it, so that every unrolled load's
+// address is formed from it there (an immediate offset) instead of being computed once before
+// the loop and kept in a register of its own across it (that raised the forward's registers
+// from 129 to 167 and spilled dk/dv at head_dim 128).
+#if defined(GANY_HOST)
+typedef const bf16* smem_t;
+__device__ __forceinline__ smem_t smem(const bf16* p) { return p; }
+__device__ __forceinline__ smem_t smem_at(smem_t base, int elems) { return base + elems; }
 #else
-    return *reinterpret_cast<const unsigned*>(p);
+typedef unsigned smem_t;
+__device__ __forceinline__ smem_t smem(const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("" : "+r"(a));
+    return a;
+}
+__device__ __forceinline__ smem_t smem_at(smem_t base, int elems) { return base + 2u * elems; }
+#endif
+// Four 8×8 bf16 matrices from shared memory in one warp instruction (ldmatrix .x4): lane L
+// gives the address of row L % 8 of matrix L / 8 (16-byte aligned), r[m] receives matrix m's
+// (L / 4, 2 (L % 4) .. + 1), or with TRANS its (2 (L % 4) .. + 1, L / 4): exactly an mma B
+// operand's register. The host shim emulates this layout.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(unsigned* r, smem_t row) {
+#if defined(GANY_HOST)
+    gany_ldmatrix_x4(r, row, TRANS);
+#else
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(row));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(row));
 #endif
 }
-// p[0] and p[stride] (a column pair) as one register.
-__device__ __forceinline__ unsigned lds_col_pair(const bf16* p, int stride) {
-    return (unsigned)p[0] | ((unsigned)p[stride] << 16);
+// The B operands (k × n = 16 × 8) of n-tiles n0 and n0 + 1 at k-step k0 of a product whose B is
+// the transpose of a shared tile X, B[k][n] = X[n][k] (X's rows are the product's columns:
+// K for S = Q K^T): b[0..1] for n0, b[2..3] for n0 + 1. X rows ld apart, starting 16-byte
+// aligned.
+__device__ __forceinline__ void b_from_rows(unsigned* b, smem_t x, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4<false>(
+        b, smem_at(x, (8 * n0 + 8 * (lane >> 4) + (lane & 7)) * ld + k0 + 8 * ((lane >> 3) & 1)));
+}
+// The same for B stored as it is, B[k][n] = X[k][n] (X's rows are the product's k: V for P V),
+// read transposed.
+__device__ __forceinline__ void b_from_cols(unsigned* b, smem_t x, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4<true>(
+        b, smem_at(x, (k0 + 8 * ((lane >> 3) & 1) + (lane & 7)) * ld + 8 * n0 + 8 * (lane >> 4)));
 }
 // Global loads element by element: a view may start at any element.
 __device__ __forceinline__ unsigned ldg_pair(const bf16* p) {
@@ -387,20 +428,20 @@ __device__ __forceinline__ void acc_to_a(unsigned* a, const float* c0, const flo
     a[3] = pack_bf16(c1[2], c1[3]);
 }
 // 64 rows r0 .. r0 + 63 of x (row r at x + r rs, HD wide; zero at or past n) into shared dst
-// with row stride ds, or transposed (dst[d ds + row]). Eight elements (16 bytes) per load where
-// x's rows are 16-byte aligned, as whole tensors are; a view at another offset goes element by
-// element. Row-major: a warp reads consecutive 16-byte chunks of rows; transposed: consecutive
-// rows, so its 16-bit stores land in distinct words.
+// with row stride ds. Eight elements (16 bytes) per load where x's rows are 16-byte aligned, as
+// whole tensors are (a warp reads consecutive 16-byte chunks of rows); a view at another offset
+// goes element by element. Every tile stays row-major: operands that need a tile transposed
+// read it with ldmatrix's .trans.
 struct __align__(16) bf16x8 {
     bf16 h[8];
 };
-template <int HD, bool TRANSPOSE>
+template <int HD>
 __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x, long long rs,
                                                int r0, int n) {
     constexpr int ROWS = 64, CH = HD / 8;
     if ((unsigned long long)x % 16 == 0 && rs % 8 == 0) {
         for (int e = threadIdx.x; e < ROWS * CH; e += blockDim.x) {
-            const int rr = TRANSPOSE ? e % ROWS : e / CH, d = 8 * (TRANSPOSE ? e / ROWS : e % CH);
+            const int rr = e / CH, d = 8 * (e % CH);
             bf16x8 c;
             if (r0 + rr < n) {
                 const bf16* src = x + (r0 + rr) * rs + d;
@@ -413,18 +454,12 @@ __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x,
 #pragma unroll
                 for (int i = 0; i < 8; i++) c.h[i] = 0;
             }
-            if (TRANSPOSE) {
-#pragma unroll
-                for (int i = 0; i < 8; i++) dst[(d + i) * ds + rr] = c.h[i];
-            } else {
-                *reinterpret_cast<bf16x8*>(dst + rr * ds + d) = c;
-            }
+            *reinterpret_cast<bf16x8*>(dst + rr * ds + d) = c;
         }
     } else {
         for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
             const int rr = e / HD, d = e % HD;
-            const bf16 val = r0 + rr < n ? x[(r0 + rr) * rs + d] : (bf16)0;
-            dst[TRANSPOSE ? d * ds + rr : rr * ds + d] = val;
+            dst[rr * ds + d] = r0 + rr < n ? x[(r0 + rr) * rs + d] : (bf16)0;
         }
     }
 }
@@ -445,14 +480,14 @@ __device__ __forceinline__ void load_a_rows(unsigned (*a)[4], const bf16* x, int
 }
 
 // Forward. Block x takes the 64 queries from 64 (gridDim.x - 1 - x), warp w 16 of them; the
-// block's K/V tiles of 64 keys go through shared memory (K as [key][d], V transposed as
-// [d][key], so every B operand is a pair load). Launch: grid (ceil(tq / 64), heads, batch), block 128.
+// block's K/V tiles of 64 keys go through shared memory as [key][d] (B operands by ldmatrix,
+// V's transposed). Launch: grid (ceil(tq / 64), heads, batch), block 128.
 template <int HD>
 __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, const bf16* k,
                             const bf16* v, int tq, int tk, int heads, int kvh, float scale) {
-    constexpr int KS = HD + TC_PAD, VS = TC_BK + TC_PAD;
+    constexpr int KS = HD + TC_PAD;
     bf16* Ks = sm;              // [TC_BK][KS]
-    bf16* Vt = sm + TC_BK * KS; // [HD][VS]
+    bf16* Vs = sm + TC_BK * KS; // [TC_BK][KS]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     // The last query tile first: it sees the most keys, so the longest blocks start earliest.
@@ -472,21 +507,23 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);         // keys this warp needs
     for (int j0 = 0; j0 < bend; j0 += TC_BK) {
         __syncthreads();
-        tile_to_shared<HD, false>(Ks, KS, kb, kvrs, j0, tk);
-        tile_to_shared<HD, true>(Vt, VS, vb, kvrs, j0, tk);
+        tile_to_shared<HD>(Ks, KS, kb, kvrs, j0, tk);
+        tile_to_shared<HD>(Vs, KS, vb, kvrs, j0, tk);
         __syncthreads();
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
+        const smem_t ks = smem(Ks), vs = smem(Vs);
         float s[TC_BK / 8][4];
 #pragma unroll
-        for (int n = 0; n < TC_BK / 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int n = 0; n < TC_BK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < TC_BK / 8; n += 2)
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
-                const bf16* kp = Ks + (n * 8 + gq) * KS + kk * 16 + 2 * t;
-                const unsigned bb[2] = {lds_pair(kp), lds_pair(kp + 8)};
+                unsigned bb[4];
+                b_from_rows(bb, ks, KS, n, kk * 16);
                 mma_bf16_16816(s[n], qa[kk], bb);
+                mma_bf16_16816(s[n + 1], qa[kk], bb + 2);
             }
-        }
         // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum. Only a
         // tile that crosses the diagonal or the end of the keys masks (warp-uniform).
         const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
@@ -532,10 +569,11 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
             unsigned pa[4];
             acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                const bf16* vp = Vt + (n * 8 + gq) * VS + kk * 16 + 2 * t;
-                const unsigned bb[2] = {lds_pair(vp), lds_pair(vp + 8)};
+            for (int n = 0; n < HD / 8; n += 2) {
+                unsigned bb[4];
+                b_from_cols(bb, vs, KS, n, kk * 16);
                 mma_bf16_16816(o[n], pa, bb);
+                mma_bf16_16816(o[n + 1], pa, bb + 2);
             }
         }
     }
@@ -589,8 +627,8 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
         for (int i0 = first; i0 < tq; i0 += TC_BQ) {
             __syncthreads();
             const long long qo = q_off(b, 0, h, tq, heads, HD), qrs = (long long)heads * HD;
-            tile_to_shared<HD, false>(Qs, S, q + qo, qrs, i0, tq);
-            tile_to_shared<HD, false>(Ds, S, dout + qo, qrs, i0, tq);
+            tile_to_shared<HD>(Qs, S, q + qo, qrs, i0, tq);
+            tile_to_shared<HD>(Ds, S, dout + qo, qrs, i0, tq);
             for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
                 const int i = i0 + ii;
                 const long long r = ((long long)b * heads + h) * tq + i;
@@ -602,20 +640,24 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
             if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
             // The tile's queries in two halves of TC_HQ: half the score registers live.
             for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
+                const smem_t qsm = smem(Qs + h0 * S), dsm = smem(Ds + h0 * S);
                 float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
 #pragma unroll
-                for (int n = 0; n < TC_HQ / 8; n++) {
+                for (int n = 0; n < TC_HQ / 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
+                for (int n = 0; n < TC_HQ / 8; n += 2)
+#pragma unroll
                     for (int kk = 0; kk < HD / 16; kk++) {
-                        const int at = (h0 + n * 8 + gq) * S + kk * 16 + 2 * t;
-                        const unsigned bq[2] = {lds_pair(Qs + at), lds_pair(Qs + at + 8)};
-                        const unsigned bd[2] = {lds_pair(Ds + at), lds_pair(Ds + at + 8)};
+                        unsigned bq[4], bd[4];
+                        b_from_rows(bq, qsm, S, n, kk * 16);
+                        b_from_rows(bd, dsm, S, n, kk * 16);
                         mma_bf16_16816(sp[n], ka[kk], bq);
+                        mma_bf16_16816(sp[n + 1], ka[kk], bq + 2);
                         mma_bf16_16816(dp[n], va[kk], bd);
+                        mma_bf16_16816(dp[n + 1], va[kk], bd + 2);
                     }
-                }
                 // Only a tile that crosses the diagonal or an end masks (warp-uniform).
                 const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
 #pragma unroll
@@ -638,15 +680,15 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
                     acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
                     acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-                    for (int n = 0; n < HD / 8; n++) {
-                        // B (k = query, n = d): column pairs of the [query][d] tiles.
-                        const int at = (h0 + kk * 16 + 2 * t) * S + n * 8 + gq;
-                        const unsigned bd[2] = {lds_col_pair(Ds + at, S),
-                                                lds_col_pair(Ds + at + 8 * S, S)};
-                        const unsigned bq[2] = {lds_col_pair(Qs + at, S),
-                                                lds_col_pair(Qs + at + 8 * S, S)};
+                    for (int n = 0; n < HD / 8; n += 2) {
+                        // B (k = query, n = d): the [query][d] tiles read transposed.
+                        unsigned bd[4], bq[4];
+                        b_from_cols(bd, dsm, S, n, kk * 16);
+                        b_from_cols(bq, qsm, S, n, kk * 16);
                         mma_bf16_16816(dvc[n], pa, bd);
+                        mma_bf16_16816(dvc[n + 1], pa, bd + 2);
                         mma_bf16_16816(dkc[n], sa, bq);
+                        mma_bf16_16816(dkc[n + 1], sa, bq + 2);
                     }
                 }
             }
@@ -705,24 +747,28 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);
     for (int j0 = 0; j0 < bend; j0 += TC_BK) {
         __syncthreads();
-        tile_to_shared<HD, false>(Ks, S, kb, kvrs, j0, tk);
-        tile_to_shared<HD, false>(Vs, S, vb, kvrs, j0, tk);
+        tile_to_shared<HD>(Ks, S, kb, kvrs, j0, tk);
+        tile_to_shared<HD>(Vs, S, vb, kvrs, j0, tk);
         __syncthreads();
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform
+        const smem_t ks = smem(Ks), vs = smem(Vs);
         float s[TC_BK / 8][4], dp[TC_BK / 8][4];
 #pragma unroll
-        for (int n = 0; n < TC_BK / 8; n++) {
+        for (int n = 0; n < TC_BK / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
+        for (int n = 0; n < TC_BK / 8; n += 2)
+#pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
-                const int at = (n * 8 + gq) * S + kk * 16 + 2 * t;
-                const unsigned bk[2] = {lds_pair(Ks + at), lds_pair(Ks + at + 8)};
-                const unsigned bv[2] = {lds_pair(Vs + at), lds_pair(Vs + at + 8)};
+                unsigned bk[4], bv[4];
+                b_from_rows(bk, ks, S, n, kk * 16);
+                b_from_rows(bv, vs, S, n, kk * 16);
                 mma_bf16_16816(s[n], qa[kk], bk);
+                mma_bf16_16816(s[n + 1], qa[kk], bk + 2);
                 mma_bf16_16816(dp[n], da[kk], bv);
+                mma_bf16_16816(dp[n + 1], da[kk], bv + 2);
             }
-        }
         // Only a tile that crosses the diagonal or an end masks (warp-uniform).
         const bool full = r0 + 16 <= tq && j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
 #pragma unroll
@@ -742,12 +788,12 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
             unsigned sa[4];
             acc_to_a(sa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                // B (k = key, n = d): column pairs of the [key][d] tile.
-                const int at = (kk * 16 + 2 * t) * S + n * 8 + gq;
-                const unsigned bk[2] = {lds_col_pair(Ks + at, S),
-                                        lds_col_pair(Ks + at + 8 * S, S)};
+            for (int n = 0; n < HD / 8; n += 2) {
+                // B (k = key, n = d): the [key][d] tile read transposed.
+                unsigned bk[4];
+                b_from_cols(bk, ks, S, n, kk * 16);
                 mma_bf16_16816(dqc[n], sa, bk);
+                mma_bf16_16816(dqc[n + 1], sa, bk + 2);
             }
         }
     }

@@ -165,6 +165,34 @@ inline void gany_mma_m16n8k16_bf16(float* c, const unsigned* a, const unsigned* 
     for (int e = 0; e < 4; e++) c[e] = d[e];
 }
 
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16, emulated with the hardware's layout (PTX
+// ISA, "Warp-level matrix load instruction: ldmatrix"): lane L gives the address of row L % 8 of
+// matrix L / 8 (16-byte aligned, as the device requires), and receives in r[m] matrix m's
+// elements (L / 4, 2 (L % 4)) and (L / 4, 2 (L % 4) + 1); with `trans` the matrix is read
+// column-major, so r[m] gets (2 (L % 4), L / 4) and (2 (L % 4) + 1, L / 4) of the rows as
+// stored. The lower index goes in the low half. The whole warp must take part.
+inline void gany_ldmatrix_x4(unsigned* r, const void* row, bool trans) {
+    if ((unsigned long long)row % 16 != 0) {
+        std::fprintf(stderr, "cuda host shim: an ldmatrix row address that is not 16-byte aligned\n");
+        std::abort();
+    }
+    unsigned long long* slots = gany_warp_slots();
+    const int lane = gany_lane(), gq = lane / 4, t = lane % 4;
+    slots[lane] = (unsigned long long)row;
+    gany_syncwarp();
+    auto at = [&](int m, int row_in, int col) {
+        return (unsigned)reinterpret_cast<const unsigned short*>(slots[8 * m + row_in])[col];
+    };
+    unsigned out[4];
+    for (int m = 0; m < 4; m++) {
+        const unsigned lo = trans ? at(m, 2 * t, gq) : at(m, gq, 2 * t);
+        const unsigned hi = trans ? at(m, 2 * t + 1, gq) : at(m, gq, 2 * t + 1);
+        out[m] = lo | (hi << 16);
+    }
+    gany_syncwarp();
+    for (int m = 0; m < 4; m++) r[m] = out[m];
+}
+
 // Atomics: fibers switch only at barriers, so a read-modify-write is never interleaved within a
 // launch; the builtins keep them atomic for any other thread that might share the memory.
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
