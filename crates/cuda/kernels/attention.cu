@@ -813,7 +813,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
 
 // One kernel per op and head_dim (attention_forward_tc64_bf16, ...): a kernel's registers are
 // those of its largest path, so head_dim 64 does not pay for 128's.
-#define GANY_ATTENTION_TC(HD)                                                                   \
+#define GANY_ATTENTION_TC(HD, DKDV_BLOCKS)                                                      \
     extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_forward_tc##HD##_bf16(    \
         bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int tq, int tk,     \
         int heads, int kv_heads, int head_dim, float scale) {                                   \
@@ -821,7 +821,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_fwd_tc<HD>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);                 \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * TC_W)                                     \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W, DKDV_BLOCKS)                        \
         attention_backward_dkdv_tc##HD##_bf16(                                                  \
             bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,  \
             const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
@@ -840,7 +840,9 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
     }
-GANY_ATTENTION_TC(16)
-GANY_ATTENTION_TC(32)
-GANY_ATTENTION_TC(64)
-GANY_ATTENTION_TC(128)
+// dk/dv at head_dim 64 (medium's) held to 3 blocks an SM (168 registers; 180 unbounded, which
+// leaves 2): 16 bytes of stack for one block in three more. The others as ptxas chooses.
+GANY_ATTENTION_TC(16, 1)
+GANY_ATTENTION_TC(32, 1)
+GANY_ATTENTION_TC(64, 3)
+GANY_ATTENTION_TC(128, 1)
