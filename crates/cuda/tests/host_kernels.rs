@@ -1082,6 +1082,24 @@ fn moe_dispatch_through_the_ops_equals_the_cpu() {
     let mut bad = idx.clone();
     bad[n / 2] = (bad[n / 2] + 1) % experts as u32;
     assert_ne!(run(&kb, &bad), want);
+    // No choices at all (a chunk with no tokens): counts and offsets written as zeros over
+    // whatever they held, by the tile scan over no tiles.
+    for be in [&b as &dyn Backend, &kb] {
+        let u = |len| be.zeros_of(&[len], DType::U32, Category::Activations);
+        let (mut c, mut o, mut s, mut p) = (u(experts), u(experts + 1), u(0), u(0));
+        be.write_u32(c.view_mut(), &vec![7; experts]);
+        be.write_u32(o.view_mut(), &vec![7; experts + 1]);
+        let idx = u(0);
+        let out = DispatchOut {
+            counts: c.view_mut(),
+            offsets: o.view_mut(),
+            src: s.view_mut(),
+            pos: p.view_mut(),
+        };
+        be.moe_dispatch(out, idx.view(), experts, k);
+        assert_eq!(be.download_u32(c.view()), vec![0; experts]);
+        assert_eq!(be.download_u32(o.view()), vec![0; experts + 1]);
+    }
 }
 
 #[test]
