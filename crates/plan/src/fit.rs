@@ -31,6 +31,10 @@
 //!      device gains one f32 copy of a block's shards per gather slot and of the root's (the
 //!      gathers' source), while initialisation briefly holds the largest whole tensor.
 //!
+//! 3. `device.kind = "cuda"`: as 2, and the host also holds the staging ring's pinned slots
+//!    (`buffers`, see [`staging_bytes`]) through which the step's u32 and f64 writes reach the
+//!    device without a host wait.
+//!
 //! # Sharded layouts (`ranks` = W > 1)
 //!
 //! One rank's memory, from the FSDP layout of `crates/parallel` (see [`sharded`]): f32 shards
@@ -216,6 +220,9 @@ fn place(
         device.optimizer = 0.0;
         device.buffers += 2.0 * 4.0 * state as f64;
     }
+    if job.device.kind == DeviceKind::Cuda {
+        host.buffers += staging_bytes(job, ranks);
+    }
     MemoryPrediction {
         device_peak: device.total(),
         host_peak: host.total(),
@@ -223,6 +230,36 @@ fn place(
         host,
         offloaded_layers: n_off,
     }
+}
+
+/// Pinned host bytes of the CUDA backend's staging ring on one of `ranks` ranks: every one of
+/// [`ganymede_config::STAGING_SLOTS`] slots at the slot size of the step's largest staged write
+/// (all slots take it within the first steps, since a step stages more writes than there are
+/// slots or the ring turns over within a few). The writes, with N the rank's tokens and E the
+/// experts: the token ids and targets (4N bytes each) and their grouping by id (4(3N + 1));
+/// per MoE layer the aux-loss constants (8E) and each grouped GEMM's pointer arrays (24 bytes
+/// per expert with rows, at most E/ep); under expert parallelism the received rows' two
+/// orders (4 bytes a row, up to [`ep_capacity_rows`]: beyond it the rows grow, as do the
+/// row buffers).
+pub fn staging_bytes(job: &JobConfig, ranks: usize) -> f64 {
+    let m = &job.model;
+    let n = job.training.batch_size / ranks.max(1) * m.seq_len;
+    let mut writes = vec![4 * (3 * n + 1)];
+    if (0..m.layers).any(|l| m.is_moe_layer(l)) {
+        writes.push(8 * m.experts);
+        writes.push(24 * m.experts.div_ceil(job.parallelism.ep.max(1)));
+        writes.extend(ep_capacity_rows(job).map(|rows| 4 * rows));
+    }
+    // Larger writes are not staged (they block).
+    let largest = writes
+        .into_iter()
+        .filter(|&b| b <= ganymede_config::STAGING_MAX_BYTES)
+        .max()
+        .unwrap_or(0);
+    if largest == 0 {
+        return 0.0;
+    }
+    (ganymede_config::STAGING_SLOTS * ganymede_config::staging_slot_bytes(largest)) as f64
 }
 
 /// How a runtime tensor is updated and sharded.

@@ -305,17 +305,23 @@ impl CudaBackend {
         out
     }
 
-    /// Copy host data of the view's dtype into it, on the compute stream: device memory through
-    /// a pinned slot without a host wait where the write is small (`staging`), otherwise
-    /// blocking.
+    /// Copy host data of the view's dtype into it, on the compute stream, blocking.
     fn write_raw<T: Copy>(&self, dst: &mut ViewMut, data: &[T], dtype: DType) {
+        self.write_raw_staged(dst, data, dtype, false)
+    }
+
+    /// [`Self::write_raw`], or with `staged` into device memory through a pinned slot without
+    /// a host wait where the write is small (`staging`): the step's u32 and f64 writes (ids,
+    /// their grouping, routing orders, aux-loss constants). f32 writes (initialisation,
+    /// checkpoint loads) stay blocking and keep the slots small.
+    fn write_raw_staged<T: Copy>(&self, dst: &mut ViewMut, data: &[T], dtype: DType, staged: bool) {
         let p = place_mut(dst);
         assert_eq!(p.dtype, dtype);
         // SAFETY: T is a plain integer or float; the bytes are read, not kept.
         let bytes = unsafe {
             std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
         };
-        if self.stage(&p, bytes) {
+        if staged && self.stage(&p, bytes) {
             return;
         }
         let src = Place {
@@ -395,7 +401,7 @@ impl Memory for CudaBackend {
     fn write_f64(&self, mut dst: ViewMut, data: &[f64]) {
         assert_eq!(dst.len(), data.len(), "write of a different length");
         match dst.dtype() {
-            DType::F64 => self.write_raw(&mut dst, data, DType::F64),
+            DType::F64 => self.write_raw_staged(&mut dst, data, DType::F64, true),
             _ => self.write(dst, &data.iter().map(|&x| x as f32).collect::<Vec<_>>()),
         }
     }
@@ -411,7 +417,7 @@ impl Memory for CudaBackend {
             DType::U32,
             "u32 data written into another dtype"
         );
-        self.write_raw(&mut dst, data, DType::U32)
+        self.write_raw_staged(&mut dst, data, DType::U32, true)
     }
     fn download_u32(&self, src: View) -> Vec<u32> {
         self.read_raw::<u32>(&src, DType::U32)

@@ -7,26 +7,27 @@
 //!
 //! Slots are used in turn; a slot is rewritten only once its previous copy has completed (an
 //! event), so the host never races the copy engine, and the host may be [`SLOTS`] writes ahead
-//! of the GPU before it waits. Slots grow to the largest write they have taken and are then
-//! reused: after the first step, staging allocates nothing. Writes above [`MAX_BYTES`]
-//! (checkpoint loads, whole tensors) keep the blocking path: they are not per step.
+//! of the GPU before it waits. Every slot grows to the size of the largest write so far (a
+//! slot smaller than that is replaced when it is next used), so after the first steps the ring
+//! is `SLOTS` slots of `ganymede_config::staging_slot_bytes` of the step's largest write, as
+//! the planner counts it, and allocates nothing. Writes above [`MAX_BYTES`] keep the blocking
+//! path; only u32 and f64 writes are staged (see `write_raw_staged`).
 
 use super::memory::Place;
 use super::{ok, CudaBackend};
 use cudarc::driver::CudaEvent;
+use ganymede_config::{staging_slot_bytes, STAGING_MAX_BYTES as MAX_BYTES, STAGING_SLOTS};
 use ganymede_core::{Category, DType, Memory, Stream, Tensor};
 
 /// Pinned slots in the ring.
-pub(super) const SLOTS: usize = 32;
-/// The largest write that is staged.
-pub(super) const MAX_BYTES: usize = 1 << 20;
-/// The smallest slot (bytes).
-const MIN_SLOT: usize = 4096;
+pub(super) const SLOTS: usize = STAGING_SLOTS;
 
 #[derive(Default)]
 pub struct Staging {
     slots: Vec<Slot>,
     next: usize,
+    /// Every slot's size from its next use on: that of the largest write so far.
+    bytes: usize,
 }
 
 struct Slot {
@@ -34,11 +35,6 @@ struct Slot {
     host: Tensor,
     bytes: usize,
     copied: Option<CudaEvent>,
-}
-
-/// The slot size a write of `bytes` grows a slot to.
-pub(super) fn slot_bytes(bytes: usize) -> usize {
-    bytes.next_power_of_two().max(MIN_SLOT)
 }
 
 impl CudaBackend {
@@ -61,8 +57,9 @@ impl CudaBackend {
             // The slot's last copy must be done before its memory is rewritten or freed.
             ok(ev.synchronize(), "staged write");
         }
-        if ring.slots.get(i).is_none_or(|s| s.bytes < src.len()) {
-            let bytes = slot_bytes(src.len());
+        ring.bytes = ring.bytes.max(staging_slot_bytes(src.len()));
+        if ring.slots.get(i).is_none_or(|s| s.bytes < ring.bytes) {
+            let bytes = ring.bytes;
             let slot = Slot {
                 host: self.pinned_zeros_of(&[bytes / 4], DType::U32, Category::Buffers),
                 bytes,
