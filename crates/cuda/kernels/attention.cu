@@ -321,11 +321,14 @@ GANY_ATTENTION(bf16, bf16)
 #define TC_BK 64            // keys per tile (forward, dq) or per block (dk, dv)
 #define TC_HQ 32            // queries per step of dk/dv's score registers
 #define TC_PAD 8            // bf16 padding of shared rows: an ldmatrix's 8 rows hit 32 banks
-// Shared bf16 elements for the largest head_dim: two [64][head_dim + pad] tiles (K and V, or Q
-// and dO). Sized for 128 at every head_dim: static shared memory, no opt-in needed, and 34 KiB
-// leaves room for several blocks per SM.
-#define TC_SMEM (2 * TC_BK * (ATT_MAXD + TC_PAD))
-static_assert(2 * TC_BQ * (ATT_MAXD + TC_PAD) <= TC_SMEM && TC_BQ == TC_BK, "tile sizes");
+// Stage buffers of the forward's and dq's K/V tiles: two where they fit the static shared
+// memory (head_dim <= 64: the next tile's copies fly while this one is computed), else one.
+__host__ __device__ constexpr int tc_stages(int hd) { return hd <= 64 ? 2 : 1; }
+// Shared bf16 elements: two [64][head_dim + pad] tiles per stage (K and V, or dk/dv's Q and
+// dO), 36 KiB at head_dim 64's two stages, which also hold 128's one. Static shared memory (no
+// opt-in needed) that leaves room for several blocks per SM.
+#define TC_SMEM (2 * 2 * TC_BK * (64 + TC_PAD))
+static_assert(2 * TC_BK * (ATT_MAXD + TC_PAD) <= TC_SMEM && TC_BQ == TC_BK, "tile sizes");
 
 // c += a b on the tensor cores.
 __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
@@ -427,21 +430,53 @@ __device__ __forceinline__ void acc_to_a(unsigned* a, const float* c0, const flo
     a[2] = pack_bf16(c1[0], c1[1]);
     a[3] = pack_bf16(c1[2], c1[3]);
 }
+// 16 bytes from global src into shared dst without passing through registers (cp.async, sm_80
+// and later), or 16 zero bytes where !valid (src is then not read). Completion is by group:
+// cp_async_commit closes the group of the copies issued since the last one, cp_async_wait<N>
+// waits until at most N groups are still in flight. The host build copies at once.
+__device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool valid) {
+#if defined(GANY_HOST)
+    if (valid) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                 "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(GANY_HOST)
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(GANY_HOST)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 // 64 rows r0 .. r0 + 63 of x (row r at x + r rs, HD wide; zero at or past n) into shared dst
 // with row stride ds. Eight elements (16 bytes) per load where x's rows are 16-byte aligned, as
 // whole tensors are (a warp reads consecutive 16-byte chunks of rows); a view at another offset
 // goes element by element. Every tile stays row-major: operands that need a tile transposed
-// read it with ldmatrix's .trans.
+// read it with ldmatrix's .trans. With ASYNC the aligned rows go by cp.async (the caller
+// commits and waits); the element-by-element path stays synchronous.
 struct __align__(16) bf16x8 {
     bf16 h[8];
 };
-template <int HD>
+template <int HD, bool ASYNC = false>
 __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x, long long rs,
                                                int r0, int n) {
     constexpr int ROWS = 64, CH = HD / 8;
     if ((unsigned long long)x % 16 == 0 && rs % 8 == 0) {
         for (int e = threadIdx.x; e < ROWS * CH; e += blockDim.x) {
             const int rr = e / CH, d = 8 * (e % CH);
+            if (ASYNC) {
+                const bool ok = r0 + rr < n;
+                cp_async16(dst + rr * ds + d, ok ? x + (r0 + rr) * rs + d : x, ok);
+                continue;
+            }
             bf16x8 c;
             if (r0 + rr < n) {
                 const bf16* src = x + (r0 + rr) * rs + d;
@@ -479,6 +514,34 @@ __device__ __forceinline__ void load_a_rows(unsigned (*a)[4], const bf16* x, int
         }
 }
 
+// The tile loop's copies over STAGES stage buffers (`issue(it)` starts tile it's copies into
+// its stage, `it % STAGES`). With two, tile 0 is issued before the loop and each iteration
+// issues tile it + 1 into the other stage, then waits for tile it only, so the next tile's
+// copies are in flight while this one is computed; with one, each iteration copies its own.
+// tiles_next's first barrier keeps the refilled stage's last readers ahead of the refill; its
+// second makes tile it visible to every warp.
+template <int STAGES, class F>
+__device__ __forceinline__ void tiles_begin(F& issue, int nt) {
+    if (STAGES == 2 && nt > 0) {
+        issue(0);
+        cp_async_commit();
+    }
+}
+template <int STAGES, class F>
+__device__ __forceinline__ void tiles_next(F& issue, int it, int nt) {
+    __syncthreads();
+    if (STAGES == 2) {
+        if (it + 1 < nt) issue(it + 1);
+        cp_async_commit();  // possibly empty: the wait below counts groups
+        cp_async_wait<1>();
+    } else {
+        issue(it);
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 // Forward. Block x takes the 64 queries from 64 (gridDim.x - 1 - x), warp w 16 of them; the
 // block's K/V tiles of 64 keys go through shared memory as [key][d] (B operands by ldmatrix,
 // V's transposed). Launch: grid (ceil(tq / 64), heads, batch), block 128.
@@ -486,8 +549,6 @@ template <int HD>
 __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, const bf16* k,
                             const bf16* v, int tq, int tk, int heads, int kvh, float scale) {
     constexpr int KS = HD + TC_PAD;
-    bf16* Ks = sm;              // [TC_BK][KS]
-    bf16* Vs = sm + TC_BK * KS; // [TC_BK][KS]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     // The last query tile first: it sees the most keys, so the longest blocks start earliest.
@@ -505,13 +566,19 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);  // keys the block needs
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);         // keys this warp needs
-    for (int j0 = 0; j0 < bend; j0 += TC_BK) {
-        __syncthreads();
-        tile_to_shared<HD>(Ks, KS, kb, kvrs, j0, tk);
-        tile_to_shared<HD>(Vs, KS, vb, kvrs, j0, tk);
-        __syncthreads();
+    // Tile it's K and V ([TC_BK][KS] each) into its stage's buffers.
+    auto stage = [&](int it) { return sm + it % tc_stages(HD) * 2 * TC_BK * KS; };
+    auto issue = [&](int it) {
+        tile_to_shared<HD, true>(stage(it), KS, kb, kvrs, it * TC_BK, tk);
+        tile_to_shared<HD, true>(stage(it) + TC_BK * KS, KS, vb, kvrs, it * TC_BK, tk);
+    };
+    const int nt = (bend + TC_BK - 1) / TC_BK;
+    tiles_begin<tc_stages(HD)>(issue, nt);
+    for (int it = 0; it < nt; it++) {
+        const int j0 = it * TC_BK;
+        tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
-        const smem_t ks = smem(Ks), vs = smem(Vs);
+        const smem_t ks = smem(stage(it)), vs = smem(stage(it) + TC_BK * KS);
         float s[TC_BK / 8][4];
 #pragma unroll
         for (int n = 0; n < TC_BK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -606,8 +673,6 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
                                  const float* lse, const float* delta, int tq, int tk, int heads,
                                  int kvh, float scale) {
     constexpr int S = HD + TC_PAD;
-    bf16* Qs = sm;            // [TC_BQ][S]
-    bf16* Ds = sm + TC_BQ * S;  // [TC_BQ][S]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int g = blockIdx.y, b = blockIdx.z, rep = heads / kvh, off = tk - tq;
     const int j0 = blockIdx.x * TC_BK, k0 = j0 + 16 * w;
@@ -623,73 +688,83 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     // The first query that sees key j0 is j0 - off.
     int first = j0 - off;
     first = first < 0 ? 0 : first / TC_BQ * TC_BQ;
-    for (int h = g * rep; h < (g + 1) * rep; h++) {
-        for (int i0 = first; i0 < tq; i0 += TC_BQ) {
-            __syncthreads();
-            const long long qo = q_off(b, 0, h, tq, heads, HD), qrs = (long long)heads * HD;
-            tile_to_shared<HD>(Qs, S, q + qo, qrs, i0, tq);
-            tile_to_shared<HD>(Ds, S, dout + qo, qrs, i0, tq);
-            for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
-                const int i = i0 + ii;
-                const long long r = ((long long)b * heads + h) * tq + i;
-                Ls[ii] = i < tq ? lse[r] * GANY_LOG2E : 0.0f;  // for ex2 (see there)
-                Dl[ii] = i < tq ? delta[r] : 0.0f;
-            }
-            __syncthreads();
-            const int ilast = (i0 + TC_BQ < tq ? i0 + TC_BQ : tq) - 1;
-            if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
-            // The tile's queries in two halves of TC_HQ: half the score registers live.
-            for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
-                const smem_t qsm = smem(Qs + h0 * S), dsm = smem(Ds + h0 * S);
-                float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
+    // Tiles of 64 queries, head by head of the group: tile it's Q and dO ([TC_BQ][S] each),
+    // lse (times log2 e, for ex2) and delta into its stage's buffers, as the forward's K and V.
+    const int per_h = (tq - first + TC_BQ - 1) / TC_BQ, nt = rep * per_h;
+    const long long qrs = (long long)heads * HD;
+    auto stage = [&](int it) { return sm + it % tc_stages(HD) * 2 * TC_BQ * S; };
+    auto issue = [&](int it) {
+        const int h = g * rep + it / per_h, i0 = first + it % per_h * TC_BQ;
+        const long long qo = q_off(b, 0, h, tq, heads, HD);
+        tile_to_shared<HD, true>(stage(it), S, q + qo, qrs, i0, tq);
+        tile_to_shared<HD, true>(stage(it) + TC_BQ * S, S, dout + qo, qrs, i0, tq);
+        float *ls = Ls + it % tc_stages(HD) * TC_BQ, *dl = Dl + it % tc_stages(HD) * TC_BQ;
+        for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
+            const int i = i0 + ii;
+            const long long r = ((long long)b * heads + h) * tq + i;
+            ls[ii] = i < tq ? lse[r] * GANY_LOG2E : 0.0f;
+            dl[ii] = i < tq ? delta[r] : 0.0f;
+        }
+    };
+    tiles_begin<tc_stages(HD)>(issue, nt);
+    for (int it = 0; it < nt; it++) {
+        const int i0 = first + it % per_h * TC_BQ;
+        tiles_next<tc_stages(HD)>(issue, it, nt);
+        const bf16 *Qs = stage(it), *Ds = stage(it) + TC_BQ * S;
+        const float *Lt = Ls + it % tc_stages(HD) * TC_BQ, *Dt = Dl + it % tc_stages(HD) * TC_BQ;
+        const int ilast = (i0 + TC_BQ < tq ? i0 + TC_BQ : tq) - 1;
+        if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
+        // The tile's queries in two halves of TC_HQ: half the score registers live.
+        for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
+            const smem_t qsm = smem(Qs + h0 * S), dsm = smem(Ds + h0 * S);
+            float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
 #pragma unroll
-                for (int n = 0; n < TC_HQ / 8; n++)
+            for (int n = 0; n < TC_HQ / 8; n++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
+                for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
 #pragma unroll
-                for (int n = 0; n < TC_HQ / 8; n += 2)
+            for (int n = 0; n < TC_HQ / 8; n += 2)
 #pragma unroll
-                    for (int kk = 0; kk < HD / 16; kk++) {
-                        unsigned bq[4], bd[4];
-                        b_from_rows(bq, qsm, S, n, kk * 16);
-                        b_from_rows(bd, dsm, S, n, kk * 16);
-                        mma_bf16_16816(sp[n], ka[kk], bq);
-                        mma_bf16_16816(sp[n + 1], ka[kk], bq + 2);
-                        mma_bf16_16816(dp[n], va[kk], bd);
-                        mma_bf16_16816(dp[n + 1], va[kk], bd + 2);
+                for (int kk = 0; kk < HD / 16; kk++) {
+                    unsigned bq[4], bd[4];
+                    b_from_rows(bq, qsm, S, n, kk * 16);
+                    b_from_rows(bd, dsm, S, n, kk * 16);
+                    mma_bf16_16816(sp[n], ka[kk], bq);
+                    mma_bf16_16816(sp[n + 1], ka[kk], bq + 2);
+                    mma_bf16_16816(dp[n], va[kk], bd);
+                    mma_bf16_16816(dp[n + 1], va[kk], bd + 2);
+                }
+            // Only a tile that crosses the diagonal or an end masks (warp-uniform).
+            const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
+#pragma unroll
+            for (int n = 0; n < TC_HQ / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = k0 + gq + 8 * (e >> 1);
+                    const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
+                    float p = 0.0f, ds = 0.0f;
+                    if (full || (i < tq && j < tk && j <= off + i)) {
+                        p = ex2(fmaf(sp[n][e], c, -Lt[ii]));
+                        ds = p * (dp[n][e] - Dt[ii]);
                     }
-                // Only a tile that crosses the diagonal or an end masks (warp-uniform).
-                const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
+                    sp[n][e] = p;
+                    dp[n][e] = ds;
+                }
 #pragma unroll
-                for (int n = 0; n < TC_HQ / 8; n++)
+            for (int kk = 0; kk < TC_HQ / 16; kk++) {
+                unsigned pa[4], sa[4];
+                acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
+                acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int j = k0 + gq + 8 * (e >> 1);
-                        const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
-                        float p = 0.0f, ds = 0.0f;
-                        if (full || (i < tq && j < tk && j <= off + i)) {
-                            p = ex2(fmaf(sp[n][e], c, -Ls[ii]));
-                            ds = p * (dp[n][e] - Dl[ii]);
-                        }
-                        sp[n][e] = p;
-                        dp[n][e] = ds;
-                    }
-#pragma unroll
-                for (int kk = 0; kk < TC_HQ / 16; kk++) {
-                    unsigned pa[4], sa[4];
-                    acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
-                    acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-                    for (int n = 0; n < HD / 8; n += 2) {
-                        // B (k = query, n = d): the [query][d] tiles read transposed.
-                        unsigned bd[4], bq[4];
-                        b_from_cols(bd, dsm, S, n, kk * 16);
-                        b_from_cols(bq, qsm, S, n, kk * 16);
-                        mma_bf16_16816(dvc[n], pa, bd);
-                        mma_bf16_16816(dvc[n + 1], pa, bd + 2);
-                        mma_bf16_16816(dkc[n], sa, bq);
-                        mma_bf16_16816(dkc[n + 1], sa, bq + 2);
-                    }
+                for (int n = 0; n < HD / 8; n += 2) {
+                    // B (k = query, n = d): the [query][d] tiles read transposed.
+                    unsigned bd[4], bq[4];
+                    b_from_cols(bd, dsm, S, n, kk * 16);
+                    b_from_cols(bq, qsm, S, n, kk * 16);
+                    mma_bf16_16816(dvc[n], pa, bd);
+                    mma_bf16_16816(dvc[n + 1], pa, bd + 2);
+                    mma_bf16_16816(dkc[n], sa, bq);
+                    mma_bf16_16816(dkc[n + 1], sa, bq + 2);
                 }
             }
         }
@@ -720,8 +795,6 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
                                const float* delta, int tq, int tk, int heads, int kvh,
                                float scale) {
     constexpr int S = HD + TC_PAD;
-    bf16* Ks = sm;              // [TC_BK][S]
-    bf16* Vs = sm + TC_BK * S;  // [TC_BK][S]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     // The last query tile first: it sees the most keys, so the longest blocks start earliest.
@@ -745,12 +818,19 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);
-    for (int j0 = 0; j0 < bend; j0 += TC_BK) {
-        __syncthreads();
-        tile_to_shared<HD>(Ks, S, kb, kvrs, j0, tk);
-        tile_to_shared<HD>(Vs, S, vb, kvrs, j0, tk);
-        __syncthreads();
+    // Tile it's K and V ([TC_BK][S] each) into its stage's buffers, as the forward.
+    auto stage = [&](int it) { return sm + it % tc_stages(HD) * 2 * TC_BK * S; };
+    auto issue = [&](int it) {
+        tile_to_shared<HD, true>(stage(it), S, kb, kvrs, it * TC_BK, tk);
+        tile_to_shared<HD, true>(stage(it) + TC_BK * S, S, vb, kvrs, it * TC_BK, tk);
+    };
+    const int nt = (bend + TC_BK - 1) / TC_BK;
+    tiles_begin<tc_stages(HD)>(issue, nt);
+    for (int it = 0; it < nt; it++) {
+        const int j0 = it * TC_BK;
+        tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform
+        const bf16 *Ks = stage(it), *Vs = stage(it) + TC_BK * S;
         const smem_t ks = smem(Ks), vs = smem(Vs);
         float s[TC_BK / 8][4], dp[TC_BK / 8][4];
 #pragma unroll
@@ -827,7 +907,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
             const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
             int head_dim, float scale) {                                                        \
         __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
-        __shared__ float Ls[TC_BQ], Dl[TC_BQ];                                                  \
+        __shared__ float Ls[2 * TC_BQ], Dl[2 * TC_BQ];                                          \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_bwd_dkdv_tc<HD>(sm, Ls, Dl, dk, dv, dout, q, k, v, lse, delta, tq, tk, heads,      \
                              kv_heads, scale);                                                  \
@@ -841,7 +921,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
     }
 // dk/dv at head_dim 64 (medium's) held to 3 blocks an SM (168 registers; 180 unbounded, which
-// leaves 2): 16 bytes of stack for one block in three more. The others as ptxas chooses.
+// leaves 2): 24 bytes of stack for one block in three more. The others as ptxas chooses.
 GANY_ATTENTION_TC(16, 1)
 GANY_ATTENTION_TC(32, 1)
 GANY_ATTENTION_TC(64, 3)
