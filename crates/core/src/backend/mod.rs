@@ -188,10 +188,14 @@ pub struct CastSlot {
 
 impl CastSlot {
     /// Whether the first `n` elements of `v` need casting into the slot: not when `unchanged`
-    /// is promised and the slot holds at least those elements of the same view.
+    /// is promised and the slot holds at least those elements of the same view (and has room
+    /// for all of `v`, which the GEMM is handed).
     pub fn needs_cast(&self, v: &View, n: usize, unchanged: bool) -> bool {
         let (at, dt) = view_place(v);
-        !(unchanged && matches!(self.holds, Some((a, d, m)) if a == at && d == dt && m >= n))
+        let room = self.tensor.as_ref().is_some_and(|t| t.len() >= v.len());
+        !(unchanged
+            && room
+            && matches!(self.holds, Some((a, d, m)) if a == at && d == dt && m >= n))
     }
     /// The slot's tensor, at least `len` elements of `dtype` (`alloc` makes one; the old one is
     /// freed first, so the ledger's peak holds one of them). It is about to be overwritten, so

@@ -11,7 +11,8 @@ use ganymede_core::{Blas, CastSlot, Category, DType, Gemm, Memory, Syrk, Tensor,
 
 /// The device arrays of pointers a grouped cuBLAS call reads (its `Aarray`, `Barray`,
 /// `Carray`): one device buffer, written through the staging ring on the compute stream ahead
-/// of each call (stream order keeps a write behind the previous call's reads). It grows to the
+/// of each call (stream order keeps a write behind the previous call's reads; the lock, held
+/// from the write until the call is queued, keeps another thread's write from coming between). It grows to the
 /// largest call and is then reused: after the first step, grouped GEMMs allocate nothing.
 #[derive(Default)]
 pub struct PtrArrays {
@@ -166,7 +167,8 @@ impl CudaBackend {
             ptrs[problems + i] = base(cl.operands[1]) + off[1] as u64 * ein;
             ptrs[2 * problems + i] = pc.addr + off[2] as u64 * eout;
         }
-        let dev = self.pointer_arrays(&ptrs);
+        // Held until the call is queued: another thread's arrays must not replace these first.
+        let (_arrays, dev) = self.pointer_arrays(&ptrs);
         let col = |f: &dyn Fn(&CublasGemm) -> i32| call.calls.iter().map(f).collect::<Vec<i32>>();
         let (m, n, k) = (col(&|x| x.m), col(&|x| x.n), col(&|x| x.k));
         let (lda, ldb, ldc) = (col(&|x| x.lda), col(&|x| x.ldb), col(&|x| x.ldc));
@@ -208,8 +210,9 @@ impl CudaBackend {
     }
 
     /// `ptrs` in device memory, ordered before what the compute stream runs next: the device
-    /// address of the copy (see [`PtrArrays`]).
-    fn pointer_arrays(&self, ptrs: &[u64]) -> u64 {
+    /// address of the copy (see [`PtrArrays`]), and the lock on the arrays, to be held until
+    /// the call that reads them is queued.
+    fn pointer_arrays(&self, ptrs: &[u64]) -> (std::sync::MutexGuard<'_, PtrArrays>, u64) {
         let mut arrays = self.grouped.lock().unwrap_or_else(|e| e.into_inner());
         let words = 2 * ptrs.len();
         if arrays.dev.as_ref().is_none_or(|t| t.len() < words) {
@@ -231,7 +234,8 @@ impl CudaBackend {
             "grouped GEMM pointer arrays of {} bytes not staged",
             bytes.len()
         );
-        dev.addr
+        let addr = dev.addr;
+        (arrays, addr)
     }
 }
 
