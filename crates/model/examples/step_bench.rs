@@ -3,6 +3,10 @@
 //!
 //! `cargo run --release -p ganymede-model --example step_bench -- [steps] [preset...]`
 //! Threads: RAYON_NUM_THREADS (default: all cores).
+//!
+//! With `GANYMEDE_BENCH=casts`, instead: bf16 compute (`ac=none`), steps alternating between a
+//! backend that honours `Gemm::unchanged` (the experts' cast reuse) and one that ignores it, side
+//! by side, with the median of each and their ratio.
 
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{sample, Category, CpuBackend, ParamStore};
@@ -35,6 +39,9 @@ fn main() {
         vec!["tiny", "small"]
     };
     println!("threads: {}", rayon::current_num_threads());
+    if std::env::var("GANYMEDE_BENCH").is_ok_and(|v| v == "casts") {
+        return casts(steps, &names);
+    }
     for name in names {
         let job = preset(name).expect("preset");
         let cfg = job.model;
@@ -82,5 +89,58 @@ fn main() {
                 n as f64 / cpu * threads
             );
         }
+    }
+}
+
+/// Median step seconds of bf16 compute with and without the cast promises, steps alternating.
+fn casts(steps: usize, names: &[&str]) {
+    use ganymede_config::ComputeDtype;
+    for &name in names {
+        let job = preset(name).expect("preset");
+        let cfg = job.model;
+        let (batch, seq) = (job.training.batch_size, cfg.seq_len);
+        let bes = [
+            CpuBackend::default(),
+            CpuBackend::default().with_cast_promises(false),
+        ];
+        let model = Model::new(&cfg).with_compute_dtype(ComputeDtype::Bf16);
+        let n = batch * seq;
+        let tokens = sample::tokens(2 * n, cfg.vocab_size, 12345);
+        let (inputs, targets) = tokens.split_at(n);
+        let mut state: Vec<_> = bes
+            .iter()
+            .map(|be| {
+                let params = model.init_params(be, 1);
+                let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
+                let ws = Workspace::new(be, &model, batch, seq, AcMode::None);
+                (params, grads, ws)
+            })
+            .collect();
+        let mut times = [vec![], vec![]];
+        for i in 0..steps + 2 {
+            for (j, (be, (params, grads, ws))) in bes.iter().zip(state.iter_mut()).enumerate() {
+                let t = Instant::now();
+                forward_backward(
+                    be,
+                    &model,
+                    params,
+                    grads,
+                    ws,
+                    Tokens { inputs, targets },
+                    1.0,
+                );
+                if i >= 2 {
+                    times[j].push(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+        let med = |v: &[f64]| sample::median(v).expect("timed steps");
+        let (on, off) = (med(&times[0]), med(&times[1]));
+        println!(
+            "{name:6} bf16 ac=none: promises honoured {:.1} ms/step, ignored {:.1} ms/step (median of {steps}); ignored/honoured {:.3}",
+            on * 1e3,
+            off * 1e3,
+            off / on
+        );
     }
 }
