@@ -105,11 +105,14 @@ pub(crate) fn block_forward(
         w(li.q),
         Gemm::new(n, qd, h, false, true).bf16_inputs(cx.model.bf16),
     );
+    // k and v read the rows q just read: a bf16 backend reuses their cast (`Gemm::unchanged`).
     be.gemm(
         a.k.view_mut(),
         a.xn1.view(),
         w(li.k),
-        Gemm::new(n, kd, h, false, true).bf16_inputs(cx.model.bf16),
+        Gemm::new(n, kd, h, false, true)
+            .bf16_inputs(cx.model.bf16)
+            .unchanged(true, false),
     );
     // Under bf16 compute, v and the normed, rotated q and k are made in f32 in the gradient
     // scratch (free during forward) and rounded into the saved bf16 tensors.
@@ -119,7 +122,9 @@ pub(crate) fn block_forward(
         v32.view_mut(),
         a.xn1.view(),
         w(li.v),
-        Gemm::new(n, kd, h, false, true).bf16_inputs(bf16),
+        Gemm::new(n, kd, h, false, true)
+            .bf16_inputs(bf16)
+            .unchanged(true, false),
     );
     let pos0 = match &kv {
         Kv::Own => 0,
@@ -463,7 +468,12 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
     let nw = n * width;
     let gm = Gemm::new(n, width, h, false, true).bf16_inputs(cx.model.bf16);
     be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).view(), gm);
-    be.gemm(f.u.slice_mut(0, nw), xn, params.get(up).view(), gm);
+    be.gemm(
+        f.u.slice_mut(0, nw),
+        xn,
+        params.get(up).view(),
+        gm.unchanged(true, false),
+    );
     be.swiglu_forward(f.a.slice_mut(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
     if let Some(mut y) = y {
         let wd = params.get(down);
@@ -664,21 +674,16 @@ pub(crate) fn block_backward(
         let dw = grads.get_mut(norm).view_mut();
         be.head_norm_rope_backward(dx.view_mut(), dw, dout.view(), saved, rope(heads));
     }
-    be.gemm(
-        g.dxn.view_mut(),
-        g.datt.view(),
-        w(li.q),
-        Gemm::new(n, h, qd, false, false).bf16_inputs(cx.model.bf16),
-    );
-    let gx = Gemm::new(n, h, kd, false, false)
-        .bf16_inputs(cx.model.bf16)
-        .beta(1.0);
-    be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
+    // dxn = dQ·W_q + dK·W_k + dV·W_v and the weight gradients, in the order that reads dQ, dK
+    // and dV twice in a row in A and xn1 in B three times with only bf16 weights in B between
+    // (a bf16 backend casts each once; dxn's sum is in the same order).
     let dv = match g.attn16.as_ref() {
         Some(a16) => a16.dv.view(),
         None => g.dv.view(),
     };
-    be.gemm(g.dxn.view_mut(), dv, w(li.v), gx);
+    let gx = Gemm::new(n, h, kd, false, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     let gq = Gemm::new(qd, h, n, true, false)
         .bf16_inputs(cx.model.bf16)
         .beta(1.0);
@@ -686,18 +691,31 @@ pub(crate) fn block_backward(
         .bf16_inputs(cx.model.bf16)
         .beta(1.0);
     be.gemm(
+        g.dxn.view_mut(),
+        g.datt.view(),
+        w(li.q),
+        Gemm::new(n, h, qd, false, false).bf16_inputs(cx.model.bf16),
+    );
+    be.gemm(
         grads.get_mut(li.q).view_mut(),
         g.datt.view(),
         a.xn1.view(),
-        gq,
+        gq.unchanged(true, false),
     );
+    be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
     be.gemm(
         grads.get_mut(li.k).view_mut(),
         g.dk.view(),
         a.xn1.view(),
-        gk,
+        gk.unchanged(true, true),
     );
-    be.gemm(grads.get_mut(li.v).view_mut(), dv, a.xn1.view(), gk);
+    be.gemm(g.dxn.view_mut(), dv, w(li.v), gx);
+    be.gemm(
+        grads.get_mut(li.v).view_mut(),
+        dv,
+        a.xn1.view(),
+        gk.unchanged(true, true),
+    );
     let saved = NormSaved {
         x,
         w: w(li.in_norm),
@@ -735,13 +753,15 @@ fn ffn_backward(
     );
     let wd = params.get(down);
     for s in 0..parts {
+        // dres in A each time: cast by the first of these calls only.
         be.gemm(
             dfa.slice_mut(s * fs, ext),
             g.dres.view(),
             wd.slice(s * h * fs, h * fs),
             Gemm::new(n, fs, h, false, false)
                 .bf16_inputs(cx.model.bf16)
-                .ld(h, fs, width),
+                .ld(h, fs, width)
+                .unchanged(s > 0, false),
         );
         be.gemm(
             grads.get_mut(down).slice_mut(s * h * fs, h * fs),
@@ -750,27 +770,31 @@ fn ffn_backward(
             Gemm::new(h, fs, n, true, false)
                 .bf16_inputs(cx.model.bf16)
                 .ld(h, width, fs)
-                .beta(1.0),
+                .beta(1.0)
+                .unchanged(true, false),
         );
     }
     let (dg, du) = (dfg.slice_mut(0, nw), dfu.slice_mut(0, nw));
     be.swiglu_backward(dg, du, dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
+    // As the routed experts: dG and dU each read twice in a row in A, xn twice in B.
     let gx = Gemm::new(n, h, width, false, false).bf16_inputs(cx.model.bf16);
+    let gw = Gemm::new(width, h, n, true, false)
+        .bf16_inputs(cx.model.bf16)
+        .beta(1.0);
     be.gemm(
         g.dxn.view_mut(),
         dfg.slice(0, nw),
         params.get(gate).view(),
         gx.beta(beta),
     );
+    let dwg = gw.unchanged(true, false);
+    be.gemm(grads.get_mut(gate).view_mut(), dfg.slice(0, nw), xn, dwg);
     be.gemm(
         g.dxn.view_mut(),
         dfu.slice(0, nw),
         params.get(up).view(),
         gx.beta(1.0),
     );
-    let gw = Gemm::new(width, h, n, true, false)
-        .bf16_inputs(cx.model.bf16)
-        .beta(1.0);
-    be.gemm(grads.get_mut(gate).view_mut(), dfg.slice(0, nw), xn, gw);
-    be.gemm(grads.get_mut(up).view_mut(), dfu.slice(0, nw), xn, gw);
+    let dwu = gw.unchanged(true, true);
+    be.gemm(grads.get_mut(up).view_mut(), dfu.slice(0, nw), xn, dwu);
 }

@@ -215,12 +215,19 @@ fn gradients_all_moe_shared_no_renorm() {
 }
 
 fn tiny_f32(mode: AcMode) -> (Vec<Vec<f32>>, StepOutput) {
-    tiny_grads(&CpuBackend::default(), mode, ComputeDtype::F32)
+    let c = preset("tiny").unwrap().model;
+    tiny_grads(&c, &CpuBackend::default(), mode, ComputeDtype::F32)
 }
 
-/// `tiny`'s gradients and step output on `be`, with GEMM operands in `compute`.
-fn tiny_grads(be: &CpuBackend, mode: AcMode, compute: ComputeDtype) -> (Vec<Vec<f32>>, StepOutput) {
-    let c = preset("tiny").unwrap().model;
+/// Model `c`'s gradients and step output on `be` (tiny's batch), with GEMM operands in
+/// `compute`.
+fn tiny_grads(
+    c: &ModelConfig,
+    be: &CpuBackend,
+    mode: AcMode,
+    compute: ComputeDtype,
+) -> (Vec<Vec<f32>>, StepOutput) {
+    let c = c.clone();
     let model = Model::new(&c).with_compute_dtype(compute);
     let params = model.init_params(be, 3);
     let (batch, seq) = (2, 32);
@@ -631,16 +638,25 @@ fn gradients_accumulate_scaled() {
 
 #[test]
 fn the_experts_cast_promises_keep_every_bit() {
-    // Under bf16 compute the routed experts promise that an operand is unchanged since the last
-    // GEMM read it (`Gemm::unchanged`) and the backend skips the cast; ignoring every promise
+    // Under bf16 compute the routed experts, the attention projections and the SwiGLU FFNs
+    // promise that an operand is unchanged since the last GEMM read it (`Gemm::unchanged`) and the backend skips the cast; ignoring every promise
     // casts each time. A promise on an operand that did change (dU read where dG was cast, say)
     // would give other gradients.
-    for mode in [AcMode::None, AcMode::Full] {
-        let (g1, o1) = tiny_grads(&CpuBackend::default(), mode, ComputeDtype::Bf16);
-        let be = CpuBackend::default().with_cast_promises(false);
-        let (g0, o0) = tiny_grads(&be, mode, ComputeDtype::Bf16);
-        assert_eq!(o1.loss, o0.loss);
-        assert_eq!(g1, g0, "{mode:?}");
+    // tiny, and tiny with a dense first layer and shared experts (the SwiGLU FFN's promises).
+    let tiny = preset("tiny").unwrap().model;
+    let mut ffn = tiny.clone();
+    ffn.dense_layers = 1;
+    ffn.dense_hidden = 96;
+    ffn.shared_experts = 1;
+    ffn.shared_expert_hidden = 40;
+    for c in [tiny, ffn] {
+        for mode in [AcMode::None, AcMode::Full] {
+            let (g1, o1) = tiny_grads(&c, &CpuBackend::default(), mode, ComputeDtype::Bf16);
+            let be = CpuBackend::default().with_cast_promises(false);
+            let (g0, o0) = tiny_grads(&c, &be, mode, ComputeDtype::Bf16);
+            assert_eq!(o1.loss, o0.loss);
+            assert_eq!(g1, g0, "{mode:?}, {} dense layer(s)", c.dense_layers);
+        }
     }
 }
 
