@@ -393,7 +393,10 @@ pub fn forward_backward_with(
             .bf16_inputs(model.bf16)
             .beta(1.0);
         be.gemm(grads.get_mut(model.lm_head).view_mut(), logits, xf, gw);
-        let gx = Gemm::new(rows, h, v, false, false).bf16_inputs(model.bf16);
+        // The logits' gradient again in A (the largest operand a step casts: rows · vocab).
+        let gx = Gemm::new(rows, h, v, false, false)
+            .bf16_inputs(model.bf16)
+            .unchanged(true, false);
         be.gemm(
             g.dxn.slice_mut(r0 * h, rows * h),
             logits,
