@@ -600,9 +600,11 @@ pub(crate) fn block_backward(
         w(li.o),
         Gemm::new(n, qd, h, false, false).bf16_inputs(cx.model.bf16),
     );
+    // dres again in A: nothing wrote it since the call above cast it.
     let go = Gemm::new(h, qd, n, true, false)
         .bf16_inputs(cx.model.bf16)
-        .beta(1.0);
+        .beta(1.0)
+        .unchanged(true, false);
     be.gemm(
         grads.get_mut(li.o).view_mut(),
         g.dres.view(),
