@@ -637,7 +637,7 @@ fn gradients_accumulate_scaled() {
 }
 
 #[test]
-fn the_experts_cast_promises_keep_every_bit() {
+fn the_cast_promises_keep_every_bit() {
     // Under bf16 compute the routed experts, the attention projections and the SwiGLU FFNs
     // promise that an operand is unchanged since the last GEMM read it (`Gemm::unchanged`) and the backend skips the cast; ignoring every promise
     // casts each time. A promise on an operand that did change (dU read where dG was cast, say)
