@@ -418,6 +418,24 @@ __device__ __forceinline__ void b_from_cols(unsigned* b, smem_t x, int ld, int n
     ldsm_x4<true>(
         b, smem_at(x, (k0 + 8 * ((lane >> 3) & 1) + (lane & 7)) * ld + 8 * n0 + 8 * (lane >> 4)));
 }
+// c = a x^T over NT n-tiles of 8 (c's 8 NT columns are x's rows) and HD / 16 k-steps, with a
+// warp's A operands in registers and x a shared tile read by rows: the scores S = Q K^T, and
+// the backward's S, dP and their transposes.
+template <int HD, int NT>
+__device__ __forceinline__ void product_rows(float (*c)[4], const unsigned (*a)[4], smem_t x,
+                                             int ld) {
+#pragma unroll
+    for (int n = 0; n < NT; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NT; n += 2)
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            unsigned bb[4];
+            b_from_rows(bb, x, ld, n, kk * 16);
+            mma_bf16_16816(c[n], a[kk], bb);
+            mma_bf16_16816(c[n + 1], a[kk], bb + 2);
+        }
+}
 // Global loads element by element: a view may start at any element.
 __device__ __forceinline__ unsigned ldg_pair(const bf16* p) {
     return (unsigned)p[0] | ((unsigned)p[1] << 16);
@@ -580,17 +598,7 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
         const smem_t ks = smem(stage(it)), vs = smem(stage(it) + TC_BK * KS);
         float s[TC_BK / 8][4];
-#pragma unroll
-        for (int n = 0; n < TC_BK / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-        for (int n = 0; n < TC_BK / 8; n += 2)
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                unsigned bb[4];
-                b_from_rows(bb, ks, KS, n, kk * 16);
-                mma_bf16_16816(s[n], qa[kk], bb);
-                mma_bf16_16816(s[n + 1], qa[kk], bb + 2);
-            }
+        product_rows<HD, TC_BK / 8>(s, qa, ks, KS);
         // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum. Only a
         // tile that crosses the diagonal or the end of the keys masks (warp-uniform).
         const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
@@ -718,22 +726,8 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
         for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
             const smem_t qsm = smem(Qs + h0 * S), dsm = smem(Ds + h0 * S);
             float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
-#pragma unroll
-            for (int n = 0; n < TC_HQ / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) sp[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-            for (int n = 0; n < TC_HQ / 8; n += 2)
-#pragma unroll
-                for (int kk = 0; kk < HD / 16; kk++) {
-                    unsigned bq[4], bd[4];
-                    b_from_rows(bq, qsm, S, n, kk * 16);
-                    b_from_rows(bd, dsm, S, n, kk * 16);
-                    mma_bf16_16816(sp[n], ka[kk], bq);
-                    mma_bf16_16816(sp[n + 1], ka[kk], bq + 2);
-                    mma_bf16_16816(dp[n], va[kk], bd);
-                    mma_bf16_16816(dp[n + 1], va[kk], bd + 2);
-                }
+            product_rows<HD, TC_HQ / 8>(sp, ka, qsm, S);
+            product_rows<HD, TC_HQ / 8>(dp, va, dsm, S);
             // Only a tile that crosses the diagonal or an end masks (warp-uniform).
             const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
 #pragma unroll
@@ -833,22 +827,8 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         const bf16 *Ks = stage(it), *Vs = stage(it) + TC_BK * S;
         const smem_t ks = smem(Ks), vs = smem(Vs);
         float s[TC_BK / 8][4], dp[TC_BK / 8][4];
-#pragma unroll
-        for (int n = 0; n < TC_BK / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-        for (int n = 0; n < TC_BK / 8; n += 2)
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                unsigned bk[4], bv[4];
-                b_from_rows(bk, ks, S, n, kk * 16);
-                b_from_rows(bv, vs, S, n, kk * 16);
-                mma_bf16_16816(s[n], qa[kk], bk);
-                mma_bf16_16816(s[n + 1], qa[kk], bk + 2);
-                mma_bf16_16816(dp[n], da[kk], bv);
-                mma_bf16_16816(dp[n + 1], da[kk], bv + 2);
-            }
+        product_rows<HD, TC_BK / 8>(s, qa, ks, S);
+        product_rows<HD, TC_BK / 8>(dp, da, vs, S);
         // Only a tile that crosses the diagonal or an end masks (warp-uniform).
         const bool full = r0 + 16 <= tq && j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
 #pragma unroll
