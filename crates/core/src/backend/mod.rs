@@ -187,30 +187,31 @@ pub struct CastSlot {
 }
 
 impl CastSlot {
-    /// Whether the first `n` elements of `v` need casting into the slot: not when `unchanged`
-    /// is promised and the slot holds at least those elements of the same view (and has room
-    /// for all of `v`, which the GEMM is handed).
-    pub fn needs_cast(&self, v: &View, n: usize, unchanged: bool) -> bool {
+    /// The first `n` elements of `v` (at most its length) cast into the slot by `cast(tensor,
+    /// n)`, the tensor first grown to `v.len()` elements by `alloc` if short (the old one freed
+    /// first, so the ledger's peak holds one of them); nothing where `unchanged` is promised and
+    /// the slot holds at least those elements of the same view, with room for all of `v`.
+    pub fn cast_into(
+        &mut self,
+        v: &View,
+        n: usize,
+        unchanged: bool,
+        alloc: impl FnOnce(usize) -> Tensor,
+        cast: impl FnOnce(&mut Tensor, usize),
+    ) {
+        let n = n.min(v.len());
         let (at, dt) = view_place(v);
         let room = self.tensor.as_ref().is_some_and(|t| t.len() >= v.len());
-        !(unchanged
-            && room
-            && matches!(self.holds, Some((a, d, m)) if a == at && d == dt && m >= n))
-    }
-    /// The slot's tensor, at least `len` elements of `dtype` (`alloc` makes one; the old one is
-    /// freed first, so the ledger's peak holds one of them). It is about to be overwritten, so
-    /// it holds nothing until [`Self::cast_from`].
-    pub fn tensor_for(&mut self, len: usize, alloc: impl FnOnce(usize) -> Tensor) -> &mut Tensor {
-        self.holds = None;
-        if self.tensor.as_ref().is_none_or(|t| t.len() < len) {
-            self.tensor = None;
-            self.tensor = Some(alloc(len));
+        let held = matches!(self.holds, Some((a, d, m)) if a == at && d == dt && m >= n);
+        if unchanged && room && held {
+            return;
         }
-        self.tensor.as_mut().expect("cast slot")
-    }
-    /// Record that the tensor now holds `n` elements cast from `v`.
-    pub fn cast_from(&mut self, v: &View, n: usize) {
-        let (at, dt) = view_place(v);
+        self.holds = None;
+        if !room {
+            self.tensor = None;
+            self.tensor = Some(alloc(v.len()));
+        }
+        cast(self.tensor.as_mut().expect("cast slot"), n);
         self.holds = Some((at, dt, n));
     }
     /// The tensor's first `len` elements.

@@ -564,15 +564,13 @@ impl CpuBackend {
     /// `n` values of `v` rounded to bf16 into `slot` (grown to `v.len()` first if short),
     /// unless `unchanged` is promised and the slot holds them already (see [`Gemm::unchanged`]).
     fn round_into_slot(&self, slot: &mut CastSlot, v: View, n: usize, unchanged: bool) {
-        let n = n.min(v.len());
-        if !slot.needs_cast(&v, n, unchanged) {
-            return;
-        }
-        let t = slot.tensor_for(v.len(), |len| {
-            self.zeros_of(&[len], DType::F32, Category::Buffers)
-        });
-        round_into(t.view_mut().host::<f32>(), v, n);
-        slot.cast_from(&v, n);
+        slot.cast_into(
+            &v,
+            n,
+            unchanged,
+            |len| self.zeros_of(&[len], DType::F32, Category::Buffers),
+            |t, n| round_into(t.view_mut().host::<f32>(), v, n),
+        );
     }
 
     /// [`Self::with_bf16_operands`] for the one operand of a symmetric product: rounded once,

@@ -311,15 +311,13 @@ impl CudaBackend {
     /// `n` values of `v` cast to bf16 into `slot` (grown to `v.len()` first if short), unless
     /// `unchanged` is promised and the slot holds them already (see `Gemm::unchanged`).
     fn cast_into_slot(&self, slot: &mut CastSlot, v: View, n: usize, unchanged: bool) {
-        let n = n.min(v.len());
-        if !slot.needs_cast(&v, n, unchanged) {
-            return;
-        }
-        let t = slot.tensor_for(v.len(), |len| {
-            self.zeros_of(&[len], DType::BF16, Category::Buffers)
-        });
-        Blas::cast(self, t.slice_mut(0, n), v.slice(0, n));
-        slot.cast_from(&v, n);
+        slot.cast_into(
+            &v,
+            n,
+            unchanged,
+            |len| self.zeros_of(&[len], DType::BF16, Category::Buffers),
+            |t, n| Blas::cast(self, t.slice_mut(0, n), v.slice(0, n)),
+        );
     }
 }
 
