@@ -532,6 +532,24 @@ __device__ __forceinline__ void load_a_rows(unsigned (*a)[4], const bf16* x, int
         }
 }
 
+// Two tiles a stage ([64][HD + pad] each: K and V, or Q and dO) in tc_stages(HD) stages of the
+// shared block sm: tile it uses stage it % stages.
+template <int HD>
+struct TilePair {
+    bf16* sm;
+    static constexpr int LD = HD + TC_PAD;
+    __device__ __forceinline__ bf16* first(int it) const {
+        return sm + it % tc_stages(HD) * 2 * 64 * LD;
+    }
+    __device__ __forceinline__ bf16* second(int it) const { return first(it) + 64 * LD; }
+    // Rows r0 .. r0 + 63 of x and of y (rs apart, n in all) into tile it's stage by cp.async.
+    __device__ __forceinline__ void issue(int it, const bf16* x, const bf16* y, long long rs,
+                                          int r0, int n) const {
+        tile_to_shared<HD, true>(first(it), LD, x, rs, r0, n);
+        tile_to_shared<HD, true>(second(it), LD, y, rs, r0, n);
+    }
+};
+
 // The tile loop's copies over STAGES stage buffers (`issue(it)` starts tile it's copies into
 // its stage, `it % STAGES`). With two, tile 0 is issued before the loop and each iteration
 // issues tile it + 1 into the other stage, then waits for tile it only, so the next tile's
@@ -584,19 +602,15 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);  // keys the block needs
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);         // keys this warp needs
-    // Tile it's K and V ([TC_BK][KS] each) into its stage's buffers.
-    auto stage = [&](int it) { return sm + it % tc_stages(HD) * 2 * TC_BK * KS; };
-    auto issue = [&](int it) {
-        tile_to_shared<HD, true>(stage(it), KS, kb, kvrs, it * TC_BK, tk);
-        tile_to_shared<HD, true>(stage(it) + TC_BK * KS, KS, vb, kvrs, it * TC_BK, tk);
-    };
+    const TilePair<HD> kv{sm};  // K and V
+    auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, it * TC_BK, tk); };
     const int nt = (bend + TC_BK - 1) / TC_BK;
     tiles_begin<tc_stages(HD)>(issue, nt);
     for (int it = 0; it < nt; it++) {
         const int j0 = it * TC_BK;
         tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
-        const smem_t ks = smem(stage(it)), vs = smem(stage(it) + TC_BK * KS);
+        const smem_t ks = smem(kv.first(it)), vs = smem(kv.second(it));
         float s[TC_BK / 8][4];
         product_rows<HD, TC_BK / 8>(s, qa, ks, KS);
         // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum. Only a
@@ -700,12 +714,11 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     // lse (times log2 e, for ex2) and delta into its stage's buffers, as the forward's K and V.
     const int per_h = (tq - first + TC_BQ - 1) / TC_BQ, nt = rep * per_h;
     const long long qrs = (long long)heads * HD;
-    auto stage = [&](int it) { return sm + it % tc_stages(HD) * 2 * TC_BQ * S; };
+    const TilePair<HD> qd{sm};  // Q and dO
     auto issue = [&](int it) {
         const int h = g * rep + it / per_h, i0 = first + it % per_h * TC_BQ;
         const long long qo = q_off(b, 0, h, tq, heads, HD);
-        tile_to_shared<HD, true>(stage(it), S, q + qo, qrs, i0, tq);
-        tile_to_shared<HD, true>(stage(it) + TC_BQ * S, S, dout + qo, qrs, i0, tq);
+        qd.issue(it, q + qo, dout + qo, qrs, i0, tq);
         float *ls = Ls + it % tc_stages(HD) * TC_BQ, *dl = Dl + it % tc_stages(HD) * TC_BQ;
         for (int ii = threadIdx.x; ii < TC_BQ; ii += blockDim.x) {
             const int i = i0 + ii;
@@ -718,7 +731,7 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     for (int it = 0; it < nt; it++) {
         const int i0 = first + it % per_h * TC_BQ;
         tiles_next<tc_stages(HD)>(issue, it, nt);
-        const bf16 *Qs = stage(it), *Ds = stage(it) + TC_BQ * S;
+        const bf16 *Qs = qd.first(it), *Ds = qd.second(it);
         const float *Lt = Ls + it % tc_stages(HD) * TC_BQ, *Dt = Dl + it % tc_stages(HD) * TC_BQ;
         const int ilast = (i0 + TC_BQ < tq ? i0 + TC_BQ : tq) - 1;
         if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
@@ -812,20 +825,15 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);
-    // Tile it's K and V ([TC_BK][S] each) into its stage's buffers, as the forward.
-    auto stage = [&](int it) { return sm + it % tc_stages(HD) * 2 * TC_BK * S; };
-    auto issue = [&](int it) {
-        tile_to_shared<HD, true>(stage(it), S, kb, kvrs, it * TC_BK, tk);
-        tile_to_shared<HD, true>(stage(it) + TC_BK * S, S, vb, kvrs, it * TC_BK, tk);
-    };
+    const TilePair<HD> kv{sm};  // K and V, as the forward
+    auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, it * TC_BK, tk); };
     const int nt = (bend + TC_BK - 1) / TC_BK;
     tiles_begin<tc_stages(HD)>(issue, nt);
     for (int it = 0; it < nt; it++) {
         const int j0 = it * TC_BK;
         tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform
-        const bf16 *Ks = stage(it), *Vs = stage(it) + TC_BK * S;
-        const smem_t ks = smem(Ks), vs = smem(Vs);
+        const smem_t ks = smem(kv.first(it)), vs = smem(kv.second(it));
         float s[TC_BK / 8][4], dp[TC_BK / 8][4];
         product_rows<HD, TC_BK / 8>(s, qa, ks, S);
         product_rows<HD, TC_BK / 8>(dp, da, vs, S);
@@ -901,7 +909,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
     }
 // dk/dv at head_dim 64 (medium's) held to 3 blocks an SM (168 registers; 180 unbounded, which
-// leaves 2): 24 bytes of stack for one block in three more. The others as ptxas chooses.
+// leaves 2): 32 bytes of stack for one block in three more. The others as ptxas chooses.
 GANY_ATTENTION_TC(16, 1)
 GANY_ATTENTION_TC(32, 1)
 GANY_ATTENTION_TC(64, 3)
