@@ -322,6 +322,16 @@ fn staged_writes(be: &CudaBackend) -> Result<String, String> {
         be.write_u32(d.view_mut(), &data(i, 0));
     }
     be.synchronize();
+    // Every slot at the largest write's slot size now (the planner's rule).
+    let largest = 4 * lens.iter().max().copied().unwrap_or(0);
+    let ring = (SLOTS * ganymede_config::staging_slot_bytes(largest)) as u64;
+    let pinned = be
+        .ledger()
+        .report()
+        .current(ganymede_core::Device::Host, Category::Buffers);
+    ensure(pinned >= ring, || {
+        format!("{pinned} bytes of pinned buffers on the ledger, fewer than the ring's {ring}")
+    })?;
     let start = be.record_event(Stream::Compute);
     for _ in 0..3 {
         be.gemm(c.view_mut(), a.view(), b.view(), g);
@@ -370,7 +380,8 @@ fn staged_writes(be: &CudaBackend) -> Result<String, String> {
     Ok(format!(
         "{SLOTS} u32 writes (1 to 20,000 words) returned in {host_ms:.2} ms on the host while \
          {gemm_ms:.2} ms of GEMMs ahead of them ran; {} writes in all landed in stream order; a \
-         copy queued behind a GEMM read a staged write.\n",
+         copy queued behind a GEMM read a staged write. Pinned buffers on the ledger after the \
+         first round: {pinned} bytes (the ring: {ring}).\n",
         7 * SLOTS + SLOTS / 2
     ))
 }

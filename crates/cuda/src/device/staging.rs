@@ -31,8 +31,8 @@ pub struct Staging {
 }
 
 struct Slot {
-    /// Pinned host memory, u32 words.
-    host: Tensor,
+    /// Pinned host memory, u32 words (none only while it is being replaced).
+    host: Option<Tensor>,
     bytes: usize,
     copied: Option<CudaEvent>,
 }
@@ -59,9 +59,13 @@ impl CudaBackend {
         }
         ring.bytes = ring.bytes.max(staging_slot_bytes(src.len()));
         if ring.slots.get(i).is_none_or(|s| s.bytes < ring.bytes) {
+            if let Some(old) = ring.slots.get_mut(i) {
+                // Freed first, so the ledger's peak holds the slots the planner counts.
+                old.host = None;
+            }
             let bytes = ring.bytes;
             let slot = Slot {
-                host: self.pinned_zeros_of(&[bytes / 4], DType::U32, Category::Buffers),
+                host: Some(self.pinned_zeros_of(&[bytes / 4], DType::U32, Category::Buffers)),
                 bytes,
                 copied: None,
             };
@@ -72,7 +76,7 @@ impl CudaBackend {
             }
         }
         let slot = &mut ring.slots[i];
-        let host = super::memory::place(&slot.host.view());
+        let host = super::memory::place(&slot.host.as_ref().expect("staging slot").view());
         // SAFETY: the slot holds `slot.bytes ≥ src.len()` bytes and no copy reads it now (its
         // last one completed above).
         unsafe {
