@@ -30,6 +30,11 @@ fn cfg(name: OptimizerName) -> OptimizerConfig {
     }
 }
 
+/// Standard normal values for every tensor of `specs`, in order.
+fn normals(rng: &mut Rng, specs: &[ParamSpec]) -> Vec<Vec<f64>> {
+    specs.iter().map(|s| rng.normals(s.numel())).collect()
+}
+
 fn store(be: &CpuBackend, specs: &[ParamSpec], data: &[Vec<f64>], cat: Category) -> ParamStore {
     let t = specs
         .iter()
@@ -131,7 +136,7 @@ impl Reference {
 fn compare(be: &CpuBackend, cfg: &OptimizerConfig, steps: usize, seed: u64) -> Vec<f64> {
     let specs = specs();
     let mut rng = Rng::new(seed);
-    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
     let mut params = store(be, &specs, &init, Category::Params);
     let mut want = init.clone();
     let mut opt = Optimizer::new(be, cfg, &specs);
@@ -264,8 +269,8 @@ fn buffers_are_never_updated() {
     let be = CpuBackend::default();
     let specs = specs();
     let mut rng = Rng::new(11);
-    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
-    let grads: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
+    let grads: Vec<Vec<f64>> = normals(&mut rng, &specs);
     for name in [OptimizerName::Muon, OptimizerName::Adamw] {
         let mut params = store(&be, &specs, &init, Category::Params);
         let grads = store(&be, &specs, &grads, Category::Grads);
@@ -342,10 +347,8 @@ fn state_round_trip_is_bit_identical() {
     let specs = specs();
     let c = cfg(OptimizerName::Muon);
     let mut rng = Rng::new(12);
-    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
-    let gs: Vec<Vec<Vec<f64>>> = (0..5)
-        .map(|_| specs.iter().map(|s| rng.normals(s.numel())).collect())
-        .collect();
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
+    let gs: Vec<Vec<Vec<f64>>> = (0..5).map(|_| normals(&mut rng, &specs)).collect();
     let mut params = store(&be, &specs, &init, Category::Params);
     let mut opt = Optimizer::new(&be, &c, &specs);
     for g in &gs[..3] {
@@ -459,10 +462,8 @@ fn parallel_and_sequential_muon_agree_bitwise() {
         ParamKind::Experts,
     ));
     let mut rng = Rng::new(14);
-    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
-    let gs: Vec<Vec<Vec<f64>>> = (0..3)
-        .map(|_| specs.iter().map(|s| rng.normals(s.numel())).collect())
-        .collect();
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
+    let gs: Vec<Vec<Vec<f64>>> = (0..3).map(|_| normals(&mut rng, &specs)).collect();
     let be = CpuBackend::default();
     let run = |threads: usize, parallel: bool| {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -511,10 +512,8 @@ fn batched_stacks_agree_bitwise_with_matrix_by_matrix() {
     assert_eq!(ganymede_config::ns_stack_batch(20, 12, 7, budget), 3);
     assert_eq!(ganymede_config::ns_stack_batch(8, 6, 3, budget), 3);
     let mut rng = Rng::new(15);
-    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
-    let gs: Vec<Vec<Vec<f64>>> = (0..2)
-        .map(|_| specs.iter().map(|s| rng.normals(s.numel())).collect())
-        .collect();
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
+    let gs: Vec<Vec<Vec<f64>>> = (0..2).map(|_| normals(&mut rng, &specs)).collect();
     let be = CpuBackend::default();
     let run = |batched: Option<usize>, offload: bool, ns_dtype: ganymede_config::NsDtype| {
         let mut c = cfg(OptimizerName::Muon);
@@ -571,8 +570,8 @@ fn ns_dtype_auto_is_f32_on_the_cpu_and_bf16_differs() {
     use ganymede_config::NsDtype;
     let specs = specs();
     let mut rng = Rng::new(15);
-    let init: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
-    let g: Vec<Vec<f64>> = specs.iter().map(|s| rng.normals(s.numel())).collect();
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
+    let g: Vec<Vec<f64>> = normals(&mut rng, &specs);
     let be = CpuBackend::default();
     let run = |ns_dtype: NsDtype, parallel: bool| {
         let pool = rayon::ThreadPoolBuilder::new()
