@@ -255,14 +255,8 @@ pub enum ComputeDtype {
 // By hand so that a bad value names its key (serde's "unknown variant" does not).
 impl<'de> Deserialize<'de> for ComputeDtype {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        match s.as_str() {
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            _ => Err(serde::de::Error::custom(format!(
-                "invalid value for training.compute_dtype = '{s}': expected \"f32\" or \"bf16\""
-            ))),
-        }
+        let choices = [("f32", Self::F32), ("bf16", Self::Bf16)];
+        one_of(d, "training.compute_dtype", &choices)
     }
 }
 
@@ -363,37 +357,43 @@ impl NsBatch {
     }
 }
 
-// By hand so that a bad value names its key.
+// By hand so that a bad value names its key, as `ComputeDtype`.
 impl<'de> Deserialize<'de> for NsBatch {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        match s.as_str() {
-            "auto" => Ok(NsBatch::Auto),
-            "on" => Ok(NsBatch::On),
-            "off" => Ok(NsBatch::Off),
-            _ => Err(serde::de::Error::custom(format!(
-                "invalid value for optimizer.ns_batch = '{s}': expected \"auto\", \"on\" or \"off\""
-            ))),
-        }
+        let choices = [("auto", Self::Auto), ("on", Self::On), ("off", Self::Off)];
+        one_of(d, "optimizer.ns_batch", &choices)
     }
 }
 
-/// A key whose value is `auto`, `f32` or `bf16`, read into `choices` in that order; any other
-/// value is an error naming `key`.
+/// A key whose value is one of `choices`' names, read into its value; any other value is an
+/// error naming `key` and the choices (serde's "unknown variant" names neither).
+fn one_of<'de, D: serde::Deserializer<'de>, T: Copy>(
+    d: D,
+    key: &str,
+    choices: &[(&str, T)],
+) -> Result<T, D::Error> {
+    let s = String::deserialize(d)?;
+    if let Some(&(_, v)) = choices.iter().find(|(name, _)| *name == s) {
+        return Ok(v);
+    }
+    let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+    let expected = match names.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
+    Err(serde::de::Error::custom(format!(
+        "invalid value for {key} = '{s}': expected {expected}"
+    )))
+}
+
+/// `auto`, `f32` or `bf16` ([`one_of`]).
 fn auto_f32_bf16<'de, D: serde::Deserializer<'de>, T: Copy>(
     d: D,
     key: &str,
     [auto, f32, bf16]: [T; 3],
 ) -> Result<T, D::Error> {
-    let s = String::deserialize(d)?;
-    match s.as_str() {
-        "auto" => Ok(auto),
-        "f32" => Ok(f32),
-        "bf16" => Ok(bf16),
-        _ => Err(serde::de::Error::custom(format!(
-            "invalid value for {key} = '{s}': expected \"auto\", \"f32\" or \"bf16\""
-        ))),
-    }
+    one_of(d, key, &[("auto", auto), ("f32", f32), ("bf16", bf16)])
 }
 
 /// Operand precision of Newton–Schulz's matrix products (`optimizer.ns_dtype`). Accumulation
