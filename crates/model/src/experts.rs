@@ -100,16 +100,12 @@ pub(crate) fn expert_groups(
         .collect()
 }
 
-/// `groups` with the promise of `Gemm::unchanged` for A and B.
-fn unchanged(
+/// `groups` with `f` applied to each GEMM (a promise of `Gemm::unchanged`, a beta).
+fn each(
     groups: &[(Gemm, usize, usize, usize)],
-    a: bool,
-    b: bool,
+    f: impl Fn(Gemm) -> Gemm,
 ) -> Vec<(Gemm, usize, usize, usize)> {
-    groups
-        .iter()
-        .map(|&(g, x, y, z)| (g.unchanged(a, b), x, y, z))
-        .collect()
+    groups.iter().map(|&(g, x, y, z)| (f(g), x, y, z)).collect()
 }
 
 impl ExpertExecutor for LocalExperts {
@@ -138,7 +134,12 @@ impl ExpertExecutor for LocalExperts {
         });
         be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
         // The same rows again: a bf16 backend reuses their cast (`Gemm::unchanged`).
-        be.gemm_grouped(u.reborrow(), xe, wu.view(), &unchanged(&gs, true, false));
+        be.gemm_grouped(
+            u.reborrow(),
+            xe,
+            wu.view(),
+            &each(&gs, |g| g.unchanged(true, false)),
+        );
         // The views may be longer than the routed rows (an expert-parallel owner's buffers are
         // sized for the most it can receive): the element-wise op covers the rows only.
         let n = io.offsets.last().copied().unwrap_or(0) * f;
@@ -204,7 +205,7 @@ impl ExpertExecutor for LocalExperts {
             grads.get_mut(io.down).view_mut(),
             dye,
             a,
-            &unchanged(&gs, true, false),
+            &each(&gs, |g| g.unchanged(true, false)),
         );
         // Routed rows only, as in the forward.
         let n = off.last().copied().unwrap_or(0) * f;
@@ -233,14 +234,15 @@ impl ExpertExecutor for LocalExperts {
             (gm, r0 * f, r0 * h, ex * f * h)
         });
         be.gemm_grouped(dxe.reborrow(), dg.as_view(), wg.view(), &gx);
-        let gw_g = unchanged(&gw, true, false);
+        let gw_g = each(&gw, |g| g.unchanged(true, false));
         be.gemm_grouped(grads.get_mut(io.gate).view_mut(), dg.as_view(), xe, &gw_g);
-        let gx: Vec<_> = gx
-            .iter()
-            .map(|&(g, a, b, c)| (g.beta(1.0), a, b, c))
-            .collect();
-        be.gemm_grouped(dxe.reborrow(), du.as_view(), wu.view(), &gx);
-        let gw_u = unchanged(&gw, true, true);
+        be.gemm_grouped(
+            dxe.reborrow(),
+            du.as_view(),
+            wu.view(),
+            &each(&gx, |g| g.beta(1.0)),
+        );
+        let gw_u = each(&gw, |g| g.unchanged(true, true));
         be.gemm_grouped(grads.get_mut(io.up).view_mut(), du.as_view(), xe, &gw_u);
     }
 }

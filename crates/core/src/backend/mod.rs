@@ -141,8 +141,8 @@ pub struct Gemm {
     /// operand's view since a bf16-input GEMM on this backend last read it in the same position.
     /// A backend whose cast scratch for that position still holds that view's cast (it checks
     /// the view's place and length, see [`CastSlot`]) multiplies it instead of casting again;
-    /// otherwise it casts as usual. The routed experts read the same rows twice in a row (gate
-    /// and up read `xe`; backward reads `dye`, `dg`, `du` and `xe` twice each).
+    /// otherwise it casts as usual. The model promises where a GEMM reads what the GEMM before
+    /// it read (the experts' `xe`, attention's normed rows, the logits' gradient; docs/cuda.md).
     pub unchanged: [bool; 2],
 }
 
@@ -181,7 +181,7 @@ fn view_place(v: &View) -> (usize, DType) {
 /// promising [`Gemm::unchanged`] can use it as it is.
 #[derive(Default)]
 pub struct CastSlot {
-    pub tensor: Option<Tensor>,
+    tensor: Option<Tensor>,
     /// The view the tensor's first `n` elements were cast from: (address, dtype, n).
     holds: Option<(usize, DType, usize)>,
 }

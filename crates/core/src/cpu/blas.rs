@@ -5,7 +5,7 @@
 //! ([`syrk_avx2`]) and a fallback of `matrixmultiply` strips of its lower triangle.
 
 use super::{gemm_avx2, syrk_avx2, CpuBackend, PAR_MIN};
-use crate::backend::{Blas, CastSlot, Gemm, Memory, Syrk};
+use crate::backend::{extent, Blas, CastSlot, Gemm, Memory, Syrk};
 use crate::ledger::Category;
 use crate::tensor::{DType, Scalar, View, ViewMut};
 use rayon::prelude::*;
@@ -210,8 +210,6 @@ impl GemmScalar for f64 {
         matrixmultiply::dgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
     }
 }
-
-use crate::backend::extent;
 
 /// Row-major GEMM on host slices, with bounds checked once up front.
 pub fn gemm_host<S: GemmScalar>(c: &mut [S], a: &[S], b: &[S], g: Gemm) {

@@ -11,9 +11,10 @@ use ganymede_core::{Blas, CastSlot, Category, DType, Gemm, Memory, Syrk, Tensor,
 
 /// The device arrays of pointers a grouped cuBLAS call reads (its `Aarray`, `Barray`,
 /// `Carray`): one device buffer, written through the staging ring on the compute stream ahead
-/// of each call (stream order keeps a write behind the previous call's reads; the lock, held
-/// from the write until the call is queued, keeps another thread's write from coming between). It grows to the
-/// largest call and is then reused: after the first step, grouped GEMMs allocate nothing.
+/// of each call. Stream order keeps a write behind the previous call's reads; the lock, held
+/// from the write until the call is queued, keeps another thread's write from coming between.
+/// It grows to the largest call and is then reused: after the first step, grouped GEMMs
+/// allocate nothing.
 #[derive(Default)]
 pub struct PtrArrays {
     dev: Option<Tensor>,
