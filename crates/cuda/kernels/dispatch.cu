@@ -109,11 +109,12 @@ extern "C" __global__ void dispatch_place(unsigned* src, unsigned* pos, const un
     });
 }
 
-// xe[r] = x[src[r]]. Launch: grid = dispatched rows, any 1-D block.
-template <class T>
-__device__ void gather_fwd(T* xe, const T* x, const unsigned* src, int dim) {
+// xe[r] = x[src[r]], in xe's storage O (bf16 from f32 rounds; in one storage the bits are
+// copied). Launch: grid = dispatched rows, any 1-D block.
+template <class O, class T>
+__device__ void gather_fwd(O* xe, const T* x, const unsigned* src, int dim) {
     const long long r = blockIdx.x, t = src[r];
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) xe[r * dim + i] = x[t * dim + i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) st(xe + r * dim + i, ld(x + t * dim + i));
 }
 
 // dx[t] += Σ_j dxe[pos[t*k + j]], j in order. Launch: grid tokens, any 1-D block.
@@ -141,9 +142,10 @@ __device__ void combine_fwd(T* out, const T* ye, const float* w, const unsigned*
 }
 
 // dw[t*k + j] = dout[t] · ye[pos], dye[pos] = w[t*k + j] * dout[t] (both overwritten; pos is a
-// permutation, so each dye row is written once). Launch: grid tokens, block a multiple of 32.
-template <class T>
-__device__ void combine_bwd(T* dye, float* dw, const T* dout, const T* ye, const float* w,
+// permutation, so each dye row is written once), dye in its storage O (bf16 from f32 rounds).
+// Launch: grid tokens, block a multiple of 32.
+template <class O, class T>
+__device__ void combine_bwd(O* dye, float* dw, const T* dout, const T* ye, const float* w,
                             const unsigned* pos, int k, int dim) {
     const long long t = blockIdx.x;
     for (int j = 0; j < k; j++) {
@@ -179,3 +181,15 @@ __device__ void combine_bwd(T* dye, float* dw, const T* dout, const T* ye, const
     }
 GANY_DISPATCH(f32, float)
 GANY_DISPATCH(bf16, bf16)
+// The experts' rows under bf16 compute: f32 tokens dispatched into bf16 rows, and the combine's
+// f32 gradient written as bf16 rows.
+extern "C" __global__ void moe_gather_f32_to_bf16(bf16* xe, const float* x, const unsigned* src,
+                                                  int dim) {
+    gather_fwd(xe, x, src, dim);
+}
+extern "C" __global__ void moe_combine_backward_f32_to_bf16(bf16* dye, float* dw,
+                                                            const float* dout, const float* ye,
+                                                            const float* w, const unsigned* pos,
+                                                            int k, int dim) {
+    combine_bwd(dye, dw, dout, ye, w, pos, k, dim);
+}

@@ -72,16 +72,18 @@ extern "C" __global__ void sum_acc_f64(double* acc, const double* partial, int n
 // SwiGLU: out = silu(gate) * up, in the CPU backend's order of operations.
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(0.0f - g)); }
 
-template <class T>
-__device__ void swiglu_fwd(T* out, const T* gate, const T* up, long long n) {
+// O, the output's storage, may be bf16 where T is f32: the f32 result rounded once (the rows a
+// bf16-input GEMM reads next).
+template <class O, class T>
+__device__ void swiglu_fwd(O* out, const T* gate, const T* up, long long n) {
     for (long long i = global_tid(); i < n; i += grid_threads()) {
         float g = ld(gate + i), u = ld(up + i);
         st(out + i, g * sigmoid(g) * u);
     }
 }
 // dgate, dup overwritten.
-template <class T>
-__device__ void swiglu_bwd(T* dgate, T* dup, const T* dout, const T* gate, const T* up,
+template <class O, class T>
+__device__ void swiglu_bwd(O* dgate, O* dup, const T* dout, const T* gate, const T* up,
                            long long n) {
     for (long long i = global_tid(); i < n; i += grid_threads()) {
         float d = ld(dout + i), g = ld(gate + i), u = ld(up + i);
@@ -90,19 +92,16 @@ __device__ void swiglu_bwd(T* dgate, T* dup, const T* dout, const T* gate, const
         st(dgate + i, d * u * s * (1.0f + g * (1.0f - s)));
     }
 }
-extern "C" __global__ void swiglu_forward_f32(float* out, const float* gate, const float* up,
-                                              long long n) {
-    swiglu_fwd(out, gate, up, n);
-}
-extern "C" __global__ void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up,
-                                               long long n) {
-    swiglu_fwd(out, gate, up, n);
-}
-extern "C" __global__ void swiglu_backward_f32(float* dgate, float* dup, const float* dout,
-                                               const float* gate, const float* up, long long n) {
-    swiglu_bwd(dgate, dup, dout, gate, up, n);
-}
-extern "C" __global__ void swiglu_backward_bf16(bf16* dgate, bf16* dup, const bf16* dout,
-                                                const bf16* gate, const bf16* up, long long n) {
-    swiglu_bwd(dgate, dup, dout, gate, up, n);
-}
+// swiglu_forward_f32, _bf16 (one storage) and _f32_to_bf16 (f32 inputs, bf16 outputs).
+#define GANY_SWIGLU(S, O, T)                                                                    \
+    extern "C" __global__ void swiglu_forward_##S(O* out, const T* gate, const T* up,           \
+                                                  long long n) {                                \
+        swiglu_fwd(out, gate, up, n);                                                           \
+    }                                                                                           \
+    extern "C" __global__ void swiglu_backward_##S(O* dgate, O* dup, const T* dout,             \
+                                                   const T* gate, const T* up, long long n) {   \
+        swiglu_bwd(dgate, dup, dout, gate, up, n);                                              \
+    }
+GANY_SWIGLU(f32, float, float)
+GANY_SWIGLU(bf16, bf16, bf16)
+GANY_SWIGLU(f32_to_bf16, bf16, float)

@@ -9,7 +9,8 @@
 //! Conventions the device side follows (`ops` launches each op this way, for the host build and
 //! the GPU alike; `tests/host_kernels.rs` checks each against the CPU backend):
 //! - names end in the storage type of the activations, `_f32` or `_bf16` (f32 arithmetic
-//!   either way); saved statistics (rstd, lse, delta) and weight gradients are f32, sums that
+//!   either way), or `_f32_to_bf16` for f32 inputs with bf16 outputs (the rows bf16-input
+//!   GEMMs read under bf16 compute); saved statistics (rstd, lse, delta) and weight gradients are f32, sums that
 //!   the step reads at its end (losses, sums of squares, per-expert probability sums) f64;
 //! - flat sizes are `long long`, dimensions `int`, token ids and routing indices `unsigned`;
 //! - reductions are deterministic, without floating-point atomics: a partial pass into a
@@ -79,6 +80,8 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "swiglu_forward_bf16",
             "swiglu_backward_f32",
             "swiglu_backward_bf16",
+            "swiglu_forward_f32_to_bf16",
+            "swiglu_backward_f32_to_bf16",
         ],
     ),
     (
@@ -152,6 +155,8 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "moe_gather_backward_bf16",
             "moe_combine_bf16",
             "moe_combine_backward_bf16",
+            "moe_gather_f32_to_bf16",
+            "moe_combine_backward_f32_to_bf16",
         ],
     ),
     (

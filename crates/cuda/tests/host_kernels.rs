@@ -1165,6 +1165,98 @@ fn moe_gather_combine_forward_backward() {
     }
 }
 
+/// The rows bf16-input GEMMs read, made in bf16 where they are written (`*_f32_to_bf16`, and
+/// the CPU backend's bf16 outputs): bit for bit the f32 op's output rounded once, on both
+/// backends, so the GEMMs read exactly what casting f32 rows gave them. bf16 rows gathered
+/// again (expert parallelism's reorder) are copied as they are.
+#[test]
+fn bf16_rows_are_the_f32_ops_rounded_once() {
+    use ganymede_core::Dispatched;
+    let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 70usize);
+    let mut rng = Lcg::new(31);
+    let idx = routing(&mut rng, tokens, experts, k);
+    let (_, src, pos) = dispatch_reference(&idx, experts, k);
+    let n = tokens * k;
+    // 7,770 elements: two of the CPU's element-wise chunks, the last not a multiple of 8.
+    let (g, u, d) = (
+        rng.values(n * dim, 4.0),
+        rng.values(n * dim, 2.0),
+        rng.values(n * dim, 1.0),
+    );
+    let (x, ye) = (rng.values(tokens * dim, 1.0), rng.values(n * dim, 1.0));
+    let (dout, w) = (rng.values(tokens * dim, 1.0), rng.values(n, 1.0));
+    let reverse: Vec<u32> = (0..n as u32).rev().collect();
+    // [SwiGLU out, dgate, dup, xe, dye, dw, xe's rows reversed] with the rows in `rows`.
+    let run = |be: &dyn Backend, rows: St| {
+        let u32s = |v: &[u32]| be.upload_u32(v, &[v.len()], Category::Activations);
+        let (pos_t, src_t, rev_t) = (u32s(&pos), u32s(&src), u32s(&reverse));
+        let disp = Dispatched {
+            pos: pos_t.view(),
+            k,
+            dim,
+        };
+        let (gt, ut, dt) = (up(be, &g), up(be, &u), up(be, &d));
+        let mut o = rows.zeros(be, n * dim);
+        be.swiglu_forward(o.view_mut(), gt.view(), ut.view());
+        let (mut dg, mut du) = (rows.zeros(be, n * dim), rows.zeros(be, n * dim));
+        be.swiglu_backward(
+            dg.view_mut(),
+            du.view_mut(),
+            dt.view(),
+            gt.view(),
+            ut.view(),
+        );
+        let mut xe = rows.zeros(be, n * dim);
+        be.moe_gather(xe.view_mut(), up(be, &x).view(), src_t.view(), dim);
+        let (mut dye, mut dw) = (rows.zeros(be, n * dim), zeros(be, n));
+        let (dot, yt, wt) = (up(be, &dout), up(be, &ye), up(be, &w));
+        be.moe_combine_backward(
+            dye.view_mut(),
+            dw.view_mut(),
+            dot.view(),
+            yt.view(),
+            wt.view(),
+            disp,
+        );
+        let mut again = rows.zeros(be, n * dim);
+        be.moe_gather(again.view_mut(), xe.view(), rev_t.view(), dim);
+        [o, dg, du, xe, dye, dw, again].map(|t| down(be, &t))
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (b, kb) = (cpu(), kernels(SMALL));
+    let on_cpu = run(&b, St::Bf16);
+    for (name, be) in [("cpu", &b as &dyn Backend), ("kernels", &kb)] {
+        let (f, h) = (run(be, St::F32), run(be, St::Bf16));
+        // The kernels against the CPU too (the f32 work may differ in its last bits, so a
+        // value can round the other way).
+        for (o, (got, want)) in h.iter().zip(&on_cpu).enumerate() {
+            // dw: a dot over a row, the reduction's floor.
+            let tol = if o == 5 {
+                St::F32.tols_with_reduction()[3]
+            } else {
+                BF16
+            };
+            compare(got, want, tol).unwrap_or_else(|e| panic!("{name}: output {o}: {e}"));
+        }
+        for (o, (got, f32_out)) in h.iter().zip(&f).enumerate() {
+            // dw stays f32, the same either way.
+            let want = if o == 5 {
+                f32_out.clone()
+            } else {
+                round_bf16(f32_out)
+            };
+            assert_eq!(bits(got), bits(&want), "{name}: output {o}");
+        }
+        let rows: Vec<&[f32]> = h[3].chunks(dim).rev().collect();
+        assert_eq!(
+            bits(&h[6]),
+            bits(&rows.concat()),
+            "{name}: bf16 rows regathered"
+        );
+        println!("{name}: bf16 rows equal the f32 ops' outputs rounded once");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention
 

@@ -305,8 +305,8 @@ pub(crate) fn check_root(op: &'static str, root: usize, size: usize) -> Result<(
 pub(crate) fn dtype_mismatch(op: &'static str) -> CommError {
     CommError::Unsupported {
         op,
-        message: "send and receive views must both be host f32 or both host f64 (or, to \
-                  gather, both bf16)"
+        message: "send and receive views must both be host f32 or both host f64 (or, to gather or \
+                  exchange all-to-all, both bf16)"
             .into(),
     }
 }
@@ -383,6 +383,10 @@ macro_rules! host_collectives_by_dtype {
                     self.alltoallv_t(s, send_counts, r, recv_counts, phase)
                 }
                 (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
+                    self.alltoallv_t(s, send_counts, r, recv_counts, phase)
+                }
+                // Expert parallelism's bf16 rows: moved, never summed.
+                (ganymede_core::View::HostBf16(s), ganymede_core::ViewMut::HostBf16(r)) => {
                     self.alltoallv_t(s, send_counts, r, recv_counts, phase)
                 }
                 _ => Err($crate::group::dtype_mismatch("alltoallv")),

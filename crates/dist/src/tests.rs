@@ -75,6 +75,42 @@ fn byte_counters_follow_the_convention() {
     }
 }
 
+/// Expert parallelism's bf16 rows go through the all-to-all as they are: rank r sends
+/// r + j + 1 elements to rank j, each bf16 value naming its sender, receiver and place, and
+/// the byte counters count 2 bytes an element.
+#[test]
+fn a_bf16_alltoallv_moves_the_bits() {
+    let w = 3;
+    let bits = |from: usize, to: usize, i: usize| (0x3f80 + 64 * from + 8 * to + i) as u16;
+    let got = ok(run_threads(w, &cfg(5_000), |pg| {
+        let r = pg.rank();
+        let sc: Vec<usize> = (0..w).map(|j| r + j + 1).collect();
+        let rc: Vec<usize> = (0..w).map(|j| j + r + 1).collect();
+        let send: Vec<u16> = (0..w)
+            .flat_map(|j| (0..sc[j]).map(move |i| bits(r, j, i)))
+            .collect();
+        let mut recv = vec![0u16; rc.iter().sum()];
+        pg.alltoallv(
+            View::HostBf16(&send),
+            &sc,
+            ViewMut::HostBf16(&mut recv),
+            &rc,
+            Phase::A2aDispatch,
+        )
+        .unwrap();
+        (recv, pg.ctx().stats.snapshot().phase(Phase::A2aDispatch))
+    }));
+    for (r, (recv, bytes)) in got.into_iter().enumerate() {
+        let want: Vec<u16> = (0..w)
+            .flat_map(|j| (0..j + r + 1).map(move |i| bits(j, r, i)))
+            .collect();
+        assert_eq!(recv, want, "rank {r}");
+        let peers = |f: &dyn Fn(usize) -> usize| (0..w).filter(|&j| j != r).map(f).sum::<usize>();
+        let sent = peers(&|j| r + j + 1) as u64;
+        assert_eq!(bytes, (2 * sent, 2 * sent), "rank {r}");
+    }
+}
+
 #[test]
 fn stats_reset_and_snapshot() {
     let got = ok(run_threads(2, &cfg(5_000), |pg| {

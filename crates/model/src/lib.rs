@@ -211,6 +211,10 @@ pub struct Model {
     /// Attention then runs on bf16 q, k, v with a bf16 output and bf16 gradients (see
     /// `block.rs`).
     pub(crate) bf16: bool,
+    /// Under bf16 compute, keep the rows that only bf16-input GEMMs read in f32 and let each
+    /// GEMM cast them (the reference of [`Model::with_f32_rows`]); by default they are made in
+    /// bf16 where they are written.
+    f32_rows: bool,
     /// Storage precision of the residual stream at block boundaries
     /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).
     boundary: ganymede_config::BoundaryDtype,
@@ -255,6 +259,17 @@ impl Model {
     /// The model with its GEMMs' operand precision set (see `training.compute_dtype`).
     pub fn with_compute_dtype(mut self, dtype: ganymede_config::ComputeDtype) -> Model {
         self.bf16 = dtype == ganymede_config::ComputeDtype::Bf16;
+        self
+    }
+
+    /// Under bf16 compute, the rows that only bf16-input GEMMs read (the routed experts'
+    /// dispatched inputs, SwiGLU products and output gradients, and the gate and up gradients;
+    /// the dense and shared SwiGLUs' products and gate and up gradients) kept in f32 and cast
+    /// by each GEMM, as before they were made in bf16. The same values reach every GEMM
+    /// either way, so this gives the same gradients bit for bit, with twice those rows' bytes
+    /// and a cast per read: it is the reference the bf16 rows are tested against.
+    pub fn with_f32_rows(mut self, on: bool) -> Model {
+        self.f32_rows = on;
         self
     }
 
@@ -355,6 +370,7 @@ impl Model {
             layers,
             specs,
             bf16: false,
+            f32_rows: false,
             boundary: ganymede_config::BoundaryDtype::Auto,
             loss_chunk: 0,
             moe_chunk: 0,

@@ -227,17 +227,21 @@ fn tiny_grads(
     mode: AcMode,
     compute: ComputeDtype,
 ) -> (Vec<Vec<f32>>, StepOutput) {
-    let c = c.clone();
-    let model = Model::new(&c).with_compute_dtype(compute);
+    tiny_grads_of(&Model::new(c).with_compute_dtype(compute), be, mode)
+}
+
+/// [`tiny_grads`] of `model`.
+fn tiny_grads_of(model: &Model, be: &CpuBackend, mode: AcMode) -> (Vec<Vec<f32>>, StepOutput) {
+    let c = model.config().clone();
     let params = model.init_params(be, 3);
     let (batch, seq) = (2, 32);
     let inputs = tokens(batch * seq, c.vocab_size, 4);
     let targets = tokens(batch * seq, c.vocab_size, 5);
-    let mut ws = Workspace::new(be, &model, batch, seq, mode);
+    let mut ws = Workspace::new(be, model, batch, seq, mode);
     let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
     let out = forward_backward(
         be,
-        &model,
+        model,
         &params,
         &mut grads,
         &mut ws,
@@ -301,6 +305,31 @@ fn f32_forward_matches_f64() {
     assert!((a.1 - b.1).abs() < 1e-5 * a.1, "{losses:?}");
 }
 
+/// Elements the workspace holds in bf16 under bf16 rows ([`Precision::bf16_rows`]) for `n`
+/// tokens: per set, a MoE layer's dispatched inputs and SwiGLU products (k·(H + F) a token)
+/// and an FFN's products (W); once, the scratch's expert output, gate and up gradients
+/// (k·(H + 2F)) and the FFN's gate and up gradients (2·max W).
+fn bf16_row_elems(c: &ModelConfig, n: usize, mode: AcMode) -> u64 {
+    let width = |l: usize| match c.is_moe_layer(l) {
+        true => c.shared_experts * c.shared_hidden(),
+        false => c.dense_hidden,
+    };
+    let (k, h, f) = (c.top_k, c.hidden, c.expert_hidden);
+    let any_moe = (0..c.layers).any(|l| c.is_moe_layer(l));
+    let max_w = (0..c.layers).map(width).max().unwrap_or(0);
+    let sets: Vec<(bool, usize)> = match mode {
+        AcMode::None => (0..c.layers)
+            .map(|l| (c.is_moe_layer(l), width(l)))
+            .collect(),
+        AcMode::Full => vec![(any_moe, max_w)],
+    };
+    let per_set: usize = sets
+        .iter()
+        .map(|&(moe, w)| moe as usize * k * (h + f) + w)
+        .sum();
+    (n * (per_set + any_moe as usize * k * (h + 2 * f) + 2 * max_w)) as u64
+}
+
 #[test]
 fn activation_bytes_match_the_ledger() {
     use ganymede_config::BoundaryDtype;
@@ -332,8 +361,9 @@ fn activation_bytes_match_the_ledger() {
                 );
                 assert_eq!(ws.bytes(), measured, "{what}");
                 // bf16 compute: each set's v, qr, kr, att in bf16, four bf16 attention
-                // gradients in the scratch. bf16 boundaries: L + 1 of them at 2 bytes an
-                // element and one f32 working copy.
+                // gradients in the scratch, and the rows only bf16-input GEMMs read in bf16.
+                // bf16 boundaries: L + 1 of them at 2 bytes an element and one f32 working
+                // copy.
                 let sets = match mode {
                     AcMode::None => c.layers as u64,
                     AcMode::Full => 1,
@@ -341,7 +371,7 @@ fn activation_bytes_match_the_ledger() {
                 let attn16 = 2 * 21 * (2 * c.q_dim() + 2 * c.kv_dim()) as u64;
                 let nh = 21 * c.hidden as u64;
                 let saved = match prec.bf16 {
-                    true => (sets - 1) * attn16,
+                    true => (sets - 1) * attn16 + 2 * bf16_row_elems(&c, 21, mode),
                     false => 0,
                 } + match prec.bf16_boundaries {
                     true => 2 * nh * (c.layers as u64 + 1) - 4 * nh,
@@ -661,6 +691,40 @@ fn the_cast_promises_keep_every_bit() {
 }
 
 #[test]
+fn bf16_rows_give_the_gradients_of_f32_rows_cast_in_each_gemm() {
+    // Under bf16 compute the rows only bf16-input GEMMs read are made in bf16 where they are
+    // written (rounded once); kept in f32, each GEMM rounds them the same way. Every GEMM reads
+    // the same values, so every gradient is the same to the bit, with half those rows' bytes.
+    // tiny (with and without MoE chunks), and tiny with a dense first layer and two shared
+    // experts (the SwiGLU FFNs' rows, read by GEMMs through strided views).
+    let tiny = preset("tiny").unwrap().model;
+    let mut ffn = tiny.clone();
+    ffn.dense_layers = 1;
+    ffn.dense_hidden = 96;
+    ffn.shared_experts = 2;
+    ffn.shared_expert_hidden = 40;
+    for (c, chunk) in [(&tiny, 0), (&tiny, 24), (&ffn, 0)] {
+        for mode in [AcMode::None, AcMode::Full] {
+            let model = |f32_rows| {
+                Model::new(c)
+                    .with_compute_dtype(ComputeDtype::Bf16)
+                    .with_moe_chunk(chunk)
+                    .with_f32_rows(f32_rows)
+            };
+            let (m, f32_rows) = (model(false), model(true));
+            let be = CpuBackend::default();
+            let bytes = |m: &Model| Workspace::new(&be, m, 2, 32, mode).bytes();
+            assert!(bytes(&m) < bytes(&f32_rows), "the rows are not bf16");
+            let (g1, o1) = tiny_grads_of(&m, &be, mode);
+            let (g0, o0) = tiny_grads_of(&f32_rows, &be, mode);
+            let what = format!("{mode:?}, moe chunk {chunk}, {} dense", c.dense_layers);
+            assert_eq!(o1.loss.to_bits(), o0.loss.to_bits(), "{what}");
+            assert_eq!(g1, g0, "{what}");
+        }
+    }
+}
+
+#[test]
 fn results_do_not_depend_on_the_thread_count() {
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -796,8 +860,13 @@ fn activation_offload_is_exact_ordered_and_accounted() {
             match dtypes {
                 (ComputeDtype::F32, _) => f32_device.push(r.device),
                 // Under full checkpointing the one set's bf16 v, q, k and output save what
-                // the scratch's four bf16 gradients add, so the device's share is f32's too.
-                (_, BoundaryDtype::F32) => assert_eq!(r.device, f32_device[n_off - 1], "{what}"),
+                // the scratch's four bf16 gradients add, so the device's share is f32's less
+                // the bf16 rows' half.
+                (_, BoundaryDtype::F32) => assert_eq!(
+                    f32_device[n_off - 1] - r.device,
+                    2 * bf16_row_elems(&c, 2 * c.seq_len, AcMode::Full),
+                    "{what}"
+                ),
                 // bf16 boundaries: L + 1 − n_off kept and min(n_off, 2) slots at half the
                 // bytes, plus the f32 working copy.
                 _ => {
@@ -805,7 +874,8 @@ fn activation_offload_is_exact_ordered_and_accounted() {
                     let kept = (c.layers + 1 - n_off + n_off.min(2)) as u64;
                     assert_eq!(
                         f32_device[n_off - 1] - r.device,
-                        2 * nh * kept - 4 * nh,
+                        2 * nh * kept - 4 * nh
+                            + 2 * bf16_row_elems(&c, 2 * c.seq_len, AcMode::Full),
                         "{what}"
                     );
                 }

@@ -201,6 +201,10 @@ pub struct Precision {
     pub bf16: bool,
     /// bf16 boundaries ([`Model::bf16_boundaries`]).
     pub bf16_boundaries: bool,
+    /// Under bf16 compute, the rows only bf16-input GEMMs read are bf16 (`xe`, `a`, `dye`,
+    /// `dg`, `du` of the routed experts; `fa`, `dfg`, `dfu` of the SwiGLU FFNs), unless
+    /// [`Model::with_f32_rows`].
+    pub bf16_rows: bool,
 }
 
 impl Precision {
@@ -208,17 +212,20 @@ impl Precision {
     pub const F32: Precision = Precision {
         bf16: false,
         bf16_boundaries: false,
+        bf16_rows: false,
     };
-    /// bf16 compute with its default (`auto`) boundaries, bf16.
+    /// bf16 compute with its default (`auto`) boundaries, bf16, and bf16 rows.
     pub const BF16: Precision = Precision {
         bf16: true,
         bf16_boundaries: true,
+        bf16_rows: true,
     };
     /// The model's.
     pub fn of(model: &Model) -> Precision {
         Precision {
             bf16: model.bf16,
             bf16_boundaries: model.bf16_boundaries(),
+            bf16_rows: model.bf16 && !model.f32_rows,
         }
     }
 }
@@ -353,8 +360,8 @@ fn plan(
 }
 
 /// The dtype of a plan entry: u32 for index tensors (routing, token ids; 4 bytes an element
-/// like f32), bf16 for attention's inputs, output and gradients under bf16 compute and for
-/// bf16 boundaries, else f32.
+/// like f32), bf16 for attention's inputs, output and gradients under bf16 compute, for bf16
+/// boundaries and for bf16 rows, else f32.
 fn dtype_of(what: &str, prec: Precision) -> DType {
     match what {
         "idx" | "src" | "pos" | "counts" | "offsets" | "ids" | "targets" | "id_groups" => {
@@ -364,6 +371,7 @@ fn dtype_of(what: &str, prec: Precision) -> DType {
             DType::BF16
         }
         "res" | "res_slot" | "res_host" if prec.bf16_boundaries => DType::BF16,
+        "xe" | "a" | "dye" | "dg" | "du" | "fa" | "dfg" | "dfu" if prec.bf16_rows => DType::BF16,
         _ => DType::F32,
     }
 }
@@ -412,7 +420,9 @@ pub fn activation_bytes_bf16(cfg: &ModelConfig, batch: usize, seq: usize, mode: 
 
 /// [`activation_bytes`] at `prec`. bf16 compute: each set's `v`, `qr`, `kr` and `att` in bf16
 /// (`2·N·(2Q + 2K)` bytes less per set), and the gradient scratch's bf16 attention gradients
-/// (`2·N·(2Q + 2K)` more, once). bf16 boundaries: the L + 1 boundaries take `2·N·(L+1)·H`,
+/// (`2·N·(2Q + 2K)` more, once). bf16 rows: each MoE set's `xe` and `a` (`2·C·k·(H + F)` less,
+/// C the MoE chunk's tokens) and each FFN set's `fa` (`2·N·W` less); in the gradient scratch
+/// `dye`, `dg`, `du` (`2·C·k·(H + 2F)` less) and `dfg`, `dfu` (`4·N·max W` less). bf16 boundaries: the L + 1 boundaries take `2·N·(L+1)·H`,
 /// plus `4·N·H` for their f32 working copy.
 pub fn activation_bytes_at(
     cfg: &ModelConfig,

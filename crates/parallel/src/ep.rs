@@ -52,6 +52,15 @@ impl Grow {
             dtype: DType::U32,
         }
     }
+    /// At least `n` elements of `dtype` (the first `n` are the caller's to use): the rows'
+    /// dtype, which is the same in every pass of a run.
+    fn at_least_of(&mut self, be: &dyn Backend, n: usize, dtype: DType) -> &mut Tensor {
+        if self.dtype != dtype {
+            self.t = None;
+            self.dtype = dtype;
+        }
+        self.at_least(be, n)
+    }
     /// At least `n` elements (the first `n` are the caller's to use).
     fn at_least(&mut self, be: &dyn Backend, n: usize) -> &mut Tensor {
         if self.t.as_ref().is_none_or(|t| t.len() < n) {
@@ -107,10 +116,16 @@ struct Saved {
 
 /// Scratch reused by every layer: all-to-all staging and the local experts' gradients.
 struct Scratch {
-    /// Rows as they travel (source-major).
+    /// Rows as they travel (source-major): expert outputs and input gradients (f32), and the
+    /// experts' inputs and output gradients while those are f32 too.
     wire: Grow,
-    /// Expert outputs, then output gradients (expert-major).
+    /// Expert outputs, then output gradients while those are f32 (expert-major).
     y: Grow,
+    /// Under bf16 rows (the block's dispatched inputs and output gradients in bf16, which the
+    /// experts' GEMMs read as they are): those rows as they travel, and the output gradients
+    /// expert-major. Unused with f32 rows.
+    wire16: Grow,
+    y16: Grow,
     da: Grow,
     dg: Grow,
     du: Grow,
@@ -178,6 +193,8 @@ impl EpExperts {
             scratch: Scratch {
                 wire: Grow::new(Category::Buffers),
                 y: Grow::new(Category::Buffers),
+                wire16: Grow::new(Category::Buffers),
+                y16: Grow::new(Category::Buffers),
                 da: Grow::new(Category::Buffers),
                 dg: Grow::new(Category::Buffers),
                 du: Grow::new(Category::Buffers),
@@ -253,27 +270,29 @@ impl ExpertExecutor for EpExperts {
             t.at_least(be, cap);
             be.write_u32(t.view_mut(rows), order);
         }
-        self.scratch.wire.at_least(be, xc);
+        // The rows travel and are kept in the block's dtype: bf16 rows stay bf16 (half the
+        // all-to-all's bytes), and so do the SwiGLU products the down GEMM reads.
+        let rows_dt = b.xe.dtype();
+        let Scratch { wire, wire16, .. } = &mut self.scratch;
+        let inbound = if rows_dt == DType::F32 { wire } else { wire16 };
+        inbound.at_least_of(be, xc, rows_dt);
         let ep_g = self.ep.as_ref();
         a2a(
             ep_g,
             b.xe,
             &send_rows,
-            self.scratch.wire.view_mut(xn),
+            inbound.view_mut(xn),
             &recv_rows,
             h,
             Phase::A2aDispatch,
         );
-        k.xe.at_least(be, xc);
-        be.moe_gather(
-            k.xe.view_mut(xn),
-            self.scratch.wire.view(xn),
-            k.to_em.view(rows),
-            h,
-        );
-        for g in [&mut k.g, &mut k.u, &mut k.a] {
+        k.xe.at_least_of(be, xc, rows_dt);
+        be.moe_gather(k.xe.view_mut(xn), inbound.view(xn), k.to_em.view(rows), h);
+        for g in [&mut k.g, &mut k.u] {
             g.at_least(be, fc);
         }
+        k.a.at_least_of(be, fc, rows_dt);
+        self.scratch.wire.at_least(be, xc);
         self.scratch.y.at_least(be, xc);
         let (counts, offsets) = local_layout(&recv);
         let lio = ExpertsIo {
@@ -346,26 +365,41 @@ impl ExpertExecutor for EpExperts {
         let Scratch {
             wire,
             y,
+            wire16,
+            y16,
             da,
             dg,
             du,
             dxe,
         } = &mut self.scratch;
         wire.at_least(be, xc);
-        y.at_least(be, xc);
-        // Output gradients travel to the owners (the combine's backward).
+        // Output gradients travel to the owners (the combine's backward), in the rows' dtype
+        // as the inputs did.
+        let rows_dt = b.dye.dtype();
+        let (inbound, dy) = match rows_dt {
+            DType::F32 => (&mut *wire, &mut *y),
+            _ => (&mut *wire16, &mut *y16),
+        };
+        inbound.at_least_of(be, xc, rows_dt);
+        dy.at_least_of(be, xc, rows_dt);
         a2a(
             ep_g,
             b.dye,
             &s.send_rows,
-            wire.view_mut(xn),
+            inbound.view_mut(xn),
             &recv_rows,
             h,
             Phase::A2aCombine,
         );
-        be.moe_gather(y.view_mut(xn), wire.view(xn), s.bufs.to_em.view(rows), h);
-        for t in [&mut *da, &mut *dg, &mut *du] {
-            t.at_least(be, fc);
+        be.moe_gather(
+            dy.view_mut(xn),
+            inbound.view(xn),
+            s.bufs.to_em.view(rows),
+            h,
+        );
+        da.at_least(be, fc);
+        for t in [&mut *dg, &mut *du] {
+            t.at_least_of(be, fc, rows_dt);
         }
         dxe.at_least(be, xc);
         let (counts, offsets) = local_layout(&s.recv);
@@ -384,7 +418,7 @@ impl ExpertExecutor for EpExperts {
                 g: k.g.view(fc),
                 u: k.u.view(fc),
                 a: k.a.view(fc),
-                dye: y.view(xc),
+                dye: dy.view(xc),
                 da: da.view_mut(fc),
                 dg: dg.view_mut(fc),
                 du: du.view_mut(fc),

@@ -601,7 +601,9 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     // Expert parallelism's own row buffers (`ganymede_parallel::ep`), f32: per set of a layer's
     // kept rows, input and gate/up/SwiGLU (H + 3F; one set under full checkpointing, one per
     // MoE layer without) and the two u32 row orders, and the all-to-all and gradient scratch
-    // (3H + 3F).
+    // (3H + 3F). Under bf16 compute the rows only GEMMs read are bf16: the kept input and
+    // SwiGLU product, the gate and up gradients, and two more buffers of H for the bf16 rows
+    // as they travel and the output gradients expert-major.
     let (ep_kept, ep_scratch) = match ep_capacity_rows(&local) {
         Some(cap) => {
             let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
@@ -610,10 +612,11 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
                 AcMode::None => (0..m.layers).filter(|&l| m.is_moe_layer(l)).count(),
             };
             let cap = cap as f64;
-            (
-                (f * (h + 3.0 * ff) + 8.0) * cap * sets as f64,
-                f * cap * 3.0 * (h + ff),
-            )
+            let (kept, scratch) = match bf16_compute {
+                true => (2.0 * h + 10.0 * ff, 16.0 * h + 8.0 * ff),
+                false => (f * (h + 3.0 * ff), f * 3.0 * (h + ff)),
+            };
+            ((kept + 8.0) * cap * sets as f64, scratch * cap)
         }
         None => (0.0, 0.0),
     };

@@ -44,11 +44,15 @@ pub struct ActivationTerms {
     /// ways: 3k per token; per-expert counts and offsets: 2E + 1). No `[T, T]` attention matrix
     /// is kept. Under `none` there is one such set per layer (each its own kind); under `full`
     /// one set, sized MoE if any layer is MoE and with the widest W. Under bf16 compute the
-    /// set's v, normed-and-rotated q and k, and attention output are bf16: 2·N·(2Q + 2K) less.
+    /// set's v, normed-and-rotated q and k, and attention output are bf16: 2·N·(2Q + 2K) less;
+    /// and so are the rows only bf16-input GEMMs read, the dispatched input and SwiGLU product
+    /// (2·C·k·(H + F) less) and an FFN's product (2·N·W less).
     pub layer_sets: f64,
     /// Gradient scratch shared by all layers: 4·N·(2H + 2Q + 3K + M + 3·max W) + 4·C·R, with
     /// M, C and R as above if any layer is MoE; under bf16 compute 2·N·(2Q + 2K) more
-    /// (attention's bf16 output and input gradients).
+    /// (attention's bf16 output and input gradients), and the bf16 rows of the experts' output,
+    /// gate and up gradients (2·C·k·(H + 2F) less) and of an FFN's gate and up gradients
+    /// (4·N·max W less).
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
     /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
@@ -111,18 +115,28 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     };
     let max_w = (0..m.layers).map(width).fold(0.0, f64::max);
     let any_moe = moe_layers > 0;
-    // bf16 attention tensors (q, k after RoPE, v, output; their gradients), in f32 elements.
-    let attn16 = match job.training.compute_dtype {
-        ganymede_config::ComputeDtype::Bf16 => 0.5 * (2.0 * q + 2.0 * kv),
-        _ => 0.0,
+    // bf16 attention tensors (q, k after RoPE, v, output; their gradients), in f32 elements,
+    // and the half of an f32 element each bf16 row saves (`ganymede_model::Precision`).
+    let bf16 = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
+    let attn16 = if bf16 {
+        0.5 * (2.0 * q + 2.0 * kv)
+    } else {
+        0.0
     };
+    let half = if bf16 { 0.5 } else { 0.0 };
     let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0 - attn16;
     // Per token: router probabilities and weights; per token of a MoE chunk (C of the N
-    // tokens, `training.moe_chunk_tokens`): the expert rows and their internals.
+    // tokens, `training.moe_chunk_tokens`): the expert rows and their internals, of which the
+    // dispatched inputs and SwiGLU products are bf16 rows (and in the scratch the output, gate
+    // and up gradients).
     let moe = e + k;
-    let (c, rows) = (moe_rows(job, n), 2.0 * k * h + 3.0 * k * ff);
+    let c = moe_rows(job, n);
+    let rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + k * ff);
+    let scratch_rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + 2.0 * k * ff);
     let routing = 3.0 * k;
-    let set = |is_moe: bool, w: f64| attn + if is_moe { moe + routing } else { 0.0 } + 3.0 * w;
+    // An FFN's product is a bf16 row (its gate and up gradients in the scratch too).
+    let set =
+        |is_moe: bool, w: f64| attn + if is_moe { moe + routing } else { 0.0 } + (3.0 - half) * w;
     let (sets, moe_sets): (f64, f64) = match job.activation_checkpoint.mode {
         AcMode::None => (
             (0..m.layers)
@@ -133,8 +147,12 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         AcMode::Full => (set(any_moe, max_w), any_moe as u8 as f64),
     };
     // q's gradient reuses the output gradient's buffer: 2Q, not 3Q.
-    let scratch =
-        2.0 * h + 2.0 * q + 3.0 * kv + if any_moe { moe } else { 0.0 } + 3.0 * max_w + attn16;
+    let scratch = 2.0 * h
+        + 2.0 * q
+        + 3.0 * kv
+        + if any_moe { moe } else { 0.0 }
+        + (3.0 - 2.0 * half) * max_w
+        + attn16;
     let boundaries = match bf16_boundaries(job) {
         true => 2.0 * n * (m.layers as f64 + 1.0) * h + f * n * h,
         false => f * n * (m.layers as f64 + 1.0) * h,
@@ -142,7 +160,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     let terms = ActivationTerms {
         boundaries,
         layer_sets: f * n * sets + f * moe_sets * (c * rows + 2.0 * e + 1.0),
-        grad_scratch: f * n * scratch + if any_moe { f * c * rows } else { 0.0 },
+        grad_scratch: f * n * scratch + if any_moe { f * c * scratch_rows } else { 0.0 },
         head: f * (n * (h + 7.0) + head_rows(job, n) * m.vocab_size as f64) + f,
     };
 
@@ -293,10 +311,12 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// (`N·k·max(H, F)`; under expert parallelism its capacity's rows, if more), slot B a weight
 /// (LM head `V·H`, stacked experts `E·F·H`, `E/ep` of them under expert parallelism) or the
 /// experts' rows; the other GEMMs' operands are smaller. The weights reach the GEMMs
-/// in bf16 already, which a GPU takes as they are: there slot B holds only the activations the
-/// weight gradients read (`N·H`, a SwiGLU's `N·W`, the experts' rows; attention's output,
-/// `N·Q`, is bf16 already under bf16 compute). The CPU widens bf16 operands into its f32 scratch
-/// like any operand.
+/// in bf16 already, and so do the rows the model makes in bf16 (the routed experts' inputs,
+/// SwiGLU products and output, gate and up gradients; an FFN's product and gate and up
+/// gradients; attention's output), which a GPU takes as they are: there slot A holds the
+/// logits' gradient or an f32 activation (`N·H`, a query gradient `N·Q`) and slot B only the
+/// normed rows the weight gradients read (`N·H`). The CPU widens bf16 operands into its f32
+/// scratch like any operand.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     gemm_scratch(job, None)
 }
@@ -336,13 +356,18 @@ pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usiz
     let rows = crate::fit::ep_capacity_rows(job).map_or(nk, |c| (c as f64).max(nk));
     let e = e / job.parallelism.ep.max(1) as f64;
     let rows = rows * h.max(ff);
-    let a = [head_rows(job, n) * v, rows, n * width, n * h, n * q]
-        .into_iter()
-        .fold(0.0, f64::max);
-    let b = match job.device.kind {
-        ganymede_config::DeviceKind::Cuda => vec![rows, n * h, n * width],
-        _ => vec![v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h],
+    let (a, b) = match job.device.kind {
+        // The rows the model makes in bf16 (the experts', the SwiGLUs' products and gradients)
+        // reach a GPU's GEMMs as they are, and so do the weights.
+        ganymede_config::DeviceKind::Cuda => {
+            (vec![head_rows(job, n) * v, n * h, n * q], vec![n * h])
+        }
+        _ => (
+            vec![head_rows(job, n) * v, rows, n * width, n * h, n * q],
+            vec![v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h],
+        ),
     };
+    let a = a.into_iter().fold(0.0, f64::max);
     let b = b.into_iter().fold(0.0, f64::max);
     size * (a.max(ns_a) + b.max(ns_b))
 }

@@ -266,7 +266,9 @@ fn activation_peak(cfg: &JobConfig, ranks: usize) -> u64 {
 /// bf16 compute's activations: without checkpointing every layer's saved v, q and k after
 /// RoPE, and attention output take 2 bytes an element instead of 4, less the bf16 attention
 /// gradients the scratch adds once: `(L − 1) · 2·N·(2Q + 2K)` bytes fewer than f32 (0 under
-/// full checkpointing); and the L + 1 boundaries (bf16 under the default `auto`) take
+/// full checkpointing); the rows only bf16-input GEMMs read take 2 bytes too (each set's
+/// dispatched inputs and SwiGLU products, the scratch's expert output, gate and up gradients:
+/// `2·N·k·(S·(H + F) + H + 2F)` fewer, S the sets); and the L + 1 boundaries (bf16 under the default `auto`) take
 /// `2·N·H` each instead of `4·N·H`, plus one f32 working copy, `4·N·H`. The measured peak
 /// equals the planner's to the byte, at one rank and at two FSDP ranks.
 #[test]
@@ -286,7 +288,13 @@ fn bf16_attention_activations_on_the_ledger_equal_the_planner() {
             let n = (b.training.batch_size / ranks * m.seq_len) as u64;
             let sets = if mode == "none" { m.layers as u64 } else { 1 };
             let nh = n * m.hidden as u64;
+            // tiny's layers are all MoE, without shared experts: bf16 rows are each set's
+            // dispatched inputs and SwiGLU products, and the scratch's expert output, gate
+            // and up gradients.
+            let (k, h, f) = (m.top_k as u64, m.hidden as u64, m.expert_hidden as u64);
+            let rows16 = n * k * (sets * (h + f) + h + 2 * f);
             let saved = (sets - 1) * 2 * n * (2 * m.q_dim() + 2 * m.kv_dim()) as u64
+                + 2 * rows16
                 + 2 * nh * (m.layers as u64 + 1)
                 - 4 * nh;
             println!(

@@ -174,9 +174,12 @@ pub trait NnOps: Send + Sync {
     /// The gradients of `q`, `k`, `v` (overwritten) from that of the output.
     fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims);
 
-    /// `out = silu(gate) * up`, elementwise.
+    /// `out = silu(gate) * up`, elementwise. `out` may be bf16 where the inputs are f32 (the
+    /// rows a bf16-input GEMM reads next, under `training.compute_dtype = "bf16"`): the f32
+    /// result rounded once, the bits of the f32 op followed by [`crate::Blas::cast`].
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View);
-    /// `dgate`, `dup` overwritten.
+    /// `dgate`, `dup` overwritten; both may be bf16 where the inputs are f32, as the forward's
+    /// output.
     fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View);
 
     /// Router: `probs = softmax(logits)` over `experts` per row; select the top `k` of
@@ -201,13 +204,15 @@ pub trait NnOps: Send + Sync {
     /// `e`'s rows are `offsets[e] .. offsets[e] + counts[e]`, holding its (token, choice) pairs
     /// in token order (see [`DispatchOut`]).
     fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize);
-    /// Dispatch: `xe[i] = x[src[i]]` (`src` u32).
+    /// Dispatch: `xe[i] = x[src[i]]` (`src` u32). `xe` may be bf16 where `x` is f32 (each
+    /// element rounded once, as a cast after the copy) or bf16.
     fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize);
     /// `dx[t] += Σ_j dxe[pos[t*k + j]]`.
     fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched);
     /// Combine: `out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]]`.
     fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched);
-    /// `dye` and `dw` overwritten.
+    /// `dye` and `dw` overwritten; `dye` may be bf16 where the rest is f32 (rounded once, as a
+    /// cast after the f32 op; `dw` stays f32).
     fn moe_combine_backward(
         &self,
         dye: ViewMut,

@@ -303,6 +303,37 @@ fn swiglu_forward<S: Scalar>(out: ViewMut, gate: View, up: View) {
         });
 }
 
+/// Pieces of a bf16 output computed in f32 on the stack: a multiple of 8 elements, so that a
+/// vectorised f32 kernel run piece by piece leaves to its scalar tail the elements it leaves
+/// there when run over the whole chunk, and the bits are those of the f32 op then a cast.
+const PIECE: usize = 256;
+
+fn round_piece(o: &mut [u16], t: &[f32]) {
+    o.iter_mut()
+        .zip(t)
+        .for_each(|(d, &x)| *d = crate::bf16::from_f32(x));
+}
+
+/// [`swiglu_forward`] on f32 inputs into a bf16 output, rounded once.
+fn swiglu_forward_to_bf16(out: ViewMut, gate: View, up: View) {
+    let (out, gate, up) = (out.host_bf16(), gate.host::<f32>(), up.host::<f32>());
+    out.par_chunks_mut(EW_CHUNK)
+        .zip(gate.par_chunks(EW_CHUNK))
+        .zip(up.par_chunks(EW_CHUNK))
+        .for_each(|((o, g), u)| {
+            let mut t = [0f32; PIECE];
+            for ((o, g), u) in o
+                .chunks_mut(PIECE)
+                .zip(g.chunks(PIECE))
+                .zip(u.chunks(PIECE))
+            {
+                let t = &mut t[..o.len()];
+                swiglu_fwd(t, g, u);
+                round_piece(o, t);
+            }
+        });
+}
+
 fn swiglu_backward<S: Scalar>(dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
     let dg: &mut [S] = dgate.host();
     let du: &mut [S] = dup.host();
@@ -316,6 +347,28 @@ fn swiglu_backward<S: Scalar>(dgate: ViewMut, dup: ViewMut, dout: View, gate: Vi
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((((dg, du), d), g), u)| {
             swiglu_bwd(dg, du, d, g, u);
+        });
+}
+
+/// [`swiglu_backward`] on f32 inputs into bf16 gradients, each rounded once.
+fn swiglu_backward_to_bf16(dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
+    let (dg, du) = (dgate.host_bf16(), dup.host_bf16());
+    let (dout, gate, up) = (dout.host::<f32>(), gate.host::<f32>(), up.host::<f32>());
+    dg.par_chunks_mut(EW_CHUNK)
+        .zip(du.par_chunks_mut(EW_CHUNK))
+        .zip(dout.par_chunks(EW_CHUNK))
+        .zip(gate.par_chunks(EW_CHUNK))
+        .zip(up.par_chunks(EW_CHUNK))
+        .for_each(|((((dg, du), d), g), u)| {
+            let (mut tg, mut tu) = ([0f32; PIECE], [0f32; PIECE]);
+            let pieces = dg.chunks_mut(PIECE).zip(du.chunks_mut(PIECE));
+            let inputs = d.chunks(PIECE).zip(g.chunks(PIECE)).zip(u.chunks(PIECE));
+            for ((dg, du), ((d, g), u)) in pieces.zip(inputs) {
+                let (tg, tu) = (&mut tg[..dg.len()], &mut tu[..du.len()]);
+                swiglu_bwd(tg, tu, d, g, u);
+                round_piece(dg, tg);
+                round_piece(du, tu);
+            }
         });
 }
 
@@ -477,13 +530,25 @@ fn moe_dispatch(out: DispatchOut, idx: View, experts: usize, k: usize) {
 
 fn moe_gather<S: Scalar>(xe: ViewMut, x: View, src: View, dim: usize) {
     let (xe, x): (&mut [S], &[S]) = (xe.host(), x.host());
+    gather_rows(xe, x, src, dim, |o, r| o.copy_from_slice(r));
+}
+
+/// `xe[r] = put(x[src[r]])` row by row: a copy in one dtype, or f32 rows rounded to bf16
+/// (the experts' rows under bf16 compute), or bf16 rows copied.
+fn gather_rows<I: Sync, O: Send>(
+    xe: &mut [O],
+    x: &[I],
+    src: View,
+    dim: usize,
+    put: impl Fn(&mut [O], &[I]) + Sync,
+) {
     let src = src.host_u32();
     xe.par_chunks_mut(dim)
         .zip(src.par_iter())
         .with_min_len(min_rows(dim))
         .for_each(|(o, &t)| {
             let t = t as usize;
-            o.copy_from_slice(&x[t * dim..(t + 1) * dim])
+            put(o, &x[t * dim..(t + 1) * dim])
         });
 }
 
@@ -530,9 +595,32 @@ fn moe_combine_backward<S: Scalar>(
     w: View,
     d: Dispatched,
 ) {
+    match (dye.dtype(), S::DTYPE) {
+        (DType::BF16, DType::F32) => {
+            // S is f32 here: the widening to f64 and back is exact.
+            let put = |o: &mut [u16], x: &[S]| {
+                o.iter_mut()
+                    .zip(x)
+                    .for_each(|(d, &v)| *d = crate::bf16::from_f32(v.as_f64() as f32))
+            };
+            combine_backward_rows(dye.host_bf16(), put, dw, dout, ye, w, d)
+        }
+        _ => combine_backward_rows(dye.host::<S>(), <[S]>::copy_from_slice, dw, dout, ye, w, d),
+    }
+}
+
+/// [`moe_combine_backward`] with `put` writing a row of `dye` from its f32 (or f64) values.
+fn combine_backward_rows<S: Scalar, O: Send>(
+    dye: &mut [O],
+    put: impl Fn(&mut [O], &[S]) + Sync,
+    dw: ViewMut,
+    dout: View,
+    ye: View,
+    w: View,
+    d: Dispatched,
+) {
     let Dispatched { pos, k, dim } = d;
     let pos = pos.host_u32();
-    let dye: &mut [S] = dye.host();
     let dw: &mut [S] = dw.host();
     let dout: &[S] = dout.host();
     let ye: &[S] = ye.host();
@@ -565,7 +653,14 @@ fn moe_combine_backward<S: Scalar>(
         .map(|((dy, y), &i)| {
             let (i, t) = (i as usize, i as usize / k);
             let d = &dout[t * dim..(t + 1) * dim];
-            dy.iter_mut().zip(d).for_each(|(a, &b)| *a = w[i] * b);
+            let mut row = [S::zero(); PIECE];
+            for (c, dy) in dy.chunks_mut(PIECE).enumerate() {
+                let r = &mut row[..dy.len()];
+                r.iter_mut()
+                    .zip(&d[c * PIECE..])
+                    .for_each(|(a, &b)| *a = w[i] * b);
+                put(dy, r);
+            }
             dot(d, y)
         })
         .collect_into_vec(&mut dwp);
@@ -702,10 +797,16 @@ impl NnOps for CpuBackend {
         }
     }
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
-        by_dtype!(dt(&gate), swiglu_forward(out, gate, up))
+        match (out.dtype(), dt(&gate)) {
+            (DType::BF16, DType::F32) => swiglu_forward_to_bf16(out, gate, up),
+            (_, g) => by_dtype!(g, swiglu_forward(out, gate, up)),
+        }
     }
     fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
-        by_dtype!(dt(&gate), swiglu_backward(dgate, dup, dout, gate, up))
+        match (dgate.dtype(), dt(&gate)) {
+            (DType::BF16, DType::F32) => swiglu_backward_to_bf16(dgate, dup, dout, gate, up),
+            (_, g) => by_dtype!(g, swiglu_backward(dgate, dup, dout, gate, up)),
+        }
     }
     fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims) {
         by_dtype!(dt(&logits), router_forward(out, logits, bias, d))
@@ -728,7 +829,19 @@ impl NnOps for CpuBackend {
         moe_dispatch(out, idx, experts, k)
     }
     fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
-        by_dtype!(dt(&x), moe_gather(xe, x, src, dim))
+        match (xe.dtype(), dt(&x)) {
+            (DType::BF16, DType::F32) => {
+                gather_rows(xe.host_bf16(), x.host::<f32>(), src, dim, round_piece)
+            }
+            (DType::BF16, DType::BF16) => gather_rows(
+                xe.host_bf16(),
+                x.host_bf16(),
+                src,
+                dim,
+                <[u16]>::copy_from_slice,
+            ),
+            (_, d) => by_dtype!(d, moe_gather(xe, x, src, dim)),
+        }
     }
     fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
         by_dtype!(dt(&dxe), moe_gather_backward(dx, dxe, d))

@@ -25,6 +25,17 @@ fn same(op: &str, what: &str, got: (DType, usize), want: (DType, usize)) {
     assert_eq!(got, want, "{op}: {what} (dtype, length)");
 }
 
+/// The kernel suffix of an op reading `input` storage and writing `output`: one storage
+/// (`f32`, `bf16`), or f32 in and bf16 out (`f32_to_bf16`: the experts' and SwiGLUs' rows
+/// that bf16-input GEMMs read, rounded once where they are made).
+fn st_to(input: DType, output: DType, op: &str) -> &'static str {
+    match (input, output) {
+        (DType::F32, DType::BF16) => "f32_to_bf16",
+        (i, o) if i == o => st(i, op),
+        (i, o) => panic!("{op}: no kernel from {} to {}", i.name(), o.name()),
+    }
+}
+
 impl<L: Launcher> KernelOps<L> {
     // -----------------------------------------------------------------------------------------
     // Embedding
@@ -476,28 +487,27 @@ impl<L: Launcher> KernelOps<L> {
     // -----------------------------------------------------------------------------------------
     // SwiGLU
 
+    /// `out` in the inputs' storage, or bf16 from f32 inputs.
     pub fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
-        let (dt, n) = (out.dtype(), out.len());
-        same(
-            "swiglu_forward",
-            "gate",
-            (gate.dtype(), gate.len()),
-            (dt, n),
-        );
-        same("swiglu_forward", "up", (up.dtype(), up.len()), (dt, n));
+        let op = "swiglu_forward";
+        let (dt, n) = (gate.dtype(), out.len());
+        same(op, "gate", (dt, gate.len()), (dt, n));
+        same(op, "up", (up.dtype(), up.len()), (dt, n));
         if n == 0 {
             return;
         }
+        let name = format!("{op}_{}", st_to(dt, out.dtype(), op));
         let args = [self.am(out), self.a(gate), self.a(up), i64_of(n)];
-        let name = format!("swiglu_forward_{}", st(dt, "swiglu_forward"));
         self.launch(&name, self.ew(n), &args);
     }
 
+    /// `dgate`, `dup` in the inputs' storage, or bf16 from f32 inputs.
     pub fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
         let op = "swiglu_backward";
         let (dt, n) = (dout.dtype(), dout.len());
-        same(op, "dgate", (dgate.dtype(), dgate.len()), (dt, n));
-        same(op, "dup", (dup.dtype(), dup.len()), (dt, n));
+        let out = dgate.dtype();
+        same(op, "dgate", (out, dgate.len()), (out, n));
+        same(op, "dup", (dup.dtype(), dup.len()), (out, n));
         same(op, "gate", (gate.dtype(), gate.len()), (dt, n));
         same(op, "up", (up.dtype(), up.len()), (dt, n));
         if n == 0 {
@@ -511,7 +521,7 @@ impl<L: Launcher> KernelOps<L> {
             self.a(up),
             i64_of(n),
         ];
-        self.launch(&format!("{op}_{}", st(dt, op)), self.ew(n), &args);
+        self.launch(&format!("{op}_{}", st_to(dt, out, op)), self.ew(n), &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -733,19 +743,22 @@ impl<L: Launcher> KernelOps<L> {
         }
     }
 
+    /// `xe` in `x`'s storage, or bf16 from f32 rows.
     pub fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize) {
         let op = "moe_gather";
         let dt = x.dtype();
         rows_of(op, x.len(), dim);
         assert_eq!(src.dtype(), DType::U32, "{op}: src is u32");
-        same(op, "xe", (xe.dtype(), xe.len()), (dt, src.len() * dim));
+        let out = xe.dtype();
+        same(op, "xe", (out, xe.len()), (out, src.len() * dim));
         if src.is_empty() {
             return;
         }
         let n = src.len();
+        let name = format!("{op}_{}", st_to(dt, out, op));
         let args = [self.am(xe), self.a(x), self.a(src), i32_of(dim)];
         let shape = self.per_row(n, dim);
-        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+        self.launch(&name, shape, &args);
     }
 
     pub fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
@@ -784,6 +797,7 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
+    /// `dye` in the inputs' storage, or bf16 from f32 ones (`dw` f32).
     pub fn moe_combine_backward(
         &self,
         dye: ViewMut,
@@ -797,7 +811,8 @@ impl<L: Launcher> KernelOps<L> {
         let dt = ye.dtype();
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
-        same(op, "dye", (dye.dtype(), dye.len()), (dt, ye.len()));
+        let out = dye.dtype();
+        same(op, "dye", (out, dye.len()), (out, ye.len()));
         same(op, "dout", (dout.dtype(), dout.len()), (dt, tokens * d.dim));
         same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
         same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.pos.len()));
@@ -815,7 +830,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+        self.launch(&format!("{op}_{}", st_to(dt, out, op)), shape, &args);
     }
 
     // -----------------------------------------------------------------------------------------

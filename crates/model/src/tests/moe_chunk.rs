@@ -45,9 +45,15 @@ fn chunked_moe_gives_the_loss_and_gradients_of_the_whole() {
                 let dg = wc.grads.dg.as_ref().unwrap();
                 assert_eq!(dg.len(), rows * f, "{what}: expert gradient scratch");
                 // Per MoE set (one under `full`, one per layer under `none`) and the scratch,
-                // each 2kH + 3kF per chunk token instead of per token, 4 bytes an element.
-                let sets = (wc.blocks.len() + 1) as u64;
-                let saved = 4 * sets * ((64 - chunk.min(64)) * k * (2 * h + 3 * f)) as u64;
+                // each 2kH + 3kF per chunk token instead of per token, 4 bytes an element but
+                // 2 for bf16 rows: a set's dispatched inputs and SwiGLU products (kH + kF), the
+                // scratch's output, gate and up gradients (kH + 2kF).
+                let (set, scratch) = match compute {
+                    ComputeDtype::Bf16 => (6 * h + 10 * f, 6 * h + 8 * f),
+                    _ => (8 * h + 12 * f, 8 * h + 12 * f),
+                };
+                let per_row = wc.blocks.len() * set + scratch;
+                let saved = ((64 - chunk.min(64)) * k * per_row) as u64;
                 assert_eq!(whole - wc.bytes(), saved, "{what}: bytes saved");
                 // The same per-token computation in a different grouping: only the weight
                 // gradients' sums over tokens are ordered differently.
