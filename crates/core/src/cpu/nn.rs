@@ -293,16 +293,6 @@ fn head_norm_rope_backward<S: Scalar>(
 
 const EW_CHUNK: usize = 4096;
 
-fn swiglu_forward<S: Scalar>(out: ViewMut, gate: View, up: View) {
-    let (out, gate, up): (&mut [S], &[S], &[S]) = (out.host(), gate.host(), up.host());
-    out.par_chunks_mut(EW_CHUNK)
-        .zip(gate.par_chunks(EW_CHUNK))
-        .zip(up.par_chunks(EW_CHUNK))
-        .for_each(|((o, g), u)| {
-            swiglu_fwd(o, g, u);
-        });
-}
-
 /// Pieces of a bf16 output computed in f32 on the stack: a multiple of 8 elements, so that a
 /// vectorised f32 kernel run piece by piece leaves to its scalar tail the elements it leaves
 /// there when run over the whole chunk, and the bits are those of the f32 op then a cast.
@@ -314,60 +304,72 @@ fn round_piece(o: &mut [u16], t: &[f32]) {
         .for_each(|(d, &x)| *d = crate::bf16::from_f32(x));
 }
 
-/// [`swiglu_forward`] on f32 inputs into a bf16 output, rounded once.
-fn swiglu_forward_to_bf16(out: ViewMut, gate: View, up: View) {
-    let (out, gate, up) = (out.host_bf16(), gate.host::<f32>(), up.host::<f32>());
+/// Output rows of an op computed in `S`: written in place when they are `S` themselves, or
+/// computed into an f32 piece on the stack and rounded once when they are bf16 (`u16`), so one
+/// body serves both and the f32 path makes no extra copy.
+trait Rows<S>: Send + Sized {
+    /// The longest slice [`Rows::write`] takes at once.
+    const PIECE: usize;
+    /// Runs `f` on an `S` slice as long as `o`, then leaves its values in `o`.
+    fn write(o: &mut [Self], f: impl FnOnce(&mut [S]));
+}
+
+impl<S: Scalar> Rows<S> for S {
+    const PIECE: usize = usize::MAX;
+    fn write(o: &mut [S], f: impl FnOnce(&mut [S])) {
+        f(o)
+    }
+}
+
+impl Rows<f32> for u16 {
+    const PIECE: usize = PIECE;
+    fn write(o: &mut [u16], f: impl FnOnce(&mut [f32])) {
+        let mut t = [0f32; PIECE];
+        let t = &mut t[..o.len()];
+        f(t);
+        round_piece(o, t);
+    }
+}
+
+fn swiglu_forward<S: Scalar>(out: ViewMut, gate: View, up: View) {
+    swiglu_forward_rows::<S, S>(out.host(), gate.host(), up.host())
+}
+
+fn swiglu_forward_rows<S: Scalar, O: Rows<S>>(out: &mut [O], gate: &[S], up: &[S]) {
     out.par_chunks_mut(EW_CHUNK)
         .zip(gate.par_chunks(EW_CHUNK))
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((o, g), u)| {
-            let mut t = [0f32; PIECE];
-            for ((o, g), u) in o
-                .chunks_mut(PIECE)
-                .zip(g.chunks(PIECE))
-                .zip(u.chunks(PIECE))
-            {
-                let t = &mut t[..o.len()];
-                swiglu_fwd(t, g, u);
-                round_piece(o, t);
+            let n = O::PIECE.min(o.len());
+            for ((o, g), u) in o.chunks_mut(n).zip(g.chunks(n)).zip(u.chunks(n)) {
+                O::write(o, |t| swiglu_fwd(t, g, u));
             }
         });
 }
 
 fn swiglu_backward<S: Scalar>(dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
-    let dg: &mut [S] = dgate.host();
-    let du: &mut [S] = dup.host();
-    let dout: &[S] = dout.host();
-    let gate: &[S] = gate.host();
-    let up: &[S] = up.host();
-    dg.par_chunks_mut(EW_CHUNK)
-        .zip(du.par_chunks_mut(EW_CHUNK))
-        .zip(dout.par_chunks(EW_CHUNK))
-        .zip(gate.par_chunks(EW_CHUNK))
-        .zip(up.par_chunks(EW_CHUNK))
-        .for_each(|((((dg, du), d), g), u)| {
-            swiglu_bwd(dg, du, d, g, u);
-        });
+    let (dg, du) = (dgate.host::<S>(), dup.host::<S>());
+    swiglu_backward_rows(dg, du, dout.host(), gate.host(), up.host())
 }
 
-/// [`swiglu_backward`] on f32 inputs into bf16 gradients, each rounded once.
-fn swiglu_backward_to_bf16(dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
-    let (dg, du) = (dgate.host_bf16(), dup.host_bf16());
-    let (dout, gate, up) = (dout.host::<f32>(), gate.host::<f32>(), up.host::<f32>());
+fn swiglu_backward_rows<S: Scalar, O: Rows<S>>(
+    dg: &mut [O],
+    du: &mut [O],
+    dout: &[S],
+    gate: &[S],
+    up: &[S],
+) {
     dg.par_chunks_mut(EW_CHUNK)
         .zip(du.par_chunks_mut(EW_CHUNK))
         .zip(dout.par_chunks(EW_CHUNK))
         .zip(gate.par_chunks(EW_CHUNK))
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((((dg, du), d), g), u)| {
-            let (mut tg, mut tu) = ([0f32; PIECE], [0f32; PIECE]);
-            let pieces = dg.chunks_mut(PIECE).zip(du.chunks_mut(PIECE));
-            let inputs = d.chunks(PIECE).zip(g.chunks(PIECE)).zip(u.chunks(PIECE));
+            let n = O::PIECE.min(dg.len());
+            let pieces = dg.chunks_mut(n).zip(du.chunks_mut(n));
+            let inputs = d.chunks(n).zip(g.chunks(n)).zip(u.chunks(n));
             for ((dg, du), ((d, g), u)) in pieces.zip(inputs) {
-                let (tg, tu) = (&mut tg[..dg.len()], &mut tu[..du.len()]);
-                swiglu_bwd(tg, tu, d, g, u);
-                round_piece(dg, tg);
-                round_piece(du, tu);
+                O::write(dg, |tg| O::write(du, |tu| swiglu_bwd(tg, tu, d, g, u)));
             }
         });
 }
@@ -596,35 +598,33 @@ fn moe_combine_backward<S: Scalar>(
     d: Dispatched,
 ) {
     match (dye.dtype(), S::DTYPE) {
+        // bf16 rows are written from f32 inputs only (the seam's rule for this op).
         (DType::BF16, DType::F32) => {
-            // S is f32 here: the widening to f64 and back is exact.
-            let put = |o: &mut [u16], x: &[S]| {
-                o.iter_mut()
-                    .zip(x)
-                    .for_each(|(d, &v)| *d = crate::bf16::from_f32(v.as_f64() as f32))
-            };
-            combine_backward_rows(dye.host_bf16(), put, dw, dout, ye, w, d)
+            let (dout, ye, w) = (dout.host::<f32>(), ye.host::<f32>(), w.host::<f32>());
+            combine_backward_rows(dye.host_bf16(), dw.host::<f32>(), dout, ye, w, d)
         }
-        _ => combine_backward_rows(dye.host::<S>(), <[S]>::copy_from_slice, dw, dout, ye, w, d),
+        _ => combine_backward_rows::<S, S>(
+            dye.host(),
+            dw.host(),
+            dout.host(),
+            ye.host(),
+            w.host(),
+            d,
+        ),
     }
 }
 
-/// [`moe_combine_backward`] with `put` writing a row of `dye` from its f32 (or f64) values.
-fn combine_backward_rows<S: Scalar, O: Send>(
+/// [`moe_combine_backward`] into rows of `dye` of either storage (see [`Rows`]).
+fn combine_backward_rows<S: Scalar, O: Rows<S>>(
     dye: &mut [O],
-    put: impl Fn(&mut [O], &[S]) + Sync,
-    dw: ViewMut,
-    dout: View,
-    ye: View,
-    w: View,
+    dw: &mut [S],
+    dout: &[S],
+    ye: &[S],
+    w: &[S],
     d: Dispatched,
 ) {
     let Dispatched { pos, k, dim } = d;
     let pos = pos.host_u32();
-    let dw: &mut [S] = dw.host();
-    let dout: &[S] = dout.host();
-    let ye: &[S] = ye.host();
-    let w: &[S] = w.host();
     assert_eq!(dye.len(), pos.len() * dim);
     assert!(ye.len() == dye.len() && dw.len() == pos.len() && w.len() == pos.len());
     // Each dispatched row holds exactly one (token, choice): invert `pos`, checking that it is a
@@ -653,13 +653,11 @@ fn combine_backward_rows<S: Scalar, O: Send>(
         .map(|((dy, y), &i)| {
             let (i, t) = (i as usize, i as usize / k);
             let d = &dout[t * dim..(t + 1) * dim];
-            let mut row = [S::zero(); PIECE];
-            for (c, dy) in dy.chunks_mut(PIECE).enumerate() {
-                let r = &mut row[..dy.len()];
-                r.iter_mut()
-                    .zip(&d[c * PIECE..])
-                    .for_each(|(a, &b)| *a = w[i] * b);
-                put(dy, r);
+            let n = O::PIECE.min(dim);
+            for (dy, d) in dy.chunks_mut(n).zip(d.chunks(n)) {
+                O::write(dy, |r| {
+                    r.iter_mut().zip(d).for_each(|(a, &b)| *a = w[i] * b)
+                });
             }
             dot(d, y)
         })
@@ -798,13 +796,18 @@ impl NnOps for CpuBackend {
     }
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
         match (out.dtype(), dt(&gate)) {
-            (DType::BF16, DType::F32) => swiglu_forward_to_bf16(out, gate, up),
+            (DType::BF16, DType::F32) => {
+                swiglu_forward_rows(out.host_bf16(), gate.host::<f32>(), up.host())
+            }
             (_, g) => by_dtype!(g, swiglu_forward(out, gate, up)),
         }
     }
     fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
         match (dgate.dtype(), dt(&gate)) {
-            (DType::BF16, DType::F32) => swiglu_backward_to_bf16(dgate, dup, dout, gate, up),
+            (DType::BF16, DType::F32) => {
+                let (dg, du) = (dgate.host_bf16(), dup.host_bf16());
+                swiglu_backward_rows(dg, du, dout.host::<f32>(), gate.host(), up.host())
+            }
             (_, g) => by_dtype!(g, swiglu_backward(dgate, dup, dout, gate, up)),
         }
     }
