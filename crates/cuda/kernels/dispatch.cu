@@ -109,12 +109,17 @@ extern "C" __global__ void dispatch_place(unsigned* src, unsigned* pos, const un
     });
 }
 
-// xe[r] = x[src[r]], in xe's storage O (bf16 from f32 rounds; in one storage the bits are
-// copied). Launch: grid = dispatched rows, any 1-D block.
+// One element into another storage: in one storage a plain copy of the bits, f32 into bf16
+// rounded.
+template <class T>
+__device__ __forceinline__ void put(T* d, const T* s) { *d = *s; }
+__device__ __forceinline__ void put(bf16* d, const float* s) { st(d, *s); }
+
+// xe[r] = x[src[r]], in xe's storage O. Launch: grid = dispatched rows, any 1-D block.
 template <class O, class T>
 __device__ void gather_fwd(O* xe, const T* x, const unsigned* src, int dim) {
     const long long r = blockIdx.x, t = src[r];
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) st(xe + r * dim + i, ld(x + t * dim + i));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) put(xe + r * dim + i, x + t * dim + i);
 }
 
 // dx[t] += Σ_j dxe[pos[t*k + j]], j in order. Launch: grid tokens, any 1-D block.

@@ -1257,6 +1257,29 @@ fn bf16_rows_are_the_f32_ops_rounded_once() {
     }
 }
 
+/// bf16 rows gathered again (expert parallelism's reorder) are copied as bits: a signalling
+/// NaN keeps its payload, which a round trip through f32 would quiet.
+#[test]
+fn bf16_rows_are_regathered_as_bits() {
+    let dim = 5;
+    let rows: [[u16; 5]; 3] = [
+        [0x7f81, 0xff81, 0x7fc1, 0x8000, 0x0001],
+        [0x7f80, 0xff80, 0x3f80, 0x0080, 0x7fff],
+        [0x1234, 0xabcd, 0xffff, 0x7f81, 0x0000],
+    ];
+    let src = [2u32, 0, 1, 0];
+    let want: Vec<u16> = src.iter().flat_map(|&r| rows[r as usize]).collect();
+    let (b, kb) = (cpu(), kernels(SMALL));
+    for (name, be) in [("cpu", &b as &dyn Backend), ("kernels", &kb)] {
+        let mut x = St::Bf16.zeros(be, rows.len() * dim);
+        x.view_mut().host_bf16().copy_from_slice(&rows.concat());
+        let s = be.upload_u32(&src, &[src.len()], Category::Activations);
+        let mut xe = St::Bf16.zeros(be, src.len() * dim);
+        be.moe_gather(xe.view_mut(), x.view(), s.view(), dim);
+        assert_eq!(xe.view().host_bf16(), &want[..], "{name}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention
 
