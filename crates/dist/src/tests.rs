@@ -81,11 +81,14 @@ fn byte_counters_follow_the_convention() {
 #[test]
 fn a_bf16_alltoallv_moves_the_bits() {
     let w = 3;
-    let bits = |from: usize, to: usize, i: usize| (0x3f80 + 64 * from + 8 * to + i) as u16;
+    let bits = |from: usize, to: usize, i: usize| (0x3f80 + 64 * from + 16 * to + i) as u16;
+    // Elements from rank `from` to rank `to`: not symmetric, so what a rank sends and what it
+    // receives differ in count and the byte counts tell them apart.
+    let count = |from: usize, to: usize| 1 + from * from + 2 * to;
     let got = ok(run_threads(w, &cfg(5_000), |pg| {
         let r = pg.rank();
-        let sc: Vec<usize> = (0..w).map(|j| r + j + 1).collect();
-        let rc: Vec<usize> = (0..w).map(|j| j + r + 1).collect();
+        let sc: Vec<usize> = (0..w).map(|j| count(r, j)).collect();
+        let rc: Vec<usize> = (0..w).map(|j| count(j, r)).collect();
         let send: Vec<u16> = (0..w)
             .flat_map(|j| (0..sc[j]).map(move |i| bits(r, j, i)))
             .collect();
@@ -102,12 +105,13 @@ fn a_bf16_alltoallv_moves_the_bits() {
     }));
     for (r, (recv, bytes)) in got.into_iter().enumerate() {
         let want: Vec<u16> = (0..w)
-            .flat_map(|j| (0..j + r + 1).map(move |i| bits(j, r, i)))
+            .flat_map(|j| (0..count(j, r)).map(move |i| bits(j, r, i)))
             .collect();
         assert_eq!(recv, want, "rank {r}");
         let peers = |f: &dyn Fn(usize) -> usize| (0..w).filter(|&j| j != r).map(f).sum::<usize>();
-        let sent = peers(&|j| r + j + 1) as u64;
-        assert_eq!(bytes, (2 * sent, 2 * sent), "rank {r}");
+        let (sent, received) = (peers(&|j| count(r, j)), peers(&|j| count(j, r)));
+        assert_ne!(sent, received);
+        assert_eq!(bytes, (2 * sent as u64, 2 * received as u64), "rank {r}");
     }
 }
 
