@@ -329,6 +329,36 @@ fn swiglu_forward_backward() {
     );
 }
 
+/// SwiGLU on bf16 storage throughout (the gate and up a bf16 GEMM wrote, under bf16 compute):
+/// on each backend, its f32 op on the widened inputs with every output rounded once, bit for
+/// bit; the kernels against the CPU within bf16's rounding. 9,001 elements: three of the CPU's
+/// element-wise chunks and pieces of 256, the last of neither a multiple of 8.
+#[test]
+fn bf16_swiglu_is_the_f32_op_on_widened_inputs_rounded_once() {
+    let mut rng = Lcg::new(41);
+    let n = 9001;
+    let v: Vec<Vec<f32>> = [4.0, 2.0, 1.0]
+        .iter()
+        .map(|&s| round_bf16(&rng.values(n, s)))
+        .collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (b, kb) = (cpu(), kernels(SMALL));
+    for (name, be) in [("cpu", &b as &dyn Backend), ("kernels", &kb)] {
+        let (h, f) = (swiglu_run(be, St::Bf16, &v), swiglu_run(be, St::F32, &v));
+        for (o, (got, f32_out)) in h.iter().zip(&f).enumerate() {
+            assert_eq!(bits(got), bits(&round_bf16(f32_out)), "{name}: output {o}");
+        }
+    }
+    parity(
+        "swiglu_bf16_storage",
+        &v,
+        1,
+        &[BF16],
+        |v| swiglu_run(&kb, St::Bf16, v),
+        |v| swiglu_run(&b, St::Bf16, v),
+    );
+}
+
 #[test]
 fn unknown_kernel_and_wrong_argument_kinds_are_refused() {
     assert!(ganymede_cuda::host::signature("no_such_kernel").is_none());

@@ -133,9 +133,11 @@ pub struct Gemm {
     pub ldb: usize,
     pub ldc: usize,
     /// Mixed precision (`training.compute_dtype = "bf16"`): A and B enter the product rounded
-    /// to bf16 (nearest even), products are accumulated and C written in f32, as cuBLAS's
-    /// bf16 × bf16 → f32 GemmEx. The backend casts f32 operands into a reused scratch it owns
-    /// (charged to the ledger as buffers); bf16 operands are taken as they are.
+    /// to bf16 (nearest even), products are accumulated in f32, and C is written in its dtype:
+    /// f32, as cuBLAS's bf16 × bf16 → f32 GemmEx, or bf16, the f32 result rounded once, as its
+    /// bf16 × bf16 → bf16 GemmEx (a bf16 C is written, never accumulated into: beta 0). The
+    /// backend casts f32 operands into a reused scratch it owns (charged to the ledger as
+    /// buffers); bf16 operands are taken as they are.
     pub bf16_inputs: bool,
     /// With `bf16_inputs`, a promise about A (`[0]`) and B (`[1]`): nothing has written the
     /// operand's view since a bf16-input GEMM on this backend last read it in the same position.

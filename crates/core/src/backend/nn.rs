@@ -174,12 +174,14 @@ pub trait NnOps: Send + Sync {
     /// The gradients of `q`, `k`, `v` (overwritten) from that of the output.
     fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims);
 
-    /// `out = silu(gate) * up`, elementwise. `out` may be bf16 where the inputs are f32 (the
-    /// rows a bf16-input GEMM reads next, under `training.compute_dtype = "bf16"`): the f32
-    /// result rounded once, the bits of the f32 op followed by [`crate::Blas::cast`].
+    /// `out = silu(gate) * up`, elementwise, computed in f32 (or the backend's f64). `out` may
+    /// be bf16 where the inputs are f32 (the rows a bf16-input GEMM reads next, under
+    /// `training.compute_dtype = "bf16"`): the f32 result rounded once, the bits of the f32 op
+    /// followed by [`crate::Blas::cast`]. Inputs and output may all be bf16 (the gate and up
+    /// a bf16 GEMM wrote): the f32 op on the widened inputs, rounded once.
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View);
     /// `dgate`, `dup` overwritten; both may be bf16 where the inputs are f32, as the forward's
-    /// output.
+    /// output, and all five may be bf16, as there.
     fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View);
 
     /// Router: `probs = softmax(logits)` over `experts` per row; select the top `k` of

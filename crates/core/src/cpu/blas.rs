@@ -585,13 +585,87 @@ impl CpuBackend {
     }
 }
 
+/// Where a GEMM writes in its C view: `rows` rows of `cols` from element `at`, `ld` apart.
+#[derive(Clone, Copy)]
+pub(crate) struct Region {
+    pub at: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+}
+
+impl Region {
+    pub(crate) fn of(g: &Gemm, at: usize) -> Region {
+        Region {
+            at,
+            rows: g.m,
+            cols: g.n,
+            ld: g.ldc,
+        }
+    }
+}
+
+impl CpuBackend {
+    /// A bf16-input GEMM's product into C: as it is into an f32 C; into a bf16 C, `f` writes
+    /// it in f32 into the output scratch (grown to `c.len()` first if short, the old one freed
+    /// first), and each element of `regions` is rounded once from there into C, as cuBLAS's
+    /// bf16 × bf16 → bf16 GemmEx writes (f32 accumulation, one rounding). A bf16 C is written,
+    /// never accumulated into: every GEMM of `regions` has beta 0.
+    pub(crate) fn with_f32_output(
+        &self,
+        c: ViewMut,
+        regions: &[(Region, f32)],
+        f: impl FnOnce(ViewMut),
+    ) {
+        if c.dtype() == DType::F32 {
+            return f(c);
+        }
+        assert_eq!(
+            c.dtype(),
+            DType::BF16,
+            "bf16-input gemm into {}",
+            c.dtype().name()
+        );
+        assert!(
+            regions.iter().all(|&(_, beta)| beta == 0.0),
+            "a bf16 C is written, not accumulated into (beta 0)"
+        );
+        let mut slot = self.bf16_out.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.as_ref().is_none_or(|t| t.len() < c.len()) {
+            *slot = None;
+            *slot = Some(self.zeros_of(&[c.len()], DType::F32, Category::Buffers));
+        }
+        let t = slot.as_mut().expect("sized above");
+        f(t.slice_mut(0, c.len()));
+        let (src, dst) = (t.view().host::<f32>(), c.host_bf16());
+        for &(r, _) in regions {
+            if r.rows == 0 || r.cols == 0 {
+                continue;
+            }
+            let end = r.at + (r.rows - 1) * r.ld + r.cols;
+            dst[r.at..end]
+                .par_chunks_mut(r.ld)
+                .zip(src[r.at..end].par_chunks(r.ld))
+                .with_min_len((PAR_MIN / r.ld.max(1)).max(1))
+                .for_each(|(d, s)| {
+                    d[..r.cols]
+                        .iter_mut()
+                        .zip(&s[..r.cols])
+                        .for_each(|(d, &x)| *d = crate::bf16::from_f32(x))
+                });
+        }
+    }
+}
+
 impl Blas for CpuBackend {
     fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
         if g.bf16_inputs {
-            assert_eq!(c.dtype(), DType::F32, "bf16-input gemm writes f32");
             let [na, nb, _] = g.extents();
             let n = (na, nb);
-            return self.with_bf16_operands(a, b, n, g.unchanged, |a, b| gemm::<f32>(c, a, b, g));
+            let regions = [(Region::of(&g, 0), g.beta)];
+            return self.with_bf16_operands(a, b, n, g.unchanged, |a, b| {
+                self.with_f32_output(c, &regions, |c| gemm::<f32>(c, a, b, g))
+            });
         }
         crate::by_dtype!(c.dtype(), gemm(c, a, b, g))
     }
@@ -901,5 +975,58 @@ mod tests {
         };
         check(&CpuBackend::default(), true);
         check(&CpuBackend::default().with_cast_promises(false), false);
+    }
+    /// A bf16 C holds the f32 product rounded once, bit for bit, and only where the GEMM
+    /// writes (rows ldc apart; a grouped GEMM's groups): the elements between them keep what
+    /// they held. The f32 product passes through an output scratch on the ledger's buffers.
+    #[test]
+    fn a_bf16_c_is_the_f32_product_rounded_once() {
+        use crate::backend::NnOps;
+        use crate::Device;
+        let be = CpuBackend::default();
+        let (m, n, k, ldc) = (7, 5, 9, 8);
+        let (a, b) = (rand(2 * m * k, 4), rand(k * n, 5));
+        let (ta, tb) = (
+            be.upload(&a, &[a.len()], Category::Activations),
+            be.upload(&b, &[b.len()], Category::Params),
+        );
+        let g = Gemm::new(m, n, k, false, false)
+            .ld(k, n, ldc)
+            .bf16_inputs(true);
+        // Two groups over the two halves of A, into rows 0..m and m + 1..2m + 1 of C (a row
+        // between them that no group writes).
+        let groups = [(g, 0, 0, 0), (g, m * k, 0, (m + 1) * ldc)];
+        let len = (2 * m + 2) * ldc;
+        let written = |i: usize, grouped: bool| {
+            let (r, c) = (i / ldc, i % ldc);
+            c < n && (r < m || (grouped && r > m && r <= 2 * m))
+        };
+        let sentinel = 0x1234u16;
+        for grouped in [false, true] {
+            let run = |c: ViewMut| match grouped {
+                false => be.gemm(c, ta.view(), tb.view(), g),
+                true => be.gemm_grouped(c, ta.view(), tb.view(), &groups),
+            };
+            let mut c32 = be.zeros(&[len], Category::Activations);
+            run(c32.view_mut());
+            let want = be.download(c32.view());
+            let mut c16 = be.zeros_of(&[len], DType::BF16, Category::Activations);
+            c16.view_mut().host_bf16().fill(sentinel);
+            run(c16.view_mut());
+            let got = c16.view().host_bf16();
+            for i in 0..len {
+                let w = match written(i, grouped) {
+                    true => crate::bf16::from_f32(want[i]),
+                    false => sentinel,
+                };
+                assert_eq!(got[i], w, "grouped {grouped}: element {i}");
+            }
+        }
+        // The scratch on the ledger: f32 slots of A's and B's views and of the C view.
+        let buffers = be
+            .ledger()
+            .report()
+            .current(Device::Host, Category::Buffers);
+        assert_eq!(buffers, 4 * (a.len() + b.len() + len) as u64);
     }
 }

@@ -48,6 +48,9 @@ pub struct CpuBackend {
     /// f32 scratch for the A and B operands of bf16-input GEMMs, holding them rounded to bf16:
     /// grown to the largest operand seen (the first step), then reused.
     bf16_scratch: Arc<Mutex<[crate::CastSlot; 2]>>,
+    /// f32 scratch for the product of a bf16-input GEMM with a bf16 C, rounded from there:
+    /// grown to the longest C view seen, then reused.
+    bf16_out: Arc<Mutex<Option<Tensor>>>,
     /// Whether [`crate::Gemm::unchanged`] lets a cast be reused (the default); without, every
     /// bf16-input GEMM casts its operands, the bits every promise must keep (tests hold the
     /// model's promises to that).
@@ -80,6 +83,7 @@ impl CpuBackend {
             dtype: DType::F32,
             two: None,
             bf16_scratch: Default::default(),
+            bf16_out: Default::default(),
             cast_promises: true,
         }
     }
@@ -90,6 +94,7 @@ impl CpuBackend {
             dtype: DType::F64,
             two: None,
             bf16_scratch: Default::default(),
+            bf16_out: Default::default(),
             cast_promises: true,
         }
     }
@@ -104,6 +109,7 @@ impl CpuBackend {
             dtype: DType::F32,
             two: Some(Arc::new(TwoMemory::new(options))),
             bf16_scratch: Default::default(),
+            bf16_out: Default::default(),
             cast_promises: true,
         }
     }

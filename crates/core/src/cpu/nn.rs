@@ -3,6 +3,7 @@
 //! (batch, kv head) in attention) with rayon; every output element is written by one task and
 //! every reduction runs in a fixed order, so results do not depend on the thread count.
 
+use super::blas::Region;
 use super::CpuBackend;
 use crate::backend::{
     AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, NnOps,
@@ -304,20 +305,25 @@ fn round_piece(o: &mut [u16], t: &[f32]) {
         .for_each(|(d, &x)| *d = crate::bf16::from_f32(x));
 }
 
-/// Output rows of an op computed in `S`: written in place when they are `S` themselves, or
-/// computed into an f32 piece on the stack and rounded once when they are bf16 (`u16`), so one
-/// body serves both and the f32 path makes no extra copy.
-trait Rows<S>: Send + Sized {
-    /// The longest slice [`Rows::write`] takes at once.
+/// Rows of an op computed in `S`: used in place when they are `S` themselves, or, when they
+/// are bf16 (`u16`), widened into (inputs) or computed in and rounded once from (outputs) an
+/// f32 piece on the stack, so one body serves both and the f32 path makes no extra copy.
+trait Rows<S>: Send + Sync + Sized {
+    /// The longest slice [`Rows::write`] and [`Rows::read`] take at once.
     const PIECE: usize;
     /// Runs `f` on an `S` slice as long as `o`, then leaves its values in `o`.
     fn write(o: &mut [Self], f: impl FnOnce(&mut [S]));
+    /// Runs `f` on `i`'s values as an `S` slice.
+    fn read(i: &[Self], f: impl FnOnce(&[S]));
 }
 
 impl<S: Scalar> Rows<S> for S {
     const PIECE: usize = usize::MAX;
     fn write(o: &mut [S], f: impl FnOnce(&mut [S])) {
         f(o)
+    }
+    fn read(i: &[S], f: impl FnOnce(&[S])) {
+        f(i)
     }
 }
 
@@ -329,35 +335,46 @@ impl Rows<f32> for u16 {
         f(t);
         round_piece(o, t);
     }
+    fn read(i: &[u16], f: impl FnOnce(&[f32])) {
+        let mut t = [0f32; PIECE];
+        let t = &mut t[..i.len()];
+        t.iter_mut()
+            .zip(i)
+            .for_each(|(t, &h)| *t = crate::bf16::to_f32(h));
+        f(t)
+    }
 }
 
 fn swiglu_forward<S: Scalar>(out: ViewMut, gate: View, up: View) {
-    swiglu_forward_rows::<S, S>(out.host(), gate.host(), up.host())
+    swiglu_forward_rows::<S, S, S>(out.host(), gate.host(), up.host())
 }
 
-fn swiglu_forward_rows<S: Scalar, O: Rows<S>>(out: &mut [O], gate: &[S], up: &[S]) {
+/// SwiGLU with inputs stored as `I` and outputs as `O`, computed in `S`.
+fn swiglu_forward_rows<S: Scalar, I: Rows<S>, O: Rows<S>>(out: &mut [O], gate: &[I], up: &[I]) {
     out.par_chunks_mut(EW_CHUNK)
         .zip(gate.par_chunks(EW_CHUNK))
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((o, g), u)| {
-            let n = O::PIECE.min(o.len());
+            let n = O::PIECE.min(I::PIECE).min(o.len());
             for ((o, g), u) in o.chunks_mut(n).zip(g.chunks(n)).zip(u.chunks(n)) {
-                O::write(o, |t| swiglu_fwd(t, g, u));
+                I::read(g, |g| I::read(u, |u| O::write(o, |t| swiglu_fwd(t, g, u))));
             }
         });
 }
 
 fn swiglu_backward<S: Scalar>(dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
     let (dg, du) = (dgate.host::<S>(), dup.host::<S>());
-    swiglu_backward_rows(dg, du, dout.host(), gate.host(), up.host())
+    swiglu_backward_rows::<S, S, S>(dg, du, dout.host(), gate.host(), up.host())
 }
 
-fn swiglu_backward_rows<S: Scalar, O: Rows<S>>(
+/// [`swiglu_forward_rows`]'s backward: `dout`, `gate` and `up` stored as `I`, the gradients
+/// as `O`.
+fn swiglu_backward_rows<S: Scalar, I: Rows<S>, O: Rows<S>>(
     dg: &mut [O],
     du: &mut [O],
-    dout: &[S],
-    gate: &[S],
-    up: &[S],
+    dout: &[I],
+    gate: &[I],
+    up: &[I],
 ) {
     dg.par_chunks_mut(EW_CHUNK)
         .zip(du.par_chunks_mut(EW_CHUNK))
@@ -365,11 +382,17 @@ fn swiglu_backward_rows<S: Scalar, O: Rows<S>>(
         .zip(gate.par_chunks(EW_CHUNK))
         .zip(up.par_chunks(EW_CHUNK))
         .for_each(|((((dg, du), d), g), u)| {
-            let n = O::PIECE.min(dg.len());
+            let n = O::PIECE.min(I::PIECE).min(dg.len());
             let pieces = dg.chunks_mut(n).zip(du.chunks_mut(n));
             let inputs = d.chunks(n).zip(g.chunks(n)).zip(u.chunks(n));
             for ((dg, du), ((d, g), u)) in pieces.zip(inputs) {
-                O::write(dg, |tg| O::write(du, |tu| swiglu_bwd(tg, tu, d, g, u)));
+                I::read(d, |d| {
+                    I::read(g, |g| {
+                        I::read(u, |u| {
+                            O::write(dg, |tg| O::write(du, |tu| swiglu_bwd(tg, tu, d, g, u)))
+                        })
+                    })
+                });
             }
         });
 }
@@ -724,11 +747,16 @@ impl NnOps for CpuBackend {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         let (bf16, unchanged) = crate::backend::grouped_casts(groups);
         if bf16 {
-            assert_eq!(c.dtype(), DType::F32, "bf16-input gemm writes f32");
             // Whole views: which rows the groups read changes with the routing.
             let n = (a.len(), b.len());
+            let regions: Vec<_> = groups
+                .iter()
+                .map(|(g, _, _, at)| (Region::of(g, *at), g.beta))
+                .collect();
             return self.with_bf16_operands(a, b, n, unchanged, |a, b| {
-                grouped::gemm_grouped::<f32>(c, a, b, groups)
+                self.with_f32_output(c, &regions, |c| {
+                    grouped::gemm_grouped::<f32>(c, a, b, groups)
+                })
             });
         }
         match c.dtype() {
@@ -797,16 +825,30 @@ impl NnOps for CpuBackend {
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
         match (out.dtype(), dt(&gate)) {
             (DType::BF16, DType::F32) => {
-                swiglu_forward_rows(out.host_bf16(), gate.host::<f32>(), up.host())
+                swiglu_forward_rows::<f32, _, _>(out.host_bf16(), gate.host::<f32>(), up.host())
+            }
+            (DType::BF16, DType::BF16) => {
+                swiglu_forward_rows::<f32, _, _>(out.host_bf16(), gate.host_bf16(), up.host_bf16())
             }
             (_, g) => by_dtype!(g, swiglu_forward(out, gate, up)),
         }
     }
     fn swiglu_backward(&self, dgate: ViewMut, dup: ViewMut, dout: View, gate: View, up: View) {
+        let (dg16, du16) = (dgate.dtype() == DType::BF16, dup.dtype() == DType::BF16);
+        assert_eq!(
+            dg16, du16,
+            "swiglu_backward: dgate and dup in different dtypes"
+        );
         match (dgate.dtype(), dt(&gate)) {
             (DType::BF16, DType::F32) => {
                 let (dg, du) = (dgate.host_bf16(), dup.host_bf16());
-                swiglu_backward_rows(dg, du, dout.host::<f32>(), gate.host(), up.host())
+                let (d, g, u) = (dout.host::<f32>(), gate.host::<f32>(), up.host::<f32>());
+                swiglu_backward_rows::<f32, _, _>(dg, du, d, g, u)
+            }
+            (DType::BF16, DType::BF16) => {
+                let (dg, du) = (dgate.host_bf16(), dup.host_bf16());
+                let (d, g, u) = (dout.host_bf16(), gate.host_bf16(), up.host_bf16());
+                swiglu_backward_rows::<f32, _, _>(dg, du, d, g, u)
             }
             (_, g) => by_dtype!(g, swiglu_backward(dgate, dup, dout, gate, up)),
         }
