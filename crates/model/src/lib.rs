@@ -215,6 +215,9 @@ pub struct Model {
     /// GEMM cast them (the reference of [`Model::with_f32_rows`]); by default they are made in
     /// bf16 where they are written.
     f32_rows: bool,
+    /// Under bf16 compute, have the GEMMs whose outputs only SwiGLU reads write them in f32
+    /// ([`Model::with_f32_outputs`]); by default they write bf16.
+    f32_outputs: bool,
     /// Storage precision of the residual stream at block boundaries
     /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).
     boundary: ganymede_config::BoundaryDtype,
@@ -270,6 +273,18 @@ impl Model {
     /// and a cast per read: it is the reference the bf16 rows are tested against.
     pub fn with_f32_rows(mut self, on: bool) -> Model {
         self.f32_rows = on;
+        self
+    }
+
+    /// Under bf16 compute, the GEMM outputs that only SwiGLU reads (the routed experts' and
+    /// the dense and shared SwiGLUs' gate and up, and the gradient of their SwiGLU product)
+    /// written in f32, as before they were written in bf16 (the f32 product rounded once, as
+    /// autocast's GEMMs write bf16). Unlike [`Model::with_f32_rows`] this changes values:
+    /// SwiGLU then reads unrounded inputs. It is the layout the bf16 rows are tested in bit
+    /// for bit, and the reference the bf16 outputs are compared with. [`Model::with_f32_rows`]
+    /// implies it.
+    pub fn with_f32_outputs(mut self, on: bool) -> Model {
+        self.f32_outputs = on;
         self
     }
 
@@ -371,6 +386,7 @@ impl Model {
             specs,
             bf16: false,
             f32_rows: false,
+            f32_outputs: false,
             boundary: ganymede_config::BoundaryDtype::Auto,
             loss_chunk: 0,
             moe_chunk: 0,

@@ -288,8 +288,10 @@ impl ExpertExecutor for EpExperts {
         );
         k.xe.at_least_of(be, xc, rows_dt);
         be.moe_gather(k.xe.view_mut(xn), inbound.view(xn), k.to_em.view(rows), h);
+        // Gate and up in the block's dtype for them: bf16 where the GEMMs write bf16 outputs.
+        let out_dt = b.g.dtype();
         for g in [&mut k.g, &mut k.u] {
-            g.at_least(be, fc);
+            g.at_least_of(be, fc, out_dt);
         }
         k.a.at_least_of(be, fc, rows_dt);
         self.scratch.wire.at_least(be, xc);
@@ -397,7 +399,7 @@ impl ExpertExecutor for EpExperts {
             s.bufs.to_em.view(rows),
             h,
         );
-        da.at_least(be, fc);
+        da.at_least_of(be, fc, b.da.dtype());
         for t in [&mut *dg, &mut *du] {
             t.at_least_of(be, fc, rows_dt);
         }

@@ -603,7 +603,8 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     // MoE layer without) and the two u32 row orders, and the all-to-all and gradient scratch
     // (3H + 3F). Under bf16 compute the rows only GEMMs read are bf16: the kept input and
     // SwiGLU product, the gate and up gradients, and two more buffers of H for the bf16 rows
-    // as they travel and the output gradients expert-major.
+    // as they travel and the output gradients expert-major; and so are the GEMM outputs only
+    // SwiGLU reads: the kept gate and up, the SwiGLU product's gradient.
     let (ep_kept, ep_scratch) = match ep_capacity_rows(&local) {
         Some(cap) => {
             let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
@@ -613,7 +614,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             };
             let cap = cap as f64;
             let (kept, scratch) = match bf16_compute {
-                true => (2.0 * h + 10.0 * ff, 16.0 * h + 8.0 * ff),
+                true => (2.0 * h + 6.0 * ff, 16.0 * h + 6.0 * ff),
                 false => (f * (h + 3.0 * ff), f * 3.0 * (h + ff)),
             };
             ((kept + 8.0) * cap * sets as f64, scratch * cap)

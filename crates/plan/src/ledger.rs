@@ -127,16 +127,18 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0 - attn16;
     // Per token: router probabilities and weights; per token of a MoE chunk (C of the N
     // tokens, `training.moe_chunk_tokens`): the expert rows and their internals, of which the
-    // dispatched inputs and SwiGLU products are bf16 rows (and in the scratch the output, gate
-    // and up gradients).
+    // dispatched inputs and SwiGLU products are bf16 rows and the gate and up bf16 GEMM
+    // outputs (in the scratch: the output, gate and up gradients bf16 rows, the SwiGLU
+    // product's gradient a bf16 GEMM output).
     let moe = e + k;
     let c = moe_rows(job, n);
-    let rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + k * ff);
-    let scratch_rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + 2.0 * k * ff);
+    let rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + 3.0 * k * ff);
+    let scratch_rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + 3.0 * k * ff);
     let routing = 3.0 * k;
-    // An FFN's product is a bf16 row (its gate and up gradients in the scratch too).
-    let set =
-        |is_moe: bool, w: f64| attn + if is_moe { moe + routing } else { 0.0 } + (3.0 - half) * w;
+    // An FFN's gate, up and product are bf16 (in the scratch all three gradients too).
+    let set = |is_moe: bool, w: f64| {
+        attn + if is_moe { moe + routing } else { 0.0 } + (3.0 - 3.0 * half) * w
+    };
     let (sets, moe_sets): (f64, f64) = match job.activation_checkpoint.mode {
         AcMode::None => (
             (0..m.layers)
@@ -151,7 +153,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         + 2.0 * q
         + 3.0 * kv
         + if any_moe { moe } else { 0.0 }
-        + (3.0 - 2.0 * half) * max_w
+        + (3.0 - 3.0 * half) * max_w
         + attn16;
     let boundaries = match bf16_boundaries(job) {
         true => 2.0 * n * (m.layers as f64 + 1.0) * h + f * n * h,
@@ -316,7 +318,9 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// gradients; attention's output), which a GPU takes as they are: there slot A holds the
 /// logits' gradient or an f32 activation (`N·H`, a query gradient `N·Q`) and slot B only the
 /// normed rows the weight gradients read (`N·H`). The CPU widens bf16 operands into its f32
-/// scratch like any operand.
+/// scratch like any operand, and keeps an f32 output slot for the GEMMs that write bf16 (gate,
+/// up and the SwiGLU product's gradient: `max(N·k, capacity)·F` or an FFN's `N·W`), which it
+/// rounds from.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     gemm_scratch(job, None)
 }
@@ -355,6 +359,12 @@ pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usiz
     let nk = moe_rows(job, n) * k;
     let rows = crate::fit::ep_capacity_rows(job).map_or(nk, |c| (c as f64).max(nk));
     let e = e / job.parallelism.ep.max(1) as f64;
+    // The CPU's f32 output slot for the GEMMs that write bf16 (gate, up and the SwiGLU
+    // product's gradient: an expert buffer or an FFN's `N·W`); a GPU writes bf16 directly.
+    let out = match job.device.kind {
+        ganymede_config::DeviceKind::Cuda => 0.0,
+        _ => 4.0 * (rows * ff).max(n * width),
+    };
     let rows = rows * h.max(ff);
     let (a, b) = match job.device.kind {
         // The rows the model makes in bf16 (the experts', the SwiGLUs' products and gradients)
@@ -369,7 +379,7 @@ pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usiz
     };
     let a = a.into_iter().fold(0.0, f64::max);
     let b = b.into_iter().fold(0.0, f64::max);
-    size * (a.max(ns_a) + b.max(ns_b))
+    size * (a.max(ns_a) + b.max(ns_b)) + out
 }
 
 /// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the
