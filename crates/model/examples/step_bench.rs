@@ -6,7 +6,8 @@
 //!
 //! With `GANYMEDE_BENCH=casts`, instead: bf16 compute (`ac=none`), steps alternating between a
 //! backend that honours `Gemm::unchanged` (the experts' cast reuse) and one that ignores it, side
-//! by side, with the median of each and their ratio.
+//! by side, with the median of each and their ratio. `GANYMEDE_BENCH=outputs` likewise between
+//! bf16 gate/up GEMM outputs (the default) and f32 ones (`Model::with_f32_outputs`).
 
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{sample, Category, CpuBackend, ParamStore};
@@ -39,8 +40,9 @@ fn main() {
         vec!["tiny", "small"]
     };
     println!("threads: {}", rayon::current_num_threads());
-    if std::env::var("GANYMEDE_BENCH").is_ok_and(|v| v == "casts") {
-        return casts(steps, &names);
+    match std::env::var("GANYMEDE_BENCH").as_deref() {
+        Ok(what @ ("casts" | "outputs")) => return ab(steps, &names, what),
+        _ => {}
     }
     for name in names {
         let job = preset(name).expect("preset");
@@ -92,37 +94,54 @@ fn main() {
     }
 }
 
-/// Median step seconds of bf16 compute with and without the cast promises, steps alternating.
-fn casts(steps: usize, names: &[&str]) {
+/// Median step seconds of two bf16-compute setups (backend, model) side by side, steps
+/// alternating, `ac=none`: `GANYMEDE_BENCH=casts` compares the cast promises honoured and
+/// ignored, `GANYMEDE_BENCH=outputs` bf16 gate/up outputs and f32 ones
+/// (`Model::with_f32_outputs`).
+fn ab(steps: usize, names: &[&str], what: &str) {
     use ganymede_config::ComputeDtype;
     for &name in names {
         let job = preset(name).expect("preset");
         let cfg = job.model;
         let (batch, seq) = (job.training.batch_size, cfg.seq_len);
-        let bes = [
-            CpuBackend::default(),
-            CpuBackend::default().with_cast_promises(false),
-        ];
-        let model = Model::new(&cfg).with_compute_dtype(ComputeDtype::Bf16);
+        let model = || Model::new(&cfg).with_compute_dtype(ComputeDtype::Bf16);
+        let (labels, setups) = match what {
+            "casts" => (
+                ["promises honoured", "ignored"],
+                [
+                    (CpuBackend::default(), model()),
+                    (CpuBackend::default().with_cast_promises(false), model()),
+                ],
+            ),
+            _ => (
+                ["bf16 outputs", "f32 outputs"],
+                [
+                    (CpuBackend::default(), model()),
+                    (CpuBackend::default(), model().with_f32_outputs(true)),
+                ],
+            ),
+        };
         let n = batch * seq;
         let tokens = sample::tokens(2 * n, cfg.vocab_size, 12345);
         let (inputs, targets) = tokens.split_at(n);
-        let mut state: Vec<_> = bes
+        let mut state: Vec<_> = setups
             .iter()
-            .map(|be| {
+            .map(|(be, model)| {
                 let params = model.init_params(be, 1);
                 let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
-                let ws = Workspace::new(be, &model, batch, seq, AcMode::None);
+                let ws = Workspace::new(be, model, batch, seq, AcMode::None);
                 (params, grads, ws)
             })
             .collect();
         let mut times = [vec![], vec![]];
         for i in 0..steps + 2 {
-            for (j, (be, (params, grads, ws))) in bes.iter().zip(state.iter_mut()).enumerate() {
+            for (j, ((be, model), (params, grads, ws))) in
+                setups.iter().zip(state.iter_mut()).enumerate()
+            {
                 let t = Instant::now();
                 forward_backward(
                     be,
-                    &model,
+                    model,
                     params,
                     grads,
                     ws,
@@ -135,12 +154,14 @@ fn casts(steps: usize, names: &[&str]) {
             }
         }
         let med = |v: &[f64]| sample::median(v).expect("timed steps");
-        let (on, off) = (med(&times[0]), med(&times[1]));
+        let (a, b) = (med(&times[0]), med(&times[1]));
         println!(
-            "{name:6} bf16 ac=none: promises honoured {:.1} ms/step, ignored {:.1} ms/step (median of {steps}); ignored/honoured {:.3}",
-            on * 1e3,
-            off * 1e3,
-            off / on
+            "{name:6} bf16 ac=none: {} {:.1} ms/step, {} {:.1} ms/step (median of {steps}); second/first {:.3}",
+            labels[0],
+            a * 1e3,
+            labels[1],
+            b * 1e3,
+            b / a
         );
     }
 }
