@@ -133,9 +133,10 @@ __device__ void gather_bwd(T* dx, const T* dxe, const unsigned* pos, int k, int 
     }
 }
 
-// out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]], j in order. Launch: grid tokens, any 1-D block.
-template <class T>
-__device__ void combine_fwd(T* out, const T* ye, const float* w, const unsigned* pos, int k,
+// out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]], j in order, ye in its storage Y (widened).
+// Launch: grid tokens, any 1-D block.
+template <class T, class Y>
+__device__ void combine_fwd(T* out, const Y* ye, const float* w, const unsigned* pos, int k,
                             int dim) {
     const long long t = blockIdx.x;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -147,10 +148,10 @@ __device__ void combine_fwd(T* out, const T* ye, const float* w, const unsigned*
 }
 
 // dw[t*k + j] = dout[t] · ye[pos], dye[pos] = w[t*k + j] * dout[t] (both overwritten; pos is a
-// permutation, so each dye row is written once), dye in its storage O (bf16 from f32 rounds).
-// Launch: grid tokens, block a multiple of 32.
-template <class O, class T>
-__device__ void combine_bwd(O* dye, float* dw, const T* dout, const T* ye, const float* w,
+// permutation, so each dye row is written once), dye in its storage O (bf16 from f32 rounds),
+// ye in its storage Y (widened). Launch: grid tokens, block a multiple of 32.
+template <class O, class T, class Y>
+__device__ void combine_bwd(O* dye, float* dw, const T* dout, const Y* ye, const float* w,
                             const unsigned* pos, int k, int dim) {
     const long long t = blockIdx.x;
     for (int j = 0; j < k; j++) {
@@ -196,5 +197,16 @@ extern "C" __global__ void moe_combine_backward_f32_to_bf16(bf16* dye, float* dw
                                                             const float* dout, const float* ye,
                                                             const float* w, const unsigned* pos,
                                                             int k, int dim) {
+    combine_bwd(dye, dw, dout, ye, w, pos, k, dim);
+}
+// The experts' outputs a bf16 GEMM wrote (bf16 GEMM outputs): combined into f32 tokens, and
+// in backward read for the weights' gradient beside f32 output gradients, dye bf16 rows.
+extern "C" __global__ void moe_combine_ye_bf16(float* out, const bf16* ye, const float* w,
+                                               const unsigned* pos, int k, int dim) {
+    combine_fwd(out, ye, w, pos, k, dim);
+}
+extern "C" __global__ void moe_combine_backward_ye_bf16(bf16* dye, float* dw, const float* dout,
+                                                        const bf16* ye, const float* w,
+                                                        const unsigned* pos, int k, int dim) {
     combine_bwd(dye, dw, dout, ye, w, pos, k, dim);
 }

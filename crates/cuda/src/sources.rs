@@ -157,6 +157,8 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "moe_combine_backward_bf16",
             "moe_gather_f32_to_bf16",
             "moe_combine_backward_f32_to_bf16",
+            "moe_combine_ye_bf16",
+            "moe_combine_backward_ye_bf16",
         ],
     ),
     (

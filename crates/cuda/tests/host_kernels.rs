@@ -1287,6 +1287,62 @@ fn bf16_rows_are_the_f32_ops_rounded_once() {
     }
 }
 
+/// The experts' outputs a bf16 GEMM wrote (bf16 GEMM outputs) are combined into f32 tokens,
+/// and read for the weights' gradient, as their widened values: on each backend the bits of
+/// the f32 ops on an f32 copy of them (the backward's `dye` bf16 either way); the kernels
+/// against the CPU within the f32 ops' tolerances.
+#[test]
+fn bf16_expert_outputs_are_combined_as_their_widened_values() {
+    use ganymede_core::Dispatched;
+    let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 300usize);
+    let mut rng = Lcg::new(43);
+    let idx = routing(&mut rng, tokens, experts, k);
+    let (_, _, pos) = dispatch_reference(&idx, experts, k);
+    let n = tokens * k;
+    let ye = round_bf16(&rng.values(n * dim, 1.0));
+    let (x, dout, w) = (
+        rng.values(tokens * dim, 1.0),
+        rng.values(tokens * dim, 1.0),
+        rng.values(n, 1.0),
+    );
+    // [out, dye, dw] with ye stored as `ys`.
+    let run = |be: &dyn Backend, ys: St| {
+        let pos_t = be.upload_u32(&pos, &[pos.len()], Category::Activations);
+        let disp = Dispatched {
+            pos: pos_t.view(),
+            k,
+            dim,
+        };
+        let (yt, wt) = (ys.up(be, &ye), up(be, &w));
+        let mut out = up(be, &x);
+        be.moe_combine(out.view_mut(), yt.view(), wt.view(), disp);
+        let (mut dye, mut dw) = (St::Bf16.zeros(be, n * dim), zeros(be, n));
+        let dot = up(be, &dout);
+        be.moe_combine_backward(
+            dye.view_mut(),
+            dw.view_mut(),
+            dot.view(),
+            yt.view(),
+            wt.view(),
+            disp,
+        );
+        [out, dye, dw].map(|t| down(be, &t))
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (b, kb) = (cpu(), kernels(SMALL));
+    let on_cpu = run(&b, St::Bf16);
+    for (name, be) in [("cpu", &b as &dyn Backend), ("kernels", &kb)] {
+        let (h, f) = (run(be, St::Bf16), run(be, St::F32));
+        for (o, (got, want)) in h.iter().zip(&f).enumerate() {
+            assert_eq!(bits(got), bits(want), "{name}: output {o}");
+        }
+        let tols = [F32, BF16, St::F32.tols_with_reduction()[3]];
+        for (o, ((got, want), tol)) in h.iter().zip(&on_cpu).zip(tols).enumerate() {
+            compare(got, want, tol).unwrap_or_else(|e| panic!("{name}: output {o}: {e}"));
+        }
+    }
+}
+
 /// bf16 rows gathered again (expert parallelism's reorder) are copied as bits: a signalling
 /// NaN keeps its payload, which a round trip through f32 would quiet.
 #[test]

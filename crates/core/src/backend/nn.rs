@@ -211,10 +211,12 @@ pub trait NnOps: Send + Sync {
     fn moe_gather(&self, xe: ViewMut, x: View, src: View, dim: usize);
     /// `dx[t] += Σ_j dxe[pos[t*k + j]]`.
     fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched);
-    /// Combine: `out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]]`.
+    /// Combine: `out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]]`. `ye` may be bf16 where `out` is
+    /// f32 (the experts' outputs a bf16 GEMM wrote): the f32 op on the widened values.
     fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched);
     /// `dye` and `dw` overwritten; `dye` may be bf16 where the rest is f32 (rounded once, as a
-    /// cast after the f32 op; `dw` stays f32).
+    /// cast after the f32 op; `dw` stays f32), and then `ye` may be bf16 too (widened, as in
+    /// the forward).
     fn moe_combine_backward(
         &self,
         dye: ViewMut,

@@ -315,6 +315,8 @@ trait Rows<S>: Send + Sync + Sized {
     fn write(o: &mut [Self], f: impl FnOnce(&mut [S]));
     /// Runs `f` on `i`'s values as an `S` slice.
     fn read(i: &[Self], f: impl FnOnce(&[S]));
+    /// `i`'s values as an `S` slice of any length: `i` itself, or widened into `buf`.
+    fn widen<'a>(i: &'a [Self], buf: &'a mut Vec<S>) -> &'a [S];
 }
 
 impl<S: Scalar> Rows<S> for S {
@@ -324,6 +326,9 @@ impl<S: Scalar> Rows<S> for S {
     }
     fn read(i: &[S], f: impl FnOnce(&[S])) {
         f(i)
+    }
+    fn widen<'a>(i: &'a [S], _: &'a mut Vec<S>) -> &'a [S] {
+        i
     }
 }
 
@@ -342,6 +347,11 @@ impl Rows<f32> for u16 {
             .zip(i)
             .for_each(|(t, &h)| *t = crate::bf16::to_f32(h));
         f(t)
+    }
+    fn widen<'a>(i: &'a [u16], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        buf.clear();
+        buf.extend(i.iter().map(|&h| crate::bf16::to_f32(h)));
+        buf
     }
 }
 
@@ -595,19 +605,25 @@ fn moe_gather_backward<S: Scalar>(dx: ViewMut, dxe: View, d: Dispatched) {
 }
 
 fn moe_combine<S: Scalar>(out: ViewMut, ye: View, w: View, d: Dispatched) {
+    combine_rows::<S, S>(out.host(), ye.host(), w.host(), d)
+}
+
+/// [`moe_combine`] with `ye` stored as `Y` (bf16 GEMM outputs beside f32 tokens): each row
+/// widened in pieces, the same sums as on the widened values.
+fn combine_rows<S: Scalar, Y: Rows<S>>(out: &mut [S], ye: &[Y], w: &[S], d: Dispatched) {
     let Dispatched { pos, k, dim } = d;
     let pos = pos.host_u32();
-    let (out, ye, w): (&mut [S], &[S], &[S]) = (out.host(), ye.host(), w.host());
     out.par_chunks_mut(dim)
         .zip(pos.par_chunks(k))
         .zip(w.par_chunks(k))
         .with_min_len(min_rows(dim * k))
         .for_each(|((o, ps), ws)| {
+            let n = Y::PIECE.min(dim);
             for (&p, &wj) in ps.iter().zip(ws) {
                 let p = p as usize;
-                o.iter_mut()
-                    .zip(&ye[p * dim..(p + 1) * dim])
-                    .for_each(|(a, &b)| *a += wj * b);
+                for (o, y) in o.chunks_mut(n).zip(ye[p * dim..(p + 1) * dim].chunks(n)) {
+                    Y::read(y, |y| o.iter_mut().zip(y).for_each(|(a, &b)| *a += wj * b));
+                }
             }
         });
 }
@@ -620,29 +636,33 @@ fn moe_combine_backward<S: Scalar>(
     w: View,
     d: Dispatched,
 ) {
-    match (dye.dtype(), S::DTYPE) {
-        // bf16 rows are written from f32 inputs only (the seam's rule for this op).
-        (DType::BF16, DType::F32) => {
-            let (dout, ye, w) = (dout.host::<f32>(), ye.host::<f32>(), w.host::<f32>());
-            combine_backward_rows(dye.host_bf16(), dw.host::<f32>(), dout, ye, w, d)
+    // bf16 rows are written from f32 inputs only (the seam's rule for this op), and bf16
+    // expert outputs come with bf16 rows.
+    match (dye.dtype(), ye.dtype(), S::DTYPE) {
+        (DType::BF16, DType::BF16, DType::F32) => {
+            let (dout, w) = (dout.host::<f32>(), w.host::<f32>());
+            let (dye, ye) = (dye.host_bf16(), ye.host_bf16());
+            combine_backward_rows::<f32, _, _>(dye, dw.host::<f32>(), dout, ye, w, d)
         }
-        _ => combine_backward_rows::<S, S>(
-            dye.host(),
-            dw.host(),
-            dout.host(),
-            ye.host(),
-            w.host(),
-            d,
-        ),
+        (DType::BF16, _, DType::F32) => {
+            let (dout, ye, w) = (dout.host::<f32>(), ye.host::<f32>(), w.host::<f32>());
+            let dye = dye.host_bf16();
+            combine_backward_rows::<f32, _, f32>(dye, dw.host::<f32>(), dout, ye, w, d)
+        }
+        _ => {
+            let (dout, ye, w) = (dout.host(), ye.host(), w.host());
+            combine_backward_rows::<S, S, S>(dye.host(), dw.host(), dout, ye, w, d)
+        }
     }
 }
 
-/// [`moe_combine_backward`] into rows of `dye` of either storage (see [`Rows`]).
-fn combine_backward_rows<S: Scalar, O: Rows<S>>(
+/// [`moe_combine_backward`] into rows of `dye` of either storage, from `ye` of either storage
+/// (see [`Rows`]; a bf16 `ye` row is widened whole, so its dot is the widened values' dot).
+fn combine_backward_rows<S: Scalar, O: Rows<S>, Y: Rows<S>>(
     dye: &mut [O],
     dw: &mut [S],
     dout: &[S],
-    ye: &[S],
+    ye: &[Y],
     w: &[S],
     d: Dispatched,
 ) {
@@ -673,7 +693,8 @@ fn combine_backward_rows<S: Scalar, O: Rows<S>>(
         .zip(ye.par_chunks(dim))
         .zip(inv.par_iter())
         .with_min_len(min_rows(dim))
-        .map(|((dy, y), &i)| {
+        .map_init(Vec::new, |buf, ((dy, y), &i)| {
+            let y = Y::widen(y, buf);
             let (i, t) = (i as usize, i as usize / k);
             let d = &dout[t * dim..(t + 1) * dim];
             let n = O::PIECE.min(dim);
@@ -892,7 +913,12 @@ impl NnOps for CpuBackend {
         by_dtype!(dt(&dxe), moe_gather_backward(dx, dxe, d))
     }
     fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
-        by_dtype!(dt(&ye), moe_combine(out, ye, w, d))
+        match (out.dtype(), dt(&ye)) {
+            (DType::F32, DType::BF16) => {
+                combine_rows::<f32, _>(out.host(), ye.host_bf16(), w.host(), d)
+            }
+            (o, _) => by_dtype!(o, moe_combine(out, ye, w, d)),
+        }
     }
     fn moe_combine_backward(
         &self,
@@ -903,7 +929,7 @@ impl NnOps for CpuBackend {
         w: View,
         d: Dispatched,
     ) {
-        by_dtype!(dt(&ye), moe_combine_backward(dye, dw, dout, ye, w, d))
+        by_dtype!(dt(&dout), moe_combine_backward(dye, dw, dout, ye, w, d))
     }
     fn cross_entropy_forward(
         &self,

@@ -36,6 +36,19 @@ fn st_to(input: DType, output: DType, op: &str) -> &'static str {
     }
 }
 
+/// Whether the experts' outputs are bf16 beside f32 tokens (bf16 GEMM outputs: the
+/// `*_ye_bf16` combine kernels); otherwise `ye` is in the tokens' storage.
+fn ye_bf16(ye: &View, tokens: DType) -> bool {
+    let mixed = (tokens, ye.dtype()) == (DType::F32, DType::BF16);
+    assert!(
+        mixed || ye.dtype() == tokens,
+        "moe_combine: {} expert outputs beside {} tokens",
+        ye.dtype().name(),
+        tokens.name()
+    );
+    mixed
+}
+
 impl<L: Launcher> KernelOps<L> {
     // -----------------------------------------------------------------------------------------
     // Embedding
@@ -775,9 +788,10 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
     }
 
+    /// `ye` in `out`'s storage, or bf16 into f32 tokens (bf16 GEMM outputs).
     pub fn moe_combine(&self, out: ViewMut, ye: View, w: View, d: Dispatched) {
         let op = "moe_combine";
-        let dt = ye.dtype();
+        let (dt, ye16) = (out.dtype(), ye_bf16(&ye, out.dtype()));
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
         same(op, "out", (out.dtype(), out.len()), (dt, tokens * d.dim));
@@ -794,10 +808,15 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+        let name = match ye16 {
+            true => format!("{op}_ye_bf16"),
+            false => format!("{op}_{}", st(dt, op)),
+        };
+        self.launch(&name, shape, &args);
     }
 
-    /// `dye` in the inputs' storage, or bf16 from f32 ones (`dw` f32).
+    /// `dye` in the inputs' storage, or bf16 from f32 ones (`dw` f32); `ye` may be bf16 beside
+    /// an f32 `dout` (bf16 GEMM outputs), `dye` then bf16.
     pub fn moe_combine_backward(
         &self,
         dye: ViewMut,
@@ -808,7 +827,7 @@ impl<L: Launcher> KernelOps<L> {
         d: Dispatched,
     ) {
         let op = "moe_combine_backward";
-        let dt = ye.dtype();
+        let (dt, ye16) = (dout.dtype(), ye_bf16(&ye, dout.dtype()));
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
         let out = dye.dtype();
@@ -830,7 +849,14 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&format!("{op}_{}", st_to(dt, out, op)), shape, &args);
+        let name = match ye16 {
+            true => {
+                assert_eq!(out, DType::BF16, "{op}: bf16 ye writes bf16 dye");
+                format!("{op}_ye_bf16")
+            }
+            false => format!("{op}_{}", st_to(dt, out, op)),
+        };
+        self.launch(&name, shape, &args);
     }
 
     // -----------------------------------------------------------------------------------------
