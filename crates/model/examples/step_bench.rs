@@ -40,9 +40,8 @@ fn main() {
         vec!["tiny", "small"]
     };
     println!("threads: {}", rayon::current_num_threads());
-    match std::env::var("GANYMEDE_BENCH").as_deref() {
-        Ok(what @ ("casts" | "outputs")) => return ab(steps, &names, what),
-        _ => {}
+    if let Ok(what @ ("casts" | "outputs")) = std::env::var("GANYMEDE_BENCH").as_deref() {
+        return ab(steps, &names, what);
     }
     for name in names {
         let job = preset(name).expect("preset");

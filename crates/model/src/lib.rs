@@ -215,8 +215,8 @@ pub struct Model {
     /// GEMM cast them (the reference of [`Model::with_f32_rows`]); by default they are made in
     /// bf16 where they are written.
     f32_rows: bool,
-    /// Under bf16 compute, have the GEMMs whose outputs only SwiGLU reads write them in f32
-    /// ([`Model::with_f32_outputs`]); by default they write bf16.
+    /// Under bf16 compute, have the GEMMs whose outputs only element-wise ops read write them
+    /// in f32 ([`Model::with_f32_outputs`]); by default they write bf16.
     f32_outputs: bool,
     /// Storage precision of the residual stream at block boundaries
     /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).
@@ -276,11 +276,12 @@ impl Model {
         self
     }
 
-    /// Under bf16 compute, the GEMM outputs that only SwiGLU reads (the routed experts' and
-    /// the dense and shared SwiGLUs' gate and up, and the gradient of their SwiGLU product)
+    /// Under bf16 compute, the GEMM outputs that only element-wise ops read (the routed
+    /// experts' and the dense and shared SwiGLUs' gate and up, and the gradient of their SwiGLU
+    /// product, which SwiGLU reads; the routed experts' outputs, which the combine reads)
     /// written in f32, as before they were written in bf16 (the f32 product rounded once, as
     /// autocast's GEMMs write bf16). Unlike [`Model::with_f32_rows`] this changes values:
-    /// SwiGLU then reads unrounded inputs. It is the layout the bf16 rows are tested in bit
+    /// SwiGLU and the combine then read unrounded inputs. It is the layout the bf16 rows are tested in bit
     /// for bit, and the reference the bf16 outputs are compared with. [`Model::with_f32_rows`]
     /// implies it.
     pub fn with_f32_outputs(mut self, on: bool) -> Model {

@@ -307,7 +307,8 @@ fn f32_forward_matches_f64() {
 
 /// Elements the workspace holds in bf16 under bf16 rows and outputs ([`Precision::bf16_rows`],
 /// [`Precision::bf16_outputs`]) for `n` tokens: per set, a MoE layer's dispatched inputs, gate,
-/// up and SwiGLU products (k·(H + 3F) a token) and an FFN's gate, up and products (3W); once,
+/// up, SwiGLU products and outputs (k·(2H + 3F) a token) and an FFN's gate, up and products
+/// (3W); once,
 /// the scratch's expert output, SwiGLU product, gate and up gradients (k·(H + 3F)) and the
 /// FFN's three (3·max W).
 fn bf16_row_elems(c: &ModelConfig, n: usize, mode: AcMode) -> u64 {
@@ -326,7 +327,7 @@ fn bf16_row_elems(c: &ModelConfig, n: usize, mode: AcMode) -> u64 {
     };
     let per_set: usize = sets
         .iter()
-        .map(|&(moe, w)| moe as usize * k * (h + 3 * f) + 3 * w)
+        .map(|&(moe, w)| moe as usize * k * (2 * h + 3 * f) + 3 * w)
         .sum();
     (n * (per_set + any_moe as usize * k * (h + 3 * f) + 3 * max_w)) as u64
 }
@@ -668,19 +669,26 @@ fn gradients_accumulate_scaled() {
     }
 }
 
-#[test]
-fn the_cast_promises_keep_every_bit() {
-    // Under bf16 compute the routed experts, the attention projections and the SwiGLU FFNs
-    // promise that an operand is unchanged since the last GEMM read it (`Gemm::unchanged`) and the backend skips the cast; ignoring every promise
-    // casts each time. A promise on an operand that did change (dU read where dG was cast, say)
-    // would give other gradients.
-    // tiny, and tiny with a dense first layer and shared experts (the SwiGLU FFN's promises).
+/// `tiny`, and `tiny` with a dense first layer (hidden 96) and `shared` shared experts of
+/// hidden 40: the SwiGLU FFNs' paths beside the routed experts'.
+fn tiny_and_ffn(shared: usize) -> (ModelConfig, ModelConfig) {
     let tiny = preset("tiny").unwrap().model;
     let mut ffn = tiny.clone();
     ffn.dense_layers = 1;
     ffn.dense_hidden = 96;
-    ffn.shared_experts = 1;
+    ffn.shared_experts = shared;
     ffn.shared_expert_hidden = 40;
+    (tiny, ffn)
+}
+
+#[test]
+fn the_cast_promises_keep_every_bit() {
+    // Under bf16 compute the routed experts, the attention projections and the SwiGLU FFNs
+    // promise that an operand is unchanged since the last GEMM read it (`Gemm::unchanged`) and
+    // the backend skips the cast; ignoring every promise casts each time. A promise on an
+    // operand that did change (dU read where dG was cast, say) would give other gradients.
+    // tiny, and tiny with a dense first layer and shared experts (the SwiGLU FFN's promises).
+    let (tiny, ffn) = tiny_and_ffn(1);
     for c in [tiny, ffn] {
         for mode in [AcMode::None, AcMode::Full] {
             let (g1, o1) = tiny_grads(&c, &CpuBackend::default(), mode, ComputeDtype::Bf16);
@@ -699,12 +707,7 @@ fn bf16_rows_give_the_gradients_of_f32_rows_cast_in_each_gemm() {
     // the same values, so every gradient is the same to the bit, with half those rows' bytes.
     // tiny (with and without MoE chunks), and tiny with a dense first layer and two shared
     // experts (the SwiGLU FFNs' rows, read by GEMMs through strided views).
-    let tiny = preset("tiny").unwrap().model;
-    let mut ffn = tiny.clone();
-    ffn.dense_layers = 1;
-    ffn.dense_hidden = 96;
-    ffn.shared_experts = 2;
-    ffn.shared_expert_hidden = 40;
+    let (tiny, ffn) = tiny_and_ffn(2);
     for (c, chunk) in [(&tiny, 0), (&tiny, 24), (&ffn, 0)] {
         for mode in [AcMode::None, AcMode::Full] {
             // Both with f32 GEMM outputs, whose rounding changes values (tested below).
@@ -730,20 +733,16 @@ fn bf16_rows_give_the_gradients_of_f32_rows_cast_in_each_gemm() {
 
 #[test]
 fn bf16_gemm_outputs_move_the_gradients_by_bf16_rounding_only() {
-    // Under bf16 compute the GEMMs whose outputs only SwiGLU reads (gate, up, the SwiGLU
-    // product's gradient) write bf16, as autocast's GEMMs do: SwiGLU reads inputs rounded once
-    // (relative 2^-9), which moves the gradients by a few of bf16's ulps (measured: 4.0e-3 and
-    // 4.2e-3 in L2, where bf16 operands moved them from f32 compute by 3.7e-2 and 6.8e-3),
-    // and halves those rows' bytes. That each output is the f32 product rounded once is held
-    // bit for bit by the backends' own tests. tiny, and tiny with a dense first layer and two
-    // shared experts (the FFNs' outputs, one written through a strided view), both
-    // checkpointing modes.
-    let tiny = preset("tiny").unwrap().model;
-    let mut ffn = tiny.clone();
-    ffn.dense_layers = 1;
-    ffn.dense_hidden = 96;
-    ffn.shared_experts = 2;
-    ffn.shared_expert_hidden = 40;
+    // Under bf16 compute the GEMMs whose outputs only element-wise ops read (gate, up, the
+    // SwiGLU product's gradient, the experts' outputs) write bf16, as autocast's GEMMs do:
+    // SwiGLU and the combine read inputs rounded once (relative 2^-9), which moves the
+    // gradients by a few of bf16's ulps (measured: 3.9e-3 and 4.3e-3 in L2, where bf16
+    // operands moved them from f32 compute by 3.7e-2 and 6.8e-3), and halves those rows'
+    // bytes. That each output is the f32 product rounded once, and that SwiGLU and the combine
+    // compute on the widened values, is held bit for bit by the backends' own tests. tiny, and
+    // tiny with a dense first layer and two shared experts (the FFNs' outputs, one written
+    // through a strided view), both checkpointing modes.
+    let (tiny, ffn) = tiny_and_ffn(2);
     let be = CpuBackend::default();
     // The gradients' distance relative to the reference's size (L2 over every tensor).
     let dist = |a: &[Vec<f32>], b: &[Vec<f32>]| {

@@ -205,9 +205,9 @@ pub struct Precision {
     /// `dg`, `du` of the routed experts; `fa`, `dfg`, `dfu` of the SwiGLU FFNs), unless
     /// [`Model::with_f32_rows`].
     pub bf16_rows: bool,
-    /// Under bf16 compute, the GEMM outputs only SwiGLU reads are bf16 (`g`, `u`, `da` of the
-    /// routed experts; `fg`, `fu`, `dfa` of the SwiGLU FFNs), unless [`Model::with_f32_rows`]
-    /// or [`Model::with_f32_outputs`].
+    /// Under bf16 compute, the GEMM outputs only element-wise ops read are bf16 (`g`, `u`,
+    /// `ye`, `da` of the routed experts; `fg`, `fu`, `dfa` of the SwiGLU FFNs), unless
+    /// [`Model::with_f32_rows`] or [`Model::with_f32_outputs`].
     pub bf16_outputs: bool,
 }
 
@@ -379,7 +379,7 @@ fn dtype_of(what: &str, prec: Precision) -> DType {
         }
         "res" | "res_slot" | "res_host" if prec.bf16_boundaries => DType::BF16,
         "xe" | "a" | "dye" | "dg" | "du" | "fa" | "dfg" | "dfu" if prec.bf16_rows => DType::BF16,
-        "g" | "u" | "da" | "fg" | "fu" | "dfa" if prec.bf16_outputs => DType::BF16,
+        "g" | "u" | "ye" | "da" | "fg" | "fu" | "dfa" if prec.bf16_outputs => DType::BF16,
         _ => DType::F32,
     }
 }
@@ -431,8 +431,8 @@ pub fn activation_bytes_bf16(cfg: &ModelConfig, batch: usize, seq: usize, mode: 
 /// (`2·N·(2Q + 2K)` more, once). bf16 rows: each MoE set's `xe` and `a` (`2·C·k·(H + F)` less,
 /// C the MoE chunk's tokens) and each FFN set's `fa` (`2·N·W` less); in the gradient scratch
 /// `dye`, `dg`, `du` (`2·C·k·(H + 2F)` less) and `dfg`, `dfu` (`4·N·max W` less). bf16
-/// outputs: each MoE set's `g`, `u` (`4·C·k·F` less) and FFN set's `fg`, `fu` (`4·N·W` less);
-/// in the scratch `da` (`2·C·k·F` less) and `dfa` (`2·N·max W` less). bf16 boundaries: the
+/// outputs: each MoE set's `g`, `u`, `ye` (`2·C·k·(H + 2F)` less) and FFN set's `fg`, `fu`
+/// (`4·N·W` less); in the scratch `da` (`2·C·k·F` less) and `dfa` (`2·N·max W` less). bf16 boundaries: the
 /// L + 1 boundaries take `2·N·(L+1)·H`, plus `4·N·H` for their f32 working copy.
 pub fn activation_bytes_at(
     cfg: &ModelConfig,

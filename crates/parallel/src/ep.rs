@@ -116,14 +116,15 @@ struct Saved {
 
 /// Scratch reused by every layer: all-to-all staging and the local experts' gradients.
 struct Scratch {
-    /// Rows as they travel (source-major): expert outputs and input gradients (f32), and the
-    /// experts' inputs and output gradients while those are f32 too.
+    /// Rows as they travel (source-major): input gradients (f32), and the experts' inputs,
+    /// outputs and output gradients while those are f32 too.
     wire: Grow,
-    /// Expert outputs, then output gradients while those are f32 (expert-major).
+    /// Expert outputs, then output gradients, while those are f32 (expert-major).
     y: Grow,
     /// Under bf16 rows (the block's dispatched inputs and output gradients in bf16, which the
     /// experts' GEMMs read as they are): those rows as they travel, and the output gradients
-    /// expert-major. Unused with f32 rows.
+    /// expert-major; under bf16 GEMM outputs also the expert outputs, expert-major then as
+    /// they travel. Unused with f32 rows.
     wire16: Grow,
     y16: Grow,
     da: Grow,
@@ -294,8 +295,23 @@ impl ExpertExecutor for EpExperts {
             g.at_least_of(be, fc, out_dt);
         }
         k.a.at_least_of(be, fc, rows_dt);
-        self.scratch.wire.at_least(be, xc);
-        self.scratch.y.at_least(be, xc);
+        // The outputs travel back in the block's dtype for them: bf16 where the down GEMM
+        // writes bf16 (bf16 GEMM outputs), through the bf16 buffers, which the inputs have
+        // left by now (they were gathered into `k.xe`).
+        let ye_dt = b.ye.dtype();
+        let Scratch {
+            wire,
+            y,
+            wire16,
+            y16,
+            ..
+        } = &mut self.scratch;
+        let (out_wire, out_y) = match ye_dt {
+            DType::F32 => (wire, y),
+            _ => (wire16, y16),
+        };
+        out_wire.at_least_of(be, xc, ye_dt);
+        out_y.at_least_of(be, xc, ye_dt);
         let (counts, offsets) = local_layout(&recv);
         let lio = ExpertsIo {
             counts: &counts,
@@ -311,14 +327,13 @@ impl ExpertExecutor for EpExperts {
                 g: g.view_mut(fc),
                 u: u.view_mut(fc),
                 a: a.view_mut(fc),
-                ye: self.scratch.y.view_mut(xc),
+                ye: out_y.view_mut(xc),
             },
         );
-        let Scratch { wire, y, .. } = &mut self.scratch;
-        be.moe_gather(wire.view_mut(xn), y.view(xn), k.to_sm.view(rows), h);
+        be.moe_gather(out_wire.view_mut(xn), out_y.view(xn), k.to_sm.view(rows), h);
         a2a(
             ep_g,
-            wire.view(xn),
+            out_wire.view(xn),
             &recv_rows,
             b.ye,
             &send_rows,

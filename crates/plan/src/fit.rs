@@ -604,7 +604,9 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     // (3H + 3F). Under bf16 compute the rows only GEMMs read are bf16: the kept input and
     // SwiGLU product, the gate and up gradients, and two more buffers of H for the bf16 rows
     // as they travel and the output gradients expert-major; and so are the GEMM outputs only
-    // SwiGLU reads: the kept gate and up, the SwiGLU product's gradient.
+    // element-wise ops read: the kept gate and up, the SwiGLU product's gradient, and the
+    // expert outputs, which then pass through those two bf16 buffers instead of two f32 ones
+    // of H.
     let (ep_kept, ep_scratch) = match ep_capacity_rows(&local) {
         Some(cap) => {
             let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
@@ -614,7 +616,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             };
             let cap = cap as f64;
             let (kept, scratch) = match bf16_compute {
-                true => (2.0 * h + 6.0 * ff, 16.0 * h + 6.0 * ff),
+                true => (2.0 * h + 6.0 * ff, 12.0 * h + 6.0 * ff),
                 false => (f * (h + 3.0 * ff), f * 3.0 * (h + ff)),
             };
             ((kept + 8.0) * cap * sets as f64, scratch * cap)

@@ -46,13 +46,16 @@ pub struct ActivationTerms {
     /// one set, sized MoE if any layer is MoE and with the widest W. Under bf16 compute the
     /// set's v, normed-and-rotated q and k, and attention output are bf16: 2·N·(2Q + 2K) less;
     /// and so are the rows only bf16-input GEMMs read, the dispatched input and SwiGLU product
-    /// (2·C·k·(H + F) less) and an FFN's product (2·N·W less).
+    /// (2·C·k·(H + F) less) and an FFN's product (2·N·W less), and the GEMM outputs only
+    /// element-wise ops read, gate, up and expert output (2·C·k·(H + 2F) less) and an FFN's
+    /// gate and up (4·N·W less).
     pub layer_sets: f64,
     /// Gradient scratch shared by all layers: 4·N·(2H + 2Q + 3K + M + 3·max W) + 4·C·R, with
     /// M, C and R as above if any layer is MoE; under bf16 compute 2·N·(2Q + 2K) more
     /// (attention's bf16 output and input gradients), and the bf16 rows of the experts' output,
     /// gate and up gradients (2·C·k·(H + 2F) less) and of an FFN's gate and up gradients
-    /// (4·N·max W less).
+    /// (4·N·max W less), and the bf16 SwiGLU product gradients a GEMM writes (2·C·k·F and
+    /// 2·N·max W less).
     pub grad_scratch: f64,
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
     /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
@@ -127,12 +130,12 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
     let attn = 3.0 * h + 3.0 * q + 3.0 * kv + 2.0 * heads + kvh + 2.0 - attn16;
     // Per token: router probabilities and weights; per token of a MoE chunk (C of the N
     // tokens, `training.moe_chunk_tokens`): the expert rows and their internals, of which the
-    // dispatched inputs and SwiGLU products are bf16 rows and the gate and up bf16 GEMM
-    // outputs (in the scratch: the output, gate and up gradients bf16 rows, the SwiGLU
-    // product's gradient a bf16 GEMM output).
+    // dispatched inputs and SwiGLU products are bf16 rows and the gate, up and expert outputs
+    // bf16 GEMM outputs (in the scratch: the output, gate and up gradients bf16 rows, the
+    // SwiGLU product's gradient a bf16 GEMM output).
     let moe = e + k;
     let c = moe_rows(job, n);
-    let rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + 3.0 * k * ff);
+    let rows = 2.0 * k * h + 3.0 * k * ff - half * (2.0 * k * h + 3.0 * k * ff);
     let scratch_rows = 2.0 * k * h + 3.0 * k * ff - half * (k * h + 3.0 * k * ff);
     let routing = 3.0 * k;
     // An FFN's gate, up and product are bf16 (in the scratch all three gradients too).

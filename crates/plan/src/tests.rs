@@ -815,21 +815,22 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     // bf16 compute (f32 boundaries): each set's v, q and k after RoPE, and attention output
     // in bf16, 2·N·(2·64 + 2·32) = 393,216 bytes less; the scratch's four bf16 attention
     // gradients as much more. And the bf16 rows and GEMM outputs: each set's dispatched
-    // inputs, gate, up and SwiGLU products, 2·N·2·(64 + 3·128) = 1,835,008 less, and the
-    // scratch's expert output, SwiGLU product, gate and up gradients as much less.
+    // inputs, gate, up, SwiGLU products and expert outputs, 2·N·2·(2·64 + 3·128) = 2,097,152
+    // less, and the scratch's expert output, SwiGLU product, gate and up gradients,
+    // 2·N·2·(64 + 3·128) = 1,835,008 less.
     job.training.compute_dtype = ganymede_config::ComputeDtype::Bf16;
     job.activation_checkpoint.boundary_dtype = BoundaryDtype::F32;
     let b = predict_cpu_ledger(&job, 1);
     let (tb, tn) = (&b.activation_terms, &none.activation_terms);
     assert_eq!(
         tn.layer_sets - tb.layer_sets,
-        2.0 * (393_216.0 + 1_835_008.0)
+        2.0 * (393_216.0 + 2_097_152.0)
     );
     assert_eq!(tn.grad_scratch - tb.grad_scratch, 1_835_008.0 - 393_216.0);
     assert_eq!(tb.boundaries, tn.boundaries);
     assert_eq!(
         none.activations - b.activations,
-        393_216.0 + 3.0 * 1_835_008.0
+        393_216.0 + 2.0 * 2_097_152.0 + 1_835_008.0
     );
     // bf16 boundaries (`auto` under bf16 compute): 2·N·3·64 = 393,216 plus the f32 working
     // copy 4·N·64 = 262,144, 131,072 less than f32's 786,432.
@@ -841,7 +842,10 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     // Under full checkpointing (one set) attention's bf16 tensors save what their gradients
     // add; the boundaries and the rows (one set's and the scratch's) save the rest.
     let full16 = predict_cpu_ledger(&job, 1).activations;
-    assert_eq!(full16, full.activations - 131_072.0 - 2.0 * 1_835_008.0);
+    assert_eq!(
+        full16,
+        full.activations - 131_072.0 - 2_097_152.0 - 1_835_008.0
+    );
     // bf16 boundaries at f32 compute too, when asked (the rows stay f32).
     job.training.compute_dtype = ganymede_config::ComputeDtype::F32;
     job.activation_checkpoint.boundary_dtype = BoundaryDtype::Bf16;

@@ -449,7 +449,7 @@ fn small_on_four_ranks_offloads_without_changing_a_loss_and_as_predicted() {
 /// The head and the MoE layers a chunk of tokens at a time (`training.loss_chunk_tokens`,
 /// `training.moe_chunk_tokens`): the planner's prediction equal to the ledger to the byte (1
 /// and 2 ranks, f32 and bf16 compute, with and without checkpointing, chunks that leave a short
-/// last one).
+/// last one); and expert parallelism's buffers at a capacity no routing outgrows, f32 and bf16.
 #[test]
 fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
     for (ranks, extra) in [
@@ -474,6 +474,25 @@ fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
             vec![
                 "training.moe_chunk_tokens=48",
                 "training.loss_chunk_tokens=100",
+                "training.compute_dtype=\"bf16\"",
+            ],
+        ),
+        // Expert parallelism with buffers for the most a rank can receive (no regrowth), f32
+        // and bf16 (the rows and GEMM outputs through its buffers in bf16).
+        (
+            2,
+            vec![
+                "parallelism.dp_shard=2",
+                "parallelism.ep=2",
+                "parallelism.ep_capacity_factor=2",
+            ],
+        ),
+        (
+            2,
+            vec![
+                "parallelism.dp_shard=2",
+                "parallelism.ep=2",
+                "parallelism.ep_capacity_factor=2",
                 "training.compute_dtype=\"bf16\"",
             ],
         ),

@@ -46,11 +46,11 @@ fn chunked_moe_gives_the_loss_and_gradients_of_the_whole() {
                 assert_eq!(dg.len(), rows * f, "{what}: expert gradient scratch");
                 // Per MoE set (one under `full`, one per layer under `none`) and the scratch,
                 // each 2kH + 3kF per chunk token instead of per token, 4 bytes an element but
-                // 2 for bf16 rows and outputs: a set's dispatched inputs, gate, up and SwiGLU
-                // products (kH + 3kF), the scratch's output, SwiGLU product, gate and up
-                // gradients (kH + 3kF).
+                // 2 for bf16 rows and outputs: a set's dispatched inputs, gate, up, SwiGLU
+                // products and outputs (2kH + 3kF), the scratch's output, SwiGLU product, gate
+                // and up gradients (kH + 3kF).
                 let (set, scratch) = match compute {
-                    ComputeDtype::Bf16 => (6 * h + 6 * f, 6 * h + 6 * f),
+                    ComputeDtype::Bf16 => (4 * h + 6 * f, 6 * h + 6 * f),
                     _ => (8 * h + 12 * f, 8 * h + 12 * f),
                 };
                 let per_row = wc.blocks.len() * set + scratch;
