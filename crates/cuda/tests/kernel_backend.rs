@@ -332,7 +332,8 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
 /// 2.7e-9), with bf16 boundaries and bf16 GEMM outputs (bf16 compute's defaults), whose
 /// roundings a value one ulp apart also meets. Such a difference can flip a token's top-k
 /// choice, and then the gradients differ by that token's whole contribution: the test needs
-/// inputs that route alike on both backends, and asserts that they do (the same expert loads).
+/// inputs that route alike on both backends, and asserts the same expert loads (necessary for
+/// that; two flips that swap experts would keep the loads and show in the gradients).
 /// Of token seeds 4 and 6 to 11, the tensor-core case flipped one choice in the second layer
 /// for 4, 8, 10 and 11, and the others stayed within the bounds (at most 1.3e-2); the SIMT case
 /// flipped none. The two tunings differ only in the attention kernels, so their different

@@ -322,8 +322,8 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// logits' gradient or an f32 activation (`N·H`, a query gradient `N·Q`) and slot B only the
 /// normed rows the weight gradients read (`N·H`). The CPU widens bf16 operands into its f32
 /// scratch like any operand, and keeps an f32 output slot for the GEMMs that write bf16 (gate,
-/// up and the SwiGLU product's gradient: `max(N·k, capacity)·F` or an FFN's `N·W`), which it
-/// rounds from.
+/// up, the SwiGLU product's gradient and the experts' outputs: `max(N·k, capacity)·max(F, H)`
+/// or an FFN's `N·W`), which it rounds from.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     gemm_scratch(job, None)
 }
@@ -362,11 +362,12 @@ pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usiz
     let nk = moe_rows(job, n) * k;
     let rows = crate::fit::ep_capacity_rows(job).map_or(nk, |c| (c as f64).max(nk));
     let e = e / job.parallelism.ep.max(1) as f64;
-    // The CPU's f32 output slot for the GEMMs that write bf16 (gate, up and the SwiGLU
-    // product's gradient: an expert buffer or an FFN's `N·W`); a GPU writes bf16 directly.
+    // The CPU's f32 output slot for the GEMMs that write bf16 (gate, up, the SwiGLU product's
+    // gradient and the experts' outputs: an expert buffer of F or H, or an FFN's `N·W`); a GPU
+    // writes bf16 directly.
     let out = match job.device.kind {
         ganymede_config::DeviceKind::Cuda => 0.0,
-        _ => 4.0 * (rows * ff).max(n * width),
+        _ => 4.0 * (rows * ff.max(h)).max(n * width),
     };
     let rows = rows * h.max(ff);
     let (a, b) = match job.device.kind {

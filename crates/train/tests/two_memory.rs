@@ -477,6 +477,12 @@ fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
                 "training.compute_dtype=\"bf16\"",
             ],
         ),
+        // bf16 with experts narrower than the model (F < H): the CPU's output slot is then
+        // sized by the experts' outputs, not their gate and up.
+        (
+            1,
+            vec!["model.expert_hidden=32", "training.compute_dtype=\"bf16\""],
+        ),
         // Expert parallelism with buffers for the most a rank can receive (no regrowth), f32
         // and bf16 (the rows and GEMM outputs through its buffers in bf16).
         (

@@ -1028,5 +1028,15 @@ mod tests {
             .report()
             .current(Device::Host, Category::Buffers);
         assert_eq!(buffers, 4 * (a.len() + b.len() + len) as u64);
+        // No group (an expert-parallel rank that received no rows): bf16 operands and C, and
+        // nothing written.
+        let (a16, b16) = (
+            be.zeros_of(&[a.len()], DType::BF16, Category::Activations),
+            be.zeros_of(&[b.len()], DType::BF16, Category::Activations),
+        );
+        let mut c16 = be.zeros_of(&[len], DType::BF16, Category::Activations);
+        c16.view_mut().host_bf16().fill(sentinel);
+        be.gemm_grouped(c16.view_mut(), a16.view(), b16.view(), &[]);
+        assert!(c16.view().host_bf16().iter().all(|&x| x == sentinel));
     }
 }

@@ -766,6 +766,11 @@ fn dt(v: &View) -> DType {
 
 impl NnOps for CpuBackend {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        // Nothing to write (an expert-parallel rank that received no rows): the operands' and
+        // C's dtypes need no kernel.
+        if groups.iter().all(|(g, ..)| g.m == 0 || g.n == 0) {
+            return;
+        }
         let (bf16, unchanged) = crate::backend::grouped_casts(groups);
         if bf16 {
             // Whole views: which rows the groups read changes with the routing.

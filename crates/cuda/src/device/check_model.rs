@@ -11,6 +11,8 @@
 //! by that token's whole contribution and are not comparable. Each run therefore takes the
 //! first of a few token seeds on which both sides give the same expert loads, and reports which
 //! it took; a run whose routing differs on every seed fails (a wrong router kernel does that).
+//! Equal loads are necessary, not sufficient: two flips that swap a pair of experts keep them,
+//! and would show as a gradient past the tolerance.
 
 use super::launcher::{CudaKernelBackend, CudaLauncher};
 use super::CudaBackend;
