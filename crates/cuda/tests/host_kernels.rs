@@ -983,6 +983,13 @@ fn dispatch_reference(idx: &[u32], experts: usize, k: usize) -> (Vec<u32>, Vec<u
 }
 
 /// Distinct experts per token, some experts left empty.
+/// A routing drawn from `rng` and its dispatch orders `(src, pos)` (see [`dispatch_reference`]).
+fn routed_rows(rng: &mut Lcg, tokens: usize, experts: usize, k: usize) -> (Vec<u32>, Vec<u32>) {
+    let idx = routing(rng, tokens, experts, k);
+    let (_, src, pos) = dispatch_reference(&idx, experts, k);
+    (src, pos)
+}
+
 fn routing(rng: &mut Lcg, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
     let mut idx = Vec::with_capacity(tokens * k);
     for _ in 0..tokens {
@@ -1128,8 +1135,7 @@ fn moe_gather_combine_forward_backward() {
     use ganymede_core::Dispatched;
     let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 70usize);
     let mut rng = Lcg::new(12);
-    let idx = routing(&mut rng, tokens, experts, k);
-    let (_, src, pos) = dispatch_reference(&idx, experts, k);
+    let (src, pos) = routed_rows(&mut rng, tokens, experts, k);
     let n = tokens * k;
     let x = rng.values(tokens * dim, 1.0);
     let ye = rng.values(n * dim, 1.0);
@@ -1204,8 +1210,7 @@ fn bf16_rows_are_the_f32_ops_rounded_once() {
     use ganymede_core::Dispatched;
     let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 70usize);
     let mut rng = Lcg::new(31);
-    let idx = routing(&mut rng, tokens, experts, k);
-    let (_, src, pos) = dispatch_reference(&idx, experts, k);
+    let (src, pos) = routed_rows(&mut rng, tokens, experts, k);
     let n = tokens * k;
     // 7,770 elements: two of the CPU's element-wise chunks, the last not a multiple of 8.
     let (g, u, d) = (
@@ -1296,8 +1301,7 @@ fn bf16_expert_outputs_are_combined_as_their_widened_values() {
     use ganymede_core::Dispatched;
     let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 300usize);
     let mut rng = Lcg::new(43);
-    let idx = routing(&mut rng, tokens, experts, k);
-    let (_, _, pos) = dispatch_reference(&idx, experts, k);
+    let (_, pos) = routed_rows(&mut rng, tokens, experts, k);
     let n = tokens * k;
     let ye = round_bf16(&rng.values(n * dim, 1.0));
     let (x, dout, w) = (

@@ -334,8 +334,8 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
 /// choice, and then the gradients differ by that token's whole contribution: the test needs
 /// inputs that route alike on both backends, and asserts the same expert loads (necessary for
 /// that; two flips that swap experts would keep the loads and show in the gradients).
-/// Of token seeds 4 and 6 to 11, the tensor-core case flipped one choice in the second layer
-/// for 4, 8, 10 and 11, and the others stayed within the bounds (at most 1.3e-2); the SIMT case
+/// Of token seeds 4 and 6 to 11, the tensor-core case changed the expert loads for 4, 8, 10
+/// and 11 (seed 4: one choice in the second layer), and the others stayed within the bounds (at most 1.3e-2); the SIMT case
 /// flipped none. The two tunings differ only in the attention kernels, so their different
 /// losses show that the tensor-core kernels ran.
 #[test]
