@@ -8,9 +8,10 @@
 // sits at key position tk - tq + i and sees keys 0 ..= that. Query head h reads kv head
 // h / (heads / kv_heads). head_dim <= 128. scale = 1/sqrt(head_dim), rounded from f64 on the host.
 //
-// The backward runs without floating-point atomics, deterministically: one kernel per key tile
-// accumulates dk and dv over every query that sees it, another per query tile accumulates dq
-// (each recomputes the probabilities; FlashAttention-2 would add dq atomically instead).
+// The SIMT backward runs without floating-point atomics, deterministically: one kernel per key
+// tile accumulates dk and dv over every query that sees it, another per query tile accumulates
+// dq (each recomputes the probabilities). The tensor-core backward does the same, or (fused,
+// head_dim <= 64) adds dq atomically from the dk/dv pass as FlashAttention-2 does.
 
 #define ATT_MAXD 128
 #define ATT_BK 32   // keys per forward tile: one per lane
@@ -684,17 +685,86 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     }
 }
 
+#define TC_DSLD (TC_BK + TC_PAD)  // row stride of the staged dS ([query][key], bf16)
+// The fused backward's dq share of one half tile (TC_HQ queries from query i0 of head h) over
+// the block's 64 keys: dS (warp w's keys as dS^T accumulators ds, all zero where !act) is
+// written as bf16 [query][key] into X, then warp w multiplies 16 of the queries by the [key][d]
+// rows Ksm over a column group of d and adds the results into dq_acc atomically (unscaled).
+// Every thread of the block calls it: it has two barriers. The first keeps X's last readers
+// (the previous half's, or at head_dim 64 dV's reads of the dO rows X overlays) ahead of the
+// writes.
+template <int HD>
+__device__ __forceinline__ void attn_dq_share(float* dq_acc, bf16* X, const bf16* Ksm,
+                                              const float (*ds)[4], bool act, int h, int i0,
+                                              int tq, int heads) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < TC_HQ / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            X[(n * 8 + 2 * t + (e & 1)) * TC_DSLD + 16 * w + gq + 8 * (e >> 1)] =
+                act ? f32_to_bf16(ds[n][e]) : (bf16)0;
+    __syncthreads();
+    // Warps: two of 16 queries by CG groups of HD / CG columns (at head_dim 16 two warps idle).
+    constexpr int CG = HD >= 32 ? 2 : 1, NT = HD / CG / 8;
+    static_assert(TC_W == 4 && TC_HQ == 32 && NT % 2 == 0, "dq share warp layout");
+    const int mt = w & 1, cg = w >> 1;
+    if (cg >= CG) return;
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const smem_t xs = smem(X), ks = smem(Ksm);
+#pragma unroll
+    for (int kk = 0; kk < TC_BK / 16; kk++) {
+        // A (16 queries × 16 keys) of the [query][key] rows: matrix L / 8 is rows + 8 (L / 8
+        // odd), columns + 8 (L / 16).
+        unsigned a[4];
+        ldsm_x4<false>(a, smem_at(xs, (16 * mt + 8 * ((lane >> 3) & 1) + (lane & 7)) * TC_DSLD +
+                                          kk * 16 + 8 * (lane >> 4)));
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned bk[4];  // B (k = key, n = d): the [key][d] rows read transposed
+            b_from_cols(bk, ks, HD + TC_PAD, cg * NT + n, kk * 16);
+            mma_bf16_16816(acc[n], a, bk);
+            mma_bf16_16816(acc[n + 1], a, bk + 2);
+        }
+    }
+    const int b = blockIdx.z;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int i = i0 + 16 * mt + gq + 8 * r;
+        if (i < tq) {
+            float* o = dq_acc + q_off(b, i, h, tq, heads, HD) + cg * NT * 8 + 2 * t;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                atomicAdd(o + n * 8, acc[n][2 * r]);
+                atomicAdd(o + n * 8 + 1, acc[n][2 * r + 1]);
+            }
+        }
+    }
+}
+
 // dk, dv (overwritten) for 64 keys of kv head g, warp w owning keys 64 x + 16 w .. + 15 (its
 // K and V rows stay in registers as A operands), over every query of the group's heads that
 // sees them, in tiles of 64 queries through shared memory (Q, dO as [query][d]): S^T = K Q^T,
 // dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as A operands.
+// With DQ (FlashAttention-2's arrangement, head_dim <= 64) the same pass also adds this key
+// block's share of dq, dS K, into the f32 dq_acc (zeroed before, scaled and rounded after by
+// attention_dq_finish_bf16) with atomic adds: each half tile's dS goes through shared memory
+// as [query][key] (at head_dim 64 over the half's dO rows, which dV has finished with) and the
+// block's K rows wait there as [key][d]; the dq kernel's second S and dP are not computed. The
+// atomics' order varies between runs on a device, so dq is then not bitwise reproducible.
 // Launch: grid (ceil(tk / 64), kv_heads, batch), block 128.
-template <int HD>
-__device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16* dv,
-                                 const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                                 const float* lse, const float* delta, int tq, int tk, int heads,
-                                 int kvh, float scale) {
+template <int HD, bool DQ>
+__device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16* DSsm,
+                                 float* dq_acc, bf16* dk, bf16* dv, const bf16* dout,
+                                 const bf16* q, const bf16* k, const bf16* v, const float* lse,
+                                 const float* delta, int tq, int tk, int heads, int kvh,
+                                 float scale) {
     constexpr int S = HD + TC_PAD;
+    static_assert(!DQ || HD <= 64, "dq's stages and K rows do not fit 48 KiB past head_dim 64");
+    static_assert(HD != 64 || S == TC_DSLD, "at head_dim 64 dS takes the dO rows' place");
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int g = blockIdx.y, b = blockIdx.z, rep = heads / kvh, off = tk - tq;
     const int j0 = blockIdx.x * TC_BK, k0 = j0 + 16 * w;
@@ -702,6 +772,10 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     unsigned ka[HD / 16][4], va[HD / 16][4];
     load_a_rows<HD>(ka, k + kv_off(b, 0, g, tk, kvh, HD), k0, tk, (long long)kvh * HD);
     load_a_rows<HD>(va, v + kv_off(b, 0, g, tk, kvh, HD), k0, tk, (long long)kvh * HD);
+    // dq's B operand: the block's keys as [key][d], visible after tiles_next's barriers.
+    if (DQ)
+        tile_to_shared<HD>(Ksm, S, k + kv_off(b, 0, g, tk, kvh, HD), (long long)kvh * HD, j0,
+                           tk);
     float dkc[HD / 8][4], dvc[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++)
@@ -729,51 +803,61 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* dk, bf16*
     };
     tiles_begin<tc_stages(HD)>(issue, nt);
     for (int it = 0; it < nt; it++) {
-        const int i0 = first + it % per_h * TC_BQ;
+        const int h = g * rep + it / per_h, i0 = first + it % per_h * TC_BQ;
         tiles_next<tc_stages(HD)>(issue, it, nt);
-        const bf16 *Qs = qd.first(it), *Ds = qd.second(it);
+        bf16 *Qs = qd.first(it), *Ds = qd.second(it);
         const float *Lt = Ls + it % tc_stages(HD) * TC_BQ, *Dt = Dl + it % tc_stages(HD) * TC_BQ;
         const int ilast = (i0 + TC_BQ < tq ? i0 + TC_BQ : tq) - 1;
-        if (k0 >= tk || k0 > off + ilast) continue;  // warp-uniform: no query sees its keys
+        // Warp-uniform: no query sees its keys. With DQ every warp stays for the barriers.
+        if (!DQ && (k0 >= tk || k0 > off + ilast)) continue;
         // The tile's queries in two halves of TC_HQ: half the score registers live.
         for (int h0 = 0; h0 < TC_BQ; h0 += TC_HQ) {
+            const int hlast = (i0 + h0 + TC_HQ < tq ? i0 + h0 + TC_HQ : tq) - 1;
+            // Block-uniform: no query of the half sees the block's keys (or there is none).
+            if (DQ && (i0 + h0 >= tq || j0 > off + hlast)) continue;
+            const bool act = k0 < tk && k0 <= off + hlast;  // warp-uniform
             const smem_t qsm = smem(Qs + h0 * S), dsm = smem(Ds + h0 * S);
             float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
-            product_rows<HD, TC_HQ / 8>(sp, ka, qsm, S);
-            product_rows<HD, TC_HQ / 8>(dp, va, dsm, S);
-            // Only a tile that crosses the diagonal or an end masks (warp-uniform).
-            const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
+            if (act) {
+                product_rows<HD, TC_HQ / 8>(sp, ka, qsm, S);
+                product_rows<HD, TC_HQ / 8>(dp, va, dsm, S);
+                // Only a tile that crosses the diagonal or an end masks (warp-uniform).
+                const bool full =
+                    i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
 #pragma unroll
-            for (int n = 0; n < TC_HQ / 8; n++)
+                for (int n = 0; n < TC_HQ / 8; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int j = k0 + gq + 8 * (e >> 1);
-                    const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
-                    float p = 0.0f, ds = 0.0f;
-                    if (full || (i < tq && j < tk && j <= off + i)) {
-                        p = ex2(fmaf(sp[n][e], c, -Lt[ii]));
-                        ds = p * (dp[n][e] - Dt[ii]);
+                    for (int e = 0; e < 4; e++) {
+                        const int j = k0 + gq + 8 * (e >> 1);
+                        const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
+                        float p = 0.0f, ds = 0.0f;
+                        if (full || (i < tq && j < tk && j <= off + i)) {
+                            p = ex2(fmaf(sp[n][e], c, -Lt[ii]));
+                            ds = p * (dp[n][e] - Dt[ii]);
+                        }
+                        sp[n][e] = p;
+                        dp[n][e] = ds;
                     }
-                    sp[n][e] = p;
-                    dp[n][e] = ds;
-                }
 #pragma unroll
-            for (int kk = 0; kk < TC_HQ / 16; kk++) {
-                unsigned pa[4], sa[4];
-                acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
-                acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
+                for (int kk = 0; kk < TC_HQ / 16; kk++) {
+                    unsigned pa[4], sa[4];
+                    acc_to_a(pa, sp[2 * kk], sp[2 * kk + 1]);
+                    acc_to_a(sa, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-                for (int n = 0; n < HD / 8; n += 2) {
-                    // B (k = query, n = d): the [query][d] tiles read transposed.
-                    unsigned bd[4], bq[4];
-                    b_from_cols(bd, dsm, S, n, kk * 16);
-                    b_from_cols(bq, qsm, S, n, kk * 16);
-                    mma_bf16_16816(dvc[n], pa, bd);
-                    mma_bf16_16816(dvc[n + 1], pa, bd + 2);
-                    mma_bf16_16816(dkc[n], sa, bq);
-                    mma_bf16_16816(dkc[n + 1], sa, bq + 2);
+                    for (int n = 0; n < HD / 8; n += 2) {
+                        // B (k = query, n = d): the [query][d] tiles read transposed.
+                        unsigned bd[4], bq[4];
+                        b_from_cols(bd, dsm, S, n, kk * 16);
+                        b_from_cols(bq, qsm, S, n, kk * 16);
+                        mma_bf16_16816(dvc[n], pa, bd);
+                        mma_bf16_16816(dvc[n + 1], pa, bd + 2);
+                        mma_bf16_16816(dkc[n], sa, bq);
+                        mma_bf16_16816(dkc[n + 1], sa, bq + 2);
+                    }
                 }
             }
+            if (DQ) attn_dq_share<HD>(dq_acc, HD >= 64 ? Ds + h0 * S : DSsm, Ksm, dp, act, h,
+                                      i0 + h0, tq, heads);
         }
     }
 #pragma unroll
@@ -897,8 +981,8 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
         __shared__ float Ls[2 * TC_BQ], Dl[2 * TC_BQ];                                          \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_bwd_dkdv_tc<HD>(sm, Ls, Dl, dk, dv, dout, q, k, v, lse, delta, tq, tk, heads,      \
-                             kv_heads, scale);                                                  \
+        attn_bwd_dkdv_tc<HD, false>(sm, Ls, Dl, nullptr, nullptr, nullptr, dk, dv, dout, q, k, \
+                                    v, lse, delta, tq, tk, heads, kv_heads, scale);             \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_backward_dq_tc##HD##_bf16( \
         bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,                \
@@ -914,3 +998,30 @@ GANY_ATTENTION_TC(16, 1)
 GANY_ATTENTION_TC(32, 1)
 GANY_ATTENTION_TC(64, 3)
 GANY_ATTENTION_TC(128, 1)
+
+// The fused backward (dk, dv and dq's f32 sums in one pass, see attn_bwd_dkdv_tc) where its
+// shared memory fits, head_dim <= 64.
+#define GANY_ATTENTION_TC_FUSED(HD, BLOCKS)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W, BLOCKS)                             \
+        attention_backward_fused_tc##HD##_bf16(                                                 \
+            bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const bf16* q, const bf16* k,  \
+            const bf16* v, const float* lse, const float* delta, int tq, int tk, int heads,     \
+            int kv_heads, int head_dim, float scale) {                                          \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        __shared__ float Ls[2 * TC_BQ], Dl[2 * TC_BQ];                                          \
+        __shared__ __align__(16) bf16 ks[TC_BK * (HD + TC_PAD)];                                \
+        __shared__ __align__(16) bf16 dsx[HD >= 64 ? 8 : TC_HQ * TC_DSLD];                      \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_bwd_dkdv_tc<HD, true>(sm, Ls, Dl, ks, dsx, dq_acc, dk, dv, dout, q, k, v, lse,     \
+                                   delta, tq, tk, heads, kv_heads, scale);                      \
+    }
+GANY_ATTENTION_TC_FUSED(16, 1)
+GANY_ATTENTION_TC_FUSED(32, 1)
+GANY_ATTENTION_TC_FUSED(64, 3)
+
+// dq from the fused backward's f32 sums: scale, rounded to bf16. Launch: 1-D, any shape.
+extern "C" __global__ void attention_dq_finish_bf16(bf16* dq, const float* acc, long long n,
+                                                    float scale) {
+    for (long long i = global_tid(); i < n; i += grid_threads())
+        dq[i] = f32_to_bf16(scale * acc[i]);
+}

@@ -61,9 +61,17 @@ fn keep_freed_memory(ctx: &Arc<CudaContext>) {
 #[derive(Debug)]
 pub enum DeviceError {
     Probe(ProbeError),
-    Driver { what: String, error: String },
+    Driver {
+        what: String,
+        error: String,
+    },
     Compile(nvrtc::CompileError),
-    Cublas { what: String, error: String },
+    Cublas {
+        what: String,
+        error: String,
+    },
+    /// A setting (an environment variable) the backend does not take: the message names it.
+    Setting(String),
 }
 
 impl std::fmt::Display for DeviceError {
@@ -73,6 +81,7 @@ impl std::fmt::Display for DeviceError {
             DeviceError::Driver { what, error } => write!(f, "CUDA {what}: {error}"),
             DeviceError::Compile(e) => e.fmt(f),
             DeviceError::Cublas { what, error } => write!(f, "cuBLAS {what}: {error}"),
+            DeviceError::Setting(e) => f.write_str(e),
         }
     }
 }

@@ -23,7 +23,10 @@
 //!   - cross-entropy: `cross_entropy_forward_*` (lse) then `cross_entropy_loss_acc_*`;
 //!   - attention backward: `delta`, `batch × heads × tq` f32 (`attention_backward_delta_*`),
 //!     then `attention_backward_dkdv_*` and `attention_backward_dq_*` (or their tensor-core
-//!     `*_tc{head_dim}_bf16` versions);
+//!     `*_tc{head_dim}_bf16` versions); the fused tensor-core backward
+//!     (`attention_backward_fused_tc*_bf16`, `Tuning::attn_fused_dq`) instead adds dq into
+//!     `batch × tq × heads × head_dim` f32 sums (zeroed first), which
+//!     `attention_dq_finish_bf16` scales into dq;
 //!   - embedding backward: the ids' grouping (`ganymede_core::embedding_segments`, three u32
 //!     arrays), uploaded by the step with its ids (`EmbedIds`);
 //! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
@@ -184,6 +187,10 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "attention_forward_tc128_bf16",
             "attention_backward_dkdv_tc128_bf16",
             "attention_backward_dq_tc128_bf16",
+            "attention_backward_fused_tc16_bf16",
+            "attention_backward_fused_tc32_bf16",
+            "attention_backward_fused_tc64_bf16",
+            "attention_dq_finish_bf16",
         ],
     ),
 ];

@@ -44,6 +44,7 @@ fn small() -> Tuning {
         attn_rows: 4,
         row_block_max: 32,
         attn_tc: false,
+        attn_fused_dq: false,
     }
 }
 
@@ -319,6 +320,53 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
     println!("two-memory mode: scratch pool of {after_one} bytes; gradients bitwise equal");
 }
 
+/// The fused attention backward's f32 dq sums are one device slot (buffers), kept for the next
+/// step, of exactly the bytes the planner adds for them to a CUDA job
+/// (`attention_dq_sums_bytes`: 4 per element of q; tiny at 2 × 32 tokens of 4 heads × 16).
+#[test]
+fn the_dq_sums_are_on_the_device_as_the_planner_says() {
+    use ganymede_config::ComputeDtype;
+    use ganymede_core::{Device, TwoMemoryOptions};
+    let mut job = preset("tiny").unwrap();
+    (job.training.batch_size, job.model.seq_len) = (BATCH, SEQ);
+    job.training.compute_dtype = ComputeDtype::Bf16;
+    let model = Model::new(&job.model).with_compute_dtype(ComputeDtype::Bf16);
+    let inputs = tokens(BATCH * SEQ, job.model.vocab_size, 7);
+    let targets = tokens(BATCH * SEQ, job.model.vocab_size, 5);
+    let buffers = |fused: bool| {
+        let ledger = Arc::new(Ledger::new());
+        let two = CpuBackend::two_memory(
+            ledger.clone(),
+            TwoMemoryOptions {
+                device_capacity: None,
+                checking: false,
+            },
+        );
+        let tuning = Tuning {
+            attn_tc: true,
+            attn_fused_dq: fused,
+            ..small()
+        };
+        let dev = HostKernelBackend::host(two, tuning);
+        let params = model.init_params(&dev, 3);
+        let held = || ledger.report().current(Device::Gpu(0), Category::Buffers);
+        step(&dev, &model, &params, &inputs, &targets);
+        let once = held();
+        step(&dev, &model, &params, &inputs, &targets);
+        assert_eq!(
+            held(),
+            once,
+            "fused {fused}: a second step grew the buffers"
+        );
+        once
+    };
+    let extra = buffers(true) - buffers(false);
+    let planned = ganymede_plan::fit::attention_dq_sums_bytes(&job, 1);
+    println!("dq sums: {extra} bytes on the device, {planned} planned");
+    assert_eq!(extra as f64, planned);
+    assert_eq!(planned, (4 * BATCH * SEQ * 4 * 16) as f64);
+}
+
 /// `training.compute_dtype = "bf16"` through the kernel backend's GEMM forwarding and its bf16
 /// attention kernels (SIMT, and the tensor-core `attention_*_tc16_bf16` with `Tuning::attn_tc`
 /// on, as a GPU from sm_80 runs them): the same forward and backward as the CPU backend's bf16
@@ -351,10 +399,21 @@ fn bf16_compute_matches_the_cpu() {
             },
             (1e-4, 2e-2),
         ),
+        (
+            "tensor cores, fused backward",
+            Tuning {
+                attn_tc: true,
+                attn_fused_dq: true,
+                ..small()
+            },
+            (1e-4, 2e-2),
+        ),
     ] {
         losses.push(bf16_compute_case(what, tuning, tol));
     }
     assert_ne!(losses[0], losses[1], "the tensor-core kernels did not run");
+    // The backward does not change the loss: the fused run has the tensor cores' forward.
+    assert_eq!(losses[1], losses[2]);
 }
 
 /// One bf16 forward and backward on the kernel backend with `tuning` against the CPU's, loss

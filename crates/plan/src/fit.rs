@@ -33,7 +33,8 @@
 //!
 //! 3. `device.kind = "cuda"`: as 2, and the host also holds the staging ring's pinned slots
 //!    (`buffers`, see [`staging_bytes`]) through which the step's u32 and f64 writes reach the
-//!    device without a host wait.
+//!    device without a host wait; the device also holds the fused attention backward's dq
+//!    sums ([`attention_dq_sums_bytes`]).
 //!
 //! # Sharded layouts (`ranks` = W > 1)
 //!
@@ -222,6 +223,7 @@ fn place(
     }
     if job.device.kind == DeviceKind::Cuda {
         host.buffers += staging_bytes(job, ranks);
+        device.buffers += attention_dq_sums_bytes(job, ranks);
     }
     MemoryPrediction {
         device_peak: device.total(),
@@ -230,6 +232,21 @@ fn place(
         host,
         offloaded_layers: n_off,
     }
+}
+
+/// Device bytes of the fused attention backward's f32 dq sums on one of `ranks` ranks (the
+/// CUDA backend's default under bf16 compute at head_dim 16, 32 or 64, on sm_80 and later;
+/// `GANYMEDE_CUDA_ATTENTION=deterministic` or `simt` does without them): 4 per element of q,
+/// one slot of the rank's whole batch, at least 256 bytes. Other kernels' scratch (partial
+/// sums, a few MiB) is not counted.
+pub fn attention_dq_sums_bytes(job: &JobConfig, ranks: usize) -> f64 {
+    let m = &job.model;
+    let bf16 = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
+    if !bf16 || !matches!(m.head_dim, 16 | 32 | 64) {
+        return 0.0;
+    }
+    let n = job.training.batch_size / ranks.max(1) * m.seq_len;
+    (4 * n * m.heads * m.head_dim).max(256) as f64
 }
 
 /// Pinned host bytes of the CUDA backend's staging ring on one of `ranks` ranks: every one of

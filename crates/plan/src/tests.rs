@@ -1147,6 +1147,34 @@ fn the_staging_ring_is_on_the_host() {
     assert_eq!(p.host_peak, p.host.total());
 }
 
+/// The fused attention backward's dq sums on a CUDA job's device under bf16 compute: tiny's
+/// 8 × 128 tokens of 4 heads × 16, 4 bytes each, 256 KiB on one rank and a quarter on 4; none
+/// under f32 compute or at head_dim 128 (the two-pass backward). Against the emulation (AdamW:
+/// no batched Muon) the device also differs by the cast scratch's element size.
+#[test]
+fn the_dq_sums_are_on_a_cuda_device_under_bf16() {
+    let emu = two_memory(
+        "tiny",
+        &["training.compute_dtype=bf16", "optimizer.name=adamw"],
+    );
+    let mut gpu = emu.clone();
+    gpu.device.kind = ganymede_config::DeviceKind::Cuda;
+    let dq = |job: &JobConfig, ranks| crate::fit::attention_dq_sums_bytes(job, ranks);
+    assert_eq!(dq(&gpu, 1), 4.0 * 1024.0 * 64.0);
+    assert_eq!(dq(&gpu, 4), 4.0 * 256.0 * 64.0);
+    let (a, b) = (predict_memory(&emu, 1, 1), predict_memory(&gpu, 1, 1));
+    let casts = crate::ledger::bf16_gemm_scratch(&gpu) - crate::ledger::bf16_gemm_scratch(&emu);
+    assert!(casts < 0.0, "bf16 casts are 2 bytes on a GPU, 4 on the CPU");
+    assert_eq!(b.device.buffers - a.device.buffers, dq(&gpu, 1) + casts);
+    assert_eq!(b.device_peak - a.device_peak, dq(&gpu, 1) + casts);
+    let mut f32_gpu = gpu.clone();
+    f32_gpu.training.compute_dtype = ganymede_config::ComputeDtype::F32;
+    assert_eq!(dq(&f32_gpu, 1), 0.0);
+    let mut wide = gpu.clone();
+    wide.model.head_dim = 128;
+    assert_eq!(dq(&wide, 1), 0.0);
+}
+
 /// One GPU's Muon in bf16 (`ns_dtype = "auto"` there) batches an expert stack's products, and
 /// the planner counts both the stack slot and what its casts put in the GEMMs' bf16 scratch,
 /// against the same job run by the emulation (which neither batches nor casts on the device):

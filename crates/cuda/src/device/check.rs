@@ -668,7 +668,7 @@ fn newton_schulz_times(be: &CudaBackend) -> Result<String, String> {
     use crate::ops::{KernelOps, Tuning};
     use ganymede_optim::{ns_timings, ns_timings_markdown};
     // The whole seam (NS normalises with a kernel), on this backend's context and streams.
-    let tuning = Tuning::for_device(be.compute_major());
+    let tuning = Tuning::for_device(be.compute_major())?;
     let full = KernelBackend::new(
         KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
         be.clone(),
@@ -711,7 +711,7 @@ fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
     use crate::kernel_backend::KernelBackend;
     use crate::ops::{KernelOps, Tuning};
     use ganymede_optim::{newton_schulz, newton_schulz_strided, NsScratch};
-    let tuning = Tuning::for_device(be.compute_major());
+    let tuning = Tuning::for_device(be.compute_major())?;
     let full = KernelBackend::new(
         KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
         be.clone(),
@@ -1024,13 +1024,14 @@ fn overlap(be: &CudaBackend) -> Result<String, String> {
 
 /// Causal attention at `medium`'s shape (batch 4, seq 4,096, 16 query heads on 4 kv heads,
 /// head_dim 64, bf16): forward and backward on the SIMT kernels (`attention_*_bf16`) and on the
-/// tensor-core kernels (`attention_*_tc64_bf16`), timed, and the tensor-core results checked
+/// tensor-core kernels (`attention_*_tc64_bf16`) with either backward (dq in its own pass, or
+/// fused into the dk/dv pass with atomic adds), timed, and the tensor-core results checked
 /// against the SIMT ones. Both read the same bf16 inputs and accumulate in f32; the tensor-core
 /// kernels also round probabilities and dS to bf16 as operands, so each output is held to
 /// 2^-6 of its largest |SIMT value| (the host tests see up to 3.9e-3, about 2^-8, against the CPU in f32), and
 /// lse, from f32 scores either way, to 1e-4. FLOPs are causal (half the T × T products): forward
 /// 2 matmuls, 4 B H T² d / 2; backward counted as 2.5 times the forward, the usual convention
-/// (these kernels do 3.5 times: dk/dv and dq each recompute S).
+/// (the two-pass kernels do 3.5 times, dk/dv and dq each recompute S; the fused 2.5 times).
 fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
     use super::launcher::CudaLauncher;
     use crate::ops::{KernelOps, Tuning};
@@ -1071,11 +1072,25 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
         "| kernels | forward ms | forward TFLOP/s | backward ms | backward TFLOP/s |\n|---|---|---|---|---|\n",
     );
     let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
-    for tc in [false, true] {
+    let variants = [
+        (false, false, "SIMT (f32 CUDA cores)"),
+        (
+            true,
+            false,
+            "tensor cores (mma.sync bf16), dq in its own pass",
+        ),
+        (
+            true,
+            true,
+            "tensor cores, fused backward (dq by atomic adds)",
+        ),
+    ];
+    for (tc, fused, what) in variants {
         let ops = KernelOps::with_tuning(
             CudaLauncher::new(be.clone()),
             Tuning {
                 attn_tc: tc,
+                attn_fused_dq: fused,
                 ..Tuning::default()
             },
         );
@@ -1129,12 +1144,7 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
         let t_bwd = be.elapsed(&a, &b).as_secs_f64() / iters as f64;
         let _ = writeln!(
             md,
-            "| {} | {:.3} | {:.1} | {:.3} | {:.1} |",
-            if tc {
-                "tensor cores (mma.sync bf16)"
-            } else {
-                "SIMT (f32 CUDA cores)"
-            },
+            "| {what} | {:.3} | {:.1} | {:.3} | {:.1} |",
             t_fwd * 1e3,
             fwd_flops / t_fwd / 1e12,
             t_bwd * 1e3,
@@ -1156,22 +1166,43 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
     );
     let names = ["out", "lse", "dq", "dk", "dv"];
     let mut bad = Vec::new();
-    for (o, name) in names.iter().enumerate() {
-        let (simt, tc) = (&results[0][o], &results[1][o]);
-        let finite = tc.iter().all(|x| x.is_finite());
-        let (err, tol) = if o == 1 {
-            let e = tc.iter().zip(simt).fold(0f64, |m, (&a, &b)| {
-                m.max((f64::from(a) - f64::from(b)).abs())
-            });
-            (e, 1e-4)
-        } else {
-            (rel_err(tc, simt), 1.0 / 64.0)
-        };
-        let _ = writeln!(md, "- {name}: {err:.2e} (tolerance {tol:.1e})");
-        if !finite || err.is_nan() || err > tol {
-            bad.push(format!("{name}: {err:e} > {tol:e} (all finite: {finite})"));
+    for (v, (_, fused, _)) in variants.iter().enumerate().skip(1) {
+        let _ = writeln!(md, "{}:\n", if *fused { "fused" } else { "two passes" });
+        for (o, name) in names.iter().enumerate() {
+            let (simt, tc) = (&results[0][o], &results[v][o]);
+            let finite = tc.iter().all(|x| x.is_finite());
+            let (err, tol) = if o == 1 {
+                let e = tc.iter().zip(simt).fold(0f64, |m, (&a, &b)| {
+                    m.max((f64::from(a) - f64::from(b)).abs())
+                });
+                (e, 1e-4)
+            } else {
+                (rel_err(tc, simt), 1.0 / 64.0)
+            };
+            let _ = writeln!(md, "- {name}: {err:.2e} (tolerance {tol:.1e})");
+            if !finite || err.is_nan() || err > tol {
+                bad.push(format!(
+                    "{name} ({}): {err:e} > {tol:e} (all finite: {finite})",
+                    if *fused { "fused" } else { "two passes" }
+                ));
+            }
         }
+        let _ = writeln!(md);
     }
+    // The host build gives dk and dv bit for bit from either backward; say whether the device
+    // does (not a failure: a compiler may order a sum differently in the other kernel).
+    let same = |o: usize| {
+        results[1][o]
+            .iter()
+            .zip(&results[2][o])
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    };
+    let _ = writeln!(
+        md,
+        "dk, dv bitwise equal between the two tensor-core backwards: {}, {}",
+        same(3),
+        same(4)
+    );
     if bad.is_empty() {
         Ok(md)
     } else {

@@ -87,7 +87,7 @@ fn scaled_err(got: &[f32], want: &[f32]) -> f64 {
 /// The section: f32 with both checkpointing modes, then bf16 compute on the device's tuning
 /// (tensor-core attention from sm_80).
 pub(super) fn tiny_gradients(be: &CudaBackend) -> Result<String, String> {
-    let tuning = Tuning::for_device(be.compute_major());
+    let tuning = Tuning::for_device(be.compute_major())?;
     let gpu: CudaKernelBackend = KernelBackend::new(
         KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
         be.clone(),
@@ -198,14 +198,12 @@ mod tests {
     use ganymede_core::{CpuBackend, Ledger};
     use std::sync::Arc;
 
-    /// The section passes on the kernels' host build with the tensor-core attention (what an
-    /// H200 runs), and fails when the two sides start from other parameters.
+    /// The section passes on the kernels' host build with an H200's attention (tensor cores,
+    /// fused backward), and fails when the two sides start from other parameters.
     #[test]
     fn the_host_build_passes_the_gradient_section() {
-        let tuning = Tuning {
-            attn_tc: true,
-            ..Tuning::default()
-        };
+        let tuning = Tuning::for_device_with(9, None).unwrap();
+        assert!(tuning.attn_tc && tuning.attn_fused_dq, "{tuning:?}");
         let host = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
         let cpu = CpuBackend::default();
         let md = gradient_parity(&host, &cpu, 3).unwrap_or_else(|e| panic!("{e}"));

@@ -33,7 +33,7 @@ pub fn kernel_backend(
     ledger: Arc<Ledger>,
 ) -> Result<CudaKernelBackend, DeviceError> {
     let be = CudaBackend::new(ordinal, ledger)?;
-    let tuning = Tuning::for_device(be.compute_major());
+    let tuning = Tuning::for_device(be.compute_major()).map_err(DeviceError::Setting)?;
     let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, tuning);
     Ok(KernelBackend::new(ops, be))
 }

@@ -43,6 +43,12 @@ pub struct Tuning {
     /// Off by default; a GPU backend turns it on from compute capability 8.0
     /// ([`Tuning::for_device`]).
     pub attn_tc: bool,
+    /// With `attn_tc`, at head_dim 16, 32 and 64: the fused tensor-core backward
+    /// (`attention_backward_fused_tc{head_dim}_bf16`, FlashAttention-2's arrangement), whose
+    /// dk/dv pass also adds dq into f32 sums with atomic adds, instead of a second pass over the
+    /// keys for dq that computes S and dP again. dq is then not bitwise reproducible on a
+    /// device (the adds' order varies). Off by default; on for a GPU ([`Tuning::for_device`]).
+    pub attn_fused_dq: bool,
 }
 
 impl Default for Tuning {
@@ -53,19 +59,41 @@ impl Default for Tuning {
             attn_rows: 8,
             row_block_max: 256,
             attn_tc: false,
+            attn_fused_dq: false,
         }
     }
 }
 
 impl Tuning {
     /// The defaults for a device of compute capability `major`.`_`: tensor-core attention from
-    /// 8.0 on, unless `GANYMEDE_CUDA_ATTENTION=simt` keeps the SIMT kernels.
-    pub fn for_device(major: u32) -> Self {
-        let simt = std::env::var("GANYMEDE_CUDA_ATTENTION").is_ok_and(|v| v == "simt");
-        Tuning {
-            attn_tc: major >= 8 && !simt,
+    /// 8.0 on, with the fused backward, unless `GANYMEDE_CUDA_ATTENTION` says `simt` (the SIMT
+    /// kernels) or `deterministic` (tensor cores, dq in its own pass: bitwise reproducible).
+    /// Any other value is an error that names it.
+    pub fn for_device(major: u32) -> Result<Self, String> {
+        Self::for_device_with(
+            major,
+            std::env::var("GANYMEDE_CUDA_ATTENTION").ok().as_deref(),
+        )
+    }
+    /// [`Tuning::for_device`] with the variable's value given.
+    pub fn for_device_with(major: u32, attention: Option<&str>) -> Result<Self, String> {
+        let (tc, fused) = match attention {
+            None | Some("") => (true, true),
+            Some("simt") => (false, false),
+            Some("deterministic") => (true, false),
+            Some(v) => {
+                return Err(format!(
+                    "GANYMEDE_CUDA_ATTENTION={v:?}: expected \"simt\" or \"deterministic\" \
+                     (unset: tensor cores with the fused backward)"
+                ))
+            }
+        };
+        let tc = tc && major >= 8;
+        Ok(Tuning {
+            attn_tc: tc,
+            attn_fused_dq: tc && fused,
             ..Tuning::default()
-        }
+        })
     }
 }
 
@@ -86,6 +114,9 @@ pub struct KernelOps<L: Launcher> {
     launcher: L,
     tuning: Tuning,
     pool: Mutex<Option<Tensor>>,
+    /// The fused attention backward's f32 dq sums, apart from the pool and of exactly the
+    /// largest size asked (`ganymede_plan` predicts it: `attention_dq_sums_bytes`).
+    dq_sums: Mutex<Option<Tensor>>,
     /// RoPE's frequency tables by (head_dim, theta's bits), uploaded once each: an upload per
     /// op from pageable host memory may wait for the stream.
     freqs: Mutex<Vec<((usize, u64), Tensor)>>,
@@ -102,6 +133,7 @@ impl<L: Launcher> KernelOps<L> {
             attn_rows,
             row_block_max,
             attn_tc: _,
+            attn_fused_dq: _,
         } = tuning;
         assert!(
             ew_block > 0
@@ -116,6 +148,7 @@ impl<L: Launcher> KernelOps<L> {
             launcher,
             tuning,
             pool: Mutex::new(None),
+            dq_sums: Mutex::new(None),
             freqs: Mutex::new(Vec::new()),
         }
     }
@@ -176,6 +209,19 @@ impl<L: Launcher> KernelOps<L> {
             .addr_mut(guard.as_mut().expect("scratch").view_mut()) as *mut u8;
         let ptrs = offs.map(|o| base.wrapping_add(o) as *mut c_void);
         (Scratch { _guard: guard }, ptrs)
+    }
+
+    /// The dq sums' slot of at least `bytes`, grown to exactly that where smaller.
+    fn dq_sums(&self, bytes: usize) -> (Scratch<'_>, *mut c_void) {
+        let mut guard = self.dq_sums.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|t| t.bytes() < bytes) {
+            *guard = None; // freed before its successor is allocated
+            *guard = Some(self.launcher.alloc_scratch(bytes.max(SCRATCH_ALIGN)));
+        }
+        let base = self
+            .launcher
+            .addr_mut(guard.as_mut().expect("dq sums").view_mut());
+        (Scratch { _guard: guard }, base)
     }
 
     /// `bytes` (a multiple of 4) of device memory at `dst` set to zero by a kernel.
@@ -250,6 +296,24 @@ mod tests {
     use super::*;
     use crate::launch::HostLauncher;
     use ganymede_core::{Category, CpuBackend, Device, Memory};
+
+    #[test]
+    fn the_device_defaults_and_their_variable() {
+        let t = |major, v| {
+            let t = Tuning::for_device_with(major, v).unwrap();
+            (t.attn_tc, t.attn_fused_dq)
+        };
+        assert_eq!(t(9, None), (true, true));
+        assert_eq!(t(9, Some("")), (true, true));
+        assert_eq!(t(8, Some("deterministic")), (true, false));
+        assert_eq!(t(9, Some("simt")), (false, false));
+        assert_eq!(t(7, None), (false, false));
+        let err = Tuning::for_device_with(9, Some("determinstic")).unwrap_err();
+        assert!(
+            err.contains("GANYMEDE_CUDA_ATTENTION=\"determinstic\""),
+            "{err}"
+        );
+    }
 
     #[test]
     fn scratch_regions_are_aligned_disjoint_and_pooled() {

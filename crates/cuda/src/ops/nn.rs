@@ -442,7 +442,17 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let sfx = st(dt, op);
+        let tc = self.attn_tc(dt, &d);
+        let fused = tc && self.tuning.attn_fused_dq && d.head_dim <= 64;
         let (_s, [delta]) = self.scratch([nl * 4]);
+        // The fused backward's dq sums (f32, zeroed before the pass).
+        let (_a, acc) = match fused {
+            true => {
+                let (g, p) = self.dq_sums(nq * 4);
+                (Some(g), p)
+            }
+            false => (None, std::ptr::null_mut()),
+        };
         let args = [
             delta.into(),
             self.a(dout),
@@ -457,18 +467,28 @@ impl<L: Launcher> KernelOps<L> {
             args.extend(Self::attn_dims(&d));
             args.push(Self::attn_scale(&d));
         };
-        let mut args = vec![
-            self.am(dk),
-            self.am(dv),
+        let mut args = vec![self.am(dk), self.am(dv)];
+        if fused {
+            self.zero(acc, nq * 4);
+            args.push(acc.into());
+        }
+        args.extend([
             self.a(dout),
             self.a(s.q),
             self.a(s.k),
             self.a(s.v),
             self.a(s.lse),
             delta.into(),
-        ];
+        ]);
         tail(&mut args);
-        let tc = self.attn_tc(dt, &d);
+        if fused {
+            let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
+            let name = format!("{op}_fused_tc{}_bf16", d.head_dim);
+            self.launch(&name, cfg(g, TC_BLOCK), &args);
+            let args = [self.am(dq), acc.into(), i64_of(nq), Self::attn_scale(&d)];
+            self.launch("attention_dq_finish_bf16", self.ew(nq), &args);
+            return;
+        }
         let (shape, name) = if tc {
             let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
             (cfg(g, TC_BLOCK), format!("{op}_dkdv_tc{}_bf16", d.head_dim))
