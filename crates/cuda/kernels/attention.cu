@@ -686,6 +686,16 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
 }
 
 #define TC_DSLD (TC_BK + TC_PAD)  // row stride of the staged dS ([query][key], bf16)
+// p[0] += x, p[1] += y atomically (each on its own; p 8-byte aligned, in global memory): one
+// vector reduction on sm_90 and later (red.global.add.v2.f32), two elsewhere.
+__device__ __forceinline__ void atomic_add_pair(float* p, float x, float y) {
+#if !defined(GANY_HOST) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
 // The fused backward's dq share of one half tile (TC_HQ queries from query i0 of head h) over
 // the block's 64 keys: dS (warp w's keys as dS^T accumulators ds, all zero where !act) is
 // written as bf16 [query][key] into X, then warp w multiplies 16 of the queries by the [key][d]
@@ -737,10 +747,8 @@ __device__ __forceinline__ void attn_dq_share(float* dq_acc, bf16* X, const bf16
         if (i < tq) {
             float* o = dq_acc + q_off(b, i, h, tq, heads, HD) + cg * NT * 8 + 2 * t;
 #pragma unroll
-            for (int n = 0; n < NT; n++) {
-                atomicAdd(o + n * 8, acc[n][2 * r]);
-                atomicAdd(o + n * 8 + 1, acc[n][2 * r + 1]);
-            }
+            for (int n = 0; n < NT; n++)
+                atomic_add_pair(o + n * 8, acc[n][2 * r], acc[n][2 * r + 1]);
         }
     }
 }

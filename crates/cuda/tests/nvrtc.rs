@@ -75,6 +75,13 @@ fn every_kernel_compiles_for_sm_90() {
                 "{file}: no entry point {k} in the PTX"
             );
         }
+        if *file == "attention.cu" {
+            // The fused backward's paired atomic adds take sm_90's vector reduction.
+            assert!(
+                ptx.contains("red.global.add.v2.f32"),
+                "{file}: no vector reduction"
+            );
+        }
         println!(
             "{file}: {} kernels, {} bytes of PTX, {cubin} bytes of sm_90 code",
             kernels.len(),
