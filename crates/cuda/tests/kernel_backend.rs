@@ -286,23 +286,25 @@ fn adamw_steps_match_the_cpu() {
     train_steps(true);
 }
 
+/// The CPU backend's two-memory mode on `ledger`, every access checked against the copy streams.
+fn two_memory(ledger: &Arc<Ledger>) -> CpuBackend {
+    let options = ganymede_core::TwoMemoryOptions {
+        device_capacity: None,
+        checking: true,
+    };
+    CpuBackend::two_memory(ledger.clone(), options)
+}
+
 /// Over the CPU backend's two-memory mode (emulated device memory, every access checked
 /// against the copy streams) the kernels compute bitwise what they compute over host memory,
 /// and their scratch is one pool on the device, charged to buffers, that a second step reuses.
 #[test]
 fn two_memory_mode_and_a_reused_scratch_pool() {
-    use ganymede_core::{Device, TwoMemoryOptions};
+    use ganymede_core::Device;
     let c = tiny();
     let model = Model::new(&c);
     let ledger = Arc::new(Ledger::new());
-    let two = CpuBackend::two_memory(
-        ledger.clone(),
-        TwoMemoryOptions {
-            device_capacity: None,
-            checking: true,
-        },
-    );
-    let dev = HostKernelBackend::host(two, small());
+    let dev = HostKernelBackend::host(two_memory(&ledger), small());
     let host = kernels();
     let inputs = tokens(BATCH * SEQ, c.vocab_size, 6);
     let targets = tokens(BATCH * SEQ, c.vocab_size, 7);
@@ -326,7 +328,7 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
 #[test]
 fn the_dq_sums_are_on_the_device_as_the_planner_says() {
     use ganymede_config::ComputeDtype;
-    use ganymede_core::{Device, TwoMemoryOptions};
+    use ganymede_core::Device;
     let mut job = preset("tiny").unwrap();
     (job.training.batch_size, job.model.seq_len) = (BATCH, SEQ);
     job.training.compute_dtype = ComputeDtype::Bf16;
@@ -335,19 +337,12 @@ fn the_dq_sums_are_on_the_device_as_the_planner_says() {
     let targets = tokens(BATCH * SEQ, job.model.vocab_size, 5);
     let buffers = |fused: bool| {
         let ledger = Arc::new(Ledger::new());
-        let two = CpuBackend::two_memory(
-            ledger.clone(),
-            TwoMemoryOptions {
-                device_capacity: None,
-                checking: false,
-            },
-        );
         let tuning = Tuning {
             attn_tc: true,
             attn_fused_dq: fused,
             ..small()
         };
-        let dev = HostKernelBackend::host(two, tuning);
+        let dev = HostKernelBackend::host(two_memory(&ledger), tuning);
         let params = model.init_params(&dev, 3);
         let held = || ledger.report().current(Device::Gpu(0), Category::Buffers);
         step(&dev, &model, &params, &inputs, &targets);
