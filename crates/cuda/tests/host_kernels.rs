@@ -1621,6 +1621,13 @@ fn attention_tc_across_tiles() {
 }
 
 #[test]
+fn attention_tc_four_query_heads_per_kv_head_at_head_dim_64() {
+    // medium's grouping (4 query heads a kv head) and head_dim, three tiles with a partial one:
+    // the fused backward walks every head's tiles from one key block, two batches apart.
+    attention_tc_case(dims(2, 150, 150, 4, 1, 64), 27, 0);
+}
+
+#[test]
 fn attention_tc_key_prefix_across_tiles_head_dim_16() {
     // tq < tk with the causal offset (63) crossing tile edges, three heads per kv head.
     attention_tc_case(dims(1, 70, 133, 3, 1, 16), 23, 0);
