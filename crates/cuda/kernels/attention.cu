@@ -421,20 +421,24 @@ __device__ __forceinline__ void b_from_cols(unsigned* b, smem_t x, int ld, int n
 }
 // c = a x^T over NT n-tiles of 8 (c's 8 NT columns are x's rows) and HD / 16 k-steps, with a
 // warp's A operands in registers and x a shared tile read by rows: the scores S = Q K^T, and
-// the backward's S, dP and their transposes.
-template <int HD, int NT>
+// the backward's S, dP and their transposes. With MT > 1 the warp has MT m-tiles of 16 rows
+// (c's tile mt · NT + n, a's mt · HD / 16 + kk), which share each B fragment loaded.
+template <int HD, int NT, int MT = 1>
 __device__ __forceinline__ void product_rows(float (*c)[4], const unsigned (*a)[4], smem_t x,
                                              int ld) {
 #pragma unroll
-    for (int n = 0; n < NT; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+    for (int n = 0; n < MT * NT; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
 #pragma unroll
     for (int n = 0; n < NT; n += 2)
 #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
             unsigned bb[4];
             b_from_rows(bb, x, ld, n, kk * 16);
-            mma_bf16_16816(c[n], a[kk], bb);
-            mma_bf16_16816(c[n + 1], a[kk], bb + 2);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(c[mt * NT + n], a[mt * (HD / 16) + kk], bb);
+                mma_bf16_16816(c[mt * NT + n + 1], a[mt * (HD / 16) + kk], bb + 2);
+            }
         }
 }
 // Global loads element by element: a view may start at any element.
@@ -579,30 +583,38 @@ __device__ __forceinline__ void tiles_next(F& issue, int it, int nt) {
     __syncthreads();
 }
 
-// Forward. Block x takes the 64 queries from 64 (gridDim.x - 1 - x), warp w 16 of them; the
-// block's K/V tiles of 64 keys go through shared memory as [key][d] (B operands by ldmatrix,
-// V's transposed). Launch: grid (ceil(tq / 64), heads, batch), block 128.
-template <int HD>
+// Forward. Block x takes the 64 MT queries from 64 MT (gridDim.x - 1 - x), warp w 16 MT of
+// them (MT m-tiles of 16 rows, which share each K and V fragment loaded from shared memory:
+// with MT = 2 a fragment feeds four products instead of two, as FlashAttention-2 tiles
+// head_dim 64); the block's K/V tiles of 64 keys go through shared memory as [key][d] (B
+// operands by ldmatrix, V's transposed). Launch: grid (ceil(tq / (64 MT)), heads, batch),
+// block 128.
+template <int HD, int MT>
 __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, const bf16* k,
                             const bf16* v, int tq, int tk, int heads, int kvh, float scale) {
-    constexpr int KS = HD + TC_PAD;
+    constexpr int KS = HD + TC_PAD, BQ = TC_BQ * MT, KT = HD / 16, NT = TC_BK / 8;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     // The last query tile first: it sees the most keys, so the longest blocks start earliest.
-    const int i0 = (gridDim.x - 1 - blockIdx.x) * TC_BQ, r0 = i0 + 16 * w;
-    unsigned qa[HD / 16][4];
-    load_a_rows<HD>(qa, q + q_off(b, 0, h, tq, heads, HD), r0, tq, (long long)heads * HD);
-    // Per lane: rows gq and gq + 8 of the warp's 16; l sums this lane's columns only (the
-    // quad's lanes share a row's max, so their partial sums add up at the end).
-    float m[2] = {GANY_NEG_INF, GANY_NEG_INF}, l[2] = {0.0f, 0.0f};
-    const float c = scale * GANY_LOG2E;
-    float o[HD / 8][4];
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * BQ, r0 = i0 + 16 * MT * w;
+    unsigned qa[MT * KT][4];
 #pragma unroll
-    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
+        load_a_rows<HD>(qa + mt * KT, q + q_off(b, 0, h, tq, heads, HD), r0 + 16 * mt, tq,
+                        (long long)heads * HD);
+    // Per lane and m-tile: rows gq and gq + 8 of its 16; l sums this lane's columns only (the
+    // quad's lanes share a row's max, so their partial sums add up at the end).
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) m[mt][0] = m[mt][1] = GANY_NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
+    const float c = scale * GANY_LOG2E;
+    float o[MT * (HD / 8)][4];
+#pragma unroll
+    for (int n = 0; n < MT * (HD / 8); n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     const bf16 *kb = k + kv_off(b, 0, g, tk, kvh, HD), *vb = v + kv_off(b, 0, g, tk, kvh, HD);
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
-    const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);  // keys the block needs
-    const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);         // keys this warp needs
+    const int bend = off + (i0 + BQ < tq ? i0 + BQ : tq);                // keys the block needs
+    const int wend = off + (r0 + 16 * MT < tq ? r0 + 16 * MT : tq);      // keys this warp needs
     const TilePair<HD> kv{sm};  // K and V
     auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, it * TC_BK, tk); };
     const int nt = (bend + TC_BK - 1) / TC_BK;
@@ -612,77 +624,92 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
         tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
         const smem_t ks = smem(kv.first(it)), vs = smem(kv.second(it));
-        float s[TC_BK / 8][4];
-        product_rows<HD, TC_BK / 8>(s, qa, ks, KS);
-        // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum. Only a
-        // tile that crosses the diagonal or the end of the keys masks (warp-uniform).
-        const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
-        float mx[2] = {m[0], m[1]};
+        float s[MT * NT][4];
+        product_rows<HD, NT, MT>(s, qa, ks, KS);
 #pragma unroll
-        for (int n = 0; n < TC_BK / 8; n++)
+        for (int mt = 0; mt < MT; mt++) {
+            float (*sm_)[4] = s + mt * NT;
+            const int rm = r0 + 16 * mt;
+            // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum.
+            // Only a tile that crosses the diagonal or the end of the keys masks (warp-uniform).
+            const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + rm;
+            float mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                if (!full) {
-                    const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
-                    if (!(j <= off + i && j < tk)) s[n][e] = GANY_NEG_INF;
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    if (!full) {
+                        const int i = rm + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
+                        if (!(j <= off + i && j < tk)) sm_[n][e] = GANY_NEG_INF;
+                    }
+                    mx[e >> 1] = fmaxf(mx[e >> 1], sm_[n][e]);
                 }
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-            }
-        float alpha[2], mc[2];
+            float alpha[2], mc[2];
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            alpha[r] = m[r] == GANY_NEG_INF ? 0.0f : ex2((m[r] - mx[r]) * c);
-            l[r] *= alpha[r];
-            m[r] = mx[r];
-            mc[r] = mx[r] * c;
-        }
-#pragma unroll
-        for (int n = 0; n < TC_BK / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float x = s[n][e];
-                const float p = !full && x == GANY_NEG_INF ? 0.0f : ex2(fmaf(x, c, -mc[e >> 1]));
-                s[n][e] = p;
-                l[e >> 1] += p;
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                alpha[r] = m[mt][r] == GANY_NEG_INF ? 0.0f : ex2((m[mt][r] - mx[r]) * c);
+                l[mt][r] *= alpha[r];
+                m[mt][r] = mx[r];
+                mc[r] = mx[r] * c;
             }
 #pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float x = sm_[n][e];
+                    const float p =
+                        !full && x == GANY_NEG_INF ? 0.0f : ex2(fmaf(x, c, -mc[e >> 1]));
+                    sm_[n][e] = p;
+                    l[mt][e >> 1] += p;
+                }
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                float* on = o[mt * (HD / 8) + n];
+                on[0] *= alpha[0];
+                on[1] *= alpha[0];
+                on[2] *= alpha[1];
+                on[3] *= alpha[1];
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < TC_BK / 16; kk++) {
-            unsigned pa[4];
-            acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                acc_to_a(pa[mt], s[mt * NT + 2 * kk], s[mt * NT + 2 * kk + 1]);
 #pragma unroll
             for (int n = 0; n < HD / 8; n += 2) {
                 unsigned bb[4];
                 b_from_cols(bb, vs, KS, n, kk * 16);
-                mma_bf16_16816(o[n], pa, bb);
-                mma_bf16_16816(o[n + 1], pa, bb + 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(o[mt * (HD / 8) + n], pa[mt], bb);
+                    mma_bf16_16816(o[mt * (HD / 8) + n + 1], pa[mt], bb + 2);
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const int i = r0 + gq + 8 * r;
-        if (i < tq) {
-            const float inv = 1.0f / l[r];
-            const long long qo = q_off(b, i, h, tq, heads, HD);
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                st(out + qo + n * 8 + 2 * t, o[n][2 * r] * inv);
-                st(out + qo + n * 8 + 2 * t + 1, o[n][2 * r + 1] * inv);
+        for (int r = 0; r < 2; r++) {
+            float lr = l[mt][r];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            const int i = r0 + 16 * mt + gq + 8 * r;
+            if (i < tq) {
+                const float inv = 1.0f / lr;
+                const long long qo = q_off(b, i, h, tq, heads, HD);
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++) {
+                    st(out + qo + n * 8 + 2 * t, o[mt * (HD / 8) + n][2 * r] * inv);
+                    st(out + qo + n * 8 + 2 * t + 1, o[mt * (HD / 8) + n][2 * r + 1] * inv);
+                }
+                if (t == 0) lse[((long long)b * heads + h) * tq + i] = m[mt][r] * scale + logf(lr);
             }
-            if (t == 0) lse[((long long)b * heads + h) * tq + i] = m[r] * scale + logf(l[r]);
         }
-    }
 }
 
 #define TC_DSLD (TC_BK + TC_PAD)  // row stride of the staged dS ([query][key], bf16)
@@ -979,7 +1006,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         int heads, int kv_heads, int head_dim, float scale) {                                   \
         __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_fwd_tc<HD>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);                 \
+        attn_fwd_tc<HD, 1>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);              \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * TC_W, DKDV_BLOCKS)                        \
         attention_backward_dkdv_tc##HD##_bf16(                                                  \
@@ -1023,6 +1050,20 @@ GANY_ATTENTION_TC(128, 1)
         attn_bwd_dkdv_tc<HD, true>(sm, Ls, Dl, ks, dsx, dq_acc, dk, dv, dout, q, k, v, lse,     \
                                    delta, tq, tk, heads, kv_heads, scale);                      \
     }
+// The forward with two m-tiles a warp (128 queries a block), where its registers allow.
+#define GANY_ATTENTION_TC_WIDE(HD, BLOCKS)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W, BLOCKS)                             \
+        attention_forward_tc##HD##x2_bf16(bf16* out, float* lse, const bf16* q, const bf16* k,  \
+                                          const bf16* v, int tq, int tk, int heads,             \
+                                          int kv_heads, int head_dim, float scale) {            \
+        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
+        attn_fwd_tc<HD, 2>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);              \
+    }
+GANY_ATTENTION_TC_WIDE(16, 2)
+GANY_ATTENTION_TC_WIDE(32, 2)
+GANY_ATTENTION_TC_WIDE(64, 2)
+
 GANY_ATTENTION_TC_FUSED(16, 1)
 GANY_ATTENTION_TC_FUSED(32, 1)
 GANY_ATTENTION_TC_FUSED(64, 3)

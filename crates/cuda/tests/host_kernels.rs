@@ -36,6 +36,7 @@ const SMALL: Tuning = Tuning {
     row_block_max: 32,
     attn_tc: false,
     attn_fused_dq: false,
+    attn_wide_fwd: false,
 };
 fn kernels(tuning: Tuning) -> HostKernelBackend {
     HostKernelBackend::host(cpu(), tuning)
@@ -1560,22 +1561,32 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
             },
         })
         .collect();
-    // Both backwards: dq in a second pass, and dq added from the dk/dv pass (fused).
+    // Both backwards: dq in a second pass, and dq added from the dk/dv pass (fused); then the
+    // forward with two m-tiles a warp.
     let mut runs = Vec::new();
-    for fused in [false, true] {
+    for (fused, wide) in [(false, false), (true, false), (true, true)] {
         let kb = kernels(Tuning {
             attn_tc: true,
             attn_fused_dq: fused,
+            attn_wide_fwd: wide,
             ..SMALL
         });
         let run = |x: &[Vec<f32>]| attention_run_at(&kb, St::Bf16, St::Bf16, x, d, at);
-        let name = format!("attention_tc_bf16 (fused dq: {fused}) {d:?}");
+        let name = format!("attention_tc_bf16 (fused dq: {fused}, wide forward: {wide}) {d:?}");
         parity(&name, &inputs, 1, &tols, run, reference);
         runs.push(run(&inputs));
     }
+    // The wide forward computes each row as the narrow one does, product by product: every
+    // output bit for bit (past head_dim 64 it does not apply).
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (o, (a, b)) in runs[1].iter().zip(&runs[2]).enumerate() {
+        assert!(
+            bits(a) == bits(b),
+            "{d:?}: output {o} differs with the wide forward"
+        );
+    }
     // The fused pass leaves out, lse, dk and dv bit for bit as they were; dq's f32 sums only
     // run in another order (past head_dim 64 it does not apply, and dq is the same too).
-    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     let names = ["out", "lse", "dq", "dk", "dv"];
     for (o, name) in names.iter().enumerate() {
         let same = bits(&runs[0][o]) == bits(&runs[1][o]);

@@ -45,6 +45,7 @@ fn small() -> Tuning {
         row_block_max: 32,
         attn_tc: false,
         attn_fused_dq: false,
+        attn_wide_fwd: false,
     }
 }
 

@@ -1032,6 +1032,7 @@ fn overlap(be: &CudaBackend) -> Result<String, String> {
 /// lse, from f32 scores either way, to 1e-4. FLOPs are causal (half the T × T products): forward
 /// 2 matmuls, 4 B H T² d / 2; backward counted as 2.5 times the forward, the usual convention
 /// (the two-pass kernels do 3.5 times, dk/dv and dq each recompute S; the fused 2.5 times).
+/// The tensor-core forward runs with 16 query rows a warp and, in the last row, 32.
 fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
     use super::launcher::CudaLauncher;
     use crate::ops::{KernelOps, Tuning};
@@ -1072,25 +1073,38 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
         "| kernels | forward ms | forward TFLOP/s | backward ms | backward TFLOP/s |\n|---|---|---|---|---|\n",
     );
     let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
+    // (tensor cores, fused backward, wide forward, label, its short name)
     let variants = [
-        (false, false, "SIMT (f32 CUDA cores)"),
+        (false, false, false, "SIMT (f32 CUDA cores)", "SIMT"),
         (
             true,
             false,
+            false,
             "tensor cores (mma.sync bf16), dq in its own pass",
+            "two passes",
         ),
         (
             true,
             true,
+            false,
             "tensor cores, fused backward (dq by atomic adds)",
+            "fused",
+        ),
+        (
+            true,
+            true,
+            true,
+            "tensor cores, forward 32 rows a warp, fused backward",
+            "wide forward",
         ),
     ];
-    for (tc, fused, what) in variants {
+    for (tc, fused, wide, what, _) in variants {
         let ops = KernelOps::with_tuning(
             CudaLauncher::new(be.clone()),
             Tuning {
                 attn_tc: tc,
                 attn_fused_dq: fused,
+                attn_wide_fwd: wide,
                 ..Tuning::default()
             },
         );
@@ -1166,8 +1180,8 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
     );
     let names = ["out", "lse", "dq", "dk", "dv"];
     let mut bad = Vec::new();
-    for (v, (_, fused, _)) in variants.iter().enumerate().skip(1) {
-        let _ = writeln!(md, "{}:\n", if *fused { "fused" } else { "two passes" });
+    for (v, (.., short)) in variants.iter().enumerate().skip(1) {
+        let _ = writeln!(md, "{short}:\n");
         for (o, name) in names.iter().enumerate() {
             let (simt, tc) = (&results[0][o], &results[v][o]);
             let finite = tc.iter().all(|x| x.is_finite());
@@ -1182,26 +1196,29 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
             let _ = writeln!(md, "- {name}: {err:.2e} (tolerance {tol:.1e})");
             if !finite || err.is_nan() || err > tol {
                 bad.push(format!(
-                    "{name} ({}): {err:e} > {tol:e} (all finite: {finite})",
-                    if *fused { "fused" } else { "two passes" }
+                    "{name} ({short}): {err:e} > {tol:e} (all finite: {finite})"
                 ));
             }
         }
         let _ = writeln!(md);
     }
-    // The host build gives dk and dv bit for bit from either backward; say whether the device
-    // does (not a failure: a compiler may order a sum differently in the other kernel).
-    let same = |o: usize| {
-        results[1][o]
+    // The host build gives dk and dv bit for bit from either backward, and out and lse from
+    // either forward; say whether the device does (not a failure: a compiler may order a sum
+    // differently in the other kernel).
+    let same = |x: usize, y: usize, o: usize| {
+        results[x][o]
             .iter()
-            .zip(&results[2][o])
+            .zip(&results[y][o])
             .all(|(a, b)| a.to_bits() == b.to_bits())
     };
     let _ = writeln!(
         md,
-        "dk, dv bitwise equal between the two tensor-core backwards: {}, {}",
-        same(3),
-        same(4)
+        "dk, dv bitwise equal between the two tensor-core backwards: {}, {}; out, lse between \
+         the two forwards: {}, {}",
+        same(1, 2, 3),
+        same(1, 2, 4),
+        same(2, 3, 0),
+        same(2, 3, 1)
     );
     if bad.is_empty() {
         Ok(md)

@@ -49,6 +49,12 @@ pub struct Tuning {
     /// keys for dq that computes S and dP again. dq is then not bitwise reproducible on a
     /// device (the adds' order varies). Off by default; on for a GPU ([`Tuning::for_device`]).
     pub attn_fused_dq: bool,
+    /// With `attn_tc`, at head_dim 16, 32 and 64: the tensor-core forward with two m-tiles of
+    /// 16 query rows a warp (`attention_forward_tc{head_dim}x2_bf16`, 128 queries a block), so
+    /// that each K and V fragment loaded from shared memory feeds four products instead of two,
+    /// at 254 registers (head_dim 64) and two blocks an SM instead of three. Bitwise the same
+    /// results. Off by default (not yet timed on a GPU: the device check times both).
+    pub attn_wide_fwd: bool,
 }
 
 impl Default for Tuning {
@@ -60,6 +66,7 @@ impl Default for Tuning {
             row_block_max: 256,
             attn_tc: false,
             attn_fused_dq: false,
+            attn_wide_fwd: false,
         }
     }
 }
@@ -134,6 +141,7 @@ impl<L: Launcher> KernelOps<L> {
             row_block_max,
             attn_tc: _,
             attn_fused_dq: _,
+            attn_wide_fwd: _,
         } = tuning;
         assert!(
             ew_block > 0

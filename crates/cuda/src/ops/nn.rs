@@ -413,8 +413,15 @@ impl<L: Launcher> KernelOps<L> {
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
         if self.attn_tc(dt, &d) {
-            let shape = cfg(grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch), TC_BLOCK);
-            self.launch(&format!("{op}_tc{}_bf16", d.head_dim), shape, &args);
+            // Two m-tiles a warp where chosen: twice the queries a block.
+            let wide = self.tuning.attn_wide_fwd && d.head_dim <= 64;
+            let (rows, x) = if wide {
+                (2 * TC_TILE, "x2")
+            } else {
+                (TC_TILE, "")
+            };
+            let shape = cfg(grid(d.tq.div_ceil(rows), d.heads, d.batch), TC_BLOCK);
+            self.launch(&format!("{op}_tc{}{x}_bf16", d.head_dim), shape, &args);
             return;
         }
         let w = self.tuning.attn_rows as usize;
