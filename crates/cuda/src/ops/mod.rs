@@ -53,7 +53,8 @@ pub struct Tuning {
     /// 16 query rows a warp (`attention_forward_tc{head_dim}x2_bf16`, 128 queries a block), so
     /// that each K and V fragment loaded from shared memory feeds four products instead of two,
     /// at 254 registers (head_dim 64) and two blocks an SM instead of three. Bitwise the same
-    /// results. Off by default (not yet timed on a GPU: the device check times both).
+    /// results. Off by default (not yet timed on a GPU: the device check times both);
+    /// `GANYMEDE_CUDA_ATTENTION=wide` turns it on for a GPU ([`Tuning::for_device`]).
     pub attn_wide_fwd: bool,
 }
 
@@ -73,9 +74,10 @@ impl Default for Tuning {
 
 impl Tuning {
     /// The defaults for a device of compute capability `major`.`_`: tensor-core attention from
-    /// 8.0 on, with the fused backward, unless `GANYMEDE_CUDA_ATTENTION` says `simt` (the SIMT
-    /// kernels) or `deterministic` (tensor cores, dq in its own pass: bitwise reproducible).
-    /// Any other value is an error that names it.
+    /// 8.0 on, with the fused backward. `GANYMEDE_CUDA_ATTENTION`, a comma-separated list,
+    /// changes them: `simt` (the SIMT kernels), `deterministic` (tensor cores with dq in its own
+    /// pass: bitwise reproducible), `wide` (the forward with 32 query rows a warp). Any other
+    /// word is an error that names it.
     pub fn for_device(major: u32) -> Result<Self, String> {
         Self::for_device_with(
             major,
@@ -84,21 +86,28 @@ impl Tuning {
     }
     /// [`Tuning::for_device`] with the variable's value given.
     pub fn for_device_with(major: u32, attention: Option<&str>) -> Result<Self, String> {
-        let (tc, fused) = match attention {
-            None | Some("") => (true, true),
-            Some("simt") => (false, false),
-            Some("deterministic") => (true, false),
-            Some(v) => {
-                return Err(format!(
-                    "GANYMEDE_CUDA_ATTENTION={v:?}: expected \"simt\" or \"deterministic\" \
-                     (unset: tensor cores with the fused backward)"
-                ))
+        let (mut tc, mut fused, mut wide) = (true, true, false);
+        for word in attention.unwrap_or("").split(',').map(str::trim) {
+            match word {
+                "" => {}
+                "simt" => tc = false,
+                "deterministic" => fused = false,
+                "wide" => wide = true,
+                _ => {
+                    return Err(format!(
+                        "GANYMEDE_CUDA_ATTENTION={:?}: {word:?} is not one of \"simt\", \
+                         \"deterministic\", \"wide\" (unset: tensor cores with the fused \
+                         backward)",
+                        attention.unwrap_or("")
+                    ))
+                }
             }
-        };
+        }
         let tc = tc && major >= 8;
         Ok(Tuning {
             attn_tc: tc,
             attn_fused_dq: tc && fused,
+            attn_wide_fwd: tc && wide,
             ..Tuning::default()
         })
     }
@@ -309,16 +318,20 @@ mod tests {
     fn the_device_defaults_and_their_variable() {
         let t = |major, v| {
             let t = Tuning::for_device_with(major, v).unwrap();
-            (t.attn_tc, t.attn_fused_dq)
+            (t.attn_tc, t.attn_fused_dq, t.attn_wide_fwd)
         };
-        assert_eq!(t(9, None), (true, true));
-        assert_eq!(t(9, Some("")), (true, true));
-        assert_eq!(t(8, Some("deterministic")), (true, false));
-        assert_eq!(t(9, Some("simt")), (false, false));
-        assert_eq!(t(7, None), (false, false));
-        let err = Tuning::for_device_with(9, Some("determinstic")).unwrap_err();
+        assert_eq!(t(9, None), (true, true, false));
+        assert_eq!(t(9, Some("")), (true, true, false));
+        assert_eq!(t(8, Some("deterministic")), (true, false, false));
+        assert_eq!(t(9, Some("wide")), (true, true, true));
+        assert_eq!(t(9, Some("deterministic, wide")), (true, false, true));
+        assert_eq!(t(9, Some("simt")), (false, false, false));
+        assert_eq!(t(9, Some("simt,wide")), (false, false, false));
+        assert_eq!(t(7, None), (false, false, false));
+        let err = Tuning::for_device_with(9, Some("wide,determinstic")).unwrap_err();
         assert!(
-            err.contains("GANYMEDE_CUDA_ATTENTION=\"determinstic\""),
+            err.contains("GANYMEDE_CUDA_ATTENTION=\"wide,determinstic\"")
+                && err.contains("\"determinstic\" is not one of"),
             "{err}"
         );
     }
