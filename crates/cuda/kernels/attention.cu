@@ -1028,7 +1028,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
     }
 // dk/dv at head_dim 64 (medium's) held to 3 blocks an SM (168 registers; 180 unbounded, which
-// leaves 2): 32 bytes of stack for one block in three more. The others as ptxas chooses.
+// leaves 2): 24 bytes of stack for one block in three more. The others as ptxas chooses.
 GANY_ATTENTION_TC(16, 1)
 GANY_ATTENTION_TC(32, 1)
 GANY_ATTENTION_TC(64, 3)
