@@ -628,7 +628,7 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
         product_rows<HD, NT, MT>(s, qa, ks, KS);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            float (*sm_)[4] = s + mt * NT;
+            float (*sc)[4] = s + mt * NT;  // this m-tile's scores
             const int rm = r0 + 16 * mt;
             // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum.
             // Only a tile that crosses the diagonal or the end of the keys masks (warp-uniform).
@@ -640,9 +640,9 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
                 for (int e = 0; e < 4; e++) {
                     if (!full) {
                         const int i = rm + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
-                        if (!(j <= off + i && j < tk)) sm_[n][e] = GANY_NEG_INF;
+                        if (!(j <= off + i && j < tk)) sc[n][e] = GANY_NEG_INF;
                     }
-                    mx[e >> 1] = fmaxf(mx[e >> 1], sm_[n][e]);
+                    mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
                 }
             float alpha[2], mc[2];
 #pragma unroll
@@ -658,10 +658,10 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
             for (int n = 0; n < NT; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const float x = sm_[n][e];
+                    const float x = sc[n][e];
                     const float p =
                         !full && x == GANY_NEG_INF ? 0.0f : ex2(fmaf(x, c, -mc[e >> 1]));
-                    sm_[n][e] = p;
+                    sc[n][e] = p;
                     l[mt][e >> 1] += p;
                 }
 #pragma unroll
@@ -726,14 +726,14 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float x, float y) {
 // The fused backward's dq share of one half tile (TC_HQ queries from query i0 of head h) over
 // the block's 64 keys: dS (warp w's keys as dS^T accumulators ds, all zero where !act) is
 // written as bf16 [query][key] into X, then warp w multiplies 16 of the queries by the [key][d]
-// rows Ksm over a column group of d and adds the results into dq_acc atomically (unscaled).
+// rows Ksm over a column group of d and adds the results, times scale, into dq_acc atomically.
 // Every thread of the block calls it: it has two barriers. The first keeps X's last readers
 // (the previous half's, or at head_dim 64 dV's reads of the dO rows X overlays) ahead of the
 // writes.
 template <int HD>
 __device__ __forceinline__ void attn_dq_share(float* dq_acc, bf16* X, const bf16* Ksm,
                                               const float (*ds)[4], bool act, int h, int i0,
-                                              int tq, int heads) {
+                                              int tq, int heads, float scale) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     __syncthreads();
 #pragma unroll
@@ -775,7 +775,7 @@ __device__ __forceinline__ void attn_dq_share(float* dq_acc, bf16* X, const bf16
             float* o = dq_acc + q_off(b, i, h, tq, heads, HD) + cg * NT * 8 + 2 * t;
 #pragma unroll
             for (int n = 0; n < NT; n++)
-                atomic_add_pair(o + n * 8, acc[n][2 * r], acc[n][2 * r + 1]);
+                atomic_add_pair(o + n * 8, scale * acc[n][2 * r], scale * acc[n][2 * r + 1]);
         }
     }
 }
@@ -785,8 +785,8 @@ __device__ __forceinline__ void attn_dq_share(float* dq_acc, bf16* X, const bf16
 // sees them, in tiles of 64 queries through shared memory (Q, dO as [query][d]): S^T = K Q^T,
 // dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q with P^T and dS^T as A operands.
 // With DQ (FlashAttention-2's arrangement, head_dim <= 64) the same pass also adds this key
-// block's share of dq, dS K, into the f32 dq_acc (zeroed before, scaled and rounded after by
-// attention_dq_finish_bf16) with atomic adds: each half tile's dS goes through shared memory
+// block's share of dq, scale dS K, into the f32 dq_acc (zeroed before, cast to bf16 after)
+// with atomic adds: each half tile's dS goes through shared memory
 // as [query][key] (at head_dim 64 over the half's dO rows, which dV has finished with) and the
 // block's K rows wait there as [key][d]; the dq kernel's second S and dP are not computed. The
 // atomics' order varies between runs on a device, so dq is then not bitwise reproducible.
@@ -892,7 +892,7 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16
                 }
             }
             if (DQ) attn_dq_share<HD>(dq_acc, HD >= 64 ? Ds + h0 * S : DSsm, Ksm, dp, act, h,
-                                      i0 + h0, tq, heads);
+                                      i0 + h0, tq, heads, scale);
         }
     }
 #pragma unroll
@@ -1067,10 +1067,3 @@ GANY_ATTENTION_TC_WIDE(64, 2)
 GANY_ATTENTION_TC_FUSED(16, 1)
 GANY_ATTENTION_TC_FUSED(32, 1)
 GANY_ATTENTION_TC_FUSED(64, 3)
-
-// dq from the fused backward's f32 sums: scale, rounded to bf16. Launch: 1-D, any shape.
-extern "C" __global__ void attention_dq_finish_bf16(bf16* dq, const float* acc, long long n,
-                                                    float scale) {
-    for (long long i = global_tid(); i < n; i += grid_threads())
-        dq[i] = f32_to_bf16(scale * acc[i]);
-}

@@ -25,8 +25,8 @@
 //!     then `attention_backward_dkdv_*` and `attention_backward_dq_*` (or their tensor-core
 //!     `*_tc{head_dim}_bf16` versions); the fused tensor-core backward
 //!     (`attention_backward_fused_tc*_bf16`, `Tuning::attn_fused_dq`) instead adds dq into
-//!     `batch × tq × heads × head_dim` f32 sums (zeroed first), which
-//!     `attention_dq_finish_bf16` scales into dq;
+//!     `batch × tq × heads × head_dim` f32 sums (zeroed first, scaled as they are added),
+//!     which `cast_f32_to_bf16` rounds into dq;
 //!   - embedding backward: the ids' grouping (`ganymede_core::embedding_segments`, three u32
 //!     arrays), uploaded by the step with its ids (`EmbedIds`);
 //! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
@@ -193,7 +193,6 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "attention_backward_fused_tc16_bf16",
             "attention_backward_fused_tc32_bf16",
             "attention_backward_fused_tc64_bf16",
-            "attention_dq_finish_bf16",
         ],
     ),
 ];

@@ -1170,9 +1170,9 @@ fn the_dq_sums_are_on_a_cuda_device_under_bf16() {
     let mut f32_gpu = gpu.clone();
     f32_gpu.training.compute_dtype = ganymede_config::ComputeDtype::F32;
     assert_eq!(dq(&f32_gpu, 1), 0.0);
-    let mut wide = gpu.clone();
-    wide.model.head_dim = 128;
-    assert_eq!(dq(&wide, 1), 0.0);
+    let mut hd128 = gpu.clone();
+    hd128.model.head_dim = 128;
+    assert_eq!(dq(&hd128, 1), 0.0);
 }
 
 /// One GPU's Muon in bf16 (`ns_dtype = "auto"` there) batches an expert stack's products, and

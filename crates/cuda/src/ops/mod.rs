@@ -272,7 +272,7 @@ impl<L: Launcher> KernelOps<L> {
     }
 }
 
-/// Holds the scratch pool while an op's launches use it.
+/// Holds the scratch pool (or the dq sums' slot) while an op's launches use it.
 struct Scratch<'a> {
     _guard: MutexGuard<'a, Option<Tensor>>,
 }

@@ -492,8 +492,9 @@ impl<L: Launcher> KernelOps<L> {
             let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
             let name = format!("{op}_fused_tc{}_bf16", d.head_dim);
             self.launch(&name, cfg(g, TC_BLOCK), &args);
-            let args = [self.am(dq), acc.into(), i64_of(nq), Self::attn_scale(&d)];
-            self.launch("attention_dq_finish_bf16", self.ew(nq), &args);
+            // The sums are scaled already: dq is their bf16 rounding.
+            let args = [self.am(dq), acc.into(), i64_of(nq)];
+            self.launch("cast_f32_to_bf16", self.ew(nq), &args);
             return;
         }
         let (shape, name) = if tc {
