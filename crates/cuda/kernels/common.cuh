@@ -52,6 +52,143 @@ __device__ __forceinline__ long long grid_threads() {
     return (long long)gridDim.x * blockDim.x;
 }
 
+// Wide accesses for the memory-bound kernels. A warp's 4-byte loads move 128 bytes a request,
+// and with one such load in flight per thread an H100/H200 keeps about 1 MB in flight across
+// its SMs, where HBM at ~4.8 TB/s and ~600 ns asks for about 3 MB (Little's law): scalar f32
+// kernels top out near 40% of the bandwidth, bf16 near 20%. These kernels move GANY_VW
+// consecutive elements per access instead (16 bytes of f32, 8 of bf16) wherever every array
+// they touch starts on such a boundary, and single elements otherwise and for the tail. Each
+// element's arithmetic is the same on both paths, so results are bitwise the scalar loop's
+// (sums aside: they add in another order).
+#define GANY_VW 4
+
+template <class T>
+struct __align__(sizeof(T) * GANY_VW) gany_vec {
+    T v[GANY_VW];
+};
+// The width of one step of an elementwise loop, as a type (a generic lambda's `auto` argument).
+template <int W>
+struct gany_width {
+    static constexpr int n = W;
+};
+
+template <class T>
+__device__ __forceinline__ bool vec_aligned1(const T* p) {
+    return (unsigned long long)p % (sizeof(T) * GANY_VW) == 0;
+}
+// Whether every pointer starts on a GANY_VW-element boundary of its type.
+template <class... T>
+__device__ __forceinline__ bool vec_aligned(const T*... p) {
+    return (true && ... && vec_aligned1(p));
+}
+
+template <class T>
+__device__ __forceinline__ gany_vec<T> vload(const T* p) {
+#ifdef GANY_HOST
+    // The device faults on a misaligned wide access; the host would not notice one.
+    if (!vec_aligned1(p)) gany_misaligned(p);
+    gany_wide_count++;
+    gany_vec<T> t;
+    __builtin_memcpy(&t, p, sizeof t);
+    return t;
+#else
+    return *reinterpret_cast<const gany_vec<T>*>(p);
+#endif
+}
+template <class T>
+__device__ __forceinline__ void vstore(T* p, const gany_vec<T>& t) {
+#ifdef GANY_HOST
+    if (!vec_aligned1(p)) gany_misaligned(p);
+    gany_wide_count++;
+    __builtin_memcpy(p, &t, sizeof t);
+#else
+    *reinterpret_cast<gany_vec<T>*>(p) = t;
+#endif
+}
+
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(bf16 h) { return bf16_to_f32(h); }
+__device__ __forceinline__ void narrow(float* d, float x) { *d = x; }
+__device__ __forceinline__ void narrow(bf16* d, float x) { *d = f32_to_bf16(x); }
+
+// x[0..W) = the W elements at p in f32 (W == GANY_VW: one access, p aligned).
+template <int W, class T>
+__device__ __forceinline__ void ldw(float (&x)[W], const T* p) {
+    if constexpr (W == 1) {
+        x[0] = ld(p);
+    } else {
+        static_assert(W == GANY_VW, "a wide access is GANY_VW elements");
+        const gany_vec<T> t = vload(p);
+#pragma unroll
+        for (int k = 0; k < W; k++) x[k] = widen(t.v[k]);
+    }
+}
+// The W values x[0..W) stored at p in its storage.
+template <int W, class T>
+__device__ __forceinline__ void stw(T* p, const float (&x)[W]) {
+    if constexpr (W == 1) {
+        st(p, x[0]);
+    } else {
+        static_assert(W == GANY_VW, "a wide access is GANY_VW elements");
+        gany_vec<T> t;
+#pragma unroll
+        for (int k = 0; k < W; k++) narrow(&t.v[k], x[k]);
+        vstore(p, t);
+    }
+}
+
+// W elements from s to d: the bits where the storages match, else rounded (f32 into bf16).
+template <int W, class T>
+__device__ __forceinline__ void copyw(T* d, const T* s) {
+    if constexpr (W == 1) {
+        *d = *s;
+    } else {
+        vstore(d, vload(s));
+    }
+}
+template <int W>
+__device__ __forceinline__ void copyw(bf16* d, const float* s) {
+    float x[W];
+    ldw(x, s);
+    stw(d, x);
+}
+
+// Whether rows of dim elements at these arrays (each row's start a multiple of dim from its
+// array's) can move GANY_VW elements at a time.
+template <class... T>
+__device__ __forceinline__ bool rows_wide(int dim, const T*... p) {
+    return dim % GANY_VW == 0 && vec_aligned(p...);
+}
+
+// The block-strided loop over one row of dim elements (one block a row): body(i,
+// gany_width<W>) takes elements i .. i + W, W = GANY_VW where `wide` (dim a multiple of
+// GANY_VW and every row's start aligned), else 1.
+template <class F>
+__device__ __forceinline__ void row_loop(int dim, bool wide, F body) {
+    if (wide) {
+        for (int i = threadIdx.x * GANY_VW; i < dim; i += blockDim.x * GANY_VW)
+            body(i, gany_width<GANY_VW>{});
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) body(i, gany_width<1>{});
+    }
+}
+
+// The grid-stride loop of an elementwise kernel over n elements: body(i, gany_width<W>) takes
+// elements i .. i + W, W = GANY_VW where `wide` (every array aligned, see vec_aligned), then 1
+// for what is left.
+template <class F>
+__device__ __forceinline__ void ew_loop(long long n, bool wide, F body) {
+    long long done = 0;
+    if (wide) {
+        const long long nv = n / GANY_VW;
+        for (long long j = global_tid(); j < nv; j += grid_threads())
+            body(j * GANY_VW, gany_width<GANY_VW>{});
+        done = nv * GANY_VW;
+    }
+    for (long long i = done + global_tid(); i < n; i += grid_threads()) body(i, gany_width<1>{});
+}
+
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
     return v;

@@ -109,28 +109,35 @@ extern "C" __global__ void dispatch_place(unsigned* src, unsigned* pos, const un
     });
 }
 
-// One element into another storage: in one storage a plain copy of the bits, f32 into bf16
-// rounded.
-template <class T>
-__device__ __forceinline__ void put(T* d, const T* s) { *d = *s; }
-__device__ __forceinline__ void put(bf16* d, const float* s) { st(d, *s); }
+// Rows move GANY_VW elements at a time where rows_wide allows (row_loop in common.cuh); each
+// element's arithmetic is the same either way, and the weights' dot products in combine_bwd add
+// in another order.
 
-// xe[r] = x[src[r]], in xe's storage O. Launch: grid = dispatched rows, any 1-D block.
+// xe[r] = x[src[r]], in xe's storage O (the bits where O is T). Launch: grid = dispatched rows,
+// any 1-D block.
 template <class O, class T>
 __device__ void gather_fwd(O* xe, const T* x, const unsigned* src, int dim) {
     const long long r = blockIdx.x, t = src[r];
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) put(xe + r * dim + i, x + t * dim + i);
+    row_loop(dim, rows_wide(dim, xe, x), [&](int i, auto w) {
+        copyw<decltype(w)::n>(xe + r * dim + i, x + t * dim + i);
+    });
 }
 
 // dx[t] += Σ_j dxe[pos[t*k + j]], j in order. Launch: grid tokens, any 1-D block.
 template <class T>
 __device__ void gather_bwd(T* dx, const T* dxe, const unsigned* pos, int k, int dim) {
     const long long t = blockIdx.x;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float acc = ld(dx + t * dim + i);
-        for (int j = 0; j < k; j++) acc += ld(dxe + (long long)pos[t * k + j] * dim + i);
-        st(dx + t * dim + i, acc);
-    }
+    row_loop(dim, rows_wide(dim, dx, dxe), [&](int i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float acc[W], v[W];
+        ldw(acc, dx + t * dim + i);
+        for (int j = 0; j < k; j++) {
+            ldw(v, dxe + (long long)pos[t * k + j] * dim + i);
+#pragma unroll
+            for (int e = 0; e < W; e++) acc[e] += v[e];
+        }
+        stw(dx + t * dim + i, acc);
+    });
 }
 
 // out[t] += Σ_j w[t*k + j] * ye[pos[t*k + j]], j in order, ye in its storage Y (widened).
@@ -139,12 +146,18 @@ template <class T, class Y>
 __device__ void combine_fwd(T* out, const Y* ye, const float* w, const unsigned* pos, int k,
                             int dim) {
     const long long t = blockIdx.x;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float acc = ld(out + t * dim + i);
-        for (int j = 0; j < k; j++)
-            acc += w[t * k + j] * ld(ye + (long long)pos[t * k + j] * dim + i);
-        st(out + t * dim + i, acc);
-    }
+    row_loop(dim, rows_wide(dim, out, ye), [&](int i, auto wd) {
+        constexpr int W = decltype(wd)::n;
+        float acc[W], v[W];
+        ldw(acc, out + t * dim + i);
+        for (int j = 0; j < k; j++) {
+            const float wj = w[t * k + j];
+            ldw(v, ye + (long long)pos[t * k + j] * dim + i);
+#pragma unroll
+            for (int e = 0; e < W; e++) acc[e] += wj * v[e];
+        }
+        stw(out + t * dim + i, acc);
+    });
 }
 
 // dw[t*k + j] = dout[t] · ye[pos], dye[pos] = w[t*k + j] * dout[t] (both overwritten; pos is a
@@ -154,15 +167,23 @@ template <class O, class T, class Y>
 __device__ void combine_bwd(O* dye, float* dw, const T* dout, const Y* ye, const float* w,
                             const unsigned* pos, int k, int dim) {
     const long long t = blockIdx.x;
+    const bool wide = rows_wide(dim, dye, dout, ye);
     for (int j = 0; j < k; j++) {
         const long long r = pos[t * k + j];
         const float wj = w[t * k + j];
         float dot = 0.0f;
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            const float d = ld(dout + t * dim + i);
-            dot += d * ld(ye + r * dim + i);
-            st(dye + r * dim + i, wj * d);
-        }
+        row_loop(dim, wide, [&](int i, auto wd) {
+            constexpr int W = decltype(wd)::n;
+            float d[W], y[W], g[W];
+            ldw(d, dout + t * dim + i);
+            ldw(y, ye + r * dim + i);
+#pragma unroll
+            for (int e = 0; e < W; e++) {
+                dot += d[e] * y[e];
+                g[e] = wj * d[e];
+            }
+            stw(dye + r * dim + i, g);
+        });
         dot = block_sum(dot);
         if (threadIdx.x == 0) dw[t * k + j] = dot;
     }

@@ -6,30 +6,66 @@
 // n 32-bit words set to 0 (f32 and f64 zeros, u32 counts): what a zeroing upload from the host
 // would do, without one (a pageable upload may wait for the stream).
 extern "C" __global__ void zero_u32(unsigned* dst, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) dst[i] = 0u;
+    ew_loop(n, vec_aligned(dst), [&](long long i, auto w) {
+        if constexpr (decltype(w)::n == 1) {
+            dst[i] = 0u;
+        } else {
+            vstore(dst + i, gany_vec<unsigned>{});
+        }
+    });
 }
 
+// dst = src, rounded or widened by the storages' ld/st.
+template <class D, class S>
+__device__ void cast(D* dst, const S* src, long long n) {
+    ew_loop(n, vec_aligned(dst, src), [&](long long i, auto w) {
+        float x[decltype(w)::n];
+        ldw(x, src + i);
+        stw(dst + i, x);
+    });
+}
 extern "C" __global__ void cast_f32_to_bf16(bf16* dst, const float* src, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) dst[i] = f32_to_bf16(src[i]);
+    cast(dst, src, n);
 }
-
 extern "C" __global__ void cast_bf16_to_f32(float* dst, const bf16* src, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) dst[i] = bf16_to_f32(src[i]);
+    cast(dst, src, n);
 }
 
 // y += alpha * x; y *= alpha; y += x (Blas's vector ops; bf16 for bf16 activations).
 template <class T>
 __device__ void axpy(T* y, float alpha, const T* x, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads())
-        st(y + i, ld(y + i) + alpha * ld(x + i));
+    ew_loop(n, vec_aligned(y, x), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float a[W], b[W];
+        ldw(a, y + i);
+        ldw(b, x + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) a[k] = a[k] + alpha * b[k];
+        stw(y + i, a);
+    });
 }
 template <class T>
 __device__ void scale(T* y, float alpha, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) st(y + i, ld(y + i) * alpha);
+    ew_loop(n, vec_aligned(y), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float a[W];
+        ldw(a, y + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) a[k] = a[k] * alpha;
+        stw(y + i, a);
+    });
 }
 template <class T>
 __device__ void add(T* y, const T* x, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) st(y + i, ld(y + i) + ld(x + i));
+    ew_loop(n, vec_aligned(y, x), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float a[W], b[W];
+        ldw(a, y + i);
+        ldw(b, x + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) a[k] = a[k] + b[k];
+        stw(y + i, a);
+    });
 }
 
 #define GANY_VECTOR_OPS(S, T)                                                                    \
@@ -47,10 +83,13 @@ GANY_VECTOR_OPS(bf16, bf16)
 template <class T>
 __device__ void sumsq_partial(double* partial, const T* x, long long n) {
     double s = 0.0;
-    for (long long i = global_tid(); i < n; i += grid_threads()) {
-        double v = (double)ld(x + i);
-        s += v * v;
-    }
+    ew_loop(n, vec_aligned(x), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float v[W];
+        ldw(v, x + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
+    });
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
@@ -76,21 +115,35 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(0
 // bf16-input GEMM reads next).
 template <class O, class T>
 __device__ void swiglu_fwd(O* out, const T* gate, const T* up, long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) {
-        float g = ld(gate + i), u = ld(up + i);
-        st(out + i, g * sigmoid(g) * u);
-    }
+    ew_loop(n, vec_aligned(out, gate, up), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float g[W], u[W], o[W];
+        ldw(g, gate + i);
+        ldw(u, up + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) o[k] = g[k] * sigmoid(g[k]) * u[k];
+        stw(out + i, o);
+    });
 }
 // dgate, dup overwritten.
 template <class O, class T>
 __device__ void swiglu_bwd(O* dgate, O* dup, const T* dout, const T* gate, const T* up,
                            long long n) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) {
-        float d = ld(dout + i), g = ld(gate + i), u = ld(up + i);
-        float s = sigmoid(g);
-        st(dup + i, d * g * s);
-        st(dgate + i, d * u * s * (1.0f + g * (1.0f - s)));
-    }
+    ew_loop(n, vec_aligned(dgate, dup, dout, gate, up), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float d[W], g[W], u[W], dg[W], du[W];
+        ldw(d, dout + i);
+        ldw(g, gate + i);
+        ldw(u, up + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            const float s = sigmoid(g[k]);
+            du[k] = d[k] * g[k] * s;
+            dg[k] = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
+        }
+        stw(dup + i, du);
+        stw(dgate + i, dg);
+    });
 }
 // swiglu_forward_f32, _bf16 (one storage) and _f32_to_bf16 (f32 inputs, bf16 outputs).
 #define GANY_SWIGLU(S, O, T)                                                                    \

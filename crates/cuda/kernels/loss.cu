@@ -1,21 +1,27 @@
 // Softmax cross-entropy over the vocabulary. Compiled after common.cuh (see src/sources.rs).
 
 // lse[r] = log Σ exp(logits[r]), one pass over the row: each thread keeps an online (max, sum)
-// over its share of every blockDim-wide chunk of the vocabulary, then the block merges them.
+// over its share of the vocabulary (4 columns at a time where rows_wide allows), then the block
+// merges them.
 // Launch: grid rows, block a multiple of 32.
 template <class T>
 __device__ void ce_fwd(float* lse, const T* logits, int vocab) {
     const T* x = logits + (long long)blockIdx.x * vocab;
     float m = GANY_NEG_INF, s = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = ld(x + i);
-        if (v > m) {
-            s = s * expf(m - v) + 1.0f;
-            m = v;
-        } else {
-            s += expf(v - m);
+    row_loop(vocab, rows_wide(vocab, logits), [&](int i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float v[W];
+        ldw(v, x + i);
+#pragma unroll
+        for (int e = 0; e < W; e++) {
+            if (v[e] > m) {
+                s = s * expf(m - v[e]) + 1.0f;
+                m = v[e];
+            } else {
+                s += expf(v[e] - m);
+            }
         }
-    }
+    });
     const float mx = block_max(m);
     s = m == GANY_NEG_INF ? 0.0f : s * expf(m - mx);
     s = block_sum(s);
@@ -41,11 +47,17 @@ __device__ void ce_bwd(T* logits, const float* lse, const unsigned* targets, int
     T* x = logits + (long long)blockIdx.x * vocab;
     const float l = lse[blockIdx.x];
     const unsigned t = targets[blockIdx.x];
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = expf(ld(x + i) - l) * scale;
-        if ((unsigned)i == t) v -= scale;
-        st(x + i, v);
-    }
+    row_loop(vocab, rows_wide(vocab, logits), [&](int i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float v[W];
+        ldw(v, x + i);
+#pragma unroll
+        for (int e = 0; e < W; e++) {
+            v[e] = expf(v[e] - l) * scale;
+            if ((unsigned)(i + e) == t) v[e] -= scale;
+        }
+        stw(x + i, v);
+    });
 }
 
 #define GANY_CROSS_ENTROPY(S, T)                                                                 \

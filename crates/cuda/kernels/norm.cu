@@ -24,16 +24,28 @@ template <class T>
 __device__ void rmsnorm_fwd(T* out, float* rstd, const T* x, const T* w, int dim, float eps) {
     const long long row = blockIdx.x;
     const T* xr = x + row * dim;
+    T* outr = out + row * dim;
+    const bool wide = rows_wide(dim, out, x, w);
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = ld(xr + i);
-        ss += v * v;
-    }
+    row_loop(dim, wide, [&](int i, auto wd) {
+        constexpr int W = decltype(wd)::n;
+        float v[W];
+        ldw(v, xr + i);
+#pragma unroll
+        for (int e = 0; e < W; e++) ss += v[e] * v[e];
+    });
     ss = block_sum(ss);
     const float rs = 1.0f / sqrtf(ss * (1.0f / (float)dim) + eps);
     if (threadIdx.x == 0) rstd[row] = rs;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        st(out + row * dim + i, ld(w + i) * (ld(xr + i) * rs));
+    row_loop(dim, wide, [&](int i, auto wd) {
+        constexpr int W = decltype(wd)::n;
+        float v[W], g[W];
+        ldw(v, xr + i);
+        ldw(g, w + i);
+#pragma unroll
+        for (int e = 0; e < W; e++) v[e] = g[e] * (v[e] * rs);
+        stw(outr + i, v);
+    });
 }
 
 // dx += ∂/∂x (the row's part). Launch: grid rows, block a multiple of 32.
@@ -42,15 +54,30 @@ __device__ void rmsnorm_bwd_dx(T* dx, const T* dout, const T* x, const T* w, con
                                int dim) {
     const long long off = (long long)blockIdx.x * dim;
     const float r = rstd[blockIdx.x];
+    const bool wide = rows_wide(dim, dx, dout, x, w);
     float dot = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        dot += ld(dout + off + i) * ld(w + i) * ld(x + off + i);
+    row_loop(dim, wide, [&](int i, auto wd) {
+        constexpr int W = decltype(wd)::n;
+        float d[W], g[W], v[W];
+        ldw(d, dout + off + i);
+        ldw(g, w + i);
+        ldw(v, x + off + i);
+#pragma unroll
+        for (int e = 0; e < W; e++) dot += d[e] * g[e] * v[e];
+    });
     dot = block_sum(dot);
     const float c = dot * r * r / (float)dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = ld(dx + off + i) + r * (ld(dout + off + i) * ld(w + i) - ld(x + off + i) * c);
-        st(dx + off + i, v);
-    }
+    row_loop(dim, wide, [&](int i, auto wd) {
+        constexpr int W = decltype(wd)::n;
+        float a[W], d[W], g[W], v[W];
+        ldw(a, dx + off + i);
+        ldw(d, dout + off + i);
+        ldw(g, w + i);
+        ldw(v, x + off + i);
+#pragma unroll
+        for (int e = 0; e < W; e++) a[e] = a[e] + r * (d[e] * g[e] - v[e] * c);
+        stw(dx + off + i, a);
+    });
 }
 
 // partial[chunk, i] = Σ over the chunk's rows of dout * (x * rstd).

@@ -9,24 +9,41 @@
 extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
                                           long long n, float b1, float b2, float omb1, float omb2,
                                           float keep, float step, float inv_sqrt_bc2, float eps) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) {
-        const float gi = g[i];
-        const float mi = b1 * m[i] + omb1 * gi;
-        const float vi = b2 * v[i] + omb2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = p[i] * keep - step * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
-    }
+    // Every load before any store: four independent accesses in flight per thread.
+    ew_loop(n, vec_aligned(p, m, v, g), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float gi[W], mi[W], vi[W], pi[W];
+        ldw(gi, g + i);
+        ldw(mi, m + i);
+        ldw(vi, v + i);
+        ldw(pi, p + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            mi[k] = b1 * mi[k] + omb1 * gi[k];
+            vi[k] = b2 * vi[k] + omb2 * gi[k] * gi[k];
+            pi[k] = pi[k] * keep - step * mi[k] / (sqrtf(vi[k]) * inv_sqrt_bc2 + eps);
+        }
+        stw(m + i, mi);
+        stw(v + i, vi);
+        stw(p + i, pi);
+    });
 }
 
 // Nesterov momentum, in place on the gradient: buf = mu·buf + g; g = g + mu·buf (the new buf).
 extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) {
-        const float gi = g[i];
-        const float b = mu * buf[i] + gi;
-        buf[i] = b;
-        g[i] = gi + mu * b;
-    }
+    ew_loop(n, vec_aligned(buf, g), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float gi[W], b[W];
+        ldw(gi, g + i);
+        ldw(b, buf + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            b[k] = mu * b[k] + gi[k];
+            gi[k] = gi[k] + mu * b[k];
+        }
+        stw(buf + i, b);
+        stw(g + i, gi);
+    });
 }
 
 // x *= 1 / (sqrt(sumsq[0]) + eps), the factor in f64 rounded once: the last step of the
@@ -34,11 +51,26 @@ extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float
 extern "C" __global__ void scale_by_inv_norm_f32(float* x, const double* sumsq, double eps,
                                                  long long n) {
     const float f = (float)(1.0 / (sqrt(sumsq[0]) + eps));
-    for (long long i = global_tid(); i < n; i += grid_threads()) x[i] *= f;
+    ew_loop(n, vec_aligned(x), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float a[W];
+        ldw(a, x + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) a[k] *= f;
+        stw(x + i, a);
+    });
 }
 
 // p = p·keep − alpha·u, keep = 1 − decay.
 extern "C" __global__ void decay_update_f32(float* p, const float* u, long long n, float alpha,
                                             float keep) {
-    for (long long i = global_tid(); i < n; i += grid_threads()) p[i] = p[i] * keep - alpha * u[i];
+    ew_loop(n, vec_aligned(p, u), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float a[W], b[W];
+        ldw(a, p + i);
+        ldw(b, u + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) a[k] = a[k] * keep - alpha * b[k];
+        stw(p + i, a);
+    });
 }

@@ -59,6 +59,14 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     std::fprintf(stderr, "cuda host shim: a kernel trapped (a launch precondition failed)\n");
     std::abort();
 }
+// Wide (vector) accesses made on this OS thread (common.cuh's vload/vstore), so tests can tell
+// which path of an elementwise loop ran.
+inline thread_local unsigned long long gany_wide_count = 0;
+// A wide (vector) access at an address its width does not divide: the device faults.
+[[noreturn]] inline void gany_misaligned(const void* p) {
+    std::fprintf(stderr, "cuda host shim: a wide access at %p, which its width does not divide\n", p);
+    std::abort();
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 

@@ -188,6 +188,9 @@ extern "C" const char* gany_host_signature(const char* name) {
     return e ? e->signature : nullptr;
 }
 
+// Wide accesses made by kernels launched from this OS thread so far.
+extern "C" unsigned long long gany_host_wide_accesses() { return gany_wide_count; }
+
 extern "C" unsigned gany_host_kernel_count() { return sizeof(kKernels) / sizeof(kKernels[0]); }
 extern "C" const char* gany_host_kernel_name(unsigned i) { return kKernels[i].name; }
 

@@ -19,6 +19,7 @@ extern "C" {
     fn gany_host_kernel_count() -> u32;
     fn gany_host_set_reverse(reverse: i32);
     fn gany_host_kernel_name(i: u32) -> *const c_char;
+    fn gany_host_wide_accesses() -> u64;
 }
 
 /// One kernel argument, by value.
@@ -137,6 +138,13 @@ pub enum Schedule {
 pub fn set_schedule(s: Schedule) {
     // Safety: sets a thread-local flag.
     unsafe { gany_host_set_reverse((s == Schedule::LastToFirst) as i32) }
+}
+
+/// Wide (4-element vector) loads and stores made so far by kernels launched from this thread:
+/// which path of an elementwise loop ran (common.cuh's `ew_loop`).
+pub fn wide_accesses() -> u64 {
+    // Safety: reads a thread-local counter.
+    unsafe { gany_host_wide_accesses() }
 }
 
 /// Every kernel the host build holds, in file order.

@@ -197,9 +197,22 @@ pub const KERNELS: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// NVRTC options the kernels are written for (besides `--gpu-architecture`): C++17, and
-/// IEEE division and square root so results stay close to the host build's.
-pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "--prec-div=true", "--prec-sqrt=true"];
+/// NVRTC options the kernels are compiled with (besides `--gpu-architecture` and include
+/// folders), on the device and in CI's compile test alike: C++17; IEEE division and square
+/// roots and no flushing of denormals, so device results can be held against the CPU
+/// backend's; fused multiply-adds allowed, as nvcc's default (the host build contracts none, so
+/// the two differ by rounding, which the device check's tolerances allow for); and functions
+/// without an execution space taken as device code, which is how the elementwise kernels'
+/// generic lambdas (`ew_loop` in common.cuh) become device code without nvcc's
+/// `--extended-lambda`.
+pub const NVRTC_OPTIONS: &[&str] = &[
+    "--std=c++17",
+    "--fmad=true",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+    "--ftz=false",
+    "--device-as-default-execution-space",
+];
 
 /// The source file that defines `kernel`.
 pub fn file_of(kernel: &str) -> Option<&'static str> {

@@ -254,6 +254,249 @@ fn axpy_scale_add() {
     }
 }
 
+/// One array of an elementwise kernel: element bytes (2 bf16, 4 f32 or u32, 8 f64), and a
+/// length of its own (sumsq's per-block partials) or None for the kernel's n.
+#[derive(Clone, Copy)]
+struct EwArray {
+    bytes: usize,
+    len: Option<usize>,
+}
+const A_F32: EwArray = EwArray {
+    bytes: 4,
+    len: None,
+};
+const A_BF16: EwArray = EwArray {
+    bytes: 2,
+    len: None,
+};
+
+/// Where an elementwise kernel's arrays start.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Placement {
+    /// Every array at a 16-byte boundary: the 4-wide path.
+    Aligned,
+    /// Every array one element past one.
+    AllShifted,
+    /// Only the last array of length n shifted: one misaligned array is enough for the
+    /// scalar path.
+    LastShifted,
+}
+
+/// Runs `kernel` (arguments from `args(pointers, n)`) over arrays of `n` elements placed each
+/// way; returns each placement's output bytes per array and its count of wide accesses.
+fn ew_placements(
+    kernel: &str,
+    arrays: &[EwArray],
+    n: usize,
+    args: &dyn Fn(&[Arg], Arg) -> Vec<Arg>,
+) -> Vec<(Placement, Vec<Vec<u8>>, u64)> {
+    let last_n = arrays.iter().rposition(|a| a.len.is_none()).unwrap();
+    let mut out = Vec::new();
+    for placement in [
+        Placement::Aligned,
+        Placement::AllShifted,
+        Placement::LastShifted,
+    ] {
+        let mut rng = Lcg::new(41);
+        let mut bufs: Vec<(Vec<u8>, usize)> = arrays
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let len = a.len.unwrap_or(n);
+                // The same contents at every placement: values in (0.01, 1), every storage
+                // valid (v of AdamW takes a square root).
+                let vals: Vec<f32> = rng
+                    .values(len, 1.0)
+                    .iter()
+                    .map(|x| 0.01 + x.abs())
+                    .collect();
+                let bytes: Vec<u8> = match a.bytes {
+                    2 => to_bf16(&vals)
+                        .iter()
+                        .flat_map(|h| h.to_le_bytes())
+                        .collect(),
+                    4 => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    _ => vals
+                        .iter()
+                        .flat_map(|&x| f64::from(x).to_le_bytes())
+                        .collect(),
+                };
+                let mut buf = vec![0u8; bytes.len() + 32];
+                let mut at = (16 - buf.as_ptr() as usize % 16) % 16;
+                let shifted = a.len.is_none()
+                    && match placement {
+                        Placement::Aligned => false,
+                        Placement::AllShifted => true,
+                        Placement::LastShifted => i == last_n,
+                    };
+                if shifted {
+                    at += a.bytes;
+                }
+                buf[at..at + bytes.len()].copy_from_slice(&bytes);
+                (buf, at)
+            })
+            .collect();
+        let ptrs: Vec<Arg> = bufs
+            .iter_mut()
+            .map(|(b, at)| b[*at..].as_mut_ptr().into())
+            .collect();
+        let before = ganymede_cuda::host::wide_accesses();
+        // Safety: every array holds its length from its pointer on.
+        unsafe { launch(kernel, EW, &args(&ptrs, Arg::I64(n as i64))) };
+        let wide = ganymede_cuda::host::wide_accesses() - before;
+        let contents = bufs
+            .iter()
+            .zip(arrays)
+            .map(|((b, at), a)| b[*at..*at + a.len.unwrap_or(n) * a.bytes].to_vec())
+            .collect();
+        out.push((placement, contents, wide));
+    }
+    out
+}
+
+/// The 4-wide and the scalar paths of every elementwise kernel: the same bytes out (sums of
+/// squares: the same sum within rounding), and the wide path taken exactly where every array
+/// is aligned.
+#[test]
+fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
+    let f = |x: f32| Arg::F32(x);
+    let sq = EwArray {
+        bytes: 8,
+        len: Some(EW.grid[0] as usize),
+    };
+    type Args = Box<dyn Fn(&[Arg], Arg) -> Vec<Arg>>;
+    let cases: Vec<(&str, Vec<EwArray>, Args)> = vec![
+        ("zero_u32", vec![A_F32], Box::new(|p, n| vec![p[0], n])),
+        (
+            "cast_f32_to_bf16",
+            vec![A_BF16, A_F32],
+            Box::new(|p, n| vec![p[0], p[1], n]),
+        ),
+        (
+            "cast_bf16_to_f32",
+            vec![A_F32, A_BF16],
+            Box::new(|p, n| vec![p[0], p[1], n]),
+        ),
+        (
+            "axpy_f32",
+            vec![A_F32, A_F32],
+            Box::new(move |p, n| vec![p[0], f(0.37), p[1], n]),
+        ),
+        (
+            "axpy_bf16",
+            vec![A_BF16, A_BF16],
+            Box::new(move |p, n| vec![p[0], f(-1.3), p[1], n]),
+        ),
+        (
+            "scale_f32",
+            vec![A_F32],
+            Box::new(move |p, n| vec![p[0], f(-1.7), n]),
+        ),
+        (
+            "scale_bf16",
+            vec![A_BF16],
+            Box::new(move |p, n| vec![p[0], f(0.3), n]),
+        ),
+        (
+            "add_f32",
+            vec![A_F32, A_F32],
+            Box::new(|p, n| vec![p[0], p[1], n]),
+        ),
+        (
+            "add_bf16",
+            vec![A_BF16, A_BF16],
+            Box::new(|p, n| vec![p[0], p[1], n]),
+        ),
+        (
+            "sumsq_partial_f32",
+            vec![sq, A_F32],
+            Box::new(|p, n| vec![p[0], p[1], n]),
+        ),
+        (
+            "sumsq_partial_bf16",
+            vec![sq, A_BF16],
+            Box::new(|p, n| vec![p[0], p[1], n]),
+        ),
+    ];
+    let mut cases = cases;
+    for (s, o, t) in [
+        ("f32", A_F32, A_F32),
+        ("bf16", A_BF16, A_BF16),
+        ("f32_to_bf16", A_BF16, A_F32),
+    ] {
+        let fwd: Args = Box::new(|p, n| vec![p[0], p[1], p[2], n]);
+        let bwd: Args = Box::new(|p, n| vec![p[0], p[1], p[2], p[3], p[4], n]);
+        let (fname, bname) = (
+            format!("swiglu_forward_{s}"),
+            format!("swiglu_backward_{s}"),
+        );
+        cases.push((Box::leak(fname.into_boxed_str()), vec![o, t, t], fwd));
+        cases.push((Box::leak(bname.into_boxed_str()), vec![o, o, t, t, t], bwd));
+    }
+    cases.push((
+        "adamw_step_f32",
+        vec![A_F32; 4],
+        Box::new(move |p, n| {
+            let h = [0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
+            [&p[..4], &[n][..], &h[..]].concat()
+        }),
+    ));
+    cases.push((
+        "nesterov_f32",
+        vec![A_F32; 2],
+        Box::new(move |p, n| vec![p[0], p[1], n, f(0.95)]),
+    ));
+    cases.push((
+        "scale_by_inv_norm_f32",
+        vec![
+            A_F32,
+            EwArray {
+                bytes: 8,
+                len: Some(1),
+            },
+        ],
+        Box::new(|p, n| vec![p[0], p[1], Arg::F64(1e-7), n]),
+    ));
+    cases.push((
+        "decay_update_f32",
+        vec![A_F32; 2],
+        Box::new(move |p, n| vec![p[0], p[1], n, f(0.02), f(0.999)]),
+    ));
+    // Every elementwise and optimizer kernel but the partials' final sum.
+    let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    for k in ganymede_cuda::host::kernel_names() {
+        let file = ganymede_cuda::sources::file_of(&k).unwrap();
+        if matches!(file, "elementwise.cu" | "optim.cu") && k != "sum_acc_f64" {
+            assert!(names.contains(&k.as_str()), "{k} is not checked here");
+        }
+    }
+    let n = 1003;
+    for (name, arrays, args) in &cases {
+        let runs = ew_placements(name, arrays, n, args.as_ref());
+        let (_, want, wide) = &runs[0];
+        assert!(*wide > 0, "{name}: aligned arrays took no wide access");
+        for (placement, got, wide) in &runs[1..] {
+            assert_eq!(*wide, 0, "{name}: {placement:?} took a wide access");
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                if name.starts_with("sumsq_partial") && i == 0 {
+                    let sum = |b: &[u8]| -> f64 {
+                        b.chunks(8)
+                            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                            .sum()
+                    };
+                    let (g, w) = (sum(g), sum(w));
+                    assert!(
+                        (g - w).abs() <= 1e-12 * w,
+                        "{name}: {placement:?}: {g} vs {w}"
+                    );
+                } else {
+                    assert!(g == w, "{name}: {placement:?}: array {i} differs");
+                }
+            }
+        }
+    }
+}
+
 /// `acc + Σ x²` through `be.sumsq_acc` (storage `st`), and `be.sumsq` (a host read) with it.
 fn sumsq_with(be: &dyn Backend, st: St, x: &[f32], acc: f64) -> (f64, f64) {
     let t = st.up(be, x);
@@ -473,7 +716,11 @@ fn rmsnorm_run(
 
 #[test]
 fn rmsnorm_forward_backward() {
-    let (rows, dim, eps) = (150usize, 100usize, 1e-6f32);
+    on_both_row_paths(&[(100, true), (102, false)], rmsnorm_case);
+}
+
+fn rmsnorm_case(dim: usize) {
+    let (rows, eps) = (150usize, 1e-6f32);
     let mut rng = Lcg::new(5);
     let x = rng.values(rows * dim, 2.0);
     let w: Vec<f32> = rng.values(dim, 0.5).iter().map(|v| 1.0 + v).collect();
@@ -857,7 +1104,11 @@ fn optimizer_updates() {
 
 #[test]
 fn cross_entropy_forward_backward() {
-    let (rows, vocab) = (13usize, 1000usize);
+    on_both_row_paths(&[(1000, true), (1001, false)], cross_entropy_case);
+}
+
+fn cross_entropy_case(vocab: usize) {
+    let rows = 13usize;
     let mut rng = Lcg::new(9);
     let logits = rng.values(rows * vocab, 4.0);
     let targets: Vec<u32> = (0..rows).map(|_| rng.below(vocab)).collect();
@@ -1134,8 +1385,24 @@ fn moe_dispatch_through_the_ops_equals_the_cpu() {
 
 #[test]
 fn moe_gather_combine_forward_backward() {
+    // 70 columns take the rows' scalar path, 136 the 4-wide one (rows of a warp's 128 and more).
+    on_both_row_paths(&[(70, false), (136, true)], moe_gather_combine_case);
+}
+
+/// Runs `case(dim)` at each (dim, wide) and checks that the row kernels took 4-wide accesses
+/// exactly where `wide` says (rows of a multiple of 4 elements).
+fn on_both_row_paths(dims: &[(usize, bool)], case: impl Fn(usize)) {
+    for &(dim, wide) in dims {
+        let before = ganymede_cuda::host::wide_accesses();
+        case(dim);
+        let took = ganymede_cuda::host::wide_accesses() > before;
+        assert_eq!(took, wide, "rows of {dim}: wide accesses");
+    }
+}
+
+fn moe_gather_combine_case(dim: usize) {
     use ganymede_core::Dispatched;
-    let (tokens, experts, k, dim) = (37usize, 7usize, 3usize, 70usize);
+    let (tokens, experts, k) = (37usize, 7usize, 3usize);
     let mut rng = Lcg::new(12);
     let (src, pos) = routed_rows(&mut rng, tokens, experts, k);
     let n = tokens * k;

@@ -82,6 +82,14 @@ fn every_kernel_compiles_for_sm_90() {
                 "{file}: no vector reduction"
             );
         }
+        // The memory-bound kernels move 4 elements per access where their arrays are aligned
+        // (`ew_loop`, `row_loop` in common.cuh): a vector load or store in each one's code.
+        for k in kernels.iter().filter(|k| moves_four_at_a_time(file, k)) {
+            assert!(
+                entry_body(&ptx, k).contains(".global.v4."),
+                "{file}: {k} has no 4-wide global access"
+            );
+        }
         println!(
             "{file}: {} kernels, {} bytes of PTX, {cubin} bytes of sm_90 code",
             kernels.len(),
@@ -99,6 +107,30 @@ fn every_kernel_compiles_for_sm_90() {
             }
         }
     }
+}
+
+/// The kernels written with 4-wide accesses: every elementwise and optimizer kernel but the
+/// partial sums' total, the MoE gathers and combines, RMSNorm's row passes and the
+/// cross-entropy's.
+fn moves_four_at_a_time(file: &str, kernel: &str) -> bool {
+    match file {
+        "elementwise.cu" | "optim.cu" => kernel != "sum_acc_f64",
+        "dispatch.cu" => kernel.starts_with("moe_"),
+        "norm.cu" => {
+            kernel.starts_with("rmsnorm_forward") || kernel.starts_with("rmsnorm_backward_dx")
+        }
+        "loss.cu" => !kernel.starts_with("cross_entropy_loss_acc"),
+        _ => false,
+    }
+}
+
+/// The PTX of entry `name`, up to the next entry.
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no entry {name}"));
+    let rest = &ptx[start + 1..];
+    &rest[..rest.find(".entry ").unwrap_or(rest.len())]
 }
 
 #[test]

@@ -64,6 +64,10 @@ const SECTIONS: &[(&str, Section)] = &[
         attention_kernels,
     ),
     (
+        "Memory-bound kernels: 4-wide accesses against scalar ones",
+        memory_bound_kernels,
+    ),
+    (
         "NCCL group at world size 1: the conformance suite",
         super::nccl::conformance_world1,
     ),
@@ -1227,5 +1231,206 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
             "{md}\ntensor cores differ from SIMT: {}",
             bad.join("; ")
         ))
+    }
+}
+
+/// The memory-bound kernels' 4-wide accesses (`ew_loop`, `row_loop` in common.cuh) against their
+/// scalar loops, which the same kernels take on views one element off a 16-byte boundary, at
+/// `medium`'s sizes: GB/s over the bytes each must move, median of 5 after a warm-up. By
+/// Little's law a scalar f32 kernel keeps too little in flight for much over a third of an
+/// H200's HBM bandwidth; the 4-wide path is meant to come near it. Both paths must agree
+/// (their arithmetic is the same per element; a compiler may contract the two differently).
+fn memory_bound_kernels(be: &CudaBackend) -> Result<String, String> {
+    use super::launcher::CudaLauncher;
+    use crate::ops::{KernelOps, Tuning};
+    use ganymede_core::OptimOps;
+    let ops = KernelOps::with_tuning(CudaLauncher::new(be.clone()), Tuning::default());
+    let n = 32usize << 20;
+    let (tokens, k, dim) = (16384usize, 8usize, 1024usize);
+    let filled = |len: usize, dtype: DType, v: f32| {
+        let mut t = be.zeros_of(&[len + 4], dtype, Category::Buffers);
+        be.fill(t.view_mut(), v);
+        t
+    };
+    // Median ms of 5 calls after one.
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let mut ms: Vec<f64> = (0..5)
+            .map(|_| {
+                let a = be.record_event(Stream::Compute);
+                f();
+                let b = be.record_event(Stream::Compute);
+                be.elapsed(&a, &b).as_secs_f64() * 1e3
+            })
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        ms[2]
+    };
+    let h = ganymede_core::AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        bias_correction1: 0.1,
+        bias_correction2: 0.05,
+    };
+    // The dispatch's rows: each token's k rows, token-major (a permutation's access pattern).
+    let src: Vec<u32> = (0..tokens * k).map(|r| (r % tokens) as u32).collect();
+    let src = be.upload_u32(&src, &[src.len()], Category::Buffers);
+    let mut md = String::from(
+        "| kernel | elements | bytes moved | 4-wide ms | GB/s | scalar ms | GB/s | 4-wide / scalar |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    let mut bad = Vec::new();
+    // (name, elements, bytes moved per element, op(offset, shifted set, read a sample back))
+    type Op<'a> = Box<dyn FnMut(usize, bool, bool) -> Vec<f32> + 'a>;
+    let (mut p, mut m, mut v, g) = (
+        [filled(n, DType::F32, 0.5), filled(n, DType::F32, 0.5)],
+        [filled(n, DType::F32, 0.01), filled(n, DType::F32, 0.01)],
+        [filled(n, DType::F32, 0.25), filled(n, DType::F32, 0.25)],
+        filled(n, DType::F32, 0.1),
+    );
+    let x32 = filled(n, DType::F32, 1.25);
+    let mut y16 = [filled(n, DType::BF16, 0.0), filled(n, DType::BF16, 0.0)];
+    let mut z16 = [filled(n, DType::BF16, 0.0), filled(n, DType::BF16, 0.0)];
+    let mut y32 = [filled(n, DType::F32, 1.0), filled(n, DType::F32, 1.0)];
+    let (gate, upv) = (filled(n, DType::BF16, 0.75), filled(n, DType::BF16, -0.5));
+    let tok = filled(tokens * dim, DType::F32, 0.375);
+    let mut rows = [
+        filled(tokens * k * dim, DType::BF16, 0.0),
+        filled(tokens * k * dim, DType::BF16, 0.0),
+    ];
+    let mut acc = be.zeros_of(&[1], DType::F64, Category::Buffers);
+    let ops: Vec<(&str, usize, usize, Op)> = vec![
+        (
+            "adamw_step_f32",
+            n,
+            28,
+            Box::new(|o, s, sample| {
+                let i = s as usize;
+                ops.adamw_step(
+                    p[i].slice_mut(o, n),
+                    m[i].slice_mut(o, n),
+                    v[i].slice_mut(o, n),
+                    g.slice(o, n),
+                    &h,
+                );
+                if !sample {
+                    return Vec::new();
+                }
+                be.download(p[i].slice(o, 1 << 20))
+            }),
+        ),
+        (
+            "cast_f32_to_bf16",
+            n,
+            6,
+            Box::new(|o, s, sample| {
+                let i = s as usize;
+                be.cast(y16[i].slice_mut(o, n), x32.slice(o, n));
+                if !sample {
+                    return Vec::new();
+                }
+                let mut w = be.zeros(&[1 << 20], Category::Buffers);
+                be.cast(w.view_mut(), y16[i].slice(o, 1 << 20));
+                be.download(w.view())
+            }),
+        ),
+        (
+            "add_f32",
+            n,
+            12,
+            Box::new(|o, s, sample| {
+                let i = s as usize;
+                be.add(y32[i].slice_mut(o, n), x32.slice(o, n));
+                if !sample {
+                    return Vec::new();
+                }
+                be.download(y32[i].slice(o, 1 << 20))
+            }),
+        ),
+        (
+            "swiglu_forward_bf16",
+            n,
+            6,
+            Box::new(|o, s, sample| {
+                let i = s as usize;
+                ops.swiglu_forward(z16[i].slice_mut(o, n), gate.slice(o, n), upv.slice(o, n));
+                if !sample {
+                    return Vec::new();
+                }
+                let mut w = be.zeros(&[1 << 20], Category::Buffers);
+                be.cast(w.view_mut(), z16[i].slice(o, 1 << 20));
+                be.download(w.view())
+            }),
+        ),
+        (
+            "sumsq_partial_f32",
+            n,
+            4,
+            Box::new(|o, _, sample| {
+                be.fill(acc.view_mut(), 0.0);
+                be.sumsq_acc(acc.view_mut(), x32.slice(o, n));
+                if !sample {
+                    return Vec::new();
+                }
+                vec![be.download_f64(acc.view())[0] as f32]
+            }),
+        ),
+        (
+            "moe_gather_f32_to_bf16 (rows of 1,024)",
+            tokens * k * dim,
+            6,
+            Box::new(|o, s, sample| {
+                let i = s as usize;
+                ops.moe_gather(
+                    rows[i].slice_mut(o, tokens * k * dim),
+                    tok.slice(o, tokens * dim),
+                    src.view(),
+                    dim,
+                );
+                if !sample {
+                    return Vec::new();
+                }
+                let mut w = be.zeros(&[1 << 20], Category::Buffers);
+                be.cast(w.view_mut(), rows[i].slice(o, 1 << 20));
+                be.download(w.view())
+            }),
+        ),
+    ];
+    for (name, len, per, mut op) in ops {
+        let mut run = |o: usize, shifted: bool| {
+            let ms = time(&mut || {
+                op(o, shifted, false);
+            });
+            (ms, op(o, shifted, true))
+        };
+        let (wide_ms, wide) = run(0, false);
+        let (scalar_ms, scalar) = run(1, true);
+        let gbs = |ms: f64| (len * per) as f64 / (ms * 1e-3) / 1e9;
+        let _ = writeln!(
+            md,
+            "| {name} | {len} | {per} B each | {wide_ms:.3} | {:.0} | {scalar_ms:.3} | {:.0} | {:.2}x |",
+            gbs(wide_ms),
+            gbs(scalar_ms),
+            scalar_ms / wide_ms
+        );
+        let err = rel_err(&wide, &scalar);
+        if err.is_nan() || err > 1e-5 {
+            bad.push(format!("{name}: the two paths differ by {err:e}"));
+        }
+    }
+    let _ = writeln!(
+        md,
+        "\nThe 4-wide path is the kernel on 16-byte-aligned views, the scalar path the same \
+         kernel on views 1 element further (other tensors, as many calls); a sample of 2^20 \
+         outputs of each (sumsq: the sum) must agree within 1e-5 relative."
+    );
+    drop(acc);
+    if bad.is_empty() {
+        Ok(md)
+    } else {
+        Err(format!("{md}\n{}", bad.join("; ")))
     }
 }

@@ -48,20 +48,11 @@ impl std::fmt::Display for CompileError {
 
 impl std::error::Error for CompileError {}
 
-/// The options every file is compiled with. Precise division and square roots and no flushing
-/// of denormals, so device results can be held against the CPU backend's; fused multiply-adds
-/// allowed, as nvcc's default (the host build contracts none, so the two differ by rounding,
-/// which the device check's tolerances allow for); the CUDA headers' folders where found (see
-/// [`include_dirs`]).
+/// The options every file is compiled with: [`crate::sources::NVRTC_OPTIONS`] for `arch`, with
+/// the CUDA headers' folders where found (see [`include_dirs`]).
 pub fn options(arch: &str) -> Vec<String> {
-    let mut o = vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".into(),
-        "--fmad=true".into(),
-        "--prec-div=true".into(),
-        "--prec-sqrt=true".into(),
-        "--ftz=false".into(),
-    ];
+    let mut o = vec![format!("--gpu-architecture={arch}")];
+    o.extend(crate::sources::NVRTC_OPTIONS.iter().map(|s| s.to_string()));
     o.extend(
         include_dirs()
             .into_iter()
