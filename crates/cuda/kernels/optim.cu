@@ -3,12 +3,13 @@
 // CPU backend rounds them. Compiled after common.cuh (see src/sources.rs).
 // Launch: 1-D, any grid and block (grid-stride loops), unless a kernel says otherwise.
 
-// AdamW: m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²;
-// p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
+// AdamW on g = grad·gs (gs: the clip coefficient or 1, so clipping needs no pass of its own):
+// m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²; p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
 // with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2).
 extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
-                                          long long n, float b1, float b2, float omb1, float omb2,
-                                          float keep, float step, float inv_sqrt_bc2, float eps) {
+                                          long long n, float gs, float b1, float b2, float omb1,
+                                          float omb2, float keep, float step, float inv_sqrt_bc2,
+                                          float eps) {
     // Every load before any store: four independent accesses in flight per thread.
     ew_loop(n, vec_aligned(p, m, v, g), [&](long long i, auto w) {
         constexpr int W = decltype(w)::n;
@@ -19,6 +20,7 @@ extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const fl
         ldw(pi, p + i);
 #pragma unroll
         for (int k = 0; k < W; k++) {
+            gi[k] = gi[k] * gs;
             mi[k] = b1 * mi[k] + omb1 * gi[k];
             vi[k] = b2 * vi[k] + omb2 * gi[k] * gi[k];
             pi[k] = pi[k] * keep - step * mi[k] / (sqrtf(vi[k]) * inv_sqrt_bc2 + eps);
@@ -29,8 +31,9 @@ extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const fl
     });
 }
 
-// Nesterov momentum, in place on the gradient: buf = mu·buf + g; g = g + mu·buf (the new buf).
-extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu) {
+// Nesterov momentum, in place on the gradient: g = g·gs; buf = mu·buf + g; g = g + mu·buf (the
+// new buf).
+extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu, float gs) {
     ew_loop(n, vec_aligned(buf, g), [&](long long i, auto w) {
         constexpr int W = decltype(w)::n;
         float gi[W], b[W];
@@ -38,6 +41,7 @@ extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float
         ldw(b, buf + i);
 #pragma unroll
         for (int k = 0; k < W; k++) {
+            gi[k] = gi[k] * gs;
             b[k] = mu * b[k] + gi[k];
             gi[k] = gi[k] + mu * b[k];
         }

@@ -273,8 +273,8 @@ impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
     fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
         self.ops.adamw_step(param, m, v, grad, h)
     }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64) {
-        self.ops.nesterov_momentum(buf, grad, momentum)
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
+        self.ops.nesterov_momentum(buf, grad, momentum, grad_scale)
     }
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         self.ops.normalize_frobenius(x, eps)

@@ -437,14 +437,14 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         "adamw_step_f32",
         vec![A_F32; 4],
         Box::new(move |p, n| {
-            let h = [0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
+            let h = [0.8, 0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
             [&p[..4], &[n][..], &h[..]].concat()
         }),
     ));
     cases.push((
         "nesterov_f32",
         vec![A_F32; 2],
-        Box::new(move |p, n| vec![p[0], p[1], n, f(0.95)]),
+        Box::new(move |p, n| vec![p[0], p[1], n, f(0.95), f(0.7)]),
     ));
     cases.push((
         "scale_by_inv_norm_f32",
@@ -1035,7 +1035,28 @@ fn optimizer_updates() {
         weight_decay: 0.1,
         bias_correction1: 1.0 - 0.9f64.powi(3),
         bias_correction2: 1.0 - 0.95f64.powi(3),
+        grad_scale: 1.0,
     };
+    // Unscaled, and with a clip coefficient folded in.
+    for gs in [1.0f32, 0.37] {
+        optimizer_updates_at(
+            &b,
+            &kb,
+            [&p, &m, &v, &g],
+            AdamWStep {
+                grad_scale: gs,
+                ..h
+            },
+        );
+    }
+}
+
+fn optimizer_updates_at(
+    b: &CpuBackend,
+    kb: &HostKernelBackend,
+    [p, m, v, g]: [&Vec<f32>; 4],
+    h: ganymede_core::AdamWStep,
+) {
     let adamw = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut p, mut m, mut v) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
         be.adamw_step(
@@ -1048,26 +1069,26 @@ fn optimizer_updates() {
         vec![down(be, &p), down(be, &m), down(be, &v)]
     };
     parity(
-        "adamw_step_f32",
+        &format!("adamw_step_f32, grad_scale {}", h.grad_scale),
         &[p.clone(), m.clone(), v.clone(), g.clone()],
         3,
         &[F32],
-        |x| adamw(&kb, x),
-        |x| adamw(&b, x),
+        |x| adamw(kb, x),
+        |x| adamw(b, x),
     );
     let mu = 0.95;
     let nesterov = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut buf, mut g) = (up(be, &x[0]), up(be, &x[1]));
-        be.nesterov_momentum(buf.view_mut(), g.view_mut(), mu);
+        be.nesterov_momentum(buf.view_mut(), g.view_mut(), mu, h.grad_scale);
         vec![down(be, &buf), down(be, &g)]
     };
     parity(
-        "nesterov_f32",
+        &format!("nesterov_f32, grad_scale {}", h.grad_scale),
         &[m.clone(), g.clone()],
         1,
         &[F32],
-        |x| nesterov(&kb, x),
-        |x| nesterov(&b, x),
+        |x| nesterov(kb, x),
+        |x| nesterov(b, x),
     );
     let eps = 1e-7;
     let normalize = |be: &dyn Backend, x: &[Vec<f32>]| {
@@ -1077,11 +1098,11 @@ fn optimizer_updates() {
     };
     parity(
         "normalize_frobenius (sumsq_partial_f32, sum_acc_f64, scale_by_inv_norm_f32)",
-        std::slice::from_ref(&g),
+        std::slice::from_ref(g),
         0,
         &[F32],
-        |x| normalize(&kb, x),
-        |x| normalize(&b, x),
+        |x| normalize(kb, x),
+        |x| normalize(b, x),
     );
     let (alpha, decay) = (0.02, 0.001);
     let decay_update = |be: &dyn Backend, x: &[Vec<f32>]| {
@@ -1091,11 +1112,11 @@ fn optimizer_updates() {
     };
     parity(
         "decay_update_f32",
-        &[p, g],
+        &[p.clone(), g.clone()],
         1,
         &[F32],
-        |x| decay_update(&kb, x),
-        |x| decay_update(&b, x),
+        |x| decay_update(kb, x),
+        |x| decay_update(b, x),
     );
 }
 

@@ -257,6 +257,7 @@ pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
         weight_decay: 0.1,
         bias_correction1: 0.1,
         bias_correction2: 0.05,
+        grad_scale: 1.0,
     };
     let t = pool.install(|| {
         median_time(batch_s.max(0.02), 5, || {

@@ -6,6 +6,8 @@ use ganymede_core::{Backend, Category, DType, ParamStore};
 /// trainable parameter, accumulated in f64) exceeds `max_norm`, as PyTorch's `clip_grad_norm_`.
 /// Returns the norm before clipping. `max_norm <= 0` disables clipping. A non-finite norm leaves
 /// the gradients untouched (scaling would only spread the NaN); the caller sees it and decides.
+/// The trainer instead passes [`clip_coef`] to `Optimizer::step_scaled`, whose update kernels
+/// scale each gradient as they read it: the same bits without this pass over the gradients.
 pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -> f64 {
     let norm = global_norm(be, grads);
     if let Some(coef) = clip_coef(norm, max_norm) {

@@ -119,7 +119,12 @@ fn run_stack(
         let (off, len) = (e0 * n, b * n);
         let mut u = st.u.slice_mut(0, len);
         be.copy(u.reborrow(), g.slice(off, len));
-        be.nesterov_momentum(mom.reborrow().slice(off, len), u.reborrow(), c.momentum);
+        be.nesterov_momentum(
+            mom.reborrow().slice(off, len),
+            u.reborrow(),
+            c.momentum,
+            c.grad_scale,
+        );
         newton_schulz_strided(
             be,
             u.reborrow(),
@@ -159,6 +164,8 @@ struct MuonStep {
     ns_steps: usize,
     /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
     ns_bf16: bool,
+    /// The gradients' factor (the clip coefficient, or 1), applied by Nesterov momentum.
+    grad_scale: f32,
 }
 
 /// One Muon matrix: Nesterov momentum into the slot, Newton–Schulz, decayed update. Both the
@@ -175,7 +182,7 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
     let n = rows * cols;
     // The update is made in the slot, from a copy of the gradient (the caller's to keep).
     be.copy(slot.u.slice_mut(0, n), g);
-    be.nesterov_momentum(mom, slot.u.slice_mut(0, n), c.momentum);
+    be.nesterov_momentum(mom, slot.u.slice_mut(0, n), c.momentum, c.grad_scale);
     newton_schulz(
         be,
         slot.u.slice_mut(0, n),
@@ -406,8 +413,23 @@ impl Optimizer {
         }
     }
 
-    /// One update with learning rate `lr` (from [`crate::lr_at`]); grads already clipped.
+    /// One update with learning rate `lr` (from [`crate::lr_at`]) from `grads` as they are.
     pub fn step(&mut self, be: &dyn Backend, params: &mut ParamStore, grads: &ParamStore, lr: f64) {
+        self.step_scaled(be, params, grads, lr, 1.0)
+    }
+
+    /// One update from the gradients times `grad_scale` (global-norm clipping's coefficient,
+    /// [`crate::clip_coef`]), which the update kernels apply as they read each gradient: the
+    /// same bits as scaling the gradients first, without a pass over them. `grads` are not
+    /// written.
+    pub fn step_scaled(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        grads: &ParamStore,
+        lr: f64,
+        grad_scale: f32,
+    ) {
         assert_eq!(
             params.len(),
             self.rules.len(),
@@ -437,6 +459,7 @@ impl Optimizer {
             weight_decay,
             bias_correction1: 1.0 - cfg.beta1.powi(t),
             bias_correction2: 1.0 - cfg.beta2.powi(t),
+            grad_scale,
         };
 
         let mc = MuonStep {
@@ -445,6 +468,7 @@ impl Optimizer {
             weight_decay: cfg.weight_decay,
             ns_steps: cfg.ns_steps,
             ns_bf16: ns_bf16(cfg.ns_dtype, be),
+            grad_scale,
         };
         if let Some(staging) = &mut self.staging {
             // Host-resident state: one parameter at a time through the device slots; an expert

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName, Schedule};
-use ganymede_core::{Category, CpuBackend, Device, Memory, ParamKind, ParamSpec, ParamStore};
+use ganymede_core::{Blas, Category, CpuBackend, Device, Memory, ParamKind, ParamSpec, ParamStore};
 use ganymede_optim::{lr_at, Optimizer};
 
 fn specs() -> Vec<ParamSpec> {
@@ -492,6 +492,48 @@ fn parallel_and_sequential_muon_agree_bitwise() {
     let reference = run(1, false);
     assert!(reference == run(3, true));
     assert!(reference == run(3, false));
+}
+
+/// Clipping folded into the update kernels (`step_scaled`) gives the parameters of scaling the
+/// gradients first and stepping, bit for bit, for Muon (through Nesterov momentum) and AdamW
+/// parameters; and the coefficient does change them.
+#[test]
+fn a_scaled_step_equals_scaling_the_gradients_first() {
+    let specs = specs();
+    let mut rng = Rng::new(21);
+    let init = normals(&mut rng, &specs);
+    let gs: Vec<Vec<Vec<f64>>> = (0..3).map(|_| normals(&mut rng, &specs)).collect();
+    let be = CpuBackend::default();
+    let coefs = [0.37f32, 1.0, 0.052];
+    for name in [OptimizerName::Muon, OptimizerName::Adamw] {
+        // how: 0 scale the gradients then step, 1 step_scaled, 2 no clipping at all.
+        let run = |how: usize| {
+            let mut params = store(&be, &specs, &init, Category::Params);
+            let mut opt = Optimizer::new(&be, &cfg(name), &specs);
+            for (g, &coef) in gs.iter().zip(&coefs) {
+                let mut grads = store(&be, &specs, g, Category::Grads);
+                match how {
+                    0 => {
+                        for (spec, g) in grads.iter_mut() {
+                            if spec.kind.is_trainable() {
+                                be.scale(g.view_mut(), coef);
+                            }
+                        }
+                        opt.step(&be, &mut params, &grads, 0.02);
+                    }
+                    1 => opt.step_scaled(&be, &mut params, &grads, 0.02, coef),
+                    _ => opt.step(&be, &mut params, &grads, 0.02),
+                }
+            }
+            download(&be, &params)
+        };
+        let (first, fused) = (run(0), run(1));
+        for (s, (a, b)) in specs.iter().zip(first.iter().zip(&fused)) {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{name:?} {}: step_scaled differs", s.name);
+        }
+        assert!(fused != run(2), "{name:?}: the coefficient changed nothing");
+    }
 }
 
 /// Expert stacks batched through strided products (what a GPU runs, `Blas::batches_matrices`)

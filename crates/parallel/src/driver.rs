@@ -389,11 +389,9 @@ impl RankState {
                 self.cfg.optimizer.lr
             );
         }
-        if let Some(coef) = clip_coef(norm, self.cfg.training.grad_clip) {
-            for g in trainable_grads(&mut self.shards, specs) {
-                self.be.scale(g.view_mut(), coef);
-            }
-        }
+        // Clipping's coefficient goes into the update kernels, which scale each gradient as
+        // they read it (no pass over the gradients of its own).
+        let coef = clip_coef(norm, self.cfg.training.grad_clip).unwrap_or(1.0);
         let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
         let be: &dyn Backend = self.be.as_ref();
         match &mut self.shards {
@@ -403,14 +401,17 @@ impl RankState {
                 opt,
                 compute,
             } => {
-                opt.step(be, params, grads, lr);
+                opt.step_scaled(be, params, grads, lr, coef);
                 if let Some(c) = compute {
                     c.invalidate();
                 }
             }
             Shards::Fsdp {
                 params, grads, opt, ..
-            } => opt.step(be, &self.mesh, params.master_mut(), grads.shards_mut(), lr)?,
+            } => {
+                let (master, shards) = (params.master_mut(), grads.shards_mut());
+                opt.step_scaled(be, &self.mesh, master, shards, lr, coef)?
+            }
         }
         if self.cfg.model.router_bias_update > 0.0 {
             self.update_router_bias(&out.expert_load);

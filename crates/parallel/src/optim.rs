@@ -202,6 +202,21 @@ impl ShardedOptimizer {
         grads: &mut [Tensor],
         lr: f64,
     ) -> ganymede_dist::Result<()> {
+        self.step_scaled(be, mesh, params, grads, lr, 1.0)
+    }
+
+    /// [`Self::step`] from the gradients times `grad_scale` (global-norm clipping's coefficient),
+    /// applied by the update kernels as they read each gradient: the same bits as scaling the
+    /// shards first, without a pass over them.
+    pub fn step_scaled(
+        &mut self,
+        be: &dyn Backend,
+        mesh: &DeviceMesh,
+        params: &mut [Tensor],
+        grads: &mut [Tensor],
+        lr: f64,
+        grad_scale: f32,
+    ) -> ganymede_dist::Result<()> {
         self.step += 1;
         let cfg = &self.cfg;
         let t = self.step as i32;
@@ -213,6 +228,7 @@ impl ShardedOptimizer {
             weight_decay,
             bias_correction1: 1.0 - cfg.beta1.powi(t),
             bias_correction2: 1.0 - cfg.beta2.powi(t),
+            grad_scale,
         };
         let mut muon_items = Vec::new();
         if let Some(staging) = &mut self.staging {
@@ -241,7 +257,7 @@ impl ShardedOptimizer {
             staging.stream(be, &mut states, |k, state| {
                 let g = &mut grads[which[k]];
                 match muon[k] {
-                    true => be.nesterov_momentum(state, g.view_mut(), cfg.momentum),
+                    true => be.nesterov_momentum(state, g.view_mut(), cfg.momentum, grad_scale),
                     false => {
                         let (p, mv) = state.split_at(g.len());
                         let (m, v) = mv.split_at(g.len());
@@ -263,7 +279,8 @@ impl ShardedOptimizer {
                         be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
                     }
                     Rule::Muon { momentum, .. } => {
-                        be.nesterov_momentum(momentum.view_mut(), g.view_mut(), cfg.momentum);
+                        let mom = momentum.view_mut();
+                        be.nesterov_momentum(mom, g.view_mut(), cfg.momentum, grad_scale);
                         muon_items.push(i);
                     }
                 }

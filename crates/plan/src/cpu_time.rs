@@ -28,7 +28,7 @@ const BWD_KERNELS_PER_FWD: f64 = 2.0;
 /// and the output gradient and writes the input gradient (and adds into the residual stream).
 const BWD_BYTES_PER_FWD: f64 = 2.0;
 /// Bytes per parameter of the step's passes over the gradients (see `cpu_step`).
-pub const GRAD_PASS_BYTES: f64 = 16.0;
+pub const GRAD_PASS_BYTES: f64 = 8.0;
 
 /// One kind of GEMM call: `count` calls of m×n×k, `spread` when the calls go whole to separate
 /// threads (grouped expert GEMMs, attention heads, Newton–Schulz stacks) rather than each being
@@ -412,8 +412,9 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
         }
     }
     let tensors: f64 = ts.iter().map(|t| t.count as f64).sum::<f64>() / w;
-    // Besides the update, each step passes over the gradients three times: zeroing them
-    // (write), their norm (read), clipping (read + write): 16 bytes per parameter.
+    // Besides the update, each step passes over the gradients twice: zeroing them (write) and
+    // their norm (read), 8 bytes per parameter; clipping's coefficient is applied by the update
+    // kernels as they read the gradients.
     let grad_bytes = GRAD_PASS_BYTES * params::count(m).total as f64 / w;
     let optimizer_s = ns_s
         + (x.optimizer_bytes + grad_bytes) / cpu.optimizer_rate()

@@ -1745,8 +1745,9 @@ fn cpu_step_of_tiny_by_hand() {
     // 3·2·1024·256·64 = 100,663,296. Total 1,266,679,808.
     // Element-wise bytes: layers 2·9,273,344·(1 + 1 + 2) = 74,186,752; outside the layers
     // forward 4·1024·3·64 = 786,432, backward 4·1024·(3·256 + 6·64) = 4,718,592: 79,691,776.
-    // Optimizer: AdamW 28 B per parameter, and 16 B of gradient passes (zero, norm, clip).
-    let opt_bytes = (28.0 + 16.0) * p.params.total as f64;
+    // Optimizer: AdamW 28 B per parameter, and 8 B of gradient passes (zero, norm; clipping is
+    // in the update).
+    let opt_bytes = (28.0 + 8.0) * p.params.total as f64;
     let want = 1_266_679_808.0 / rate + (79_691_776.0 + opt_bytes) / bw;
     assert!(
         close(p.step_time_s, want, 1e-12),

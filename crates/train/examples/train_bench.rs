@@ -10,7 +10,7 @@
 use ganymede_config::JobConfig;
 use ganymede_core::{sample, Backend, Category, CpuBackend, ParamStore};
 use ganymede_model::{forward_backward, update_router_bias, Model, Tokens, Workspace};
-use ganymede_optim::{clip_grad_norm, lr_at, Optimizer};
+use ganymede_optim::{clip_coef, global_norm, lr_at, Optimizer};
 use std::time::Instant;
 
 #[repr(C)]
@@ -82,9 +82,10 @@ fn main() -> anyhow::Result<()> {
             1.0,
         );
         let t1 = Instant::now();
-        clip_grad_norm(be, &mut grads, t.grad_clip);
+        // As the trainer: the clip coefficient goes into the update kernels.
+        let coef = clip_coef(global_norm(be, &grads), t.grad_clip).unwrap_or(1.0);
         let lr = lr_at(&cfg.optimizer, step, total);
-        opt.step(be, &mut params, &grads, lr);
+        opt.step_scaled(be, &mut params, &grads, lr, coef);
         if m.router_bias_update > 0.0 {
             update_router_bias(be, &model, &mut params, &out);
         }

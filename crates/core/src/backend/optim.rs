@@ -20,18 +20,23 @@ pub struct AdamWStep {
     pub bias_correction1: f64,
     /// 1 − beta2^t
     pub bias_correction2: f64,
+    /// Each gradient element is multiplied by this first (in the kernel's precision), so that
+    /// global-norm clipping costs no pass of its own: the clip coefficient, or 1.
+    pub grad_scale: f32,
 }
 
 pub trait OptimOps: Send + Sync {
-    /// AdamW (PyTorch's formulation), all four views the same length:
+    /// AdamW (PyTorch's formulation), all four views the same length, with
+    /// `g = grad·grad_scale` (the gradient is not written):
     /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;`
     /// `θ = θ·(1 − lr·wd) − (lr/bc1) · m / (sqrt(v)/sqrt(bc2) + eps)`.
     fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep);
 
     /// Nesterov momentum, in place on the gradient, which becomes the update:
-    /// `buf = μ·buf + g; g = g + μ·buf` (with the new `buf`). Sharded Muon keeps no update
+    /// `g = g·grad_scale; buf = μ·buf + g; g = g + μ·buf` (with the new `buf`); `grad_scale` is
+    /// the clip coefficient or 1, as [`AdamWStep::grad_scale`]. Sharded Muon keeps no update
     /// buffer of its own: the gradient shard is not read again in the step.
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64);
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32);
 
     /// `x = x / (‖x‖_F + eps)` with the norm accumulated in f64: Newton–Schulz's normalisation,
     /// on the device so a GPU backend needs no host round trip per matrix.

@@ -21,9 +21,10 @@ fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep) 
     let step = c(h.lr / h.bias_correction1);
     let inv_sqrt_bc2 = c(1.0 / h.bias_correction2.sqrt());
     let eps = c(h.eps);
+    let gs = c(f64::from(h.grad_scale));
     let kernel = |p: &mut [S], m: &mut [S], v: &mut [S], g: &[S]| {
         for i in 0..p.len() {
-            let gi = g[i];
+            let gi = g[i] * gs;
             let mi = b1 * m[i] + omb1 * gi;
             let vi = b2 * v[i] + omb2 * gi * gi;
             m[i] = mi;
@@ -42,16 +43,17 @@ fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep) 
     }
 }
 
-fn nesterov<S: Scalar>(buf: ViewMut, g: ViewMut, mu: f64) {
+fn nesterov<S: Scalar>(buf: ViewMut, g: ViewMut, mu: f64, grad_scale: f32) {
     let (buf, g): (&mut [S], &mut [S]) = (buf.host(), g.host());
     let n = buf.len();
     assert!(g.len() == n, "nesterov lengths");
-    let mu = S::of_f64(mu);
+    let (mu, gs) = (S::of_f64(mu), S::of_f64(f64::from(grad_scale)));
     let kernel = |b: &mut [S], g: &mut [S]| {
         for i in 0..b.len() {
-            let bi = mu * b[i] + g[i];
+            let gi = g[i] * gs;
+            let bi = mu * b[i] + gi;
             b[i] = bi;
-            g[i] += mu * bi;
+            g[i] = gi + mu * bi;
         }
     };
     if n < PAR_MIN {
@@ -104,8 +106,8 @@ impl OptimOps for CpuBackend {
     fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
         crate::by_dtype!(param.dtype(), adamw(param, m, v, grad, h))
     }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64) {
-        crate::by_dtype!(buf.dtype(), nesterov(buf, grad, momentum))
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
+        crate::by_dtype!(buf.dtype(), nesterov(buf, grad, momentum, grad_scale))
     }
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         crate::by_dtype!(x.dtype(), normalize(x, eps))

@@ -1274,6 +1274,7 @@ fn memory_bound_kernels(be: &CudaBackend) -> Result<String, String> {
         weight_decay: 0.1,
         bias_correction1: 0.1,
         bias_correction2: 0.05,
+        grad_scale: 1.0,
     };
     // The dispatch's rows: each token's k rows, token-major (a permutation's access pattern).
     let src: Vec<u32> = (0..tokens * k).map(|r| (r % tokens) as u32).collect();

@@ -33,6 +33,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             self.am(v),
             self.a(grad),
             i64_of(n),
+            Arg::F32(h.grad_scale),
             f(h.beta1),
             f(h.beta2),
             f(1.0 - h.beta1),
@@ -45,14 +46,20 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         self.launch("adamw_step_f32", self.ew(n), &args);
     }
 
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64) {
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
         let n = buf.len();
         let views = [(buf.dtype(), n), (grad.dtype(), grad.len())];
         check_f32("nesterov_momentum", &views, n);
         if n == 0 {
             return;
         }
-        let args = [self.am(buf), self.am(grad), i64_of(n), f(momentum)];
+        let args = [
+            self.am(buf),
+            self.am(grad),
+            i64_of(n),
+            f(momentum),
+            Arg::F32(grad_scale),
+        ];
         self.launch("nesterov_f32", self.ew(n), &args);
     }
 

@@ -134,8 +134,8 @@ impl OptimOps for CountingReads {
     fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
         self.be.adamw_step(param, m, v, grad, h)
     }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64) {
-        self.be.nesterov_momentum(buf, grad, momentum)
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
+        self.be.nesterov_momentum(buf, grad, momentum, grad_scale)
     }
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         self.be.normalize_frobenius(x, eps)
