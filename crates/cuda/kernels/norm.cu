@@ -128,24 +128,35 @@ __device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, f
     *s = sinf(a);
 }
 
-// Launch: grid rows * heads (block = row * heads + head), block a multiple of 32.
+// One warp per head row: a head row is short (head_dim 64 is 256 bytes of f32), and a block per
+// row would leave an SM at its 32 resident blocks with little in flight; warps of one block take
+// consecutive head rows and reduce with shuffles, no block barrier. Lane l takes the rotation's
+// pairs (i, i + half) for i = l, l + 32, ...
+// Launch: grid ceil(nrh / warps per block), block 32 × warps per block; nrh = rows × heads.
+__device__ __forceinline__ long long warp_row() {
+    return (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+}
+
 template <class T>
 __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, int heads,
-                                   int hd, int seq, int pos0, const float* inv_freq, float eps) {
-    const long long rh = blockIdx.x;
+                                   int hd, int seq, int pos0, const float* inv_freq, float eps,
+                                   long long nrh) {
+    const long long rh = warp_row();
+    if (rh >= nrh) return;  // the whole warp: no barrier follows
+    const int lane = threadIdx.x & 31;
     const int row = (int)(rh / heads);
     const long long off = rh * hd;
     const int half = hd / 2;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float v = ld(x + off + i);
-        ss += v * v;
+    for (int i = lane; i < half; i += 32) {
+        const float a = ld(x + off + i), b = ld(x + off + i + half);
+        ss += a * a + b * b;
     }
-    ss = block_sum(ss);
+    ss = warp_sum(ss);
     const float rs = 1.0f / sqrtf(ss * (1.0f / (float)hd) + eps);
-    if (threadIdx.x == 0) rstd[rh] = rs;
+    if (lane == 0) rstd[rh] = rs;
     const int pos = pos0 + row % seq;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    for (int i = lane; i < half; i += 32) {
         float c, s;
         rope_cs(i, inv_freq, pos, &c, &s);
         const float a = ld(w + i) * (ld(x + off + i) * rs);
@@ -159,8 +170,10 @@ __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, 
 template <class T>
 __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T* w,
                                       const float* rstd, int heads, int hd, int seq, int pos0,
-                                      const float* inv_freq) {
-    const long long rh = blockIdx.x;
+                                      const float* inv_freq, long long nrh) {
+    const long long rh = warp_row();
+    if (rh >= nrh) return;
+    const int lane = threadIdx.x & 31;
     const int row = (int)(rh / heads);
     const long long off = rh * hd;
     const int half = hd / 2;
@@ -168,7 +181,7 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
     const float r = rstd[rh];
     // The rotation's transpose takes the gradient back to the normed vector: g.
     float dot = 0.0f;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    for (int i = lane; i < half; i += 32) {
         float c, s;
         rope_cs(i, inv_freq, pos, &c, &s);
         const float da = ld(dout + off + i), db = ld(dout + off + i + half);
@@ -176,9 +189,9 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
         dot += ga * ld(w + i) * ld(x + off + i);
         dot += gb * ld(w + i + half) * ld(x + off + i + half);
     }
-    dot = block_sum(dot);
+    dot = warp_sum(dot);
     const float k = dot * r * r / (float)hd;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    for (int i = lane; i < half; i += 32) {
         float c, s;
         rope_cs(i, inv_freq, pos, &c, &s);
         const float da = ld(dout + off + i), db = ld(dout + off + i + half);
@@ -224,13 +237,13 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
 #define GANY_HEAD_NORM_ROPE(S, T)                                                                \
     extern "C" __global__ void head_norm_rope_forward_##S(                                       \
         T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
-        const float* inv_freq, float eps) {                                                      \
-        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps);          \
+        const float* inv_freq, float eps, long long nrh) {                                       \
+        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps, nrh);     \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dx_##S(                                   \
         T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
-        int head_dim, int seq, int pos0, const float* inv_freq) {                                \
-        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq);       \
+        int head_dim, int seq, int pos0, const float* inv_freq, long long nrh) {                 \
+        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq, nrh);  \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dw_partial_##S(                           \
         float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \

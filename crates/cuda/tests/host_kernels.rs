@@ -795,8 +795,13 @@ fn head_norm_rope_forward_backward() {
         .collect();
     let dout = rng.values(n, 1.0);
     let dw0 = rng.values(d.head_dim, 0.3);
-    let (b, kb) = (cpu(), kernels(SMALL));
-    for st in [St::F32, St::Bf16] {
+    // A warp per head row: one a block, and four (450 head rows: the last block part-filled).
+    let four = Tuning {
+        row_block_max: 128,
+        ..SMALL
+    };
+    for (st, tuning) in [(St::F32, SMALL), (St::Bf16, SMALL), (St::F32, four)] {
+        let (b, kb) = (cpu(), kernels(tuning));
         let inputs = st.inputs(&[x.clone(), w.clone(), dout.clone()]);
         parity(
             &st.name("head_norm_rope"),

@@ -198,6 +198,13 @@ impl<L: Launcher> KernelOps<L> {
         cfg(grid(rows, 1, 1), self.row_block(dim))
     }
 
+    /// One warp per row over `rows` short rows: blocks of the tuning's row block
+    /// ([`Tuning::row_block_max`] threads), a warp each.
+    fn warp_per_row(&self, rows: usize) -> LaunchConfig {
+        let warps = (self.tuning.row_block_max / 32) as usize;
+        cfg(grid(rows.div_ceil(warps), 1, 1), (warps * 32) as u32)
+    }
+
     /// A 1-D grid-stride launch over `n` elements.
     fn ew(&self, n: usize) -> LaunchConfig {
         let t = self.tuning;

@@ -293,7 +293,8 @@ impl<L: Launcher> KernelOps<L> {
         let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
-        let blocks = self.per_row(rows * d.heads, d.head_dim);
+        args.push(i64_of(rows * d.heads));
+        let blocks = self.warp_per_row(rows * d.heads);
         self.launch(&format!("{op}_{}", st(dt, op)), blocks, &args);
     }
 
@@ -335,7 +336,8 @@ impl<L: Launcher> KernelOps<L> {
             self.a(s.rstd),
         ];
         args.extend(self.rope_args(&d, freq));
-        let blocks = self.per_row(rows * d.heads, d.head_dim);
+        args.push(i64_of(rows * d.heads));
+        let blocks = self.warp_per_row(rows * d.heads);
         self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
         let mut args = vec![
             partial.into(),
