@@ -100,18 +100,21 @@ __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v,
     }
 }
 
-// delta[b, h, i] = dout_i · out_i, the softmax backward's row term.
-// Launch: grid batch * tq * heads (one row of q's layout each), block 32.
+// delta[b, h, i] = dout_i · out_i, the softmax backward's row term: a warp per row of q's
+// layout (nrows = batch * tq * heads of them), a block's warps on consecutive rows (a block per
+// 128-byte row left an SM little in flight). Launch: grid ceil(nrows / warps per block), block a
+// multiple of 32.
 template <class T>
 __device__ void attn_bwd_delta(float* delta, const T* dout, const T* out, int tq, int heads,
-                               int hd) {
-    GANY_REQUIRE(blockDim.x == 32);
-    const long long r = blockIdx.x;
+                               int hd, long long nrows) {
+    const long long r = warp_row();
+    if (r >= nrows) return;  // the whole warp
+    const int lane = threadIdx.x & 31;
     float s = 0.0f;
-    for (int d = threadIdx.x; d < hd; d += 32) s += ld(dout + r * hd + d) * ld(out + r * hd + d);
+    for (int d = lane; d < hd; d += 32) s += ld(dout + r * hd + d) * ld(out + r * hd + d);
     s = warp_sum(s);
     const long long h = r % heads, bi = r / heads, i = bi % tq, b = bi / tq;
-    if (threadIdx.x == 0) delta[(b * heads + h) * tq + i] = s;
+    if (lane == 0) delta[(b * heads + h) * tq + i] = s;
 }
 
 // Loads rows i0 .. i0 + ATT_BQ of q and dout with their lse and delta (zeros past tq).
@@ -280,8 +283,8 @@ __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const 
     }                                                                                            \
     extern "C" __global__ void attention_backward_delta_##S(float* delta, const T* dout,         \
                                                             const T* out, int tq, int heads,     \
-                                                            int head_dim) {                      \
-        attn_bwd_delta(delta, dout, out, tq, heads, head_dim);                                   \
+                                                            int head_dim, long long nrows) {     \
+        attn_bwd_delta(delta, dout, out, tq, heads, head_dim, nrows);                            \
     }                                                                                            \
     extern "C" __global__ void attention_backward_dkdv_##S(                                      \
         T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,       \

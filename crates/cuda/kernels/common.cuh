@@ -202,6 +202,11 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The row of a kernel that gives each short row a warp (a block's warps take consecutive rows).
+__device__ __forceinline__ long long warp_row() {
+    return (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+}
+
 // Sum over a 1-D block whose size is a multiple of 32 (at most 1024); every thread gets the
 // total. The order is fixed (per warp, then warps in order), so results are deterministic.
 // Reuses its shared scratch, so it starts with a barrier for back-to-back calls.

@@ -5,13 +5,15 @@
 
 // AdamW on g = grad·gs (gs: the clip coefficient or 1, so clipping needs no pass of its own):
 // m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²; p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
-// with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2).
-extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
-                                          long long n, float gs, float b1, float b2, float omb1,
-                                          float omb2, float keep, float step, float inv_sqrt_bc2,
-                                          float eps) {
+// with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2). ROUND: the new p also
+// into p16, rounded to bf16 (the compute copy, without a cast pass of its own).
+template <bool ROUND>
+__device__ void adamw(float* p, float* m, float* v, const float* g, bf16* p16, long long n,
+                      float gs, float b1, float b2, float omb1, float omb2, float keep, float step,
+                      float inv_sqrt_bc2, float eps) {
     // Every load before any store: four independent accesses in flight per thread.
-    ew_loop(n, vec_aligned(p, m, v, g), [&](long long i, auto w) {
+    const bool wide = vec_aligned(p, m, v, g) && (!ROUND || vec_aligned(p16));
+    ew_loop(n, wide, [&](long long i, auto w) {
         constexpr int W = decltype(w)::n;
         float gi[W], mi[W], vi[W], pi[W];
         ldw(gi, g + i);
@@ -28,7 +30,20 @@ extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const fl
         stw(m + i, mi);
         stw(v + i, vi);
         stw(p + i, pi);
+        if constexpr (ROUND) stw(p16 + i, pi);
     });
+}
+extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
+                                          long long n, float gs, float b1, float b2, float omb1,
+                                          float omb2, float keep, float step, float inv_sqrt_bc2,
+                                          float eps) {
+    adamw<false>(p, m, v, g, nullptr, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
+}
+extern "C" __global__ void adamw_step_f32_rounded(float* p, float* m, float* v, const float* g,
+                                                  bf16* p16, long long n, float gs, float b1,
+                                                  float b2, float omb1, float omb2, float keep,
+                                                  float step, float inv_sqrt_bc2, float eps) {
+    adamw<true>(p, m, v, g, p16, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
 }
 
 // Nesterov momentum, in place on the gradient: g = g·gs; buf = mu·buf + g; g = g + mu·buf (the
@@ -65,10 +80,11 @@ extern "C" __global__ void scale_by_inv_norm_f32(float* x, const double* sumsq, 
     });
 }
 
-// p = p·keep − alpha·u, keep = 1 − decay.
-extern "C" __global__ void decay_update_f32(float* p, const float* u, long long n, float alpha,
-                                            float keep) {
-    ew_loop(n, vec_aligned(p, u), [&](long long i, auto w) {
+// p = p·keep − alpha·u, keep = 1 − decay; ROUND: the new p also into p16 in bf16.
+template <bool ROUND>
+__device__ void decay_update(float* p, const float* u, bf16* p16, long long n, float alpha,
+                             float keep) {
+    ew_loop(n, vec_aligned(p, u) && (!ROUND || vec_aligned(p16)), [&](long long i, auto w) {
         constexpr int W = decltype(w)::n;
         float a[W], b[W];
         ldw(a, p + i);
@@ -76,5 +92,14 @@ extern "C" __global__ void decay_update_f32(float* p, const float* u, long long 
 #pragma unroll
         for (int k = 0; k < W; k++) a[k] = a[k] * keep - alpha * b[k];
         stw(p + i, a);
+        if constexpr (ROUND) stw(p16 + i, a);
     });
+}
+extern "C" __global__ void decay_update_f32(float* p, const float* u, long long n, float alpha,
+                                            float keep) {
+    decay_update<false>(p, u, nullptr, n, alpha, keep);
+}
+extern "C" __global__ void decay_update_f32_rounded(float* p, const float* u, bf16* p16,
+                                                    long long n, float alpha, float keep) {
+    decay_update<true>(p, u, p16, n, alpha, keep);
 }

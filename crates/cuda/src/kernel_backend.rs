@@ -282,4 +282,26 @@ impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
     fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
         self.ops.decay_update(param, update, alpha, decay)
     }
+    fn adamw_step_rounded(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: ViewMut,
+    ) {
+        self.ops.adamw_step_rounded(param, m, v, grad, h, rounded)
+    }
+    fn decay_update_rounded(
+        &self,
+        param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: ViewMut,
+    ) {
+        self.ops
+            .decay_update_rounded(param, update, alpha, decay, rounded)
+    }
 }

@@ -119,9 +119,11 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         "optim.cu",
         &[
             "adamw_step_f32",
+            "adamw_step_f32_rounded",
             "nesterov_f32",
             "scale_by_inv_norm_f32",
             "decay_update_f32",
+            "decay_update_f32_rounded",
         ],
     ),
     (

@@ -442,6 +442,14 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         }),
     ));
     cases.push((
+        "adamw_step_f32_rounded",
+        vec![A_F32, A_F32, A_F32, A_F32, A_BF16],
+        Box::new(move |p, n| {
+            let h = [0.8, 0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
+            [&p[..5], &[n][..], &h[..]].concat()
+        }),
+    ));
+    cases.push((
         "nesterov_f32",
         vec![A_F32; 2],
         Box::new(move |p, n| vec![p[0], p[1], n, f(0.95), f(0.7)]),
@@ -461,6 +469,11 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         "decay_update_f32",
         vec![A_F32; 2],
         Box::new(move |p, n| vec![p[0], p[1], n, f(0.02), f(0.999)]),
+    ));
+    cases.push((
+        "decay_update_f32_rounded",
+        vec![A_F32, A_F32, A_BF16],
+        Box::new(move |p, n| vec![p[0], p[1], p[2], n, f(0.02), f(0.999)]),
     ));
     // Every elementwise and optimizer kernel but the partials' final sum.
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
@@ -1062,16 +1075,20 @@ fn optimizer_updates_at(
     [p, m, v, g]: [&Vec<f32>; 4],
     h: ganymede_core::AdamWStep,
 ) {
+    // And the update rounded into a bf16 copy, as the compute copy is written.
     let adamw = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut p, mut m, mut v) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
-        be.adamw_step(
-            p.view_mut(),
-            m.view_mut(),
-            v.view_mut(),
-            up(be, &x[3]).view(),
-            &h,
-        );
-        vec![down(be, &p), down(be, &m), down(be, &v)]
+        let (mut p2, mut m2, mut v2) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
+        let g = up(be, &x[3]);
+        be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
+        let mut r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
+        let (pv, mv, vv) = (p2.view_mut(), m2.view_mut(), v2.view_mut());
+        be.adamw_step_rounded(pv, mv, vv, g.view(), &h, r.view_mut());
+        // The fused variant's master and state are the plain one's, bit for bit.
+        assert_eq!(down(be, &p2), down(be, &p));
+        assert_eq!(down(be, &m2), down(be, &m));
+        let rounded = from_bf16(r.view().host_bf16());
+        vec![down(be, &p), down(be, &m), down(be, &v), rounded]
     };
     parity(
         &format!("adamw_step_f32, grad_scale {}", h.grad_scale),
@@ -1111,9 +1128,18 @@ fn optimizer_updates_at(
     );
     let (alpha, decay) = (0.02, 0.001);
     let decay_update = |be: &dyn Backend, x: &[Vec<f32>]| {
-        let mut p = up(be, &x[0]);
+        let (mut p, mut p2) = (up(be, &x[0]), up(be, &x[0]));
         be.decay_update(p.view_mut(), up(be, &x[1]).view(), alpha, decay);
-        vec![down(be, &p)]
+        let mut r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
+        be.decay_update_rounded(
+            p2.view_mut(),
+            up(be, &x[1]).view(),
+            alpha,
+            decay,
+            r.view_mut(),
+        );
+        assert_eq!(down(be, &p2), down(be, &p));
+        vec![down(be, &p), from_bf16(r.view().host_bf16())]
     };
     parity(
         "decay_update_f32",
@@ -1862,6 +1888,8 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
             attn_tc: true,
             attn_fused_dq: fused,
             attn_wide_fwd: wide,
+            // The last with three warps a block in the warp-per-row delta kernel.
+            row_block_max: if wide { 96 } else { 32 },
             ..SMALL
         });
         let run = |x: &[Vec<f32>]| attention_run_at(&kb, St::Bf16, St::Bf16, x, d, at);

@@ -102,6 +102,7 @@ fn muon_shapes(rules: &[Rule]) -> Vec<(usize, usize, usize)> {
 /// [`ganymede_config::ns_stack_batch`] of them at a time: each elementwise step one call over
 /// the batch, Newton–Schulz strided ([`newton_schulz_strided`]). Per matrix the calls of
 /// [`run_matrix`], so on a backend whose strided calls are loops the same bits.
+#[allow(clippy::too_many_arguments)]
 fn run_stack(
     be: &dyn Backend,
     mut p: ViewMut,
@@ -110,6 +111,7 @@ fn run_stack(
     (rows, cols, count, scale): (usize, usize, usize, f64),
     st: &mut StackSlot,
     c: MuonStep,
+    mut rounded: Option<ViewMut>,
 ) {
     let n = rows * cols;
     let batch = ganymede_config::ns_stack_batch(rows, cols, count, st.budget);
@@ -135,12 +137,12 @@ fn run_stack(
             c.ns_bf16,
             &mut st.ns,
         );
-        be.decay_update(
-            p.reborrow().slice(off, len),
-            st.u.slice(0, len),
-            c.lr * scale,
-            c.lr * c.weight_decay,
-        );
+        let (p, u) = (p.reborrow().slice(off, len), st.u.slice(0, len));
+        let (alpha, decay) = (c.lr * scale, c.lr * c.weight_decay);
+        match rounded.as_mut() {
+            Some(r) => be.decay_update_rounded(p, u, alpha, decay, r.reborrow().slice(off, len)),
+            None => be.decay_update(p, u, alpha, decay),
+        }
         e0 += b;
     }
 }
@@ -153,6 +155,8 @@ struct Item<'a> {
     rows: usize,
     cols: usize,
     scale: f64,
+    /// The parameter's bf16 compute copy, written by the update (see `Optimizer::step_rounded`).
+    rounded: Option<ViewMut<'a>>,
 }
 
 /// The step's constants for Muon matrices.
@@ -178,6 +182,7 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
         rows,
         cols,
         scale,
+        rounded,
     } = item;
     let n = rows * cols;
     // The update is made in the slot, from a copy of the gradient (the caller's to keep).
@@ -192,7 +197,11 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
         c.ns_bf16,
         &mut slot.ns,
     );
-    be.decay_update(p, slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
+    let (u, alpha, decay) = (slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
+    match rounded {
+        Some(r) => be.decay_update_rounded(p, u, alpha, decay, r),
+        None => be.decay_update(p, u, alpha, decay),
+    }
 }
 
 /// Run Muon matrices on the scratch slots: large ones one after another on `slots[0]` (their
@@ -430,6 +439,43 @@ impl Optimizer {
         lr: f64,
         grad_scale: f32,
     ) {
+        self.step_into(be, params, grads, lr, grad_scale, None);
+    }
+
+    /// [`Self::step_scaled`] that also writes each updated parameter, rounded to bf16, into its
+    /// entry of `rounded` where that entry is not empty (a bf16 compute copy: the parameters
+    /// the model reads in bf16, zero-length stand-ins for the rest), from the update kernels
+    /// themselves instead of a cast pass over the parameters afterwards; the same bits as that
+    /// cast. With the state in host memory (`optimizer.offload`) the copies are left alone.
+    /// Returns whether they were written.
+    pub fn step_rounded(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        grads: &ParamStore,
+        lr: f64,
+        grad_scale: f32,
+        rounded: &mut ParamStore,
+    ) -> bool {
+        assert_eq!(
+            rounded.len(),
+            params.len(),
+            "compute copy of other parameters"
+        );
+        let written = self.staging.is_none();
+        self.step_into(be, params, grads, lr, grad_scale, Some(rounded));
+        written
+    }
+
+    fn step_into(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        grads: &ParamStore,
+        lr: f64,
+        grad_scale: f32,
+        rounded: Option<&mut ParamStore>,
+    ) {
         assert_eq!(
             params.len(),
             self.rules.len(),
@@ -506,7 +552,7 @@ impl Optimizer {
                     } => {
                         if let (Some(st), true) = (stacks.as_mut(), count > 1) {
                             let shape = (rows, cols, count, scale);
-                            return run_stack(be, p, state, g.view(), shape, st, mc);
+                            return run_stack(be, p, state, g.view(), shape, st, mc, None);
                         }
                         // An expert stack's matrices spread over the slots as on the device
                         // path (one parameter's state is in the staging slot at a time).
@@ -524,6 +570,8 @@ impl Optimizer {
                                 rows,
                                 cols,
                                 scale,
+                                // Streamed state: the caller casts the copies (see step_rounded).
+                                rounded: None,
                             })
                             .collect();
                         run_items(be, items, slots, parallel, mc);
@@ -536,17 +584,31 @@ impl Optimizer {
 
         let mut items = Vec::new();
         let params_t = params.tensors_mut().iter_mut();
-        for ((rule, p), g) in self.rules.iter_mut().zip(params_t).zip(grads.tensors()) {
+        // Each parameter's compute copy, where it has one.
+        let mut copies: Vec<Option<ViewMut>> = match rounded {
+            Some(r) => r
+                .tensors_mut()
+                .iter_mut()
+                .map(|t| (!t.is_empty()).then(|| t.view_mut()))
+                .collect(),
+            None => (0..self.rules.len()).map(|_| None).collect(),
+        };
+        let rules = self.rules.iter_mut().zip(copies.iter_mut());
+        for (((rule, copy), p), g) in rules.zip(params_t).zip(grads.tensors()) {
+            let copy = copy.take();
             match rule {
                 Rule::Frozen => {}
                 Rule::AdamW { m, v, weight_decay } => {
-                    be.adamw_step(
+                    let (p, m, v, h) = (
                         p.view_mut(),
                         m.view_mut(),
                         v.view_mut(),
-                        g.view(),
-                        &adam(*weight_decay),
+                        adam(*weight_decay),
                     );
+                    match copy {
+                        Some(r) => be.adamw_step_rounded(p, m, v, g.view(), &h, r),
+                        None => be.adamw_step(p, m, v, g.view(), &h),
+                    }
                 }
                 Rule::Muon {
                     momentum,
@@ -558,13 +620,17 @@ impl Optimizer {
                     if let (Some(st), true) = (self.stacks.as_mut(), *count > 1) {
                         let shape = (*rows, *cols, *count, *scale);
                         let (p, mom) = (p.view_mut(), momentum.view_mut());
-                        run_stack(be, p, mom, g.view(), shape, st, mc);
+                        run_stack(be, p, mom, g.view(), shape, st, mc, copy);
                         continue;
                     }
                     let n = *rows * *cols;
                     let ps = split_views(p.view_mut(), *count, n);
                     let ms = split_views(momentum.view_mut(), *count, n);
-                    for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
+                    let mut rs: Vec<Option<ViewMut>> = match copy {
+                        Some(r) => split_views(r, *count, n).into_iter().map(Some).collect(),
+                        None => (0..*count).map(|_| None).collect(),
+                    };
+                    for (e, ((p, mom), r)) in ps.into_iter().zip(ms).zip(&mut rs).enumerate() {
                         let g = g.slice(e * n, n);
                         items.push(Item {
                             p,
@@ -573,6 +639,7 @@ impl Optimizer {
                             rows: *rows,
                             cols: *cols,
                             scale: *scale,
+                            rounded: r.take(),
                         });
                     }
                 }

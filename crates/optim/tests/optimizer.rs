@@ -536,6 +536,95 @@ fn a_scaled_step_equals_scaling_the_gradients_first() {
     }
 }
 
+/// `step_rounded` writes each copied parameter's update, rounded to bf16, into the compute copy
+/// (zero-length entries elsewhere) and leaves the masters as `step_scaled` does, bit for bit:
+/// AdamW, Muon matrix by matrix and Muon on batched expert stacks (the last a partial batch);
+/// with the state offloaded it writes nothing and says so.
+#[test]
+fn a_rounded_step_writes_the_cast_of_the_update() {
+    use ganymede_core::DType;
+    let mut specs = specs();
+    specs.push(ParamSpec::new(
+        "more_experts",
+        &[7, 20, 12],
+        ParamKind::Experts,
+    ));
+    let mut rng = Rng::new(23);
+    let init = normals(&mut rng, &specs);
+    let gs: Vec<Vec<Vec<f64>>> = (0..2).map(|_| normals(&mut rng, &specs)).collect();
+    let be = CpuBackend::default();
+    // Copies for the matrices and expert stacks, none for the rest.
+    let copied = |s: &ParamSpec| matches!(s.kind, ParamKind::Matrix | ParamKind::Experts);
+    let copies = || {
+        let t = specs
+            .iter()
+            .map(|s| match copied(s) {
+                true => be.zeros_of(&s.shape, DType::BF16, Category::Buffers),
+                false => be.zeros_of(&[0], DType::BF16, Category::Buffers),
+            })
+            .collect();
+        let shapes = specs.iter().map(|s| {
+            let mut s = s.clone();
+            if !copied(&s) {
+                s.shape = vec![0];
+            }
+            s
+        });
+        ParamStore::from_tensors(shapes.collect(), t)
+    };
+    for (name, batched, offload) in [
+        (OptimizerName::Adamw, None, false),
+        (OptimizerName::Muon, None, false),
+        (OptimizerName::Muon, Some(10_000), false),
+        (OptimizerName::Muon, None, true),
+    ] {
+        let mut c = cfg(name);
+        c.offload = offload;
+        let run = |rounded: bool| {
+            let mut params = store(&be, &specs, &init, Category::Params);
+            let mut opt = Optimizer::new(&be, &c, &specs).with_stack_batching(&be, batched);
+            let mut copy = copies();
+            let mut written = Vec::new();
+            for g in &gs {
+                let grads = store(&be, &specs, g, Category::Grads);
+                match rounded {
+                    true => written.push(opt.step_rounded(
+                        &be,
+                        &mut params,
+                        &grads,
+                        0.02,
+                        0.5,
+                        &mut copy,
+                    )),
+                    false => opt.step_scaled(&be, &mut params, &grads, 0.02, 0.5),
+                }
+            }
+            opt.synchronize_state(&be);
+            (params, copy, written)
+        };
+        let what = format!("{name:?}, batched {batched:?}, offload {offload}");
+        let (want, _, _) = run(false);
+        let (got, copy, written) = run(true);
+        assert!(
+            download(&be, &got) == download(&be, &want),
+            "{what}: masters"
+        );
+        assert_eq!(written, vec![!offload; 2], "{what}: written");
+        for ((s, p), r) in specs.iter().zip(got.tensors()).zip(copy.tensors()) {
+            if !copied(s) {
+                continue;
+            }
+            let mut cast = be.zeros_of(&s.shape, DType::BF16, Category::Buffers);
+            be.cast(cast.view_mut(), p.view());
+            let (a, b) = (r.view().host_bf16(), cast.view().host_bf16());
+            match offload {
+                false => assert!(a == b, "{what}: {}: the copy is not the cast", s.name),
+                true => assert!(a.iter().all(|&x| x == 0), "{what}: {} written", s.name),
+            }
+        }
+    }
+}
+
 /// Expert stacks batched through strided products (what a GPU runs, `Blas::batches_matrices`)
 /// give the parameters of the matrix-by-matrix path bit for bit on the CPU, whose strided calls
 /// are per-matrix loops; with state offloaded too; in f32 and bf16 products; a stack of 7

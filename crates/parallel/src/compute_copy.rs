@@ -3,8 +3,9 @@
 //! here by one cast per step instead of one per GEMM.
 //!
 //! The weights that only bf16-input GEMMs read ([`Model::bf16_weight`]) get a bf16 tensor each
-//! (`Category::Buffers`, made once), cast from the f32 masters before the first step that
-//! follows a change of them (an optimizer step, a checkpoint load), so once per step. For a
+//! (`Category::Buffers`, made once), written by the optimizer's update kernels as they update
+//! the masters ([`ComputeCopy::update_with`]), or else cast from the f32 masters before the
+//! first step that follows a change of them (a checkpoint load, an offloaded optimizer). For a
 //! step, [`ComputeCopy::lend`] moves the f32 masters of the other parameters into the same
 //! table (a swap, no copy) and moves them back when the step is done, so the optimizer always
 //! sees every master in its own table.
@@ -51,6 +52,14 @@ impl ComputeCopy {
     /// The masters changed: cast them again before the next use.
     pub fn invalidate(&mut self) {
         self.stale = true;
+    }
+
+    /// An update of the masters by `step`, which gets the copies (zero-length stand-ins where a
+    /// parameter has none) and returns whether it wrote each copied parameter's update there
+    /// (`Optimizer::step_rounded`); if not, the copies are cast again before the next use.
+    pub fn update_with(&mut self, step: impl FnOnce(&mut ParamStore) -> bool) {
+        let written = step(&mut self.store);
+        self.stale |= !written;
     }
 
     /// The table the model reads for one step: bf16 copies (cast first if stale) and, lent

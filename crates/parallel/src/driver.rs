@@ -401,9 +401,12 @@ impl RankState {
                 opt,
                 compute,
             } => {
-                opt.step_scaled(be, params, grads, lr, coef);
-                if let Some(c) = compute {
-                    c.invalidate();
+                // The bf16 compute copy written by the update kernels themselves.
+                match compute {
+                    Some(c) => {
+                        c.update_with(|copy| opt.step_rounded(be, params, grads, lr, coef, copy))
+                    }
+                    None => opt.step_scaled(be, params, grads, lr, coef),
                 }
             }
             Shards::Fsdp {

@@ -45,4 +45,28 @@ pub trait OptimOps: Send + Sync {
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
     /// `alpha = lr·scale` and `decay = lr·weight_decay`.
     fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64);
+
+    /// [`Self::adamw_step`], and the updated parameter rounded into `rounded` (bf16, the same
+    /// length): the bf16 compute copy written by the update instead of by a cast pass of its
+    /// own. The same bits as the update followed by [`crate::Blas::cast`].
+    fn adamw_step_rounded(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: ViewMut,
+    );
+
+    /// [`Self::decay_update`], and the updated parameter rounded into `rounded`, as
+    /// [`Self::adamw_step_rounded`].
+    fn decay_update_rounded(
+        &self,
+        param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: ViewMut,
+    );
 }

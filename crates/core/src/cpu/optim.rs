@@ -3,7 +3,7 @@
 //! element's update is independent).
 
 use super::{CpuBackend, PAR_MIN};
-use crate::backend::{AdamWStep, OptimOps};
+use crate::backend::{AdamWStep, Blas, OptimOps};
 use crate::tensor::{Scalar, View, ViewMut};
 use rayon::prelude::*;
 
@@ -114,5 +114,29 @@ impl OptimOps for CpuBackend {
     }
     fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
         crate::by_dtype!(param.dtype(), decay_update(param, update, alpha, decay))
+    }
+    // The CPU has no traffic to save: the update, then the cast.
+    fn adamw_step_rounded(
+        &self,
+        mut param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: ViewMut,
+    ) {
+        self.adamw_step(param.reborrow(), m, v, grad, h);
+        self.cast(rounded, param.as_view());
+    }
+    fn decay_update_rounded(
+        &self,
+        mut param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: ViewMut,
+    ) {
+        self.decay_update(param.reborrow(), update, alpha, decay);
+        self.cast(rounded, param.as_view());
     }
 }

@@ -469,8 +469,9 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.tq),
             i32_of(d.heads),
             i32_of(d.head_dim),
+            i64_of(nl),
         ];
-        self.launch(&format!("{op}_delta_{sfx}"), cfg(grid(nl, 1, 1), 32), &args);
+        self.launch(&format!("{op}_delta_{sfx}"), self.warp_per_row(nl), &args);
         let AttnGrads { dq, dk, dv } = g;
         let tail = |args: &mut Vec<Arg>| {
             args.extend(Self::attn_dims(&d));

@@ -14,8 +14,17 @@ fn check_f32(op: &str, views: &[(DType, usize)], n: usize) {
     }
 }
 
-impl<L: Launcher> OptimOps for KernelOps<L> {
-    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
+impl<L: Launcher> KernelOps<L> {
+    /// `adamw_step_f32`, or with `rounded` (a bf16 view) `adamw_step_f32_rounded`.
+    fn adamw(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: Option<ViewMut>,
+    ) {
         let n = param.len();
         let views = [
             (param.dtype(), n),
@@ -24,14 +33,19 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             (grad.dtype(), grad.len()),
         ];
         check_f32("adamw_step", &views, n);
+        check_rounded("adamw_step_rounded", rounded.as_ref(), n);
         if n == 0 {
             return;
         }
-        let args = [
-            self.am(param),
-            self.am(m),
-            self.am(v),
-            self.a(grad),
+        let mut args = vec![self.am(param), self.am(m), self.am(v), self.a(grad)];
+        let name = match rounded {
+            Some(r) => {
+                args.push(self.am(r));
+                "adamw_step_f32_rounded"
+            }
+            None => "adamw_step_f32",
+        };
+        args.extend([
             i64_of(n),
             Arg::F32(h.grad_scale),
             f(h.beta1),
@@ -42,8 +56,68 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             f(h.lr / h.bias_correction1),
             f(1.0 / h.bias_correction2.sqrt()),
             f(h.eps),
-        ];
-        self.launch("adamw_step_f32", self.ew(n), &args);
+        ]);
+        self.launch(name, self.ew(n), &args);
+    }
+
+    /// `decay_update_f32`, or with `rounded` `decay_update_f32_rounded`.
+    fn decay(
+        &self,
+        param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: Option<ViewMut>,
+    ) {
+        let n = param.len();
+        check_f32(
+            "decay_update",
+            &[(param.dtype(), n), (update.dtype(), update.len())],
+            n,
+        );
+        check_rounded("decay_update_rounded", rounded.as_ref(), n);
+        if n == 0 {
+            return;
+        }
+        let mut args = vec![self.am(param), self.a(update)];
+        let name = match rounded {
+            Some(r) => {
+                args.push(self.am(r));
+                "decay_update_f32_rounded"
+            }
+            None => "decay_update_f32",
+        };
+        args.extend([i64_of(n), f(alpha), f(1.0 - decay)]);
+        self.launch(name, self.ew(n), &args);
+    }
+}
+
+/// The compute copy a fused update writes: bf16, as long as the parameter.
+fn check_rounded(op: &str, rounded: Option<&ViewMut>, n: usize) {
+    if let Some(r) = rounded {
+        assert_eq!(
+            (r.dtype(), r.len()),
+            (DType::BF16, n),
+            "{op}: the rounded copy must be bf16 of the parameter's length"
+        );
+    }
+}
+
+impl<L: Launcher> OptimOps for KernelOps<L> {
+    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
+        self.adamw(param, m, v, grad, h, None)
+    }
+
+    fn adamw_step_rounded(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: ViewMut,
+    ) {
+        self.adamw(param, m, v, grad, h, Some(rounded))
     }
 
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
@@ -79,22 +153,17 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
     }
 
     fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
-        let n = param.len();
-        check_f32(
-            "decay_update",
-            &[(param.dtype(), n), (update.dtype(), update.len())],
-            n,
-        );
-        if n == 0 {
-            return;
-        }
-        let args = [
-            self.am(param),
-            self.a(update),
-            i64_of(n),
-            f(alpha),
-            f(1.0 - decay),
-        ];
-        self.launch("decay_update_f32", self.ew(n), &args);
+        self.decay(param, update, alpha, decay, None)
+    }
+
+    fn decay_update_rounded(
+        &self,
+        param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: ViewMut,
+    ) {
+        self.decay(param, update, alpha, decay, Some(rounded))
     }
 }

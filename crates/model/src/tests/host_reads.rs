@@ -143,6 +143,28 @@ impl OptimOps for CountingReads {
     fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
         self.be.decay_update(param, update, alpha, decay)
     }
+    fn adamw_step_rounded(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: ViewMut,
+    ) {
+        self.be.adamw_step_rounded(param, m, v, grad, h, rounded)
+    }
+    fn decay_update_rounded(
+        &self,
+        param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: ViewMut,
+    ) {
+        self.be
+            .decay_update_rounded(param, update, alpha, decay, rounded)
+    }
 }
 
 /// One training step of `tiny` (two MoE layers, 8 experts) reads back each MoE layer's `[8]`
