@@ -278,7 +278,8 @@ impl Model {
 
     /// Under bf16 compute, the GEMM outputs that only element-wise ops read (the routed
     /// experts' and the dense and shared SwiGLUs' gate and up, and the gradient of their SwiGLU
-    /// product, which SwiGLU reads; the routed experts' outputs, which the combine reads)
+    /// product, which SwiGLU reads; the routed experts' outputs, which the combine reads; the
+    /// head's logits, which the cross-entropy reads and turns into their gradient in place)
     /// written in f32, as before they were written in bf16 (the f32 product rounded once, as
     /// autocast's GEMMs write bf16). Unlike [`Model::with_f32_rows`] this changes values:
     /// SwiGLU and the combine then read unrounded inputs. It is the layout the bf16 rows are tested in bit

@@ -309,8 +309,8 @@ fn f32_forward_matches_f64() {
 /// [`Precision::bf16_outputs`]) for `n` tokens: per set, a MoE layer's dispatched inputs, gate,
 /// up, SwiGLU products and outputs (k·(2H + 3F) a token) and an FFN's gate, up and products
 /// (3W); once,
-/// the scratch's expert output, SwiGLU product, gate and up gradients (k·(H + 3F)) and the
-/// FFN's three (3·max W).
+/// the scratch's expert output, SwiGLU product, gate and up gradients (k·(H + 3F)), the
+/// FFN's three (3·max W) and the head's logits (V, every token's: no loss chunks here).
 fn bf16_row_elems(c: &ModelConfig, n: usize, mode: AcMode) -> u64 {
     let width = |l: usize| match c.is_moe_layer(l) {
         true => c.shared_experts * c.shared_hidden(),
@@ -329,7 +329,7 @@ fn bf16_row_elems(c: &ModelConfig, n: usize, mode: AcMode) -> u64 {
         .iter()
         .map(|&(moe, w)| moe as usize * k * (2 * h + 3 * f) + 3 * w)
         .sum();
-    (n * (per_set + any_moe as usize * k * (h + 3 * f) + 3 * max_w)) as u64
+    (n * (per_set + any_moe as usize * k * (h + 3 * f) + 3 * max_w + c.vocab_size)) as u64
 }
 
 #[test]

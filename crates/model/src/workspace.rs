@@ -206,8 +206,10 @@ pub struct Precision {
     /// [`Model::with_f32_rows`].
     pub bf16_rows: bool,
     /// Under bf16 compute, the GEMM outputs only element-wise ops read are bf16 (`g`, `u`,
-    /// `ye`, `da` of the routed experts; `fg`, `fu`, `dfa` of the SwiGLU FFNs), unless
-    /// [`Model::with_f32_rows`] or [`Model::with_f32_outputs`].
+    /// `ye`, `da` of the routed experts; `fg`, `fu`, `dfa` of the SwiGLU FFNs; the head's
+    /// `logits`, which the cross-entropy reads in f32 and overwrites with their gradient, the
+    /// A operand of the head's two backward GEMMs), unless [`Model::with_f32_rows`] or
+    /// [`Model::with_f32_outputs`].
     pub bf16_outputs: bool,
 }
 
@@ -379,7 +381,9 @@ fn dtype_of(what: &str, prec: Precision) -> DType {
         }
         "res" | "res_slot" | "res_host" if prec.bf16_boundaries => DType::BF16,
         "xe" | "a" | "dye" | "dg" | "du" | "fa" | "dfg" | "dfu" if prec.bf16_rows => DType::BF16,
-        "g" | "u" | "ye" | "da" | "fg" | "fu" | "dfa" if prec.bf16_outputs => DType::BF16,
+        "g" | "u" | "ye" | "da" | "fg" | "fu" | "dfa" | "logits" if prec.bf16_outputs => {
+            DType::BF16
+        }
         _ => DType::F32,
     }
 }

@@ -60,7 +60,8 @@ pub struct ActivationTerms {
     /// Final norm output and rms, logits and their log-sum-exp, the u32 token ids and
     /// targets, the ids' grouping by id (`3N + 1`: order, segment starts, segment ids):
     /// 4·N·(H + V + 7) + 4, with V·C in place of V·N where `training.loss_chunk_tokens` = C
-    /// is below N (the head holds one chunk's logits).
+    /// is below N (the head holds one chunk's logits); under bf16 compute the logits are a
+    /// bf16 GEMM output, 2·V·C less.
     pub head: f64,
 }
 
@@ -166,7 +167,8 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         boundaries,
         layer_sets: f * n * sets + f * moe_sets * (c * rows + 2.0 * e + 1.0),
         grad_scratch: f * n * scratch + if any_moe { f * c * scratch_rows } else { 0.0 },
-        head: f * (n * (h + 7.0) + head_rows(job, n) * m.vocab_size as f64) + f,
+        // The logits are a bf16 GEMM output under bf16 compute.
+        head: f * (n * (h + 7.0) + (1.0 - half) * head_rows(job, n) * m.vocab_size as f64) + f,
     };
 
     // Muon scratch.
@@ -318,12 +320,12 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// experts' rows; the other GEMMs' operands are smaller. The weights reach the GEMMs
 /// in bf16 already, and so do the rows the model makes in bf16 (the routed experts' inputs,
 /// SwiGLU products and output, gate and up gradients; an FFN's product and gate and up
-/// gradients; attention's output), which a GPU takes as they are: there slot A holds the
-/// logits' gradient or an f32 activation (`N·H`, a query gradient `N·Q`) and slot B only the
-/// normed rows the weight gradients read (`N·H`). The CPU widens bf16 operands into its f32
-/// scratch like any operand, and keeps an f32 output slot for the GEMMs that write bf16 (gate,
-/// up, the SwiGLU product's gradient and the experts' outputs: `max(N·k, capacity)·max(F, H)`
-/// or an FFN's `N·W`), which it rounds from.
+/// gradients; attention's output; the logits and their gradient), which a GPU takes as they
+/// are: there slot A holds an f32 activation (`N·H`, a query gradient `N·Q`) and slot B only
+/// the normed rows the weight gradients read (`N·H`). The CPU widens bf16 operands into its
+/// f32 scratch like any operand, and keeps an f32 output slot for the GEMMs that write bf16
+/// (gate, up, the SwiGLU product's gradient, the experts' outputs and the logits:
+/// `max(N·k, capacity)·max(F, H)`, an FFN's `N·W` or the head's `C·V`), which it rounds from.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     gemm_scratch(job, None)
 }
@@ -363,21 +365,20 @@ pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usiz
     let rows = crate::fit::ep_capacity_rows(job).map_or(nk, |c| (c as f64).max(nk));
     let e = e / job.parallelism.ep.max(1) as f64;
     // The CPU's f32 output slot for the GEMMs that write bf16 (gate, up, the SwiGLU product's
-    // gradient and the experts' outputs: an expert buffer of F or H, or an FFN's `N·W`); a GPU
-    // writes bf16 directly.
+    // gradient and the experts' outputs: an expert buffer of F or H, an FFN's `N·W`, or the
+    // head's logits); a GPU writes bf16 directly.
+    let logits = head_rows(job, n) * v;
     let out = match job.device.kind {
         ganymede_config::DeviceKind::Cuda => 0.0,
-        _ => 4.0 * (rows * ff.max(h)).max(n * width),
+        _ => 4.0 * (rows * ff.max(h)).max(n * width).max(logits),
     };
     let rows = rows * h.max(ff);
     let (a, b) = match job.device.kind {
-        // The rows the model makes in bf16 (the experts', the SwiGLUs' products and gradients)
-        // reach a GPU's GEMMs as they are, and so do the weights.
-        ganymede_config::DeviceKind::Cuda => {
-            (vec![head_rows(job, n) * v, n * h, n * q], vec![n * h])
-        }
+        // The rows the model makes in bf16 (the experts', the SwiGLUs' products and gradients,
+        // the logits' gradient) reach a GPU's GEMMs as they are, and so do the weights.
+        ganymede_config::DeviceKind::Cuda => (vec![n * h, n * q], vec![n * h]),
         _ => (
-            vec![head_rows(job, n) * v, rows, n * width, n * h, n * q],
+            vec![logits, rows, n * width, n * h, n * q],
             vec![v * h, e * ff * h, width * h, q * h, kv * h, rows, n * h],
         ),
     };

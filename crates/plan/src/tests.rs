@@ -817,7 +817,7 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     // gradients as much more. And the bf16 rows and GEMM outputs: each set's dispatched
     // inputs, gate, up, SwiGLU products and expert outputs, 2·N·2·(2·64 + 3·128) = 2,097,152
     // less, and the scratch's expert output, SwiGLU product, gate and up gradients,
-    // 2·N·2·(64 + 3·128) = 1,835,008 less.
+    // 2·N·2·(64 + 3·128) = 1,835,008 less; and the head's logits, 2·N·256 = 524,288 less.
     job.training.compute_dtype = ganymede_config::ComputeDtype::Bf16;
     job.activation_checkpoint.boundary_dtype = BoundaryDtype::F32;
     let b = predict_cpu_ledger(&job, 1);
@@ -828,9 +828,10 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     );
     assert_eq!(tn.grad_scratch - tb.grad_scratch, 1_835_008.0 - 393_216.0);
     assert_eq!(tb.boundaries, tn.boundaries);
+    assert_eq!(tn.head - tb.head, 524_288.0);
     assert_eq!(
         none.activations - b.activations,
-        393_216.0 + 2.0 * 2_097_152.0 + 1_835_008.0
+        393_216.0 + 2.0 * 2_097_152.0 + 1_835_008.0 + 524_288.0
     );
     // bf16 boundaries (`auto` under bf16 compute): 2·N·3·64 = 393,216 plus the f32 working
     // copy 4·N·64 = 262,144, 131,072 less than f32's 786,432.
@@ -840,11 +841,11 @@ fn cpu_ledger_activations_by_checkpointing_mode() {
     assert_eq!(b.activations - b16.activations, 131_072.0);
     job.activation_checkpoint.mode = AcMode::Full;
     // Under full checkpointing (one set) attention's bf16 tensors save what their gradients
-    // add; the boundaries and the rows (one set's and the scratch's) save the rest.
+    // add; the boundaries, the rows (one set's and the scratch's) and the logits save the rest.
     let full16 = predict_cpu_ledger(&job, 1).activations;
     assert_eq!(
         full16,
-        full.activations - 131_072.0 - 2_097_152.0 - 1_835_008.0
+        full.activations - 131_072.0 - 2_097_152.0 - 1_835_008.0 - 524_288.0
     );
     // bf16 boundaries at f32 compute too, when asked (the rows stay f32).
     job.training.compute_dtype = ganymede_config::ComputeDtype::F32;

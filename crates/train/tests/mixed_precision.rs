@@ -272,7 +272,8 @@ fn activation_peak(cfg: &JobConfig, ranks: usize) -> u64 {
 /// full checkpointing); the rows only bf16-input GEMMs read and the GEMM outputs only SwiGLU
 /// reads take 2 bytes too (each set's dispatched inputs, gate, up, SwiGLU products and expert
 /// outputs, the scratch's expert output, SwiGLU product, gate and up gradients:
-/// `2·N·k·(S·(2H + 3F) + H + 3F)` fewer, S the sets); and the L + 1 boundaries (bf16 under the default `auto`) take `2·N·H`
+/// `2·N·k·(S·(2H + 3F) + H + 3F)` fewer, S the sets), and so do the head's logits (`2·N·V`
+/// fewer); and the L + 1 boundaries (bf16 under the default `auto`) take `2·N·H`
 /// each instead of `4·N·H`, plus one f32 working copy, `4·N·H`. The measured peak equals the
 /// planner's to the byte, at one rank and at two FSDP ranks.
 #[test]
@@ -299,6 +300,7 @@ fn bf16_attention_activations_on_the_ledger_equal_the_planner() {
             let rows16 = n * k * (sets * (2 * h + 3 * f) + h + 3 * f);
             let saved = (sets - 1) * 2 * n * (2 * m.q_dim() + 2 * m.kv_dim()) as u64
                 + 2 * rows16
+                + 2 * n * m.vocab_size as u64
                 + 2 * nh * (m.layers as u64 + 1)
                 - 4 * nh;
             println!(

@@ -758,6 +758,42 @@ fn cross_entropy_backward<S: Scalar>(
         });
 }
 
+/// bf16 logits (the head GEMM's bf16 output under bf16 compute): each row widened to f32 and
+/// taken through the f32 kernel's arithmetic; the gradient rounded back into the row.
+fn cross_entropy_forward_bf16(lse: ViewMut, logits: View, targets: View, v: usize, loss: ViewMut) {
+    let (lse, logits): (&mut [f32], &[u16]) = (lse.host(), logits.host_bf16());
+    let targets = targets.host_u32();
+    lse.par_iter_mut()
+        .zip(logits.par_chunks(v))
+        .with_min_len(min_rows(v))
+        .for_each_init(Vec::new, |buf, (l, x)| {
+            let x = <u16 as Rows<f32>>::widen(x, buf);
+            let m = max_of(x);
+            *l = m + sum_exp_sub(x, m).ln();
+        });
+    let mut total = 0.0f64;
+    for (r, &t) in targets.iter().enumerate() {
+        total += f64::from(lse[r] - crate::bf16::to_f32(logits[r * v + t as usize]));
+    }
+    loss.host::<f64>()[0] += total;
+}
+
+fn cross_entropy_backward_bf16(logits: ViewMut, lse: View, targets: View, v: usize, scale: f32) {
+    let (logits, lse): (&mut [u16], &[f32]) = (logits.host_bf16(), lse.host());
+    let targets = targets.host_u32();
+    logits
+        .par_chunks_mut(v)
+        .zip(lse.par_iter())
+        .zip(targets.par_iter())
+        .with_min_len(min_rows(v))
+        .for_each_init(Vec::new, |buf: &mut Vec<f32>, ((x, &l), &t)| {
+            <u16 as Rows<f32>>::widen(x, buf);
+            exp_sub_scale(buf, l, scale);
+            buf[t as usize] -= scale;
+            round_piece(x, buf);
+        });
+}
+
 // ---------------------------------------------------------------------------------------------
 
 fn dt(v: &View) -> DType {
@@ -944,10 +980,10 @@ impl NnOps for CpuBackend {
         vocab: usize,
         loss: ViewMut,
     ) {
-        by_dtype!(
-            dt(&logits),
-            cross_entropy_forward(lse, logits, targets, vocab, loss)
-        )
+        match dt(&logits) {
+            DType::BF16 => cross_entropy_forward_bf16(lse, logits, targets, vocab, loss),
+            d => by_dtype!(d, cross_entropy_forward(lse, logits, targets, vocab, loss)),
+        }
     }
     fn cross_entropy_backward(
         &self,
@@ -957,9 +993,12 @@ impl NnOps for CpuBackend {
         vocab: usize,
         scale: f32,
     ) {
-        by_dtype!(
-            dt(&lse),
-            cross_entropy_backward(logits, lse, targets, vocab, scale)
-        )
+        match logits.dtype() {
+            DType::BF16 => cross_entropy_backward_bf16(logits, lse, targets, vocab, scale),
+            _ => by_dtype!(
+                dt(&lse),
+                cross_entropy_backward(logits, lse, targets, vocab, scale)
+            ),
+        }
     }
 }

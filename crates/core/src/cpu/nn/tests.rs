@@ -136,6 +136,41 @@ fn embedding_from_a_bf16_table() {
     assert_ne!(want[..d], wte[4 * d..5 * d], "the values were not rounded");
 }
 
+/// bf16 logits (the head's bf16 GEMM output): the log-sum-exp and loss are the f32 kernel's on
+/// the widened values bit for bit, and the gradient is the f32 kernel's rounded once.
+#[test]
+fn cross_entropy_on_bf16_logits_is_the_f32_kernel_on_their_values() {
+    use crate::DType;
+    let b = CpuBackend::default();
+    let (rows, v) = (5usize, 37usize);
+    let mut rng = Rng::new(17);
+    let x: Vec<f32> = (0..rows * v).map(|_| 4.0 * rng.next() as f32).collect();
+    let widened = crate::bf16::to_f32_slice(&crate::bf16::from_f32_slice(&x));
+    let targets = b.upload_u32(&[3, 36, 0, 17, 3], &[rows], Category::Activations);
+    let scale = 0.3f32;
+    // (lse, loss, gradient as f32 values) from logits `t`.
+    let run = |mut t: Tensor| {
+        let mut lse = b.zeros(&[rows], Category::Activations);
+        let mut loss = b.zeros_of(&[1], DType::F64, Category::Activations);
+        b.cross_entropy_forward(lse.view_mut(), t.view(), targets.view(), v, loss.view_mut());
+        b.cross_entropy_backward(t.view_mut(), lse.view(), targets.view(), v, scale);
+        let grad = match t.dtype() {
+            DType::BF16 => crate::bf16::to_f32_slice(t.view().host_bf16()),
+            _ => b.download(t.view()),
+        };
+        (b.download(lse.view()), b.download_f64(loss.view())[0], grad)
+    };
+    let mut t16 = b.zeros_of(&[rows * v], DType::BF16, Category::Activations);
+    b.write(t16.view_mut(), &x);
+    let (lse16, loss16, g16) = run(t16);
+    let (lse, loss, g) = run(b.upload(&widened, &[rows * v], Category::Activations));
+    assert_eq!(lse16, lse);
+    assert_eq!(loss16.to_bits(), loss.to_bits());
+    let rounded = crate::bf16::to_f32_slice(&crate::bf16::from_f32_slice(&g));
+    assert_eq!(g16, rounded);
+    assert_ne!(g16, g, "the gradient was not rounded");
+}
+
 #[test]
 fn embedding_segments_group_tokens_by_id_stably() {
     let (order, seg_start, seg_id) = embedding_segments(&[3, 0, 3, 6, 1, 0]);
