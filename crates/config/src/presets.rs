@@ -79,7 +79,7 @@ steps = 100
 batch_size = 4
 # The GPU configuration PyTorch is run in beside it: bf16 GEMM operands over fp32 master
 # weights (as autocast), and no activation checkpointing, which `ganymede plan --set
-# device.kind=cuda` predicts at 37.4 GiB of an H200's 138.4 usable (with full checkpointing 23.9).
+# device.kind=cuda` predicts at 35.5 GiB of an H200's 138.4 usable (with full checkpointing 22.0).
 compute_dtype = "bf16"
 
 [activation_checkpoint]
