@@ -734,11 +734,11 @@ fn bf16_rows_give_the_gradients_of_f32_rows_cast_in_each_gemm() {
 #[test]
 fn bf16_gemm_outputs_move_the_gradients_by_bf16_rounding_only() {
     // Under bf16 compute the GEMMs whose outputs only element-wise ops read (gate, up, the
-    // SwiGLU product's gradient, the experts' outputs) write bf16, as autocast's GEMMs do:
-    // SwiGLU and the combine read inputs rounded once (relative 2^-9), which moves the
-    // gradients by a few of bf16's ulps (measured: 3.9e-3 and 4.3e-3 in L2, where bf16
-    // operands moved them from f32 compute by 3.7e-2 and 6.8e-3), and halves those rows'
-    // bytes. That each output is the f32 product rounded once, and that SwiGLU and the combine
+    // SwiGLU product's gradient, the experts' outputs, the logits) write bf16, as autocast's
+    // GEMMs do: SwiGLU, the combine and the loss read inputs rounded once (relative 2^-9),
+    // which moves the gradients by a few of bf16's ulps (measured: 3.8e-3 and 4.1e-3 in L2,
+    // where bf16 operands moved them from f32 compute by 3.7e-2 and 6.8e-3), and halves those
+    // rows' bytes. That each output is the f32 product rounded once, and that SwiGLU and the combine
     // compute on the widened values, is held bit for bit by the backends' own tests. tiny, and
     // tiny with a dense first layer and two shared experts (the FFNs' outputs, one written
     // through a strided view), both checkpointing modes.
