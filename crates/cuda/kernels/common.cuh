@@ -54,8 +54,8 @@ __device__ __forceinline__ long long grid_threads() {
 
 // Wide accesses for the memory-bound kernels. A warp's 4-byte loads move 128 bytes a request,
 // and with one such load in flight per thread an H100/H200 keeps about 1 MB in flight across
-// its SMs, where HBM at ~4.8 TB/s and ~600 ns asks for about 3 MB (Little's law): scalar f32
-// kernels top out near 40% of the bandwidth, bf16 near 20%. These kernels move GANY_VW
+// its SMs, where HBM at ~4.8 TB/s and ~600 ns asks for about 3 MB (Little's law, not measured):
+// scalar f32 kernels top out near a third of the bandwidth, bf16 lower. These kernels move GANY_VW
 // consecutive elements per access instead (16 bytes of f32, 8 of bf16) wherever every array
 // they touch starts on such a boundary, and single elements otherwise and for the tail. Each
 // element's arithmetic is the same on both paths, so results are bitwise the scalar loop's
@@ -187,7 +187,6 @@ __device__ __forceinline__ void ew_loop(long long n, bool wide, F body) {
     }
     for (long long i = done + global_tid(); i < n; i += grid_threads()) body(i, gany_width<1>{});
 }
-
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);

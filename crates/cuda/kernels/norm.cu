@@ -133,7 +133,6 @@ __device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, f
 // consecutive head rows and reduce with shuffles, no block barrier. Lane l takes the rotation's
 // pairs (i, i + half) for i = l, l + 32, ...
 // Launch: grid ceil(nrh / warps per block), block 32 × warps per block; nrh = rows × heads.
-
 template <class T>
 __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, int heads,
                                    int hd, int seq, int pos0, const float* inv_freq, float eps,

@@ -270,8 +270,16 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
 }
 
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
-    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
-        self.ops.adamw_step(param, m, v, grad, h)
+    fn adamw_step(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: Option<ViewMut>,
+    ) {
+        self.ops.adamw_step(param, m, v, grad, h, rounded)
     }
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
         self.ops.nesterov_momentum(buf, grad, momentum, grad_scale)
@@ -279,29 +287,14 @@ impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         self.ops.normalize_frobenius(x, eps)
     }
-    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
-        self.ops.decay_update(param, update, alpha, decay)
-    }
-    fn adamw_step_rounded(
-        &self,
-        param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: ViewMut,
-    ) {
-        self.ops.adamw_step_rounded(param, m, v, grad, h, rounded)
-    }
-    fn decay_update_rounded(
+    fn decay_update(
         &self,
         param: ViewMut,
         update: View,
         alpha: f64,
         decay: f64,
-        rounded: ViewMut,
+        rounded: Option<ViewMut>,
     ) {
-        self.ops
-            .decay_update_rounded(param, update, alpha, decay, rounded)
+        self.ops.decay_update(param, update, alpha, decay, rounded)
     }
 }

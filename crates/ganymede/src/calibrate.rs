@@ -261,7 +261,7 @@ pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
     };
     let t = pool.install(|| {
         median_time(batch_s.max(0.02), 5, || {
-            be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h)
+            be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None)
         })
     });
     let optimizer_bytes_per_s = 28.0 * n as f64 / t;

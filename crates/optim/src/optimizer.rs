@@ -139,10 +139,8 @@ fn run_stack(
         );
         let (p, u) = (p.reborrow().slice(off, len), st.u.slice(0, len));
         let (alpha, decay) = (c.lr * scale, c.lr * c.weight_decay);
-        match rounded.as_mut() {
-            Some(r) => be.decay_update_rounded(p, u, alpha, decay, r.reborrow().slice(off, len)),
-            None => be.decay_update(p, u, alpha, decay),
-        }
+        let r = rounded.as_mut().map(|r| r.reborrow().slice(off, len));
+        be.decay_update(p, u, alpha, decay, r);
         e0 += b;
     }
 }
@@ -198,10 +196,7 @@ fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
         &mut slot.ns,
     );
     let (u, alpha, decay) = (slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
-    match rounded {
-        Some(r) => be.decay_update_rounded(p, u, alpha, decay, r),
-        None => be.decay_update(p, u, alpha, decay),
-    }
+    be.decay_update(p, u, alpha, decay, rounded);
 }
 
 /// Run Muon matrices on the scratch slots: large ones one after another on `slots[0]` (their
@@ -542,7 +537,7 @@ impl Optimizer {
                 match rules[k] {
                     UpdateRule::AdamW { weight_decay } => {
                         let (m, v) = state.split_at(g.len());
-                        be.adamw_step(p, m, v, g.view(), &adam(weight_decay));
+                        be.adamw_step(p, m, v, g.view(), &adam(weight_decay), None);
                     }
                     UpdateRule::Muon {
                         rows,
@@ -585,7 +580,7 @@ impl Optimizer {
         let mut items = Vec::new();
         let params_t = params.tensors_mut().iter_mut();
         // Each parameter's compute copy, where it has one.
-        let mut copies: Vec<Option<ViewMut>> = match rounded {
+        let copies: Vec<Option<ViewMut>> = match rounded {
             Some(r) => r
                 .tensors_mut()
                 .iter_mut()
@@ -593,22 +588,13 @@ impl Optimizer {
                 .collect(),
             None => (0..self.rules.len()).map(|_| None).collect(),
         };
-        let rules = self.rules.iter_mut().zip(copies.iter_mut());
+        let rules = self.rules.iter_mut().zip(copies);
         for (((rule, copy), p), g) in rules.zip(params_t).zip(grads.tensors()) {
-            let copy = copy.take();
             match rule {
                 Rule::Frozen => {}
                 Rule::AdamW { m, v, weight_decay } => {
-                    let (p, m, v, h) = (
-                        p.view_mut(),
-                        m.view_mut(),
-                        v.view_mut(),
-                        adam(*weight_decay),
-                    );
-                    match copy {
-                        Some(r) => be.adamw_step_rounded(p, m, v, g.view(), &h, r),
-                        None => be.adamw_step(p, m, v, g.view(), &h),
-                    }
+                    let (m, v, h) = (m.view_mut(), v.view_mut(), adam(*weight_decay));
+                    be.adamw_step(p.view_mut(), m, v, g.view(), &h, copy);
                 }
                 Rule::Muon {
                     momentum,
@@ -626,11 +612,8 @@ impl Optimizer {
                     let n = *rows * *cols;
                     let ps = split_views(p.view_mut(), *count, n);
                     let ms = split_views(momentum.view_mut(), *count, n);
-                    let mut rs: Vec<Option<ViewMut>> = match copy {
-                        Some(r) => split_views(r, *count, n).into_iter().map(Some).collect(),
-                        None => (0..*count).map(|_| None).collect(),
-                    };
-                    for (e, ((p, mom), r)) in ps.into_iter().zip(ms).zip(&mut rs).enumerate() {
+                    let mut rs = copy.map(|r| split_views(r, *count, n).into_iter());
+                    for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
                         let g = g.slice(e * n, n);
                         items.push(Item {
                             p,
@@ -639,7 +622,7 @@ impl Optimizer {
                             rows: *rows,
                             cols: *cols,
                             scale: *scale,
-                            rounded: r.take(),
+                            rounded: rs.as_mut().and_then(Iterator::next),
                         });
                     }
                 }

@@ -261,7 +261,7 @@ impl ShardedOptimizer {
                     false => {
                         let (p, mv) = state.split_at(g.len());
                         let (m, v) = mv.split_at(g.len());
-                        be.adamw_step(p, m, v, g.view(), &adam(wds[k]));
+                        be.adamw_step(p, m, v, g.view(), &adam(wds[k]), None);
                     }
                 }
             });
@@ -276,7 +276,7 @@ impl ShardedOptimizer {
                     Rule::Frozen => {}
                     Rule::AdamW { m, v, weight_decay } => {
                         let h = adam(*weight_decay);
-                        be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h);
+                        be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None);
                     }
                     Rule::Muon { momentum, .. } => {
                         let mom = momentum.view_mut();
@@ -356,13 +356,19 @@ impl ShardedOptimizer {
                 }
                 staging.stream(be, &mut ps, |k, p| {
                     let (u, alpha) = updates[k];
-                    be.decay_update(p, u.view(), alpha, decay);
+                    be.decay_update(p, u.view(), alpha, decay, None);
                 });
             }
             None => {
                 for i in muon_items {
                     if let Rule::Muon { scale, .. } = &self.rules[i] {
-                        be.decay_update(params[i].view_mut(), grads[i].view(), lr * scale, decay);
+                        be.decay_update(
+                            params[i].view_mut(),
+                            grads[i].view(),
+                            lr * scale,
+                            decay,
+                            None,
+                        );
                     }
                 }
             }

@@ -30,7 +30,18 @@ pub trait OptimOps: Send + Sync {
     /// `g = grad·grad_scale` (the gradient is not written):
     /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²;`
     /// `θ = θ·(1 − lr·wd) − (lr/bc1) · m / (sqrt(v)/sqrt(bc2) + eps)`.
-    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep);
+    /// With `rounded` (bf16, the same length) the new θ is also written there rounded: the
+    /// bf16 compute copy made by the update instead of by a cast pass of its own, the same bits
+    /// as the update followed by [`crate::Blas::cast`].
+    fn adamw_step(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: Option<ViewMut>,
+    );
 
     /// Nesterov momentum, in place on the gradient, which becomes the update:
     /// `g = g·grad_scale; buf = μ·buf + g; g = g + μ·buf` (with the new `buf`); `grad_scale` is
@@ -43,30 +54,13 @@ pub trait OptimOps: Send + Sync {
     fn normalize_frobenius(&self, x: ViewMut, eps: f64);
 
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
-    /// `alpha = lr·scale` and `decay = lr·weight_decay`.
-    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64);
-
-    /// [`Self::adamw_step`], and the updated parameter rounded into `rounded` (bf16, the same
-    /// length): the bf16 compute copy written by the update instead of by a cast pass of its
-    /// own. The same bits as the update followed by [`crate::Blas::cast`].
-    fn adamw_step_rounded(
-        &self,
-        param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: ViewMut,
-    );
-
-    /// [`Self::decay_update`], and the updated parameter rounded into `rounded`, as
-    /// [`Self::adamw_step_rounded`].
-    fn decay_update_rounded(
+    /// `alpha = lr·scale` and `decay = lr·weight_decay`. `rounded` as in [`Self::adamw_step`].
+    fn decay_update(
         &self,
         param: ViewMut,
         update: View,
         alpha: f64,
         decay: f64,
-        rounded: ViewMut,
+        rounded: Option<ViewMut>,
     );
 }

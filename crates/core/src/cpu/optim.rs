@@ -103,8 +103,20 @@ fn decay_update<S: Scalar>(p: ViewMut, u: View, alpha: f64, decay: f64) {
 }
 
 impl OptimOps for CpuBackend {
-    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
-        crate::by_dtype!(param.dtype(), adamw(param, m, v, grad, h))
+    // The CPU has no traffic to save: a rounded copy is the update's cast.
+    fn adamw_step(
+        &self,
+        mut param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: Option<ViewMut>,
+    ) {
+        crate::by_dtype!(param.dtype(), adamw(param.reborrow(), m, v, grad, h));
+        if let Some(r) = rounded {
+            self.cast(r, param.as_view());
+        }
     }
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
         crate::by_dtype!(buf.dtype(), nesterov(buf, grad, momentum, grad_scale))
@@ -112,31 +124,18 @@ impl OptimOps for CpuBackend {
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         crate::by_dtype!(x.dtype(), normalize(x, eps))
     }
-    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
-        crate::by_dtype!(param.dtype(), decay_update(param, update, alpha, decay))
-    }
-    // The CPU has no traffic to save: the update, then the cast.
-    fn adamw_step_rounded(
-        &self,
-        mut param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: ViewMut,
-    ) {
-        self.adamw_step(param.reborrow(), m, v, grad, h);
-        self.cast(rounded, param.as_view());
-    }
-    fn decay_update_rounded(
+    fn decay_update(
         &self,
         mut param: ViewMut,
         update: View,
         alpha: f64,
         decay: f64,
-        rounded: ViewMut,
+        rounded: Option<ViewMut>,
     ) {
-        self.decay_update(param.reborrow(), update, alpha, decay);
-        self.cast(rounded, param.as_view());
+        let dt = param.dtype();
+        crate::by_dtype!(dt, decay_update(param.reborrow(), update, alpha, decay));
+        if let Some(r) = rounded {
+            self.cast(r, param.as_view());
+        }
     }
 }

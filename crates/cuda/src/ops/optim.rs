@@ -14,9 +14,9 @@ fn check_f32(op: &str, views: &[(DType, usize)], n: usize) {
     }
 }
 
-impl<L: Launcher> KernelOps<L> {
+impl<L: Launcher> OptimOps for KernelOps<L> {
     /// `adamw_step_f32`, or with `rounded` (a bf16 view) `adamw_step_f32_rounded`.
-    fn adamw(
+    fn adamw_step(
         &self,
         param: ViewMut,
         m: ViewMut,
@@ -33,7 +33,7 @@ impl<L: Launcher> KernelOps<L> {
             (grad.dtype(), grad.len()),
         ];
         check_f32("adamw_step", &views, n);
-        check_rounded("adamw_step_rounded", rounded.as_ref(), n);
+        check_rounded("adamw_step", rounded.as_ref(), n);
         if n == 0 {
             return;
         }
@@ -61,7 +61,7 @@ impl<L: Launcher> KernelOps<L> {
     }
 
     /// `decay_update_f32`, or with `rounded` `decay_update_f32_rounded`.
-    fn decay(
+    fn decay_update(
         &self,
         param: ViewMut,
         update: View,
@@ -75,7 +75,7 @@ impl<L: Launcher> KernelOps<L> {
             &[(param.dtype(), n), (update.dtype(), update.len())],
             n,
         );
-        check_rounded("decay_update_rounded", rounded.as_ref(), n);
+        check_rounded("decay_update", rounded.as_ref(), n);
         if n == 0 {
             return;
         }
@@ -89,35 +89,6 @@ impl<L: Launcher> KernelOps<L> {
         };
         args.extend([i64_of(n), f(alpha), f(1.0 - decay)]);
         self.launch(name, self.ew(n), &args);
-    }
-}
-
-/// The compute copy a fused update writes: bf16, as long as the parameter.
-fn check_rounded(op: &str, rounded: Option<&ViewMut>, n: usize) {
-    if let Some(r) = rounded {
-        assert_eq!(
-            (r.dtype(), r.len()),
-            (DType::BF16, n),
-            "{op}: the rounded copy must be bf16 of the parameter's length"
-        );
-    }
-}
-
-impl<L: Launcher> OptimOps for KernelOps<L> {
-    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
-        self.adamw(param, m, v, grad, h, None)
-    }
-
-    fn adamw_step_rounded(
-        &self,
-        param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: ViewMut,
-    ) {
-        self.adamw(param, m, v, grad, h, Some(rounded))
     }
 
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
@@ -151,19 +122,15 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let args = [self.am(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
         self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
     }
+}
 
-    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
-        self.decay(param, update, alpha, decay, None)
-    }
-
-    fn decay_update_rounded(
-        &self,
-        param: ViewMut,
-        update: View,
-        alpha: f64,
-        decay: f64,
-        rounded: ViewMut,
-    ) {
-        self.decay(param, update, alpha, decay, Some(rounded))
+/// The compute copy a fused update writes: bf16, as long as the parameter.
+fn check_rounded(op: &str, rounded: Option<&ViewMut>, n: usize) {
+    if let Some(r) = rounded {
+        assert_eq!(
+            (r.dtype(), r.len()),
+            (DType::BF16, n),
+            "{op}: the rounded copy must be bf16 of the parameter's length"
+        );
     }
 }

@@ -131,8 +131,16 @@ impl NnOps for CountingReads {
 }
 
 impl OptimOps for CountingReads {
-    fn adamw_step(&self, param: ViewMut, m: ViewMut, v: ViewMut, grad: View, h: &AdamWStep) {
-        self.be.adamw_step(param, m, v, grad, h)
+    fn adamw_step(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: Option<ViewMut>,
+    ) {
+        self.be.adamw_step(param, m, v, grad, h, rounded)
     }
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
         self.be.nesterov_momentum(buf, grad, momentum, grad_scale)
@@ -140,30 +148,15 @@ impl OptimOps for CountingReads {
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         self.be.normalize_frobenius(x, eps)
     }
-    fn decay_update(&self, param: ViewMut, update: View, alpha: f64, decay: f64) {
-        self.be.decay_update(param, update, alpha, decay)
-    }
-    fn adamw_step_rounded(
-        &self,
-        param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: ViewMut,
-    ) {
-        self.be.adamw_step_rounded(param, m, v, grad, h, rounded)
-    }
-    fn decay_update_rounded(
+    fn decay_update(
         &self,
         param: ViewMut,
         update: View,
         alpha: f64,
         decay: f64,
-        rounded: ViewMut,
+        rounded: Option<ViewMut>,
     ) {
-        self.be
-            .decay_update_rounded(param, update, alpha, decay, rounded)
+        self.be.decay_update(param, update, alpha, decay, rounded)
     }
 }
 
