@@ -253,3 +253,36 @@ fn eval_errors() {
     ));
     assert!(e.contains("1000") && e.contains("big.bin"), "{e}");
 }
+
+/// A gradient that overflows while the loss is still finite (`tiny` at lr 1e30: step 2's loss
+/// is 5.5, its gradient norm NaN) stops the run before the update, so no checkpoint holds the
+/// NaN weights: the latest is still step 1's. Without the gradient's check the run went on to
+/// write step 2's checkpoint from poisoned weights.
+#[test]
+fn a_non_finite_gradient_stops_before_it_reaches_a_checkpoint() {
+    let tmp = TempDir::new("nonfinite");
+    let run = tmp.path().join("run");
+    let r = run.display().to_string();
+    let args = [
+        "train",
+        "--steps",
+        "4",
+        "--set",
+        "optimizer.lr=1e30",
+        "--set",
+        "optimizer.warmup_steps=0",
+        "--set",
+        "checkpoint.interval=1",
+        "--set",
+        "metrics.val_every=0",
+        "--out",
+        &r,
+    ];
+    let e = fails(ganymede(tmp.path(), &args, &[]));
+    assert!(
+        e.contains("gradient norm is NaN at step 2") && e.contains("not applied"),
+        "{e}"
+    );
+    let latest = fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step_00000001");
+}

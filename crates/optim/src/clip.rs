@@ -5,7 +5,8 @@ use ganymede_core::{Backend, Category, DType, ParamStore};
 /// Scale all gradients by `max_norm/(‖g‖ + 1e-6)` when the global L2 norm `‖g‖` (over every
 /// trainable parameter, accumulated in f64) exceeds `max_norm`, as PyTorch's `clip_grad_norm_`.
 /// Returns the norm before clipping. `max_norm <= 0` disables clipping. A non-finite norm leaves
-/// the gradients untouched (scaling would only spread the NaN); the caller sees it and decides.
+/// the gradients untouched (scaling would only spread the NaN); the caller sees it and decides
+/// (the trainer stops before the update, `ganymede_parallel::driver::check_finite`).
 /// The trainer instead passes [`clip_coef`] to `Optimizer::step_scaled`, whose update kernels
 /// scale each gradient as they read it: the same bits without this pass over the gradients.
 pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -> f64 {

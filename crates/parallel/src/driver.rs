@@ -62,6 +62,25 @@ pub struct StepReport {
     pub expert_rows_over_even: Option<f64>,
 }
 
+/// Stop a step whose loss or gradient norm is not finite, before its update. A NaN or an
+/// infinity in any gradient makes the norm (a sum over all of them) non-finite even when the
+/// loss is finite, and an update from it would spread it through every weight it touches.
+pub fn check_finite(loss: f64, grad_norm: f64, step: usize, lr: f64) -> Result<()> {
+    let at = step + 1;
+    if !loss.is_finite() {
+        bail!(
+            "loss is {loss} at step {at}: training diverged (try a lower optimizer.lr than {lr:e})"
+        );
+    }
+    if !grad_norm.is_finite() {
+        bail!(
+            "gradient norm is {grad_norm} at step {at} (loss {loss:.4}): a gradient overflowed or \
+             is NaN; the step's update was not applied (try a lower optimizer.lr than {lr:e})"
+        );
+    }
+    Ok(())
+}
+
 /// The placement policy a config asks for.
 pub fn policy(cfg: &JobConfig) -> Policy {
     match cfg.parallelism.muon_placement {
@@ -382,13 +401,9 @@ impl RankState {
         world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
         let rows_over_even = expert_rows.map(|_| red[3..].iter().copied().fold(0.0, f64::max));
         let (loss, norm) = (red[0], red[1].sqrt());
-        if !loss.is_finite() {
-            bail!(
-                "loss is {loss} at step {}: training diverged (try a lower optimizer.lr than {})",
-                step + 1,
-                self.cfg.optimizer.lr
-            );
-        }
+        // Every rank holds the same reduced values, so every rank stops here alike, before
+        // the update: the weights (and the last checkpoint) stay as they were.
+        check_finite(loss, norm, step, self.cfg.optimizer.lr)?;
         // Clipping's coefficient goes into the update kernels, which scale each gradient as
         // they read it (no pass over the gradients of its own).
         let coef = clip_coef(norm, self.cfg.training.grad_clip).unwrap_or(1.0);
@@ -533,6 +548,36 @@ impl ParamSource for TracedBlocks<'_> {
             };
             self.tracer
                 .record(name, Track::Compute, t0, Instant::now(), None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_finite;
+
+    #[test]
+    fn a_step_with_a_non_finite_loss_or_gradient_norm_stops() {
+        assert!(check_finite(2.5, 0.7, 3, 1e-3).is_ok());
+        let e = check_finite(f64::NAN, 0.7, 3, 1e-3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("loss is NaN at step 4") && e.contains("lower optimizer.lr than 1e-3"),
+            "{e}"
+        );
+        let e = check_finite(f64::INFINITY, 0.7, 0, 1e-3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("loss is inf at step 1"), "{e}");
+        // A finite loss does not let a non-finite gradient through.
+        for norm in [f64::NAN, f64::INFINITY] {
+            let e = check_finite(2.5, norm, 9, 1e-3).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("gradient norm is {norm} at step 10"))
+                    && e.contains("not applied"),
+                "{e}"
+            );
         }
     }
 }
