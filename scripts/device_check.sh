@@ -82,8 +82,11 @@ py=python3
 for p in "${pythons[@]}"; do
     [ -n "$p" ] && "$p" -c 'import torch' >/dev/null 2>&1 && { py=$p; break; }
 done
-GANYMEDE_BIN=$bin GANYMEDE_PYTHON=$py timeout "$left" "$root/scripts/device_train_check.sh" "$out" \
-    >"$out/train-check.log" 2>&1
+# The training check fits its runs to the deadline itself (an outer timeout would kill the
+# script but leave its running child, in its own process group, on the GPU, and lose the closing
+# verdict); the timeout is only a backstop.
+GANYMEDE_CHECK_DEADLINE=$(($(date +%s) + left)) GANYMEDE_BIN=$bin GANYMEDE_PYTHON=$py \
+    timeout $((left + 10)) "$root/scripts/device_train_check.sh" "$out" >"$out/train-check.log" 2>&1
 trc=$?
 {
     echo
