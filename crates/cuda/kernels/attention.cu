@@ -459,11 +459,11 @@ __device__ __forceinline__ void acc_to_a(unsigned* a, const float* c0, const flo
 // 16 bytes from global src into shared dst without passing through registers (cp.async, sm_80
 // and later), or 16 zero bytes where !valid (src is then not read). Completion is by group:
 // cp_async_commit closes the group of the copies issued since the last one, cp_async_wait<N>
-// waits until at most N groups are still in flight. The host build copies at once.
+// waits until at most N groups are still in flight. The host build copies at once, or at the
+// wait that covers the copy (the shim's two timings, both tested).
 __device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool valid) {
 #if defined(GANY_HOST)
-    if (valid) std::memcpy(dst, src, 16);
-    else std::memset(dst, 0, 16);
+    gany_cp_async16(dst, src, valid);
 #else
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
@@ -471,13 +471,17 @@ __device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool vali
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
-#if !defined(GANY_HOST)
+#if defined(GANY_HOST)
+    gany_cp_commit();
+#else
     asm volatile("cp.async.commit_group;\n" ::);
 #endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#if !defined(GANY_HOST)
+#if defined(GANY_HOST)
+    gany_cp_wait(N);
+#else
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
 }

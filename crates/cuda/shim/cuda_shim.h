@@ -47,6 +47,11 @@ extern "C" void gany_syncwarp();
 extern "C" void* gany_dynamic_shared();
 extern "C" unsigned long long* gany_warp_slots();
 extern "C" unsigned* gany_warp_mma_slots();
+// cp.async's 16-byte copy into shared memory, its commit_group and its wait_group N: at issue,
+// or held back until the wait that covers them (host::set_copy_timing).
+extern "C" void gany_cp_async16(void* dst, const void* src, int valid);
+extern "C" void gany_cp_commit();
+extern "C" void gany_cp_wait(int n);
 
 inline void __syncthreads() { gany_syncthreads(); }
 inline void gany_full_mask(unsigned mask);

@@ -26,12 +26,23 @@ struct Barrier {
     unsigned long long generation = 0;
 };
 
+// An asynchronous copy (cp.async) issued and not yet performed; group -1 until committed.
+struct PendingCopy {
+    void* dst;
+    const void* src;
+    bool valid;
+    long long group;
+};
+
 struct Fiber {
     ucontext_t ctx;
     uint3 tid;
     bool done = false;
     Barrier* waiting = nullptr;
     unsigned long long wait_generation = 0;
+    // This thread's cp.async copies held back until a wait needs them (g_defer_copies).
+    std::vector<PendingCopy> copies;
+    long long committed = 0;
 };
 
 struct Block {
@@ -53,6 +64,10 @@ thread_local Block* g_block = nullptr;
 // orders, so running both catches a missing __syncthreads.
 thread_local bool g_reverse = false;
 thread_local std::vector<std::unique_ptr<unsigned char[]>> g_stacks;
+// Perform each cp.async copy at the latest moment the PTX contract allows (the wait_group that
+// covers its group) instead of at once, its destination NaN until then, so a kernel that reads a
+// tile before waiting for it, or refills a stage a warp still reads, reads NaN.
+thread_local bool g_defer_copies = false;
 
 [[noreturn]] void fail(const char* what) {
     std::fprintf(stderr, "cuda host shim: %s (block %u,%u,%u)\n", what, blockIdx.x, blockIdx.y,
@@ -91,6 +106,9 @@ __attribute__((noinline)) void prepare(Block& b, unsigned i) {
     Fiber& f = b.fibers[i];
     f.done = false;
     f.waiting = nullptr;
+    // Copies a finished block never waited for never land, as on the device.
+    f.copies.clear();
+    f.committed = 0;
     f.tid = {i % blockDim.x, (i / blockDim.x) % blockDim.y, i / (blockDim.x * blockDim.y)};
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = g_stacks[i].get();
@@ -145,6 +163,45 @@ extern "C" unsigned* gany_warp_mma_slots() {
 extern "C" void* gany_dynamic_shared() { return g_block->dynamic_shared.data(); }
 
 namespace {
+void perform(const PendingCopy& c) {
+    if (c.valid) std::memcpy(c.dst, c.src, 16);
+    else std::memset(c.dst, 0, 16);
+}
+}  // namespace
+
+extern "C" void gany_cp_async16(void* dst, const void* src, int valid) {
+    if (!g_block) fail("cp.async outside a launch");
+    const PendingCopy c{dst, src, valid != 0, -1};
+    if (g_defer_copies) {
+        // Until the copy completes its destination holds nothing defined: NaN bytes, so a read
+        // before the wait (or of a stage already being refilled) cannot pass by finding the
+        // same tile left there by an earlier block.
+        std::memset(dst, 0xff, 16);
+        g_block->current->copies.push_back(c);
+    } else {
+        perform(c);
+    }
+}
+
+extern "C" void gany_cp_commit() {
+    Fiber* f = g_block->current;
+    for (PendingCopy& c : f->copies)
+        if (c.group < 0) c.group = f->committed;
+    f->committed++;
+}
+
+// cp.async.wait_group n: every group but the n most recently committed is complete.
+extern "C" void gany_cp_wait(int n) {
+    Fiber* f = g_block->current;
+    std::vector<PendingCopy> left;
+    for (const PendingCopy& c : f->copies) {
+        if (c.group >= 0 && c.group < f->committed - n) perform(c);
+        else left.push_back(c);
+    }
+    f->copies.swap(left);
+}
+
+namespace {
 
 // Calls a kernel with arguments passed as CUDA's driver API passes them: an array of pointers
 // to each argument's value.
@@ -180,6 +237,10 @@ const Entry* find(const char* name) {
 // Order of a block's threads between barriers on this OS thread: first to last (0) or last to
 // first (1).
 extern "C" void gany_host_set_reverse(int reverse) { g_reverse = reverse != 0; }
+
+// When cp.async copies land on this OS thread's launches: at issue (0) or at the wait that
+// covers them (1).
+extern "C" void gany_host_set_defer_copies(int defer) { g_defer_copies = defer != 0; }
 
 // The argument kinds of a kernel, one letter each: p pointer, i int, u unsigned, l long long,
 // f float, d double. Null for an unknown name.

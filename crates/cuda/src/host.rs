@@ -18,6 +18,7 @@ extern "C" {
     fn gany_host_signature(name: *const c_char) -> *const c_char;
     fn gany_host_kernel_count() -> u32;
     fn gany_host_set_reverse(reverse: i32);
+    fn gany_host_set_defer_copies(defer: i32);
     fn gany_host_kernel_name(i: u32) -> *const c_char;
     fn gany_host_wide_accesses() -> u64;
 }
@@ -138,6 +139,22 @@ pub enum Schedule {
 pub fn set_schedule(s: Schedule) {
     // Safety: sets a thread-local flag.
     unsafe { gany_host_set_reverse((s == Schedule::LastToFirst) as i32) }
+}
+
+/// When the kernels' asynchronous copies into shared memory (`cp.async`) land, for launches
+/// from this thread. `AtIssue`: at once. `AtWait`: at the latest moment the PTX contract allows
+/// (the `cp.async.wait_group` that covers the copy), the destination NaN from the issue until
+/// then, which shows a tile read before its wait (copying at once hides that) as well as a
+/// stage refilled while a warp still reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyTiming {
+    AtIssue,
+    AtWait,
+}
+
+pub fn set_copy_timing(t: CopyTiming) {
+    // Safety: sets a thread-local flag.
+    unsafe { gany_host_set_defer_copies((t == CopyTiming::AtWait) as i32) }
 }
 
 /// Wide (4-element vector) loads and stores made so far by kernels launched from this thread:

@@ -16,7 +16,9 @@ use ganymede_core::sample::Lcg;
 use ganymede_core::{
     bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Ledger, Memory, Tensor,
 };
-use ganymede_cuda::host::{launch, set_schedule, Arg, LaunchConfig, Schedule};
+use ganymede_cuda::host::{
+    launch, set_copy_timing, set_schedule, Arg, CopyTiming, LaunchConfig, Schedule,
+};
 use ganymede_cuda::kernel_backend::{HostKernelBackend, KernelBackend};
 use ganymede_cuda::launch::{HostLauncher, Launcher};
 use ganymede_cuda::ops::{KernelOps, Tuning};
@@ -1877,6 +1879,7 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
         .collect();
     // Both backwards: dq in a second pass, and dq added from the dk/dv pass (fused); then the
     // forward with two m-tiles a warp.
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     let mut runs = Vec::new();
     for (fused, wide) in [(false, false), (true, false), (true, true)] {
         let kb = kernels(Tuning {
@@ -1890,11 +1893,22 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
         let run = |x: &[Vec<f32>]| attention_run_at(&kb, St::Bf16, St::Bf16, x, d, at);
         let name = format!("attention_tc_bf16 (fused dq: {fused}, wide forward: {wide}) {d:?}");
         parity(&name, &inputs, 1, &tols, run, reference);
-        runs.push(run(&inputs));
+        let at_issue = run(&inputs);
+        // The tiles' asynchronous copies landing only at the waits that cover them: every
+        // output bit for bit, so no tile is read before its wait.
+        set_copy_timing(CopyTiming::AtWait);
+        let at_wait = run(&inputs);
+        set_copy_timing(CopyTiming::AtIssue);
+        for (o, (a, b)) in at_issue.iter().zip(&at_wait).enumerate() {
+            assert!(
+                bits(a) == bits(b),
+                "{name}: output {o} differs with copies landing at their waits"
+            );
+        }
+        runs.push(at_issue);
     }
     // The wide forward computes each row as the narrow one does, product by product: every
     // output bit for bit (past head_dim 64 it does not apply).
-    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for (o, (a, b)) in runs[1].iter().zip(&runs[2]).enumerate() {
         assert!(
             bits(a) == bits(b),
