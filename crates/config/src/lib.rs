@@ -239,6 +239,23 @@ pub struct TrainingConfig {
     /// recomputing every chunk's experts but the last in backward (no extra compute under full
     /// checkpointing, which recomputes them anyway).
     pub moe_chunk_tokens: usize,
+    /// Sequences each rank runs through one forward and backward (0 = its whole share of the
+    /// batch, `batch_size / ranks`): a smaller value divides the share into that many-sequence
+    /// microbatches whose gradients are accumulated before the one optimizer step (gradient
+    /// accumulation, as TorchTitan's local batch under a global one), so activations are a
+    /// microbatch's. Each microbatch's loss, auxiliary loss included, is its own global batch's
+    /// mean (as Megatron's), and the step's is their mean.
+    pub micro_batch_size: usize,
+}
+
+impl TrainingConfig {
+    /// Sequences per forward and backward on each of `ranks` ranks.
+    pub fn micro_batch(&self, ranks: usize) -> usize {
+        match self.micro_batch_size {
+            0 => self.batch_size / ranks.max(1),
+            m => m,
+        }
+    }
 }
 
 /// Operand precision of the model's GEMMs (`training.compute_dtype`).
@@ -271,6 +288,7 @@ impl Default for TrainingConfig {
             compute_dtype: ComputeDtype::F32,
             loss_chunk_tokens: 0,
             moe_chunk_tokens: 0,
+            micro_batch_size: 0,
         }
     }
 }

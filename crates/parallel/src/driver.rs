@@ -35,7 +35,8 @@ use ganymede_dist::{
 };
 use ganymede_model::{
     forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, Hooks,
-    LocalExperts, LocalParams, Model, ParamSource, Pass, RowBufferUse, Tokens, Workspace,
+    LocalExperts, LocalParams, Model, ParamSource, Pass, RowBufferUse, StepOutput, Tokens,
+    Workspace,
 };
 use ganymede_optim::{clip_coef, lr_at, Optimizer};
 use std::sync::Arc;
@@ -60,6 +61,23 @@ pub struct StepReport {
     /// Expert parallelism: the most rows one layer's experts received on any rank in the step,
     /// over an even routing's (what `parallelism.ep_capacity_factor` is held against).
     pub expert_rows_over_even: Option<f64>,
+}
+
+/// Add microbatch output `one` into `out`, the mean of `k`: loss, aux loss and expert loads
+/// (fractions of equal token counts) averaged, tokens summed.
+fn accumulate_output(out: &mut StepOutput, one: StepOutput, k: usize) {
+    let w = 1.0 / k as f64;
+    out.loss += one.loss * w;
+    out.aux_loss += one.aux_loss * w;
+    out.tokens += one.tokens;
+    if out.expert_load.is_empty() {
+        out.expert_load = one.expert_load.iter().map(|l| vec![0.0; l.len()]).collect();
+    }
+    for (acc, l) in out.expert_load.iter_mut().zip(&one.expert_load) {
+        for (a, &x) in acc.iter_mut().zip(l) {
+            *a += x * w as f32;
+        }
+    }
 }
 
 /// Stop a step whose loss or gradient norm is not finite, before its update. A NaN or an
@@ -268,8 +286,17 @@ impl RankState {
             AcMode::Full => ganymede_config::offloaded_layers(ac.offload_fraction, m.layers),
             AcMode::None => 0,
         };
-        let ws =
-            Workspace::with_offload(be, &model, t.batch_size / w, m.seq_len, ac.mode, offloaded);
+        let micro = t.micro_batch(w);
+        if micro == 0 || !(t.batch_size / w).is_multiple_of(micro) {
+            bail!(
+                "training.micro_batch_size = {} does not divide a rank's {} sequences \
+                 (training.batch_size = {} over {w} ranks)",
+                t.micro_batch_size,
+                t.batch_size / w,
+                t.batch_size
+            );
+        }
+        let ws = Workspace::with_offload(be, &model, micro, m.seq_len, ac.mode, offloaded);
         let experts: Box<dyn ExpertExecutor> = if mesh.shape.ep > 1 {
             Box::new(EpExperts::new(
                 mesh.ep.clone(),
@@ -321,58 +348,75 @@ impl RankState {
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
         let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
         let be: &dyn Backend = self.be.as_ref();
-        let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
-        let tokens = Tokens {
-            inputs: &x,
-            targets: &y,
-        };
-        let out = match &mut self.shards {
-            Shards::Whole {
-                params,
-                grads,
-                compute,
-                ..
-            } => {
-                for g in grads.tensors_mut() {
-                    be.fill(g.view_mut(), 0.0);
-                }
-                // The bf16 compute copy with the other masters lent in, or the masters alone.
-                let mut local;
-                let mut lent;
-                let inner: &mut dyn ParamSource = match compute {
-                    Some(c) => {
-                        lent = c.lend(be, params);
-                        &mut lent
-                    }
-                    None => {
-                        local = LocalParams(params);
-                        &mut local
-                    }
-                };
-                let hooks = Hooks {
-                    params: &mut TracedBlocks {
-                        inner,
-                        tracer: &ctx.tracer,
-                        started: None,
-                    },
-                    grads,
-                    experts: ex,
-                };
-                forward_backward_with(be, model, hooks, ws, tokens, 1.0)
+        // Gradient accumulation: the rank's share in microbatches, each one's gradients its
+        // own global batch's mean times 1/k, added up before the one update.
+        let micro = self.cfg.training.micro_batch(world.size());
+        let k = batch / world.size() / micro;
+        if let Shards::Whole { grads, .. } = &mut self.shards {
+            for g in grads.tensors_mut() {
+                be.fill(g.view_mut(), 0.0);
             }
-            Shards::Fsdp { params, grads, .. } => {
-                params.begin(be, true, batch * seq);
-                grads.begin(be);
-                let hooks = Hooks {
+        }
+        let mut out = StepOutput {
+            loss: 0.0,
+            aux_loss: 0.0,
+            tokens: 0,
+            expert_load: Vec::new(),
+        };
+        for m in 0..k {
+            let rows = m * micro * seq..(m + 1) * micro * seq;
+            let tokens = Tokens {
+                inputs: &x[rows.clone()],
+                targets: &y[rows],
+            };
+            let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
+            let one = match &mut self.shards {
+                Shards::Whole {
                     params,
                     grads,
-                    experts: ex,
-                };
-                let out = forward_backward_with(be, model, hooks, ws, tokens, 1.0);
-                grads.finish();
-                out
-            }
-        };
+                    compute,
+                    ..
+                } => {
+                    // The bf16 compute copy with the other masters lent in, or the masters
+                    // alone.
+                    let mut local;
+                    let mut lent;
+                    let inner: &mut dyn ParamSource = match compute {
+                        Some(c) => {
+                            lent = c.lend(be, params);
+                            &mut lent
+                        }
+                        None => {
+                            local = LocalParams(params);
+                            &mut local
+                        }
+                    };
+                    let hooks = Hooks {
+                        params: &mut TracedBlocks {
+                            inner,
+                            tracer: &ctx.tracer,
+                            started: None,
+                        },
+                        grads,
+                        experts: ex,
+                    };
+                    forward_backward_with(be, model, hooks, ws, tokens, 1.0 / k as f32)
+                }
+                Shards::Fsdp { params, grads, .. } => {
+                    params.begin(be, true, world.size() * micro * seq);
+                    grads.begin(be, m > 0);
+                    let hooks = Hooks {
+                        params,
+                        grads,
+                        experts: ex,
+                    };
+                    let one = forward_backward_with(be, model, hooks, ws, tokens, 1.0 / k as f32);
+                    grads.finish(be, m + 1 == k);
+                    one
+                }
+            };
+            accumulate_output(&mut out, one, k);
+        }
 
         // The loss is this slice's share of the global mean; the aux loss is already global.
         let t0 = Instant::now();
@@ -473,31 +517,37 @@ impl RankState {
         let (w, r) = (world.size(), world.rank());
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
         let per = batch / w;
+        // In microbatches as training runs them, each its own global batch's mean.
+        let micro = self.cfg.training.micro_batch(w);
+        let k = per / micro;
         let nb = self.cfg.metrics.val_batches.max(1);
         let mut sums = vec![0f64; nb];
         let be: &dyn Backend = self.be.as_ref();
         for (i, s) in sums.iter_mut().enumerate() {
             let (x, y) = data.val_batch(i, batch, seq);
-            let rows = r * per * seq..(r + 1) * per * seq;
-            let tokens = Tokens {
-                inputs: &x[rows.clone()],
-                targets: &y[rows],
-            };
-            let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
-            *s = match &mut self.shards {
-                Shards::Whole {
-                    params,
-                    compute: Some(c),
-                    ..
-                } => forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens).loss,
-                Shards::Whole { params, .. } => {
-                    forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens).loss
-                }
-                Shards::Fsdp { params, .. } => {
-                    params.begin(be, false, batch * seq);
-                    forward_loss_with(be, model, params, ex, ws, tokens).loss
-                }
-            };
+            for m in 0..k {
+                let r0 = (r * per + m * micro) * seq;
+                let rows = r0..r0 + micro * seq;
+                let tokens = Tokens {
+                    inputs: &x[rows.clone()],
+                    targets: &y[rows],
+                };
+                let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
+                *s += match &mut self.shards {
+                    Shards::Whole {
+                        params,
+                        compute: Some(c),
+                        ..
+                    } => forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens).loss,
+                    Shards::Whole { params, .. } => {
+                        forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens).loss
+                    }
+                    Shards::Fsdp { params, .. } => {
+                        params.begin(be, false, w * micro * seq);
+                        forward_loss_with(be, model, params, ex, ws, tokens).loss
+                    }
+                } / k as f64;
+            }
         }
         world.all_reduce(ViewMut::Host64(&mut sums), Phase::Other)?;
         Ok(sums.iter().sum::<f64>() / nb as f64)

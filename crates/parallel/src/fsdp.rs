@@ -618,6 +618,20 @@ unsafe fn post_reduce_scatter(
     .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e))
 }
 
+/// Where parameter `i`'s reduce-scatter writes: its shard, or (accumulating) its landing shard.
+fn target<'a>(
+    accumulate: bool,
+    shards: &'a mut [Tensor],
+    landing: &'a mut [Tensor],
+    i: usize,
+) -> &'a mut Tensor {
+    if accumulate {
+        &mut landing[i]
+    } else {
+        &mut shards[i]
+    }
+}
+
 /// A zero gradient for parameter `i` in a buffer with room for its padded rows, which stay
 /// zero: the model writes only the tensor's own elements.
 fn padded_grad(be: &dyn Backend, layout: &Layout, groups: &Groups, i: usize) -> Tensor {
@@ -628,11 +642,18 @@ fn padded_grad(be: &dyn Backend, layout: &Layout, groups: &Groups, i: usize) -> 
 
 /// The gradient side of FSDP for one rank.
 pub struct FsdpGrads {
-    /// Reduce-scatters in flight, per gradient set; declared first (dropping waits).
-    pending: Vec<Vec<Work<'static>>>,
+    /// Reduce-scatters in flight, per gradient set, with their parameter's index; declared
+    /// first (dropping waits).
+    pending: Vec<Vec<(Work<'static>, usize)>>,
     /// Reduce-scatters of the head's gradients (final norm, LM head) in flight, posted when
     /// the head's backward ends; declared first (dropping waits).
-    head_pending: Vec<Work<'static>>,
+    head_pending: Vec<(Work<'static>, usize)>,
+    /// Gradient accumulation: a microbatch after a step's first reduce-scatters into
+    /// `landing` and each landed shard is added into `shards` once its reduce-scatter is done
+    /// (a reduce-scatter overwrites its output). One shard set, made at the first such
+    /// microbatch.
+    accumulate: bool,
+    landing: Vec<Tensor>,
     /// `(embedding, LM head)` when they have one shape and shard: one gradient tensor serves
     /// both, the head's until its reduce-scatter is done, then the embedding's, whose backward
     /// is the step's last.
@@ -685,6 +706,8 @@ impl FsdpGrads {
         FsdpGrads {
             pending: (0..sets).map(|_| Vec::new()).collect(),
             head_pending: Vec::new(),
+            accumulate: false,
+            landing: Vec::new(),
             share,
             head_sent: false,
             embedding,
@@ -698,12 +721,19 @@ impl FsdpGrads {
         }
     }
 
-    /// Zero the resident root gradients (start of a step); a shared tensor goes back to the
-    /// LM head.
-    pub fn begin(&mut self, be: &dyn Backend) {
+    /// Zero the resident root gradients (start of a microbatch); a shared tensor goes back to
+    /// the LM head. `accumulate`: this microbatch's gradients are added to the shards (every
+    /// microbatch of a step after the first); else they replace them.
+    pub fn begin(&mut self, be: &dyn Backend, accumulate: bool) {
         // A step that ended early (an error between `end_head` and `finish`) left its head's
         // reduce-scatters: done before the tensors are zeroed.
-        self.wait_head();
+        self.wait_head(be);
+        self.accumulate = accumulate;
+        if accumulate && self.landing.is_empty() {
+            self.landing = (self.layout.shard.iter())
+                .map(|&n| be.zeros(&[n], Category::Grads))
+                .collect();
+        }
         self.head_sent = false;
         if let Some((e, h)) = self.share {
             if self.store.get(h).is_empty() {
@@ -722,35 +752,52 @@ impl FsdpGrads {
     }
 
     /// Wait for the head's reduce-scatters.
-    fn wait_head(&mut self) {
-        for w in self.head_pending.drain(..) {
-            w.wait()
-                .unwrap_or_else(|e| fail("reduce-scattering the head's gradients", e));
+    fn wait_head(&mut self, be: &dyn Backend) {
+        let works: Vec<_> = self.head_pending.drain(..).collect();
+        self.settle(be, works, "reduce-scattering the head's gradients");
+    }
+
+    /// Wait for `works` (reduce-scatters of the parameters they name); when accumulating, add
+    /// each landed shard into its parameter's.
+    fn settle(&mut self, be: &dyn Backend, works: Vec<(Work<'static>, usize)>, what: &str) {
+        for (w, i) in works {
+            w.wait().unwrap_or_else(|e| fail(what, e));
+            if self.accumulate {
+                be.add(self.shards[i].view_mut(), self.landing[i].view());
+            }
         }
     }
 
-    /// Reduce-scatter the root gradients not yet sent and wait for every reduce-scatter, then
-    /// (HSDP) sum the shards across replicas: the shards then hold the global batch's gradients.
-    pub fn finish(&mut self) {
-        self.wait_head();
+    /// Wait for every block reduce-scatter in flight.
+    fn wait_blocks(&mut self, be: &dyn Backend) {
+        for t in 0..self.pending.len() {
+            let works: Vec<_> = self.pending[t].drain(..).collect();
+            self.settle(be, works, "reduce-scattering block gradients");
+        }
+    }
+
+    /// Reduce-scatter the root gradients not yet sent and wait for every reduce-scatter (the
+    /// end of a microbatch); at the step's `last`, (HSDP) sum the shards across replicas: the
+    /// shards then hold the global batch's gradients.
+    pub fn finish(&mut self, be: &dyn Backend, last: bool) {
+        self.wait_head(be);
         let head_sent = std::mem::take(&mut self.head_sent);
         for &i in self.layout.root.clone().iter() {
             if head_sent && !self.is_embedding(i) {
                 continue;
             }
             let g = self.groups.get(self.layout.group[i]).clone();
-            g.reduce_scatter(
-                self.store.get(i).padded_view(),
-                self.shards[i].view_mut(),
-                Phase::GradReduceScatter,
-            )
-            .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
-        }
-        for p in &mut self.pending {
-            for w in p.drain(..) {
-                w.wait()
-                    .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
+            let send = self.store.get(i).padded_view();
+            let recv = target(self.accumulate, &mut self.shards, &mut self.landing, i);
+            g.reduce_scatter(send, recv.view_mut(), Phase::GradReduceScatter)
+                .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
+            if self.accumulate {
+                be.add(self.shards[i].view_mut(), self.landing[i].view());
             }
+        }
+        self.wait_blocks(be);
+        if !last {
+            return;
         }
         if let Some(rep) = &self.groups.replicate {
             // Each replica's shards are its slices' share of the global mean (the loss is
@@ -804,13 +851,8 @@ impl FsdpGrads {
         if fits {
             return;
         }
-        for p in &mut self.pending {
-            for w in p.drain(..) {
-                w.wait()
-                    .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
-            }
-        }
         let idx = idx.clone();
+        self.wait_blocks(be);
         // Drop the old sets first, so the ledger's peak does not count both.
         let sets = self.pool.len();
         self.pool = (0..sets).map(|_| Vec::new()).collect();
@@ -834,10 +876,8 @@ impl GradSink for FsdpGrads {
         let t = self.turn;
         // The set about to be written: its reduce-scatters (the block that last took it) must
         // be done.
-        for w in self.pending[t].drain(..) {
-            w.wait()
-                .unwrap_or_else(|e| fail("reduce-scattering block gradients", e));
-        }
+        let works: Vec<_> = self.pending[t].drain(..).collect();
+        self.settle(be, works, "reduce-scattering block gradients");
         for (k, &i) in self.layout.blocks[l].iter().enumerate() {
             be.fill(self.pool[t][k].view_mut(), 0.0);
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
@@ -850,12 +890,11 @@ impl GradSink for FsdpGrads {
                 continue;
             }
             let send = self.store.get(i);
+            let recv = target(self.accumulate, &mut self.shards, &mut self.landing, i);
             // SAFETY: the head's gradient is not written again before this work is waited on
-            // (`begin_embedding` or `finish`).
-            let w = unsafe {
-                post_reduce_scatter(&self.groups, &self.layout, i, send, &mut self.shards[i])
-            };
-            self.head_pending.push(w);
+            // (`begin_embedding` or `finish`), nor its target read.
+            let w = unsafe { post_reduce_scatter(&self.groups, &self.layout, i, send, recv) };
+            self.head_pending.push((w, i));
         }
         self.head_sent = true;
     }
@@ -863,7 +902,7 @@ impl GradSink for FsdpGrads {
     fn begin_embedding(&mut self, be: &dyn Backend) {
         if let Some((e, h)) = self.share {
             // The LM head's reduce-scatter reads the tensor: done before the embedding writes it.
-            self.wait_head();
+            self.wait_head(be);
             self.store.tensors_mut().swap(e, h);
             be.fill(self.store.get_mut(e).view_mut(), 0.0);
         }
@@ -876,12 +915,11 @@ impl GradSink for FsdpGrads {
         for (k, &i) in idx.iter().enumerate() {
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
             let send = &self.pool[t][k];
+            let recv = target(self.accumulate, &mut self.shards, &mut self.landing, i);
             // SAFETY: the send set is not written again before this work is waited on
-            // (`begin_block` of the next block to take this set).
-            let w = unsafe {
-                post_reduce_scatter(&self.groups, &self.layout, i, send, &mut self.shards[i])
-            };
-            self.pending[t].push(w);
+            // (`begin_block` of the next block to take this set), nor its target read.
+            let w = unsafe { post_reduce_scatter(&self.groups, &self.layout, i, send, recv) };
+            self.pending[t].push((w, i));
         }
         self.pool_block = None;
     }

@@ -83,7 +83,8 @@ pub struct PlanArgs {
     /// Tokens per sequence (default: model.seq_len).
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Sequences per GPU per forward/backward.
+    /// Sequences per GPU per forward/backward (default: the job's training.micro_batch_size,
+    /// else a GPU's whole share of the batch); fewer accumulate gradients over microbatches.
     #[arg(long)]
     pub micro_batch: Option<usize>,
     /// Sequences per optimizer step, all GPUs.
@@ -208,12 +209,20 @@ impl PlanArgs {
         if let Some(s) = self.seq_len {
             layout.seq_len = s;
         }
-        if let Some(m) = self.micro_batch {
-            layout.micro_batch = m;
-        }
         if let Some(b) = self.global_batch {
             layout.global_batch = b;
         }
+        // Microbatch: the flag, else the job's, else a GPU's whole share of the global batch
+        // over the layout's GPUs (what the trainer runs).
+        layout.micro_batch = match (self.micro_batch, job.training.micro_batch_size) {
+            (Some(m), _) => {
+                // The trainer-ledger prediction reads the job's.
+                job.training.micro_batch_size = m;
+                m
+            }
+            (None, 0) => (layout.global_batch / layout.world().max(1)).max(1),
+            (None, m) => m,
+        };
         let mut policy = MemoryPolicy::from_job(&job);
         if let Some(a) = self.ac {
             policy.ac = match a {

@@ -159,7 +159,10 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> MemoryPr
         *total = (*total - excess).max(params);
         return p;
     }
-    let one: CpuLedger = predict_cpu_ledger(job, threads);
+    let mut micro = job.clone();
+    micro.training.batch_size = job.training.micro_batch(1);
+    micro.training.micro_batch_size = 0;
+    let one: CpuLedger = predict_cpu_ledger(&micro, threads);
     let all = Categories {
         params: one.params,
         grads: one.grads,
@@ -205,7 +208,7 @@ fn place(
         AcMode::None => 0,
     };
     if n_off > 0 {
-        let tokens = job.training.batch_size / ranks.max(1) * m.seq_len;
+        let tokens = job.training.micro_batch(ranks) * m.seq_len;
         // In the boundaries' dtype, as the model stores and offloads them
         // (`ganymede_model::activation_bytes_offloaded`).
         let size = match crate::ledger::bf16_boundaries(job) {
@@ -245,7 +248,7 @@ pub fn attention_dq_sums_bytes(job: &JobConfig, ranks: usize) -> f64 {
     if !bf16 || !matches!(m.head_dim, 16 | 32 | 64) {
         return 0.0;
     }
-    let n = job.training.batch_size / ranks.max(1) * m.seq_len;
+    let n = job.training.micro_batch(ranks) * m.seq_len;
     (4 * n * m.heads * m.head_dim).max(256) as f64
 }
 
@@ -260,7 +263,7 @@ pub fn attention_dq_sums_bytes(job: &JobConfig, ranks: usize) -> f64 {
 /// row buffers).
 pub fn staging_bytes(job: &JobConfig, ranks: usize) -> f64 {
     let m = &job.model;
-    let n = job.training.batch_size / ranks.max(1) * m.seq_len;
+    let n = job.training.micro_batch(ranks) * m.seq_len;
     let mut writes = vec![4 * (3 * n + 1)];
     if (0..m.layers).any(|l| m.is_moe_layer(l)) {
         writes.push(8 * m.experts);
@@ -599,8 +602,16 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let root_recv = root_max(&recv);
     let root_send16 = root_max(&|t| t.shard(cut));
+    // What one forward and backward holds: a microbatch of the rank's share.
     let mut local = job.clone();
-    local.training.batch_size = job.training.batch_size / ranks;
+    local.training.batch_size = job.training.micro_batch(ranks);
+    local.training.micro_batch_size = 0;
+    // Accumulating, a microbatch after the first reduce-scatters into a second shard set
+    // (`ganymede_parallel::fsdp`, landing shards) added into the first.
+    let landing = match local.training.batch_size < job.training.batch_size / ranks {
+        true => shards,
+        false => 0.0,
+    };
     // Each tensor is drawn whole before its shard is kept, in table order.
     let mut before = 0;
     let mut init_peak = 0;
@@ -642,7 +653,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let device = Categories {
         params: f * shards.max(init_peak as f64),
-        grads: f * (shards + root_grads + p.gradient_sets as f64 * block_full),
+        grads: f * (shards + landing + root_grads + p.gradient_sets as f64 * block_full),
         optimizer: f * state,
         activations: predict_cpu_ledger(&local, 1).activations + ep_kept,
         buffers: root_bytes
@@ -885,7 +896,7 @@ pub const FIT_MOE_CHUNK_MIN: usize = 1024;
 /// chunk makes the experts' GEMMs smaller, so the loss chunks come first.
 fn chunk_variants(job: &JobConfig, ranks: usize) -> Vec<(Vec<String>, JobConfig)> {
     let t = &job.training;
-    let n = t.batch_size / ranks.max(1) * job.model.seq_len;
+    let n = t.micro_batch(ranks) * job.model.seq_len;
     let held = ganymede_config::head_rows(n, t.loss_chunk_tokens);
     let mut losses = vec![(vec![], job.clone())];
     let mut c = FIT_LOSS_CHUNK;

@@ -49,7 +49,8 @@ impl Layout {
             dp_shard: dp / replicas,
             ep: job.parallelism.ep.max(1),
             seq_len: job.model.seq_len,
-            micro_batch: 1,
+            // What the trainer runs: `training.micro_batch_size`, else a rank's whole share.
+            micro_batch: job.training.micro_batch(dp).max(1),
             global_batch: job.training.batch_size,
         }
     }

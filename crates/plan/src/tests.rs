@@ -478,11 +478,15 @@ fn single_gpu_step_is_compute_plus_optimizer() {
     let job = preset("tiny").unwrap();
     let mut c = Cluster::preset("local").unwrap();
     c.cpu = None;
-    let l = Layout::from_job(&job, &c);
+    let mut l = Layout::from_job(&job, &c);
+    // The job's layout is what the trainer runs, the batch in one pass; the times below are
+    // for 8 microbatches of one sequence (every term is linear in tokens, so the same).
     assert_eq!(
         (l.nodes, l.gpus_per_node, l.dp_shard, l.microbatches()),
-        (1, 1, 1, 8)
+        (1, 1, 1, 1)
     );
+    l.micro_batch = 1;
+    assert_eq!(l.microbatches(), 8);
     let pol = MemoryPolicy::from_job(&job);
     let o = OptimizerSetup::from_job(&job);
     let p = plan(&job, &c, &l, &pol, &o).unwrap();
@@ -1762,7 +1766,7 @@ fn cpu_step_of_tiny_by_hand() {
     // tokens, and the four share the cores, so forward + backward take as long as on one rank
     // (every term here is linear in tokens); the collectives come on top.
     let mut l4 = l.clone();
-    (l4.dp_shard, l4.gpus_per_node) = (4, 4);
+    (l4.dp_shard, l4.gpus_per_node, l4.micro_batch) = (4, 4, 2);
     let p4 = plan(&job, &c, &l4, &pol, &o).unwrap();
     let t4 = p4.time.cpu.unwrap();
     assert_eq!(t4.share, 4.0);

@@ -502,6 +502,21 @@ fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
                 "training.compute_dtype=\"bf16\"",
             ],
         ),
+        // Gradient accumulation: a microbatch's activations, and under FSDP the landing shards.
+        (1, vec!["training.micro_batch_size=2"]),
+        (
+            2,
+            vec!["parallelism.dp_shard=2", "training.micro_batch_size=1"],
+        ),
+        (
+            2,
+            vec![
+                "parallelism.dp_shard=2",
+                "parallelism.ep=2",
+                "parallelism.ep_capacity_factor=2",
+                "training.micro_batch_size=2",
+            ],
+        ),
     ] {
         let mut o = vec!["device.kind=\"cpu-two-memory\"", "training.steps=2"];
         o.extend(extra.iter());
