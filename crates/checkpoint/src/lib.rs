@@ -479,6 +479,12 @@ pub fn resumable_difference(key: &str) -> bool {
         // Where activations and optimizer state live changes no arithmetic.
         || key == "activation_checkpoint.offload_fraction"
         || key == "optimizer.offload"
+        // How much of the batch one pass holds (what a run that ran out of memory lowers): the
+        // same data and steps; sums run in another order, and microbatches each balance their
+        // own routing in the auxiliary loss.
+        || key == "training.micro_batch_size"
+        || key == "training.loss_chunk_tokens"
+        || key == "training.moe_chunk_tokens"
 }
 
 #[cfg(test)]
@@ -625,6 +631,8 @@ mod tests {
             .unwrap();
         assert_eq!(config_diff(&a, &b), vec!["model.top_k", "training.steps"]);
         assert!(resumable_difference("training.steps"));
+        assert!(resumable_difference("training.micro_batch_size"));
+        assert!(!resumable_difference("training.batch_size"));
         assert!(!resumable_difference("model.top_k"));
     }
 }

@@ -98,3 +98,33 @@ fn a_micro_batch_that_does_not_divide_a_ranks_share_is_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn a_run_resumes_with_another_micro_batch() {
+    // What a run that ran out of memory does: resume its checkpoint in smaller microbatches.
+    // The key passes the resume check, and the continuation is the uninterrupted run's.
+    use ganymede_train::trainer::{resolve_config, train, TrainOptions};
+    let mut c = cfg(0, &["checkpoint.enable=true", "checkpoint.interval=2"]);
+    c.training.steps = 4;
+    let dir = ganymede_train::scratch::run_dir("gm-accum", "resume-whole");
+    let opts = |out| TrainOptions {
+        ranks: 1,
+        out: Some(out),
+        quiet: true,
+        ..Default::default()
+    };
+    let full = train(&c, None, &opts(dir.clone())).unwrap().losses;
+    let ck = dir
+        .join("checkpoints")
+        .join(ganymede_train::checkpoint::dir_name(2));
+    let set = ["training.micro_batch_size=2".to_string()];
+    let (resumed_cfg, ck) = resolve_config(None, None, &set, None, Some(&ck), 1).unwrap();
+    assert_eq!(resumed_cfg.training.micro_batch_size, 2);
+    let out = ganymede_train::scratch::run_dir("gm-accum", "resume-micro");
+    let resumed = train(&resumed_cfg, ck.as_deref(), &opts(out))
+        .unwrap()
+        .losses;
+    let d = max_rel(&resumed, &full[2..]);
+    println!("resumed in microbatches of 2: max relative loss difference {d:e}");
+    assert!(d <= REL_BOUND, "{d:e}");
+}
