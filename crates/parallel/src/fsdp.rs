@@ -618,17 +618,29 @@ unsafe fn post_reduce_scatter(
     .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e))
 }
 
-/// Where parameter `i`'s reduce-scatter writes: its shard, or (accumulating) its landing shard.
-fn target<'a>(
-    accumulate: bool,
-    shards: &'a mut [Tensor],
-    landing: &'a mut [Tensor],
+/// Where an accumulating reduce-scatter lands before it is added into its shard.
+#[derive(Clone, Copy, Debug)]
+enum Landing {
+    /// The first microbatch's: straight into the shard.
+    Shard,
+    /// Gradient set `t`'s landing shard `k` (the block's `k`-th tensor).
+    Block(usize, usize),
+    /// The root tensor's landing shard.
+    Root,
+}
+
+/// The tensor a reduce-scatter of parameter `i` writes, by where it lands.
+fn landing_tensor<'a>(
+    at: Landing,
     i: usize,
+    shards: &'a mut [Tensor],
+    landing: &'a mut [Vec<Tensor>],
+    landing_root: &'a mut [Tensor],
 ) -> &'a mut Tensor {
-    if accumulate {
-        &mut landing[i]
-    } else {
-        &mut shards[i]
+    match at {
+        Landing::Shard => &mut shards[i],
+        Landing::Block(t, k) => &mut landing[t][k],
+        Landing::Root => &mut landing_root[i],
     }
 }
 
@@ -642,18 +654,20 @@ fn padded_grad(be: &dyn Backend, layout: &Layout, groups: &Groups, i: usize) -> 
 
 /// The gradient side of FSDP for one rank.
 pub struct FsdpGrads {
-    /// Reduce-scatters in flight, per gradient set, with their parameter's index; declared
-    /// first (dropping waits).
-    pending: Vec<Vec<(Work<'static>, usize)>>,
+    /// Reduce-scatters in flight, per gradient set, with their parameter's index and where
+    /// they land; declared first (dropping waits).
+    pending: Vec<Vec<(Work<'static>, usize, Landing)>>,
     /// Reduce-scatters of the head's gradients (final norm, LM head) in flight, posted when
     /// the head's backward ends; declared first (dropping waits).
-    head_pending: Vec<(Work<'static>, usize)>,
-    /// Gradient accumulation: a microbatch after a step's first reduce-scatters into
-    /// `landing` and each landed shard is added into `shards` once its reduce-scatter is done
-    /// (a reduce-scatter overwrites its output). One shard set, made at the first such
-    /// microbatch.
+    head_pending: Vec<(Work<'static>, usize, Landing)>,
+    /// Gradient accumulation: a microbatch after a step's first reduce-scatters into landing
+    /// shards, each added into its parameter's shard once its reduce-scatter is done (a
+    /// reduce-scatter overwrites its output). One block's landing shards per gradient set
+    /// (reused as the sets are: a set's reduce-scatters are settled before it is taken again)
+    /// and the root's, made at the first such microbatch.
     accumulate: bool,
-    landing: Vec<Tensor>,
+    landing: Vec<Vec<Tensor>>,
+    landing_root: Vec<Tensor>,
     /// `(embedding, LM head)` when they have one shape and shard: one gradient tensor serves
     /// both, the head's until its reduce-scatter is done, then the embedding's, whose backward
     /// is the step's last.
@@ -707,7 +721,8 @@ impl FsdpGrads {
             pending: (0..sets).map(|_| Vec::new()).collect(),
             head_pending: Vec::new(),
             accumulate: false,
-            landing: Vec::new(),
+            landing: (0..sets).map(|_| Vec::new()).collect(),
+            landing_root: Vec::new(),
             share,
             head_sent: false,
             embedding,
@@ -729,9 +744,13 @@ impl FsdpGrads {
         // reduce-scatters: done before the tensors are zeroed.
         self.wait_head(be);
         self.accumulate = accumulate;
-        if accumulate && self.landing.is_empty() {
-            self.landing = (self.layout.shard.iter())
-                .map(|&n| be.zeros(&[n], Category::Grads))
+        if accumulate && self.landing_root.is_empty() {
+            let root = &self.layout.root;
+            self.landing_root = (0..self.layout.shard.len())
+                .map(|i| match root.contains(&i) {
+                    true => be.zeros(&[self.layout.shard[i]], Category::Grads),
+                    false => be.zeros(&[0], Category::Grads),
+                })
                 .collect();
         }
         self.head_sent = false;
@@ -759,12 +778,33 @@ impl FsdpGrads {
 
     /// Wait for `works` (reduce-scatters of the parameters they name); when accumulating, add
     /// each landed shard into its parameter's.
-    fn settle(&mut self, be: &dyn Backend, works: Vec<(Work<'static>, usize)>, what: &str) {
-        for (w, i) in works {
+    fn settle(
+        &mut self,
+        be: &dyn Backend,
+        works: Vec<(Work<'static>, usize, Landing)>,
+        what: &str,
+    ) {
+        for (w, i, at) in works {
             w.wait().unwrap_or_else(|e| fail(what, e));
-            if self.accumulate {
-                be.add(self.shards[i].view_mut(), self.landing[i].view());
-            }
+            self.add_landed(be, i, at);
+        }
+    }
+
+    /// Add parameter `i`'s landed shard into its shard (nothing for one that landed there).
+    fn add_landed(&mut self, be: &dyn Backend, i: usize, at: Landing) {
+        let landed = match at {
+            Landing::Shard => return,
+            Landing::Block(t, k) => self.landing[t][k].view(),
+            Landing::Root => self.landing_root[i].view(),
+        };
+        be.add(self.shards[i].view_mut(), landed);
+    }
+
+    /// Where root parameter `i`'s reduce-scatter lands this microbatch.
+    fn root_landing(&self) -> Landing {
+        match self.accumulate {
+            true => Landing::Root,
+            false => Landing::Shard,
         }
     }
 
@@ -787,13 +827,18 @@ impl FsdpGrads {
                 continue;
             }
             let g = self.groups.get(self.layout.group[i]).clone();
+            let at = self.root_landing();
             let send = self.store.get(i).padded_view();
-            let recv = target(self.accumulate, &mut self.shards, &mut self.landing, i);
+            let recv = landing_tensor(
+                at,
+                i,
+                &mut self.shards,
+                &mut self.landing,
+                &mut self.landing_root,
+            );
             g.reduce_scatter(send, recv.view_mut(), Phase::GradReduceScatter)
                 .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
-            if self.accumulate {
-                be.add(self.shards[i].view_mut(), self.landing[i].view());
-            }
+            self.add_landed(be, i, at);
         }
         self.wait_blocks(be);
         if !last {
@@ -853,9 +898,11 @@ impl FsdpGrads {
         }
         let idx = idx.clone();
         self.wait_blocks(be);
-        // Drop the old sets first, so the ledger's peak does not count both.
+        // Drop the old sets first, so the ledger's peak does not count both; landing shards
+        // are made again for the new shapes when a microbatch accumulates.
         let sets = self.pool.len();
         self.pool = (0..sets).map(|_| Vec::new()).collect();
+        self.landing = (0..sets).map(|_| Vec::new()).collect();
         for t in 0..sets {
             self.pool[t] = idx
                 .iter()
@@ -878,6 +925,17 @@ impl GradSink for FsdpGrads {
         // be done.
         let works: Vec<_> = self.pending[t].drain(..).collect();
         self.settle(be, works, "reduce-scattering block gradients");
+        // This block's landing shards in set t, made (again) where their sizes differ: shards
+        // can differ between blocks of one shape where ownership does.
+        let (shard, idx) = (&self.layout.shard, &self.layout.blocks[l]);
+        let fits = self.landing[t].len() == idx.len()
+            && (idx.iter().zip(&self.landing[t])).all(|(&i, x)| x.shape() == [shard[i]]);
+        if self.accumulate && !fits {
+            self.landing[t] = Vec::new();
+            self.landing[t] = (idx.iter())
+                .map(|&i| be.zeros(&[shard[i]], Category::Grads))
+                .collect();
+        }
         for (k, &i) in self.layout.blocks[l].iter().enumerate() {
             be.fill(self.pool[t][k].view_mut(), 0.0);
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
@@ -889,12 +947,19 @@ impl GradSink for FsdpGrads {
             if self.is_embedding(i) {
                 continue;
             }
+            let at = self.root_landing();
             let send = self.store.get(i);
-            let recv = target(self.accumulate, &mut self.shards, &mut self.landing, i);
+            let recv = landing_tensor(
+                at,
+                i,
+                &mut self.shards,
+                &mut self.landing,
+                &mut self.landing_root,
+            );
             // SAFETY: the head's gradient is not written again before this work is waited on
             // (`begin_embedding` or `finish`), nor its target read.
             let w = unsafe { post_reduce_scatter(&self.groups, &self.layout, i, send, recv) };
-            self.head_pending.push((w, i));
+            self.head_pending.push((w, i, at));
         }
         self.head_sent = true;
     }
@@ -914,12 +979,23 @@ impl GradSink for FsdpGrads {
         let idx = self.layout.blocks[l].clone();
         for (k, &i) in idx.iter().enumerate() {
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
+            let at = match self.accumulate {
+                true => Landing::Block(t, k),
+                false => Landing::Shard,
+            };
             let send = &self.pool[t][k];
-            let recv = target(self.accumulate, &mut self.shards, &mut self.landing, i);
-            // SAFETY: the send set is not written again before this work is waited on
-            // (`begin_block` of the next block to take this set), nor its target read.
+            let recv = landing_tensor(
+                at,
+                i,
+                &mut self.shards,
+                &mut self.landing,
+                &mut self.landing_root,
+            );
+            // SAFETY: the send set and the landing shards are not written again before this
+            // work is waited on (`begin_block` of the next block to take this set), nor its
+            // target read.
             let w = unsafe { post_reduce_scatter(&self.groups, &self.layout, i, send, recv) };
-            self.pending[t].push((w, i));
+            self.pending[t].push((w, i, at));
         }
         self.pool_block = None;
     }

@@ -606,10 +606,11 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     let mut local = job.clone();
     local.training.batch_size = job.training.micro_batch(ranks);
     local.training.micro_batch_size = 0;
-    // Accumulating, a microbatch after the first reduce-scatters into a second shard set
-    // (`ganymede_parallel::fsdp`, landing shards) added into the first.
+    // Accumulating, a microbatch after the first reduce-scatters into landing shards
+    // (`ganymede_parallel::fsdp`) added into the shards: one block's per gradient set, and the
+    // root's.
     let landing = match local.training.batch_size < job.training.batch_size / ranks {
-        true => shards,
+        true => p.gradient_sets as f64 * block_shard + root_shard,
         false => 0.0,
     };
     // Each tensor is drawn whole before its shard is kept, in table order.

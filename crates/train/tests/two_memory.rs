@@ -502,11 +502,20 @@ fn the_planner_predicts_chunked_heads_and_moe_passes_to_the_byte() {
                 "training.compute_dtype=\"bf16\"",
             ],
         ),
-        // Gradient accumulation: a microbatch's activations, and under FSDP the landing shards.
+        // Gradient accumulation: a microbatch's activations, and under FSDP the landing shards
+        // (one block's per gradient set and the root's: with four layers, half the blocks').
         (1, vec!["training.micro_batch_size=2"]),
         (
             2,
             vec!["parallelism.dp_shard=2", "training.micro_batch_size=1"],
+        ),
+        (
+            2,
+            vec![
+                "parallelism.dp_shard=2",
+                "training.micro_batch_size=1",
+                "model.layers=4",
+            ],
         ),
         (
             2,
