@@ -32,10 +32,10 @@ __device__ __forceinline__ long long kv_off(int b, int j, int g, int tk, int kvh
 template <class T>
 __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int tq, int tk,
                          int heads, int kvh, int hd, float scale) {
-    __shared__ float Ks[ATT_BK][ATT_MAXD + 1];  // +1: lanes read different rows, no conflicts
-    __shared__ float Vs[ATT_BK][ATT_MAXD];
-    __shared__ float Qs[ATT_MAXW][ATT_MAXD];
-    __shared__ float Ps[ATT_MAXW][ATT_BK];
+    GANY_SHARED(float, Ks, [ATT_BK][ATT_MAXD + 1]);  // +1: lanes read different rows, no conflicts
+    GANY_SHARED(float, Vs, [ATT_BK][ATT_MAXD]);
+    GANY_SHARED(float, Qs, [ATT_MAXW][ATT_MAXD]);
+    GANY_SHARED(float, Ps, [ATT_MAXW][ATT_BK]);
     GANY_REQUIRE(hd <= ATT_MAXD && blockDim.x % 32 == 0 && blockDim.x <= 32 * ATT_MAXW);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
@@ -186,11 +186,16 @@ template <class T>
 __device__ void attn_bwd_dkdv(T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
                               const float* lse, const float* delta, int tq, int tk, int heads,
                               int kvh, int hd, float scale) {
-    __shared__ float Ks[ATT_BKB][ATT_MAXD + 1], Vs[ATT_BKB][ATT_MAXD + 1];
-    __shared__ float Qs[ATT_BQ][ATT_MAXD], Ds[ATT_BQ][ATT_MAXD];
-    __shared__ float dKs[ATT_BKB][ATT_MAXD], dVs[ATT_BKB][ATT_MAXD];
-    __shared__ float Ps[ATT_BQ][ATT_BKB], dSs[ATT_BQ][ATT_BKB];
-    __shared__ float Ls[ATT_BQ], Dl[ATT_BQ];
+    GANY_SHARED(float, Ks, [ATT_BKB][ATT_MAXD + 1]);
+    GANY_SHARED(float, Vs, [ATT_BKB][ATT_MAXD + 1]);
+    GANY_SHARED(float, Qs, [ATT_BQ][ATT_MAXD]);
+    GANY_SHARED(float, Ds, [ATT_BQ][ATT_MAXD]);
+    GANY_SHARED(float, dKs, [ATT_BKB][ATT_MAXD]);
+    GANY_SHARED(float, dVs, [ATT_BKB][ATT_MAXD]);
+    GANY_SHARED(float, Ps, [ATT_BQ][ATT_BKB]);
+    GANY_SHARED(float, dSs, [ATT_BQ][ATT_BKB]);
+    GANY_SHARED(float, Ls, [ATT_BQ]);
+    GANY_SHARED(float, Dl, [ATT_BQ]);
     GANY_REQUIRE(hd <= ATT_MAXD && blockDim.x == ATT_BQ * ATT_BKB);
     const int g = blockIdx.y, b = blockIdx.z, rep = heads / kvh, off = tk - tq;
     const int j0 = blockIdx.x * ATT_BKB;
@@ -242,10 +247,14 @@ template <class T>
 __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const T* v,
                             const float* lse, const float* delta, int tq, int tk, int heads,
                             int kvh, int hd, float scale) {
-    __shared__ float Ks[ATT_BKB][ATT_MAXD + 1], Vs[ATT_BKB][ATT_MAXD + 1];
-    __shared__ float Qs[ATT_BQ][ATT_MAXD], Ds[ATT_BQ][ATT_MAXD], dQs[ATT_BQ][ATT_MAXD];
-    __shared__ float dSs[ATT_BQ][ATT_BKB];
-    __shared__ float Ls[ATT_BQ], Dl[ATT_BQ];
+    GANY_SHARED(float, Ks, [ATT_BKB][ATT_MAXD + 1]);
+    GANY_SHARED(float, Vs, [ATT_BKB][ATT_MAXD + 1]);
+    GANY_SHARED(float, Qs, [ATT_BQ][ATT_MAXD]);
+    GANY_SHARED(float, Ds, [ATT_BQ][ATT_MAXD]);
+    GANY_SHARED(float, dQs, [ATT_BQ][ATT_MAXD]);
+    GANY_SHARED(float, dSs, [ATT_BQ][ATT_BKB]);
+    GANY_SHARED(float, Ls, [ATT_BQ]);
+    GANY_SHARED(float, Dl, [ATT_BQ]);
     GANY_REQUIRE(hd <= ATT_MAXD && blockDim.x == ATT_BQ * ATT_BKB);
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
     const int i0 = blockIdx.x * ATT_BQ;
@@ -1011,7 +1020,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_forward_tc##HD##_bf16(    \
         bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int tq, int tk,     \
         int heads, int kv_heads, int head_dim, float scale) {                                   \
-        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_fwd_tc<HD, 1>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);              \
     }                                                                                           \
@@ -1020,8 +1029,9 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
             bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,  \
             const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
             int head_dim, float scale) {                                                        \
-        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
-        __shared__ float Ls[2 * TC_BQ], Dl[2 * TC_BQ];                                          \
+        GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
+        GANY_SHARED(float, Ls, [2 * TC_BQ]);                                                    \
+        GANY_SHARED(float, Dl, [2 * TC_BQ]);                                                    \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_bwd_dkdv_tc<HD, false>(sm, Ls, Dl, nullptr, nullptr, nullptr, dk, dv, dout, q, k, \
                                     v, lse, delta, tq, tk, heads, kv_heads, scale);             \
@@ -1030,7 +1040,7 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
         bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,                \
         const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,          \
         int head_dim, float scale) {                                                            \
-        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
     }
@@ -1049,10 +1059,11 @@ GANY_ATTENTION_TC(128, 1)
             bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const bf16* q, const bf16* k,  \
             const bf16* v, const float* lse, const float* delta, int tq, int tk, int heads,     \
             int kv_heads, int head_dim, float scale) {                                          \
-        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
-        __shared__ float Ls[2 * TC_BQ], Dl[2 * TC_BQ];                                          \
-        __shared__ __align__(16) bf16 ks[TC_BK * (HD + TC_PAD)];                                \
-        __shared__ __align__(16) bf16 dsx[HD >= 64 ? 8 : TC_HQ * TC_DSLD];                      \
+        GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
+        GANY_SHARED(float, Ls, [2 * TC_BQ]);                                                    \
+        GANY_SHARED(float, Dl, [2 * TC_BQ]);                                                    \
+        GANY_SHARED(__align__(16) bf16, ks, [TC_BK * (HD + TC_PAD)]);                           \
+        GANY_SHARED(__align__(16) bf16, dsx, [HD >= 64 ? 8 : TC_HQ * TC_DSLD]);                 \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_bwd_dkdv_tc<HD, true>(sm, Ls, Dl, ks, dsx, dq_acc, dk, dv, dout, q, k, v, lse,     \
                                    delta, tq, tk, heads, kv_heads, scale);                      \
@@ -1063,7 +1074,7 @@ GANY_ATTENTION_TC(128, 1)
         attention_forward_tc##HD##x2_bf16(bf16* out, float* lse, const bf16* q, const bf16* k,  \
                                           const bf16* v, int tq, int tk, int heads,             \
                                           int kv_heads, int head_dim, float scale) {            \
-        __shared__ __align__(16) bf16 sm[TC_SMEM];                                              \
+        GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
         attn_fwd_tc<HD, 2>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);              \
     }

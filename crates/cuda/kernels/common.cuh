@@ -12,6 +12,18 @@
 #define GANY_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
 
+// A static shared array `T name dims`. In the host build a thread-local static that the shim
+// fills with NaN bytes where a block first declares it: a device's shared memory holds whatever
+// an earlier block left there, so a kernel that reads what it did not write (a masked row it
+// never filled, say) reads NaN here too, instead of an earlier block's finite values.
+#ifdef GANY_HOST
+#define GANY_SHARED(T, name, dims) \
+    static thread_local T name dims; \
+    gany_shared_begin(&name, sizeof(name))
+#else
+#define GANY_SHARED(T, name, dims) __shared__ T name dims
+#endif
+
 // A launch precondition: a kernel that cannot honour its contract stops instead of writing
 // wrong results (the launch then fails with an error on the device, aborts in the host build).
 #define GANY_REQUIRE(cond) \
@@ -211,7 +223,7 @@ __device__ __forceinline__ long long warp_row() {
 // Reuses its shared scratch, so it starts with a barrier for back-to-back calls.
 template <class T>
 __device__ __forceinline__ T block_sum(T v) {
-    __shared__ T part[32];
+    GANY_SHARED(T, part, [32]);
     GANY_REQUIRE(blockDim.x % 32 == 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = warp_sum(v);
@@ -223,7 +235,7 @@ __device__ __forceinline__ T block_sum(T v) {
 }
 
 __device__ __forceinline__ float block_max(float v) {
-    __shared__ float part[32];
+    GANY_SHARED(float, part, [32]);
     GANY_REQUIRE(blockDim.x % 32 == 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = warp_max(v);
@@ -236,7 +248,7 @@ __device__ __forceinline__ float block_max(float v) {
 
 // Exclusive prefix sum of v over a 1-D block (size a multiple of 32); *total gets the sum.
 __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* total) {
-    __shared__ unsigned warp_tot[32];
+    GANY_SHARED(unsigned, warp_tot, [32]);
     GANY_REQUIRE(blockDim.x % 32 == 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     unsigned inc = v;

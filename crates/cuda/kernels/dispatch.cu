@@ -36,7 +36,7 @@ __device__ __forceinline__ unsigned chunk_rank(const unsigned* ids, unsigned min
 template <class F>
 __device__ void tile_pass(unsigned* cursor, const unsigned* idx, long long n, long long tile_len,
                           F place) {
-    __shared__ unsigned ids[1024];
+    GANY_SHARED(unsigned, ids, [1024]);
     const long long i0 = (long long)blockIdx.x * tile_len;
     const long long i1 = i0 + tile_len < n ? i0 + tile_len : n;
     for (long long base = i0; base < i1; base += blockDim.x) {
@@ -57,7 +57,7 @@ __device__ void tile_pass(unsigned* cursor, const unsigned* idx, long long n, lo
 // Launch: grid ceil(n / tile_len), block a multiple of 32 up to 1024.
 extern "C" __global__ void dispatch_tile_counts(unsigned* tiles, const unsigned* idx, int n,
                                                 int experts, int tile_len) {
-    __shared__ unsigned cursor[GANY_MAX_EXPERTS];
+    GANY_SHARED(unsigned, cursor, [GANY_MAX_EXPERTS]);
     GANY_REQUIRE(experts <= GANY_MAX_EXPERTS && blockDim.x <= 1024);
     for (int e = threadIdx.x; e < experts; e += blockDim.x) cursor[e] = 0;
     __syncthreads();
@@ -98,7 +98,7 @@ extern "C" __global__ void dispatch_tile_scan(unsigned* tiles, unsigned* counts,
 extern "C" __global__ void dispatch_place(unsigned* src, unsigned* pos, const unsigned* tiles,
                                           const unsigned* idx, int n, int k, int experts,
                                           int tile_len) {
-    __shared__ unsigned cursor[GANY_MAX_EXPERTS];
+    GANY_SHARED(unsigned, cursor, [GANY_MAX_EXPERTS]);
     GANY_REQUIRE(experts <= GANY_MAX_EXPERTS && blockDim.x <= 1024);
     for (int e = threadIdx.x; e < experts; e += blockDim.x)
         cursor[e] = tiles[(long long)blockIdx.x * experts + e];

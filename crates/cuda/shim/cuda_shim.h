@@ -9,7 +9,9 @@
 // (a block that cannot finish aborts with a message instead of hanging). Between barriers the
 // threads run first to last, or last to first (host::set_schedule), so a missing barrier shows.
 // `__shared__` is a static thread_local: one copy per OS thread, hence per running block, and
-// separate for launches on different test threads.
+// separate for launches on different test threads. Kernels declare static shared arrays through
+// common.cuh's GANY_SHARED, which fills them with NaN bytes at each block's first declaration
+// (as dynamic shared memory is at each block), so nothing a block reads is left from another.
 #pragma once
 
 #include <atomic>
@@ -49,6 +51,9 @@ extern "C" unsigned long long* gany_warp_slots();
 extern "C" unsigned* gany_warp_mma_slots();
 // cp.async's 16-byte copy into shared memory, its commit_group and its wait_group N: at issue,
 // or held back until the wait that covers them (host::set_copy_timing).
+// A block's first declaration of a static shared array (common.cuh's GANY_SHARED): its bytes
+// become NaN (0xff), once per block.
+extern "C" void gany_shared_begin(void* p, size_t bytes);
 extern "C" void gany_cp_async16(void* dst, const void* src, int valid);
 extern "C" void gany_cp_commit();
 extern "C" void gany_cp_wait(int n);

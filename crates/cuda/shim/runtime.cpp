@@ -54,6 +54,8 @@ struct Block {
     std::vector<unsigned long long> warp_slots;  // 32 per warp
     std::vector<unsigned> warp_mma;              // 6 × 32 per warp (the mma emulation)
     std::vector<unsigned char> dynamic_shared;
+    // Static shared arrays this block has declared (and filled with NaN bytes).
+    std::vector<void*> shared_seen;
     void (*body)(void**) = nullptr;
     void** args = nullptr;
 };
@@ -161,6 +163,15 @@ extern "C" unsigned* gany_warp_mma_slots() {
 }
 
 extern "C" void* gany_dynamic_shared() { return g_block->dynamic_shared.data(); }
+
+extern "C" void gany_shared_begin(void* p, size_t bytes) {
+    if (!g_block) fail("a shared array declared outside a launch");
+    std::vector<void*>& seen = g_block->shared_seen;
+    for (void* q : seen)
+        if (q == p) return;
+    seen.push_back(p);
+    std::memset(p, 0xff, bytes);
+}
 
 namespace {
 void perform(const PendingCopy& c) {
@@ -287,6 +298,7 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
                 // Uninitialised shared memory reads as NaN (0xff bytes), to catch kernels that
                 // rely on it being zero.
                 b.dynamic_shared.assign(shared, 0xff);
+                b.shared_seen.clear();
                 run_block(b, nthreads);
             }
     g_block = nullptr;
