@@ -61,9 +61,10 @@ struct Block {
 };
 
 thread_local Block* g_block = nullptr;
-// Run a block's threads last to first between barriers: a kernel that reads shared memory
-// another thread writes without a barrier in between gets the stale value in one of the two
-// orders, so running both catches a missing __syncthreads.
+// Run a block's threads last to first between barriers, and a launch's blocks last to first: a
+// kernel that reads shared memory another thread writes without a barrier in between (or global
+// memory another block of the launch writes) gets the stale value in one of the two orders, so
+// running both catches a missing __syncthreads (or a dependence between blocks).
 thread_local bool g_reverse = false;
 thread_local std::vector<std::unique_ptr<unsigned char[]>> g_stacks;
 // Perform each cp.async copy at the latest moment the PTX contract allows (the wait_group that
@@ -291,16 +292,21 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
     blockDim = {block[0], block[1], block[2]};
     gridDim = {grid[0], grid[1], grid[2]};
     g_block = &b;
-    for (unsigned z = 0; z < grid[2]; z++)
-        for (unsigned y = 0; y < grid[1]; y++)
-            for (unsigned x = 0; x < grid[0]; x++) {
-                blockIdx = {x, y, z};
-                // Uninitialised shared memory reads as NaN (0xff bytes), to catch kernels that
-                // rely on it being zero.
-                b.dynamic_shared.assign(shared, 0xff);
-                b.shared_seen.clear();
-                run_block(b, nthreads);
-            }
+    // Blocks in order, or (reversed schedule) last to first: a device runs them in any order
+    // and at once, so a kernel that reads what another block of the same launch writes fails
+    // in one of the two.
+    const unsigned long long nblocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+    for (unsigned long long n = 0; n < nblocks; n++) {
+        const unsigned long long id = g_reverse ? nblocks - 1 - n : n;
+        const unsigned x = id % grid[0], y = (id / grid[0]) % grid[1],
+                       z = (unsigned)(id / ((unsigned long long)grid[0] * grid[1]));
+        blockIdx = {x, y, z};
+        // Uninitialised shared memory reads as NaN (0xff bytes), to catch kernels that rely on
+        // it being zero or on what an earlier block left.
+        b.dynamic_shared.assign(shared, 0xff);
+        b.shared_seen.clear();
+        run_block(b, nthreads);
+    }
     g_block = nullptr;
     return 0;
 }

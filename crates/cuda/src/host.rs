@@ -127,9 +127,10 @@ pub fn signature(name: &str) -> Option<String> {
     }
 }
 
-/// The order in which a block's threads run between barriers, for launches from this thread.
-/// Running a kernel in both orders exposes a missing barrier: a thread that reads shared
-/// memory another writes without `__syncthreads` in between sees the stale value in one order.
+/// The order in which a block's threads run between barriers, and a launch's blocks run, for
+/// launches from this thread. Running a kernel in both orders exposes a missing barrier: a
+/// thread that reads shared memory another writes without `__syncthreads` in between sees the
+/// stale value in one order; so does a block that reads what another block of the launch writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
     FirstToLast,
