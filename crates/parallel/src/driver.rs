@@ -369,52 +369,8 @@ impl RankState {
                 inputs: &x[rows.clone()],
                 targets: &y[rows],
             };
-            let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
-            let one = match &mut self.shards {
-                Shards::Whole {
-                    params,
-                    grads,
-                    compute,
-                    ..
-                } => {
-                    // The bf16 compute copy with the other masters lent in, or the masters
-                    // alone.
-                    let mut local;
-                    let mut lent;
-                    let inner: &mut dyn ParamSource = match compute {
-                        Some(c) => {
-                            lent = c.lend(be, params);
-                            &mut lent
-                        }
-                        None => {
-                            local = LocalParams(params);
-                            &mut local
-                        }
-                    };
-                    let hooks = Hooks {
-                        params: &mut TracedBlocks {
-                            inner,
-                            tracer: &ctx.tracer,
-                            started: None,
-                        },
-                        grads,
-                        experts: ex,
-                    };
-                    forward_backward_with(be, model, hooks, ws, tokens, 1.0 / k as f32)
-                }
-                Shards::Fsdp { params, grads, .. } => {
-                    params.begin(be, true, world.size() * micro * seq);
-                    grads.begin(be, m > 0);
-                    let hooks = Hooks {
-                        params,
-                        grads,
-                        experts: ex,
-                    };
-                    let one = forward_backward_with(be, model, hooks, ws, tokens, 1.0 / k as f32);
-                    grads.finish(be, m + 1 == k);
-                    one
-                }
-            };
+            let global = world.size() * micro * seq;
+            let one = self.forward_backward(tokens, global, (m, k), &ctx.tracer);
             accumulate_output(&mut out, one, k);
         }
 
@@ -493,6 +449,65 @@ impl RankState {
             expert_regrowths: red[2] as u64,
             expert_rows_over_even: rows_over_even,
         })
+    }
+
+    /// Microbatch `m` of `k` of a step: forward and backward on `tokens`, a global microbatch of
+    /// `global` tokens, adding 1/k of its gradients into the step's (FSDP: reduce-scattered,
+    /// the first microbatch's replacing the shards, the others added to them).
+    fn forward_backward(
+        &mut self,
+        tokens: Tokens,
+        global: usize,
+        (m, k): (usize, usize),
+        tracer: &Tracer,
+    ) -> StepOutput {
+        let be: &dyn Backend = self.be.as_ref();
+        let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
+        let scale = 1.0 / k as f32;
+        match &mut self.shards {
+            Shards::Whole {
+                params,
+                grads,
+                compute,
+                ..
+            } => {
+                // The bf16 compute copy with the other masters lent in, or the masters alone.
+                let mut local;
+                let mut lent;
+                let inner: &mut dyn ParamSource = match compute {
+                    Some(c) => {
+                        lent = c.lend(be, params);
+                        &mut lent
+                    }
+                    None => {
+                        local = LocalParams(params);
+                        &mut local
+                    }
+                };
+                let hooks = Hooks {
+                    params: &mut TracedBlocks {
+                        inner,
+                        tracer,
+                        started: None,
+                    },
+                    grads,
+                    experts: ex,
+                };
+                forward_backward_with(be, model, hooks, ws, tokens, scale)
+            }
+            Shards::Fsdp { params, grads, .. } => {
+                params.begin(be, true, global);
+                grads.begin(be, m > 0);
+                let hooks = Hooks {
+                    params,
+                    grads,
+                    experts: ex,
+                };
+                let one = forward_backward_with(be, model, hooks, ws, tokens, scale);
+                grads.finish(be, m + 1 == k);
+                one
+            }
+        }
     }
 
     /// Move the backend's finished asynchronous copies onto the trace's copy tracks.
