@@ -800,6 +800,20 @@ impl FsdpGrads {
         be.add(self.shards[i].view_mut(), landed);
     }
 
+    /// Post parameter `i`'s reduce-scatter from `send` to where `at` lands it.
+    ///
+    /// SAFETY: as [`post_reduce_scatter`]'s.
+    unsafe fn post(&mut self, i: usize, send: &'static Tensor, at: Landing) -> Work<'static> {
+        let recv = landing_tensor(
+            at,
+            i,
+            &mut self.shards,
+            &mut self.landing,
+            &mut self.landing_root,
+        );
+        post_reduce_scatter(&self.groups, &self.layout, i, send, recv)
+    }
+
     /// Where root parameter `i`'s reduce-scatter lands this microbatch.
     fn root_landing(&self) -> Landing {
         match self.accumulate {
@@ -948,17 +962,12 @@ impl GradSink for FsdpGrads {
                 continue;
             }
             let at = self.root_landing();
-            let send = self.store.get(i);
-            let recv = landing_tensor(
-                at,
-                i,
-                &mut self.shards,
-                &mut self.landing,
-                &mut self.landing_root,
-            );
             // SAFETY: the head's gradient is not written again before this work is waited on
             // (`begin_embedding` or `finish`), nor its target read.
-            let w = unsafe { post_reduce_scatter(&self.groups, &self.layout, i, send, recv) };
+            let w = unsafe {
+                let send = forever(self.store.get(i));
+                self.post(i, send, at)
+            };
             self.head_pending.push((w, i, at));
         }
         self.head_sent = true;
@@ -983,18 +992,13 @@ impl GradSink for FsdpGrads {
                 true => Landing::Block(t, k),
                 false => Landing::Shard,
             };
-            let send = &self.pool[t][k];
-            let recv = landing_tensor(
-                at,
-                i,
-                &mut self.shards,
-                &mut self.landing,
-                &mut self.landing_root,
-            );
             // SAFETY: the send set and the landing shards are not written again before this
             // work is waited on (`begin_block` of the next block to take this set), nor its
             // target read.
-            let w = unsafe { post_reduce_scatter(&self.groups, &self.layout, i, send, recv) };
+            let w = unsafe {
+                let send = forever(&self.pool[t][k]);
+                self.post(i, send, at)
+            };
             self.pending[t].push((w, i, at));
         }
         self.pool_block = None;
