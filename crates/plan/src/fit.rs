@@ -3,8 +3,9 @@
 //! [`predict_memory`] places the terms of [`predict_cpu_ledger`] on the two memories of the
 //! CPU backend's two-memory mode (the emulated device, ledger device `gpu0`, and pinned host
 //! memory, `host`); [`fit_check`] holds the device's share against `device.memory_gib` and, when
-//! it does not fit, finds the smallest change of `[activation_checkpoint]` / `[optimizer]` that
-//! does. `ganymede train` runs the check before it builds anything; `ganymede plan` prints it.
+//! it does not fit, finds the smallest change of `[activation_checkpoint]` / `[optimizer]` (then
+//! token chunks, microbatches and gradient sets) that does. `ganymede train` runs the check
+//! before it builds anything; `ganymede plan` prints it.
 //!
 //! # Layout rules
 //!
@@ -859,10 +860,23 @@ pub fn fit_check_at(
 /// offload (whole layers, the fewest that fit); optimizer offload; both; then full
 /// checkpointing (when off) with the same three. The first that fits wins. When none does, the
 /// same again with the token chunks of [`chunk_variants`], which trade recompute or smaller
-/// GEMMs for memory; and last, on several ranks, all of that with one gradient set, which
-/// leaves each block's reduce-scatter in the open (on the write-up's network the costliest).
+/// GEMMs for memory; then all of that in smaller microbatches (gradient accumulation, largest
+/// first: the first change here that alters the numbers, through the auxiliary loss); and last,
+/// on several ranks, all of that with one gradient set, which leaves each block's
+/// reduce-scatter in the open (on the write-up's network the costliest).
 fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) -> Option<Fix> {
     let mut variants = chunk_variants(job, ranks);
+    let t = &job.training;
+    let share = t.batch_size / ranks.max(1);
+    for m in (1..t.micro_batch(ranks)).rev().filter(|m| share % m == 0) {
+        let mut j = job.clone();
+        j.training.micro_batch_size = m;
+        let set = format!("training.micro_batch_size={m}");
+        variants.extend(chunk_variants(&j, ranks).into_iter().map(|(mut sets, j)| {
+            sets.insert(0, set.clone());
+            (sets, j)
+        }));
+    }
     if ranks > 1 && job.parallelism.gradient_sets > 1 {
         let one: Vec<_> = variants
             .iter()
@@ -1035,8 +1049,8 @@ impl FitCheck {
                 f.flags()
             ),
             None => "nothing fits: no activation offload, optimizer offload, checkpointing, \
-                     token chunk or single gradient set brings it under the capacity (raise \
-                     device.memory_gib or shrink the model or training.batch_size)"
+                     token chunk, smaller microbatch or single gradient set brings it under the \
+                     capacity (raise device.memory_gib or shrink the model or the sequence)"
                 .to_string(),
         };
         format!(

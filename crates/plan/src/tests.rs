@@ -1357,9 +1357,15 @@ fn the_fit_check_names_the_overflow_and_the_smallest_change() {
         &["device.memory_gib=0.018", "optimizer.offload=true"],
     );
     assert!(fit_check(&ok, 1, 1).unwrap().fits);
-    // 0.01 GiB = 10,737,418 bytes: even the parameters, gradients, staging and workspace
-    // exceed it, so nothing fits.
+    // 0.01 GiB = 10,737,418 bytes: no offload or checkpointing fits, microbatches of two
+    // sequences do (a quarter of the activations).
     let c = fit_check(&two_memory("tiny", &["device.memory_gib=0.01"]), 1, 1).unwrap();
+    let fix = c.fix.clone().expect("a smaller microbatch fits");
+    assert_eq!(fix.sets, ["training.micro_batch_size=2"]);
+    let two = two_memory("tiny", &["training.micro_batch_size=2"]);
+    assert_eq!(fix.device_peak, predict_memory(&two, 1, 1).device_peak);
+    // 0.004 GiB: even one sequence at a time with the optimizer offloaded exceeds it.
+    let c = fit_check(&two_memory("tiny", &["device.memory_gib=0.004"]), 1, 1).unwrap();
     assert!(
         c.fix.is_none() && c.message().contains("nothing fits"),
         "{c:?}"
@@ -1484,9 +1490,12 @@ fn the_fit_check_proposes_token_chunks_when_offloading_is_not_enough() {
     let cap = peak(&[loss, m8]) + 0.5;
     assert!(with_offloads(&[l1]) > cap && with_offloads(&[l1, m16]) > cap);
     assert_eq!(fix_at(cap), Some((s(&[loss, m8]), peak(&[loss, m8]))));
-    // Below the smallest chunks with every offload, nothing fits.
+    // Below the smallest chunks with every offload, smaller microbatches: two sequences of
+    // the eight, with the largest chunks that then fit (a microbatch's tokens are fewer).
     let floor = with_offloads(&[l1, "training.moe_chunk_tokens=1024"]);
-    assert_eq!(fix_at(floor - 1.0), None);
+    let (sets, p) = fix_at(floor - 1.0).expect("a smaller microbatch fits");
+    assert_eq!(sets[0], "training.micro_batch_size=4", "{sets:?}");
+    assert!(p < floor - 1.0);
 }
 
 /// On several ranks, when nothing else fits, one gradient set: a set is one block's full
@@ -1495,7 +1504,12 @@ fn the_fit_check_proposes_token_chunks_when_offloading_is_not_enough() {
 /// proposed only after every offload, with the ones still needed.
 #[test]
 fn the_fit_check_proposes_one_gradient_set_last() {
-    let job = |sets: &[&str]| two_memory("tiny", sets);
+    // One sequence a rank, so no smaller microbatch is a candidate.
+    let job = |sets: &[&str]| {
+        let mut all = vec!["training.batch_size=4"];
+        all.extend(sets);
+        two_memory("tiny", &all)
+    };
     let peak = |sets: &[&str]| predict_memory(&job(sets), 1, 4).device_peak;
     let one = "parallelism.gradient_sets=1";
     let p = predict_memory(&job(&[]), 1, 4);
@@ -1508,7 +1522,7 @@ fn the_fit_check_proposes_one_gradient_set_last() {
         "optimizer.offload=true",
         "activation_checkpoint.offload_fraction=1",
     ];
-    // tiny's 256-token batch per rank is below every chunk: the candidates are the offloads.
+    // tiny's 128-token batch per rank is below every chunk: the candidates are the offloads.
     let floor = peak(&all[1..]);
     let cap = peak(&[one]) + 1.0;
     assert!(
