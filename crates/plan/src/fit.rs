@@ -868,7 +868,10 @@ fn smallest_fix(job: &JobConfig, threads: usize, ranks: usize, capacity: f64) ->
     let mut variants = chunk_variants(job, ranks);
     let t = &job.training;
     let share = t.batch_size / ranks.max(1);
-    for m in (1..t.micro_batch(ranks)).rev().filter(|m| share % m == 0) {
+    for m in (1..t.micro_batch(ranks))
+        .rev()
+        .filter(|&m| share.is_multiple_of(m))
+    {
         let mut j = job.clone();
         j.training.micro_batch_size = m;
         let set = format!("training.micro_batch_size={m}");
