@@ -292,9 +292,7 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
     blockDim = {block[0], block[1], block[2]};
     gridDim = {grid[0], grid[1], grid[2]};
     g_block = &b;
-    // Blocks in order, or (reversed schedule) last to first: a device runs them in any order
-    // and at once, so a kernel that reads what another block of the same launch writes fails
-    // in one of the two.
+    // Blocks in order, or last to first under the reversed schedule (see g_reverse).
     const unsigned long long nblocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     for (unsigned long long n = 0; n < nblocks; n++) {
         const unsigned long long id = g_reverse ? nblocks - 1 - n : n;

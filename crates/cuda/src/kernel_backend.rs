@@ -8,8 +8,8 @@
 use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};
 use ganymede_core::{
-    AdamWStep, Blas, CopySpan, CpuBackend, DType, Device, Event, Gemm, Ledger, Memory, MemoryError,
-    NnOps, OptimOps, Stream, Syrk, Tensor, View, ViewMut,
+    Blas, CopySpan, CpuBackend, DType, Device, Event, Gemm, Ledger, Memory, MemoryError, NnOps,
+    OptimOps, Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -270,31 +270,7 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
 }
 
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
-    fn adamw_step(
-        &self,
-        param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: Option<ViewMut>,
-    ) {
-        self.ops.adamw_step(param, m, v, grad, h, rounded)
-    }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
-        self.ops.nesterov_momentum(buf, grad, momentum, grad_scale)
-    }
-    fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
-        self.ops.normalize_frobenius(x, eps)
-    }
-    fn decay_update(
-        &self,
-        param: ViewMut,
-        update: View,
-        alpha: f64,
-        decay: f64,
-        rounded: Option<ViewMut>,
-    ) {
-        self.ops.decay_update(param, update, alpha, decay, rounded)
-    }
+    ganymede_core::forward_optim_ops!(ops:
+        adamw_step, nesterov_momentum, normalize_frobenius, decay_update,
+    );
 }

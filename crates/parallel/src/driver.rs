@@ -363,13 +363,13 @@ impl RankState {
             tokens: 0,
             expert_load: Vec::new(),
         };
+        let global = world.size() * micro * seq;
         for m in 0..k {
             let rows = m * micro * seq..(m + 1) * micro * seq;
             let tokens = Tokens {
                 inputs: &x[rows.clone()],
                 targets: &y[rows],
             };
-            let global = world.size() * micro * seq;
             let one = self.forward_backward(tokens, global, (m, k), &ctx.tracer);
             accumulate_output(&mut out, one, k);
         }

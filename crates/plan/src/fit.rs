@@ -160,10 +160,7 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> MemoryPr
         *total = (*total - excess).max(params);
         return p;
     }
-    let mut micro = job.clone();
-    micro.training.batch_size = job.training.micro_batch(1);
-    micro.training.micro_batch_size = 0;
-    let one: CpuLedger = predict_cpu_ledger(&micro, threads);
+    let one: CpuLedger = predict_cpu_ledger(&one_microbatch(job, 1), threads);
     let all = Categories {
         params: one.params,
         grads: one.grads,
@@ -251,6 +248,15 @@ pub fn attention_dq_sums_bytes(job: &JobConfig, ranks: usize) -> f64 {
     }
     let n = job.training.micro_batch(ranks) * m.seq_len;
     (4 * n * m.heads * m.head_dim).max(256) as f64
+}
+
+/// `job` as one forward and backward of one of `ranks` ranks sees it: a batch of one
+/// microbatch of the rank's share (what the ledger terms of [`predict_cpu_ledger`] size).
+fn one_microbatch(job: &JobConfig, ranks: usize) -> JobConfig {
+    let mut local = job.clone();
+    local.training.batch_size = job.training.micro_batch(ranks);
+    local.training.micro_batch_size = 0;
+    local
 }
 
 /// Pinned host bytes of the CUDA backend's staging ring on one of `ranks` ranks: every one of
@@ -603,10 +609,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     };
     let root_recv = root_max(&recv);
     let root_send16 = root_max(&|t| t.shard(cut));
-    // What one forward and backward holds: a microbatch of the rank's share.
-    let mut local = job.clone();
-    local.training.batch_size = job.training.micro_batch(ranks);
-    local.training.micro_batch_size = 0;
+    let local = one_microbatch(job, ranks);
     // Accumulating, a microbatch after the first reduce-scatters into landing shards
     // (`ganymede_parallel::fsdp`) added into the shards: one block's per gradient set, and the
     // root's.

@@ -64,3 +64,26 @@ pub trait OptimOps: Send + Sync {
         rounded: Option<ViewMut>,
     );
 }
+
+/// [`OptimOps`] methods that forward to a field, as [`crate::forward_nn_ops`] does for
+/// [`crate::NnOps`]: `forward_optim_ops!(ops: adamw_step, …)` inside an `impl OptimOps` writes
+/// each named method as `self.ops.method(args)`.
+#[macro_export]
+macro_rules! forward_optim_ops {
+    ($t:ident: $($m:ident),+ $(,)?) => { $( $crate::forward_optim_ops!(@ $t $m); )+ };
+    (@ $t:ident adamw_step) => { $crate::forward_optim_ops!(@fn $t adamw_step(
+        param: $crate::ViewMut, m: $crate::ViewMut, v: $crate::ViewMut, grad: $crate::View,
+        h: &$crate::AdamWStep, rounded: Option<$crate::ViewMut>)); };
+    (@ $t:ident nesterov_momentum) => { $crate::forward_optim_ops!(@fn $t nesterov_momentum(
+        buf: $crate::ViewMut, grad: $crate::ViewMut, momentum: f64, grad_scale: f32)); };
+    (@ $t:ident normalize_frobenius) => { $crate::forward_optim_ops!(@fn $t normalize_frobenius(
+        x: $crate::ViewMut, eps: f64)); };
+    (@ $t:ident decay_update) => { $crate::forward_optim_ops!(@fn $t decay_update(
+        param: $crate::ViewMut, update: $crate::View, alpha: f64, decay: f64,
+        rounded: Option<$crate::ViewMut>)); };
+    (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?)) => {
+        fn $m(&self, $($a: $ty),*) {
+            self.$t.$m($($a),*)
+        }
+    };
+}

@@ -4,8 +4,8 @@
 use crate::*;
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{
-    embedding_segments, AdamWStep, Blas, Category, CpuBackend, DType, Device, EmbedIds, Gemm,
-    Ledger, Memory, NnOps, OptimOps, ParamStore, Syrk, Tensor, View, ViewMut,
+    embedding_segments, Blas, Category, CpuBackend, DType, Device, EmbedIds, Gemm, Ledger, Memory,
+    NnOps, OptimOps, ParamStore, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -131,33 +131,9 @@ impl NnOps for CountingReads {
 }
 
 impl OptimOps for CountingReads {
-    fn adamw_step(
-        &self,
-        param: ViewMut,
-        m: ViewMut,
-        v: ViewMut,
-        grad: View,
-        h: &AdamWStep,
-        rounded: Option<ViewMut>,
-    ) {
-        self.be.adamw_step(param, m, v, grad, h, rounded)
-    }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
-        self.be.nesterov_momentum(buf, grad, momentum, grad_scale)
-    }
-    fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
-        self.be.normalize_frobenius(x, eps)
-    }
-    fn decay_update(
-        &self,
-        param: ViewMut,
-        update: View,
-        alpha: f64,
-        decay: f64,
-        rounded: Option<ViewMut>,
-    ) {
-        self.be.decay_update(param, update, alpha, decay, rounded)
-    }
+    ganymede_core::forward_optim_ops!(be:
+        adamw_step, nesterov_momentum, normalize_frobenius, decay_update,
+    );
 }
 
 /// One training step of `tiny` (two MoE layers, 8 experts) reads back each MoE layer's `[8]`
