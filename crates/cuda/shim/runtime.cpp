@@ -2,8 +2,11 @@
 // Included by the generated translation unit after the kernels, so the kernel table can refer
 // to them (see build.rs).
 
+#include <signal.h>
 #include <ucontext.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -71,6 +74,9 @@ thread_local std::vector<std::unique_ptr<unsigned char[]>> g_stacks;
 // covers its group) instead of at once, its destination NaN until then, so a kernel that reads a
 // tile before waiting for it, or refills a stage a warp still reads, reads NaN.
 thread_local bool g_defer_copies = false;
+// The kernel this OS thread is running, for the fault report (see gany_host_report_faults).
+thread_local const char* g_kernel = nullptr;
+struct sigaction g_previous_segv;
 
 [[noreturn]] void fail(const char* what) {
     std::fprintf(stderr, "cuda host shim: %s (block %u,%u,%u)\n", what, blockIdx.x, blockIdx.y,
@@ -244,7 +250,45 @@ const Entry* find(const char* name) {
     return nullptr;
 }
 
+// A fault inside a launch (under the bounds check: a kernel that reached an argument's guard
+// page) names the kernel before the process dies; any other fault goes to the handler that was
+// there before (Rust's stack-overflow report). Only async-signal-safe calls here.
+void on_fault(int, siginfo_t* info, void*) {
+    const char* kernel = g_kernel;
+    if (kernel) {
+        char line[256];
+        size_t n = 0;
+        auto put = [&](const char* s) {
+            while (*s && n < sizeof(line) - 1) line[n++] = *s++;
+        };
+        put("cuda host shim: kernel ");
+        put(kernel);
+        put(" touched 0x");
+        const unsigned long long a = (unsigned long long)info->si_addr;
+        for (int shift = 60; shift >= 0; shift -= 4) {
+            const char digit[2] = {"0123456789abcdef"[(a >> shift) & 15], 0};
+            put(digit);
+        }
+        put(", outside its arguments' memory\n");
+        if (write(STDERR_FILENO, line, n) < 0) {
+        }
+    }
+    // Returning retries the access, which now reaches the previous handler.
+    sigaction(SIGSEGV, &g_previous_segv, nullptr);
+}
+
 }  // namespace
+
+// Install the fault report (once per process; later calls do nothing).
+extern "C" void gany_host_report_faults() {
+    static std::atomic<bool> installed{false};
+    if (installed.exchange(true)) return;
+    struct sigaction sa = {};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_previous_segv);
+}
 
 // Order of a block's threads between barriers on this OS thread: first to last (0) or last to
 // first (1).
@@ -292,6 +336,7 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
     blockDim = {block[0], block[1], block[2]};
     gridDim = {grid[0], grid[1], grid[2]};
     g_block = &b;
+    g_kernel = e->name;
     // Blocks in order, or last to first under the reversed schedule (see g_reverse).
     const unsigned long long nblocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     for (unsigned long long n = 0; n < nblocks; n++) {
@@ -306,5 +351,6 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
         run_block(b, nthreads);
     }
     g_block = nullptr;
+    g_kernel = nullptr;
     return 0;
 }

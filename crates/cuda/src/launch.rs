@@ -8,9 +8,11 @@
 //! launcher returns its `CUdeviceptr` cast to one. Work is ordered as on one stream: a launch
 //! or copy may be asynchronous, but `download` returns with the data.
 
+use crate::bounds::{self, Regions};
 use crate::host::{self, Arg, LaunchConfig};
 use ganymede_core::{Category, CpuBackend, DType, Memory, Tensor, View, ViewMut};
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// A device as the kernel ops see it. Object-safe.
 pub trait Launcher: Send + Sync {
@@ -18,6 +20,10 @@ pub trait Launcher: Send + Sync {
     fn addr(&self, v: View) -> *mut c_void;
     /// The address of `v`'s first element (written by kernels).
     fn addr_mut(&self, v: ViewMut) -> *mut c_void;
+    /// `bytes` at `addr` are a region of their own (a scratch region carved from a larger
+    /// allocation) that kernels may read and write: what the host build's bounds check
+    /// ([`crate::bounds`]) holds them to. Nothing to do on a GPU.
+    fn mark(&self, _addr: *mut c_void, _bytes: usize) {}
     /// Launch kernel `name` on the compute stream.
     ///
     /// # Safety
@@ -51,13 +57,17 @@ const _: Option<&dyn Launcher> = None;
 #[derive(Clone)]
 pub struct HostLauncher {
     mem: CpuBackend,
+    regions: Arc<Regions>,
 }
 
 impl HostLauncher {
     /// Scratch is allocated (and charged) through `mem`, which should be the backend whose
     /// tensors the kernels run on (two-memory mode included: its views are host-addressable).
     pub fn new(mem: CpuBackend) -> Self {
-        HostLauncher { mem }
+        HostLauncher {
+            mem,
+            regions: Arc::default(),
+        }
     }
 }
 
@@ -71,25 +81,38 @@ fn device_addr(buf: &dyn ganymede_core::DeviceBuffer, offset: usize, write: bool
 
 impl Launcher for HostLauncher {
     fn addr(&self, v: View) -> *mut c_void {
-        match v {
+        let bytes = v.len() * v.dtype().size();
+        let p = match v {
             View::Host(s) => s.as_ptr() as *mut c_void,
             View::Host64(s) => s.as_ptr() as *mut c_void,
             View::HostBf16(s) => s.as_ptr() as *mut c_void,
             View::HostU32(s) => s.as_ptr() as *mut c_void,
             View::Device(d) => device_addr(d.buffer(), d.offset(), false),
-        }
+        };
+        self.regions.note(p, bytes, false);
+        p
     }
     fn addr_mut(&self, v: ViewMut) -> *mut c_void {
-        match v {
+        let bytes = v.len() * v.dtype().size();
+        let p = match v {
             ViewMut::Host(s) => s.as_mut_ptr() as *mut c_void,
             ViewMut::Host64(s) => s.as_mut_ptr() as *mut c_void,
             ViewMut::HostBf16(s) => s.as_mut_ptr() as *mut c_void,
             ViewMut::HostU32(s) => s.as_mut_ptr() as *mut c_void,
             ViewMut::Device(d) => device_addr(d.buffer(), d.offset(), true),
-        }
+        };
+        self.regions.note(p, bytes, true);
+        p
+    }
+    fn mark(&self, addr: *mut c_void, bytes: usize) {
+        self.regions.note(addr, bytes, true);
     }
     unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
-        host::launch(name, cfg, args)
+        if bounds::guarded() {
+            self.regions.launch(name, cfg, args)
+        } else {
+            host::launch(name, cfg, args)
+        }
     }
     fn alloc_scratch(&self, bytes: usize) -> Tensor {
         // f64 elements: 8-byte alignment for the f64 partial sums carved from it.

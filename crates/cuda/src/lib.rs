@@ -12,6 +12,7 @@
 //! - [`cublas_map`]: the seam's row-major GEMMs as column-major cuBLAS calls, a pure function
 //!   tested in CI against the CPU backend.
 
+pub mod bounds;
 pub mod cublas_map;
 #[cfg(feature = "cuda")]
 pub mod device;

@@ -16,6 +16,7 @@ use ganymede_core::sample::Lcg;
 use ganymede_core::{
     bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Ledger, Memory, Tensor,
 };
+use ganymede_cuda::bounds::{set_bounds, Bounds};
 use ganymede_cuda::host::{
     launch, set_copy_timing, set_schedule, Arg, CopyTiming, LaunchConfig, Schedule,
 };
@@ -40,7 +41,10 @@ const SMALL: Tuning = Tuning {
     attn_fused_dq: false,
     attn_wide_fwd: false,
 };
+/// Launches from this thread run under the bounds check (`ganymede_cuda::bounds`): a kernel
+/// that touches memory outside what it was given fails its test.
 fn kernels(tuning: Tuning) -> HostKernelBackend {
+    set_bounds(Bounds::Guarded);
     HostKernelBackend::host(cpu(), tuning)
 }
 fn up(b: &dyn Backend, x: &[f32]) -> Tensor {
@@ -984,6 +988,9 @@ impl Launcher for CountingLauncher {
         self.downloads.fetch_add(1, Ordering::SeqCst);
         self.inner.download(dst, src)
     }
+    fn mark(&self, addr: *mut c_void, bytes: usize) {
+        self.inner.mark(addr, bytes)
+    }
 }
 
 #[test]
@@ -991,6 +998,7 @@ fn embedding_backward_moves_nothing_between_host_and_device() {
     // Reading the ids back would stall the GPU's pipeline every step; the grouping comes with
     // the batch instead. Counted where the op layer moves data (the launcher).
     let cpu = cpu();
+    set_bounds(Bounds::Guarded);
     let l = CountingLauncher {
         inner: HostLauncher::new(cpu.clone()),
         downloads: Arc::default(),

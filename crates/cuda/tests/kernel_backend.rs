@@ -14,6 +14,7 @@
 use ganymede_config::{preset, AcMode, ModelConfig};
 use ganymede_core::sample::tokens;
 use ganymede_core::{Backend, Blas, Category, CpuBackend, Ledger, Memory, ParamStore};
+use ganymede_cuda::bounds::{set_bounds, Bounds};
 use ganymede_cuda::kernel_backend::HostKernelBackend;
 use ganymede_cuda::ops::Tuning;
 use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
@@ -32,7 +33,13 @@ fn tiny() -> ModelConfig {
 }
 
 fn kernels() -> HostKernelBackend {
-    HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), small())
+    kernels_on(CpuBackend::new(Arc::new(Ledger::new())), small())
+}
+/// The kernels over `cpu`'s memory, their launches from this thread under the bounds check
+/// (`ganymede_cuda::bounds`), as in the op-by-op tests.
+fn kernels_on(cpu: CpuBackend, tuning: Tuning) -> HostKernelBackend {
+    set_bounds(Bounds::Guarded);
+    HostKernelBackend::host(cpu, tuning)
 }
 
 fn small() -> Tuning {
@@ -141,7 +148,7 @@ fn tiny_forward_backward_matches_the_cpu() {
 
     // The small launches, and the GPU's default ones.
     for (what, tuning) in [("small", small()), ("default", Tuning::default())] {
-        let kern = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
+        let kern = kernels_on(CpuBackend::new(Arc::new(Ledger::new())), tuning);
         let pk = model.init_params(&kern, 3);
         let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
         let (le, ae) = (rel(og.loss, ow.loss), rel(og.aux_loss, ow.aux_loss));
@@ -305,7 +312,7 @@ fn two_memory_mode_and_a_reused_scratch_pool() {
     let c = tiny();
     let model = Model::new(&c);
     let ledger = Arc::new(Ledger::new());
-    let dev = HostKernelBackend::host(two_memory(&ledger), small());
+    let dev = kernels_on(two_memory(&ledger), small());
     let host = kernels();
     let inputs = tokens(BATCH * SEQ, c.vocab_size, 6);
     let targets = tokens(BATCH * SEQ, c.vocab_size, 7);
@@ -343,7 +350,7 @@ fn the_dq_sums_are_on_the_device_as_the_planner_says() {
             attn_fused_dq: fused,
             ..small()
         };
-        let dev = HostKernelBackend::host(two_memory(&ledger), tuning);
+        let dev = kernels_on(two_memory(&ledger), tuning);
         let params = model.init_params(&dev, 3);
         let held = || ledger.report().current(Device::Gpu(0), Category::Buffers);
         step(&dev, &model, &params, &inputs, &targets);
@@ -423,7 +430,7 @@ fn bf16_compute_case(what: &str, tuning: Tuning, (loss_tol, grad_tol): (f64, f64
     let inputs = tokens(BATCH * SEQ, c.vocab_size, 7);
     let targets = tokens(BATCH * SEQ, c.vocab_size, 5);
     let (gw, ow) = step(&cpu, &model, &pc, &inputs, &targets);
-    let kern = HostKernelBackend::host(CpuBackend::new(Arc::new(Ledger::new())), tuning);
+    let kern = kernels_on(CpuBackend::new(Arc::new(Ledger::new())), tuning);
     let pk = model.init_params(&kern, 3);
     let (gg, og) = step(&kern, &model, &pk, &inputs, &targets);
     println!(

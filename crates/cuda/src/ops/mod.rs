@@ -232,6 +232,9 @@ impl<L: Launcher> KernelOps<L> {
             .launcher
             .addr_mut(guard.as_mut().expect("scratch").view_mut()) as *mut u8;
         let ptrs = offs.map(|o| base.wrapping_add(o) as *mut c_void);
+        for (&p, s) in ptrs.iter().zip(sizes) {
+            self.launcher.mark(p, s);
+        }
         (Scratch { _guard: guard }, ptrs)
     }
 
@@ -245,6 +248,7 @@ impl<L: Launcher> KernelOps<L> {
         let base = self
             .launcher
             .addr_mut(guard.as_mut().expect("dq sums").view_mut());
+        self.launcher.mark(base, bytes);
         (Scratch { _guard: guard }, base)
     }
 
