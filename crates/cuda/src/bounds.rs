@@ -12,7 +12,9 @@
 //! write past either end fails the check; a read there brings NaN into the output). The canary
 //! is a signalling NaN as f32 and as either bf16 half, different for each copy, so that
 //! arithmetic on a canary (which quietens it) or a copy of another region's canary is seen as
-//! a write. A region the kernel was given only to read must come back unchanged.
+//! a write. A region the kernel was given only to read must come back unchanged. A scratch
+//! region starts as NaN bytes when it is handed out, as on a device it would hold whatever the
+//! last op left.
 
 use crate::host::{self, Arg, LaunchConfig};
 use std::cell::Cell;
@@ -65,6 +67,19 @@ impl Regions {
             *e = (bytes, write);
         } else {
             e.1 |= write;
+        }
+    }
+
+    /// A scratch region handed out: noted as writable, and filled with NaN bytes, as what an
+    /// earlier op left there would be anything on a device (a kernel that reads scratch it did
+    /// not write, or counts on a fresh pool's zeros, then fails its test).
+    ///
+    /// # Safety
+    /// `addr` must be valid for `bytes` bytes of writes.
+    pub unsafe fn scratch(&self, addr: *mut c_void, bytes: usize) {
+        if guarded() {
+            std::ptr::write_bytes(addr as *mut u8, 0xff, bytes);
+            self.note(addr, bytes, true);
         }
     }
 
@@ -338,6 +353,28 @@ mod tests {
             unsafe { r.launch("zero_u32", EW, &[Arg::Ptr(inner), Arg::I64(7)]) };
         }));
         assert!(text.contains("argument 0"), "{text}");
+    }
+
+    #[test]
+    fn scratch_starts_as_nan_only_when_guarded() {
+        let mut buf = vec![0u32; 6];
+        let r = Regions::default();
+        set_bounds(Bounds::Unchecked);
+        // Safety: `buf` holds 24 bytes.
+        unsafe { r.scratch(buf.as_mut_ptr() as *mut c_void, 24) };
+        assert!(buf.iter().all(|&x| x == 0));
+        set_bounds(Bounds::Guarded);
+        unsafe { r.scratch(buf[1..].as_mut_ptr() as *mut c_void, 16) };
+        assert_eq!(buf, [0, !0, !0, !0, !0, 0]);
+        // And it was noted: a launch on it passes.
+        unsafe {
+            r.launch(
+                "zero_u32",
+                EW,
+                &[Arg::Ptr(buf[1..].as_mut_ptr() as *mut c_void), Arg::I64(4)],
+            )
+        };
+        assert_eq!(buf, [0; 6]);
     }
 
     #[test]

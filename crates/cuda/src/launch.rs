@@ -21,9 +21,13 @@ pub trait Launcher: Send + Sync {
     /// The address of `v`'s first element (written by kernels).
     fn addr_mut(&self, v: ViewMut) -> *mut c_void;
     /// `bytes` at `addr` are a region of their own (a scratch region carved from a larger
-    /// allocation) that kernels may read and write: what the host build's bounds check
-    /// ([`crate::bounds`]) holds them to. Nothing to do on a GPU.
-    fn mark(&self, _addr: *mut c_void, _bytes: usize) {}
+    /// allocation) that kernels may read and write, and whose contents are not yet defined:
+    /// what the host build's bounds check ([`crate::bounds`]) holds them to, filling them with
+    /// NaN bytes. Nothing to do on a GPU.
+    ///
+    /// # Safety
+    /// `addr` must be valid for `bytes` bytes of writes, with no queued work using them.
+    unsafe fn mark(&self, _addr: *mut c_void, _bytes: usize) {}
     /// Launch kernel `name` on the compute stream.
     ///
     /// # Safety
@@ -104,8 +108,8 @@ impl Launcher for HostLauncher {
         self.regions.note(p, bytes, true);
         p
     }
-    fn mark(&self, addr: *mut c_void, bytes: usize) {
-        self.regions.note(addr, bytes, true);
+    unsafe fn mark(&self, addr: *mut c_void, bytes: usize) {
+        self.regions.scratch(addr, bytes)
     }
     unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
         if bounds::guarded() {

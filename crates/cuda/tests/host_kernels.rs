@@ -988,7 +988,7 @@ impl Launcher for CountingLauncher {
         self.downloads.fetch_add(1, Ordering::SeqCst);
         self.inner.download(dst, src)
     }
-    fn mark(&self, addr: *mut c_void, bytes: usize) {
+    unsafe fn mark(&self, addr: *mut c_void, bytes: usize) {
         self.inner.mark(addr, bytes)
     }
 }

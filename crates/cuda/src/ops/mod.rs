@@ -233,7 +233,8 @@ impl<L: Launcher> KernelOps<L> {
             .addr_mut(guard.as_mut().expect("scratch").view_mut()) as *mut u8;
         let ptrs = offs.map(|o| base.wrapping_add(o) as *mut c_void);
         for (&p, s) in ptrs.iter().zip(sizes) {
-            self.launcher.mark(p, s);
+            // Safety: disjoint regions of the pool, which this guard holds for the op alone.
+            unsafe { self.launcher.mark(p, s) };
         }
         (Scratch { _guard: guard }, ptrs)
     }
@@ -248,7 +249,8 @@ impl<L: Launcher> KernelOps<L> {
         let base = self
             .launcher
             .addr_mut(guard.as_mut().expect("dq sums").view_mut());
-        self.launcher.mark(base, bytes);
+        // Safety: the slot holds at least `bytes`, and this guard holds it for the op alone.
+        unsafe { self.launcher.mark(base, bytes) };
         (Scratch { _guard: guard }, base)
     }
 
