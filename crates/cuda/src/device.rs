@@ -283,10 +283,23 @@ impl CudaBackend {
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
+        // cudarc's lookup does not make the context current.
+        self.bind();
         for m in &self.kernels.modules {
-            if let Ok(f) = m.load_function(name) {
-                cache.insert(name.to_string(), f.clone());
-                return Ok(f);
+            match m.load_function(name) {
+                Ok(f) => {
+                    cache.insert(name.to_string(), f.clone());
+                    return Ok(f);
+                }
+                Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_FOUND => {}
+                // A sticky error from earlier work (an illegal address, say) shows as itself,
+                // not as a kernel missing from every file.
+                Err(e) => {
+                    return Err(DeviceError::Driver {
+                        what: format!("looking up kernel {name}"),
+                        error: probe::driver_error(&e),
+                    })
+                }
             }
         }
         Err(DeviceError::Driver {

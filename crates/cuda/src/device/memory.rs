@@ -4,7 +4,7 @@
 
 use super::{ok, probe, CudaBackend, Streams};
 use cudarc::driver::sys::{self, CUevent_flags};
-use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DriverError, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, DevicePtr, DriverError, PinnedHostSlice};
 use ganymede_core::{
     bf16, Category, CopySpan, DType, Device, DeviceBuffer, Event, Ledger, Memory, MemoryError,
     Stream, Tensor, View, ViewMut,
@@ -18,14 +18,29 @@ use std::time::{Duration, Instant};
 pub(super) struct Uses(AtomicU8);
 
 impl Uses {
-    pub(super) fn mark(&self, s: Stream) {
-        self.0.fetch_or(1 << s.index(), Ordering::Relaxed);
+    /// Marks a use on `s`; true where it is the first there.
+    pub(super) fn mark(&self, s: Stream) -> bool {
+        let bit = 1 << s.index();
+        self.0.fetch_or(bit, Ordering::Relaxed) & bit == 0
     }
     fn others(&self) -> impl Iterator<Item = Stream> + '_ {
         let bits = self.0.load(Ordering::Relaxed);
         Stream::ALL
             .into_iter()
             .filter(move |s| *s != Stream::Compute && bits & (1 << s.index()) != 0)
+    }
+}
+
+/// Makes the context current for a drop. cudarc's `bind_to_thread` first returns (and clears)
+/// an error an earlier cudarc drop stored, without binding; that error is printed (a drop has
+/// nowhere else to report it) and the bind retried.
+fn bind_for_drop(ctx: &CudaContext) {
+    if let Err(e) = ctx.bind_to_thread() {
+        eprintln!(
+            "CUDA: an earlier release failed: {}",
+            probe::driver_error(&e)
+        );
+        let _ = ctx.bind_to_thread();
     }
 }
 
@@ -45,7 +60,7 @@ impl Drop for DeviceMemory {
         // compute wait for the other streams that used it, as far as they have been issued.
         let compute = self.streams.get(Stream::Compute);
         // cudarc's free does not make the context current; a tensor may drop on any thread.
-        let _ = compute.context().bind_to_thread();
+        bind_for_drop(compute.context());
         for s in self.uses.others() {
             let stream = self.streams.get(s);
             if let Ok(ev) = stream.record_event(None) {
@@ -93,7 +108,7 @@ unsafe impl Sync for PinnedMemory {}
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
         // Host memory cannot be freed in stream order: wait for the streams that copied it.
-        let _ = self.streams.get(Stream::Compute).context().bind_to_thread();
+        bind_for_drop(self.streams.get(Stream::Compute).context());
         for s in Stream::ALL {
             if s == Stream::Compute || self.uses.others().any(|o| o == s) {
                 let _ = self.streams.get(s).synchronize();
@@ -268,13 +283,22 @@ impl CudaBackend {
         if src.bytes == 0 {
             return;
         }
+        // Device memory is allocated and zeroed in compute's order (and may be memory compute's
+        // queued kernels have just freed), so its first use on another stream waits for compute
+        // as issued so far; the seam lets a new tensor be used on any stream at once.
+        let mut fresh = false;
         for p in [dst, src] {
             if let Some(u) = p.uses {
-                u.mark(stream);
+                fresh |= u.mark(stream) && p.on_device;
             }
         }
         let s = self.streams.get(stream);
         self.bind();
+        if fresh && stream != Stream::Compute {
+            let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            let ready = ok(self.compute().record_event(flags), "event");
+            ok(s.wait(&ready), "stream wait");
+        }
         // SAFETY: both ranges were checked against their buffers when the views were made; the
         // seam's rules keep them alive and unaliased until the copy is ordered.
         ok(

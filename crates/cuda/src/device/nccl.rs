@@ -282,6 +282,7 @@ impl<'g> Launch<'g> {
     /// `input`, copied back when `output`).
     fn operand(&mut self, p: Place, input: bool, output: bool) -> Result<Ptr> {
         // Device memory is freed, and pinned memory released, only after the comm stream's work.
+        // (The collective itself waits for compute, so a fresh buffer is ready: see `run`.)
         if let Some(u) = p.uses {
             u.mark(Stream::Comm);
         }

@@ -14,6 +14,18 @@ pub enum ProbeError {
     Driver(String),
     /// The driver works and sees no GPU.
     NoDevice,
+    /// The driver is older than the CUDA 13 libraries need (`found`: its CUDA version as
+    /// `cuDriverGetVersion` gives it, 12040 for 12.4).
+    DriverTooOld { found: i32 },
+}
+
+/// The oldest driver API the backend runs on: the CUDA 13 libraries (cuBLAS, NVRTC's CUBINs)
+/// and the driver entry points cudarc's `cuda-13000` bindings call.
+pub const MIN_DRIVER_VERSION: i32 = 13000;
+
+/// `cuDriverGetVersion`'s encoding (1000 × major + 10 × minor) as "major.minor".
+fn cuda_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
 impl std::fmt::Display for ProbeError {
@@ -29,6 +41,13 @@ impl std::fmt::Display for ProbeError {
             ),
             ProbeError::Driver(e) => write!(f, "the CUDA driver failed to start: {e}"),
             ProbeError::NoDevice => write!(f, "the CUDA driver found no GPU on this machine"),
+            ProbeError::DriverTooOld { found } => write!(
+                f,
+                "the NVIDIA driver supports CUDA {}, and the CUDA backend needs {} or later \
+                 (its libraries are CUDA 13's): update the driver (580 or later)",
+                cuda_version(*found),
+                cuda_version(MIN_DRIVER_VERSION)
+            ),
         }
     }
 }
@@ -74,6 +93,15 @@ pub fn probe() -> Result<usize, ProbeError> {
         });
     }
     cudarc::driver::result::init().map_err(|e| ProbeError::Driver(driver_error(&e)))?;
+    // Before any call that an older driver lacks (cudarc panics at a missing entry point).
+    let mut version = 0;
+    // SAFETY: an out-parameter; the entry point exists in every driver.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| ProbeError::Driver(driver_error(&e)))?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(ProbeError::DriverTooOld { found: version });
+    }
     let n = cudarc::driver::result::device::get_count()
         .map_err(|e| ProbeError::Driver(driver_error(&e)))?;
     if n <= 0 {
@@ -96,6 +124,17 @@ pub fn driver_error(e: &cudarc::driver::DriverError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_old_driver_is_named_with_its_cuda_version() {
+        let line = ProbeError::DriverTooOld { found: 12040 }.to_string();
+        assert!(
+            line.contains("supports CUDA 12.4") && line.contains("needs 13.0 or later"),
+            "{line}"
+        );
+        assert_eq!(cuda_version(12080), "12.8");
+        assert_eq!(cuda_version(13010), "13.1");
+    }
 
     /// On a machine without a driver (CI, the build machine) the probe answers with an error,
     /// it does not panic; with one, it finds at least one GPU. Either way the message is one line.
