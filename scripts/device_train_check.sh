@@ -171,6 +171,7 @@ echo >>"$md"
 # A run that fails by itself (not a timeout, not skipped) is run once more on the kernels least
 # likely to be at fault, the SIMT attention and one GEMM per expert, so one device session still
 # gives a speed; its line says so.
+fallback_env=(GANYMEDE_CUDA_ATTENTION=simt GANYMEDE_CUDA_GROUPED=loop)
 speed() {
     local name=$1 limit=$2 steps=$3 run=$1 rc
     shift 3
@@ -179,7 +180,7 @@ speed() {
     if [ $rc != 0 ] && [ $rc != 124 ] && [ $rc != 125 ] && [ -z "${GANYMEDE_CUDA_ATTENTION:-}" ]; then
         run=$name-fallback
         (
-            export GANYMEDE_CUDA_ATTENTION=simt GANYMEDE_CUDA_GROUPED=loop
+            export "${fallback_env[@]}"
             train "$run" "$limit" --preset medium --steps "$steps" --set "device.kind=$kind" "$@"
         )
     fi
@@ -247,7 +248,7 @@ speed medium-muon 120 8
 # On the fallback kernels where the speed run needed them.
 (
     export GANYMEDE_CUDA_PROFILE=$out/profile-medium.md
-    [ -d "$runs/medium-adamw-fallback" ] && export GANYMEDE_CUDA_ATTENTION=simt GANYMEDE_CUDA_GROUPED=loop
+    [ -d "$runs/medium-adamw-fallback" ] && export "${fallback_env[@]}"
     train medium-profile 90 --preset medium --steps 3 --set "device.kind=$kind" --set optimizer.name=adamw
 )
 if [ -f "$out/profile-medium.md" ]; then
