@@ -318,7 +318,10 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
     const Entry* e = find(name);
     if (!e) return 1;
     const unsigned nthreads = block[0] * block[1] * block[2];
-    if (nthreads == 0 || nthreads > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0)
+    // The device's limits: at most 1024 threads (and 64 in z) a block, a grid's y and z at
+    // most 65535 and x below 2^31.
+    if (nthreads == 0 || nthreads > 1024 || block[2] > 64 || grid[0] == 0 || grid[1] == 0 ||
+        grid[2] == 0 || grid[0] > 0x7fffffffu || grid[1] > 65535 || grid[2] > 65535)
         return 2;
     if (g_block) fail("a launch from inside a kernel");
     while (g_stacks.size() < nthreads) g_stacks.emplace_back(new unsigned char[kStack]);

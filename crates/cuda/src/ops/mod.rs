@@ -309,7 +309,13 @@ fn u32_of(x: usize) -> u32 {
     u32::try_from(x).expect("grid beyond u32")
 }
 
+/// A grid within CUDA's limits (x below 2³¹, y and z at most 65,535): beyond them a launch
+/// fails on the device, so it fails here first, at any shape, in the host build as well.
 fn grid(x: usize, y: usize, z: usize) -> [u32; 3] {
+    assert!(
+        x < 1 << 31 && y <= 65_535 && z <= 65_535,
+        "a launch grid of {x} x {y} x {z} blocks is beyond CUDA's limits (y and z at most 65535)"
+    );
     [u32_of(x), u32_of(y), u32_of(z)]
 }
 
@@ -326,6 +332,36 @@ mod tests {
     use super::*;
     use crate::launch::HostLauncher;
     use ganymede_core::{Category, CpuBackend, Device, Memory};
+
+    #[test]
+    fn grids_stay_within_the_device_limits() {
+        assert_eq!(grid(1 << 20, 65_535, 7), [1 << 20, 65_535, 7]);
+        for (x, y, z) in [(1, 65_536, 1), (1, 1, 65_536), (1 << 31, 1, 1)] {
+            let e = std::panic::catch_unwind(|| grid(x, y, z)).expect_err("beyond the limits");
+            let text = e.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(text.contains("beyond CUDA's limits"), "{text}");
+        }
+        // The shim refuses what the device would (a bad configuration, status 2).
+        let shape = |grid, block| LaunchConfig {
+            grid,
+            block,
+            shared: 0,
+        };
+        for cfg in [
+            shape([1, 65_536, 1], [32, 1, 1]),
+            shape([1, 1, 1], [1, 1, 65]),
+            shape([1, 1, 1], [1025, 1, 1]),
+        ] {
+            let e = std::panic::catch_unwind(|| {
+                let mut x = [0u32; 4];
+                // Safety: refused before any thread runs.
+                unsafe {
+                    crate::host::launch("zero_u32", cfg, &[x.as_mut_ptr().into(), 4i64.into()])
+                }
+            });
+            assert!(e.is_err(), "{cfg:?} was launched");
+        }
+    }
 
     #[test]
     fn the_device_defaults_and_their_variable() {
