@@ -100,7 +100,7 @@ wait "${cpu_jobs[@]}"
 # LABEL CPU-RUN DEVICE-RUN TOLERANCE: one line comparing the runs' per-step losses.
 compare() {
     "$py" - "$runs/$2/metrics.jsonl" "$runs/$3/metrics.jsonl" "$1" "$4" >>"$md" <<'EOF'
-import json, sys
+import json, math, sys
 def losses(p):
     try:
         return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
@@ -109,13 +109,23 @@ def losses(p):
 a, b, name = losses(sys.argv[1]), losses(sys.argv[2]), sys.argv[3]
 tol = float(sys.argv[4])
 n = min(len(a), len(b))
+# A non-finite loss is written as null: it fails the comparison, named by its step.
+finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
+fmt = lambda x: f"{x:.5f}" if finite(x) else str(x)
 if n == 0:
     print(f"- {name}: no losses to compare (cpu {len(a)}, device {len(b)} steps)")
 else:
-    rel = max(abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n]))
-    ok = "PASS" if rel <= tol and len(a) == len(b) else "FAIL"
-    print(f"- {name}: {n} steps, loss {a[0]:.5f} → cpu {a[n-1]:.5f} / device {b[n-1]:.5f}; "
-          f"max relative difference {rel:.2e} (tolerance {tol:g}): **{ok}**")
+    bad = next((i for i in range(n) if not (finite(a[i]) and finite(b[i]))), None)
+    rel = max((abs(x - y) / abs(x) if finite(x) and finite(y) and x else float("inf"))
+              for x, y in zip(a[:n], b[:n]))
+    if len(a) != len(b):
+        ok = f"INCOMPLETE (cpu {len(a)} / device {len(b)} steps)"
+    else:
+        ok = "PASS" if rel <= tol else "FAIL"
+    nonfinite = (f"; step {bad + 1} not finite (cpu {fmt(a[bad])}, device {fmt(b[bad])})"
+                 if bad is not None else "")
+    print(f"- {name}: {n} steps, loss {fmt(a[0])} → cpu {fmt(a[n-1])} / device {fmt(b[n-1])}; "
+          f"max relative difference {rel:.2e} (tolerance {tol:g}){nonfinite}: **{ok}**")
 EOF
 }
 for run in $parity; do
@@ -168,16 +178,34 @@ echo "## Speed at medium (model FLOPs/token $fpt, peak $peak TFLOP/s)" >>"$md"
 echo >>"$md"
 # A ganymede speed run: NAME TIMEOUT STEPS ARGS...; its median tokens/s (steps 3 on) goes to
 # $runs/NAME.tps for the closing ratio.
-# A run that fails by itself (not a timeout, not skipped) is run once more on the kernels least
-# likely to be at fault, the SIMT attention and one GEMM per expert, so one device session still
-# gives a speed; its line says so.
+# A run that fails by itself with fewer than 3 steps logged, or hangs (its time limit with no
+# step logged), is run once more on the kernels least likely to be at fault, the SIMT attention
+# and one GEMM per expert, so one device session still gives a speed; its line says so, and the
+# later medium runs go straight to those kernels. A run that logged 3 steps or more keeps them
+# whatever its exit (an error at its end does not void its speed).
 fallback_env=(GANYMEDE_CUDA_ATTENTION=simt GANYMEDE_CUDA_GROUPED=loop)
+use_fallback=0
+steps_logged() {
+    local n
+    n=$(grep -c '"step_s"' "$runs/$1/metrics.jsonl" 2>/dev/null)
+    echo "${n:-0}"
+}
 speed() {
-    local name=$1 limit=$2 steps=$3 run=$1 rc
+    local name=$1 limit=$2 steps=$3 run=$1 rc n
     shift 3
-    train "$name" "$limit" --preset medium --steps "$steps" --set "device.kind=$kind" "$@"
-    rc=$?
-    if [ $rc != 0 ] && [ $rc != 124 ] && [ $rc != 125 ] && [ -z "${GANYMEDE_CUDA_ATTENTION:-}" ]; then
+    if [ $use_fallback = 0 ] || [ -n "${GANYMEDE_CUDA_ATTENTION:-}" ]; then
+        train "$name" "$limit" --preset medium --steps "$steps" --set "device.kind=$kind" "$@"
+        rc=$?
+        n=$(steps_logged "$name")
+        if [ $rc != 0 ] && [ $rc != 125 ] && [ "$n" -ge 3 ]; then
+            echo "- \`$name\`: its $n logged steps are timed all the same" >>"$md"
+        fi
+        if [ $rc != 0 ] && [ $rc != 125 ] && [ -z "${GANYMEDE_CUDA_ATTENTION:-}" ] &&
+            { { [ $rc != 124 ] && [ "$n" -lt 3 ]; } || [ "$n" = 0 ]; }; then
+            use_fallback=1
+        fi
+    fi
+    if [ $use_fallback = 1 ] && [ -z "${GANYMEDE_CUDA_ATTENTION:-}" ]; then
         run=$name-fallback
         (
             export "${fallback_env[@]}"

@@ -26,6 +26,10 @@ pub struct Summary {
 /// A section's body: markdown on success, the reason on failure.
 type Section = fn(&CudaBackend) -> Result<String, String>;
 
+/// In order of what a fault would cost: a kernel that faults leaves a sticky error and the
+/// context unusable, so the driver-and-cuBLAS sections (memory, copies, GEMMs, bandwidth,
+/// Newton–Schulz) come first and the model's kernels at full size (the tiny model's gradients
+/// on the tensor-core attention, the attention timings) last.
 const SECTIONS: &[(&str, Section)] = &[
     ("Every kernel of the sources found by name", kernels_by_name),
     ("Allocation, upload, download, fill, copy", memory_roundtrip),
@@ -36,10 +40,6 @@ const SECTIONS: &[(&str, Section)] = &[
     ),
     ("NVRTC kernel launch (f32 <-> bf16 casts)", cast_kernels),
     ("GEMM against the CPU backend", gemm_parity),
-    (
-        "The tiny model's gradients against the CPU backend, tensor by tensor",
-        super::check_model::tiny_gradients,
-    ),
     ("Host <-> device bandwidth (pinned)", bandwidth),
     ("Copies overlap compute", overlap),
     ("GEMM throughput", gemm_throughput),
@@ -60,16 +60,20 @@ const SECTIONS: &[(&str, Section)] = &[
         grouped_expert_gemms,
     ),
     (
-        "Attention at medium's shape: SIMT against tensor-core kernels",
-        attention_kernels,
+        "NCCL group at world size 1: the conformance suite",
+        super::nccl::conformance_world1,
     ),
     (
         "Memory-bound kernels: 4-wide accesses against scalar ones",
         memory_bound_kernels,
     ),
     (
-        "NCCL group at world size 1: the conformance suite",
-        super::nccl::conformance_world1,
+        "The tiny model's gradients against the CPU backend, tensor by tensor",
+        super::check_model::tiny_gradients,
+    ),
+    (
+        "Attention at medium's shape: SIMT against tensor-core kernels",
+        attention_kernels,
     ),
 ];
 
@@ -110,7 +114,13 @@ pub fn run(out: &Path) -> Result<Summary, DeviceError> {
         setup.as_secs_f64()
     );
     let (mut passed, mut failed) = (0, 0);
-    for (title, body) in SECTIONS {
+    for (i, (title, body)) in SECTIONS.iter().enumerate() {
+        // Where a hang or a crash stopped the check, should it (the script's timeout then
+        // leaves this file as it is).
+        let _ = std::fs::write(
+            out.join("report.md"),
+            format!("{md}## RUNNING: {title} (the check ended inside this section)\n"),
+        );
         let t = Instant::now();
         let r = catch_unwind(AssertUnwindSafe(|| body(&be)))
             .unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(&p))));
@@ -125,8 +135,24 @@ pub fn run(out: &Path) -> Result<Summary, DeviceError> {
                 let _ = writeln!(md, "## FAIL: {title} ({secs:.2} s)\n\n{why}\n");
             }
         }
-        // A failed section may leave work queued or a sticky error; the next one starts clean.
-        let _ = be.context().synchronize();
+        // A failed section may leave work queued; the next one starts clean. A sticky error (a
+        // kernel's illegal address, say) leaves the context unusable: every later section
+        // would fail on its first call, so they are listed as not run instead.
+        if let Err(e) = be.context().synchronize() {
+            let rest: Vec<&str> = SECTIONS[i + 1..].iter().map(|(t, _)| *t).collect();
+            failed += 1;
+            let _ = writeln!(
+                md,
+                "## FAIL: the CUDA context is unusable after \"{title}\" ({}); not run: {}\n",
+                super::probe::driver_error(&e),
+                if rest.is_empty() {
+                    "none".to_string()
+                } else {
+                    rest.join("; ")
+                }
+            );
+            break;
+        }
         // What has run so far, in case a later section takes the process down or past the
         // script's time limit (the whole report replaces it at the end).
         let _ = std::fs::write(out.join("report.md"), &md);
