@@ -28,8 +28,9 @@ type Section = fn(&CudaBackend) -> Result<String, String>;
 
 /// In order of what a fault would cost: a kernel that faults leaves a sticky error and the
 /// context unusable, so the driver-and-cuBLAS sections (memory, copies, GEMMs, bandwidth,
-/// Newton–Schulz) come first and the model's kernels at full size (the tiny model's gradients
-/// on the tensor-core attention, the attention timings) last.
+/// Newton–Schulz) come first, then the model's kernels at full size (the tiny model's gradients
+/// on the tensor-core attention, the attention timings), and NCCL, which one GPU does not
+/// need, last.
 const SECTIONS: &[(&str, Section)] = &[
     ("Every kernel of the sources found by name", kernels_by_name),
     ("Allocation, upload, download, fill, copy", memory_roundtrip),
@@ -60,10 +61,6 @@ const SECTIONS: &[(&str, Section)] = &[
         grouped_expert_gemms,
     ),
     (
-        "NCCL group at world size 1: the conformance suite",
-        super::nccl::conformance_world1,
-    ),
-    (
         "Memory-bound kernels: 4-wide accesses against scalar ones",
         memory_bound_kernels,
     ),
@@ -74,6 +71,10 @@ const SECTIONS: &[(&str, Section)] = &[
     (
         "Attention at medium's shape: SIMT against tensor-core kernels",
         attention_kernels,
+    ),
+    (
+        "NCCL group at world size 1: the conformance suite",
+        super::nccl::conformance_world1,
     ),
 ];
 
