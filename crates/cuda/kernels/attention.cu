@@ -735,6 +735,11 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float x, float y) {
 #if !defined(GANY_HOST) && __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 #else
+#if defined(GANY_HOST)
+    // The vector reduction faults on an address that is not 8-byte aligned; the host build
+    // holds the two scalar adds to the same rule.
+    if ((unsigned long long)p & 7) gany_misaligned(p);
+#endif
     atomicAdd(p, x);
     atomicAdd(p + 1, y);
 #endif
