@@ -520,6 +520,8 @@ __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x,
             if (r0 + rr < n) {
                 const bf16* src = x + (r0 + rr) * rs + d;
 #ifdef GANY_HOST
+                // One 16-byte load on the device, which faults where src is not so aligned.
+                if ((unsigned long long)src % 16 != 0) gany_misaligned(src);
                 std::memcpy(&c, src, 16);
 #else
                 c = *reinterpret_cast<const bf16x8*>(src);
@@ -528,6 +530,9 @@ __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x,
 #pragma unroll
                 for (int i = 0; i < 8; i++) c.h[i] = 0;
             }
+#ifdef GANY_HOST
+            if ((unsigned long long)(dst + rr * ds + d) % 16 != 0) gany_misaligned(dst);
+#endif
             *reinterpret_cast<bf16x8*>(dst + rr * ds + d) = c;
         }
     } else {

@@ -189,6 +189,9 @@ void perform(const PendingCopy& c) {
 
 extern "C" void gany_cp_async16(void* dst, const void* src, int valid) {
     if (!g_block) fail("cp.async outside a launch");
+    // A 16-byte cp.async faults on the device unless both addresses are 16-byte aligned.
+    if (((unsigned long long)dst | (unsigned long long)src) % 16 != 0)
+        fail("a 16-byte cp.async with an address that is not 16-byte aligned");
     const PendingCopy c{dst, src, valid != 0, -1};
     if (g_defer_copies) {
         // Until the copy completes its destination holds nothing defined: NaN bytes, so a read

@@ -1991,6 +1991,8 @@ fn attention_tc_at_the_largest_head_dim() {
 fn attention_tc_unaligned_views() {
     // Views one element into their tensors: the loads that do not assume 16-byte rows.
     attention_tc_case(dims(1, 70, 90, 2, 1, 32), 26, 1);
+    // Four elements in: 8-byte aligned, which a 16-byte load (or cp.async) may not take.
+    attention_tc_case(dims(1, 70, 90, 2, 1, 32), 27, 4);
 }
 
 #[test]
