@@ -122,11 +122,11 @@ if n == 0:
     print(f"- {name}: no losses to compare (cpu {len(a)}, device {len(b)} steps)")
 else:
     bad = next((i for i in range(n) if not (finite(a[i]) and finite(b[i]))), None)
-    rel = max((abs(x - y) / abs(x) if finite(x) and finite(y) and x else float("inf"))
-              for x, y in zip(a[:n], b[:n]))
+    # The largest relative difference over the first k steps (a non-finite one is infinite).
+    worst = lambda k: max((abs(x - y) / abs(x) if finite(x) and finite(y) and x
+                           else float("inf")) for x, y in zip(a[:k], b[:k])) if k else 0.0
     early_n, early_tol = int(sys.argv[5]), float(sys.argv[6])
-    early = max((abs(x - y) / abs(x) if finite(x) and finite(y) and x else float("inf"))
-                for x, y in zip(a[:early_n], b[:early_n])) if early_n else 0.0
+    rel, early = worst(n), worst(early_n)
     if len(a) != len(b):
         ok = f"INCOMPLETE (cpu {len(a)} / device {len(b)} steps)"
     else:
@@ -287,7 +287,7 @@ speed medium-muon 120 8
 # On the fallback kernels where the speed run needed them.
 (
     export GANYMEDE_CUDA_PROFILE=$out/profile-medium.md
-    [ -d "$runs/medium-adamw-fallback" ] && export "${fallback_env[@]}"
+    [ $use_fallback = 1 ] && export "${fallback_env[@]}"
     train medium-profile 90 --preset medium --steps 3 --set "device.kind=$kind" --set optimizer.name=adamw
 )
 if [ -f "$out/profile-medium.md" ]; then

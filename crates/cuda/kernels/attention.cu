@@ -520,8 +520,7 @@ __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x,
             if (r0 + rr < n) {
                 const bf16* src = x + (r0 + rr) * rs + d;
 #ifdef GANY_HOST
-                // One 16-byte load on the device, which faults where src is not so aligned.
-                if ((unsigned long long)src % 16 != 0) gany_misaligned(src);
+                gany_require_aligned(src, 16);  // one 16-byte load on the device
                 std::memcpy(&c, src, 16);
 #else
                 c = *reinterpret_cast<const bf16x8*>(src);
@@ -531,7 +530,7 @@ __device__ __forceinline__ void tile_to_shared(bf16* dst, int ds, const bf16* x,
                 for (int i = 0; i < 8; i++) c.h[i] = 0;
             }
 #ifdef GANY_HOST
-            if ((unsigned long long)(dst + rr * ds + d) % 16 != 0) gany_misaligned(dst);
+            gany_require_aligned(dst + rr * ds + d, 16);
 #endif
             *reinterpret_cast<bf16x8*>(dst + rr * ds + d) = c;
         }
@@ -741,9 +740,8 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 #else
 #if defined(GANY_HOST)
-    // The vector reduction faults on an address that is not 8-byte aligned; the host build
-    // holds the two scalar adds to the same rule.
-    if ((unsigned long long)p & 7) gany_misaligned(p);
+    // The host build holds the two scalar adds to the vector reduction's alignment.
+    gany_require_aligned(p, 8);
 #endif
     atomicAdd(p, x);
     atomicAdd(p + 1, y);

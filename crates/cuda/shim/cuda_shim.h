@@ -77,6 +77,10 @@ inline thread_local unsigned long long gany_wide_count = 0;
     std::fprintf(stderr, "cuda host shim: a wide access at %p, which its width does not divide\n", p);
     std::abort();
 }
+// A `bytes`-wide access at p, which the device takes only where bytes divides p.
+inline void gany_require_aligned(const void* p, unsigned long long bytes) {
+    if ((unsigned long long)p % bytes != 0) gany_misaligned(p);
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 

@@ -89,8 +89,8 @@ impl Regions {
     /// # Safety
     /// As [`host::launch`], with every pointer argument an address noted here (null excepted).
     pub unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
-        // (start, end, writable, the arguments inside) per argument, then merged where they
-        // overlap, so aliases (an op in place) stay aliases.
+        // (start, end, writable) per pointer argument, then merged where they overlap, so
+        // aliases (an op in place) stay aliases.
         let mut spans: Vec<(usize, usize, bool)> = Vec::new();
         {
             let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -231,11 +231,10 @@ impl Guarded {
                 (self.data + self.bytes) as *const u8,
                 hi - self.data - self.bytes,
             );
-            let spoiled = |bytes: &[u8], at: usize| -> Vec<bool> {
-                let c = |i: usize| canary_byte(self.canary, at + i);
-                bytes.iter().enumerate().map(|(i, &b)| b != c(i)).collect()
-            };
-            if let Some(k) = spoiled(before, lo).iter().rev().position(|&b| b) {
+            // Whether byte `i` of `bytes`, which start at address `at`, lost its canary.
+            let spoiled =
+                |bytes: &[u8], at: usize, i: usize| bytes[i] != canary_byte(self.canary, at + i);
+            if let Some(k) = (0..before.len()).rev().position(|i| spoiled(before, lo, i)) {
                 panic!(
                     "kernel {kernel}: wrote {} bytes before the region of {} bytes at {:#x} \
                      (bounds check)",
@@ -244,10 +243,8 @@ impl Guarded {
                     self.orig
                 );
             }
-            if let Some(k) = spoiled(after, self.data + self.bytes)
-                .iter()
-                .position(|&b| b)
-            {
+            let end = self.data + self.bytes;
+            if let Some(k) = (0..after.len()).position(|i| spoiled(after, end, i)) {
                 panic!(
                     "kernel {kernel}: wrote at byte {} past the end of the region of {} bytes \
                      at {:#x} (bounds check)",
