@@ -483,6 +483,66 @@ pub struct DataConfig {
     pub val_fraction: f64,
     /// Size in bytes of the built-in generated corpus.
     pub builtin_bytes: usize,
+    /// Weighted sources (`[[data.sources]]`), each a prepared folder (`ganymede data prepare`),
+    /// one source of it (`DIR/NAME`), a Megatron `.bin`/`.idx` pair or an llm.c shard. Empty:
+    /// `data.path` alone. On the command line: `--set data.sources=PATH:WEIGHT,PATH:WEIGHT`
+    /// (`:WEIGHT` optional).
+    #[serde(deserialize_with = "sources_from_table_or_string")]
+    pub sources: Vec<SourceConfig>,
+    /// Sampling temperature T over sources without a weight: source i is drawn with probability
+    /// proportional to its tokens^(1/T) (1: by size; larger flattens toward uniform).
+    pub temperature: f64,
+}
+
+/// One entry of `[[data.sources]]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// A prepared folder, one source of it (`DIR/NAME`), a Megatron `.bin` (with its `.idx`) or
+    /// an llm.c `.bin` shard (or a folder of them).
+    pub path: String,
+    /// Share of the sequences drawn from it (normalised over all sources); none: by
+    /// `data.temperature`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
+}
+
+/// `[[data.sources]]` as tables, or as one string `PATH[:WEIGHT],...` (what `--set` can give).
+fn sources_from_table_or_string<'de, D>(d: D) -> Result<Vec<SourceConfig>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Form {
+        Tables(Vec<SourceConfig>),
+        Text(String),
+    }
+    match Form::deserialize(d)? {
+        Form::Tables(v) => Ok(v),
+        Form::Text(t) => t
+            .split(',')
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                let e = e.trim();
+                match e.rsplit_once(':') {
+                    Some((p, w)) => match w.parse::<f64>() {
+                        Ok(w) => Ok(SourceConfig {
+                            path: p.to_string(),
+                            weight: Some(w),
+                        }),
+                        Err(_) => Err(serde::de::Error::custom(format!(
+                            "data.sources: {e:?}: the weight after ':' is not a number"
+                        ))),
+                    },
+                    None => Ok(SourceConfig {
+                        path: e.to_string(),
+                        weight: None,
+                    }),
+                }
+            })
+            .collect(),
+    }
 }
 
 impl Default for DataConfig {
@@ -492,6 +552,8 @@ impl Default for DataConfig {
             tokenizer: "byte".into(),
             val_fraction: 0.05,
             builtin_bytes: 4 << 20,
+            sources: Vec::new(),
+            temperature: 1.0,
         }
     }
 }
@@ -993,6 +1055,46 @@ impl JobConfig {
         }
         if !d.path.is_empty() && !Path::new(&d.path).exists() {
             return Err(invalid("data.path", &d.path, "no such file or directory"));
+        }
+        if !(d.temperature > 0.0 && d.temperature.is_finite()) {
+            return Err(invalid(
+                "data.temperature",
+                d.temperature,
+                "must be a positive number",
+            ));
+        }
+        if !d.sources.is_empty() && !d.path.is_empty() {
+            return Err(invalid(
+                "data.path",
+                &d.path,
+                "give data.path or [[data.sources]], not both",
+            ));
+        }
+        let weighted = d.sources.iter().filter(|s| s.weight.is_some()).count();
+        if weighted != 0 && weighted != d.sources.len() {
+            return Err(invalid(
+                "data.sources",
+                format!("{weighted} of {} with a weight", d.sources.len()),
+                "give every source a weight, or none (then data.temperature decides)",
+            ));
+        }
+        for (i, s) in d.sources.iter().enumerate() {
+            if !Path::new(&s.path).exists() {
+                return Err(invalid(
+                    &format!("data.sources[{i}].path"),
+                    &s.path,
+                    "no such file or directory",
+                ));
+            }
+            if let Some(w) = s.weight {
+                if !(w > 0.0 && w.is_finite()) {
+                    return Err(invalid(
+                        &format!("data.sources[{i}].weight"),
+                        w,
+                        "must be a positive number",
+                    ));
+                }
+            }
         }
         let a = &self.activation_checkpoint;
         if !(0.0..=1.0).contains(&a.offload_fraction) {

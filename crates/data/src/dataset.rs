@@ -4,6 +4,7 @@
 use crate::builtin::{builtin_corpus, BUILTIN_SEED};
 use crate::corpus::{is_token_file, join_docs, read_text_source, source_files};
 use crate::rng::{below, keyed};
+use crate::sources::{is_prepared, open_sources, Mixture, Source, SourceFile};
 use crate::tokenizer::{train_bpe, ByteTokenizer, HfTokenizer, Tokenizer};
 use crate::tokens::{check_ids, write_tokens, TokenFile};
 use anyhow::{bail, Context, Result};
@@ -64,6 +65,9 @@ fn fingerprint(paths: &[PathBuf]) -> Result<Vec<(String, u64, u128)>> {
 pub struct Dataset {
     train: Tokens,
     val: Tokens,
+    /// Prepared token files (shards, Megatron, llm.c), memory-mapped: when set, batches and
+    /// validation come from it and `train`/`val` are empty.
+    mixture: Option<Mixture>,
     tokenizer: Arc<dyn Tokenizer>,
     seed: u64,
     source: String,
@@ -105,6 +109,10 @@ impl Dataset {
         }
         if seq_len == 0 {
             bail!("model.seq_len = 0: must be at least 1");
+        }
+        if !data.sources.is_empty() || (!data.path.is_empty() && is_prepared(Path::new(&data.path)))
+        {
+            return Self::build_prepared(data, vocab_size, seq_len, seed, dir);
         }
         let source_path = (!data.path.is_empty()).then(|| PathBuf::from(&data.path));
         let source = match &source_path {
@@ -160,6 +168,80 @@ impl Dataset {
         })
     }
 
+    /// Train on prepared token files: map them, check them against the model and (when `dir`
+    /// already holds this run's record of them) against what the run started with, and write
+    /// that record and the tokenizer to `dir`. Nothing is copied or tokenised.
+    fn build_prepared(
+        data: &DataConfig,
+        vocab_size: usize,
+        seq_len: usize,
+        seed: u64,
+        dir: Option<&Path>,
+    ) -> Result<Dataset> {
+        let entries: Vec<(String, Option<f64>)> = if data.sources.is_empty() {
+            vec![(data.path.clone(), None)]
+        } else {
+            data.sources
+                .iter()
+                .map(|s| (s.path.clone(), s.weight))
+                .collect()
+        };
+        let mut groups = Vec::new();
+        for (i, (path, weight)) in entries.iter().enumerate() {
+            let key = if data.sources.is_empty() {
+                format!("data.path = {path}")
+            } else {
+                format!("data.sources[{i}].path = {path}")
+            };
+            let srcs = open_sources(Path::new(path)).with_context(|| key.clone())?;
+            groups.push((srcs, *weight));
+        }
+        let tokenizer = prepared_tokenizer(data, &entries, &groups)?;
+        if tokenizer.vocab_size() > vocab_size {
+            bail!(
+                "the data's tokenizer ({}) has {} ids, more than model.vocab_size = {vocab_size}",
+                tokenizer.describe(),
+                tokenizer.vocab_size()
+            );
+        }
+        for s in groups.iter().flat_map(|g| g.0.iter()) {
+            check_source_ids(s, vocab_size)?;
+        }
+        let mixture = Mixture::new(groups, data.temperature, data.val_fraction, seq_len, seed)?;
+        let record = SourcesRecord {
+            format: 1,
+            sources: mixture
+                .sources
+                .iter()
+                .map(|s| (s.name.clone(), s.files.clone()))
+                .collect(),
+            tokenizer: tokenizer.describe(),
+        };
+        if let Some(d) = dir {
+            record.check_or_write(d, &*tokenizer)?;
+        }
+        let source = format!(
+            "{} source(s): {}",
+            mixture.sources.len(),
+            mixture
+                .sources
+                .iter()
+                .zip(&mixture.weights)
+                .map(|(s, w)| format!("{} ({} tokens, weight {w:.3})", s.name, s.tokens()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(Dataset {
+            train: Tokens::Owned(Vec::new()),
+            val: Tokens::Owned(Vec::new()),
+            mixture: Some(mixture),
+            tokenizer,
+            seed,
+            source,
+            builtin_val_bytes: None,
+        })
+    }
+
     /// Map a data folder built earlier from the same inputs; None if anything differs or is missing.
     fn open_cached(dir: &Path, meta: &Meta, seed: u64, source: &str) -> Option<Dataset> {
         let text = std::fs::read_to_string(dir.join(META_FILE)).ok()?;
@@ -177,6 +259,7 @@ impl Dataset {
         Some(Dataset {
             train: Tokens::Mapped(train),
             val: Tokens::Mapped(val),
+            mixture: None,
             tokenizer,
             seed,
             source: source.to_string(),
@@ -212,6 +295,7 @@ impl Dataset {
             return Ok(Dataset {
                 train: Tokens::Owned(all[..cut].to_vec()),
                 val: Tokens::Owned(all[cut..].to_vec()),
+                mixture: None,
                 tokenizer,
                 seed,
                 source: source.to_string(),
@@ -238,6 +322,7 @@ impl Dataset {
         Ok(Dataset {
             train: Tokens::Owned(train),
             val: Tokens::Owned(val),
+            mixture: None,
             tokenizer,
             seed,
             source: source.to_string(),
@@ -290,8 +375,23 @@ impl Dataset {
         self.train.as_slice()
     }
 
+    /// The held-out tokens (the first source's, for prepared sources: see
+    /// [`Dataset::source_val_tokens`]).
     pub fn val_tokens(&self) -> &[u32] {
         self.val.as_slice()
+    }
+
+    /// Held-out tokens of every source, concatenated in source order (whole documents each).
+    pub fn all_val_tokens(&self) -> Vec<u32> {
+        match &self.mixture {
+            Some(m) => (0..m.sources.len()).flat_map(|s| m.val_tokens(s)).collect(),
+            None => self.val_tokens().to_vec(),
+        }
+    }
+
+    /// The prepared sources, when the run trains on them.
+    pub fn mixture(&self) -> Option<&Mixture> {
+        self.mixture.as_ref()
     }
 
     pub fn tokenizer(&self) -> Arc<dyn Tokenizer> {
@@ -354,6 +454,18 @@ impl Dataset {
             "batch of {global_batch} cannot be split evenly over {world} ranks (rank {rank})"
         );
         let per = global_batch / world;
+        if let Some(m) = &self.mixture {
+            let mut inputs = Vec::with_capacity(per * seq_len);
+            let mut targets = Vec::with_capacity(per * seq_len);
+            for i in rank * per..(rank + 1) * per {
+                m.sequence(
+                    step * global_batch as u64 + i as u64,
+                    &mut inputs,
+                    &mut targets,
+                );
+            }
+            return (inputs, targets);
+        }
         let t = self.train_tokens();
         let mut inputs = Vec::with_capacity(per * seq_len);
         let mut targets = Vec::with_capacity(per * seq_len);
@@ -367,7 +479,49 @@ impl Dataset {
 
     /// Number of distinct validation windows of `seq_len + 1` tokens.
     pub fn num_val_windows(&self, seq_len: usize) -> usize {
-        num_eval_windows(self.val_tokens().len(), seq_len)
+        match &self.mixture {
+            Some(m) => (0..m.sources.len())
+                .map(|s| m.val_windows(s) as usize)
+                .sum(),
+            None => num_eval_windows(self.val_tokens().len(), seq_len),
+        }
+    }
+
+    /// Names of the sources validated apart (`val_loss/<name>`), with their sampling weights;
+    /// empty for a single corpus tokenised by the run.
+    pub fn val_sources(&self) -> Vec<(String, f64)> {
+        match &self.mixture {
+            Some(m) => m
+                .sources
+                .iter()
+                .zip(&m.weights)
+                .map(|(s, &w)| (s.name.clone(), w))
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Validation batch `index` of source `source` (as [`Dataset::val_sources`] lists them):
+    /// its consecutive windows `index * batch_size ..`, wrapping around.
+    pub fn val_batch_of(
+        &self,
+        source: usize,
+        index: usize,
+        batch_size: usize,
+        seq_len: usize,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let m = self
+            .mixture
+            .as_ref()
+            .expect("val_batch_of needs prepared sources");
+        let w = m.val_windows(source);
+        let mut inputs = Vec::with_capacity(batch_size * seq_len);
+        let mut targets = Vec::with_capacity(batch_size * seq_len);
+        for b in 0..batch_size {
+            let i = ((index * batch_size + b) as u64) % w;
+            m.val_sequence(source, i, &mut inputs, &mut targets);
+        }
+        (inputs, targets)
     }
 
     /// Validation batch `index`: the fixed, consecutive windows `index * batch_size ..` of the
@@ -379,6 +533,9 @@ impl Dataset {
         batch_size: usize,
         seq_len: usize,
     ) -> (Vec<u32>, Vec<u32>) {
+        if self.mixture.is_some() {
+            return self.val_batch_of(0, index, batch_size, seq_len);
+        }
         let w = self.num_val_windows(seq_len);
         assert!(
             w > 0,
@@ -428,12 +585,163 @@ fn make_tokenizer(
     Ok(tokenizer)
 }
 
+/// The tokenizer of prepared sources: the one their manifests name (all must agree), checked
+/// against `data.tokenizer` when that names a file; `data.tokenizer` itself for Megatron and
+/// llm.c files, which do not say.
+fn prepared_tokenizer(
+    data: &DataConfig,
+    entries: &[(String, Option<f64>)],
+    groups: &[(Vec<Source>, Option<f64>)],
+) -> Result<Arc<dyn Tokenizer>> {
+    let mut from_shards: Option<(u64, PathBuf)> = None;
+    for ((path, _), (srcs, _)) in entries.iter().zip(groups) {
+        for s in srcs {
+            let Some(h) = s.tokenizer_hash else { continue };
+            let p = Path::new(path);
+            let dir = if p.join(crate::prepare::MANIFEST_FILE).exists() {
+                p.to_path_buf()
+            } else {
+                p.parent().map(Path::to_path_buf).unwrap_or_default()
+            };
+            match &from_shards {
+                Some((h0, d0)) if *h0 != h => bail!(
+                    "{} and {} were prepared with different tokenizers; sources of one run must share one",
+                    d0.display(),
+                    dir.display()
+                ),
+                Some(_) => {}
+                None => from_shards = Some((h, dir)),
+            }
+        }
+    }
+    match from_shards {
+        None => make_tokenizer(&data.tokenizer, None, usize::MAX),
+        Some((0, _)) => {
+            if data.tokenizer != "byte" {
+                bail!(
+                    "data.tokenizer = {}: the prepared data was tokenised by bytes",
+                    data.tokenizer
+                );
+            }
+            Ok(Arc::new(ByteTokenizer))
+        }
+        Some((h, dir)) => {
+            let own = dir.join(TOKENIZER_FILE);
+            if data.tokenizer != "byte" {
+                let bytes = std::fs::read(&data.tokenizer)
+                    .with_context(|| format!("data.tokenizer = {}", data.tokenizer))?;
+                if crate::shards::fnv1a64(&bytes) != h {
+                    bail!(
+                        "data.tokenizer = {}: not the tokenizer {} was prepared with ({})",
+                        data.tokenizer,
+                        dir.display(),
+                        own.display()
+                    );
+                }
+            }
+            Ok(Arc::new(
+                HfTokenizer::from_file(&own).with_context(|| format!("{}", dir.display()))?,
+            ))
+        }
+    }
+}
+
+/// Every id of `s` below the model's vocabulary: from the shards' headers where they say it,
+/// else by reading the tokens (Megatron and llm.c files), in parallel.
+fn check_source_ids(s: &Source, vocab_size: usize) -> Result<()> {
+    if let Some(v) = s.vocab_size {
+        if v as usize > vocab_size {
+            bail!(
+                "source {} ({}): its tokenizer has {v} ids, more than model.vocab_size = {vocab_size}",
+                s.name,
+                s.files[0].path
+            );
+        }
+        return Ok(());
+    }
+    use rayon::prelude::*;
+    const CHUNK: u64 = 1 << 22;
+    let n = s.tokens();
+    let bad = (0..n.div_ceil(CHUNK)).into_par_iter().find_map_first(|c| {
+        let mut buf = Vec::new();
+        s.extend(c * CHUNK, ((c + 1) * CHUNK).min(n), &mut buf);
+        buf.iter()
+            .position(|&t| t as usize >= vocab_size)
+            .map(|i| (c * CHUNK + i as u64, buf[i]))
+    });
+    if let Some((i, t)) = bad {
+        bail!(
+            "source {} ({}): token {i} has id {t}, outside model.vocab_size = {vocab_size}",
+            s.name,
+            s.files[0].path
+        );
+    }
+    Ok(())
+}
+
+/// What a run trains on from prepared files, kept in its data folder: a resume that finds other
+/// files (or other sizes) is refused, naming the file.
+#[derive(Serialize, Deserialize, PartialEq, Debug)]
+struct SourcesRecord {
+    format: u32,
+    sources: Vec<(String, Vec<SourceFile>)>,
+    tokenizer: String,
+}
+
+const SOURCES_FILE: &str = "sources.json";
+
+impl SourcesRecord {
+    fn check_or_write(&self, dir: &Path, tokenizer: &dyn Tokenizer) -> Result<()> {
+        let p = dir.join(SOURCES_FILE);
+        if let Ok(text) = std::fs::read_to_string(&p) {
+            let old: SourcesRecord = serde_json::from_str(&text)
+                .with_context(|| format!("{}: unreadable", p.display()))?;
+            let files = |r: &SourcesRecord| -> Vec<SourceFile> {
+                r.sources.iter().flat_map(|s| s.1.clone()).collect()
+            };
+            let (was, now) = (files(&old), files(self));
+            for f in &was {
+                match now.iter().find(|g| g.path == f.path) {
+                    None => bail!(
+                        "the data changed since this run started: {} is no longer among its sources ({})",
+                        f.path,
+                        p.display()
+                    ),
+                    Some(g) if g.bytes != f.bytes => bail!(
+                        "the data changed since this run started: {} was {} bytes and is now {} ({})",
+                        f.path,
+                        f.bytes,
+                        g.bytes,
+                        p.display()
+                    ),
+                    Some(_) => {}
+                }
+            }
+            if let Some(g) = now.iter().find(|g| !was.iter().any(|f| f.path == g.path)) {
+                bail!(
+                    "the data changed since this run started: {} was not among its sources ({})",
+                    g.path,
+                    p.display()
+                );
+            }
+            return Ok(());
+        }
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create data folder {}", dir.display()))?;
+        if let Some(hf) = tokenizer.as_hf() {
+            hf.save(&dir.join(TOKENIZER_FILE))?;
+        }
+        let json = serde_json::to_string_pretty(self).expect("record serialises");
+        crate::write_file_atomic(&p, json.as_bytes())
+    }
+}
+
 /// The tokenizer a run used, from its data folder: `tokenizer.json` if there is one, else bytes.
 pub fn load_run_tokenizer(data_dir: &Path) -> Result<Arc<dyn Tokenizer>> {
     let p = data_dir.join(TOKENIZER_FILE);
     if p.exists() {
         Ok(Arc::new(HfTokenizer::from_file(&p)?))
-    } else if data_dir.join(META_FILE).exists() {
+    } else if data_dir.join(META_FILE).exists() || data_dir.join(SOURCES_FILE).exists() {
         Ok(Arc::new(ByteTokenizer))
     } else {
         bail!(
@@ -450,7 +758,14 @@ pub fn load_eval_tokens(
     tokenizer: &dyn Tokenizer,
     vocab_size: usize,
 ) -> Result<Vec<u32>> {
-    let tokens = if is_token_file(path) {
+    let tokens = if is_prepared(path) {
+        // Prepared shards, Megatron or llm.c files: every source's tokens, in order.
+        let mut all = Vec::new();
+        for s in open_sources(path)? {
+            s.extend(0, s.tokens(), &mut all);
+        }
+        all
+    } else if is_token_file(path) {
         TokenFile::open(path)?.tokens().to_vec()
     } else {
         let text = join_docs(&read_text_source(path)?.docs);

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod calibrate;
+mod data_cmd;
 
 #[derive(Parser)]
 #[command(
@@ -36,6 +37,9 @@ enum Command {
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
+    /// Data tools: `data prepare` tokenises a corpus into shards once, before any run.
+    #[command(subcommand)]
+    Data(data_cmd::DataCommand),
     /// Predict memory, communication and step time of a parallel layout.
     Plan(ganymede_plan::PlanArgs),
     /// Measure this machine's CPU backend (GEMM rate by size, element-wise bandwidth, per-kernel
@@ -327,6 +331,7 @@ fn run(cmd: Command) -> Result<()> {
                 out.display()
             );
         }
+        Command::Data(c) => data_cmd::run(c)?,
         Command::Plan(a) => ganymede_plan::run(a)?,
         Command::Calibrate {
             threads,

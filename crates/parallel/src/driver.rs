@@ -527,7 +527,9 @@ impl RankState {
 
     /// Collective: mean loss over `metrics.val_batches` fixed validation batches (aux excluded),
     /// each split over the ranks like a training batch: one process's figure at any rank count.
-    pub fn validate(&mut self, data: &Dataset) -> Result<f64> {
+    /// `source`: a prepared data source's held-out windows (as `Dataset::val_sources` lists
+    /// them) instead of the run's one validation split.
+    pub fn validate(&mut self, data: &Dataset, source: Option<usize>) -> Result<f64> {
         let world = self.mesh.world.clone();
         let (w, r) = (world.size(), world.rank());
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
@@ -539,7 +541,10 @@ impl RankState {
         let mut sums = vec![0f64; nb];
         let be: &dyn Backend = self.be.as_ref();
         for (i, s) in sums.iter_mut().enumerate() {
-            let (x, y) = data.val_batch(i, batch, seq);
+            let (x, y) = match source {
+                Some(src) => data.val_batch_of(src, i, batch, seq),
+                None => data.val_batch(i, batch, seq),
+            };
             for m in 0..k {
                 let r0 = (r * per + m * micro) * seq;
                 let rows = r0..r0 + micro * seq;

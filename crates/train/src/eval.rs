@@ -115,7 +115,7 @@ pub fn eval_tokens(l: &Loaded, source: &EvalSource) -> Result<Vec<u32>> {
             }
             let m = &l.cfg.model;
             let ds = Dataset::build(&l.cfg.data, m.vocab_size, m.seq_len, 0, None)?;
-            Ok(ds.val_tokens().to_vec())
+            Ok(ds.all_val_tokens())
         }
     }
 }

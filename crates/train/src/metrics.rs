@@ -33,8 +33,12 @@ pub struct StepMetrics {
     pub load_max_over_mean: f64,
     /// Per MoE layer: coefficient of variation of the expert loads (0 = perfectly balanced).
     pub load_cv: Vec<f64>,
+    /// Mean validation loss; with several data sources, their losses weighted by the mixture.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// Per data source, `val_loss/<source>` (prepared sources only; on validation steps).
+    #[serde(flatten)]
+    pub val_loss_by_source: std::collections::BTreeMap<String, f64>,
     /// World size (1: one process).
     pub ranks: usize,
     /// Sharded runs: rank 0's bytes per phase in this step.

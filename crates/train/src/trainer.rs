@@ -507,7 +507,10 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         let done = step + 1;
         let val_due = done == end
             || (cfg.metrics.val_every > 0 && done.is_multiple_of(cfg.metrics.val_every));
-        let val_loss = val_due.then(|| st.validate(data)).transpose()?;
+        let (val_loss, val_loss_by_source) = match val_due {
+            true => validate(&mut st, data).map(|(v, by)| (Some(v), by))?,
+            false => (None, Default::default()),
+        };
         if val_loss.is_some() {
             out.val_loss = val_loss;
         }
@@ -527,6 +530,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 load_max_over_mean,
                 load_cv,
                 val_loss,
+                val_loss_by_source,
                 ranks: n,
                 comm_bytes: (n > 1).then(|| r.comm.by_phase_json()),
                 comm: (n > 1).then(|| serde_json::json!(r.comm.entries)),
@@ -568,6 +572,26 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         write_memory(cfg, &st, run_dir, n, opts.quiet)?;
     }
     Ok(out)
+}
+
+/// Collective: the validation loss, and with prepared sources each one's (`val_loss/<name>`),
+/// the overall figure their mixture-weighted mean.
+fn validate(
+    st: &mut RankState,
+    data: &Dataset,
+) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
+    let sources = data.val_sources();
+    if sources.is_empty() {
+        return Ok((st.validate(data, None)?, Default::default()));
+    }
+    let mut by = std::collections::BTreeMap::new();
+    let mut mean = 0.0;
+    for (i, (name, w)) in sources.iter().enumerate() {
+        let v = st.validate(data, Some(i))?;
+        mean += w * v;
+        by.insert(format!("val_loss/{name}"), v);
+    }
+    Ok((mean, by))
 }
 
 fn banner(

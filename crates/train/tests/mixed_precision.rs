@@ -137,7 +137,7 @@ fn bf16_weight_run(cfg: &JobConfig, ranks: usize, bf16_weights: bool) -> (Vec<f6
         let mut out: Vec<f64> = (0..cfg.training.steps)
             .map(|s| st.step(&data, s).unwrap().loss)
             .collect();
-        out.push(st.validate(&data).unwrap());
+        out.push(st.validate(&data, None).unwrap());
         let dev = st.be.device();
         let peak = st.be.ledger().report().peak(dev, Category::Buffers);
         (out, peak)

@@ -31,6 +31,7 @@ fn metrics(step: usize) -> StepMetrics {
         load_max_over_mean: 1.5 - 0.01 * s,
         load_cv: vec![0.1 * s, 0.2],
         val_loss: step.is_multiple_of(3).then_some(4.0 / s),
+        val_loss_by_source: Default::default(),
         step_s: 0.5 + 0.001 * s,
         ranks: 1,
         comm_bytes: None,

@@ -7,6 +7,7 @@ fn cfg(path: &str, tokenizer: &str) -> DataConfig {
         tokenizer: tokenizer.into(),
         val_fraction: 0.1,
         builtin_bytes: 200_000,
+        ..DataConfig::default()
     }
 }
 

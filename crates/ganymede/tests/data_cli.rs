@@ -1,0 +1,246 @@
+//! `ganymede data prepare` and training from its shards, through the binary: weighted sources
+//! with per-source validation, a resume that is bit-identical, data that changed refused at
+//! resume, the same step at 1 and 2 ranks, and memory that does not grow with the corpus.
+
+mod util;
+
+use std::io::Write;
+use std::path::Path;
+use util::{fails, ganymede, losses, ok, TempDir};
+
+/// `langs` folders of generated documents: `en` as text files, `de` as JSONL.gz, `fr` as parquet.
+fn corpus(root: &Path, docs: usize, words_per_doc: usize) {
+    for (lang, w) in [
+        (
+            "en",
+            ["the", "river", "runs", "past", "old", "mills", "and"],
+        ),
+        (
+            "de",
+            ["der", "Fluss", "läuft", "an", "alten", "Mühlen", "und"],
+        ),
+        (
+            "fr",
+            ["la", "rivière", "passe", "près", "des", "moulins", "et"],
+        ),
+    ] {
+        let dir = root.join(lang);
+        std::fs::create_dir_all(&dir).unwrap();
+        let text: Vec<String> = (0..docs)
+            .map(|i| {
+                (0..words_per_doc + i % 13)
+                    .map(|j| w[(i * 5 + j * j) % w.len()])
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect();
+        match lang {
+            "en" => {
+                for (i, d) in text.iter().enumerate() {
+                    std::fs::write(dir.join(format!("{i:06}")), d).unwrap();
+                }
+            }
+            "de" => {
+                let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                for d in &text {
+                    writeln!(gz, "{}", serde_json::json!({ "text": d })).unwrap();
+                }
+                std::fs::write(dir.join("all.jsonl.gz"), gz.finish().unwrap()).unwrap();
+            }
+            _ => {
+                let refs: Vec<&str> = text.iter().map(|s| s.as_str()).collect();
+                ganymede_data::write_text_parquet(&dir.join("all.parquet"), "text", &refs, 64)
+                    .unwrap();
+            }
+        }
+    }
+}
+
+fn args(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn prepare(cwd: &Path, corpus: &Path, out: &Path) -> String {
+    ok(ganymede(
+        cwd,
+        &args(&[
+            "data",
+            "prepare",
+            "--sources-in",
+            &corpus.display().to_string(),
+            "--out",
+            &out.display().to_string(),
+            "--eod",
+            "id:256",
+            "--shard-tokens",
+            "30000",
+            "--workers",
+            "2",
+        ]),
+        &[],
+    ))
+}
+
+fn train(cwd: &Path, job: &[String], out: &Path, extra: &[&str]) -> std::process::Output {
+    let mut a = args(&["train", "--out", &out.display().to_string()]);
+    a.extend(job.iter().cloned());
+    a.extend(extra.iter().map(|s| s.to_string()));
+    ganymede(cwd, &a, &[])
+}
+
+fn metric_lines(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn prepare_then_train_on_weighted_sources() {
+    let t = TempDir::new("data-cli");
+    let root = t.path().join("corpus");
+    corpus(&root, 400, 30);
+    let prep = t.path().join("prep");
+    let out = prepare(t.path(), &root, &prep);
+    for lang in ["en", "de", "fr"] {
+        assert!(out.contains(&format!("{lang}: 400 documents")), "{out}");
+    }
+    // A tiny model over bytes plus the end-of-document id, on two of the three sources.
+    let sources = format!("data.sources={0}/en:0.3,{0}/fr:0.7", prep.display());
+    let job: Vec<String> = [
+        "model.vocab_size=257",
+        "training.steps=6",
+        "metrics.val_every=3",
+        "metrics.val_batches=1",
+        "checkpoint.interval=3",
+        &sources,
+    ]
+    .iter()
+    .flat_map(|s| ["--set".to_string(), s.to_string()])
+    .collect();
+    let config = &job;
+    let run = t.path().join("run");
+    let o = ok(train(t.path(), config, &run, &[]));
+    assert!(o.contains("en (") && o.contains("weight 0.300"), "{o}");
+    let m = metric_lines(&run);
+    assert_eq!(m.len(), 6);
+    for k in ["val_loss", "val_loss/en", "val_loss/fr"] {
+        assert!(m[2].get(k).is_some_and(|v| v.is_f64()), "{k}: {}", m[2]);
+    }
+    assert!(m[2].get("val_loss/de").is_none());
+    let (en, fr) = (
+        m[2]["val_loss/en"].as_f64().unwrap(),
+        m[2]["val_loss/fr"].as_f64().unwrap(),
+    );
+    let mean = m[2]["val_loss"].as_f64().unwrap();
+    assert!(
+        (mean - (0.3 * en + 0.7 * fr)).abs() < 1e-9,
+        "{mean} {en} {fr}"
+    );
+    // Nothing was tokenised or copied into the run: only the record of the sources.
+    let data_files: Vec<String> = std::fs::read_dir(run.join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        data_files,
+        vec!["sources.json".to_string()],
+        "{data_files:?}"
+    );
+
+    // Killed while saving step 6, resumed from step 3: the same losses, bit for bit.
+    let crashed = t.path().join("crashed");
+    let mut a = args(&["train", "--out", &crashed.display().to_string()]);
+    a.extend(job.iter().cloned());
+    let r = ganymede(t.path(), &a, &[("GANYMEDE_CRASH_AT_CHECKPOINT", "6")]);
+    assert!(!r.status.success());
+    a = args(&["train", "--resume", &crashed.display().to_string()]);
+    ok(ganymede(t.path(), &a, &[]));
+    let (x, y) = (losses(&run), losses(&crashed));
+    assert_eq!(x.len(), y.len());
+    for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+        assert_eq!(p.to_bits(), q.to_bits(), "step {}: {p} vs {q}", i + 1);
+    }
+
+    // Two ranks train on the same global batches: the same first loss to rounding.
+    let two = t.path().join("two");
+    // (f32 gathers: the default bf16 ones round the weights each rank computes with.)
+    let two_ranks = [
+        "--ranks",
+        "2",
+        "--steps",
+        "1",
+        "--set",
+        "parallelism.gather_dtype=f32",
+    ];
+    ok(train(t.path(), config, &two, &two_ranks));
+    let (l1, l2) = (losses(&run)[0], losses(&two)[0]);
+    assert!((l1 - l2).abs() <= 1e-6 * l1.abs(), "{l1} vs {l2}");
+
+    // The data changed under a run: refused at resume, naming the file.
+    let halted = t.path().join("halted");
+    ok(train(t.path(), config, &halted, &["--stop-after", "3"]));
+    std::fs::remove_dir_all(&prep).unwrap();
+    std::fs::write(root.join("en").join("extra"), "one more document here").unwrap();
+    prepare(t.path(), &root, &prep);
+    let e = fails(ganymede(
+        t.path(),
+        &args(&["train", "--resume", &halted.display().to_string()]),
+        &[],
+    ));
+    assert!(e.contains("changed") && e.contains("en/shard-"), "{e}");
+}
+
+/// The peak resident memory `data prepare` reports of itself (its own VmHWM: a child's rusage
+/// would also count the test process, whose pages a spawned child shares until it execs).
+fn peak_rss_kib(cwd: &Path, a: &[String]) -> u64 {
+    let out = ok(ganymede(cwd, a, &[]));
+    let kib = out
+        .split("peak memory ")
+        .nth(1)
+        .and_then(|r| r.split(" KiB").next())
+        .and_then(|n| n.parse().ok());
+    kib.unwrap_or_else(|| panic!("no peak memory in: {out}"))
+}
+
+#[test]
+fn prepare_memory_does_not_grow_with_the_corpus() {
+    let t = TempDir::new("data-rss");
+    let mut peaks = Vec::new();
+    // Both corpora fill the 4 MiB text batch many times over; the larger is 4x the smaller.
+    for (i, docs) in [4000usize, 16000].into_iter().enumerate() {
+        let root = t.path().join(format!("c{i}"));
+        corpus(&root, docs, 400);
+        let a = args(&[
+            "data",
+            "prepare",
+            "--sources-in",
+            &root.display().to_string(),
+            "--out",
+            &t.path().join(format!("p{i}")).display().to_string(),
+            "--workers",
+            "1",
+            "--quiet",
+        ]);
+        peaks.push(peak_rss_kib(t.path(), &a));
+    }
+    let bytes = |i: usize| -> u64 {
+        let p = t.path().join(format!("p{i}"));
+        ganymede_data::Manifest::read(&p)
+            .unwrap()
+            .sources
+            .iter()
+            .map(|s| s.input_bytes)
+            .sum()
+    };
+    // The larger corpus is about 35 MB of text, 140 MB as u32 ids: holding it would add far
+    // more than the 8 MiB allowed here.
+    assert!(bytes(1) > 30_000_000, "{}", bytes(1));
+    assert!(
+        peaks[1] < peaks[0] + 8 * 1024,
+        "peak RSS grew with the corpus: {} KiB -> {} KiB",
+        peaks[0],
+        peaks[1]
+    );
+}
