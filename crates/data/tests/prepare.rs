@@ -198,3 +198,56 @@ fn prepare_refuses_what_would_mix_or_lose_work() {
     let e = format!("{:#}", prepare(&o).unwrap_err());
     assert!(e.contains("<|nope|>"), "{e}");
 }
+
+#[test]
+fn batches_from_shards_are_the_same_at_any_rank_count_and_after_a_rebuild() {
+    use ganymede_config::{DataConfig, SourceConfig};
+    use ganymede_data::Dataset;
+    let t = tmp("ranks");
+    let root = t.0.join("corpus");
+    corpus(&root, 200);
+    let prep = t.0.join("prep");
+    prepare(&opts(&root, &prep, 2)).unwrap();
+    let data = DataConfig {
+        sources: vec![
+            SourceConfig {
+                path: prep.join("en").display().to_string(),
+                weight: Some(0.25),
+            },
+            SourceConfig {
+                path: prep.join("fr").display().to_string(),
+                weight: Some(0.75),
+            },
+        ],
+        val_fraction: 0.1,
+        ..DataConfig::default()
+    };
+    let run = t.0.join("run-data");
+    let ds = Dataset::build(&data, 257, 24, 3, Some(&run)).unwrap();
+    let again = Dataset::build(&data, 257, 24, 3, Some(&run)).unwrap();
+    for step in [0u64, 1, 17] {
+        let whole = ds.batch(step, 8, 24);
+        assert_eq!(again.batch(step, 8, 24), whole, "a rebuilt dataset differs");
+        for world in [2usize, 4] {
+            let (mut x, mut y) = (Vec::new(), Vec::new());
+            for rank in 0..world {
+                let (a, b) = ds.batch_slice(step, 8, 24, rank, world);
+                x.extend(a);
+                y.extend(b);
+            }
+            assert_eq!((x, y), whole, "step {step} at {world} ranks");
+        }
+        assert_ne!(ds.batch(step + 1, 8, 24), whole);
+    }
+    // Per-source validation by name and weight; ids in range.
+    let names: Vec<(String, f64)> = ds.val_sources();
+    assert_eq!(names.len(), 2);
+    assert_eq!((names[0].0.as_str(), names[1].0.as_str()), ("en", "fr"));
+    assert!((names[0].1 - 0.25).abs() < 1e-12);
+    let (vx, vy) = ds.val_batch_of(1, 0, 4, 24);
+    assert_eq!((vx.len(), vy.len()), (96, 96));
+    assert!(vx.iter().all(|&t| t < 257));
+    // A model vocabulary smaller than the shards' is refused, naming the source.
+    let e = format!("{:#}", Dataset::build(&data, 256, 24, 3, None).err().unwrap());
+    assert!(e.contains("257") && e.contains("model.vocab_size = 256"), "{e}");
+}
