@@ -7,9 +7,7 @@ use ganymede_data::{Dataset, ShardWriter};
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
-    let mtok: u64 = std::env::args()
-        .nth(1)
-        .map_or(Ok(256), |s| s.parse())?;
+    let mtok: u64 = std::env::args().nth(1).map_or(Ok(256), |s| s.parse())?;
     let dir = std::env::temp_dir().join(format!("ganymede-serve-{}", std::process::id()));
     let src = dir.join("src");
     std::fs::create_dir_all(&src)?;
@@ -22,7 +20,9 @@ fn main() -> anyhow::Result<()> {
         let name = format!("shard-{k:05}.gtok");
         let mut w = ShardWriter::create(&src.join(&name), 2, 1, Some(50_000), 50_001)?;
         while w.tokens() < per_shard && written + w.tokens() < mtok << 20 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let len = 500 + (x >> 33) % 4000;
             let doc: Vec<u32> = (0..len)
                 .map(|i| ((x >> 20).wrapping_add(i * 7919) % 50_000) as u32)
@@ -32,8 +32,10 @@ fn main() -> anyhow::Result<()> {
         }
         let h = w.finish()?;
         written += h.tokens;
-        shards.push(serde_json::json!({"file": format!("src/{name}"), "tokens": h.tokens,
-            "documents": h.documents, "bytes": std::fs::metadata(src.join(&name))?.len()}));
+        shards.push(
+            serde_json::json!({"file": format!("src/{name}"), "tokens": h.tokens,
+            "documents": h.documents, "bytes": std::fs::metadata(src.join(&name))?.len()}),
+        );
         k += 1;
     }
     let tok_json = dir.join("tokenizer.json");
@@ -43,7 +45,11 @@ fn main() -> anyhow::Result<()> {
         "sources": [{"name": "src", "input": "synthetic", "files": 1, "input_bytes": 0,
         "documents": 0, "tokens": written, "invalid_utf8_documents": 0, "shards": shards}]});
     std::fs::write(dir.join("manifest.json"), serde_json::to_string(&manifest)?)?;
-    println!("{} M tokens in {k} shard(s) at {}", written >> 20, dir.display());
+    println!(
+        "{} M tokens in {k} shard(s) at {}",
+        written >> 20,
+        dir.display()
+    );
 
     for (seq, batch) in [(256usize, 8usize), (65_536, 1)] {
         let cfg = DataConfig {

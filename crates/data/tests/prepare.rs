@@ -248,6 +248,12 @@ fn batches_from_shards_are_the_same_at_any_rank_count_and_after_a_rebuild() {
     assert_eq!((vx.len(), vy.len()), (96, 96));
     assert!(vx.iter().all(|&t| t < 257));
     // A model vocabulary smaller than the shards' is refused, naming the source.
-    let e = format!("{:#}", Dataset::build(&data, 256, 24, 3, None).err().unwrap());
-    assert!(e.contains("257") && e.contains("model.vocab_size = 256"), "{e}");
+    let e = format!(
+        "{:#}",
+        Dataset::build(&data, 256, 24, 3, None).err().unwrap()
+    );
+    assert!(
+        e.contains("257") && e.contains("model.vocab_size = 256"),
+        "{e}"
+    );
 }

@@ -42,9 +42,11 @@ enum Command {
     Data(data_cmd::DataCommand),
     /// Predict memory, communication and step time of a parallel layout.
     Plan(ganymede_plan::PlanArgs),
-    /// Measure this machine's CPU backend (GEMM rate by size, element-wise bandwidth, per-kernel
-    /// and per-collective overheads) in a few seconds and write a cluster file for
-    /// `ganymede plan --cluster FILE` (the `local` preset with a measured [cpu] section).
+    /// Measure this machine's CPU backend and write a cluster file for `ganymede plan`.
+    ///
+    /// GEMM rate by size, element-wise bandwidth, per-kernel and per-collective overheads, in a
+    /// few seconds; the file is the `local` preset with a measured [cpu] section, for
+    /// `ganymede plan --cluster FILE`.
     Calibrate {
         /// Threads of the pool to measure (training.threads; 0 = all cores).
         #[arg(long, default_value_t = 0)]
@@ -56,14 +58,15 @@ enum Command {
         #[arg(long)]
         quick: bool,
     },
-    /// Write RUN/report.html: charts of a run's metrics, memory and communication, its config.
-    /// Check the GPU (binaries built with `--features cuda`): context, memory, pinned copies,
-    /// an NVRTC kernel, GEMMs against the CPU, host<->device GB/s, GEMM TFLOP/s; writes
-    /// OUT/report.md.
+    /// Check the GPU (binaries built with `--features cuda`) and write OUT/report.md.
+    ///
+    /// Context, memory, pinned copies, an NVRTC kernel, GEMMs against the CPU, host<->device
+    /// GB/s, GEMM TFLOP/s.
     DeviceCheck {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
     },
+    /// Write RUN/report.html: charts of a run's metrics, memory and communication, its config.
     Report {
         /// Run directory (holding metrics.jsonl).
         run: PathBuf,
@@ -76,8 +79,8 @@ enum Command {
 
 #[derive(Args)]
 struct TrainArgs {
-    /// Named preset (tiny, small, europa-1t); default tiny.
-    #[arg(long, conflicts_with = "config")]
+    #[arg(long, conflicts_with = "config", help = format!(
+        "Named preset ({}); default tiny", ganymede_config::PRESETS.join(", ")))]
     preset: Option<String>,
     /// Job configuration TOML file.
     #[arg(long, value_name = "FILE")]

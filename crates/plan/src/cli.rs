@@ -52,8 +52,7 @@ pub enum GatherDtypeArg {
 /// and `model.seq_len`.
 #[derive(Args, Clone, Debug)]
 pub struct PlanArgs {
-    /// Model/job preset (tiny, small, europa-1t).
-    #[arg(long)]
+    #[arg(long, help = format!("Model/job preset ({})", ganymede_config::PRESETS.join(", ")))]
     pub preset: Option<String>,
     /// Job config TOML file (instead of --preset).
     #[arg(long, value_name = "FILE")]
