@@ -485,6 +485,8 @@ pub fn resumable_difference(key: &str) -> bool {
         || key == "training.micro_batch_size"
         || key == "training.loss_chunk_tokens"
         || key == "training.moe_chunk_tokens"
+        // Accepting changed data is the user's explicit choice at a resume.
+        || key == "data.allow_change"
 }
 
 #[cfg(test)]

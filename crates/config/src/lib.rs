@@ -492,6 +492,9 @@ pub struct DataConfig {
     /// Sampling temperature T over sources without a weight: source i is drawn with probability
     /// proportional to its tokens^(1/T) (1: by size; larger flattens toward uniform).
     pub temperature: f64,
+    /// Resume on inputs that changed since the run started (files edited, extended, added or
+    /// removed); refused by default, naming the file.
+    pub allow_change: bool,
 }
 
 /// One entry of `[[data.sources]]`.
@@ -554,6 +557,7 @@ impl Default for DataConfig {
             builtin_bytes: 4 << 20,
             sources: Vec::new(),
             temperature: 1.0,
+            allow_change: false,
         }
     }
 }

@@ -34,7 +34,7 @@ impl Tokens {
 }
 
 /// What the data folder was built from; a folder whose meta differs is rebuilt.
-#[derive(Serialize, Deserialize, PartialEq, Debug)]
+#[derive(Serialize, Deserialize, PartialEq, Debug, Clone)]
 struct Meta {
     /// Bump when the built-in corpus or tokenising changes, so older data folders are rebuilt.
     format: u32,
@@ -44,6 +44,79 @@ struct Meta {
     inputs: Vec<(String, u64, u128)>,
     /// "byte" or "hf": what `tokenizer.json` holds, if anything.
     tokenizer: String,
+    /// Tokens in train.bin and val.bin as written (absent in folders of older builds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    split_tokens: Option<(u64, u64)>,
+}
+
+impl Meta {
+    /// Equal but for what only the written folder knows.
+    fn same_inputs(&self, other: &Meta) -> bool {
+        (
+            self.format,
+            &self.data,
+            self.vocab_size,
+            &self.inputs,
+            &self.tokenizer,
+        ) == (
+            other.format,
+            &other.data,
+            other.vocab_size,
+            &other.inputs,
+            &other.tokenizer,
+        )
+    }
+}
+
+/// Whether the run owning data folder `dir` has saved a checkpoint: its data is then what the
+/// checkpoints were trained on, and may not silently change.
+fn run_has_checkpoints(dir: &Path) -> bool {
+    dir.parent()
+        .is_some_and(|run| run.join("checkpoints").join("latest").exists())
+}
+
+/// Refuse a resume whose inputs are not the files the run was built from, naming the first.
+fn refuse_changed_inputs(dir: &Path, meta: &Meta) -> Result<()> {
+    let Some(old) = std::fs::read_to_string(dir.join(META_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Meta>(&t).ok())
+    else {
+        return Ok(());
+    };
+    if old.format != meta.format || old.data != meta.data || old.inputs == meta.inputs {
+        return Ok(());
+    }
+    let shown = |t: u128| {
+        format!(
+            "modified {}.{:09} s after the epoch",
+            t / 1_000_000_000,
+            t % 1_000_000_000
+        )
+    };
+    for (p, bytes, t) in &old.inputs {
+        match meta.inputs.iter().find(|i| &i.0 == p) {
+            None => bail!(
+                "the data changed since this run started: {p} is gone (set data.allow_change = \
+                 true to train on the data as it is now)"
+            ),
+            Some((_, b, u)) if b != bytes || u != t => bail!(
+                "the data changed since this run started: {p} was {bytes} bytes, {}, and is now \
+                 {b} bytes, {} (set data.allow_change = true to train on it as it is now)",
+                shown(*t),
+                shown(*u)
+            ),
+            Some(_) => {}
+        }
+    }
+    let new = meta
+        .inputs
+        .iter()
+        .find(|i| !old.inputs.iter().any(|o| o.0 == i.0))
+        .map_or("?", |i| i.0.as_str());
+    bail!(
+        "the data changed since this run started: {new} is new among its inputs (set \
+         data.allow_change = true to train on the data as it is now)"
+    )
 }
 
 fn fingerprint(paths: &[PathBuf]) -> Result<Vec<(String, u64, u128)>> {
@@ -138,6 +211,7 @@ impl Dataset {
             data: data.clone(),
             vocab_size,
             inputs: fingerprint(&inputs)?,
+            split_tokens: None,
             tokenizer: if data.tokenizer == "byte" {
                 "byte"
             } else {
@@ -146,6 +220,9 @@ impl Dataset {
             .into(),
         };
 
+        if let Some(d) = dir.filter(|d| run_has_checkpoints(d) && !data.allow_change) {
+            refuse_changed_inputs(d, &meta)?;
+        }
         let ds = match dir.and_then(|d| Self::open_cached(d, &meta, seed, &source)) {
             Some(ds) => ds,
             None => {
@@ -218,7 +295,8 @@ impl Dataset {
             tokenizer: tokenizer.describe(),
         };
         if let Some(d) = dir {
-            record.check_or_write(d, &*tokenizer)?;
+            let check = run_has_checkpoints(d) && !data.allow_change;
+            record.check_or_write(d, &*tokenizer, check)?;
         }
         let source = format!(
             "{} source(s): {}",
@@ -246,11 +324,18 @@ impl Dataset {
     fn open_cached(dir: &Path, meta: &Meta, seed: u64, source: &str) -> Option<Dataset> {
         let text = std::fs::read_to_string(dir.join(META_FILE)).ok()?;
         let old: Meta = serde_json::from_str(&text).ok()?;
-        if &old != meta {
+        if !old.same_inputs(meta) {
             return None;
         }
         let train = TokenFile::open(&dir.join(TRAIN_FILE)).ok()?;
         let val = TokenFile::open(&dir.join(VAL_FILE)).ok()?;
+        // A split cut short (or grown) after it was written is rebuilt, not trained on.
+        if old
+            .split_tokens
+            .is_some_and(|n| n != (train.len() as u64, val.len() as u64))
+        {
+            return None;
+        }
         let tokenizer: Arc<dyn Tokenizer> = if meta.tokenizer == "byte" {
             Arc::new(ByteTokenizer)
         } else {
@@ -344,7 +429,14 @@ impl Dataset {
                 let _ = std::fs::remove_file(&tok_path);
             }
         }
-        let json = serde_json::to_string_pretty(meta).expect("meta serialises");
+        let meta = Meta {
+            split_tokens: Some((
+                self.train_tokens().len() as u64,
+                self.val_tokens().len() as u64,
+            )),
+            ..meta.clone()
+        };
+        let json = serde_json::to_string_pretty(&meta).expect("meta serialises");
         std::fs::write(dir.join(META_FILE), json)
             .with_context(|| format!("cannot write {}", dir.join(META_FILE).display()))?;
         Ok(())
@@ -691,9 +783,10 @@ struct SourcesRecord {
 const SOURCES_FILE: &str = "sources.json";
 
 impl SourcesRecord {
-    fn check_or_write(&self, dir: &Path, tokenizer: &dyn Tokenizer) -> Result<()> {
+    /// `check`: refuse other files than the record's (a resume); otherwise (re)write it.
+    fn check_or_write(&self, dir: &Path, tokenizer: &dyn Tokenizer, check: bool) -> Result<()> {
         let p = dir.join(SOURCES_FILE);
-        if let Ok(text) = std::fs::read_to_string(&p) {
+        if let Some(text) = check.then(|| std::fs::read_to_string(&p).ok()).flatten() {
             let old: SourcesRecord = serde_json::from_str(&text)
                 .with_context(|| format!("{}: unreadable", p.display()))?;
             let files = |r: &SourcesRecord| -> Vec<SourceFile> {

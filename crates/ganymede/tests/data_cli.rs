@@ -244,3 +244,93 @@ fn prepare_memory_does_not_grow_with_the_corpus() {
         peaks[1]
     );
 }
+
+#[test]
+fn a_resume_refuses_changed_text_and_rebuilds_a_damaged_split() {
+    let t = TempDir::new("data-changed");
+    let text = t.path().join("corpus.txt");
+    let body: String = (0..3000)
+        .map(|i| format!("line {i} of the corpus, with words that repeat.\n"))
+        .collect();
+    std::fs::write(&text, &body).unwrap();
+    let run = t.path().join("run");
+    let job = args(&[
+        "train",
+        "--steps",
+        "6",
+        "--set",
+        &format!("data.path={}", text.display()),
+        "--set",
+        "checkpoint.interval=3",
+        "--out",
+        &run.display().to_string(),
+    ]);
+    let mut first = job.clone();
+    first.extend(args(&["--stop-after", "3"]));
+    ok(ganymede(t.path(), &first, &[]));
+    let resume = args(&["train", "--resume", &run.display().to_string()]);
+
+    // Edited after the run started: refused, naming the file.
+    let mtime = std::fs::metadata(&text).unwrap().modified().unwrap();
+    std::fs::write(&text, body.replace("line 7 ", "line seven ")).unwrap();
+    let e = fails(ganymede(t.path(), &resume, &[]));
+    assert!(
+        e.contains("changed") && e.contains("corpus.txt") && e.contains("data.allow_change"),
+        "{e}"
+    );
+    // Restored, bytes and modification time: accepted again.
+    std::fs::write(&text, &body).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&text).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
+
+    // The run's own split cut short: rebuilt from the input, not trained on as it is, so the
+    // continuation equals an uninterrupted run on the same text.
+    let train_bin = run.join("data").join("train.bin");
+    let f = std::fs::OpenOptions::new().write(true).open(&train_bin).unwrap();
+    f.set_len(1000).unwrap();
+    drop(f);
+    ok(ganymede(t.path(), &resume, &[]));
+    assert!(std::fs::metadata(&train_bin).unwrap().len() > 1000);
+    let straight = t.path().join("straight");
+    let mut whole = job.clone();
+    let n = whole.len();
+    whole[n - 1] = straight.display().to_string();
+    ok(ganymede(t.path(), &whole, &[]));
+    let (a, b) = (losses(&straight), losses(&run));
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "step {}: {x} vs {y}", i + 1);
+    }
+}
+
+#[test]
+fn changed_data_is_accepted_when_asked() {
+    let t = TempDir::new("data-allowed");
+    let text = t.path().join("corpus.txt");
+    let body: String = (0..3000).map(|i| format!("line {i} of another corpus.\n")).collect();
+    std::fs::write(&text, &body).unwrap();
+    let run = t.path().join("run");
+    ok(ganymede(
+        t.path(),
+        &args(&[
+            "train",
+            "--steps",
+            "4",
+            "--stop-after",
+            "2",
+            "--set",
+            &format!("data.path={}", text.display()),
+            "--out",
+            &run.display().to_string(),
+        ]),
+        &[],
+    ));
+    std::fs::write(&text, body.clone() + &body).unwrap();
+    let resume = args(&["train", "--resume", &run.display().to_string()]);
+    fails(ganymede(t.path(), &resume, &[]));
+    let mut allowed = resume.clone();
+    allowed.extend(args(&["--set", "data.allow_change=true"]));
+    let out = ok(ganymede(t.path(), &allowed, &[]));
+    assert!(out.contains("step") && losses(&run).len() == 4, "{out}");
+}
