@@ -31,7 +31,7 @@ enum Command {
     Eval(EvalArgs),
     /// Sample a continuation of a prompt from a checkpoint.
     Generate(GenerateArgs),
-    /// Export a checkpoint to another format (`hf`: Hugging Face Qwen3-MoE).
+    /// Export a checkpoint to another format (`hf`: Hugging Face Qwen3-MoE, or Qwen3 if dense).
     Export(ExportArgs),
     /// Tokenizer tools.
     #[command(subcommand)]
@@ -142,7 +142,7 @@ struct GenerateArgs {
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum ExportFormat {
-    /// Hugging Face transformers, Qwen3-MoE (config.json + model.safetensors).
+    /// Hugging Face transformers, Qwen3-MoE or Qwen3 (config.json + sharded safetensors).
     Hf,
 }
 
