@@ -12,6 +12,9 @@
     hf_roundtrip.py same A B
         Every tensor of folder A equals B's bit for bit (same names, shapes, dtypes):
         {"tensors": n, "differ": [...]}.
+    hf_roundtrip.py check HF EXPORT TOKENS.bin SEQ_LEN
+        `loss` of both folders and `same` of the two, in one process:
+        {"loss": .., "export_loss": .., "architecture": .., "tensors": n, "differ": [...]}.
     hf_roundtrip.py load DIR
         AutoModelForCausalLM loads DIR with no missing or unexpected weights:
         {"architecture": .., "parameters": ..}.
@@ -98,8 +101,7 @@ def tensors(d):
     return out
 
 
-def same(a):
-    x, y = tensors(a.a), tensors(a.b)
+def differing(x, y):
     differ = sorted(set(x) ^ set(y))
     for k in sorted(set(x) & set(y)):
         u, v = x[k], y[k]
@@ -107,7 +109,12 @@ def same(a):
             u.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)
         ):
             differ.append(k)
-    print(json.dumps({"tensors": len(x), "differ": differ}))
+    return differ
+
+
+def same(a):
+    x = tensors(a.a)
+    print(json.dumps({"tensors": len(x), "differ": differing(x, tensors(a.b))}))
 
 
 def load_model(d):
@@ -122,12 +129,12 @@ def load_model(d):
     return model
 
 
-def loss(a):
-    tokens = np.fromfile(a.tokens, dtype="<u4").astype(np.int64)
-    w = a.seq_len + 1
+def mean_loss(d, tokens_file, seq_len):
+    tokens = np.fromfile(tokens_file, dtype="<u4").astype(np.int64)
+    w = seq_len + 1
     n = len(tokens) // w
     windows = torch.from_numpy(tokens[: n * w].reshape(n, w))
-    model = load_model(a.dir)
+    model = load_model(d)
     total = 0.0
     with torch.no_grad():
         for i in range(0, n, 8):
@@ -136,8 +143,20 @@ def loss(a):
             total += F.cross_entropy(
                 logits.double().reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
             ).item()
-    print(json.dumps({"loss": total / (n * a.seq_len), "tokens": n * a.seq_len,
-                      "architecture": type(model).__name__}))
+    return total / (n * seq_len), n * seq_len, type(model).__name__
+
+
+def loss(a):
+    l, n, arch = mean_loss(a.dir, a.tokens, a.seq_len)
+    print(json.dumps({"loss": l, "tokens": n, "architecture": arch}))
+
+
+def check(a):
+    l, _, _ = mean_loss(a.hf, a.tokens, a.seq_len)
+    le, _, arch = mean_loss(a.export, a.tokens, a.seq_len)
+    x = tensors(a.hf)
+    print(json.dumps({"loss": l, "export_loss": le, "architecture": arch, "tensors": len(x),
+                      "differ": differing(x, tensors(a.export))}))
 
 
 def load(a):
@@ -165,10 +184,15 @@ def main():
     l.add_argument("dir")
     l.add_argument("tokens")
     l.add_argument("seq_len", type=int)
+    c = sub.add_parser("check")
+    c.add_argument("hf")
+    c.add_argument("export")
+    c.add_argument("tokens")
+    c.add_argument("seq_len", type=int)
     d = sub.add_parser("load")
     d.add_argument("dir")
     a = ap.parse_args()
-    {"make": make, "same": same, "loss": loss, "load": load}[a.cmd](a)
+    {"make": make, "same": same, "loss": loss, "check": check, "load": load}[a.cmd](a)
 
 
 if __name__ == "__main__":
