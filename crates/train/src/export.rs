@@ -581,6 +581,27 @@ mod tests {
     }
 
     #[test]
+    fn special_tokens_come_from_the_tokenizers_added_tokens() {
+        let dir = std::env::temp_dir().join(format!("ganymede-special-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("tokenizer.json");
+        // Qwen's names: <|endoftext|> ends text; <|im_end|> is special too but ranks after it;
+        // a non-special added token is never taken.
+        let tok = json!({ "added_tokens": [
+            { "id": 5, "content": "<pad>", "special": false },
+            { "id": 7, "content": "<|im_end|>", "special": true },
+            { "id": 6, "content": "<|endoftext|>", "special": true },
+        ]});
+        fs::write(&p, tok.to_string()).unwrap();
+        let s = special_tokens(&p).unwrap();
+        assert_eq!(s.eos, Some(("<|endoftext|>".into(), 6)));
+        assert_eq!((s.bos, s.pad), (None, None));
+        fs::write(&p, json!({ "added_tokens": [] }).to_string()).unwrap();
+        assert!(special_tokens(&p).unwrap().eos.is_none());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn refuses_shared_experts() {
         let cfg = ganymede_config::preset("tiny")
             .unwrap()
