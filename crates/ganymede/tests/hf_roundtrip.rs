@@ -205,6 +205,39 @@ fn write_folder(
     }
 }
 
+/// `ts` written as one BF16 `model.safetensors` (each value's upper 16 bits: exact for values
+/// already rounded to bf16), with the config and tokenizer.
+fn write_bf16_folder(
+    dir: &Path,
+    config: &Value,
+    ts: &[(String, Vec<usize>, Vec<f32>)],
+    tokenizer: &Path,
+) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(tokenizer, dir.join("tokenizer.json")).unwrap();
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape, v) in ts {
+        let start = data.len();
+        for x in v {
+            data.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
+        }
+        header.insert(
+            name.clone(),
+            json!({ "dtype": "BF16", "shape": shape, "data_offsets": [start, data.len()] }),
+        );
+    }
+    let mut h = serde_json::to_vec(&Value::Object(header)).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&h);
+    file.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+}
+
 /// Every tensor of a folder (through its index if it has one), as raw f32 bit patterns.
 fn read_folder(dir: &Path) -> BTreeMap<String, (Vec<usize>, Vec<u32>)> {
     let index = dir.join("model.safetensors.index.json");
@@ -424,12 +457,30 @@ fn import_then_export_is_bit_exact_from_gathered_and_per_rank_shard_checkpoints(
 
     // The same weights with fused experts, in one file: the same export.
     let fused = d.path().join("fused");
-    write_folder(&fused, &config(Kind::Moe), &fuse(ts), 1, &tok);
+    write_folder(&fused, &config(Kind::Moe), &fuse(ts.clone()), 1, &tok);
     let run3 = d.path().join("run3");
     import(d.path(), &fused, &run3, &[]);
     let out3 = d.path().join("out3");
     export(d.path(), &run3, &out3, "1MB");
     assert_same_tensors(&hf, &out3);
+
+    // BF16 weights import exactly (the export holds them in f32): the same values written as
+    // BF16 and as F32 give the same export.
+    let rounded: Vec<_> = ts
+        .iter()
+        .map(|(n, sh, v)| {
+            let r = v.iter().map(|x| f32::from_bits(x.to_bits() & 0xffff_0000));
+            (n.clone(), sh.clone(), r.collect::<Vec<f32>>())
+        })
+        .collect();
+    let (b16, f32s) = (d.path().join("bf16"), d.path().join("f32-rounded"));
+    write_bf16_folder(&b16, &config(Kind::Moe), &rounded, &tok);
+    write_folder(&f32s, &config(Kind::Moe), &rounded, 2, &tok);
+    let run5 = d.path().join("run5");
+    import(d.path(), &b16, &run5, &[]);
+    let out5 = d.path().join("out5");
+    export(d.path(), &run5, &out5, "1MB");
+    assert_same_tensors(&f32s, &out5);
 
     // Training continues from the import, on one rank and on two (from the per-rank shards).
     let t = ok(ganymede(

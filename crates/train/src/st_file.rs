@@ -208,7 +208,7 @@ impl StWriter {
         }
         let mut h = serde_json::to_vec(&Value::Object(header))?;
         // Data starts 8-aligned, as the format asks (padded with spaces).
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
