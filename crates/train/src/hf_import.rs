@@ -666,7 +666,6 @@ fn shape_of(c: &Value, file: &Path) -> Result<(Arch, ModelConfig, Vec<bool>, boo
             }
         }
     }
-    m.seq_len = 2;
     m.validate()
         .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
     Ok((arch, m, moe, tied))
