@@ -32,7 +32,7 @@ enum Command {
     Eval(EvalArgs),
     /// Sample a continuation of a prompt from a checkpoint.
     Generate(GenerateArgs),
-    /// Export a checkpoint to another format (`hf`: Hugging Face Qwen3-MoE).
+    /// Export a checkpoint to another format (`hf`: Hugging Face Qwen3-MoE, or Qwen3 if dense).
     Export(ExportArgs),
     /// Tokenizer tools.
     #[command(subcommand)]
@@ -97,6 +97,10 @@ struct TrainArgs {
     /// Continue from a checkpoint directory or a run directory (its latest checkpoint).
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Start from a Hugging Face Qwen3 / Qwen3-MoE folder's weights, shape and tokenizer
+    /// (`hf:DIR`); with `--stop-after 0` it only saves them as the step-0 checkpoint.
+    #[arg(long, value_name = "hf:DIR", conflicts_with = "resume")]
+    init_from: Option<String>,
     /// Stop after this many completed steps (checkpointing there), as if interrupted.
     #[arg(long, value_name = "STEP")]
     stop_after: Option<usize>,
@@ -145,7 +149,7 @@ struct GenerateArgs {
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum ExportFormat {
-    /// Hugging Face transformers, Qwen3-MoE (config.json + model.safetensors).
+    /// Hugging Face transformers, Qwen3-MoE or Qwen3 (config.json + sharded safetensors).
     Hf,
 }
 
@@ -157,6 +161,10 @@ struct ExportArgs {
     format: ExportFormat,
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// Largest safetensors file (bytes, or with KB/MB/GB/KiB/MiB/GiB); more tensors than fit in
+    /// one are written as shards with model.safetensors.index.json.
+    #[arg(long, value_name = "SIZE", default_value = "5GB")]
+    max_shard_size: String,
 }
 
 #[derive(Subcommand)]
@@ -207,11 +215,21 @@ fn run(cmd: Command) -> Result<()> {
             );
             let ranks = mpi_size.or(a.ranks).unwrap_or(1);
             anyhow::ensure!(ranks >= 1, "--ranks 0: give at least one rank");
+            let init_from = a
+                .init_from
+                .as_deref()
+                .map(ganymede_train::hf_import::parse_source)
+                .transpose()?;
+            // The folder's model shape and tokenizer come before the user's overrides.
+            let set = match &init_from {
+                Some(d) => ganymede_train::hf_import::init_overrides(d, &a.set)?,
+                None => a.set.clone(),
+            };
             let resolve = |n: usize| {
                 trainer::resolve_config(
                     a.preset.as_deref(),
                     a.config.as_deref(),
-                    &a.set,
+                    &set,
                     a.steps,
                     a.resume.as_deref(),
                     n,
@@ -263,6 +281,7 @@ fn run(cmd: Command) -> Result<()> {
                 quiet: false,
                 ranks,
                 trace: a.trace,
+                init_from,
                 ..Default::default()
             };
             #[cfg(feature = "cuda")]
@@ -311,11 +330,19 @@ fn run(cmd: Command) -> Result<()> {
         }
         Command::Export(a) => match a.format {
             ExportFormat::Hf => {
-                ganymede_train::export::export_hf(&a.checkpoint, &a.out)?;
+                let opts = ganymede_train::export::ExportOptions {
+                    max_shard_bytes: ganymede_train::export::parse_size(&a.max_shard_size)
+                        .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?,
+                };
+                let s = ganymede_train::export::export_hf(&a.checkpoint, &a.out, &opts)?;
                 println!(
-                    "exported {} to {} (Qwen3-MoE)",
+                    "exported {} to {} ({}: {} tensors, {} bytes in {} file(s))",
                     a.checkpoint.display(),
-                    a.out.display()
+                    a.out.display(),
+                    s.architecture,
+                    s.tensors,
+                    s.bytes,
+                    s.files
                 );
             }
         },

@@ -48,6 +48,10 @@ pub struct TrainOptions {
     pub ranks: usize,
     /// Write every rank's timeline here as a Chrome trace.
     pub trace: Option<PathBuf>,
+    /// Start from this Hugging Face model folder's weights instead of random ones (the config
+    /// must already carry its shape: [`crate::hf_import::init_overrides`]). With `stop_after`
+    /// 0 the imported weights are saved as the step-0 checkpoint.
+    pub init_from: Option<PathBuf>,
     /// Fault injection for tests: `(rank, step)` panics on that rank before that step.
     pub fail_at: Option<(usize, usize)>,
     /// Fault injection for tests: `(rank, step)` stalls that rank (sleeps past the timeout).
@@ -460,6 +464,10 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             );
         }
     }
+    if let (Some(hf), None) = (&opts.init_from, &run.ckpt) {
+        let hf = crate::hf_import::HfCheckpoint::open(hf)?;
+        crate::hf_import::load_into(&mut st, &hf, cfg)?;
+    }
     let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
     // Rank 0 writes metrics (appending to a resumed run's, without the steps it redoes).
     let mut writer = writer
@@ -566,6 +574,16 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             };
             out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
         }
+    }
+    if opts.init_from.is_some() && run.ckpt.is_none() && end == 0 && cfg.checkpoint.enable {
+        // An import without training: the imported weights as a checkpoint that eval, export
+        // and `train --resume` read.
+        let at = Position {
+            step: 0,
+            tokens_seen: 0,
+            data_seed: data.seed(),
+        };
+        out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
     }
     progress.finish();
     if writer.is_some() {
