@@ -192,6 +192,14 @@ impl ModelConfig {
         if self.norm_eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(invalid("model.norm_eps", self.norm_eps, "must be positive"));
         }
+        // A negative or zero spread gives a model with no signal to learn from (or NaNs).
+        if !(self.init_std > 0.0 && self.init_std.is_finite()) {
+            return Err(invalid(
+                "model.init_std",
+                self.init_std,
+                "must be a positive number",
+            ));
+        }
         if !(self.aux_loss_coef >= 0.0) {
             return Err(invalid(
                 "model.aux_loss_coef",
@@ -503,6 +511,11 @@ pub struct CheckpointConfig {
     pub interval: usize,
     /// Whether to save at all.
     pub enable: bool,
+    /// Newest checkpoints kept (the one just saved among them); older ones are deleted.
+    pub keep_last: usize,
+    /// Also keep every checkpoint whose step is a multiple of this, whatever its age (0: none),
+    /// so that rotation never takes every good checkpoint.
+    pub keep_every: usize,
 }
 
 impl Default for CheckpointConfig {
@@ -510,6 +523,8 @@ impl Default for CheckpointConfig {
         Self {
             interval: 0,
             enable: true,
+            keep_last: 3,
+            keep_every: 0,
         }
     }
 }
@@ -935,6 +950,17 @@ impl JobConfig {
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return Err(invalid("optimizer.lr", o.lr, "must be a positive number"));
+        }
+        // AdamW divides by sqrt(v) + eps: zero lets an untouched parameter's update be 0/0.
+        if !(o.eps > 0.0 && o.eps.is_finite()) {
+            return Err(invalid("optimizer.eps", o.eps, "must be a positive number"));
+        }
+        if self.checkpoint.keep_last == 0 {
+            return Err(invalid(
+                "checkpoint.keep_last",
+                0,
+                "must be at least 1 (the checkpoint just saved)",
+            ));
         }
         if !(o.weight_decay >= 0.0) {
             return Err(invalid(

@@ -163,7 +163,7 @@ pub fn export_hf(ckpt: &Path, out: &Path) -> Result<()> {
     let dir = checkpoint::resolve(ckpt)?;
     let manifest = checkpoint::read_manifest(&dir)?;
     let cfg = manifest.job_config()?;
-    let (params, _) = checkpoint::read_tensors(&dir)?;
+    let params = checkpoint::read_params(&dir)?;
     let tensors = hf_tensors(&cfg, params)?;
     fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);

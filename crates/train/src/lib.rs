@@ -5,14 +5,18 @@
 //! - [`metrics`]: `metrics.jsonl`, expert-load statistics, progress, the memory report;
 //! - [`tensorboard`]: TensorBoard event files of the metrics' scalars;
 //! - [`eval`]: loading a checkpoint, windowed cross-entropy, sampling;
-//! - [`export`]: the Hugging Face Qwen3-MoE export.
+//! - [`export`]: the Hugging Face Qwen3-MoE export;
+//! - [`guard`]: the run directory's writer lock, and the no-overwrite checks of outputs;
+//! - [`stop`]: graceful stop on SIGINT, SIGTERM or a chosen signal.
 
 /// Checkpoints live in their own crate (the parallel crate saves and loads a rank's state too).
 pub use ganymede_checkpoint as checkpoint;
 pub mod comm;
 pub mod eval;
 pub mod export;
+pub mod guard;
 pub mod metrics;
 pub mod scratch;
+pub mod stop;
 pub mod tensorboard;
 pub mod trainer;

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! RUN/config.toml       the resolved job configuration
+//! RUN/train.lock        the writer's lock (`guard::RunLock`): one `train` per directory
 //! RUN/metrics.jsonl     one JSON object per step
 //! RUN/memory.json       peak bytes per ledger category at the end (rank 0's)
 //! RUN/data/             tokenised splits (and tokenizer.json) built by the data crate
@@ -52,6 +53,9 @@ pub struct TrainOptions {
     pub fail_at: Option<(usize, usize)>,
     /// Fault injection for tests: `(rank, step)` stalls that rank (sleeps past the timeout).
     pub stall_at: Option<(usize, usize)>,
+    /// Resuming from a checkpoint older than its run's newest, into that run's own directory:
+    /// delete the newer checkpoints (and metrics) instead of refusing.
+    pub truncate_history: bool,
 }
 
 /// What a finished run reports (rank 0's view).
@@ -76,11 +80,22 @@ pub struct TrainSummary {
     pub comm: Vec<CommSnapshot>,
     /// Every rank's bytes of the last step (rank 0's only under MPI).
     pub last_comm: Vec<CommSnapshot>,
+    /// The signal that stopped the run early (after checkpointing at `end_step`), if any.
+    pub stopped: Option<i32>,
 }
 
-/// Size rayon's global pool from `training.threads` (0 = all cores). Only the first call in a
-/// process takes effect; later runs in the same process share that pool.
+/// Size rayon's global pool from `training.threads` (0 = all cores; more than the cores is
+/// capped to them, with a note: extra threads only contend, and 100,000 would take the machine).
+/// Only the first call in a process takes effect; later runs in the same process share that
+/// pool.
 pub fn init_threads(threads: usize) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if threads > cores {
+        eprintln!("note: training.threads = {threads} capped to this machine's {cores} cores");
+        cores
+    } else {
+        threads
+    };
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global();
@@ -247,7 +262,15 @@ fn run_dir_of(ckpt: &Path) -> Option<PathBuf> {
 /// run's results: its checkpoints or metrics would be overwritten. A resumed run continues its
 /// own directory (or writes `--out`).
 pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> {
-    let run_dir = match (&opts.out, ckpt.and_then(run_dir_of)) {
+    let run_dir = run_dir_path(ckpt, opts);
+    check_run_dir(ckpt, opts, &run_dir)?;
+    Ok(run_dir)
+}
+
+/// Where a run from `ckpt` (or from scratch) writes: `--out`, else the checkpoint's own run
+/// directory, else a new `runs/<name>-<time>`.
+pub fn run_dir_path(ckpt: Option<&Path>, opts: &TrainOptions) -> PathBuf {
+    match (&opts.out, ckpt.and_then(run_dir_of)) {
         (Some(o), _) => o.clone(),
         (None, Some(r)) => r,
         (None, None) => default_run_dir(if opts.name.is_empty() {
@@ -255,7 +278,16 @@ pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> 
         } else {
             &opts.name
         }),
-    };
+    }
+}
+
+/// The checks of [`run_dir_for`] on `run_dir`; the caller holds its lock, so nothing can change
+/// it between these checks and the run's first write.
+pub fn check_run_dir(ckpt: Option<&Path>, opts: &TrainOptions, run_dir: &Path) -> Result<()> {
+    let run_dir = run_dir.to_path_buf();
+    if let Some(dir) = ckpt {
+        check_history(dir, &run_dir, opts.truncate_history)?;
+    }
     if ckpt.is_none() {
         if !checkpoint::list(&checkpoint::checkpoints_root(&run_dir)).is_empty() {
             bail!(
@@ -282,7 +314,60 @@ pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> 
             );
         }
     }
-    Ok(run_dir)
+    Ok(())
+}
+
+/// Refuse to resume from a checkpoint older than its run's newest into that run's own
+/// directory: the newer checkpoints and metrics would be rewritten by another continuation.
+/// A branch goes to a new `--out`; `--truncate-history` accepts the loss.
+fn check_history(ckpt: &Path, run_dir: &Path, truncate: bool) -> Result<()> {
+    let canon = |p: &Path| fs::canonicalize(p).ok();
+    let Some(own) = run_dir_of(ckpt) else {
+        return Ok(());
+    };
+    if canon(&own).is_none() || canon(&own) != canon(run_dir) {
+        return Ok(());
+    }
+    let step = checkpoint::read_manifest(ckpt)?.step;
+    let newer: Vec<(usize, PathBuf)> = checkpoint::list(&checkpoint::checkpoints_root(run_dir))
+        .into_iter()
+        .filter(|(s, _)| *s > step)
+        .collect();
+    if let (Some((_, newest)), false) = (newer.last(), truncate) {
+        bail!(
+            "checkpoint {} (step {step}) is older than its run's newest, {}: resuming it into {} would rewrite the run's history after step {step}; write the branch elsewhere with --out DIR, or pass --truncate-history to delete the {} newer checkpoint(s)",
+            ckpt.display(),
+            newest.display(),
+            run_dir.display(),
+            newer.len()
+        );
+    }
+    Ok(())
+}
+
+/// `--truncate-history`: point `latest` at `ckpt` and delete its run's newer checkpoints (the
+/// caller holds the run's lock and has passed every check).
+fn truncate_history(ckpt: &Path, run_dir: &Path) -> Result<()> {
+    if run_dir_of(ckpt).and_then(|r| fs::canonicalize(r).ok()) != fs::canonicalize(run_dir).ok() {
+        return Ok(());
+    }
+    let step = checkpoint::read_manifest(ckpt)?.step;
+    checkpoint::truncate_after(&checkpoint::checkpoints_root(run_dir), step)
+}
+
+/// Refuse a resume with nothing left to run before anything is written.
+fn check_steps_left(cfg: &JobConfig, ckpt: Option<&Path>) -> Result<()> {
+    if let Some(dir) = ckpt {
+        let start = checkpoint::read_manifest(dir)?.data.next_step;
+        let total = cfg.training.steps;
+        if start >= total {
+            bail!(
+                "checkpoint {} is at step {start}, and training.steps = {total}: nothing left to run (raise --steps)",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Train `cfg` (already resolved and validated; see [`resolve_config`]), from scratch or from
@@ -294,8 +379,12 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
-    let run_dir = run_dir_for(ckpt, opts)?;
-    prepare_run_dir(&cfg, &run_dir)?;
+    check_steps_left(&cfg, ckpt)?;
+    let run_dir = run_dir_path(ckpt, opts);
+    // Held until this function returns: no second writer between the checks and the last write.
+    let _lock = crate::guard::RunLock::acquire(&run_dir)?;
+    check_run_dir(ckpt, opts, &run_dir)?;
+    claim_run_dir(ckpt, opts, &run_dir)?;
     let data = build_data(&cfg, Some(&run_dir.join("data")))?;
     let tcfg = ThreadsConfig {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
@@ -307,6 +396,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         opts: opts.clone(),
         data,
         run_dir,
+        _lock: None,
     });
     let outs = if n == 1 {
         let world = ganymede_dist::threads_world(1, &tcfg)
@@ -350,6 +440,8 @@ struct Run {
     opts: TrainOptions,
     data: Dataset,
     run_dir: PathBuf,
+    /// The writer's lock, where this struct's owner holds it (a process of several).
+    _lock: Option<crate::guard::RunLock>,
 }
 
 /// What one rank reports.
@@ -365,11 +457,39 @@ struct RankOut {
     end: usize,
     checkpoint: Option<PathBuf>,
     tracer: Arc<Tracer>,
+    /// The signal this rank stopped on (every rank agrees).
+    stopped: Option<i32>,
 }
 
-fn prepare_run_dir(cfg: &JobConfig, run_dir: &Path) -> Result<()> {
-    fs::create_dir_all(run_dir)
-        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+/// Collective: whether any rank has been asked to stop (the signal, or SIGTERM's number when
+/// only another rank knows which), decided by all ranks together so that they stop after the
+/// same step. One float all-reduced per step; outside the step's counted communication.
+fn agreed_stop(group: &dyn ProcessGroup) -> Result<Option<i32>> {
+    let mine = crate::stop::requested();
+    if group.size() == 1 {
+        return Ok(mine);
+    }
+    let mut flag = [f32::from(u8::from(mine.is_some()))];
+    group.all_reduce(
+        ganymede_core::ViewMut::Host(&mut flag),
+        ganymede_dist::Phase::Other,
+    )?;
+    Ok((flag[0] > 0.0).then(|| mine.unwrap_or(libc::SIGTERM)))
+}
+
+/// What the lock holder does once every check has passed: clear leftovers of killed saves
+/// (any rank count's), and cut the history `--truncate-history` asked to cut.
+fn claim_run_dir(ckpt: Option<&Path>, opts: &TrainOptions, run_dir: &Path) -> Result<()> {
+    checkpoint::remove_leftovers(&checkpoint::checkpoints_root(run_dir));
+    if let (Some(dir), true) = (ckpt, opts.truncate_history) {
+        truncate_history(dir, run_dir)?;
+    }
+    Ok(())
+}
+
+/// `RUN/config.toml`, written once the checkpoint (if any) has loaded: a refused run leaves the
+/// directory's description as it was.
+fn write_run_config(cfg: &JobConfig, run_dir: &Path) -> Result<()> {
     checkpoint::write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())
 }
 
@@ -447,6 +567,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     let run_start = Instant::now();
     let (rank, n) = (world.rank(), world.size());
     let tracer = world.ctx().tracer.clone();
+    let group = world.clone();
     let mut st = RankState::new(world, cfg)?;
     let total = cfg.training.steps;
     let (mut start, mut tokens_seen) = (0, 0u64);
@@ -460,7 +581,10 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             );
         }
     }
-    let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
+    if writer {
+        write_run_config(cfg, run_dir)?;
+    }
+    let mut end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
     // Rank 0 writes metrics (appending to a resumed run's, without the steps it redoes).
     let mut writer = writer
         .then(|| MetricsWriter::open(&run_dir.join("metrics.jsonl"), start))
@@ -482,6 +606,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         end,
         checkpoint: None,
         tracer,
+        stopped: None,
     };
     let mut timed_tokens = 0u64;
     let mut step_secs = 0.0f64;
@@ -553,6 +678,18 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         }
         out.comm.push(r.comm);
 
+        // A stop signal ends the run here, as if `end` were this step (no validation: a
+        // cluster's warning leaves little time).
+        let stop = if done < end {
+            agreed_stop(&*group)?
+        } else {
+            None
+        };
+        if let Some(sig) = stop {
+            end = done;
+            out.end = done;
+            out.stopped = Some(sig);
+        }
         let ck = &cfg.checkpoint;
         if ck.enable && (done == end || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
             let at = Position {
@@ -561,6 +698,9 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 data_seed: data.seed(),
             };
             out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
+        }
+        if stop.is_some() {
+            break;
         }
     }
     progress.finish();
@@ -668,6 +808,23 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
                 run.run_dir.display()
             );
         }
+        if let Some(sig) = o0.stopped {
+            println!(
+                "stopped by {} after step {}: {}; resume with: ganymede train --resume {}{}",
+                crate::stop::signal_name(sig),
+                o0.end,
+                o0.checkpoint.as_ref().map_or(
+                    "no checkpoint (checkpoint.enable = false)".to_string(),
+                    |c| format!("checkpoint {}", c.display())
+                ),
+                run.run_dir.display(),
+                if n > 1 && run.opts.ranks > 1 {
+                    format!(" --ranks {n}")
+                } else {
+                    String::new()
+                }
+            );
+        }
         if let Some(floor) = floor {
             println!(
                 "entropy floor of the built-in corpus: {floor:.4} nats/token{}",
@@ -694,6 +851,7 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
             .iter()
             .map(|o| o.comm.last().cloned().unwrap_or_default())
             .collect(),
+        stopped: o0.stopped,
     }
 }
 
@@ -718,11 +876,17 @@ fn process_run(
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
+    check_steps_left(&cfg, ckpt)?;
     // Every rank checks the directory (the same answer on a shared file system), so a refusal
-    // ends every rank rather than leaving the others waiting.
-    let run_dir = run_dir_for(ckpt, opts)?;
+    // ends every rank rather than leaving the others waiting; rank 0 holds the writer's lock
+    // (a second job's rank 0 fails on it, and mpirun ends that job).
+    let run_dir = run_dir_path(ckpt, opts);
+    let lock = (rank == 0)
+        .then(|| crate::guard::RunLock::acquire(&run_dir))
+        .transpose()?;
+    check_run_dir(ckpt, opts, &run_dir)?;
     let data = if rank == 0 {
-        prepare_run_dir(&cfg, &run_dir)?;
+        claim_run_dir(ckpt, opts, &run_dir)?;
         build_data(&cfg, Some(&run_dir.join("data")))?
     } else {
         build_data(&cfg, None)?
@@ -733,6 +897,7 @@ fn process_run(
         opts: opts.clone(),
         data,
         run_dir,
+        _lock: lock,
     })
 }
 
