@@ -532,6 +532,39 @@ fn an_edited_shard_layout_is_refused_with_or_without_verification() {
     assert!(!stage.exists());
 }
 
+/// Rotation keeps the newest `keep_last` and every `keep_every`th, so a good early checkpoint
+/// survives a run that went bad later.
+#[test]
+fn retention_keeps_the_newest_and_every_nth() {
+    let tmp = TempDir::new("keep");
+    let d = tmp.path();
+    let run = train(
+        d,
+        &d.join("run"),
+        12,
+        &[
+            "checkpoint.interval=2",
+            "checkpoint.keep_last=2",
+            "checkpoint.keep_every=4",
+        ],
+    );
+    let mut kept: Vec<String> = fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step_"))
+        .collect();
+    kept.sort();
+    assert_eq!(
+        kept,
+        [
+            "step_00000004",
+            "step_00000008",
+            "step_00000010",
+            "step_00000012"
+        ]
+    );
+}
+
 // ---- 6. Values and limits -------------------------------------------------------------------
 
 #[test]
@@ -554,6 +587,15 @@ fn negative_numbers_and_thread_counts_get_clear_answers() {
         &[],
     ));
     assert!(e.contains("--temperature") && e.contains("-1"), "{e}");
+    for (set, key) in [
+        ("model.init_std=-1", "model.init_std"),
+        ("model.init_std=0", "model.init_std"),
+        ("optimizer.eps=0", "optimizer.eps"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ] {
+        let e = fails(ganymede(d, &["train", "--set", set], &[]));
+        assert!(e.contains(key) && e.contains("must be"), "{set}: {e}");
+    }
     let e = fails(ganymede(d, &["train", "--stop-signal", "KILL"], &[]));
     assert!(e.contains("--stop-signal KILL"), "{e}");
 
