@@ -540,6 +540,9 @@ pub struct MetricsConfig {
     pub val_batches: usize,
     /// Also write the scalars of every metrics line as TensorBoard event files under `RUN/tb/`.
     pub tensorboard: bool,
+    /// What to do about a dead run (loss pinned at ln(vocab_size) with a vanishing gradient
+    /// norm): stop it before it writes another checkpoint, warn, or nothing.
+    pub dead_check: DeadCheck,
 }
 
 impl Default for MetricsConfig {
@@ -549,7 +552,27 @@ impl Default for MetricsConfig {
             val_every: 50,
             val_batches: 4,
             tensorboard: false,
+            dead_check: DeadCheck::Stop,
         }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadCheck {
+    Stop,
+    Warn,
+    Off,
+}
+
+impl<'de> Deserialize<'de> for DeadCheck {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let choices = [
+            ("stop", Self::Stop),
+            ("warn", Self::Warn),
+            ("off", Self::Off),
+        ];
+        one_of(d, "metrics.dead_check", &choices)
     }
 }
 

@@ -565,6 +565,46 @@ fn retention_keeps_the_newest_and_every_nth() {
     );
 }
 
+/// A run killed by too high a learning rate (loss pinned at ln 256, gradient norm 0) stops
+/// before checkpointing the dead model, instead of rotating out the good checkpoints; with
+/// `metrics.dead_check = "warn"` it says so once and goes on.
+#[test]
+fn a_dead_run_is_noticed() {
+    let tmp = TempDir::new("dead");
+    let d = tmp.path();
+    let sets = [
+        "optimizer.lr=1e3",
+        "optimizer.warmup_steps=0",
+        "checkpoint.interval=1",
+    ];
+    let run = d.join("run");
+    let e = fails(ganymede(d, &run_args(&run, 10, &sets), &[]));
+    assert!(
+        e.contains("the run is dead at step") && e.contains("ln(vocab_size) = 5.5452"),
+        "{e}"
+    );
+    let step: usize = e
+        .split("the run is dead at step ")
+        .nth(1)
+        .and_then(|t| t.split(':').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap();
+    assert!(step < 10, "{e}");
+    assert!(!run.join(format!("checkpoints/step_{step:08}")).exists());
+    assert_eq!(latest(&run), format!("step_{:08}", step - 1));
+
+    let mut a = run_args(&d.join("warned"), 5, &sets);
+    a.extend(["--set".into(), "metrics.dead_check=warn".into()]);
+    let o = ganymede(d, &a, &[]);
+    let said = String::from_utf8_lossy(&o.stdout).to_string();
+    ok(o);
+    assert_eq!(
+        said.matches("warning: the run is dead").count(),
+        1,
+        "{said}"
+    );
+}
+
 // ---- 6. Values and limits -------------------------------------------------------------------
 
 #[test]
@@ -596,6 +636,15 @@ fn negative_numbers_and_thread_counts_get_clear_answers() {
         let e = fails(ganymede(d, &["train", "--set", set], &[]));
         assert!(e.contains(key) && e.contains("must be"), "{set}: {e}");
     }
+    let e = fails(ganymede(
+        d,
+        &["train", "--trace", "/no/such/dir/t.json"],
+        &[],
+    ));
+    assert!(
+        e.contains("/no/such/dir") && e.contains("does not exist"),
+        "{e}"
+    );
     let e = fails(ganymede(d, &["train", "--stop-signal", "KILL"], &[]));
     assert!(e.contains("--stop-signal KILL"), "{e}");
 

@@ -17,7 +17,7 @@
 use crate::checkpoint::{self, Position};
 use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
-use ganymede_config::JobConfig;
+use ganymede_config::{DeadCheck, JobConfig};
 use ganymede_core::ledger::CATEGORIES;
 use ganymede_core::Device;
 use ganymede_data::Dataset;
@@ -355,6 +355,23 @@ fn truncate_history(ckpt: &Path, run_dir: &Path) -> Result<()> {
     checkpoint::truncate_after(&checkpoint::checkpoints_root(run_dir), step)
 }
 
+/// A `--trace` file that could not be written is refused at the start, not after training.
+fn check_trace_path(opts: &TrainOptions) -> Result<()> {
+    let Some(t) = &opts.trace else { return Ok(()) };
+    let parent = t.parent().filter(|p| !p.as_os_str().is_empty());
+    if t.is_dir() {
+        bail!("--trace {}: is a folder, not a file", t.display());
+    }
+    if let Some(p) = parent.filter(|p| !p.is_dir()) {
+        bail!(
+            "--trace {}: folder {} does not exist",
+            t.display(),
+            p.display()
+        );
+    }
+    Ok(())
+}
+
 /// Refuse a resume with nothing left to run before anything is written.
 fn check_steps_left(cfg: &JobConfig, ckpt: Option<&Path>) -> Result<()> {
     if let Some(dir) = ckpt {
@@ -380,6 +397,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
     check_steps_left(&cfg, ckpt)?;
+    check_trace_path(opts)?;
     let run_dir = run_dir_path(ckpt, opts);
     // Held until this function returns: no second writer between the checks and the last write.
     let _lock = crate::guard::RunLock::acquire(&run_dir)?;
@@ -611,6 +629,8 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     let mut timed_tokens = 0u64;
     let mut step_secs = 0.0f64;
     let mut collapse = CollapseWatch::for_run(&cfg.model, total);
+    let mut dead = metrics::DeadWatch::new(cfg.model.vocab_size);
+    let mut dead_warned = false;
     for step in start..end {
         if opts.fail_at == Some((rank, step)) {
             panic!("injected failure on rank {rank} at step {}", step + 1);
@@ -677,6 +697,24 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             progress.step(&sm, total);
         }
         out.comm.push(r.comm);
+
+        // Every rank sees the same loss and gradient norm, so every rank decides alike.
+        if let Some(msg) = dead.observe(done, r.loss, r.grad_norm) {
+            match cfg.metrics.dead_check {
+                DeadCheck::Stop => bail!(
+                    "{msg}; stopped before writing a checkpoint of it{} (metrics.dead_check = \"warn\" lets such a run go on)",
+                    out.checkpoint.as_ref().map_or(String::new(), |c| format!(
+                        " (the last one is {})",
+                        c.display()
+                    ))
+                ),
+                DeadCheck::Warn if !dead_warned && writer.is_some() => {
+                    dead_warned = true;
+                    progress.println(&format!("warning: {msg}"));
+                }
+                _ => {}
+            }
+        }
 
         // A stop signal ends the run here, as if `end` were this step (no validation: a
         // cluster's warning leaves little time).
@@ -877,6 +915,7 @@ fn process_run(
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
     check_steps_left(&cfg, ckpt)?;
+    check_trace_path(opts)?;
     // Every rank checks the directory (the same answer on a shared file system), so a refusal
     // ends every rank rather than leaving the others waiting; rank 0 holds the writer's lock
     // (a second job's rank 0 fails on it, and mpirun ends that job).
