@@ -49,11 +49,19 @@ fn main() -> anyhow::Result<()> {
         let digests: Vec<FileDigest> = files.iter().map(|b| FileDigest::of(b)).collect();
         hash.push(t.elapsed().as_secs_f64());
         assert_eq!(digests.len(), files.len());
-        for (on, out) in [(true, &mut load_on), (false, &mut load_off)] {
+        // Verified and unverified loads in turn, the first alternating, so neither always
+        // runs on the warmer cache.
+        for k in 0..2 {
+            let on = (rep + k) % 2 == 0;
             checkpoint::set_verify(on);
             let t = Instant::now();
             st.load_checkpoint(&dir)?;
-            out.push(t.elapsed().as_secs_f64());
+            let dt = t.elapsed().as_secs_f64();
+            if on {
+                load_on.push(dt)
+            } else {
+                load_off.push(dt)
+            }
         }
         checkpoint::set_verify(true);
     }
@@ -65,9 +73,14 @@ fn main() -> anyhow::Result<()> {
         median(hash),
     );
     println!(
-        "{name}: {} parameters, checkpoint files {:.1} MiB; medians of {reps}:",
+        "{name}: {} parameters, checkpoint files {:.1} MiB; medians of {reps} (load average {}):",
         st.numel(),
-        bytes as f64 / (1u64 << 20) as f64
+        bytes as f64 / (1u64 << 20) as f64,
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .next()
+            .unwrap_or("?")
     );
     println!(
         "  digests alone {:.1} ms ({:.2} GB/s), save {:.1} ms (digests {:.1}% of it), load verified {:.1} ms, unverified {:.1} ms (verification {:.1}% of a verified load)",
