@@ -482,8 +482,7 @@ struct RankOut {
 /// Collective: whether any rank has been asked to stop (the signal, or SIGTERM's number when
 /// only another rank knows which), decided by all ranks together so that they stop after the
 /// same step. One float all-reduced per step; outside the step's counted communication.
-fn agreed_stop(group: &dyn ProcessGroup) -> Result<Option<i32>> {
-    let mine = crate::stop::requested();
+fn agreed_stop(group: &dyn ProcessGroup, mine: Option<i32>) -> Result<Option<i32>> {
     if group.size() == 1 {
         return Ok(mine);
     }
@@ -719,7 +718,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         // A stop signal ends the run here, as if `end` were this step (no validation: a
         // cluster's warning leaves little time).
         let stop = if done < end {
-            agreed_stop(&*group)?
+            agreed_stop(&*group, crate::stop::requested())?
         } else {
             None
         };
@@ -993,6 +992,28 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(20_423), (2025, 12, 1));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    /// A signal seen by one rank only stops every rank: they agree through the all-reduce.
+    #[test]
+    fn one_ranks_stop_request_stops_every_rank() {
+        let world = ganymede_dist::threads_world(3, &ThreadsConfig::default());
+        let handles: Vec<_> = world
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let mine = (g.rank() == 1).then_some(libc::SIGUSR1);
+                    let none = agreed_stop(&g, None).unwrap();
+                    (none, agreed_stop(&g, mine).unwrap())
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let (none, some) = h.join().unwrap();
+            assert_eq!(none, None, "rank {r}");
+            let want = if r == 1 { libc::SIGUSR1 } else { libc::SIGTERM };
+            assert_eq!(some, Some(want), "rank {r}");
+        }
     }
 
     #[test]
