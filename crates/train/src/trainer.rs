@@ -601,7 +601,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     if writer {
         write_run_config(cfg, run_dir)?;
     }
-    let mut end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
+    let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
     // Rank 0 writes metrics (appending to a resumed run's, without the steps it redoes).
     let mut writer = writer
         .then(|| MetricsWriter::open(&run_dir.join("metrics.jsonl"), start))
@@ -723,12 +723,12 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             None
         };
         if let Some(sig) = stop {
-            end = done;
             out.end = done;
             out.stopped = Some(sig);
         }
+        let last = done == end || stop.is_some();
         let ck = &cfg.checkpoint;
-        if ck.enable && (done == end || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
+        if ck.enable && (last || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
             let at = Position {
                 step: done,
                 tokens_seen,
