@@ -605,6 +605,30 @@ fn a_dead_run_is_noticed() {
     );
 }
 
+/// A failure every rank shares is said once, with the ranks summarised.
+#[test]
+fn a_failure_of_every_rank_is_one_clause() {
+    let tmp = TempDir::new("ranks-err");
+    let d = tmp.path();
+    let run = d.join("run");
+    let mut a = run_args(&run, 2, &[]);
+    a.extend(["--ranks".into(), "4".into()]);
+    ok(ganymede(d, &a, &[]));
+    let model = run.join("checkpoints/step_00000002/model.safetensors");
+    let mut b = fs::read(&model).unwrap();
+    let n = b.len();
+    b[n - 8] ^= 0x40;
+    fs::write(&model, &b).unwrap();
+    let r = s(&run);
+    let e = fails(ganymede(
+        d,
+        &["train", "--resume", &r, "--steps", "3", "--ranks", "4"],
+        &[],
+    ));
+    assert!(e.contains("ranks 0-3: checkpoint file"), "{e}");
+    assert_eq!(e.matches("model.safetensors").count(), 1, "{e}");
+}
+
 // ---- 6. Values and limits -------------------------------------------------------------------
 
 #[test]
@@ -635,6 +659,15 @@ fn negative_numbers_and_thread_counts_get_clear_answers() {
     ] {
         let e = fails(ganymede(d, &["train", "--set", set], &[]));
         assert!(e.contains(key) && e.contains("must be"), "{set}: {e}");
+    }
+    // Sizes past the machine's memory are refused before anything is allocated (they ended in
+    // an allocation failure's abort).
+    for set in ["training.batch_size=1000000000", "model.experts=100000000"] {
+        let e = fails(ganymede(d, &["train", "--set", set], &[]));
+        assert!(
+            e.contains("does not fit in host memory") && e.contains("MemTotal"),
+            "{set}: {e}"
+        );
     }
     let e = fails(ganymede(
         d,

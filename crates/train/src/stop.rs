@@ -7,7 +7,7 @@
 //! agree on it there (see `trainer`), so every rank stops after the same step.
 
 use anyhow::{bail, Result};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 /// Exit status of a run stopped by a signal after saving its checkpoint: sysexits' EX_TEMPFAIL
 /// ("try again later"), distinct from success, from errors (1) and from a kill by the signal.
@@ -17,11 +17,18 @@ pub const EXIT_INTERRUPTED: i32 = 130;
 
 /// The signal that asked for a stop (0: none yet).
 static REQUESTED: AtomicI32 = AtomicI32::new(0);
+/// Whether training has begun. Before, there is nothing to save: a signal ends the process at
+/// once (as without a handler) instead of waiting for a first step that may be minutes away.
+static ARMED: AtomicBool = AtomicBool::new(false);
 
 const MSG_FIRST: &[u8] = b"\nganymede: stop requested: finishing this step, then checkpointing (Ctrl-C again exits at once, losing the steps since the last checkpoint)\n";
 const MSG_SECOND: &[u8] = b"\nganymede: second interrupt: exiting at once without a checkpoint\n";
 
 extern "C" fn on_signal(sig: libc::c_int) {
+    if !ARMED.load(Ordering::SeqCst) {
+        // SAFETY: _exit is async-signal-safe; 128 + the signal, as a shell reports it.
+        unsafe { libc::_exit(128 + sig) };
+    }
     let first = REQUESTED
         .compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst)
         .is_ok();
@@ -60,6 +67,11 @@ pub fn install(extra: Option<i32>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// From now on a signal stops the run gracefully (called when the first step starts).
+pub fn arm() {
+    ARMED.store(true, Ordering::SeqCst);
 }
 
 /// The signal that asked this process to stop, if any.

@@ -396,6 +396,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
+    check_host_fit(&cfg, n, n)?;
     check_steps_left(&cfg, ckpt)?;
     check_trace_path(opts)?;
     let run_dir = run_dir_path(ckpt, opts);
@@ -449,6 +450,64 @@ pub fn check_fit(cfg: &JobConfig, ranks: usize) -> Result<()> {
         Some(c) if !c.fits => bail!("the job does not fit in device memory: {}", c.message()),
         _ => Ok(()),
     }
+}
+
+/// Refuse, before anything is allocated, a job whose predicted host memory (the planner's
+/// prediction of the ledger's peak, per rank, times the `local` ranks this process runs) exceeds
+/// the machine's memory (`MemTotal`), where it would end in an allocation failure's abort; warn
+/// when it exceeds what is available now (`MemAvailable`).
+pub fn check_host_fit(cfg: &JobConfig, local: usize, ranks: usize) -> Result<()> {
+    let Some((total, available)) = host_memory() else {
+        return Ok(());
+    };
+    let p = ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), ranks);
+    let need = p.host_peak * local.max(1) as f64;
+    let g = |b: f64| format!("{:.3} GiB", b / (1u64 << 30) as f64);
+    let per_rank = if local > 1 {
+        format!(" ({local} ranks of {} each)", g(p.host_peak))
+    } else {
+        String::new()
+    };
+    if need > total {
+        let mut cats: Vec<(String, f64)> = p
+            .host
+            .entries()
+            .into_iter()
+            .map(|(c, b)| (c.to_string(), b))
+            .filter(|(_, b)| *b > 0.0)
+            .collect();
+        cats.sort_by(|a, b| b.1.total_cmp(&a.1));
+        bail!(
+            "the job does not fit in host memory: predicted host peak {}{per_rank} exceeds this machine's {} (MemTotal); per rank: {}; lower training.batch_size or the model's size, or set training.micro_batch_size (gradient accumulation)",
+            g(need),
+            g(total),
+            cats.iter()
+                .map(|(c, b)| format!("{c} {}", g(*b)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if need > available {
+        eprintln!(
+            "warning: predicted host peak {}{per_rank} exceeds the memory available now ({}, MemAvailable of {})",
+            g(need),
+            g(available),
+            g(total)
+        );
+    }
+    Ok(())
+}
+
+/// (MemTotal, MemAvailable) in bytes from /proc/meminfo, where there is one.
+fn host_memory() -> Option<(f64, f64)> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024.0)
+    };
+    let total = field("MemTotal:")?;
+    Some((total, field("MemAvailable:").unwrap_or(total)))
 }
 
 /// What every rank needs to run.
@@ -558,23 +617,72 @@ fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Res
     let mut outs = Vec::new();
     let mut panics = Vec::new();
     let mut errors = Vec::new();
+    let mut stuck = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
         match res {
             Some(Ok(Ok(o))) => outs.push(o),
-            Some(Ok(Err(e))) => errors.push(format!("rank {r}: {e:#}")),
-            Some(Err(p)) => panics.push(format!("rank {r}: {}", panic_message(p.as_ref()))),
-            None => errors.push(format!(
-                "rank {r} did not finish within {:.0} s of the first failure (stuck outside a collective?)",
-                grace.as_secs_f64()
-            )),
+            Some(Ok(Err(e))) => errors.push((r, format!("{e:#}"))),
+            Some(Err(p)) => panics.push((r, panic_message(p.as_ref()).to_string())),
+            None => stuck.push(r),
         }
     }
-    if !panics.is_empty() || !errors.is_empty() {
+    if !panics.is_empty() || !errors.is_empty() || !stuck.is_empty() {
         let mut all = panics;
         all.extend(errors);
-        bail!("sharded training failed: {}", all.join("; "));
+        let mut clauses = vec![summarise_ranks(&all)];
+        if !stuck.is_empty() {
+            clauses.push(format!(
+                "{} {} did not finish within {:.0} s of the first failure (stuck outside a collective?)",
+                if stuck.len() > 1 { "ranks" } else { "rank" },
+                rank_spans(&stuck),
+                grace.as_secs_f64()
+            ));
+        }
+        clauses.retain(|c| !c.is_empty());
+        bail!("sharded training failed: {}", clauses.join("; "));
     }
     Ok(outs)
+}
+
+/// Per-rank messages, each distinct message once with the ranks that gave it (`ranks 0-3, 5`),
+/// in order of first appearance: a failure every rank shares is one clause, not one per rank.
+fn summarise_ranks(msgs: &[(usize, String)]) -> String {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (r, m) in msgs {
+        match groups.iter_mut().find(|(g, _)| *g == m.as_str()) {
+            Some((_, ranks)) => ranks.push(*r),
+            None => groups.push((m, vec![*r])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(m, ranks)| {
+            let word = if ranks.len() > 1 { "ranks" } else { "rank" };
+            format!("{word} {}: {m}", rank_spans(&ranks))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// `0-2, 4` for ranks 0, 1, 2 and 4.
+fn rank_spans(ranks: &[usize]) -> String {
+    let mut ranks = ranks.to_vec();
+    ranks.sort_unstable();
+    let mut spans: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        spans.push(if j > i {
+            format!("{}-{}", ranks[i], ranks[j])
+        } else {
+            ranks[i].to_string()
+        });
+        i = j + 1;
+    }
+    spans.join(", ")
 }
 
 /// One rank's whole run: build its state, resume, step, validate, log and write (`writer`:
@@ -628,6 +736,8 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     let mut timed_tokens = 0u64;
     let mut step_secs = 0.0f64;
     let mut collapse = CollapseWatch::for_run(&cfg.model, total);
+    // Signals stop gracefully from here (before, there was nothing to save).
+    crate::stop::arm();
     let mut dead = metrics::DeadWatch::new(cfg.model.vocab_size);
     let mut dead_warned = false;
     for step in start..end {
@@ -913,6 +1023,7 @@ fn process_run(
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
+    check_host_fit(&cfg, 1, n)?;
     check_steps_left(&cfg, ckpt)?;
     check_trace_path(opts)?;
     // Every rank checks the directory (the same answer on a shared file system), so a refusal
@@ -992,6 +1103,22 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(20_423), (2025, 12, 1));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn rank_failures_are_summarised() {
+        let m = |r: usize, s: &str| (r, s.to_string());
+        let msgs = [
+            m(0, "bad file"),
+            m(1, "bad file"),
+            m(2, "bad file"),
+            m(4, "bad file"),
+            m(3, "timeout"),
+        ];
+        assert_eq!(
+            summarise_ranks(&msgs),
+            "ranks 0-2, 4: bad file; rank 3: timeout"
+        );
     }
 
     /// A signal seen by one rank only stops every rank: they agree through the all-reduce.
