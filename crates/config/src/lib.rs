@@ -884,7 +884,27 @@ impl JobConfig {
             origin: origin.into(),
             message: e.to_string(),
         })?;
-        Self::from_value(value, origin)
+        // A value of the wrong type: parsed from the text again, whose error knows where it is,
+        // so the message names the line and the key (the Value's error knows neither).
+        Self::from_value(value, origin).map_err(|err| {
+            match toml::from_str::<JobConfig>(text)
+                .err()
+                .and_then(|e| e.span())
+            {
+                Some(span) => {
+                    let line_no = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+                    match err {
+                        ConfigError::Parse { message, .. } => ConfigError::Parse {
+                            origin: format!("{origin}, line {line_no} ({line})"),
+                            message,
+                        },
+                        other => other,
+                    }
+                }
+                None => err,
+            }
+        })
     }
 
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
@@ -949,6 +969,13 @@ impl JobConfig {
                 return Err(ConfigError::BadOverride(o.clone()));
             };
             section.insert(parts[1].to_string(), value);
+            // Checked one override at a time, so a value of the wrong type names its key.
+            if let Err(ConfigError::Parse { message, .. }) = Self::from_value(root.clone(), "") {
+                return Err(ConfigError::Parse {
+                    origin: format!("--set {}", o.trim()),
+                    message,
+                });
+            }
         }
         Self::from_value(root, "--set overrides")
     }

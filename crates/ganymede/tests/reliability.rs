@@ -660,6 +660,25 @@ fn negative_numbers_and_thread_counts_get_clear_answers() {
         let e = fails(ganymede(d, &["train", "--set", set], &[]));
         assert!(e.contains(key) && e.contains("must be"), "{set}: {e}");
     }
+    // Values of the wrong type name their key (and, in a file, its line).
+    for (set, key) in [
+        ("training.batch_size=-1", "training.batch_size"),
+        ("optimizer.lr=fast", "optimizer.lr"),
+    ] {
+        let e = fails(ganymede(d, &["train", "--set", set], &[]));
+        assert!(e.contains(key), "{set}: {e}");
+    }
+    let job = d.join("job.toml");
+    fs::write(&job, "[model]\nlayers = 2\nhidden = \"sixty-four\"\n").unwrap();
+    let e = fails(ganymede(
+        d,
+        &["train", "--config", job.to_str().unwrap()],
+        &[],
+    ));
+    assert!(
+        e.contains("job.toml, line 3 (hidden = \"sixty-four\")") && e.contains("expected usize"),
+        "{e}"
+    );
     // Sizes past the machine's memory are refused before anything is allocated (they ended in
     // an allocation failure's abort).
     for set in ["training.batch_size=1000000000", "model.experts=100000000"] {
