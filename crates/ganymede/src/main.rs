@@ -362,8 +362,16 @@ fn run(cmd: Command) -> Result<()> {
                 top_k: a.top_k,
                 seed: a.seed,
             };
-            let text = eval::generate_text(&l, &a.prompt, &o)?;
-            println!("{}{}", a.prompt, text);
+            // Streamed: each piece is printed (and flushed) as it is drawn.
+            use std::io::Write;
+            let mut stdout = std::io::stdout();
+            print!("{}", a.prompt);
+            let _ = stdout.flush();
+            eval::generate_stream(&l, &a.prompt, &o, &mut |piece| {
+                print!("{piece}");
+                let _ = stdout.flush();
+            })?;
+            println!();
         }
         Command::Export(a) => match a.format {
             ExportFormat::Hf => {

@@ -629,6 +629,45 @@ fn a_failure_of_every_rank_is_one_clause() {
     assert_eq!(e.matches("model.safetensors").count(), 1, "{e}");
 }
 
+/// `generate` prints tokens as they are drawn: a run asked for a billion tokens shows text at
+/// once (it printed nothing until the end), and is killed here.
+#[test]
+fn generate_streams_its_tokens() {
+    use std::io::Read;
+    let tmp = TempDir::new("stream");
+    let d = tmp.path();
+    let run = train(d, &d.join("run"), 2, &[]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ganymede"))
+        .current_dir(d)
+        .args([
+            "generate",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--prompt",
+            "the cat ",
+            "--max-new-tokens",
+            "1000000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    let t = Instant::now();
+    while got.len() < 40 && t.elapsed() < Duration::from_secs(60) {
+        match out.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(got.len() >= 40, "{} bytes in 60 s", got.len());
+    assert!(got.starts_with(b"the cat "));
+}
+
 // ---- 6. Values and limits -------------------------------------------------------------------
 
 #[test]
