@@ -158,6 +158,73 @@ fn verify_others(dir: &Path, digests: &BTreeMap<String, FileDigest>, skip: &[&st
 pub struct DataPosition {
     pub seed: u64,
     pub next_step: usize,
+    /// What the run trained on (absent in checkpoints written before fingerprints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<DataFingerprint>,
+}
+
+/// The tokenised splits a run trains and validates on: their lengths and XXH3-64 digests. A
+/// resume on other tokens (an edited `data.path`, a truncated `data/train.bin`) would no longer
+/// continue the same run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DataFingerprint {
+    pub train_tokens: u64,
+    pub train_xxh3: String,
+    pub val_tokens: u64,
+    pub val_xxh3: String,
+}
+
+impl DataFingerprint {
+    pub fn of(train: &[u32], val: &[u32]) -> DataFingerprint {
+        DataFingerprint {
+            train_tokens: train.len() as u64,
+            train_xxh3: tokens_digest(train),
+            val_tokens: val.len() as u64,
+            val_xxh3: tokens_digest(val),
+        }
+    }
+
+    /// How `self` (now) differs from `then` (the checkpoint's), in words; None if it does not.
+    pub fn difference(&self, then: &DataFingerprint) -> Option<String> {
+        let split = |name: &str, n: u64, h: &str, n0: u64, h0: &str| {
+            (n != n0 || h != h0).then(|| {
+                format!("the {name} split is now {n} tokens (XXH3 {h}), the checkpoint's run had {n0} (XXH3 {h0})")
+            })
+        };
+        let parts: Vec<String> = [
+            split(
+                "training",
+                self.train_tokens,
+                &self.train_xxh3,
+                then.train_tokens,
+                &then.train_xxh3,
+            ),
+            split(
+                "validation",
+                self.val_tokens,
+                &self.val_xxh3,
+                then.val_tokens,
+                &then.val_xxh3,
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+/// XXH3-64 of token ids as their little-endian bytes (the token files' layout), 16 hex digits.
+fn tokens_digest(tokens: &[u32]) -> String {
+    use std::hash::Hasher;
+    let mut h = twox_hash::XxHash3_64::new();
+    let mut buf = Vec::with_capacity(1 << 16);
+    for chunk in tokens.chunks(1 << 14) {
+        buf.clear();
+        buf.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
+        h.write(&buf);
+    }
+    format!("{:016x}", h.finish())
 }
 
 /// Random state. Parameter initialisation and batch sampling are keyed by the seed; nothing
@@ -173,6 +240,8 @@ pub struct Position {
     pub step: usize,
     pub tokens_seen: u64,
     pub data_seed: u64,
+    /// The run's data (None: not recorded).
+    pub data: Option<DataFingerprint>,
 }
 
 impl Manifest {
@@ -186,6 +255,7 @@ impl Manifest {
             data: DataPosition {
                 seed: at.data_seed,
                 next_step: at.step,
+                fingerprint: at.data.clone(),
             },
             rng: RngState {
                 seed: cfg.training.seed,
@@ -713,6 +783,7 @@ mod tests {
             data: DataPosition {
                 seed: 1,
                 next_step: step + 1,
+                fingerprint: None,
             },
             rng: RngState { seed: 1 },
             tokens_seen: 0,

@@ -121,6 +121,10 @@ struct TrainSafety {
     /// checkpoints (without it that is refused: give --out for a branch instead).
     #[arg(long)]
     truncate_history: bool,
+    /// Resume although the tokenised data differ from those the checkpoint's run trained on
+    /// (data deliberately extended or replaced).
+    #[arg(long)]
+    allow_data_change: bool,
     #[command(flatten)]
     verify: Verify,
 }
@@ -311,12 +315,13 @@ fn run(cmd: Command) -> Result<()> {
                 ranks,
                 trace: a.trace,
                 truncate_history: a.safety.truncate_history,
+                allow_data_change: a.safety.allow_data_change,
                 ..Default::default()
             };
             ganymede_train::stop::install(extra)?;
             #[cfg(feature = "cuda")]
             if let Comm::Nccl(boot) = comm {
-                trainer::train_nccl(&cfg, ckpt.as_deref(), &opts, boot)?;
+                exit_if_stopped(&trainer::train_nccl(&cfg, ckpt.as_deref(), &opts, boot)?);
                 return Ok(());
             }
             #[cfg(feature = "mpi")]

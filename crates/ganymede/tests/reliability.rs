@@ -668,6 +668,52 @@ fn generate_streams_its_tokens() {
     assert!(got.starts_with(b"the cat "));
 }
 
+/// A resume on other tokens than the checkpoint's run trained on is refused: an edited
+/// `data.path` (it was tokenised again silently) and a truncated `data/train.bin` (it trained on
+/// 250 tokens); `--allow-data-change` accepts a deliberate change.
+#[test]
+fn a_resume_on_changed_data_is_refused() {
+    let tmp = TempDir::new("data-change");
+    let d = tmp.path();
+    let text = d.join("corpus.txt");
+    let para = "the quick brown fox jumps over the lazy dog. a cat sat on a mat. ";
+    fs::write(&text, para.repeat(800)).unwrap();
+    let run = d.join("run");
+    let path_set = format!("data.path={}", s(&text));
+    let mut a = run_args(&run, 6, &[&path_set]);
+    a.extend(["--stop-after".into(), "3".into()]);
+    ok(ganymede(d, &a, &[]));
+    fs::write(&text, para.replace("fox", "cat").repeat(800)).unwrap();
+    let r = s(&run);
+    let e = fails(ganymede(d, &["train", "--resume", &r], &[]));
+    assert!(
+        e.contains("the data differ")
+            && e.contains("training split")
+            && e.contains("corpus.txt")
+            && e.contains("--allow-data-change"),
+        "{e}"
+    );
+    ok(ganymede(
+        d,
+        &["train", "--resume", &r, "--allow-data-change"],
+        &[],
+    ));
+
+    let run = d.join("run2");
+    let mut a = run_args(&run, 6, &[]);
+    a.extend(["--stop-after".into(), "3".into()]);
+    ok(ganymede(d, &a, &[]));
+    let bin = run.join("data/train.bin");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&bin)
+        .unwrap()
+        .set_len(1000)
+        .unwrap();
+    let e = fails(ganymede(d, &["train", "--resume", &s(&run)], &[]));
+    assert!(e.contains("training split is now 250 tokens"), "{e}");
+}
+
 // ---- 6. Values and limits -------------------------------------------------------------------
 
 #[test]

@@ -34,6 +34,7 @@ fn main() -> anyhow::Result<()> {
             step: rep + 1,
             tokens_seen: 0,
             data_seed: 0,
+            data: None,
         };
         let t = Instant::now();
         let dir = st.save(&run, &at, false)?.expect("rank 0 saves");

@@ -56,6 +56,8 @@ pub struct TrainOptions {
     /// Resuming from a checkpoint older than its run's newest, into that run's own directory:
     /// delete the newer checkpoints (and metrics) instead of refusing.
     pub truncate_history: bool,
+    /// Resume even though the tokenised data differ from the checkpoint's run's.
+    pub allow_data_change: bool,
 }
 
 /// What a finished run reports (rank 0's view).
@@ -355,6 +357,34 @@ fn truncate_history(ckpt: &Path, run_dir: &Path) -> Result<()> {
     checkpoint::truncate_after(&checkpoint::checkpoints_root(run_dir), step)
 }
 
+/// The data's fingerprint, refusing a resume whose tokens differ from those the checkpoint's
+/// run trained on (unless `--allow-data-change`): the continuation would silently be another
+/// run's.
+fn check_data(
+    cfg: &JobConfig,
+    data: &Dataset,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    run_dir: &Path,
+) -> Result<checkpoint::DataFingerprint> {
+    let fp = checkpoint::DataFingerprint::of(data.train_tokens(), data.val_tokens());
+    let Some(dir) = ckpt else { return Ok(fp) };
+    let then = checkpoint::read_manifest(dir)?.data.fingerprint;
+    if let (Some(diff), false) = (then.and_then(|t| fp.difference(&t)), opts.allow_data_change) {
+        let source = if cfg.data.path.is_empty() {
+            "the built-in corpus".to_string()
+        } else {
+            format!("data.path = {}", cfg.data.path)
+        };
+        bail!(
+            "the data differ from checkpoint {}'s: {diff} ({source}, tokenised in {}); resume on the data it trained on, or pass --allow-data-change if the change is deliberate",
+            dir.display(),
+            run_dir.join("data").display()
+        );
+    }
+    Ok(fp)
+}
+
 /// A `--trace` file that could not be written is refused at the start, not after training.
 fn check_trace_path(opts: &TrainOptions) -> Result<()> {
     let Some(t) = &opts.trace else { return Ok(()) };
@@ -405,6 +435,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     check_run_dir(ckpt, opts, &run_dir)?;
     claim_run_dir(ckpt, opts, &run_dir)?;
     let data = build_data(&cfg, Some(&run_dir.join("data")))?;
+    let data_fp = check_data(&cfg, &data, ckpt, opts, &run_dir)?;
     let tcfg = ThreadsConfig {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
         trace: opts.trace.is_some(),
@@ -414,6 +445,7 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         ckpt: ckpt.map(Path::to_path_buf),
         opts: opts.clone(),
         data,
+        data_fp,
         run_dir,
         _lock: None,
     });
@@ -516,6 +548,8 @@ struct Run {
     ckpt: Option<PathBuf>,
     opts: TrainOptions,
     data: Dataset,
+    /// `data`'s fingerprint, recorded in every checkpoint.
+    data_fp: checkpoint::DataFingerprint,
     run_dir: PathBuf,
     /// The writer's lock, where this struct's owner holds it (a process of several).
     _lock: Option<crate::guard::RunLock>,
@@ -843,6 +877,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 step: done,
                 tokens_seen,
                 data_seed: data.seed(),
+                data: Some(run.data_fp.clone()),
             };
             out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
         }
@@ -965,10 +1000,11 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
                     |c| format!("checkpoint {}", c.display())
                 ),
                 run.run_dir.display(),
-                if n > 1 && run.opts.ranks > 1 {
-                    format!(" --ranks {n}")
-                } else {
-                    String::new()
+                match (n > 1, run.opts.ranks > 1) {
+                    (true, true) => format!(" --ranks {n}"),
+                    // Processes as ranks (mpirun, srun): the launcher gives their number.
+                    (true, false) => format!(" (under the same launcher, {n} processes)"),
+                    _ => String::new(),
                 }
             );
         }
@@ -1040,11 +1076,13 @@ fn process_run(
     } else {
         build_data(&cfg, None)?
     };
+    let data_fp = check_data(&cfg, &data, ckpt, opts, &run_dir)?;
     Ok(Run {
         cfg,
         ckpt: ckpt.map(Path::to_path_buf),
         opts: opts.clone(),
         data,
+        data_fp,
         run_dir,
         _lock: lock,
     })
@@ -1091,6 +1129,8 @@ pub fn train_mpi(
     }
     let mut run = run;
     run.opts.quiet |= rank != 0;
+    // The processes are the ranks (no --ranks in the resume command).
+    run.opts.ranks = 1;
     Ok(summary(&[out], &run))
 }
 
