@@ -543,6 +543,9 @@ pub struct MetricsConfig {
     /// What to do about a dead run (loss pinned at ln(vocab_size) with a vanishing gradient
     /// norm): stop it before it writes another checkpoint, warn, or nothing.
     pub dead_check: DeadCheck,
+    /// Warn when a step's loss exceeds this many times the median of the previous steps' (up
+    /// to 50, from the 11th step on); 0 = never.
+    pub spike_factor: f64,
 }
 
 impl Default for MetricsConfig {
@@ -553,6 +556,7 @@ impl Default for MetricsConfig {
             val_batches: 4,
             tensorboard: false,
             dead_check: DeadCheck::Stop,
+            spike_factor: 3.0,
         }
     }
 }
@@ -1004,6 +1008,14 @@ impl JobConfig {
         // AdamW divides by sqrt(v) + eps: zero lets an untouched parameter's update be 0/0.
         if !(o.eps > 0.0 && o.eps.is_finite()) {
             return Err(invalid("optimizer.eps", o.eps, "must be a positive number"));
+        }
+        let f = self.metrics.spike_factor;
+        if !(f == 0.0 || (f > 1.0 && f.is_finite())) {
+            return Err(invalid(
+                "metrics.spike_factor",
+                f,
+                "must be 0 (off) or a number above 1",
+            ));
         }
         if self.checkpoint.keep_last == 0 {
             return Err(invalid(

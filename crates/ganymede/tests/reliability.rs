@@ -714,6 +714,39 @@ fn a_resume_on_changed_data_is_refused() {
     assert!(e.contains("training split is now 250 tokens"), "{e}");
 }
 
+/// A loss spike over the running median is reported once when it begins; a healthy run says
+/// nothing.
+#[test]
+fn a_loss_spike_is_reported() {
+    let tmp = TempDir::new("spike");
+    let d = tmp.path();
+    let run_out = |name: &str, sets: &[&str]| {
+        let o = ganymede(d, &run_args(&d.join(name), 16, sets), &[]);
+        let said = String::from_utf8_lossy(&o.stdout).to_string();
+        ok(o);
+        said
+    };
+    // lr 3 ramping up over 20 steps: the loss jumps past 3x its median (at step 12 here: 41.0
+    // against a median of 8.6), once the first 10 steps are in the window.
+    let said = run_out(
+        "hot",
+        &[
+            "optimizer.lr=3",
+            "optimizer.warmup_steps=20",
+            "metrics.dead_check=off",
+        ],
+    );
+    assert_eq!(said.matches("warning: loss spike at step").count(), 1, "{said}");
+    let said = run_out("calm", &[]);
+    assert!(!said.contains("loss spike"), "{said}");
+    let e = fails(ganymede(
+        d,
+        &["train", "--set", "metrics.spike_factor=0.5"],
+        &[],
+    ));
+    assert!(e.contains("metrics.spike_factor"), "{e}");
+}
+
 // ---- 6. Values and limits -------------------------------------------------------------------
 
 #[test]

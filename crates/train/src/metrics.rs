@@ -128,6 +128,55 @@ impl DeadWatch {
     }
 }
 
+/// Notices a loss spike: a step's loss above `factor` times the median of the previous steps'
+/// (the last [`Self::WINDOW`]), once there are [`Self::MIN_HISTORY`] of them. A median, unlike a
+/// mean, is not dragged up by the spikes themselves. Says so when a spike begins, not at every
+/// step of it.
+#[derive(Clone, Debug)]
+pub struct SpikeWatch {
+    factor: f64,
+    history: std::collections::VecDeque<f64>,
+    in_spike: bool,
+}
+
+impl SpikeWatch {
+    pub const WINDOW: usize = 50;
+    pub const MIN_HISTORY: usize = 10;
+
+    /// `factor` 0: never.
+    pub fn new(factor: f64) -> Self {
+        SpikeWatch {
+            factor,
+            history: Default::default(),
+            in_spike: false,
+        }
+    }
+
+    pub fn observe(&mut self, step: usize, loss: f64) -> Option<String> {
+        let mut msg = None;
+        if self.factor > 0.0 && self.history.len() >= Self::MIN_HISTORY {
+            let mut sorted: Vec<f64> = self.history.iter().copied().collect();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted[sorted.len() / 2];
+            let spike = loss > self.factor * median;
+            if spike && !self.in_spike {
+                msg = Some(format!(
+                    "warning: loss spike at step {step}: {loss:.4} is {:.1}x the median of the previous {} steps ({median:.4}; metrics.spike_factor = {})",
+                    loss / median,
+                    sorted.len(),
+                    self.factor
+                ));
+            }
+            self.in_spike = spike;
+        }
+        self.history.push_back(loss);
+        if self.history.len() > Self::WINDOW {
+            self.history.pop_front();
+        }
+        msg
+    }
+}
+
 /// Watches for routing collapse: an MoE layer whose busiest expert takes more than `threshold`
 /// times the mean load for `window` consecutive steps. Each layer warns at most once, so a long
 /// collapsed run says it once instead of flooding the log.

@@ -774,6 +774,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     crate::stop::arm();
     let mut dead = metrics::DeadWatch::new(cfg.model.vocab_size);
     let mut dead_warned = false;
+    let mut spikes = metrics::SpikeWatch::new(cfg.metrics.spike_factor);
     for step in start..end {
         if opts.fail_at == Some((rank, step)) {
             panic!("injected failure on rank {rank} at step {}", step + 1);
@@ -835,6 +836,9 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
                 ));
             }
             for warning in collapse.observe(done, &r.expert_load) {
+                progress.println(&warning);
+            }
+            if let Some(warning) = spikes.observe(done, r.loss) {
                 progress.println(&warning);
             }
             progress.step(&sm, total);
