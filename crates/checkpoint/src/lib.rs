@@ -12,6 +12,10 @@
 //!
 //! A sharded run may instead save per-rank shard files with a layout record ([`sharded`]);
 //! [`read_tensors`] reads either kind whole, so every command takes every checkpoint.
+//!
+//! The manifest records every other file's size and XXH3-64 digest ([`FileDigest`]); reading a
+//! checkpoint checks the files it reads against them, so a flipped or zeroed byte is an error
+//! naming the file rather than a silently different model ([`set_verify`] turns it off).
 
 pub mod sharded;
 pub use sharded::{ShardedParam, ShardsManifest, SHARDS_FILE};
@@ -26,6 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Bumped whenever the on-disk layout changes incompatibly.
 pub const FORMAT_VERSION: u32 = 1;
@@ -55,6 +60,129 @@ pub struct Manifest {
     pub rng: RngState,
     /// Tokens consumed by training so far.
     pub tokens_seen: u64,
+    /// Size and digest of every other file of the checkpoint, by file name (empty in
+    /// checkpoints written before digests: those load unchecked).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, FileDigest>,
+}
+
+/// A file's size and XXH3-64 digest. XXH3 runs at memory speed (see BENCHMARKS.md), so checking
+/// a checkpoint costs a small share of reading it; it guards against corruption (bit rot, a
+/// partial copy, an edited file), not against tampering.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileDigest {
+    pub bytes: u64,
+    /// 16 hex digits.
+    pub xxh3: String,
+}
+
+impl FileDigest {
+    pub fn of(bytes: &[u8]) -> FileDigest {
+        FileDigest {
+            bytes: bytes.len() as u64,
+            xxh3: format!("{:016x}", twox_hash::XxHash3_64::oneshot(bytes)),
+        }
+    }
+}
+
+static VERIFY: AtomicBool = AtomicBool::new(true);
+
+/// Whether reads check files against the manifest's digests (on by default; `--no-verify`).
+pub fn set_verify(on: bool) {
+    VERIFY.store(on, Ordering::Relaxed);
+}
+
+pub fn verify_enabled() -> bool {
+    VERIFY.load(Ordering::Relaxed)
+}
+
+/// Check `bytes`, read from `path`, against the manifest's record of it (if any).
+pub fn check_digest(path: &Path, bytes: &[u8], want: Option<&FileDigest>) -> Result<()> {
+    let Some(want) = want.filter(|_| verify_enabled()) else {
+        return Ok(());
+    };
+    compare_digest(path, &FileDigest::of(bytes), want)
+}
+
+/// Check the file `name` of `dir` against `digests` without holding it (read in 16 MiB pieces),
+/// for readers that take a file by range.
+pub fn verify_file(dir: &Path, name: &str, digests: &BTreeMap<String, FileDigest>) -> Result<()> {
+    use std::hash::Hasher;
+    use std::io::Read;
+    let Some(want) = digests.get(name).filter(|_| verify_enabled()) else {
+        return Ok(());
+    };
+    let path = dir.join(name);
+    let mut f = fs::File::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut h = twox_hash::XxHash3_64::with_seed(0);
+    let mut buf = vec![0u8; 16 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f
+            .read(&mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if k == 0 {
+            break;
+        }
+        h.write(&buf[..k]);
+        n += k as u64;
+    }
+    let got = FileDigest {
+        bytes: n,
+        xxh3: format!("{:016x}", h.finish()),
+    };
+    compare_digest(&path, &got, want)
+}
+
+fn compare_digest(path: &Path, got: &FileDigest, want: &FileDigest) -> Result<()> {
+    if got.bytes != want.bytes {
+        bail!(
+            "checkpoint file {} holds {} bytes, its manifest records {}: truncated or corrupt (--no-verify reads it anyway)",
+            path.display(),
+            got.bytes,
+            want.bytes
+        );
+    }
+    if got.xxh3 != want.xxh3 {
+        bail!(
+            "checkpoint file {} is corrupt: its XXH3 digest is {}, its manifest records {} (--no-verify reads it anyway)",
+            path.display(),
+            got.xxh3,
+            want.xxh3
+        );
+    }
+    Ok(())
+}
+
+/// The digests a checkpoint's manifest records (none for a checkpoint without them).
+pub fn file_digests(dir: &Path) -> Result<BTreeMap<String, FileDigest>> {
+    Ok(read_manifest(dir)?.files)
+}
+
+/// Read the checkpoint file `name` of `dir`, checked against `digests`.
+pub fn read_checked(
+    dir: &Path,
+    name: &str,
+    digests: &BTreeMap<String, FileDigest>,
+) -> Result<Vec<u8>> {
+    let path = dir.join(name);
+    let bytes = fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    check_digest(&path, &bytes, digests.get(name))?;
+    Ok(bytes)
+}
+
+/// Check every recorded file of the checkpoint `dir` except those named in `skip` (which the
+/// caller reads and checks itself).
+fn verify_others(dir: &Path, digests: &BTreeMap<String, FileDigest>, skip: &[&str]) -> Result<()> {
+    if !verify_enabled() {
+        return Ok(());
+    }
+    for name in digests.keys() {
+        if !skip.contains(&name.as_str()) && !name.ends_with(".safetensors") {
+            read_checked(dir, name, digests)?;
+        }
+    }
+    Ok(())
 }
 
 /// Where the data stream stands. Batches are a pure function of (seed, step), so the position
@@ -63,6 +191,73 @@ pub struct Manifest {
 pub struct DataPosition {
     pub seed: u64,
     pub next_step: usize,
+    /// What the run trained on (absent in checkpoints written before fingerprints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<DataFingerprint>,
+}
+
+/// The tokenised splits a run trains and validates on: their lengths and XXH3-64 digests. A
+/// resume on other tokens (an edited `data.path`, a truncated `data/train.bin`) would no longer
+/// continue the same run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DataFingerprint {
+    pub train_tokens: u64,
+    pub train_xxh3: String,
+    pub val_tokens: u64,
+    pub val_xxh3: String,
+}
+
+impl DataFingerprint {
+    pub fn of(train: &[u32], val: &[u32]) -> DataFingerprint {
+        DataFingerprint {
+            train_tokens: train.len() as u64,
+            train_xxh3: tokens_digest(train),
+            val_tokens: val.len() as u64,
+            val_xxh3: tokens_digest(val),
+        }
+    }
+
+    /// How `self` (now) differs from `then` (the checkpoint's), in words; None if it does not.
+    pub fn difference(&self, then: &DataFingerprint) -> Option<String> {
+        let split = |name: &str, n: u64, h: &str, n0: u64, h0: &str| {
+            (n != n0 || h != h0).then(|| {
+                format!("the {name} split is now {n} tokens (XXH3 {h}), the checkpoint's run had {n0} (XXH3 {h0})")
+            })
+        };
+        let parts: Vec<String> = [
+            split(
+                "training",
+                self.train_tokens,
+                &self.train_xxh3,
+                then.train_tokens,
+                &then.train_xxh3,
+            ),
+            split(
+                "validation",
+                self.val_tokens,
+                &self.val_xxh3,
+                then.val_tokens,
+                &then.val_xxh3,
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+/// XXH3-64 of token ids as their little-endian bytes (the token files' layout), 16 hex digits.
+fn tokens_digest(tokens: &[u32]) -> String {
+    use std::hash::Hasher;
+    let mut h = twox_hash::XxHash3_64::new();
+    let mut buf = Vec::with_capacity(1 << 16);
+    for chunk in tokens.chunks(1 << 14) {
+        buf.clear();
+        buf.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
+        h.write(&buf);
+    }
+    format!("{:016x}", h.finish())
 }
 
 /// Random state. Parameter initialisation and batch sampling are keyed by the seed; nothing
@@ -78,6 +273,8 @@ pub struct Position {
     pub step: usize,
     pub tokens_seen: u64,
     pub data_seed: u64,
+    /// The run's data (None: not recorded).
+    pub data: Option<DataFingerprint>,
 }
 
 impl Manifest {
@@ -91,11 +288,13 @@ impl Manifest {
             data: DataPosition {
                 seed: at.data_seed,
                 next_step: at.step,
+                fingerprint: at.data.clone(),
             },
             rng: RngState {
                 seed: cfg.training.seed,
             },
             tokens_seen: at.tokens_seen,
+            files: BTreeMap::new(),
         }
     }
 
@@ -161,8 +360,14 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    write_synced(&tmp, bytes)?;
-    fs::rename(&tmp, path).with_context(|| format!("cannot rename into {}", path.display()))?;
+    let r = write_synced(&tmp, bytes).and_then(|()| {
+        fs::rename(&tmp, path).with_context(|| format!("cannot rename into {}", path.display()))
+    });
+    if r.is_err() {
+        // No partial temporary file outlives a failed write (a full disk, say).
+        let _ = fs::remove_file(&tmp);
+    }
+    r?;
     sync_dir(path.parent().unwrap_or(Path::new(".")));
     Ok(())
 }
@@ -195,8 +400,32 @@ pub struct CheckpointData<'a> {
 }
 
 /// Save a checkpoint of `data.manifest.step` under `RUN/checkpoints`, atomically, then update
-/// `latest` and prune old checkpoints. Returns the checkpoint directory.
+/// `latest` and prune old checkpoints (keeping the newest [`KEEP_LAST`]). Returns the checkpoint
+/// directory.
 pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf> {
+    save_with(run_dir, data, &Retention::default())
+}
+
+/// Which older checkpoints a save keeps: the newest `keep_last` (the one just saved among
+/// them), and every one whose step is a multiple of `keep_every` (0: none), which rotation
+/// never removes.
+#[derive(Clone, Copy, Debug)]
+pub struct Retention {
+    pub keep_last: usize,
+    pub keep_every: usize,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            keep_last: KEEP_LAST,
+            keep_every: 0,
+        }
+    }
+}
+
+/// [`save`] with a retention policy.
+pub fn save_with(run_dir: &Path, data: &CheckpointData, keep: &Retention) -> Result<PathBuf> {
     let root = checkpoints_root(run_dir);
     fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     let name = dir_name(data.manifest.step);
@@ -206,25 +435,12 @@ pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf> {
         fs::remove_dir_all(&tmp)?;
     }
     fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-
-    write_synced(
-        &tmp.join(MODEL_FILE),
-        &to_safetensors_bytes(&data.params, None)?,
-    )?;
-    crash_point(data.manifest.step);
-    write_synced(
-        &tmp.join(OPTIMIZER_FILE),
-        &to_safetensors_bytes(&data.optimizer, None)?,
-    )?;
-    write_synced(&tmp.join(CONFIG_FILE), data.manifest.config.as_bytes())?;
-    for (fname, src) in &data.extra_files {
-        let bytes = fs::read(src).with_context(|| format!("cannot read {}", src.display()))?;
-        write_synced(&tmp.join(fname), &bytes)?;
+    let r = write_files(&tmp, data);
+    if r.is_err() {
+        // A failed save (a full disk) leaves nothing behind; the previous checkpoint stands.
+        let _ = fs::remove_dir_all(&tmp);
     }
-    // The manifest goes last: a directory with a manifest has every other file.
-    let manifest = serde_json::to_vec_pretty(data.manifest)?;
-    write_synced(&tmp.join(MANIFEST_FILE), &manifest)?;
-    sync_dir(&tmp);
+    r?;
 
     if final_dir.exists() {
         // Re-saving the same step (a resumed run reaching it again): move the old one aside
@@ -239,8 +455,38 @@ pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf> {
     }
     sync_dir(&root);
     write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
-    prune(&root, KEEP_LAST, data.manifest.step)?;
+    prune(&root, keep, data.manifest.step)?;
     Ok(final_dir)
+}
+
+/// Every file of a checkpoint into `tmp`, the manifest (with the others' digests) last.
+fn write_files(tmp: &Path, data: &CheckpointData) -> Result<()> {
+    let mut manifest = data.manifest.clone();
+    let mut put = |name: &str, bytes: &[u8]| -> Result<()> {
+        write_synced(&tmp.join(name), bytes)?;
+        manifest
+            .files
+            .insert(name.to_string(), FileDigest::of(bytes));
+        Ok(())
+    };
+    put(MODEL_FILE, &to_safetensors_bytes(&data.params, None)?)?;
+    crash_point(data.manifest.step);
+    put(
+        OPTIMIZER_FILE,
+        &to_safetensors_bytes(&data.optimizer, None)?,
+    )?;
+    put(CONFIG_FILE, data.manifest.config.as_bytes())?;
+    for (fname, src) in &data.extra_files {
+        let bytes = fs::read(src).with_context(|| format!("cannot read {}", src.display()))?;
+        put(fname, &bytes)?;
+    }
+    // The manifest goes last: a directory with a manifest has every other file.
+    write_synced(
+        &tmp.join(MANIFEST_FILE),
+        &serde_json::to_vec_pretty(&manifest)?,
+    )?;
+    sync_dir(tmp);
+    Ok(())
 }
 
 /// A test hook: `GANYMEDE_CRASH_AT_CHECKPOINT=STEP` aborts the process half-way through writing
@@ -252,6 +498,21 @@ fn crash_point(step: usize) {
             std::process::abort();
         }
     }
+}
+
+/// Cut a run's history back to step `step`: `latest` names that checkpoint first (so a crash
+/// part-way leaves it valid), then every checkpoint after it is deleted.
+pub fn truncate_after(root: &Path, step: usize) -> Result<()> {
+    write_atomic(
+        &root.join(LATEST),
+        format!("{}\n", dir_name(step)).as_bytes(),
+    )?;
+    for (s, p) in list(root) {
+        if s > step {
+            fs::remove_dir_all(&p).with_context(|| format!("cannot remove {}", p.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Complete checkpoints under `root`, oldest first.
@@ -274,29 +535,39 @@ pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
     out
 }
 
-/// Keep the checkpoint of `current` and the `keep - 1` newest before it. Checkpoints after
-/// `current` (left by a run that was resumed from an earlier step) are not touched.
-fn prune(root: &Path, keep: usize, current: usize) -> Result<()> {
+/// Keep the checkpoint of `current` and the `keep_last - 1` newest before it, and those
+/// `keep_every` marks. Checkpoints after `current` (left by a run that was resumed from an
+/// earlier step) are not touched.
+fn prune(root: &Path, keep: &Retention, current: usize) -> Result<()> {
     let older: Vec<_> = list(root)
         .into_iter()
         .filter(|(s, _)| *s < current)
         .collect();
-    let drop = older.len().saturating_sub(keep.saturating_sub(1));
-    for (_, p) in &older[..drop] {
+    let drop = older.len().saturating_sub(keep.keep_last.saturating_sub(1));
+    for (s, p) in &older[..drop] {
+        if keep.keep_every > 0 && s.is_multiple_of(keep.keep_every) {
+            continue;
+        }
         fs::remove_dir_all(p).with_context(|| format!("cannot remove {}", p.display()))?;
     }
-    // Leftovers of crashed saves.
+    remove_leftovers(root);
+    Ok(())
+}
+
+/// Remove what killed saves left under `root` (`.tmp-*`, `.old-*`, and sharded saves'
+/// `.shards-*` staging folders), except this process's own. Only a writer holding the run's
+/// lock may call this: another live writer's staging would go too.
+pub fn remove_leftovers(root: &Path) {
     if let Ok(rd) = fs::read_dir(root) {
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().to_string();
-            if (n.starts_with(".tmp-") || n.starts_with(".old-"))
-                && !n.ends_with(&format!("-{}", std::process::id()))
-            {
+            let stale = (n.starts_with(".tmp-") || n.starts_with(".old-"))
+                && !n.ends_with(&format!("-{}", std::process::id()));
+            if stale || n.starts_with(".shards-") {
                 let _ = fs::remove_dir_all(e.path());
             }
         }
     }
-    Ok(())
 }
 
 /// Find the checkpoint a path refers to: a checkpoint directory itself (it has a manifest), or
@@ -353,7 +624,20 @@ pub type HostTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 /// naming the file.
 pub fn read_safetensors(path: &Path) -> Result<HostTensors> {
     let bytes = fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+    parse_safetensors(path, &bytes)
+}
+
+/// The checkpoint file `name` of `dir` as tensors, checked against `digests` first.
+pub fn read_safetensors_checked(
+    dir: &Path,
+    name: &str,
+    digests: &BTreeMap<String, FileDigest>,
+) -> Result<HostTensors> {
+    parse_safetensors(&dir.join(name), &read_checked(dir, name, digests)?)
+}
+
+fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<HostTensors> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
         anyhow::anyhow!(
             "{} is not a readable safetensors file (truncated or corrupt?): {e:?}",
             path.display()
@@ -379,15 +663,32 @@ pub fn read_safetensors(path: &Path) -> Result<HostTensors> {
 }
 
 /// Every tensor of the checkpoint `dir`, whole: (parameters, optimizer state). A sharded
-/// checkpoint's pieces are reassembled, so callers never see the difference.
+/// checkpoint's pieces are reassembled, so callers never see the difference. Every file is
+/// checked against the manifest's digests.
 pub fn read_tensors(dir: &Path) -> Result<(HostTensors, HostTensors)> {
+    read_tensors_opt(dir, true)
+}
+
+/// The parameters of the checkpoint `dir` alone (what eval, generate and export need): a
+/// gathered checkpoint's `optimizer.safetensors` is neither read nor required.
+pub fn read_params(dir: &Path) -> Result<HostTensors> {
+    Ok(read_tensors_opt(dir, false)?.0)
+}
+
+fn read_tensors_opt(dir: &Path, optimizer: bool) -> Result<(HostTensors, HostTensors)> {
+    let manifest = read_manifest(dir)?;
+    let digests = &manifest.files;
+    verify_others(dir, digests, &[])?;
     if dir.join(SHARDS_FILE).is_file() {
-        return sharded::read_whole(dir);
+        return sharded::read_whole(dir, &manifest);
     }
-    Ok((
-        read_safetensors(&dir.join(MODEL_FILE))?,
-        read_safetensors(&dir.join(OPTIMIZER_FILE))?,
-    ))
+    let model = read_safetensors_checked(dir, MODEL_FILE, digests)?;
+    let opt = if optimizer {
+        read_safetensors_checked(dir, OPTIMIZER_FILE, digests)?
+    } else {
+        HostTensors::new()
+    };
+    Ok((model, opt))
 }
 
 /// Put host tensors into `targets`, which must match them exactly (same names, same shapes,
@@ -424,7 +725,7 @@ pub fn upload_into<'a>(
 /// Load a checkpoint's parameters (gathered or sharded) into a store shaped by the model's specs.
 pub fn load_params(be: &dyn Memory, dir: &Path, params: &mut ParamStore) -> Result<()> {
     let names: Vec<String> = params.specs().iter().map(|s| s.name.clone()).collect();
-    let (model, _) = read_tensors(dir)?;
+    let model = read_params(dir)?;
     upload_into(
         be,
         dir,
@@ -485,8 +786,6 @@ pub fn resumable_difference(key: &str) -> bool {
         || key == "training.micro_batch_size"
         || key == "training.loss_chunk_tokens"
         || key == "training.moe_chunk_tokens"
-        // Accepting changed data is the user's explicit choice at a resume.
-        || key == "data.allow_change"
 }
 
 #[cfg(test)]
@@ -517,9 +816,11 @@ mod tests {
             data: DataPosition {
                 seed: 1,
                 next_step: step + 1,
+                fingerprint: None,
             },
             rng: RngState { seed: 1 },
             tokens_seen: 0,
+            files: BTreeMap::new(),
         }
     }
 
@@ -550,7 +851,18 @@ mod tests {
         }
         let latest = resolve(&run).unwrap();
         assert!(latest.ends_with(dir_name(5)));
-        assert_eq!(read_manifest(&latest).unwrap(), manifest(5));
+        let mut m = read_manifest(&latest).unwrap();
+        // Every other file's digest, as written.
+        for f in [MODEL_FILE, OPTIMIZER_FILE, CONFIG_FILE] {
+            let d = &m.files[f];
+            assert_eq!(
+                d,
+                &FileDigest::of(&fs::read(latest.join(f)).unwrap()),
+                "{f}"
+            );
+        }
+        m.files.clear();
+        assert_eq!(m, manifest(5));
         assert_eq!(list(&checkpoints_root(&run)).len(), KEEP_LAST);
         let mut back = store(&be, 0.0);
         load_params(&be, &latest, &mut back).unwrap();
@@ -622,6 +934,61 @@ mod tests {
         let steps: Vec<usize> = list(&checkpoints_root(&run)).iter().map(|c| c.0).collect();
         assert_eq!(steps, vec![1, 2, 5, 6, 7]);
         assert!(resolve(&run).unwrap().ends_with(dir_name(2)));
+        fs::remove_dir_all(&run).unwrap();
+    }
+
+    #[test]
+    fn a_changed_byte_is_named_unless_verification_is_off() {
+        let be = CpuBackend::default();
+        let run = tmpdir("digest");
+        let dir = save_store(&be, &run, &store(&be, 1.0), 1);
+        let f = dir.join(MODEL_FILE);
+        let mut bytes = fs::read(&f).unwrap();
+        let n = bytes.len();
+        bytes[n - 3] ^= 1; // inside the last value: still a valid file
+        fs::write(&f, &bytes).unwrap();
+        let msg = format!(
+            "{:#}",
+            load_params(&be, &dir, &mut store(&be, 0.0)).unwrap_err()
+        );
+        assert!(
+            msg.contains("model.safetensors") && msg.contains("corrupt"),
+            "{msg}"
+        );
+        // The same file without the digest check loads (and differs from what was saved).
+        set_verify(false);
+        let r = load_params(&be, &dir, &mut store(&be, 0.0));
+        set_verify(true);
+        r.unwrap();
+        fs::remove_dir_all(&run).unwrap();
+    }
+
+    #[test]
+    fn retention_keeps_every_nth_and_truncation_moves_latest_first() {
+        let be = CpuBackend::default();
+        let run = tmpdir("keep");
+        let keep = Retention {
+            keep_last: 2,
+            keep_every: 4,
+        };
+        for step in 1..=9 {
+            let m = manifest(step);
+            let s = store(&be, step as f32);
+            let data = CheckpointData {
+                manifest: &m,
+                params: host_tensors(&be, s.iter().map(|(sp, t)| (sp.name.clone(), t))),
+                optimizer: vec![],
+                extra_files: vec![],
+            };
+            save_with(&run, &data, &keep).unwrap();
+        }
+        let root = checkpoints_root(&run);
+        let steps: Vec<usize> = list(&root).iter().map(|c| c.0).collect();
+        assert_eq!(steps, vec![4, 8, 9]);
+        truncate_after(&root, 4).unwrap();
+        let steps: Vec<usize> = list(&root).iter().map(|c| c.0).collect();
+        assert_eq!(steps, vec![4]);
+        assert!(resolve(&run).unwrap().ends_with(dir_name(4)));
         fs::remove_dir_all(&run).unwrap();
     }
 

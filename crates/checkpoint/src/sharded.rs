@@ -4,7 +4,7 @@
 //! expert-parallel slice. [`read_whole`] reassembles every tensor, so `eval`, `export`, and a
 //! resume at any rank count (one process included) read these like gathered checkpoints.
 
-use crate::HostTensors;
+use crate::{HostTensors, Manifest};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -100,12 +100,60 @@ fn assemble(
     Ok(out)
 }
 
+/// Check the layout record against what the checkpoint holds: its manifest's mesh, the rank
+/// files present, and every parameter's shards covering its slice. A layout that disagrees
+/// would reassemble tensors wrongly rather than fail.
+fn check_layout(dir: &Path, sm: &ShardsManifest, manifest: &Manifest) -> Result<()> {
+    let p = dir.join(SHARDS_FILE);
+    if let Ok(cfg) = manifest.job_config() {
+        let (d, e) = (cfg.parallelism.dp_shard, cfg.parallelism.ep.max(1));
+        if (d, e) != (sm.dp_shard, sm.ep) {
+            bail!(
+                "{}: dp_shard = {}, ep = {}, but the checkpoint's manifest was saved with parallelism.dp_shard = {d}, parallelism.ep = {e}",
+                p.display(),
+                sm.dp_shard,
+                sm.ep
+            );
+        }
+    }
+    let present = (0..)
+        .take_while(|&r| dir.join(rank_file(r)).is_file())
+        .count();
+    if present != sm.dp_shard {
+        bail!(
+            "{}: dp_shard = {}, but the checkpoint holds {present} rank file(s) ({})",
+            p.display(),
+            sm.dp_shard,
+            rank_file(present.min(sm.dp_shard))
+        );
+    }
+    for q in &sm.params {
+        let group = if q.efsdp {
+            sm.dp_shard / sm.ep
+        } else {
+            sm.dp_shard
+        };
+        if q.shard_elems * group < q.slice_elems {
+            bail!(
+                "{}: {}: {group} shards of {} elements cannot hold its {} elements",
+                p.display(),
+                q.name,
+                q.shard_elems,
+                q.slice_elems
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Every parameter and optimizer-state tensor of the sharded checkpoint `dir`, whole, under the
-/// names a gathered checkpoint uses: (parameters, optimizer state).
-pub fn read_whole(dir: &Path) -> Result<(HostTensors, HostTensors)> {
+/// names a gathered checkpoint uses: (parameters, optimizer state). Every file is checked
+/// against `manifest`'s digests, and the layout against the checkpoint.
+pub fn read_whole(dir: &Path, manifest: &Manifest) -> Result<(HostTensors, HostTensors)> {
     let sm = read_manifest(dir)?;
+    check_layout(dir, &sm, manifest)?;
     let files: Vec<HostTensors> = (0..sm.dp_shard)
-        .map(|r| crate::read_safetensors(&dir.join(rank_file(r))))
+        .map(|r| crate::read_safetensors_checked(dir, &rank_file(r), &manifest.files))
         .collect::<Result<_>>()?;
     let mut model = HostTensors::new();
     for p in &sm.params {

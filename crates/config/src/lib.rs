@@ -192,6 +192,14 @@ impl ModelConfig {
         if self.norm_eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(invalid("model.norm_eps", self.norm_eps, "must be positive"));
         }
+        // A negative or zero spread gives a model with no signal to learn from (or NaNs).
+        if !(self.init_std > 0.0 && self.init_std.is_finite()) {
+            return Err(invalid(
+                "model.init_std",
+                self.init_std,
+                "must be a positive number",
+            ));
+        }
         if !(self.aux_loss_coef >= 0.0) {
             return Err(invalid(
                 "model.aux_loss_coef",
@@ -492,9 +500,6 @@ pub struct DataConfig {
     /// Sampling temperature T over sources without a weight: source i is drawn with probability
     /// proportional to its tokens^(1/T) (1: by size; larger flattens toward uniform).
     pub temperature: f64,
-    /// Resume on inputs that changed since the run started (files edited, extended, added or
-    /// removed); refused by default, naming the file.
-    pub allow_change: bool,
 }
 
 /// One entry of `[[data.sources]]`.
@@ -557,7 +562,6 @@ impl Default for DataConfig {
             builtin_bytes: 4 << 20,
             sources: Vec::new(),
             temperature: 1.0,
-            allow_change: false,
         }
     }
 }
@@ -569,6 +573,11 @@ pub struct CheckpointConfig {
     pub interval: usize,
     /// Whether to save at all.
     pub enable: bool,
+    /// Newest checkpoints kept (the one just saved among them); older ones are deleted.
+    pub keep_last: usize,
+    /// Also keep every checkpoint whose step is a multiple of this, whatever its age (0: none),
+    /// so that rotation never takes every good checkpoint.
+    pub keep_every: usize,
 }
 
 impl Default for CheckpointConfig {
@@ -576,6 +585,8 @@ impl Default for CheckpointConfig {
         Self {
             interval: 0,
             enable: true,
+            keep_last: 3,
+            keep_every: 0,
         }
     }
 }
@@ -591,6 +602,12 @@ pub struct MetricsConfig {
     pub val_batches: usize,
     /// Also write the scalars of every metrics line as TensorBoard event files under `RUN/tb/`.
     pub tensorboard: bool,
+    /// What to do about a dead run (loss pinned at ln(vocab_size) with a vanishing gradient
+    /// norm): stop it before it writes another checkpoint, warn, or nothing.
+    pub dead_check: DeadCheck,
+    /// Warn when a step's loss exceeds this many times the median of the previous steps' (up
+    /// to 50, from the 11th step on); 0 = never.
+    pub spike_factor: f64,
 }
 
 impl Default for MetricsConfig {
@@ -600,7 +617,28 @@ impl Default for MetricsConfig {
             val_every: 50,
             val_batches: 4,
             tensorboard: false,
+            dead_check: DeadCheck::Stop,
+            spike_factor: 3.0,
         }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadCheck {
+    Stop,
+    Warn,
+    Off,
+}
+
+impl<'de> Deserialize<'de> for DeadCheck {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let choices = [
+            ("stop", Self::Stop),
+            ("warn", Self::Warn),
+            ("off", Self::Off),
+        ];
+        one_of(d, "metrics.dead_check", &choices)
     }
 }
 
@@ -912,7 +950,27 @@ impl JobConfig {
             origin: origin.into(),
             message: e.to_string(),
         })?;
-        Self::from_value(value, origin)
+        // A value of the wrong type: parsed from the text again, whose error knows where it is,
+        // so the message names the line and the key (the Value's error knows neither).
+        Self::from_value(value, origin).map_err(|err| {
+            match toml::from_str::<JobConfig>(text)
+                .err()
+                .and_then(|e| e.span())
+            {
+                Some(span) => {
+                    let line_no = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+                    match err {
+                        ConfigError::Parse { message, .. } => ConfigError::Parse {
+                            origin: format!("{origin}, line {line_no} ({line})"),
+                            message,
+                        },
+                        other => other,
+                    }
+                }
+                None => err,
+            }
+        })
     }
 
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
@@ -977,6 +1035,13 @@ impl JobConfig {
                 return Err(ConfigError::BadOverride(o.clone()));
             };
             section.insert(parts[1].to_string(), value);
+            // Checked one override at a time, so a value of the wrong type names its key.
+            if let Err(ConfigError::Parse { message, .. }) = Self::from_value(root.clone(), "") {
+                return Err(ConfigError::Parse {
+                    origin: format!("--set {}", o.trim()),
+                    message,
+                });
+            }
         }
         Self::from_value(root, "--set overrides")
     }
@@ -1001,6 +1066,25 @@ impl JobConfig {
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return Err(invalid("optimizer.lr", o.lr, "must be a positive number"));
+        }
+        // AdamW divides by sqrt(v) + eps: zero lets an untouched parameter's update be 0/0.
+        if !(o.eps > 0.0 && o.eps.is_finite()) {
+            return Err(invalid("optimizer.eps", o.eps, "must be a positive number"));
+        }
+        let f = self.metrics.spike_factor;
+        if !(f == 0.0 || (f > 1.0 && f.is_finite())) {
+            return Err(invalid(
+                "metrics.spike_factor",
+                f,
+                "must be 0 (off) or a number above 1",
+            ));
+        }
+        if self.checkpoint.keep_last == 0 {
+            return Err(invalid(
+                "checkpoint.keep_last",
+                0,
+                "must be at least 1 (the checkpoint just saved)",
+            ));
         }
         if !(o.weight_decay >= 0.0) {
             return Err(invalid(

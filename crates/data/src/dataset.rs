@@ -75,50 +75,6 @@ fn run_has_checkpoints(dir: &Path) -> bool {
         .is_some_and(|run| run.join("checkpoints").join("latest").exists())
 }
 
-/// Refuse a resume whose inputs are not the files the run was built from, naming the first.
-fn refuse_changed_inputs(dir: &Path, meta: &Meta) -> Result<()> {
-    let Some(old) = std::fs::read_to_string(dir.join(META_FILE))
-        .ok()
-        .and_then(|t| serde_json::from_str::<Meta>(&t).ok())
-    else {
-        return Ok(());
-    };
-    if old.format != meta.format || old.data != meta.data || old.inputs == meta.inputs {
-        return Ok(());
-    }
-    let shown = |t: u128| {
-        format!(
-            "modified {}.{:09} s after the epoch",
-            t / 1_000_000_000,
-            t % 1_000_000_000
-        )
-    };
-    for (p, bytes, t) in &old.inputs {
-        match meta.inputs.iter().find(|i| &i.0 == p) {
-            None => bail!(
-                "the data changed since this run started: {p} is gone (set data.allow_change = \
-                 true to train on the data as it is now)"
-            ),
-            Some((_, b, u)) if b != bytes || u != t => bail!(
-                "the data changed since this run started: {p} was {bytes} bytes, {}, and is now \
-                 {b} bytes, {} (set data.allow_change = true to train on it as it is now)",
-                shown(*t),
-                shown(*u)
-            ),
-            Some(_) => {}
-        }
-    }
-    let new = meta
-        .inputs
-        .iter()
-        .find(|i| !old.inputs.iter().any(|o| o.0 == i.0))
-        .map_or("?", |i| i.0.as_str());
-    bail!(
-        "the data changed since this run started: {new} is new among its inputs (set \
-         data.allow_change = true to train on the data as it is now)"
-    )
-}
-
 fn fingerprint(paths: &[PathBuf]) -> Result<Vec<(String, u64, u128)>> {
     paths
         .iter()
@@ -174,6 +130,20 @@ impl Dataset {
         seed: u64,
         dir: Option<&Path>,
     ) -> Result<Dataset> {
+        Self::build_with(data, vocab_size, seq_len, seed, dir, false)
+    }
+
+    /// [`Dataset::build`]; `allow_change`: a run with checkpoints may resume on prepared files
+    /// that differ from those it started with (`train --allow-data-change`), else it is refused.
+    /// (Text a run tokenised itself is held by the checkpoint's fingerprint of its tokens.)
+    pub fn build_with(
+        data: &DataConfig,
+        vocab_size: usize,
+        seq_len: usize,
+        seed: u64,
+        dir: Option<&Path>,
+        allow_change: bool,
+    ) -> Result<Dataset> {
         if !(data.val_fraction > 0.0 && data.val_fraction < 1.0) {
             bail!(
                 "data.val_fraction = {}: must be between 0 and 1",
@@ -185,7 +155,7 @@ impl Dataset {
         }
         if !data.sources.is_empty() || (!data.path.is_empty() && is_prepared(Path::new(&data.path)))
         {
-            return Self::build_prepared(data, vocab_size, seq_len, seed, dir);
+            return Self::build_prepared(data, vocab_size, seq_len, seed, dir, allow_change);
         }
         let source_path = (!data.path.is_empty()).then(|| PathBuf::from(&data.path));
         let source = match &source_path {
@@ -220,9 +190,6 @@ impl Dataset {
             .into(),
         };
 
-        if let Some(d) = dir.filter(|d| run_has_checkpoints(d) && !data.allow_change) {
-            refuse_changed_inputs(d, &meta)?;
-        }
         let ds = match dir.and_then(|d| Self::open_cached(d, &meta, seed, &source)) {
             Some(ds) => ds,
             None => {
@@ -254,6 +221,7 @@ impl Dataset {
         seq_len: usize,
         seed: u64,
         dir: Option<&Path>,
+        allow_change: bool,
     ) -> Result<Dataset> {
         let entries: Vec<(String, Option<f64>)> = if data.sources.is_empty() {
             vec![(data.path.clone(), None)]
@@ -295,7 +263,7 @@ impl Dataset {
             tokenizer: tokenizer.describe(),
         };
         if let Some(d) = dir {
-            let check = run_has_checkpoints(d) && !data.allow_change;
+            let check = run_has_checkpoints(d) && !allow_change;
             record.check_or_write(d, &*tokenizer, check)?;
         }
         let source = format!(
@@ -796,12 +764,12 @@ impl SourcesRecord {
             for f in &was {
                 match now.iter().find(|g| g.path == f.path) {
                     None => bail!(
-                        "the data changed since this run started: {} is no longer among its sources ({})",
+                        "the data changed since this run started: {} is no longer among its sources ({}; --allow-data-change resumes on it)",
                         f.path,
                         p.display()
                     ),
                     Some(g) if g.bytes != f.bytes => bail!(
-                        "the data changed since this run started: {} was {} bytes and is now {} ({})",
+                        "the data changed since this run started: {} was {} bytes and is now {} ({}; --allow-data-change resumes on it)",
                         f.path,
                         f.bytes,
                         g.bytes,
@@ -812,7 +780,7 @@ impl SourcesRecord {
             }
             if let Some(g) = now.iter().find(|g| !was.iter().any(|f| f.path == g.path)) {
                 bail!(
-                    "the data changed since this run started: {} was not among its sources ({})",
+                    "the data changed since this run started: {} was not among its sources ({}; --allow-data-change resumes on it)",
                     g.path,
                     p.display()
                 );

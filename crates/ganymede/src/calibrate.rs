@@ -210,6 +210,13 @@ fn attention_rates(
 pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if threads == 0 { cores } else { threads };
+    // More threads than cores measure nothing more (and 100,000 would take the machine).
+    let threads = if threads > cores {
+        eprintln!("note: --threads {threads} capped to this machine's {cores} cores");
+        cores
+    } else {
+        threads
+    };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()

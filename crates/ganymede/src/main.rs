@@ -48,12 +48,15 @@ enum Command {
     /// few seconds; the file is the `local` preset with a measured [cpu] section, for
     /// `ganymede plan --cluster FILE`.
     Calibrate {
-        /// Threads of the pool to measure (training.threads; 0 = all cores).
-        #[arg(long, default_value_t = 0)]
+        /// Threads of the pool to measure (training.threads; 0 = all cores; at most the cores).
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
         threads: usize,
-        /// Cluster file to write.
+        /// Cluster file to write (refused if it exists, unless --force).
         #[arg(long, value_name = "FILE", default_value = "cluster.toml")]
         out: PathBuf,
+        /// Overwrite an existing --out file.
+        #[arg(long)]
+        force: bool,
         /// Shorter timing batches (about a second in all; noisier).
         #[arg(long)]
         quick: bool,
@@ -74,6 +77,9 @@ enum Command {
         /// offload copies hidden behind compute [default: RUN/trace.json if present].
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// Overwrite a RUN/report.html that `ganymede report` did not write.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -89,7 +95,7 @@ struct TrainArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
     /// Total optimizer steps (training.steps).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     steps: Option<usize>,
     /// Run directory (default runs/<preset>-<UTC timestamp>, or the resumed run's directory).
     #[arg(long, value_name = "DIR")]
@@ -102,15 +108,43 @@ struct TrainArgs {
     #[arg(long, value_name = "hf:DIR", conflicts_with = "resume")]
     init_from: Option<String>,
     /// Stop after this many completed steps (checkpointing there), as if interrupted.
-    #[arg(long, value_name = "STEP")]
+    #[arg(long, value_name = "STEP", allow_negative_numbers = true)]
     stop_after: Option<usize>,
     /// Train on N ranks as threads of this process (FSDP and expert parallelism per
     /// `[parallelism]`; 1, the default, is one process).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     ranks: Option<usize>,
     /// Write every rank's timeline as a Chrome trace.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    #[command(flatten)]
+    safety: TrainSafety,
+}
+
+/// Reliability options of `train` (see docs/reliability.md).
+#[derive(Args)]
+struct TrainSafety {
+    /// Also stop gracefully on this signal (e.g. USR1, for Slurm's `--signal=USR1@120`), as on
+    /// SIGINT and SIGTERM: finish the step, checkpoint, exit with status 75.
+    #[arg(long, value_name = "SIGNAL")]
+    stop_signal: Option<String>,
+    /// Resume an older checkpoint into its own run directory, deleting the run's newer
+    /// checkpoints (without it that is refused: give --out for a branch instead).
+    #[arg(long)]
+    truncate_history: bool,
+    /// Resume although the tokenised data differ from those the checkpoint's run trained on
+    /// (data deliberately extended or replaced).
+    #[arg(long)]
+    allow_data_change: bool,
+    #[command(flatten)]
+    verify: Verify,
+}
+
+#[derive(Args)]
+struct Verify {
+    /// Read checkpoint files without checking them against the manifest's digests.
+    #[arg(long)]
+    no_verify: bool,
 }
 
 #[derive(Args)]
@@ -127,6 +161,8 @@ struct EvalArgs {
     /// Print one JSON object: {"loss": .., "tokens": ..}.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    verify: Verify,
 }
 
 #[derive(Args)]
@@ -135,16 +171,18 @@ struct GenerateArgs {
     checkpoint: PathBuf,
     #[arg(long)]
     prompt: String,
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, allow_negative_numbers = true)]
     max_new_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample among the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 40, allow_negative_numbers = true)]
     top_k: usize,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
+    #[command(flatten)]
+    verify: Verify,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -159,12 +197,18 @@ struct ExportArgs {
     checkpoint: PathBuf,
     #[arg(long, value_enum, default_value = "hf")]
     format: ExportFormat,
+    /// Output folder: new or empty (never a checkpoint's or a run's), unless --force.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// Largest safetensors file (bytes, or with KB/MB/GB/KiB/MiB/GiB); more tensors than fit in
     /// one are written as shards with model.safetensors.index.json.
     #[arg(long, value_name = "SIZE", default_value = "5GB")]
     max_shard_size: String,
+    /// Overwrite the files of a non-empty --out (a previous export).
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    verify: Verify,
 }
 
 #[derive(Subcommand)]
@@ -173,10 +217,14 @@ enum TokenizerCommand {
     Train {
         #[arg(long = "input", value_name = "PATH", required = true)]
         inputs: Vec<PathBuf>,
-        #[arg(long, default_value_t = 4096)]
+        #[arg(long, default_value_t = 4096, allow_negative_numbers = true)]
         vocab_size: usize,
+        /// Refused if it exists, unless --force.
         #[arg(long, value_name = "FILE", default_value = "tokenizer.json")]
         out: PathBuf,
+        /// Overwrite an existing --out file.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -188,7 +236,10 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => parse_error(e),
+    };
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -202,6 +253,13 @@ fn main() -> ExitCode {
 fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Train(a) => {
+            ganymede_train::checkpoint::set_verify(!a.safety.verify.no_verify);
+            let extra = a
+                .safety
+                .stop_signal
+                .as_deref()
+                .map(ganymede_train::stop::parse_signal)
+                .transpose()?;
             // The world size: mpirun's processes, else --ranks threads (default one process).
             #[cfg(feature = "mpi")]
             let mpi_size: Option<usize> = std::env::var("OMPI_COMM_WORLD_SIZE")
@@ -282,21 +340,25 @@ fn run(cmd: Command) -> Result<()> {
                 ranks,
                 trace: a.trace,
                 init_from,
+                truncate_history: a.safety.truncate_history,
+                allow_data_change: a.safety.allow_data_change,
                 ..Default::default()
             };
+            ganymede_train::stop::install(extra)?;
             #[cfg(feature = "cuda")]
             if let Comm::Nccl(boot) = comm {
-                trainer::train_nccl(&cfg, ckpt.as_deref(), &opts, boot)?;
+                exit_if_stopped(&trainer::train_nccl(&cfg, ckpt.as_deref(), &opts, boot)?);
                 return Ok(());
             }
             #[cfg(feature = "mpi")]
             if mpi_size.is_some() {
-                trainer::train_mpi(&cfg, ckpt.as_deref(), &opts)?;
+                exit_if_stopped(&trainer::train_mpi(&cfg, ckpt.as_deref(), &opts)?);
                 return Ok(());
             }
-            trainer::train(&cfg, ckpt.as_deref(), &opts)?;
+            exit_if_stopped(&trainer::train(&cfg, ckpt.as_deref(), &opts)?);
         }
         Command::Eval(a) => {
+            ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
             let l = eval::load(&a.checkpoint)?;
             let source = match (a.data, a.tokens) {
                 (Some(p), _) => EvalSource::Data(p),
@@ -318,6 +380,12 @@ fn run(cmd: Command) -> Result<()> {
             }
         }
         Command::Generate(a) => {
+            anyhow::ensure!(
+                a.temperature.is_finite() && a.temperature >= 0.0,
+                "--temperature {}: give 0 (greedy) or a positive number",
+                a.temperature
+            );
+            ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
             let l = eval::load(&a.checkpoint)?;
             let o = GenerateOptions {
                 max_new_tokens: a.max_new_tokens,
@@ -325,11 +393,21 @@ fn run(cmd: Command) -> Result<()> {
                 top_k: a.top_k,
                 seed: a.seed,
             };
-            let text = eval::generate_text(&l, &a.prompt, &o)?;
-            println!("{}{}", a.prompt, text);
+            // Streamed: each piece is printed (and flushed) as it is drawn.
+            use std::io::Write;
+            let mut stdout = std::io::stdout();
+            print!("{}", a.prompt);
+            let _ = stdout.flush();
+            eval::generate_stream(&l, &a.prompt, &o, &mut |piece| {
+                print!("{piece}");
+                let _ = stdout.flush();
+            })?;
+            println!();
         }
         Command::Export(a) => match a.format {
             ExportFormat::Hf => {
+                ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
+                ganymede_train::guard::check_output_dir(&a.out, "--out", a.force)?;
                 let opts = ganymede_train::export::ExportOptions {
                     max_shard_bytes: ganymede_train::export::parse_size(&a.max_shard_size)
                         .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?,
@@ -350,7 +428,9 @@ fn run(cmd: Command) -> Result<()> {
             inputs,
             vocab_size,
             out,
+            force,
         }) => {
+            ganymede_train::guard::check_output_file(&out, "--out", force)?;
             let r = ganymede_data::run_tokenizer_train(&inputs, vocab_size, &out)?;
             println!(
                 "trained byte-level BPE: {} ids from {} files ({} bytes), {:.2} bytes/token -> {}",
@@ -367,16 +447,62 @@ fn run(cmd: Command) -> Result<()> {
             threads,
             out,
             quick,
+            force,
         } => {
+            ganymede_train::guard::check_output_file(&out, "--out", force)?;
             let c = calibrate::run(threads, &out, quick)?;
             print!("{}", calibrate::summary(&c, &out));
         }
         Command::DeviceCheck { out } => device_check(&out)?,
-        Command::Report { run, trace } => {
+        Command::Report { run, trace, force } => {
+            check_report_target(&run, force)?;
             let path = ganymede_report::write_with_trace(&run, trace.as_deref())?;
             println!("{}", path.display());
         }
     }
+    Ok(())
+}
+
+/// A command-line error as one line (clap's usage hint dropped); help and version print as
+/// usual.
+fn parse_error(e: clap::Error) -> ! {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit()
+    }
+    let text = e.render().to_string();
+    let first = text.lines().next().unwrap_or("invalid arguments");
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    eprintln!("error: {first} (see --help)");
+    std::process::exit(2)
+}
+
+/// A run stopped by a signal has checkpointed and said how to resume: exit with the status
+/// that says so.
+fn exit_if_stopped(s: &trainer::TrainSummary) {
+    if s.stopped.is_some() {
+        std::process::exit(i32::from(ganymede_train::stop::EXIT_STOPPED))
+    }
+}
+
+/// `report` rewrites its own page freely (it is derived from the run), but not another file
+/// that happens to be called `report.html`, unless `--force`.
+fn check_report_target(run: &Path, force: bool) -> Result<()> {
+    let page = run.join("report.html");
+    let ours = std::fs::read(&page).is_ok_and(|b| {
+        let head = String::from_utf8_lossy(&b[..b.len().min(512)]).into_owned();
+        head.contains("<title>ganymede report: ")
+    });
+    anyhow::ensure!(
+        !page.exists() || ours || force,
+        "{} exists and is not a ganymede report: move it, or pass --force to overwrite it",
+        page.display()
+    );
     Ok(())
 }
 

@@ -189,7 +189,7 @@ fn prepare_then_train_on_weighted_sources() {
         &args(&["train", "--resume", &halted.display().to_string()]),
         &[],
     ));
-    assert!(e.contains("changed") && e.contains("en/shard-"), "{e}");
+    assert!(e.contains("changed") && e.contains("en/shard-") && e.contains("--allow-data-change"), "{e}");
 }
 
 /// The peak resident memory `data prepare` reports of itself (its own VmHWM: a child's rusage
@@ -275,7 +275,7 @@ fn a_resume_refuses_changed_text_and_rebuilds_a_damaged_split() {
     std::fs::write(&text, body.replace("line 7 ", "line seven ")).unwrap();
     let e = fails(ganymede(t.path(), &resume, &[]));
     assert!(
-        e.contains("changed") && e.contains("corpus.txt") && e.contains("data.allow_change"),
+        e.contains("differ") && e.contains("corpus.txt") && e.contains("--allow-data-change"),
         "{e}"
     );
     // Restored, bytes and modification time: accepted again.
@@ -287,7 +287,10 @@ fn a_resume_refuses_changed_text_and_rebuilds_a_damaged_split() {
     // The run's own split cut short: rebuilt from the input, not trained on as it is, so the
     // continuation equals an uninterrupted run on the same text.
     let train_bin = run.join("data").join("train.bin");
-    let f = std::fs::OpenOptions::new().write(true).open(&train_bin).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&train_bin)
+        .unwrap();
     f.set_len(1000).unwrap();
     drop(f);
     ok(ganymede(t.path(), &resume, &[]));
@@ -308,7 +311,9 @@ fn a_resume_refuses_changed_text_and_rebuilds_a_damaged_split() {
 fn changed_data_is_accepted_when_asked() {
     let t = TempDir::new("data-allowed");
     let text = t.path().join("corpus.txt");
-    let body: String = (0..3000).map(|i| format!("line {i} of another corpus.\n")).collect();
+    let body: String = (0..3000)
+        .map(|i| format!("line {i} of another corpus.\n"))
+        .collect();
     std::fs::write(&text, &body).unwrap();
     let run = t.path().join("run");
     ok(ganymede(
@@ -330,7 +335,7 @@ fn changed_data_is_accepted_when_asked() {
     let resume = args(&["train", "--resume", &run.display().to_string()]);
     fails(ganymede(t.path(), &resume, &[]));
     let mut allowed = resume.clone();
-    allowed.extend(args(&["--set", "data.allow_change=true"]));
+    allowed.push("--allow-data-change".into());
     let out = ok(ganymede(t.path(), &allowed, &[]));
     assert!(out.contains("step") && losses(&run).len() == 4, "{out}");
 }

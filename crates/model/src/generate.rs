@@ -120,7 +120,8 @@ fn sample(logits: &[f64], temperature: f32, top_k: usize, rng: &mut Rng) -> u32 
 }
 
 /// Feed `prompt`, then `n` tokens one at a time, each picked by `pick(i, logits)` from the
-/// logits the model gives after what came before; returns the picked ids and those logits.
+/// logits the model gives after what came before. Nothing is kept here: callers keep what they
+/// need (a long generation holds no logits).
 ///
 /// The context is the most recent `seq_len` tokens: positions past the training length were
 /// never trained. While the sequence fits, each token runs alone against the KV cache. Past
@@ -136,7 +137,7 @@ fn decode(
     prompt: &[u32],
     n: usize,
     pick: &mut dyn FnMut(usize, &[f64]) -> u32,
-) -> (Vec<u32>, Vec<Vec<f64>>) {
+) {
     assert!(!prompt.is_empty(), "generate needs a non-empty prompt");
     let v = model.config().vocab_size as u32;
     assert!(
@@ -144,7 +145,7 @@ fn decode(
         "prompt token out of the vocabulary ({v})"
     );
     if n == 0 {
-        return (vec![], vec![]);
+        return;
     }
     let cfg = model.config();
     let window = cfg.seq_len.max(1);
@@ -163,13 +164,12 @@ fn decode(
     let mut cached = ctx.len();
     let mut ws1 = None;
     let mut ws_window = (ctx.len() == window).then_some(ws);
-    let (mut out, mut all) = (vec![], vec![]);
+    let mut produced = 0;
     loop {
-        let next = pick(out.len(), &logits);
-        out.push(next);
-        all.push(std::mem::take(&mut logits));
-        if out.len() == n {
-            return (out, all);
+        let next = pick(produced, &logits);
+        produced += 1;
+        if produced == n {
+            return;
         }
         ctx.push(next);
         if cached < window {
@@ -186,6 +186,7 @@ fn decode(
 }
 
 /// The generated ids and, for each, the logits it was drawn from.
+#[cfg(test)]
 pub(crate) fn generate_with_logits(
     be: &dyn Backend,
     model: &Model,
@@ -194,8 +195,15 @@ pub(crate) fn generate_with_logits(
     s: Sampling,
 ) -> (Vec<u32>, Vec<Vec<f64>>) {
     let mut rng = Rng::new(s.seed);
-    let mut pick = |_: usize, logits: &[f64]| sample(logits, s.temperature, s.top_k, &mut rng);
-    decode(be, model, params, prompt, s.max_new_tokens, &mut pick)
+    let (mut out, mut all) = (vec![], vec![]);
+    let mut pick = |_: usize, logits: &[f64]| {
+        let t = sample(logits, s.temperature, s.top_k, &mut rng);
+        out.push(t);
+        all.push(logits.to_vec());
+        t
+    };
+    decode(be, model, params, prompt, s.max_new_tokens, &mut pick);
+    (out, all)
 }
 
 /// The cross-entropy (nats) of each token of `continuation` after `prompt` and the tokens of
@@ -213,17 +221,16 @@ pub fn continuation_losses(
         continuation.iter().all(|&t| t < v),
         "continuation token out of the vocabulary ({v})"
     );
-    let mut pick = |i: usize, _: &[f64]| continuation[i];
-    let (_, logits) = decode(be, model, params, prompt, continuation.len(), &mut pick);
-    logits
-        .iter()
-        .zip(continuation)
-        .map(|(l, &t)| {
-            let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
-            lse - l[t as usize]
-        })
-        .collect()
+    let mut losses = Vec::with_capacity(continuation.len());
+    let mut pick = |i: usize, l: &[f64]| {
+        let t = continuation[i];
+        let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        losses.push(lse - l[t as usize]);
+        t
+    };
+    decode(be, model, params, prompt, continuation.len(), &mut pick);
+    losses
 }
 
 /// How new tokens are drawn: up to `max_new_tokens` of them, greedily at `temperature` 0 (ties
@@ -245,5 +252,25 @@ pub fn generate(
     prompt: &[u32],
     s: Sampling,
 ) -> Vec<u32> {
-    generate_with_logits(be, model, params, prompt, s).0
+    let mut out = Vec::new();
+    generate_streaming(be, model, params, prompt, s, &mut |t| out.push(t));
+    out
+}
+
+/// [`generate`], handing each id to `on_token` as it is drawn (and keeping none).
+pub fn generate_streaming(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    prompt: &[u32],
+    s: Sampling,
+    on_token: &mut dyn FnMut(u32),
+) {
+    let mut rng = Rng::new(s.seed);
+    let mut pick = |_: usize, logits: &[f64]| {
+        let t = sample(logits, s.temperature, s.top_k, &mut rng);
+        on_token(t);
+        t
+    };
+    decode(be, model, params, prompt, s.max_new_tokens, &mut pick);
 }

@@ -40,7 +40,7 @@ mod workspace;
 pub use experts::{
     ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts, RowBufferUse,
 };
-pub use generate::{continuation_losses, generate, Sampling};
+pub use generate::{continuation_losses, generate, generate_streaming, Sampling};
 pub use offload::OffloadFault;
 pub use step::{
     forward_backward, forward_backward_with, forward_loss, forward_loss_with, router_bias_step,

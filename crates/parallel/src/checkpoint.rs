@@ -26,6 +26,14 @@ use ganymede_dist::DeviceMesh;
 use ganymede_dist::Phase;
 use std::path::{Path, PathBuf};
 
+/// The run's `[checkpoint]` keep_last / keep_every.
+fn retention(cfg: &ganymede_config::JobConfig) -> checkpoint::Retention {
+    checkpoint::Retention {
+        keep_last: cfg.checkpoint.keep_last,
+        keep_every: cfg.checkpoint.keep_every,
+    }
+}
+
 /// Collective over `mesh`: parameter `i`'s shard `shard` (laid out by `layout`) gathered whole.
 fn gather_whole(mesh: &DeviceMesh, layout: &Layout, i: usize, shard: View) -> Result<Vec<f32>> {
     let g = crate::fsdp::Groups::of(mesh);
@@ -186,7 +194,11 @@ impl RankState {
             optimizer,
             extra_files: checkpoint::run_tokenizer_file(run_dir),
         };
-        Ok(Some(checkpoint::save(run_dir, &cd)?))
+        Ok(Some(checkpoint::save_with(
+            run_dir,
+            &cd,
+            &retention(self.config()),
+        )?))
     }
 
     /// Load a checkpoint (gathered or sharded, written at any rank count and mesh shape): each
@@ -309,7 +321,7 @@ impl RankState {
             optimizer: vec![],
             extra_files,
         };
-        let dir = checkpoint::save(run_dir, &cd)?;
+        let dir = checkpoint::save_with(run_dir, &cd, &retention(self.config()))?;
         let _ = std::fs::remove_dir_all(&stage);
         world.barrier()?;
         Ok(Some(dir))

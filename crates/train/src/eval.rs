@@ -9,7 +9,9 @@ use ganymede_data::{
     check_ids, eval_windows, load_eval_tokens, num_eval_windows, ByteTokenizer, Dataset,
     HfTokenizer, TokenFile, Tokenizer,
 };
-use ganymede_model::{forward_loss, generate, Model, Sampling, Tokens, Workspace};
+use ganymede_model::{
+    forward_loss, generate, generate_streaming, Model, Sampling, Tokens, Workspace,
+};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -189,4 +191,44 @@ pub fn generate_text(l: &Loaded, prompt: &str, o: &GenerateOptions) -> Result<St
     };
     let out = generate(&l.be, &l.model, &l.params, &ids, sampling);
     Ok(tk.decode(&out))
+}
+
+/// [`generate_text`] handing the text to `emit` as it is drawn, a piece per token once its
+/// bytes make whole characters (an incomplete UTF-8 sequence waits for the next tokens), so a
+/// long generation shows progress and an interrupted one keeps what it printed.
+pub fn generate_stream(
+    l: &Loaded,
+    prompt: &str,
+    o: &GenerateOptions,
+    emit: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let tk = l.tokenizer()?;
+    let ids = tk.encode_bytes(prompt.as_bytes())?;
+    if ids.is_empty() {
+        bail!("generate: the prompt is empty");
+    }
+    if !(o.temperature >= 0.0 && o.temperature.is_finite()) {
+        bail!("generate: --temperature {} must be >= 0", o.temperature);
+    }
+    let sampling = Sampling {
+        max_new_tokens: o.max_new_tokens,
+        temperature: o.temperature,
+        top_k: o.top_k,
+        seed: o.seed,
+    };
+    let mut pending: Vec<u32> = Vec::new();
+    let mut on_token = |t: u32| {
+        pending.push(t);
+        let text = tk.decode(&pending);
+        // A character is at most 4 bytes: past that, what decodes as U+FFFD is really invalid.
+        if !text.ends_with('\u{FFFD}') || pending.len() >= 4 {
+            emit(&text);
+            pending.clear();
+        }
+    };
+    generate_streaming(&l.be, &l.model, &l.params, &ids, sampling, &mut on_token);
+    if !pending.is_empty() {
+        emit(&tk.decode(&pending));
+    }
+    Ok(())
 }

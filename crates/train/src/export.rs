@@ -330,6 +330,15 @@ pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Export
     let dir = checkpoint::resolve(ckpt)?;
     let manifest = checkpoint::read_manifest(&dir)?;
     let cfg = manifest.job_config()?;
+    // Every file the export reads by range, checked whole against the manifest's digests first
+    // (streamed: a large checkpoint is never held).
+    let digests = checkpoint::file_digests(&dir)?;
+    for name in digests
+        .keys()
+        .filter(|n| n.ends_with(".safetensors") && !n.starts_with("optimizer"))
+    {
+        checkpoint::verify_file(&dir, name, &digests)?;
+    }
     let plan = hf_plan(&cfg)?;
     let reader = ParamReader::open(&dir, &cfg)?;
     let m = &cfg.model;

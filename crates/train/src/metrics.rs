@@ -88,6 +88,99 @@ pub fn load_balance(expert_load: &[Vec<f32>]) -> (f64, Vec<f64>) {
 
 /// Appends one JSON object per step to `metrics.jsonl`, and with `metrics.tensorboard` its
 /// numeric values to a TensorBoard event file under `RUN/tb/`.
+/// Notices a dead run: the loss pinned at ln(vocab_size), the uniform prediction's loss, while
+/// the gradient norm has vanished, for [`Self::WINDOW`] steps in a row. A fresh model starts
+/// near ln(vocab_size) too, but with a healthy gradient (about 2.6 for `tiny`); a run blown up
+/// by too high a learning rate sits there with a gradient norm of 1e-34 and never leaves.
+#[derive(Clone, Debug)]
+pub struct DeadWatch {
+    ln_vocab: f64,
+    streak: usize,
+}
+
+impl DeadWatch {
+    pub const WINDOW: usize = 3;
+    /// A gradient norm below this is vanished (healthy runs are many orders above).
+    pub const GRAD_NORM: f64 = 1e-6;
+    /// Relative distance from ln(vocab_size) that counts as pinned there.
+    pub const LOSS_TOL: f64 = 1e-3;
+
+    pub fn new(vocab_size: usize) -> Self {
+        DeadWatch {
+            ln_vocab: (vocab_size as f64).ln(),
+            streak: 0,
+        }
+    }
+
+    /// Record a step; a message once the run has been dead for the window (and at every step
+    /// after, so a caller that stops can stop at once).
+    pub fn observe(&mut self, step: usize, loss: f64, grad_norm: f64) -> Option<String> {
+        let pinned = (loss - self.ln_vocab).abs() <= Self::LOSS_TOL * self.ln_vocab;
+        if pinned && grad_norm < Self::GRAD_NORM {
+            self.streak += 1;
+        } else {
+            self.streak = 0;
+        }
+        (self.streak >= Self::WINDOW).then(|| {
+            format!(
+                "the run is dead at step {step}: the loss has been ln(vocab_size) = {:.4} (uniform predictions) with a gradient norm below {:.0e} for {} steps (now {grad_norm:.1e}); a lower optimizer.lr usually avoids it",
+                self.ln_vocab,
+                Self::GRAD_NORM,
+                self.streak
+            )
+        })
+    }
+}
+
+/// Notices a loss spike: a step's loss above `factor` times the median of the previous steps'
+/// (the last [`Self::WINDOW`]), once there are [`Self::MIN_HISTORY`] of them. A median, unlike a
+/// mean, is not dragged up by the spikes themselves. Says so when a spike begins, not at every
+/// step of it.
+#[derive(Clone, Debug)]
+pub struct SpikeWatch {
+    factor: f64,
+    history: std::collections::VecDeque<f64>,
+    in_spike: bool,
+}
+
+impl SpikeWatch {
+    pub const WINDOW: usize = 50;
+    pub const MIN_HISTORY: usize = 10;
+
+    /// `factor` 0: never.
+    pub fn new(factor: f64) -> Self {
+        SpikeWatch {
+            factor,
+            history: Default::default(),
+            in_spike: false,
+        }
+    }
+
+    pub fn observe(&mut self, step: usize, loss: f64) -> Option<String> {
+        let mut msg = None;
+        if self.factor > 0.0 && self.history.len() >= Self::MIN_HISTORY {
+            let mut sorted: Vec<f64> = self.history.iter().copied().collect();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted[sorted.len() / 2];
+            let spike = loss > self.factor * median;
+            if spike && !self.in_spike {
+                msg = Some(format!(
+                    "warning: loss spike at step {step}: {loss:.4} is {:.1}x the median of the previous {} steps ({median:.4}; metrics.spike_factor = {})",
+                    loss / median,
+                    sorted.len(),
+                    self.factor
+                ));
+            }
+            self.in_spike = spike;
+        }
+        self.history.push_back(loss);
+        if self.history.len() > Self::WINDOW {
+            self.history.pop_front();
+        }
+        msg
+    }
+}
+
 /// Watches for routing collapse: an MoE layer whose busiest expert takes more than `threshold`
 /// times the mean load for `window` consecutive steps. Each layer warns at most once, so a long
 /// collapsed run says it once instead of flooding the log.

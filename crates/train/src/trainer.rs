@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! RUN/config.toml       the resolved job configuration
+//! RUN/train.lock        the writer's lock (`guard::RunLock`): one `train` per directory
 //! RUN/metrics.jsonl     one JSON object per step
 //! RUN/memory.json       peak bytes per ledger category at the end (rank 0's)
 //! RUN/data/             tokenised splits (and tokenizer.json) built by the data crate
@@ -16,7 +17,7 @@
 use crate::checkpoint::{self, Position};
 use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
-use ganymede_config::JobConfig;
+use ganymede_config::{DeadCheck, JobConfig};
 use ganymede_core::ledger::CATEGORIES;
 use ganymede_core::Device;
 use ganymede_data::Dataset;
@@ -56,6 +57,11 @@ pub struct TrainOptions {
     pub fail_at: Option<(usize, usize)>,
     /// Fault injection for tests: `(rank, step)` stalls that rank (sleeps past the timeout).
     pub stall_at: Option<(usize, usize)>,
+    /// Resuming from a checkpoint older than its run's newest, into that run's own directory:
+    /// delete the newer checkpoints (and metrics) instead of refusing.
+    pub truncate_history: bool,
+    /// Resume even though the tokenised data differ from the checkpoint's run's.
+    pub allow_data_change: bool,
 }
 
 /// What a finished run reports (rank 0's view).
@@ -80,11 +86,22 @@ pub struct TrainSummary {
     pub comm: Vec<CommSnapshot>,
     /// Every rank's bytes of the last step (rank 0's only under MPI).
     pub last_comm: Vec<CommSnapshot>,
+    /// The signal that stopped the run early (after checkpointing at `end_step`), if any.
+    pub stopped: Option<i32>,
 }
 
-/// Size rayon's global pool from `training.threads` (0 = all cores). Only the first call in a
-/// process takes effect; later runs in the same process share that pool.
+/// Size rayon's global pool from `training.threads` (0 = all cores; more than the cores is
+/// capped to them, with a note: extra threads only contend, and 100,000 would take the machine).
+/// Only the first call in a process takes effect; later runs in the same process share that
+/// pool.
 pub fn init_threads(threads: usize) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if threads > cores {
+        eprintln!("note: training.threads = {threads} capped to this machine's {cores} cores");
+        cores
+    } else {
+        threads
+    };
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global();
@@ -251,7 +268,15 @@ fn run_dir_of(ckpt: &Path) -> Option<PathBuf> {
 /// run's results: its checkpoints or metrics would be overwritten. A resumed run continues its
 /// own directory (or writes `--out`).
 pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> {
-    let run_dir = match (&opts.out, ckpt.and_then(run_dir_of)) {
+    let run_dir = run_dir_path(ckpt, opts);
+    check_run_dir(ckpt, opts, &run_dir)?;
+    Ok(run_dir)
+}
+
+/// Where a run from `ckpt` (or from scratch) writes: `--out`, else the checkpoint's own run
+/// directory, else a new `runs/<name>-<time>`.
+pub fn run_dir_path(ckpt: Option<&Path>, opts: &TrainOptions) -> PathBuf {
+    match (&opts.out, ckpt.and_then(run_dir_of)) {
         (Some(o), _) => o.clone(),
         (None, Some(r)) => r,
         (None, None) => default_run_dir(if opts.name.is_empty() {
@@ -259,7 +284,16 @@ pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> 
         } else {
             &opts.name
         }),
-    };
+    }
+}
+
+/// The checks of [`run_dir_for`] on `run_dir`; the caller holds its lock, so nothing can change
+/// it between these checks and the run's first write.
+pub fn check_run_dir(ckpt: Option<&Path>, opts: &TrainOptions, run_dir: &Path) -> Result<()> {
+    let run_dir = run_dir.to_path_buf();
+    if let Some(dir) = ckpt {
+        check_history(dir, &run_dir, opts.truncate_history)?;
+    }
     if ckpt.is_none() {
         if !checkpoint::list(&checkpoint::checkpoints_root(&run_dir)).is_empty() {
             bail!(
@@ -286,7 +320,105 @@ pub fn run_dir_for(ckpt: Option<&Path>, opts: &TrainOptions) -> Result<PathBuf> 
             );
         }
     }
-    Ok(run_dir)
+    Ok(())
+}
+
+/// Refuse to resume from a checkpoint older than its run's newest into that run's own
+/// directory: the newer checkpoints and metrics would be rewritten by another continuation.
+/// A branch goes to a new `--out`; `--truncate-history` accepts the loss.
+fn check_history(ckpt: &Path, run_dir: &Path, truncate: bool) -> Result<()> {
+    let canon = |p: &Path| fs::canonicalize(p).ok();
+    let Some(own) = run_dir_of(ckpt) else {
+        return Ok(());
+    };
+    if canon(&own).is_none() || canon(&own) != canon(run_dir) {
+        return Ok(());
+    }
+    let step = checkpoint::read_manifest(ckpt)?.step;
+    let newer: Vec<(usize, PathBuf)> = checkpoint::list(&checkpoint::checkpoints_root(run_dir))
+        .into_iter()
+        .filter(|(s, _)| *s > step)
+        .collect();
+    if let (Some((_, newest)), false) = (newer.last(), truncate) {
+        bail!(
+            "checkpoint {} (step {step}) is older than its run's newest, {}: resuming it into {} would rewrite the run's history after step {step}; write the branch elsewhere with --out DIR, or pass --truncate-history to delete the {} newer checkpoint(s)",
+            ckpt.display(),
+            newest.display(),
+            run_dir.display(),
+            newer.len()
+        );
+    }
+    Ok(())
+}
+
+/// `--truncate-history`: point `latest` at `ckpt` and delete its run's newer checkpoints (the
+/// caller holds the run's lock and has passed every check).
+fn truncate_history(ckpt: &Path, run_dir: &Path) -> Result<()> {
+    if run_dir_of(ckpt).and_then(|r| fs::canonicalize(r).ok()) != fs::canonicalize(run_dir).ok() {
+        return Ok(());
+    }
+    let step = checkpoint::read_manifest(ckpt)?.step;
+    checkpoint::truncate_after(&checkpoint::checkpoints_root(run_dir), step)
+}
+
+/// The data's fingerprint, refusing a resume whose tokens differ from those the checkpoint's
+/// run trained on (unless `--allow-data-change`): the continuation would silently be another
+/// run's.
+fn check_data(
+    cfg: &JobConfig,
+    data: &Dataset,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    run_dir: &Path,
+) -> Result<checkpoint::DataFingerprint> {
+    let fp = checkpoint::DataFingerprint::of(data.train_tokens(), data.val_tokens());
+    let Some(dir) = ckpt else { return Ok(fp) };
+    let then = checkpoint::read_manifest(dir)?.data.fingerprint;
+    if let (Some(diff), false) = (then.and_then(|t| fp.difference(&t)), opts.allow_data_change) {
+        let source = if cfg.data.path.is_empty() {
+            "the built-in corpus".to_string()
+        } else {
+            format!("data.path = {}", cfg.data.path)
+        };
+        bail!(
+            "the data differ from checkpoint {}'s: {diff} ({source}, tokenised in {}); resume on the data it trained on, or pass --allow-data-change if the change is deliberate",
+            dir.display(),
+            run_dir.join("data").display()
+        );
+    }
+    Ok(fp)
+}
+
+/// A `--trace` file that could not be written is refused at the start, not after training.
+fn check_trace_path(opts: &TrainOptions) -> Result<()> {
+    let Some(t) = &opts.trace else { return Ok(()) };
+    let parent = t.parent().filter(|p| !p.as_os_str().is_empty());
+    if t.is_dir() {
+        bail!("--trace {}: is a folder, not a file", t.display());
+    }
+    if let Some(p) = parent.filter(|p| !p.is_dir()) {
+        bail!(
+            "--trace {}: folder {} does not exist",
+            t.display(),
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+/// Refuse a resume with nothing left to run before anything is written.
+fn check_steps_left(cfg: &JobConfig, ckpt: Option<&Path>) -> Result<()> {
+    if let Some(dir) = ckpt {
+        let start = checkpoint::read_manifest(dir)?.data.next_step;
+        let total = cfg.training.steps;
+        if start >= total {
+            bail!(
+                "checkpoint {} is at step {start}, and training.steps = {total}: nothing left to run (raise --steps)",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Train `cfg` (already resolved and validated; see [`resolve_config`]), from scratch or from
@@ -298,9 +430,16 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
-    let run_dir = run_dir_for(ckpt, opts)?;
-    prepare_run_dir(&cfg, &run_dir)?;
-    let data = build_data(&cfg, Some(&run_dir.join("data")))?;
+    check_host_fit(&cfg, n, n)?;
+    check_steps_left(&cfg, ckpt)?;
+    check_trace_path(opts)?;
+    let run_dir = run_dir_path(ckpt, opts);
+    // Held until this function returns: no second writer between the checks and the last write.
+    let _lock = crate::guard::RunLock::acquire(&run_dir)?;
+    check_run_dir(ckpt, opts, &run_dir)?;
+    claim_run_dir(ckpt, opts, &run_dir)?;
+    let data = build_data(&cfg, Some(&run_dir.join("data")), opts)?;
+    let data_fp = check_data(&cfg, &data, ckpt, opts, &run_dir)?;
     let tcfg = ThreadsConfig {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
         trace: opts.trace.is_some(),
@@ -310,7 +449,9 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         ckpt: ckpt.map(Path::to_path_buf),
         opts: opts.clone(),
         data,
+        data_fp,
         run_dir,
+        _lock: None,
     });
     let outs = if n == 1 {
         let world = ganymede_dist::threads_world(1, &tcfg)
@@ -347,13 +488,75 @@ pub fn check_fit(cfg: &JobConfig, ranks: usize) -> Result<()> {
     }
 }
 
+/// Refuse, before anything is allocated, a job whose predicted host memory (the planner's
+/// prediction of the ledger's peak, per rank, times the `local` ranks this process runs) exceeds
+/// the machine's memory (`MemTotal`), where it would end in an allocation failure's abort; warn
+/// when it exceeds what is available now (`MemAvailable`).
+pub fn check_host_fit(cfg: &JobConfig, local: usize, ranks: usize) -> Result<()> {
+    let Some((total, available)) = host_memory() else {
+        return Ok(());
+    };
+    let p = ganymede_plan::predict_memory(cfg, rayon::current_num_threads(), ranks);
+    let need = p.host_peak * local.max(1) as f64;
+    let g = |b: f64| format!("{:.3} GiB", b / (1u64 << 30) as f64);
+    let per_rank = if local > 1 {
+        format!(" ({local} ranks of {} each)", g(p.host_peak))
+    } else {
+        String::new()
+    };
+    if need > total {
+        let mut cats: Vec<(String, f64)> = p
+            .host
+            .entries()
+            .into_iter()
+            .map(|(c, b)| (c.to_string(), b))
+            .filter(|(_, b)| *b > 0.0)
+            .collect();
+        cats.sort_by(|a, b| b.1.total_cmp(&a.1));
+        bail!(
+            "the job does not fit in host memory: predicted host peak {}{per_rank} exceeds this machine's {} (MemTotal); per rank: {}; lower training.batch_size or the model's size, or set training.micro_batch_size (gradient accumulation)",
+            g(need),
+            g(total),
+            cats.iter()
+                .map(|(c, b)| format!("{c} {}", g(*b)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if need > available {
+        eprintln!(
+            "warning: predicted host peak {}{per_rank} exceeds the memory available now ({}, MemAvailable of {})",
+            g(need),
+            g(available),
+            g(total)
+        );
+    }
+    Ok(())
+}
+
+/// (MemTotal, MemAvailable) in bytes from /proc/meminfo, where there is one.
+fn host_memory() -> Option<(f64, f64)> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024.0)
+    };
+    let total = field("MemTotal:")?;
+    Some((total, field("MemAvailable:").unwrap_or(total)))
+}
+
 /// What every rank needs to run.
 struct Run {
     cfg: JobConfig,
     ckpt: Option<PathBuf>,
     opts: TrainOptions,
     data: Dataset,
+    /// `data`'s fingerprint, recorded in every checkpoint.
+    data_fp: checkpoint::DataFingerprint,
     run_dir: PathBuf,
+    /// The writer's lock, where this struct's owner holds it (a process of several).
+    _lock: Option<crate::guard::RunLock>,
 }
 
 /// What one rank reports.
@@ -369,17 +572,45 @@ struct RankOut {
     end: usize,
     checkpoint: Option<PathBuf>,
     tracer: Arc<Tracer>,
+    /// The signal this rank stopped on (every rank agrees).
+    stopped: Option<i32>,
 }
 
-fn prepare_run_dir(cfg: &JobConfig, run_dir: &Path) -> Result<()> {
-    fs::create_dir_all(run_dir)
-        .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+/// Collective: whether any rank has been asked to stop (the signal, or SIGTERM's number when
+/// only another rank knows which), decided by all ranks together so that they stop after the
+/// same step. One float all-reduced per step; outside the step's counted communication.
+fn agreed_stop(group: &dyn ProcessGroup, mine: Option<i32>) -> Result<Option<i32>> {
+    if group.size() == 1 {
+        return Ok(mine);
+    }
+    let mut flag = [f32::from(u8::from(mine.is_some()))];
+    group.all_reduce(
+        ganymede_core::ViewMut::Host(&mut flag),
+        ganymede_dist::Phase::Other,
+    )?;
+    Ok((flag[0] > 0.0).then(|| mine.unwrap_or(libc::SIGTERM)))
+}
+
+/// What the lock holder does once every check has passed: clear leftovers of killed saves
+/// (any rank count's), and cut the history `--truncate-history` asked to cut.
+fn claim_run_dir(ckpt: Option<&Path>, opts: &TrainOptions, run_dir: &Path) -> Result<()> {
+    checkpoint::remove_leftovers(&checkpoint::checkpoints_root(run_dir));
+    if let (Some(dir), true) = (ckpt, opts.truncate_history) {
+        truncate_history(dir, run_dir)?;
+    }
+    Ok(())
+}
+
+/// `RUN/config.toml`, written once the checkpoint (if any) has loaded: a refused run leaves the
+/// directory's description as it was.
+fn write_run_config(cfg: &JobConfig, run_dir: &Path) -> Result<()> {
     checkpoint::write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())
 }
 
-fn build_data(cfg: &JobConfig, dir: Option<&Path>) -> Result<Dataset> {
+fn build_data(cfg: &JobConfig, dir: Option<&Path>, opts: &TrainOptions) -> Result<Dataset> {
     let (m, t) = (&cfg.model, &cfg.training);
-    Dataset::build(&cfg.data, m.vocab_size, m.seq_len, t.seed, dir)
+    let allow = opts.allow_data_change;
+    Dataset::build_with(&cfg.data, m.vocab_size, m.seq_len, t.seed, dir, allow)
 }
 
 /// `n` ranks on detached threads, so a rank stuck outside any collective cannot hold the job:
@@ -425,23 +656,72 @@ fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Res
     let mut outs = Vec::new();
     let mut panics = Vec::new();
     let mut errors = Vec::new();
+    let mut stuck = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
         match res {
             Some(Ok(Ok(o))) => outs.push(o),
-            Some(Ok(Err(e))) => errors.push(format!("rank {r}: {e:#}")),
-            Some(Err(p)) => panics.push(format!("rank {r}: {}", panic_message(p.as_ref()))),
-            None => errors.push(format!(
-                "rank {r} did not finish within {:.0} s of the first failure (stuck outside a collective?)",
-                grace.as_secs_f64()
-            )),
+            Some(Ok(Err(e))) => errors.push((r, format!("{e:#}"))),
+            Some(Err(p)) => panics.push((r, panic_message(p.as_ref()).to_string())),
+            None => stuck.push(r),
         }
     }
-    if !panics.is_empty() || !errors.is_empty() {
+    if !panics.is_empty() || !errors.is_empty() || !stuck.is_empty() {
         let mut all = panics;
         all.extend(errors);
-        bail!("sharded training failed: {}", all.join("; "));
+        let mut clauses = vec![summarise_ranks(&all)];
+        if !stuck.is_empty() {
+            clauses.push(format!(
+                "{} {} did not finish within {:.0} s of the first failure (stuck outside a collective?)",
+                if stuck.len() > 1 { "ranks" } else { "rank" },
+                rank_spans(&stuck),
+                grace.as_secs_f64()
+            ));
+        }
+        clauses.retain(|c| !c.is_empty());
+        bail!("sharded training failed: {}", clauses.join("; "));
     }
     Ok(outs)
+}
+
+/// Per-rank messages, each distinct message once with the ranks that gave it (`ranks 0-3, 5`),
+/// in order of first appearance: a failure every rank shares is one clause, not one per rank.
+fn summarise_ranks(msgs: &[(usize, String)]) -> String {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (r, m) in msgs {
+        match groups.iter_mut().find(|(g, _)| *g == m.as_str()) {
+            Some((_, ranks)) => ranks.push(*r),
+            None => groups.push((m, vec![*r])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(m, ranks)| {
+            let word = if ranks.len() > 1 { "ranks" } else { "rank" };
+            format!("{word} {}: {m}", rank_spans(&ranks))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// `0-2, 4` for ranks 0, 1, 2 and 4.
+fn rank_spans(ranks: &[usize]) -> String {
+    let mut ranks = ranks.to_vec();
+    ranks.sort_unstable();
+    let mut spans: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        spans.push(if j > i {
+            format!("{}-{}", ranks[i], ranks[j])
+        } else {
+            ranks[i].to_string()
+        });
+        i = j + 1;
+    }
+    spans.join(", ")
 }
 
 /// One rank's whole run: build its state, resume, step, validate, log and write (`writer`:
@@ -451,6 +731,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     let run_start = Instant::now();
     let (rank, n) = (world.rank(), world.size());
     let tracer = world.ctx().tracer.clone();
+    let group = world.clone();
     let mut st = RankState::new(world, cfg)?;
     let total = cfg.training.steps;
     let (mut start, mut tokens_seen) = (0, 0u64);
@@ -467,6 +748,9 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
     if let (Some(hf), None) = (&opts.init_from, &run.ckpt) {
         let hf = crate::hf_import::HfCheckpoint::open(hf)?;
         crate::hf_import::load_into(&mut st, &hf, cfg)?;
+    }
+    if writer {
+        write_run_config(cfg, run_dir)?;
     }
     let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
     // Rank 0 writes metrics (appending to a resumed run's, without the steps it redoes).
@@ -490,10 +774,16 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
         end,
         checkpoint: None,
         tracer,
+        stopped: None,
     };
     let mut timed_tokens = 0u64;
     let mut step_secs = 0.0f64;
     let mut collapse = CollapseWatch::for_run(&cfg.model, total);
+    // Signals stop gracefully from here (before, there was nothing to save).
+    crate::stop::arm();
+    let mut dead = metrics::DeadWatch::new(cfg.model.vocab_size);
+    let mut dead_warned = false;
+    let mut spikes = metrics::SpikeWatch::new(cfg.metrics.spike_factor);
     for step in start..end {
         if opts.fail_at == Some((rank, step)) {
             panic!("injected failure on rank {rank} at step {}", step + 1);
@@ -561,18 +851,55 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             for warning in collapse.observe(done, &r.expert_load) {
                 progress.println(&warning);
             }
+            if let Some(warning) = spikes.observe(done, r.loss) {
+                progress.println(&warning);
+            }
             progress.step(&sm, total);
         }
         out.comm.push(r.comm);
 
+        // Every rank sees the same loss and gradient norm, so every rank decides alike.
+        if let Some(msg) = dead.observe(done, r.loss, r.grad_norm) {
+            match cfg.metrics.dead_check {
+                DeadCheck::Stop => bail!(
+                    "{msg}; stopped before writing a checkpoint of it{} (metrics.dead_check = \"warn\" lets such a run go on)",
+                    out.checkpoint.as_ref().map_or(String::new(), |c| format!(
+                        " (the last one is {})",
+                        c.display()
+                    ))
+                ),
+                DeadCheck::Warn if !dead_warned && writer.is_some() => {
+                    dead_warned = true;
+                    progress.println(&format!("warning: {msg}"));
+                }
+                _ => {}
+            }
+        }
+
+        // A stop signal ends the run here, as if `end` were this step (no validation: a
+        // cluster's warning leaves little time).
+        let stop = if done < end {
+            agreed_stop(&*group, crate::stop::requested())?
+        } else {
+            None
+        };
+        if let Some(sig) = stop {
+            out.end = done;
+            out.stopped = Some(sig);
+        }
+        let last = done == end || stop.is_some();
         let ck = &cfg.checkpoint;
-        if ck.enable && (done == end || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
+        if ck.enable && (last || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
             let at = Position {
                 step: done,
                 tokens_seen,
                 data_seed: data.seed(),
+                data: Some(run.data_fp.clone()),
             };
             out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
+        }
+        if stop.is_some() {
+            break;
         }
     }
     if opts.init_from.is_some() && run.ckpt.is_none() && end == 0 && cfg.checkpoint.enable {
@@ -582,6 +909,7 @@ fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<Ra
             step: 0,
             tokens_seen: 0,
             data_seed: data.seed(),
+            data: Some(run.data_fp.clone()),
         };
         out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
     }
@@ -710,6 +1038,24 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
                 run.run_dir.display()
             );
         }
+        if let Some(sig) = o0.stopped {
+            println!(
+                "stopped by {} after step {}: {}; resume with: ganymede train --resume {}{}",
+                crate::stop::signal_name(sig),
+                o0.end,
+                o0.checkpoint.as_ref().map_or(
+                    "no checkpoint (checkpoint.enable = false)".to_string(),
+                    |c| format!("checkpoint {}", c.display())
+                ),
+                run.run_dir.display(),
+                match (n > 1, run.opts.ranks > 1) {
+                    (true, true) => format!(" --ranks {n}"),
+                    // Processes as ranks (mpirun, srun): the launcher gives their number.
+                    (true, false) => format!(" (under the same launcher, {n} processes)"),
+                    _ => String::new(),
+                }
+            );
+        }
         if let Some(floor) = floor {
             println!(
                 "entropy floor of the built-in corpus: {floor:.4} nats/token{}",
@@ -736,6 +1082,7 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
             .iter()
             .map(|o| o.comm.last().cloned().unwrap_or_default())
             .collect(),
+        stopped: o0.stopped,
     }
 }
 
@@ -760,21 +1107,32 @@ fn process_run(
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
+    check_host_fit(&cfg, 1, n)?;
+    check_steps_left(&cfg, ckpt)?;
+    check_trace_path(opts)?;
     // Every rank checks the directory (the same answer on a shared file system), so a refusal
-    // ends every rank rather than leaving the others waiting.
-    let run_dir = run_dir_for(ckpt, opts)?;
+    // ends every rank rather than leaving the others waiting; rank 0 holds the writer's lock
+    // (a second job's rank 0 fails on it, and mpirun ends that job).
+    let run_dir = run_dir_path(ckpt, opts);
+    let lock = (rank == 0)
+        .then(|| crate::guard::RunLock::acquire(&run_dir))
+        .transpose()?;
+    check_run_dir(ckpt, opts, &run_dir)?;
     let data = if rank == 0 {
-        prepare_run_dir(&cfg, &run_dir)?;
-        build_data(&cfg, Some(&run_dir.join("data")))?
+        claim_run_dir(ckpt, opts, &run_dir)?;
+        build_data(&cfg, Some(&run_dir.join("data")), opts)?
     } else {
-        build_data(&cfg, None)?
+        build_data(&cfg, None, opts)?
     };
+    let data_fp = check_data(&cfg, &data, ckpt, opts, &run_dir)?;
     Ok(Run {
         cfg,
         ckpt: ckpt.map(Path::to_path_buf),
         opts: opts.clone(),
         data,
+        data_fp,
         run_dir,
+        _lock: lock,
     })
 }
 
@@ -819,6 +1177,8 @@ pub fn train_mpi(
     }
     let mut run = run;
     run.opts.quiet |= rank != 0;
+    // The processes are the ranks (no --ranks in the resume command).
+    run.opts.ranks = 1;
     Ok(summary(&[out], &run))
 }
 
@@ -831,6 +1191,44 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(20_423), (2025, 12, 1));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn rank_failures_are_summarised() {
+        let m = |r: usize, s: &str| (r, s.to_string());
+        let msgs = [
+            m(0, "bad file"),
+            m(1, "bad file"),
+            m(2, "bad file"),
+            m(4, "bad file"),
+            m(3, "timeout"),
+        ];
+        assert_eq!(
+            summarise_ranks(&msgs),
+            "ranks 0-2, 4: bad file; rank 3: timeout"
+        );
+    }
+
+    /// A signal seen by one rank only stops every rank: they agree through the all-reduce.
+    #[test]
+    fn one_ranks_stop_request_stops_every_rank() {
+        let world = ganymede_dist::threads_world(3, &ThreadsConfig::default());
+        let handles: Vec<_> = world
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let mine = (g.rank() == 1).then_some(libc::SIGUSR1);
+                    let none = agreed_stop(&g, None).unwrap();
+                    (none, agreed_stop(&g, mine).unwrap())
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let (none, some) = h.join().unwrap();
+            assert_eq!(none, None, "rank {r}");
+            let want = if r == 1 { libc::SIGUSR1 } else { libc::SIGTERM };
+            assert_eq!(some, Some(want), "rank {r}");
+        }
     }
 
     #[test]

@@ -89,6 +89,8 @@ pub fn train_nccl(
     }
     let mut run = run;
     run.opts.quiet |= rank != 0;
+    // The processes are the ranks (no --ranks in the resume command).
+    run.opts.ranks = 1;
     Ok(summary(&[out], &run))
 }
 
