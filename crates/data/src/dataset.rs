@@ -367,6 +367,18 @@ impl Dataset {
         if text.is_empty() {
             bail!("{source}: the corpus is empty");
         }
+        if data.tokenizer != "byte" {
+            let bad = crate::tokenizer::invalid_utf8_bytes(&text);
+            if bad > 0 {
+                // Bytes tokenise anything; text tokenizers see U+FFFD for what is not UTF-8.
+                eprintln!(
+                    "warning: {source}: {bad} of {} bytes are not valid UTF-8; data.tokenizer = \
+                     {} reads each as U+FFFD",
+                    text.len(),
+                    data.tokenizer
+                );
+            }
+        }
         let cut = split_point(&text, data.val_fraction);
         let (train_text, val_text) = text.split_at(cut);
         let tokenizer = make_tokenizer(&data.tokenizer, Some(train_text), vocab_size)?;

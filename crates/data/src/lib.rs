@@ -43,8 +43,8 @@ pub use prepare::{prepare, EodSpec, Manifest, PrepareOptions, MANIFEST_FILE};
 pub use shards::{Shard, ShardHeader, ShardWriter, SHARD_EXT};
 pub use sources::{is_prepared, open_sources, permute, Mixture, Source};
 pub use tokenizer::{
-    load_tokenizer, run_tokenizer_train, train_bpe, BpeTrainReport, ByteTokenizer, HfTokenizer,
-    Tokenizer,
+    invalid_utf8_bytes, load_tokenizer, run_tokenizer_train, train_bpe, BpeTrainReport,
+    ByteTokenizer, HfTokenizer, Tokenizer,
 };
 pub use tokens::{check_ids, write_tokens, TokenFile};
 

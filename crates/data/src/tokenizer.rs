@@ -340,7 +340,10 @@ fn byte_level_tokenizer(
 pub struct BpeTrainReport {
     /// Files read (folders are expanded to their `.txt`/`.jsonl` files).
     pub files: usize,
+    /// Bytes read, as they are on disk.
     pub input_bytes: usize,
+    /// Of them, bytes in sequences that are not UTF-8 (trained on as U+FFFD).
+    pub invalid_utf8_bytes: usize,
     /// Ids in the trained vocabulary (at most the size asked for).
     pub vocab_size: usize,
     /// Input bytes per token under the trained tokenizer.
@@ -368,7 +371,9 @@ pub fn run_tokenizer_train(
         .iter()
         .map(|d| String::from_utf8_lossy(d).into_owned())
         .collect();
-    let input_bytes: usize = texts.iter().map(|t| t.len()).sum();
+    // What was read, not its lossy decoding (each bad byte becomes a 3-byte U+FFFD there).
+    let input_bytes: usize = docs.iter().map(|d| d.len()).sum();
+    let invalid_utf8_bytes = docs.iter().map(|d| invalid_utf8_bytes(d)).sum();
     if input_bytes == 0 {
         bail!(
             "tokenizer train: no text in {}",
@@ -392,9 +397,15 @@ pub fn run_tokenizer_train(
     Ok(BpeTrainReport {
         files,
         input_bytes,
+        invalid_utf8_bytes,
         vocab_size: tk.vocab_size(),
         bytes_per_token: input_bytes as f64 / tokens.max(1) as f64,
     })
+}
+
+/// Bytes of `b` that are not part of valid UTF-8 (what a lossy decoding replaces).
+pub fn invalid_utf8_bytes(b: &[u8]) -> usize {
+    b.utf8_chunks().map(|c| c.invalid().len()).sum()
 }
 
 /// A tokenizer from the `data.tokenizer` setting: `byte`, or a path to a `tokenizer.json`.

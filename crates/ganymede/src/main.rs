@@ -433,10 +433,18 @@ fn run(cmd: Command) -> Result<()> {
             ganymede_train::guard::check_output_file(&out, "--out", force)?;
             let r = ganymede_data::run_tokenizer_train(&inputs, vocab_size, &out)?;
             println!(
-                "trained byte-level BPE: {} ids from {} files ({} bytes), {:.2} bytes/token -> {}",
+                "trained byte-level BPE: {} ids from {} files ({} bytes{}), {:.2} bytes/token -> {}",
                 r.vocab_size,
                 r.files,
                 r.input_bytes,
+                if r.invalid_utf8_bytes > 0 {
+                    format!(
+                        "; {} of them not valid UTF-8, trained on as U+FFFD",
+                        r.invalid_utf8_bytes
+                    )
+                } else {
+                    String::new()
+                },
                 r.bytes_per_token,
                 out.display()
             );

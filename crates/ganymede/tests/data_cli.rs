@@ -189,7 +189,10 @@ fn prepare_then_train_on_weighted_sources() {
         &args(&["train", "--resume", &halted.display().to_string()]),
         &[],
     ));
-    assert!(e.contains("changed") && e.contains("en/shard-") && e.contains("--allow-data-change"), "{e}");
+    assert!(
+        e.contains("changed") && e.contains("en/shard-") && e.contains("--allow-data-change"),
+        "{e}"
+    );
 }
 
 /// The peak resident memory `data prepare` reports of itself (its own VmHWM: a child's rusage
@@ -338,4 +341,36 @@ fn changed_data_is_accepted_when_asked() {
     allowed.push("--allow-data-change".into());
     let out = ok(ganymede(t.path(), &allowed, &[]));
     assert!(out.contains("step") && losses(&run).len() == 4, "{out}");
+}
+
+#[test]
+fn tokenizer_train_reports_the_bytes_it_read_and_those_not_utf8() {
+    let t = TempDir::new("tok-bytes");
+    let p = t.path().join("mixed.txt");
+    let mut bytes: Vec<u8> = b"plain words that repeat and repeat again. "
+        .iter()
+        .copied()
+        .cycle()
+        .take(20_000)
+        .collect();
+    bytes.extend(std::iter::repeat_n(0xFFu8, 1_200));
+    std::fs::write(&p, &bytes).unwrap();
+    let out = ok(ganymede(
+        t.path(),
+        &args(&[
+            "tokenizer",
+            "train",
+            "--input",
+            &p.display().to_string(),
+            "--vocab-size",
+            "300",
+            "--out",
+            &t.path().join("tok.json").display().to_string(),
+        ]),
+        &[],
+    ));
+    assert!(
+        out.contains("(21200 bytes; 1200 of them not valid UTF-8"),
+        "{out}"
+    );
 }
