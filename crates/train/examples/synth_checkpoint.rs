@@ -61,6 +61,7 @@ fn main() -> Result<()> {
         step: 0,
         tokens_seen: 0,
         data_seed: cfg.training.seed,
+        data: None,
     };
     let m = Manifest::at(&cfg, &at, 0);
     std::fs::write(dir.join(checkpoint::CONFIG_FILE), &m.config)?;
