@@ -800,7 +800,7 @@ mod tests {
             // Text the regexes treat specially, spelled out so a failure names it.
             for text in [
                 "", " ", "\n", "  \n  x", "\n\n  x", " \r\n\r\n y", "a  \t b", "x   ",
-                "I'M HERE, YOU'LL SEE, WE'RE 'S'", "it'\u{17F} 'Ss", "12345678 1.5e10",
+                "I'M HERE, YOU'LL SEE, WE'RE 'S'", "it'\u{17F} 'Ss", "'\u{17F}x'\u{17F}\u{17F}", "12345678 1.5e10",
                 "e\u{301}t\u{e9}", "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|><|endoftext|>",
                 "a<tool>A\u{30A}b<tool>\u{212b}", "((hello)) \"quote\" ...\n\nnext",
                 "\u{1f469}\u{200d}\u{1f4bb} \u{1f44d}\u{1f3fd}!", "\u{3000}\u{3000}\u{6771}",
@@ -847,6 +847,36 @@ mod tests {
             let mut j = base.clone();
             edit(&mut j);
             assert!(FastBpe::from_json(&j).is_none(), "{what}");
+        }
+    }
+
+    /// The pre-tokens themselves, against the crate's pre-tokenizer on the same text: a wrong
+    /// split shows here even where the merges would hide it in the ids.
+    #[test]
+    fn pretokens_match_the_tokenizers_crate() {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let dir = crate::test_util::TempDir::new("pretokens");
+        let mut rng = SplitMix64::new(5);
+        for tk in [trained(), reshaped("qwen", &dir), reshaped("llama3", &dir)] {
+            let json: Value = serde_json::from_str(&tk.inner().to_string(false).unwrap()).unwrap();
+            let style = FastBpe::from_json(&json).unwrap().style;
+            let pre = tk.inner().get_pre_tokenizer().unwrap();
+            for i in 0..1500 {
+                let text = rich_text(&mut rng, 1 + i % 60);
+                let mut pts = PreTokenizedString::from(text.as_str());
+                pre.pre_tokenize(&mut pts).unwrap();
+                let theirs: Vec<(usize, usize)> = pts
+                    .get_splits(OffsetReferential::Original, OffsetType::Byte)
+                    .into_iter()
+                    .map(|(_, o, _)| o)
+                    .collect();
+                let mut ours = Vec::new();
+                for_each_pretoken(style, &text, |w| {
+                    let start = w.as_ptr() as usize - text.as_ptr() as usize;
+                    ours.push((start, start + w.len()));
+                });
+                assert_eq!(ours, theirs, "{style:?} {text:?}");
+            }
         }
     }
 }
