@@ -82,7 +82,8 @@ enum Style {
 }
 
 /// The `Split` regexes we scan by hand, as tokenizer.json files spell them.
-const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_REGEX: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const CL100K_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -405,7 +406,8 @@ impl FastBpe {
             n if n["type"] == "NFC" => true,
             _ => return None,
         };
-        let byte_level_plain = |v: &Value| v["type"] == "ByteLevel" && v["add_prefix_space"] == false;
+        let byte_level_plain =
+            |v: &Value| v["type"] == "ByteLevel" && v["add_prefix_space"] == false;
         let style = if byte_level_plain(pre) && pre["use_regex"] != false {
             Style::Gpt2
         } else if pre["type"] == "Sequence" {
@@ -447,7 +449,11 @@ impl FastBpe {
             let id = u32::try_from(t["id"].as_u64()?).ok()?;
             if t["normalized"] == true {
                 // Matched against the normalized text, so normalized itself.
-                let content = if nfc { nfc_of(&content).into_owned() } else { content };
+                let content = if nfc {
+                    nfc_of(&content).into_owned()
+                } else {
+                    content
+                };
                 normalized.push((content, id));
             } else {
                 raw.push((content, id));
@@ -493,7 +499,8 @@ impl FastBpe {
             let mut whole = FxMap::default();
             for (k, &id) in &vocab {
                 // Keys outside the byte-level alphabet never match a pre-token's spelling.
-                if k.chars().all(|c| (c as usize) < 0x200 && chars[back[c as usize] as usize] == c)
+                if k.chars()
+                    .all(|c| (c as usize) < 0x200 && chars[back[c as usize] as usize] == c)
                 {
                     whole.insert(k.chars().map(|c| back[c as usize]).collect(), id);
                 }
@@ -716,15 +723,71 @@ mod tests {
     /// contractions, digit runs, newlines inside space runs, punctuation before newlines),
     /// decomposed text that NFC changes, several scripts, emoji sequences, special tokens.
     const RICH: &[&str] = &[
-        "the", "The", "cat", " ", "  ", "   ", "\n", "\n\n", "\r\n", " \n ", "\t", "\t\n",
-        "'s", "'S", "'LL", "'Re", "'ve", "'M", "'d", "'x", "\u{17F}", "'\u{17F}", "'", "\"",
-        "1", "12", "123", "1234567", "\u{664}\u{665}", "\u{b2}", ".", ",", "!?", "...\n", "(",
-        ")", "--", "e\u{301}", "A\u{30A}", "\u{1100}\u{1161}", "\u{e9}", "na\u{ef}ve", "\u{3b1}\u{3b2}\u{3b3}",
-        "\u{41f}\u{440}\u{438}\u{432}\u{435}\u{442}", "\u{645}\u{631}\u{62d}\u{628}\u{627}",
-        "\u{939}\u{93f}\u{928}\u{94d}\u{926}\u{940}", "\u{e20}\u{e32}\u{e29}\u{e32}", "\u{6771}\u{4eac}",
-        "\u{1f642}", "\u{1f469}\u{200d}\u{1f4bb}", "\u{1f44d}\u{1f3fd}", "\u{a0}", "\u{3000}",
-        "\u{2028}", "\u{85}", "\u{feff}", "x", "_", "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-        "<|im_", "|>", "<tool>", "\u{212b}",
+        "the",
+        "The",
+        "cat",
+        " ",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        " \n ",
+        "\t",
+        "\t\n",
+        "'s",
+        "'S",
+        "'LL",
+        "'Re",
+        "'ve",
+        "'M",
+        "'d",
+        "'x",
+        "\u{17F}",
+        "'\u{17F}",
+        "'",
+        "\"",
+        "1",
+        "12",
+        "123",
+        "1234567",
+        "\u{664}\u{665}",
+        "\u{b2}",
+        ".",
+        ",",
+        "!?",
+        "...\n",
+        "(",
+        ")",
+        "--",
+        "e\u{301}",
+        "A\u{30A}",
+        "\u{1100}\u{1161}",
+        "\u{e9}",
+        "na\u{ef}ve",
+        "\u{3b1}\u{3b2}\u{3b3}",
+        "\u{41f}\u{440}\u{438}\u{432}\u{435}\u{442}",
+        "\u{645}\u{631}\u{62d}\u{628}\u{627}",
+        "\u{939}\u{93f}\u{928}\u{94d}\u{926}\u{940}",
+        "\u{e20}\u{e32}\u{e29}\u{e32}",
+        "\u{6771}\u{4eac}",
+        "\u{1f642}",
+        "\u{1f469}\u{200d}\u{1f4bb}",
+        "\u{1f44d}\u{1f3fd}",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{2028}",
+        "\u{85}",
+        "\u{feff}",
+        "x",
+        "_",
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_",
+        "|>",
+        "<tool>",
+        "\u{212b}",
     ];
 
     fn rich_text(rng: &mut SplitMix64, parts: usize) -> String {
@@ -799,11 +862,25 @@ mod tests {
             }
             // Text the regexes treat specially, spelled out so a failure names it.
             for text in [
-                "", " ", "\n", "  \n  x", "\n\n  x", " \r\n\r\n y", "a  \t b", "x   ",
-                "I'M HERE, YOU'LL SEE, WE'RE 'S'", "it'\u{17F} 'Ss", "'\u{17F}x'\u{17F}\u{17F}", "12345678 1.5e10",
-                "e\u{301}t\u{e9}", "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|><|endoftext|>",
-                "a<tool>A\u{30A}b<tool>\u{212b}", "((hello)) \"quote\" ...\n\nnext",
-                "\u{1f469}\u{200d}\u{1f4bb} \u{1f44d}\u{1f3fd}!", "\u{3000}\u{3000}\u{6771}",
+                "",
+                " ",
+                "\n",
+                "  \n  x",
+                "\n\n  x",
+                " \r\n\r\n y",
+                "a  \t b",
+                "x   ",
+                "I'M HERE, YOU'LL SEE, WE'RE 'S'",
+                "it'\u{17F} 'Ss",
+                "'\u{17F}x'\u{17F}\u{17F}",
+                "12345678 1.5e10",
+                "e\u{301}t\u{e9}",
+                "<|im_start|>user\nhi<|im_end|>\n",
+                "<|endoftext|><|endoftext|>",
+                "a<tool>A\u{30A}b<tool>\u{212b}",
+                "((hello)) \"quote\" ...\n\nnext",
+                "\u{1f469}\u{200d}\u{1f4bb} \u{1f44d}\u{1f3fd}!",
+                "\u{3000}\u{3000}\u{6771}",
             ] {
                 assert_same_ids(&tk, text);
             }
