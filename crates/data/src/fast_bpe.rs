@@ -224,20 +224,15 @@ impl Scanner<'_> {
         if ch == '\'' && p + 1 < b.len() {
             // Case-insensitive as the regex engines fold: `s` also matches U+017F (long s).
             let r = &b[p + 1..];
-            let lower = |i: usize| r.get(i).map(|&x| x | 0x20);
-            match lower(0) {
-                Some(b's' | b't' | b'm' | b'd') if r[0].is_ascii_alphabetic() => return p + 2,
-                Some(b'r' | b'v') if r[0].is_ascii_alphabetic() && lower(1) == Some(b'e') => {
-                    if r[1].is_ascii_alphabetic() {
-                        return p + 3;
-                    }
-                }
-                Some(b'l') if r[0].is_ascii_alphabetic() && lower(1) == Some(b'l') => {
-                    if r[1].is_ascii_alphabetic() {
-                        return p + 3;
-                    }
-                }
-                _ => {}
+            let is = |i: usize, want: u8| {
+                r.get(i)
+                    .is_some_and(|&x| x.is_ascii_alphabetic() && x | 0x20 == want)
+            };
+            if is(0, b's') || is(0, b't') || is(0, b'm') || is(0, b'd') {
+                return p + 2;
+            }
+            if (is(0, b'r') || is(0, b'v')) && is(1, b'e') || is(0, b'l') && is(1, b'l') {
+                return p + 3;
             }
             if r.starts_with("\u{17F}".as_bytes()) {
                 return p + 3;
@@ -374,10 +369,13 @@ const CACHE_WORDS: usize = 200_000;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// (owner's id, word bytes -> ids).
+type WordCache = (u64, FxMap<Box<[u8]>, Box<[u32]>>);
+
 thread_local! {
     /// Ids of words already encoded on this thread, kept across documents, for the tokenizer
     /// whose id is the first field (another tokenizer on the same thread starts afresh).
-    static CACHE: std::cell::RefCell<(u64, FxMap<Box<[u8]>, Box<[u32]>>)> =
+    static CACHE: std::cell::RefCell<WordCache> =
         std::cell::RefCell::new((0, FxMap::default()));
 }
 
@@ -910,7 +908,8 @@ mod tests {
         let tk = reshaped("qwen", &dir);
         let base: Value = serde_json::from_str(&tk.inner().to_string(false).unwrap()).unwrap();
         assert!(FastBpe::from_json(&base).is_some());
-        let edits: [(&str, fn(&mut Value)); 4] = [
+        type Edit = (&'static str, fn(&mut Value));
+        let edits: [Edit; 4] = [
             ("another regex", |j| {
                 j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\s+|\\S+".into()
             }),
