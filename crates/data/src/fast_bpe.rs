@@ -794,8 +794,8 @@ mod tests {
             .collect()
     }
 
-    /// The trained GPT-2-style tokenizer's model reshaped as `shape` ("qwen", "llama3" or
-    /// "gpt2-added"), written to a file and loaded back.
+    /// The trained GPT-2-style tokenizer's model reshaped as `shape` ("qwen", "llama3",
+    /// "gpt2-added" or "gpt2-split"), written to a file and loaded back.
     fn reshaped(shape: &str, dir: &crate::test_util::TempDir) -> HfTokenizer {
         let tk = trained();
         let mut json: Value = serde_json::from_str(&tk.inner().to_string(false).unwrap()).unwrap();
@@ -829,6 +829,11 @@ mod tests {
                     added("<tool>\u{212b}", n + 3, true),
                 ]);
             }
+            "gpt2-split" => {
+                // GPT-2's regex spelled as a `Split`, as some converted files do.
+                json["pre_tokenizer"] = split(GPT2_REGEX);
+                json["added_tokens"] = serde_json::json!([added("<|endoftext|>", n, false)]);
+            }
             "gpt2-added" => {
                 // As GPT-2's own file: its end-of-text token is `normalized`.
                 json["added_tokens"] = serde_json::json!([added("<|endoftext|>", n, true)]);
@@ -851,7 +856,7 @@ mod tests {
     #[test]
     fn qwen_and_llama3_shapes_match_the_tokenizers_crate() {
         let dir = crate::test_util::TempDir::new("qwen-shape");
-        for shape in ["qwen", "llama3", "gpt2-added"] {
+        for shape in ["qwen", "llama3", "gpt2-added", "gpt2-split"] {
             let tk = reshaped(shape, &dir);
             assert!(tk.is_fast(), "{shape}");
             let mut rng = SplitMix64::new(7);
@@ -933,7 +938,9 @@ mod tests {
         use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
         let dir = crate::test_util::TempDir::new("pretokens");
         let mut rng = SplitMix64::new(5);
-        for tk in [trained(), reshaped("qwen", &dir), reshaped("llama3", &dir)] {
+        let mut tokenizers = vec![trained()];
+        tokenizers.extend(["gpt2-split", "qwen", "llama3"].map(|s| reshaped(s, &dir)));
+        for tk in tokenizers {
             let json: Value = serde_json::from_str(&tk.inner().to_string(false).unwrap()).unwrap();
             let style = FastBpe::from_json(&json).unwrap().style;
             let pre = tk.inner().get_pre_tokenizer().unwrap();
