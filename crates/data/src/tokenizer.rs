@@ -121,7 +121,7 @@ pub struct HfTokenizer {
 }
 
 /// Inputs longer than this are encoded in pieces, in parallel.
-const PIECE_BYTES: usize = 64 << 10;
+pub(crate) const PIECE_BYTES: usize = 64 << 10;
 
 /// Split text into pieces of about `PIECE_BYTES`, cut only after a newline that has a
 /// non-whitespace character on both sides. There GPT-2-style pre-tokenisation splits anyway (the
