@@ -376,6 +376,9 @@ fn export(d: &Path, run: &Path, out: &Path, shard: &str) -> String {
             &s(out),
             "--max-shard-size",
             shard,
+            // Some tests export again over an earlier export of theirs (its stale shards must
+            // go); a new or empty --out needs no --force.
+            "--force",
         ],
         &[],
     ))
