@@ -500,6 +500,9 @@ pub struct DataConfig {
     /// Sampling temperature T over sources without a weight: source i is drawn with probability
     /// proportional to its tokens^(1/T) (1: by size; larger flattens toward uniform).
     pub temperature: f64,
+    /// Refuse text that is not valid UTF-8 instead of reading its bad bytes as U+FFFD (text
+    /// tokenizers; bytes tokenise anything).
+    pub refuse_invalid_utf8: bool,
 }
 
 /// One entry of `[[data.sources]]`.
@@ -562,6 +565,7 @@ impl Default for DataConfig {
             builtin_bytes: 4 << 20,
             sources: Vec::new(),
             temperature: 1.0,
+            refuse_invalid_utf8: false,
         }
     }
 }

@@ -369,6 +369,15 @@ impl Dataset {
         }
         if data.tokenizer != "byte" {
             let bad = crate::tokenizer::invalid_utf8_bytes(&text);
+            if bad > 0 && data.refuse_invalid_utf8 {
+                let at = std::str::from_utf8(&text)
+                    .err()
+                    .map_or(0, |e| e.valid_up_to());
+                bail!(
+                    "{source}: {bad} bytes are not valid UTF-8 (the first at byte {at} of the \
+                     joined text) and data.refuse_invalid_utf8 = true"
+                );
+            }
             if bad > 0 {
                 // Bytes tokenise anything; text tokenizers see U+FFFD for what is not UTF-8.
                 eprintln!(

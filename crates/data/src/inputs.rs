@@ -166,6 +166,11 @@ impl DocStream {
         }
     }
 
+    /// The file the last document came from.
+    pub fn current_file(&self) -> Option<&Path> {
+        self.open.as_ref().map(|(p, _)| p.as_path())
+    }
+
     /// The next non-empty document, or None at the end of the last file.
     pub fn next_doc(&mut self) -> Result<Option<Vec<u8>>> {
         loop {

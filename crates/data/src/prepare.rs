@@ -86,6 +86,8 @@ pub struct PrepareOptions {
     pub eod: EodSpec,
     /// Print progress lines to stderr.
     pub progress: bool,
+    /// Refuse a document that is not valid UTF-8 (naming its file) instead of counting it.
+    pub refuse_invalid_utf8: bool,
     /// Test hook: stop (as if killed) after writing this many shards in this call.
     pub stop_after_shards: Option<usize>,
 }
@@ -420,6 +422,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Manifest> {
             plan: &plan,
             pool: &pool,
             workers: opts.workers,
+            refuse_invalid_utf8: opts.refuse_invalid_utf8,
         };
         job.run(&mut progress, &mut budget, bytes_before)?;
         bytes_before += plan.sources[i].files.iter().map(|f| f.1).sum::<u64>();
@@ -439,6 +442,7 @@ struct SourceJob<'a> {
     plan: &'a Plan,
     pool: &'a rayon::ThreadPool,
     workers: usize,
+    refuse_invalid_utf8: bool,
 }
 
 impl SourceJob<'_> {
@@ -486,6 +490,17 @@ impl SourceJob<'_> {
             while bytes < cap {
                 match stream.next_doc()? {
                     Some(d) => {
+                        if self.refuse_invalid_utf8 && std::str::from_utf8(&d).is_err() {
+                            bail!(
+                                "{}: document {} of source {} is not valid UTF-8 \
+                                 (--refuse-invalid-utf8)",
+                                stream
+                                    .current_file()
+                                    .map_or("?".into(), |p| p.display().to_string()),
+                                docs + batch.len() as u64 + 1,
+                                self.name
+                            );
+                        }
                         bytes += d.len();
                         batch.push(d);
                     }

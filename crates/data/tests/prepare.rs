@@ -85,6 +85,7 @@ fn opts(root: &Path, out: &Path, workers: usize) -> PrepareOptions {
         shard_tokens: 4000,
         eod: EodSpec::Id(256),
         progress: false,
+        refuse_invalid_utf8: false,
         stop_after_shards: None,
     }
 }
@@ -256,4 +257,21 @@ fn batches_from_shards_are_the_same_at_any_rank_count_and_after_a_rebuild() {
         e.contains("257") && e.contains("model.vocab_size = 256"),
         "{e}"
     );
+}
+
+#[test]
+fn invalid_utf8_is_counted_or_refused_by_file() {
+    let t = tmp("utf8");
+    let root = t.0.join("corpus");
+    std::fs::create_dir_all(root.join("x")).unwrap();
+    std::fs::write(root.join("x").join("a.txt"), "fine text").unwrap();
+    std::fs::write(root.join("x").join("b.txt"), b"bad \xff\xfe bytes").unwrap();
+    let mut o = opts(&root, &t.0.join("out"), 1);
+    o.sources = vec![("x".into(), root.join("x"))];
+    let m = prepare(&o).unwrap();
+    assert_eq!(m.sources[0].invalid_utf8_documents, 1);
+    o.out = t.0.join("out2");
+    o.refuse_invalid_utf8 = true;
+    let e = format!("{:#}", prepare(&o).unwrap_err());
+    assert!(e.contains("b.txt") && e.contains("not valid UTF-8"), "{e}");
 }

@@ -49,6 +49,10 @@ pub struct PrepareArgs {
     /// No progress lines.
     #[arg(long)]
     quiet: bool,
+    /// Refuse a document that is not valid UTF-8, naming its file (default: count it, and let
+    /// a text tokenizer read its bad bytes as U+FFFD).
+    #[arg(long)]
+    refuse_invalid_utf8: bool,
 }
 
 fn source_name(p: &std::path::Path) -> String {
@@ -103,6 +107,7 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         shard_tokens: a.shard_tokens,
         eod,
         progress: !a.quiet,
+        refuse_invalid_utf8: a.refuse_invalid_utf8,
         stop_after_shards: std::env::var("GANYMEDE_PREPARE_STOP_AFTER_SHARDS")
             .ok()
             .and_then(|v| v.parse().ok()),

@@ -316,3 +316,37 @@ fn eval_tokens_from_text_and_token_files() {
     );
     assert!(e.contains("e.bin") && e.contains("300"), "{e}");
 }
+
+#[test]
+fn text_that_is_not_utf8_is_refused_when_asked() {
+    let dir = TempDir::new("utf8");
+    let p = dir.path().join("c.txt");
+    let mut bytes = "some words repeat, some words repeat again. "
+        .repeat(400)
+        .into_bytes();
+    bytes.extend([0xff, 0xfe]);
+    bytes.extend(
+        "and more words after the bad bytes. "
+            .repeat(100)
+            .into_bytes(),
+    );
+    std::fs::write(&p, &bytes).unwrap();
+    let path = p.display().to_string();
+    // Replaced (with a warning) by default.
+    Dataset::build(&cfg(&path, "bpe"), 300, 16, 0, None).unwrap();
+    let refuse = DataConfig {
+        refuse_invalid_utf8: true,
+        ..cfg(&path, "bpe")
+    };
+    let e = err(Dataset::build(&refuse, 300, 16, 0, None));
+    assert!(
+        e.contains("2 bytes are not valid UTF-8") && e.contains("c.txt"),
+        "{e}"
+    );
+    // Bytes tokenise anything: nothing to refuse.
+    let bytes_cfg = DataConfig {
+        refuse_invalid_utf8: true,
+        ..cfg(&path, "byte")
+    };
+    Dataset::build(&bytes_cfg, 256, 16, 0, None).unwrap();
+}
