@@ -22,12 +22,17 @@ job=(train --preset tiny --steps 400 --set parallelism.gather_dtype=f32 --set me
   --set parallelism.timeout_s=60 --stop-signal USR1)
 timeout 900 mpirun "${flags[@]}" -n "$ranks" "$bin" "${job[@]}" --out "$tmp/straight" >/dev/null
 
-timeout 900 mpirun "${flags[@]}" -n "$ranks" "$bin" "${job[@]}" --out "$tmp/stopped" \
+# mpirun itself in the background (not under `timeout`, which would take the signal itself),
+# with a watchdog against a hang.
+mpirun "${flags[@]}" -n "$ranks" "$bin" "${job[@]}" --out "$tmp/stopped" \
   >"$tmp/stopped.log" 2>&1 &
 pid=$!
+# (Its output goes nowhere, so a sleeping watchdog never holds the caller's pipe open.)
+(sleep 900 && kill -9 "$pid") >/dev/null 2>&1 &
+watchdog=$!
 # Signal once a few steps are logged (rank 0 writes metrics.jsonl line by line).
 for _ in $(seq 1 600); do
-  n=$(wc -l <"$tmp/stopped/metrics.jsonl" 2>/dev/null || echo 0)
+  n=$( (wc -l <"$tmp/stopped/metrics.jsonl") 2>/dev/null || echo 0)
   [ "$n" -ge 5 ] && break
   sleep 0.1
 done
@@ -36,6 +41,8 @@ set +e
 wait "$pid"
 rc=$?
 set -e
+pkill -P "$watchdog" 2>/dev/null || true
+kill "$watchdog" 2>/dev/null || true
 steps=$(wc -l <"$tmp/stopped/metrics.jsonl")
 echo "mpi_signal_test: mpirun exited $rc after $steps of 400 steps"
 if [ "$steps" -ge 400 ]; then
