@@ -154,12 +154,12 @@ pub fn resolve_config(
             .collect();
         if !differing.is_empty() {
             bail!(
-                "config does not match checkpoint {}: {} differ ({})",
+                "config does not match checkpoint {}: {} ({})",
                 dir.display(),
                 if differing.len() == 1 {
-                    "this key"
+                    "this key differs"
                 } else {
-                    "these keys"
+                    "these keys differ"
                 },
                 differing
                     .iter()
