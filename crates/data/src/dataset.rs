@@ -457,7 +457,7 @@ impl Dataset {
     }
 
     /// The held-out tokens (the first source's, for prepared sources: see
-    /// [`Dataset::source_val_tokens`]).
+    /// [`Dataset::all_val_tokens`]).
     pub fn val_tokens(&self) -> &[u32] {
         self.val.as_slice()
     }

@@ -198,36 +198,30 @@ fn open_llmc(path: &Path) -> Result<Segment> {
             m.len()
         );
     }
-    let seg = Segment::Raw {
+    let mut seg = Segment::Raw {
         map: m,
         start: LLMC_HEADER,
         len: n,
         width,
         docs: Vec::new(),
     };
-    let ids = seg.ids();
     // GPT-2's end-of-text closes the document before it (as Megatron treats an end-of-document
     // token); Llama 3's begin-of-text opens the one after it.
-    let mut docs = vec![0u64];
+    let ids = seg.ids();
+    let mut starts = vec![0u64];
     for i in 0..n {
         let t = ids.get(i);
         if version == 1 && t == 50256 && i + 1 < n {
-            docs.push(i as u64 + 1);
+            starts.push(i as u64 + 1);
         } else if version == 2 && t == 128000 && i > 0 {
-            docs.push(i as u64);
+            starts.push(i as u64);
         }
     }
-    docs.push(n as u64);
-    let Segment::Raw { map, .. } = seg else {
-        unreachable!()
-    };
-    Ok(Segment::Raw {
-        map,
-        start: LLMC_HEADER,
-        len: n,
-        width,
-        docs,
-    })
+    starts.push(n as u64);
+    if let Segment::Raw { docs, .. } = &mut seg {
+        *docs = starts;
+    }
+    Ok(seg)
 }
 
 /// Where a source's tokens are and what they are.
