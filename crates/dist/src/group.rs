@@ -291,16 +291,6 @@ pub(crate) fn elem_size(op: &'static str, v: &View) -> Result<usize> {
     }
 }
 
-pub(crate) fn check_root(op: &'static str, root: usize, size: usize) -> Result<()> {
-    if root >= size {
-        return Err(crate::error::invalid(
-            op,
-            format!("root {root} out of range for {size} ranks"),
-        ));
-    }
-    Ok(())
-}
-
 /// Both host backends mismatched a send and a receive view's dtypes.
 pub(crate) fn dtype_mismatch(op: &'static str) -> CommError {
     CommError::Unsupported {

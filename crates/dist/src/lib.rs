@@ -5,6 +5,7 @@
 //! the FlexShard [`placement`] policy with its optimizer byte formulas, and the [`rendezvous`]
 //! that launchers without MPI need (torchrun-style or Slurm variables, a TCP store on rank 0).
 
+pub mod checks;
 pub mod conformance;
 pub mod error;
 pub mod group;

@@ -14,9 +14,10 @@
 //! Reductions use `MPI_SUM`: the order is the library's, so results can differ from the threads
 //! backend in the last bits for inexact sums (identical for exact ones, as the check uses).
 
+use crate::checks;
 use crate::error::{invalid, CommError, Result};
-use crate::group::{check_root, Pending, ProcessGroup, RankCtx, Work};
-use crate::stats::{volume, Op, Phase};
+use crate::group::{Pending, ProcessGroup, RankCtx, Work};
+use crate::stats::{Op, Phase};
 use crate::trace::Track;
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, Partition, PartitionMut};
@@ -290,13 +291,7 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        if out.len() != w * n {
-            return Err(invalid(
-                "all_gather",
-                format!("recv has {} elements, expected {w}×{n}", out.len()),
-            ));
-        }
-        let vol = volume(Op::AllGather, w, n, es, false);
+        let vol = checks::all_gather(w, n, out.len(), es)?;
         self.stage(
             (Op::AllGather, phase),
             vol,
@@ -317,13 +312,7 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), out.len(), std::mem::size_of::<E>());
-        if send.len() != w * n {
-            return Err(invalid(
-                "reduce_scatter",
-                format!("send has {} elements, expected {w}×{n}", send.len()),
-            ));
-        }
-        let vol = volume(Op::ReduceScatter, w, n, es, false);
+        let vol = checks::reduce_scatter(w, send.len(), n, es)?;
         self.stage(
             (Op::ReduceScatter, phase),
             vol,
@@ -344,7 +333,7 @@ impl MpiGroup {
 
     fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], phase: Phase) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let vol = volume(Op::AllReduce, w, n, es, false);
+        let vol = checks::all_reduce(w, n, es);
         let send = boxed(buf);
         self.stage(
             (Op::AllReduce, phase),
@@ -368,28 +357,7 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, es, me) = (self.size_(), std::mem::size_of::<E>(), self.rank);
-        if send_counts.len() != w || recv_counts.len() != w {
-            return Err(invalid(
-                "alltoallv",
-                format!("need {w} send and recv counts"),
-            ));
-        }
-        if send_counts.iter().sum::<usize>() != send.len()
-            || recv_counts.iter().sum::<usize>() != out.len()
-        {
-            return Err(invalid(
-                "alltoallv",
-                "counts do not sum to the buffer lengths",
-            ));
-        }
-        let others = |c: &[usize]| -> u64 {
-            c.iter()
-                .enumerate()
-                .filter(|&(j, _)| j != me)
-                .map(|(_, &x)| (x * es) as u64)
-                .sum()
-        };
-        let vol = (others(send_counts), others(recv_counts));
+        let vol = checks::alltoallv(w, me, es, send.len(), send_counts, out.len(), recv_counts)?;
         let (sc, rc) = (counts(send_counts)?, counts(recv_counts)?);
         let (sd, rd) = (displs(&sc), displs(&rc));
         let n_out = out.len();
@@ -418,9 +386,8 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        check_root("broadcast", root, w)?;
-        let is_root = self.rank == root;
-        let vol = volume(Op::Broadcast, w, n, es, is_root);
+        let checks::Rooted { is_root, vol } =
+            checks::in_place(Op::Broadcast, w, self.rank, root, n, es)?;
         // The staging receive buffer is the broadcast buffer (root: filled with its data).
         let stage: Box<[E]> = if is_root { boxed(buf) } else { zeros(n) };
         self.stage(
@@ -445,9 +412,8 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        check_root("reduce", root, w)?;
-        let is_root = self.rank == root;
-        let vol = volume(Op::Reduce, w, n, es, is_root);
+        let checks::Rooted { is_root, vol } =
+            checks::in_place(Op::Reduce, w, self.rank, root, n, es)?;
         let send = boxed(buf);
         self.stage(
             (Op::Reduce, phase),
@@ -484,19 +450,8 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        check_root("gather", root, w)?;
-        let is_root = self.rank == root;
-        match (&out, is_root) {
-            (Some(r), true) if r.len() == w * n => {}
-            (None, false) => {}
-            _ => {
-                return Err(invalid(
-                    "gather",
-                    format!("the root (only) passes a recv buffer of {w}×{n} elements"),
-                ))
-            }
-        }
-        let vol = volume(Op::Gather, w, n, es, is_root);
+        let r_len = out.as_ref().map(|r| r.len());
+        let checks::Rooted { is_root, vol } = checks::gather(w, self.rank, root, n, r_len, es)?;
         self.stage(
             (Op::Gather, phase),
             vol,
@@ -523,19 +478,8 @@ impl MpiGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), out.len(), std::mem::size_of::<E>());
-        check_root("scatter", root, w)?;
-        let is_root = self.rank == root;
-        match (&send, is_root) {
-            (Some(s), true) if s.len() == w * n => {}
-            (None, false) => {}
-            _ => {
-                return Err(invalid(
-                    "scatter",
-                    format!("the root (only) passes a send buffer of {w}×{n} elements"),
-                ))
-            }
-        }
-        let vol = volume(Op::Scatter, w, n, es, is_root);
+        let s_len = send.map(|s| s.len());
+        let checks::Rooted { is_root, vol } = checks::scatter(w, self.rank, root, s_len, n, es)?;
         self.stage(
             (Op::Scatter, phase),
             vol,

@@ -10,9 +10,10 @@
 //! rank that panics poisons the world (every waiter wakes and fails naming it); a rank whose
 //! world handle is dropped normally is marked exited, so waiting for it fails at once.
 
-use crate::error::{invalid, CommError, Result};
-use crate::group::{check_root, Pending, ProcessGroup, RankCtx, Work};
-use crate::stats::{volume, Op, Phase};
+use crate::checks;
+use crate::error::{CommError, Result};
+use crate::group::{Pending, ProcessGroup, RankCtx, Work};
+use crate::stats::{Op, Phase};
 use crate::trace::Track;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -448,13 +449,7 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        if recv.len() != w * n {
-            return Err(invalid(
-                "all_gather",
-                format!("recv has {} elements, expected {w}×{n}", recv.len()),
-            ));
-        }
-        let vol = volume(Op::AllGather, w, n, es, false);
+        let vol = checks::all_gather(w, n, recv.len(), es)?;
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             for (j, d) in c.data.iter().enumerate() {
                 recv[j * n..(j + 1) * n].copy_from_slice(E::get(d));
@@ -479,14 +474,8 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), recv.len(), std::mem::size_of::<E>());
-        if send.len() != w * n {
-            return Err(invalid(
-                "reduce_scatter",
-                format!("send has {} elements, expected {w}×{n}", send.len()),
-            ));
-        }
+        let vol = checks::reduce_scatter(w, send.len(), n, es)?;
         let me = self.rank;
-        let vol = volume(Op::ReduceScatter, w, n, es, false);
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             sum_in_order(recv, &c.data, me * n);
             Ok(())
@@ -504,7 +493,7 @@ impl ThreadGroup {
 
     fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], phase: Phase) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let vol = volume(Op::AllReduce, w, n, es, false);
+        let vol = checks::all_reduce(w, n, es);
         let data = E::wrap(buf.to_vec());
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             sum_in_order(buf, &c.data, 0);
@@ -523,28 +512,7 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, es, me) = (self.size_(), std::mem::size_of::<E>(), self.rank);
-        if send_counts.len() != w || recv_counts.len() != w {
-            return Err(invalid(
-                "alltoallv",
-                format!("need {w} send and recv counts"),
-            ));
-        }
-        if send_counts.iter().sum::<usize>() != send.len()
-            || recv_counts.iter().sum::<usize>() != recv.len()
-        {
-            return Err(invalid(
-                "alltoallv",
-                "counts do not sum to the buffer lengths",
-            ));
-        }
-        let others = |c: &[usize]| -> u64 {
-            c.iter()
-                .enumerate()
-                .filter(|&(j, _)| j != me)
-                .map(|(_, &x)| (x * es) as u64)
-                .sum()
-        };
-        let vol = (others(send_counts), others(recv_counts));
+        let vol = checks::alltoallv(w, me, es, send.len(), send_counts, recv.len(), recv_counts)?;
         // Every rank posts its send and receive counts and checks the whole matrix, so a
         // disagreement fails on all ranks alike.
         let meta: Vec<usize> = send_counts.iter().chain(recv_counts).copied().collect();
@@ -592,9 +560,8 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        check_root("broadcast", root, w)?;
-        let is_root = self.rank == root;
-        let vol = volume(Op::Broadcast, w, n, es, is_root);
+        let checks::Rooted { is_root, vol } =
+            checks::in_place(Op::Broadcast, w, self.rank, root, n, es)?;
         let data = if is_root {
             E::wrap(buf.to_vec())
         } else {
@@ -617,9 +584,8 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        check_root("reduce", root, w)?;
-        let is_root = self.rank == root;
-        let vol = volume(Op::Reduce, w, n, es, is_root);
+        let checks::Rooted { is_root, vol } =
+            checks::in_place(Op::Reduce, w, self.rank, root, n, es)?;
         let data = E::wrap(buf.to_vec());
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             if is_root {
@@ -639,19 +605,8 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        check_root("gather", root, w)?;
-        let is_root = self.rank == root;
-        match (&recv, is_root) {
-            (Some(r), true) if r.len() == w * n => {}
-            (None, false) => {}
-            _ => {
-                return Err(invalid(
-                    "gather",
-                    format!("the root (only) passes a recv buffer of {w}×{n} elements"),
-                ))
-            }
-        }
-        let vol = volume(Op::Gather, w, n, es, is_root);
+        let r_len = recv.as_ref().map(|r| r.len());
+        let vol = checks::gather(w, self.rank, root, n, r_len, es)?.vol;
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             if let Some(recv) = recv {
                 for (j, d) in c.data.iter().enumerate() {
@@ -679,19 +634,8 @@ impl ThreadGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (w, n, es) = (self.size_(), recv.len(), std::mem::size_of::<E>());
-        check_root("scatter", root, w)?;
-        let is_root = self.rank == root;
-        match (&send, is_root) {
-            (Some(s), true) if s.len() == w * n => {}
-            (None, false) => {}
-            _ => {
-                return Err(invalid(
-                    "scatter",
-                    format!("the root (only) passes a send buffer of {w}×{n} elements"),
-                ))
-            }
-        }
-        let vol = volume(Op::Scatter, w, n, es, is_root);
+        let s_len = send.map(|s| s.len());
+        let vol = checks::scatter(w, self.rank, root, s_len, n, es)?.vol;
         let data = send.map_or(Data::Nothing, |s| E::wrap(s.to_vec()));
         let me = self.rank;
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
