@@ -12,7 +12,9 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 mod presets;
+pub mod tensors;
 pub use presets::{preset, PRESETS};
+pub use tensors::{model_tensors, Role, TensorSpec};
 
 /// A configuration problem, always naming where it came from.
 #[derive(Debug, thiserror::Error)]

@@ -4,7 +4,9 @@
 use std::path::Path;
 
 fn repo_file(name: &str) -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(name);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(name);
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 

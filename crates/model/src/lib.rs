@@ -51,125 +51,29 @@ pub use workspace::{
     Precision, Workspace,
 };
 
-/// The parameter table, in a fixed order: embedding, layers, final norm, LM head.
+/// The parameter table, in a fixed order: embedding, layers, final norm, LM head
+/// ([`ganymede_config::model_tensors`], which the planner reads too).
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
-    let (h, v, hd, e) = (cfg.hidden, cfg.vocab_size, cfg.head_dim, cfg.experts);
-    let mut s = vec![ParamSpec::new(
-        "model.embed_tokens.weight",
-        &[v, h],
-        ParamKind::Embedding,
-    )];
-    for l in 0..cfg.layers {
-        let p = format!("model.layers.{l}");
-        s.push(ParamSpec::new(
-            format!("{p}.input_layernorm.weight"),
-            &[h],
-            ParamKind::Vector,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.self_attn.q_proj.weight"),
-            &[cfg.q_dim(), h],
-            ParamKind::Matrix,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.self_attn.k_proj.weight"),
-            &[cfg.kv_dim(), h],
-            ParamKind::Matrix,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.self_attn.v_proj.weight"),
-            &[cfg.kv_dim(), h],
-            ParamKind::Matrix,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.self_attn.o_proj.weight"),
-            &[h, cfg.q_dim()],
-            ParamKind::Matrix,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.self_attn.q_norm.weight"),
-            &[hd],
-            ParamKind::Vector,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.self_attn.k_norm.weight"),
-            &[hd],
-            ParamKind::Vector,
-        ));
-        s.push(ParamSpec::new(
-            format!("{p}.post_attention_layernorm.weight"),
-            &[h],
-            ParamKind::Vector,
-        ));
-        if cfg.is_moe_layer(l) {
-            let f = cfg.expert_hidden;
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.gate.weight"),
-                &[e, h],
-                ParamKind::Router,
-            ));
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.experts.gate_proj"),
-                &[e, f, h],
-                ParamKind::Experts,
-            ));
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.experts.up_proj"),
-                &[e, f, h],
-                ParamKind::Experts,
-            ));
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.experts.down_proj"),
-                &[e, h, f],
-                ParamKind::Experts,
-            ));
-            if cfg.shared_experts > 0 {
-                let (ns, fs) = (cfg.shared_experts, cfg.shared_hidden());
-                s.push(ParamSpec::new(
-                    format!("{p}.mlp.shared_experts.gate_proj"),
-                    &[ns, fs, h],
-                    ParamKind::Experts,
-                ));
-                s.push(ParamSpec::new(
-                    format!("{p}.mlp.shared_experts.up_proj"),
-                    &[ns, fs, h],
-                    ParamKind::Experts,
-                ));
-                s.push(ParamSpec::new(
-                    format!("{p}.mlp.shared_experts.down_proj"),
-                    &[ns, h, fs],
-                    ParamKind::Experts,
-                ));
+    use ganymede_config::Role;
+    ganymede_config::model_tensors(cfg)
+        .into_iter()
+        .map(|t| {
+            let kind = match t.role {
+                Role::Embedding => ParamKind::Embedding,
+                Role::LmHead => ParamKind::LmHead,
+                Role::Router => ParamKind::Router,
+                Role::Norm => ParamKind::Vector,
+                Role::Attention | Role::DenseFfn => ParamKind::Matrix,
+                Role::RoutedExperts | Role::SharedExperts => ParamKind::Experts,
+                Role::RouterBias => ParamKind::Buffer,
+            };
+            ParamSpec {
+                name: t.name,
+                shape: t.shape,
+                kind,
             }
-            if cfg.router_bias_update > 0.0 {
-                s.push(ParamSpec::new(
-                    format!("{p}.mlp.e_score_correction_bias"),
-                    &[e],
-                    ParamKind::Buffer,
-                ));
-            }
-        } else {
-            let f = cfg.dense_hidden;
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.gate_proj.weight"),
-                &[f, h],
-                ParamKind::Matrix,
-            ));
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.up_proj.weight"),
-                &[f, h],
-                ParamKind::Matrix,
-            ));
-            s.push(ParamSpec::new(
-                format!("{p}.mlp.down_proj.weight"),
-                &[h, f],
-                ParamKind::Matrix,
-            ));
-        }
-    }
-    s.push(ParamSpec::new("model.norm.weight", &[h], ParamKind::Vector));
-    s.push(ParamSpec::new("lm_head.weight", &[v, h], ParamKind::LmHead));
-    s
+        })
+        .collect()
 }
 
 /// splitmix64 with Box–Muller normals: deterministic and dependency-free.

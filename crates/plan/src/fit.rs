@@ -316,66 +316,29 @@ struct Rt {
 }
 
 fn runtime_tensors(m: &ganymede_config::ModelConfig) -> Vec<Rt> {
-    let (v, h, hd) = (m.vocab_size as u64, m.hidden as u64, m.head_dim as u64);
-    let (q, kv, e) = (m.q_dim() as u64, m.kv_dim() as u64, m.experts as u64);
-    let root = |shape: Vec<u64>, kind, bf16_weight| Rt {
-        block: None,
-        shape,
-        kind,
-        bf16_weight,
-    };
-    let mut out = vec![root(vec![v, h], Kind::AdamW, true)];
-    for l in 0..m.layers {
-        // Matrices and experts are bf16 weights; norms, the router and the bias are not.
-        let t = |shape: Vec<u64>, kind| Rt {
-            block: Some(l),
-            bf16_weight: matches!(kind, Kind::Matrix | Kind::Experts { .. }),
-            shape,
-            kind,
-        };
-        out.extend([
-            t(vec![h], Kind::AdamW),
-            t(vec![q, h], Kind::Matrix),
-            t(vec![kv, h], Kind::Matrix),
-            t(vec![kv, h], Kind::Matrix),
-            t(vec![h, q], Kind::Matrix),
-            t(vec![hd], Kind::AdamW),
-            t(vec![hd], Kind::AdamW),
-            t(vec![h], Kind::AdamW),
-        ]);
-        if m.is_moe_layer(l) {
-            let f = m.expert_hidden as u64;
-            let routed = Kind::Experts { routed: true };
-            out.extend([
-                t(vec![e, h], Kind::AdamW),
-                t(vec![e, f, h], routed),
-                t(vec![e, f, h], routed),
-                t(vec![e, h, f], routed),
-            ]);
-            if m.shared_experts > 0 {
-                let (ns, fs) = (m.shared_experts as u64, m.shared_hidden() as u64);
-                let shared = Kind::Experts { routed: false };
-                out.extend([
-                    t(vec![ns, fs, h], shared),
-                    t(vec![ns, fs, h], shared),
-                    t(vec![ns, h, fs], shared),
-                ]);
+    use ganymede_config::Role;
+    ganymede_config::model_tensors(m)
+        .into_iter()
+        .map(|t| {
+            let kind = match t.role {
+                Role::Attention | Role::DenseFfn => Kind::Matrix,
+                Role::RoutedExperts => Kind::Experts { routed: true },
+                Role::SharedExperts => Kind::Experts { routed: false },
+                Role::RouterBias => Kind::Frozen,
+                Role::Embedding | Role::LmHead | Role::Norm | Role::Router => Kind::AdamW,
+            };
+            // The GEMMs' weights and the embedding reach the model in bf16; norms, the router
+            // and the bias do not.
+            let bf16_weight = matches!(kind, Kind::Matrix | Kind::Experts { .. })
+                || matches!(t.role, Role::Embedding | Role::LmHead);
+            Rt {
+                block: t.layer,
+                shape: t.shape.iter().map(|&d| d as u64).collect(),
+                kind,
+                bf16_weight,
             }
-            if m.router_bias_update > 0.0 {
-                out.push(t(vec![e], Kind::Frozen));
-            }
-        } else {
-            let f = m.dense_hidden as u64;
-            out.extend([
-                t(vec![f, h], Kind::Matrix),
-                t(vec![f, h], Kind::Matrix),
-                t(vec![h, f], Kind::Matrix),
-            ]);
-        }
-    }
-    out.push(root(vec![h], Kind::AdamW, false));
-    out.push(root(vec![v, h], Kind::AdamW, true));
-    out
+        })
+        .collect()
 }
 
 /// How a rank's shards are cut: FSDP over `w` ranks, routed experts split over `ep` first (a

@@ -9,7 +9,7 @@
 //! Muon handles every 2-D matrix except the router, the embedding and the LM head (each expert
 //! matrix separately); AdamW handles the rest.
 
-use ganymede_config::ModelConfig;
+use ganymede_config::{model_tensors, ModelConfig, Role};
 use serde::Serialize;
 
 /// Which part of the model a tensor belongs to.
@@ -80,119 +80,53 @@ impl TensorKind {
     }
 }
 
-/// Every tensor of the model, grouped by kind.
+/// Every tensor of the model, grouped by kind: the model's one table
+/// ([`ganymede_config::model_tensors`]) with each layer's copies counted together. The router's
+/// selection bias, a buffer no optimizer updates, is left out.
 pub fn tensors(m: &ModelConfig) -> Vec<TensorKind> {
-    let (v, h) = (m.vocab_size as u64, m.hidden as u64);
-    let l = m.layers as u64;
-    let moe = (m.layers - m.dense_layers.min(m.layers)) as u64;
-    let dense = l - moe;
-    let (q, kv, hd) = (m.q_dim() as u64, m.kv_dim() as u64, m.head_dim as u64);
-    let (e, k, f) = (m.experts as u64, m.top_k as u64, m.expert_hidden as u64);
-    let (se, sf) = (m.shared_experts as u64, m.shared_hidden() as u64);
-    let df = m.dense_hidden as u64;
-    let t = |name, group, rows, cols, count, active_count, in_layer, expert| TensorKind {
-        name,
-        group,
-        rows,
-        cols,
-        count,
-        active_count,
-        in_layer,
-        expert,
-    };
-    use Group::*;
-    let mut out = vec![
-        t("embed_tokens", Embedding, v, h, 1, 1, false, false),
-        t("lm_head", LmHead, v, h, 1, 1, false, false),
-        t("norm", Norms, h, 1, 1, 1, false, false),
-        t("input_layernorm", Norms, h, 1, l, l, true, false),
-        t("post_attention_layernorm", Norms, h, 1, l, l, true, false),
-        t("q_proj", Attention, q, h, l, l, true, false),
-        t("k_proj", Attention, kv, h, l, l, true, false),
-        t("v_proj", Attention, kv, h, l, l, true, false),
-        t("o_proj", Attention, h, q, l, l, true, false),
-        t("q_norm", Norms, hd, 1, l, l, true, false),
-        t("k_norm", Norms, hd, 1, l, l, true, false),
-    ];
-    if moe > 0 {
-        out.push(t("router", Router, e, h, moe, moe, true, false));
-        out.push(t(
-            "experts.gate_proj",
-            RoutedExperts,
-            f,
-            h,
-            moe * e,
-            moe * k,
-            true,
-            true,
-        ));
-        out.push(t(
-            "experts.up_proj",
-            RoutedExperts,
-            f,
-            h,
-            moe * e,
-            moe * k,
-            true,
-            true,
-        ));
-        out.push(t(
-            "experts.down_proj",
-            RoutedExperts,
-            h,
-            f,
-            moe * e,
-            moe * k,
-            true,
-            true,
-        ));
-        if se > 0 {
-            let n = moe * se;
-            out.push(t(
-                "shared.gate_proj",
-                SharedExperts,
-                sf,
-                h,
-                n,
-                n,
-                true,
-                false,
-            ));
-            out.push(t("shared.up_proj", SharedExperts, sf, h, n, n, true, false));
-            out.push(t(
-                "shared.down_proj",
-                SharedExperts,
-                h,
-                sf,
-                n,
-                n,
-                true,
-                false,
-            ));
+    let mut out: Vec<TensorKind> = Vec::new();
+    for t in model_tensors(m) {
+        let group = match t.role {
+            Role::Embedding => Group::Embedding,
+            Role::LmHead => Group::LmHead,
+            Role::Norm => Group::Norms,
+            Role::Attention => Group::Attention,
+            Role::Router => Group::Router,
+            Role::RoutedExperts => Group::RoutedExperts,
+            Role::SharedExperts => Group::SharedExperts,
+            Role::DenseFfn => Group::DenseFfn,
+            Role::RouterBias => continue,
+        };
+        // A stack `[n, rows, cols]` is n matrices; a vector is one column.
+        let s: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        let (n, rows, cols) = match s[..] {
+            [r] => (1, r, 1),
+            [r, c] => (1, r, c),
+            [n, r, c] => (n, r, c),
+            _ => unreachable!("{}: rank-{} tensor", t.name, s.len()),
+        };
+        // One token uses `top_k` of a layer's routed experts, every other tensor whole.
+        let active = if t.role == Role::RoutedExperts {
+            m.top_k as u64
+        } else {
+            n
+        };
+        match out.iter_mut().find(|k| k.name == t.kind) {
+            Some(k) => {
+                k.count += n;
+                k.active_count += active;
+            }
+            None => out.push(TensorKind {
+                name: t.kind,
+                group,
+                rows,
+                cols,
+                count: n,
+                active_count: active,
+                in_layer: t.layer.is_some(),
+                expert: t.role == Role::RoutedExperts,
+            }),
         }
-    }
-    if dense > 0 {
-        out.push(t(
-            "mlp.gate_proj",
-            DenseFfn,
-            df,
-            h,
-            dense,
-            dense,
-            true,
-            false,
-        ));
-        out.push(t("mlp.up_proj", DenseFfn, df, h, dense, dense, true, false));
-        out.push(t(
-            "mlp.down_proj",
-            DenseFfn,
-            h,
-            df,
-            dense,
-            dense,
-            true,
-            false,
-        ));
     }
     out
 }
