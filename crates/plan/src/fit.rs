@@ -516,42 +516,8 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         (_, Some(_)) => t.shard(cut),
         _ => 2 * t.shard(cut),
     }));
-    let scratch = |small_only: bool| {
-        let (ss, sl) = ts
-            .iter()
-            .filter_map(|t| t.muon(muon))
-            .filter(|&(r, c)| {
-                !small_only
-                    || crate::plan::ns_flops(r, c, job.optimizer.ns_steps)
-                        <= crate::ledger::PAR_MATRIX_MAX_FLOPS
-            })
-            .fold((0, 0), |(ss, sl), (r, c)| {
-                let (s, l) = (r.min(c), r.max(c));
-                (ss.max(s * s), sl.max(s * l))
-            });
-        (2 * ss + sl) as f64
-    };
-    // One Newton–Schulz scratch for every shape, and one per further thread for the small
-    // shapes, whose stacks (experts) spread across threads whole; with `optimizer.ns_batch`
-    // batching (a GPU's default), A, B and the ping-pong copy of the largest batch too (in
-    // place on the gradient shards: no Nesterov copy).
-    let small = scratch(true);
     let stacks = sharded_stacks(&ts, cut);
-    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
-    let batched = muon && job.optimizer.ns_batch.on(cuda);
-    let ns_batch = if batched {
-        let (_, ss, sl) = crate::ledger::ns_batch_elems(&stacks);
-        (2 * ss + sl) as f64
-    } else {
-        0.0
-    };
-    let ns_scratch = scratch(false)
-        + ns_batch
-        + if small > 0.0 {
-            (threads.max(1) - 1) as f64 * small
-        } else {
-            0.0
-        };
+    let ns_scratch = ns_scratch_elems(job, &ts, &stacks, muon, threads);
     let root_shard = sum(&mut ts
         .iter()
         .filter(|t| t.block.is_none())
@@ -594,31 +560,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
     } else {
         f * (slots * block_recv + root_recv)
     };
-    // Expert parallelism's own row buffers (`ganymede_parallel::ep`), f32: per set of a layer's
-    // kept rows, input and gate/up/SwiGLU (H + 3F; one set under full checkpointing, one per
-    // MoE layer without) and the two u32 row orders, and the all-to-all and gradient scratch
-    // (3H + 3F). Under bf16 compute the rows only GEMMs read are bf16: the kept input and
-    // SwiGLU product, the gate and up gradients, and two more buffers of H for the bf16 rows
-    // as they travel and the output gradients expert-major; and so are the GEMM outputs only
-    // element-wise ops read: the kept gate and up, the SwiGLU product's gradient, and the
-    // expert outputs, which then pass through those two bf16 buffers instead of two f32 ones
-    // of H.
-    let (ep_kept, ep_scratch) = match ep_capacity_rows(&local) {
-        Some(cap) => {
-            let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
-            let sets = match job.activation_checkpoint.mode {
-                AcMode::Full => 1,
-                AcMode::None => (0..m.layers).filter(|&l| m.is_moe_layer(l)).count(),
-            };
-            let cap = cap as f64;
-            let (kept, scratch) = match bf16_compute {
-                true => (2.0 * h + 6.0 * ff, 12.0 * h + 6.0 * ff),
-                false => (f * (h + 3.0 * ff), f * 3.0 * (h + ff)),
-            };
-            ((kept + 8.0) * cap * sets as f64, scratch * cap)
-        }
-        None => (0.0, 0.0),
-    };
+    let (ep_kept, ep_scratch) = ep_buffers(job, &local);
     let device = Categories {
         params: f * shards.max(init_peak as f64),
         grads: f * (shards + landing + root_grads + p.gradient_sets as f64 * block_full),
@@ -638,6 +580,83 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
         params_steady: f * shards,
         init_whole: f * init_whole,
         stage: f * (slots * block_shard + root_shard),
+    }
+}
+
+/// Newton–Schulz scratch elements: one for every shape, and one per further thread for the
+/// small shapes, whose stacks (experts) spread across threads whole; with `optimizer.ns_batch`
+/// batching (a GPU's default), A, B and the ping-pong copy of the largest batch too (in place
+/// on the gradient shards: no Nesterov copy).
+fn ns_scratch_elems(
+    job: &JobConfig,
+    ts: &[Rt],
+    stacks: &[(usize, usize, usize)],
+    muon: bool,
+    threads: usize,
+) -> f64 {
+    let scratch = |small_only: bool| {
+        let (ss, sl) = ts
+            .iter()
+            .filter_map(|t| t.muon(muon))
+            .filter(|&(r, c)| {
+                !small_only
+                    || crate::plan::ns_flops(r, c, job.optimizer.ns_steps)
+                        <= crate::ledger::PAR_MATRIX_MAX_FLOPS
+            })
+            .fold((0, 0), |(ss, sl), (r, c)| {
+                let (s, l) = (r.min(c), r.max(c));
+                (ss.max(s * s), sl.max(s * l))
+            });
+        (2 * ss + sl) as f64
+    };
+    let small = scratch(true);
+    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+    let batched = muon && job.optimizer.ns_batch.on(cuda);
+    let ns_batch = if batched {
+        let (_, ss, sl) = crate::ledger::ns_batch_elems(stacks);
+        (2 * ss + sl) as f64
+    } else {
+        0.0
+    };
+    scratch(false)
+        + ns_batch
+        + if small > 0.0 {
+            (threads.max(1) - 1) as f64 * small
+        } else {
+            0.0
+        }
+}
+
+/// Expert parallelism's own row buffers (`ganymede_parallel::ep`), f32: per set of a layer's
+/// kept rows, input and gate/up/SwiGLU (H + 3F; one set under full checkpointing, one per
+/// MoE layer without) and the two u32 row orders, and the all-to-all and gradient scratch
+/// (3H + 3F). Under bf16 compute the rows only GEMMs read are bf16: the kept input and
+/// SwiGLU product, the gate and up gradients, and two more buffers of H for the bf16 rows
+/// as they travel and the output gradients expert-major; and so are the GEMM outputs only
+/// element-wise ops read: the kept gate and up, the SwiGLU product's gradient, and the
+/// expert outputs, which then pass through those two bf16 buffers instead of two f32 ones
+/// of H.
+///
+/// Returns the kept rows' bytes and the scratch bytes; zero without expert parallelism.
+fn ep_buffers(job: &JobConfig, local: &JobConfig) -> (f64, f64) {
+    let m = &job.model;
+    let bf16_compute = job.training.compute_dtype == ganymede_config::ComputeDtype::Bf16;
+    match ep_capacity_rows(local) {
+        Some(cap) => {
+            let (h, ff) = (m.hidden as f64, m.expert_hidden as f64);
+            let f = 4.0;
+            let sets = match job.activation_checkpoint.mode {
+                AcMode::Full => 1,
+                AcMode::None => (0..m.layers).filter(|&l| m.is_moe_layer(l)).count(),
+            };
+            let cap = cap as f64;
+            let (kept, scratch) = match bf16_compute {
+                true => (2.0 * h + 6.0 * ff, 12.0 * h + 6.0 * ff),
+                false => (f * (h + 3.0 * ff), f * 3.0 * (h + ff)),
+            };
+            ((kept + 8.0) * cap * sets as f64, scratch * cap)
+        }
+        None => (0.0, 0.0),
     }
 }
 

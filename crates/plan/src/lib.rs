@@ -15,6 +15,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod cpu_time;
+mod evaluate;
 pub mod fit;
 pub mod hsdp;
 pub mod ledger;

@@ -56,10 +56,23 @@ fn ac_name(a: AcMode) -> &'static str {
 /// The whole plan as a table.
 pub fn table(p: &Plan) -> String {
     let mut s = String::new();
+    header(&mut s, p);
+    parameters(&mut s, p);
+    flops(&mut s, p);
+    memory(&mut s, p);
+    communication(&mut s, p);
+    step_time(&mut s, p);
+    s
+}
+
+/// One `key value` row of a section.
+fn row(s: &mut String, k: &str, v: String) {
+    let _ = writeln!(s, "  {k:<34} {v}");
+}
+
+/// The title, layout, policy, verdict and optimizer lines.
+fn header(s: &mut String, p: &Plan) {
     let l = &p.layout;
-    let w = |s: &mut String, k: &str, v: String| {
-        let _ = writeln!(s, "  {k:<34} {v}");
-    };
     let _ = writeln!(s, "ganymede plan: {} on {}", p.model, p.cluster);
     let _ = writeln!(
         s,
@@ -99,11 +112,14 @@ pub fn table(p: &Plan) -> String {
             NsOn::Cpu => "CPU",
         }
     );
+}
 
+/// Parameter counts by group.
+fn parameters(s: &mut String, p: &Plan) {
     let pc = &p.params;
     let _ = writeln!(s, "\nParameters");
-    w(&mut s, "total", count(pc.total as f64));
-    w(&mut s, "active per token", count(pc.active as f64));
+    row(s, "total", count(pc.total as f64));
+    row(s, "active per token", count(pc.active as f64));
     let g = &pc.by_group;
     for (k, v) in [
         ("embedding", g.embedding),
@@ -115,8 +131,8 @@ pub fn table(p: &Plan) -> String {
         ("norms", g.norms),
         ("LM head", g.lm_head),
     ] {
-        w(
-            &mut s,
+        row(
+            s,
             &format!("  {k}"),
             format!(
                 "{:>10}  {:6.2}%",
@@ -125,8 +141,8 @@ pub fn table(p: &Plan) -> String {
             ),
         );
     }
-    w(
-        &mut s,
+    row(
+        s,
         "Muon-handled",
         format!(
             "{} ({:.2}%), {} matrices",
@@ -135,16 +151,19 @@ pub fn table(p: &Plan) -> String {
             pc.muon_matrices
         ),
     );
+}
 
+/// FLOPs per token and per step.
+fn flops(s: &mut String, p: &Plan) {
     let f = &p.flops;
     let _ = writeln!(s, "\nFLOPs per token");
-    w(
-        &mut s,
+    row(
+        s,
         "6 x active matmul params",
         format!("{:.1} GFLOP", f.matmul_per_token / 1e9),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "attention (causal / not halved)",
         format!(
             "{:.1} / {:.1} GFLOP",
@@ -152,35 +171,39 @@ pub fn table(p: &Plan) -> String {
             f.attention_per_token_noncausal / 1e9
         ),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "model (no recompute)",
         format!("{:.1} GFLOP", f.model_per_token / 1e9),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "recompute (full AC)",
         format!("{:.1} GFLOP", f.recompute_per_token / 1e9),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "hardware (with recompute)",
         format!("{:.1} GFLOP", f.hardware_per_token / 1e9),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "model FLOPs per step",
         format!("{:.3e}", f.model_per_step),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "tokens per step",
         format!(
             "{} ({} per GPU)",
             p.tokens_per_step, p.tokens_per_gpu_per_step
         ),
     );
+}
 
+/// Memory by category, GPU and host.
+fn memory(s: &mut String, p: &Plan) {
+    let o = &p.optimizer;
     let m = &p.memory;
     let _ = writeln!(s, "\nMemory per GPU          {:>12} {:>12}", "GPU", "host");
     for ((k, gv), (_, hv)) in m.gpu.rows().into_iter().zip(m.host.rows()) {
@@ -203,13 +226,13 @@ pub fn table(p: &Plan) -> String {
         bytes(m.gpu_capacity),
         bytes(m.host_capacity)
     );
-    w(
-        &mut s,
+    row(
+        s,
         "boundary activations (all layers)",
         bytes(m.boundary_activation_bytes),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "optimizer state (whole model)",
         format!(
             "{:.3} TiB; AdamW would need {:.3} TiB (saving {} per GPU)",
@@ -218,29 +241,24 @@ pub fn table(p: &Plan) -> String {
             bytes(o.muon_saving_per_gpu)
         ),
     );
+}
 
+/// Bytes sent per step, by collective and by link.
+fn communication(s: &mut String, p: &Plan) {
     let c = &p.communication;
     let _ = writeln!(s, "\nCommunication per GPU per step (bytes sent)");
-    w(
-        &mut s,
-        "FSDP all-gather, forward",
-        bytes(c.fsdp_all_gather_fwd),
-    );
-    w(
-        &mut s,
-        "FSDP all-gather, backward",
-        bytes(c.fsdp_all_gather_bwd),
-    );
-    w(&mut s, "FSDP reduce-scatter", bytes(c.fsdp_reduce_scatter));
+    row(s, "FSDP all-gather, forward", bytes(c.fsdp_all_gather_fwd));
+    row(s, "FSDP all-gather, backward", bytes(c.fsdp_all_gather_bwd));
+    row(s, "FSDP reduce-scatter", bytes(c.fsdp_reduce_scatter));
     if p.layout.dp_replicate > 1 {
-        w(
-            &mut s,
+        row(
+            s,
             "HSDP all-reduce across replicas",
             bytes(c.hsdp_all_reduce),
         );
     }
-    w(
-        &mut s,
+    row(
+        s,
         "expert all-to-all",
         format!(
             "{} on {}",
@@ -252,8 +270,8 @@ pub fn table(p: &Plan) -> String {
             }
         ),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "optimizer: naive Muon",
         format!(
             "{} in {} collectives",
@@ -261,8 +279,8 @@ pub fn table(p: &Plan) -> String {
             c.optimizer_collectives_naive
         ),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "optimizer: FlexShard",
         format!(
             "{} in {} collectives",
@@ -270,29 +288,28 @@ pub fn table(p: &Plan) -> String {
             c.optimizer_collectives_flexshard
         ),
     );
-    w(&mut s, "optimizer: AdamW", bytes(c.optimizer_adamw));
-    w(
-        &mut s,
+    row(s, "optimizer: AdamW", bytes(c.optimizer_adamw));
+    row(
+        s,
         "by link: InfiniBand / NVLink",
         format!("{} / {}", bytes(c.ib_bytes), bytes(c.nvlink_bytes)),
     );
-    w(
-        &mut s,
+    row(
+        s,
         "host copies: D2H / H2D",
         format!("{} / {}", bytes(c.d2h_bytes), bytes(c.h2d_bytes)),
     );
+}
 
+/// The step's time, throughput and MFU.
+fn step_time(s: &mut String, p: &Plan) {
     let t = &p.time;
     let _ = writeln!(s, "\nStep time");
-    w(&mut s, "compute alone", secs(t.compute_s));
-    w(
-        &mut s,
-        "expert all-to-all (not hidden)",
-        secs(t.all_to_all_s),
-    );
-    w(&mut s, "FSDP traffic alone", secs(t.fsdp_comm_s));
-    w(
-        &mut s,
+    row(s, "compute alone", secs(t.compute_s));
+    row(s, "expert all-to-all (not hidden)", secs(t.all_to_all_s));
+    row(s, "FSDP traffic alone", secs(t.fsdp_comm_s));
+    row(
+        s,
         "per link: IB / NVLink / D2H / H2D",
         format!(
             "{} / {} / {} / {}",
@@ -302,15 +319,11 @@ pub fn table(p: &Plan) -> String {
             secs(t.h2d_s)
         ),
     );
-    w(&mut s, "forward (overlapped)", secs(t.forward_s));
-    w(&mut s, "backward (overlapped)", secs(t.backward_s));
-    w(
-        &mut s,
-        "pipeline fill/drain, embedding/head",
-        secs(t.exposed_s),
-    );
-    w(
-        &mut s,
+    row(s, "forward (overlapped)", secs(t.forward_s));
+    row(s, "backward (overlapped)", secs(t.backward_s));
+    row(s, "pipeline fill/drain, embedding/head", secs(t.exposed_s));
+    row(
+        s,
         "optimizer step",
         format!(
             "{} (Newton-Schulz {}, optimizer traffic {})",
@@ -320,19 +333,15 @@ pub fn table(p: &Plan) -> String {
         ),
     );
     if p.layout.dp_replicate > 1 {
-        w(
-            &mut s,
+        row(
+            s,
             "HSDP all-reduce (after backward)",
             secs(t.hsdp_all_reduce_s),
         );
     }
-    w(
-        &mut s,
-        "step",
-        format!("{} ({}-bound)", secs(t.step_s), t.bound),
-    );
-    w(
-        &mut s,
+    row(s, "step", format!("{} ({}-bound)", secs(t.step_s), t.bound));
+    row(
+        s,
         "tokens/s per GPU",
         if p.fits {
             format!("{:.0}", p.tokens_per_s_per_gpu)
@@ -343,8 +352,8 @@ pub fn table(p: &Plan) -> String {
             )
         },
     );
-    w(
-        &mut s,
+    row(
+        s,
         "MFU (causal) / TorchTitan / HFU",
         format!(
             "{:.1}% / {:.1}% / {:.1}%",
@@ -353,7 +362,6 @@ pub fn table(p: &Plan) -> String {
             100.0 * p.hfu
         ),
     );
-    s
 }
 
 /// The sweep's ranking as a table (at most `limit` rows): one row per EP degree, sequence,
