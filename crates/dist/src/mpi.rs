@@ -144,10 +144,10 @@ impl<D: ?Sized + 'static> Req for Option<Request<'static, D, StaticScope>> {
 
 /// A reference that MPI may keep until the request completes. The pointee lives in a box owned
 /// by the same [`MpiPending`], which is waited on or leaked, never freed while in flight.
-unsafe fn forever<X: ?Sized>(x: &X) -> &'static X {
+unsafe fn extend_to_static<X: ?Sized>(x: &X) -> &'static X {
     &*(x as *const X)
 }
-unsafe fn forever_mut<X: ?Sized>(x: &mut X) -> &'static mut X {
+unsafe fn extend_to_static_mut<X: ?Sized>(x: &mut X) -> &'static mut X {
     &mut *(x as *mut X)
 }
 
@@ -264,7 +264,7 @@ impl MpiGroup {
         let posted = Instant::now();
         // SAFETY: both boxes move into the pending handle below and are only freed after the
         // request completes (or leaked).
-        let (s, r) = unsafe { (forever(&*send), forever_mut(&mut *recv)) };
+        let (s, r) = unsafe { (extend_to_static(&*send), extend_to_static_mut(&mut *recv)) };
         let (req, keep) = {
             let _l = lock();
             post(&self.comm, s, r)
@@ -371,7 +371,8 @@ impl MpiGroup {
                 let sp = Box::new(Partition::new(s, sc, sd));
                 let mut rp = Box::new(PartitionMut::new(r, rc, rd));
                 // SAFETY: the partitions are kept (boxed) in the handle with the request.
-                let (sp_ref, rp_ref) = unsafe { (forever(&*sp), forever_mut(&mut *rp)) };
+                let (sp_ref, rp_ref) =
+                    unsafe { (extend_to_static(&*sp), extend_to_static_mut(&mut *rp)) };
                 let q = c.immediate_all_to_all_varcount_into(StaticScope, sp_ref, rp_ref);
                 let keep: Vec<Box<dyn std::any::Any>> = vec![sp, rp];
                 (Box::new(Some(q)), keep)

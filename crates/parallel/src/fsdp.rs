@@ -55,11 +55,11 @@ use std::time::Instant;
 /// returned `Work` is waited on or dropped. Pool buffers are owned by the struct holding the
 /// `Work`s, are never reallocated while a `Work` is pending, and the `Work`s are declared first
 /// so they are dropped (which waits) before the buffers.
-unsafe fn forever<X: ?Sized>(x: &X) -> &'static X {
+unsafe fn extend_to_static<X: ?Sized>(x: &X) -> &'static X {
     &*(x as *const X)
 }
-/// [`forever`] for a tensor a posted collective writes.
-unsafe fn forever_mut<X>(x: &mut X) -> &'static mut X {
+/// [`extend_to_static`] for a tensor a posted collective writes.
+unsafe fn extend_to_static_mut<X>(x: &mut X) -> &'static mut X {
     &mut *(x as *mut X)
 }
 
@@ -447,7 +447,7 @@ impl FsdpParams {
         }
         for (k, &i) in idx.iter().enumerate() {
             let g: &'static dyn ProcessGroup =
-                unsafe { forever(self.groups.get(layout.group[i]).as_ref()) };
+                unsafe { extend_to_static(self.groups.get(layout.group[i]).as_ref()) };
             let shard = match self.master_on_host {
                 true => &slot.stage[k],
                 false => &self.master[i],
@@ -464,11 +464,11 @@ impl FsdpParams {
                 (false, GatherDtype::F32) => &mut slot.recv32[k],
                 (false, GatherDtype::Bf16) => &mut slot.recv16[k],
             };
-            // SAFETY: see `forever`; the master shards are not written while gathers are in
+            // SAFETY: see `extend_to_static`; the master shards are not written while gathers are in
             // flight (`master_mut` checks), nor a slot's stage (the slot's gathers are done);
             // a direct parameter's tensor is in the slot, not handed to the model, until the
             // gather is waited on (`acquire_block`).
-            let (send, recv) = unsafe { (forever(send), forever_mut(recv)) };
+            let (send, recv) = unsafe { (extend_to_static(send), extend_to_static_mut(recv)) };
             let w = g.iall_gather(send.view(), recv.padded_view_mut(), phase);
             slot.work
                 .push(w.unwrap_or_else(|e| fail("posting a parameter gather", e)));
@@ -598,7 +598,7 @@ impl ParamSource for FsdpParams {
 /// Post the reduce-scatter of parameter `i`'s gradient, `send` with its padded rows (zero), onto
 /// `shard`.
 ///
-/// SAFETY (for callers): see [`forever`]: `send` must stay allocated and unwritten until the
+/// SAFETY (for callers): see [`extend_to_static`]: `send` must stay allocated and unwritten until the
 /// returned work is waited on or dropped. The shards are read only through
 /// [`FsdpGrads::shards`], which checks that no reduce-scatter is pending.
 unsafe fn post_reduce_scatter(
@@ -608,8 +608,8 @@ unsafe fn post_reduce_scatter(
     send: &Tensor,
     shard: &mut Tensor,
 ) -> Work<'static> {
-    let g: &'static dyn ProcessGroup = forever(groups.get(layout.group[i]).as_ref());
-    let (send, recv) = (forever(send), forever_mut(shard));
+    let g: &'static dyn ProcessGroup = extend_to_static(groups.get(layout.group[i]).as_ref());
+    let (send, recv) = (extend_to_static(send), extend_to_static_mut(shard));
     g.ireduce_scatter(
         send.padded_view(),
         recv.view_mut(),
@@ -965,7 +965,7 @@ impl GradSink for FsdpGrads {
             // SAFETY: the head's gradient is not written again before this work is waited on
             // (`begin_embedding` or `finish`), nor its target read.
             let w = unsafe {
-                let send = forever(self.store.get(i));
+                let send = extend_to_static(self.store.get(i));
                 self.post(i, send, at)
             };
             self.head_pending.push((w, i, at));
@@ -996,7 +996,7 @@ impl GradSink for FsdpGrads {
             // work is waited on (`begin_block` of the next block to take this set), nor its
             // target read.
             let w = unsafe {
-                let send = forever(&self.pool[t][k]);
+                let send = extend_to_static(&self.pool[t][k]);
                 self.post(i, send, at)
             };
             self.pending[t].push((w, i, at));
