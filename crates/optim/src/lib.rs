@@ -21,6 +21,7 @@ mod ns_timing;
 mod offload;
 mod optimizer;
 mod schedule;
+mod state;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
@@ -31,3 +32,4 @@ pub use ns_timing::{ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
 pub use schedule::lr_at;
+pub use state::{indexed_state_mut, stream_states, ParamState, StepConsts};

@@ -3,10 +3,9 @@
 
 use crate::ns::{newton_schulz, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes, NsScratch};
 use crate::offload::{SkipWait, Staging};
+use crate::state::{indexed_state_mut, stream_states, ParamState, StepConsts};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
-use ganymede_core::{
-    AdamWStep, Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut,
-};
+use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut};
 use rayon::prelude::*;
 
 /// Matrices whose Newton–Schulz costs at most this many FLOPs are spread across threads whole
@@ -17,25 +16,6 @@ use rayon::prelude::*;
 /// The bound takes in squares up to about 400 and 256x1024 (1.5 GFLOP); each parallel slot holds
 /// scratch for the largest such matrix.
 pub const PAR_MATRIX_MAX_FLOPS: u64 = 2_000_000_000;
-
-/// Which rule updates a parameter, with its state.
-enum Rule {
-    /// `count` matrices of `rows × cols` (1 for a Matrix, E for an expert stack).
-    Muon {
-        momentum: Tensor,
-        rows: usize,
-        cols: usize,
-        count: usize,
-        scale: f64,
-    },
-    AdamW {
-        m: Tensor,
-        v: Tensor,
-        weight_decay: f64,
-    },
-    /// Buffers: saved, never updated.
-    Frozen,
-}
 
 /// Per-thread working memory for Muon: the Nesterov output `u` (orthogonalised in place) and
 /// Newton–Schulz scratch.
@@ -86,11 +66,11 @@ impl StackSlot {
 }
 
 /// `(rows, cols, count)` of every Muon rule.
-fn muon_shapes(rules: &[Rule]) -> Vec<(usize, usize, usize)> {
+fn muon_shapes(rules: &[UpdateRule]) -> Vec<(usize, usize, usize)> {
     rules
         .iter()
         .filter_map(|r| match *r {
-            Rule::Muon {
+            UpdateRule::Muon {
                 rows, cols, count, ..
             } => Some((rows, cols, count)),
             _ => None,
@@ -232,10 +212,47 @@ fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: b
     });
 }
 
+/// One Muon parameter of `count` matrices: an expert stack batched on `stacks` where the
+/// backend batches matrices (run here), else its matrices as [`Item`]s for [`run_items`].
+#[allow(clippy::too_many_arguments)]
+fn muon_update<'a>(
+    be: &dyn Backend,
+    p: ViewMut<'a>,
+    mom: ViewMut<'a>,
+    g: View<'a>,
+    (rows, cols, count, scale): (usize, usize, usize, f64),
+    stacks: &mut Option<StackSlot>,
+    c: MuonStep,
+    rounded: Option<ViewMut<'a>>,
+) -> Vec<Item<'a>> {
+    if let (Some(st), true) = (stacks.as_mut(), count > 1) {
+        run_stack(be, p, mom, g, (rows, cols, count, scale), st, c, rounded);
+        return vec![];
+    }
+    let n = rows * cols;
+    let ps = split_views(p, count, n);
+    let ms = split_views(mom, count, n);
+    let mut rs = rounded.map(|r| split_views(r, count, n).into_iter());
+    ps.into_iter()
+        .zip(ms)
+        .enumerate()
+        .map(|(e, (p, mom))| Item {
+            p,
+            mom,
+            g: g.slice(e * n, n),
+            rows,
+            cols,
+            scale,
+            rounded: rs.as_mut().and_then(Iterator::next),
+        })
+        .collect()
+}
+
 pub struct Optimizer {
     cfg: OptimizerConfig,
     names: Vec<String>,
-    rules: Vec<Rule>,
+    rules: Vec<UpdateRule>,
+    states: Vec<ParamState>,
     /// `slots[0]` fits every Muon matrix; the others only those that run in parallel.
     slots: Vec<Slot>,
     /// Spread small matrices across threads (see [`PAR_MATRIX_MAX_FLOPS`]).
@@ -311,31 +328,6 @@ pub fn update_rule(cfg: &OptimizerConfig, spec: &ParamSpec) -> UpdateRule {
     }
 }
 
-/// Each rule's state tensors as (parameter index, checkpoint suffix, tensor), in order.
-fn rule_state_mut(rules: &mut [Rule]) -> Vec<(usize, &'static str, &mut Tensor)> {
-    let mut out = Vec::new();
-    for (i, rule) in rules.iter_mut().enumerate() {
-        match rule {
-            Rule::Muon { momentum, .. } => out.push((i, "muon_momentum", momentum)),
-            Rule::AdamW { m, v, .. } => {
-                out.push((i, "adam_m", m));
-                out.push((i, "adam_v", v));
-            }
-            Rule::Frozen => {}
-        }
-    }
-    out
-}
-
-/// Elements of a rule's state, all its tensors together.
-fn rule_state_len(rule: &Rule) -> usize {
-    match rule {
-        Rule::Muon { momentum, .. } => momentum.len(),
-        Rule::AdamW { m, v, .. } => m.len() + v.len(),
-        Rule::Frozen => 0,
-    }
-}
-
 fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<'a>> {
     let mut out = Vec::with_capacity(count);
     for _ in 1..count {
@@ -349,49 +341,24 @@ fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<
 
 impl Optimizer {
     pub fn new(be: &dyn Backend, cfg: &OptimizerConfig, specs: &[ParamSpec]) -> Optimizer {
-        let mut rules = Vec::with_capacity(specs.len());
-        let state = |shape: &[usize]| {
-            if cfg.offload {
-                be.pinned_zeros(shape, Category::Optimizer)
-            } else {
-                be.zeros(shape, Category::Optimizer)
-            }
-        };
+        let rules: Vec<UpdateRule> = specs.iter().map(|s| update_rule(cfg, s)).collect();
+        let states: Vec<ParamState> = rules
+            .iter()
+            .zip(specs)
+            .map(|(r, s)| ParamState::new(be, r, &s.shape, cfg.offload))
+            .collect();
         // Shapes for scratch sizing, and how many matrices may run in parallel.
         let (mut all, mut small, mut n_small) = (Vec::new(), Vec::new(), 0);
-        for s in specs {
-            let rule = match update_rule(cfg, s) {
-                UpdateRule::Frozen => Rule::Frozen,
-                UpdateRule::Muon {
-                    rows,
-                    cols,
-                    count,
-                    scale,
-                } => {
-                    all.push((rows, cols));
-                    if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
-                        small.push((rows, cols));
-                        n_small += count;
-                    }
-                    Rule::Muon {
-                        momentum: state(&s.shape),
-                        rows,
-                        cols,
-                        count,
-                        scale,
-                    }
-                }
-                UpdateRule::AdamW { weight_decay } => Rule::AdamW {
-                    m: state(&s.shape),
-                    v: state(&s.shape),
-                    weight_decay,
-                },
-            };
-            rules.push(rule);
+        for &(rows, cols, count) in &muon_shapes(&rules) {
+            all.push((rows, cols));
+            if ns_flops(rows, cols, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS {
+                small.push((rows, cols));
+                n_small += count;
+            }
         }
         // Each slot holds the largest one parameter's state.
         let staging = cfg.offload.then(|| {
-            let elems = rules.iter().map(rule_state_len).max().unwrap_or(0);
+            let elems = states.iter().map(ParamState::len).max().unwrap_or(0);
             Staging::new(be, elems)
         });
         let mut slots = Vec::new();
@@ -409,6 +376,7 @@ impl Optimizer {
             cfg: cfg.clone(),
             names: specs.iter().map(|s| s.name.clone()).collect(),
             rules,
+            states,
             slots,
             matrix_parallel: true,
             stacks,
@@ -491,18 +459,11 @@ impl Optimizer {
         );
         self.step += 1;
         let cfg = &self.cfg;
-        let t = self.step as i32;
-        let adam = |weight_decay| AdamWStep {
+        let k = StepConsts {
+            step: self.step,
             lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay,
-            bias_correction1: 1.0 - cfg.beta1.powi(t),
-            bias_correction2: 1.0 - cfg.beta2.powi(t),
             grad_scale,
         };
-
         let mc = MuonStep {
             lr,
             momentum: cfg.momentum,
@@ -511,74 +472,43 @@ impl Optimizer {
             ns_bf16: ns_bf16(cfg.ns_dtype, be),
             grad_scale,
         };
+        let rules = &self.rules;
+        let (slots, parallel, stacks) = (&mut self.slots, self.matrix_parallel, &mut self.stacks);
         if let Some(staging) = &mut self.staging {
-            // Host-resident state: one parameter at a time through the device slots; an expert
-            // stack's matrices still spread over the threads (each matrix's arithmetic is the
-            // same as on the device path).
-            let mut which = Vec::new();
-            let mut states = Vec::new();
-            for (i, rule) in self.rules.iter_mut().enumerate() {
-                match rule {
-                    Rule::Frozen => continue,
-                    Rule::Muon { momentum, .. } => states.push(vec![momentum]),
-                    Rule::AdamW { m, v, .. } => states.push(vec![m, v]),
-                }
-                which.push(i);
-            }
-            let rules: Vec<UpdateRule> = which
-                .iter()
-                .map(|&i| update_rule(cfg, &params.specs()[i]))
-                .collect();
+            // Host-resident state: one parameter at a time through the device slots (the
+            // parameters stay on the device); an expert stack's matrices still spread over the
+            // threads, each matrix's arithmetic the same as on the resident path. The caller
+            // casts the compute copies (see step_rounded).
             let (ps, gs) = (params.tensors_mut(), grads.tensors());
-            let (slots, parallel) = (&mut self.slots, self.matrix_parallel);
-            let stacks = &mut self.stacks;
-            staging.stream(be, &mut states, |k, state| {
-                let (p, g) = (ps[which[k]].view_mut(), &gs[which[k]]);
-                match rules[k] {
-                    UpdateRule::AdamW { weight_decay } => {
-                        let (m, v) = state.split_at(g.len());
-                        be.adamw_step(p, m, v, g.view(), &adam(weight_decay), None);
-                    }
-                    UpdateRule::Muon {
-                        rows,
-                        cols,
-                        count,
-                        scale,
-                    } => {
-                        if let (Some(st), true) = (stacks.as_mut(), count > 1) {
-                            let shape = (rows, cols, count, scale);
-                            return run_stack(be, p, state, g.view(), shape, st, mc, None);
+            stream_states(
+                be,
+                staging,
+                &mut self.states,
+                |_| vec![],
+                |i, state| {
+                    let (p, g) = (ps[i].view_mut(), gs[i].view());
+                    match rules[i] {
+                        UpdateRule::AdamW { weight_decay } => {
+                            let (m, v) = state.split_at(g.len());
+                            be.adamw_step(p, m, v, g, &k.adamw(cfg, weight_decay), None);
                         }
-                        // An expert stack's matrices spread over the slots as on the device
-                        // path (one parameter's state is in the staging slot at a time).
-                        let n = rows * cols;
-                        let ps = split_views(p, count, n);
-                        let ms = split_views(state, count, n);
-                        let items = ps
-                            .into_iter()
-                            .zip(ms)
-                            .enumerate()
-                            .map(|(e, (p, mom))| Item {
-                                p,
-                                mom,
-                                g: g.slice(e * n, n),
-                                rows,
-                                cols,
-                                scale,
-                                // Streamed state: the caller casts the copies (see step_rounded).
-                                rounded: None,
-                            })
-                            .collect();
-                        run_items(be, items, slots, parallel, mc);
+                        UpdateRule::Muon {
+                            rows,
+                            cols,
+                            count,
+                            scale,
+                        } => {
+                            let shape = (rows, cols, count, scale);
+                            let items = muon_update(be, p, state, g, shape, stacks, mc, None);
+                            run_items(be, items, slots, parallel, mc);
+                        }
+                        UpdateRule::Frozen => unreachable!("frozen parameters have no state"),
                     }
-                    UpdateRule::Frozen => unreachable!("frozen parameters have no state"),
-                }
-            });
+                },
+            );
             return;
         }
 
-        let mut items = Vec::new();
-        let params_t = params.tensors_mut().iter_mut();
         // Each parameter's compute copy, where it has one.
         let copies: Vec<Option<ViewMut>> = match rounded {
             Some(r) => r
@@ -586,53 +516,36 @@ impl Optimizer {
                 .iter_mut()
                 .map(|t| (!t.is_empty()).then(|| t.view_mut()))
                 .collect(),
-            None => (0..self.rules.len()).map(|_| None).collect(),
+            None => (0..rules.len()).map(|_| None).collect(),
         };
-        let rules = self.rules.iter_mut().zip(copies);
-        for (((rule, copy), p), g) in rules.zip(params_t).zip(grads.tensors()) {
-            match rule {
-                Rule::Frozen => {}
-                Rule::AdamW { m, v, weight_decay } => {
-                    let (m, v, h) = (m.view_mut(), v.view_mut(), adam(*weight_decay));
-                    be.adamw_step(p.view_mut(), m, v, g.view(), &h, copy);
+        let mut items = Vec::new();
+        let each = self.states.iter_mut().zip(copies).zip(params.tensors_mut());
+        for (i, ((state, copy), p)) in each.enumerate() {
+            let g = grads.tensors()[i].view();
+            match (state, rules[i]) {
+                (ParamState::AdamW { m, v }, UpdateRule::AdamW { weight_decay }) => {
+                    let (m, v, h) = (m.view_mut(), v.view_mut(), k.adamw(cfg, weight_decay));
+                    be.adamw_step(p.view_mut(), m, v, g, &h, copy);
                 }
-                Rule::Muon {
-                    momentum,
-                    rows,
-                    cols,
-                    count,
-                    scale,
-                } => {
-                    if let (Some(st), true) = (self.stacks.as_mut(), *count > 1) {
-                        let shape = (*rows, *cols, *count, *scale);
-                        let (p, mom) = (p.view_mut(), momentum.view_mut());
-                        run_stack(be, p, mom, g.view(), shape, st, mc, copy);
-                        continue;
-                    }
-                    let n = *rows * *cols;
-                    let ps = split_views(p.view_mut(), *count, n);
-                    let ms = split_views(momentum.view_mut(), *count, n);
-                    let mut rs = copy.map(|r| split_views(r, *count, n).into_iter());
-                    for (e, (p, mom)) in ps.into_iter().zip(ms).enumerate() {
-                        let g = g.slice(e * n, n);
-                        items.push(Item {
-                            p,
-                            mom,
-                            g,
-                            rows: *rows,
-                            cols: *cols,
-                            scale: *scale,
-                            rounded: rs.as_mut().and_then(Iterator::next),
-                        });
-                    }
+                (
+                    ParamState::Muon { momentum },
+                    UpdateRule::Muon {
+                        rows,
+                        cols,
+                        count,
+                        scale,
+                    },
+                ) => {
+                    let shape = (rows, cols, count, scale);
+                    let (p, mom) = (p.view_mut(), momentum.view_mut());
+                    items.extend(muon_update(be, p, mom, g, shape, stacks, mc, copy));
                 }
+                _ => {}
             }
         }
-        if items.is_empty() {
-            return;
+        if !items.is_empty() {
+            run_items(be, items, slots, parallel, mc);
         }
-
-        run_items(be, items, &mut self.slots, self.matrix_parallel, mc);
     }
 
     /// Block the host until host-resident state (`optimizer.offload`) written back by the last
@@ -668,26 +581,20 @@ impl Optimizer {
     /// Optimizer state for checkpoints, in parameter order: `<param>.muon_momentum` for Muon
     /// parameters, `<param>.adam_m` and `<param>.adam_v` for AdamW ones.
     pub fn state(&self) -> Vec<(String, &Tensor)> {
-        let mut out = Vec::new();
-        for (name, rule) in self.names.iter().zip(&self.rules) {
-            match rule {
-                Rule::Muon { momentum, .. } => {
-                    out.push((format!("{name}.muon_momentum"), momentum))
-                }
-                Rule::AdamW { m, v, .. } => {
-                    out.push((format!("{name}.adam_m"), m));
-                    out.push((format!("{name}.adam_v"), v));
-                }
-                Rule::Frozen => {}
-            }
-        }
-        out
+        let named = self.names.iter().zip(&self.states);
+        named
+            .flat_map(|(name, st)| {
+                st.tensors()
+                    .into_iter()
+                    .map(move |(suffix, t)| (format!("{name}.{suffix}"), t))
+            })
+            .collect()
     }
 
     /// Same names and order as [`Optimizer::state`], for loading a checkpoint into.
     pub fn state_mut(&mut self) -> Vec<(String, &mut Tensor)> {
         let names = &self.names;
-        rule_state_mut(&mut self.rules)
+        indexed_state_mut(&mut self.states)
             .into_iter()
             .map(|(i, suffix, t)| (format!("{}.{suffix}", names[i]), t))
             .collect()
@@ -696,7 +603,7 @@ impl Optimizer {
     /// [`Optimizer::state_mut`] as (parameter index, checkpoint suffix, tensor), the form the
     /// sharded optimizer gives too.
     pub fn state_indexed_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
-        rule_state_mut(&mut self.rules)
+        indexed_state_mut(&mut self.states)
     }
 
     /// Steps taken so far (AdamW's bias correction uses it).
@@ -733,9 +640,9 @@ impl Optimizer {
             .iter()
             .zip(&self.rules)
             .map(|(n, r)| match r {
-                Rule::Muon { .. } => (n.as_str(), "muon", self.cfg.weight_decay),
-                Rule::AdamW { weight_decay, .. } => (n.as_str(), "adamw", *weight_decay),
-                Rule::Frozen => (n.as_str(), "none", 0.0),
+                UpdateRule::Muon { .. } => (n.as_str(), "muon", self.cfg.weight_decay),
+                UpdateRule::AdamW { weight_decay } => (n.as_str(), "adamw", *weight_decay),
+                UpdateRule::Frozen => (n.as_str(), "none", 0.0),
             })
             .collect()
     }

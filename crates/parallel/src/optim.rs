@@ -12,30 +12,19 @@
 
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
-use ganymede_core::{AdamWStep, Backend, Category, Tensor, ViewMut};
+use ganymede_core::{Backend, Category, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Placement, Plan};
 use ganymede_optim::{
-    newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops, update_rule, NsScratch,
-    SkipWait, Staging, UpdateRule, PAR_MATRIX_MAX_FLOPS,
+    indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops,
+    stream_states, update_rule, NsScratch, ParamState, SkipWait, Staging, StepConsts, UpdateRule,
+    PAR_MATRIX_MAX_FLOPS,
 };
 use std::sync::Arc;
 
-enum Rule {
-    Muon {
-        momentum: Tensor,
-        scale: f64,
-    },
-    AdamW {
-        m: Tensor,
-        v: Tensor,
-        weight_decay: f64,
-    },
-    Frozen,
-}
-
 pub struct ShardedOptimizer {
     cfg: OptimizerConfig,
-    rules: Vec<Rule>,
+    rules: Vec<UpdateRule>,
+    states: Vec<ParamState>,
     plan: Plan,
     /// Newton–Schulz scratch: `[0]` fits every shape, the rest (one per further thread) the
     /// small ones, whose stacks (experts) are spread across threads whole.
@@ -58,47 +47,27 @@ impl ShardedOptimizer {
         mesh: &DeviceMesh,
         plan: Plan,
     ) -> Self {
-        let mut shapes = Vec::new();
-        let state = |n: usize| {
-            if cfg.offload {
-                be.pinned_zeros(&[n], Category::Optimizer)
-            } else {
-                be.zeros(&[n], Category::Optimizer)
-            }
-        };
-        let rules: Vec<Rule> = layout
-            .specs
+        let rules: Vec<UpdateRule> = layout.specs.iter().map(|s| update_rule(cfg, s)).collect();
+        let states: Vec<ParamState> = rules
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                let n = layout.shard[i];
-                match update_rule(cfg, s) {
-                    UpdateRule::Frozen => Rule::Frozen,
-                    UpdateRule::Muon {
-                        rows, cols, scale, ..
-                    } => {
-                        shapes.push((rows, cols));
-                        Rule::Muon {
-                            momentum: state(n),
-                            scale,
-                        }
-                    }
-                    UpdateRule::AdamW { weight_decay } => Rule::AdamW {
-                        m: state(n),
-                        v: state(n),
-                        weight_decay,
-                    },
-                }
+            .map(|(i, r)| ParamState::new(be, r, &[layout.shard[i]], cfg.offload))
+            .collect();
+        let shapes: Vec<(usize, usize)> = rules
+            .iter()
+            .filter_map(|r| match *r {
+                UpdateRule::Muon { rows, cols, .. } => Some((rows, cols)),
+                _ => None,
             })
             .collect();
-        // Each slot holds the largest one shard's parameter and state.
+        // Each slot holds the largest one shard's state, and an AdamW shard's parameter with it.
         let staging = cfg.offload.then(|| {
-            let elems = rules
+            let elems = states
                 .iter()
-                .map(|r| match r {
-                    Rule::Muon { momentum, .. } => momentum.len(),
-                    Rule::AdamW { m, v, .. } => 3 * m.len().max(v.len()),
-                    Rule::Frozen => 0,
+                .map(|s| match s {
+                    ParamState::Muon { momentum } => momentum.len(),
+                    ParamState::AdamW { m, v } => 3 * m.len().max(v.len()),
+                    ParamState::Frozen => 0,
                 })
                 .max()
                 .unwrap_or(0);
@@ -123,12 +92,13 @@ impl ShardedOptimizer {
         // The matrices this rank gathers whole for Newton–Schulz, made once.
         let roots = root_buffers(&plan, mesh)
             .iter()
-            .filter(|&&(i, _)| matches!(rules[i], Rule::Muon { .. }))
+            .filter(|&&(i, _)| matches!(rules[i], UpdateRule::Muon { .. }))
             .map(|&(_, n)| be.zeros(&[n], Category::Buffers))
             .collect();
         ShardedOptimizer {
             cfg: cfg.clone(),
             rules,
+            states,
             plan,
             scratch,
             batch,
@@ -153,18 +123,7 @@ impl ShardedOptimizer {
     /// suffixes are the single-process optimizer's (`muon_momentum`, `adam_m`, `adam_v`), so a
     /// gathered checkpoint is the same file one process writes.
     pub fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
-        let mut out = Vec::new();
-        for (i, r) in self.rules.iter_mut().enumerate() {
-            match r {
-                Rule::Muon { momentum, .. } => out.push((i, "muon_momentum", momentum)),
-                Rule::AdamW { m, v, .. } => {
-                    out.push((i, "adam_m", m));
-                    out.push((i, "adam_v", v));
-                }
-                Rule::Frozen => {}
-            }
-        }
-        out
+        indexed_state_mut(&mut self.states)
     }
 
     /// Block the host until host-resident state written back by the last step is complete
@@ -219,70 +178,53 @@ impl ShardedOptimizer {
     ) -> ganymede_dist::Result<()> {
         self.step += 1;
         let cfg = &self.cfg;
-        let t = self.step as i32;
-        let adam = |weight_decay| AdamWStep {
+        let k = StepConsts {
+            step: self.step,
             lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay,
-            bias_correction1: 1.0 - cfg.beta1.powi(t),
-            bias_correction2: 1.0 - cfg.beta2.powi(t),
             grad_scale,
         };
-        let mut muon_items = Vec::new();
+        let rules = &self.rules;
+        // Nesterov momentum on each Muon shard (its gradient shard becomes the update), AdamW
+        // on the rest.
+        let muon_items: Vec<usize> = (0..rules.len())
+            .filter(|&i| matches!(rules[i], UpdateRule::Muon { .. }))
+            .collect();
         if let Some(staging) = &mut self.staging {
-            // Host-resident state: each shard's through a device slot, the same kernels.
-            let mut which = Vec::new();
-            let mut states = Vec::new();
-            let mut muon = Vec::new();
-            let mut wds = Vec::new();
-            for (i, (rule, p)) in self.rules.iter_mut().zip(params.iter_mut()).enumerate() {
-                match rule {
-                    Rule::Frozen => continue,
-                    Rule::Muon { momentum, .. } => {
-                        states.push(vec![momentum]);
-                        muon.push(true);
-                        wds.push(0.0);
-                        muon_items.push(i);
-                    }
-                    Rule::AdamW { m, v, weight_decay } => {
-                        states.push(vec![p, m, v]);
-                        muon.push(false);
-                        wds.push(*weight_decay);
-                    }
-                }
-                which.push(i);
-            }
-            staging.stream(be, &mut states, |k, state| {
-                let g = &mut grads[which[k]];
-                match muon[k] {
-                    true => be.nesterov_momentum(state, g.view_mut(), cfg.momentum, grad_scale),
-                    false => {
+            // Host-resident state and master shards: each shard's through a device slot, an
+            // AdamW parameter shard staged before its moments.
+            let mut ps: Vec<Option<&mut Tensor>> = params.iter_mut().map(Some).collect();
+            let adamw = |i: usize| matches!(rules[i], UpdateRule::AdamW { .. });
+            let extra = |i: usize| match adamw(i) {
+                true => vec![ps[i].take().expect("each shard staged once")],
+                false => vec![],
+            };
+            stream_states(be, staging, &mut self.states, extra, |i, state| {
+                let g = &mut grads[i];
+                match rules[i] {
+                    UpdateRule::AdamW { weight_decay } => {
                         let (p, mv) = state.split_at(g.len());
                         let (m, v) = mv.split_at(g.len());
-                        be.adamw_step(p, m, v, g.view(), &adam(wds[k]), None);
+                        be.adamw_step(p, m, v, g.view(), &k.adamw(cfg, weight_decay), None);
                     }
+                    _ => be.nesterov_momentum(state, g.view_mut(), cfg.momentum, grad_scale),
                 }
             });
         } else {
-            for (i, (rule, (p, g))) in self
-                .rules
+            let each = self
+                .states
                 .iter_mut()
-                .zip(params.iter_mut().zip(grads.iter_mut()))
-                .enumerate()
-            {
-                match rule {
-                    Rule::Frozen => {}
-                    Rule::AdamW { m, v, weight_decay } => {
-                        let h = adam(*weight_decay);
+                .zip(params.iter_mut().zip(grads.iter_mut()));
+            for (i, (state, (p, g))) in each.enumerate() {
+                match (state, rules[i]) {
+                    (ParamState::AdamW { m, v }, UpdateRule::AdamW { weight_decay }) => {
+                        let h = k.adamw(cfg, weight_decay);
                         be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None);
                     }
-                    Rule::Muon { momentum, .. } => {
+                    (ParamState::Muon { momentum }, _) => {
                         let mom = momentum.view_mut();
                         be.nesterov_momentum(mom, g.view_mut(), cfg.momentum, grad_scale);
-                        muon_items.push(i);
                     }
+                    _ => {}
                 }
             }
         }
@@ -294,7 +236,7 @@ impl ShardedOptimizer {
         // shards) come back orthogonalised.
         let mut slices: Vec<(usize, ViewMut)> = Vec::new();
         for (i, (rule, g)) in self.rules.iter().zip(grads.iter_mut()).enumerate() {
-            if let Rule::Muon { .. } = rule {
+            if let UpdateRule::Muon { .. } = rule {
                 slices.push((i, g.view_mut()));
             }
         }
@@ -349,7 +291,7 @@ impl ShardedOptimizer {
                 let mut ps: Vec<Vec<&mut Tensor>> = Vec::new();
                 let mut updates = Vec::new();
                 for (i, p) in params.iter_mut().enumerate() {
-                    if let Rule::Muon { scale, .. } = &self.rules[i] {
+                    if let UpdateRule::Muon { scale, .. } = &self.rules[i] {
                         ps.push(vec![p]);
                         updates.push((&grads[i], lr * scale));
                     }
@@ -361,7 +303,7 @@ impl ShardedOptimizer {
             }
             None => {
                 for i in muon_items {
-                    if let Rule::Muon { scale, .. } = &self.rules[i] {
+                    if let UpdateRule::Muon { scale, .. } = &self.rules[i] {
                         be.decay_update(
                             params[i].view_mut(),
                             grads[i].view(),
