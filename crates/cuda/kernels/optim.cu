@@ -80,6 +80,51 @@ extern "C" __global__ void scale_by_inv_norm_f32(float* x, const double* sumsq, 
     });
 }
 
+// Frobenius normalisation of `count` matrices of n elements stored one after another in x, in
+// three launches whatever `count` (Newton–Schulz of an expert stack normalises every matrix on
+// its own). Pass 1, grid (blocks, count), blockIdx.y the matrix: each block writes the f64 sum
+// of squares of its grid-stride share of its matrix to partial[y·gridDim.x + x], the partials
+// sumsq_partial_f32 writes for that matrix alone.
+extern "C" __global__ void sumsq_partial_strided_f32(double* partial, const float* x,
+                                                     long long n) {
+    const float* xm = x + (long long)blockIdx.y * n;
+    double s = 0.0;
+    ew_loop(n, vec_aligned(xm), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float v[W];
+        ldw(v, xm + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
+    });
+    s = block_sum(s);
+    if (threadIdx.x == 0) partial[(long long)blockIdx.y * gridDim.x + blockIdx.x] = s;
+}
+
+// Pass 2, one block of 256 per matrix: sums[y] = Σ partial[y·blocks ..+blocks), in the order
+// sum_acc_f64 (256 threads) adds one matrix's partials to a zeroed accumulator.
+extern "C" __global__ void sum_rows_f64(double* sums, const double* partial, int blocks) {
+    const double* pm = partial + (long long)blockIdx.x * blocks;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < blocks; i += blockDim.x) s += pm[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) sums[blockIdx.x] = 0.0 + s;
+}
+
+// Pass 3, pass 1's grid: matrix y times 1 / (sqrt(sums[y]) + eps), as scale_by_inv_norm_f32.
+extern "C" __global__ void scale_by_inv_norm_strided_f32(float* x, const double* sums, double eps,
+                                                         long long n) {
+    const float f = (float)(1.0 / (sqrt(sums[blockIdx.y]) + eps));
+    float* xm = x + (long long)blockIdx.y * n;
+    ew_loop(n, vec_aligned(xm), [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float a[W];
+        ldw(a, xm + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) a[k] *= f;
+        stw(xm + i, a);
+    });
+}
+
 // p = p·keep − alpha·u, keep = 1 − decay; ROUND: the new p also into p16 in bf16.
 template <bool ROUND>
 __device__ void decay_update(float* p, const float* u, bf16* p16, long long n, float alpha,

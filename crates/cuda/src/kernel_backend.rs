@@ -271,6 +271,7 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
 
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
     ganymede_core::forward_optim_ops!(ops:
-        adamw_step, nesterov_momentum, normalize_frobenius, decay_update,
+        adamw_step, nesterov_momentum, normalize_frobenius, normalize_frobenius_strided,
+        decay_update,
     );
 }

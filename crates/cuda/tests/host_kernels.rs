@@ -1079,6 +1079,61 @@ fn optimizer_updates() {
     }
 }
 
+/// Newton–Schulz of a stack normalises each matrix by its own norm in three launches: the bits
+/// of normalising the matrices one by one with the kernels, and the CPU backend's values; a zero
+/// matrix stays zero and its neighbours are untouched by it.
+#[test]
+fn frobenius_normalisation_of_a_stack() {
+    let (b, kb) = (cpu(), kernels(SMALL));
+    let mut rng = Lcg::new(21);
+    for (count, n) in [(1usize, 1001usize), (5, 63), (3, 96 * 160), (7, 4)] {
+        let mut x = rng.values(count * n, 0.8);
+        // A zero matrix among the others.
+        if count > 2 {
+            x[n..2 * n].fill(0.0);
+        }
+        let strided = |be: &dyn Backend| {
+            let mut t = up(be, &x);
+            be.normalize_frobenius_strided(t.view_mut(), count, 1e-7);
+            down(be, &t)
+        };
+        let one_by_one = |be: &dyn Backend| {
+            let mut t = up(be, &x);
+            for i in 0..count {
+                be.normalize_frobenius(t.view_mut().slice(i * n, n), 1e-7);
+            }
+            down(be, &t)
+        };
+        let got = strided(&kb);
+        assert_eq!(
+            got,
+            one_by_one(&kb),
+            "{count} x {n}: the per-matrix kernels' bits"
+        );
+        let want = one_by_one(&b);
+        let (a, r) = compare(&got, &want, F32).unwrap_or_else(|e| panic!("{count} x {n}: {e}"));
+        println!("normalize_frobenius_strided {count} x {n}: max abs err {a:.3e}, rel {r:.3e}");
+        if count > 2 {
+            assert!(
+                got[n..2 * n].iter().all(|&v| v == 0.0),
+                "the zero matrix stays zero"
+            );
+        }
+        // Each matrix has unit norm (the zero one aside).
+        for i in (0..count).filter(|&i| count <= 2 || i != 1) {
+            let ss: f64 = got[i * n..(i + 1) * n]
+                .iter()
+                .map(|&v| (v as f64).powi(2))
+                .sum();
+            assert!(
+                (ss.sqrt() - 1.0).abs() < 1e-5,
+                "matrix {i}: norm {}",
+                ss.sqrt()
+            );
+        }
+    }
+}
+
 fn optimizer_updates_at(
     b: &CpuBackend,
     kb: &HostKernelBackend,

@@ -135,9 +135,7 @@ pub fn newton_schulz_strided(
     }
     let wide = rows <= cols;
     let (shift, offset, cc) = ns_shifted();
-    for i in 0..count {
-        be.normalize_frobenius(x.reborrow().slice(i * n, n), NS_EPS);
-    }
+    be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
     let NsScratch { a, b, y } = scratch;
     let ss = s * s;
     let mut a = a.slice_mut(0, count * ss);

@@ -53,6 +53,21 @@ pub trait OptimOps: Send + Sync {
     /// on the device so a GPU backend needs no host round trip per matrix.
     fn normalize_frobenius(&self, x: ViewMut, eps: f64);
 
+    /// [`Self::normalize_frobenius`] of each of `count` equal matrices stored one after another
+    /// in `x`, each by its own norm: Newton–Schulz of an expert stack. A GPU backend does them
+    /// all in a few launches instead of a few per matrix.
+    fn normalize_frobenius_strided(&self, mut x: ViewMut, count: usize, eps: f64) {
+        let n = x.len().checked_div(count).unwrap_or(0);
+        assert_eq!(
+            n * count,
+            x.len(),
+            "normalize_frobenius_strided: {count} matrices"
+        );
+        for i in 0..count {
+            self.normalize_frobenius(x.reborrow().slice(i * n, n), eps);
+        }
+    }
+
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
     /// `alpha = lr·scale` and `decay = lr·weight_decay`. `rounded` as in [`Self::adamw_step`].
     fn decay_update(
@@ -78,6 +93,8 @@ macro_rules! forward_optim_ops {
         buf: $crate::ViewMut, grad: $crate::ViewMut, momentum: f64, grad_scale: f32)); };
     (@ $t:ident normalize_frobenius) => { $crate::forward_optim_ops!(@fn $t normalize_frobenius(
         x: $crate::ViewMut, eps: f64)); };
+    (@ $t:ident normalize_frobenius_strided) => { $crate::forward_optim_ops!(@fn $t
+        normalize_frobenius_strided(x: $crate::ViewMut, count: usize, eps: f64)); };
     (@ $t:ident decay_update) => { $crate::forward_optim_ops!(@fn $t decay_update(
         param: $crate::ViewMut, update: $crate::View, alpha: f64, decay: f64,
         rounded: Option<$crate::ViewMut>)); };

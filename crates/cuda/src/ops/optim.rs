@@ -122,6 +122,33 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let args = [self.am(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
         self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
     }
+
+    /// Three launches for the whole stack (`sumsq_partial_strided_f32`, `sum_rows_f64`,
+    /// `scale_by_inv_norm_strided_f32`), each matrix's partials and sum as
+    /// [`Self::normalize_frobenius`] makes them alone: the same bits.
+    fn normalize_frobenius_strided(&self, x: ViewMut, count: usize, eps: f64) {
+        let len = x.len();
+        check_f32("normalize_frobenius_strided", &[(x.dtype(), len)], len);
+        if len == 0 {
+            return;
+        }
+        let n = len / count.max(1);
+        assert_eq!(
+            n * count,
+            len,
+            "normalize_frobenius_strided: {count} matrices"
+        );
+        let blocks = self.sumsq_blocks(n);
+        let (_s, [partial, sums]) = self.scratch([count * blocks * 8, count * 8]);
+        let per_matrix = cfg(grid(blocks, count, 1), self.tuning.ew_block);
+        let x = self.am(x);
+        let pass1 = [partial.into(), x, i64_of(n)];
+        self.launch("sumsq_partial_strided_f32", per_matrix, &pass1);
+        let pass2 = [sums.into(), partial.into(), i32_of(blocks)];
+        self.launch("sum_rows_f64", cfg(grid(count, 1, 1), 256), &pass2);
+        let pass3 = [x, sums.into(), Arg::F64(eps), i64_of(n)];
+        self.launch("scale_by_inv_norm_strided_f32", per_matrix, &pass3);
+    }
 }
 
 /// The compute copy a fused update writes: bf16, as long as the parameter.
