@@ -726,18 +726,6 @@ pub fn head_rows(tokens: usize, chunk: usize) -> usize {
     }
 }
 
-/// Pinned slots of a GPU backend's staging ring, through which the step's small u32 and f64
-/// writes reach the device without a host wait. The one rule the CUDA backend and the planner
-/// share: every slot grows to [`staging_slot_bytes`] of the largest write staged so far
-/// (writes above [`STAGING_MAX_BYTES`] are not staged).
-pub const STAGING_SLOTS: usize = 32;
-/// The largest write that is staged.
-pub const STAGING_MAX_BYTES: usize = 1 << 20;
-/// A staging slot's bytes once the largest write staged was `bytes`.
-pub fn staging_slot_bytes(bytes: usize) -> usize {
-    bytes.next_power_of_two().max(4096)
-}
-
 /// Bytes of f32 working memory a batched Newton–Schulz (a GPU's, `Blas::batches_matrices`)
 /// may take for one expert stack at a time: the Nesterov output, two `s²` and one `s·l` per
 /// matrix. 256 MiB holds `medium`'s 64 experts of 512 × 1,024 in two batches.

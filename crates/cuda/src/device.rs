@@ -1,8 +1,8 @@
 //! The device through cudarc: a context, one CUDA stream per seam [`Stream`], events, pinned
 //! host memory, asynchronous copies, NVRTC-compiled kernels and a cuBLAS handle on the compute
 //! stream. [`CudaBackend`] implements `Memory` fully (`memory.rs`) and `Blas` (`blas.rs`:
-//! GEMMs through cuBLAS); the model's kernels (`NnOps`, `OptimOps`) are still to come, so
-//! training refuses this device.
+//! GEMMs through cuBLAS); [`CudaKernelBackend`] (`launcher.rs`) adds the model's and the
+//! optimizers' kernels (`NnOps`, `OptimOps`), which makes the whole seam on one GPU.
 //!
 //! Ordering is the seam's, not cudarc's: cudarc's per-slice event tracking is turned off, and
 //! code above the seam orders streams with `Memory::record_event`/`Memory::wait_event`.
@@ -10,11 +10,8 @@
 //! another stream is freed on the compute stream only after that stream's work so far.
 
 mod blas;
-pub mod check;
-mod check_model;
 mod launcher;
 mod memory;
-pub mod nccl;
 pub mod nvrtc;
 mod plumbing;
 pub mod probe;
@@ -22,8 +19,7 @@ pub mod profile;
 mod staging;
 
 pub use launcher::{kernel_backend, CudaKernelBackend, CudaLauncher};
-pub use memory::{DeviceMemory, PinnedMemory};
-pub use nccl::NcclGroup;
+pub use memory::{place, place_mut, DeviceMemory, PinnedMemory, Place, Uses};
 pub use plumbing::PLUMBING;
 pub use probe::{probe, probe_nvrtc, ProbeError};
 
@@ -312,9 +308,10 @@ impl CudaBackend {
         self.streams.get(Stream::Compute)
     }
 
-    /// Make the context current on this thread before a raw driver or cuBLAS call (cudarc's own
-    /// methods do this themselves); rank threads and copy helpers call in from anywhere.
-    fn bind(&self) {
+    /// Make the context current on this thread before a raw driver, cuBLAS or NCCL call
+    /// (cudarc's own methods do this themselves); rank threads and copy helpers call in from
+    /// anywhere.
+    pub fn bind(&self) {
         ok(self.ctx.bind_to_thread(), "binding the context");
     }
 

@@ -533,8 +533,8 @@ fn cuda_training_refusal(nccl: bool) -> Option<anyhow::Error> {
     if nccl {
         // May start this program again with NCCL's folder on the loader's path (nothing has
         // been built yet, and MPI is not initialised).
-        ganymede_cuda::nccl_lib::prepare();
-        if let Err(m) = ganymede_cuda::nccl_lib::check() {
+        ganymede_dist::nccl_lib::prepare();
+        if let Err(m) = ganymede_dist::nccl_lib::check() {
             return Some(anyhow::anyhow!(
                 "device.kind = \"cuda\" on several processes needs NCCL: {m}"
             ));
@@ -554,8 +554,8 @@ fn device_check(_out: &Path) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn device_check(out: &Path) -> Result<()> {
     // NCCL's library under the wheel's name too (the NCCL section needs it).
-    ganymede_cuda::nccl_lib::prepare();
-    let s = ganymede_cuda::device::check::run(out)?;
+    ganymede_dist::nccl_lib::prepare();
+    let s = ganymede_device_check::run(out)?;
     println!(
         "{} ({} section(s) passed, {} failed)",
         s.report.display(),

@@ -40,7 +40,7 @@ pub fn kernel_backend(
 
 impl CudaLauncher {
     /// Launches on `be`'s compute stream (the device check builds ops of its own tuning).
-    pub(crate) fn new(be: CudaBackend) -> Self {
+    pub fn new(be: CudaBackend) -> Self {
         CudaLauncher { be }
     }
 }

@@ -9,7 +9,8 @@
 
 use super::*;
 use crate::comm::{local_rank_from, Bootstrap};
-use ganymede_cuda::device::{nccl, CudaBackend, NcclGroup};
+use ganymede_cuda::device::CudaBackend;
+use ganymede_dist::nccl::{self, NcclGroup};
 use ganymede_dist::RankCtx;
 
 /// Train `cfg` as this process's rank of an NCCL job bootstrapped by `boot`.
