@@ -10,8 +10,9 @@
 //! RUN/checkpoints/      see `checkpoint`
 //! ```
 //!
-//! Every rank runs [`rank_loop`]: build its state ([`RankState::new`] applies the parallelism
-//! the mesh asks for, none at world size 1), resume, then step, validate, log (rank 0) and
+//! Every rank runs [`rank_loop`] on the backend its launcher made for it ([`MakeBackend`]: the
+//! binary's, which alone links the GPU backend): build its state ([`RankState::with_backend`]
+//! applies the parallelism the mesh asks for, none at world size 1), resume, then step, validate, log (rank 0) and
 //! checkpoint. A single process is world size 1 of the same loop.
 
 use crate::checkpoint::{self, Position};
@@ -19,7 +20,7 @@ use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::{DeadCheck, JobConfig};
 use ganymede_core::ledger::CATEGORIES;
-use ganymede_core::Device;
+use ganymede_core::{Backend, Device};
 use ganymede_data::Dataset;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};
@@ -33,6 +34,17 @@ use std::time::{Duration, Instant};
 mod nccl;
 #[cfg(feature = "cuda")]
 pub use nccl::train_nccl;
+
+/// Makes one rank's backend, with a ledger of its own. Whoever launches the ranks gives it (the
+/// binary: the one crate that links the CUDA backend), and each rank calls it once, on its own
+/// thread, so nothing below the launch picks a device.
+pub type MakeBackend = Arc<dyn Fn() -> Result<Arc<dyn Backend>> + Send + Sync>;
+
+/// The backends of `cfg.device`'s CPU kinds ([`ganymede_parallel::driver::backend`]).
+pub fn cpu_backends(cfg: &JobConfig) -> MakeBackend {
+    let cfg = cfg.clone();
+    Arc::new(move || ganymede_parallel::driver::backend(&cfg))
+}
 
 /// How a run is driven, beyond its configuration.
 #[derive(Clone, Debug, Default)]
@@ -422,8 +434,19 @@ fn check_steps_left(cfg: &JobConfig, ckpt: Option<&Path>) -> Result<()> {
 }
 
 /// Train `cfg` (already resolved and validated; see [`resolve_config`]), from scratch or from
-/// the checkpoint `ckpt`, on `opts.ranks` ranks as threads of this process (one: this thread).
+/// the checkpoint `ckpt`, on `opts.ranks` ranks as threads of this process (one: this thread),
+/// on the CPU kinds' backends.
 pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Result<TrainSummary> {
+    train_on(cfg, ckpt, opts, cpu_backends(cfg))
+}
+
+/// [`train`] with every rank's backend made by `backends`.
+pub fn train_on(
+    cfg: &JobConfig,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    backends: MakeBackend,
+) -> Result<TrainSummary> {
     let n = opts.ranks.max(1);
     let mut cfg = cfg.clone();
     fit_mesh(&mut cfg, n, &[]);
@@ -460,14 +483,14 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         // A panic below (an allocation past `device.memory_gib`, say) ends the run with its
         // message as an error, as it does on several ranks.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            rank_loop(Arc::new(world), &run, true)
+            rank_loop(Arc::new(world), backends()?, &run, true)
         }));
         match r {
             Ok(out) => vec![out?],
             Err(p) => bail!("training failed: {}", panic_message(p.as_ref())),
         }
     } else {
-        run_ranks_as_threads(n, &tcfg, run.clone())?
+        run_ranks_as_threads(n, &tcfg, run.clone(), backends)?
     };
     if let Some(path) = &opts.trace {
         let tracers: Vec<&Tracer> = outs.iter().map(|o| o.tracer.as_ref()).collect();
@@ -616,10 +639,15 @@ fn build_data(cfg: &JobConfig, dir: Option<&Path>, opts: &TrainOptions) -> Resul
 /// `n` ranks on detached threads, so a rank stuck outside any collective cannot hold the job:
 /// once one rank has failed, the others get the collective timeout (plus a second) to report,
 /// and any still running are left behind with an error naming them.
-fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Result<Vec<RankOut>> {
+fn run_ranks_as_threads(
+    n: usize,
+    tcfg: &ThreadsConfig,
+    shared: Arc<Run>,
+    backends: MakeBackend,
+) -> Result<Vec<RankOut>> {
     let (tx, rx) = std::sync::mpsc::channel();
     for g in ganymede_dist::threads_world(n, tcfg) {
-        let (tx, shared) = (tx.clone(), shared.clone());
+        let (tx, shared, backends) = (tx.clone(), shared.clone(), backends.clone());
         std::thread::Builder::new()
             .name(format!("rank{}", g.rank()))
             .spawn(move || {
@@ -628,7 +656,7 @@ fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Res
                 // A panic drops the world handle while unwinding, which poisons the world, so
                 // every other rank's collective fails at once naming this rank.
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    rank_loop(world, &shared, rank == 0)
+                    rank_loop(world, backends()?, &shared, rank == 0)
                 }));
                 let _ = tx.send((rank, r));
             })
@@ -726,13 +754,18 @@ fn rank_spans(ranks: &[usize]) -> String {
 
 /// One rank's whole run: build its state, resume, step, validate, log and write (`writer`:
 /// rank 0), checkpoint.
-fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<RankOut> {
+fn rank_loop(
+    world: Arc<dyn ProcessGroup>,
+    be: Arc<dyn Backend>,
+    run: &Run,
+    writer: bool,
+) -> Result<RankOut> {
     let (cfg, opts, data, run_dir) = (&run.cfg, &run.opts, &run.data, &run.run_dir);
     let run_start = Instant::now();
     let (rank, n) = (world.rank(), world.size());
     let tracer = world.ctx().tracer.clone();
     let group = world.clone();
-    let mut st = RankState::new(world, cfg)?;
+    let mut st = RankState::with_backend(world, cfg, be)?;
     let total = cfg.training.steps;
     let (mut start, mut tokens_seen) = (0, 0u64);
     if let Some(dir) = &run.ckpt {
@@ -1141,6 +1174,7 @@ pub fn train_mpi(
     cfg: &JobConfig,
     ckpt: Option<&Path>,
     opts: &TrainOptions,
+    backends: MakeBackend,
 ) -> Result<TrainSummary> {
     let mcfg = ganymede_dist::mpi::MpiConfig {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
@@ -1154,7 +1188,7 @@ pub fn train_mpi(
     let run = process_run(cfg, ckpt, opts, rank, n)?;
     let dynw: Arc<dyn ProcessGroup> = world.clone();
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        rank_loop(dynw, &run, rank == 0)
+        rank_loop(dynw, backends()?, &run, rank == 0)
     }));
     let out = match res {
         Ok(Ok(o)) => o,

@@ -1,7 +1,9 @@
 //! Training as one process of a multi-GPU job over NCCL (`device.kind = "cuda"`, one process
 //! per GPU under `srun`, `mpirun` or torchrun-style variables): rank 0 makes NCCL's unique id,
-//! every rank gets it (over MPI, or rank 0's TCP store), joins the communicator on its
-//! `LOCAL_RANK` GPU, then trains as an MPI rank does. A failing rank prints its error and ends
+//! every rank gets it (over MPI, or rank 0's TCP store), joins the communicator on its local
+//! rank's GPU, then trains as an MPI rank does. The GPU is set up here, once: the group's
+//! backend, and beside it (on the same streams, so collectives are ordered against the
+//! training's compute) the training state's, handed to the loop. A failing rank prints its error and ends
 //! (aborting the MPI job when MPI is there); a stalled or failed collective aborts the
 //! communicator within `parallelism.timeout_s` on the ranks that wait for it.
 //!
@@ -9,7 +11,7 @@
 
 use super::*;
 use crate::comm::{local_rank_from, Bootstrap};
-use ganymede_cuda::device::CudaBackend;
+use ganymede_cuda::device::{kernel_backend_on, CudaBackend};
 use ganymede_dist::nccl::{self, NcclGroup};
 use ganymede_dist::RankCtx;
 
@@ -25,9 +27,6 @@ pub fn train_nccl(
         Bootstrap::Store(env) => env.local_rank,
         Bootstrap::Mpi => local_rank_from(|k| std::env::var(k).ok()),
     };
-    // The training state's backend takes its GPU from LOCAL_RANK; Slurm and Open MPI name it
-    // otherwise. Set before MPI or any thread starts.
-    std::env::set_var("LOCAL_RANK", local.to_string());
     let zero = [0u8; nccl::UNIQUE_ID_BYTES];
     let (rank, n, id, mpi_world) = match &boot {
         Bootstrap::Store(env) => {
@@ -46,10 +45,11 @@ pub fn train_nccl(
         .as_slice()
         .try_into()
         .map_err(|_| anyhow::anyhow!("NCCL rendezvous: {} bytes, not an NCCL id", id.len()))?;
-    let be = CudaBackend::new(local, Arc::new(ganymede_core::Ledger::new()))
-        .map_err(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))?;
-    // The training state makes its own backend for this GPU: it must use these streams.
-    be.share_streams();
+    let cuda = |e| anyhow::anyhow!("device.kind = \"cuda\": {e}");
+    let ledger = || Arc::new(ganymede_core::Ledger::new());
+    let be = CudaBackend::new(local, ledger()).map_err(cuda)?;
+    let rank_be: Arc<dyn ganymede_core::Backend> =
+        Arc::new(kernel_backend_on(be.beside(ledger()).map_err(cuda)?).map_err(cuda)?);
     let world = NcclGroup::world(
         &be,
         &id,
@@ -76,7 +76,7 @@ pub fn train_nccl(
     let run = process_run(cfg, ckpt, opts, rank, n)?;
     let dynw: Arc<dyn ProcessGroup> = world.clone();
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        rank_loop(dynw, &run, rank == 0)
+        rank_loop(dynw, rank_be, &run, rank == 0)
     }));
     let out = match res {
         Ok(Ok(o)) => o,
