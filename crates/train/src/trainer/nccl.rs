@@ -48,8 +48,6 @@ pub fn train_nccl(
     let cuda = |e| anyhow::anyhow!("device.kind = \"cuda\": {e}");
     let ledger = || Arc::new(ganymede_core::Ledger::new());
     let be = CudaBackend::new(local, ledger()).map_err(cuda)?;
-    let rank_be: Arc<dyn ganymede_core::Backend> =
-        Arc::new(kernel_backend_on(be.beside(ledger()).map_err(cuda)?).map_err(cuda)?);
     let world = NcclGroup::world(
         &be,
         &id,
@@ -58,8 +56,15 @@ pub fn train_nccl(
         RankCtx::new(rank, opts.trace.is_some()),
         timeout,
     )?;
-    let end_job = |msg: String| -> ! {
-        eprintln!("error: rank {rank}: {msg}; ending the job");
+    let run = process_run(cfg, ckpt, opts, rank, n, "with several processes")?;
+    // The training state's backend: beside the group's, on its streams.
+    let rank_be = || -> Result<Arc<dyn ganymede_core::Backend>> {
+        Ok(Arc::new(
+            kernel_backend_on(be.beside(ledger()).map_err(cuda)?).map_err(cuda)?,
+        ))
+    };
+    let out = process_loop(world, rank_be, &run).unwrap_or_else(|failure| {
+        eprintln!("error: {failure}; ending the job");
         #[cfg(feature = "mpi")]
         if let Some((_, g)) = &mpi_world {
             g.abort(1)
@@ -67,32 +72,8 @@ pub fn train_nccl(
         #[cfg(not(feature = "mpi"))]
         let _ = &mpi_world;
         std::process::exit(1)
-    };
-    if opts.out.is_none() && ckpt.and_then(run_dir_of).is_none() {
-        bail!(
-            "with several processes, give --out: every rank must write to the same run directory"
-        );
-    }
-    let run = process_run(cfg, ckpt, opts, rank, n)?;
-    let dynw: Arc<dyn ProcessGroup> = world.clone();
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        rank_loop(dynw, rank_be, &run, rank == 0)
-    }));
-    let out = match res {
-        Ok(Ok(o)) => o,
-        Ok(Err(e)) => end_job(format!("{e:#}")),
-        Err(p) => end_job(format!("died: {}", panic_message(p.as_ref()))),
-    };
-    if let Some(path) = &opts.trace {
-        let p = path.with_extension(format!("rank{rank}.json"));
-        write_chrome_trace(&p, &[out.tracer.as_ref()])
-            .with_context(|| format!("cannot write trace {}", p.display()))?;
-    }
-    let mut run = run;
-    run.opts.quiet |= rank != 0;
-    // The processes are the ranks (no --ranks in the resume command).
-    run.opts.ranks = 1;
-    Ok(summary(&[out], &run))
+    });
+    process_summary(rank, out, run)
 }
 
 /// MPI's world, kept alive while training (and used to abort the job).
