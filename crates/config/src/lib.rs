@@ -17,7 +17,7 @@ pub mod tensors;
 pub use presets::{preset, PRESETS};
 pub use sizing::{
     ep_capacity_rows, head_rows, moe_rows, ns_batch_elems, ns_stack_batch, offloaded_layers,
-    staging_slot_bytes, NS_STACK_BYTES, STAGING_MAX_BYTES, STAGING_SLOTS,
+    NS_STACK_BYTES,
 };
 pub use tensors::{model_tensors, Role, TensorSpec};
 

@@ -1,6 +1,7 @@
 //! Sizing rules the planner and the runtime share: how many layers offload, how many rows the
-//! LM head and the experts take at once, the GPU staging ring, batched Newton–Schulz's working
-//! memory, expert parallelism's buffer capacity. Each is written once here so that a prediction
+//! LM head and the experts take at once, batched Newton–Schulz's working memory, expert
+//! parallelism's buffer capacity (the GPU staging ring's rule is `ganymede_core::staging`, beside
+//! the backends that use it). Each is written once here so that a prediction
 //! and the measured ledger cannot drift apart.
 
 /// Layers whose boundary activation goes to host memory at `fraction` of `layers`: the nearest
@@ -18,18 +19,6 @@ pub fn head_rows(tokens: usize, chunk: usize) -> usize {
     } else {
         chunk.min(tokens)
     }
-}
-
-/// Pinned slots of a GPU backend's staging ring, through which the step's small u32 and f64
-/// writes reach the device without a host wait. The one rule the CUDA backend and the planner
-/// share: every slot grows to [`staging_slot_bytes`] of the largest write staged so far
-/// (writes above [`STAGING_MAX_BYTES`] are not staged).
-pub const STAGING_SLOTS: usize = 32;
-/// The largest write that is staged.
-pub const STAGING_MAX_BYTES: usize = 1 << 20;
-/// A staging slot's bytes once the largest write staged was `bytes`.
-pub fn staging_slot_bytes(bytes: usize) -> usize {
-    bytes.next_power_of_two().max(4096)
 }
 
 /// Bytes of f32 working memory a batched Newton–Schulz (a GPU's, `Blas::batches_matrices`)

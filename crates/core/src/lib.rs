@@ -45,9 +45,11 @@
 pub mod backend;
 pub mod bf16;
 pub mod cpu;
+pub mod hash;
 pub mod ledger;
 pub mod params;
 pub mod sample;
+pub mod staging;
 pub mod stream;
 pub mod tensor;
 
@@ -57,6 +59,7 @@ pub use backend::{
     RouterDims, RouterOut, Syrk,
 };
 pub use cpu::{CpuBackend, TwoMemoryOptions};
+pub use hash::fnv1a64;
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};
 pub use stream::{CopySpan, Event, MemoryError, Stream};

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # CI for the `cuda` feature, on a machine without a GPU:
-#  - ganymede-cuda builds and is clippy clean with the feature;
+#  - ganymede-cuda builds and is clippy clean with the feature, and so are the crates that build
+#    on its device side: the device check (ganymede-device-check) and the NCCL group
+#    (ganymede-dist with `nccl`), whose unit tests run too;
 #  - NVRTC (the nvidia-cuda-nvrtc 13.0 wheel, installed into a venv if missing) compiles every
 #    kernel file for sm_90 (GANYMEDE_REQUIRE_NVRTC=1: no NVRTC is a failure, not a skip);
 #  - the probe answers with an error, not a panic, and the binary built with the feature refuses
@@ -34,7 +36,10 @@ if ! lib=$(nvrtc_lib); then
 fi
 echo "ci: NVRTC from $lib"
 
-cargo clippy --release -p ganymede-cuda --features cuda --all-targets -- -D warnings
+cargo clippy --release -p ganymede-cuda -p ganymede-dist -p ganymede-device-check \
+    --features ganymede-cuda/cuda,ganymede-dist/nccl,ganymede-device-check/cuda --all-targets \
+    -- -D warnings
 LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GANYMEDE_REQUIRE_NVRTC=1 \
     cargo test --release -p ganymede-cuda --features cuda
+cargo test --release -p ganymede-dist --features nccl --lib nccl
 cargo test --release -p ganymede --features cuda --test cuda_cli

@@ -1,8 +1,8 @@
 //! The device through cudarc: a context, one CUDA stream per seam [`Stream`], events, pinned
 //! host memory, asynchronous copies, NVRTC-compiled kernels and a cuBLAS handle on the compute
 //! stream. [`CudaBackend`] implements `Memory` fully (`memory.rs`) and `Blas` (`blas.rs`:
-//! GEMMs through cuBLAS); the model's kernels (`NnOps`, `OptimOps`) are still to come, so
-//! training refuses this device.
+//! GEMMs through cuBLAS); [`CudaKernelBackend`] (`launcher.rs`) adds the model's and the
+//! optimizers' kernels (`NnOps`, `OptimOps`), which makes the whole seam on one GPU.
 //!
 //! Ordering is the seam's, not cudarc's: cudarc's per-slice event tracking is turned off, and
 //! code above the seam orders streams with `Memory::record_event`/`Memory::wait_event`.
@@ -10,20 +10,16 @@
 //! another stream is freed on the compute stream only after that stream's work so far.
 
 mod blas;
-pub mod check;
-mod check_model;
 mod launcher;
 mod memory;
-pub mod nccl;
 pub mod nvrtc;
 mod plumbing;
 pub mod probe;
 pub mod profile;
 mod staging;
 
-pub use launcher::{kernel_backend, CudaKernelBackend, CudaLauncher};
-pub use memory::{DeviceMemory, PinnedMemory};
-pub use nccl::NcclGroup;
+pub use launcher::{kernel_backend, kernel_backend_on, CudaKernelBackend, CudaLauncher};
+pub use memory::{place, place_mut, DeviceMemory, PinnedMemory, Place, Uses};
 pub use plumbing::PLUMBING;
 pub use probe::{probe, probe_nvrtc, ProbeError};
 
@@ -118,16 +114,6 @@ impl Streams {
     }
 }
 
-/// Streams shared by every backend of a GPU in this process (see [`CudaBackend::share_streams`]).
-static SHARED_STREAMS: Mutex<Vec<(usize, Arc<Streams>)>> = Mutex::new(Vec::new());
-
-fn shared_streams(ordinal: usize) -> Option<Arc<Streams>> {
-    let reg = SHARED_STREAMS.lock().unwrap_or_else(|e| e.into_inner());
-    reg.iter()
-        .find(|(o, _)| *o == ordinal)
-        .map(|(_, s)| s.clone())
-}
-
 /// Kernels loaded into the context, looked up by name (cached).
 struct Kernels {
     modules: Vec<Arc<CudaModule>>,
@@ -181,13 +167,29 @@ impl CudaBackend {
     /// Probe, then set up GPU `ordinal`: context, streams, cuBLAS, and every kernel of
     /// `sources::SOURCES` (plus the backend's own) compiled by NVRTC for its architecture.
     pub fn new(ordinal: usize, ledger: Arc<Ledger>) -> Result<Self, DeviceError> {
+        Self::on_streams(ordinal, ledger, None)
+    }
+
+    /// Another backend on this one's GPU, with its own ledger (and cuBLAS handle), that issues
+    /// its work on this one's streams: the NCCL group's backend and the training state's are
+    /// two, and the collectives must be ordered against the training's compute stream.
+    pub fn beside(&self, ledger: Arc<Ledger>) -> Result<Self, DeviceError> {
+        Self::on_streams(self.ordinal as usize, ledger, Some(self.streams.clone()))
+    }
+
+    /// [`CudaBackend::new`] on `streams` (of a backend of the same GPU), or on new ones.
+    fn on_streams(
+        ordinal: usize,
+        ledger: Arc<Ledger>,
+        streams: Option<Arc<Streams>>,
+    ) -> Result<Self, DeviceError> {
         probe()?;
         let ctx = CudaContext::new(ordinal).map_err(driver("context"))?;
         // SAFETY: the seam orders every use across streams with its events (see module doc),
         // and this backend frees memory in stream order itself.
         unsafe { ctx.disable_event_tracking() };
         let mk = || ctx.new_stream().map_err(driver("stream"));
-        let streams = match shared_streams(ordinal) {
+        let streams = match streams {
             Some(s) => s,
             None => Arc::new(Streams {
                 streams: [mk()?, mk()?, mk()?, mk()?],
@@ -237,15 +239,6 @@ impl CudaBackend {
             staging: Mutex::new(staging::Staging::default()),
             bf16_scratch: Mutex::default(),
         })))
-    }
-
-    /// From now on every backend made in this process for this GPU uses this backend's
-    /// streams: the NCCL group is made before the training state (which makes its own
-    /// backend), and its collectives must be ordered against that state's compute stream.
-    pub fn share_streams(&self) {
-        let mut reg = SHARED_STREAMS.lock().unwrap_or_else(|e| e.into_inner());
-        reg.retain(|(o, _)| *o != self.ordinal as usize);
-        reg.push((self.ordinal as usize, self.streams.clone()));
     }
 
     /// The major compute capability (9 on an H100/H200); 0 if the driver does not say.
@@ -312,9 +305,10 @@ impl CudaBackend {
         self.streams.get(Stream::Compute)
     }
 
-    /// Make the context current on this thread before a raw driver or cuBLAS call (cudarc's own
-    /// methods do this themselves); rank threads and copy helpers call in from anywhere.
-    fn bind(&self) {
+    /// Make the context current on this thread before a raw driver, cuBLAS or NCCL call
+    /// (cudarc's own methods do this themselves); rank threads and copy helpers call in from
+    /// anywhere.
+    pub fn bind(&self) {
         ok(self.ctx.bind_to_thread(), "binding the context");
     }
 

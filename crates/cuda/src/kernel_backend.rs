@@ -2,8 +2,8 @@
 //! [`KernelBackend`]`<L, D>` runs every elementwise, norm, attention, routing, loss and
 //! optimizer op through [`KernelOps`]`<L>` and takes `Memory` and the GEMMs from `D`.
 //! [`HostKernelBackend`] is the host build over the CPU backend (the model-level check that the
-//! kernels compose into training, `tests/kernel_backend.rs`); the GPU backend is the same
-//! struct over a CUDA launcher and a device with cuBLAS.
+//! kernels compose into training: `crates/device-check/tests/kernel_backend.rs`); the GPU
+//! backend is the same struct over a CUDA launcher and a device with cuBLAS.
 
 use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};

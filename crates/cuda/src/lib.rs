@@ -7,8 +7,9 @@
 //!   backend in CI, where there is no GPU.
 //! - With the `cuda` feature: the device through cudarc ([`device::CudaBackend`]: context,
 //!   streams, events, pinned memory, cuBLAS, NVRTC), probed before use ([`device::probe()`]) so a
-//!   machine without a driver gets one clear error, and the prepared self-check
-//!   ([`device::check`]) behind `ganymede device-check`.
+//!   machine without a driver gets one clear error. The prepared self-check behind
+//!   `ganymede device-check` is the `ganymede-device-check` crate's, and the NCCL group is
+//!   `ganymede_dist::nccl`'s: this crate depends on the seam (`ganymede-core`) and cudarc only.
 //! - [`cublas_map`]: the seam's row-major GEMMs as column-major cuBLAS calls, a pure function
 //!   tested in CI against the CPU backend.
 
@@ -19,6 +20,5 @@ pub mod device;
 pub mod host;
 pub mod kernel_backend;
 pub mod launch;
-pub mod nccl_lib;
 pub mod ops;
 pub mod sources;

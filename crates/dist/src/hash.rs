@@ -5,16 +5,8 @@ use crate::group::ProcessGroup;
 use crate::stats::Phase;
 use ganymede_core::{View, ViewMut};
 
-/// FNV-1a, 64 bit: stable across processes, builds and machines (std's hasher is not promised
-/// to be).
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+/// The seam's content hash (the CUDA backend's kernel cache uses it too).
+pub use ganymede_core::fnv1a64;
 
 /// Hash of any serialisable configuration (its JSON form).
 pub fn config_hash<C: serde::Serialize>(cfg: &C) -> u64 {

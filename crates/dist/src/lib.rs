@@ -4,6 +4,13 @@
 //! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check) and
 //! the FlexShard [`placement`] policy with its optimizer byte formulas, and the [`rendezvous`]
 //! that launchers without MPI need (torchrun-style or Slurm variables, a TCP store on rank 0).
+//!
+//! With the `nccl` feature, [`nccl`]: the NCCL group, one process per GPU. It is the one part of
+//! this crate that depends on a backend, `ganymede-cuda`: NCCL reads and writes the CUDA
+//! backend's memory in place and orders its collectives against that backend's streams, so it
+//! needs the backend's device types, and the group lives here, beside the other process groups
+//! and their shared checks ([`checks`]), rather than in the backend crate, which then depends on
+//! the seam alone. [`nccl_lib`] (finding NCCL's library) needs no feature.
 
 pub mod checks;
 pub mod conformance;
@@ -14,6 +21,9 @@ pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod muon_comm;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod nccl_lib;
 pub mod placement;
 pub mod rendezvous;
 pub mod stats;

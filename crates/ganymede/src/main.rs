@@ -3,8 +3,6 @@
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
-use ganymede_config::DeviceKind;
-use ganymede_train::comm::Comm;
 use ganymede_train::eval::{self, EvalSource, GenerateOptions};
 use ganymede_train::trainer::{self, TrainOptions};
 use std::path::{Path, PathBuf};
@@ -12,6 +10,7 @@ use std::process::ExitCode;
 
 mod calibrate;
 mod data_cmd;
+mod launch;
 
 #[derive(Parser)]
 #[command(
@@ -260,19 +259,7 @@ fn run(cmd: Command) -> Result<()> {
                 .as_deref()
                 .map(ganymede_train::stop::parse_signal)
                 .transpose()?;
-            // The world size: mpirun's processes, else --ranks threads (default one process).
-            #[cfg(feature = "mpi")]
-            let mpi_size: Option<usize> = std::env::var("OMPI_COMM_WORLD_SIZE")
-                .ok()
-                .and_then(|v| v.parse().ok());
-            #[cfg(not(feature = "mpi"))]
-            let mpi_size: Option<usize> = None;
-            anyhow::ensure!(
-                mpi_size.is_none() || a.ranks.is_none(),
-                "under mpirun the processes are the ranks: drop --ranks"
-            );
-            let ranks = mpi_size.or(a.ranks).unwrap_or(1);
-            anyhow::ensure!(ranks >= 1, "--ranks 0: give at least one rank");
+            let launcher = launch::Launcher::detect(a.ranks)?;
             let init_from = a
                 .init_from
                 .as_deref()
@@ -293,38 +280,7 @@ fn run(cmd: Command) -> Result<()> {
                     n,
                 )
             };
-            // Processes started by a launcher without MPI (srun, torchrun-style) are the ranks
-            // of a CUDA job (one per GPU, over NCCL): fit the mesh to their number. Other jobs
-            // keep --ranks (a CPU job under srun is one process's, as before).
-            let launch_world = (mpi_size.is_none() && a.ranks.is_none())
-                .then(|| {
-                    ganymede_dist::rendezvous::LaunchEnv::from_env()
-                        .ok()
-                        .flatten()
-                })
-                .flatten()
-                .map(|e| e.world_size)
-                .filter(|&n| n > 1);
-            let (cfg, ckpt, ranks) = match launch_world.map(|n| (n, resolve(n))) {
-                Some((n, Ok((cfg, ckpt)))) if cfg.device.kind == DeviceKind::Cuda => (cfg, ckpt, n),
-                _ => {
-                    let (cfg, ckpt) = resolve(ranks)?;
-                    (cfg, ckpt, ranks)
-                }
-            };
-            // CUDA on several processes is NCCL's; the launcher's variables say how many.
-            let launch = if cfg.device.kind == DeviceKind::Cuda {
-                ganymede_dist::rendezvous::LaunchEnv::from_env()?
-            } else {
-                None
-            };
-            let comm =
-                ganymede_train::comm::choose(cfg.device.kind, mpi_size, launch.as_ref(), a.ranks)?;
-            if cfg.device.kind == DeviceKind::Cuda {
-                if let Some(e) = cuda_training_refusal(matches!(comm, Comm::Nccl(_))) {
-                    return Err(e);
-                }
-            }
+            let job = launcher.job(resolve)?;
             let name = match (&a.preset, &a.config) {
                 (Some(p), _) => p.clone(),
                 (None, Some(f)) => f
@@ -337,7 +293,7 @@ fn run(cmd: Command) -> Result<()> {
                 stop_after: a.stop_after,
                 name,
                 quiet: false,
-                ranks,
+                ranks: job.ranks,
                 trace: a.trace,
                 init_from,
                 truncate_history: a.safety.truncate_history,
@@ -345,17 +301,7 @@ fn run(cmd: Command) -> Result<()> {
                 ..Default::default()
             };
             ganymede_train::stop::install(extra)?;
-            #[cfg(feature = "cuda")]
-            if let Comm::Nccl(boot) = comm {
-                exit_if_stopped(&trainer::train_nccl(&cfg, ckpt.as_deref(), &opts, boot)?);
-                return Ok(());
-            }
-            #[cfg(feature = "mpi")]
-            if mpi_size.is_some() {
-                exit_if_stopped(&trainer::train_mpi(&cfg, ckpt.as_deref(), &opts)?);
-                return Ok(());
-            }
-            exit_if_stopped(&trainer::train(&cfg, ckpt.as_deref(), &opts)?);
+            exit_if_stopped(&launch::train(job, &opts)?);
         }
         Command::Eval(a) => {
             ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
@@ -514,48 +460,19 @@ fn check_report_target(run: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-/// The build command that gives a binary able to use a GPU.
-#[cfg(not(feature = "cuda"))]
-const BUILD_WITH_CUDA: &str = "cargo build --release -p ganymede --features cuda";
-
-/// Why `train` with `device.kind = "cuda"` cannot run, as one line, before anything is built:
-/// no CUDA in this binary, or none on this machine, or (`nccl`: several processes) no NCCL.
-/// Never a silent run on the CPU instead.
-fn cuda_training_refusal(nccl: bool) -> Option<anyhow::Error> {
-    #[cfg(not(feature = "cuda"))]
-    return {
-        let _ = nccl;
-        Some(anyhow::anyhow!(
-            "device.kind = \"cuda\", but this binary was built without CUDA: build it with `{BUILD_WITH_CUDA}`"
-        ))
-    };
-    #[cfg(feature = "cuda")]
-    if nccl {
-        // May start this program again with NCCL's folder on the loader's path (nothing has
-        // been built yet, and MPI is not initialised).
-        ganymede_cuda::nccl_lib::prepare();
-        if let Err(m) = ganymede_cuda::nccl_lib::check() {
-            return Some(anyhow::anyhow!(
-                "device.kind = \"cuda\" on several processes needs NCCL: {m}"
-            ));
-        }
-    }
-    #[cfg(feature = "cuda")]
-    ganymede_cuda::device::probe()
-        .err()
-        .map(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))
-}
-
 #[cfg(not(feature = "cuda"))]
 fn device_check(_out: &Path) -> Result<()> {
-    anyhow::bail!("device-check needs CUDA, but this binary was built without it: build it with `{BUILD_WITH_CUDA}`")
+    anyhow::bail!(
+        "device-check needs CUDA, but this binary was built without it: build it with `{}`",
+        launch::BUILD_WITH_CUDA
+    )
 }
 
 #[cfg(feature = "cuda")]
 fn device_check(out: &Path) -> Result<()> {
     // NCCL's library under the wheel's name too (the NCCL section needs it).
-    ganymede_cuda::nccl_lib::prepare();
-    let s = ganymede_cuda::device::check::run(out)?;
+    ganymede_dist::nccl_lib::prepare();
+    let s = ganymede_device_check::run(out)?;
     println!(
         "{} ({} section(s) passed, {} failed)",
         s.report.display(),

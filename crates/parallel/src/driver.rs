@@ -142,8 +142,10 @@ fn trainable_grads<'a>(shards: &'a mut Shards, specs: &[ParamSpec]) -> Vec<&'a m
         .collect()
 }
 
-/// The backend `device` asks for, with a fresh ledger. `cuda` is never replaced by the CPU:
-/// without the `cuda` feature or a GPU it is refused with the reason.
+/// The backend `device` asks for, with a fresh ledger, for the CPU kinds. A GPU backend is made
+/// by whoever launches the ranks (the `ganymede` binary, the one crate that links it) and handed
+/// to [`RankState::with_backend`]; `cuda` here is refused with the reason, never replaced by the
+/// CPU.
 pub fn backend(cfg: &JobConfig) -> Result<Arc<dyn Backend>> {
     let ledger = Arc::new(Ledger::new());
     let d = &cfg.device;
@@ -157,29 +159,11 @@ pub fn backend(cfg: &JobConfig) -> Result<Arc<dyn Backend>> {
                 checking: d.check_streams,
             },
         )),
-        DeviceKind::Cuda => cuda_backend(ledger)?,
+        DeviceKind::Cuda => bail!(
+            "device.kind = \"cuda\": the CUDA backend is made by the ganymede binary (built \
+             with `--features cuda`) and handed to the training state, not made here"
+        ),
     })
-}
-
-/// The CUDA backend on this process's GPU: `LOCAL_RANK` under a launcher that starts one
-/// process per GPU, else GPU 0 (thread ranks share it).
-#[cfg(feature = "cuda")]
-fn cuda_backend(ledger: Arc<Ledger>) -> Result<Arc<dyn Backend>> {
-    let ordinal = std::env::var("LOCAL_RANK")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let be = ganymede_cuda::device::kernel_backend(ordinal, ledger)
-        .map_err(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))?;
-    Ok(Arc::new(be))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_backend(_ledger: Arc<Ledger>) -> Result<Arc<dyn Backend>> {
-    bail!(
-        "device.kind = \"cuda\", but this binary was built without CUDA: build it with \
-         `cargo build --release -p ganymede --features cuda`"
-    )
 }
 
 /// Everything one rank holds.
@@ -200,7 +184,17 @@ impl RankState {
     /// Collective over `world`: checks the configuration hash, builds the mesh and this rank's
     /// parameters (whole at world size 1, else its shards of the initial tensors).
     pub fn new(world: Arc<dyn ProcessGroup>, cfg: &JobConfig) -> Result<Self> {
-        Self::build(world, cfg, true)
+        Self::build(world, cfg, None, true)
+    }
+
+    /// [`RankState::new`] on `be`, made by the caller for this rank (with a ledger of its own):
+    /// how a GPU backend reaches the state.
+    pub fn with_backend(
+        world: Arc<dyn ProcessGroup>,
+        cfg: &JobConfig,
+        be: Arc<dyn Backend>,
+    ) -> Result<Self> {
+        Self::build(world, cfg, Some(be), true)
     }
 
     /// [`RankState::new`] with every parameter handed to the model in f32 under bf16 compute,
@@ -208,10 +202,16 @@ impl RankState {
     /// tests hold the bf16 weights' losses and bytes against.
     #[doc(hidden)]
     pub fn new_with_f32_weights(world: Arc<dyn ProcessGroup>, cfg: &JobConfig) -> Result<Self> {
-        Self::build(world, cfg, false)
+        Self::build(world, cfg, None, false)
     }
 
-    fn build(world: Arc<dyn ProcessGroup>, cfg: &JobConfig, bf16_weights: bool) -> Result<Self> {
+    /// `be`: the rank's backend, or `None` for the one [`backend`] makes from `cfg`.
+    fn build(
+        world: Arc<dyn ProcessGroup>,
+        cfg: &JobConfig,
+        be: Option<Arc<dyn Backend>>,
+        bf16_weights: bool,
+    ) -> Result<Self> {
         check_config_hash(world.as_ref(), config_hash(cfg))
             .context("ranks started with different configurations")?;
         let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
@@ -227,7 +227,10 @@ impl RankState {
                 t.batch_size
             );
         }
-        let shared = backend(cfg)?;
+        let shared = match be {
+            Some(be) => be,
+            None => backend(cfg)?,
+        };
         let be: &dyn Backend = shared.as_ref();
         let model = Model::new(m)
             .with_compute_dtype(t.compute_dtype)

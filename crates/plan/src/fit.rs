@@ -260,7 +260,7 @@ fn one_microbatch(job: &JobConfig, ranks: usize) -> JobConfig {
 }
 
 /// Pinned host bytes of the CUDA backend's staging ring on one of `ranks` ranks: every one of
-/// [`ganymede_config::STAGING_SLOTS`] slots at the slot size of the step's largest staged write
+/// [`ganymede_core::staging::STAGING_SLOTS`] slots at the slot size of the step's largest staged write
 /// (all slots take it within the first steps, since a step stages more writes than there are
 /// slots or the ring turns over within a few). The writes, with N the rank's tokens and E the
 /// experts: the token ids and targets (4N bytes each) and their grouping by id (4(3N + 1));
@@ -280,13 +280,14 @@ pub fn staging_bytes(job: &JobConfig, ranks: usize) -> f64 {
     // Larger writes are not staged (they block).
     let largest = writes
         .into_iter()
-        .filter(|&b| b <= ganymede_config::STAGING_MAX_BYTES)
+        .filter(|&b| b <= ganymede_core::staging::STAGING_MAX_BYTES)
         .max()
         .unwrap_or(0);
     if largest == 0 {
         return 0.0;
     }
-    (ganymede_config::STAGING_SLOTS * ganymede_config::staging_slot_bytes(largest)) as f64
+    (ganymede_core::staging::STAGING_SLOTS * ganymede_core::staging::staging_slot_bytes(largest))
+        as f64
 }
 
 /// How a runtime tensor is updated and sharded.

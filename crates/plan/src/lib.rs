@@ -11,6 +11,10 @@
 //! - [`fit`]: those bytes placed on the two memories of the CPU backend's two-memory mode, and
 //!   the fit check against `device.memory_gib` that `ganymede train` runs before launch;
 //! - [`cli`]: `ganymede plan`'s arguments ([`PlanArgs`]) and [`run`].
+//!
+//! Besides the configuration, the planner reads one rule from `ganymede_core`: the size of the
+//! CUDA backend's staging ring (`ganymede_core::staging`), kept in the seam's crate because the
+//! backend that follows it may depend on nothing above the seam.
 
 pub mod cli;
 pub mod cluster;

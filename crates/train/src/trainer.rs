@@ -10,8 +10,9 @@
 //! RUN/checkpoints/      see `checkpoint`
 //! ```
 //!
-//! Every rank runs [`rank_loop`]: build its state ([`RankState::new`] applies the parallelism
-//! the mesh asks for, none at world size 1), resume, then step, validate, log (rank 0) and
+//! Every rank runs [`rank_loop`] on the backend its launcher made for it ([`MakeBackend`]: the
+//! binary's, which alone links the GPU backend): build its state ([`RankState::with_backend`]
+//! applies the parallelism the mesh asks for, none at world size 1), resume, then step, validate, log (rank 0) and
 //! checkpoint. A single process is world size 1 of the same loop.
 
 use crate::checkpoint::{self, Position};
@@ -19,7 +20,7 @@ use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
 use anyhow::{bail, Context, Result};
 use ganymede_config::{DeadCheck, JobConfig};
 use ganymede_core::ledger::CATEGORIES;
-use ganymede_core::Device;
+use ganymede_core::{Backend, Device};
 use ganymede_data::Dataset;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};
@@ -33,6 +34,17 @@ use std::time::{Duration, Instant};
 mod nccl;
 #[cfg(feature = "cuda")]
 pub use nccl::train_nccl;
+
+/// Makes one rank's backend, with a ledger of its own. Whoever launches the ranks gives it (the
+/// binary: the one crate that links the CUDA backend), and each rank calls it once, on its own
+/// thread, so nothing below the launch picks a device.
+pub type MakeBackend = Arc<dyn Fn() -> Result<Arc<dyn Backend>> + Send + Sync>;
+
+/// The backends of `cfg.device`'s CPU kinds ([`ganymede_parallel::driver::backend`]).
+pub fn cpu_backends(cfg: &JobConfig) -> MakeBackend {
+    let cfg = cfg.clone();
+    Arc::new(move || ganymede_parallel::driver::backend(&cfg))
+}
 
 /// How a run is driven, beyond its configuration.
 #[derive(Clone, Debug, Default)]
@@ -422,37 +434,28 @@ fn check_steps_left(cfg: &JobConfig, ckpt: Option<&Path>) -> Result<()> {
 }
 
 /// Train `cfg` (already resolved and validated; see [`resolve_config`]), from scratch or from
-/// the checkpoint `ckpt`, on `opts.ranks` ranks as threads of this process (one: this thread).
+/// the checkpoint `ckpt`, on `opts.ranks` ranks as threads of this process (one: this thread),
+/// on the CPU kinds' backends.
 pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Result<TrainSummary> {
+    train_on(cfg, ckpt, opts, cpu_backends(cfg))
+}
+
+/// [`train`] with every rank's backend made by `backends`.
+pub fn train_on(
+    cfg: &JobConfig,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    backends: MakeBackend,
+) -> Result<TrainSummary> {
     let n = opts.ranks.max(1);
-    let mut cfg = cfg.clone();
-    fit_mesh(&mut cfg, n, &[]);
-    cfg.validate()?;
-    init_threads(cfg.training.threads);
-    check_fit(&cfg, n)?;
-    check_host_fit(&cfg, n, n)?;
-    check_steps_left(&cfg, ckpt)?;
-    check_trace_path(opts)?;
-    let run_dir = run_dir_path(ckpt, opts);
-    // Held until this function returns: no second writer between the checks and the last write.
-    let _lock = crate::guard::RunLock::acquire(&run_dir)?;
-    check_run_dir(ckpt, opts, &run_dir)?;
-    claim_run_dir(ckpt, opts, &run_dir)?;
-    let data = build_data(&cfg, Some(&run_dir.join("data")), opts)?;
-    let data_fp = check_data(&cfg, &data, ckpt, opts, &run_dir)?;
+    let mut run = prepare_run(cfg, ckpt, opts, 0, n, n)?;
+    // Held until this function returns, not by rank threads that may outlive it.
+    let _lock = run.lock.take();
     let tcfg = ThreadsConfig {
-        timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
+        timeout: Duration::from_secs_f64(run.cfg.parallelism.timeout_s),
         trace: opts.trace.is_some(),
     };
-    let run = Arc::new(Run {
-        cfg,
-        ckpt: ckpt.map(Path::to_path_buf),
-        opts: opts.clone(),
-        data,
-        data_fp,
-        run_dir,
-        _lock: None,
-    });
+    let run = Arc::new(run);
     let outs = if n == 1 {
         let world = ganymede_dist::threads_world(1, &tcfg)
             .pop()
@@ -460,14 +463,14 @@ pub fn train(cfg: &JobConfig, ckpt: Option<&Path>, opts: &TrainOptions) -> Resul
         // A panic below (an allocation past `device.memory_gib`, say) ends the run with its
         // message as an error, as it does on several ranks.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            rank_loop(Arc::new(world), &run, true)
+            rank_loop(Arc::new(world), backends()?, &run, true)
         }));
         match r {
             Ok(out) => vec![out?],
             Err(p) => bail!("training failed: {}", panic_message(p.as_ref())),
         }
     } else {
-        run_ranks_as_threads(n, &tcfg, run.clone())?
+        run_ranks_as_threads(n, &tcfg, run.clone(), backends)?
     };
     if let Some(path) = &opts.trace {
         let tracers: Vec<&Tracer> = outs.iter().map(|o| o.tracer.as_ref()).collect();
@@ -555,8 +558,9 @@ struct Run {
     /// `data`'s fingerprint, recorded in every checkpoint.
     data_fp: checkpoint::DataFingerprint,
     run_dir: PathBuf,
-    /// The writer's lock, where this struct's owner holds it (a process of several).
-    _lock: Option<crate::guard::RunLock>,
+    /// The writer's lock (rank 0's), held while this struct lives (a process of several) or
+    /// taken out by the launch that holds it.
+    lock: Option<crate::guard::RunLock>,
 }
 
 /// What one rank reports.
@@ -616,10 +620,15 @@ fn build_data(cfg: &JobConfig, dir: Option<&Path>, opts: &TrainOptions) -> Resul
 /// `n` ranks on detached threads, so a rank stuck outside any collective cannot hold the job:
 /// once one rank has failed, the others get the collective timeout (plus a second) to report,
 /// and any still running are left behind with an error naming them.
-fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Result<Vec<RankOut>> {
+fn run_ranks_as_threads(
+    n: usize,
+    tcfg: &ThreadsConfig,
+    shared: Arc<Run>,
+    backends: MakeBackend,
+) -> Result<Vec<RankOut>> {
     let (tx, rx) = std::sync::mpsc::channel();
     for g in ganymede_dist::threads_world(n, tcfg) {
-        let (tx, shared) = (tx.clone(), shared.clone());
+        let (tx, shared, backends) = (tx.clone(), shared.clone(), backends.clone());
         std::thread::Builder::new()
             .name(format!("rank{}", g.rank()))
             .spawn(move || {
@@ -628,7 +637,7 @@ fn run_ranks_as_threads(n: usize, tcfg: &ThreadsConfig, shared: Arc<Run>) -> Res
                 // A panic drops the world handle while unwinding, which poisons the world, so
                 // every other rank's collective fails at once naming this rank.
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    rank_loop(world, &shared, rank == 0)
+                    rank_loop(world, backends()?, &shared, rank == 0)
                 }));
                 let _ = tx.send((rank, r));
             })
@@ -726,13 +735,18 @@ fn rank_spans(ranks: &[usize]) -> String {
 
 /// One rank's whole run: build its state, resume, step, validate, log and write (`writer`:
 /// rank 0), checkpoint.
-fn rank_loop(world: Arc<dyn ProcessGroup>, run: &Run, writer: bool) -> Result<RankOut> {
+fn rank_loop(
+    world: Arc<dyn ProcessGroup>,
+    be: Arc<dyn Backend>,
+    run: &Run,
+    writer: bool,
+) -> Result<RankOut> {
     let (cfg, opts, data, run_dir) = (&run.cfg, &run.opts, &run.data, &run.run_dir);
     let run_start = Instant::now();
     let (rank, n) = (world.rank(), world.size());
     let tracer = world.ctx().tracer.clone();
     let group = world.clone();
-    let mut st = RankState::new(world, cfg)?;
+    let mut st = RankState::with_backend(world, cfg, be)?;
     let total = cfg.training.steps;
     let (mut start, mut tokens_seen) = (0, 0u64);
     if let Some(dir) = &run.ckpt {
@@ -1086,33 +1100,28 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
     }
 }
 
-/// Train as one rank of an MPI job (`mpirun -n N ganymede train …`); `dp_replicate × dp_shard`
-/// is the job's size. Rank 0 writes the run directory and builds the data folder; the others build
-/// the same tokens in memory. A failing rank prints its error and aborts the job, and a stalled
-/// collective fails after `parallelism.timeout_s`, so no rank hangs. With a trace, each rank
-/// writes `FILE.rank<r>.json`.
-/// One process's share of a multi-process job (MPI or NCCL ranks): the config fitted to the
-/// world, the fit check, the run directory (rank 0 prepares it and writes the data cache) and
-/// the data.
-#[cfg(any(feature = "mpi", feature = "cuda"))]
-fn process_run(
+/// The start every launch shares: the config fitted to the `n` ranks and validated, the fit and
+/// resume checks (`local`: the ranks this process runs, for the host's memory), the run directory
+/// (rank 0 takes the writer's lock, prepares the directory and writes the data cache; every
+/// rank checks it, with the same answer on a shared file system, so a refusal ends every rank
+/// rather than leaving the others waiting) and the data.
+fn prepare_run(
     cfg: &JobConfig,
     ckpt: Option<&Path>,
     opts: &TrainOptions,
     rank: usize,
     n: usize,
+    local: usize,
 ) -> Result<Run> {
     let mut cfg = cfg.clone();
     fit_mesh(&mut cfg, n, &[]);
     cfg.validate()?;
     init_threads(cfg.training.threads);
     check_fit(&cfg, n)?;
-    check_host_fit(&cfg, 1, n)?;
+    check_host_fit(&cfg, local, n)?;
     check_steps_left(&cfg, ckpt)?;
     check_trace_path(opts)?;
-    // Every rank checks the directory (the same answer on a shared file system), so a refusal
-    // ends every rank rather than leaving the others waiting; rank 0 holds the writer's lock
-    // (a second job's rank 0 fails on it, and mpirun ends that job).
+    // A second job's rank 0 fails on the lock (and its launcher ends that job).
     let run_dir = run_dir_path(ckpt, opts);
     let lock = (rank == 0)
         .then(|| crate::guard::RunLock::acquire(&run_dir))
@@ -1132,15 +1141,21 @@ fn process_run(
         data,
         data_fp,
         run_dir,
-        _lock: lock,
+        lock,
     })
 }
 
+/// Train as one rank of an MPI job (`mpirun -n N ganymede train …`); `dp_replicate × dp_shard`
+/// is the job's size. Rank 0 writes the run directory and builds the data folder; the others build
+/// the same tokens in memory. A failing rank prints its error and aborts the job, and a stalled
+/// collective fails after `parallelism.timeout_s`, so no rank hangs. With a trace, each rank
+/// writes `FILE.rank<r>.json`.
 #[cfg(feature = "mpi")]
 pub fn train_mpi(
     cfg: &JobConfig,
     ckpt: Option<&Path>,
     opts: &TrainOptions,
+    backends: MakeBackend,
 ) -> Result<TrainSummary> {
     let mcfg = ganymede_dist::mpi::MpiConfig {
         timeout: Duration::from_secs_f64(cfg.parallelism.timeout_s),
@@ -1148,34 +1163,60 @@ pub fn train_mpi(
     };
     let (_mpi, world) = ganymede_dist::mpi::init(&mcfg)?;
     let (rank, n) = (world.rank(), world.size());
+    let run = process_run(cfg, ckpt, opts, rank, n, "under mpirun")?;
+    let out = process_loop(world.clone(), || backends(), &run).unwrap_or_else(|failure| {
+        eprintln!("error: {failure}; aborting the MPI job");
+        world.abort(1)
+    });
+    process_summary(rank, out, run)
+}
+
+/// [`prepare_run`] for one process of `n` (MPI or NCCL ranks), which must be told where the
+/// run directory is (`launcher`: how the refusal names the job).
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+fn process_run(
+    cfg: &JobConfig,
+    ckpt: Option<&Path>,
+    opts: &TrainOptions,
+    rank: usize,
+    n: usize,
+    launcher: &str,
+) -> Result<Run> {
     if opts.out.is_none() && ckpt.and_then(run_dir_of).is_none() {
-        bail!("under mpirun, give --out: every rank must write to the same run directory");
+        bail!("{launcher}, give --out: every rank must write to the same run directory");
     }
-    let run = process_run(cfg, ckpt, opts, rank, n)?;
-    let dynw: Arc<dyn ProcessGroup> = world.clone();
+    prepare_run(cfg, ckpt, opts, rank, n, 1)
+}
+
+/// This process's rank of a multi-process job (MPI, NCCL) runs the loop on the backend `be`
+/// makes; a failure or a panic comes back as one line naming the rank, for the launch to end the
+/// whole job with rather than leave the other processes waiting.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+fn process_loop(
+    world: Arc<dyn ProcessGroup>,
+    be: impl FnOnce() -> Result<Arc<dyn Backend>>,
+    run: &Run,
+) -> std::result::Result<RankOut, String> {
+    let rank = world.rank();
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        rank_loop(dynw, &run, rank == 0)
+        rank_loop(world, be()?, run, rank == 0)
     }));
-    let out = match res {
-        Ok(Ok(o)) => o,
-        Ok(Err(e)) => {
-            eprintln!("error: rank {rank}: {e:#}; aborting the MPI job");
-            world.abort(1)
-        }
-        Err(p) => {
-            eprintln!(
-                "error: rank {rank} died: {}; aborting the MPI job",
-                panic_message(p.as_ref())
-            );
-            world.abort(1)
-        }
-    };
-    if let Some(path) = &opts.trace {
+    match res {
+        Ok(Ok(o)) => Ok(o),
+        Ok(Err(e)) => Err(format!("rank {rank}: {e:#}")),
+        Err(p) => Err(format!("rank {rank} died: {}", panic_message(p.as_ref()))),
+    }
+}
+
+/// The end every multi-process launch shares: this rank's trace (`FILE.rank<r>.json`), and the
+/// summary, which rank 0 alone prints.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+fn process_summary(rank: usize, out: RankOut, mut run: Run) -> Result<TrainSummary> {
+    if let Some(path) = &run.opts.trace {
         let p = path.with_extension(format!("rank{rank}.json"));
         write_chrome_trace(&p, &[out.tracer.as_ref()])
             .with_context(|| format!("cannot write trace {}", p.display()))?;
     }
-    let mut run = run;
     run.opts.quiet |= rank != 0;
     // The processes are the ranks (no --ranks in the resume command).
     run.opts.ranks = 1;

@@ -32,7 +32,12 @@ pub fn kernel_backend(
     ordinal: usize,
     ledger: Arc<Ledger>,
 ) -> Result<CudaKernelBackend, DeviceError> {
-    let be = CudaBackend::new(ordinal, ledger)?;
+    kernel_backend_on(CudaBackend::new(ordinal, ledger)?)
+}
+
+/// The full backend over a device layer already set up (the NCCL launch makes the training
+/// state's with [`CudaBackend::beside`] its group's).
+pub fn kernel_backend_on(be: CudaBackend) -> Result<CudaKernelBackend, DeviceError> {
     let tuning = Tuning::for_device(be.compute_major()).map_err(DeviceError::Setting)?;
     let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, tuning);
     Ok(KernelBackend::new(ops, be))
@@ -40,7 +45,7 @@ pub fn kernel_backend(
 
 impl CudaLauncher {
     /// Launches on `be`'s compute stream (the device check builds ops of its own tuning).
-    pub(crate) fn new(be: CudaBackend) -> Self {
+    pub fn new(be: CudaBackend) -> Self {
         CudaLauncher { be }
     }
 }

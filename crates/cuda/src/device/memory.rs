@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Which streams other than compute a buffer was used on (bit per [`Stream::index`]).
-pub(super) struct Uses(AtomicU8);
+pub struct Uses(AtomicU8);
 
 impl Uses {
     /// Marks a use on `s`; true where it is the first there.
-    pub(super) fn mark(&self, s: Stream) -> bool {
+    pub fn mark(&self, s: Stream) -> bool {
         let bit = 1 << s.index();
         self.0.fetch_or(bit, Ordering::Relaxed) & bit == 0
     }
@@ -47,10 +47,11 @@ fn bind_for_drop(ctx: &CudaContext) {
 /// Device memory: `len` elements of `dtype`, allocated (and freed) on the compute stream.
 pub struct DeviceMemory {
     _slice: CudaSlice<u8>,
-    pub(super) addr: u64,
+    pub addr: u64,
     dtype: DType,
     len: usize,
-    pub(super) uses: Uses,
+    /// Mark a use on another stream here, and the free waits for that stream's work.
+    pub uses: Uses,
     streams: Arc<Streams>,
 }
 
@@ -143,13 +144,15 @@ impl DeviceBuffer for PinnedMemory {
 struct SeamEvent(CudaEvent);
 
 /// Where a view's memory is, for copies (unified addressing: one address space for both).
-pub(super) struct Place<'a> {
-    pub(super) addr: u64,
-    pub(super) bytes: usize,
-    pub(super) dtype: DType,
-    pub(super) len: usize,
-    pub(super) uses: Option<&'a Uses>,
-    pub(super) on_device: bool,
+/// Public, with [`place`], [`place_mut`] and [`CudaBackend::alloc`], for the NCCL group
+/// (`ganymede_dist::nccl`), which hands device memory to NCCL in place.
+pub struct Place<'a> {
+    pub addr: u64,
+    pub bytes: usize,
+    pub dtype: DType,
+    pub len: usize,
+    pub uses: Option<&'a Uses>,
+    pub on_device: bool,
 }
 
 fn place_of_buffer(buf: &dyn DeviceBuffer, offset: usize, len: usize) -> Place<'_> {
@@ -180,7 +183,7 @@ fn place_of_buffer(buf: &dyn DeviceBuffer, offset: usize, len: usize) -> Place<'
     )
 }
 
-pub(super) fn place<'a>(v: &View<'a>) -> Place<'a> {
+pub fn place<'a>(v: &View<'a>) -> Place<'a> {
     let host = |addr: u64, len: usize, dtype: DType| Place {
         addr,
         bytes: len * dtype.size(),
@@ -198,7 +201,7 @@ pub(super) fn place<'a>(v: &View<'a>) -> Place<'a> {
     }
 }
 
-pub(super) fn place_mut<'a>(v: &mut ViewMut<'a>) -> Place<'a> {
+pub fn place_mut<'a>(v: &mut ViewMut<'a>) -> Place<'a> {
     let host = |addr: u64, len: usize, dtype: DType| Place {
         addr,
         bytes: len * dtype.size(),
@@ -226,7 +229,7 @@ pub(super) struct CopyTrace {
 
 impl CudaBackend {
     /// Device memory of `len` elements of `dtype`, zeroed on the compute stream.
-    pub(super) fn alloc(&self, len: usize, dtype: DType) -> Result<DeviceMemory, DriverError> {
+    pub fn alloc(&self, len: usize, dtype: DType) -> Result<DeviceMemory, DriverError> {
         let bytes = len * dtype.size();
         let compute = self.compute();
         // SAFETY: zeroed below before anything reads it; cuMemAlloc rejects 0 bytes.

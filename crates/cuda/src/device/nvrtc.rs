@@ -12,7 +12,7 @@
 //! match is compiled again and replaced.
 
 use cudarc::nvrtc::{result, sys};
-use ganymede_dist::fnv1a64;
+use ganymede_core::fnv1a64;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -205,9 +205,24 @@ pub fn compile_cached(
     if let Ok(c) = &out {
         // Best effort: a read-only or full disk leaves the compile as it is.
         let _ = std::fs::create_dir_all(dir);
-        let _ = ganymede_checkpoint::write_atomic(&path, &cache_encode(&key, &c.cubin));
+        let _ = write_whole(&path, &cache_encode(&key, &c.cubin));
     }
     (out, Origin::Compiled)
+}
+
+/// `bytes` into `path` through a file of its own (process and call), renamed into place: a
+/// reader sees a whole file or none. No fsync: a cache file lost in a crash is compiled again,
+/// and a damaged one fails its checksum.
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()));
+    let r = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
 }
 
 /// Everything a CUBIN depends on: the file's name and source, the options, the architecture

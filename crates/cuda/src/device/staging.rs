@@ -9,14 +9,14 @@
 //! event), so the host never races the copy engine, and the host may be [`SLOTS`] writes ahead
 //! of the GPU before it waits. Every slot grows to the size of the largest write so far (a
 //! slot smaller than that is replaced when it is next used), so after the first steps the ring
-//! is `SLOTS` slots of `ganymede_config::staging_slot_bytes` of the step's largest write, as
+//! is `SLOTS` slots of `ganymede_core::staging::staging_slot_bytes` of the step's largest write, as
 //! the planner counts it, and allocates nothing. Writes above [`MAX_BYTES`] keep the blocking
 //! path; only u32 and f64 writes are staged (see `write_raw_staged`).
 
 use super::memory::Place;
 use super::{ok, CudaBackend};
 use cudarc::driver::CudaEvent;
-use ganymede_config::{staging_slot_bytes, STAGING_MAX_BYTES as MAX_BYTES, STAGING_SLOTS};
+use ganymede_core::staging::{staging_slot_bytes, STAGING_MAX_BYTES as MAX_BYTES, STAGING_SLOTS};
 use ganymede_core::{Category, DType, Memory, Stream, Tensor};
 
 /// Pinned slots in the ring.

@@ -1,7 +1,9 @@
 //! Training as one process of a multi-GPU job over NCCL (`device.kind = "cuda"`, one process
 //! per GPU under `srun`, `mpirun` or torchrun-style variables): rank 0 makes NCCL's unique id,
-//! every rank gets it (over MPI, or rank 0's TCP store), joins the communicator on its
-//! `LOCAL_RANK` GPU, then trains as an MPI rank does. A failing rank prints its error and ends
+//! every rank gets it (over MPI, or rank 0's TCP store), joins the communicator on its local
+//! rank's GPU, then trains as an MPI rank does. The GPU is set up here, once: the group's
+//! backend, and beside it (on the same streams, so collectives are ordered against the
+//! training's compute) the training state's, handed to the loop. A failing rank prints its error and ends
 //! (aborting the MPI job when MPI is there); a stalled or failed collective aborts the
 //! communicator within `parallelism.timeout_s` on the ranks that wait for it.
 //!
@@ -9,7 +11,8 @@
 
 use super::*;
 use crate::comm::{local_rank_from, Bootstrap};
-use ganymede_cuda::device::{nccl, CudaBackend, NcclGroup};
+use ganymede_cuda::device::{kernel_backend_on, CudaBackend};
+use ganymede_dist::nccl::{self, NcclGroup};
 use ganymede_dist::RankCtx;
 
 /// Train `cfg` as this process's rank of an NCCL job bootstrapped by `boot`.
@@ -24,9 +27,6 @@ pub fn train_nccl(
         Bootstrap::Store(env) => env.local_rank,
         Bootstrap::Mpi => local_rank_from(|k| std::env::var(k).ok()),
     };
-    // The training state's backend takes its GPU from LOCAL_RANK; Slurm and Open MPI name it
-    // otherwise. Set before MPI or any thread starts.
-    std::env::set_var("LOCAL_RANK", local.to_string());
     let zero = [0u8; nccl::UNIQUE_ID_BYTES];
     let (rank, n, id, mpi_world) = match &boot {
         Bootstrap::Store(env) => {
@@ -45,10 +45,9 @@ pub fn train_nccl(
         .as_slice()
         .try_into()
         .map_err(|_| anyhow::anyhow!("NCCL rendezvous: {} bytes, not an NCCL id", id.len()))?;
-    let be = CudaBackend::new(local, Arc::new(ganymede_core::Ledger::new()))
-        .map_err(|e| anyhow::anyhow!("device.kind = \"cuda\": {e}"))?;
-    // The training state makes its own backend for this GPU: it must use these streams.
-    be.share_streams();
+    let cuda = |e| anyhow::anyhow!("device.kind = \"cuda\": {e}");
+    let ledger = || Arc::new(ganymede_core::Ledger::new());
+    let be = CudaBackend::new(local, ledger()).map_err(cuda)?;
     let world = NcclGroup::world(
         &be,
         &id,
@@ -57,8 +56,15 @@ pub fn train_nccl(
         RankCtx::new(rank, opts.trace.is_some()),
         timeout,
     )?;
-    let end_job = |msg: String| -> ! {
-        eprintln!("error: rank {rank}: {msg}; ending the job");
+    let run = process_run(cfg, ckpt, opts, rank, n, "with several processes")?;
+    // The training state's backend: beside the group's, on its streams.
+    let rank_be = || -> Result<Arc<dyn ganymede_core::Backend>> {
+        Ok(Arc::new(
+            kernel_backend_on(be.beside(ledger()).map_err(cuda)?).map_err(cuda)?,
+        ))
+    };
+    let out = process_loop(world, rank_be, &run).unwrap_or_else(|failure| {
+        eprintln!("error: {failure}; ending the job");
         #[cfg(feature = "mpi")]
         if let Some((_, g)) = &mpi_world {
             g.abort(1)
@@ -66,32 +72,8 @@ pub fn train_nccl(
         #[cfg(not(feature = "mpi"))]
         let _ = &mpi_world;
         std::process::exit(1)
-    };
-    if opts.out.is_none() && ckpt.and_then(run_dir_of).is_none() {
-        bail!(
-            "with several processes, give --out: every rank must write to the same run directory"
-        );
-    }
-    let run = process_run(cfg, ckpt, opts, rank, n)?;
-    let dynw: Arc<dyn ProcessGroup> = world.clone();
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        rank_loop(dynw, &run, rank == 0)
-    }));
-    let out = match res {
-        Ok(Ok(o)) => o,
-        Ok(Err(e)) => end_job(format!("{e:#}")),
-        Err(p) => end_job(format!("died: {}", panic_message(p.as_ref()))),
-    };
-    if let Some(path) = &opts.trace {
-        let p = path.with_extension(format!("rank{rank}.json"));
-        write_chrome_trace(&p, &[out.tracer.as_ref()])
-            .with_context(|| format!("cannot write trace {}", p.display()))?;
-    }
-    let mut run = run;
-    run.opts.quiet |= rank != 0;
-    // The processes are the ranks (no --ranks in the resume command).
-    run.opts.ranks = 1;
-    Ok(summary(&[out], &run))
+    });
+    process_summary(rank, out, run)
 }
 
 /// MPI's world, kept alive while training (and used to abort the job).

@@ -2,7 +2,7 @@
 //!
 //! Every collective is launched on the backend's `Comm` stream after an event recorded on the
 //! compute stream (so it sees the compute work issued before it), and an event recorded after
-//! it is what [`Work::wait`] waits for. The wait is a watchdog ([`ganymede_dist::watch`]): it
+//! it is what [`Work::wait`] waits for. The wait is a watchdog ([`crate::watch`]): it
 //! polls the event and `ncclCommGetAsyncError` until done, and on an NCCL error or past
 //! `timeout` aborts the communicator (`ncclCommAbort`) and fails naming the rank, the group and
 //! the collective, so a stalled peer ends the job instead of hanging it. After a successful
@@ -18,25 +18,24 @@
 //! (`ncclGroupStart`/`ncclGroupEnd`), a rank's piece for itself a device copy; `split` is
 //! `ncclCommSplit`, after a small all-gather of every rank's (color, key) so each group knows
 //! its members' world ranks. Bytes are counted as the threads and MPI groups count them
-//! (`ganymede_dist::stats::volume`).
+//! ([`crate::checks`], which also validates every collective's arguments for the three).
 //!
 //! Communicator creation and split block inside NCCL until every peer joins; they run under a
-//! deadline ([`ganymede_dist::deadline`]) that ends the process with the same naming.
+//! deadline ([`crate::deadline`]) that ends the process with the same naming.
 //!
 //! Not yet run on a GPU: `ganymede device-check` runs the conformance suite on it at world size 1.
 
-use super::memory::{place, place_mut, DeviceMemory, Place};
-use super::CudaBackend;
+use crate::group::{host_view, host_view_mut};
+use crate::{
+    checks, watch, CommError, Op, Pending, Phase, Poll, ProcessGroup, RankCtx, Result, Track,
+    Watch, Watched, Work,
+};
 use cudarc::driver::sys as cu;
 use cudarc::driver::CudaEvent;
 use cudarc::nccl::sys as nc;
 use ganymede_core::{DType, Stream, View, ViewMut};
-use ganymede_dist::group::{host_view, host_view_mut};
-use ganymede_dist::stats::volume;
-use ganymede_dist::{
-    watch, CommError, Op, Pending, Phase, Poll, ProcessGroup, RankCtx, Result, Track, Watch,
-    Watched, Work,
-};
+use ganymede_cuda::device::probe::driver_error;
+use ganymede_cuda::device::{place, place_mut, CudaBackend, DeviceMemory, Place};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -160,7 +159,7 @@ impl NcclGroup {
             internal: id.map(|b| b as std::ffi::c_char),
         };
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
-        let guard = ganymede_dist::deadline(
+        let guard = crate::deadline(
             &Watch {
                 op: "ncclCommInitRank",
                 group: "world".into(),
@@ -296,7 +295,7 @@ impl<'g> Launch<'g> {
         let m = self.g.be.alloc(p.len, p.dtype).map_err(|e| {
             nccl_err(
                 self.op.name(),
-                format!("staging memory: {}", super::probe::driver_error(&e)),
+                format!("staging memory: {}", driver_error(&e)),
             )
         })?;
         m.uses.mark(Stream::Comm);
@@ -336,7 +335,7 @@ impl<'g> Launch<'g> {
         // SAFETY: ranges of views or staging buffers of `bytes` bytes, kept alive by the handle.
         unsafe { cu::cuMemcpyAsync(dst, src, bytes, s) }
             .result()
-            .map_err(|e| nccl_err(self.op.name(), super::probe::driver_error(&e)))
+            .map_err(|e| nccl_err(self.op.name(), driver_error(&e)))
     }
 
     /// Order after compute, copy in, run `body` on the comm stream (under the communicator's
@@ -356,9 +355,7 @@ impl<'g> Launch<'g> {
         let posted = Instant::now();
         let compute = g.be.stream(Stream::Compute);
         let comm = g.comm_stream();
-        let drv = |e: cudarc::driver::DriverError| {
-            nccl_err(self.op.name(), super::probe::driver_error(&e))
-        };
+        let drv = |e: cudarc::driver::DriverError| nccl_err(self.op.name(), driver_error(&e));
         // Host data goes in on the compute stream, after the staging buffer's allocation: a
         // copy from pageable memory may wait for its stream, and compute never waits for a
         // pending collective, so this cannot block on a stalled peer (the comm stream could).
@@ -448,7 +445,7 @@ impl Watched for Poller<'_> {
         match self.done.try_is_complete() {
             Ok(true) => return Poll::Done,
             Ok(false) => {}
-            Err(e) => return Poll::Failed(super::probe::driver_error(&e)),
+            Err(e) => return Poll::Failed(driver_error(&e)),
         }
         match self.comm.async_error() {
             Some(e) => Poll::Failed(e),
@@ -512,7 +509,7 @@ impl NcclPending<'_> {
                 // `bytes` long; the collective that wrote the staging buffer is complete.
                 unsafe { cu::cuMemcpyDtoH_v2(host as usize as *mut std::ffi::c_void, dev, bytes) }
                     .result()
-                    .map_err(|e| nccl_err(self.op.name(), super::probe::driver_error(&e)))?;
+                    .map_err(|e| nccl_err(self.op.name(), driver_error(&e)))?;
             }
         }
         Ok(())
@@ -525,16 +522,6 @@ impl Drop for NcclPending<'_> {
         // `Uses` say so), so dropping it here is stream-ordered.
         self.stages.clear();
     }
-}
-
-fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got != want {
-        return Err(CommError::Invalid {
-            op,
-            message: format!("{what} has {got} elements, expected {want}"),
-        });
-    }
-    Ok(())
 }
 
 fn same_dtype(op: &'static str, a: DType, b: DType) -> Result<()> {
@@ -560,14 +547,13 @@ impl NcclGroup {
         record: bool,
     ) -> Result<Work<'a>> {
         let (send, mut recv) = (host_view(send), host_view_mut(recv));
+        let (w, n, dtype) = (self.size(), send.len(), send.dtype());
+        let vol = checks::all_gather(w, n, recv.len(), dtype.size())?;
+        same_dtype("all_gather", dtype, recv.dtype())?;
+        let dt = nccl_dtype("all_gather", dtype)?;
         let mut l = Launch::new(self, Op::AllGather)?;
         let s = l.input(&send)?;
         let r = l.output(&mut recv)?;
-        let (w, n) = (self.size(), s.len);
-        same_dtype("all_gather", s.dtype, r.dtype)?;
-        check_len("all_gather", "recv", r.len, w * n)?;
-        let dt = nccl_dtype("all_gather", s.dtype)?;
-        let vol = volume(Op::AllGather, w, n, s.dtype.size(), false);
         let raw = self.comm.raw;
         l.run(phase, vol, record, |_, st| {
             // SAFETY: device ranges of n and w*n elements, alive until the wait.
@@ -657,14 +643,13 @@ impl ProcessGroup for NcclGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (send, mut recv) = (host_view(send), host_view_mut(recv));
+        let (w, n, dtype) = (self.size(), recv.len(), send.dtype());
+        let vol = checks::reduce_scatter(w, send.len(), n, dtype.size())?;
+        same_dtype("reduce_scatter", dtype, recv.dtype())?;
+        let dt = nccl_dtype("reduce_scatter", dtype)?;
         let mut l = Launch::new(self, Op::ReduceScatter)?;
         let s = l.input(&send)?;
         let r = l.output(&mut recv)?;
-        let (w, n) = (self.size(), r.len);
-        same_dtype("reduce_scatter", s.dtype, r.dtype)?;
-        check_len("reduce_scatter", "send", s.len, w * n)?;
-        let dt = nccl_dtype("reduce_scatter", s.dtype)?;
-        let vol = volume(Op::ReduceScatter, w, n, s.dtype.size(), false);
         let raw = self.comm.raw;
         l.run(phase, vol, true, |_, st| {
             // SAFETY: device ranges of w*n and n elements, alive until the wait.
@@ -676,10 +661,10 @@ impl ProcessGroup for NcclGroup {
 
     fn iall_reduce<'a>(&'a self, buf: ViewMut<'a>, phase: Phase) -> Result<Work<'a>> {
         let mut buf = host_view_mut(buf);
+        let vol = checks::all_reduce(self.size(), buf.len(), buf.dtype().size());
+        let dt = nccl_dtype("all_reduce", buf.dtype())?;
         let mut l = Launch::new(self, Op::AllReduce)?;
         let b = l.inout(&mut buf)?;
-        let dt = nccl_dtype("all_reduce", b.dtype)?;
-        let vol = volume(Op::AllReduce, self.size(), b.len, b.dtype.size(), false);
         let raw = self.comm.raw;
         l.run(phase, vol, true, |_, st| {
             // SAFETY: in place over one device range, alive until the wait.
@@ -698,29 +683,13 @@ impl ProcessGroup for NcclGroup {
         phase: Phase,
     ) -> Result<Work<'a>> {
         let (send, mut recv) = (host_view(send), host_view_mut(recv));
-        let (w, me) = (self.size(), self.rank);
-        if send_counts.len() != w || recv_counts.len() != w {
-            return Err(CommError::Invalid {
-                op: "alltoallv",
-                message: format!("need {w} send and recv counts"),
-            });
-        }
-        let mut l = Launch::new(self, Op::AllToAllV)?;
-        let s = l.input(&send)?;
-        let r = l.output(&mut recv)?;
-        same_dtype("alltoallv", s.dtype, r.dtype)?;
-        check_len("alltoallv", "send", s.len, send_counts.iter().sum())?;
-        check_len("alltoallv", "recv", r.len, recv_counts.iter().sum())?;
-        nccl_dtype("alltoallv", s.dtype)?;
-        let es = s.dtype.size();
-        let others = |c: &[usize]| -> u64 {
-            c.iter()
-                .enumerate()
-                .filter(|&(j, _)| j != me)
-                .map(|(_, &x)| (x * es) as u64)
-                .sum()
-        };
-        let vol = (others(send_counts), others(recv_counts));
+        let (w, me, dtype) = (self.size(), self.rank, send.dtype());
+        let (s_len, r_len) = (send.len(), recv.len());
+        let vol = checks::alltoallv(w, me, dtype.size(), s_len, send_counts, r_len, recv_counts)?;
+        same_dtype("alltoallv", dtype, recv.dtype())?;
+        nccl_dtype("alltoallv", dtype)?;
+        // This rank's piece for itself is a device copy, not a send and a receive: the two
+        // counts must agree here (the other groups find a disagreement in the exchange).
         if send_counts[me] != recv_counts[me] {
             return Err(CommError::Mismatch {
                 op: "alltoallv",
@@ -731,6 +700,9 @@ impl ProcessGroup for NcclGroup {
                 ),
             });
         }
+        let mut l = Launch::new(self, Op::AllToAllV)?;
+        let s = l.input(&send)?;
+        let r = l.output(&mut recv)?;
         self.p2p(
             l,
             pieces(s, send_counts),
@@ -742,14 +714,14 @@ impl ProcessGroup for NcclGroup {
 
     fn ibroadcast<'a>(&'a self, buf: ViewMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
         let mut buf = host_view_mut(buf);
-        check_root("broadcast", root, self.size())?;
+        let (n, dtype) = (buf.len(), buf.dtype());
+        let checks::Rooted { is_root, vol } =
+            checks::in_place(Op::Broadcast, self.size(), self.rank, root, n, dtype.size())?;
+        let dt = nccl_dtype("broadcast", dtype)?;
         let mut l = Launch::new(self, Op::Broadcast)?;
-        let is_root = self.rank == root;
         // Only the root's contents matter going in.
         let p = place_mut(&mut buf);
         let b = l.operand(p, is_root, true)?;
-        let dt = nccl_dtype("broadcast", b.dtype)?;
-        let vol = volume(Op::Broadcast, self.size(), b.len, b.dtype.size(), is_root);
         let raw = self.comm.raw;
         l.run(phase, vol, true, |_, st| {
             // SAFETY: in place over one device range, alive until the wait.
@@ -759,14 +731,14 @@ impl ProcessGroup for NcclGroup {
 
     fn ireduce<'a>(&'a self, buf: ViewMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
         let mut buf = host_view_mut(buf);
-        check_root("reduce", root, self.size())?;
+        let (n, dtype) = (buf.len(), buf.dtype());
+        let checks::Rooted { is_root, vol } =
+            checks::in_place(Op::Reduce, self.size(), self.rank, root, n, dtype.size())?;
+        let dt = nccl_dtype("reduce", dtype)?;
         let mut l = Launch::new(self, Op::Reduce)?;
-        let is_root = self.rank == root;
         let p = place_mut(&mut buf);
         // Other ranks' buffers are left as they were: only the root's is copied back.
         let b = l.operand(p, true, is_root)?;
-        let dt = nccl_dtype("reduce", b.dtype)?;
-        let vol = volume(Op::Reduce, self.size(), b.len, b.dtype.size(), is_root);
         let raw = self.comm.raw;
         l.run(phase, vol, true, |_, st| {
             // SAFETY: in place over one device range, alive until the wait; NCCL writes the
@@ -793,28 +765,21 @@ impl ProcessGroup for NcclGroup {
         root: usize,
         phase: Phase,
     ) -> Result<Work<'a>> {
-        let w = self.size();
-        check_root("gather", root, w)?;
-        let is_root = self.rank == root;
-        if recv.is_some() != is_root {
-            return Err(CommError::Invalid {
-                op: "gather",
-                message: "the root (only) passes a recv buffer".into(),
-            });
+        let (w, send) = (self.size(), host_view(send));
+        let (n, dtype) = (send.len(), send.dtype());
+        let r_len = recv.as_ref().map(|r| r.len());
+        let vol = checks::gather(w, self.rank, root, n, r_len, dtype.size())?.vol;
+        nccl_dtype("gather", dtype)?;
+        let mut recv = recv.map(host_view_mut);
+        if let Some(r) = &recv {
+            same_dtype("gather", dtype, r.dtype())?;
         }
-        let send = host_view(send);
         let mut l = Launch::new(self, Op::Gather)?;
         let s = l.input(&send)?;
-        let n = s.len;
-        nccl_dtype("gather", s.dtype)?;
-        let vol = volume(Op::Gather, w, n, s.dtype.size(), is_root);
         let sends = vec![(root, s)];
-        let recvs = match recv {
+        let recvs = match &mut recv {
             Some(r) => {
-                let mut r = host_view_mut(r);
-                let r = l.output(&mut r)?;
-                same_dtype("gather", s.dtype, r.dtype)?;
-                check_len("gather", "recv", r.len, w * n)?;
+                let r = l.output(r)?;
                 (0..w).map(|j| (j, r.at(j * n, n))).collect()
             }
             None => Vec::new(),
@@ -829,26 +794,20 @@ impl ProcessGroup for NcclGroup {
         root: usize,
         phase: Phase,
     ) -> Result<Work<'a>> {
-        let w = self.size();
-        check_root("scatter", root, w)?;
-        let is_root = self.rank == root;
-        if send.is_some() != is_root {
-            return Err(CommError::Invalid {
-                op: "scatter",
-                message: "the root (only) passes a send buffer".into(),
-            });
+        let (w, mut recv) = (self.size(), host_view_mut(recv));
+        let (n, dtype) = (recv.len(), recv.dtype());
+        let s_len = send.as_ref().map(|s| s.len());
+        let vol = checks::scatter(w, self.rank, root, s_len, n, dtype.size())?.vol;
+        nccl_dtype("scatter", dtype)?;
+        let send = send.map(host_view);
+        if let Some(s) = &send {
+            same_dtype("scatter", s.dtype(), dtype)?;
         }
-        let mut recv = host_view_mut(recv);
         let mut l = Launch::new(self, Op::Scatter)?;
         let r = l.output(&mut recv)?;
-        let n = r.len;
-        nccl_dtype("scatter", r.dtype)?;
-        let vol = volume(Op::Scatter, w, n, r.dtype.size(), is_root);
-        let sends = match send {
+        let sends = match &send {
             Some(s) => {
-                let s = l.input(&host_view(s))?;
-                same_dtype("scatter", s.dtype, r.dtype)?;
-                check_len("scatter", "send", s.len, w * n)?;
+                let s = l.input(s)?;
                 (0..w).map(|j| (j, s.at(j * n, n))).collect()
             }
             None => Vec::new(),
@@ -862,7 +821,7 @@ impl ProcessGroup for NcclGroup {
         let m = self
             .be
             .alloc(1, DType::F32)
-            .map_err(|e| nccl_err("barrier", super::probe::driver_error(&e)))?;
+            .map_err(|e| nccl_err("barrier", driver_error(&e)))?;
         m.uses.mark(Stream::Comm);
         let addr = m.addr;
         l.stages.push(m);
@@ -909,7 +868,7 @@ impl ProcessGroup for NcclGroup {
             self.be.bind();
             // NCCL_SPLIT_NOCOLOR: this rank joins no group.
             let c = color.map_or(-1, |c| c as i32);
-            let guard = ganymede_dist::deadline(
+            let guard = crate::deadline(
                 &Watch {
                     op: "ncclCommSplit",
                     ..self.watch_of(Op::Split)
@@ -959,20 +918,10 @@ impl ProcessGroup for NcclGroup {
     }
 }
 
-fn check_root(op: &'static str, root: usize, size: usize) -> Result<()> {
-    if root >= size {
-        return Err(CommError::Invalid {
-            op,
-            message: format!("root {root} out of range for {size} ranks"),
-        });
-    }
-    Ok(())
-}
-
 /// The device check's section: the conformance suite on a world-1 NCCL group, against the
 /// expected answers and the threads backend's byte counters.
 pub fn conformance_world1(be: &CudaBackend) -> std::result::Result<String, String> {
-    use ganymede_dist::conformance;
+    use crate::conformance;
     let id = unique_id().map_err(|e| e.to_string())?;
     let g = NcclGroup::world(
         be,
@@ -999,7 +948,7 @@ pub fn conformance_world1(be: &CudaBackend) -> std::result::Result<String, Strin
             bad.join(", ")
         ));
     }
-    let threads = ganymede_dist::threads_world(1, &Default::default())
+    let threads = crate::threads_world(1, &Default::default())
         .pop()
         .expect("one rank");
     let (_, tsnap) = conformance::run(&threads).map_err(|e| e.to_string())?;

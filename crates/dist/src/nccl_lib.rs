@@ -6,11 +6,11 @@
 //! path. The loader reads `LD_LIBRARY_PATH` once, at process start, so the fix is: search the
 //! usual places for `libnccl.so` / `libnccl.so.2`, link the file found as `libnccl.so` in a
 //! private folder, and start this program again with that folder first on `LD_LIBRARY_PATH`
-//! ([`prepare`], before MPI or any thread starts). When nothing is found, the error is one line
-//! naming every folder searched.
+//! (`prepare`, with the `nccl` feature, before MPI or any thread starts). When nothing is
+//! found, the error is one line naming every folder searched.
 //!
 //! The search and the decision are pure functions of the environment and the file system, tested
-//! with a temporary folder of fake files; only [`prepare`] touches the process.
+//! with a temporary folder of fake files; only `prepare` touches the process.
 
 use std::path::{Path, PathBuf};
 
@@ -179,14 +179,14 @@ pub fn decide(
 }
 
 /// Why NCCL is unavailable in this process, set by [`prepare`] (`None`: not asked, or fine).
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 static UNAVAILABLE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
 
 /// At start-up, before MPI or any thread starts: make NCCL loadable by cudarc, restarting this
 /// program if its library needs a link (see the module doc). Returns normally when NCCL is
 /// loadable or when it is not (then [`check`] gives the reason); only returns after a restart
 /// that failed to happen.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 pub fn prepare() {
     // SAFETY: loading NCCL runs only its own initialisers; cudarc would load it on first use.
     let cudarc_finds = unsafe { cudarc::nccl::sys::is_culib_present() };
@@ -214,7 +214,7 @@ pub fn prepare() {
 
 /// Link `target` as `link_dir/libnccl.so` and exec this program again with `link_dir` first on
 /// `LD_LIBRARY_PATH`; returns the reason only if that failed.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 fn relink_and_restart(target: &Path, link_dir: &Path) -> String {
     use std::os::unix::process::CommandExt;
     let link = link_dir.join(NAMES[0]);
@@ -251,7 +251,7 @@ fn relink_and_restart(target: &Path, link_dir: &Path) -> String {
 
 /// Whether cudarc can load NCCL in this process: `Err` with the one-line reason if not. Call
 /// [`prepare`] first (at start-up); without it, only cudarc's own names are tried.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 pub fn check() -> Result<(), String> {
     if let Some(Some(why)) = UNAVAILABLE.get() {
         return Err(why.clone());

@@ -2,7 +2,7 @@
 //! (every op through the kernels and cuBLAS) against the CPU backend, gradient tensor by
 //! gradient tensor, so a wrong kernel shows by name (the q/k norm gain's gradient for the
 //! per-head norm, a layer's router for the router's kernels, ...) rather than only as a drift of
-//! the 50-step losses. The tolerances are the host build's (`tests/kernel_backend.rs`): each
+//! the 50-step losses. The tolerances are the host build's (this crate's `tests/kernel_backend.rs`): each
 //! tensor's worst element within 2e-4 of the tensor's largest value in f32, and 2e-2 under bf16
 //! compute with the tensor-core attention (bf16 operands rounded one ulp apart go to different
 //! neighbours; P and dS are rounded as operands); losses within 1e-5 and 1e-4 relative.
@@ -14,13 +14,9 @@
 //! Equal loads are necessary, not sufficient: two flips that swap a pair of experts keep them,
 //! and would show as a gradient past the tolerance.
 
-use super::launcher::{CudaKernelBackend, CudaLauncher};
-use super::CudaBackend;
-use crate::kernel_backend::KernelBackend;
-use crate::ops::{KernelOps, Tuning};
 use ganymede_config::{preset, AcMode, ComputeDtype};
 use ganymede_core::sample::tokens;
-use ganymede_core::{Backend, Category, CpuBackend, ParamStore};
+use ganymede_core::{Backend, Category, ParamStore};
 use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
 use std::fmt::Write as _;
 
@@ -86,18 +82,26 @@ fn scaled_err(got: &[f32], want: &[f32]) -> f64 {
 
 /// The section: f32 with both checkpointing modes, then bf16 compute on the device's tuning
 /// (tensor-core attention from sm_80).
-pub(super) fn tiny_gradients(be: &CudaBackend) -> Result<String, String> {
+#[cfg(feature = "cuda")]
+pub fn tiny_gradients(be: &ganymede_cuda::device::CudaBackend) -> Result<String, String> {
+    use ganymede_cuda::device::{CudaKernelBackend, CudaLauncher};
+    use ganymede_cuda::kernel_backend::KernelBackend;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
     let tuning = Tuning::for_device(be.compute_major())?;
     let gpu: CudaKernelBackend = KernelBackend::new(
         KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
         be.clone(),
     );
-    gradient_parity(&gpu, &CpuBackend::default(), 3)
+    gradient_parity(&gpu, &ganymede_core::CpuBackend::default(), 3)
 }
 
 /// The section's body for any backend `dev` against `cpu`, `dev`'s parameters seeded
 /// `dev_seed` (the CPU's 3: another seed must fail).
-fn gradient_parity(dev: &dyn Backend, cpu: &dyn Backend, dev_seed: u64) -> Result<String, String> {
+pub fn gradient_parity(
+    dev: &dyn Backend,
+    cpu: &dyn Backend,
+    dev_seed: u64,
+) -> Result<String, String> {
     let job = preset("tiny").map_err(|e| e.to_string())?;
     let targets = tokens(BATCH * SEQ, job.model.vocab_size, 5);
     let mut md = String::from(
@@ -193,9 +197,9 @@ fn gradient_parity(dev: &dyn Backend, cpu: &dyn Backend, dev_seed: u64) -> Resul
 #[cfg(test)]
 mod tests {
     use super::{gradient_parity, scaled_err};
-    use crate::kernel_backend::HostKernelBackend;
-    use crate::ops::Tuning;
     use ganymede_core::{CpuBackend, Ledger};
+    use ganymede_cuda::kernel_backend::HostKernelBackend;
+    use ganymede_cuda::ops::Tuning;
     use std::sync::Arc;
 
     /// The section passes on the kernels' host build with an H200's attention (tensor cores,

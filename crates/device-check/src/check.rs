@@ -5,11 +5,11 @@
 //! fails (a failure, panics included, is written down and the next section starts), and the
 //! report says what passed, what failed and what was measured.
 
-use super::{CudaBackend, DeviceError};
 use ganymede_core::sample::values;
 use ganymede_core::{
     bf16, Blas, Category, CpuBackend, DType, Gemm, Ledger, Memory, Stream, Syrk, Tensor,
 };
+use ganymede_cuda::device::{probe, CudaBackend, DeviceError};
 use std::fmt::Write as _;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -66,7 +66,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ),
     (
         "The tiny model's gradients against the CPU backend, tensor by tensor",
-        super::check_model::tiny_gradients,
+        crate::model::tiny_gradients,
     ),
     (
         "Attention at medium's shape: SIMT against tensor-core kernels",
@@ -74,14 +74,14 @@ const SECTIONS: &[(&str, Section)] = &[
     ),
     (
         "NCCL group at world size 1: the conformance suite",
-        super::nccl::conformance_world1,
+        ganymede_dist::nccl::conformance_world1,
     ),
 ];
 
 /// Probe, set up GPU 0, run every section and write `out/report.md`. An error only when the
 /// device cannot be set up at all (the one-line reason); section failures are in the summary.
 pub fn run(out: &Path) -> Result<Summary, DeviceError> {
-    super::probe()?;
+    probe()?;
     std::fs::create_dir_all(out).map_err(|e| DeviceError::Driver {
         what: format!("creating {}", out.display()),
         error: e.to_string(),
@@ -101,7 +101,10 @@ pub fn run(out: &Path) -> Result<Summary, DeviceError> {
         total as f64 / (1u64 << 30) as f64,
         free as f64 / (1u64 << 30) as f64
     );
-    let files: Vec<&str> = crate::sources::SOURCES.iter().map(|(f, _)| *f).collect();
+    let files: Vec<&str> = ganymede_cuda::sources::SOURCES
+        .iter()
+        .map(|(f, _)| *f)
+        .collect();
     let _ = writeln!(
         md,
         "- NVRTC: {} kernel file(s) of `sources::SOURCES` ({}) and the backend's own, compiled \
@@ -145,7 +148,7 @@ pub fn run(out: &Path) -> Result<Summary, DeviceError> {
             let _ = writeln!(
                 md,
                 "## FAIL: the CUDA context is unusable after \"{title}\" ({}); not run: {}\n",
-                super::probe::driver_error(&e),
+                ganymede_cuda::device::probe::driver_error(&e),
                 if rest.is_empty() {
                     "none".to_string()
                 } else {
@@ -330,7 +333,7 @@ fn pinned_async(be: &CudaBackend) -> Result<String, String> {
 /// return before the GEMM ends, and every write lands in stream order (a buffer written twice
 /// holds the second value; more writes than slots reuse slots only after their copies).
 fn staged_writes(be: &CudaBackend) -> Result<String, String> {
-    use super::staging::SLOTS;
+    use ganymede_core::staging::STAGING_SLOTS as SLOTS;
     let size = 8192;
     let a = be.zeros(&[size * size], Category::Buffers);
     let b = be.zeros(&[size * size], Category::Buffers);
@@ -355,7 +358,7 @@ fn staged_writes(be: &CudaBackend) -> Result<String, String> {
     be.synchronize();
     // Every slot at the largest write's slot size now (the planner's rule).
     let largest = 4 * lens.iter().max().copied().unwrap_or(0);
-    let ring = (SLOTS * ganymede_config::staging_slot_bytes(largest)) as u64;
+    let ring = (SLOTS * ganymede_core::staging::staging_slot_bytes(largest)) as u64;
     let pinned = be
         .ledger()
         .report()
@@ -694,9 +697,9 @@ fn gemm_throughput(be: &CudaBackend) -> Result<String, String> {
 /// entries' rms means something other than operand rounding. By the FLOP count (4096², f32, at
 /// ~50 TFLOP/s: ~40 ms a call, 6 calls) well under 2 s of GPU time in all; not yet run.
 fn newton_schulz_times(be: &CudaBackend) -> Result<String, String> {
-    use super::launcher::CudaLauncher;
-    use crate::kernel_backend::KernelBackend;
-    use crate::ops::{KernelOps, Tuning};
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::kernel_backend::KernelBackend;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
     use ganymede_optim::{ns_timings, ns_timings_markdown};
     // The whole seam (NS normalises with a kernel), on this backend's context and streams.
     let tuning = Tuning::for_device(be.compute_major())?;
@@ -738,9 +741,9 @@ fn newton_schulz_times(be: &CudaBackend) -> Result<String, String> {
 /// the entries' largest magnitude (cuBLAS may sum a batch in another order, and bf16 operands
 /// one ulp apart round apart).
 fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
-    use super::launcher::CudaLauncher;
-    use crate::kernel_backend::KernelBackend;
-    use crate::ops::{KernelOps, Tuning};
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::kernel_backend::KernelBackend;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
     use ganymede_optim::{newton_schulz, newton_schulz_strided, NsScratch};
     let tuning = Tuning::for_device(be.compute_major())?;
     let full = KernelBackend::new(
@@ -933,14 +936,20 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
             .map(|&(g, a, b, c)| (g.bf16_inputs(true), a, b, c))
             .collect();
         let mut cast_in = be.zeros(&[tokens * n], Category::Buffers);
-        crate::kernel_backend::Gemms::gemm_grouped(be, cast_in.view_mut(), x.view(), w.view(), &gb);
+        ganymede_cuda::kernel_backend::Gemms::gemm_grouped(
+            be,
+            cast_in.view_mut(),
+            x.view(),
+            w.view(),
+            &gb,
+        );
         let d_in = rel_err(&be.download(cast_in.view()), &be.download(looped.view()));
         ensure(d_in < 1e-4, || {
             format!("mean {mean} tokens/expert: bf16_inputs differs from the loop by {d_in:e}")
         })?;
         // With the experts' weights bf16 already: only the rows are cast.
         let mut weight16 = be.zeros(&[tokens * n], Category::Buffers);
-        crate::kernel_backend::Gemms::gemm_grouped(
+        ganymede_cuda::kernel_backend::Gemms::gemm_grouped(
             be,
             weight16.view_mut(),
             x.view(),
@@ -1009,11 +1018,11 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
 }
 
 fn kernels_by_name(be: &CudaBackend) -> Result<String, String> {
-    let mut files: Vec<(&str, &str)> = crate::sources::SOURCES.to_vec();
-    files.push(super::PLUMBING);
+    let mut files: Vec<(&str, &str)> = ganymede_cuda::sources::SOURCES.to_vec();
+    files.push(ganymede_cuda::device::PLUMBING);
     let mut md = String::from("| file | kernels |\n|---|---|\n");
     for (file, src) in files {
-        let names = super::nvrtc::kernel_names(src);
+        let names = ganymede_cuda::device::nvrtc::kernel_names(src);
         for n in &names {
             be.function(n).map_err(|e| format!("{file}: {e}"))?;
         }
@@ -1085,9 +1094,9 @@ fn overlap(be: &CudaBackend) -> Result<String, String> {
 /// (the two-pass kernels do 3.5 times, dk/dv and dq each recompute S; the fused 2.5 times).
 /// The tensor-core forward runs with 16 query rows a warp and, in the last row, 32.
 fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
-    use super::launcher::CudaLauncher;
-    use crate::ops::{KernelOps, Tuning};
     use ganymede_core::{AttnDims, AttnGrads, AttnSaved};
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
     let d = AttnDims {
         batch: 4,
         tq: 4096,
@@ -1288,9 +1297,9 @@ fn attention_kernels(be: &CudaBackend) -> Result<String, String> {
 /// H200's HBM bandwidth; the 4-wide path is meant to come near it. Both paths must agree
 /// (their arithmetic is the same per element; a compiler may contract the two differently).
 fn memory_bound_kernels(be: &CudaBackend) -> Result<String, String> {
-    use super::launcher::CudaLauncher;
-    use crate::ops::{KernelOps, Tuning};
     use ganymede_core::OptimOps;
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
     let ops = KernelOps::with_tuning(CudaLauncher::new(be.clone()), Tuning::default());
     let n = 32usize << 20;
     let (tokens, k, dim) = (16384usize, 8usize, 1024usize);

@@ -1,0 +1,15 @@
+//! The CUDA backend checked from above the seam, where the model and the optimizers are: a
+//! crate of its own so that the backend crate (`ganymede-cuda`) depends on the seam alone.
+//!
+//! - [`model`]: the `tiny` model's gradients on the kernels against the CPU backend, tensor by
+//!   tensor; CI runs it on the kernels' host build, the device check on the GPU.
+//! - With the `cuda` feature, [`check`]: the prepared self-check behind `ganymede device-check`
+//!   (memory, copies, GEMMs, kernels, timings, the model's gradients, the NCCL group), written
+//!   to a report.
+
+#[cfg(feature = "cuda")]
+pub mod check;
+pub mod model;
+
+#[cfg(feature = "cuda")]
+pub use check::{run, Summary};
