@@ -72,7 +72,11 @@ fn step(
         params,
         &mut grads,
         &mut ws,
-        Tokens { inputs, targets },
+        Tokens {
+            inputs,
+            targets,
+            doc_starts: None,
+        },
         1.0,
     );
     let g = grads
@@ -248,6 +252,7 @@ fn train_steps(adamw_only: bool) {
                 Tokens {
                     inputs: &inputs,
                     targets: &targets,
+                    doc_starts: None,
                 },
                 1.0,
             );
