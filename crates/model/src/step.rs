@@ -130,6 +130,14 @@ fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
     if let Some(d) = doc_starts {
         assert_eq!(d.len(), n, "document starts and inputs differ in length");
         // The kernels rely on it: a start after its token would leave it nothing to attend to.
+        if let Some(i) = (0..n).find(|&i| i % ws.seq > 0 && d[i] < d[i - 1]) {
+            panic!(
+                "token {} of sequence {} starts its document at {}, before the token before it",
+                i % ws.seq,
+                i / ws.seq,
+                d[i]
+            );
+        }
         if let Some(i) = (0..n).find(|&i| d[i] as usize > i % ws.seq) {
             panic!(
                 "token {} of sequence {} starts its document at {}, after itself",

@@ -199,8 +199,9 @@ pub trait NnOps: Send + Sync {
     );
     /// Block-causal [`NnOps::attention_forward`] (`data.document_mask`): query `i` of
     /// sequence `b` attends key `j` only if `docs[b·tq + i] <= j <= tk - tq + i`, `docs`
-    /// (u32 `[batch, tq]`) holding the key position where the query's document starts. A window
-    /// of several documents then computes what each document would alone.
+    /// (u32 `[batch, tq]`) holding the key position where the query's document starts, never
+    /// less than the query before it's. A window of several documents then computes what each
+    /// document would alone.
     #[allow(clippy::too_many_arguments)]
     fn attention_forward_docs(
         &self,

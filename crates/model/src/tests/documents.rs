@@ -120,7 +120,7 @@ fn a_document_start_after_its_token_is_refused() {
     let t = Tokens {
         inputs: &x,
         targets: &x,
-        doc_starts: Some(&[0, 0, 3, 2]),
+        doc_starts: Some(&[0, 0, 3, 3]),
     };
     forward_loss(&be, &model, &params, &mut ws, t);
 }

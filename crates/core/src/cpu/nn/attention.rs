@@ -44,7 +44,8 @@ unsafe fn mm<S: GemmScalar>(
 }
 
 /// Each query's document start, checked: `[batch, tq]` key positions, query `i`'s at most its
-/// own key position `tk - tq + i` (a row with no key would have no softmax).
+/// own key position `tk - tq + i` (a row with no key would have no softmax) and never below
+/// the query before it (the seam's contract, which the device kernels rely on).
 fn check_docs<'a>(d: &Dims, docs: Option<View<'a>>) -> Option<&'a [u32]> {
     let docs = docs?.host_u32();
     assert_eq!(docs.len(), d.batch * d.tq, "attention: docs size");
@@ -53,6 +54,11 @@ fn check_docs<'a>(d: &Dims, docs: Option<View<'a>>) -> Option<&'a [u32]> {
         assert!(
             s as usize <= d.tk - d.tq + i,
             "attention: query {i} of sequence {} starts its document at key {s}, after itself",
+            r / d.tq
+        );
+        assert!(
+            i == 0 || s >= docs[r - 1],
+            "attention: query {i} of sequence {} starts its document before the query before it",
             r / d.tq
         );
     }
