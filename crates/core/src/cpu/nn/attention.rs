@@ -116,7 +116,10 @@ unsafe fn head_forward<S: GemmScalar>(
     for r0 in (0..tq).step_by(BLK) {
         let r1 = (r0 + BLK).min(tq);
         let rb = r1 - r0;
-        let nc = off + r1;
+        // The tile's columns: keys c0 .. off + r1, c0 the block's first document start (the
+        // smallest: starts do not decrease), so no product is formed for keys no row sees.
+        let c0 = span(docs, off, r0).0;
+        let nc = off + r1 - c0;
         let s = sc.as_mut_ptr();
         mm(
             rb,
@@ -125,7 +128,7 @@ unsafe fn head_forward<S: GemmScalar>(
             scale,
             qb.add(r0 * qd),
             (qd, 1),
-            kb,
+            kb.add(c0 * kd),
             (1, kd),
             S::zero(),
             s,
@@ -133,6 +136,7 @@ unsafe fn head_forward<S: GemmScalar>(
         );
         for i in 0..rb {
             let (lo, valid) = span(docs, off, r0 + i);
+            let (lo, valid) = (lo - c0, valid - c0);
             let row = &mut sc[i * nc..(i + 1) * nc];
             let m = max_of(&row[lo..valid]);
             let sum = exp_sub_sum(&mut row[lo..valid], m);
@@ -149,7 +153,7 @@ unsafe fn head_forward<S: GemmScalar>(
             S::one(),
             sc.as_ptr(),
             (nc, 1),
-            vb,
+            vb.add(c0 * vd),
             (vd, 1),
             S::zero(),
             ob.add(r0 * od),
@@ -195,7 +199,10 @@ unsafe fn head_backward<S: GemmScalar>(
     for r0 in (0..tq).step_by(BLK) {
         let r1 = (r0 + BLK).min(tq);
         let rb = r1 - r0;
-        let nc = off + r1;
+        // Keys c0 .. off + r1, as in the forward.
+        let c0 = span(x.docs, off, r0).0;
+        let nc = off + r1 - c0;
+        let (kc, vc) = (kb.add(c0 * kd), vb.add(c0 * vd));
         let dor = dob.add(r0 * dod);
         // P, recomputed.
         mm(
@@ -205,7 +212,7 @@ unsafe fn head_backward<S: GemmScalar>(
             scale,
             qb.add(r0 * qd),
             (qd, 1),
-            kb,
+            kc,
             (1, kd),
             S::zero(),
             pt.as_mut_ptr(),
@@ -219,7 +226,7 @@ unsafe fn head_backward<S: GemmScalar>(
             S::one(),
             dor,
             (dod, 1),
-            vb,
+            vc,
             (1, vd),
             S::zero(),
             dpt.as_mut_ptr(),
@@ -227,6 +234,7 @@ unsafe fn head_backward<S: GemmScalar>(
         );
         for i in 0..rb {
             let (lo, valid) = span(x.docs, off, r0 + i);
+            let (lo, valid) = (lo - c0, valid - c0);
             let row = &mut pt[i * nc..(i + 1) * nc];
             exp_sub_scale(&mut row[lo..valid], x.lse[r0 + i], S::one());
             row[..lo].fill(S::zero());
@@ -245,7 +253,7 @@ unsafe fn head_backward<S: GemmScalar>(
             scale,
             dpt.as_ptr(),
             (nc, 1),
-            kb,
+            kc,
             (kd, 1),
             S::zero(),
             dqb.add(r0 * dqd),
@@ -261,7 +269,7 @@ unsafe fn head_backward<S: GemmScalar>(
             qb.add(r0 * qd),
             (qd, 1),
             S::one(),
-            dkb,
+            dkb.add(c0 * dkd),
             dkd,
         );
         mm(
@@ -274,7 +282,7 @@ unsafe fn head_backward<S: GemmScalar>(
             dor,
             (dod, 1),
             S::one(),
-            dvb,
+            dvb.add(c0 * dvd),
             dvd,
         );
     }
