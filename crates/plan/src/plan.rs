@@ -230,10 +230,15 @@ pub enum PlanError {
 pub struct Flops {
     /// 6 · active matmul parameters (embedding lookup excluded, LM head included).
     pub matmul_per_token: f64,
-    /// Causal attention, forward + backward: 6 · s · heads · head_dim · layers (QKᵀ and AV,
-    /// each 2·(s/2)·q_dim per token forward, x3 for backward).
+    /// Keys a token attends on average: s/2 for causal attention over windows of s, min(s, D)/2
+    /// under `data.document_mask` with documents of `data.mean_document_tokens` = D.
+    pub attention_span_per_token: f64,
+    /// Causal attention, forward + backward: 12 · span · heads · head_dim · layers (QKᵀ and
+    /// AV, each 2·span·q_dim per token forward, x3 for backward; 6 · s · q_dim · layers
+    /// without document masking).
     pub attention_per_token: f64,
-    /// The same without causal halving (TorchTitan's 12 · L · H · Q · T convention).
+    /// The same without causal halving or document masking (TorchTitan's 12 · L · H · Q · T
+    /// convention).
     pub attention_per_token_noncausal: f64,
     /// Model FLOPs per token: matmul + causal attention (no recompute).
     pub model_per_token: f64,
@@ -681,6 +686,19 @@ fn smallest_fix(
     None
 }
 
+/// Keys a token attends on average in windows of `seq` tokens: `seq / 2` (causal), or with
+/// `data.document_mask` `min(seq, data.mean_document_tokens) / 2` (attention stops at each
+/// document's start; documents assumed of the mean length).
+pub fn attention_span(job: &JobConfig, seq: usize) -> f64 {
+    let d = &job.data;
+    let keys = if d.document_mask {
+        seq.min(d.mean_document_tokens)
+    } else {
+        seq
+    };
+    keys as f64 / 2.0
+}
+
 /// The arithmetic, without the feasibility checks (callers run [`check`] first).
 fn evaluate(
     job: &JobConfig,
@@ -713,14 +731,18 @@ fn evaluate(
     // ---- FLOPs ----
     let q_dim = m.q_dim() as f64;
     let matmul = 6.0 * p.active_matmul as f64;
-    let attn = 6.0 * seq * q_dim * l;
+    // Keys a token attends, on average: half its window, or half its document's length when
+    // attention stops at document boundaries (documents shorter than the window).
+    let span = attention_span(job, layout.seq_len);
+    let attn = 12.0 * span * q_dim * l;
     let attn_nc = 12.0 * seq * q_dim * l;
     let layer_matmul = shape.avg_active_matmul(); // per layer, per token
     let recompute = match policy.ac {
-        AcMode::Full => l * (2.0 * layer_matmul + 2.0 * seq * q_dim),
+        AcMode::Full => l * (2.0 * layer_matmul + 4.0 * span * q_dim),
         AcMode::None => 0.0,
     };
     let flops = Flops {
+        attention_span_per_token: span,
         matmul_per_token: matmul,
         attention_per_token: attn,
         attention_per_token_noncausal: attn_nc,
@@ -976,7 +998,7 @@ fn evaluate(
     };
     // Per layer, per microbatch.
     let fwd_layer_flops_mm = 2.0 * layer_matmul * n_tok;
-    let fwd_layer_flops_attn = 2.0 * seq * q_dim * n_tok;
+    let fwd_layer_flops_attn = 4.0 * span * q_dim * n_tok;
     let c_fwd = fwd_layer_flops_mm / gemm_rate + fwd_layer_flops_attn / attn_rate;
     let c_bwd = 2.0 * c_fwd
         + match policy.ac {
@@ -1143,6 +1165,7 @@ fn evaluate(
                 ranks_per_node: gpn,
                 tokens_per_rank: (layout.tokens_per_step() as f64 / layout.world() as f64).max(1.0),
                 seq,
+                attn_span: span,
                 ac: policy.ac,
                 muon,
                 ns_steps: opt.ns_steps,

@@ -145,6 +145,11 @@ pub fn table(p: &Plan) -> String {
     );
     w(
         &mut s,
+        "attention span per token",
+        format!("{:.0} keys", f.attention_span_per_token),
+    );
+    w(
+        &mut s,
         "attention (causal / not halved)",
         format!(
             "{:.1} / {:.1} GFLOP",
