@@ -786,6 +786,8 @@ pub fn resumable_difference(key: &str) -> bool {
         || key == "training.micro_batch_size"
         || key == "training.loss_chunk_tokens"
         || key == "training.moe_chunk_tokens"
+        // The planner's assumption about the data; training reads the real boundaries.
+        || key == "data.mean_document_tokens"
 }
 
 #[cfg(test)]
@@ -1003,5 +1005,8 @@ mod tests {
         assert!(resumable_difference("training.micro_batch_size"));
         assert!(!resumable_difference("training.batch_size"));
         assert!(!resumable_difference("model.top_k"));
+        // Document masking changes what attention sees; the planner's mean length does not.
+        assert!(!resumable_difference("data.document_mask"));
+        assert!(resumable_difference("data.mean_document_tokens"));
     }
 }

@@ -510,6 +510,14 @@ pub struct DataConfig {
     /// Refuse text that is not valid UTF-8 instead of reading its bad bytes as U+FFFD (text
     /// tokenizers; bytes tokenise anything).
     pub refuse_invalid_utf8: bool,
+    /// Block-causal attention: a token attends only to earlier tokens of its own document, and
+    /// RoPE positions restart at each document (Megatron's `reset_attention_mask` and
+    /// `reset_position_ids`, TorchTitan's `block_causal`). Needs data with document boundaries:
+    /// prepared folders, Megatron or llm.c files.
+    pub document_mask: bool,
+    /// Mean tokens per document, for the planner's attention FLOPs under `document_mask`
+    /// (training reads the real boundaries).
+    pub mean_document_tokens: usize,
 }
 
 /// One entry of `[[data.sources]]`.
@@ -573,6 +581,8 @@ impl Default for DataConfig {
             sources: Vec::new(),
             temperature: 1.0,
             refuse_invalid_utf8: false,
+            document_mask: false,
+            mean_document_tokens: 1024,
         }
     }
 }
@@ -1084,6 +1094,21 @@ impl JobConfig {
                 "data.path",
                 &d.path,
                 "give data.path or [[data.sources]], not both",
+            ));
+        }
+        if d.document_mask && d.path.is_empty() && d.sources.is_empty() {
+            return Err(invalid(
+                "data.document_mask",
+                true,
+                "the built-in corpus has no document boundaries; train on prepared data \
+                 (`ganymede data prepare`), Megatron or llm.c files",
+            ));
+        }
+        if d.mean_document_tokens == 0 {
+            return Err(invalid(
+                "data.mean_document_tokens",
+                0,
+                "must be at least 1",
             ));
         }
         let weighted = d.sources.iter().filter(|s| s.weight.is_some()).count();

@@ -98,6 +98,16 @@ fn invalid_values_name_key_and_reason() {
             "must be 1",
         ),
         ("training.steps=0", "training.steps", "at least 1"),
+        (
+            "data.document_mask=true",
+            "data.document_mask",
+            "no document boundaries",
+        ),
+        (
+            "data.mean_document_tokens=0",
+            "data.mean_document_tokens",
+            "at least 1",
+        ),
     ];
     for (o, key, reason) in cases {
         let c = JobConfig::load(Some("tiny"), None, &[o.to_string()]).unwrap();

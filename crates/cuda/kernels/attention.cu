@@ -8,6 +8,12 @@
 // sits at key position tk - tq + i and sees keys 0 ..= that. Query head h reads kv head
 // h / (heads / kv_heads). head_dim <= 128. scale = 1/sqrt(head_dim), rounded from f64 on the host.
 //
+// Document masking (the `_doc_` kernels, `data.document_mask`): docs, u32 [batch, tq], holds the
+// key position where each query's document starts; query i then sees keys docs[i] ..= tk - tq + i.
+// Starts never decrease along a sequence (the seam's contract), so a block's first row has its
+// smallest start (keys before it are skipped tile by tile) and the queries that see a key are a
+// prefix of those after it (the backward's key blocks stop there).
+//
 // The SIMT backward runs without floating-point atomics, deterministically: one kernel per key
 // tile accumulates dk and dv over every query that sees it, another per query tile accumulates
 // dq (each recomputes the probabilities). The tensor-core backward does the same, or (fused,
@@ -19,6 +25,20 @@
 #define ATT_BQ 8    // queries per backward tile
 #define ATT_BKB 16  // keys per backward tile; backward blocks are ATT_BQ * ATT_BKB threads
 
+// Under document masking, the first query (of a sequence's tq, starts lo) whose document starts
+// after key j: no query from there on sees key j.
+__device__ __forceinline__ int doc_query_end(const unsigned* lo, int tq, int j) {
+    int a = 0, e = tq;
+    while (a < e) {
+        const int m = (a + e) / 2;
+        if ((int)lo[m] <= j)
+            a = m + 1;
+        else
+            e = m;
+    }
+    return a;
+}
+
 __device__ __forceinline__ long long q_off(int b, int i, int h, int tq, int heads, int hd) {
     return (((long long)b * tq + i) * heads + h) * hd;
 }
@@ -27,11 +47,12 @@ __device__ __forceinline__ long long kv_off(int b, int j, int g, int tk, int kvh
 }
 
 // Forward: one warp per query row; the block's warps share each K/V tile. Lane l scores key
-// j0 + l, then the warp folds the tile into its running max, sum and output.
+// j0 + l, then the warp folds the tile into its running max, sum and output. docs: document
+// starts, or null.
 // Launch: grid (ceil(tq / W), heads, batch), block 32 W threads, W <= 16.
 template <class T>
 __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int tq, int tk,
-                         int heads, int kvh, int hd, float scale) {
+                         int heads, int kvh, int hd, float scale, const unsigned* docs) {
     GANY_SHARED(float, Ks, [ATT_BK][ATT_MAXD + 1]);  // +1: lanes read different rows, no conflicts
     GANY_SHARED(float, Vs, [ATT_BK][ATT_MAXD]);
     GANY_SHARED(float, Qs, [ATT_MAXW][ATT_MAXD]);
@@ -46,10 +67,12 @@ __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v,
         for (int d = lane; d < hd; d += 32) Qs[w][d] = ld(q + qo + d);
     const int last = (i0 + W < tq ? i0 + W : tq) - 1;
     const int kend = off + last + 1;  // keys the block's rows need
+    const unsigned* lo = docs ? docs + (long long)b * tq : nullptr;
+    const int ilo = lo && valid ? (int)lo[i] : 0;  // this row's first key
     float m = GANY_NEG_INF, l = 0.0f;
     float o[ATT_MAXD / 32];
     for (int c = 0; c < ATT_MAXD / 32; c++) o[c] = 0.0f;
-    for (int j0 = 0; j0 < kend; j0 += ATT_BK) {
+    for (int j0 = lo ? (int)lo[i0] / ATT_BK * ATT_BK : 0; j0 < kend; j0 += ATT_BK) {
         __syncthreads();
         for (int e = threadIdx.x; e < ATT_BK * hd; e += blockDim.x) {
             const int jj = e / hd, d = e % hd, j = j0 + jj;
@@ -66,12 +89,13 @@ __device__ void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v,
         if (valid) {
             const int j = j0 + lane;
             float s = GANY_NEG_INF;
-            if (j <= off + i && j < tk) {
+            if (j <= off + i && j < tk && j >= ilo) {
                 float dot = 0.0f;
                 for (int d = 0; d < hd; d++) dot += Qs[w][d] * Ks[lane][d];
                 s = scale * dot;
             }
-            // Key 0 is visible to every row, so m is finite after the first tile.
+            // A row's first tile that holds one of its keys makes m finite (without documents
+            // key 0, in the first tile); until then p and alpha are 0 and o, l stay 0.
             const float mn = fmaxf(m, warp_max(s));
             const float p = s == GANY_NEG_INF ? 0.0f : expf(s - mn);
             const float alpha = m == GANY_NEG_INF ? 0.0f : expf(m - mn);
@@ -147,11 +171,11 @@ __device__ __forceinline__ void tile_p_ds(float (*Qs)[ATT_MAXD], float (*Ds)[ATT
                                           float (*Ks)[ATT_MAXD + 1], float (*Vs)[ATT_MAXD + 1],
                                           const float* Ls, const float* Dl, int i0, int j0,
                                           int tq, int tk, int hd, float scale, float* p_out,
-                                          float* ds_out) {
+                                          float* ds_out, const unsigned* lo) {
     const int qi = threadIdx.x / ATT_BKB, kj = threadIdx.x % ATT_BKB;
     const int i = i0 + qi, j = j0 + kj, off = tk - tq;
     float p = 0.0f, ds = 0.0f;
-    if (i < tq && j < tk && j <= off + i) {
+    if (i < tq && j < tk && j <= off + i && (!lo || j >= (int)lo[i])) {
         float s = 0.0f, dp = 0.0f;
         for (int d = 0; d < hd; d++) {
             s += Qs[qi][d] * Ks[kj][d];
@@ -185,7 +209,7 @@ __device__ void load_key_tile(float (*Ks)[ATT_MAXD + 1], float (*Vs)[ATT_MAXD + 
 template <class T>
 __device__ void attn_bwd_dkdv(T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
                               const float* lse, const float* delta, int tq, int tk, int heads,
-                              int kvh, int hd, float scale) {
+                              int kvh, int hd, float scale, const unsigned* docs) {
     GANY_SHARED(float, Ks, [ATT_BKB][ATT_MAXD + 1]);
     GANY_SHARED(float, Vs, [ATT_BKB][ATT_MAXD + 1]);
     GANY_SHARED(float, Qs, [ATT_BQ][ATT_MAXD]);
@@ -207,13 +231,15 @@ __device__ void attn_bwd_dkdv(T* dk, T* dv, const T* dout, const T* q, const T* 
     // The first query that sees key j0 is j0 - off.
     int first = j0 - off;
     first = first < 0 ? 0 : first / ATT_BQ * ATT_BQ;
+    const unsigned* lo = docs ? docs + (long long)b * tq : nullptr;
+    const int qend = lo ? doc_query_end(lo, tq, j0 + ATT_BKB - 1) : tq;
     for (int h = g * rep; h < (g + 1) * rep; h++) {
-        for (int i0 = first; i0 < tq; i0 += ATT_BQ) {
+        for (int i0 = first; i0 < qend; i0 += ATT_BQ) {
             __syncthreads();
             load_query_tile(Qs, Ds, Ls, Dl, q, dout, lse, delta, b, h, i0, tq, heads, hd);
             __syncthreads();
             float p, ds;
-            tile_p_ds(Qs, Ds, Ks, Vs, Ls, Dl, i0, j0, tq, tk, hd, scale, &p, &ds);
+            tile_p_ds(Qs, Ds, Ks, Vs, Ls, Dl, i0, j0, tq, tk, hd, scale, &p, &ds, lo);
             Ps[threadIdx.x / ATT_BKB][threadIdx.x % ATT_BKB] = p;
             dSs[threadIdx.x / ATT_BKB][threadIdx.x % ATT_BKB] = ds;
             __syncthreads();
@@ -246,7 +272,7 @@ __device__ void attn_bwd_dkdv(T* dk, T* dv, const T* dout, const T* q, const T* 
 template <class T>
 __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const T* v,
                             const float* lse, const float* delta, int tq, int tk, int heads,
-                            int kvh, int hd, float scale) {
+                            int kvh, int hd, float scale, const unsigned* docs) {
     GANY_SHARED(float, Ks, [ATT_BKB][ATT_MAXD + 1]);
     GANY_SHARED(float, Vs, [ATT_BKB][ATT_MAXD + 1]);
     GANY_SHARED(float, Qs, [ATT_BQ][ATT_MAXD]);
@@ -262,12 +288,13 @@ __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const 
     for (int e = threadIdx.x; e < ATT_BQ * hd; e += blockDim.x) dQs[e / hd][e % hd] = 0.0f;
     const int last = (i0 + ATT_BQ < tq ? i0 + ATT_BQ : tq) - 1;
     const int kend = off + last + 1;
-    for (int j0 = 0; j0 < kend; j0 += ATT_BKB) {
+    const unsigned* lo = docs ? docs + (long long)b * tq : nullptr;
+    for (int j0 = lo ? (int)lo[i0] / ATT_BKB * ATT_BKB : 0; j0 < kend; j0 += ATT_BKB) {
         __syncthreads();
         load_key_tile(Ks, Vs, k, v, b, g, j0, tk, kvh, hd);
         __syncthreads();
         float p, ds;
-        tile_p_ds(Qs, Ds, Ks, Vs, Ls, Dl, i0, j0, tq, tk, hd, scale, &p, &ds);
+        tile_p_ds(Qs, Ds, Ks, Vs, Ls, Dl, i0, j0, tq, tk, hd, scale, &p, &ds, lo);
         dSs[threadIdx.x / ATT_BKB][threadIdx.x % ATT_BKB] = ds;
         __syncthreads();
         for (int e = threadIdx.x; e < ATT_BQ * hd; e += blockDim.x) {
@@ -288,7 +315,7 @@ __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const 
     extern "C" __global__ void attention_forward_##S(T* out, float* lse, const T* q, const T* k, \
                                                      const T* v, int tq, int tk, int heads,      \
                                                      int kv_heads, int head_dim, float scale) {  \
-        attn_fwd(out, lse, q, k, v, tq, tk, heads, kv_heads, head_dim, scale);                   \
+        attn_fwd(out, lse, q, k, v, tq, tk, heads, kv_heads, head_dim, scale, nullptr);          \
     }                                                                                            \
     extern "C" __global__ void attention_backward_delta_##S(float* delta, const T* dout,         \
                                                             const T* out, int tq, int heads,     \
@@ -300,13 +327,33 @@ __device__ void attn_bwd_dq(T* dq, const T* dout, const T* q, const T* k, const 
         const float* delta, int tq, int tk, int heads, int kv_heads, int head_dim,               \
         float scale) {                                                                           \
         attn_bwd_dkdv(dk, dv, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, head_dim,      \
-                      scale);                                                                    \
+                      scale, nullptr);                                                           \
     }                                                                                            \
     extern "C" __global__ void attention_backward_dq_##S(                                        \
         T* dq, const T* dout, const T* q, const T* k, const T* v, const float* lse,              \
         const float* delta, int tq, int tk, int heads, int kv_heads, int head_dim,               \
         float scale) {                                                                           \
-        attn_bwd_dq(dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, head_dim, scale);    \
+        attn_bwd_dq(dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, head_dim, scale,     \
+                    nullptr);                                                                    \
+    }                                                                                            \
+    extern "C" __global__ void attention_forward_doc_##S(                                        \
+        T* out, float* lse, const T* q, const T* k, const T* v, int tq, int tk, int heads,       \
+        int kv_heads, int head_dim, float scale, const unsigned* docs) {                         \
+        attn_fwd(out, lse, q, k, v, tq, tk, heads, kv_heads, head_dim, scale, docs);             \
+    }                                                                                            \
+    extern "C" __global__ void attention_backward_dkdv_doc_##S(                                  \
+        T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,       \
+        const float* delta, int tq, int tk, int heads, int kv_heads, int head_dim, float scale,  \
+        const unsigned* docs) {                                                                  \
+        attn_bwd_dkdv(dk, dv, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, head_dim,      \
+                      scale, docs);                                                              \
+    }                                                                                            \
+    extern "C" __global__ void attention_backward_dq_doc_##S(                                    \
+        T* dq, const T* dout, const T* q, const T* k, const T* v, const float* lse,              \
+        const float* delta, int tq, int tk, int heads, int kv_heads, int head_dim, float scale,  \
+        const unsigned* docs) {                                                                  \
+        attn_bwd_dq(dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, head_dim, scale,     \
+                    docs);                                                                       \
     }
 GANY_ATTENTION(f32, float)
 GANY_ATTENTION(bf16, bf16)
@@ -607,11 +654,13 @@ __device__ __forceinline__ void tiles_next(F& issue, int it, int nt) {
 // them (MT m-tiles of 16 rows, which share each K and V fragment loaded from shared memory:
 // with MT = 2 a fragment feeds four products instead of two, as FlashAttention-2 tiles
 // head_dim 64); the block's K/V tiles of 64 keys go through shared memory as [key][d] (B
-// operands by ldmatrix, V's transposed). Launch: grid (ceil(tq / (64 MT)), heads, batch),
-// block 128.
-template <int HD, int MT>
+// operands by ldmatrix, V's transposed). With DOC, docs holds the document starts (see the top
+// of this file): the block's tiles begin at its first row's start. Launch: grid
+// (ceil(tq / (64 MT)), heads, batch), block 128.
+template <int HD, int MT, bool DOC>
 __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, const bf16* k,
-                            const bf16* v, int tq, int tk, int heads, int kvh, float scale) {
+                            const bf16* v, int tq, int tk, int heads, int kvh, float scale,
+                            const unsigned* docs) {
     constexpr int KS = HD + TC_PAD, BQ = TC_BQ * MT, KT = HD / 16, NT = TC_BK / 8;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
@@ -635,14 +684,29 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + BQ < tq ? i0 + BQ : tq);                // keys the block needs
     const int wend = off + (r0 + 16 * MT < tq ? r0 + 16 * MT : tq);      // keys this warp needs
+    // Document starts: this sequence's; the lane's rows' (row gq + 8 r of m-tile mt), and per
+    // m-tile the largest (its last row's, warp-uniform) for the unmasked-tile test.
+    const unsigned* lo = DOC ? docs + (long long)b * tq : nullptr;
+    const auto lo_at = [&](int i) { return (int)lo[i < tq ? i : tq - 1]; };
+    int lor[MT][2] = {}, lmax[MT] = {};
+    if (DOC)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            lor[mt][0] = lo_at(r0 + 16 * mt + gq);
+            lor[mt][1] = lo_at(r0 + 16 * mt + gq + 8);
+            lmax[mt] = lo_at(r0 + 16 * mt + 15);
+        }
+    const int t0 = DOC ? lo_at(i0) / TC_BK : 0;  // tiles before the block's first key
+    const int wbeg = DOC ? lo_at(r0) : 0;        // the warp's first key
     const TilePair<HD> kv{sm};  // K and V
-    auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, it * TC_BK, tk); };
-    const int nt = (bend + TC_BK - 1) / TC_BK;
+    auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, (t0 + it) * TC_BK, tk); };
+    const int nt = (bend + TC_BK - 1) / TC_BK - t0;
     tiles_begin<tc_stages(HD)>(issue, nt);
     for (int it = 0; it < nt; it++) {
-        const int j0 = it * TC_BK;
+        const int j0 = (t0 + it) * TC_BK;
         tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform: nothing this warp sees
+        if (DOC && j0 + TC_BK <= wbeg) continue;  // the same, before its documents
         const smem_t ks = smem(kv.first(it)), vs = smem(kv.second(it));
         float s[MT * NT][4];
         product_rows<HD, NT, MT>(s, qa, ks, KS);
@@ -652,7 +716,8 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
             const int rm = r0 + 16 * mt;
             // Scores stay unscaled (scale > 0 keeps the order); m is their running maximum.
             // Only a tile that crosses the diagonal or the end of the keys masks (warp-uniform).
-            const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + rm;
+            const bool full = j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + rm &&
+                              (!DOC || j0 >= lmax[mt]);
             float mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
             for (int n = 0; n < NT; n++)
@@ -660,7 +725,8 @@ __device__ void attn_fwd_tc(bf16* sm, bf16* out, float* lse, const bf16* q, cons
                 for (int e = 0; e < 4; e++) {
                     if (!full) {
                         const int i = rm + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
-                        if (!(j <= off + i && j < tk)) sc[n][e] = GANY_NEG_INF;
+                        if (!(j <= off + i && j < tk && (!DOC || j >= lor[mt][e >> 1])))
+                            sc[n][e] = GANY_NEG_INF;
                     }
                     mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
                 }
@@ -815,12 +881,14 @@ __device__ __forceinline__ void attn_dq_share(float* dq_acc, bf16* X, const bf16
 // block's K rows wait there as [key][d]; the dq kernel's second S and dP are not computed. The
 // atomics' order varies between runs on a device, so dq is then not bitwise reproducible.
 // Launch: grid (ceil(tk / 64), kv_heads, batch), block 128.
-template <int HD, bool DQ>
+// With DOC (document starts in docs, see the top of this file) the query tiles stop where the
+// queries' documents start after the block's last key.
+template <int HD, bool DQ, bool DOC>
 __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16* DSsm,
                                  float* dq_acc, bf16* dk, bf16* dv, const bf16* dout,
                                  const bf16* q, const bf16* k, const bf16* v, const float* lse,
                                  const float* delta, int tq, int tk, int heads, int kvh,
-                                 float scale) {
+                                 float scale, const unsigned* docs) {
     constexpr int S = HD + TC_PAD;
     static_assert(!DQ || HD <= 64, "dq's stages and K rows do not fit 48 KiB past head_dim 64");
     static_assert(HD != 64 || S == TC_DSLD, "at head_dim 64 dS takes the dO rows' place");
@@ -843,9 +911,11 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16
     // The first query that sees key j0 is j0 - off.
     int first = j0 - off;
     first = first < 0 ? 0 : first / TC_BQ * TC_BQ;
+    const unsigned* lo = DOC ? docs + (long long)b * tq : nullptr;
+    const int qend = DOC ? doc_query_end(lo, tq, j0 + TC_BK - 1) : tq;
     // Tiles of 64 queries, head by head of the group: tile it's Q and dO ([TC_BQ][S] each),
     // lse (times log2 e, for ex2) and delta into its stage's buffers, as the forward's K and V.
-    const int per_h = (tq - first + TC_BQ - 1) / TC_BQ, nt = rep * per_h;
+    const int per_h = qend > first ? (qend - first + TC_BQ - 1) / TC_BQ : 0, nt = rep * per_h;
     const long long qrs = (long long)heads * HD;
     const TilePair<HD> qd{sm};  // Q and dO
     auto issue = [&](int it) {
@@ -874,15 +944,16 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16
             const int hlast = (i0 + h0 + TC_HQ < tq ? i0 + h0 + TC_HQ : tq) - 1;
             // Block-uniform: no query of the half sees the block's keys (or there is none).
             if (DQ && (i0 + h0 >= tq || j0 > off + hlast)) continue;
-            const bool act = k0 < tk && k0 <= off + hlast;  // warp-uniform
+            const bool act = k0 < tk && k0 <= off + hlast &&  // warp-uniform
+                             (!DOC || (int)lo[i0 + h0 < tq ? i0 + h0 : tq - 1] <= k0 + 15);
             const smem_t qsm = smem(Qs + h0 * S), dsm = smem(Ds + h0 * S);
             float sp[TC_HQ / 8][4], dp[TC_HQ / 8][4];  // S^T then P^T; dP^T then dS^T
             if (act) {
                 product_rows<HD, TC_HQ / 8>(sp, ka, qsm, S);
                 product_rows<HD, TC_HQ / 8>(dp, va, dsm, S);
                 // Only a tile that crosses the diagonal or an end masks (warp-uniform).
-                const bool full =
-                    i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk && k0 + 15 <= off + i0 + h0;
+                const bool full = i0 + h0 + TC_HQ <= tq && k0 + 16 <= tk &&
+                                  k0 + 15 <= off + i0 + h0 && (!DOC || (int)lo[hlast] <= k0);
 #pragma unroll
                 for (int n = 0; n < TC_HQ / 8; n++)
 #pragma unroll
@@ -890,7 +961,8 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16
                         const int j = k0 + gq + 8 * (e >> 1);
                         const int ii = h0 + n * 8 + 2 * t + (e & 1), i = i0 + ii;
                         float p = 0.0f, ds = 0.0f;
-                        if (full || (i < tq && j < tk && j <= off + i)) {
+                        if (full || (i < tq && j < tk && j <= off + i &&
+                                     (!DOC || j >= (int)lo[i]))) {
                             p = ex2(fmaf(sp[n][e], c, -Lt[ii]));
                             ds = p * (dp[n][e] - Dt[ii]);
                         }
@@ -939,11 +1011,12 @@ __device__ void attn_bwd_dkdv_tc(bf16* sm, float* Ls, float* Dl, bf16* Ksm, bf16
 // Q and dO rows in registers), over the keys they see in tiles of 64 through shared memory
 // (K, V as [key][d]): S = Q K^T, dP = dO V^T, dQ += dS K with dS as the A operand.
 // Launch: grid (ceil(tq / 64), heads, batch), block 128.
-template <int HD>
+// With DOC (document starts in docs) the block's key tiles begin at its first row's start.
+template <int HD, bool DOC>
 __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16* q,
                                const bf16* k, const bf16* v, const float* lse,
                                const float* delta, int tq, int tk, int heads, int kvh,
-                               float scale) {
+                               float scale, const unsigned* docs) {
     constexpr int S = HD + TC_PAD;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (heads / kvh), off = tk - tq;
@@ -968,27 +1041,40 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
     const long long kvrs = (long long)kvh * HD;  // between consecutive keys
     const int bend = off + (i0 + TC_BQ < tq ? i0 + TC_BQ : tq);
     const int wend = off + (r0 + 16 < tq ? r0 + 16 : tq);
+    // Document starts, as the forward: the lane's two rows', the warp's largest and smallest.
+    const unsigned* lo = DOC ? docs + (long long)b * tq : nullptr;
+    const auto lo_at = [&](int i) { return (int)lo[i < tq ? i : tq - 1]; };
+    int lor[2] = {0, 0}, lmax = 0, wbeg = 0, t0 = 0;
+    if (DOC) {
+        lor[0] = lo_at(r0 + gq);
+        lor[1] = lo_at(r0 + gq + 8);
+        lmax = lo_at(r0 + 15);
+        wbeg = lo_at(r0);
+        t0 = lo_at(i0) / TC_BK;
+    }
     const TilePair<HD> kv{sm};  // K and V, as the forward
-    auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, it * TC_BK, tk); };
-    const int nt = (bend + TC_BK - 1) / TC_BK;
+    auto issue = [&](int it) { kv.issue(it, kb, vb, kvrs, (t0 + it) * TC_BK, tk); };
+    const int nt = (bend + TC_BK - 1) / TC_BK - t0;
     tiles_begin<tc_stages(HD)>(issue, nt);
     for (int it = 0; it < nt; it++) {
-        const int j0 = it * TC_BK;
+        const int j0 = (t0 + it) * TC_BK;
         tiles_next<tc_stages(HD)>(issue, it, nt);
         if (r0 >= tq || j0 >= wend) continue;  // warp-uniform
+        if (DOC && j0 + TC_BK <= wbeg) continue;
         const smem_t ks = smem(kv.first(it)), vs = smem(kv.second(it));
         float s[TC_BK / 8][4], dp[TC_BK / 8][4];
         product_rows<HD, TC_BK / 8>(s, qa, ks, S);
         product_rows<HD, TC_BK / 8>(dp, da, vs, S);
         // Only a tile that crosses the diagonal or an end masks (warp-uniform).
-        const bool full = r0 + 16 <= tq && j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0;
+        const bool full = r0 + 16 <= tq && j0 + TC_BK <= tk && j0 + TC_BK - 1 <= off + r0 &&
+                          (!DOC || j0 >= lmax);
 #pragma unroll
         for (int n = 0; n < TC_BK / 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int i = r0 + gq + 8 * (e >> 1), j = j0 + n * 8 + 2 * t + (e & 1);
                 float ds = 0.0f;
-                if (full || (i < tq && j < tk && j <= off + i)) {
+                if (full || (i < tq && j < tk && j <= off + i && (!DOC || j >= lor[e >> 1]))) {
                     const float p = ex2(fmaf(s[n][e], c, -L[e >> 1]));
                     ds = p * (dp[n][e] - Dv[e >> 1]);
                 }
@@ -1023,35 +1109,45 @@ __device__ void attn_bwd_dq_tc(bf16* sm, bf16* dq, const bf16* dout, const bf16*
 }
 
 // One kernel per op and head_dim (attention_forward_tc64_bf16, ...): a kernel's registers are
-// those of its largest path, so head_dim 64 does not pay for 128's.
-#define GANY_ATTENTION_TC(HD, DKDV_BLOCKS)                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_forward_tc##HD##_bf16(    \
-        bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int tq, int tk,     \
-        int heads, int kv_heads, int head_dim, float scale) {                                   \
+// those of its largest path, so head_dim 64 does not pay for 128's. Each comes again with
+// document masking (`_doc_`, docs as the last argument); SFX is empty or `doc_`.
+#define GANY_ATTENTION_TC_AS(HD, DKDV_BLOCKS, DOC, SFX, DOCS_PARAM, DOCS)                        \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W)                                     \
+        attention_forward_tc##HD##_##SFX##bf16(bf16* out, float* lse, const bf16* q,            \
+                                               const bf16* k, const bf16* v, int tq, int tk,    \
+                                               int heads, int kv_heads, int head_dim,           \
+                                               float scale DOCS_PARAM) {                        \
         GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_fwd_tc<HD, 1>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);              \
+        attn_fwd_tc<HD, 1, DOC>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale, DOCS);   \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * TC_W, DKDV_BLOCKS)                        \
-        attention_backward_dkdv_tc##HD##_bf16(                                                  \
+        attention_backward_dkdv_tc##HD##_##SFX##bf16(                                           \
             bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,  \
             const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
-            int head_dim, float scale) {                                                        \
+            int head_dim, float scale DOCS_PARAM) {                                             \
         GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_SHARED(float, Ls, [2 * TC_BQ]);                                                    \
         GANY_SHARED(float, Dl, [2 * TC_BQ]);                                                    \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_bwd_dkdv_tc<HD, false>(sm, Ls, Dl, nullptr, nullptr, nullptr, dk, dv, dout, q, k, \
-                                    v, lse, delta, tq, tk, heads, kv_heads, scale);             \
+        attn_bwd_dkdv_tc<HD, false, DOC>(sm, Ls, Dl, nullptr, nullptr, nullptr, dk, dv, dout,   \
+                                         q, k, v, lse, delta, tq, tk, heads, kv_heads, scale,   \
+                                         DOCS);                                                 \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * TC_W) attention_backward_dq_tc##HD##_bf16( \
-        bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,                \
-        const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,          \
-        int head_dim, float scale) {                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * TC_W)                                     \
+        attention_backward_dq_tc##HD##_##SFX##bf16(                                             \
+            bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,            \
+            const float* lse, const float* delta, int tq, int tk, int heads, int kv_heads,      \
+            int head_dim, float scale DOCS_PARAM) {                                             \
         GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_bwd_dq_tc<HD>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads, scale);  \
+        attn_bwd_dq_tc<HD, DOC>(sm, dq, dout, q, k, v, lse, delta, tq, tk, heads, kv_heads,     \
+                                scale, DOCS);                                                   \
     }
+#define GANY_COMMA ,
+#define GANY_ATTENTION_TC(HD, DKDV_BLOCKS)                                                      \
+    GANY_ATTENTION_TC_AS(HD, DKDV_BLOCKS, false, , , nullptr)                                   \
+    GANY_ATTENTION_TC_AS(HD, DKDV_BLOCKS, true, doc_, GANY_COMMA const unsigned* docs, docs)
 // dk/dv at head_dim 64 (medium's) held to 3 blocks an SM (168 registers; 180 unbounded, which
 // leaves 2): 24 bytes of stack for one block in three more. The others as ptxas chooses.
 GANY_ATTENTION_TC(16, 1)
@@ -1061,31 +1157,38 @@ GANY_ATTENTION_TC(128, 1)
 
 // The fused backward (dk, dv and dq's f32 sums in one pass, see attn_bwd_dkdv_tc) where its
 // shared memory fits, head_dim <= 64.
-#define GANY_ATTENTION_TC_FUSED(HD, BLOCKS)                                                      \
+#define GANY_ATTENTION_TC_FUSED_AS(HD, BLOCKS, DOC, SFX, DOCS_PARAM, DOCS)                       \
     extern "C" __global__ void __launch_bounds__(32 * TC_W, BLOCKS)                             \
-        attention_backward_fused_tc##HD##_bf16(                                                 \
+        attention_backward_fused_tc##HD##_##SFX##bf16(                                          \
             bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const bf16* q, const bf16* k,  \
             const bf16* v, const float* lse, const float* delta, int tq, int tk, int heads,     \
-            int kv_heads, int head_dim, float scale) {                                          \
+            int kv_heads, int head_dim, float scale DOCS_PARAM) {                               \
         GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_SHARED(float, Ls, [2 * TC_BQ]);                                                    \
         GANY_SHARED(float, Dl, [2 * TC_BQ]);                                                    \
         GANY_SHARED(__align__(16) bf16, ks, [TC_BK * (HD + TC_PAD)]);                           \
         GANY_SHARED(__align__(16) bf16, dsx, [HD >= 64 ? 8 : TC_HQ * TC_DSLD]);                 \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_bwd_dkdv_tc<HD, true>(sm, Ls, Dl, ks, dsx, dq_acc, dk, dv, dout, q, k, v, lse,     \
-                                   delta, tq, tk, heads, kv_heads, scale);                      \
+        attn_bwd_dkdv_tc<HD, true, DOC>(sm, Ls, Dl, ks, dsx, dq_acc, dk, dv, dout, q, k, v,     \
+                                        lse, delta, tq, tk, heads, kv_heads, scale, DOCS);      \
     }
+#define GANY_ATTENTION_TC_FUSED(HD, BLOCKS)                                                      \
+    GANY_ATTENTION_TC_FUSED_AS(HD, BLOCKS, false, , , nullptr)                                  \
+    GANY_ATTENTION_TC_FUSED_AS(HD, BLOCKS, true, doc_, GANY_COMMA const unsigned* docs, docs)
 // The forward with two m-tiles a warp (128 queries a block), where its registers allow.
-#define GANY_ATTENTION_TC_WIDE(HD, BLOCKS)                                                       \
+#define GANY_ATTENTION_TC_WIDE_AS(HD, BLOCKS, DOC, SFX, DOCS_PARAM, DOCS)                        \
     extern "C" __global__ void __launch_bounds__(32 * TC_W, BLOCKS)                             \
-        attention_forward_tc##HD##x2_bf16(bf16* out, float* lse, const bf16* q, const bf16* k,  \
-                                          const bf16* v, int tq, int tk, int heads,             \
-                                          int kv_heads, int head_dim, float scale) {            \
+        attention_forward_tc##HD##x2_##SFX##bf16(bf16* out, float* lse, const bf16* q,          \
+                                                 const bf16* k, const bf16* v, int tq, int tk,  \
+                                                 int heads, int kv_heads, int head_dim,         \
+                                                 float scale DOCS_PARAM) {                      \
         GANY_SHARED(__align__(16) bf16, sm, [TC_SMEM]);                                         \
         GANY_REQUIRE(blockDim.x == 32 * TC_W && head_dim == HD);                                \
-        attn_fwd_tc<HD, 2>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale);              \
+        attn_fwd_tc<HD, 2, DOC>(sm, out, lse, q, k, v, tq, tk, heads, kv_heads, scale, DOCS);   \
     }
+#define GANY_ATTENTION_TC_WIDE(HD, BLOCKS)                                                       \
+    GANY_ATTENTION_TC_WIDE_AS(HD, BLOCKS, false, , , nullptr)                                   \
+    GANY_ATTENTION_TC_WIDE_AS(HD, BLOCKS, true, doc_, GANY_COMMA const unsigned* docs, docs)
 GANY_ATTENTION_TC_WIDE(16, 2)
 GANY_ATTENTION_TC_WIDE(32, 2)
 GANY_ATTENTION_TC_WIDE(64, 2)

@@ -121,6 +121,12 @@ GANY_RMSNORM(bf16, bf16)
 // backend's arithmetic): angles reach thousands of radians, so a powf that differs by an ulp on
 // the device would move them by ~1e-3.
 
+// Row `row`'s RoPE position: pos0 plus its place in its sequence, from its document's start
+// under document masking (docs: one u32 a row, or null).
+__device__ __forceinline__ int rope_pos(int pos0, long long row, int seq, const unsigned* docs) {
+    return pos0 + (int)(row % seq) - (docs ? (int)docs[row] : 0);
+}
+
 __device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, float* c,
                                         float* s) {
     const float a = inv_freq[i] * (float)pos;
@@ -136,7 +142,7 @@ __device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, f
 template <class T>
 __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, int heads,
                                    int hd, int seq, int pos0, const float* inv_freq, float eps,
-                                   long long nrh) {
+                                   long long nrh, const unsigned* docs) {
     const long long rh = warp_row();
     if (rh >= nrh) return;  // the whole warp: no barrier follows
     const int lane = threadIdx.x & 31;
@@ -151,7 +157,7 @@ __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, 
     ss = warp_sum(ss);
     const float rs = 1.0f / sqrtf(ss * (1.0f / (float)hd) + eps);
     if (lane == 0) rstd[rh] = rs;
-    const int pos = pos0 + row % seq;
+    const int pos = rope_pos(pos0, row, seq, docs);
     for (int i = lane; i < half; i += 32) {
         float c, s;
         rope_cs(i, inv_freq, pos, &c, &s);
@@ -166,14 +172,15 @@ __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, 
 template <class T>
 __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T* w,
                                       const float* rstd, int heads, int hd, int seq, int pos0,
-                                      const float* inv_freq, long long nrh) {
+                                      const float* inv_freq, long long nrh,
+                                      const unsigned* docs) {
     const long long rh = warp_row();
     if (rh >= nrh) return;
     const int lane = threadIdx.x & 31;
     const int row = (int)(rh / heads);
     const long long off = rh * hd;
     const int half = hd / 2;
-    const int pos = pos0 + row % seq;
+    const int pos = rope_pos(pos0, row, seq, docs);
     const float r = rstd[rh];
     // The rotation's transpose takes the gradient back to the normed vector: g.
     float dot = 0.0f;
@@ -207,7 +214,7 @@ template <class T>
 __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, const T* x,
                                               const float* rstd, int rows, int heads, int hd,
                                               int seq, int pos0, const float* inv_freq,
-                                              int chunk_rows) {
+                                              int chunk_rows, const unsigned* docs) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= hd) return;
     const int half = hd / 2;
@@ -220,7 +227,7 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
         float acc = 0.0f;
         for (long long hr = r0; hr < r1; hr++) {
             float c, s;
-            rope_cs(j, inv_freq, pos0 + (int)((hr / heads) % seq), &c, &s);
+            rope_cs(j, inv_freq, rope_pos(pos0, hr / heads, seq, docs), &c, &s);
             const long long off = hr * hd;
             const float da = ld(dout + off + j), db = ld(dout + off + j + half);
             const float g = i < half ? da * c + db * s : db * c - da * s;
@@ -230,22 +237,46 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
     }
 }
 
+// The `_doc_` kernels: the same with each row's document start (docs, u32 a row) taken off
+// its position (document masking; the ops layer checks the starts).
 #define GANY_HEAD_NORM_ROPE(S, T)                                                                \
     extern "C" __global__ void head_norm_rope_forward_##S(                                       \
         T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
         const float* inv_freq, float eps, long long nrh) {                                       \
-        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps, nrh);     \
+        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps, nrh,      \
+                           nullptr);                                                             \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dx_##S(                                   \
         T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
         int head_dim, int seq, int pos0, const float* inv_freq, long long nrh) {                 \
-        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq, nrh);  \
+        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq, nrh,   \
+                              nullptr);                                                          \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dw_partial_##S(                           \
         float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \
         int head_dim, int seq, int pos0, const float* inv_freq, int chunk_rows) {                \
         head_norm_rope_bwd_dw_partial(partial, dout, x, rstd, rows, heads, head_dim, seq, pos0,  \
-                                      inv_freq, chunk_rows);                                     \
+                                      inv_freq, chunk_rows, nullptr);                            \
+    }                                                                                            \
+    extern "C" __global__ void head_norm_rope_forward_doc_##S(                                   \
+        T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
+        const float* inv_freq, float eps, long long nrh, const unsigned* docs) {                 \
+        head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps, nrh,      \
+                           docs);                                                                \
+    }                                                                                            \
+    extern "C" __global__ void head_norm_rope_backward_dx_doc_##S(                               \
+        T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
+        int head_dim, int seq, int pos0, const float* inv_freq, long long nrh,                   \
+        const unsigned* docs) {                                                                  \
+        head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq, nrh,   \
+                              docs);                                                             \
+    }                                                                                            \
+    extern "C" __global__ void head_norm_rope_backward_dw_partial_doc_##S(                       \
+        float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \
+        int head_dim, int seq, int pos0, const float* inv_freq, int chunk_rows,                  \
+        const unsigned* docs) {                                                                  \
+        head_norm_rope_bwd_dw_partial(partial, dout, x, rstd, rows, heads, head_dim, seq, pos0,  \
+                                      inv_freq, chunk_rows, docs);                               \
     }
 GANY_HEAD_NORM_ROPE(f32, float)
 GANY_HEAD_NORM_ROPE(bf16, bf16)

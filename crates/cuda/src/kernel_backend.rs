@@ -265,7 +265,8 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
         head_norm_rope_forward, head_norm_rope_backward, attention_forward, attention_backward,
         swiglu_forward, swiglu_backward, router_forward, router_backward, moe_dispatch,
         moe_gather, moe_gather_backward, moe_combine, moe_combine_backward,
-        cross_entropy_forward, cross_entropy_backward,
+        cross_entropy_forward, cross_entropy_backward, head_norm_rope_forward_docs,
+        head_norm_rope_backward_docs, attention_forward_docs, attention_backward_docs,
     );
 }
 

@@ -31,6 +31,9 @@
 //!     arrays), uploaded by the step with its ids (`EmbedIds`);
 //! - `head_norm_rope_*` read RoPE's frequencies from a table the host computes once
 //!   (`host::rope_inv_freq`, bitwise the CPU backend's);
+//! - document masking (`data.document_mask`): `head_norm_rope_*_doc_*` and `attention_*_doc_*`
+//!   (before the storage type) take each row's or query's document start, u32, as their last
+//!   argument;
 //! - `dispatch_tile_scan` runs as one block.
 
 macro_rules! kernel_file {
@@ -103,6 +106,12 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "head_norm_rope_forward_bf16",
             "head_norm_rope_backward_dx_bf16",
             "head_norm_rope_backward_dw_partial_bf16",
+            "head_norm_rope_forward_doc_f32",
+            "head_norm_rope_backward_dx_doc_f32",
+            "head_norm_rope_backward_dw_partial_doc_f32",
+            "head_norm_rope_forward_doc_bf16",
+            "head_norm_rope_backward_dx_doc_bf16",
+            "head_norm_rope_backward_dw_partial_doc_bf16",
         ],
     ),
     (
@@ -198,6 +207,30 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "attention_backward_fused_tc16_bf16",
             "attention_backward_fused_tc32_bf16",
             "attention_backward_fused_tc64_bf16",
+            "attention_forward_doc_f32",
+            "attention_backward_dkdv_doc_f32",
+            "attention_backward_dq_doc_f32",
+            "attention_forward_doc_bf16",
+            "attention_backward_dkdv_doc_bf16",
+            "attention_backward_dq_doc_bf16",
+            "attention_forward_tc16_doc_bf16",
+            "attention_backward_dkdv_tc16_doc_bf16",
+            "attention_backward_dq_tc16_doc_bf16",
+            "attention_forward_tc32_doc_bf16",
+            "attention_backward_dkdv_tc32_doc_bf16",
+            "attention_backward_dq_tc32_doc_bf16",
+            "attention_forward_tc64_doc_bf16",
+            "attention_backward_dkdv_tc64_doc_bf16",
+            "attention_backward_dq_tc64_doc_bf16",
+            "attention_forward_tc128_doc_bf16",
+            "attention_backward_dkdv_tc128_doc_bf16",
+            "attention_backward_dq_tc128_doc_bf16",
+            "attention_forward_tc16x2_doc_bf16",
+            "attention_forward_tc32x2_doc_bf16",
+            "attention_forward_tc64x2_doc_bf16",
+            "attention_backward_fused_tc16_doc_bf16",
+            "attention_backward_fused_tc32_doc_bf16",
+            "attention_backward_fused_tc64_doc_bf16",
         ],
     ),
 ];

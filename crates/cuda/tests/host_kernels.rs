@@ -768,13 +768,14 @@ fn rmsnorm_case(dim: usize) {
     }
 }
 
-/// Head norm + RoPE forward and backward, as `rmsnorm_run`: [out, rstd, dx, dw (+= onto dw0)].
+/// Head norm + RoPE forward and backward, as `rmsnorm_run`: [out, rstd, dx, dw (+= onto dw0)];
+/// with `docs`, positions restarting at each row's document start.
 fn head_norm_rope_run(
     be: &dyn Backend,
     st: St,
     v: &[Vec<f32>],
     dw0: &[f32],
-    d: ganymede_core::HeadRope,
+    (d, docs): (ganymede_core::HeadRope, Option<&[u32]>),
 ) -> Vec<Vec<f32>> {
     use ganymede_core::NormSaved;
     let n = v[0].len();
@@ -782,7 +783,12 @@ fn head_norm_rope_run(
     let (xt, wt) = (st.up(be, &v[0]), st.up(be, &v[1]));
     let mut out = st.zeros(be, n);
     let mut rstd = zeros(be, rows * d.heads);
-    be.head_norm_rope_forward(out.view_mut(), rstd.view_mut(), xt.view(), wt.view(), d);
+    let docs = docs.map(|x| be.upload_u32(x, &[x.len()], Category::Activations));
+    let (ov, rv, xv, wv) = (out.view_mut(), rstd.view_mut(), xt.view(), wt.view());
+    match &docs {
+        Some(t) => be.head_norm_rope_forward_docs(ov, rv, xv, wv, t.view(), d),
+        None => be.head_norm_rope_forward(ov, rv, xv, wv, d),
+    }
     let mut dx = st.up(be, &vec![f32::NAN; n]);
     let mut dw = up(be, dw0);
     let saved = NormSaved {
@@ -791,7 +797,11 @@ fn head_norm_rope_run(
         rstd: rstd.view(),
     };
     let dout = st.up(be, &v[2]);
-    be.head_norm_rope_backward(dx.view_mut(), dw.view_mut(), dout.view(), saved, d);
+    let (dxv, dwv) = (dx.view_mut(), dw.view_mut());
+    match &docs {
+        Some(t) => be.head_norm_rope_backward_docs(dxv, dwv, dout.view(), saved, t.view(), d),
+        None => be.head_norm_rope_backward(dxv, dwv, dout.view(), saved, d),
+    }
     vec![
         down(be, &out),
         down(be, &rstd),
@@ -802,6 +812,32 @@ fn head_norm_rope_run(
 
 #[test]
 fn head_norm_rope_forward_backward() {
+    head_norm_rope_case(false);
+}
+
+#[test]
+fn head_norm_rope_restarting_at_documents() {
+    head_norm_rope_case(true);
+}
+
+/// Each row's document start in its sequence of `seq`: documents of 1 to `max` rows, at random.
+fn row_doc_starts(rows: usize, seq: usize, max: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Lcg::new(seed);
+    let mut out = Vec::with_capacity(rows);
+    let (mut start, mut left) = (0, 0);
+    for r in 0..rows {
+        if r % seq == 0 || left == 0 {
+            start = r % seq;
+            left = 1 + rng.below(max) as usize;
+        }
+        out.push(start as u32);
+        left -= 1;
+    }
+    out
+}
+
+/// `docs`: positions restart at random document starts (the `_doc_` kernels).
+fn head_norm_rope_case(docs: bool) {
     let d = ganymede_core::HeadRope {
         heads: 3,
         head_dim: 70,
@@ -822,6 +858,8 @@ fn head_norm_rope_forward_backward() {
         .collect();
     let dout = rng.values(n, 1.0);
     let dw0 = rng.values(d.head_dim, 0.3);
+    let starts = docs.then(|| row_doc_starts(rows, d.seq, 5, 16));
+    let dd = (d, starts.as_deref());
     // A warp per head row: one a block, and four (450 head rows: the last block part-filled).
     let four = Tuning {
         row_block_max: 128,
@@ -835,8 +873,8 @@ fn head_norm_rope_forward_backward() {
             &inputs,
             0,
             &st.tols_with_reduction(),
-            |v| head_norm_rope_run(&kb, st, v, &dw0, d),
-            |v| head_norm_rope_run(&b, St::F32, v, &dw0, d),
+            |v| head_norm_rope_run(&kb, st, v, &dw0, dd),
+            |v| head_norm_rope_run(&b, St::F32, v, &dw0, dd),
         );
     }
 }
@@ -1765,15 +1803,12 @@ fn bf16_rows_are_regathered_as_bits() {
 /// Forward and backward on `be` in storage `st`, the saved output rounded as `round` stores it
 /// (the CPU reference in f32 reads the bf16-rounded output, as the device's backward does):
 /// [out, lse, dq, dk, dv].
-fn attention_run(
-    be: &dyn Backend,
-    st: St,
-    round: St,
-    x: &[Vec<f32>],
-    d: ganymede_core::AttnDims,
-) -> Vec<Vec<f32>> {
+fn attention_run(be: &dyn Backend, st: St, round: St, x: &[Vec<f32>], d: Attn) -> Vec<Vec<f32>> {
     attention_run_at(be, st, round, x, d, 0)
 }
+
+/// Attention's sizes, and each query's document start under document masking.
+type Attn<'a> = (ganymede_core::AttnDims, Option<&'a [u32]>);
 
 /// [`attention_run`] with q, k, v and dout as views that start `at` elements into their
 /// tensors.
@@ -1782,10 +1817,11 @@ fn attention_run_at(
     st: St,
     round: St,
     x: &[Vec<f32>],
-    d: ganymede_core::AttnDims,
+    (d, docs): Attn,
     at: usize,
 ) -> Vec<Vec<f32>> {
     use ganymede_core::{AttnGrads, AttnSaved};
+    let docs = docs.map(|x| be.upload_u32(x, &[x.len()], Category::Activations));
     let (nq, nk) = (x[0].len(), x[1].len());
     let nl = d.batch * d.heads * d.tq;
     let input = |x: &[f32]| st.up(be, &[vec![0.0; at], x.to_vec()].concat());
@@ -1793,29 +1829,34 @@ fn attention_run_at(
     let (qv, kv, vv) = (qt.slice(at, nq), kt.slice(at, nk), vt.slice(at, nk));
     let mut out = st.up(be, &vec![f32::NAN; nq]);
     let mut lse = up(be, &vec![f32::NAN; nl]);
-    be.attention_forward(out.view_mut(), lse.view_mut(), qv, kv, vv, d);
+    match &docs {
+        Some(t) => {
+            be.attention_forward_docs(out.view_mut(), lse.view_mut(), qv, kv, vv, t.view(), d)
+        }
+        None => be.attention_forward(out.view_mut(), lse.view_mut(), qv, kv, vv, d),
+    }
     let (mut dq, mut dk, mut dv) = (
         st.up(be, &vec![f32::NAN; nq]),
         st.up(be, &vec![f32::NAN; nk]),
         st.up(be, &vec![f32::NAN; nk]),
     );
     let saved_out = st.up(be, &round.inputs(&[down(be, &out)])[0]);
-    be.attention_backward(
-        AttnGrads {
-            dq: dq.view_mut(),
-            dk: dk.view_mut(),
-            dv: dv.view_mut(),
-        },
-        dt.slice(at, nq),
-        AttnSaved {
-            out: saved_out.view(),
-            q: qv,
-            k: kv,
-            v: vv,
-            lse: lse.view(),
-        },
-        d,
-    );
+    let g = AttnGrads {
+        dq: dq.view_mut(),
+        dk: dk.view_mut(),
+        dv: dv.view_mut(),
+    };
+    let s = AttnSaved {
+        out: saved_out.view(),
+        q: qv,
+        k: kv,
+        v: vv,
+        lse: lse.view(),
+    };
+    match &docs {
+        Some(t) => be.attention_backward_docs(g, dt.slice(at, nq), s, t.view(), d),
+        None => be.attention_backward(g, dt.slice(at, nq), s, d),
+    }
     vec![
         down(be, &out),
         down(be, &lse),
@@ -1825,8 +1866,39 @@ fn attention_run_at(
     ]
 }
 
+/// Document starts for `d`'s queries: each sequence's keys cut into documents of 1 to `max`
+/// keys at random, each query starting at the last cut at or before its key position.
+fn query_doc_starts(d: &ganymede_core::AttnDims, max: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Lcg::new(seed);
+    let off = d.tk - d.tq;
+    let mut out = Vec::new();
+    for _ in 0..d.batch {
+        let mut cuts = vec![0usize];
+        loop {
+            let next = cuts.last().unwrap() + 1 + rng.below(max) as usize;
+            if next >= d.tk {
+                break;
+            }
+            cuts.push(next);
+        }
+        for i in 0..d.tq {
+            let c = cuts.iter().rev().find(|&&c| c <= off + i).unwrap();
+            out.push(*c as u32);
+        }
+    }
+    out
+}
+
 /// `warps`: query rows per forward block.
 fn attention_case(d: ganymede_core::AttnDims, warps: usize, seed: u64) {
+    attention_case_docs((d, None), warps, seed)
+}
+
+/// [`attention_case`] with document starts (the `_doc_` kernels), or without.
+fn attention_case_docs(dd: Attn, warps: usize, seed: u64) {
+    let d = dd.0;
+    // A key may be in no query's document: the check's change goes into a query then.
+    let perturb = if dd.1.is_some() { 0 } else { 1 };
     let (nq, nk) = (
         d.batch * d.tq * d.heads * d.head_dim,
         d.batch * d.tk * d.kv_heads * d.head_dim,
@@ -1852,12 +1924,12 @@ fn attention_case(d: ganymede_core::AttnDims, warps: usize, seed: u64) {
             St::Bf16 => BF16,
         };
         parity(
-            &format!("{} {d:?}", st.name("attention")),
+            &format!("{} {d:?} docs {}", st.name("attention"), dd.1.is_some()),
             &inputs,
-            1,
+            perturb,
             &[st.tols_with_reduction()[0], F32, g, g, g],
-            |x| attention_run(&kb, st, st, x, d),
-            |x| attention_run(&b, St::F32, st, x, d),
+            |x| attention_run(&kb, st, st, x, dd),
+            |x| attention_run(&b, St::F32, st, x, dd),
         );
     }
 }
@@ -1924,6 +1996,13 @@ const TC_ATOL: f64 = 1.0 / 128.0;
 /// `at`: the inputs' views start this many elements into their tensors (1: not 16-byte aligned,
 /// the kernels' element-by-element loads; 0: aligned, their 16-byte loads).
 fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
+    attention_tc_case_docs((d, None), seed, at)
+}
+
+/// [`attention_tc_case`] with document starts (the `_doc_` kernels), or without.
+fn attention_tc_case_docs(dd: Attn, seed: u64, at: usize) {
+    let d = dd.0;
+    let perturb = if dd.1.is_some() { 0 } else { 1 };
     let (nq, nk) = (
         d.batch * d.tq * d.heads * d.head_dim,
         d.batch * d.tk * d.kv_heads * d.head_dim,
@@ -1936,7 +2015,7 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
         rng.values(nq, 1.0),
     ]);
     let b = cpu();
-    let reference = |x: &[Vec<f32>]| attention_run(&b, St::F32, St::Bf16, x, d);
+    let reference = |x: &[Vec<f32>]| attention_run(&b, St::F32, St::Bf16, x, dd);
     let tols: Vec<Tol> = reference(&inputs)
         .iter()
         .enumerate()
@@ -1961,9 +2040,12 @@ fn attention_tc_case(d: ganymede_core::AttnDims, seed: u64, at: usize) {
             row_block_max: if wide { 96 } else { 32 },
             ..SMALL
         });
-        let run = |x: &[Vec<f32>]| attention_run_at(&kb, St::Bf16, St::Bf16, x, d, at);
-        let name = format!("attention_tc_bf16 (fused dq: {fused}, wide forward: {wide}) {d:?}");
-        parity(&name, &inputs, 1, &tols, run, reference);
+        let run = |x: &[Vec<f32>]| attention_run_at(&kb, St::Bf16, St::Bf16, x, dd, at);
+        let name = format!(
+            "attention_tc_bf16 (fused dq: {fused}, wide forward: {wide}, docs: {}) {d:?}",
+            dd.1.is_some()
+        );
+        parity(&name, &inputs, perturb, &tols, run, reference);
         let at_issue = run(&inputs);
         // The tiles' asynchronous copies landing only at the waits that cover them: every
         // output bit for bit, so no tile is read before its wait.
@@ -2017,6 +2099,42 @@ fn dims(
         heads,
         kv_heads,
         head_dim,
+    }
+}
+
+#[test]
+fn attention_over_documents() {
+    // Documents of 1 to 9 keys: starts inside a tile, tiles wholly before a row's document,
+    // key blocks that no later query sees; tq < tk with starts inside the prefix, and square.
+    for (d, warps, seed) in [
+        (dims(2, 13, 37, 4, 2, 40), 4, 31),
+        (dims(1, 45, 45, 3, 1, 16), 16, 32),
+        (dims(1, 21, 40, 2, 2, 128), 8, 33),
+    ] {
+        let docs = query_doc_starts(&d, 9, seed);
+        attention_case_docs((d, Some(&docs)), warps, seed);
+    }
+    // Long documents: whole key tiles before a row's start are skipped.
+    let d = dims(1, 90, 90, 2, 1, 16);
+    let docs = query_doc_starts(&d, 40, 34);
+    attention_case_docs((d, Some(&docs)), 4, 34);
+}
+
+#[test]
+fn attention_tc_over_documents() {
+    // The tensor-core kernels (both backwards, both forwards) with document starts: short
+    // documents (every tile masked inside), long ones (tiles and key blocks skipped whole, and
+    // tiles unmasked within a document), a key prefix, head_dim 16 to 128, unaligned views.
+    for (d, max, seed, at) in [
+        (dims(2, 13, 37, 4, 2, 32), 9, 41, 0),
+        (dims(1, 150, 150, 4, 1, 64), 9, 42, 0),
+        (dims(2, 150, 150, 2, 1, 64), 100, 43, 0),
+        (dims(1, 70, 133, 3, 1, 16), 70, 44, 0),
+        (dims(1, 130, 130, 2, 2, 128), 80, 45, 0),
+        (dims(1, 70, 90, 2, 1, 32), 30, 46, 1),
+    ] {
+        let docs = query_doc_starts(&d, max, seed);
+        attention_tc_case_docs((d, Some(&docs)), seed, at);
     }
 }
 
@@ -2088,8 +2206,8 @@ fn attention_tc_falls_back_where_it_does_not_apply() {
             rng.values(9 * 2 * hd, 1.0),
         ]);
         let (a, b) = (
-            attention_run(&tc, st, st, &x, d),
-            attention_run(&simt, st, st, &x, d),
+            attention_run(&tc, st, st, &x, (d, None)),
+            attention_run(&simt, st, st, &x, (d, None)),
         );
         for (o, (a, b)) in a.iter().zip(&b).enumerate() {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());

@@ -102,6 +102,8 @@ pub struct Dataset {
     source: String,
     /// Bytes of the validation text, for the built-in corpus (whose entropy per byte is known).
     builtin_val_bytes: Option<usize>,
+    /// `data.document_mask`: batches carry their document starts.
+    document_mask: bool,
 }
 
 /// Where the held-out split starts in a text of `len` bytes: the last `val_fraction` of it,
@@ -155,7 +157,26 @@ impl Dataset {
         }
         if !data.sources.is_empty() || (!data.path.is_empty() && is_prepared(Path::new(&data.path)))
         {
-            return Self::build_prepared(data, vocab_size, seq_len, seed, dir, allow_change);
+            let ds = Self::build_prepared(data, vocab_size, seq_len, seed, dir, allow_change)?;
+            return Ok(Dataset {
+                document_mask: data.document_mask,
+                ..ds
+            });
+        }
+        if data.document_mask {
+            // Text is joined without end-of-document tokens and a bare token file has no
+            // index: neither knows where its documents end.
+            bail!(
+                "data.document_mask = true needs document boundaries, and {} has none (text \
+                 the run tokenises is joined without end-of-document tokens; a .bin of tokens \
+                 has no document index); prepare it with `ganymede data prepare` and train on \
+                 the prepared folder, or set data.document_mask = false",
+                if data.path.is_empty() {
+                    "the built-in corpus".to_string()
+                } else {
+                    format!("data.path = {}", data.path)
+                }
+            );
         }
         let source_path = (!data.path.is_empty()).then(|| PathBuf::from(&data.path));
         let source = match &source_path {
@@ -178,7 +199,11 @@ impl Dataset {
         }
         let meta = Meta {
             format: 1,
-            data: data.clone(),
+            // The planner's assumption changes nothing here: not a reason to tokenise again.
+            data: DataConfig {
+                mean_document_tokens: DataConfig::default().mean_document_tokens,
+                ..data.clone()
+            },
             vocab_size,
             inputs: fingerprint(&inputs)?,
             split_tokens: None,
@@ -285,6 +310,7 @@ impl Dataset {
             seed,
             source,
             builtin_val_bytes: None,
+            document_mask: false,
         })
     }
 
@@ -317,6 +343,7 @@ impl Dataset {
             seed,
             source: source.to_string(),
             builtin_val_bytes: None,
+            document_mask: false,
         })
     }
 
@@ -353,6 +380,7 @@ impl Dataset {
                 seed,
                 source: source.to_string(),
                 builtin_val_bytes: None,
+                document_mask: false,
             });
         }
 
@@ -401,6 +429,7 @@ impl Dataset {
             seed,
             source: source.to_string(),
             builtin_val_bytes: None,
+            document_mask: false,
         })
     }
 
@@ -556,6 +585,58 @@ impl Dataset {
             targets.extend_from_slice(&t[o + 1..o + seq_len + 1]);
         }
         (inputs, targets)
+    }
+
+    /// With `data.document_mask`, where each input token's document starts within its sequence
+    /// (`[per-rank batch, seq_len]`, as [`Dataset::batch_slice`] cuts the batch): a token after
+    /// a document boundary starts at its own position, the sequence's first document at 0.
+    /// None without the mask.
+    pub fn batch_doc_starts(
+        &self,
+        step: u64,
+        global_batch: usize,
+        seq_len: usize,
+        rank: usize,
+        world: usize,
+    ) -> Option<Vec<u32>> {
+        if !self.document_mask {
+            return None;
+        }
+        let m = self
+            .mixture
+            .as_ref()
+            .expect("document masking reads prepared sources");
+        let per = global_batch / world;
+        let mut out = Vec::with_capacity(per * seq_len);
+        for i in rank * per..(rank + 1) * per {
+            m.sequence_doc_starts(step * global_batch as u64 + i as u64, &mut out);
+        }
+        Some(out)
+    }
+
+    /// [`Dataset::batch_doc_starts`] of validation batch `index` of `source` (the first when
+    /// None), as [`Dataset::val_batch_of`] cuts it.
+    pub fn val_doc_starts(
+        &self,
+        source: Option<usize>,
+        index: usize,
+        batch_size: usize,
+        seq_len: usize,
+    ) -> Option<Vec<u32>> {
+        if !self.document_mask {
+            return None;
+        }
+        let m = self
+            .mixture
+            .as_ref()
+            .expect("document masking reads prepared sources");
+        let s = source.unwrap_or(0);
+        let w = m.val_windows(s);
+        let mut out = Vec::with_capacity(batch_size * seq_len);
+        for b in 0..batch_size {
+            m.val_sequence_doc_starts(s, ((index * batch_size + b) as u64) % w, &mut out);
+        }
+        Some(out)
     }
 
     /// Number of distinct validation windows of `seq_len + 1` tokens.

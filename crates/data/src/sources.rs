@@ -324,6 +324,33 @@ impl Source {
         out
     }
 
+    /// For each of the `n` tokens at `a ..` of the stream, where its document starts within
+    /// that window (0 for the window's first document, which may have begun before it): the
+    /// input a document-masked step attends from. Binary searches of the document index, so
+    /// the cost is the window's, not the stream's.
+    pub fn window_doc_starts(&self, a: u64, n: usize, out: &mut Vec<u32>) {
+        let b = a + n as u64;
+        let mut bounds = Vec::new();
+        let first = self.seg_start.partition_point(|&x| x <= a) - 1;
+        for s in first..self.segments.len() {
+            let base = self.seg_start[s];
+            if base >= b {
+                break;
+            }
+            let docs = self.segments[s].docs();
+            let lo = docs.partition_point(|&d| base + d <= a);
+            bounds.extend(docs[lo..].iter().map(|&d| base + d).take_while(|&d| d < b));
+        }
+        let mut next = bounds.iter().peekable();
+        let mut cur = 0u32;
+        for i in 0..n as u64 {
+            while next.next_if(|&&d| d <= a + i).is_some() {
+                cur = i as u32;
+            }
+            out.push(cur);
+        }
+    }
+
     /// The first token of the validation split: the start of the first document at or after
     /// `(1 - val_fraction)` of the stream; with one document, that token itself.
     pub fn val_start(&self, val_fraction: f64) -> u64 {
@@ -564,6 +591,14 @@ impl Mixture {
         y.push(last);
     }
 
+    /// Append the document starts ([`Source::window_doc_starts`]) of global sequence `g`'s
+    /// inputs.
+    pub fn sequence_doc_starts(&self, g: u64, out: &mut Vec<u32>) {
+        let (s, k) = self.pick(g);
+        let a = self.window(s, k) * self.seq_len as u64;
+        self.sources[s].window_doc_starts(a, self.seq_len, out);
+    }
+
     /// Validation windows of source `s` (consecutive, non-overlapping, `seq_len + 1` tokens).
     pub fn val_windows(&self, s: usize) -> u64 {
         (self.sources[s].tokens() - self.val_start[s]) / (self.seq_len as u64 + 1)
@@ -577,6 +612,12 @@ impl Mixture {
         let last = x.pop().expect("a window has seq_len + 1 tokens");
         y.extend_from_slice(&x[start + 1..]);
         y.push(last);
+    }
+
+    /// Append the document starts of validation window `w` of source `s`'s inputs.
+    pub fn val_sequence_doc_starts(&self, s: usize, w: u64, out: &mut Vec<u32>) {
+        let a = self.val_start[s] + w * (self.seq_len as u64 + 1);
+        self.sources[s].window_doc_starts(a, self.seq_len, out);
     }
 
     /// Source `s`'s validation tokens.

@@ -240,6 +240,49 @@ fn batches_from_shards_are_the_same_at_any_rank_count_and_after_a_rebuild() {
         }
         assert_ne!(ds.batch(step + 1, 8, 24), whole);
     }
+    // Without data.document_mask batches carry no document starts.
+    assert!(ds.batch_doc_starts(0, 8, 24, 0, 1).is_none());
+    // With it, each token's document start in its window: where a token follows the
+    // end-of-document id (256) a document starts; the same at any rank count.
+    let masked = Dataset::build(
+        &DataConfig {
+            document_mask: true,
+            ..data.clone()
+        },
+        257,
+        24,
+        3,
+        None,
+    )
+    .unwrap();
+    let scan = |x: &[u32]| -> Vec<u32> {
+        let mut out = Vec::new();
+        for row in x.chunks(24) {
+            let mut cur = 0;
+            for i in 0..24 {
+                if i > 0 && row[i - 1] == 256 {
+                    cur = i as u32;
+                }
+                out.push(cur);
+            }
+        }
+        out
+    };
+    for step in [0u64, 5] {
+        let (x, _) = masked.batch(step, 8, 24);
+        let whole = masked.batch_doc_starts(step, 8, 24, 0, 1).unwrap();
+        assert_eq!(whole, scan(&x), "step {step}");
+        assert!(
+            whole.iter().any(|&d| d > 0),
+            "no document boundary at step {step}"
+        );
+        let parts: Vec<u32> = (0..4)
+            .flat_map(|r| masked.batch_doc_starts(step, 8, 24, r, 4).unwrap())
+            .collect();
+        assert_eq!(parts, whole);
+        let (vx, _) = masked.val_batch_of(1, 2, 4, 24);
+        assert_eq!(masked.val_doc_starts(Some(1), 2, 4, 24).unwrap(), scan(&vx));
+    }
     // Per-source validation by name and weight; ids in range.
     let names: Vec<(String, f64)> = ds.val_sources();
     assert_eq!(names.len(), 2);

@@ -47,7 +47,11 @@ fn step(
         &params,
         &mut grads,
         &mut ws,
-        Tokens { inputs, targets },
+        Tokens {
+            inputs,
+            targets,
+            doc_starts: None,
+        },
         1.0,
     );
     let g = grads

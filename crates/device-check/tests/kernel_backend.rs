@@ -64,6 +64,17 @@ fn step(
     inputs: &[u32],
     targets: &[u32],
 ) -> (Vec<Vec<f32>>, StepOutput) {
+    step_docs(be, model, params, (inputs, targets), None)
+}
+
+/// [`step`] with document starts (document masking), or without.
+fn step_docs(
+    be: &dyn Backend,
+    model: &Model,
+    params: &ParamStore,
+    (inputs, targets): (&[u32], &[u32]),
+    doc_starts: Option<&[u32]>,
+) -> (Vec<Vec<f32>>, StepOutput) {
     let mut ws = Workspace::new(be, model, BATCH, SEQ, AcMode::Full);
     let mut grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
     let out = forward_backward(
@@ -72,7 +83,11 @@ fn step(
         params,
         &mut grads,
         &mut ws,
-        Tokens { inputs, targets },
+        Tokens {
+            inputs,
+            targets,
+            doc_starts,
+        },
         1.0,
     );
     let g = grads
@@ -179,6 +194,46 @@ fn tiny_forward_backward_matches_the_cpu() {
     assert!(caught.is_err(), "one changed target went unnoticed");
 }
 
+#[test]
+fn tiny_step_over_documents_matches_the_cpu() {
+    // Document masking through the model: the `_doc_` kernels against the CPU's, on windows of
+    // documents of 5, 11 and 16 tokens and of 20 and 12; the check can fail (without the
+    // starts the gradients move past the tolerance).
+    let c = tiny();
+    let model = Model::new(&c);
+    let cpu = CpuBackend::default();
+    let pc = model.init_params(&cpu, 3);
+    let inputs = tokens(BATCH * SEQ, c.vocab_size, 6);
+    let targets = tokens(BATCH * SEQ, c.vocab_size, 7);
+    let mut docs = Vec::new();
+    for lens in [[5, 11, 16].as_slice(), &[20, 12]] {
+        let mut at = 0;
+        for &n in lens {
+            docs.extend(std::iter::repeat_n(at, n));
+            at += n as u32;
+        }
+    }
+    let io = (&inputs[..], &targets[..]);
+    let (gw, ow) = step_docs(&cpu, &model, &pc, io, Some(&docs));
+    let names: Vec<String> = model.param_specs().iter().map(|s| s.name.clone()).collect();
+    let kern = kernels();
+    let pk = model.init_params(&kern, 3);
+    let (gg, og) = step_docs(&kern, &model, &pk, io, Some(&docs));
+    let le = rel(og.loss, ow.loss);
+    println!(
+        "documents: loss {} vs {}: rel err {le:.3e}",
+        og.loss, ow.loss
+    );
+    assert!(le < 1e-5, "losses {og:?} vs {ow:?}");
+    let worst = compare(&names, &gg, &gw, grad_tol).unwrap_or_else(|e| panic!("gradient {e}"));
+    println!("documents: worst max-abs gradient error {worst:.3e} of the tensor's scale");
+    let (gn, _) = step(&cpu, &model, &pc, &inputs, &targets);
+    assert!(
+        compare(&names, &gn, &gw, grad_tol).is_err(),
+        "the document starts changed nothing"
+    );
+}
+
 /// `‖got − want‖ / ‖want − start‖` over one tensor: the error of the parameters' movement
 /// since the start, relative to that movement.
 fn movement_err(got: &[f32], want: &[f32], start: &[f32]) -> f64 {
@@ -248,6 +303,7 @@ fn train_steps(adamw_only: bool) {
                 Tokens {
                     inputs: &inputs,
                     targets: &targets,
+                    doc_starts: None,
                 },
                 1.0,
             );

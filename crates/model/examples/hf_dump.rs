@@ -60,6 +60,7 @@ fn main() {
         Tokens {
             inputs: &inputs,
             targets: &targets,
+            doc_starts: None,
         },
         1.0,
     );

@@ -69,7 +69,11 @@ fn main() {
                     &params,
                     &mut grads,
                     &mut ws,
-                    Tokens { inputs, targets },
+                    Tokens {
+                        inputs,
+                        targets,
+                        doc_starts: None,
+                    },
                     1.0,
                 );
                 if i >= 2 {
@@ -144,7 +148,11 @@ fn ab(steps: usize, names: &[&str], what: &str) {
                     params,
                     grads,
                     ws,
-                    Tokens { inputs, targets },
+                    Tokens {
+                        inputs,
+                        targets,
+                        doc_starts: None,
+                    },
                     1.0,
                 );
                 if i >= 2 {

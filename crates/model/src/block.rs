@@ -35,6 +35,9 @@ pub(crate) struct Ctx<'a> {
     pub params: &'a ParamStore,
     pub batch: usize,
     pub seq: usize,
+    /// Each token's document start (u32 `[batch, seq]`) under document masking: attention and
+    /// RoPE then run per document.
+    pub docs: Option<View<'a>>,
 }
 
 /// An every-token SwiGLU: its gate, up and down parameters, of `parts` stacked experts of
@@ -76,6 +79,7 @@ pub(crate) fn block_forward(
         params,
         batch,
         seq,
+        docs,
     } = *cx;
     let li = &model.layers[layer];
     let cfg = model.config();
@@ -148,13 +152,24 @@ pub(crate) fn block_forward(
     };
     let qr32 = if bf16 { &mut g.dqr } else { &mut a.qr };
     let (qr, rstdq) = (qr32.view_mut(), a.rstdq.view_mut());
-    be.head_norm_rope_forward(qr, rstdq, a.q.view(), w(li.q_norm), rope(nh, pos0));
     let cached = matches!(kv, Kv::Cache { .. });
+    // Document masking applies to training and evaluation windows, not to a KV cache.
+    let docs = if cached { None } else { docs };
+    match docs {
+        Some(d) => {
+            be.head_norm_rope_forward_docs(qr, rstdq, a.q.view(), w(li.q_norm), d, rope(nh, 0))
+        }
+        None => be.head_norm_rope_forward(qr, rstdq, a.q.view(), w(li.q_norm), rope(nh, pos0)),
+    }
     match kv {
         Kv::Own => {
             let kr32 = if bf16 { &mut g.dkr } else { &mut a.kr };
             let (kr, rstdk) = (kr32.view_mut(), a.rstdk.view_mut());
-            be.head_norm_rope_forward(kr, rstdk, a.k.view(), w(li.k_norm), rope(nkv, 0));
+            let (k, kn) = (a.k.view(), w(li.k_norm));
+            match docs {
+                Some(d) => be.head_norm_rope_forward_docs(kr, rstdk, k, kn, d, rope(nkv, 0)),
+                None => be.head_norm_rope_forward(kr, rstdk, k, kn, rope(nkv, 0)),
+            }
             if bf16 {
                 be.cast(a.qr.view_mut(), g.dqr.view());
                 be.cast(a.kr.view_mut(), g.dkr.view());
@@ -162,7 +177,10 @@ pub(crate) fn block_forward(
             }
             let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
             let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
-            be.attention_forward(att, lse, q, k, v, attn(batch, seq));
+            match docs {
+                Some(d) => be.attention_forward_docs(att, lse, q, k, v, d, attn(batch, seq)),
+                None => be.attention_forward(att, lse, q, k, v, attn(batch, seq)),
+            }
         }
         Kv::Cache { k, v, pos0 } => {
             assert_eq!(batch, 1, "a KV cache holds one sequence");
@@ -510,6 +528,7 @@ pub(crate) fn block_backward(
         params,
         batch,
         seq,
+        docs,
     } = *cx;
     let li = &model.layers[layer];
     let cfg = model.config();
@@ -649,7 +668,10 @@ pub(crate) fn block_backward(
         kv_heads: nkv,
         head_dim: hd,
     };
-    be.attention_backward(ag, dout, saved, dims);
+    match docs {
+        Some(d) => be.attention_backward_docs(ag, dout, saved, d, dims),
+        None => be.attention_backward(ag, dout, saved, dims),
+    }
     if let Some(a16) = g.attn16.as_ref() {
         be.cast(g.dqr.view_mut(), a16.dq.view());
         be.cast(g.dkr.view_mut(), a16.dk.view());
@@ -674,7 +696,11 @@ pub(crate) fn block_backward(
             rstd: rstd.view(),
         };
         let dw = grads.get_mut(norm).view_mut();
-        be.head_norm_rope_backward(dx.view_mut(), dw, dout.view(), saved, rope(heads));
+        let (dx, dout) = (dx.view_mut(), dout.view());
+        match docs {
+            Some(d) => be.head_norm_rope_backward_docs(dx, dw, dout, saved, d, rope(heads)),
+            None => be.head_norm_rope_backward(dx, dw, dout, saved, rope(heads)),
+        }
     }
     // dxn = dQ·W_q + dK·W_k + dV·W_v and the weight gradients, in the order that reads dQ, dK
     // and dV twice in a row in A and xn1 in B three times with only bf16 weights in B between

@@ -56,6 +56,7 @@ fn step_logits(
             params,
             batch: 1,
             seq: n,
+            docs: None,
         };
         // Routing sums go unread here, but the router writes them.
         let e = cfg.experts;

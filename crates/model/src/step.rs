@@ -8,7 +8,8 @@ use crate::workspace::{moe_slot, Workspace};
 use crate::{MlpIdx, Model, StepOutput};
 use ganymede_config::AcMode;
 use ganymede_core::{
-    embedding_segments, Backend, EmbedIds, Gemm, NormSaved, ParamStore, Tensor, ViewMut,
+    embedding_segments, Backend, Category, DType, EmbedIds, Gemm, NormSaved, ParamStore, Tensor,
+    ViewMut,
 };
 
 /// Which pass wants a block's parameters.
@@ -83,6 +84,10 @@ impl GradSink for ParamStore {
 pub struct Tokens<'a> {
     pub inputs: &'a [u32],
     pub targets: &'a [u32],
+    /// Under document masking (`data.document_mask`), where each input's document starts in its
+    /// sequence (`[batch, seq]`, each at most the input's own position): attention stays within
+    /// a document and RoPE positions restart at each. None: one causal sequence per row.
+    pub doc_starts: Option<&'a [u32]>,
 }
 
 /// What parallelism plugs into a training step: where parameters come from, where gradients
@@ -102,7 +107,11 @@ struct LayerStats {
 }
 
 fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
-    let Tokens { inputs, targets } = t;
+    let Tokens {
+        inputs,
+        targets,
+        doc_starts,
+    } = t;
     let n = ws.batch * ws.seq;
     assert_eq!(
         inputs.len(),
@@ -118,6 +127,26 @@ fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
         inputs.iter().chain(targets).all(|&t| t < v),
         "token id out of the vocabulary ({v})"
     );
+    if let Some(d) = doc_starts {
+        assert_eq!(d.len(), n, "document starts and inputs differ in length");
+        // The kernels rely on it: a start after its token would leave it nothing to attend to.
+        if let Some(i) = (0..n).find(|&i| i % ws.seq > 0 && d[i] < d[i - 1]) {
+            panic!(
+                "token {} of sequence {} starts its document at {}, before the token before it",
+                i % ws.seq,
+                i / ws.seq,
+                d[i]
+            );
+        }
+        if let Some(i) = (0..n).find(|&i| d[i] as usize > i % ws.seq) {
+            panic!(
+                "token {} of sequence {} starts its document at {}, after itself",
+                i % ws.seq,
+                i / ws.seq,
+                d[i]
+            );
+        }
+    }
 }
 
 /// Embedding, every block, final norm, logits and the summed cross-entropy. Writes the batch's
@@ -131,7 +160,11 @@ fn forward(
     src: &mut dyn ParamSource,
     ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
-    Tokens { inputs, targets }: Tokens,
+    Tokens {
+        inputs,
+        targets,
+        doc_starts,
+    }: Tokens,
     backward: bool,
 ) -> Vec<LayerStats> {
     let cfg = model.config();
@@ -150,6 +183,13 @@ fn forward(
     // The step's one upload of its tokens (host to device: no read).
     be.write_u32(head.ids.view_mut(), inputs);
     be.write_u32(head.targets.view_mut(), targets);
+    if let Some(d) = doc_starts {
+        // Made by the first masked step, outside the activation plan (N u32, like the loss).
+        let t = head
+            .docs
+            .get_or_insert_with(|| be.zeros_of(&[n], DType::U32, Category::Buffers));
+        be.write_u32(t.view_mut(), d);
+    }
     if backward {
         // With the ids, their grouping by id: the host has them, the embedding's backward
         // would otherwise read them back.
@@ -189,6 +229,7 @@ fn forward(
             params: src.params(),
             batch,
             seq,
+            docs: doc_starts.and(head.docs.as_ref()).map(|d| d.view()),
         };
         let psum = psum_slot(cfg, route, l);
         block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex));
@@ -431,6 +472,7 @@ pub fn forward_backward_with(
             params: src.params(),
             batch,
             seq,
+            docs: tokens.doc_starts.and(head.docs.as_ref()).map(|d| d.view()),
         };
         let a = match mode {
             AcMode::None => &mut blocks[l],

@@ -8,6 +8,7 @@ use ganymede_core::{CpuBackend, Device, Ledger, Memory};
 use std::sync::Arc;
 
 mod boundaries;
+mod documents;
 mod host_reads;
 mod loss_chunk;
 mod moe_chunk;
@@ -58,6 +59,7 @@ fn tiny_step(model: &Model, mode: AcMode) -> (StepOutput, Vec<Vec<f32>>, f64, Wo
     let t = Tokens {
         inputs: &inputs,
         targets: &targets,
+        doc_starts: None,
     };
     let mut ws = Workspace::new(&be, model, batch, seq, mode);
     let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
@@ -132,6 +134,7 @@ fn grad_check_of(model: &Model, mode: AcMode) {
         Tokens {
             inputs: &inputs,
             targets: &targets,
+            doc_starts: None,
         },
         1.0,
     );
@@ -163,6 +166,7 @@ fn grad_check_of(model: &Model, mode: AcMode) {
                     Tokens {
                         inputs: &inputs,
                         targets: &targets,
+                        doc_starts: None,
                     },
                 );
                 (total_loss(&o, cfg), o.expert_load)
@@ -248,6 +252,7 @@ fn tiny_grads_of(model: &Model, be: &CpuBackend, mode: AcMode) -> (Vec<Vec<f32>>
         Tokens {
             inputs: &inputs,
             targets: &targets,
+            doc_starts: None,
         },
         0.5,
     );
@@ -296,6 +301,7 @@ fn f32_forward_matches_f64() {
             Tokens {
                 inputs: &inputs,
                 targets: &targets,
+                doc_starts: None,
             },
         );
         losses.push((o.loss, o.aux_loss));
@@ -481,6 +487,7 @@ fn full_logits(be: &dyn Backend, model: &Model, params: &ParamStore, ids: &[u32]
         Tokens {
             inputs: ids,
             targets: ids,
+            doc_starts: None,
         },
     );
     be.download_f64(ws.head.logits.view())
@@ -644,6 +651,7 @@ fn gradients_accumulate_scaled() {
         Tokens {
             inputs: &inputs,
             targets: &targets,
+            doc_starts: None,
         },
         1.0,
     );
@@ -658,6 +666,7 @@ fn gradients_accumulate_scaled() {
             Tokens {
                 inputs: &inputs,
                 targets: &targets,
+                doc_starts: None,
             },
             0.5,
         );
@@ -849,6 +858,7 @@ fn offload_run_at(
             Tokens {
                 inputs: &inputs,
                 targets: &targets,
+                doc_starts: None,
             },
             1.0,
         );

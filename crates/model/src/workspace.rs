@@ -156,6 +156,9 @@ pub(crate) struct HeadActs {
     /// backward: the embedding's backward then needs no read of the ids.
     pub id_groups: Tensor,
     pub segments: usize,
+    /// Each input's document start under document masking (u32 `[N]`, `Category::Buffers`,
+    /// outside the activation plan): made by the first step that brings them.
+    pub docs: Option<Tensor>,
 }
 
 /// The step's routing scalars (f64, `Category::Buffers`, outside the activation plan, like the
@@ -632,6 +635,7 @@ impl Workspace {
             targets: t("targets"),
             id_groups: t("id_groups"),
             segments: 0,
+            docs: None,
         };
         assert!(it.next().is_none(), "workspace plan not fully allocated");
         let moe_layers = (0..cfg.layers).filter(|&l| cfg.is_moe_layer(l)).count();

@@ -350,6 +350,7 @@ impl RankState {
         ctx.stats.reset();
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
         let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
+        let docs = data.batch_doc_starts(step as u64, batch, seq, world.rank(), world.size());
         let be: &dyn Backend = self.be.as_ref();
         // Gradient accumulation: the rank's share in microbatches, each one's gradients its
         // own global batch's mean times 1/k, added up before the one update.
@@ -371,7 +372,8 @@ impl RankState {
             let rows = m * micro * seq..(m + 1) * micro * seq;
             let tokens = Tokens {
                 inputs: &x[rows.clone()],
-                targets: &y[rows],
+                targets: &y[rows.clone()],
+                doc_starts: docs.as_ref().map(|d| &d[rows]),
             };
             let one = self.forward_backward(tokens, global, (m, k), &ctx.tracer);
             accumulate_output(&mut out, one, k);
@@ -548,12 +550,14 @@ impl RankState {
                 Some(src) => data.val_batch_of(src, i, batch, seq),
                 None => data.val_batch(i, batch, seq),
             };
+            let docs = data.val_doc_starts(source, i, batch, seq);
             for m in 0..k {
                 let r0 = (r * per + m * micro) * seq;
                 let rows = r0..r0 + micro * seq;
                 let tokens = Tokens {
                     inputs: &x[rows.clone()],
-                    targets: &y[rows],
+                    targets: &y[rows.clone()],
+                    doc_starts: docs.as_ref().map(|d| &d[rows]),
                 };
                 let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
                 *s += match &mut self.shards {

@@ -307,6 +307,9 @@ pub struct CpuStepInputs {
     pub ranks_per_node: usize,
     pub tokens_per_rank: f64,
     pub seq: f64,
+    /// Keys a token attends on average (`plan::attention_span`): `seq / 2`, or less under
+    /// document masking, where the kernels skip keys before a document's start.
+    pub attn_span: f64,
     pub ac: AcMode,
     pub muon: bool,
     pub ns_steps: usize,
@@ -343,7 +346,8 @@ pub fn cpu_step(m: &ModelConfig, cpu: &CpuSpec, x: &CpuStepInputs) -> CpuTime {
         if layers == 0 {
             continue;
         }
-        let f = layer_forward_chunked(m, n, x.seq, moe, chunk);
+        let mut f = layer_forward_chunked(m, n, x.seq, moe, chunk);
+        f.attention.n = x.attn_span;
         let b = layer_backward(&f);
         let l = layers as f64;
         forward_s += add(&f, l);

@@ -231,10 +231,15 @@ pub enum PlanError {
 pub struct Flops {
     /// 6 · active matmul parameters (embedding lookup excluded, LM head included).
     pub matmul_per_token: f64,
-    /// Causal attention, forward + backward: 6 · s · heads · head_dim · layers (QKᵀ and AV,
-    /// each 2·(s/2)·q_dim per token forward, x3 for backward).
+    /// Keys a token attends on average: s/2 for causal attention over windows of s, min(s, D)/2
+    /// under `data.document_mask` with documents of `data.mean_document_tokens` = D.
+    pub attention_span_per_token: f64,
+    /// Causal attention, forward + backward: 12 · span · heads · head_dim · layers (QKᵀ and
+    /// AV, each 2·span·q_dim per token forward, x3 for backward; 6 · s · q_dim · layers
+    /// without document masking).
     pub attention_per_token: f64,
-    /// The same without causal halving (TorchTitan's 12 · L · H · Q · T convention).
+    /// The same without causal halving or document masking (TorchTitan's 12 · L · H · Q · T
+    /// convention).
     pub attention_per_token_noncausal: f64,
     /// Model FLOPs per token: matmul + causal attention (no recompute).
     pub model_per_token: f64,
@@ -680,6 +685,19 @@ fn smallest_fix(
         }
     }
     None
+}
+
+/// Keys a token attends on average in windows of `seq` tokens: `seq / 2` (causal), or with
+/// `data.document_mask` `min(seq, data.mean_document_tokens) / 2` (attention stops at each
+/// document's start; documents assumed of the mean length).
+pub fn attention_span(job: &JobConfig, seq: usize) -> f64 {
+    let d = &job.data;
+    let keys = if d.document_mask {
+        seq.min(d.mean_document_tokens)
+    } else {
+        seq
+    };
+    keys as f64 / 2.0
 }
 
 pub(crate) fn verdict_text(

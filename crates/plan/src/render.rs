@@ -164,6 +164,11 @@ fn flops(s: &mut String, p: &Plan) {
     );
     row(
         s,
+        "attention span per token",
+        format!("{:.0} keys", f.attention_span_per_token),
+    );
+    row(
+        s,
         "attention (causal / not halved)",
         format!(
             "{:.1} / {:.1} GFLOP",

@@ -304,6 +304,45 @@ fn flops_per_token_and_mfu_conventions() {
 }
 
 #[test]
+fn document_masking_shortens_the_attention_span() {
+    // 65,536-token windows of 2,048-token documents: each token attends 1,024 keys on average
+    // instead of 32,768, so attention's FLOPs (forward, backward and the recompute's) are 1/32
+    // of the causal window's; TorchTitan's convention does not mask. Documents longer than the
+    // window change nothing.
+    let base = europa_plan(1.0);
+    let masked = |mean: usize| {
+        let mut job = europa();
+        job.data.document_mask = true;
+        job.data.mean_document_tokens = mean;
+        let (l, p, o) = final_setup(&job, 1.0);
+        plan(&job, &jupiter(), &l, &p, &o).unwrap()
+    };
+    let p = masked(2048);
+    let (f, b) = (&p.flops, &base.flops);
+    assert_eq!(b.attention_span_per_token, 32_768.0);
+    assert_eq!(f.attention_span_per_token, 1_024.0);
+    assert_eq!(f.attention_per_token, b.attention_per_token / 32.0);
+    assert_eq!(
+        f.attention_per_token_noncausal,
+        b.attention_per_token_noncausal
+    );
+    assert_eq!(f.matmul_per_token, b.matmul_per_token);
+    // The recompute is one forward: a third of forward + backward.
+    let attn_recompute = |f: &crate::plan::Flops| f.attention_per_token / 3.0;
+    assert_eq!(
+        b.recompute_per_token - f.recompute_per_token,
+        attn_recompute(b) - attn_recompute(f)
+    );
+    assert!(p.time.step_s < base.time.step_s);
+    assert_eq!(masked(100_000).flops, base.flops);
+    let t = crate::render::table(&p);
+    assert!(
+        t.contains("attention span per token") && t.contains("1024 keys"),
+        "{t}"
+    );
+}
+
+#[test]
 fn newton_schulz_flops_closed_form() {
     // 1792×6144, five steps: 5·(4·1792²·6144 + 2·1792³) = 5·(78,920,024,064 + 11,509,170,176)
     // = 452,145,971,200. Orientation does not matter.

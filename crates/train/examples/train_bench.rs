@@ -78,7 +78,11 @@ fn main() -> anyhow::Result<()> {
             &params,
             &mut grads,
             &mut ws,
-            Tokens { inputs, targets },
+            Tokens {
+                inputs,
+                targets,
+                doc_starts: None,
+            },
             1.0,
         );
         let t1 = Instant::now();

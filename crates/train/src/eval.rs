@@ -152,6 +152,7 @@ pub fn evaluate(l: &Loaded, tokens: &[u32]) -> Result<EvalResult> {
         let tokens = Tokens {
             inputs: &x,
             targets: &y,
+            doc_starts: None,
         };
         let out = forward_loss(be, &l.model, &l.params, ws, tokens);
         // The step's loss is a mean over its targets; weight by them for the global mean.

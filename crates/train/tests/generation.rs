@@ -66,6 +66,7 @@ fn continuation_past_seq_len_keeps_the_in_window_loss() {
                     Tokens {
                         inputs: &x[..seq],
                         targets: &x[1..],
+                        doc_starts: None,
                     },
                 )
                 .loss
@@ -83,6 +84,7 @@ fn continuation_past_seq_len_keeps_the_in_window_loss() {
         Tokens {
             inputs: &text[..n],
             targets: &text[1..],
+            doc_starts: None,
         },
     )
     .loss;

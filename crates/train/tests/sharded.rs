@@ -777,6 +777,7 @@ fn reference_losses(cfg: &JobConfig) -> Vec<f64> {
                 Tokens {
                     inputs: &x,
                     targets: &y,
+                    doc_starts: None,
                 },
                 1.0,
             );

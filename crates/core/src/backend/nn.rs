@@ -174,6 +174,55 @@ pub trait NnOps: Send + Sync {
     /// The gradients of `q`, `k`, `v` (overwritten) from that of the output.
     fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims);
 
+    /// [`NnOps::head_norm_rope_forward`] with positions restarting at each document
+    /// (`data.document_mask`): row `r` is rotated to position `pos0 + r % seq - docs[r]`, where
+    /// `docs` (u32, one per row) is the position in its sequence where the row's document
+    /// starts, at most `r % seq`.
+    fn head_norm_rope_forward_docs(
+        &self,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
+        docs: View,
+        d: HeadRope,
+    );
+    /// The backward of [`NnOps::head_norm_rope_forward_docs`].
+    fn head_norm_rope_backward_docs(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        docs: View,
+        d: HeadRope,
+    );
+    /// Block-causal [`NnOps::attention_forward`] (`data.document_mask`): query `i` of
+    /// sequence `b` attends key `j` only if `docs[b·tq + i] <= j <= tk - tq + i`, `docs`
+    /// (u32 `[batch, tq]`) holding the key position where the query's document starts, never
+    /// less than the query before it's. A window of several documents then computes what each
+    /// document would alone.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward_docs(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
+        docs: View,
+        d: AttnDims,
+    );
+    /// The backward of [`NnOps::attention_forward_docs`].
+    fn attention_backward_docs(
+        &self,
+        g: AttnGrads,
+        dout: View,
+        s: AttnSaved,
+        docs: View,
+        d: AttnDims,
+    );
+
     /// `out = silu(gate) * up`, elementwise, computed in f32 (or the backend's f64). `out` may
     /// be bf16 where the inputs are f32 (the rows a bf16-input GEMM reads next, under
     /// `training.compute_dtype = "bf16"`): the f32 result rounded once, the bits of the f32 op
@@ -278,6 +327,18 @@ macro_rules! forward_nn_ops {
         v: $crate::View, d: $crate::AttnDims)); };
     (@ $t:ident attention_backward) => { $crate::forward_nn_ops!(@fn $t attention_backward(
         g: $crate::AttnGrads, dout: $crate::View, s: $crate::AttnSaved, d: $crate::AttnDims)); };
+    (@ $t:ident head_norm_rope_forward_docs) => { $crate::forward_nn_ops!(@fn $t head_norm_rope_forward_docs(
+        out: $crate::ViewMut, rstd: $crate::ViewMut, x: $crate::View, w: $crate::View,
+        docs: $crate::View, d: $crate::HeadRope)); };
+    (@ $t:ident head_norm_rope_backward_docs) => { $crate::forward_nn_ops!(@fn $t head_norm_rope_backward_docs(
+        dx: $crate::ViewMut, dw: $crate::ViewMut, dout: $crate::View, s: $crate::NormSaved,
+        docs: $crate::View, d: $crate::HeadRope)); };
+    (@ $t:ident attention_forward_docs) => { $crate::forward_nn_ops!(@fn $t attention_forward_docs(
+        out: $crate::ViewMut, lse: $crate::ViewMut, q: $crate::View, k: $crate::View,
+        v: $crate::View, docs: $crate::View, d: $crate::AttnDims)); };
+    (@ $t:ident attention_backward_docs) => { $crate::forward_nn_ops!(@fn $t attention_backward_docs(
+        g: $crate::AttnGrads, dout: $crate::View, s: $crate::AttnSaved, docs: $crate::View,
+        d: $crate::AttnDims)); };
     (@ $t:ident swiglu_forward) => { $crate::forward_nn_ops!(@fn $t swiglu_forward(
         out: $crate::ViewMut, gate: $crate::View, up: $crate::View)); };
     (@ $t:ident swiglu_backward) => { $crate::forward_nn_ops!(@fn $t swiglu_backward(

@@ -183,7 +183,37 @@ fn rope_table<S: Scalar>(seq: usize, pos0: usize, head_dim: usize, theta: f64) -
     (cs, sn)
 }
 
-fn head_norm_rope_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
+/// Each row's document start, checked against its position in its sequence.
+fn rope_docs<'a>(docs: Option<View<'a>>, rows: usize, seq: usize) -> Option<&'a [u32]> {
+    let docs = docs?.host_u32();
+    assert_eq!(
+        docs.len(),
+        rows,
+        "head_norm_rope: one document start per row"
+    );
+    for (r, &s) in docs.iter().enumerate() {
+        assert!(
+            s as usize <= r % seq,
+            "head_norm_rope: row {r} starts its document at {s}, after itself"
+        );
+    }
+    Some(docs)
+}
+
+/// Row `t`'s RoPE position within the table: its place in its sequence, from its document's
+/// start under document masking.
+#[inline]
+fn rope_pos(docs: Option<&[u32]>, t: usize, seq: usize) -> usize {
+    t % seq - docs.map_or(0, |d| d[t] as usize)
+}
+
+fn head_norm_rope_forward<S: Scalar>(
+    out: ViewMut,
+    rstd: ViewMut,
+    (x, w): (View, View),
+    docs: Option<View>,
+    d: HeadRope,
+) {
     let HeadRope {
         heads,
         head_dim: hd,
@@ -195,6 +225,7 @@ fn head_norm_rope_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: Vi
     let (out, rstd, x, w): (&mut [S], &mut [S], &[S], &[S]) =
         (out.host(), rstd.host(), x.host(), w.host());
     let row = heads * hd;
+    let docs = rope_docs(docs, x.len() / row, seq);
     let half = hd / 2;
     let eps = s::<S>(eps as f64);
     let inv_hd = S::one() / s::<S>(hd as f64);
@@ -207,7 +238,7 @@ fn head_norm_rope_forward<S: Scalar>(out: ViewMut, rstd: ViewMut, x: View, w: Vi
         .for_each_init(
             || vec![S::zero(); hd],
             |n, (t, ((o, r), x))| {
-                let p = t % seq;
+                let p = rope_pos(docs, t, seq);
                 let (cs, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 for h in 0..heads {
                     let xh = &x[h * hd..(h + 1) * hd];
@@ -232,6 +263,7 @@ fn head_norm_rope_backward<S: Scalar>(
     dw: ViewMut,
     dout: View,
     saved: NormSaved,
+    docs: Option<View>,
     d: HeadRope,
 ) {
     let NormSaved { x, w, rstd } = saved;
@@ -251,6 +283,7 @@ fn head_norm_rope_backward<S: Scalar>(
     let rstd: &[S] = rstd.host();
     let row = heads * hd;
     let half = hd / 2;
+    let docs = rope_docs(docs, x.len() / row, seq);
     let (cos, sin) = rope_table::<S>(seq, pos0, hd, theta);
     let partials: Vec<Vec<S>> = dx
         .par_chunks_mut(RED_ROWS * row)
@@ -260,7 +293,7 @@ fn head_norm_rope_backward<S: Scalar>(
             let mut g = vec![S::zero(); hd];
             for (i, dxr) in dxc.chunks_mut(row).enumerate() {
                 let t = c * RED_ROWS + i;
-                let p = t % seq;
+                let p = rope_pos(docs, t, seq);
                 let (cs, sn) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 dxr.fill(S::zero());
                 for h in 0..heads {
@@ -800,6 +833,30 @@ fn dt(v: &View) -> DType {
     v.dtype()
 }
 
+fn attention_fwd(
+    out: ViewMut,
+    lse: ViewMut,
+    qkv: (View, View, View),
+    docs: Option<View>,
+    d: AttnDims,
+) {
+    match dt(&qkv.0) {
+        DType::F32 => attention::forward::<f32>(out, lse, qkv, docs, d),
+        DType::F64 => attention::forward::<f64>(out, lse, qkv, docs, d),
+        DType::BF16 => attention::forward_bf16(out, lse, qkv, docs, d),
+        DType::U32 => panic!("a u32 tensor where a float one is expected"),
+    }
+}
+
+fn attention_bwd(g: AttnGrads, dout: View, s: AttnSaved, docs: Option<View>, d: AttnDims) {
+    match dt(&s.q) {
+        DType::F32 => attention::backward::<f32>(g, dout, s, docs, d),
+        DType::F64 => attention::backward::<f64>(g, dout, s, docs, d),
+        DType::BF16 => attention::backward_bf16(g, dout, s, docs, d),
+        DType::U32 => panic!("a u32 tensor where a float one is expected"),
+    }
+}
+
 impl NnOps for CpuBackend {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         // Nothing to write (an expert-parallel rank that received no rows): the operands' and
@@ -848,7 +905,7 @@ impl NnOps for CpuBackend {
         by_dtype!(dt(&s.x), rmsnorm_backward(dx, dw, dout, s, dim))
     }
     fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
-        by_dtype!(dt(&x), head_norm_rope_forward(out, rstd, x, w, d))
+        by_dtype!(dt(&x), head_norm_rope_forward(out, rstd, (x, w), None, d))
     }
     fn head_norm_rope_backward(
         &self,
@@ -858,7 +915,35 @@ impl NnOps for CpuBackend {
         s: NormSaved,
         d: HeadRope,
     ) {
-        by_dtype!(dt(&s.x), head_norm_rope_backward(dx, dw, dout, s, d))
+        by_dtype!(dt(&s.x), head_norm_rope_backward(dx, dw, dout, s, None, d))
+    }
+    fn head_norm_rope_forward_docs(
+        &self,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
+        docs: View,
+        d: HeadRope,
+    ) {
+        by_dtype!(
+            dt(&x),
+            head_norm_rope_forward(out, rstd, (x, w), Some(docs), d)
+        )
+    }
+    fn head_norm_rope_backward_docs(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        docs: View,
+        d: HeadRope,
+    ) {
+        by_dtype!(
+            dt(&s.x),
+            head_norm_rope_backward(dx, dw, dout, s, Some(docs), d)
+        )
     }
     fn attention_forward(
         &self,
@@ -869,20 +954,32 @@ impl NnOps for CpuBackend {
         v: View,
         d: AttnDims,
     ) {
-        match dt(&q) {
-            DType::F32 => attention::forward::<f32>(out, lse, q, k, v, d),
-            DType::F64 => attention::forward::<f64>(out, lse, q, k, v, d),
-            DType::BF16 => attention::forward_bf16(out, lse, q, k, v, d),
-            DType::U32 => panic!("a u32 tensor where a float one is expected"),
-        }
+        attention_fwd(out, lse, (q, k, v), None, d)
     }
     fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
-        match dt(&s.q) {
-            DType::F32 => attention::backward::<f32>(g, dout, s, d),
-            DType::F64 => attention::backward::<f64>(g, dout, s, d),
-            DType::BF16 => attention::backward_bf16(g, dout, s, d),
-            DType::U32 => panic!("a u32 tensor where a float one is expected"),
-        }
+        attention_bwd(g, dout, s, None, d)
+    }
+    fn attention_forward_docs(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
+        docs: View,
+        d: AttnDims,
+    ) {
+        attention_fwd(out, lse, (q, k, v), Some(docs), d)
+    }
+    fn attention_backward_docs(
+        &self,
+        g: AttnGrads,
+        dout: View,
+        s: AttnSaved,
+        docs: View,
+        d: AttnDims,
+    ) {
+        attention_bwd(g, dout, s, Some(docs), d)
     }
     fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
         match (out.dtype(), dt(&gate)) {

@@ -275,6 +275,31 @@ impl<L: Launcher> KernelOps<L> {
         w: View,
         d: HeadRope,
     ) {
+        self.head_norm_rope_fwd(out, rstd, (x, w), None, d)
+    }
+
+    /// [`Self::head_norm_rope_forward`] with each row's document start (u32, one a row) taken
+    /// off its position: the `_doc_` kernels.
+    pub fn head_norm_rope_forward_docs(
+        &self,
+        out: ViewMut,
+        rstd: ViewMut,
+        x: View,
+        w: View,
+        docs: View,
+        d: HeadRope,
+    ) {
+        self.head_norm_rope_fwd(out, rstd, (x, w), Some(docs), d)
+    }
+
+    fn head_norm_rope_fwd(
+        &self,
+        out: ViewMut,
+        rstd: ViewMut,
+        (x, w): (View, View),
+        docs: Option<View>,
+        d: HeadRope,
+    ) {
         let op = "head_norm_rope_forward";
         let dt = x.dtype();
         let rows = rows_of(op, x.len(), d.heads * d.head_dim);
@@ -289,13 +314,24 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
+        let doc = self.doc_arg(op, docs, rows);
         let freq = self.inv_freq(&d);
         let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
         args.push(i64_of(rows * d.heads));
+        args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
-        self.launch(&format!("{op}_{}", st(dt, op)), blocks, &args);
+        let name = format!("{op}_{}{}", doc_sfx(&doc), st(dt, op));
+        self.launch(&name, blocks, &args);
+    }
+
+    /// The document starts' kernel argument, their length checked (`n`: one a row or query),
+    /// or none.
+    fn doc_arg(&self, op: &str, docs: Option<View>, n: usize) -> Option<Arg> {
+        let d = docs?;
+        same(op, "docs", (d.dtype(), d.len()), (DType::U32, n));
+        Some(self.a(d))
     }
 
     pub fn head_norm_rope_backward(
@@ -304,6 +340,31 @@ impl<L: Launcher> KernelOps<L> {
         dw: ViewMut,
         dout: View,
         s: NormSaved,
+        d: HeadRope,
+    ) {
+        self.head_norm_rope_bwd(dx, dw, dout, s, None, d)
+    }
+
+    /// The backward of [`Self::head_norm_rope_forward_docs`].
+    pub fn head_norm_rope_backward_docs(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        docs: View,
+        d: HeadRope,
+    ) {
+        self.head_norm_rope_bwd(dx, dw, dout, s, Some(docs), d)
+    }
+
+    fn head_norm_rope_bwd(
+        &self,
+        dx: ViewMut,
+        dw: ViewMut,
+        dout: View,
+        s: NormSaved,
+        docs: Option<View>,
         d: HeadRope,
     ) {
         let op = "head_norm_rope_backward";
@@ -323,7 +384,8 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let sfx = st(dt, op);
+        let doc = self.doc_arg(op, docs, rows);
+        let sfx = format!("{}{}", doc_sfx(&doc), st(dt, op));
         // The weight gradient's chunks are of head rows (a position's heads one after another).
         let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
         let freq = self.inv_freq(&d);
@@ -337,6 +399,7 @@ impl<L: Launcher> KernelOps<L> {
         ];
         args.extend(self.rope_args(&d, freq));
         args.push(i64_of(rows * d.heads));
+        args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
         self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
         let mut args = vec![
@@ -348,6 +411,7 @@ impl<L: Launcher> KernelOps<L> {
         ];
         args.extend(self.rope_args(&d, freq));
         args.push(i32_of(CHUNK_ROWS));
+        args.extend(doc);
         self.launch(
             &format!("{op}_dw_partial_{sfx}"),
             cfg(grid(d.head_dim.div_ceil(32), chunks.min(65535), 1), 32),
@@ -401,6 +465,33 @@ impl<L: Launcher> KernelOps<L> {
         v: View,
         d: AttnDims,
     ) {
+        self.attention_fwd(out, lse, (q, k, v), None, d)
+    }
+
+    /// Block-causal [`Self::attention_forward`]: each query's document start (u32
+    /// `[batch, tq]`, never decreasing along a sequence) its first key; the `_doc_` kernels.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_forward_docs(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        q: View,
+        k: View,
+        v: View,
+        docs: View,
+        d: AttnDims,
+    ) {
+        self.attention_fwd(out, lse, (q, k, v), Some(docs), d)
+    }
+
+    fn attention_fwd(
+        &self,
+        out: ViewMut,
+        lse: ViewMut,
+        (q, k, v): (View, View, View),
+        docs: Option<View>,
+        d: AttnDims,
+    ) {
         let op = "attention_forward";
         let dt = q.dtype();
         assert!(k.dtype() == dt && v.dtype() == dt, "{op}: q, k, v dtypes");
@@ -411,9 +502,12 @@ impl<L: Launcher> KernelOps<L> {
         if nl == 0 {
             return;
         }
+        let doc = self.doc_arg(op, docs, d.batch * d.tq);
+        let ds = doc_sfx(&doc);
         let mut args = vec![self.am(out), self.am(lse), self.a(q), self.a(k), self.a(v)];
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
+        args.extend(doc);
         if self.attn_tc(dt, &d) {
             // Two m-tiles a warp where chosen: twice the queries a block.
             let wide = self.tuning.attn_wide_fwd && d.head_dim <= 64;
@@ -423,15 +517,38 @@ impl<L: Launcher> KernelOps<L> {
                 (TC_TILE, "")
             };
             let shape = cfg(grid(d.tq.div_ceil(rows), d.heads, d.batch), TC_BLOCK);
-            self.launch(&format!("{op}_tc{}{x}_bf16", d.head_dim), shape, &args);
+            self.launch(&format!("{op}_tc{}{x}_{ds}bf16", d.head_dim), shape, &args);
             return;
         }
         let w = self.tuning.attn_rows as usize;
         let shape = cfg(grid(d.tq.div_ceil(w), d.heads, d.batch), 32 * w as u32);
-        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+        self.launch(&format!("{op}_{ds}{}", st(dt, op)), shape, &args);
     }
 
     pub fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
+        self.attention_bwd(g, dout, s, None, d)
+    }
+
+    /// The backward of [`Self::attention_forward_docs`].
+    pub fn attention_backward_docs(
+        &self,
+        g: AttnGrads,
+        dout: View,
+        s: AttnSaved,
+        docs: View,
+        d: AttnDims,
+    ) {
+        self.attention_bwd(g, dout, s, Some(docs), d)
+    }
+
+    fn attention_bwd(
+        &self,
+        g: AttnGrads,
+        dout: View,
+        s: AttnSaved,
+        docs: Option<View>,
+        d: AttnDims,
+    ) {
         let op = "attention_backward";
         let dt = s.q.dtype();
         assert!(
@@ -450,6 +567,8 @@ impl<L: Launcher> KernelOps<L> {
         if nl == 0 {
             return;
         }
+        let doc = self.doc_arg(op, docs, d.batch * d.tq);
+        let ds = doc_sfx(&doc);
         let sfx = st(dt, op);
         let tc = self.attn_tc(dt, &d);
         let fused = tc && self.tuning.attn_fused_dq && d.head_dim <= 64;
@@ -476,6 +595,7 @@ impl<L: Launcher> KernelOps<L> {
         let tail = |args: &mut Vec<Arg>| {
             args.extend(Self::attn_dims(&d));
             args.push(Self::attn_scale(&d));
+            args.extend(doc);
         };
         let mut args = vec![self.am(dk), self.am(dv)];
         if fused {
@@ -493,7 +613,7 @@ impl<L: Launcher> KernelOps<L> {
         tail(&mut args);
         if fused {
             let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            let name = format!("{op}_fused_tc{}_bf16", d.head_dim);
+            let name = format!("{op}_fused_tc{}_{ds}bf16", d.head_dim);
             self.launch(&name, cfg(g, TC_BLOCK), &args);
             // The sums are scaled already: dq is their bf16 rounding.
             let args = [self.am(dq), acc.into(), i64_of(nq)];
@@ -502,10 +622,13 @@ impl<L: Launcher> KernelOps<L> {
         }
         let (shape, name) = if tc {
             let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            (cfg(g, TC_BLOCK), format!("{op}_dkdv_tc{}_bf16", d.head_dim))
+            (
+                cfg(g, TC_BLOCK),
+                format!("{op}_dkdv_tc{}_{ds}bf16", d.head_dim),
+            )
         } else {
             let g = grid(d.tk.div_ceil(16), d.kv_heads, d.batch);
-            (cfg(g, 128), format!("{op}_dkdv_{sfx}"))
+            (cfg(g, 128), format!("{op}_dkdv_{ds}{sfx}"))
         };
         self.launch(&name, shape, &args);
         let mut args = vec![
@@ -520,10 +643,13 @@ impl<L: Launcher> KernelOps<L> {
         tail(&mut args);
         let (shape, name) = if tc {
             let g = grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch);
-            (cfg(g, TC_BLOCK), format!("{op}_dq_tc{}_bf16", d.head_dim))
+            (
+                cfg(g, TC_BLOCK),
+                format!("{op}_dq_tc{}_{ds}bf16", d.head_dim),
+            )
         } else {
             let g = grid(d.tq.div_ceil(8), d.heads, d.batch);
-            (cfg(g, 128), format!("{op}_dq_{sfx}"))
+            (cfg(g, 128), format!("{op}_dq_{ds}{sfx}"))
         };
         self.launch(&name, shape, &args);
     }
@@ -966,5 +1092,14 @@ impl<L: Launcher> KernelOps<L> {
             cfg(grid(rows, 1, 1), 128),
             &args,
         );
+    }
+}
+
+/// The kernel name's infix for document masking: `doc_` with the starts' argument, else none.
+fn doc_sfx(doc: &Option<Arg>) -> &'static str {
+    if doc.is_some() {
+        "doc_"
+    } else {
+        ""
     }
 }

@@ -350,3 +350,25 @@ fn text_that_is_not_utf8_is_refused_when_asked() {
     };
     Dataset::build(&bytes_cfg, 256, 16, 0, None).unwrap();
 }
+
+#[test]
+fn document_mask_refuses_data_without_document_boundaries() {
+    let dir = TempDir::new("docmask");
+    let p = dir.path().join("c.txt");
+    std::fs::write(&p, "words without any document index. ".repeat(200)).unwrap();
+    let path = p.display().to_string();
+    let masked = |path: &str| DataConfig {
+        document_mask: true,
+        ..cfg(path, "byte")
+    };
+    for path in [path.as_str(), ""] {
+        let e = err(Dataset::build(&masked(path), 256, 16, 0, None));
+        assert!(
+            e.contains("data.document_mask") && e.contains("data prepare"),
+            "{path}: {e}"
+        );
+    }
+    // The same text without the mask trains, and its batches carry no document starts.
+    let ds = Dataset::build(&cfg(&path, "byte"), 256, 16, 0, None).unwrap();
+    assert!(ds.batch_doc_starts(0, 2, 16, 0, 1).is_none());
+}

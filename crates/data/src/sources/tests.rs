@@ -139,6 +139,41 @@ fn the_same_tokens_give_the_same_windows_in_every_format() {
     }
     assert_eq!(m[1].val_tokens(0), m[0].val_tokens(0));
     assert_eq!(m[2].val_tokens(0), m[0].val_tokens(0));
+    // Document starts from each format's index agree with a scan of the window's tokens for
+    // end-of-document tokens (a token after one starts a document), training and validation.
+    let scan = |x: &[u32]| -> Vec<u32> {
+        let mut cur = 0;
+        (0..x.len())
+            .map(|i| {
+                if i > 0 && x[i - 1] == 50256 {
+                    cur = i as u32;
+                }
+                cur
+            })
+            .collect()
+    };
+    let mut restarts = 0;
+    for g in 0..200 {
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        m[0].sequence(g, &mut x, &mut y);
+        let want = scan(&x);
+        restarts += want.iter().filter(|&&d| d > 0).count();
+        for mx in &m {
+            let mut got = Vec::new();
+            mx.sequence_doc_starts(g, &mut got);
+            assert_eq!(got, want, "sequence {g}");
+        }
+    }
+    assert!(restarts > 0, "no window crossed a document boundary");
+    for w in 0..m[0].val_windows(0) {
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        m[0].val_sequence(0, w, &mut x, &mut y);
+        for mx in &m {
+            let mut got = Vec::new();
+            mx.val_sequence_doc_starts(0, w, &mut got);
+            assert_eq!(got, scan(&x), "validation window {w}");
+        }
+    }
 }
 
 #[test]

@@ -126,7 +126,8 @@ impl NnOps for CountingReads {
         head_norm_rope_backward, attention_forward, attention_backward, swiglu_forward,
         swiglu_backward, router_forward, router_backward, moe_dispatch, moe_gather,
         moe_gather_backward, moe_combine, moe_combine_backward, cross_entropy_forward,
-        cross_entropy_backward,
+        cross_entropy_backward, head_norm_rope_forward_docs, head_norm_rope_backward_docs,
+        attention_forward_docs, attention_backward_docs,
     );
 }
 
@@ -156,6 +157,7 @@ fn a_step_reads_back_only_the_expert_counts_and_its_metrics() {
     let tokens = Tokens {
         inputs: &inputs,
         targets: &targets,
+        doc_starts: None,
     };
     let counts = (DType::U32, c.experts);
     let end = [(DType::F64, 2 * c.experts), (DType::F64, 1)];

@@ -7,15 +7,18 @@ use crate::plan::{ns_flops, Flops, MemoryPolicy, OptimizerSetup};
 use ganymede_config::AcMode;
 
 pub(super) fn flops(d: &Dims, policy: &MemoryPolicy, tokens_per_step: u64) -> Flops {
-    let (seq, q_dim, l) = (d.seq, d.q_dim, d.l);
+    let (seq, span, q_dim, l) = (d.seq, d.span, d.q_dim, d.l);
     let matmul = 6.0 * d.p.active_matmul as f64;
-    let attn = 6.0 * seq * q_dim * l;
+    // Keys a token attends, on average: half its window, or half its document's length when
+    // attention stops at document boundaries (documents shorter than the window).
+    let attn = 12.0 * span * q_dim * l;
     let attn_nc = 12.0 * seq * q_dim * l;
     let recompute = match policy.ac {
-        AcMode::Full => l * (2.0 * d.layer_matmul + 2.0 * seq * q_dim),
+        AcMode::Full => l * (2.0 * d.layer_matmul + 4.0 * span * q_dim),
         AcMode::None => 0.0,
     };
     Flops {
+        attention_span_per_token: span,
         matmul_per_token: matmul,
         attention_per_token: attn,
         attention_per_token_noncausal: attn_nc,

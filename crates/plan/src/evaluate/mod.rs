@@ -31,6 +31,8 @@ struct Dims<'a> {
     h: f64,
     v: f64,
     seq: f64,
+    /// Keys a token attends on average ([`crate::plan::attention_span`]).
+    span: f64,
     n_tok: f64,
     /// Microbatches per step.
     mf: f64,
@@ -72,6 +74,7 @@ impl<'a> Dims<'a> {
             h,
             v: m.vocab_size as f64,
             seq: layout.seq_len as f64,
+            span: crate::plan::attention_span(job, layout.seq_len),
             n_tok,
             mf: layout.microbatches() as f64,
             k: m.top_k as f64,

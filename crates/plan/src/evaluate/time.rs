@@ -60,10 +60,10 @@ fn passes(
     t: &Traffic,
     r: &Rates,
 ) -> Passes {
-    let (l, mf, seq, n_tok, q_dim) = (d.l, d.mf, d.seq, d.n_tok, d.q_dim);
+    let (l, mf, n_tok, q_dim) = (d.l, d.mf, d.n_tok, d.q_dim);
     // Per layer, per microbatch.
     let fwd_layer_flops_mm = 2.0 * d.layer_matmul * n_tok;
-    let fwd_layer_flops_attn = 2.0 * seq * q_dim * n_tok;
+    let fwd_layer_flops_attn = 4.0 * d.span * q_dim * n_tok;
     let c_fwd = fwd_layer_flops_mm / r.gemm + fwd_layer_flops_attn / r.attn;
     let c_bwd = 2.0 * c_fwd
         + match policy.ac {
@@ -309,6 +309,7 @@ fn cpu_override(
             ranks_per_node: d.gpn,
             tokens_per_rank: (layout.tokens_per_step() as f64 / layout.world() as f64).max(1.0),
             seq: d.seq,
+            attn_span: d.span,
             ac: policy.ac,
             muon: d.muon,
             ns_steps: opt.ns_steps,

@@ -3,6 +3,10 @@
 //! formed a block of query rows at a time with GEMMs (only the columns the causal mask keeps),
 //! so memory is one `block × tk` tile per task, never `T × T` per head. Backward recomputes the
 //! probabilities from the saved log-sum-exp (as FlashAttention does) instead of storing them.
+//!
+//! With document starts (`data.document_mask`) each query row keeps only the keys from its
+//! document's start to itself: the same GEMMs, the columns before the start masked like those
+//! after the diagonal.
 
 use super::fastmath::{dot, exp_sub_scale, exp_sub_sum, max_of};
 use super::Ptr;
@@ -39,6 +43,34 @@ unsafe fn mm<S: GemmScalar>(
     S::serial(m, k, n, alpha, a, (rsa, csa), b, (rsb, csb), beta, c, rsc)
 }
 
+/// Each query's document start, checked: `[batch, tq]` key positions, query `i`'s at most its
+/// own key position `tk - tq + i` (a row with no key would have no softmax) and never below
+/// the query before it (the seam's contract, which the device kernels rely on).
+fn check_docs<'a>(d: &Dims, docs: Option<View<'a>>) -> Option<&'a [u32]> {
+    let docs = docs?.host_u32();
+    assert_eq!(docs.len(), d.batch * d.tq, "attention: docs size");
+    for (r, &s) in docs.iter().enumerate() {
+        let i = r % d.tq;
+        assert!(
+            s as usize <= d.tk - d.tq + i,
+            "attention: query {i} of sequence {} starts its document at key {s}, after itself",
+            r / d.tq
+        );
+        assert!(
+            i == 0 || s >= docs[r - 1],
+            "attention: query {i} of sequence {} starts its document before the query before it",
+            r / d.tq
+        );
+    }
+    Some(docs)
+}
+
+/// The keys query row `i` of a sequence sees: `lo .. off + i + 1`.
+#[inline]
+fn span(docs: Option<&[u32]>, off: usize, i: usize) -> (usize, usize) {
+    (docs.map_or(0, |d| d[i] as usize), off + i + 1)
+}
+
 fn check(d: &Dims, q: usize, k: usize, v: usize, out: usize, lse: usize) {
     assert!(d.tk >= d.tq && d.heads.is_multiple_of(d.kv_heads));
     assert_eq!(
@@ -63,7 +95,8 @@ struct Mat<S>(*const S, usize);
 struct MatMut<S>(*mut S, usize);
 
 /// One query head's forward: its `tq` query rows against the first `tk` rows of `k`, `v`
-/// (query `i` at key position `tk - tq + i`), into `o` and `lse` (`tq` contiguous values).
+/// (query `i` at key position `tk - tq + i`, from key `docs[i]` if given), into `o` and `lse`
+/// (`tq` contiguous values).
 ///
 /// # Safety
 /// The matrices hold the rows and `hd` columns read or written; `sc` holds `BLK.min(tq) × tk`.
@@ -75,6 +108,7 @@ unsafe fn head_forward<S: GemmScalar>(
     Mat(vb, vd): Mat<S>,
     MatMut(ob, od): MatMut<S>,
     lb: *mut S,
+    docs: Option<&[u32]>,
     (tq, tk, hd): (usize, usize, usize),
     scale: S,
 ) {
@@ -82,7 +116,10 @@ unsafe fn head_forward<S: GemmScalar>(
     for r0 in (0..tq).step_by(BLK) {
         let r1 = (r0 + BLK).min(tq);
         let rb = r1 - r0;
-        let nc = off + r1;
+        // The tile's columns: keys c0 .. off + r1, c0 the block's first document start (the
+        // smallest: starts do not decrease), so no product is formed for keys no row sees.
+        let c0 = span(docs, off, r0).0;
+        let nc = off + r1 - c0;
         let s = sc.as_mut_ptr();
         mm(
             rb,
@@ -91,20 +128,22 @@ unsafe fn head_forward<S: GemmScalar>(
             scale,
             qb.add(r0 * qd),
             (qd, 1),
-            kb,
+            kb.add(c0 * kd),
             (1, kd),
             S::zero(),
             s,
             nc,
         );
         for i in 0..rb {
-            let valid = off + r0 + i + 1;
+            let (lo, valid) = span(docs, off, r0 + i);
+            let (lo, valid) = (lo - c0, valid - c0);
             let row = &mut sc[i * nc..(i + 1) * nc];
-            let m = max_of(&row[..valid]);
-            let sum = exp_sub_sum(&mut row[..valid], m);
+            let m = max_of(&row[lo..valid]);
+            let sum = exp_sub_sum(&mut row[lo..valid], m);
             *lb.add(r0 + i) = m + sum.ln();
             let inv = S::one() / sum;
-            row[..valid].iter_mut().for_each(|x| *x *= inv);
+            row[lo..valid].iter_mut().for_each(|x| *x *= inv);
+            row[..lo].fill(S::zero());
             row[valid..].fill(S::zero());
         }
         mm(
@@ -114,7 +153,7 @@ unsafe fn head_forward<S: GemmScalar>(
             S::one(),
             sc.as_ptr(),
             (nc, 1),
-            vb,
+            vb.add(c0 * vd),
             (vd, 1),
             S::zero(),
             ob.add(r0 * od),
@@ -132,6 +171,8 @@ struct HeadIn<'a, S> {
     dout: Mat<S>,
     out: Mat<S>,
     lse: &'a [S],
+    /// Each query's document start, if masked by documents.
+    docs: Option<&'a [u32]>,
 }
 
 /// One query head's backward: `dq` overwritten, `dk`, `dv` accumulated (`+=`).
@@ -158,7 +199,10 @@ unsafe fn head_backward<S: GemmScalar>(
     for r0 in (0..tq).step_by(BLK) {
         let r1 = (r0 + BLK).min(tq);
         let rb = r1 - r0;
-        let nc = off + r1;
+        // Keys c0 .. off + r1, as in the forward.
+        let c0 = span(x.docs, off, r0).0;
+        let nc = off + r1 - c0;
+        let (kc, vc) = (kb.add(c0 * kd), vb.add(c0 * vd));
         let dor = dob.add(r0 * dod);
         // P, recomputed.
         mm(
@@ -168,7 +212,7 @@ unsafe fn head_backward<S: GemmScalar>(
             scale,
             qb.add(r0 * qd),
             (qd, 1),
-            kb,
+            kc,
             (1, kd),
             S::zero(),
             pt.as_mut_ptr(),
@@ -182,16 +226,18 @@ unsafe fn head_backward<S: GemmScalar>(
             S::one(),
             dor,
             (dod, 1),
-            vb,
+            vc,
             (1, vd),
             S::zero(),
             dpt.as_mut_ptr(),
             nc,
         );
         for i in 0..rb {
-            let valid = off + r0 + i + 1;
+            let (lo, valid) = span(x.docs, off, r0 + i);
+            let (lo, valid) = (lo - c0, valid - c0);
             let row = &mut pt[i * nc..(i + 1) * nc];
-            exp_sub_scale(&mut row[..valid], x.lse[r0 + i], S::one());
+            exp_sub_scale(&mut row[lo..valid], x.lse[r0 + i], S::one());
+            row[..lo].fill(S::zero());
             row[valid..].fill(S::zero());
             let dd = dd[r0 + i];
             let drow = &mut dpt[i * nc..(i + 1) * nc];
@@ -207,7 +253,7 @@ unsafe fn head_backward<S: GemmScalar>(
             scale,
             dpt.as_ptr(),
             (nc, 1),
-            kb,
+            kc,
             (kd, 1),
             S::zero(),
             dqb.add(r0 * dqd),
@@ -223,7 +269,7 @@ unsafe fn head_backward<S: GemmScalar>(
             qb.add(r0 * qd),
             (qd, 1),
             S::one(),
-            dkb,
+            dkb.add(c0 * dkd),
             dkd,
         );
         mm(
@@ -236,7 +282,7 @@ unsafe fn head_backward<S: GemmScalar>(
             dor,
             (dod, 1),
             S::one(),
-            dvb,
+            dvb.add(c0 * dvd),
             dvd,
         );
     }
@@ -262,8 +308,15 @@ unsafe fn narrow(dst: *mut u16, rs: usize, src: &[f32], hd: usize) {
     }
 }
 
-/// Forward over f32 or f64 tensors.
-pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Dims) {
+/// Forward over f32 or f64 tensors; `docs`: each query's document start (`[batch, tq]` u32).
+pub fn forward<S: GemmScalar>(
+    out: ViewMut,
+    lse: ViewMut,
+    (q, k, v): (View, View, View),
+    docs: Option<View>,
+    d: Dims,
+) {
+    let docs = check_docs(&d, docs);
     let out: &mut [S] = out.host();
     let lse: &mut [S] = lse.host();
     let q: &[S] = q.host();
@@ -296,7 +349,8 @@ pub fn forward<S: GemmScalar>(out: ViewMut, lse: ViewMut, q: View, k: View, v: V
                     let q = Mat(qp.0.add(b * tq * qd + h * hd), qd);
                     let o = MatMut(op.0.add(b * tq * qd + h * hd), qd);
                     let lb = lp.0.add((b * heads + h) * tq);
-                    head_forward(sc, q, k, v, o, lb, (tq, tk, hd), scale);
+                    let ds = docs.map(|d| &d[b * tq..(b + 1) * tq]);
+                    head_forward(sc, q, k, v, o, lb, ds, (tq, tk, hd), scale);
                 }
             }
         },
@@ -336,7 +390,14 @@ impl Widened {
 /// Forward over bf16 `q`, `k`, `v` and `out` (f32 `lse`), as a bf16 attention kernel with f32
 /// arithmetic computes it: the inputs widened exactly, the f32 kernel's math, the output
 /// rounded to bf16 once.
-pub fn forward_bf16(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Dims) {
+pub fn forward_bf16(
+    out: ViewMut,
+    lse: ViewMut,
+    (q, k, v): (View, View, View),
+    docs: Option<View>,
+    d: Dims,
+) {
+    let docs = check_docs(&d, docs);
     let out = out.host_bf16();
     let lse: &mut [f32] = lse.host();
     let (q, k, v) = (q.host_bf16(), k.host_bf16(), v.host_bf16());
@@ -369,7 +430,8 @@ pub fn forward_bf16(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Di
                     let q = Mat(w.q.as_ptr(), hd);
                     let o = MatMut(w.out.as_mut_ptr(), hd);
                     let lb = lp.0.add((b * heads + h) * tq);
-                    head_forward(sc, q, k, v, o, lb, (tq, tk, hd), scale);
+                    let ds = docs.map(|d| &d[b * tq..(b + 1) * tq]);
+                    head_forward(sc, q, k, v, o, lb, ds, (tq, tk, hd), scale);
                     narrow(op.0.add(base), qd, &w.out, hd);
                 }
             }
@@ -377,8 +439,15 @@ pub fn forward_bf16(out: ViewMut, lse: ViewMut, q: View, k: View, v: View, d: Di
     );
 }
 
-/// Backward over f32 or f64 tensors.
-pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
+/// Backward over f32 or f64 tensors; `docs` as in [`forward`].
+pub fn backward<S: GemmScalar>(
+    g: AttnGrads,
+    dout: View,
+    saved: AttnSaved,
+    docs: Option<View>,
+    d: Dims,
+) {
+    let docs = check_docs(&d, docs);
     let AttnSaved { out, q, k, v, lse } = saved;
     let (dq, dk, dv): (&mut [S], &mut [S], &mut [S]) = (g.dq.host(), g.dk.host(), g.dv.host());
     let dout: &[S] = dout.host();
@@ -436,6 +505,7 @@ pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Di
                         dout: Mat(dop.0.add(base), qd),
                         out: Mat(outp.0.add(base), qd),
                         lse: &lse[l0..l0 + tq],
+                        docs: docs.map(|d| &d[b * tq..(b + 1) * tq]),
                     };
                     let gr = (
                         MatMut(dqp.0.add(base), qd),
@@ -452,7 +522,8 @@ pub fn backward<S: GemmScalar>(g: AttnGrads, dout: View, saved: AttnSaved, d: Di
 /// Backward over bf16 `q`, `k`, `v`, `out`, `dout` and gradients (f32 `lse`): the inputs
 /// widened, the f32 math (`dk`, `dv` summed over the group's query heads in f32), each gradient
 /// rounded to bf16 once.
-pub fn backward_bf16(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
+pub fn backward_bf16(g: AttnGrads, dout: View, saved: AttnSaved, docs: Option<View>, d: Dims) {
+    let docs = check_docs(&d, docs);
     let AttnSaved { out, q, k, v, lse } = saved;
     let (dq, dk, dv) = (g.dq.host_bf16(), g.dk.host_bf16(), g.dv.host_bf16());
     let (dout, out) = (dout.host_bf16(), out.host_bf16());
@@ -512,6 +583,7 @@ pub fn backward_bf16(g: AttnGrads, dout: View, saved: AttnSaved, d: Dims) {
                         dout: Mat(w.dout.as_ptr(), hd),
                         out: Mat(w.out.as_ptr(), hd),
                         lse: &lse[l0..l0 + tq],
+                        docs: docs.map(|d| &d[b * tq..(b + 1) * tq]),
                     };
                     let gr = (
                         MatMut(w.dq.as_mut_ptr(), hd),

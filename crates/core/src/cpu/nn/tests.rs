@@ -224,6 +224,17 @@ fn rmsnorm() {
 
 #[test]
 fn head_norm_rope() {
+    head_norm_rope_case(None);
+}
+
+#[test]
+fn head_norm_rope_restarts_positions_at_each_document() {
+    // Two sequences of 3: documents [0..1) [1..3) and [0..3).
+    head_norm_rope_case(Some(vec![0, 1, 1, 0, 0, 0]));
+}
+
+/// `docs`: each row's document start in its sequence (document masking), or none.
+fn head_norm_rope_case(docs: Option<Vec<u32>>) {
     let b = be();
     let mut r = Rng::new(3);
     let (rows, heads, hd, seq, pos0, theta) = (6, 3, 8, 3, 2, 100.0);
@@ -240,7 +251,14 @@ fn head_norm_rope() {
     let run = |x: &[f64], w: &[f64]| {
         let (mut o, mut rs) = (zeros(&b, rows * row), zeros(&b, rows * heads));
         let (x, w) = (up(&b, x), up(&b, w));
-        b.head_norm_rope_forward(o.view_mut(), rs.view_mut(), x.view(), w.view(), dims);
+        let (ov, rv) = (o.view_mut(), rs.view_mut());
+        match &docs {
+            Some(d) => {
+                let d = ix(&b, d);
+                b.head_norm_rope_forward_docs(ov, rv, x.view(), w.view(), d.view(), dims)
+            }
+            None => b.head_norm_rope_forward(ov, rv, x.view(), w.view(), dims),
+        }
         (down(&b, &o), rs)
     };
     let (o, rs) = run(&x, &w);
@@ -248,7 +266,8 @@ fn head_norm_rope() {
     let half = hd / 2;
     let mut want = vec![0.0; rows * row];
     for t in 0..rows {
-        let pos = (pos0 + t % seq) as f64;
+        let start = docs.as_ref().map_or(0, |d| d[t] as usize);
+        let pos = (pos0 + t % seq - start) as f64;
         for h in 0..heads {
             let xs = &x[t * row + h * hd..t * row + (h + 1) * hd];
             let rstd = 1.0 / (dot(xs, xs) / hd as f64 + 1e-6).sqrt();
@@ -268,13 +287,14 @@ fn head_norm_rope() {
         w: wt.view(),
         rstd: rs.view(),
     };
-    b.head_norm_rope_backward(
-        dx.view_mut(),
-        dw.view_mut(),
-        up(&b, &ro).view(),
-        saved,
-        dims,
-    );
+    let (dxv, dwv, rov) = (dx.view_mut(), dw.view_mut(), up(&b, &ro));
+    match &docs {
+        Some(d) => {
+            let d = ix(&b, d);
+            b.head_norm_rope_backward_docs(dxv, dwv, rov.view(), saved, d.view(), dims)
+        }
+        None => b.head_norm_rope_backward(dxv, dwv, rov.view(), saved, dims),
+    }
     fd_check(
         "head_norm_rope",
         &[x, w],
@@ -283,7 +303,12 @@ fn head_norm_rope() {
     );
 }
 
-fn naive_attention(q: &[f64], k: &[f64], v: &[f64], d: AttnDims) -> Vec<f64> {
+/// Causal attention by its definition; `docs`: each query's first key (document masking).
+fn naive_attention(
+    (q, k, v): (&[f64], &[f64], &[f64]),
+    docs: Option<&[u32]>,
+    d: AttnDims,
+) -> Vec<f64> {
     let AttnDims {
         batch,
         tq,
@@ -300,8 +325,12 @@ fn naive_attention(q: &[f64], k: &[f64], v: &[f64], d: AttnDims) -> Vec<f64> {
             for i in 0..tq {
                 let qi = &q[b * tq * qd + i * qd + h * hd..][..hd];
                 let n = tk - tq + i + 1;
+                let lo = docs.map_or(0, |d| d[b * tq + i] as usize);
                 let s: Vec<f64> = (0..n)
                     .map(|j| {
+                        if j < lo {
+                            return f64::NEG_INFINITY;
+                        }
                         dot(qi, &k[b * tk * kd + j * kd + g * hd..][..hd]) / (hd as f64).sqrt()
                     })
                     .collect();
@@ -320,45 +349,47 @@ fn naive_attention(q: &[f64], k: &[f64], v: &[f64], d: AttnDims) -> Vec<f64> {
     o
 }
 
-fn attention_case(
-    batch: usize,
-    tq: usize,
-    tk: usize,
-    heads: usize,
-    kvh: usize,
-    hd: usize,
-    seed: u64,
-) {
-    let b = be();
-    let mut r = Rng::new(seed);
-    let (nq, nk) = (batch * tq * heads * hd, batch * tk * kvh * hd);
-    let (q, k, v, ro) = (r.vec(nq), r.vec(nk), r.vec(nk), r.vec(nq));
-    let dims = AttnDims {
+fn attn_dims(batch: usize, tq: usize, tk: usize, heads: usize, kvh: usize, hd: usize) -> AttnDims {
+    AttnDims {
         batch,
         tq,
         tk,
         heads,
         kv_heads: kvh,
         head_dim: hd,
-    };
+    }
+}
+
+/// `docs`: each query's first key (document masking), or none.
+fn attention_case(dims: AttnDims, docs: Option<Vec<u32>>, seed: u64) {
+    let AttnDims {
+        batch,
+        tq,
+        tk,
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+    } = dims;
+    let b = be();
+    let mut r = Rng::new(seed);
+    let (nq, nk) = (batch * tq * heads * hd, batch * tk * kvh * hd);
+    let (q, k, v, ro) = (r.vec(nq), r.vec(nk), r.vec(nk), r.vec(nq));
+    let dt = docs.as_ref().map(|d| ix(&b, d));
     let run = |q: &[f64], k: &[f64], v: &[f64]| {
         let (mut o, mut l) = (zeros(&b, nq), zeros(&b, batch * heads * tq));
         let (q, k, v) = (up(&b, q), up(&b, k), up(&b, v));
-        b.attention_forward(
-            o.view_mut(),
-            l.view_mut(),
-            q.view(),
-            k.view(),
-            v.view(),
-            dims,
-        );
+        let (ov, lv, qv, kv, vv) = (o.view_mut(), l.view_mut(), q.view(), k.view(), v.view());
+        match &dt {
+            Some(d) => b.attention_forward_docs(ov, lv, qv, kv, vv, d.view(), dims),
+            None => b.attention_forward(ov, lv, qv, kv, vv, dims),
+        }
         (o, l)
     };
     let (o, l) = run(&q, &k, &v);
     close(
         "attention forward",
         &down(&b, &o),
-        &naive_attention(&q, &k, &v, dims),
+        &naive_attention((&q, &k, &v), docs.as_deref(), dims),
         1e-12,
     );
     let (mut dq, mut dk, mut dv) = (zeros(&b, nq), zeros(&b, nk), zeros(&b, nk));
@@ -375,9 +406,16 @@ fn attention_case(
         v: vt.view(),
         lse: l.view(),
     };
-    b.attention_backward(grads, up(&b, &ro).view(), saved, dims);
+    let rov = up(&b, &ro);
+    match &dt {
+        Some(d) => b.attention_backward_docs(grads, rov.view(), saved, d.view(), dims),
+        None => b.attention_backward(grads, rov.view(), saved, dims),
+    }
     fd_check(
-        &format!("attention b{batch} tq{tq} tk{tk} h{heads}/{kvh}"),
+        &format!(
+            "attention b{batch} tq{tq} tk{tk} h{heads}/{kvh} docs {}",
+            dt.is_some()
+        ),
         &[q, k, v],
         &[down(&b, &dq), down(&b, &dk), down(&b, &dv)],
         |a| dot(&down(&b, &run(&a[0], &a[1], &a[2]).0), &ro),
@@ -386,19 +424,143 @@ fn attention_case(
 
 #[test]
 fn attention_gqa_causal() {
-    attention_case(2, 5, 5, 4, 2, 4, 4);
+    attention_case(attn_dims(2, 5, 5, 4, 2, 4), None, 4);
 }
 
 #[test]
 fn attention_with_cache_offset() {
     // Queries that continue a cached prefix (tq < tk), as in generation.
-    attention_case(1, 3, 7, 2, 1, 4, 5);
+    attention_case(attn_dims(1, 3, 7, 2, 1, 4), None, 5);
 }
 
 #[test]
 fn attention_several_tiles() {
     // More query rows than one score tile holds.
-    attention_case(1, 70, 70, 2, 1, 2, 6);
+    attention_case(attn_dims(1, 70, 70, 2, 1, 2), None, 6);
+}
+
+/// Each token's document start in its window, for windows holding documents of `lens`.
+fn doc_starts(lens: &[&[usize]]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for seq in lens {
+        let mut start = 0;
+        for &n in seq.iter() {
+            out.extend(std::iter::repeat_n(start as u32, n));
+            start += n;
+        }
+    }
+    out
+}
+
+#[test]
+fn attention_masked_by_documents() {
+    // Forward against the definition, backward against finite differences: two sequences of
+    // several documents, and one spanning score tiles with a document starting inside a tile.
+    let docs = doc_starts(&[&[2, 3, 1], &[6]]);
+    attention_case(attn_dims(2, 6, 6, 4, 2, 4), Some(docs), 7);
+    let docs = doc_starts(&[&[50, 20]]);
+    attention_case(attn_dims(1, 70, 70, 2, 1, 2), Some(docs), 8);
+    // Queries after a cached prefix, their document starting inside the cache.
+    attention_case(attn_dims(1, 3, 7, 2, 1, 4), Some(vec![2, 2, 6]), 9);
+}
+
+#[test]
+fn attention_over_documents_is_each_document_alone() {
+    // In f32: a window of documents, masked, gives each document's outputs, log-sum-exps and
+    // gradients as attention over that document alone does.
+    let b = CpuBackend::new(Arc::new(Ledger::new()));
+    let lens: [&[usize]; 2] = [&[37, 43], &[5, 60, 15]];
+    let (t, heads, kvh, hd) = (80, 4, 2, 16);
+    let dims = attn_dims(2, t, t, heads, kvh, hd);
+    let (qd, kd) = (heads * hd, kvh * hd);
+    let mut r = Rng::new(12);
+    let f = |x: Vec<f64>| -> Vec<f32> { x.iter().map(|&x| x as f32).collect() };
+    let (q, k, v, dout) = (
+        f(r.vec(2 * t * qd)),
+        f(r.vec(2 * t * kd)),
+        f(r.vec(2 * t * kd)),
+        f(r.vec(2 * t * qd)),
+    );
+    let up32 = |x: &[f32]| b.upload(x, &[x.len()], Category::Activations);
+    // (out, lse, dq, dk, dv) of attention over `q`, `k`, `v` (`batch` sequences).
+    let run = |(q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
+               docs: Option<&[u32]>,
+               d: AttnDims|
+     -> [Vec<f32>; 5] {
+        let (q, k, v, dout) = (up32(q), up32(k), up32(v), up32(dout));
+        let z = |n: usize| b.zeros(&[n], Category::Activations);
+        let (nq, nk) = (q.len(), k.len());
+        let (mut o, mut l) = (z(nq), z(d.batch * d.heads * d.tq));
+        let (mut dq, mut dk, mut dv) = (z(nq), z(nk), z(nk));
+        let dt = docs.map(|d| ix(&b, d));
+        let (ov, lv, qv, kv, vv) = (o.view_mut(), l.view_mut(), q.view(), k.view(), v.view());
+        match &dt {
+            Some(t) => b.attention_forward_docs(ov, lv, qv, kv, vv, t.view(), d),
+            None => b.attention_forward(ov, lv, qv, kv, vv, d),
+        }
+        let g = AttnGrads {
+            dq: dq.view_mut(),
+            dk: dk.view_mut(),
+            dv: dv.view_mut(),
+        };
+        let s = AttnSaved {
+            out: o.view(),
+            q: q.view(),
+            k: k.view(),
+            v: v.view(),
+            lse: l.view(),
+        };
+        match &dt {
+            Some(t) => b.attention_backward_docs(g, dout.view(), s, t.view(), d),
+            None => b.attention_backward(g, dout.view(), s, d),
+        }
+        [&o, &l, &dq, &dk, &dv].map(|t| b.download(t.view()))
+    };
+    let docs = doc_starts(&lens);
+    let whole = run((&q, &k, &v, &dout), Some(&docs), dims);
+    let mut worst = 0f32;
+    for (s, seq) in lens.iter().enumerate() {
+        let mut a = 0;
+        for &n in seq.iter() {
+            let rows = |x: &[f32], w: usize| x[(s * t + a) * w..(s * t + a + n) * w].to_vec();
+            let alone = run(
+                (
+                    &rows(&q, qd),
+                    &rows(&k, kd),
+                    &rows(&v, kd),
+                    &rows(&dout, qd),
+                ),
+                None,
+                attn_dims(1, n, n, heads, kvh, hd),
+            );
+            for (i, w) in [qd, 1, qd, kd, kd].into_iter().enumerate() {
+                let got: Vec<f32> = if i == 1 {
+                    // lse is [batch, heads, tq].
+                    (0..heads)
+                        .flat_map(|h| {
+                            let r0 = (s * heads + h) * t + a;
+                            whole[1][r0..r0 + n].to_vec()
+                        })
+                        .collect()
+                } else {
+                    rows(&whole[i], w)
+                };
+                for (x, y) in got.iter().zip(&alone[i]) {
+                    worst = worst.max((x - y).abs());
+                }
+            }
+            a += n;
+        }
+    }
+    eprintln!("documents in one window vs alone: worst difference {worst:.2e}");
+    assert!(worst <= 1e-6, "worst difference {worst}");
+    // Without the mask the window's documents see each other: the check can fail.
+    let open = run((&q, &k, &v, &dout), None, dims);
+    let moved = open[0]
+        .iter()
+        .zip(&whole[0])
+        .any(|(x, y)| (x - y).abs() > 1e-3);
+    assert!(moved, "the mask changed nothing");
 }
 
 #[test]
