@@ -4,6 +4,7 @@
 //! comes from. Bytes are bytes (not GiB) and rates are per second, per GPU, per direction.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 pub const CLUSTERS: &[&str] = &["jupiter", "dgx-h100", "dgx-h200", "local"];
@@ -237,6 +238,70 @@ pub struct Cluster {
     /// files have it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu: Option<CpuSpec>,
+    /// Where each numeric input of `nodes`, `gpus_per_node`, `[gpu]`, `[host]` and `[links]`
+    /// comes from, by dotted key: `"measured: …"` (and where), `"spec: …"` (a datasheet or the
+    /// write-up) or `"assumed: …"`. Calibrated sections (`[cpu]`) need no entries: their keys
+    /// are measured by construction. See [`Cluster::provenance`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, String>,
+}
+
+/// What kind of number a cluster input is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Measured (the note says where and on what).
+    Measured,
+    /// From a datasheet or the write-up.
+    Spec,
+    /// A guess the planner's output leans on.
+    Assumed,
+    /// The cluster file does not say.
+    Unknown,
+}
+
+impl SourceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceKind::Measured => "measured",
+            SourceKind::Spec => "spec",
+            SourceKind::Assumed => "assumed",
+            SourceKind::Unknown => "unknown",
+        }
+    }
+}
+
+/// One numeric input of a cluster and where it comes from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct InputSource {
+    /// Dotted key, e.g. `gpu.gemm_efficiency`.
+    pub key: String,
+    /// The value as written (a curve is summarised by its point count).
+    pub value: String,
+    pub kind: SourceKind,
+    /// Where or why, without the kind's prefix.
+    pub note: String,
+}
+
+/// Split `"measured: on an H200"` into its kind and note (a bare `"assumed"` has none).
+fn parse_source(text: &str) -> Option<(SourceKind, String)> {
+    let (head, note) = text.split_once(':').unwrap_or((text, ""));
+    let kind = match head.trim() {
+        "measured" => SourceKind::Measured,
+        "spec" => SourceKind::Spec,
+        "assumed" => SourceKind::Assumed,
+        _ => return None,
+    };
+    Some((kind, note.trim().to_string()))
+}
+
+/// Short form of a number for the provenance table: 989e12 → 9.89e14, 0.8 → 0.8.
+fn short(v: f64) -> String {
+    if v != 0.0 && (v.abs() >= 1e5 || v.abs() < 1e-3) {
+        format!("{v:.3e}")
+    } else {
+        format!("{}", (v * 1e4).round() / 1e4)
+    }
 }
 
 /// A cluster file or preset that cannot be used, naming the file and key.
@@ -294,6 +359,29 @@ ib_efficiency = 0.9                # assumption
 d2h_bytes_per_s = 170e9            # measured publicly on GH200
 h2d_bytes_per_s = 415e9            # measured publicly on GH200
 collective_latency_s = 1e-4        # 100 us per collective across ~100 nodes (assumption)
+
+[sources]
+"nodes" = "spec: the write-up's job, 96 nodes (384 GPUs)"
+"gpus_per_node" = "spec: 4 GH200 per JUPITER Booster node"
+"gpu.memory_bytes" = "assumed: the 96 GB part as the driver would report it, not measured here"
+"gpu.reserved_bytes" = "assumed: CUDA context and NCCL buffers"
+"gpu.peak_flops" = "spec: dense bf16, H100/GH200 datasheet"
+"gpu.peak_f32_flops" = "spec: f32 without tensor cores, H100 SXM datasheet (same SM)"
+"gpu.gemm_efficiency" = "measured: large bf16 GEMM on an H200 in this workplace, 790 of 989 TFLOP/s (same SM)"
+"gpu.attention_efficiency" = "assumed: published flash-attention range on H100"
+"gpu.memory_bytes_per_s" = "spec: HBM3 4 TB/s"
+"host.usable_bytes_per_gpu" = "spec: the write-up's 108 GiB of 120 GB LPDDR5X per Grace"
+"host.cores_per_gpu" = "spec: 72 Grace cores per GPU"
+"host.peak_f32_flops_per_gpu" = "spec: 72 Neoverse V2 cores x 3.0 GHz x 32 f32 FLOP/cycle"
+"host.gemm_efficiency" = "assumed: one Zen 3 core reaches 0.7 on 1024^3 on the CPU machine"
+"host.memory_bytes_per_s" = "assumed: 60% of ~500 GB/s LPDDR5X"
+"links.nvlink_bytes_per_s" = "spec: 3 peer links x 150 GB/s per direction"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "spec: one InfiniBand NDR200 adapter per GPU"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "measured: published GH200 measurement (NVLink-C2C), not in this workplace"
+"links.h2d_bytes_per_s" = "measured: published GH200 measurement (NVLink-C2C), not in this workplace"
+"links.collective_latency_s" = "assumed: 100 us per collective across ~100 nodes"
 "#;
 
 const DGX_H100: &str = r#"
@@ -327,6 +415,29 @@ ib_efficiency = 0.9
 d2h_bytes_per_s = 50e9             # PCIe Gen5 x16, achieved (assumption)
 h2d_bytes_per_s = 50e9
 collective_latency_s = 1e-4
+
+[sources]
+"nodes" = "assumed: one node unless the layout says"
+"gpus_per_node" = "spec: 8 GPUs per DGX"
+"gpu.memory_bytes" = "spec: the 80 GB part as the driver reports it"
+"gpu.reserved_bytes" = "assumed: CUDA context and NCCL buffers"
+"gpu.peak_flops" = "spec: dense bf16, H100 SXM datasheet"
+"gpu.peak_f32_flops" = "spec: f32 without tensor cores, H100 SXM datasheet"
+"gpu.gemm_efficiency" = "measured: large bf16 GEMM on an H200 in this workplace, 790 of 989 TFLOP/s (same SM)"
+"gpu.attention_efficiency" = "assumed: published flash-attention range on H100"
+"gpu.memory_bytes_per_s" = "spec: HBM3 3.35 TB/s"
+"host.usable_bytes_per_gpu" = "assumed: 200 GiB of the node's 2 TB per GPU"
+"host.cores_per_gpu" = "spec: 2 x 56 Xeon cores / 8"
+"host.peak_f32_flops_per_gpu" = "spec: 14 cores x 2.0 GHz x 64 f32 FLOP/cycle (AVX-512)"
+"host.gemm_efficiency" = "assumed"
+"host.memory_bytes_per_s" = "assumed: a GPU's share of the node's DDR5"
+"links.nvlink_bytes_per_s" = "spec: NVLink 4 through NVSwitch, 450 GB/s per direction"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "spec: one 400 Gb/s InfiniBand adapter per GPU"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.h2d_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.collective_latency_s" = "assumed"
 "#;
 
 const DGX_H200: &str = r#"
@@ -360,6 +471,29 @@ ib_efficiency = 0.9
 d2h_bytes_per_s = 50e9
 h2d_bytes_per_s = 50e9
 collective_latency_s = 1e-4
+
+[sources]
+"nodes" = "assumed: one node unless the layout says"
+"gpus_per_node" = "spec: 8 GPUs per DGX"
+"gpu.memory_bytes" = "spec: the 141 GB part as the driver reports it"
+"gpu.reserved_bytes" = "assumed: CUDA context and NCCL buffers"
+"gpu.peak_flops" = "spec: dense bf16, H200 SXM datasheet (the H100's SM)"
+"gpu.peak_f32_flops" = "spec: f32 without tensor cores, H100 SXM datasheet (same SM)"
+"gpu.gemm_efficiency" = "measured: large bf16 GEMM on an H200 in this workplace, 790 of 989 TFLOP/s"
+"gpu.attention_efficiency" = "assumed: published flash-attention range on H100"
+"gpu.memory_bytes_per_s" = "measured: device-to-device copy on an H200 in this workplace"
+"host.usable_bytes_per_gpu" = "assumed: 200 GiB of the node's 2 TB per GPU"
+"host.cores_per_gpu" = "spec: 2 x 56 Xeon cores / 8"
+"host.peak_f32_flops_per_gpu" = "spec: 14 cores x 2.0 GHz x 64 f32 FLOP/cycle (AVX-512)"
+"host.gemm_efficiency" = "assumed"
+"host.memory_bytes_per_s" = "assumed: a GPU's share of the node's DDR5"
+"links.nvlink_bytes_per_s" = "spec: NVLink 4 through NVSwitch, 450 GB/s per direction"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "spec: one 400 Gb/s InfiniBand adapter per GPU"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.h2d_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.collective_latency_s" = "assumed"
 "#;
 
 const LOCAL: &str = r#"
@@ -406,6 +540,28 @@ optimizer_bytes_per_s = 3.07e+10
 op_overhead_s = 9.39e-09
 sync_s = 2.71e-05
 calibrated = "2026-12-01 08:12:52 UTC, 2 threads on 2 cores, load average 4.05 5.51 5.33 before / 4.05 5.51 5.33 after, 4.1 s (`ganymede calibrate`, this machine under other engineers' builds)"
+
+[sources]
+"nodes" = "spec: this one machine"
+"gpus_per_node" = "assumed: up to 8 ranks as threads of one process"
+"gpu.memory_bytes" = "spec: this machine's 24 GiB"
+"gpu.reserved_bytes" = "assumed: the OS and the process"
+"gpu.peak_flops" = "spec: 2 cores x 3.0 GHz x 32 f32 FLOP/cycle (AVX2 FMA)"
+"gpu.gemm_efficiency" = "measured: 68 GFLOP/s f32 GEMM 1024^3 on one core of this machine"
+"gpu.attention_efficiency" = "assumed"
+"gpu.memory_bytes_per_s" = "assumed"
+"host.usable_bytes_per_gpu" = "spec: host and device are one pool, counted on the device"
+"host.cores_per_gpu" = "spec: this machine's 2 cores"
+"host.peak_f32_flops_per_gpu" = "spec: 2 cores x 3.0 GHz x 32 f32 FLOP/cycle (AVX2 FMA)"
+"host.gemm_efficiency" = "measured: 68 GFLOP/s f32 GEMM 1024^3 on one core of this machine"
+"host.memory_bytes_per_s" = "assumed"
+"links.nvlink_bytes_per_s" = "assumed: ranks as threads copy through memory"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "assumed: no network; unused by one node"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "assumed: a memory copy"
+"links.h2d_bytes_per_s" = "assumed: a memory copy"
+"links.collective_latency_s" = "assumed: [cpu].sync_s replaces it when present"
 "#;
 
 impl Cluster {
@@ -518,12 +674,119 @@ impl Cluster {
         if let Some(cpu) = &self.cpu {
             cpu.validate(&bad)?;
         }
+        self.validate_sources(origin)?;
         if self.gpu.reserved_bytes >= self.gpu.memory_bytes {
             return Err(bad(
                 "gpu.reserved_bytes",
                 self.gpu.reserved_bytes,
                 "must be below gpu.memory_bytes",
             ));
+        }
+        Ok(())
+    }
+
+    /// Every numeric input of the hand-written sections, by dotted key, in file order: what
+    /// [`Cluster::sources`] must cover.
+    pub fn numeric_inputs(&self) -> Vec<(&'static str, f64)> {
+        let (g, h, l) = (&self.gpu, &self.host, &self.links);
+        let mut v = vec![
+            ("nodes", self.nodes as f64),
+            ("gpus_per_node", self.gpus_per_node as f64),
+            ("gpu.memory_bytes", g.memory_bytes),
+            ("gpu.reserved_bytes", g.reserved_bytes),
+            ("gpu.peak_flops", g.peak_flops),
+        ];
+        if let Some(f) = g.peak_f32_flops {
+            v.push(("gpu.peak_f32_flops", f));
+        }
+        v.extend([
+            ("gpu.gemm_efficiency", g.gemm_efficiency),
+            ("gpu.attention_efficiency", g.attention_efficiency),
+            ("gpu.memory_bytes_per_s", g.memory_bytes_per_s),
+            ("host.usable_bytes_per_gpu", h.usable_bytes_per_gpu),
+            ("host.cores_per_gpu", h.cores_per_gpu),
+            ("host.peak_f32_flops_per_gpu", h.peak_f32_flops_per_gpu),
+            ("host.gemm_efficiency", h.gemm_efficiency),
+            ("host.memory_bytes_per_s", h.memory_bytes_per_s),
+            ("links.nvlink_bytes_per_s", l.nvlink_bytes_per_s),
+            ("links.nvlink_efficiency", l.nvlink_efficiency),
+            ("links.ib_bytes_per_s", l.ib_bytes_per_s),
+            ("links.ib_efficiency", l.ib_efficiency),
+            ("links.d2h_bytes_per_s", l.d2h_bytes_per_s),
+            ("links.h2d_bytes_per_s", l.h2d_bytes_per_s),
+            ("links.collective_latency_s", l.collective_latency_s),
+        ]);
+        v
+    }
+
+    /// Where every input comes from: the hand-written keys from [`Cluster::sources`] (unknown
+    /// where it is silent), then each key of a calibrated section as measured, with when and
+    /// on what it was calibrated.
+    pub fn provenance(&self) -> Vec<InputSource> {
+        let mut out: Vec<InputSource> = self
+            .numeric_inputs()
+            .into_iter()
+            .map(|(key, v)| {
+                let (kind, note) = self
+                    .sources
+                    .get(key)
+                    .and_then(|s| parse_source(s))
+                    .unwrap_or((SourceKind::Unknown, "no source given".into()));
+                InputSource {
+                    key: key.into(),
+                    value: short(v),
+                    kind,
+                    note,
+                }
+            })
+            .collect();
+        if let Some(c) = &self.cpu {
+            let points = |n: usize| format!("{n} points");
+            let rows = [
+                ("cpu.cores", short(c.cores)),
+                ("cpu.threads", c.threads.to_string()),
+                ("cpu.gemm", points(c.gemm.len())),
+                ("cpu.gemm_one_thread", points(c.gemm_one_thread.len())),
+                ("cpu.attention", points(c.attention.len())),
+                (
+                    "cpu.elementwise_bytes_per_s",
+                    short(c.elementwise_bytes_per_s),
+                ),
+                ("cpu.optimizer_bytes_per_s", short(c.optimizer_bytes_per_s)),
+                ("cpu.op_overhead_s", short(c.op_overhead_s)),
+                ("cpu.sync_s", short(c.sync_s)),
+            ];
+            let note = format!("`ganymede calibrate` on the CPU backend, {}", c.calibrated);
+            out.extend(rows.into_iter().map(|(key, value)| InputSource {
+                key: key.into(),
+                value,
+                kind: SourceKind::Measured,
+                note: note.clone(),
+            }));
+        }
+        out
+    }
+
+    fn validate_sources(&self, origin: &str) -> Result<(), ClusterError> {
+        let known: Vec<&str> = self.numeric_inputs().iter().map(|(k, _)| *k).collect();
+        for (key, text) in &self.sources {
+            let bad = |reason: String| ClusterError::Invalid {
+                origin: origin.to_string(),
+                key: format!("sources.\"{key}\""),
+                value: format!("{text:?}"),
+                reason,
+            };
+            if !known.contains(&key.as_str()) {
+                return Err(bad(format!(
+                    "names no numeric input of this cluster (known: {})",
+                    known.join(", ")
+                )));
+            }
+            if parse_source(text).is_none() {
+                return Err(bad(
+                    "must start with \"measured:\", \"spec:\" or \"assumed:\"".into(),
+                ));
+            }
         }
         Ok(())
     }

@@ -451,6 +451,8 @@ pub struct Plan {
     pub verdict: String,
     /// When the layout does not fit: the smallest change of policy that makes it fit.
     pub fit_fix: Option<FitFix>,
+    /// The cluster's inputs and where each comes from (measured, spec, assumed).
+    pub inputs: Vec<crate::cluster::InputSource>,
 }
 
 /// A change of memory policy that makes a layout fit, as `ganymede plan` flags.

@@ -166,6 +166,7 @@ pub(crate) fn evaluate(
         memory,
         verdict,
         fit_fix: None,
+        inputs: cluster.provenance(),
         params: d.p,
     }
 }
