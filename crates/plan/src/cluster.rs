@@ -221,6 +221,190 @@ impl CpuSpec {
     }
 }
 
+/// Rates of the accelerator measured through the backend seam (`ganymede calibrate --device
+/// cuda`, or the CPU backends at small sizes in tests). When a cluster has this section the GPU
+/// time model prices GEMMs by their size and dtype, attention by sequence and head dim,
+/// Newton–Schulz by matrix size, the element-wise updates and the host copies from it, instead
+/// of from `gpu.peak_flops` x efficiencies and `links.d2h/h2d_bytes_per_s`; without it nothing
+/// changes. Curves are `[FLOPs of one call, FLOP/s]`, ascending, interpolated in log(FLOPs)
+/// and flat beyond the ends (as [`CpuSpec::rate`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuMeasured {
+    /// The device measured (the backend's name and the GPU's).
+    pub device: String,
+    /// GEMMs with bf16 operands (f32 accumulate), by FLOPs per call.
+    pub gemm_bf16: Vec<[f64; 2]>,
+    /// GEMMs with f32 operands.
+    pub gemm_f32: Vec<[f64; 2]>,
+    /// The routed experts' grouped GEMM (`NnOps::gemm_grouped`, f32 operands as the seam takes
+    /// them) over uneven token counts per expert, by FLOPs of the whole call. Empty: the
+    /// experts are priced as one GEMM of their per-expert size.
+    #[serde(default)]
+    pub gemm_grouped: Vec<[f64; 2]>,
+    /// The fused causal attention kernel: `[sequence, head_dim, forward FLOP/s, backward
+    /// FLOP/s]`, FLOPs counted as the planner counts them (forward 2·s²·head_dim per head and
+    /// sequence, backward 2.5x that). Empty: attention at `gpu.attention_efficiency`.
+    #[serde(default)]
+    pub attention: Vec<[f64; 4]>,
+    /// Newton–Schulz of one matrix: `[rows, cols, steps, seconds with bf16 products, seconds
+    /// with f32 products]`. Empty: Newton–Schulz at the GEMM rates.
+    #[serde(default)]
+    pub newton_schulz: Vec<[f64; 5]>,
+    /// Streaming element-wise rate (SwiGLU), bytes read + written per second.
+    pub elementwise_bytes_per_s: f64,
+    /// The optimizer's element-wise update (AdamW over state in device memory), bytes/s.
+    pub optimizer_bytes_per_s: f64,
+    /// Asynchronous copies between device and pinned host memory, bytes/s; 0: not measured
+    /// (`links.d2h_bytes_per_s` / `h2d_bytes_per_s` stand).
+    #[serde(default)]
+    pub d2h_bytes_per_s: f64,
+    #[serde(default)]
+    pub h2d_bytes_per_s: f64,
+    /// When, on what, and how long the calibration took.
+    #[serde(default)]
+    pub calibrated: String,
+}
+
+impl GpuMeasured {
+    /// GEMM rate of a call of `flops` FLOPs with bf16 or f32 operands.
+    pub fn gemm_rate(&self, flops: f64, bf16: bool) -> f64 {
+        CpuSpec::rate(
+            if bf16 {
+                &self.gemm_bf16
+            } else {
+                &self.gemm_f32
+            },
+            flops,
+        )
+    }
+
+    /// The grouped expert GEMM's rate for a call of `flops` in all; `None` when not measured.
+    pub fn grouped_rate(&self, flops: f64) -> Option<f64> {
+        (!self.gemm_grouped.is_empty()).then(|| CpuSpec::rate(&self.gemm_grouped, flops))
+    }
+
+    /// Attention's rate at `seq` and `head_dim`: the measured head dim nearest `head_dim`, and
+    /// along its points log-linear in the sequence, flat beyond the ends. `None` when not
+    /// measured.
+    pub fn attention_rate(&self, seq: f64, head_dim: f64, backward: bool) -> Option<f64> {
+        let near = self
+            .attention
+            .iter()
+            .map(|p| p[1])
+            .min_by(|a, b| (a - head_dim).abs().total_cmp(&(b - head_dim).abs()))?;
+        let j = if backward { 3 } else { 2 };
+        let curve: Vec<[f64; 2]> = self
+            .attention
+            .iter()
+            .filter(|p| p[1] == near)
+            .map(|p| [p[0], p[j]])
+            .collect();
+        Some(CpuSpec::rate(&curve, seq))
+    }
+
+    /// Seconds of Newton–Schulz on one `rows x cols` matrix for `steps` steps: the measured
+    /// rate (GEMM-equivalent FLOPs per second) of the measured shape nearest in size,
+    /// interpolated in log(FLOPs) over the measured shapes. `None` when not measured.
+    pub fn newton_schulz_s(
+        &self,
+        rows: usize,
+        cols: usize,
+        steps: usize,
+        bf16: bool,
+    ) -> Option<f64> {
+        if self.newton_schulz.is_empty() {
+            return None;
+        }
+        let j = if bf16 { 3 } else { 4 };
+        let mut curve: Vec<[f64; 2]> = self
+            .newton_schulz
+            .iter()
+            .map(|p| {
+                let f = crate::plan::ns_flops(p[0] as u64, p[1] as u64, p[2] as usize);
+                [f, f / p[j]]
+            })
+            .collect();
+        curve.sort_by(|a, b| a[0].total_cmp(&b[0]));
+        curve.dedup_by(|a, b| a[0] == b[0]);
+        let f = crate::plan::ns_flops(rows as u64, cols as u64, steps);
+        Some(f / CpuSpec::rate(&curve, f))
+    }
+
+    fn validate(&self, bad: &dyn Fn(&str, f64, &str) -> ClusterError) -> Result<(), ClusterError> {
+        let check_curve = |key: &str, curve: &[[f64; 2]], required: bool| {
+            if required && curve.is_empty() {
+                return Err(bad(
+                    key,
+                    0.0,
+                    "needs at least one [flops, flop_per_s] point",
+                ));
+            }
+            for (i, p) in curve.iter().enumerate() {
+                for (j, v) in p.iter().enumerate() {
+                    if !(*v > 0.0 && v.is_finite()) {
+                        return Err(bad(
+                            &format!("{key}[{i}][{j}]"),
+                            *v,
+                            "must be a positive number",
+                        ));
+                    }
+                }
+                if i > 0 && p[0] <= curve[i - 1][0] {
+                    return Err(bad(&format!("{key}[{i}][0]"), p[0], "sizes must ascend"));
+                }
+            }
+            Ok(())
+        };
+        check_curve("gpu_measured.gemm_bf16", &self.gemm_bf16, true)?;
+        check_curve("gpu_measured.gemm_f32", &self.gemm_f32, true)?;
+        check_curve("gpu_measured.gemm_grouped", &self.gemm_grouped, false)?;
+        let rows = self
+            .attention
+            .iter()
+            .map(|p| ("gpu_measured.attention", &p[..]))
+            .chain(
+                self.newton_schulz
+                    .iter()
+                    .map(|p| ("gpu_measured.newton_schulz", &p[..])),
+            );
+        for (i, (key, p)) in rows.enumerate() {
+            for (j, v) in p.iter().enumerate() {
+                if !(*v > 0.0 && v.is_finite()) {
+                    return Err(bad(
+                        &format!("{key}[{i}][{j}]"),
+                        *v,
+                        "must be a positive number",
+                    ));
+                }
+            }
+        }
+        for (k, v) in [
+            (
+                "gpu_measured.elementwise_bytes_per_s",
+                self.elementwise_bytes_per_s,
+            ),
+            (
+                "gpu_measured.optimizer_bytes_per_s",
+                self.optimizer_bytes_per_s,
+            ),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be a positive number"));
+            }
+        }
+        for (k, v) in [
+            ("gpu_measured.d2h_bytes_per_s", self.d2h_bytes_per_s),
+            ("gpu_measured.h2d_bytes_per_s", self.h2d_bytes_per_s),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be >= 0 (0: not measured)"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A cluster: nodes of identical GPUs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -238,6 +422,9 @@ pub struct Cluster {
     /// files have it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu: Option<CpuSpec>,
+    /// The accelerator's rates, measured (`ganymede calibrate --device cuda`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_measured: Option<GpuMeasured>,
     /// Where each numeric input of `nodes`, `gpus_per_node`, `[gpu]`, `[host]` and `[links]`
     /// comes from, by dotted key: `"measured: …"` (and where), `"spec: …"` (a datasheet or the
     /// write-up) or `"assumed: …"`. Calibrated sections (`[cpu]`) need no entries: their keys
@@ -674,6 +861,9 @@ impl Cluster {
         if let Some(cpu) = &self.cpu {
             cpu.validate(&bad)?;
         }
+        if let Some(g) = &self.gpu_measured {
+            g.validate(&bad)?;
+        }
         self.validate_sources(origin)?;
         if self.gpu.reserved_bytes >= self.gpu.memory_bytes {
             return Err(bad(
@@ -763,6 +953,50 @@ impl Cluster {
                 kind: SourceKind::Measured,
                 note: note.clone(),
             }));
+        }
+        if let Some(g) = &self.gpu_measured {
+            let points = |n: usize| format!("{n} points");
+            let mut rows = vec![
+                ("gpu_measured.gemm_bf16", points(g.gemm_bf16.len())),
+                ("gpu_measured.gemm_f32", points(g.gemm_f32.len())),
+                ("gpu_measured.gemm_grouped", points(g.gemm_grouped.len())),
+                ("gpu_measured.attention", points(g.attention.len())),
+                ("gpu_measured.newton_schulz", points(g.newton_schulz.len())),
+                (
+                    "gpu_measured.elementwise_bytes_per_s",
+                    short(g.elementwise_bytes_per_s),
+                ),
+                (
+                    "gpu_measured.optimizer_bytes_per_s",
+                    short(g.optimizer_bytes_per_s),
+                ),
+            ];
+            if g.d2h_bytes_per_s > 0.0 {
+                rows.push(("gpu_measured.d2h_bytes_per_s", short(g.d2h_bytes_per_s)));
+            }
+            if g.h2d_bytes_per_s > 0.0 {
+                rows.push(("gpu_measured.h2d_bytes_per_s", short(g.h2d_bytes_per_s)));
+            }
+            let note = format!("`ganymede calibrate` on {}, {}", g.device, g.calibrated);
+            out.extend(rows.into_iter().map(|(key, value)| InputSource {
+                key: key.into(),
+                value,
+                kind: SourceKind::Measured,
+                note: note.clone(),
+            }));
+            // The hand-written keys the measured section replaces in the time model.
+            let replaced: &[(&str, bool)] = &[
+                ("gpu.gemm_efficiency", true),
+                ("gpu.attention_efficiency", !g.attention.is_empty()),
+                ("gpu.memory_bytes_per_s", true),
+                ("links.d2h_bytes_per_s", g.d2h_bytes_per_s > 0.0),
+                ("links.h2d_bytes_per_s", g.h2d_bytes_per_s > 0.0),
+            ];
+            for i in &mut out {
+                if replaced.iter().any(|(k, on)| *on && i.key == *k) {
+                    i.note = format!("{} (unused: [gpu_measured] replaces it)", i.note);
+                }
+            }
         }
         out
     }

@@ -403,6 +403,10 @@ pub struct StepTime {
     /// sets every figure above that it covers).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu: Option<crate::cpu_time::CpuTime>,
+    /// The device whose measured rates (`[gpu_measured]`) priced the step, when the cluster has
+    /// them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

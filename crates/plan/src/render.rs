@@ -362,6 +362,9 @@ fn communication(s: &mut String, p: &Plan) {
 fn step_time(s: &mut String, p: &Plan) {
     let t = &p.time;
     let _ = writeln!(s, "\nStep time");
+    if let Some(dev) = &t.measured {
+        row(s, "rates", format!("measured on {dev} ([gpu_measured])"));
+    }
     row(s, "compute alone", secs(t.compute_s));
     row(s, "expert all-to-all (not hidden)", secs(t.all_to_all_s));
     row(s, "FSDP traffic alone", secs(t.fsdp_comm_s));

@@ -115,3 +115,158 @@ fn the_plan_table_and_json_carry_the_inputs() {
         .iter()
         .any(|i| i["key"] == "links.d2h_bytes_per_s" && i["kind"] == "measured"));
 }
+
+use crate::cluster::GpuMeasured;
+
+/// `dgx-h200` with a measured section that reproduces its hand-written rates: every GEMM at
+/// peak x gemm_efficiency, attention at peak x attention_efficiency (backward counted 2.5x, so
+/// 1.25x the forward rate takes twice as long), the optimizer at the memory bandwidth, copies
+/// at the links' rates; no Newton–Schulz shapes.
+fn h200_measured_as_assumed() -> Cluster {
+    let mut c = Cluster::preset("dgx-h200").unwrap();
+    let gemm = c.gpu.peak_flops * c.gpu.gemm_efficiency;
+    let f32_gemm = c.gpu.peak_f32_flops.unwrap() * c.gpu.gemm_efficiency;
+    let attn = c.gpu.peak_flops * c.gpu.attention_efficiency;
+    c.gpu_measured = Some(GpuMeasured {
+        device: "test".into(),
+        gemm_bf16: vec![[1e6, gemm]],
+        gemm_f32: vec![[1e6, f32_gemm]],
+        gemm_grouped: vec![],
+        attention: vec![[4096.0, 128.0, attn, 1.25 * attn]],
+        newton_schulz: vec![],
+        elementwise_bytes_per_s: c.gpu.memory_bytes_per_s,
+        optimizer_bytes_per_s: c.gpu.memory_bytes_per_s,
+        d2h_bytes_per_s: c.links.d2h_bytes_per_s,
+        h2d_bytes_per_s: c.links.h2d_bytes_per_s,
+        calibrated: "by hand".into(),
+    });
+    c
+}
+
+fn medium_plan(c: &Cluster) -> crate::Plan {
+    let mut job = preset("medium").unwrap();
+    job.training.compute_dtype = ganymede_config::ComputeDtype::Bf16;
+    let mut l = Layout::from_job(&job, c);
+    l.nodes = 1;
+    l.gpus_per_node = 1;
+    l.dp_shard = 1;
+    l.ep = 1;
+    plan(
+        &job,
+        c,
+        &l,
+        &MemoryPolicy::from_job(&job),
+        &OptimizerSetup::from_job(&job),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_measured_section_equal_to_the_assumed_rates_predicts_the_same_step() {
+    let base = medium_plan(&Cluster::preset("dgx-h200").unwrap());
+    let m = medium_plan(&h200_measured_as_assumed());
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1e-12);
+    for (what, a, b) in [
+        ("forward", m.time.forward_s, base.time.forward_s),
+        ("backward", m.time.backward_s, base.time.backward_s),
+        ("compute", m.time.compute_s, base.time.compute_s),
+        ("optimizer", m.time.optimizer_s, base.time.optimizer_s),
+        ("step", m.step_time_s, base.step_time_s),
+    ] {
+        assert!(close(a, b), "{what}: measured {a} vs assumed {b}");
+    }
+    assert_eq!(m.time.measured.as_deref(), Some("test"));
+    assert_eq!(base.time.measured, None);
+    assert!(crate::render::table(&m).contains("measured on test ([gpu_measured])"));
+}
+
+#[test]
+fn the_planner_prices_by_the_measured_rates() {
+    let base = medium_plan(&h200_measured_as_assumed());
+    // Every GEMM at half the rate: the matmul share of compute doubles, attention stays.
+    let mut slow = h200_measured_as_assumed();
+    let g = slow.gpu_measured.as_mut().unwrap();
+    g.gemm_bf16[0][1] /= 2.0;
+    let half = medium_plan(&slow);
+    // compute = mf·l·(c_fwd + c_bwd) + head, c_fwd = mm + a, c_bwd = 2mm + 2a (+ c_fwd under
+    // full checkpointing), so compute = mf·l·(3mm + 3a) + head (4 and 4 under full), all of mm
+    // and head at the GEMM rate.
+    let job = preset("medium").unwrap();
+    let (seq, q, h, v) = (
+        base.layout.seq_len as f64,
+        job.model.q_dim() as f64,
+        job.model.hidden as f64,
+        job.model.vocab_size as f64,
+    );
+    let n = (base.layout.micro_batch * base.layout.seq_len) as f64;
+    let c = Cluster::preset("dgx-h200").unwrap();
+    let attn_rate = c.gpu.peak_flops * c.gpu.attention_efficiency;
+    let passes = match base.policy.ac {
+        ganymede_config::AcMode::Full => 4.0,
+        ganymede_config::AcMode::None => 3.0,
+    };
+    let attn = base.microbatches as f64
+        * job.model.layers as f64
+        * passes
+        * (2.0 * seq * q * n)
+        / attn_rate;
+    let gemm_part = base.time.compute_s - attn;
+    assert!(
+        ((half.time.compute_s - attn) / gemm_part - 2.0).abs() < 1e-9,
+        "{} {} {}",
+        half.time.compute_s,
+        base.time.compute_s,
+        attn
+    );
+    // The head alone is 6·V·H·N at that rate.
+    assert!(gemm_part > 6.0 * v * h * n / (c.gpu.peak_flops * 0.8));
+    // Measured copies replace the links' rates: 10x slower D2H, 10x the D2H time.
+    let mut copies = h200_measured_as_assumed();
+    copies.gpu_measured.as_mut().unwrap().d2h_bytes_per_s /= 10.0;
+    let a = medium_plan(&h200_measured_as_assumed()).time.d2h_s;
+    let b = medium_plan(&copies).time.d2h_s;
+    assert!((b - 10.0 * a).abs() <= 1e-9 * b, "{a} {b}");
+}
+
+#[test]
+fn newton_schulz_per_shape_interpolates_the_measured_rate() {
+    let mut g = h200_measured_as_assumed().gpu_measured.unwrap();
+    // 1024x1024, 5 steps: ns_flops = 5·(4+2)·1024³ = 32.2 GFLOP in 10 ms (bf16), 20 ms (f32).
+    g.newton_schulz = vec![[1024.0, 1024.0, 5.0, 0.010, 0.020]];
+    assert!((g.newton_schulz_s(1024, 1024, 5, true).unwrap() - 0.010).abs() < 1e-12);
+    assert!((g.newton_schulz_s(1024, 1024, 5, false).unwrap() - 0.020).abs() < 1e-12);
+    // A smaller matrix at the same (only) rate: 512x512 is 1/8 of the FLOPs.
+    assert!((g.newton_schulz_s(512, 512, 5, true).unwrap() - 0.010 / 8.0).abs() < 1e-12);
+    // Two shapes: between them, log-linear in FLOPs; the rate of 512² is 1/2 of 1024²'s.
+    g.newton_schulz
+        .insert(0, [512.0, 512.0, 5.0, 0.010 / 4.0, 0.020 / 4.0]);
+    assert!((g.newton_schulz_s(512, 512, 5, true).unwrap() - 0.0025).abs() < 1e-12);
+    // The plan of medium under Muon uses them: slower Newton–Schulz, a longer optimizer step.
+    let mut c = h200_measured_as_assumed();
+    let fast = medium_plan(&c).time.newton_schulz_s;
+    c.gpu_measured.as_mut().unwrap().newton_schulz = vec![[512.0, 512.0, 5.0, 1.0, 1.0]];
+    let slow = medium_plan(&c).time.newton_schulz_s;
+    assert!(slow > 100.0 * fast, "{fast} {slow}");
+}
+
+#[test]
+fn a_measured_section_round_trips_says_measured_and_bad_values_are_named() {
+    let c = h200_measured_as_assumed();
+    let back = Cluster::from_toml_str(&c.to_toml(), "m.toml").unwrap();
+    assert_eq!(back, c);
+    let prov = c.provenance();
+    let m: Vec<_> = prov
+        .iter()
+        .filter(|i| i.key.starts_with("gpu_measured."))
+        .collect();
+    assert_eq!(m.len(), 9);
+    assert!(m.iter().all(|i| i.kind == SourceKind::Measured));
+    let g = prov.iter().find(|i| i.key == "gpu.gemm_efficiency").unwrap();
+    assert!(g.note.contains("unused: [gpu_measured] replaces it"), "{}", g.note);
+    let mut bad = c.clone();
+    bad.gpu_measured.as_mut().unwrap().gemm_bf16 = vec![[1e6, 1.0], [1e5, 1.0]];
+    let e = Cluster::from_toml_str(&bad.to_toml(), "b.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gpu_measured.gemm_bf16[1][0]") && e.contains("b.toml"), "{e}");
+}
