@@ -205,10 +205,7 @@ fn the_planner_prices_by_the_measured_rates() {
         ganymede_config::AcMode::Full => 4.0,
         ganymede_config::AcMode::None => 3.0,
     };
-    let attn = base.microbatches as f64
-        * job.model.layers as f64
-        * passes
-        * (2.0 * seq * q * n)
+    let attn = base.microbatches as f64 * job.model.layers as f64 * passes * (2.0 * seq * q * n)
         / attn_rate;
     let gemm_part = base.time.compute_s - attn;
     assert!(
@@ -261,12 +258,72 @@ fn a_measured_section_round_trips_says_measured_and_bad_values_are_named() {
         .collect();
     assert_eq!(m.len(), 9);
     assert!(m.iter().all(|i| i.kind == SourceKind::Measured));
-    let g = prov.iter().find(|i| i.key == "gpu.gemm_efficiency").unwrap();
-    assert!(g.note.contains("unused: [gpu_measured] replaces it"), "{}", g.note);
+    let g = prov
+        .iter()
+        .find(|i| i.key == "gpu.gemm_efficiency")
+        .unwrap();
+    assert!(
+        g.note.contains("unused: [gpu_measured] replaces it"),
+        "{}",
+        g.note
+    );
     let mut bad = c.clone();
     bad.gpu_measured.as_mut().unwrap().gemm_bf16 = vec![[1e6, 1.0], [1e5, 1.0]];
     let e = Cluster::from_toml_str(&bad.to_toml(), "b.toml")
         .unwrap_err()
         .to_string();
-    assert!(e.contains("gpu_measured.gemm_bf16[1][0]") && e.contains("b.toml"), "{e}");
+    assert!(
+        e.contains("gpu_measured.gemm_bf16[1][0]") && e.contains("b.toml"),
+        "{e}"
+    );
+}
+
+/// The `europa-1t` slice: one rank's share of one layer at the write-up's shapes fits one
+/// H200 (141 GB) under its policy, and its experts see as many rows as a rank of the real job.
+#[test]
+fn the_europa_slice_fits_one_h200() {
+    let job = preset("europa-1t-slice").unwrap();
+    let full = preset("europa-1t").unwrap();
+    let (m, f) = (&job.model, &full.model);
+    assert_eq!(
+        (
+            m.hidden,
+            m.heads,
+            m.kv_heads,
+            m.head_dim,
+            m.expert_hidden,
+            m.top_k
+        ),
+        (
+            f.hidden,
+            f.heads,
+            f.kv_heads,
+            f.head_dim,
+            f.expert_hidden,
+            f.top_k
+        )
+    );
+    // ep 4 leaves 384 / 4 = 96 experts on a rank.
+    assert_eq!(m.experts, f.experts / full.parallelism.ep);
+    assert_eq!(
+        (m.layers, m.seq_len, job.training.batch_size),
+        (1, 65536, 1)
+    );
+    let c = Cluster::preset("dgx-h200").unwrap();
+    let mut l = Layout::from_job(&job, &c);
+    l.nodes = 1;
+    l.gpus_per_node = 1;
+    let p = plan(
+        &job,
+        &c,
+        &l,
+        &MemoryPolicy::from_job(&job),
+        &OptimizerSetup::from_job(&job),
+    )
+    .unwrap();
+    assert!(p.fits, "{}", p.verdict);
+    assert!(p.memory.gpu_total < 141e9, "{}", p.memory.gpu_total);
+    // The boundary goes to host memory: 65,536 x 6,144 bf16 = 768 MiB.
+    assert_eq!(p.memory.offloaded_layers, 1);
+    assert_eq!(p.memory.host.boundary_activations, 65536.0 * 6144.0 * 2.0);
 }
