@@ -327,3 +327,63 @@ fn the_europa_slice_fits_one_h200() {
     assert_eq!(p.memory.offloaded_layers, 1);
     assert_eq!(p.memory.host.boundary_activations, 65536.0 * 6144.0 * 2.0);
 }
+
+/// On ganymede's own trainer (`device.kind` = `cpu-two-memory`, one rank), the cluster
+/// planner's activation categories add up to the ledger's `activations` the CPU ledger
+/// prediction gives (held to measured ledgers by crates/ganymede/tests/fit_check.rs), for a
+/// `medium`-like layer at a small size, under both checkpointing modes and bf16 and f32
+/// compute; the write-up's bf16 model (device.kind = "cpu") reads less.
+#[test]
+fn the_cluster_planners_activations_are_the_trainers_ledger() {
+    for (ac, bf16) in [
+        (ganymede_config::AcMode::None, true),
+        (ganymede_config::AcMode::Full, true),
+        (ganymede_config::AcMode::Full, false),
+    ] {
+        let mut job = preset("medium").unwrap();
+        job.model.hidden = 128;
+        job.model.layers = 3;
+        job.model.heads = 4;
+        job.model.kv_heads = 2;
+        job.model.head_dim = 32;
+        job.model.experts = 16;
+        job.model.expert_hidden = 64;
+        job.model.vocab_size = 512;
+        job.model.seq_len = 128;
+        job.training.batch_size = 2;
+        job.training.loss_chunk_tokens = 0;
+        job.activation_checkpoint.mode = ac;
+        job.training.compute_dtype = if bf16 {
+            ganymede_config::ComputeDtype::Bf16
+        } else {
+            ganymede_config::ComputeDtype::F32
+        };
+        let ledger = crate::predict_cpu_ledger(&job, 1).activations;
+        let c = Cluster::preset("local").unwrap();
+        let acts = |job: &ganymede_config::JobConfig| {
+            let mut l = Layout::from_job(job, &c);
+            l.gpus_per_node = 1;
+            l.dp_shard = 1;
+            l.ep = 1;
+            let p = plan(
+                job,
+                &c,
+                &l,
+                &MemoryPolicy::from_job(job),
+                &OptimizerSetup::from_job(job),
+            )
+            .unwrap();
+            let g = &p.memory.gpu;
+            g.boundary_activations + g.layer_activations + g.dispatch_buffers + g.logits
+        };
+        let mut own = job.clone();
+        own.device.kind = ganymede_config::DeviceKind::CpuTwoMemory;
+        let got = acts(&own);
+        assert!(
+            (got / ledger - 1.0).abs() < 0.02,
+            "{ac:?} bf16 {bf16}: planner {got} vs ledger {ledger}"
+        );
+        let writeup = acts(&job);
+        assert!(writeup < 0.9 * ledger, "{writeup} vs {ledger}");
+    }
+}
