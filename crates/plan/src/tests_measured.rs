@@ -326,6 +326,18 @@ fn the_europa_slice_fits_one_h200() {
     // The boundary goes to host memory: 65,536 x 6,144 bf16 = 768 MiB.
     assert_eq!(p.memory.offloaded_layers, 1);
     assert_eq!(p.memory.host.boundary_activations, 65536.0 * 6144.0 * 2.0);
+    // On the trainer's own terms (device.kind = cuda) it still fits.
+    let mut cuda = job.clone();
+    cuda.device.kind = ganymede_config::DeviceKind::Cuda;
+    let p = plan(
+        &cuda,
+        &c,
+        &l,
+        &MemoryPolicy::from_job(&cuda),
+        &OptimizerSetup::from_job(&cuda),
+    )
+    .unwrap();
+    assert!(p.fits, "{}", p.verdict);
 }
 
 /// On ganymede's own trainer (`device.kind` = `cpu-two-memory`, one rank), the cluster
