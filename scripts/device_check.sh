@@ -3,7 +3,8 @@
 # libraries of a Python venv's NVIDIA wheels, in under 8 minutes, and leave markdown in OUTDIR:
 # report.md (the binary's sections: smoke test, GEMM parity, GB/s, TFLOP/s), train.md
 # (scripts/device_train_check.sh: 50-step losses against the CPU, offload peaks against the
-# planner, medium's tokens/s and MFU beside PyTorch's) and environment.md (GPU, libraries used,
+# planner, medium's tokens/s and MFU beside PyTorch's), plan.md (scripts/device_plan_check.sh:
+# the planner fed a measured cluster file against medium and the europa-1t slice) and environment.md (GPU, libraries used,
 # exit statuses and last lines).
 # Usage: scripts/device_check.sh OUTDIR   (GANYMEDE_BIN overrides target/dist/ganymede)
 set -uo pipefail
@@ -92,12 +93,21 @@ deadline=$((start + 465))
 GANYMEDE_CHECK_DEADLINE=$deadline GANYMEDE_BIN=$bin GANYMEDE_PYTHON=$py \
     timeout $((left + 10)) "$root/scripts/device_train_check.sh" "$out" >"$out/train-check.log" 2>&1
 trc=$?
+# 3. The planner against the device (issue 37): calibrate, plan and train medium and the
+#    europa-1t slice, predicted against measured in plan.md; about 3 minutes, outside the 465 s
+#    above. GANYMEDE_PLAN_CHECK=0 skips it.
+prc=skipped
+if [ "${GANYMEDE_PLAN_CHECK:-1}" = 1 ]; then
+    GANYMEDE_BIN=$bin GANYMEDE_PYTHON=$py timeout 420 "$root/scripts/device_plan_check.sh" "$out" >"$out/plan-check.log" 2>&1
+    prc=$?
+fi
 {
     echo
     echo "## Result"
     echo
     echo "- device-check exit status: $rc$([ $rc = 124 ] && echo ' (timed out)')"
     echo "- training check ($left s allowed, Python $py): exit $trc$([ $trc = 124 ] && echo ' (timed out)'); see train.md"
+    echo "- planner check: exit $prc; see plan.md"
     echo "- $(($(date +%s) - start)) s in all"
     echo
     echo '```'

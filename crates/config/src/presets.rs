@@ -2,7 +2,7 @@
 
 use crate::{ConfigError, JobConfig};
 
-pub const PRESETS: &[&str] = &["tiny", "small", "medium", "europa-1t"];
+pub const PRESETS: &[&str] = &["tiny", "small", "medium", "europa-1t", "europa-1t-slice"];
 
 const TINY: &str = r#"
 # About 0.45M parameters: byte vocabulary, the default for `ganymede train`.
@@ -114,6 +114,44 @@ dp_shard = 384
 ep = 4
 "#;
 
+const EUROPA_1T_SLICE: &str = r#"
+# One rank's share of one `europa-1t` decoder layer at the write-up's shapes, for one GPU
+# (issue 37): hidden 6144, europa-1t's 48 query / 16 KV heads of 128, the 96 of 384 experts
+# of 6144 x 1792 that one rank holds under ep = 4, top-8, one shared expert; one sequence of
+# 65,536 tokens. All 8 of each token's routed rows land on this rank's 96 experts, so the
+# experts see 65,536 x 8 rows, as many as a rank receives under the real job's balanced
+# expert parallelism. The router picks among 96 instead of 384 (0.6 M of the layer's 2.9 B
+# parameters). The vocabulary is small so that the embedding and head do not hide the layer.
+# bf16 compute, full checkpointing with the block boundary offloaded, optimizer state in host
+# memory: the write-up's policy.
+[model]
+vocab_size = 4096
+hidden = 6144
+layers = 1
+heads = 48
+kv_heads = 16
+head_dim = 128
+experts = 96
+top_k = 8
+expert_hidden = 1792
+shared_experts = 1
+shared_expert_hidden = 1792
+seq_len = 65536
+
+[training]
+batch_size = 1
+steps = 4
+compute_dtype = "bf16"
+loss_chunk_tokens = 4096
+
+[activation_checkpoint]
+mode = "full"
+offload_fraction = 1.0
+
+[optimizer]
+offload = true
+"#;
+
 /// The job config of a named preset.
 pub fn preset(name: &str) -> Result<JobConfig, ConfigError> {
     let text = match name {
@@ -121,6 +159,7 @@ pub fn preset(name: &str) -> Result<JobConfig, ConfigError> {
         "small" => SMALL,
         "medium" => MEDIUM,
         "europa-1t" => EUROPA_1T,
+        "europa-1t-slice" => EUROPA_1T_SLICE,
         other => return Err(ConfigError::UnknownPreset(other.to_string())),
     };
     JobConfig::from_toml_str(text, &format!("preset {name}"))

@@ -59,6 +59,15 @@ enum Command {
         /// Shorter timing batches (about a second in all; noisier).
         #[arg(long)]
         quick: bool,
+        /// Measure an accelerator through the backend seam instead (cpu, cpu-two-memory, or cuda
+        /// on a `--features cuda` binary): GEMMs by size and dtype, the grouped expert GEMM,
+        /// attention by sequence and head dim, Newton-Schulz per shape, element-wise, optimizer
+        /// and pinned copy rates, written as a [gpu_measured] section of --base.
+        #[arg(long, value_name = "KIND")]
+        device: Option<String>,
+        /// The cluster (preset or file) a --device calibration adds its section to.
+        #[arg(long, value_name = "CLUSTER", default_value = "dgx-h200")]
+        base: String,
     },
     /// Check the GPU (binaries built with `--features cuda`) and write OUT/report.md.
     ///
@@ -402,10 +411,17 @@ fn run(cmd: Command) -> Result<()> {
             out,
             quick,
             force,
+            device,
+            base,
         } => {
             ganymede_train::guard::check_output_file(&out, "--out", force)?;
-            let c = calibrate::run(threads, &out, quick)?;
-            print!("{}", calibrate::summary(&c, &out));
+            if let Some(kind) = device {
+                let c = calibrate::run_device(&kind, &base, &out, quick)?;
+                print!("{}", calibrate::device_summary(&c, &out));
+            } else {
+                let c = calibrate::run(threads, &out, quick)?;
+                print!("{}", calibrate::summary(&c, &out));
+            }
         }
         Command::DeviceCheck { out } => device_check(&out)?,
         Command::Report { run, trace, force } => {

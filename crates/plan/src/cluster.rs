@@ -4,6 +4,7 @@
 //! comes from. Bytes are bytes (not GiB) and rates are per second, per GPU, per direction.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 pub const CLUSTERS: &[&str] = &["jupiter", "dgx-h100", "dgx-h200", "local"];
@@ -220,6 +221,190 @@ impl CpuSpec {
     }
 }
 
+/// Rates of the accelerator measured through the backend seam (`ganymede calibrate --device
+/// cuda`, or the CPU backends at small sizes in tests). When a cluster has this section the GPU
+/// time model prices GEMMs by their size and dtype, attention by sequence and head dim,
+/// Newton–Schulz by matrix size, the element-wise updates and the host copies from it, instead
+/// of from `gpu.peak_flops` x efficiencies and `links.d2h/h2d_bytes_per_s`; without it nothing
+/// changes. Curves are `[FLOPs of one call, FLOP/s]`, ascending, interpolated in log(FLOPs)
+/// and flat beyond the ends (as [`CpuSpec::rate`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuMeasured {
+    /// The device measured (the backend's name and the GPU's).
+    pub device: String,
+    /// GEMMs with bf16 operands (f32 accumulate), by FLOPs per call.
+    pub gemm_bf16: Vec<[f64; 2]>,
+    /// GEMMs with f32 operands.
+    pub gemm_f32: Vec<[f64; 2]>,
+    /// The routed experts' grouped GEMM (`NnOps::gemm_grouped`, f32 operands as the seam takes
+    /// them) over uneven token counts per expert, by FLOPs of the whole call. Empty: the
+    /// experts are priced as one GEMM of their per-expert size.
+    #[serde(default)]
+    pub gemm_grouped: Vec<[f64; 2]>,
+    /// The fused causal attention kernel: `[sequence, head_dim, forward FLOP/s, backward
+    /// FLOP/s]`, FLOPs counted as the planner counts them (forward 2·s²·head_dim per head and
+    /// sequence, backward 2.5x that). Empty: attention at `gpu.attention_efficiency`.
+    #[serde(default)]
+    pub attention: Vec<[f64; 4]>,
+    /// Newton–Schulz of one matrix: `[rows, cols, steps, seconds with bf16 products, seconds
+    /// with f32 products]`. Empty: Newton–Schulz at the GEMM rates.
+    #[serde(default)]
+    pub newton_schulz: Vec<[f64; 5]>,
+    /// Streaming element-wise rate (SwiGLU), bytes read + written per second.
+    pub elementwise_bytes_per_s: f64,
+    /// The optimizer's element-wise update (AdamW over state in device memory), bytes/s.
+    pub optimizer_bytes_per_s: f64,
+    /// Asynchronous copies between device and pinned host memory, bytes/s; 0: not measured
+    /// (`links.d2h_bytes_per_s` / `h2d_bytes_per_s` stand).
+    #[serde(default)]
+    pub d2h_bytes_per_s: f64,
+    #[serde(default)]
+    pub h2d_bytes_per_s: f64,
+    /// When, on what, and how long the calibration took.
+    #[serde(default)]
+    pub calibrated: String,
+}
+
+impl GpuMeasured {
+    /// GEMM rate of a call of `flops` FLOPs with bf16 or f32 operands.
+    pub fn gemm_rate(&self, flops: f64, bf16: bool) -> f64 {
+        CpuSpec::rate(
+            if bf16 {
+                &self.gemm_bf16
+            } else {
+                &self.gemm_f32
+            },
+            flops,
+        )
+    }
+
+    /// The grouped expert GEMM's rate for a call of `flops` in all; `None` when not measured.
+    pub fn grouped_rate(&self, flops: f64) -> Option<f64> {
+        (!self.gemm_grouped.is_empty()).then(|| CpuSpec::rate(&self.gemm_grouped, flops))
+    }
+
+    /// Attention's rate at `seq` and `head_dim`: the measured head dim nearest `head_dim`, and
+    /// along its points log-linear in the sequence, flat beyond the ends. `None` when not
+    /// measured.
+    pub fn attention_rate(&self, seq: f64, head_dim: f64, backward: bool) -> Option<f64> {
+        let near = self
+            .attention
+            .iter()
+            .map(|p| p[1])
+            .min_by(|a, b| (a - head_dim).abs().total_cmp(&(b - head_dim).abs()))?;
+        let j = if backward { 3 } else { 2 };
+        let curve: Vec<[f64; 2]> = self
+            .attention
+            .iter()
+            .filter(|p| p[1] == near)
+            .map(|p| [p[0], p[j]])
+            .collect();
+        Some(CpuSpec::rate(&curve, seq))
+    }
+
+    /// Seconds of Newton–Schulz on one `rows x cols` matrix for `steps` steps: the measured
+    /// rate (GEMM-equivalent FLOPs per second) of the measured shape nearest in size,
+    /// interpolated in log(FLOPs) over the measured shapes. `None` when not measured.
+    pub fn newton_schulz_s(
+        &self,
+        rows: usize,
+        cols: usize,
+        steps: usize,
+        bf16: bool,
+    ) -> Option<f64> {
+        if self.newton_schulz.is_empty() {
+            return None;
+        }
+        let j = if bf16 { 3 } else { 4 };
+        let mut curve: Vec<[f64; 2]> = self
+            .newton_schulz
+            .iter()
+            .map(|p| {
+                let f = crate::plan::ns_flops(p[0] as u64, p[1] as u64, p[2] as usize);
+                [f, f / p[j]]
+            })
+            .collect();
+        curve.sort_by(|a, b| a[0].total_cmp(&b[0]));
+        curve.dedup_by(|a, b| a[0] == b[0]);
+        let f = crate::plan::ns_flops(rows as u64, cols as u64, steps);
+        Some(f / CpuSpec::rate(&curve, f))
+    }
+
+    fn validate(&self, bad: &dyn Fn(&str, f64, &str) -> ClusterError) -> Result<(), ClusterError> {
+        let check_curve = |key: &str, curve: &[[f64; 2]], required: bool| {
+            if required && curve.is_empty() {
+                return Err(bad(
+                    key,
+                    0.0,
+                    "needs at least one [flops, flop_per_s] point",
+                ));
+            }
+            for (i, p) in curve.iter().enumerate() {
+                for (j, v) in p.iter().enumerate() {
+                    if !(*v > 0.0 && v.is_finite()) {
+                        return Err(bad(
+                            &format!("{key}[{i}][{j}]"),
+                            *v,
+                            "must be a positive number",
+                        ));
+                    }
+                }
+                if i > 0 && p[0] <= curve[i - 1][0] {
+                    return Err(bad(&format!("{key}[{i}][0]"), p[0], "sizes must ascend"));
+                }
+            }
+            Ok(())
+        };
+        check_curve("gpu_measured.gemm_bf16", &self.gemm_bf16, true)?;
+        check_curve("gpu_measured.gemm_f32", &self.gemm_f32, true)?;
+        check_curve("gpu_measured.gemm_grouped", &self.gemm_grouped, false)?;
+        let rows = self
+            .attention
+            .iter()
+            .map(|p| ("gpu_measured.attention", &p[..]))
+            .chain(
+                self.newton_schulz
+                    .iter()
+                    .map(|p| ("gpu_measured.newton_schulz", &p[..])),
+            );
+        for (i, (key, p)) in rows.enumerate() {
+            for (j, v) in p.iter().enumerate() {
+                if !(*v > 0.0 && v.is_finite()) {
+                    return Err(bad(
+                        &format!("{key}[{i}][{j}]"),
+                        *v,
+                        "must be a positive number",
+                    ));
+                }
+            }
+        }
+        for (k, v) in [
+            (
+                "gpu_measured.elementwise_bytes_per_s",
+                self.elementwise_bytes_per_s,
+            ),
+            (
+                "gpu_measured.optimizer_bytes_per_s",
+                self.optimizer_bytes_per_s,
+            ),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be a positive number"));
+            }
+        }
+        for (k, v) in [
+            ("gpu_measured.d2h_bytes_per_s", self.d2h_bytes_per_s),
+            ("gpu_measured.h2d_bytes_per_s", self.h2d_bytes_per_s),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(bad(k, v, "must be >= 0 (0: not measured)"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A cluster: nodes of identical GPUs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -237,6 +422,73 @@ pub struct Cluster {
     /// files have it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu: Option<CpuSpec>,
+    /// The accelerator's rates, measured (`ganymede calibrate --device cuda`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_measured: Option<GpuMeasured>,
+    /// Where each numeric input of `nodes`, `gpus_per_node`, `[gpu]`, `[host]` and `[links]`
+    /// comes from, by dotted key: `"measured: …"` (and where), `"spec: …"` (a datasheet or the
+    /// write-up) or `"assumed: …"`. Calibrated sections (`[cpu]`) need no entries: their keys
+    /// are measured by construction. See [`Cluster::provenance`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, String>,
+}
+
+/// What kind of number a cluster input is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Measured (the note says where and on what).
+    Measured,
+    /// From a datasheet or the write-up.
+    Spec,
+    /// A guess the planner's output leans on.
+    Assumed,
+    /// The cluster file does not say.
+    Unknown,
+}
+
+impl SourceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceKind::Measured => "measured",
+            SourceKind::Spec => "spec",
+            SourceKind::Assumed => "assumed",
+            SourceKind::Unknown => "unknown",
+        }
+    }
+}
+
+/// One numeric input of a cluster and where it comes from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct InputSource {
+    /// Dotted key, e.g. `gpu.gemm_efficiency`.
+    pub key: String,
+    /// The value as written (a curve is summarised by its point count).
+    pub value: String,
+    pub kind: SourceKind,
+    /// Where or why, without the kind's prefix.
+    pub note: String,
+}
+
+/// Split `"measured: on an H200"` into its kind and note (a bare `"assumed"` has none).
+fn parse_source(text: &str) -> Option<(SourceKind, String)> {
+    let (head, note) = text.split_once(':').unwrap_or((text, ""));
+    let kind = match head.trim() {
+        "measured" => SourceKind::Measured,
+        "spec" => SourceKind::Spec,
+        "assumed" => SourceKind::Assumed,
+        _ => return None,
+    };
+    Some((kind, note.trim().to_string()))
+}
+
+/// Short form of a number for the provenance table: 989e12 → 9.89e14, 0.8 → 0.8.
+fn short(v: f64) -> String {
+    if v != 0.0 && (v.abs() >= 1e5 || v.abs() < 1e-3) {
+        format!("{v:.3e}")
+    } else {
+        format!("{}", (v * 1e4).round() / 1e4)
+    }
 }
 
 /// A cluster file or preset that cannot be used, naming the file and key.
@@ -294,6 +546,29 @@ ib_efficiency = 0.9                # assumption
 d2h_bytes_per_s = 170e9            # measured publicly on GH200
 h2d_bytes_per_s = 415e9            # measured publicly on GH200
 collective_latency_s = 1e-4        # 100 us per collective across ~100 nodes (assumption)
+
+[sources]
+"nodes" = "spec: the write-up's job, 96 nodes (384 GPUs)"
+"gpus_per_node" = "spec: 4 GH200 per JUPITER Booster node"
+"gpu.memory_bytes" = "assumed: the 96 GB part as the driver would report it, not measured here"
+"gpu.reserved_bytes" = "assumed: CUDA context and NCCL buffers"
+"gpu.peak_flops" = "spec: dense bf16, H100/GH200 datasheet"
+"gpu.peak_f32_flops" = "spec: f32 without tensor cores, H100 SXM datasheet (same SM)"
+"gpu.gemm_efficiency" = "measured: large bf16 GEMM on an H200 in this workplace, 790 of 989 TFLOP/s (same SM)"
+"gpu.attention_efficiency" = "assumed: published flash-attention range on H100"
+"gpu.memory_bytes_per_s" = "spec: HBM3 4 TB/s"
+"host.usable_bytes_per_gpu" = "spec: the write-up's 108 GiB of 120 GB LPDDR5X per Grace"
+"host.cores_per_gpu" = "spec: 72 Grace cores per GPU"
+"host.peak_f32_flops_per_gpu" = "spec: 72 Neoverse V2 cores x 3.0 GHz x 32 f32 FLOP/cycle"
+"host.gemm_efficiency" = "assumed: one Zen 3 core reaches 0.7 on 1024^3 on the CPU machine"
+"host.memory_bytes_per_s" = "assumed: 60% of ~500 GB/s LPDDR5X"
+"links.nvlink_bytes_per_s" = "spec: 3 peer links x 150 GB/s per direction"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "spec: one InfiniBand NDR200 adapter per GPU"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "measured: published GH200 measurement (NVLink-C2C), not in this workplace"
+"links.h2d_bytes_per_s" = "measured: published GH200 measurement (NVLink-C2C), not in this workplace"
+"links.collective_latency_s" = "assumed: 100 us per collective across ~100 nodes"
 "#;
 
 const DGX_H100: &str = r#"
@@ -327,6 +602,29 @@ ib_efficiency = 0.9
 d2h_bytes_per_s = 50e9             # PCIe Gen5 x16, achieved (assumption)
 h2d_bytes_per_s = 50e9
 collective_latency_s = 1e-4
+
+[sources]
+"nodes" = "assumed: one node unless the layout says"
+"gpus_per_node" = "spec: 8 GPUs per DGX"
+"gpu.memory_bytes" = "spec: the 80 GB part as the driver reports it"
+"gpu.reserved_bytes" = "assumed: CUDA context and NCCL buffers"
+"gpu.peak_flops" = "spec: dense bf16, H100 SXM datasheet"
+"gpu.peak_f32_flops" = "spec: f32 without tensor cores, H100 SXM datasheet"
+"gpu.gemm_efficiency" = "measured: large bf16 GEMM on an H200 in this workplace, 790 of 989 TFLOP/s (same SM)"
+"gpu.attention_efficiency" = "assumed: published flash-attention range on H100"
+"gpu.memory_bytes_per_s" = "spec: HBM3 3.35 TB/s"
+"host.usable_bytes_per_gpu" = "assumed: 200 GiB of the node's 2 TB per GPU"
+"host.cores_per_gpu" = "spec: 2 x 56 Xeon cores / 8"
+"host.peak_f32_flops_per_gpu" = "spec: 14 cores x 2.0 GHz x 64 f32 FLOP/cycle (AVX-512)"
+"host.gemm_efficiency" = "assumed"
+"host.memory_bytes_per_s" = "assumed: a GPU's share of the node's DDR5"
+"links.nvlink_bytes_per_s" = "spec: NVLink 4 through NVSwitch, 450 GB/s per direction"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "spec: one 400 Gb/s InfiniBand adapter per GPU"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.h2d_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.collective_latency_s" = "assumed"
 "#;
 
 const DGX_H200: &str = r#"
@@ -360,6 +658,29 @@ ib_efficiency = 0.9
 d2h_bytes_per_s = 50e9
 h2d_bytes_per_s = 50e9
 collective_latency_s = 1e-4
+
+[sources]
+"nodes" = "assumed: one node unless the layout says"
+"gpus_per_node" = "spec: 8 GPUs per DGX"
+"gpu.memory_bytes" = "spec: the 141 GB part as the driver reports it"
+"gpu.reserved_bytes" = "assumed: CUDA context and NCCL buffers"
+"gpu.peak_flops" = "spec: dense bf16, H200 SXM datasheet (the H100's SM)"
+"gpu.peak_f32_flops" = "spec: f32 without tensor cores, H100 SXM datasheet (same SM)"
+"gpu.gemm_efficiency" = "measured: large bf16 GEMM on an H200 in this workplace, 790 of 989 TFLOP/s"
+"gpu.attention_efficiency" = "assumed: published flash-attention range on H100"
+"gpu.memory_bytes_per_s" = "measured: device-to-device copy on an H200 in this workplace"
+"host.usable_bytes_per_gpu" = "assumed: 200 GiB of the node's 2 TB per GPU"
+"host.cores_per_gpu" = "spec: 2 x 56 Xeon cores / 8"
+"host.peak_f32_flops_per_gpu" = "spec: 14 cores x 2.0 GHz x 64 f32 FLOP/cycle (AVX-512)"
+"host.gemm_efficiency" = "assumed"
+"host.memory_bytes_per_s" = "assumed: a GPU's share of the node's DDR5"
+"links.nvlink_bytes_per_s" = "spec: NVLink 4 through NVSwitch, 450 GB/s per direction"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "spec: one 400 Gb/s InfiniBand adapter per GPU"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.h2d_bytes_per_s" = "assumed: PCIe Gen5 x16, achieved"
+"links.collective_latency_s" = "assumed"
 "#;
 
 const LOCAL: &str = r#"
@@ -406,6 +727,28 @@ optimizer_bytes_per_s = 3.07e+10
 op_overhead_s = 9.39e-09
 sync_s = 2.71e-05
 calibrated = "2026-12-01 08:12:52 UTC, 2 threads on 2 cores, load average 4.05 5.51 5.33 before / 4.05 5.51 5.33 after, 4.1 s (`ganymede calibrate`, this machine under other engineers' builds)"
+
+[sources]
+"nodes" = "spec: this one machine"
+"gpus_per_node" = "assumed: up to 8 ranks as threads of one process"
+"gpu.memory_bytes" = "spec: this machine's 24 GiB"
+"gpu.reserved_bytes" = "assumed: the OS and the process"
+"gpu.peak_flops" = "spec: 2 cores x 3.0 GHz x 32 f32 FLOP/cycle (AVX2 FMA)"
+"gpu.gemm_efficiency" = "measured: 68 GFLOP/s f32 GEMM 1024^3 on one core of this machine"
+"gpu.attention_efficiency" = "assumed"
+"gpu.memory_bytes_per_s" = "assumed"
+"host.usable_bytes_per_gpu" = "spec: host and device are one pool, counted on the device"
+"host.cores_per_gpu" = "spec: this machine's 2 cores"
+"host.peak_f32_flops_per_gpu" = "spec: 2 cores x 3.0 GHz x 32 f32 FLOP/cycle (AVX2 FMA)"
+"host.gemm_efficiency" = "measured: 68 GFLOP/s f32 GEMM 1024^3 on one core of this machine"
+"host.memory_bytes_per_s" = "assumed"
+"links.nvlink_bytes_per_s" = "assumed: ranks as threads copy through memory"
+"links.nvlink_efficiency" = "assumed"
+"links.ib_bytes_per_s" = "assumed: no network; unused by one node"
+"links.ib_efficiency" = "assumed"
+"links.d2h_bytes_per_s" = "assumed: a memory copy"
+"links.h2d_bytes_per_s" = "assumed: a memory copy"
+"links.collective_latency_s" = "assumed: [cpu].sync_s replaces it when present"
 "#;
 
 impl Cluster {
@@ -518,12 +861,166 @@ impl Cluster {
         if let Some(cpu) = &self.cpu {
             cpu.validate(&bad)?;
         }
+        if let Some(g) = &self.gpu_measured {
+            g.validate(&bad)?;
+        }
+        self.validate_sources(origin)?;
         if self.gpu.reserved_bytes >= self.gpu.memory_bytes {
             return Err(bad(
                 "gpu.reserved_bytes",
                 self.gpu.reserved_bytes,
                 "must be below gpu.memory_bytes",
             ));
+        }
+        Ok(())
+    }
+
+    /// Every numeric input of the hand-written sections, by dotted key, in file order: what
+    /// [`Cluster::sources`] must cover.
+    pub fn numeric_inputs(&self) -> Vec<(&'static str, f64)> {
+        let (g, h, l) = (&self.gpu, &self.host, &self.links);
+        let mut v = vec![
+            ("nodes", self.nodes as f64),
+            ("gpus_per_node", self.gpus_per_node as f64),
+            ("gpu.memory_bytes", g.memory_bytes),
+            ("gpu.reserved_bytes", g.reserved_bytes),
+            ("gpu.peak_flops", g.peak_flops),
+        ];
+        if let Some(f) = g.peak_f32_flops {
+            v.push(("gpu.peak_f32_flops", f));
+        }
+        v.extend([
+            ("gpu.gemm_efficiency", g.gemm_efficiency),
+            ("gpu.attention_efficiency", g.attention_efficiency),
+            ("gpu.memory_bytes_per_s", g.memory_bytes_per_s),
+            ("host.usable_bytes_per_gpu", h.usable_bytes_per_gpu),
+            ("host.cores_per_gpu", h.cores_per_gpu),
+            ("host.peak_f32_flops_per_gpu", h.peak_f32_flops_per_gpu),
+            ("host.gemm_efficiency", h.gemm_efficiency),
+            ("host.memory_bytes_per_s", h.memory_bytes_per_s),
+            ("links.nvlink_bytes_per_s", l.nvlink_bytes_per_s),
+            ("links.nvlink_efficiency", l.nvlink_efficiency),
+            ("links.ib_bytes_per_s", l.ib_bytes_per_s),
+            ("links.ib_efficiency", l.ib_efficiency),
+            ("links.d2h_bytes_per_s", l.d2h_bytes_per_s),
+            ("links.h2d_bytes_per_s", l.h2d_bytes_per_s),
+            ("links.collective_latency_s", l.collective_latency_s),
+        ]);
+        v
+    }
+
+    /// Where every input comes from: the hand-written keys from [`Cluster::sources`] (unknown
+    /// where it is silent), then each key of a calibrated section as measured, with when and
+    /// on what it was calibrated.
+    pub fn provenance(&self) -> Vec<InputSource> {
+        let mut out: Vec<InputSource> = self
+            .numeric_inputs()
+            .into_iter()
+            .map(|(key, v)| {
+                let (kind, note) = self
+                    .sources
+                    .get(key)
+                    .and_then(|s| parse_source(s))
+                    .unwrap_or((SourceKind::Unknown, "no source given".into()));
+                InputSource {
+                    key: key.into(),
+                    value: short(v),
+                    kind,
+                    note,
+                }
+            })
+            .collect();
+        if let Some(c) = &self.cpu {
+            let points = |n: usize| format!("{n} points");
+            let rows = [
+                ("cpu.cores", short(c.cores)),
+                ("cpu.threads", c.threads.to_string()),
+                ("cpu.gemm", points(c.gemm.len())),
+                ("cpu.gemm_one_thread", points(c.gemm_one_thread.len())),
+                ("cpu.attention", points(c.attention.len())),
+                (
+                    "cpu.elementwise_bytes_per_s",
+                    short(c.elementwise_bytes_per_s),
+                ),
+                ("cpu.optimizer_bytes_per_s", short(c.optimizer_bytes_per_s)),
+                ("cpu.op_overhead_s", short(c.op_overhead_s)),
+                ("cpu.sync_s", short(c.sync_s)),
+            ];
+            let note = format!("`ganymede calibrate` on the CPU backend, {}", c.calibrated);
+            out.extend(rows.into_iter().map(|(key, value)| InputSource {
+                key: key.into(),
+                value,
+                kind: SourceKind::Measured,
+                note: note.clone(),
+            }));
+        }
+        if let Some(g) = &self.gpu_measured {
+            let points = |n: usize| format!("{n} points");
+            let mut rows = vec![
+                ("gpu_measured.gemm_bf16", points(g.gemm_bf16.len())),
+                ("gpu_measured.gemm_f32", points(g.gemm_f32.len())),
+                ("gpu_measured.gemm_grouped", points(g.gemm_grouped.len())),
+                ("gpu_measured.attention", points(g.attention.len())),
+                ("gpu_measured.newton_schulz", points(g.newton_schulz.len())),
+                (
+                    "gpu_measured.elementwise_bytes_per_s",
+                    short(g.elementwise_bytes_per_s),
+                ),
+                (
+                    "gpu_measured.optimizer_bytes_per_s",
+                    short(g.optimizer_bytes_per_s),
+                ),
+            ];
+            if g.d2h_bytes_per_s > 0.0 {
+                rows.push(("gpu_measured.d2h_bytes_per_s", short(g.d2h_bytes_per_s)));
+            }
+            if g.h2d_bytes_per_s > 0.0 {
+                rows.push(("gpu_measured.h2d_bytes_per_s", short(g.h2d_bytes_per_s)));
+            }
+            let note = format!("`ganymede calibrate` on {}, {}", g.device, g.calibrated);
+            out.extend(rows.into_iter().map(|(key, value)| InputSource {
+                key: key.into(),
+                value,
+                kind: SourceKind::Measured,
+                note: note.clone(),
+            }));
+            // The hand-written keys the measured section replaces in the time model.
+            let replaced: &[(&str, bool)] = &[
+                ("gpu.gemm_efficiency", true),
+                ("gpu.attention_efficiency", !g.attention.is_empty()),
+                ("gpu.memory_bytes_per_s", true),
+                ("links.d2h_bytes_per_s", g.d2h_bytes_per_s > 0.0),
+                ("links.h2d_bytes_per_s", g.h2d_bytes_per_s > 0.0),
+            ];
+            for i in &mut out {
+                if replaced.iter().any(|(k, on)| *on && i.key == *k) {
+                    i.note = format!("{} (unused: [gpu_measured] replaces it)", i.note);
+                }
+            }
+        }
+        out
+    }
+
+    fn validate_sources(&self, origin: &str) -> Result<(), ClusterError> {
+        let known: Vec<&str> = self.numeric_inputs().iter().map(|(k, _)| *k).collect();
+        for (key, text) in &self.sources {
+            let bad = |reason: String| ClusterError::Invalid {
+                origin: origin.to_string(),
+                key: format!("sources.\"{key}\""),
+                value: format!("{text:?}"),
+                reason,
+            };
+            if !known.contains(&key.as_str()) {
+                return Err(bad(format!(
+                    "names no numeric input of this cluster (known: {})",
+                    known.join(", ")
+                )));
+            }
+            if parse_source(text).is_none() {
+                return Err(bad(
+                    "must start with \"measured:\", \"spec:\" or \"assumed:\"".into(),
+                ));
+            }
         }
         Ok(())
     }

@@ -29,7 +29,7 @@ pub mod render;
 mod sweep;
 
 pub use cli::{run, run_cli, PlanArgs};
-pub use cluster::{Cluster, ClusterError, CpuSpec, CLUSTERS};
+pub use cluster::{Cluster, ClusterError, CpuSpec, GpuMeasured, InputSource, SourceKind, CLUSTERS};
 pub use fit::{fit_check, predict_memory, FitCheck, MemoryPrediction};
 pub use ledger::{predict_cpu_ledger, CpuLedger};
 pub use params::{count as count_params, ParamCounts};
@@ -41,3 +41,5 @@ pub use sweep::{sweep, SweepEntry, SweepSpace};
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_measured;

@@ -408,6 +408,10 @@ pub struct StepTime {
     /// sets every figure above that it covers).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu: Option<crate::cpu_time::CpuTime>,
+    /// The device whose measured rates (`[gpu_measured]`) priced the step, when the cluster has
+    /// them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -456,6 +460,8 @@ pub struct Plan {
     pub verdict: String,
     /// When the layout does not fit: the smallest change of policy that makes it fit.
     pub fit_fix: Option<FitFix>,
+    /// The cluster's inputs and where each comes from (measured, spec, assumed).
+    pub inputs: Vec<crate::cluster::InputSource>,
 }
 
 /// A change of memory policy that makes a layout fit, as `ganymede plan` flags.

@@ -62,7 +62,64 @@ pub fn table(p: &Plan) -> String {
     memory(&mut s, p);
     communication(&mut s, p);
     step_time(&mut s, p);
+    inputs(&mut s, p);
     s
+}
+
+/// Where the cluster's inputs come from: each measured one with where, the others by key.
+fn inputs(s: &mut String, p: &Plan) {
+    use crate::cluster::SourceKind;
+    let of = |k: SourceKind| p.inputs.iter().filter(move |i| i.kind == k);
+    let n = |k: SourceKind| of(k).count();
+    let _ = writeln!(
+        s,
+        "\nInputs of cluster {}: {} measured, {} from specifications, {} assumed{}",
+        p.cluster,
+        n(SourceKind::Measured),
+        n(SourceKind::Spec),
+        n(SourceKind::Assumed),
+        match n(SourceKind::Unknown) {
+            0 => String::new(),
+            u => format!(", {u} without a source"),
+        }
+    );
+    // A calibrated section's keys share one note: print it once.
+    let mut last_note = "";
+    for i in of(SourceKind::Measured) {
+        let note = if i.note == last_note {
+            "(same)"
+        } else {
+            &i.note
+        };
+        row(
+            s,
+            &format!("measured {}", i.key),
+            format!("{}: {note}", i.value),
+        );
+        last_note = &i.note;
+    }
+    for k in [SourceKind::Spec, SourceKind::Assumed, SourceKind::Unknown] {
+        let keys: Vec<&str> = of(k).map(|i| i.key.as_str()).collect();
+        if keys.is_empty() {
+            continue;
+        }
+        // Wrapped at about 100 columns under the value column.
+        let mut lines = vec![String::new()];
+        for key in keys {
+            let l = lines.last_mut().expect("one line");
+            if !l.is_empty() && l.len() + key.len() > 62 {
+                lines.push(String::new());
+            }
+            let l = lines.last_mut().expect("one line");
+            if !l.is_empty() {
+                l.push_str(", ");
+            }
+            l.push_str(key);
+        }
+        for (j, l) in lines.into_iter().enumerate() {
+            row(s, if j == 0 { k.name() } else { "" }, l);
+        }
+    }
 }
 
 /// One `key value` row of a section.
@@ -310,6 +367,9 @@ fn communication(s: &mut String, p: &Plan) {
 fn step_time(s: &mut String, p: &Plan) {
     let t = &p.time;
     let _ = writeln!(s, "\nStep time");
+    if let Some(dev) = &t.measured {
+        row(s, "rates", format!("measured on {dev} ([gpu_measured])"));
+    }
     row(s, "compute alone", secs(t.compute_s));
     row(s, "expert all-to-all (not hidden)", secs(t.all_to_all_s));
     row(s, "FSDP traffic alone", secs(t.fsdp_comm_s));

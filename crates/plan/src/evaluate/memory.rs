@@ -5,7 +5,7 @@ use super::Dims;
 use crate::cluster::Cluster;
 use crate::params::Handler;
 use crate::plan::{Memory, MemoryCategories, MemoryPolicy, NsOn, OptimizerSetup};
-use ganymede_config::AcMode;
+use ganymede_config::{AcMode, DeviceKind, JobConfig};
 
 pub(super) struct MemoryModel {
     pub memory: Memory,
@@ -14,7 +14,23 @@ pub(super) struct MemoryModel {
     pub adamw_state: f64,
 }
 
+/// ganymede's own trainer on a device (`device.kind` = `cuda` or `cpu-two-memory`): the
+/// activation workspace its ledger measures, [`crate::ledger::ActivationTerms`] at one rank's
+/// micro-batch. The bf16 model below is the write-up's (a PyTorch model saving bf16 tensors);
+/// the trainer keeps most of a layer's set in f32 and a gradient scratch besides, which is why
+/// that model read 13.5 GiB for `medium` where the H200's ledger read 17.8 (issue 37).
+fn trainer_terms(job: &JobConfig, d: &Dims) -> Option<crate::ledger::ActivationTerms> {
+    if !matches!(job.device.kind, DeviceKind::Cuda | DeviceKind::CpuTwoMemory) {
+        return None;
+    }
+    let mut one = job.clone();
+    one.model.seq_len = d.seq as usize;
+    one.training.batch_size = (d.n_tok / d.seq).round().max(1.0) as usize;
+    Some(crate::ledger::predict_cpu_ledger(&one, 1).activation_terms)
+}
+
 pub(super) fn memory(
+    job: &JobConfig,
     d: &Dims,
     cluster: &Cluster,
     policy: &MemoryPolicy,
@@ -85,6 +101,7 @@ pub(super) fn memory(
         0.0
     };
 
+    let trainer = trainer_terms(job, d);
     let memory_for = |offload_fraction: f64| -> (MemoryCategories, MemoryCategories, usize) {
         let mut g = MemoryCategories::default();
         let mut hst = MemoryCategories::default();
@@ -114,6 +131,18 @@ pub(super) fn memory(
         }
         g.dispatch_buffers = dispatch;
         g.logits = logits;
+        if let Some(t) = &trainer {
+            // The ledger's terms: every boundary (less those offloaded) with its f32 working
+            // copy, one layer set (every layer's under `none`) and the gradient scratch, the
+            // head's logits and rows; the dispatched rows are inside the layer set, so only
+            // expert parallelism's exchange buffers stay.
+            g.boundary_activations = t.boundaries - hst.boundary_activations;
+            g.layer_activations = t.layer_sets + t.grad_scratch;
+            g.logits = t.head;
+            if d.ep <= 1 {
+                g.dispatch_buffers = 0.0;
+            }
+        }
         if !policy.unshard_async_op {
             g.allocator_slack = gb * local_layer * (1 + policy.prefetch) as f64;
         }

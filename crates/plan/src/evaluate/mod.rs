@@ -102,7 +102,7 @@ pub(crate) fn evaluate(
 ) -> Plan {
     let d = Dims::new(job, layout, policy, opt);
     let flops = flops::flops(&d, policy, layout.tokens_per_step());
-    let mem = memory::memory(&d, cluster, policy, opt);
+    let mem = memory::memory(job, &d, cluster, policy, opt);
     let mut traffic = comm::traffic(&d, layout, policy, opt, mem.memory.offloaded_layers);
     let offloaded = mem.memory.offloaded_layers;
     let time = time::step_time(
@@ -169,6 +169,7 @@ pub(crate) fn evaluate(
         memory,
         verdict,
         fit_fix: None,
+        inputs: cluster.provenance(),
         params: d.p,
     }
 }

@@ -1,32 +1,44 @@
 //! The step's time: each layer a pipeline stage over compute, the link and the host copies;
 //! the LM head; the optimizer (Newton–Schulz, its traffic, the element-wise update); HSDP's
 //! all-reduce. A cluster with a measured `[cpu]` section is priced by [`crate::cpu_time`]
-//! instead.
+//! instead; one with a measured `[gpu_measured]` section prices GEMMs by call size and dtype,
+//! attention by sequence and head dim, Newton–Schulz by matrix, the element-wise update and the
+//! host copies from it ([`Measured`]).
 
 use super::comm::Traffic;
 use super::flops::newton_schulz;
 use super::Dims;
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, GpuMeasured};
+use crate::params::Handler;
 use crate::plan::{Layout, MemoryPolicy, NsOn, OptimizerSetup, Placement, StepTime};
-use ganymede_config::{AcMode, JobConfig};
+use ganymede_config::{AcMode, ComputeDtype, JobConfig};
 
 /// The cluster's effective rates.
-struct Rates {
+struct Rates<'a> {
     gemm: f64,
     attn: f64,
     ib: f64,
     nv: f64,
     lat: f64,
+    /// The measured section and whether the model's GEMMs take bf16 operands.
+    measured: Option<(&'a GpuMeasured, bool)>,
 }
 
-impl Rates {
-    fn new(cluster: &Cluster) -> Self {
+impl<'a> Rates<'a> {
+    fn new(cluster: &'a Cluster, job: &JobConfig) -> Self {
+        let bf16 = job.training.compute_dtype == ComputeDtype::Bf16;
+        let measured = cluster.gpu_measured.as_ref().map(|g| (g, bf16));
         Rates {
-            gemm: cluster.gpu.peak_flops * cluster.gpu.gemm_efficiency,
+            // Measured: the largest call's rate, for what is not priced by size.
+            gemm: match measured {
+                Some((g, bf16)) => g.gemm_rate(f64::INFINITY, bf16),
+                None => cluster.gpu.peak_flops * cluster.gpu.gemm_efficiency,
+            },
             attn: cluster.gpu.peak_flops * cluster.gpu.attention_efficiency,
             ib: cluster.links.ib_bytes_per_s * cluster.links.ib_efficiency,
             nv: cluster.links.nvlink_bytes_per_s * cluster.links.nvlink_efficiency,
             lat: cluster.links.collective_latency_s,
+            measured,
         }
     }
     /// A collective's time: the slower of its two links, plus latency when it leaves the node.
@@ -60,12 +72,12 @@ fn passes(
     t: &Traffic,
     r: &Rates,
 ) -> Passes {
-    let (l, mf, n_tok, q_dim) = (d.l, d.mf, d.n_tok, d.q_dim);
+    let (l, mf, n_tok) = (d.l, d.mf, d.n_tok);
     // Per layer, per microbatch.
-    let fwd_layer_flops_mm = 2.0 * d.layer_matmul * n_tok;
-    let fwd_layer_flops_attn = 4.0 * d.span * q_dim * n_tok;
-    let c_fwd = fwd_layer_flops_mm / r.gemm + fwd_layer_flops_attn / r.attn;
-    let c_bwd = 2.0 * c_fwd
+    let lc = layer_compute(d, r);
+    let c_fwd = lc.matmul_s + lc.attn_fwd_s;
+    let c_bwd = 2.0 * lc.matmul_s
+        + lc.attn_bwd_s
         + match policy.ac {
             AcMode::Full => c_fwd,
             AcMode::None => 0.0,
@@ -124,8 +136,16 @@ fn passes(
             fill(bwd_compute, ag_t + rs_t),
         )
     };
-    // LM head + loss: 6·V·H per token (2 forward, 4 backward), no recompute.
-    let head_t = 6.0 * d.v * d.h * n_tok / r.gemm;
+    // LM head + loss: 6·V·H per token (2 forward, 4 backward), no recompute; measured, at
+    // the rate of one loss chunk's product.
+    let head_flops = 6.0 * d.v * d.h * n_tok;
+    let head_t = match r.measured {
+        Some((g, bf16)) => {
+            let chunk = (policy.loss_chunk_tokens as f64).min(n_tok).max(1.0);
+            head_flops / g.gemm_rate(2.0 * chunk * d.v * d.h, bf16)
+        }
+        None => head_flops / r.gemm,
+    };
     // Embedding and LM head: gathered for forward and again for backward, reduced once; nothing
     // computes while they travel.
     let ag_out_t = r.link_time(t.ag_outside.0, t.ag_outside.1);
@@ -147,6 +167,63 @@ fn passes(
             "communication"
         } else {
             "compute"
+        },
+    }
+}
+
+/// One average layer's forward matmuls and attention, per microbatch, seconds.
+struct LayerCompute {
+    matmul_s: f64,
+    attn_fwd_s: f64,
+    attn_bwd_s: f64,
+}
+
+fn layer_compute(d: &Dims, r: &Rates) -> LayerCompute {
+    // A token's keys: half its window, or under document masking half its document's.
+    let attn_flops = 4.0 * d.span * d.q_dim * d.n_tok;
+    let Some((g, bf16)) = r.measured else {
+        return LayerCompute {
+            matmul_s: 2.0 * d.layer_matmul * d.n_tok / r.gemm,
+            attn_fwd_s: attn_flops / r.attn,
+            attn_bwd_s: 2.0 * attn_flops / r.attn,
+        };
+    };
+    let n = d.n_tok;
+    let sh = &d.shape;
+    // `params` of matmul weights used by every token, in `calls` GEMMs of equal size.
+    let gemms = |params: u64, calls: f64| {
+        if params == 0 {
+            return 0.0;
+        }
+        let f = 2.0 * n * params as f64;
+        f / g.gemm_rate(f / calls, bf16)
+    };
+    // Routed experts: a rank's N·k rows over its local experts (as many arrive as leave under
+    // expert parallelism), gate, up and down each one grouped call; without a measured grouped
+    // GEMM, each expert's GEMM alone at its size.
+    let experts = if sh.experts == 0 || sh.top_k == 0 {
+        0.0
+    } else {
+        let f = 2.0 * n * (sh.top_k * sh.expert) as f64;
+        let rate = g.grouped_rate(f / 3.0).unwrap_or_else(|| {
+            let local = (sh.experts as f64 / d.ep as f64).max(1.0);
+            g.gemm_rate(f / 3.0 / local, bf16)
+        });
+        f / rate
+    };
+    let moe = gemms(sh.attention, 4.0) + gemms(sh.router, 1.0) + experts + gemms(sh.shared, 3.0);
+    let dense = gemms(sh.attention, 4.0) + gemms(sh.dense_ffn, 3.0);
+    let matmul_s = (sh.moe_layers as f64 * moe + sh.dense_layers as f64 * dense) / d.l;
+    let hd = d.m.head_dim as f64;
+    let rate = |bwd: bool| g.attention_rate(d.seq, hd, bwd);
+    LayerCompute {
+        matmul_s,
+        attn_fwd_s: attn_flops / rate(false).unwrap_or(r.attn),
+        // The calibration counts backward as 2.5x forward's FLOPs (the kernel recomputes the
+        // scores); the efficiency model, as twice.
+        attn_bwd_s: match rate(true) {
+            Some(b) => 2.5 * attn_flops / b,
+            None => 2.0 * attn_flops / r.attn,
         },
     }
 }
@@ -173,16 +250,40 @@ fn optimizer_time(
     let (ns_total, ns_dense) = newton_schulz(d, opt);
     // On a GPU at the bf16 GEMM rate unless `optimizer.ns_dtype = "f32"` (auto is bf16 there).
     let ns_bf16 = job.optimizer.ns_dtype.bf16_on(true);
-    let gpu_f32_rate =
-        cluster.gpu.peak_f32_flops.unwrap_or(cluster.gpu.peak_flops) * cluster.gpu.gemm_efficiency;
+    let gpu_f32_rate = match r.measured {
+        Some((g, _)) => g.gemm_rate(f64::INFINITY, false),
+        None => {
+            cluster.gpu.peak_f32_flops.unwrap_or(cluster.gpu.peak_flops)
+                * cluster.gpu.gemm_efficiency
+        }
+    };
     let ns_rate = match opt.ns_on {
         NsOn::Gpu if ns_bf16 => r.gemm,
         NsOn::Gpu => gpu_f32_rate,
         NsOn::Cpu => cluster.host.peak_f32_flops_per_gpu * cluster.host.gemm_efficiency,
     };
     // Owners balanced: each GPU orthogonalises 1/W of the work.
-    let ns_t = ns_total / wf / ns_rate;
-    let ns_dense_t = ns_dense / wf / ns_rate;
+    let (ns_t, ns_dense_t) = match (r.measured, opt.ns_on) {
+        (Some((g, _)), NsOn::Gpu) if d.muon && !g.newton_schulz.is_empty() => {
+            // Measured per matrix: each Muon tensor at its own shape's time.
+            let sum = |dense_only: bool| -> f64 {
+                d.ts.iter()
+                    .filter(|t| t.handler() == Handler::Muon && !(dense_only && t.expert))
+                    .map(|t| {
+                        let s = g.newton_schulz_s(
+                            t.rows as usize,
+                            t.cols as usize,
+                            opt.ns_steps,
+                            ns_bf16,
+                        );
+                        t.count as f64 * s.expect("measured")
+                    })
+                    .sum()
+            };
+            (sum(false) / wf, sum(true) / wf)
+        }
+        _ => (ns_total / wf / ns_rate, ns_dense / wf / ns_rate),
+    };
     let opt_rate = if t.opt_on_ib { r.ib } else { r.nv };
     let opt_comm_t = t.opt_bytes / opt_rate + t.opt_colls as f64 * r.lat;
     let ns_and_comm = match (d.muon, opt.placement) {
@@ -225,7 +326,16 @@ pub(super) fn step_time(
     offloaded_layers: usize,
     t: &mut Traffic,
 ) -> StepTime {
-    let r = Rates::new(cluster);
+    // Measured copies and element-wise rates stand in for the hand-written ones.
+    let replaced;
+    let cluster = match &cluster.gpu_measured {
+        Some(g) => {
+            replaced = with_measured(cluster, g);
+            &replaced
+        }
+        None => cluster,
+    };
+    let r = Rates::new(cluster, job);
     let pass = passes(d, cluster, policy, offloaded_layers, t, &r);
     let o = optimizer_time(d, job, cluster, policy, opt, t, &r);
 
@@ -260,6 +370,7 @@ pub(super) fn step_time(
         step_s: pass.forward_s + pass.backward_s + d.mf * pass.exposed + o.total_s + hsdp.time_s,
         bound: pass.bound.into(),
         cpu: None,
+        measured: cluster.gpu_measured.as_ref().map(|g| g.device.clone()),
     };
     if let Some(spec) = &cluster.cpu {
         cpu_override(
@@ -276,6 +387,20 @@ pub(super) fn step_time(
         );
     }
     time
+}
+
+/// The cluster with `[gpu_measured]`'s optimizer bandwidth as the device's memory bandwidth
+/// and its copy rates, where measured, as the links'.
+fn with_measured(cluster: &Cluster, g: &GpuMeasured) -> Cluster {
+    let mut c = cluster.clone();
+    c.gpu.memory_bytes_per_s = g.optimizer_bytes_per_s;
+    if g.d2h_bytes_per_s > 0.0 {
+        c.links.d2h_bytes_per_s = g.d2h_bytes_per_s;
+    }
+    if g.h2d_bytes_per_s > 0.0 {
+        c.links.h2d_bytes_per_s = g.h2d_bytes_per_s;
+    }
+    c
 }
 
 /// A cluster with a measured `[cpu]` section: [`crate::cpu_time`] prices the step instead.
