@@ -78,6 +78,52 @@ fn muon_shapes(rules: &[UpdateRule]) -> Vec<(usize, usize, usize)> {
         .collect()
 }
 
+/// What a backend that batches matrices runs in strided batches: every stack (`count > 1`) as
+/// `(rows, cols, count)`, and for each shape that several single matrices share (a layer's
+/// attention matrices across the layers), `(rows, cols, how many)`. The stack slot is sized for
+/// these; the planner counts the same (`ganymede_plan`'s ledger).
+fn batched_shapes(rules: &[UpdateRule]) -> Vec<(usize, usize, usize)> {
+    let all = muon_shapes(rules);
+    let mut out: Vec<(usize, usize, usize)> = all.iter().copied().filter(|s| s.2 > 1).collect();
+    let mut singles: Vec<(usize, usize, usize)> = Vec::new();
+    for &(r, c, _) in all.iter().filter(|s| s.2 == 1) {
+        match singles.iter_mut().find(|s| (s.0, s.1) == (r, c)) {
+            Some(s) => s.2 += 1,
+            None => singles.push((r, c, 1)),
+        }
+    }
+    out.extend(singles.into_iter().filter(|s| s.2 > 1));
+    out
+}
+
+/// Same-shape matrices of different parameters, batched as an expert stack is: each batch's
+/// gradients gathered into the stack slot and Nesterov'd with their own momenta, orthogonalised
+/// by strided products, each parameter updated from its slice. Per matrix the calls of
+/// [`run_matrix`], so on a backend whose strided calls are loops the same bits; on a GPU the
+/// Newton–Schulz launches of a batch instead of each matrix's.
+fn run_group(be: &dyn Backend, items: Vec<Item>, st: &mut StackSlot, c: MuonStep) {
+    let (rows, cols) = (items[0].rows, items[0].cols);
+    let n = rows * cols;
+    let batch = ganymede_config::ns_stack_batch(rows, cols, items.len(), st.budget);
+    let mut items = items.into_iter().peekable();
+    while items.peek().is_some() {
+        let mut chunk: Vec<Item> = items.by_ref().take(batch).collect();
+        for (j, it) in chunk.iter_mut().enumerate() {
+            debug_assert_eq!((it.rows, it.cols), (rows, cols));
+            be.copy(st.u.slice_mut(j * n, n), it.g);
+            let u = st.u.slice_mut(j * n, n);
+            be.nesterov_momentum(it.mom.reborrow(), u, c.momentum, c.grad_scale);
+        }
+        let b = chunk.len();
+        let u = st.u.slice_mut(0, b * n);
+        newton_schulz_strided(be, u, b, rows, cols, c.ns_steps, c.ns_bf16, &mut st.ns);
+        for (j, it) in chunk.into_iter().enumerate() {
+            let (alpha, decay) = (c.lr * it.scale, c.lr * c.weight_decay);
+            be.decay_update(it.p, st.u.slice(j * n, n), alpha, decay, it.rounded);
+        }
+    }
+}
+
 /// A stack of `count` Muon matrices (a layer's experts, one after another in `p`, `mom`, `g`),
 /// [`ganymede_config::ns_stack_batch`] of them at a time: each elementwise step one call over
 /// the batch, Newton–Schulz strided ([`newton_schulz_strided`]). Per matrix the calls of
@@ -364,11 +410,16 @@ impl Optimizer {
         let mut slots = Vec::new();
         if !all.is_empty() {
             slots.push(Slot::new(be, &all));
-            let extra = rayon::current_num_threads().min(n_small.max(1)) - 1;
+            // Lanes of small matrices on the CPU's threads; a backend that batches matrices (a
+            // GPU) runs one stream, where lanes would only queue on it and hold scratch.
+            let extra = match be.batches_matrices() {
+                true => 0,
+                false => rayon::current_num_threads().min(n_small.max(1)) - 1,
+            };
             slots.extend((0..extra).map(|_| Slot::new(be, &small)));
         }
         let stacks = if cfg.ns_batch.on(be.batches_matrices()) {
-            StackSlot::new(be, &muon_shapes(&rules), ganymede_config::NS_STACK_BYTES)
+            StackSlot::new(be, &batched_shapes(&rules), ganymede_config::NS_STACK_BYTES)
         } else {
             None
         };
@@ -543,6 +594,26 @@ impl Optimizer {
                 _ => {}
             }
         }
+        if let Some(st) = stacks.as_mut() {
+            // A backend that batches matrices: same-shape matrices together, the rest alone.
+            let mut groups: Vec<Vec<Item>> = Vec::new();
+            for it in items {
+                match groups
+                    .iter_mut()
+                    .find(|g| (g[0].rows, g[0].cols) == (it.rows, it.cols))
+                {
+                    Some(g) => g.push(it),
+                    None => groups.push(vec![it]),
+                }
+            }
+            items = Vec::new();
+            for g in groups {
+                match g.len() {
+                    1 => items.extend(g),
+                    _ => run_group(be, g, st, mc),
+                }
+            }
+        }
         if !items.is_empty() {
             run_items(be, items, slots, parallel, mc);
         }
@@ -630,7 +701,7 @@ impl Optimizer {
     /// calls are per-matrix loops (the CPU's), which the tests hold. Batching allocates the
     /// stack scratch.
     pub fn with_stack_batching(mut self, be: &dyn Backend, budget: Option<usize>) -> Self {
-        self.stacks = budget.and_then(|b| StackSlot::new(be, &muon_shapes(&self.rules), b));
+        self.stacks = budget.and_then(|b| StackSlot::new(be, &batched_shapes(&self.rules), b));
         self
     }
 

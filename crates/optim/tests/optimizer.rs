@@ -693,6 +693,89 @@ fn batched_stacks_agree_bitwise_with_matrix_by_matrix() {
         .any(|(a, b)| (*a as f64 - b).abs() > 1e-4));
 }
 
+/// Same-shape matrices of different parameters (a layer's attention matrices across layers)
+/// batched as a stack is: the parameters of the matrix-by-matrix path bit for bit on the CPU,
+/// f32 and bf16 products, resident and offloaded state; four 16 x 24 matrices in batches of 2
+/// beside a 24 x 16 one that has no partner (it runs alone) and the expert stacks. The slot
+/// grows to the largest batch, now the matrices' pair.
+#[test]
+fn same_shape_matrices_are_batched_across_parameters() {
+    let mut specs = specs();
+    specs.push(ParamSpec::new(
+        "more_experts",
+        &[7, 20, 12],
+        ParamKind::Experts,
+    ));
+    for i in 0..4 {
+        let name = format!("layers.{i}.q");
+        specs.push(ParamSpec::new(&name, &[16, 24], ParamKind::Matrix));
+    }
+    specs.push(ParamSpec::new("o", &[24, 16], ParamKind::Matrix));
+    // 16 x 24: 4 (384 + 2 * 256 + 384) = 5,120 bytes a matrix, 2 fit 12,000; the 20 x 12
+    // experts' 3,072 fit 3 times (720 + 2 * 432 + 720 elements, each below the pair's).
+    let budget = 12_000;
+    assert_eq!(ganymede_config::ns_stack_batch(16, 24, 4, budget), 2);
+    assert_eq!(ganymede_config::ns_stack_batch(20, 12, 7, budget), 3);
+    let mut rng = Rng::new(31);
+    let init: Vec<Vec<f64>> = normals(&mut rng, &specs);
+    let gs: Vec<Vec<Vec<f64>>> = (0..2).map(|_| normals(&mut rng, &specs)).collect();
+    let be = CpuBackend::default();
+    let run = |batched: Option<usize>, offload: bool, ns_dtype: ganymede_config::NsDtype| {
+        let mut c = cfg(OptimizerName::Muon);
+        c.offload = offload;
+        c.ns_dtype = ns_dtype;
+        let mut params = store(&be, &specs, &init, Category::Params);
+        let mut opt = Optimizer::new(&be, &c, &specs).with_stack_batching(&be, batched);
+        let scratch = opt.scratch_bytes();
+        for g in &gs {
+            let grads = store(&be, &specs, g, Category::Grads);
+            opt.step(&be, &mut params, &grads, 0.02);
+        }
+        opt.synchronize_state(&be);
+        let p: Vec<Vec<f32>> = params
+            .tensors()
+            .iter()
+            .map(|t| be.download(t.view()))
+            .collect();
+        (p, scratch)
+    };
+    for ns_dtype in [
+        ganymede_config::NsDtype::F32,
+        ganymede_config::NsDtype::Bf16,
+    ] {
+        let (want, plain) = run(None, false, ns_dtype);
+        let (got, batched) = run(Some(budget), false, ns_dtype);
+        assert!(got == want, "batched matrices, {ns_dtype:?}");
+        // The largest batch, the pair of 16 x 24: u 2 x 384, A and B 2 x 256 each, Y 2 x 384
+        // f32 (the experts' 720, 432 and 720 elements are fewer).
+        assert_eq!(batched - plain, 4 * (768 + 2 * 512 + 768));
+        let (off, _) = run(Some(budget), true, ns_dtype);
+        assert!(
+            off == want,
+            "batched matrices, offloaded state, {ns_dtype:?}"
+        );
+    }
+    // The batched matrices moved, each by its own gradient (no two alike).
+    let (moved, _) = run(Some(budget), false, ganymede_config::NsDtype::F32);
+    let q: Vec<usize> = (0..specs.len())
+        .filter(|&i| specs[i].name.ends_with(".q"))
+        .collect();
+    for &i in &q {
+        assert!(moved[i]
+            .iter()
+            .zip(&init[i])
+            .any(|(a, b)| (*a as f64 - b).abs() > 1e-4));
+    }
+    let delta = |i: usize| -> Vec<f64> {
+        moved[i]
+            .iter()
+            .zip(&init[i])
+            .map(|(a, b)| *a as f64 - b)
+            .collect()
+    };
+    assert!(delta(q[0]) != delta(q[1]) && delta(q[2]) != delta(q[3]));
+}
+
 /// `optimizer.ns_dtype`: `auto` is f32 on the CPU backend (the same bits as `f32`), `bf16`
 /// changes Muon's updates (by operand rounding, well under the updates' own size) and gives the
 /// same bits with matrices spread over threads or not (the CPU runs them one at a time in bf16).

@@ -194,8 +194,12 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
             .collect();
         let small: Vec<(u64, u64)> = small_mats.iter().map(|t| (t.rows, t.cols)).collect();
         let n_small: u64 = small_mats.iter().map(|t| t.count).sum();
-        let extra = (threads.max(1) as u64).min(n_small.max(1)) - 1;
         let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+        // No parallel lanes on a GPU (`ganymede_optim`: one stream).
+        let extra = match cuda {
+            true => 0,
+            false => (threads.max(1) as u64).min(n_small.max(1)) - 1,
+        };
         let stacks = if job.optimizer.ns_batch.on(cuda) {
             let (u, ss, sl) = ns_stack_elems(job);
             f * (u + 2 * ss + sl) as f64
@@ -214,7 +218,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         activation_terms: terms,
         buffers: buffers
             + step_scalars(m)
-            + gemm_scratch(job, Some(&muon_stacks(job)))
+            + gemm_scratch(job, Some(&batched_stacks(job)))
             + bf16_weight_copy(job),
     }
 }
@@ -237,12 +241,37 @@ fn muon_stacks(job: &JobConfig) -> Vec<(usize, usize, usize)> {
         .collect()
 }
 
-/// Elements of the batched Newton–Schulz working memory a GPU's optimizer holds for the expert
-/// stacks (`ganymede_optim`'s stack slot, `Blas::batches_matrices`): the largest batch's
-/// Nesterov outputs, `s²` (each of A and B) and `s·l`, batches of
-/// [`ganymede_config::ns_stack_batch`]. Zeros without a stack.
+/// What a GPU's optimizer batches (`ganymede_optim`'s stack slot, `Blas::batches_matrices`):
+/// every stack, and each shape several single matrices share, with their number (the tensor
+/// table's count of each such kind, summed over the kinds of one shape).
+fn batched_stacks(job: &JobConfig) -> Vec<(usize, usize, usize)> {
+    let m = &job.model;
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    let mut singles: Vec<(usize, usize, usize)> = Vec::new();
+    let kinds = params::tensors(m);
+    for (t, (r, c, stack)) in kinds
+        .iter()
+        .filter(|t| t.handler() == Handler::Muon)
+        .zip(muon_stacks(job))
+    {
+        if stack > 1 {
+            out.push((r, c, stack));
+            continue;
+        }
+        match singles.iter_mut().find(|s| (s.0, s.1) == (r, c)) {
+            Some(s) => s.2 += t.count as usize,
+            None => singles.push((r, c, t.count as usize)),
+        }
+    }
+    out.extend(singles.into_iter().filter(|s| s.2 > 1));
+    out
+}
+
+/// Elements of the batched Newton–Schulz working memory a GPU's optimizer holds for
+/// [`batched_stacks`]: the largest batch's Nesterov outputs, `s²` (each of A and B) and `s·l`,
+/// batches of [`ganymede_config::ns_stack_batch`]. Zeros without a batch.
 fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
-    ns_batch_elems(&muon_stacks(job))
+    ns_batch_elems(&batched_stacks(job))
 }
 
 /// [`ganymede_config::ns_batch_elems`] in training's budget, as `u64`s.
