@@ -390,21 +390,6 @@ __host__ __device__ constexpr int tc_stages(int hd) { return hd <= 64 ? 2 : 1; }
 #define TC_SMEM (2 * 2 * TC_BK * (64 + TC_PAD))
 static_assert(2 * TC_BK * (ATT_MAXD + TC_PAD) <= TC_SMEM && TC_BQ == TC_BK, "tile sizes");
 
-// c += a b on the tensor cores.
-__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
-#if defined(GANY_HOST)
-    gany_mma_m16n8k16_bf16(c, a, b);
-#elif __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    __trap();
-#endif
-}
-
 // 2^x on the special-function unit, subnormal results flushed to zero (a probability below
 // 2^-126 is nothing beside its row's largest, which is 1); the host build uses exp2f. The
 // tensor-core kernels take probabilities as ex2(s c - m c) with c = scale log2(e): one fused
@@ -421,10 +406,6 @@ __device__ __forceinline__ float ex2(float x) {
 #endif
 }
 
-// Two bf16 as one operand register, x in the low half.
-__device__ __forceinline__ unsigned pack_bf16(float x, float y) {
-    return (unsigned)f32_to_bf16(x) | ((unsigned)f32_to_bf16(y) << 16);
-}
 // A shared tile's address for the ldmatrix loads below. On the device, a 32-bit shared-window
 // address made opaque where each tile loop iteration takes it, so that every unrolled load's
 // address is formed from it there (an immediate offset) instead of being computed once before

@@ -268,4 +268,25 @@ __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* t
     return before + inc - v;
 }
 
+// Tensor cores (attention.cu, gemm.cu). Fragment layouts: attention.cu's tensor-core section.
+// c += a b on the tensor cores.
+__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+#if defined(GANY_HOST)
+    gany_mma_m16n8k16_bf16(c, a, b);
+#elif __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+
+// Two bf16 as one operand register, x in the low half.
+__device__ __forceinline__ unsigned pack_bf16(float x, float y) {
+    return (unsigned)f32_to_bf16(x) | ((unsigned)f32_to_bf16(y) << 16);
+}
+
 #endif

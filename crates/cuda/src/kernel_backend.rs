@@ -258,7 +258,12 @@ impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
 
 impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
-        Gemms::gemm_grouped(&self.dev, c, a, b, groups)
+        let bf16 = groups.first().is_some_and(|(g, ..)| g.bf16_inputs);
+        if self.ops.tuning().grouped_tc && bf16 {
+            self.ops.gemm_grouped_tc(c, a, b, groups)
+        } else {
+            Gemms::gemm_grouped(&self.dev, c, a, b, groups)
+        }
     }
     ganymede_core::forward_nn_ops!(ops:
         embedding_forward, embedding_backward, rmsnorm_forward, rmsnorm_backward,

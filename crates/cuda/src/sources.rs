@@ -63,6 +63,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     kernel_file!("router.cu"),
     kernel_file!("dispatch.cu"),
     kernel_file!("attention.cu"),
+    kernel_file!("gemm.cu"),
 ];
 
 /// `(file name, kernels it defines)`, in the order of [`SOURCES`].
@@ -231,6 +232,19 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "attention_backward_fused_tc16_doc_bf16",
             "attention_backward_fused_tc32_doc_bf16",
             "attention_backward_fused_tc64_doc_bf16",
+        ],
+    ),
+    (
+        "gemm.cu",
+        &[
+            "gemm_grouped_f32_f32_f32",
+            "gemm_grouped_f32_bf16_f32",
+            "gemm_grouped_bf16_f32_f32",
+            "gemm_grouped_bf16_bf16_f32",
+            "gemm_grouped_f32_f32_bf16",
+            "gemm_grouped_f32_bf16_bf16",
+            "gemm_grouped_bf16_f32_bf16",
+            "gemm_grouped_bf16_bf16_bf16",
         ],
     ),
 ];

@@ -14,7 +14,7 @@
 
 use ganymede_core::sample::Lcg;
 use ganymede_core::{
-    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Ledger, Memory, Tensor,
+    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory, NnOps, Tensor,
 };
 use ganymede_cuda::bounds::{set_bounds, Bounds};
 use ganymede_cuda::host::{
@@ -40,6 +40,7 @@ const SMALL: Tuning = Tuning {
     attn_tc: false,
     attn_fused_dq: false,
     attn_wide_fwd: false,
+    grouped_tc: false,
 };
 /// Launches from this thread run under the bounds check (`ganymede_cuda::bounds`): a kernel
 /// that touches memory outside what it was given fails its test.
@@ -2254,4 +2255,169 @@ fn a_broken_launch_precondition_traps() {
     let err = String::from_utf8_lossy(&child.stderr);
     assert!(!child.status.success(), "the launch did not fail");
     assert!(err.contains("a kernel trapped"), "{err}");
+}
+
+/// One grouped GEMM's group: shape, then A's, B's and C's offsets.
+type Group = (Gemm, usize, usize, usize);
+
+/// The experts' three kinds of grouped product, as the MoE layer makes them: forward
+/// `y_e = x_e W_eᵀ` (B transposed), the input gradient `dx_e = dy_e W_e`, and the weight
+/// gradient `dW_e += dy_eᵀ x_e` (A transposed, accumulated: beta 1), over experts of 0, 1, 17,
+/// 64, 100 and 3 rows. `k` of 40 and `n` of 20 leave partial tiles everywhere.
+fn expert_groups(counts: &[usize], n: usize, k: usize) -> Vec<(&'static str, Vec<Group>)> {
+    let mut fwd = Vec::new();
+    let mut dx = Vec::new();
+    let mut dw = Vec::new();
+    let mut row = 0;
+    for (e, &rows) in counts.iter().enumerate() {
+        let g = |m, nn, kk, ta, tb, lda, ldb, ldc| {
+            Gemm {
+                trans_a: ta,
+                trans_b: tb,
+                lda,
+                ldb,
+                ldc,
+                ..Gemm::new(m, nn, kk, ta, tb)
+            }
+            .bf16_inputs(true)
+        };
+        // x: [rows, k] at row; W_e: [n, k] at e·n·k; y: [rows, n].
+        fwd.push((
+            g(rows, n, k, false, true, k, k, n),
+            row * k,
+            e * n * k,
+            row * n,
+        ));
+        // dy: [rows, n]; W_e as [n, k]; dx: [rows, k].
+        dx.push((
+            g(rows, k, n, false, false, n, k, k),
+            row * n,
+            e * n * k,
+            row * k,
+        ));
+        // dyᵀ: [n, rows] from dy stored [rows, n]; x: [rows, k]; dW_e: [n, k], accumulated.
+        let mut w = g(n, k, rows, true, false, n, k, k);
+        w.beta = 1.0;
+        w.alpha = 0.5;
+        dw.push((w, row * n, row * k, e * n * k));
+        row += rows;
+    }
+    vec![
+        ("forward", fwd),
+        ("input gradient", dx),
+        ("weight gradient", dw),
+    ]
+}
+
+/// The grouped GEMM kernel (`gemm_grouped_*`, mma.sync) against the CPU backend's grouped GEMM
+/// with bf16 inputs: every operand dtype pair, f32 results (beta 0 and 1) and bf16 results
+/// (beta 0, the f32 result rounded once), threads and blocks in both orders, under the bounds
+/// check. Changing one group's alpha must change its block of C.
+#[test]
+fn grouped_gemm_on_the_tensor_cores_equals_the_cpu() {
+    let (b, kb) = (cpu(), kernels(SMALL));
+    let (n, k) = (20, 40);
+    let counts = [0usize, 1, 17, 64, 100, 3];
+    let rows: usize = counts.iter().sum();
+    let mut rng = Lcg::new(41);
+    // The largest operands any of the three products reads.
+    let big = rows * n.max(k);
+    let (xa, xb, c0) = (
+        rng.values(big, 1.0),
+        rng.values(counts.len() * n * k.max(rows), 1.0),
+        rng.values(big.max(counts.len() * n * k), 1.0),
+    );
+    let as_dtype = |be: &dyn Backend, x: &[f32], dt: DType| -> Tensor {
+        let f = up(be, x);
+        match dt {
+            DType::F32 => f,
+            _ => {
+                let mut h = be.zeros_of(&[x.len()], dt, Category::Activations);
+                be.cast(h.view_mut(), f.view());
+                h
+            }
+        }
+    };
+    let widened = |be: &dyn Backend, t: &Tensor| -> Vec<f32> {
+        match t.dtype() {
+            DType::F32 => down(be, t),
+            _ => {
+                let mut f = be.zeros(&[t.len()], Category::Activations);
+                be.cast(f.view_mut(), t.view());
+                down(be, &f)
+            }
+        }
+    };
+    for (what, groups) in expert_groups(&counts, n, k) {
+        let len_c = groups
+            .iter()
+            .map(|(g, _, _, co)| co + g.extents()[2])
+            .max()
+            .unwrap();
+        // The CPU's f32 result from bf16-rounded operands (an f32 C, as given).
+        let mut want = up(&b, &c0[..len_c]);
+        b.gemm_grouped(
+            want.view_mut(),
+            up(&b, &xa).view(),
+            up(&b, &xb).view(),
+            &groups,
+        );
+        let want = down(&b, &want);
+        for (da, db) in [
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::F32),
+            (DType::F32, DType::BF16),
+            (DType::BF16, DType::BF16),
+        ] {
+            // bf16 operands hold the rounded values the CPU multiplied.
+            let (a, bm) = (as_dtype(&kb, &xa, da), as_dtype(&kb, &xb, db));
+            for dc in [DType::F32, DType::BF16] {
+                if dc == DType::BF16 && groups[0].0.beta != 0.0 {
+                    continue; // a bf16 C is written, never accumulated into
+                }
+                for s in [Schedule::FirstToLast, Schedule::LastToFirst] {
+                    set_schedule(s);
+                    let mut c = as_dtype(&kb, &c0[..len_c], dc);
+                    kb.ops()
+                        .gemm_grouped_tc(c.view_mut(), a.view(), bm.view(), &groups);
+                    set_schedule(Schedule::FirstToLast);
+                    let got = widened(&kb, &c);
+                    let (tol, want) = match dc {
+                        DType::F32 => (
+                            Tol {
+                                rtol: 1e-5,
+                                atol: 2e-5,
+                            },
+                            want.clone(),
+                        ),
+                        _ => (BF16, round_bf16(&want)),
+                    };
+                    let (ae, re) = compare(&got, &want, tol).unwrap_or_else(|e| {
+                        panic!("{what}, {da:?} x {db:?} -> {dc:?}, {s:?}: {e}")
+                    });
+                    println!(
+                        "grouped tc {what} {da:?} x {db:?} -> {dc:?}: abs {ae:.2e} rel {re:.2e}"
+                    );
+                }
+            }
+        }
+        // One group's alpha changed: only its block of C moves.
+        let mut other = groups.clone();
+        other[4].0.alpha *= 2.0;
+        let (a, bm) = (up(&kb, &xa), up(&kb, &xb));
+        let mut c1 = up(&kb, &c0[..len_c]);
+        let mut c2 = up(&kb, &c0[..len_c]);
+        kb.ops()
+            .gemm_grouped_tc(c1.view_mut(), a.view(), bm.view(), &groups);
+        kb.ops()
+            .gemm_grouped_tc(c2.view_mut(), a.view(), bm.view(), &other);
+        let (c1, c2) = (down(&kb, &c1), down(&kb, &c2));
+        let (g, _, _, co) = other[4];
+        let moved: Vec<usize> = (0..len_c).filter(|&i| c1[i] != c2[i]).collect();
+        assert!(!moved.is_empty(), "{what}: a changed alpha changed nothing");
+        assert!(
+            moved.iter().all(|&i| i >= co && i < co + g.extents()[2]),
+            "{what}: a changed alpha moved elements outside its group"
+        );
+    }
 }

@@ -883,11 +883,16 @@ fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
 /// counts, as routing leaves them (some experts empty): one `cublasGemmGroupedBatchedEx`
 /// (`gemm_grouped_batched`, what training runs) against one GEMM per expert, equal up to
 /// summation order (1e-4 of the largest |C|), and their times. Twice in a row, so the second
-/// call reuses the pointer slots (no allocation).
+/// call reuses the pointer slots (no allocation). And gemm.cu's tensor-core kernel on the same
+/// groups (`Tuning::grouped_tc`), equal to the loop up to summation order, and its time.
 fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
     let mut md = String::from(
-        "| experts (empty) | tokens | k → n | loop ms | grouped ms | grouped TFLOP/s | rel. diff |\n|---|---|---|---|---|---|---|\n",
+        "| experts (empty) | tokens | k → n | loop ms | grouped ms | grouped TFLOP/s | rel. diff | gemm.cu kernel ms | kernel TFLOP/s | kernel rel. diff |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
+    // gemm.cu's tensor-core grouped GEMM (`Tuning::grouped_tc`, `GANYMEDE_CUDA_GROUPED=kernel`).
+    let ops = KernelOps::with_tuning(CudaLauncher::new(be.clone()), Tuning::default());
     let (experts, k, n) = (64usize, 1024usize, 512usize);
     for mean in [128usize, 512, 2048] {
         // A skewed split: expert e gets a share growing with (e mod 8)², every 9th none.
@@ -973,6 +978,20 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
             time(&mut || be.gemm_grouped_loop(looped.view_mut(), xb.view(), wb.view(), &groups));
         let flops = 2.0 * (tokens * n * k) as f64;
         let empty = counts.iter().filter(|&&c| c == 0).count();
+        let mut tc = be.zeros(&[tokens * n], Category::Buffers);
+        ops.gemm_grouped_tc(tc.view_mut(), xb.view(), wb.view(), &gb);
+        let d_tc = rel_err(&be.download(tc.view()), &be.download(looped.view()));
+        ensure(d_tc < 1e-4, || {
+            format!(
+                "mean {mean} tokens/expert: the gemm.cu kernel differs from the loop by {d_tc:e}"
+            )
+        })?;
+        let t_tc = time(&mut || ops.gemm_grouped_tc(tc.view_mut(), xb.view(), wb.view(), &gb));
+        let kernel = format!(
+            "{:.3} | {:.1} | {d_tc:.1e}",
+            t_tc * 1e3,
+            flops / t_tc / 1e12
+        );
         if let Some(e) = refused {
             // What a bf16 result would give instead (cuBLAS's table has bf16 → bf16 for this
             // call): the figure that says whether a grouped call into bf16, widened after, would
@@ -997,7 +1016,7 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
             let _ = writeln!(
                 md,
                 "| {experts} ({empty}) | {tokens} | {k} → {n} | {:.3} | refused bf16 → f32: {e} \
-                 (training loops); {alt} | {:.1} (loop) | – |",
+                 (training loops); {alt} | {:.1} (loop) | – | {kernel} |",
                 t_loop * 1e3,
                 flops / t_loop / 1e12
             );
@@ -1008,7 +1027,7 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
         });
         let _ = writeln!(
             md,
-            "| {experts} ({empty}) | {tokens} | {k} → {n} | {:.3} | {:.3} | {:.1} | {diff:.1e} |",
+            "| {experts} ({empty}) | {tokens} | {k} → {n} | {:.3} | {:.3} | {:.1} | {diff:.1e} | {kernel} |",
             t_loop * 1e3,
             t_grouped * 1e3,
             flops / t_grouped / 1e12

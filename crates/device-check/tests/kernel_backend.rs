@@ -53,6 +53,7 @@ fn small() -> Tuning {
         attn_tc: false,
         attn_fused_dq: false,
         attn_wide_fwd: false,
+        grouped_tc: false,
     }
 }
 
@@ -444,7 +445,8 @@ fn the_dq_sums_are_on_the_device_as_the_planner_says() {
 /// Of token seeds 4 and 6 to 11, the tensor-core case changed the expert loads for 4, 8, 10
 /// and 11 (seed 4: one choice in the second layer), and the others stayed within the bounds (at most 1.3e-2); the SIMT case
 /// flipped none. The two tunings differ only in the attention kernels, so their different
-/// losses show that the tensor-core kernels ran.
+/// losses show that the tensor-core kernels ran. With `Tuning::grouped_tc` the experts' grouped
+/// GEMMs run on `gemm.cu`'s kernel instead of the device's library.
 #[test]
 fn bf16_compute_matches_the_cpu() {
     let mut losses = vec![];
@@ -467,12 +469,23 @@ fn bf16_compute_matches_the_cpu() {
             },
             (1e-4, 2e-2),
         ),
+        (
+            "grouped GEMM kernel",
+            Tuning {
+                grouped_tc: true,
+                ..small()
+            },
+            (1e-5, 1e-2),
+        ),
     ] {
         losses.push(bf16_compute_case(what, tuning, tol));
     }
     assert_ne!(losses[0], losses[1], "the tensor-core kernels did not run");
     // The backward does not change the loss: the fused run has the tensor cores' forward.
     assert_eq!(losses[1], losses[2]);
+    // The host build's mma sums each product's k in order, as the CPU's GEMM does: the experts'
+    // grouped kernel gives the library path's loss bit for bit.
+    assert_eq!(losses[0], losses[3]);
 }
 
 /// One bf16 forward and backward on the kernel backend with `tuning` against the CPU's, loss

@@ -12,6 +12,7 @@
 //! duration of an op: launches are ordered on one stream, so the next op may reuse it.
 
 mod blas;
+mod gemm;
 mod nn;
 mod optim;
 
@@ -56,6 +57,12 @@ pub struct Tuning {
     /// results. Off by default (not yet timed on a GPU: the device check times both);
     /// `GANYMEDE_CUDA_ATTENTION=wide` turns it on for a GPU ([`Tuning::for_device`]).
     pub attn_wide_fwd: bool,
+    /// The routed experts' grouped GEMMs with bf16 inputs on `gemm.cu`'s tensor-core kernel
+    /// (one launch, any operand and result dtypes) instead of the device's library (cuBLAS's
+    /// grouped GEMM, or one GEMM per expert for the f32 results it refuses). Off by default
+    /// (not yet timed on a GPU: the device check times both); `GANYMEDE_CUDA_GROUPED=kernel`
+    /// turns it on for a GPU ([`Tuning::for_device`]).
+    pub grouped_tc: bool,
 }
 
 impl Default for Tuning {
@@ -68,6 +75,7 @@ impl Default for Tuning {
             attn_tc: false,
             attn_fused_dq: false,
             attn_wide_fwd: false,
+            grouped_tc: false,
         }
     }
 }
@@ -79,10 +87,14 @@ impl Tuning {
     /// pass: bitwise reproducible), `wide` (the forward with 32 query rows a warp). Any other
     /// word is an error that names it.
     pub fn for_device(major: u32) -> Result<Self, String> {
-        Self::for_device_with(
+        let mut t = Self::for_device_with(
             major,
             std::env::var("GANYMEDE_CUDA_ATTENTION").ok().as_deref(),
-        )
+        )?;
+        // `loop` (one GEMM per expert) is the launcher's to read.
+        t.grouped_tc =
+            major >= 8 && std::env::var("GANYMEDE_CUDA_GROUPED").is_ok_and(|v| v == "kernel");
+        Ok(t)
     }
     /// [`Tuning::for_device`] with the variable's value given.
     pub fn for_device_with(major: u32, attention: Option<&str>) -> Result<Self, String> {
@@ -151,6 +163,7 @@ impl<L: Launcher> KernelOps<L> {
             attn_tc: _,
             attn_fused_dq: _,
             attn_wide_fwd: _,
+            grouped_tc: _,
         } = tuning;
         assert!(
             ew_block > 0

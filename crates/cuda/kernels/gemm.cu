@@ -1,0 +1,172 @@
+// Grouped GEMM on the tensor cores: the routed experts' products in one launch, whatever the
+// operand and result dtypes (cuBLAS's grouped GEMM refuses bf16 operands with an f32 result,
+// which five of the experts' six backward products want; those otherwise run one GEMM per
+// expert). Semantics of ganymede_core's NnOps::gemm_grouped with bf16 inputs: per group
+// C = alpha op(A) op(B) + beta C, row-major with leading dimensions, operands rounded to bf16
+// (nearest even) as they are loaded, products accumulated in f32 on mma.sync m16n8k16, C
+// written in its dtype (a bf16 C rounded once). Deterministic: each output element is one
+// thread's, its k summed in a fixed order.
+//
+// Groups are described in device memory (GG_DESC long longs each, see gg_desc below), so a
+// later version can take row counts the device computed. Launch: one block of GG_THREADS per
+// 64 × 64 output tile, tiles numbered group after group (desc's tile_start); grid.x = all tiles.
+// Needs sm_80 (traps on older devices).
+
+#define GG_BM 64
+#define GG_BN 64
+#define GG_BK 32
+#define GG_PAD 8  // bf16 padding of shared rows
+#define GG_THREADS 128
+#define GG_DESC 14
+
+// One group's description: the shape, leading dimensions, element offsets of A, B and C in
+// their views, transposes, alpha and beta (f32 bits) and the first tile's number.
+struct gg_desc {
+    long long m, n, k, lda, ldb, ldc, a_off, b_off, c_off;
+    bool ta, tb;
+    float alpha, beta;
+    long long tile_start;
+};
+
+__device__ __forceinline__ gg_desc gg_load(const long long* d) {
+    gg_desc g;
+    g.m = d[0];
+    g.n = d[1];
+    g.k = d[2];
+    g.lda = d[3];
+    g.ldb = d[4];
+    g.ldc = d[5];
+    g.a_off = d[6];
+    g.b_off = d[7];
+    g.c_off = d[8];
+    g.ta = d[9] != 0;
+    g.tb = d[10] != 0;
+    g.alpha = __uint_as_float((unsigned)d[11]);
+    g.beta = __uint_as_float((unsigned)d[12]);
+    g.tile_start = d[13];
+    return g;
+}
+
+// One operand element rounded to bf16 (an f32 is rounded; a bf16 is taken as it is).
+__device__ __forceinline__ bf16 gg_round(float x) { return f32_to_bf16(x); }
+__device__ __forceinline__ bf16 gg_round(bf16 x) { return x; }
+
+// Stage a BM (or BN) × BK tile of op(X) into shared memory as s[row][kk], zeros outside the
+// matrix. op(X)[r][c] is X[r·ld + c], or X[c·ld + r] transposed; consecutive threads walk the
+// stored rows' contiguous index either way.
+template <typename T>
+__device__ __forceinline__ void gg_stage(bf16 (*s)[GG_BK + GG_PAD], const T* x, long long ld,
+                                         bool trans, long long r0, long long rows, long long k0,
+                                         long long k) {
+    for (int i = threadIdx.x; i < GG_BM * GG_BK; i += GG_THREADS) {
+        int r, kk;
+        if (trans) {
+            r = i % GG_BM;
+            kk = i / GG_BM;
+        } else {
+            r = i / GG_BK;
+            kk = i % GG_BK;
+        }
+        const long long gr = r0 + r, gk = k0 + kk;
+        bf16 v = 0;
+        if (gr < rows && gk < k) v = gg_round(trans ? x[gk * ld + gr] : x[gr * ld + gk]);
+        s[r][kk] = v;
+    }
+}
+
+// Two neighbouring bf16 of a shared row as one operand register (lower index low).
+__device__ __forceinline__ unsigned gg_pair(const bf16* p) {
+    return (unsigned)p[0] | ((unsigned)p[1] << 16);
+}
+
+template <typename TA, typename TB, typename TC>
+__device__ void gemm_grouped(TC* c, const TA* a, const TB* b, const long long* desc,
+                             int groups) {
+#if !defined(GANY_HOST) && __CUDA_ARCH__ < 800
+    __trap();
+#endif
+    // This block's group: the last whose first tile is at or before it.
+    const long long tile = blockIdx.x;
+    int gi = 0;
+    while (gi + 1 < groups && desc[(long long)(gi + 1) * GG_DESC + 13] <= tile) gi++;
+    const gg_desc g = gg_load(desc + (long long)gi * GG_DESC);
+    const long long tn = (g.n + GG_BN - 1) / GG_BN, t = tile - g.tile_start;
+    const long long m0 = (t / tn) * GG_BM, n0 = (t % tn) * GG_BN;
+    const TA* ag = a + g.a_off;
+    const TB* bg = b + g.b_off;
+    TC* cg = c + g.c_off;
+
+    __shared__ __align__(16) bf16 sa[GG_BM][GG_BK + GG_PAD];
+    // op(B) transposed: sb[col][kk] = op(B)[kk][col], so a B fragment's k pair is contiguous.
+    __shared__ __align__(16) bf16 sb[GG_BN][GG_BK + GG_PAD];
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gq = lane / 4, tq = lane % 4;
+    const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;  // the warp's 32 × 32 of the tile
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+
+    for (long long k0 = 0; k0 < g.k; k0 += GG_BK) {
+        // op(A) is m × k: A stored [m, k], or [k, m] transposed.
+        gg_stage(sa, ag, g.lda, g.ta, m0, g.m, k0, g.k);
+        // op(B)ᵀ is n × k: B stored [n, k] when transposed, else [k, n] (so the other way).
+        gg_stage(sb, bg, g.ldb, !g.tb, n0, g.n, k0, g.k);
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < GG_BK; ks += 16) {
+            unsigned fa[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const bf16* r0 = &sa[wm + 16 * i + gq][ks + 2 * tq];
+                const bf16* r8 = &sa[wm + 16 * i + gq + 8][ks + 2 * tq];
+                fa[i][0] = gg_pair(r0);
+                fa[i][1] = gg_pair(r8);
+                fa[i][2] = gg_pair(r0 + 8);
+                fa[i][3] = gg_pair(r8 + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const bf16* col = &sb[wn + 8 * j + gq][ks + 2 * tq];
+                const unsigned fb[2] = {gg_pair(col), gg_pair(col + 8)};
+#pragma unroll
+                for (int i = 0; i < 2; i++) mma_bf16_16816(acc[i][j], fa[i], fb);
+            }
+        }
+        __syncthreads();
+    }
+
+    // C: c[0..1] at (row gq, cols 2tq, 2tq + 1), c[2..3] at row gq + 8.
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const long long r = m0 + wm + 16 * i + gq + (e >= 2 ? 8 : 0);
+                const long long col = n0 + wn + 8 * j + 2 * tq + (e & 1);
+                if (r >= g.m || col >= g.n) continue;
+                TC* p = cg + r * g.ldc + col;
+                float v = g.alpha * acc[i][j][e];
+                if (g.beta != 0.f) v += g.beta * ld(p);
+                st(p, v);
+            }
+}
+
+#define GEMM_GROUPED(NA, TA, NB, TB, NC, TC)                                                    \
+    extern "C" __global__ void gemm_grouped_##NA##_##NB##_##NC(                                 \
+        TC* c, const TA* a, const TB* b, const long long* desc, int groups) {                  \
+        gemm_grouped<TA, TB, TC>(c, a, b, desc, groups);                                       \
+    }
+GEMM_GROUPED(f32, float, f32, float, f32, float)
+GEMM_GROUPED(f32, float, bf16, bf16, f32, float)
+GEMM_GROUPED(bf16, bf16, f32, float, f32, float)
+GEMM_GROUPED(bf16, bf16, bf16, bf16, f32, float)
+GEMM_GROUPED(f32, float, f32, float, bf16, bf16)
+GEMM_GROUPED(f32, float, bf16, bf16, bf16, bf16)
+GEMM_GROUPED(bf16, bf16, f32, float, bf16, bf16)
+GEMM_GROUPED(bf16, bf16, bf16, bf16, bf16, bf16)
