@@ -103,20 +103,20 @@ impl StepSums {
     /// The first of the per-rank slots (present only with expert parallelism).
     const ROWS_OVER_EVEN: usize = 3;
 
-    /// This rank's figures, in its slots.
+    /// Rank `rank` of `world_size`'s figures, in its slots.
     fn pack(
         loss: f64,
         grad_sumsq: f64,
         expert_rows: Option<RowBufferUse>,
-        world: &dyn ProcessGroup,
+        (rank, world_size): (usize, usize),
     ) -> Self {
         let mut packed = vec![0.0; Self::ROWS_OVER_EVEN];
         packed[Self::LOSS] = loss;
         packed[Self::GRAD_SUMSQ] = grad_sumsq;
         if let Some(u) = expert_rows {
             packed[Self::EXPERT_REGROWTHS] = u.regrowths as f64;
-            packed.resize(Self::ROWS_OVER_EVEN + world.size(), 0.0);
-            packed[Self::ROWS_OVER_EVEN + world.rank()] = u.peak as f64 / u.even.max(1) as f64;
+            packed.resize(Self::ROWS_OVER_EVEN + world_size, 0.0);
+            packed[Self::ROWS_OVER_EVEN + rank] = u.peak as f64 / u.even.max(1) as f64;
         }
         StepSums { packed }
     }
@@ -433,8 +433,13 @@ impl RankState {
         let t0 = Instant::now();
         let grad_sumsq = self.local_grad_sumsq();
         let expert_rows = self.experts.take_use();
-        let sums = StepSums::pack(out.loss, grad_sumsq, expert_rows, world.as_ref())
-            .all_reduce(world.as_ref())?;
+        let sums = StepSums::pack(
+            out.loss,
+            grad_sumsq,
+            expert_rows,
+            (world.rank(), world.size()),
+        )
+        .all_reduce(world.as_ref())?;
         let (loss, norm) = (sums.loss(), sums.grad_norm());
         // Every rank holds the same reduced values, so every rank stops here alike, before
         // the update: the weights (and the last checkpoint) stay as they were.
@@ -735,7 +740,34 @@ impl ParamSource for TracedBlocks<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_finite;
+    use super::{check_finite, RowBufferUse, StepSums};
+
+    /// Two ranks' packed figures, summed slot by slot as the all-reduce would: the global
+    /// loss, the norm from the summed squares, the regrowths summed, the most rows over even.
+    #[test]
+    fn step_sums_name_their_slots() {
+        let rows = |peak, regrowths| RowBufferUse {
+            capacity: 64,
+            peak,
+            even: 16,
+            regrowths,
+        };
+        let a = StepSums::pack(1.25, 9.0, Some(rows(40, 2)), (0, 2));
+        let b = StepSums::pack(0.5, 16.0, Some(rows(24, 1)), (1, 2));
+        assert_eq!(a.packed, [1.25, 9.0, 2.0, 2.5, 0.0]);
+        assert_eq!(b.packed, [0.5, 16.0, 1.0, 0.0, 1.5]);
+        let packed = a.packed.iter().zip(&b.packed).map(|(x, y)| x + y).collect();
+        let sum = StepSums { packed };
+        assert_eq!(sum.loss(), 1.75);
+        assert_eq!(sum.grad_norm(), 5.0);
+        assert_eq!(sum.expert_regrowths(), 3);
+        assert_eq!(sum.expert_rows_over_even(), Some(2.5));
+        // Without expert parallelism: three slots, and no rows figure.
+        let dense = StepSums::pack(1.0, 4.0, None, (1, 2));
+        assert_eq!(dense.packed, [1.0, 4.0, 0.0]);
+        assert_eq!(dense.grad_norm(), 2.0);
+        assert_eq!(dense.expert_rows_over_even(), None);
+    }
 
     #[test]
     fn a_step_with_a_non_finite_loss_or_gradient_norm_stops() {
