@@ -2,8 +2,9 @@
 //! rank's watch for a dead run.
 
 use super::Run;
-use crate::metrics::StepMetrics;
-use crate::metrics::{self, CollapseWatch, DeadWatch, MetricsWriter, Progress, SpikeWatch};
+use crate::metrics::{
+    self, CollapseWatch, DeadWatch, MetricsWriter, Progress, SpikeWatch, StepMetrics,
+};
 use anyhow::{bail, Result};
 use ganymede_config::DeadCheck;
 use ganymede_parallel::StepReport;
@@ -83,16 +84,51 @@ impl StepLog {
     ) -> Result<()> {
         self.timed_tokens += r.tokens as u64;
         self.step_secs += dt;
-        let Some(w) = &mut self.writer else {
+        // Only rank 0 writes and shows.
+        if !self.is_writer() {
             return Ok(());
-        };
+        }
+        let sm = self.metrics(r, (done, dt), tokens_seen, val, val_due);
+        if let Some(w) = &mut self.writer {
+            w.write(&sm)?;
+        }
+        if r.expert_regrowths > 0 {
+            self.progress.println(&format!(
+                "step {done}: expert-parallel dispatch buffers grew {} time(s) over the ranks: \
+                 a layer routed a rank more rows than parallelism.ep_capacity_factor = {} \
+                 holds (the most on any rank: {:.2}x an even routing); they allocate until \
+                 the factor covers the routing",
+                r.expert_regrowths,
+                self.ep_capacity_factor,
+                sm.ep_rows_over_even.unwrap_or(0.0)
+            ));
+        }
+        for warning in self.collapse.observe(done, &r.expert_load) {
+            self.progress.println(&warning);
+        }
+        if let Some(warning) = self.spikes.observe(done, r.loss) {
+            self.progress.println(&warning);
+        }
+        self.progress.step(&sm, self.total);
+        Ok(())
+    }
+
+    /// Step `done`'s line of `metrics.jsonl` (the expert loads only on validation steps).
+    fn metrics(
+        &self,
+        r: &StepReport,
+        (done, dt): (usize, f64),
+        tokens_seen: u64,
+        val: Option<Validation>,
+        val_due: bool,
+    ) -> StepMetrics {
         let (val_loss, val_loss_by_source) = match val {
             Some((v, by)) => (Some(v), by),
             None => (None, Default::default()),
         };
         let n = self.ranks;
         let (load_max_over_mean, load_cv) = metrics::load_balance(&r.expert_load);
-        let sm = StepMetrics {
+        StepMetrics {
             step: done,
             loss: r.loss,
             aux_loss: r.aux_loss,
@@ -113,27 +149,7 @@ impl StepLog {
             ep_rows_over_even: r.expert_rows_over_even,
             ep_regrowths: r.expert_rows.map(|_| r.expert_regrowths),
             expert_load: val_due.then(|| r.expert_load.clone()),
-        };
-        w.write(&sm)?;
-        if r.expert_regrowths > 0 {
-            self.progress.println(&format!(
-                "step {done}: expert-parallel dispatch buffers grew {} time(s) over the ranks: \
-                 a layer routed a rank more rows than parallelism.ep_capacity_factor = {} \
-                 holds (the most on any rank: {:.2}x an even routing); they allocate until \
-                 the factor covers the routing",
-                r.expert_regrowths,
-                self.ep_capacity_factor,
-                sm.ep_rows_over_even.unwrap_or(0.0)
-            ));
         }
-        for warning in self.collapse.observe(done, &r.expert_load) {
-            self.progress.println(&warning);
-        }
-        if let Some(warning) = self.spikes.observe(done, r.loss) {
-            self.progress.println(&warning);
-        }
-        self.progress.step(&sm, self.total);
-        Ok(())
     }
 
     /// Stop (or warn, once, on rank 0) when step `done` looks like a dead run, as
