@@ -260,150 +260,16 @@ fn main() -> ExitCode {
 
 fn run(cmd: Command) -> Result<()> {
     match cmd {
-        Command::Train(a) => {
-            ganymede_train::checkpoint::set_verify(!a.safety.verify.no_verify);
-            let extra = a
-                .safety
-                .stop_signal
-                .as_deref()
-                .map(ganymede_train::stop::parse_signal)
-                .transpose()?;
-            let launcher = launch::Launcher::detect(a.ranks)?;
-            let init_from = a
-                .init_from
-                .as_deref()
-                .map(ganymede_train::hf_import::parse_source)
-                .transpose()?;
-            // The folder's model shape and tokenizer come before the user's overrides.
-            let set = match &init_from {
-                Some(d) => ganymede_train::hf_import::init_overrides(d, &a.set)?,
-                None => a.set.clone(),
-            };
-            let resolve = |n: usize| {
-                trainer::resolve_config(
-                    a.preset.as_deref(),
-                    a.config.as_deref(),
-                    &set,
-                    a.steps,
-                    a.resume.as_deref(),
-                    n,
-                )
-            };
-            let job = launcher.job(resolve)?;
-            let name = match (&a.preset, &a.config) {
-                (Some(p), _) => p.clone(),
-                (None, Some(f)) => f
-                    .file_stem()
-                    .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
-                (None, None) => "tiny".into(),
-            };
-            let opts = TrainOptions {
-                out: a.out,
-                stop_after: a.stop_after,
-                name,
-                quiet: false,
-                ranks: job.ranks,
-                trace: a.trace,
-                init_from,
-                truncate_history: a.safety.truncate_history,
-                allow_data_change: a.safety.allow_data_change,
-                ..Default::default()
-            };
-            ganymede_train::stop::install(extra)?;
-            exit_if_stopped(&launch::train(job, &opts)?);
-        }
-        Command::Eval(a) => {
-            ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
-            let l = eval::load(&a.checkpoint)?;
-            let source = match (a.data, a.tokens) {
-                (Some(p), _) => EvalSource::Data(p),
-                (None, Some(p)) => EvalSource::Tokens(p),
-                (None, None) => EvalSource::Validation,
-            };
-            let tokens = eval::eval_tokens(&l, &source)?;
-            let r = eval::evaluate(&l, &tokens)?;
-            if a.json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!(
-                    "loss {:.6} nats/token ({:.4} bits) over {} tokens, checkpoint {}",
-                    r.loss,
-                    r.loss / std::f64::consts::LN_2,
-                    r.tokens,
-                    l.dir.display()
-                );
-            }
-        }
-        Command::Generate(a) => {
-            anyhow::ensure!(
-                a.temperature.is_finite() && a.temperature >= 0.0,
-                "--temperature {}: give 0 (greedy) or a positive number",
-                a.temperature
-            );
-            ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
-            let l = eval::load(&a.checkpoint)?;
-            let o = GenerateOptions {
-                max_new_tokens: a.max_new_tokens,
-                temperature: a.temperature,
-                top_k: a.top_k,
-                seed: a.seed,
-            };
-            // Streamed: each piece is printed (and flushed) as it is drawn.
-            use std::io::Write;
-            let mut stdout = std::io::stdout();
-            print!("{}", a.prompt);
-            let _ = stdout.flush();
-            eval::generate_stream(&l, &a.prompt, &o, &mut |piece| {
-                print!("{piece}");
-                let _ = stdout.flush();
-            })?;
-            println!();
-        }
-        Command::Export(a) => match a.format {
-            ExportFormat::Hf => {
-                ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
-                ganymede_train::guard::check_output_dir(&a.out, "--out", a.force)?;
-                let opts = ganymede_train::export::ExportOptions {
-                    max_shard_bytes: ganymede_train::export::parse_size(&a.max_shard_size)
-                        .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?,
-                };
-                let s = ganymede_train::export::export_hf(&a.checkpoint, &a.out, &opts)?;
-                println!(
-                    "exported {} to {} ({}: {} tensors, {} bytes in {} file(s))",
-                    a.checkpoint.display(),
-                    a.out.display(),
-                    s.architecture,
-                    s.tensors,
-                    s.bytes,
-                    s.files
-                );
-            }
-        },
+        Command::Train(a) => train(a)?,
+        Command::Eval(a) => eval_checkpoint(a)?,
+        Command::Generate(a) => generate(a)?,
+        Command::Export(a) => export(a)?,
         Command::Tokenizer(TokenizerCommand::Train {
             inputs,
             vocab_size,
             out,
             force,
-        }) => {
-            ganymede_train::guard::check_output_file(&out, "--out", force)?;
-            let r = ganymede_data::run_tokenizer_train(&inputs, vocab_size, &out)?;
-            println!(
-                "trained byte-level BPE: {} ids from {} files ({} bytes{}), {:.2} bytes/token -> {}",
-                r.vocab_size,
-                r.files,
-                r.input_bytes,
-                if r.invalid_utf8_bytes > 0 {
-                    format!(
-                        "; {} of them not valid UTF-8, trained on as U+FFFD",
-                        r.invalid_utf8_bytes
-                    )
-                } else {
-                    String::new()
-                },
-                r.bytes_per_token,
-                out.display()
-            );
-        }
+        }) => train_tokenizer(&inputs, vocab_size, &out, force)?,
         Command::Data(c) => data_cmd::run(c)?,
         Command::Plan(a) => ganymede_plan::run(a)?,
         Command::Calibrate {
@@ -430,6 +296,167 @@ fn run(cmd: Command) -> Result<()> {
             println!("{}", path.display());
         }
     }
+    Ok(())
+}
+
+/// `ganymede train`: the job resolved for the launcher it runs under, then trained; exits
+/// with the stop code when a signal ended the run.
+fn train(a: TrainArgs) -> Result<()> {
+    ganymede_train::checkpoint::set_verify(!a.safety.verify.no_verify);
+    let extra = a
+        .safety
+        .stop_signal
+        .as_deref()
+        .map(ganymede_train::stop::parse_signal)
+        .transpose()?;
+    let launcher = launch::Launcher::detect(a.ranks)?;
+    let init_from = a
+        .init_from
+        .as_deref()
+        .map(ganymede_train::hf_import::parse_source)
+        .transpose()?;
+    // The folder's model shape and tokenizer come before the user's overrides.
+    let set = match &init_from {
+        Some(d) => ganymede_train::hf_import::init_overrides(d, &a.set)?,
+        None => a.set.clone(),
+    };
+    let resolve = |n: usize| {
+        trainer::resolve_config(
+            a.preset.as_deref(),
+            a.config.as_deref(),
+            &set,
+            a.steps,
+            a.resume.as_deref(),
+            n,
+        )
+    };
+    let job = launcher.job(resolve)?;
+    let opts = TrainOptions {
+        name: run_name(a.preset.as_deref(), a.config.as_deref()),
+        out: a.out,
+        stop_after: a.stop_after,
+        quiet: false,
+        ranks: job.ranks,
+        trace: a.trace,
+        init_from,
+        truncate_history: a.safety.truncate_history,
+        allow_data_change: a.safety.allow_data_change,
+        ..Default::default()
+    };
+    ganymede_train::stop::install(extra)?;
+    exit_if_stopped(&launch::train(job, &opts)?);
+    Ok(())
+}
+
+/// The name of the default run directory: the preset's, else the config file's stem.
+fn run_name(preset: Option<&str>, config: Option<&Path>) -> String {
+    match (preset, config) {
+        (Some(p), _) => p.to_string(),
+        (None, Some(f)) => f
+            .file_stem()
+            .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
+        (None, None) => "tiny".into(),
+    }
+}
+
+/// `ganymede eval`: a checkpoint's loss over the validation split, a data folder or tokens.
+fn eval_checkpoint(a: EvalArgs) -> Result<()> {
+    ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
+    let l = eval::load(&a.checkpoint)?;
+    let source = match (a.data, a.tokens) {
+        (Some(p), _) => EvalSource::Data(p),
+        (None, Some(p)) => EvalSource::Tokens(p),
+        (None, None) => EvalSource::Validation,
+    };
+    let tokens = eval::eval_tokens(&l, &source)?;
+    let r = eval::evaluate(&l, &tokens)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "loss {:.6} nats/token ({:.4} bits) over {} tokens, checkpoint {}",
+            r.loss,
+            r.loss / std::f64::consts::LN_2,
+            r.tokens,
+            l.dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// `ganymede generate`: the prompt, then its continuation streamed as it is drawn.
+fn generate(a: GenerateArgs) -> Result<()> {
+    anyhow::ensure!(
+        a.temperature.is_finite() && a.temperature >= 0.0,
+        "--temperature {}: give 0 (greedy) or a positive number",
+        a.temperature
+    );
+    ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
+    let l = eval::load(&a.checkpoint)?;
+    let o = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+    };
+    // Streamed: each piece is printed (and flushed) as it is drawn.
+    use std::io::Write;
+    let mut stdout = std::io::stdout();
+    print!("{}", a.prompt);
+    let _ = stdout.flush();
+    eval::generate_stream(&l, &a.prompt, &o, &mut |piece| {
+        print!("{piece}");
+        let _ = stdout.flush();
+    })?;
+    println!();
+    Ok(())
+}
+
+/// `ganymede export`: a checkpoint in another format.
+fn export(a: ExportArgs) -> Result<()> {
+    match a.format {
+        ExportFormat::Hf => {
+            ganymede_train::checkpoint::set_verify(!a.verify.no_verify);
+            ganymede_train::guard::check_output_dir(&a.out, "--out", a.force)?;
+            let opts = ganymede_train::export::ExportOptions {
+                max_shard_bytes: ganymede_train::export::parse_size(&a.max_shard_size)
+                    .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?,
+            };
+            let s = ganymede_train::export::export_hf(&a.checkpoint, &a.out, &opts)?;
+            println!(
+                "exported {} to {} ({}: {} tensors, {} bytes in {} file(s))",
+                a.checkpoint.display(),
+                a.out.display(),
+                s.architecture,
+                s.tensors,
+                s.bytes,
+                s.files
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `ganymede tokenizer train`: a byte-level BPE tokenizer written to `out`.
+fn train_tokenizer(inputs: &[PathBuf], vocab_size: usize, out: &Path, force: bool) -> Result<()> {
+    ganymede_train::guard::check_output_file(out, "--out", force)?;
+    let r = ganymede_data::run_tokenizer_train(inputs, vocab_size, out)?;
+    println!(
+        "trained byte-level BPE: {} ids from {} files ({} bytes{}), {:.2} bytes/token -> {}",
+        r.vocab_size,
+        r.files,
+        r.input_bytes,
+        if r.invalid_utf8_bytes > 0 {
+            format!(
+                "; {} of them not valid UTF-8, trained on as U+FFFD",
+                r.invalid_utf8_bytes
+            )
+        } else {
+            String::new()
+        },
+        r.bytes_per_token,
+        out.display()
+    );
     Ok(())
 }
 

@@ -80,6 +80,75 @@ fn accumulate_output(out: &mut StepOutput, one: StepOutput, k: usize) {
     }
 }
 
+/// The step's figures that every rank needs summed over all ranks, packed into one buffer so
+/// that they cost one small all-reduce:
+///
+/// ```text
+/// [ loss | grad sumsq | expert regrowths | rows over even: rank 0, rank 1, … ]
+/// ```
+///
+/// Each rank's loss is its slice's share of the global mean, so the sum is the global loss;
+/// the squared gradient norm is summed over one replica's shards (see
+/// [`RankState::local_grad_sumsq`]); the aux loss is already global and not here. With expert
+/// parallelism each rank puts its most rows over an even routing in its own slot (zeros in
+/// the others'), so that after the sum the most over ranks is known without a max collective.
+struct StepSums {
+    packed: Vec<f64>,
+}
+
+impl StepSums {
+    const LOSS: usize = 0;
+    const GRAD_SUMSQ: usize = 1;
+    const EXPERT_REGROWTHS: usize = 2;
+    /// The first of the per-rank slots (present only with expert parallelism).
+    const ROWS_OVER_EVEN: usize = 3;
+
+    /// Rank `rank` of `world_size`'s figures, in its slots.
+    fn pack(
+        loss: f64,
+        grad_sumsq: f64,
+        expert_rows: Option<RowBufferUse>,
+        (rank, world_size): (usize, usize),
+    ) -> Self {
+        let mut packed = vec![0.0; Self::ROWS_OVER_EVEN];
+        packed[Self::LOSS] = loss;
+        packed[Self::GRAD_SUMSQ] = grad_sumsq;
+        if let Some(u) = expert_rows {
+            packed[Self::EXPERT_REGROWTHS] = u.regrowths as f64;
+            packed.resize(Self::ROWS_OVER_EVEN + world_size, 0.0);
+            packed[Self::ROWS_OVER_EVEN + rank] = u.peak as f64 / u.even.max(1) as f64;
+        }
+        StepSums { packed }
+    }
+
+    /// Collective: every slot summed over all ranks.
+    fn all_reduce(mut self, world: &dyn ProcessGroup) -> Result<Self> {
+        world.all_reduce(ViewMut::Host64(&mut self.packed), Phase::Other)?;
+        Ok(self)
+    }
+
+    fn loss(&self) -> f64 {
+        self.packed[Self::LOSS]
+    }
+
+    fn grad_norm(&self) -> f64 {
+        self.packed[Self::GRAD_SUMSQ].sqrt()
+    }
+
+    fn expert_regrowths(&self) -> u64 {
+        self.packed[Self::EXPERT_REGROWTHS] as u64
+    }
+
+    /// The most over ranks (`None` without expert parallelism).
+    fn expert_rows_over_even(&self) -> Option<f64> {
+        let slots = self
+            .packed
+            .get(Self::ROWS_OVER_EVEN..)
+            .filter(|s| !s.is_empty())?;
+        Some(slots.iter().copied().fold(0.0, f64::max))
+    }
+}
+
 /// Stop a step whose loss or gradient norm is not finite, before its update. A NaN or an
 /// infinity in any gradient makes the norm (a sum over all of them) non-finite even when the
 /// loss is finite, and an update from it would spread it through every weight it touches.
@@ -343,76 +412,133 @@ impl RankState {
         self.model.param_specs().iter().map(|s| s.numel()).sum()
     }
 
-    /// One optimizer step on global batch `step` (0-based).
+    /// One optimizer step on global batch `step` (0-based): this rank's slice of the batch,
+    /// forward and backward per microbatch, the cross-rank sums, the finite check, clipping
+    /// and the update, the router bias.
     pub fn step(&mut self, data: &Dataset, step: usize) -> Result<StepReport> {
         let world = self.mesh.world.clone();
         let ctx = world.ctx().clone();
         ctx.stats.reset();
+
+        // Batch: this rank's slice of the global batch.
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
         let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
         let docs = data.batch_doc_starts(step as u64, batch, seq, world.rank(), world.size());
-        let be: &dyn Backend = self.be.as_ref();
-        // Gradient accumulation: the rank's share in microbatches, each one's gradients its
-        // own global batch's mean times 1/k, added up before the one update.
-        let micro = self.cfg.training.micro_batch(world.size());
-        let k = batch / world.size() / micro;
+
+        // Forward and backward per microbatch, the gradients accumulated.
+        self.zero_whole_grads();
+        let out = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer);
+
+        // Reduce: the loss, the gradient norm and the expert buffers' use, over all ranks.
+        let t0 = Instant::now();
+        let grad_sumsq = self.local_grad_sumsq();
+        let expert_rows = self.experts.take_use();
+        let sums = StepSums::pack(
+            out.loss,
+            grad_sumsq,
+            expert_rows,
+            (world.rank(), world.size()),
+        )
+        .all_reduce(world.as_ref())?;
+        let (loss, norm) = (sums.loss(), sums.grad_norm());
+        // Every rank holds the same reduced values, so every rank stops here alike, before
+        // the update: the weights (and the last checkpoint) stay as they were.
+        check_finite(loss, norm, step, self.cfg.optimizer.lr)?;
+
+        // Clip and update. Clipping's coefficient goes into the update kernels, which scale
+        // each gradient as they read it (no pass over the gradients of its own).
+        let coef = clip_coef(norm, self.cfg.training.grad_clip).unwrap_or(1.0);
+        let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
+        self.update(lr, coef)?;
+        if self.cfg.model.router_bias_update > 0.0 {
+            self.update_router_bias(&out.expert_load);
+        }
+        ctx.tracer
+            .record("optimizer", Track::Compute, t0, Instant::now(), None);
+        self.trace_copies(&ctx.tracer);
+
+        // Metrics.
+        Ok(StepReport {
+            loss,
+            aux_loss: out.aux_loss,
+            grad_norm: norm,
+            lr,
+            tokens: out.tokens,
+            expert_load: out.expert_load,
+            comm: ctx.stats.snapshot(),
+            expert_rows,
+            expert_regrowths: sums.expert_regrowths(),
+            expert_rows_over_even: sums.expert_rows_over_even(),
+        })
+    }
+
+    /// Zero the whole gradients before a step's first microbatch adds into them. FSDP's need
+    /// no pass: the first microbatch's reduce-scatter replaces the shards.
+    fn zero_whole_grads(&mut self) {
         if let Shards::Whole { grads, .. } = &mut self.shards {
             for g in grads.tensors_mut() {
-                be.fill(g.view_mut(), 0.0);
+                self.be.fill(g.view_mut(), 0.0);
             }
         }
+    }
+
+    /// Gradient accumulation: forward and backward over this rank's slice (`inputs`, `targets`,
+    /// `doc_starts`) in microbatches, each one's gradients its own global microbatch's mean
+    /// times 1/k, added up before the one update. Returns the step's output, the microbatches'
+    /// mean.
+    fn forward_backward_microbatches(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        doc_starts: Option<&[u32]>,
+        tracer: &Tracer,
+    ) -> StepOutput {
+        let world = self.mesh.world.size();
+        let seq = self.cfg.model.seq_len;
+        let micro = self.cfg.training.micro_batch(world);
+        let k = self.cfg.training.batch_size / world / micro;
         let mut out = StepOutput {
             loss: 0.0,
             aux_loss: 0.0,
             tokens: 0,
             expert_load: Vec::new(),
         };
-        let global = world.size() * micro * seq;
+        let global = world * micro * seq;
         for m in 0..k {
             let rows = m * micro * seq..(m + 1) * micro * seq;
             let tokens = Tokens {
-                inputs: &x[rows.clone()],
-                targets: &y[rows.clone()],
-                doc_starts: docs.as_ref().map(|d| &d[rows]),
+                inputs: &inputs[rows.clone()],
+                targets: &targets[rows.clone()],
+                doc_starts: doc_starts.map(|d| &d[rows]),
             };
-            let one = self.forward_backward(tokens, global, (m, k), &ctx.tracer);
+            let one = self.forward_backward(tokens, global, (m, k), tracer);
             accumulate_output(&mut out, one, k);
         }
+        out
+    }
 
-        // The loss is this slice's share of the global mean; the aux loss is already global.
-        let t0 = Instant::now();
+    /// The sum of squares of this rank's share of the trainable gradients, toward the global
+    /// norm. Summed on the device; the step's one read of it comes with the loss's.
+    fn local_grad_sumsq(&mut self) -> f64 {
         let specs = self.model.param_specs();
-        // Summed on the device; the step's one read of it comes with the loss's, here.
         self.be.fill(self.norm_acc.view_mut(), 0.0);
         for g in trainable_grads(&mut self.shards, specs) {
             self.be.sumsq_acc(self.norm_acc.view_mut(), g.view());
         }
         let sumsq = self.be.download_f64(self.norm_acc.view())[0];
-        // The loss is summed over every rank's slice; the gradient norm over one replica's
-        // shards only (after the cross-replica all-reduce every replica holds the same
-        // gradients, so counting them all would multiply the norm by the replica count).
-        let sumsq = if self.replica() == 0 { sumsq } else { 0.0 };
-        // The expert buffers' regrowths ride along, summed, and each rank's most rows over an
-        // even routing in its own slot (zero in the others), so the most over ranks is known
-        // without another collective.
-        let expert_rows = self.experts.take_use();
-        let regrew = expert_rows.map_or(0, |u| u.regrowths) as f64;
-        let mut red = vec![out.loss, sumsq, regrew];
-        if expert_rows.is_some() {
-            red.resize(3 + world.size(), 0.0);
-            red[3 + world.rank()] =
-                expert_rows.map_or(0.0, |u| u.peak as f64 / u.even.max(1) as f64);
+        // The gradient norm is over one replica's shards only: after the cross-replica
+        // all-reduce every replica holds the same gradients, so counting them all would
+        // multiply the norm by the replica count.
+        if self.replica() == 0 {
+            sumsq
+        } else {
+            0.0
         }
-        world.all_reduce(ViewMut::Host64(&mut red), Phase::Other)?;
-        let rows_over_even = expert_rows.map(|_| red[3..].iter().copied().fold(0.0, f64::max));
-        let (loss, norm) = (red[0], red[1].sqrt());
-        // Every rank holds the same reduced values, so every rank stops here alike, before
-        // the update: the weights (and the last checkpoint) stay as they were.
-        check_finite(loss, norm, step, self.cfg.optimizer.lr)?;
-        // Clipping's coefficient goes into the update kernels, which scale each gradient as
-        // they read it (no pass over the gradients of its own).
-        let coef = clip_coef(norm, self.cfg.training.grad_clip).unwrap_or(1.0);
-        let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
+    }
+
+    /// The optimizer update at learning rate `lr`, each gradient scaled by the clipping
+    /// coefficient `coef` as the update kernels read it.
+    fn update(&mut self, lr: f64, coef: f32) -> Result<()> {
         let be: &dyn Backend = self.be.as_ref();
         match &mut self.shards {
             Shards::Whole {
@@ -436,24 +562,7 @@ impl RankState {
                 opt.step_scaled(be, &self.mesh, master, shards, lr, coef)?
             }
         }
-        if self.cfg.model.router_bias_update > 0.0 {
-            self.update_router_bias(&out.expert_load);
-        }
-        ctx.tracer
-            .record("optimizer", Track::Compute, t0, Instant::now(), None);
-        self.trace_copies(&ctx.tracer);
-        Ok(StepReport {
-            loss,
-            aux_loss: out.aux_loss,
-            grad_norm: norm,
-            lr,
-            tokens: out.tokens,
-            expert_load: out.expert_load,
-            comm: ctx.stats.snapshot(),
-            expert_rows,
-            expert_regrowths: red[2] as u64,
-            expert_rows_over_even: rows_over_even,
-        })
+        Ok(())
     }
 
     /// Microbatch `m` of `k` of a step: forward and backward on `tokens`, a global microbatch of
@@ -631,7 +740,34 @@ impl ParamSource for TracedBlocks<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_finite;
+    use super::{check_finite, RowBufferUse, StepSums};
+
+    /// Two ranks' packed figures, summed slot by slot as the all-reduce would: the global
+    /// loss, the norm from the summed squares, the regrowths summed, the most rows over even.
+    #[test]
+    fn step_sums_name_their_slots() {
+        let rows = |peak, regrowths| RowBufferUse {
+            capacity: 64,
+            peak,
+            even: 16,
+            regrowths,
+        };
+        let a = StepSums::pack(1.25, 9.0, Some(rows(40, 2)), (0, 2));
+        let b = StepSums::pack(0.5, 16.0, Some(rows(24, 1)), (1, 2));
+        assert_eq!(a.packed, [1.25, 9.0, 2.0, 2.5, 0.0]);
+        assert_eq!(b.packed, [0.5, 16.0, 1.0, 0.0, 1.5]);
+        let packed = a.packed.iter().zip(&b.packed).map(|(x, y)| x + y).collect();
+        let sum = StepSums { packed };
+        assert_eq!(sum.loss(), 1.75);
+        assert_eq!(sum.grad_norm(), 5.0);
+        assert_eq!(sum.expert_regrowths(), 3);
+        assert_eq!(sum.expert_rows_over_even(), Some(2.5));
+        // Without expert parallelism: three slots, and no rows figure.
+        let dense = StepSums::pack(1.0, 4.0, None, (1, 2));
+        assert_eq!(dense.packed, [1.0, 4.0, 0.0]);
+        assert_eq!(dense.grad_norm(), 2.0);
+        assert_eq!(dense.expert_rows_over_even(), None);
+    }
 
     #[test]
     fn a_step_with_a_non_finite_loss_or_gradient_norm_stops() {

@@ -16,22 +16,25 @@
 //! checkpoint. A single process is world size 1 of the same loop.
 
 use crate::checkpoint::{self, Position};
-use crate::metrics::{self, CollapseWatch, MetricsWriter, Progress, StepMetrics};
+use crate::metrics;
 use anyhow::{bail, Context, Result};
-use ganymede_config::{DeadCheck, JobConfig};
+use ganymede_config::JobConfig;
 use ganymede_core::ledger::CATEGORIES;
 use ganymede_core::{Backend, Device};
 use ganymede_data::Dataset;
 use ganymede_dist::threads::panic_message;
 use ganymede_dist::{write_chrome_trace, CommSnapshot, ProcessGroup, ThreadsConfig, Tracer};
-use ganymede_parallel::RankState;
+use ganymede_parallel::{RankState, StepReport};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use step_log::StepLog;
 
+mod faults;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod step_log;
 #[cfg(feature = "cuda")]
 pub use nccl::train_nccl;
 
@@ -580,6 +583,31 @@ struct RankOut {
     stopped: Option<i32>,
 }
 
+impl RankOut {
+    /// Nothing run yet, of steps `start..end`.
+    fn new(start: usize, end: usize, tracer: Arc<Tracer>) -> Self {
+        RankOut {
+            losses: vec![],
+            comm: vec![],
+            step_secs: vec![],
+            tokens: 0,
+            val_loss: None,
+            start,
+            end,
+            checkpoint: None,
+            tracer,
+            stopped: None,
+        }
+    }
+
+    /// A step's loss, seconds and global batch.
+    fn record_step(&mut self, r: &StepReport, secs: f64) {
+        self.losses.push(r.loss);
+        self.step_secs.push(secs);
+        self.tokens = r.tokens;
+    }
+}
+
 /// Collective: whether any rank has been asked to stop (the signal, or SIGTERM's number when
 /// only another rank knows which), decided by all ranks together so that they stop after the
 /// same step. One float all-reduced per step; outside the step's counted communication.
@@ -733,8 +761,8 @@ fn rank_spans(ranks: &[usize]) -> String {
     spans.join(", ")
 }
 
-/// One rank's whole run: build its state, resume, step, validate, log and write (`writer`:
-/// rank 0), checkpoint.
+/// One rank's whole run: build its state, resume, then step, validate, log (`writer`: rank 0),
+/// checkpoint, stop.
 fn rank_loop(
     world: Arc<dyn ProcessGroup>,
     be: Arc<dyn Backend>,
@@ -746,6 +774,76 @@ fn rank_loop(
     let (rank, n) = (world.rank(), world.size());
     let tracer = world.ctx().tracer.clone();
     let group = world.clone();
+    let (mut st, start, mut tokens_seen) = start_rank(world, be, run, writer)?;
+    let total = cfg.training.steps;
+    let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
+    let mut log = StepLog::open(run, start, n, run_start, writer)?;
+    log.progress
+        .println(&banner(cfg, &st, n, data, run_dir, start));
+    let mut out = RankOut::new(start, end, tracer);
+    // Signals stop gracefully from here (before, there was nothing to save).
+    crate::stop::arm();
+    for step in start..end {
+        faults::inject(opts, cfg, rank, step);
+        // Step: one optimizer step; `step` is 0-based, metrics count completed steps.
+        let t0 = Instant::now();
+        let r = st.step(data, step)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let done = step + 1;
+        tokens_seen += r.tokens as u64;
+        out.record_step(&r, dt);
+
+        // Evaluate, then log (the step's line carries the validation).
+        let val_due = validation_due(cfg, done, end);
+        let val = val_due.then(|| validate(&mut st, data)).transpose()?;
+        if let Some((v, _)) = &val {
+            out.val_loss = Some(*v);
+        }
+        log.record(&r, (done, dt), tokens_seen, val, val_due)?;
+        log.check_dead(done, &r, out.checkpoint.as_deref())?;
+        out.comm.push(r.comm);
+
+        // Stop: a signal ends the run here, as if `end` were this step (no validation: a
+        // cluster's warning leaves little time).
+        let stop = if done < end {
+            agreed_stop(&*group, crate::stop::requested())?
+        } else {
+            None
+        };
+        if let Some(sig) = stop {
+            (out.end, out.stopped) = (done, Some(sig));
+        }
+
+        // Checkpoint, every `checkpoint.interval` and at the end.
+        if checkpoint_due(cfg, done, done == end || stop.is_some()) {
+            out.checkpoint = save_checkpoint(&mut st, run, done, tokens_seen)?;
+        }
+        if stop.is_some() {
+            break;
+        }
+    }
+    if opts.init_from.is_some() && run.ckpt.is_none() && end == 0 && cfg.checkpoint.enable {
+        // An import without training: the imported weights as a checkpoint that eval, export
+        // and `train --resume` read.
+        out.checkpoint = save_checkpoint(&mut st, run, 0, 0)?;
+    }
+    log.progress.finish();
+    if log.is_writer() {
+        write_memory(cfg, &st, run_dir, n, opts.quiet)?;
+    }
+    Ok(out)
+}
+
+/// A rank's state, ready for its first step: built on `be`, resumed from the run's checkpoint
+/// or initialised from `--init-from`, with `RUN/config.toml` written (`writer`: rank 0).
+/// Returns it with the first step to run and the tokens seen before it.
+fn start_rank(
+    world: Arc<dyn ProcessGroup>,
+    be: Arc<dyn Backend>,
+    run: &Run,
+    writer: bool,
+) -> Result<(RankState, usize, u64)> {
+    let (cfg, opts) = (&run.cfg, &run.opts);
     let mut st = RankState::with_backend(world, cfg, be)?;
     let total = cfg.training.steps;
     let (mut start, mut tokens_seen) = (0, 0u64);
@@ -764,174 +862,36 @@ fn rank_loop(
         crate::hf_import::load_into(&mut st, &hf, cfg)?;
     }
     if writer {
-        write_run_config(cfg, run_dir)?;
+        write_run_config(cfg, &run.run_dir)?;
     }
-    let end = opts.stop_after.map_or(total, |s| s.clamp(start, total));
-    // Rank 0 writes metrics (appending to a resumed run's, without the steps it redoes).
-    let mut writer = writer
-        .then(|| MetricsWriter::open(&run_dir.join("metrics.jsonl"), start))
-        .transpose()?;
-    let progress = Progress::new(
-        start,
-        total,
-        cfg.metrics.log_every,
-        opts.quiet || writer.is_none(),
-    );
-    progress.println(&banner(cfg, &st, n, data, run_dir, start));
-    let mut out = RankOut {
-        losses: vec![],
-        comm: vec![],
-        step_secs: vec![],
-        tokens: 0,
-        val_loss: None,
-        start,
-        end,
-        checkpoint: None,
-        tracer,
-        stopped: None,
+    Ok((st, start, tokens_seen))
+}
+
+/// Whether to validate after `done` completed steps: every `metrics.val_every`, and at `end`.
+fn validation_due(cfg: &JobConfig, done: usize, end: usize) -> bool {
+    done == end || (cfg.metrics.val_every > 0 && done.is_multiple_of(cfg.metrics.val_every))
+}
+
+/// Whether to checkpoint after `done` completed steps (`last`: the run ends there).
+fn checkpoint_due(cfg: &JobConfig, done: usize, last: bool) -> bool {
+    let ck = &cfg.checkpoint;
+    ck.enable && (last || (ck.interval > 0 && done.is_multiple_of(ck.interval)))
+}
+
+/// Collective: a checkpoint after `step` completed steps and `tokens_seen` tokens.
+fn save_checkpoint(
+    st: &mut RankState,
+    run: &Run,
+    step: usize,
+    tokens_seen: u64,
+) -> Result<Option<PathBuf>> {
+    let at = Position {
+        step,
+        tokens_seen,
+        data_seed: run.data.seed(),
+        data: Some(run.data_fp.clone()),
     };
-    let mut timed_tokens = 0u64;
-    let mut step_secs = 0.0f64;
-    let mut collapse = CollapseWatch::for_run(&cfg.model, total);
-    // Signals stop gracefully from here (before, there was nothing to save).
-    crate::stop::arm();
-    let mut dead = metrics::DeadWatch::new(cfg.model.vocab_size);
-    let mut dead_warned = false;
-    let mut spikes = metrics::SpikeWatch::new(cfg.metrics.spike_factor);
-    for step in start..end {
-        if opts.fail_at == Some((rank, step)) {
-            panic!("injected failure on rank {rank} at step {}", step + 1);
-        }
-        if opts.stall_at == Some((rank, step)) {
-            std::thread::sleep(Duration::from_secs_f64(cfg.parallelism.timeout_s * 20.0));
-        }
-        // One optimizer step; `step` is 0-based, metrics count completed steps.
-        let t0 = Instant::now();
-        let r = st.step(data, step)?;
-        let dt = t0.elapsed().as_secs_f64();
-        step_secs += dt;
-        tokens_seen += r.tokens as u64;
-        timed_tokens += r.tokens as u64;
-        out.losses.push(r.loss);
-        out.step_secs.push(dt);
-        out.tokens = r.tokens;
-
-        let done = step + 1;
-        let val_due = done == end
-            || (cfg.metrics.val_every > 0 && done.is_multiple_of(cfg.metrics.val_every));
-        let (val_loss, val_loss_by_source) = match val_due {
-            true => validate(&mut st, data).map(|(v, by)| (Some(v), by))?,
-            false => (None, Default::default()),
-        };
-        if val_loss.is_some() {
-            out.val_loss = val_loss;
-        }
-        if let Some(w) = &mut writer {
-            let (load_max_over_mean, load_cv) = metrics::load_balance(&r.expert_load);
-            let sm = StepMetrics {
-                step: done,
-                loss: r.loss,
-                aux_loss: r.aux_loss,
-                lr: r.lr,
-                grad_norm: r.grad_norm,
-                tokens_per_s: r.tokens as f64 / dt.max(1e-9),
-                tokens_per_s_avg: timed_tokens as f64 / step_secs.max(1e-9),
-                tokens_seen,
-                elapsed_s: run_start.elapsed().as_secs_f64(),
-                step_s: dt,
-                load_max_over_mean,
-                load_cv,
-                val_loss,
-                val_loss_by_source,
-                ranks: n,
-                comm_bytes: (n > 1).then(|| r.comm.by_phase_json()),
-                comm: (n > 1).then(|| serde_json::json!(r.comm.entries)),
-                ep_rows_over_even: r.expert_rows_over_even,
-                ep_regrowths: r.expert_rows.map(|_| r.expert_regrowths),
-                expert_load: val_due.then(|| r.expert_load.clone()),
-            };
-            w.write(&sm)?;
-            if r.expert_regrowths > 0 {
-                progress.println(&format!(
-                    "step {done}: expert-parallel dispatch buffers grew {} time(s) over the ranks: \
-                     a layer routed a rank more rows than parallelism.ep_capacity_factor = {} \
-                     holds (the most on any rank: {:.2}x an even routing); they allocate until \
-                     the factor covers the routing",
-                    r.expert_regrowths,
-                    cfg.parallelism.ep_capacity_factor,
-                    sm.ep_rows_over_even.unwrap_or(0.0)
-                ));
-            }
-            for warning in collapse.observe(done, &r.expert_load) {
-                progress.println(&warning);
-            }
-            if let Some(warning) = spikes.observe(done, r.loss) {
-                progress.println(&warning);
-            }
-            progress.step(&sm, total);
-        }
-        out.comm.push(r.comm);
-
-        // Every rank sees the same loss and gradient norm, so every rank decides alike.
-        if let Some(msg) = dead.observe(done, r.loss, r.grad_norm) {
-            match cfg.metrics.dead_check {
-                DeadCheck::Stop => bail!(
-                    "{msg}; stopped before writing a checkpoint of it{} (metrics.dead_check = \"warn\" lets such a run go on)",
-                    out.checkpoint.as_ref().map_or(String::new(), |c| format!(
-                        " (the last one is {})",
-                        c.display()
-                    ))
-                ),
-                DeadCheck::Warn if !dead_warned && writer.is_some() => {
-                    dead_warned = true;
-                    progress.println(&format!("warning: {msg}"));
-                }
-                _ => {}
-            }
-        }
-
-        // A stop signal ends the run here, as if `end` were this step (no validation: a
-        // cluster's warning leaves little time).
-        let stop = if done < end {
-            agreed_stop(&*group, crate::stop::requested())?
-        } else {
-            None
-        };
-        if let Some(sig) = stop {
-            out.end = done;
-            out.stopped = Some(sig);
-        }
-        let last = done == end || stop.is_some();
-        let ck = &cfg.checkpoint;
-        if ck.enable && (last || (ck.interval > 0 && done.is_multiple_of(ck.interval))) {
-            let at = Position {
-                step: done,
-                tokens_seen,
-                data_seed: data.seed(),
-                data: Some(run.data_fp.clone()),
-            };
-            out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
-        }
-        if stop.is_some() {
-            break;
-        }
-    }
-    if opts.init_from.is_some() && run.ckpt.is_none() && end == 0 && cfg.checkpoint.enable {
-        // An import without training: the imported weights as a checkpoint that eval, export
-        // and `train --resume` read.
-        let at = Position {
-            step: 0,
-            tokens_seen: 0,
-            data_seed: data.seed(),
-            data: Some(run.data_fp.clone()),
-        };
-        out.checkpoint = st.save(run_dir, &at, cfg.parallelism.sharded_checkpoints)?;
-    }
-    progress.finish();
-    if writer.is_some() {
-        write_memory(cfg, &st, run_dir, n, opts.quiet)?;
-    }
-    Ok(out)
+    st.save(&run.run_dir, &at, run.cfg.parallelism.sharded_checkpoints)
 }
 
 /// Collective: the validation loss, and with prepared sources each one's (`val_loss/<name>`),
