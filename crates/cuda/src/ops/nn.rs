@@ -28,10 +28,10 @@ fn same(op: &str, what: &str, got: (DType, usize), want: (DType, usize)) {
 /// The kernel suffix of an op reading `input` storage and writing `output`: one storage
 /// (`f32`, `bf16`), or f32 in and bf16 out (`f32_to_bf16`: the experts' and SwiGLUs' rows
 /// that bf16-input GEMMs read, rounded once where they are made).
-fn st_to(input: DType, output: DType, op: &str) -> &'static str {
+fn suffix_to(input: DType, output: DType, op: &str) -> &'static str {
     match (input, output) {
         (DType::F32, DType::BF16) => "f32_to_bf16",
-        (i, o) if i == o => st(i, op),
+        (i, o) if i == o => suffix(i, op),
         (i, o) => panic!("{op}: no kernel from {} to {}", i.name(), o.name()),
     }
 }
@@ -72,10 +72,10 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let args = [self.am(out), self.a(wte), self.a(ids), i32_of(dim)];
+        let args = [self.arg_mut(out), self.arg(wte), self.arg(ids), i32_of(dim)];
         let name = match widen {
             true => "embedding_forward_f32_bf16".to_string(),
-            false => format!("embedding_forward_{}", st(dt, "embedding_forward")),
+            false => format!("embedding_forward_{}", suffix(dt, "embedding_forward")),
         };
         self.launch(&name, self.per_row(n, dim), &args);
     }
@@ -111,14 +111,14 @@ impl<L: Launcher> KernelOps<L> {
         }
         let name = format!(
             "embedding_backward_sorted_{}",
-            st(dout.dtype(), "embedding_backward")
+            suffix(dout.dtype(), "embedding_backward")
         );
         let args = [
-            self.am(dwte),
-            self.a(dout),
-            self.a(e.order),
-            self.a(e.seg_start),
-            self.a(e.seg_id),
+            self.arg_mut(dwte),
+            self.arg(dout),
+            self.arg(e.order),
+            self.arg(e.seg_start),
+            self.arg(e.seg_id),
             i32_of(dim),
         ];
         // A thread per column of a segment: long segments (byte ids) are then as parallel as
@@ -134,7 +134,12 @@ impl<L: Launcher> KernelOps<L> {
     /// `dw += Σ_chunks partial` (`parts × cols` f32 at `partial`).
     fn col_sum_acc(&self, dw: ViewMut, partial: *mut c_void, parts: usize) {
         let cols = dw.len();
-        let args = [self.am(dw), partial.into(), i32_of(parts), i32_of(cols)];
+        let args = [
+            self.arg_mut(dw),
+            partial.into(),
+            i32_of(parts),
+            i32_of(cols),
+        ];
         self.launch(
             "col_sum_acc_f32",
             cfg(grid(cols.div_ceil(32), 1, 1), 32),
@@ -170,14 +175,14 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [
-            self.am(out),
-            self.am(rstd),
-            self.a(x),
-            self.a(w),
+            self.arg_mut(out),
+            self.arg_mut(rstd),
+            self.arg(x),
+            self.arg(w),
             i32_of(dim),
             eps.into(),
         ];
-        let name = format!("rmsnorm_forward_{}", st(dt, "rmsnorm_forward"));
+        let name = format!("rmsnorm_forward_{}", suffix(dt, "rmsnorm_forward"));
         self.launch(&name, self.per_row(rows, dim), &args);
     }
 
@@ -208,13 +213,13 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let sfx = st(dt, "rmsnorm_backward");
+        let sfx = suffix(dt, "rmsnorm_backward");
         let args = [
-            self.am(dx),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.w),
-            self.a(s.rstd),
+            self.arg_mut(dx),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.w),
+            self.arg(s.rstd),
             i32_of(dim),
         ];
         let blocks = self.per_row(rows, dim);
@@ -223,9 +228,9 @@ impl<L: Launcher> KernelOps<L> {
         let (_s, [partial]) = self.scratch([chunks * dim * 4]);
         let args = [
             partial.into(),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.rstd),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.rstd),
             i32_of(rows),
             i32_of(dim),
             i32_of(CHUNK_ROWS),
@@ -316,13 +321,18 @@ impl<L: Launcher> KernelOps<L> {
         }
         let doc = self.doc_arg(op, docs, rows);
         let freq = self.inv_freq(&d);
-        let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
+        let mut args = vec![
+            self.arg_mut(out),
+            self.arg_mut(rstd),
+            self.arg(x),
+            self.arg(w),
+        ];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
         args.push(i64_of(rows * d.heads));
         args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
-        let name = format!("{op}_{}{}", doc_sfx(&doc), st(dt, op));
+        let name = format!("{op}_{}{}", doc_sfx(&doc), suffix(dt, op));
         self.launch(&name, blocks, &args);
     }
 
@@ -331,7 +341,7 @@ impl<L: Launcher> KernelOps<L> {
     fn doc_arg(&self, op: &str, docs: Option<View>, n: usize) -> Option<Arg> {
         let d = docs?;
         same(op, "docs", (d.dtype(), d.len()), (DType::U32, n));
-        Some(self.a(d))
+        Some(self.arg(d))
     }
 
     pub fn head_norm_rope_backward(
@@ -385,17 +395,17 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let doc = self.doc_arg(op, docs, rows);
-        let sfx = format!("{}{}", doc_sfx(&doc), st(dt, op));
+        let sfx = format!("{}{}", doc_sfx(&doc), suffix(dt, op));
         // The weight gradient's chunks are of head rows (a position's heads one after another).
         let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
         let freq = self.inv_freq(&d);
         let (_s, [partial]) = self.scratch([chunks * d.head_dim * 4]);
         let mut args = vec![
-            self.am(dx),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.w),
-            self.a(s.rstd),
+            self.arg_mut(dx),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.w),
+            self.arg(s.rstd),
         ];
         args.extend(self.rope_args(&d, freq));
         args.push(i64_of(rows * d.heads));
@@ -404,9 +414,9 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
         let mut args = vec![
             partial.into(),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.rstd),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.rstd),
             i32_of(rows),
         ];
         args.extend(self.rope_args(&d, freq));
@@ -443,7 +453,7 @@ impl<L: Launcher> KernelOps<L> {
         let nq = d.batch * d.tq * d.heads * d.head_dim;
         let nk = d.batch * d.tk * d.kv_heads * d.head_dim;
         assert_eq!((q, k, v), (nq, nk, nk), "{op}: q, k, v lengths for {d:?}");
-        let _ = st(dt, op);
+        let _ = suffix(dt, op);
         nq
     }
 
@@ -504,7 +514,13 @@ impl<L: Launcher> KernelOps<L> {
         }
         let doc = self.doc_arg(op, docs, d.batch * d.tq);
         let ds = doc_sfx(&doc);
-        let mut args = vec![self.am(out), self.am(lse), self.a(q), self.a(k), self.a(v)];
+        let mut args = vec![
+            self.arg_mut(out),
+            self.arg_mut(lse),
+            self.arg(q),
+            self.arg(k),
+            self.arg(v),
+        ];
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
         args.extend(doc);
@@ -522,7 +538,7 @@ impl<L: Launcher> KernelOps<L> {
         }
         let w = self.tuning.attn_rows as usize;
         let shape = cfg(grid(d.tq.div_ceil(w), d.heads, d.batch), 32 * w as u32);
-        self.launch(&format!("{op}_{ds}{}", st(dt, op)), shape, &args);
+        self.launch(&format!("{op}_{ds}{}", suffix(dt, op)), shape, &args);
     }
 
     pub fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
@@ -569,7 +585,7 @@ impl<L: Launcher> KernelOps<L> {
         }
         let doc = self.doc_arg(op, docs, d.batch * d.tq);
         let ds = doc_sfx(&doc);
-        let sfx = st(dt, op);
+        let sfx = suffix(dt, op);
         let tc = self.attn_tc(dt, &d);
         let fused = tc && self.tuning.attn_fused_dq && d.head_dim <= 64;
         let (_s, [delta]) = self.scratch([nl * 4]);
@@ -583,8 +599,8 @@ impl<L: Launcher> KernelOps<L> {
         };
         let args = [
             delta.into(),
-            self.a(dout),
-            self.a(s.out),
+            self.arg(dout),
+            self.arg(s.out),
             i32_of(d.tq),
             i32_of(d.heads),
             i32_of(d.head_dim),
@@ -597,17 +613,17 @@ impl<L: Launcher> KernelOps<L> {
             args.push(Self::attn_scale(&d));
             args.extend(doc);
         };
-        let mut args = vec![self.am(dk), self.am(dv)];
+        let mut args = vec![self.arg_mut(dk), self.arg_mut(dv)];
         if fused {
             self.zero(acc, nq * 4);
             args.push(acc.into());
         }
         args.extend([
-            self.a(dout),
-            self.a(s.q),
-            self.a(s.k),
-            self.a(s.v),
-            self.a(s.lse),
+            self.arg(dout),
+            self.arg(s.q),
+            self.arg(s.k),
+            self.arg(s.v),
+            self.arg(s.lse),
             delta.into(),
         ]);
         tail(&mut args);
@@ -616,7 +632,7 @@ impl<L: Launcher> KernelOps<L> {
             let name = format!("{op}_fused_tc{}_{ds}bf16", d.head_dim);
             self.launch(&name, cfg(g, TC_BLOCK), &args);
             // The sums are scaled already: dq is their bf16 rounding.
-            let args = [self.am(dq), acc.into(), i64_of(nq)];
+            let args = [self.arg_mut(dq), acc.into(), i64_of(nq)];
             self.launch("cast_f32_to_bf16", self.ew(nq), &args);
             return;
         }
@@ -632,12 +648,12 @@ impl<L: Launcher> KernelOps<L> {
         };
         self.launch(&name, shape, &args);
         let mut args = vec![
-            self.am(dq),
-            self.a(dout),
-            self.a(s.q),
-            self.a(s.k),
-            self.a(s.v),
-            self.a(s.lse),
+            self.arg_mut(dq),
+            self.arg(dout),
+            self.arg(s.q),
+            self.arg(s.k),
+            self.arg(s.v),
+            self.arg(s.lse),
             delta.into(),
         ];
         tail(&mut args);
@@ -666,8 +682,8 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let name = format!("{op}_{}", st_to(dt, out.dtype(), op));
-        let args = [self.am(out), self.a(gate), self.a(up), i64_of(n)];
+        let name = format!("{op}_{}", suffix_to(dt, out.dtype(), op));
+        let args = [self.arg_mut(out), self.arg(gate), self.arg(up), i64_of(n)];
         self.launch(&name, self.ew(n), &args);
     }
 
@@ -684,14 +700,18 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [
-            self.am(dgate),
-            self.am(dup),
-            self.a(dout),
-            self.a(gate),
-            self.a(up),
+            self.arg_mut(dgate),
+            self.arg_mut(dup),
+            self.arg(dout),
+            self.arg(gate),
+            self.arg(up),
             i64_of(n),
         ];
-        self.launch(&format!("{op}_{}", st_to(dt, out, op)), self.ew(n), &args);
+        self.launch(
+            &format!("{op}_{}", suffix_to(dt, out, op)),
+            self.ew(n),
+            &args,
+        );
     }
 
     // -----------------------------------------------------------------------------------------
@@ -752,13 +772,13 @@ impl<L: Launcher> KernelOps<L> {
         }
         let chunks = rows.div_ceil(CHUNK_ROWS);
         let (_s, [partial]) = self.scratch([chunks * experts * 8]);
-        let bias = bias.map_or(Arg::Ptr(std::ptr::null_mut()), |b| self.a(b));
-        let probs_addr = self.am(probs.reborrow());
+        let bias = bias.map_or(Arg::Ptr(std::ptr::null_mut()), |b| self.arg(b));
+        let probs_addr = self.arg_mut(probs.reborrow());
         let args = [
             probs_addr,
-            self.am(weights),
-            self.am(idx),
-            self.a(logits),
+            self.arg_mut(weights),
+            self.arg_mut(idx),
+            self.arg(logits),
             bias,
             i32_of(experts),
             i32_of(k),
@@ -824,11 +844,11 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [
-            self.am(dlogits),
-            self.a(dweights),
-            self.a(probs),
-            self.a(idx),
-            self.a(dprob_const),
+            self.arg_mut(dlogits),
+            self.arg(dweights),
+            self.arg(probs),
+            self.arg(idx),
+            self.arg(dprob_const),
             i32_of(experts),
             i32_of(k),
             Arg::I32(renorm as i32),
@@ -848,7 +868,7 @@ impl<L: Launcher> KernelOps<L> {
             d.pos.len() <= rows,
             "{op}: more choices than dispatched rows"
         );
-        (d.pos.len() / d.k, self.a(d.pos))
+        (d.pos.len() / d.k, self.arg(d.pos))
     }
 
     /// The stable counting sort of the router's choices by expert (see
@@ -880,7 +900,7 @@ impl<L: Launcher> KernelOps<L> {
             self.launcher.addr_mut(out.offsets),
         );
         assert!(experts <= 1024, "{op}: at most 1024 experts, not {experts}");
-        let idx = self.a(idx);
+        let idx = self.arg(idx);
         let tiles = n.div_ceil(DISPATCH_TILE);
         let (_s, [t]) = self.scratch([tiles * experts * 4]);
         let block = cfg(grid(tiles, 1, 1), 256);
@@ -900,8 +920,8 @@ impl<L: Launcher> KernelOps<L> {
         );
         if n > 0 {
             let args = [
-                self.am(out.src),
-                self.am(out.pos),
+                self.arg_mut(out.src),
+                self.arg_mut(out.pos),
                 t.into(),
                 idx,
                 n32,
@@ -925,8 +945,8 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let n = src.len();
-        let name = format!("{op}_{}", st_to(dt, out, op));
-        let args = [self.am(xe), self.a(x), self.a(src), i32_of(dim)];
+        let name = format!("{op}_{}", suffix_to(dt, out, op));
+        let args = [self.arg_mut(xe), self.arg(x), self.arg(src), i32_of(dim)];
         let shape = self.per_row(n, dim);
         self.launch(&name, shape, &args);
     }
@@ -940,9 +960,15 @@ impl<L: Launcher> KernelOps<L> {
         if tokens == 0 {
             return;
         }
-        let args = [self.am(dx), self.a(dxe), pos, i32_of(d.k), i32_of(d.dim)];
+        let args = [
+            self.arg_mut(dx),
+            self.arg(dxe),
+            pos,
+            i32_of(d.k),
+            i32_of(d.dim),
+        ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+        self.launch(&format!("{op}_{}", suffix(dt, op)), shape, &args);
     }
 
     /// `ye` in `out`'s storage, or bf16 into f32 tokens (bf16 GEMM outputs).
@@ -957,9 +983,9 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [
-            self.am(out),
-            self.a(ye),
-            self.a(w),
+            self.arg_mut(out),
+            self.arg(ye),
+            self.arg(w),
             pos,
             i32_of(d.k),
             i32_of(d.dim),
@@ -967,7 +993,7 @@ impl<L: Launcher> KernelOps<L> {
         let shape = self.per_row(tokens, d.dim);
         let name = match ye16 {
             true => format!("{op}_ye_bf16"),
-            false => format!("{op}_{}", st(dt, op)),
+            false => format!("{op}_{}", suffix(dt, op)),
         };
         self.launch(&name, shape, &args);
     }
@@ -996,11 +1022,11 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [
-            self.am(dye),
-            self.am(dw),
-            self.a(dout),
-            self.a(ye),
-            self.a(w),
+            self.arg_mut(dye),
+            self.arg_mut(dw),
+            self.arg(dout),
+            self.arg(ye),
+            self.arg(w),
             pos,
             i32_of(d.k),
             i32_of(d.dim),
@@ -1011,7 +1037,7 @@ impl<L: Launcher> KernelOps<L> {
                 assert_eq!(out, DType::BF16, "{op}: bf16 ye writes bf16 dye");
                 format!("{op}_ye_bf16")
             }
-            false => format!("{op}_{}", st_to(dt, out, op)),
+            false => format!("{op}_{}", suffix_to(dt, out, op)),
         };
         self.launch(&name, shape, &args);
     }
@@ -1039,20 +1065,20 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let sfx = st(dt, op);
-        let tg = self.a(targets);
+        let sfx = suffix(dt, op);
+        let tg = self.arg(targets);
         let mut lse = lse;
-        let lse_addr = self.am(lse.reborrow());
-        let args = [lse_addr, self.a(logits), i32_of(vocab)];
+        let lse_addr = self.arg_mut(lse.reborrow());
+        let args = [lse_addr, self.arg(logits), i32_of(vocab)];
         self.launch(
             &format!("cross_entropy_forward_{sfx}"),
             cfg(grid(rows, 1, 1), 128),
             &args,
         );
         let args = [
-            self.am(loss),
+            self.arg_mut(loss),
             lse_addr,
-            self.a(logits),
+            self.arg(logits),
             tg,
             i32_of(rows),
             i32_of(vocab),
@@ -1081,14 +1107,14 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [
-            self.am(logits),
-            self.a(lse),
-            self.a(targets),
+            self.arg_mut(logits),
+            self.arg(lse),
+            self.arg(targets),
             i32_of(vocab),
             scale.into(),
         ];
         self.launch(
-            &format!("{op}_{}", st(dt, op)),
+            &format!("{op}_{}", suffix(dt, op)),
             cfg(grid(rows, 1, 1), 128),
             &args,
         );
