@@ -11,7 +11,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(y), alpha.into(), self.arg(x), i64_of(n)];
-        self.launch(&format!("axpy_{}", suffix(dt, "axpy")), self.ew(n), &args);
+        self.launch(&kernel_name("axpy", dt), self.ew(n), &args);
     }
 
     /// `y *= alpha`.
@@ -21,7 +21,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(y), alpha.into(), i64_of(n)];
-        self.launch(&format!("scale_{}", suffix(dt, "scale")), self.ew(n), &args);
+        self.launch(&kernel_name("scale", dt), self.ew(n), &args);
     }
 
     /// `y += x`.
@@ -32,7 +32,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(y), self.arg(x), i64_of(n)];
-        self.launch(&format!("add_{}", suffix(dt, "add")), self.ew(n), &args);
+        self.launch(&kernel_name("add", dt), self.ew(n), &args);
     }
 
     /// `acc[0] += Σ x²` at the address `acc` (an f64), in two deterministic passes.

@@ -301,6 +301,11 @@ fn suffix(dt: DType, op: &str) -> &'static str {
     }
 }
 
+/// The name of `op`'s kernel for storage `dt`: `{op}_f32` or `{op}_bf16`.
+fn kernel_name(op: &str, dt: DType) -> String {
+    format!("{op}_{}", suffix(dt, op))
+}
+
 fn i32_of(x: usize) -> Arg {
     Arg::I32(i32::try_from(x).expect("size beyond the kernels' int range"))
 }

@@ -21,8 +21,26 @@ fn rows_of(op: &str, len: usize, width: usize) -> usize {
     len / width
 }
 
-fn same(op: &str, what: &str, got: (DType, usize), want: (DType, usize)) {
-    assert_eq!(got, want, "{op}: {what} (dtype, length)");
+/// A view's storage and length, writable or not, for the ops' argument checks.
+trait Extent {
+    fn extent(&self) -> (DType, usize);
+}
+
+impl Extent for View<'_> {
+    fn extent(&self) -> (DType, usize) {
+        (self.dtype(), self.len())
+    }
+}
+
+impl Extent for ViewMut<'_> {
+    fn extent(&self) -> (DType, usize) {
+        (self.dtype(), self.len())
+    }
+}
+
+/// Checks that `v`, argument `what` of `op`, holds `want` = (dtype, length).
+fn check(op: &str, what: &str, v: &impl Extent, want: (DType, usize)) {
+    assert_eq!(v.extent(), want, "{op}: {what} (dtype, length)");
 }
 
 /// The kernel suffix of an op reading `input` storage and writing `output`: one storage
@@ -34,6 +52,11 @@ fn suffix_to(input: DType, output: DType, op: &str) -> &'static str {
         (i, o) if i == o => suffix(i, op),
         (i, o) => panic!("{op}: no kernel from {} to {}", i.name(), o.name()),
     }
+}
+
+/// The name of `op`'s kernel from `input` storage to `output` (see [`suffix_to`]).
+fn kernel_name_to(op: &str, input: DType, output: DType) -> String {
+    format!("{op}_{}", suffix_to(input, output, op))
 }
 
 /// Whether the experts' outputs are bf16 beside f32 tokens (bf16 GEMM outputs: the
@@ -60,7 +83,7 @@ impl<L: Launcher> KernelOps<L> {
         let dt = out.dtype();
         let n = ids.len();
         assert_eq!(ids.dtype(), DType::U32, "embedding_forward: ids are u32");
-        same("embedding_forward", "out", (dt, out.len()), (dt, n * dim));
+        check("embedding_forward", "out", &out, (dt, n * dim));
         let widen = (dt, wte.dtype()) == (DType::F32, DType::BF16);
         assert!(
             wte.dtype() == dt || widen,
@@ -75,7 +98,7 @@ impl<L: Launcher> KernelOps<L> {
         let args = [self.arg_mut(out), self.arg(wte), self.arg(ids), i32_of(dim)];
         let name = match widen {
             true => "embedding_forward_f32_bf16".to_string(),
-            false => format!("embedding_forward_{}", suffix(dt, "embedding_forward")),
+            false => kernel_name("embedding_forward", dt),
         };
         self.launch(&name, self.per_row(n, dim), &args);
     }
@@ -158,19 +181,9 @@ impl<L: Launcher> KernelOps<L> {
     ) {
         let dt = x.dtype();
         let rows = rows_of("rmsnorm_forward", x.len(), dim);
-        same(
-            "rmsnorm_forward",
-            "out",
-            (out.dtype(), out.len()),
-            (dt, x.len()),
-        );
-        same("rmsnorm_forward", "w", (w.dtype(), w.len()), (dt, dim));
-        same(
-            "rmsnorm_forward",
-            "rstd",
-            (rstd.dtype(), rstd.len()),
-            (DType::F32, rows),
-        );
+        check("rmsnorm_forward", "out", &out, (dt, x.len()));
+        check("rmsnorm_forward", "w", &w, (dt, dim));
+        check("rmsnorm_forward", "rstd", &rstd, (DType::F32, rows));
         if rows == 0 {
             return;
         }
@@ -182,7 +195,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(dim),
             eps.into(),
         ];
-        let name = format!("rmsnorm_forward_{}", suffix(dt, "rmsnorm_forward"));
+        let name = kernel_name("rmsnorm_forward", dt);
         self.launch(&name, self.per_row(rows, dim), &args);
     }
 
@@ -190,26 +203,11 @@ impl<L: Launcher> KernelOps<L> {
         let dt = s.x.dtype();
         let rows = rows_of("rmsnorm_backward", s.x.len(), dim);
         let n = s.x.len();
-        same("rmsnorm_backward", "dx", (dx.dtype(), dx.len()), (dt, n));
-        same(
-            "rmsnorm_backward",
-            "dout",
-            (dout.dtype(), dout.len()),
-            (dt, n),
-        );
-        same("rmsnorm_backward", "w", (s.w.dtype(), s.w.len()), (dt, dim));
-        same(
-            "rmsnorm_backward",
-            "dw",
-            (dw.dtype(), dw.len()),
-            (DType::F32, dim),
-        );
-        same(
-            "rmsnorm_backward",
-            "rstd",
-            (s.rstd.dtype(), s.rstd.len()),
-            (DType::F32, rows),
-        );
+        check("rmsnorm_backward", "dx", &dx, (dt, n));
+        check("rmsnorm_backward", "dout", &dout, (dt, n));
+        check("rmsnorm_backward", "w", &s.w, (dt, dim));
+        check("rmsnorm_backward", "dw", &dw, (DType::F32, dim));
+        check("rmsnorm_backward", "rstd", &s.rstd, (DType::F32, rows));
         if rows == 0 {
             return;
         }
@@ -308,14 +306,9 @@ impl<L: Launcher> KernelOps<L> {
         let op = "head_norm_rope_forward";
         let dt = x.dtype();
         let rows = rows_of(op, x.len(), d.heads * d.head_dim);
-        same(op, "out", (out.dtype(), out.len()), (dt, x.len()));
-        same(op, "w", (w.dtype(), w.len()), (dt, d.head_dim));
-        same(
-            op,
-            "rstd",
-            (rstd.dtype(), rstd.len()),
-            (DType::F32, rows * d.heads),
-        );
+        check(op, "out", &out, (dt, x.len()));
+        check(op, "w", &w, (dt, d.head_dim));
+        check(op, "rstd", &rstd, (DType::F32, rows * d.heads));
         if rows == 0 {
             return;
         }
@@ -340,7 +333,7 @@ impl<L: Launcher> KernelOps<L> {
     /// or none.
     fn doc_arg(&self, op: &str, docs: Option<View>, n: usize) -> Option<Arg> {
         let d = docs?;
-        same(op, "docs", (d.dtype(), d.len()), (DType::U32, n));
+        check(op, "docs", &d, (DType::U32, n));
         Some(self.arg(d))
     }
 
@@ -381,16 +374,11 @@ impl<L: Launcher> KernelOps<L> {
         let dt = s.x.dtype();
         let n = s.x.len();
         let rows = rows_of(op, n, d.heads * d.head_dim);
-        same(op, "dx", (dx.dtype(), dx.len()), (dt, n));
-        same(op, "dout", (dout.dtype(), dout.len()), (dt, n));
-        same(op, "w", (s.w.dtype(), s.w.len()), (dt, d.head_dim));
-        same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.head_dim));
-        same(
-            op,
-            "rstd",
-            (s.rstd.dtype(), s.rstd.len()),
-            (DType::F32, rows * d.heads),
-        );
+        check(op, "dx", &dx, (dt, n));
+        check(op, "dout", &dout, (dt, n));
+        check(op, "w", &s.w, (dt, d.head_dim));
+        check(op, "dw", &dw, (DType::F32, d.head_dim));
+        check(op, "rstd", &s.rstd, (DType::F32, rows * d.heads));
         if rows == 0 {
             return;
         }
@@ -506,9 +494,9 @@ impl<L: Launcher> KernelOps<L> {
         let dt = q.dtype();
         assert!(k.dtype() == dt && v.dtype() == dt, "{op}: q, k, v dtypes");
         let nq = Self::attn_check(op, &d, dt, q.len(), k.len(), v.len());
-        same(op, "out", (out.dtype(), out.len()), (dt, nq));
+        check(op, "out", &out, (dt, nq));
         let nl = d.batch * d.heads * d.tq;
-        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, nl));
+        check(op, "lse", &lse, (DType::F32, nl));
         if nl == 0 {
             return;
         }
@@ -573,13 +561,13 @@ impl<L: Launcher> KernelOps<L> {
         );
         let nq = Self::attn_check(op, &d, dt, s.q.len(), s.k.len(), s.v.len());
         let nk = s.k.len();
-        same(op, "out", (s.out.dtype(), s.out.len()), (dt, nq));
-        same(op, "dout", (dout.dtype(), dout.len()), (dt, nq));
-        same(op, "dq", (g.dq.dtype(), g.dq.len()), (dt, nq));
-        same(op, "dk", (g.dk.dtype(), g.dk.len()), (dt, nk));
-        same(op, "dv", (g.dv.dtype(), g.dv.len()), (dt, nk));
+        check(op, "out", &s.out, (dt, nq));
+        check(op, "dout", &dout, (dt, nq));
+        check(op, "dq", &g.dq, (dt, nq));
+        check(op, "dk", &g.dk, (dt, nk));
+        check(op, "dv", &g.dv, (dt, nk));
         let nl = d.batch * d.heads * d.tq;
-        same(op, "lse", (s.lse.dtype(), s.lse.len()), (DType::F32, nl));
+        check(op, "lse", &s.lse, (DType::F32, nl));
         if nl == 0 {
             return;
         }
@@ -677,12 +665,12 @@ impl<L: Launcher> KernelOps<L> {
     pub fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
         let op = "swiglu_forward";
         let (dt, n) = (gate.dtype(), out.len());
-        same(op, "gate", (dt, gate.len()), (dt, n));
-        same(op, "up", (up.dtype(), up.len()), (dt, n));
+        check(op, "gate", &gate, (dt, n));
+        check(op, "up", &up, (dt, n));
         if n == 0 {
             return;
         }
-        let name = format!("{op}_{}", suffix_to(dt, out.dtype(), op));
+        let name = kernel_name_to(op, dt, out.dtype());
         let args = [self.arg_mut(out), self.arg(gate), self.arg(up), i64_of(n)];
         self.launch(&name, self.ew(n), &args);
     }
@@ -692,10 +680,10 @@ impl<L: Launcher> KernelOps<L> {
         let op = "swiglu_backward";
         let (dt, n) = (dout.dtype(), dout.len());
         let out = dgate.dtype();
-        same(op, "dgate", (out, dgate.len()), (out, n));
-        same(op, "dup", (dup.dtype(), dup.len()), (out, n));
-        same(op, "gate", (gate.dtype(), gate.len()), (dt, n));
-        same(op, "up", (up.dtype(), up.len()), (dt, n));
+        check(op, "dgate", &dgate, (out, n));
+        check(op, "dup", &dup, (out, n));
+        check(op, "gate", &gate, (dt, n));
+        check(op, "up", &up, (dt, n));
         if n == 0 {
             return;
         }
@@ -707,11 +695,7 @@ impl<L: Launcher> KernelOps<L> {
             self.arg(up),
             i64_of(n),
         ];
-        self.launch(
-            &format!("{op}_{}", suffix_to(dt, out, op)),
-            self.ew(n),
-            &args,
-        );
+        self.launch(&kernel_name_to(op, dt, out), self.ew(n), &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -726,38 +710,13 @@ impl<L: Launcher> KernelOps<L> {
         );
         let rows = rows_of(op, logits.len(), experts);
         let f = DType::F32;
-        same(
-            op,
-            "logits",
-            (logits.dtype(), logits.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "probs",
-            (out.probs.dtype(), out.probs.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "weights",
-            (out.weights.dtype(), out.weights.len()),
-            (f, rows * k),
-        );
-        same(
-            op,
-            "idx",
-            (out.idx.dtype(), out.idx.len()),
-            (DType::U32, rows * k),
-        );
-        same(
-            op,
-            "psum",
-            (out.psum.dtype(), out.psum.len()),
-            (DType::F64, experts),
-        );
+        check(op, "logits", &logits, (f, rows * experts));
+        check(op, "probs", &out.probs, (f, rows * experts));
+        check(op, "weights", &out.weights, (f, rows * k));
+        check(op, "idx", &out.idx, (DType::U32, rows * k));
+        check(op, "psum", &out.psum, (DType::F64, experts));
         if let Some(b) = bias {
-            same(op, "bias", (b.dtype(), b.len()), (f, experts));
+            check(op, "bias", &b, (f, experts));
         }
         let RouterOut {
             mut probs,
@@ -815,31 +774,11 @@ impl<L: Launcher> KernelOps<L> {
         let RouterDims { experts, k, renorm } = d;
         let rows = rows_of(op, probs.len(), experts);
         let f = DType::F32;
-        same(
-            op,
-            "probs",
-            (probs.dtype(), probs.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "dlogits",
-            (dlogits.dtype(), dlogits.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "dweights",
-            (dweights.dtype(), dweights.len()),
-            (f, rows * k),
-        );
-        same(op, "idx", (idx.dtype(), idx.len()), (DType::U32, rows * k));
-        same(
-            op,
-            "dprob_const",
-            (dprob_const.dtype(), dprob_const.len()),
-            (DType::F64, experts),
-        );
+        check(op, "probs", &probs, (f, rows * experts));
+        check(op, "dlogits", &dlogits, (f, rows * experts));
+        check(op, "dweights", &dweights, (f, rows * k));
+        check(op, "idx", &idx, (DType::U32, rows * k));
+        check(op, "dprob_const", &dprob_const, (DType::F64, experts));
         if rows == 0 {
             return;
         }
@@ -880,21 +819,11 @@ impl<L: Launcher> KernelOps<L> {
         let n = idx.len();
         assert!(k > 0 && n.is_multiple_of(k), "{op}: idx vs k");
         let u = DType::U32;
-        same(op, "idx", (idx.dtype(), n), (u, n));
-        same(
-            op,
-            "counts",
-            (out.counts.dtype(), out.counts.len()),
-            (u, experts),
-        );
-        same(
-            op,
-            "offsets",
-            (out.offsets.dtype(), out.offsets.len()),
-            (u, experts + 1),
-        );
-        same(op, "src", (out.src.dtype(), out.src.len()), (u, n));
-        same(op, "pos", (out.pos.dtype(), out.pos.len()), (u, n));
+        check(op, "idx", &idx, (u, n));
+        check(op, "counts", &out.counts, (u, experts));
+        check(op, "offsets", &out.offsets, (u, experts + 1));
+        check(op, "src", &out.src, (u, n));
+        check(op, "pos", &out.pos, (u, n));
         let (counts, offsets) = (
             self.launcher.addr_mut(out.counts),
             self.launcher.addr_mut(out.offsets),
@@ -940,12 +869,12 @@ impl<L: Launcher> KernelOps<L> {
         rows_of(op, x.len(), dim);
         assert_eq!(src.dtype(), DType::U32, "{op}: src is u32");
         let out = xe.dtype();
-        same(op, "xe", (out, xe.len()), (out, src.len() * dim));
+        check(op, "xe", &xe, (out, src.len() * dim));
         if src.is_empty() {
             return;
         }
         let n = src.len();
-        let name = format!("{op}_{}", suffix_to(dt, out, op));
+        let name = kernel_name_to(op, dt, out);
         let args = [self.arg_mut(xe), self.arg(x), self.arg(src), i32_of(dim)];
         let shape = self.per_row(n, dim);
         self.launch(&name, shape, &args);
@@ -956,7 +885,7 @@ impl<L: Launcher> KernelOps<L> {
         let dt = dxe.dtype();
         let rows = rows_of(op, dxe.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
-        same(op, "dx", (dx.dtype(), dx.len()), (dt, tokens * d.dim));
+        check(op, "dx", &dx, (dt, tokens * d.dim));
         if tokens == 0 {
             return;
         }
@@ -968,7 +897,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&format!("{op}_{}", suffix(dt, op)), shape, &args);
+        self.launch(&kernel_name(op, dt), shape, &args);
     }
 
     /// `ye` in `out`'s storage, or bf16 into f32 tokens (bf16 GEMM outputs).
@@ -977,8 +906,8 @@ impl<L: Launcher> KernelOps<L> {
         let (dt, ye16) = (out.dtype(), ye_bf16(&ye, out.dtype()));
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
-        same(op, "out", (out.dtype(), out.len()), (dt, tokens * d.dim));
-        same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
+        check(op, "out", &out, (dt, tokens * d.dim));
+        check(op, "w", &w, (DType::F32, d.pos.len()));
         if tokens == 0 {
             return;
         }
@@ -993,7 +922,7 @@ impl<L: Launcher> KernelOps<L> {
         let shape = self.per_row(tokens, d.dim);
         let name = match ye16 {
             true => format!("{op}_ye_bf16"),
-            false => format!("{op}_{}", suffix(dt, op)),
+            false => kernel_name(op, dt),
         };
         self.launch(&name, shape, &args);
     }
@@ -1014,10 +943,10 @@ impl<L: Launcher> KernelOps<L> {
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
         let out = dye.dtype();
-        same(op, "dye", (out, dye.len()), (out, ye.len()));
-        same(op, "dout", (dout.dtype(), dout.len()), (dt, tokens * d.dim));
-        same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
-        same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.pos.len()));
+        check(op, "dye", &dye, (out, ye.len()));
+        check(op, "dout", &dout, (dt, tokens * d.dim));
+        check(op, "w", &w, (DType::F32, d.pos.len()));
+        check(op, "dw", &dw, (DType::F32, d.pos.len()));
         if tokens == 0 {
             return;
         }
@@ -1037,7 +966,7 @@ impl<L: Launcher> KernelOps<L> {
                 assert_eq!(out, DType::BF16, "{op}: bf16 ye writes bf16 dye");
                 format!("{op}_ye_bf16")
             }
-            false => format!("{op}_{}", suffix_to(dt, out, op)),
+            false => kernel_name_to(op, dt, out),
         };
         self.launch(&name, shape, &args);
     }
@@ -1056,8 +985,8 @@ impl<L: Launcher> KernelOps<L> {
         let op = "cross_entropy_forward";
         let (dt, rows) = (logits.dtype(), targets.len());
         assert_eq!(targets.dtype(), DType::U32, "{op}: targets are u32");
-        same(op, "logits", (dt, logits.len()), (dt, rows * vocab));
-        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, rows));
+        check(op, "logits", &logits, (dt, rows * vocab));
+        check(op, "lse", &lse, (DType::F32, rows));
         assert!(
             loss.dtype() == DType::F64 && !loss.is_empty(),
             "{op}: loss is an f64 element"
@@ -1101,8 +1030,8 @@ impl<L: Launcher> KernelOps<L> {
         let op = "cross_entropy_backward";
         let (dt, rows) = (logits.dtype(), targets.len());
         assert_eq!(targets.dtype(), DType::U32, "{op}: targets are u32");
-        same(op, "logits", (dt, logits.len()), (dt, rows * vocab));
-        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, rows));
+        check(op, "logits", &logits, (dt, rows * vocab));
+        check(op, "lse", &lse, (DType::F32, rows));
         if rows == 0 {
             return;
         }
@@ -1113,11 +1042,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(vocab),
             scale.into(),
         ];
-        self.launch(
-            &format!("{op}_{}", suffix(dt, op)),
-            cfg(grid(rows, 1, 1), 128),
-            &args,
-        );
+        self.launch(&kernel_name(op, dt), cfg(grid(rows, 1, 1), 128), &args);
     }
 }
 
