@@ -169,17 +169,51 @@ impl Dims {
 struct Block<'c, 'a> {
     cx: &'c Ctx<'a>,
     d: Dims,
-    layer: usize,
     li: &'a LayerIdx,
+    mlp: Mlp,
+}
+
+/// A layer's MLP as its stages run it.
+#[derive(Clone, Copy)]
+enum Mlp {
+    Dense(Ffn),
+    /// Routed experts and any stacked shared ones.
+    Moe {
+        mx: MoeIdx,
+        shared: Option<Ffn>,
+    },
 }
 
 impl<'c, 'a> Block<'c, 'a> {
     fn new(cx: &'c Ctx<'a>, layer: usize) -> Self {
+        let li = &cx.model.layers[layer];
+        let cfg = cx.model.config();
+        let mlp = match li.mlp {
+            MlpIdx::Dense { gate, up, down } => Mlp::Dense(Ffn::dense(cfg, (gate, up, down))),
+            MlpIdx::Moe {
+                router,
+                gate,
+                up,
+                down,
+                shared,
+                bias,
+            } => Mlp::Moe {
+                mx: MoeIdx {
+                    layer,
+                    router,
+                    gate,
+                    up,
+                    down,
+                    bias,
+                },
+                shared: shared.map(|sh| Ffn::shared(cfg, sh)),
+            },
+        };
         Block {
             cx,
             d: Dims::of(cx),
-            layer,
-            li: &cx.model.layers[layer],
+            li,
+            mlp,
         }
     }
 
@@ -337,7 +371,6 @@ fn mlp_forward(
     ex: &mut dyn ExpertExecutor,
 ) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
-    let cfg = b.cx.model.config();
     let (xn2, rstd2) = (a.xn2.view_mut(), a.rstd2.view_mut());
     be.rmsnorm_forward(
         xn2,
@@ -350,31 +383,16 @@ fn mlp_forward(
     if let Some(y) = y.as_mut() {
         be.copy(y.reborrow(), a.xmid.view());
     }
-    match li.mlp {
-        MlpIdx::Dense { gate, up, down } => {
+    match b.mlp {
+        Mlp::Dense(ffn) => {
             let f = a.ffn.as_mut().expect("dense activations");
-            ffn_forward(b.cx, f, a.xn2.view(), Ffn::dense(cfg, (gate, up, down)), y);
+            ffn_forward(b.cx, f, a.xn2.view(), ffn, y);
         }
-        MlpIdx::Moe {
-            router,
-            gate,
-            up,
-            down,
-            shared,
-            bias,
-        } => {
-            let mx = MoeIdx {
-                layer: b.layer,
-                router,
-                gate,
-                up,
-                down,
-                bias,
-            };
+        Mlp::Moe { mx, shared } => {
             moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex);
-            if let Some(sh) = shared {
+            if let Some(ffn) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
-                ffn_forward(b.cx, f, a.xn2.view(), Ffn::shared(cfg, sh), y);
+                ffn_forward(b.cx, f, a.xn2.view(), ffn, y);
             }
         }
     }
@@ -678,33 +696,15 @@ fn mlp_backward(
     ex: &mut dyn ExpertExecutor,
 ) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
-    let cfg = b.cx.model.config();
-    match li.mlp {
-        MlpIdx::Dense { gate, up, down } => {
+    match b.mlp {
+        Mlp::Dense(ffn) => {
             let f = a.ffn.as_ref().expect("dense activations");
-            let ffn = Ffn::dense(cfg, (gate, up, down));
             ffn_backward(b.cx, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
-        MlpIdx::Moe {
-            router,
-            gate,
-            up,
-            down,
-            shared,
-            bias,
-        } => {
-            let mx = MoeIdx {
-                layer: b.layer,
-                router,
-                gate,
-                up,
-                down,
-                bias,
-            };
+        Mlp::Moe { mx, shared } => {
             moe_backward(b, grads, a, g, dprob_const, mx, ex);
-            if let Some(sh) = shared {
+            if let Some(ffn) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
-                let ffn = Ffn::shared(cfg, sh);
                 ffn_backward(b.cx, grads, f, a.xn2.view(), ffn, g, 1.0);
             }
         }
