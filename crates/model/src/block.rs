@@ -105,6 +105,7 @@ struct Dims {
     theta: f64,
     experts: usize,
     top_k: usize,
+    expert_hidden: usize,
     renorm: bool,
     /// bf16 GEMM operands (`Model::bf16`).
     bf16: bool,
@@ -127,6 +128,7 @@ impl Dims {
             theta: cfg.rope_theta,
             experts: cfg.experts,
             top_k: cfg.top_k,
+            expert_hidden: cfg.expert_hidden,
             renorm: cfg.norm_topk_prob,
             bf16: cx.model.bf16,
         }
@@ -386,13 +388,13 @@ fn mlp_forward(
     match b.mlp {
         Mlp::Dense(ffn) => {
             let f = a.ffn.as_mut().expect("dense activations");
-            ffn_forward(b.cx, f, a.xn2.view(), ffn, y);
+            ffn_forward(b, f, a.xn2.view(), ffn, y);
         }
         Mlp::Moe { mx, shared } => {
             moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex);
             if let Some(ffn) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
-                ffn_forward(b.cx, f, a.xn2.view(), ffn, y);
+                ffn_forward(b, f, a.xn2.view(), ffn, y);
             }
         }
     }
@@ -437,7 +439,7 @@ fn moe_forward(
         if y.is_none() && j + 1 < parts.len() {
             continue;
         }
-        experts_forward(b.cx, m, (j, t0, tn), a.xn2.view(), mx, ex);
+        experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex);
         if let Some(y) = y.as_mut() {
             let disp = Dispatched {
                 pos: m.r.pos.slice(t0 * k, tn * k),
@@ -497,20 +499,19 @@ fn dispatch_chunk(
 }
 
 /// What the expert executor needs of a chunk `c` of layer `mx.layer`'s tokens.
-fn chunk_io<'a>(cx: &Ctx<'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
-    let cfg = cx.model.config();
+fn chunk_io<'a>(b: &Block<'_, 'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
     ExpertsIo {
         layer: mx.layer,
         counts: &c.counts,
         offsets: &c.offsets,
-        f: cfg.expert_hidden,
-        h: cfg.hidden,
-        top_k: cfg.top_k,
-        params: cx.params,
+        f: b.d.expert_hidden,
+        h: b.d.hidden,
+        top_k: b.d.top_k,
+        params: b.cx.params,
         gate: mx.gate,
         up: mx.up,
         down: mx.down,
-        bf16: cx.model.bf16,
+        bf16: b.d.bf16,
     }
 }
 
@@ -518,19 +519,18 @@ fn chunk_io<'a>(cx: &Ctx<'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
 /// gathered from `xn2`, the layer's normed tokens, their gate, up and SwiGLU kept in `m`, their
 /// outputs in `m.ye`.
 fn experts_forward(
-    cx: &Ctx,
+    b: &Block,
     m: &mut MoeActs,
     (j, t0, tn): (usize, usize, usize),
     xn2: View,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
 ) {
-    let cfg = cx.model.config();
-    let (h, f, k) = (cfg.hidden, cfg.expert_hidden, cfg.top_k);
+    let (h, f, k) = (b.d.hidden, b.d.expert_hidden, b.d.top_k);
     let rows = tn * k;
     let (xe, src) = (m.xe.slice_mut(0, rows * h), m.r.src.slice(t0 * k, rows));
-    cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
-    let io = chunk_io(cx, &m.r.chunks[j], mx);
+    b.cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
+    let io = chunk_io(b, &m.r.chunks[j], mx);
     let bufs = ExpertsFwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice_mut(0, rows * f),
@@ -538,14 +538,13 @@ fn experts_forward(
         a: m.a.slice_mut(0, rows * f),
         ye: m.ye.slice_mut(0, rows * h),
     };
-    ex.forward(cx.be, &io, bufs);
+    ex.forward(b.cx.be, &io, bufs);
 }
 
-/// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens, the
-/// router's shape and the auxiliary loss's gradient constant.
+/// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens and the
+/// auxiliary loss's gradient constant.
 struct MoeChunkBwd<'a> {
     xn2: View<'a>,
-    rd: RouterDims,
     dc: View<'a>,
 }
 
@@ -554,18 +553,17 @@ struct MoeChunkBwd<'a> {
 /// experts' and router's weight gradients.
 #[allow(clippy::too_many_arguments)]
 fn moe_chunk_backward(
-    cx: &Ctx,
+    b: &Block,
     grads: &mut ParamStore,
     m: &MoeActs,
     g: &mut GradScratch,
     (j, t0, tn): (usize, usize, usize),
-    b: MoeChunkBwd,
+    c: MoeChunkBwd,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
 ) {
-    let be = cx.be;
-    let cfg = cx.model.config();
-    let (h, f, k, e) = (cfg.hidden, cfg.expert_hidden, cfg.top_k, cfg.experts);
+    let (be, d) = (b.cx.be, b.d);
+    let (h, f, k, e) = (d.hidden, d.expert_hidden, d.top_k, d.experts);
     let GradScratch {
         dres,
         dxn,
@@ -604,7 +602,7 @@ fn moe_chunk_backward(
         rw,
         disp,
     );
-    let io = chunk_io(cx, &m.r.chunks[j], mx);
+    let io = chunk_io(b, &m.r.chunks[j], mx);
     let bufs = ExpertsBwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice(0, rows * f),
@@ -619,28 +617,23 @@ fn moe_chunk_backward(
     ex.backward(be, &io, grads, bufs);
     let (idx, probs) = (m.r.idx.slice(tk, rows), m.probs.slice(t0 * e, tn * e));
     let (dl, dw) = (drl.slice_mut(t0 * e, tn * e), drw.slice(tk, rows));
-    be.router_backward(dl, dw, probs, idx, b.dc, b.rd);
+    be.router_backward(dl, dw, probs, idx, c.dc, d.router());
     let drl = drl.slice(t0 * e, tn * e);
-    let wr = cx.params.get(mx.router).view();
+    let wr = b.w(mx.router);
     let dxn_c = dxn.slice_mut(t0 * h, tn * h);
     be.gemm(dxn_c, drl, wr, Gemm::new(tn, h, e, false, false));
     let gr = Gemm::new(e, h, tn, true, false).beta(1.0);
-    be.gemm(grads.get_mut(mx.router).view_mut(), drl, b.xn2, gr);
+    be.gemm(grads.get_mut(mx.router).view_mut(), drl, c.xn2, gr);
     be.moe_gather_backward(dxn.slice_mut(t0 * h, tn * h), dxe.slice(0, rows * h), disp);
 }
 
 /// An every-token SwiGLU; adds its output into `y`.
-fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>) {
-    let (be, params) = (cx.be, cx.params);
-    let (n, h) = (cx.batch * cx.seq, cx.model.config().hidden);
-    let Ffn {
-        idx: (gate, up, down),
-        parts,
-        fs,
-    } = ffn;
-    let width = parts * fs;
+fn ffn_forward(b: &Block, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>) {
+    let (be, params, bf16) = (b.cx.be, b.cx.params, b.d.bf16);
+    let ((gate, up, down), parts, fs) = (ffn.idx, ffn.parts, ffn.fs);
+    let (n, h, width) = (b.d.n, b.d.hidden, parts * fs);
     let nw = n * width;
-    let gm = Gemm::new(n, width, h, false, true).bf16_inputs(cx.model.bf16);
+    let gm = Gemm::new(n, width, h, false, true).bf16_inputs(bf16);
     be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).view(), gm);
     be.gemm(
         f.u.slice_mut(0, nw),
@@ -657,7 +650,7 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
                 f.a.slice(s * fs, (n - 1) * width + fs),
                 wd.slice(s * h * fs, h * fs),
                 Gemm::new(n, h, fs, false, true)
-                    .bf16_inputs(cx.model.bf16)
+                    .bf16_inputs(bf16)
                     .ld(width, fs, h)
                     .beta(1.0),
             );
@@ -699,13 +692,13 @@ fn mlp_backward(
     match b.mlp {
         Mlp::Dense(ffn) => {
             let f = a.ffn.as_ref().expect("dense activations");
-            ffn_backward(b.cx, grads, f, a.xn2.view(), ffn, g, 0.0);
+            ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
         Mlp::Moe { mx, shared } => {
             moe_backward(b, grads, a, g, dprob_const, mx, ex);
             if let Some(ffn) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
-                ffn_backward(b.cx, grads, f, a.xn2.view(), ffn, g, 1.0);
+                ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 1.0);
             }
         }
     }
@@ -730,7 +723,6 @@ fn moe_backward(
 ) {
     let (n, h) = (b.d.n, b.d.hidden);
     let m = a.moe.as_mut().expect("MoE activations");
-    let rd = b.d.router();
     let dc = dprob_const.expect("the auxiliary loss's gradient constant");
     // Chunk by chunk, last first: the forward (or its recompute) left the last chunk's
     // internals; every other chunk's are recomputed here. The router's backward is per
@@ -738,14 +730,13 @@ fn moe_backward(
     let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
     for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
         if j + 1 < parts.len() {
-            experts_forward(b.cx, m, (j, t0, tn), a.xn2.view(), mx, ex);
+            experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex);
         }
         let bwd = MoeChunkBwd {
             xn2: a.xn2.slice(t0 * h, tn * h),
-            rd,
             dc,
         };
-        moe_chunk_backward(b.cx, grads, m, g, (j, t0, tn), bwd, mx, ex);
+        moe_chunk_backward(b, grads, m, g, (j, t0, tn), bwd, mx, ex);
     }
 }
 
@@ -893,7 +884,7 @@ fn qkv_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradSc
 /// Backward of [`ffn_forward`]: reads the output gradient from `g.dres`, writes
 /// `g.dxn = beta·g.dxn + ∂/∂xn`, adds weight gradients.
 fn ffn_backward(
-    cx: &Ctx,
+    b: &Block,
     grads: &mut ParamStore,
     f: &FfnActs,
     xn: View,
@@ -901,14 +892,9 @@ fn ffn_backward(
     g: &mut GradScratch,
     beta: f32,
 ) {
-    let (be, params) = (cx.be, cx.params);
-    let (n, h) = (cx.batch * cx.seq, cx.model.config().hidden);
-    let Ffn {
-        idx: (gate, up, down),
-        parts,
-        fs,
-    } = ffn;
-    let width = parts * fs;
+    let (be, params, bf16) = (b.cx.be, b.cx.params, b.d.bf16);
+    let ((gate, up, down), parts, fs) = (ffn.idx, ffn.parts, ffn.fs);
+    let (n, h, width) = (b.d.n, b.d.hidden, parts * fs);
     let nw = n * width;
     let ext = (n - 1) * width + fs;
     let (dfa, dfg, dfu) = (
@@ -924,7 +910,7 @@ fn ffn_backward(
             g.dres.view(),
             wd.slice(s * h * fs, h * fs),
             Gemm::new(n, fs, h, false, false)
-                .bf16_inputs(cx.model.bf16)
+                .bf16_inputs(bf16)
                 .ld(h, fs, width)
                 .unchanged(s > 0, false),
         );
@@ -933,7 +919,7 @@ fn ffn_backward(
             g.dres.view(),
             f.a.slice(s * fs, ext),
             Gemm::new(h, fs, n, true, false)
-                .bf16_inputs(cx.model.bf16)
+                .bf16_inputs(bf16)
                 .ld(h, width, fs)
                 .beta(1.0)
                 .unchanged(true, false),
@@ -942,9 +928,9 @@ fn ffn_backward(
     let (dg, du) = (dfg.slice_mut(0, nw), dfu.slice_mut(0, nw));
     be.swiglu_backward(dg, du, dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
     // As the routed experts: dG and dU each read twice in a row in A, xn twice in B.
-    let gx = Gemm::new(n, h, width, false, false).bf16_inputs(cx.model.bf16);
+    let gx = Gemm::new(n, h, width, false, false).bf16_inputs(bf16);
     let gw = Gemm::new(width, h, n, true, false)
-        .bf16_inputs(cx.model.bf16)
+        .bf16_inputs(bf16)
         .beta(1.0);
     be.gemm(
         g.dxn.view_mut(),
