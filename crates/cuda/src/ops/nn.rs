@@ -545,6 +545,22 @@ impl<L: Launcher> KernelOps<L> {
         self.attention_bwd(g, dout, s, Some(docs), d)
     }
 
+    /// The backward's first pass: each query row's `Σ dout·out` into `delta` (f32, a row each).
+    fn attn_delta(&self, delta: *mut c_void, dout: View, out: View, d: &AttnDims, sfx: &str) {
+        let nl = d.batch * d.heads * d.tq;
+        let args = [
+            delta.into(),
+            self.arg(dout),
+            self.arg(out),
+            i32_of(d.tq),
+            i32_of(d.heads),
+            i32_of(d.head_dim),
+            i64_of(nl),
+        ];
+        let name = format!("attention_backward_delta_{sfx}");
+        self.launch(&name, self.warp_per_row(nl), &args);
+    }
+
     fn attention_bwd(
         &self,
         g: AttnGrads,
@@ -585,21 +601,24 @@ impl<L: Launcher> KernelOps<L> {
             }
             false => (None, std::ptr::null_mut()),
         };
-        let args = [
-            delta.into(),
-            self.arg(dout),
-            self.arg(s.out),
-            i32_of(d.tq),
-            i32_of(d.heads),
-            i32_of(d.head_dim),
-            i64_of(nl),
-        ];
-        self.launch(&format!("{op}_delta_{sfx}"), self.warp_per_row(nl), &args);
+        self.attn_delta(delta, dout, s.out, &d, sfx);
         let AttnGrads { dq, dk, dv } = g;
         let tail = |args: &mut Vec<Arg>| {
             args.extend(Self::attn_dims(&d));
             args.push(Self::attn_scale(&d));
             args.extend(doc);
+        };
+        // A pass's grid (tiles of `len` positions, by head and sequence) and kernel: the
+        // tensor-core variant in tiles of TC_TILE, the plain one in tiles of `tile`.
+        let pass = |name: &str, tc: bool, len: usize, heads: usize, tile: usize| match tc {
+            true => (
+                cfg(grid(len.div_ceil(TC_TILE), heads, d.batch), TC_BLOCK),
+                format!("{op}_{name}_tc{}_{ds}bf16", d.head_dim),
+            ),
+            false => (
+                cfg(grid(len.div_ceil(tile), heads, d.batch), 128),
+                format!("{op}_{name}_{ds}{sfx}"),
+            ),
         };
         let mut args = vec![self.arg_mut(dk), self.arg_mut(dv)];
         if fused {
@@ -616,24 +635,14 @@ impl<L: Launcher> KernelOps<L> {
         ]);
         tail(&mut args);
         if fused {
-            let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            let name = format!("{op}_fused_tc{}_{ds}bf16", d.head_dim);
-            self.launch(&name, cfg(g, TC_BLOCK), &args);
+            let (shape, name) = pass("fused", true, d.tk, d.kv_heads, TC_TILE);
+            self.launch(&name, shape, &args);
             // The sums are scaled already: dq is their bf16 rounding.
             let args = [self.arg_mut(dq), acc.into(), i64_of(nq)];
             self.launch("cast_f32_to_bf16", self.ew(nq), &args);
             return;
         }
-        let (shape, name) = if tc {
-            let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            (
-                cfg(g, TC_BLOCK),
-                format!("{op}_dkdv_tc{}_{ds}bf16", d.head_dim),
-            )
-        } else {
-            let g = grid(d.tk.div_ceil(16), d.kv_heads, d.batch);
-            (cfg(g, 128), format!("{op}_dkdv_{ds}{sfx}"))
-        };
+        let (shape, name) = pass("dkdv", tc, d.tk, d.kv_heads, 16);
         self.launch(&name, shape, &args);
         let mut args = vec![
             self.arg_mut(dq),
@@ -645,16 +654,7 @@ impl<L: Launcher> KernelOps<L> {
             delta.into(),
         ];
         tail(&mut args);
-        let (shape, name) = if tc {
-            let g = grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch);
-            (
-                cfg(g, TC_BLOCK),
-                format!("{op}_dq_tc{}_{ds}bf16", d.head_dim),
-            )
-        } else {
-            let g = grid(d.tq.div_ceil(8), d.heads, d.batch);
-            (cfg(g, 128), format!("{op}_dq_{ds}{sfx}"))
-        };
+        let (shape, name) = pass("dq", tc, d.tq, d.heads, 8);
         self.launch(&name, shape, &args);
     }
 
