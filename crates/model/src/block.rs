@@ -7,6 +7,10 @@
 //! y = xmid + mlp(xn2)         mlp = Σ_topk w·expert(xn2) [+ shared(xn2)]  or a dense SwiGLU
 //! ```
 //!
+//! [`block_forward`] runs four stages, [`qkv_forward`], [`attend_forward`], [`out_proj_forward`]
+//! and [`mlp_forward`]; [`block_backward`] runs their backwards in the reverse order. All of
+//! them read the block's sizes from one [`Dims`], made once a call.
+//!
 //! Under bf16 compute (`Model::bf16`) attention runs on bf16 q, k, v (rounded after RoPE / the
 //! q-k norms, from f32 staged in the gradient scratch) and writes a bf16 output, which the
 //! o-projection reads as a bf16 operand; its backward takes the output gradient rounded to
@@ -21,7 +25,8 @@
 use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::step::chunks;
 use crate::workspace::{BlockActs, ChunkRoute, FfnActs, GradScratch, MoeActs, Routing};
-use crate::{MlpIdx, Model};
+use crate::{LayerIdx, MlpIdx, Model};
+use ganymede_config::ModelConfig;
 use ganymede_core::{
     AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
     ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
@@ -49,6 +54,26 @@ struct Ffn {
     fs: usize,
 }
 
+impl Ffn {
+    /// A dense layer's SwiGLU.
+    fn dense(cfg: &ModelConfig, idx: (usize, usize, usize)) -> Ffn {
+        Ffn {
+            idx,
+            parts: 1,
+            fs: cfg.dense_hidden,
+        }
+    }
+
+    /// A MoE layer's stacked shared experts.
+    fn shared(cfg: &ModelConfig, idx: (usize, usize, usize)) -> Ffn {
+        Ffn {
+            idx,
+            parts: cfg.shared_experts,
+            fs: cfg.shared_hidden(),
+        }
+    }
+}
+
 /// Where attention's keys and values live.
 pub(crate) enum Kv<'a> {
     /// The block's own buffers (training, evaluation).
@@ -61,6 +86,145 @@ pub(crate) enum Kv<'a> {
     },
 }
 
+/// A block's sizes, read from the config once a call and shared by its forward and backward
+/// stages.
+#[derive(Clone, Copy)]
+struct Dims {
+    batch: usize,
+    seq: usize,
+    /// Tokens in the batch (`batch * seq`).
+    n: usize,
+    hidden: usize,
+    /// Widths of q and of each of k and v.
+    q_dim: usize,
+    kv_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+    theta: f64,
+    experts: usize,
+    top_k: usize,
+    expert_hidden: usize,
+    renorm: bool,
+    /// bf16 GEMM operands (`Model::bf16`).
+    bf16: bool,
+}
+
+impl Dims {
+    fn of(cx: &Ctx) -> Dims {
+        let cfg = cx.model.config();
+        Dims {
+            batch: cx.batch,
+            seq: cx.seq,
+            n: cx.batch * cx.seq,
+            hidden: cfg.hidden,
+            q_dim: cfg.q_dim(),
+            kv_dim: cfg.kv_dim(),
+            heads: cfg.heads,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+            eps: cfg.norm_eps as f32,
+            theta: cfg.rope_theta,
+            experts: cfg.experts,
+            top_k: cfg.top_k,
+            expert_hidden: cfg.expert_hidden,
+            renorm: cfg.norm_topk_prob,
+            bf16: cx.model.bf16,
+        }
+    }
+
+    /// The q/k norm and RoPE of `heads` heads, the call's first token at position `pos0`.
+    fn rope(&self, heads: usize, pos0: usize) -> HeadRope {
+        HeadRope {
+            heads,
+            head_dim: self.head_dim,
+            seq: self.seq,
+            pos0,
+            theta: self.theta,
+            eps: self.eps,
+        }
+    }
+
+    /// Attention of the call's `seq` queries of each of `batch` sequences over `tk` keys.
+    fn attn(&self, batch: usize, tk: usize) -> AttnDims {
+        AttnDims {
+            batch,
+            tq: self.seq,
+            tk,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    fn router(&self) -> RouterDims {
+        RouterDims {
+            experts: self.experts,
+            k: self.top_k,
+            renorm: self.renorm,
+        }
+    }
+}
+
+/// One call of block `layer`: the shared context, the sizes and the layer's parameters.
+struct Block<'c, 'a> {
+    cx: &'c Ctx<'a>,
+    d: Dims,
+    li: &'a LayerIdx,
+    mlp: Mlp,
+}
+
+/// A layer's MLP as its stages run it.
+#[derive(Clone, Copy)]
+enum Mlp {
+    Dense(Ffn),
+    /// Routed experts and any stacked shared ones.
+    Moe {
+        mx: MoeIdx,
+        shared: Option<Ffn>,
+    },
+}
+
+impl<'c, 'a> Block<'c, 'a> {
+    fn new(cx: &'c Ctx<'a>, layer: usize) -> Self {
+        let li = &cx.model.layers[layer];
+        let cfg = cx.model.config();
+        let mlp = match li.mlp {
+            MlpIdx::Dense { gate, up, down } => Mlp::Dense(Ffn::dense(cfg, (gate, up, down))),
+            MlpIdx::Moe {
+                router,
+                gate,
+                up,
+                down,
+                shared,
+                bias,
+            } => Mlp::Moe {
+                mx: MoeIdx {
+                    layer,
+                    router,
+                    gate,
+                    up,
+                    down,
+                    bias,
+                },
+                shared: shared.map(|sh| Ffn::shared(cfg, sh)),
+            },
+        };
+        Block {
+            cx,
+            d: Dims::of(cx),
+            li,
+            mlp,
+        }
+    }
+
+    /// Parameter `i` as it stands.
+    fn w(&self, i: usize) -> View<'a> {
+        self.cx.params.get(i).view()
+    }
+}
+
 /// Forward through block `layer`. `y` receives the output; `None` recomputes the internals
 /// only (activation checkpointing: the output is already known). A MoE layer writes its
 /// per-expert sums of router probabilities into `psum` (`[E]` f64).
@@ -69,106 +233,86 @@ pub(crate) fn block_forward(
     a: &mut BlockActs,
     g: &mut GradScratch,
     x: View,
-    mut y: Option<ViewMut>,
+    y: Option<ViewMut>,
     kv: Kv,
     (layer, psum, ex): (usize, Option<ViewMut>, &mut dyn ExpertExecutor),
 ) {
-    let Ctx {
-        be,
-        model,
-        params,
-        batch,
-        seq,
-        docs,
-    } = *cx;
-    let li = &model.layers[layer];
-    let cfg = model.config();
-    let n = batch * seq;
-    let (h, qd, kd, nh, nkv, hd) = (
-        cfg.hidden,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.heads,
-        cfg.kv_heads,
-        cfg.head_dim,
-    );
-    let (eps, theta) = (cfg.norm_eps as f32, cfg.rope_theta);
-    let w = |i: usize| params.get(i).view();
+    let b = Block::new(cx, layer);
+    let cached = matches!(kv, Kv::Cache { .. });
+    qkv_forward(&b, a, g, x);
+    attend_forward(&b, a, g, kv);
+    out_proj_forward(&b, a, g, x, cached);
+    mlp_forward(&b, a, g, y, psum, ex);
+}
 
+/// `xn1 = rmsnorm(x)` and its projections q, k and v.
+fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    let (n, h) = (d.n, d.hidden);
     be.rmsnorm_forward(
         a.xn1.view_mut(),
         a.rstd1.view_mut(),
         x,
-        w(li.in_norm),
+        b.w(li.in_norm),
         h,
-        eps,
+        d.eps,
     );
     be.gemm(
         a.q.view_mut(),
         a.xn1.view(),
-        w(li.q),
-        Gemm::new(n, qd, h, false, true).bf16_inputs(cx.model.bf16),
+        b.w(li.q),
+        Gemm::new(n, d.q_dim, h, false, true).bf16_inputs(d.bf16),
     );
     // k and v read the rows q just read: a bf16 backend reuses their cast (`Gemm::unchanged`).
     be.gemm(
         a.k.view_mut(),
         a.xn1.view(),
-        w(li.k),
-        Gemm::new(n, kd, h, false, true)
-            .bf16_inputs(cx.model.bf16)
+        b.w(li.k),
+        Gemm::new(n, d.kv_dim, h, false, true)
+            .bf16_inputs(d.bf16)
             .unchanged(true, false),
     );
     // Under bf16 compute, v and the normed, rotated q and k are made in f32 in the gradient
     // scratch (free during forward) and rounded into the saved bf16 tensors.
-    let bf16 = model.bf16;
-    let v32 = if bf16 { &mut g.dv } else { &mut a.v };
+    let v32 = if d.bf16 { &mut g.dv } else { &mut a.v };
     be.gemm(
         v32.view_mut(),
         a.xn1.view(),
-        w(li.v),
-        Gemm::new(n, kd, h, false, true)
-            .bf16_inputs(bf16)
+        b.w(li.v),
+        Gemm::new(n, d.kv_dim, h, false, true)
+            .bf16_inputs(d.bf16)
             .unchanged(true, false),
     );
+}
+
+/// q and k normed per head and rotated, and attention over the block's own keys and values or
+/// a cache's: the output in `a.att` (in `g.datt` under bf16 compute with a cache).
+fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    let (bf16, kd) = (d.bf16, d.kv_dim);
     let pos0 = match &kv {
         Kv::Own => 0,
         Kv::Cache { pos0, .. } => *pos0,
-    };
-    let rope = |heads, pos0| HeadRope {
-        heads,
-        head_dim: hd,
-        seq,
-        pos0,
-        theta,
-        eps,
-    };
-    let attn = |batch, tk| AttnDims {
-        batch,
-        tq: seq,
-        tk,
-        heads: nh,
-        kv_heads: nkv,
-        head_dim: hd,
     };
     let qr32 = if bf16 { &mut g.dqr } else { &mut a.qr };
     let (qr, rstdq) = (qr32.view_mut(), a.rstdq.view_mut());
     let cached = matches!(kv, Kv::Cache { .. });
     // Document masking applies to training and evaluation windows, not to a KV cache.
-    let docs = if cached { None } else { docs };
+    let docs = if cached { None } else { b.cx.docs };
+    let (q, qn) = (a.q.view(), b.w(li.q_norm));
     match docs {
-        Some(d) => {
-            be.head_norm_rope_forward_docs(qr, rstdq, a.q.view(), w(li.q_norm), d, rope(nh, 0))
-        }
-        None => be.head_norm_rope_forward(qr, rstdq, a.q.view(), w(li.q_norm), rope(nh, pos0)),
+        Some(dd) => be.head_norm_rope_forward_docs(qr, rstdq, q, qn, dd, d.rope(d.heads, 0)),
+        None => be.head_norm_rope_forward(qr, rstdq, q, qn, d.rope(d.heads, pos0)),
     }
     match kv {
         Kv::Own => {
             let kr32 = if bf16 { &mut g.dkr } else { &mut a.kr };
             let (kr, rstdk) = (kr32.view_mut(), a.rstdk.view_mut());
-            let (k, kn) = (a.k.view(), w(li.k_norm));
+            let (k, kn) = (a.k.view(), b.w(li.k_norm));
+            let rope = d.rope(d.kv_heads, 0);
             match docs {
-                Some(d) => be.head_norm_rope_forward_docs(kr, rstdk, k, kn, d, rope(nkv, 0)),
-                None => be.head_norm_rope_forward(kr, rstdk, k, kn, rope(nkv, 0)),
+                Some(dd) => be.head_norm_rope_forward_docs(kr, rstdk, k, kn, dd, rope),
+                None => be.head_norm_rope_forward(kr, rstdk, k, kn, rope),
             }
             if bf16 {
                 be.cast(a.qr.view_mut(), g.dqr.view());
@@ -177,16 +321,18 @@ pub(crate) fn block_forward(
             }
             let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
             let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
+            let dims = d.attn(d.batch, d.seq);
             match docs {
-                Some(d) => be.attention_forward_docs(att, lse, q, k, v, d, attn(batch, seq)),
-                None => be.attention_forward(att, lse, q, k, v, attn(batch, seq)),
+                Some(dd) => be.attention_forward_docs(att, lse, q, k, v, dd, dims),
+                None => be.attention_forward(att, lse, q, k, v, dims),
             }
         }
         Kv::Cache { k, v, pos0 } => {
-            assert_eq!(batch, 1, "a KV cache holds one sequence");
-            let tk = pos0 + seq;
+            assert_eq!(d.batch, 1, "a KV cache holds one sequence");
+            let (n, tk) = (d.n, pos0 + d.seq);
             let (kc, rstdk) = (k.slice_mut(pos0 * kd, n * kd), a.rstdk.view_mut());
-            be.head_norm_rope_forward(kc, rstdk, a.k.view(), w(li.k_norm), rope(nkv, pos0));
+            let rope = d.rope(d.kv_heads, pos0);
+            be.head_norm_rope_forward(kc, rstdk, a.k.view(), b.w(li.k_norm), rope);
             // The cache is f32: under bf16 compute q, v and the output stay in the f32 staging.
             let v32 = if bf16 { &g.dv } else { &a.v };
             be.copy(v.slice_mut(pos0 * kd, n * kd), v32.view());
@@ -194,10 +340,15 @@ pub(crate) fn block_forward(
             let (att, lse) = (att32.view_mut(), a.lse.view_mut());
             let q = if bf16 { g.dqr.view() } else { a.qr.view() };
             let (k, v) = (k.slice(0, tk * kd), v.slice(0, tk * kd));
-            be.attention_forward(att, lse, q, k, v, attn(1, tk));
+            be.attention_forward(att, lse, q, k, v, d.attn(1, tk));
         }
     }
-    let att = if bf16 && cached {
+}
+
+/// `xmid = x + att·Woᵀ`.
+fn out_proj_forward(b: &Block, a: &mut BlockActs, g: &GradScratch, x: View, cached: bool) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    let att = if d.bf16 && cached {
         g.datt.view()
     } else {
         a.att.view()
@@ -205,107 +356,115 @@ pub(crate) fn block_forward(
     be.gemm(
         a.xmid.view_mut(),
         att,
-        w(li.o),
-        Gemm::new(n, h, qd, false, true).bf16_inputs(cx.model.bf16),
+        b.w(li.o),
+        Gemm::new(d.n, d.hidden, d.q_dim, false, true).bf16_inputs(d.bf16),
     );
     be.add(a.xmid.view_mut(), x);
+}
+
+/// `xn2 = rmsnorm(xmid)` and `y = xmid + mlp(xn2)`: a dense SwiGLU, or routed experts and any
+/// shared ones.
+fn mlp_forward(
+    b: &Block,
+    a: &mut BlockActs,
+    g: &mut GradScratch,
+    mut y: Option<ViewMut>,
+    psum: Option<ViewMut>,
+    ex: &mut dyn ExpertExecutor,
+) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
     let (xn2, rstd2) = (a.xn2.view_mut(), a.rstd2.view_mut());
-    be.rmsnorm_forward(xn2, rstd2, a.xmid.view(), w(li.post_norm), h, eps);
+    be.rmsnorm_forward(
+        xn2,
+        rstd2,
+        a.xmid.view(),
+        b.w(li.post_norm),
+        d.hidden,
+        d.eps,
+    );
     if let Some(y) = y.as_mut() {
         be.copy(y.reborrow(), a.xmid.view());
     }
-
-    match li.mlp {
-        MlpIdx::Dense { gate, up, down } => {
+    match b.mlp {
+        Mlp::Dense(ffn) => {
             let f = a.ffn.as_mut().expect("dense activations");
-            let ffn = Ffn {
-                idx: (gate, up, down),
-                parts: 1,
-                fs: cfg.dense_hidden,
-            };
-            ffn_forward(cx, f, a.xn2.view(), ffn, y);
+            ffn_forward(b, f, a.xn2.view(), ffn, y);
         }
-        MlpIdx::Moe {
-            router,
-            gate,
-            up,
-            down,
-            shared,
-            bias,
-        } => {
-            let (e, k) = (cfg.experts, cfg.top_k);
-            let m = a.moe.as_mut().expect("MoE activations");
-            let rl = g.drl.as_mut().expect("router scratch");
-            be.gemm(
-                rl.view_mut(),
-                a.xn2.view(),
-                w(router),
-                // The router stays f32 (see `Model::bf16`).
-                Gemm::new(n, e, h, false, true),
-            );
-            let r = &mut m.r;
-            let out = RouterOut {
-                probs: m.probs.view_mut(),
-                weights: m.rw.view_mut(),
-                idx: r.idx.view_mut(),
-                psum: psum.expect("a MoE layer's routing sums"),
-            };
-            let rd = RouterDims {
-                experts: e,
-                k,
-                renorm: cfg.norm_topk_prob,
-            };
-            be.router_forward(out, rl.slice(0, n * e), bias.map(w), rd);
-            // The routed experts a chunk of tokens at a time (one chunk unless
-            // `training.moe_chunk_tokens` is set): each is dispatched, run and combined in turn.
-            // A recompute (`y` = None) runs only the last chunk's experts: the backward starts
-            // there and recomputes the others itself.
-            let parts: Vec<_> = chunks(n, model.moe_rows(n)).collect();
-            let mx = MoeIdx {
-                layer,
-                gate,
-                up,
-                down,
-            };
-            for (j, &(t0, tn)) in parts.iter().enumerate() {
-                dispatch_chunk(be, &mut m.r, j, (t0, tn), (e, k));
-                if y.is_none() && j + 1 < parts.len() {
-                    continue;
-                }
-                experts_forward(cx, m, (j, t0, tn), a.xn2.view(), mx, ex);
-                if let Some(y) = y.as_mut() {
-                    let d = Dispatched {
-                        pos: m.r.pos.slice(t0 * k, tn * k),
-                        k,
-                        dim: h,
-                    };
-                    let (yc, rw) = (
-                        y.reborrow().slice(t0 * h, tn * h),
-                        m.rw.slice(t0 * k, tn * k),
-                    );
-                    be.moe_combine(yc, m.ye.slice(0, tn * k * h), rw, d);
-                }
-            }
-            if let Some(sh) = shared {
+        Mlp::Moe { mx, shared } => {
+            moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex);
+            if let Some(ffn) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
-                let ffn = Ffn {
-                    idx: sh,
-                    parts: cfg.shared_experts,
-                    fs: cfg.shared_hidden(),
-                };
-                ffn_forward(cx, f, a.xn2.view(), ffn, y);
+                ffn_forward(b, f, a.xn2.view(), ffn, y);
             }
         }
     }
 }
 
-/// A MoE layer's routed-expert parameters in the table, and the layer.
+/// The router and the routed experts over `a.xn2`, their outputs added into `y` (if any).
+fn moe_forward(
+    b: &Block,
+    a: &mut BlockActs,
+    g: &mut GradScratch,
+    mut y: Option<ViewMut>,
+    psum: Option<ViewMut>,
+    mx: MoeIdx,
+    ex: &mut dyn ExpertExecutor,
+) {
+    let (be, d) = (b.cx.be, b.d);
+    let (n, h, e, k) = (d.n, d.hidden, d.experts, d.top_k);
+    let m = a.moe.as_mut().expect("MoE activations");
+    let rl = g.drl.as_mut().expect("router scratch");
+    be.gemm(
+        rl.view_mut(),
+        a.xn2.view(),
+        b.w(mx.router),
+        // The router stays f32 (see `Model::bf16`).
+        Gemm::new(n, e, h, false, true),
+    );
+    let r = &mut m.r;
+    let out = RouterOut {
+        probs: m.probs.view_mut(),
+        weights: m.rw.view_mut(),
+        idx: r.idx.view_mut(),
+        psum: psum.expect("a MoE layer's routing sums"),
+    };
+    be.router_forward(out, rl.slice(0, n * e), mx.bias.map(|i| b.w(i)), d.router());
+    // The routed experts a chunk of tokens at a time (one chunk unless
+    // `training.moe_chunk_tokens` is set): each is dispatched, run and combined in turn.
+    // A recompute (`y` = None) runs only the last chunk's experts: the backward starts
+    // there and recomputes the others itself.
+    let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
+    for (j, &(t0, tn)) in parts.iter().enumerate() {
+        dispatch_chunk(be, &mut m.r, j, (t0, tn), (e, k));
+        if y.is_none() && j + 1 < parts.len() {
+            continue;
+        }
+        experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex);
+        if let Some(y) = y.as_mut() {
+            let disp = Dispatched {
+                pos: m.r.pos.slice(t0 * k, tn * k),
+                k,
+                dim: h,
+            };
+            let (yc, rw) = (
+                y.reborrow().slice(t0 * h, tn * h),
+                m.rw.slice(t0 * k, tn * k),
+            );
+            be.moe_combine(yc, m.ye.slice(0, tn * k * h), rw, disp);
+        }
+    }
+}
+
+/// A MoE layer's router and routed-expert parameters in the table, and the layer.
 #[derive(Clone, Copy)]
 struct MoeIdx {
     layer: usize,
+    router: usize,
     gate: usize,
     up: usize,
     down: usize,
+    /// The router's selection bias (DeepSeek-V3).
+    bias: Option<usize>,
 }
 
 /// Dispatch chunk `j` of a MoE layer's tokens (`tn` from `t0`): its rows grouped by expert
@@ -340,20 +499,19 @@ fn dispatch_chunk(
 }
 
 /// What the expert executor needs of a chunk `c` of layer `mx.layer`'s tokens.
-fn chunk_io<'a>(cx: &Ctx<'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
-    let cfg = cx.model.config();
+fn chunk_io<'a>(b: &Block<'_, 'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
     ExpertsIo {
         layer: mx.layer,
         counts: &c.counts,
         offsets: &c.offsets,
-        f: cfg.expert_hidden,
-        h: cfg.hidden,
-        top_k: cfg.top_k,
-        params: cx.params,
+        f: b.d.expert_hidden,
+        h: b.d.hidden,
+        top_k: b.d.top_k,
+        params: b.cx.params,
         gate: mx.gate,
         up: mx.up,
         down: mx.down,
-        bf16: cx.model.bf16,
+        bf16: b.d.bf16,
     }
 }
 
@@ -361,19 +519,18 @@ fn chunk_io<'a>(cx: &Ctx<'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
 /// gathered from `xn2`, the layer's normed tokens, their gate, up and SwiGLU kept in `m`, their
 /// outputs in `m.ye`.
 fn experts_forward(
-    cx: &Ctx,
+    b: &Block,
     m: &mut MoeActs,
     (j, t0, tn): (usize, usize, usize),
     xn2: View,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
 ) {
-    let cfg = cx.model.config();
-    let (h, f, k) = (cfg.hidden, cfg.expert_hidden, cfg.top_k);
+    let (h, f, k) = (b.d.hidden, b.d.expert_hidden, b.d.top_k);
     let rows = tn * k;
     let (xe, src) = (m.xe.slice_mut(0, rows * h), m.r.src.slice(t0 * k, rows));
-    cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
-    let io = chunk_io(cx, &m.r.chunks[j], mx);
+    b.cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
+    let io = chunk_io(b, &m.r.chunks[j], mx);
     let bufs = ExpertsFwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice_mut(0, rows * f),
@@ -381,15 +538,13 @@ fn experts_forward(
         a: m.a.slice_mut(0, rows * f),
         ye: m.ye.slice_mut(0, rows * h),
     };
-    ex.forward(cx.be, &io, bufs);
+    ex.forward(b.cx.be, &io, bufs);
 }
 
-/// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens, the
-/// router's index, its shape and the auxiliary loss's gradient constant.
+/// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens and the
+/// auxiliary loss's gradient constant.
 struct MoeChunkBwd<'a> {
     xn2: View<'a>,
-    router: usize,
-    rd: RouterDims,
     dc: View<'a>,
 }
 
@@ -398,18 +553,17 @@ struct MoeChunkBwd<'a> {
 /// experts' and router's weight gradients.
 #[allow(clippy::too_many_arguments)]
 fn moe_chunk_backward(
-    cx: &Ctx,
+    b: &Block,
     grads: &mut ParamStore,
     m: &MoeActs,
     g: &mut GradScratch,
     (j, t0, tn): (usize, usize, usize),
-    b: MoeChunkBwd,
+    c: MoeChunkBwd,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
 ) {
-    let be = cx.be;
-    let cfg = cx.model.config();
-    let (h, f, k, e) = (cfg.hidden, cfg.expert_hidden, cfg.top_k, cfg.experts);
+    let (be, d) = (b.cx.be, b.d);
+    let (h, f, k, e) = (d.hidden, d.expert_hidden, d.top_k, d.experts);
     let GradScratch {
         dres,
         dxn,
@@ -448,7 +602,7 @@ fn moe_chunk_backward(
         rw,
         disp,
     );
-    let io = chunk_io(cx, &m.r.chunks[j], mx);
+    let io = chunk_io(b, &m.r.chunks[j], mx);
     let bufs = ExpertsBwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice(0, rows * f),
@@ -463,28 +617,23 @@ fn moe_chunk_backward(
     ex.backward(be, &io, grads, bufs);
     let (idx, probs) = (m.r.idx.slice(tk, rows), m.probs.slice(t0 * e, tn * e));
     let (dl, dw) = (drl.slice_mut(t0 * e, tn * e), drw.slice(tk, rows));
-    be.router_backward(dl, dw, probs, idx, b.dc, b.rd);
+    be.router_backward(dl, dw, probs, idx, c.dc, d.router());
     let drl = drl.slice(t0 * e, tn * e);
-    let wr = cx.params.get(b.router).view();
+    let wr = b.w(mx.router);
     let dxn_c = dxn.slice_mut(t0 * h, tn * h);
     be.gemm(dxn_c, drl, wr, Gemm::new(tn, h, e, false, false));
     let gr = Gemm::new(e, h, tn, true, false).beta(1.0);
-    be.gemm(grads.get_mut(b.router).view_mut(), drl, b.xn2, gr);
+    be.gemm(grads.get_mut(mx.router).view_mut(), drl, c.xn2, gr);
     be.moe_gather_backward(dxn.slice_mut(t0 * h, tn * h), dxe.slice(0, rows * h), disp);
 }
 
 /// An every-token SwiGLU; adds its output into `y`.
-fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>) {
-    let (be, params) = (cx.be, cx.params);
-    let (n, h) = (cx.batch * cx.seq, cx.model.config().hidden);
-    let Ffn {
-        idx: (gate, up, down),
-        parts,
-        fs,
-    } = ffn;
-    let width = parts * fs;
+fn ffn_forward(b: &Block, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>) {
+    let (be, params, bf16) = (b.cx.be, b.cx.params, b.d.bf16);
+    let ((gate, up, down), parts, fs) = (ffn.idx, ffn.parts, ffn.fs);
+    let (n, h, width) = (b.d.n, b.d.hidden, parts * fs);
     let nw = n * width;
-    let gm = Gemm::new(n, width, h, false, true).bf16_inputs(cx.model.bf16);
+    let gm = Gemm::new(n, width, h, false, true).bf16_inputs(bf16);
     be.gemm(f.g.slice_mut(0, nw), xn, params.get(gate).view(), gm);
     be.gemm(
         f.u.slice_mut(0, nw),
@@ -501,7 +650,7 @@ fn ffn_forward(cx: &Ctx, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut>
                 f.a.slice(s * fs, (n - 1) * width + fs),
                 wd.slice(s * h * fs, h * fs),
                 Gemm::new(n, h, fs, false, true)
-                    .bf16_inputs(cx.model.bf16)
+                    .bf16_inputs(bf16)
                     .ld(width, fs, h)
                     .beta(1.0),
             );
@@ -522,106 +671,89 @@ pub(crate) fn block_backward(
     dprob_const: Option<View>,
     (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) {
-    let Ctx {
-        be,
-        model,
-        params,
-        batch,
-        seq,
-        docs,
-    } = *cx;
-    let li = &model.layers[layer];
-    let cfg = model.config();
-    let n = batch * seq;
-    let (h, qd, kd, nh, nkv, hd) = (
-        cfg.hidden,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.heads,
-        cfg.kv_heads,
-        cfg.head_dim,
-    );
-    let theta = cfg.rope_theta;
-    let w = |i: usize| params.get(i).view();
+    let b = Block::new(cx, layer);
+    mlp_backward(&b, grads, a, g, dprob_const, ex);
+    out_proj_backward(&b, grads, a, g);
+    attend_backward(&b, grads, a, g);
+    qkv_backward(&b, grads, a, g, x);
+}
 
-    // MLP: its gradient into g.dxn (the gradient of xn2).
-    match li.mlp {
-        MlpIdx::Dense { gate, up, down } => {
+/// Backward of [`mlp_forward`]: the MLP's gradient into `g.dxn` (the gradient of xn2), then
+/// the post-attention norm's, added to `g.dres`.
+fn mlp_backward(
+    b: &Block,
+    grads: &mut ParamStore,
+    a: &mut BlockActs,
+    g: &mut GradScratch,
+    dprob_const: Option<View>,
+    ex: &mut dyn ExpertExecutor,
+) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    match b.mlp {
+        Mlp::Dense(ffn) => {
             let f = a.ffn.as_ref().expect("dense activations");
-            let ffn = Ffn {
-                idx: (gate, up, down),
-                parts: 1,
-                fs: cfg.dense_hidden,
-            };
-            ffn_backward(cx, grads, f, a.xn2.view(), ffn, g, 0.0);
+            ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
-        MlpIdx::Moe {
-            router,
-            gate,
-            up,
-            down,
-            shared,
-            ..
-        } => {
-            let (e, k) = (cfg.experts, cfg.top_k);
-            let m = a.moe.as_mut().expect("MoE activations");
-            let rd = RouterDims {
-                experts: e,
-                k,
-                renorm: cfg.norm_topk_prob,
-            };
-            let dc = dprob_const.expect("the auxiliary loss's gradient constant");
-            let mx = MoeIdx {
-                layer,
-                gate,
-                up,
-                down,
-            };
-            // Chunk by chunk, last first: the forward (or its recompute) left the last chunk's
-            // internals; every other chunk's are recomputed here. The router's backward is per
-            // token, so each chunk finishes its tokens' gradient of xn2.
-            let parts: Vec<_> = chunks(n, model.moe_rows(n)).collect();
-            for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
-                if j + 1 < parts.len() {
-                    experts_forward(cx, m, (j, t0, tn), a.xn2.view(), mx, ex);
-                }
-                let bwd = MoeChunkBwd {
-                    xn2: a.xn2.slice(t0 * h, tn * h),
-                    router,
-                    rd,
-                    dc,
-                };
-                moe_chunk_backward(cx, grads, m, g, (j, t0, tn), bwd, mx, ex);
-            }
-            if let Some(sh) = shared {
+        Mlp::Moe { mx, shared } => {
+            moe_backward(b, grads, a, g, dprob_const, mx, ex);
+            if let Some(ffn) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
-                let ffn = Ffn {
-                    idx: sh,
-                    parts: cfg.shared_experts,
-                    fs: cfg.shared_hidden(),
-                };
-                ffn_backward(cx, grads, f, a.xn2.view(), ffn, g, 1.0);
+                ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 1.0);
             }
         }
     }
     let saved = NormSaved {
         x: a.xmid.view(),
-        w: w(li.post_norm),
+        w: b.w(li.post_norm),
         rstd: a.rstd2.view(),
     };
     let dw = grads.get_mut(li.post_norm).view_mut();
-    be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
+    be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, d.hidden);
+}
 
-    // Attention: the residual passes g.dres through unchanged; add the branch's gradient.
+/// Backward of [`moe_forward`]: the routed experts' and router's gradient into `g.dxn`.
+fn moe_backward(
+    b: &Block,
+    grads: &mut ParamStore,
+    a: &mut BlockActs,
+    g: &mut GradScratch,
+    dprob_const: Option<View>,
+    mx: MoeIdx,
+    ex: &mut dyn ExpertExecutor,
+) {
+    let (n, h) = (b.d.n, b.d.hidden);
+    let m = a.moe.as_mut().expect("MoE activations");
+    let dc = dprob_const.expect("the auxiliary loss's gradient constant");
+    // Chunk by chunk, last first: the forward (or its recompute) left the last chunk's
+    // internals; every other chunk's are recomputed here. The router's backward is per
+    // token, so each chunk finishes its tokens' gradient of xn2.
+    let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
+    for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
+        if j + 1 < parts.len() {
+            experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex);
+        }
+        let bwd = MoeChunkBwd {
+            xn2: a.xn2.slice(t0 * h, tn * h),
+            dc,
+        };
+        moe_chunk_backward(b, grads, m, g, (j, t0, tn), bwd, mx, ex);
+    }
+}
+
+/// Backward of [`out_proj_forward`]: the residual passes `g.dres` through unchanged; the
+/// gradient of attention's output goes to `g.datt`.
+fn out_proj_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    let (n, h, qd) = (d.n, d.hidden, d.q_dim);
     be.gemm(
         g.datt.view_mut(),
         g.dres.view(),
-        w(li.o),
-        Gemm::new(n, qd, h, false, false).bf16_inputs(cx.model.bf16),
+        b.w(li.o),
+        Gemm::new(n, qd, h, false, false).bf16_inputs(d.bf16),
     );
     // dres again in A: nothing wrote it since the call above cast it.
     let go = Gemm::new(h, qd, n, true, false)
-        .bf16_inputs(cx.model.bf16)
+        .bf16_inputs(d.bf16)
         .beta(1.0)
         .unchanged(true, false);
     be.gemm(
@@ -630,6 +762,14 @@ pub(crate) fn block_backward(
         a.att.view(),
         go,
     );
+}
+
+/// Backward of [`attend_forward`] (the block's own keys and values): from `g.datt`, the
+/// gradients of q and k before their norms in `g.datt` and `g.dk`, of v in `g.dv` (or its
+/// bf16 copy).
+fn attend_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    let docs = b.cx.docs;
     // Under bf16 compute attention's gradients are bf16: the output's rounded here, dq and dk
     // widened for the norms' backward below, dv read by its GEMMs as a bf16 operand.
     if let Some(a16) = g.attn16.as_mut() {
@@ -660,48 +800,40 @@ pub(crate) fn block_backward(
         v: a.v.view(),
         lse: a.lse.view(),
     };
-    let dims = AttnDims {
-        batch,
-        tq: seq,
-        tk: seq,
-        heads: nh,
-        kv_heads: nkv,
-        head_dim: hd,
-    };
+    let dims = d.attn(d.batch, d.seq);
     match docs {
-        Some(d) => be.attention_backward_docs(ag, dout, saved, d, dims),
+        Some(dd) => be.attention_backward_docs(ag, dout, saved, dd, dims),
         None => be.attention_backward(ag, dout, saved, dims),
     }
     if let Some(a16) = g.attn16.as_ref() {
         be.cast(g.dqr.view_mut(), a16.dq.view());
         be.cast(g.dkr.view_mut(), a16.dk.view());
     }
-    let rope = |heads| HeadRope {
-        heads,
-        head_dim: hd,
-        seq,
-        pos0: 0,
-        theta,
-        eps: cfg.norm_eps as f32,
-    };
     // q's gradient goes where the output's was: attention's backward has read that (or, under
     // bf16, its bf16 copy).
     for (dx, norm, dout, x, rstd, heads) in [
-        (&mut g.datt, li.q_norm, &g.dqr, &a.q, &a.rstdq, nh),
-        (&mut g.dk, li.k_norm, &g.dkr, &a.k, &a.rstdk, nkv),
+        (&mut g.datt, li.q_norm, &g.dqr, &a.q, &a.rstdq, d.heads),
+        (&mut g.dk, li.k_norm, &g.dkr, &a.k, &a.rstdk, d.kv_heads),
     ] {
         let saved = NormSaved {
             x: x.view(),
-            w: w(norm),
+            w: b.w(norm),
             rstd: rstd.view(),
         };
         let dw = grads.get_mut(norm).view_mut();
-        let (dx, dout) = (dx.view_mut(), dout.view());
+        let (dx, dout, rope) = (dx.view_mut(), dout.view(), d.rope(heads, 0));
         match docs {
-            Some(d) => be.head_norm_rope_backward_docs(dx, dw, dout, saved, d, rope(heads)),
-            None => be.head_norm_rope_backward(dx, dw, dout, saved, rope(heads)),
+            Some(dd) => be.head_norm_rope_backward_docs(dx, dw, dout, saved, dd, rope),
+            None => be.head_norm_rope_backward(dx, dw, dout, saved, rope),
         }
     }
+}
+
+/// Backward of [`qkv_forward`]: `g.dxn` from the projections' gradients, then the input norm's,
+/// added to `g.dres`.
+fn qkv_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch, x: View) {
+    let (be, li, d) = (b.cx.be, b.li, b.d);
+    let (n, h, qd, kd, bf16) = (d.n, d.hidden, d.q_dim, d.kv_dim, d.bf16);
     // dxn = dQ·W_q + dK·W_k + dV·W_v and the weight gradients, in the order that reads dQ, dK
     // and dV twice in a row in A and xn1 in B three times with only bf16 weights in B between
     // (a bf16 backend casts each once; dxn's sum is in the same order).
@@ -710,19 +842,15 @@ pub(crate) fn block_backward(
         None => g.dv.view(),
     };
     let gx = Gemm::new(n, h, kd, false, false)
-        .bf16_inputs(cx.model.bf16)
+        .bf16_inputs(bf16)
         .beta(1.0);
-    let gq = Gemm::new(qd, h, n, true, false)
-        .bf16_inputs(cx.model.bf16)
-        .beta(1.0);
-    let gk = Gemm::new(kd, h, n, true, false)
-        .bf16_inputs(cx.model.bf16)
-        .beta(1.0);
+    let gq = Gemm::new(qd, h, n, true, false).bf16_inputs(bf16).beta(1.0);
+    let gk = Gemm::new(kd, h, n, true, false).bf16_inputs(bf16).beta(1.0);
     be.gemm(
         g.dxn.view_mut(),
         g.datt.view(),
-        w(li.q),
-        Gemm::new(n, h, qd, false, false).bf16_inputs(cx.model.bf16),
+        b.w(li.q),
+        Gemm::new(n, h, qd, false, false).bf16_inputs(bf16),
     );
     be.gemm(
         grads.get_mut(li.q).view_mut(),
@@ -730,14 +858,14 @@ pub(crate) fn block_backward(
         a.xn1.view(),
         gq.unchanged(true, false),
     );
-    be.gemm(g.dxn.view_mut(), g.dk.view(), w(li.k), gx);
+    be.gemm(g.dxn.view_mut(), g.dk.view(), b.w(li.k), gx);
     be.gemm(
         grads.get_mut(li.k).view_mut(),
         g.dk.view(),
         a.xn1.view(),
         gk.unchanged(true, true),
     );
-    be.gemm(g.dxn.view_mut(), dv, w(li.v), gx);
+    be.gemm(g.dxn.view_mut(), dv, b.w(li.v), gx);
     be.gemm(
         grads.get_mut(li.v).view_mut(),
         dv,
@@ -746,7 +874,7 @@ pub(crate) fn block_backward(
     );
     let saved = NormSaved {
         x,
-        w: w(li.in_norm),
+        w: b.w(li.in_norm),
         rstd: a.rstd1.view(),
     };
     let dw = grads.get_mut(li.in_norm).view_mut();
@@ -756,7 +884,7 @@ pub(crate) fn block_backward(
 /// Backward of [`ffn_forward`]: reads the output gradient from `g.dres`, writes
 /// `g.dxn = beta·g.dxn + ∂/∂xn`, adds weight gradients.
 fn ffn_backward(
-    cx: &Ctx,
+    b: &Block,
     grads: &mut ParamStore,
     f: &FfnActs,
     xn: View,
@@ -764,14 +892,9 @@ fn ffn_backward(
     g: &mut GradScratch,
     beta: f32,
 ) {
-    let (be, params) = (cx.be, cx.params);
-    let (n, h) = (cx.batch * cx.seq, cx.model.config().hidden);
-    let Ffn {
-        idx: (gate, up, down),
-        parts,
-        fs,
-    } = ffn;
-    let width = parts * fs;
+    let (be, params, bf16) = (b.cx.be, b.cx.params, b.d.bf16);
+    let ((gate, up, down), parts, fs) = (ffn.idx, ffn.parts, ffn.fs);
+    let (n, h, width) = (b.d.n, b.d.hidden, parts * fs);
     let nw = n * width;
     let ext = (n - 1) * width + fs;
     let (dfa, dfg, dfu) = (
@@ -787,7 +910,7 @@ fn ffn_backward(
             g.dres.view(),
             wd.slice(s * h * fs, h * fs),
             Gemm::new(n, fs, h, false, false)
-                .bf16_inputs(cx.model.bf16)
+                .bf16_inputs(bf16)
                 .ld(h, fs, width)
                 .unchanged(s > 0, false),
         );
@@ -796,7 +919,7 @@ fn ffn_backward(
             g.dres.view(),
             f.a.slice(s * fs, ext),
             Gemm::new(h, fs, n, true, false)
-                .bf16_inputs(cx.model.bf16)
+                .bf16_inputs(bf16)
                 .ld(h, width, fs)
                 .beta(1.0)
                 .unchanged(true, false),
@@ -805,9 +928,9 @@ fn ffn_backward(
     let (dg, du) = (dfg.slice_mut(0, nw), dfu.slice_mut(0, nw));
     be.swiglu_backward(dg, du, dfa.slice(0, nw), f.g.slice(0, nw), f.u.slice(0, nw));
     // As the routed experts: dG and dU each read twice in a row in A, xn twice in B.
-    let gx = Gemm::new(n, h, width, false, false).bf16_inputs(cx.model.bf16);
+    let gx = Gemm::new(n, h, width, false, false).bf16_inputs(bf16);
     let gw = Gemm::new(width, h, n, true, false)
-        .bf16_inputs(cx.model.bf16)
+        .bf16_inputs(bf16)
         .beta(1.0);
     be.gemm(
         g.dxn.view_mut(),

@@ -10,8 +10,8 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let args = [self.am(y), alpha.into(), self.a(x), i64_of(n)];
-        self.launch(&format!("axpy_{}", st(dt, "axpy")), self.ew(n), &args);
+        let args = [self.arg_mut(y), alpha.into(), self.arg(x), i64_of(n)];
+        self.launch(&kernel_name("axpy", dt), self.ew(n), &args);
     }
 
     /// `y *= alpha`.
@@ -20,8 +20,8 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let args = [self.am(y), alpha.into(), i64_of(n)];
-        self.launch(&format!("scale_{}", st(dt, "scale")), self.ew(n), &args);
+        let args = [self.arg_mut(y), alpha.into(), i64_of(n)];
+        self.launch(&kernel_name("scale", dt), self.ew(n), &args);
     }
 
     /// `y += x`.
@@ -31,16 +31,16 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let args = [self.am(y), self.a(x), i64_of(n)];
-        self.launch(&format!("add_{}", st(dt, "add")), self.ew(n), &args);
+        let args = [self.arg_mut(y), self.arg(x), i64_of(n)];
+        self.launch(&kernel_name("add", dt), self.ew(n), &args);
     }
 
     /// `acc[0] += Σ x²` at the address `acc` (an f64), in two deterministic passes.
     pub(super) fn sumsq_into(&self, acc: Arg, x: View, partial: *mut c_void, blocks: usize) {
         let n = x.len();
-        let name = format!("sumsq_partial_{}", st(x.dtype(), "sumsq"));
+        let name = format!("sumsq_partial_{}", suffix(x.dtype(), "sumsq"));
         let pass1 = LaunchConfig::linear(u32_of(blocks), self.tuning.ew_block);
-        self.launch(&name, pass1, &[partial.into(), self.a(x), i64_of(n)]);
+        self.launch(&name, pass1, &[partial.into(), self.arg(x), i64_of(n)]);
         let pass2 = LaunchConfig::linear(1, 256);
         self.launch("sum_acc_f64", pass2, &[acc, partial.into(), i32_of(blocks)]);
     }
@@ -67,7 +67,7 @@ impl<L: Launcher> KernelOps<L> {
         assert!(!acc.is_empty(), "sumsq_acc: empty acc");
         let blocks = self.sumsq_blocks(x.len());
         let (_s, [partial]) = self.scratch([blocks * 8]);
-        self.sumsq_into(self.am(acc), x, partial, blocks);
+        self.sumsq_into(self.arg_mut(acc), x, partial, blocks);
     }
 
     /// `dst = src` between f32 and bf16 (round to nearest even, NaN kept). Same-dtype copies are
@@ -83,7 +83,7 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let args = [self.am(dst), self.a(src), i64_of(n)];
+        let args = [self.arg_mut(dst), self.arg(src), i64_of(n)];
         self.launch(name, self.ew(n), &args);
     }
 }

@@ -60,14 +60,14 @@ impl<L: Launcher> KernelOps<L> {
         self.put(table, &desc);
         let name = format!(
             "gemm_grouped_{}_{}_{}",
-            st(a.dtype(), "gemm_grouped_tc"),
-            st(b.dtype(), "gemm_grouped_tc"),
-            st(c.dtype(), "gemm_grouped_tc")
+            suffix(a.dtype(), "gemm_grouped_tc"),
+            suffix(b.dtype(), "gemm_grouped_tc"),
+            suffix(c.dtype(), "gemm_grouped_tc")
         );
         let args = [
-            self.am(c),
-            self.a(a),
-            self.a(b),
+            self.arg_mut(c),
+            self.arg(a),
+            self.arg(b),
             table.into(),
             groups_arg.into(),
         ];

@@ -189,10 +189,12 @@ impl<L: Launcher> KernelOps<L> {
         self.tuning
     }
 
-    fn a(&self, v: View) -> Arg {
+    /// A view's device address as a kernel argument.
+    fn arg(&self, v: View) -> Arg {
         Arg::Ptr(self.launcher.addr(v))
     }
-    fn am(&self, v: ViewMut) -> Arg {
+    /// A writable view's device address as a kernel argument.
+    fn arg_mut(&self, v: ViewMut) -> Arg {
         Arg::Ptr(self.launcher.addr_mut(v))
     }
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
@@ -303,13 +305,18 @@ struct Scratch<'a> {
     _guard: MutexGuard<'a, Option<Tensor>>,
 }
 
-/// The storage suffix of the f32/bf16 kernel variants.
-fn st(dt: DType, op: &str) -> &'static str {
+/// The storage suffix (`f32`, `bf16`) naming an op's kernel variant for `dt`.
+fn suffix(dt: DType, op: &str) -> &'static str {
     match dt {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
         DType::F64 | DType::U32 => panic!("{op}: the kernels have no {} variant", dt.name()),
     }
+}
+
+/// The name of `op`'s kernel for storage `dt`: `{op}_f32` or `{op}_bf16`.
+fn kernel_name(op: &str, dt: DType) -> String {
+    format!("{op}_{}", suffix(dt, op))
 }
 
 fn i32_of(x: usize) -> Arg {

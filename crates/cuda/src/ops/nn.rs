@@ -21,19 +21,42 @@ fn rows_of(op: &str, len: usize, width: usize) -> usize {
     len / width
 }
 
-fn same(op: &str, what: &str, got: (DType, usize), want: (DType, usize)) {
-    assert_eq!(got, want, "{op}: {what} (dtype, length)");
+/// A view's storage and length, writable or not, for the ops' argument checks.
+trait Extent {
+    fn extent(&self) -> (DType, usize);
+}
+
+impl Extent for View<'_> {
+    fn extent(&self) -> (DType, usize) {
+        (self.dtype(), self.len())
+    }
+}
+
+impl Extent for ViewMut<'_> {
+    fn extent(&self) -> (DType, usize) {
+        (self.dtype(), self.len())
+    }
+}
+
+/// Checks that `v`, argument `what` of `op`, holds `want` = (dtype, length).
+fn check(op: &str, what: &str, v: &impl Extent, want: (DType, usize)) {
+    assert_eq!(v.extent(), want, "{op}: {what} (dtype, length)");
 }
 
 /// The kernel suffix of an op reading `input` storage and writing `output`: one storage
 /// (`f32`, `bf16`), or f32 in and bf16 out (`f32_to_bf16`: the experts' and SwiGLUs' rows
 /// that bf16-input GEMMs read, rounded once where they are made).
-fn st_to(input: DType, output: DType, op: &str) -> &'static str {
+fn suffix_to(input: DType, output: DType, op: &str) -> &'static str {
     match (input, output) {
         (DType::F32, DType::BF16) => "f32_to_bf16",
-        (i, o) if i == o => st(i, op),
+        (i, o) if i == o => suffix(i, op),
         (i, o) => panic!("{op}: no kernel from {} to {}", i.name(), o.name()),
     }
+}
+
+/// The name of `op`'s kernel from `input` storage to `output` (see [`suffix_to`]).
+fn kernel_name_to(op: &str, input: DType, output: DType) -> String {
+    format!("{op}_{}", suffix_to(input, output, op))
 }
 
 /// Whether the experts' outputs are bf16 beside f32 tokens (bf16 GEMM outputs: the
@@ -60,7 +83,7 @@ impl<L: Launcher> KernelOps<L> {
         let dt = out.dtype();
         let n = ids.len();
         assert_eq!(ids.dtype(), DType::U32, "embedding_forward: ids are u32");
-        same("embedding_forward", "out", (dt, out.len()), (dt, n * dim));
+        check("embedding_forward", "out", &out, (dt, n * dim));
         let widen = (dt, wte.dtype()) == (DType::F32, DType::BF16);
         assert!(
             wte.dtype() == dt || widen,
@@ -72,10 +95,10 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let args = [self.am(out), self.a(wte), self.a(ids), i32_of(dim)];
+        let args = [self.arg_mut(out), self.arg(wte), self.arg(ids), i32_of(dim)];
         let name = match widen {
             true => "embedding_forward_f32_bf16".to_string(),
-            false => format!("embedding_forward_{}", st(dt, "embedding_forward")),
+            false => kernel_name("embedding_forward", dt),
         };
         self.launch(&name, self.per_row(n, dim), &args);
     }
@@ -111,14 +134,14 @@ impl<L: Launcher> KernelOps<L> {
         }
         let name = format!(
             "embedding_backward_sorted_{}",
-            st(dout.dtype(), "embedding_backward")
+            suffix(dout.dtype(), "embedding_backward")
         );
         let args = [
-            self.am(dwte),
-            self.a(dout),
-            self.a(e.order),
-            self.a(e.seg_start),
-            self.a(e.seg_id),
+            self.arg_mut(dwte),
+            self.arg(dout),
+            self.arg(e.order),
+            self.arg(e.seg_start),
+            self.arg(e.seg_id),
             i32_of(dim),
         ];
         // A thread per column of a segment: long segments (byte ids) are then as parallel as
@@ -134,7 +157,12 @@ impl<L: Launcher> KernelOps<L> {
     /// `dw += Σ_chunks partial` (`parts × cols` f32 at `partial`).
     fn col_sum_acc(&self, dw: ViewMut, partial: *mut c_void, parts: usize) {
         let cols = dw.len();
-        let args = [self.am(dw), partial.into(), i32_of(parts), i32_of(cols)];
+        let args = [
+            self.arg_mut(dw),
+            partial.into(),
+            i32_of(parts),
+            i32_of(cols),
+        ];
         self.launch(
             "col_sum_acc_f32",
             cfg(grid(cols.div_ceil(32), 1, 1), 32),
@@ -153,31 +181,21 @@ impl<L: Launcher> KernelOps<L> {
     ) {
         let dt = x.dtype();
         let rows = rows_of("rmsnorm_forward", x.len(), dim);
-        same(
-            "rmsnorm_forward",
-            "out",
-            (out.dtype(), out.len()),
-            (dt, x.len()),
-        );
-        same("rmsnorm_forward", "w", (w.dtype(), w.len()), (dt, dim));
-        same(
-            "rmsnorm_forward",
-            "rstd",
-            (rstd.dtype(), rstd.len()),
-            (DType::F32, rows),
-        );
+        check("rmsnorm_forward", "out", &out, (dt, x.len()));
+        check("rmsnorm_forward", "w", &w, (dt, dim));
+        check("rmsnorm_forward", "rstd", &rstd, (DType::F32, rows));
         if rows == 0 {
             return;
         }
         let args = [
-            self.am(out),
-            self.am(rstd),
-            self.a(x),
-            self.a(w),
+            self.arg_mut(out),
+            self.arg_mut(rstd),
+            self.arg(x),
+            self.arg(w),
             i32_of(dim),
             eps.into(),
         ];
-        let name = format!("rmsnorm_forward_{}", st(dt, "rmsnorm_forward"));
+        let name = kernel_name("rmsnorm_forward", dt);
         self.launch(&name, self.per_row(rows, dim), &args);
     }
 
@@ -185,36 +203,21 @@ impl<L: Launcher> KernelOps<L> {
         let dt = s.x.dtype();
         let rows = rows_of("rmsnorm_backward", s.x.len(), dim);
         let n = s.x.len();
-        same("rmsnorm_backward", "dx", (dx.dtype(), dx.len()), (dt, n));
-        same(
-            "rmsnorm_backward",
-            "dout",
-            (dout.dtype(), dout.len()),
-            (dt, n),
-        );
-        same("rmsnorm_backward", "w", (s.w.dtype(), s.w.len()), (dt, dim));
-        same(
-            "rmsnorm_backward",
-            "dw",
-            (dw.dtype(), dw.len()),
-            (DType::F32, dim),
-        );
-        same(
-            "rmsnorm_backward",
-            "rstd",
-            (s.rstd.dtype(), s.rstd.len()),
-            (DType::F32, rows),
-        );
+        check("rmsnorm_backward", "dx", &dx, (dt, n));
+        check("rmsnorm_backward", "dout", &dout, (dt, n));
+        check("rmsnorm_backward", "w", &s.w, (dt, dim));
+        check("rmsnorm_backward", "dw", &dw, (DType::F32, dim));
+        check("rmsnorm_backward", "rstd", &s.rstd, (DType::F32, rows));
         if rows == 0 {
             return;
         }
-        let sfx = st(dt, "rmsnorm_backward");
+        let sfx = suffix(dt, "rmsnorm_backward");
         let args = [
-            self.am(dx),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.w),
-            self.a(s.rstd),
+            self.arg_mut(dx),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.w),
+            self.arg(s.rstd),
             i32_of(dim),
         ];
         let blocks = self.per_row(rows, dim);
@@ -223,9 +226,9 @@ impl<L: Launcher> KernelOps<L> {
         let (_s, [partial]) = self.scratch([chunks * dim * 4]);
         let args = [
             partial.into(),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.rstd),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.rstd),
             i32_of(rows),
             i32_of(dim),
             i32_of(CHUNK_ROWS),
@@ -303,26 +306,26 @@ impl<L: Launcher> KernelOps<L> {
         let op = "head_norm_rope_forward";
         let dt = x.dtype();
         let rows = rows_of(op, x.len(), d.heads * d.head_dim);
-        same(op, "out", (out.dtype(), out.len()), (dt, x.len()));
-        same(op, "w", (w.dtype(), w.len()), (dt, d.head_dim));
-        same(
-            op,
-            "rstd",
-            (rstd.dtype(), rstd.len()),
-            (DType::F32, rows * d.heads),
-        );
+        check(op, "out", &out, (dt, x.len()));
+        check(op, "w", &w, (dt, d.head_dim));
+        check(op, "rstd", &rstd, (DType::F32, rows * d.heads));
         if rows == 0 {
             return;
         }
         let doc = self.doc_arg(op, docs, rows);
         let freq = self.inv_freq(&d);
-        let mut args = vec![self.am(out), self.am(rstd), self.a(x), self.a(w)];
+        let mut args = vec![
+            self.arg_mut(out),
+            self.arg_mut(rstd),
+            self.arg(x),
+            self.arg(w),
+        ];
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
         args.push(i64_of(rows * d.heads));
         args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
-        let name = format!("{op}_{}{}", doc_sfx(&doc), st(dt, op));
+        let name = format!("{op}_{}{}", doc_sfx(&doc), suffix(dt, op));
         self.launch(&name, blocks, &args);
     }
 
@@ -330,8 +333,8 @@ impl<L: Launcher> KernelOps<L> {
     /// or none.
     fn doc_arg(&self, op: &str, docs: Option<View>, n: usize) -> Option<Arg> {
         let d = docs?;
-        same(op, "docs", (d.dtype(), d.len()), (DType::U32, n));
-        Some(self.a(d))
+        check(op, "docs", &d, (DType::U32, n));
+        Some(self.arg(d))
     }
 
     pub fn head_norm_rope_backward(
@@ -371,31 +374,26 @@ impl<L: Launcher> KernelOps<L> {
         let dt = s.x.dtype();
         let n = s.x.len();
         let rows = rows_of(op, n, d.heads * d.head_dim);
-        same(op, "dx", (dx.dtype(), dx.len()), (dt, n));
-        same(op, "dout", (dout.dtype(), dout.len()), (dt, n));
-        same(op, "w", (s.w.dtype(), s.w.len()), (dt, d.head_dim));
-        same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.head_dim));
-        same(
-            op,
-            "rstd",
-            (s.rstd.dtype(), s.rstd.len()),
-            (DType::F32, rows * d.heads),
-        );
+        check(op, "dx", &dx, (dt, n));
+        check(op, "dout", &dout, (dt, n));
+        check(op, "w", &s.w, (dt, d.head_dim));
+        check(op, "dw", &dw, (DType::F32, d.head_dim));
+        check(op, "rstd", &s.rstd, (DType::F32, rows * d.heads));
         if rows == 0 {
             return;
         }
         let doc = self.doc_arg(op, docs, rows);
-        let sfx = format!("{}{}", doc_sfx(&doc), st(dt, op));
+        let sfx = format!("{}{}", doc_sfx(&doc), suffix(dt, op));
         // The weight gradient's chunks are of head rows (a position's heads one after another).
         let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
         let freq = self.inv_freq(&d);
         let (_s, [partial]) = self.scratch([chunks * d.head_dim * 4]);
         let mut args = vec![
-            self.am(dx),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.w),
-            self.a(s.rstd),
+            self.arg_mut(dx),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.w),
+            self.arg(s.rstd),
         ];
         args.extend(self.rope_args(&d, freq));
         args.push(i64_of(rows * d.heads));
@@ -404,9 +402,9 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
         let mut args = vec![
             partial.into(),
-            self.a(dout),
-            self.a(s.x),
-            self.a(s.rstd),
+            self.arg(dout),
+            self.arg(s.x),
+            self.arg(s.rstd),
             i32_of(rows),
         ];
         args.extend(self.rope_args(&d, freq));
@@ -443,7 +441,7 @@ impl<L: Launcher> KernelOps<L> {
         let nq = d.batch * d.tq * d.heads * d.head_dim;
         let nk = d.batch * d.tk * d.kv_heads * d.head_dim;
         assert_eq!((q, k, v), (nq, nk, nk), "{op}: q, k, v lengths for {d:?}");
-        let _ = st(dt, op);
+        let _ = suffix(dt, op);
         nq
     }
 
@@ -496,15 +494,21 @@ impl<L: Launcher> KernelOps<L> {
         let dt = q.dtype();
         assert!(k.dtype() == dt && v.dtype() == dt, "{op}: q, k, v dtypes");
         let nq = Self::attn_check(op, &d, dt, q.len(), k.len(), v.len());
-        same(op, "out", (out.dtype(), out.len()), (dt, nq));
+        check(op, "out", &out, (dt, nq));
         let nl = d.batch * d.heads * d.tq;
-        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, nl));
+        check(op, "lse", &lse, (DType::F32, nl));
         if nl == 0 {
             return;
         }
         let doc = self.doc_arg(op, docs, d.batch * d.tq);
         let ds = doc_sfx(&doc);
-        let mut args = vec![self.am(out), self.am(lse), self.a(q), self.a(k), self.a(v)];
+        let mut args = vec![
+            self.arg_mut(out),
+            self.arg_mut(lse),
+            self.arg(q),
+            self.arg(k),
+            self.arg(v),
+        ];
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
         args.extend(doc);
@@ -522,7 +526,7 @@ impl<L: Launcher> KernelOps<L> {
         }
         let w = self.tuning.attn_rows as usize;
         let shape = cfg(grid(d.tq.div_ceil(w), d.heads, d.batch), 32 * w as u32);
-        self.launch(&format!("{op}_{ds}{}", st(dt, op)), shape, &args);
+        self.launch(&format!("{op}_{ds}{}", suffix(dt, op)), shape, &args);
     }
 
     pub fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
@@ -541,6 +545,22 @@ impl<L: Launcher> KernelOps<L> {
         self.attention_bwd(g, dout, s, Some(docs), d)
     }
 
+    /// The backward's first pass: each query row's `Σ dout·out` into `delta` (f32, a row each).
+    fn attn_delta(&self, delta: *mut c_void, dout: View, out: View, d: &AttnDims, sfx: &str) {
+        let nl = d.batch * d.heads * d.tq;
+        let args = [
+            delta.into(),
+            self.arg(dout),
+            self.arg(out),
+            i32_of(d.tq),
+            i32_of(d.heads),
+            i32_of(d.head_dim),
+            i64_of(nl),
+        ];
+        let name = format!("attention_backward_delta_{sfx}");
+        self.launch(&name, self.warp_per_row(nl), &args);
+    }
+
     fn attention_bwd(
         &self,
         g: AttnGrads,
@@ -557,19 +577,19 @@ impl<L: Launcher> KernelOps<L> {
         );
         let nq = Self::attn_check(op, &d, dt, s.q.len(), s.k.len(), s.v.len());
         let nk = s.k.len();
-        same(op, "out", (s.out.dtype(), s.out.len()), (dt, nq));
-        same(op, "dout", (dout.dtype(), dout.len()), (dt, nq));
-        same(op, "dq", (g.dq.dtype(), g.dq.len()), (dt, nq));
-        same(op, "dk", (g.dk.dtype(), g.dk.len()), (dt, nk));
-        same(op, "dv", (g.dv.dtype(), g.dv.len()), (dt, nk));
+        check(op, "out", &s.out, (dt, nq));
+        check(op, "dout", &dout, (dt, nq));
+        check(op, "dq", &g.dq, (dt, nq));
+        check(op, "dk", &g.dk, (dt, nk));
+        check(op, "dv", &g.dv, (dt, nk));
         let nl = d.batch * d.heads * d.tq;
-        same(op, "lse", (s.lse.dtype(), s.lse.len()), (DType::F32, nl));
+        check(op, "lse", &s.lse, (DType::F32, nl));
         if nl == 0 {
             return;
         }
         let doc = self.doc_arg(op, docs, d.batch * d.tq);
         let ds = doc_sfx(&doc);
-        let sfx = st(dt, op);
+        let sfx = suffix(dt, op);
         let tc = self.attn_tc(dt, &d);
         let fused = tc && self.tuning.attn_fused_dq && d.head_dim <= 64;
         let (_s, [delta]) = self.scratch([nl * 4]);
@@ -581,76 +601,60 @@ impl<L: Launcher> KernelOps<L> {
             }
             false => (None, std::ptr::null_mut()),
         };
-        let args = [
-            delta.into(),
-            self.a(dout),
-            self.a(s.out),
-            i32_of(d.tq),
-            i32_of(d.heads),
-            i32_of(d.head_dim),
-            i64_of(nl),
-        ];
-        self.launch(&format!("{op}_delta_{sfx}"), self.warp_per_row(nl), &args);
+        self.attn_delta(delta, dout, s.out, &d, sfx);
         let AttnGrads { dq, dk, dv } = g;
         let tail = |args: &mut Vec<Arg>| {
             args.extend(Self::attn_dims(&d));
             args.push(Self::attn_scale(&d));
             args.extend(doc);
         };
-        let mut args = vec![self.am(dk), self.am(dv)];
+        // A pass's grid (tiles of `len` positions, by head and sequence) and kernel: the
+        // tensor-core variant in tiles of TC_TILE, the plain one in tiles of `tile`.
+        let pass = |name: &str, tc: bool, len: usize, heads: usize, tile: usize| match tc {
+            true => (
+                cfg(grid(len.div_ceil(TC_TILE), heads, d.batch), TC_BLOCK),
+                format!("{op}_{name}_tc{}_{ds}bf16", d.head_dim),
+            ),
+            false => (
+                cfg(grid(len.div_ceil(tile), heads, d.batch), 128),
+                format!("{op}_{name}_{ds}{sfx}"),
+            ),
+        };
+        let mut args = vec![self.arg_mut(dk), self.arg_mut(dv)];
         if fused {
             self.zero(acc, nq * 4);
             args.push(acc.into());
         }
         args.extend([
-            self.a(dout),
-            self.a(s.q),
-            self.a(s.k),
-            self.a(s.v),
-            self.a(s.lse),
+            self.arg(dout),
+            self.arg(s.q),
+            self.arg(s.k),
+            self.arg(s.v),
+            self.arg(s.lse),
             delta.into(),
         ]);
         tail(&mut args);
         if fused {
-            let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            let name = format!("{op}_fused_tc{}_{ds}bf16", d.head_dim);
-            self.launch(&name, cfg(g, TC_BLOCK), &args);
+            let (shape, name) = pass("fused", true, d.tk, d.kv_heads, TC_TILE);
+            self.launch(&name, shape, &args);
             // The sums are scaled already: dq is their bf16 rounding.
-            let args = [self.am(dq), acc.into(), i64_of(nq)];
+            let args = [self.arg_mut(dq), acc.into(), i64_of(nq)];
             self.launch("cast_f32_to_bf16", self.ew(nq), &args);
             return;
         }
-        let (shape, name) = if tc {
-            let g = grid(d.tk.div_ceil(TC_TILE), d.kv_heads, d.batch);
-            (
-                cfg(g, TC_BLOCK),
-                format!("{op}_dkdv_tc{}_{ds}bf16", d.head_dim),
-            )
-        } else {
-            let g = grid(d.tk.div_ceil(16), d.kv_heads, d.batch);
-            (cfg(g, 128), format!("{op}_dkdv_{ds}{sfx}"))
-        };
+        let (shape, name) = pass("dkdv", tc, d.tk, d.kv_heads, 16);
         self.launch(&name, shape, &args);
         let mut args = vec![
-            self.am(dq),
-            self.a(dout),
-            self.a(s.q),
-            self.a(s.k),
-            self.a(s.v),
-            self.a(s.lse),
+            self.arg_mut(dq),
+            self.arg(dout),
+            self.arg(s.q),
+            self.arg(s.k),
+            self.arg(s.v),
+            self.arg(s.lse),
             delta.into(),
         ];
         tail(&mut args);
-        let (shape, name) = if tc {
-            let g = grid(d.tq.div_ceil(TC_TILE), d.heads, d.batch);
-            (
-                cfg(g, TC_BLOCK),
-                format!("{op}_dq_tc{}_{ds}bf16", d.head_dim),
-            )
-        } else {
-            let g = grid(d.tq.div_ceil(8), d.heads, d.batch);
-            (cfg(g, 128), format!("{op}_dq_{ds}{sfx}"))
-        };
+        let (shape, name) = pass("dq", tc, d.tq, d.heads, 8);
         self.launch(&name, shape, &args);
     }
 
@@ -661,13 +665,13 @@ impl<L: Launcher> KernelOps<L> {
     pub fn swiglu_forward(&self, out: ViewMut, gate: View, up: View) {
         let op = "swiglu_forward";
         let (dt, n) = (gate.dtype(), out.len());
-        same(op, "gate", (dt, gate.len()), (dt, n));
-        same(op, "up", (up.dtype(), up.len()), (dt, n));
+        check(op, "gate", &gate, (dt, n));
+        check(op, "up", &up, (dt, n));
         if n == 0 {
             return;
         }
-        let name = format!("{op}_{}", st_to(dt, out.dtype(), op));
-        let args = [self.am(out), self.a(gate), self.a(up), i64_of(n)];
+        let name = kernel_name_to(op, dt, out.dtype());
+        let args = [self.arg_mut(out), self.arg(gate), self.arg(up), i64_of(n)];
         self.launch(&name, self.ew(n), &args);
     }
 
@@ -676,22 +680,22 @@ impl<L: Launcher> KernelOps<L> {
         let op = "swiglu_backward";
         let (dt, n) = (dout.dtype(), dout.len());
         let out = dgate.dtype();
-        same(op, "dgate", (out, dgate.len()), (out, n));
-        same(op, "dup", (dup.dtype(), dup.len()), (out, n));
-        same(op, "gate", (gate.dtype(), gate.len()), (dt, n));
-        same(op, "up", (up.dtype(), up.len()), (dt, n));
+        check(op, "dgate", &dgate, (out, n));
+        check(op, "dup", &dup, (out, n));
+        check(op, "gate", &gate, (dt, n));
+        check(op, "up", &up, (dt, n));
         if n == 0 {
             return;
         }
         let args = [
-            self.am(dgate),
-            self.am(dup),
-            self.a(dout),
-            self.a(gate),
-            self.a(up),
+            self.arg_mut(dgate),
+            self.arg_mut(dup),
+            self.arg(dout),
+            self.arg(gate),
+            self.arg(up),
             i64_of(n),
         ];
-        self.launch(&format!("{op}_{}", st_to(dt, out, op)), self.ew(n), &args);
+        self.launch(&kernel_name_to(op, dt, out), self.ew(n), &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -706,38 +710,13 @@ impl<L: Launcher> KernelOps<L> {
         );
         let rows = rows_of(op, logits.len(), experts);
         let f = DType::F32;
-        same(
-            op,
-            "logits",
-            (logits.dtype(), logits.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "probs",
-            (out.probs.dtype(), out.probs.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "weights",
-            (out.weights.dtype(), out.weights.len()),
-            (f, rows * k),
-        );
-        same(
-            op,
-            "idx",
-            (out.idx.dtype(), out.idx.len()),
-            (DType::U32, rows * k),
-        );
-        same(
-            op,
-            "psum",
-            (out.psum.dtype(), out.psum.len()),
-            (DType::F64, experts),
-        );
+        check(op, "logits", &logits, (f, rows * experts));
+        check(op, "probs", &out.probs, (f, rows * experts));
+        check(op, "weights", &out.weights, (f, rows * k));
+        check(op, "idx", &out.idx, (DType::U32, rows * k));
+        check(op, "psum", &out.psum, (DType::F64, experts));
         if let Some(b) = bias {
-            same(op, "bias", (b.dtype(), b.len()), (f, experts));
+            check(op, "bias", &b, (f, experts));
         }
         let RouterOut {
             mut probs,
@@ -752,13 +731,13 @@ impl<L: Launcher> KernelOps<L> {
         }
         let chunks = rows.div_ceil(CHUNK_ROWS);
         let (_s, [partial]) = self.scratch([chunks * experts * 8]);
-        let bias = bias.map_or(Arg::Ptr(std::ptr::null_mut()), |b| self.a(b));
-        let probs_addr = self.am(probs.reborrow());
+        let bias = bias.map_or(Arg::Ptr(std::ptr::null_mut()), |b| self.arg(b));
+        let probs_addr = self.arg_mut(probs.reborrow());
         let args = [
             probs_addr,
-            self.am(weights),
-            self.am(idx),
-            self.a(logits),
+            self.arg_mut(weights),
+            self.arg_mut(idx),
+            self.arg(logits),
             bias,
             i32_of(experts),
             i32_of(k),
@@ -795,40 +774,20 @@ impl<L: Launcher> KernelOps<L> {
         let RouterDims { experts, k, renorm } = d;
         let rows = rows_of(op, probs.len(), experts);
         let f = DType::F32;
-        same(
-            op,
-            "probs",
-            (probs.dtype(), probs.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "dlogits",
-            (dlogits.dtype(), dlogits.len()),
-            (f, rows * experts),
-        );
-        same(
-            op,
-            "dweights",
-            (dweights.dtype(), dweights.len()),
-            (f, rows * k),
-        );
-        same(op, "idx", (idx.dtype(), idx.len()), (DType::U32, rows * k));
-        same(
-            op,
-            "dprob_const",
-            (dprob_const.dtype(), dprob_const.len()),
-            (DType::F64, experts),
-        );
+        check(op, "probs", &probs, (f, rows * experts));
+        check(op, "dlogits", &dlogits, (f, rows * experts));
+        check(op, "dweights", &dweights, (f, rows * k));
+        check(op, "idx", &idx, (DType::U32, rows * k));
+        check(op, "dprob_const", &dprob_const, (DType::F64, experts));
         if rows == 0 {
             return;
         }
         let args = [
-            self.am(dlogits),
-            self.a(dweights),
-            self.a(probs),
-            self.a(idx),
-            self.a(dprob_const),
+            self.arg_mut(dlogits),
+            self.arg(dweights),
+            self.arg(probs),
+            self.arg(idx),
+            self.arg(dprob_const),
             i32_of(experts),
             i32_of(k),
             Arg::I32(renorm as i32),
@@ -848,7 +807,7 @@ impl<L: Launcher> KernelOps<L> {
             d.pos.len() <= rows,
             "{op}: more choices than dispatched rows"
         );
-        (d.pos.len() / d.k, self.a(d.pos))
+        (d.pos.len() / d.k, self.arg(d.pos))
     }
 
     /// The stable counting sort of the router's choices by expert (see
@@ -860,27 +819,17 @@ impl<L: Launcher> KernelOps<L> {
         let n = idx.len();
         assert!(k > 0 && n.is_multiple_of(k), "{op}: idx vs k");
         let u = DType::U32;
-        same(op, "idx", (idx.dtype(), n), (u, n));
-        same(
-            op,
-            "counts",
-            (out.counts.dtype(), out.counts.len()),
-            (u, experts),
-        );
-        same(
-            op,
-            "offsets",
-            (out.offsets.dtype(), out.offsets.len()),
-            (u, experts + 1),
-        );
-        same(op, "src", (out.src.dtype(), out.src.len()), (u, n));
-        same(op, "pos", (out.pos.dtype(), out.pos.len()), (u, n));
+        check(op, "idx", &idx, (u, n));
+        check(op, "counts", &out.counts, (u, experts));
+        check(op, "offsets", &out.offsets, (u, experts + 1));
+        check(op, "src", &out.src, (u, n));
+        check(op, "pos", &out.pos, (u, n));
         let (counts, offsets) = (
             self.launcher.addr_mut(out.counts),
             self.launcher.addr_mut(out.offsets),
         );
         assert!(experts <= 1024, "{op}: at most 1024 experts, not {experts}");
-        let idx = self.a(idx);
+        let idx = self.arg(idx);
         let tiles = n.div_ceil(DISPATCH_TILE);
         let (_s, [t]) = self.scratch([tiles * experts * 4]);
         let block = cfg(grid(tiles, 1, 1), 256);
@@ -900,8 +849,8 @@ impl<L: Launcher> KernelOps<L> {
         );
         if n > 0 {
             let args = [
-                self.am(out.src),
-                self.am(out.pos),
+                self.arg_mut(out.src),
+                self.arg_mut(out.pos),
                 t.into(),
                 idx,
                 n32,
@@ -920,13 +869,13 @@ impl<L: Launcher> KernelOps<L> {
         rows_of(op, x.len(), dim);
         assert_eq!(src.dtype(), DType::U32, "{op}: src is u32");
         let out = xe.dtype();
-        same(op, "xe", (out, xe.len()), (out, src.len() * dim));
+        check(op, "xe", &xe, (out, src.len() * dim));
         if src.is_empty() {
             return;
         }
         let n = src.len();
-        let name = format!("{op}_{}", st_to(dt, out, op));
-        let args = [self.am(xe), self.a(x), self.a(src), i32_of(dim)];
+        let name = kernel_name_to(op, dt, out);
+        let args = [self.arg_mut(xe), self.arg(x), self.arg(src), i32_of(dim)];
         let shape = self.per_row(n, dim);
         self.launch(&name, shape, &args);
     }
@@ -936,13 +885,19 @@ impl<L: Launcher> KernelOps<L> {
         let dt = dxe.dtype();
         let rows = rows_of(op, dxe.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
-        same(op, "dx", (dx.dtype(), dx.len()), (dt, tokens * d.dim));
+        check(op, "dx", &dx, (dt, tokens * d.dim));
         if tokens == 0 {
             return;
         }
-        let args = [self.am(dx), self.a(dxe), pos, i32_of(d.k), i32_of(d.dim)];
+        let args = [
+            self.arg_mut(dx),
+            self.arg(dxe),
+            pos,
+            i32_of(d.k),
+            i32_of(d.dim),
+        ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&format!("{op}_{}", st(dt, op)), shape, &args);
+        self.launch(&kernel_name(op, dt), shape, &args);
     }
 
     /// `ye` in `out`'s storage, or bf16 into f32 tokens (bf16 GEMM outputs).
@@ -951,15 +906,15 @@ impl<L: Launcher> KernelOps<L> {
         let (dt, ye16) = (out.dtype(), ye_bf16(&ye, out.dtype()));
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
-        same(op, "out", (out.dtype(), out.len()), (dt, tokens * d.dim));
-        same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
+        check(op, "out", &out, (dt, tokens * d.dim));
+        check(op, "w", &w, (DType::F32, d.pos.len()));
         if tokens == 0 {
             return;
         }
         let args = [
-            self.am(out),
-            self.a(ye),
-            self.a(w),
+            self.arg_mut(out),
+            self.arg(ye),
+            self.arg(w),
             pos,
             i32_of(d.k),
             i32_of(d.dim),
@@ -967,7 +922,7 @@ impl<L: Launcher> KernelOps<L> {
         let shape = self.per_row(tokens, d.dim);
         let name = match ye16 {
             true => format!("{op}_ye_bf16"),
-            false => format!("{op}_{}", st(dt, op)),
+            false => kernel_name(op, dt),
         };
         self.launch(&name, shape, &args);
     }
@@ -988,19 +943,19 @@ impl<L: Launcher> KernelOps<L> {
         let rows = rows_of(op, ye.len(), d.dim);
         let (tokens, pos) = self.dispatched(op, &d, rows);
         let out = dye.dtype();
-        same(op, "dye", (out, dye.len()), (out, ye.len()));
-        same(op, "dout", (dout.dtype(), dout.len()), (dt, tokens * d.dim));
-        same(op, "w", (w.dtype(), w.len()), (DType::F32, d.pos.len()));
-        same(op, "dw", (dw.dtype(), dw.len()), (DType::F32, d.pos.len()));
+        check(op, "dye", &dye, (out, ye.len()));
+        check(op, "dout", &dout, (dt, tokens * d.dim));
+        check(op, "w", &w, (DType::F32, d.pos.len()));
+        check(op, "dw", &dw, (DType::F32, d.pos.len()));
         if tokens == 0 {
             return;
         }
         let args = [
-            self.am(dye),
-            self.am(dw),
-            self.a(dout),
-            self.a(ye),
-            self.a(w),
+            self.arg_mut(dye),
+            self.arg_mut(dw),
+            self.arg(dout),
+            self.arg(ye),
+            self.arg(w),
             pos,
             i32_of(d.k),
             i32_of(d.dim),
@@ -1011,7 +966,7 @@ impl<L: Launcher> KernelOps<L> {
                 assert_eq!(out, DType::BF16, "{op}: bf16 ye writes bf16 dye");
                 format!("{op}_ye_bf16")
             }
-            false => format!("{op}_{}", st_to(dt, out, op)),
+            false => kernel_name_to(op, dt, out),
         };
         self.launch(&name, shape, &args);
     }
@@ -1030,8 +985,8 @@ impl<L: Launcher> KernelOps<L> {
         let op = "cross_entropy_forward";
         let (dt, rows) = (logits.dtype(), targets.len());
         assert_eq!(targets.dtype(), DType::U32, "{op}: targets are u32");
-        same(op, "logits", (dt, logits.len()), (dt, rows * vocab));
-        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, rows));
+        check(op, "logits", &logits, (dt, rows * vocab));
+        check(op, "lse", &lse, (DType::F32, rows));
         assert!(
             loss.dtype() == DType::F64 && !loss.is_empty(),
             "{op}: loss is an f64 element"
@@ -1039,20 +994,20 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let sfx = st(dt, op);
-        let tg = self.a(targets);
+        let sfx = suffix(dt, op);
+        let tg = self.arg(targets);
         let mut lse = lse;
-        let lse_addr = self.am(lse.reborrow());
-        let args = [lse_addr, self.a(logits), i32_of(vocab)];
+        let lse_addr = self.arg_mut(lse.reborrow());
+        let args = [lse_addr, self.arg(logits), i32_of(vocab)];
         self.launch(
             &format!("cross_entropy_forward_{sfx}"),
             cfg(grid(rows, 1, 1), 128),
             &args,
         );
         let args = [
-            self.am(loss),
+            self.arg_mut(loss),
             lse_addr,
-            self.a(logits),
+            self.arg(logits),
             tg,
             i32_of(rows),
             i32_of(vocab),
@@ -1075,23 +1030,19 @@ impl<L: Launcher> KernelOps<L> {
         let op = "cross_entropy_backward";
         let (dt, rows) = (logits.dtype(), targets.len());
         assert_eq!(targets.dtype(), DType::U32, "{op}: targets are u32");
-        same(op, "logits", (dt, logits.len()), (dt, rows * vocab));
-        same(op, "lse", (lse.dtype(), lse.len()), (DType::F32, rows));
+        check(op, "logits", &logits, (dt, rows * vocab));
+        check(op, "lse", &lse, (DType::F32, rows));
         if rows == 0 {
             return;
         }
         let args = [
-            self.am(logits),
-            self.a(lse),
-            self.a(targets),
+            self.arg_mut(logits),
+            self.arg(lse),
+            self.arg(targets),
             i32_of(vocab),
             scale.into(),
         ];
-        self.launch(
-            &format!("{op}_{}", st(dt, op)),
-            cfg(grid(rows, 1, 1), 128),
-            &args,
-        );
+        self.launch(&kernel_name(op, dt), cfg(grid(rows, 1, 1), 128), &args);
     }
 }
 

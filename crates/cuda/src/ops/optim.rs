@@ -37,10 +37,15 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         if n == 0 {
             return;
         }
-        let mut args = vec![self.am(param), self.am(m), self.am(v), self.a(grad)];
+        let mut args = vec![
+            self.arg_mut(param),
+            self.arg_mut(m),
+            self.arg_mut(v),
+            self.arg(grad),
+        ];
         let name = match rounded {
             Some(r) => {
-                args.push(self.am(r));
+                args.push(self.arg_mut(r));
                 "adamw_step_f32_rounded"
             }
             None => "adamw_step_f32",
@@ -79,10 +84,10 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         if n == 0 {
             return;
         }
-        let mut args = vec![self.am(param), self.a(update)];
+        let mut args = vec![self.arg_mut(param), self.arg(update)];
         let name = match rounded {
             Some(r) => {
-                args.push(self.am(r));
+                args.push(self.arg_mut(r));
                 "decay_update_f32_rounded"
             }
             None => "decay_update_f32",
@@ -99,8 +104,8 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             return;
         }
         let args = [
-            self.am(buf),
-            self.am(grad),
+            self.arg_mut(buf),
+            self.arg_mut(grad),
             i64_of(n),
             f(momentum),
             Arg::F32(grad_scale),
@@ -119,7 +124,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let (_s, [partial, sumsq]) = self.scratch([blocks * 8, 8]);
         self.zero(sumsq, 8);
         self.sumsq_into(sumsq.into(), x.as_view(), partial, blocks);
-        let args = [self.am(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
+        let args = [self.arg_mut(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
         self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
     }
 
@@ -141,7 +146,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let blocks = self.sumsq_blocks(n);
         let (_s, [partial, sums]) = self.scratch([count * blocks * 8, count * 8]);
         let per_matrix = cfg(grid(blocks, count, 1), self.tuning.ew_block);
-        let x = self.am(x);
+        let x = self.arg_mut(x);
         let pass1 = [partial.into(), x, i64_of(n)];
         self.launch("sumsq_partial_strided_f32", per_matrix, &pass1);
         let pass2 = [sums.into(), partial.into(), i32_of(blocks)];
