@@ -625,6 +625,36 @@ fn a_rounded_step_writes_the_cast_of_the_update() {
     }
 }
 
+/// Muon steps from `init` with gradients `gs` (stack batching within `batched` bytes, or
+/// matrix by matrix): the parameters after them, and the optimizer's scratch bytes.
+fn muon_steps(
+    be: &CpuBackend,
+    specs: &[ParamSpec],
+    init: &[Vec<f64>],
+    gs: &[Vec<Vec<f64>>],
+    batched: Option<usize>,
+    offload: bool,
+    ns_dtype: ganymede_config::NsDtype,
+) -> (Vec<Vec<f32>>, u64) {
+    let mut c = cfg(OptimizerName::Muon);
+    c.offload = offload;
+    c.ns_dtype = ns_dtype;
+    let mut params = store(be, specs, init, Category::Params);
+    let mut opt = Optimizer::new(be, &c, specs).with_stack_batching(be, batched);
+    let scratch = opt.scratch_bytes();
+    for g in gs {
+        let grads = store(be, specs, g, Category::Grads);
+        opt.step(be, &mut params, &grads, 0.02);
+    }
+    opt.synchronize_state(be);
+    let p = params
+        .tensors()
+        .iter()
+        .map(|t| be.download(t.view()))
+        .collect();
+    (p, scratch)
+}
+
 /// Expert stacks batched through strided products (what a GPU runs, `Blas::batches_matrices`)
 /// give the parameters of the matrix-by-matrix path bit for bit on the CPU, whose strided calls
 /// are per-matrix loops; with state offloaded too; in f32 and bf16 products; a stack of 7
@@ -647,27 +677,7 @@ fn batched_stacks_agree_bitwise_with_matrix_by_matrix() {
     let gs: Vec<Vec<Vec<f64>>> = (0..2).map(|_| normals(&mut rng, &specs)).collect();
     let be = CpuBackend::default();
     let run = |batched: Option<usize>, offload: bool, ns_dtype: ganymede_config::NsDtype| {
-        let mut c = cfg(OptimizerName::Muon);
-        c.offload = offload;
-        c.ns_dtype = ns_dtype;
-        let mut params = store(&be, &specs, &init, Category::Params);
-        let mut opt = Optimizer::new(&be, &c, &specs).with_stack_batching(&be, batched);
-        let scratch = opt.scratch_bytes();
-        for g in &gs {
-            opt.step(
-                &be,
-                &mut params,
-                &store(&be, &specs, g, Category::Grads),
-                0.02,
-            );
-        }
-        opt.synchronize_state(&be);
-        let p: Vec<Vec<f32>> = params
-            .tensors()
-            .iter()
-            .map(|t| be.download(t.view()))
-            .collect();
-        (p, scratch)
+        muon_steps(&be, &specs, &init, &gs, batched, offload, ns_dtype)
     };
     for ns_dtype in [
         ganymede_config::NsDtype::F32,
@@ -721,23 +731,7 @@ fn same_shape_matrices_are_batched_across_parameters() {
     let gs: Vec<Vec<Vec<f64>>> = (0..2).map(|_| normals(&mut rng, &specs)).collect();
     let be = CpuBackend::default();
     let run = |batched: Option<usize>, offload: bool, ns_dtype: ganymede_config::NsDtype| {
-        let mut c = cfg(OptimizerName::Muon);
-        c.offload = offload;
-        c.ns_dtype = ns_dtype;
-        let mut params = store(&be, &specs, &init, Category::Params);
-        let mut opt = Optimizer::new(&be, &c, &specs).with_stack_batching(&be, batched);
-        let scratch = opt.scratch_bytes();
-        for g in &gs {
-            let grads = store(&be, &specs, g, Category::Grads);
-            opt.step(&be, &mut params, &grads, 0.02);
-        }
-        opt.synchronize_state(&be);
-        let p: Vec<Vec<f32>> = params
-            .tensors()
-            .iter()
-            .map(|t| be.download(t.view()))
-            .collect();
-        (p, scratch)
+        muon_steps(&be, &specs, &init, &gs, batched, offload, ns_dtype)
     };
     for ns_dtype in [
         ganymede_config::NsDtype::F32,
