@@ -29,30 +29,11 @@ fn trainer_terms(job: &JobConfig, d: &Dims) -> Option<crate::ledger::ActivationT
     Some(crate::ledger::predict_cpu_ledger(&one, 1).activation_terms)
 }
 
-pub(super) fn memory(
-    job: &JobConfig,
-    d: &Dims,
-    cluster: &Cluster,
-    policy: &MemoryPolicy,
-    opt: &OptimizerSetup,
-) -> MemoryModel {
-    let (m, p, shape) = (d.m, &d.p, &d.shape);
+/// One layer's saved tensors at the micro-batch's tokens: the largest layer's set (what full
+/// checkpointing keeps, one layer at a time) and the mean over layers (what `none` keeps).
+fn saved_layer_sets(d: &Dims) -> (f64, f64) {
+    let (m, shape) = (d.m, &d.shape);
     let (h, l, n_tok, k) = (d.h, d.l, d.n_tok, d.k);
-    let pb = policy.param_bytes;
-    let gb = policy.gather_bytes;
-    let opt_state = if d.muon {
-        4.0 * p.muon as f64 + 8.0 * p.adamw as f64
-    } else {
-        8.0 * p.total as f64
-    };
-    let adamw_state = 8.0 * p.total as f64;
-    let local_layer = shape.max_local_layer(d.ep as u64) as f64;
-    let head = (p.by_group.embedding.max(p.by_group.lm_head)) as f64;
-    let unsharded = gb * local_layer * (1 + policy.prefetch) as f64 + pb * head;
-    // Gradients are computed in bf16 whatever the gather precision.
-    let unsharded_grads = (2.0 + policy.reduce_bytes) * local_layer;
-    let boundary_layer = d.boundary_layer;
-    let boundary_all = boundary_layer * l;
     // One layer's saved tensors (bf16 unless noted), N tokens:
     //   norm outputs 2·H, q/k/v 2·kv+q, q/k after norm+RoPE q+kv, attention output q,
     //   residual H, attention log-sum-exp heads·4 B, router logits+probs 2·E·4 B; MoE: dispatched
@@ -82,6 +63,34 @@ pub(super) fn memory(
     let layer_set_avg = n_tok
         * (attn_saved
             + (shape.moe_layers as f64 * moe_saved + shape.dense_layers as f64 * dense_saved) / l);
+    (layer_set, layer_set_avg)
+}
+
+pub(super) fn memory(
+    job: &JobConfig,
+    d: &Dims,
+    cluster: &Cluster,
+    policy: &MemoryPolicy,
+    opt: &OptimizerSetup,
+) -> MemoryModel {
+    let (m, p, shape) = (d.m, &d.p, &d.shape);
+    let (h, l, n_tok, k) = (d.h, d.l, d.n_tok, d.k);
+    let pb = policy.param_bytes;
+    let gb = policy.gather_bytes;
+    let opt_state = if d.muon {
+        4.0 * p.muon as f64 + 8.0 * p.adamw as f64
+    } else {
+        8.0 * p.total as f64
+    };
+    let adamw_state = 8.0 * p.total as f64;
+    let local_layer = shape.max_local_layer(d.ep as u64) as f64;
+    let head = (p.by_group.embedding.max(p.by_group.lm_head)) as f64;
+    let unsharded = gb * local_layer * (1 + policy.prefetch) as f64 + pb * head;
+    // Gradients are computed in bf16 whatever the gather precision.
+    let unsharded_grads = (2.0 + policy.reduce_bytes) * local_layer;
+    let boundary_layer = d.boundary_layer;
+    let boundary_all = boundary_layer * l;
+    let (layer_set, layer_set_avg) = saved_layer_sets(d);
     let dispatch = if d.has_moe {
         2.0 * n_tok * k * h * pb
     } else {
