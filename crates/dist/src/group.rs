@@ -1,22 +1,27 @@
-//! The process-group interface every backend implements.
+//! The process-group interface: [`ProcessGroup`] for callers, [`Transport`] for backends.
 //!
-//! Buffers are the core crate's views ([`View`], [`ViewMut`]). Host backends (threads, MPI) serve the
-//! `Host` (f32) and `Host64` (f64) variants and answer [`CommError::Unsupported`] for anything
-//! else. A GPU backend (NCCL) implements the same trait by matching the device-view variant the
-//! GPU issue adds to `View`/`ViewMut`: it enqueues the NCCL call on its communication stream in the
-//! `i*` method and returns a [`Work`] whose `wait` makes the compute stream wait on an event
-//! recorded after the call (as PyTorch's `Work.wait()` does), so the buffers' borrows in `Work`
-//! keep them alive exactly as long as the transfer may touch them.
+//! Buffers are the core crate's views ([`View`], [`ViewMut`]). Host backends (threads, MPI) serve
+//! host f32 and f64 views (and bf16 to all-gather or exchange all-to-all) and answer
+//! [`CommError::Unsupported`] for anything else. The GPU backend (NCCL) serves device views: it
+//! enqueues the NCCL call on its communication stream when the collective is posted and returns
+//! a [`Work`] whose `wait` makes the compute stream wait on an event recorded after the call (as
+//! PyTorch's `Work.wait()` does), so the buffers' borrows in `Work` keep them alive exactly as
+//! long as the transfer may touch them.
+//!
+//! Backends implement [`Transport`], the moving of data alone: every `Transport` is a
+//! `ProcessGroup` through the checked layer ([`crate::checks`]), which validates each call's
+//! arguments and counts its bytes once for all of them.
 //!
 //! Every collective has a non-blocking form (`i*`, returning [`Work`]); the blocking form is a
 //! provided method that posts and waits. A [`Work`] dropped without `wait` waits in its drop,
 //! ignoring errors, so the borrowed buffers are never released while in use.
 
 use crate::error::{CommError, Result};
-use crate::stats::{CommStats, Phase};
-use crate::trace::Tracer;
+use crate::stats::{CommStats, Op, Phase};
+use crate::trace::{Tracer, Track};
 use ganymede_core::{View, ViewMut};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// What a rank shares between all its group handles: its byte counters and its timeline.
 #[derive(Clone)]
@@ -107,6 +112,8 @@ pub fn wait_all(works: Vec<Work<'_>>) -> Result<()> {
 /// `[j*n, (j+1)*n)`; sums are taken in rank order where the backend controls the order (threads;
 /// MPI leaves the order to the library). `phase` only labels the bytes in the counters and the
 /// trace. Collective calls must be issued in the same order on every rank of the group.
+///
+/// Backends do not implement it directly: see [`Transport`].
 pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
@@ -275,189 +282,285 @@ pub fn host_view_mut(v: ViewMut<'_>) -> ViewMut<'_> {
     }
 }
 
-/// Element size and length of a view, or `Unsupported` for non-host views.
-pub(crate) fn elem_size(op: &'static str, v: &View) -> Result<usize> {
-    match v {
-        View::Host(_) => Ok(4),
-        View::Host64(_) => Ok(8),
-        // bf16 only moves (gathers): sums of bf16 are not done on bf16 here.
-        View::HostBf16(_) => Ok(2),
-        #[allow(unreachable_patterns)]
-        _ => Err(CommError::Unsupported {
-            op,
-            message: "only host f32/f64 (and, to gather, bf16) views are served by this backend"
-                .into(),
-        }),
+/// A rank's place in a group, which every backend keeps: what [`ProcessGroup`]'s accessors
+/// return, and what the checked layer ([`crate::checks`]) needs to check a call and count it.
+#[derive(Clone)]
+pub struct Membership {
+    /// This rank in the group's numbering.
+    pub rank: usize,
+    /// The members' world ranks, indexed by group rank.
+    pub world_ranks: Vec<usize>,
+    /// A label for errors and traces ("world", "ep", ...).
+    pub name: String,
+    pub ctx: RankCtx,
+}
+
+/// A collective that passed the checks, as the layer hands it to the transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Call {
+    pub op: Op,
+    pub phase: Phase,
+    /// The root's group rank for broadcast, reduce, gather and scatter; 0 for the others.
+    pub root: usize,
+    /// Whether this rank is that root (false where there is none).
+    pub is_root: bool,
+    /// This rank's bytes, sent and received, by [`crate::stats::volume`]'s convention; the
+    /// layer has counted them, the transport only labels its trace with them.
+    pub sent: u64,
+    pub recv: u64,
+}
+
+impl Call {
+    /// Put a finished wait on the rank's timeline: the time blocked in it (from `wait_start`)
+    /// and the transfer from its post to `end`, labelled with the bytes sent.
+    pub fn trace(&self, tracer: &Tracer, posted: Instant, wait_start: Instant, end: Instant) {
+        if tracer.enabled() {
+            let name = format!("{} {}", self.op.name(), self.phase.name());
+            tracer.record(name.clone(), Track::Wait, wait_start, end, None);
+            tracer.record(name, Track::Comm, posted, end, Some(self.sent));
+        }
     }
 }
 
-/// Both host backends mismatched a send and a receive view's dtypes.
-pub(crate) fn dtype_mismatch(op: &'static str) -> CommError {
-    CommError::Unsupported {
-        op,
-        message: "send and receive views must both be host f32 or both host f64 (or, to gather or \
-                  exchange all-to-all, both bf16)"
-            .into(),
-    }
+/// What a backend implements: moving the data of collectives whose arguments the checked
+/// layer ([`crate::checks`]) has already validated (lengths, roots, counts, one dtype for send
+/// and receive, host-addressable memory seen as host views) and whose bytes it counts.
+/// Every `Transport` is a [`ProcessGroup`] through that layer, so no backend repeats either.
+///
+/// A transport still refuses what it cannot move (a dtype it does not serve, as
+/// `Unsupported`) and what only the ranks together can see (disagreeing calls or counts, as
+/// `Mismatch`). The buffers' shapes are those of the matching [`ProcessGroup`] method.
+pub trait Transport: Send + Sync {
+    fn membership(&self) -> &Membership;
+
+    fn post_all_gather<'a>(
+        &'a self,
+        call: Call,
+        send: View<'a>,
+        recv: ViewMut<'a>,
+    ) -> Result<Work<'a>>;
+    fn post_reduce_scatter<'a>(
+        &'a self,
+        call: Call,
+        send: View<'a>,
+        recv: ViewMut<'a>,
+    ) -> Result<Work<'a>>;
+    fn post_all_reduce<'a>(&'a self, call: Call, buf: ViewMut<'a>) -> Result<Work<'a>>;
+    fn post_alltoallv<'a>(
+        &'a self,
+        call: Call,
+        send: View<'a>,
+        send_counts: &[usize],
+        recv: ViewMut<'a>,
+        recv_counts: &[usize],
+    ) -> Result<Work<'a>>;
+    fn post_broadcast<'a>(&'a self, call: Call, buf: ViewMut<'a>) -> Result<Work<'a>>;
+    fn post_reduce<'a>(&'a self, call: Call, buf: ViewMut<'a>) -> Result<Work<'a>>;
+    /// `recv` is `Some` exactly on the root.
+    fn post_gather<'a>(
+        &'a self,
+        call: Call,
+        send: View<'a>,
+        recv: Option<ViewMut<'a>>,
+    ) -> Result<Work<'a>>;
+    /// `send` is `Some` exactly on the root.
+    fn post_scatter<'a>(
+        &'a self,
+        call: Call,
+        send: Option<View<'a>>,
+        recv: ViewMut<'a>,
+    ) -> Result<Work<'a>>;
+    fn post_barrier(&self, call: Call) -> Result<Work<'_>>;
+    /// [`ProcessGroup::split`]'s communicator work.
+    fn split_group(
+        &self,
+        color: Option<usize>,
+        key: usize,
+        name: &str,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>>;
 }
 
-/// The `ProcessGroup` collectives of a host backend, dispatched by dtype to its generic
-/// `*_t::<E: Elem>` methods (the same for the threads and MPI backends, so written once).
-macro_rules! host_collectives_by_dtype {
-    () => {
-        fn iall_gather<'a>(
-            &'a self,
-            send: ganymede_core::View<'a>,
-            recv: ganymede_core::ViewMut<'a>,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            let send = $crate::group::host_view(send);
-            $crate::group::elem_size("all_gather", &send)?;
-            match (send, $crate::group::host_view_mut(recv)) {
-                (ganymede_core::View::Host(s), ganymede_core::ViewMut::Host(r)) => {
-                    self.all_gather_t(s, r, phase)
+/// The host element types the host backends (threads, MPI) move, and their views: the slice,
+/// or the view given back when it holds another type or memory.
+pub(crate) trait HostElem: Sized {
+    fn slice(v: View<'_>) -> std::result::Result<&[Self], View<'_>>;
+    fn slice_mut(v: ViewMut<'_>) -> std::result::Result<&mut [Self], ViewMut<'_>>;
+}
+
+macro_rules! host_elem {
+    ($t:ty, $variant:ident) => {
+        impl HostElem for $t {
+            fn slice(v: View<'_>) -> std::result::Result<&[$t], View<'_>> {
+                match v {
+                    View::$variant(s) => Ok(s),
+                    v => Err(v),
                 }
-                (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
-                    self.all_gather_t(s, r, phase)
-                }
-                // FSDP's bf16 parameter gathers: half the bytes, counted as 2 per element.
-                (ganymede_core::View::HostBf16(s), ganymede_core::ViewMut::HostBf16(r)) => {
-                    self.all_gather_t(s, r, phase)
-                }
-                _ => Err($crate::group::dtype_mismatch("all_gather")),
             }
-        }
-        fn ireduce_scatter<'a>(
-            &'a self,
-            send: ganymede_core::View<'a>,
-            recv: ganymede_core::ViewMut<'a>,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            let send = $crate::group::host_view(send);
-            $crate::group::elem_size("reduce_scatter", &send)?;
-            match (send, $crate::group::host_view_mut(recv)) {
-                (ganymede_core::View::Host(s), ganymede_core::ViewMut::Host(r)) => {
-                    self.reduce_scatter_t(s, r, phase)
+            fn slice_mut(v: ViewMut<'_>) -> std::result::Result<&mut [$t], ViewMut<'_>> {
+                match v {
+                    ViewMut::$variant(s) => Ok(s),
+                    v => Err(v),
                 }
-                (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
-                    self.reduce_scatter_t(s, r, phase)
-                }
-                _ => Err($crate::group::dtype_mismatch("reduce_scatter")),
-            }
-        }
-        fn iall_reduce<'a>(
-            &'a self,
-            buf: ganymede_core::ViewMut<'a>,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            match $crate::group::host_view_mut(buf) {
-                ganymede_core::ViewMut::Host(b) => self.all_reduce_t(b, phase),
-                ganymede_core::ViewMut::Host64(b) => self.all_reduce_t(b, phase),
-                #[allow(unreachable_patterns)]
-                _ => Err($crate::group::dtype_mismatch("all_reduce")),
-            }
-        }
-        fn ialltoallv<'a>(
-            &'a self,
-            send: ganymede_core::View<'a>,
-            send_counts: &[usize],
-            recv: ganymede_core::ViewMut<'a>,
-            recv_counts: &[usize],
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            match (
-                $crate::group::host_view(send),
-                $crate::group::host_view_mut(recv),
-            ) {
-                (ganymede_core::View::Host(s), ganymede_core::ViewMut::Host(r)) => {
-                    self.alltoallv_t(s, send_counts, r, recv_counts, phase)
-                }
-                (ganymede_core::View::Host64(s), ganymede_core::ViewMut::Host64(r)) => {
-                    self.alltoallv_t(s, send_counts, r, recv_counts, phase)
-                }
-                // Expert parallelism's bf16 rows: moved, never summed.
-                (ganymede_core::View::HostBf16(s), ganymede_core::ViewMut::HostBf16(r)) => {
-                    self.alltoallv_t(s, send_counts, r, recv_counts, phase)
-                }
-                _ => Err($crate::group::dtype_mismatch("alltoallv")),
-            }
-        }
-        fn ibroadcast<'a>(
-            &'a self,
-            buf: ganymede_core::ViewMut<'a>,
-            root: usize,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            match $crate::group::host_view_mut(buf) {
-                ganymede_core::ViewMut::Host(b) => self.broadcast_t(b, root, phase),
-                ganymede_core::ViewMut::Host64(b) => self.broadcast_t(b, root, phase),
-                #[allow(unreachable_patterns)]
-                _ => Err($crate::group::dtype_mismatch("broadcast")),
-            }
-        }
-        fn ireduce<'a>(
-            &'a self,
-            buf: ganymede_core::ViewMut<'a>,
-            root: usize,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            match $crate::group::host_view_mut(buf) {
-                ganymede_core::ViewMut::Host(b) => self.reduce_t(b, root, phase),
-                ganymede_core::ViewMut::Host64(b) => self.reduce_t(b, root, phase),
-                #[allow(unreachable_patterns)]
-                _ => Err($crate::group::dtype_mismatch("reduce")),
-            }
-        }
-        fn igather<'a>(
-            &'a self,
-            send: ganymede_core::View<'a>,
-            recv: Option<ganymede_core::ViewMut<'a>>,
-            root: usize,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            match (
-                $crate::group::host_view(send),
-                recv.map($crate::group::host_view_mut),
-            ) {
-                (ganymede_core::View::Host(s), None) => self.gather_t::<f32>(s, None, root, phase),
-                (ganymede_core::View::Host(s), Some(ganymede_core::ViewMut::Host(r))) => {
-                    self.gather_t(s, Some(r), root, phase)
-                }
-                (ganymede_core::View::Host64(s), None) => {
-                    self.gather_t::<f64>(s, None, root, phase)
-                }
-                (ganymede_core::View::Host64(s), Some(ganymede_core::ViewMut::Host64(r))) => {
-                    self.gather_t(s, Some(r), root, phase)
-                }
-                _ => Err($crate::group::dtype_mismatch("gather")),
-            }
-        }
-        fn iscatter<'a>(
-            &'a self,
-            send: Option<ganymede_core::View<'a>>,
-            recv: ganymede_core::ViewMut<'a>,
-            root: usize,
-            phase: $crate::Phase,
-        ) -> $crate::Result<$crate::Work<'a>> {
-            match (
-                send.map($crate::group::host_view),
-                $crate::group::host_view_mut(recv),
-            ) {
-                (None, ganymede_core::ViewMut::Host(r)) => {
-                    self.scatter_t::<f32>(None, r, root, phase)
-                }
-                (Some(ganymede_core::View::Host(s)), ganymede_core::ViewMut::Host(r)) => {
-                    self.scatter_t(Some(s), r, root, phase)
-                }
-                (None, ganymede_core::ViewMut::Host64(r)) => {
-                    self.scatter_t::<f64>(None, r, root, phase)
-                }
-                (Some(ganymede_core::View::Host64(s)), ganymede_core::ViewMut::Host64(r)) => {
-                    self.scatter_t(Some(s), r, root, phase)
-                }
-                _ => Err($crate::group::dtype_mismatch("scatter")),
             }
         }
     };
 }
-pub(crate) use host_collectives_by_dtype;
+host_elem!(f32, Host);
+host_elem!(f64, Host64);
+// bf16, as its bits: only moved (gathered, exchanged), never summed here.
+host_elem!(u16, HostBf16);
+
+/// A view or a mutable view, read-only, for what a refusal names about it.
+pub(crate) trait AsView {
+    fn view(&self) -> View<'_>;
+}
+impl AsView for View<'_> {
+    fn view(&self) -> View<'_> {
+        *self
+    }
+}
+impl AsView for ViewMut<'_> {
+    fn view(&self) -> View<'_> {
+        self.as_view()
+    }
+}
+
+/// A host backend refusing memory or a dtype it does not move.
+pub(crate) fn unserved(op: Op, v: &impl AsView) -> CommError {
+    let v = v.view();
+    let memory = if matches!(v, View::Device(_)) {
+        "device"
+    } else {
+        "host"
+    };
+    CommError::Unsupported {
+        op: op.name(),
+        message: format!(
+            "{memory} {} views are not served by this backend (it moves host f32 and f64, and \
+             bf16 to all-gather or exchange all-to-all)",
+            v.dtype().name()
+        ),
+    }
+}
+
+/// The host slice of `E` behind a (checked) view, or `Unsupported`.
+pub(crate) fn host<'a, E: HostElem>(op: Op, v: View<'a>) -> Result<&'a [E]> {
+    E::slice(v).map_err(|v| unserved(op, &v))
+}
+
+/// [`host`] for a mutable view.
+pub(crate) fn host_mut<'a, E: HostElem>(op: Op, v: ViewMut<'a>) -> Result<&'a mut [E]> {
+    E::slice_mut(v).map_err(|v| unserved(op, &v))
+}
+
+/// The [`Transport`] methods of a host backend: each picks the element type from the views'
+/// dtype (one for both, the layer checked) and calls the backend's generic `*_t::<E>` body
+/// with the host slices (the same for the threads and MPI backends, so written once).
+macro_rules! host_transport {
+    () => {
+        fn post_all_gather<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            send: ganymede_core::View<'a>,
+            recv: ganymede_core::ViewMut<'a>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            // FSDP's bf16 parameter gathers: half the bytes, counted as 2 per element.
+            $crate::group::by_dtype!(call, send, [F32 => f32, F64 => f64, BF16 => u16], E => {
+                let s = $crate::group::host::<E>(call.op, send)?;
+                self.all_gather_t(s, $crate::group::host_mut::<E>(call.op, recv)?, call)
+            })
+        }
+        fn post_reduce_scatter<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            send: ganymede_core::View<'a>,
+            recv: ganymede_core::ViewMut<'a>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::by_dtype!(call, send, [F32 => f32, F64 => f64], E => {
+                let s = $crate::group::host::<E>(call.op, send)?;
+                self.reduce_scatter_t(s, $crate::group::host_mut::<E>(call.op, recv)?, call)
+            })
+        }
+        fn post_all_reduce<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            buf: ganymede_core::ViewMut<'a>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::by_dtype!(call, buf, [F32 => f32, F64 => f64], E => {
+                self.all_reduce_t($crate::group::host_mut::<E>(call.op, buf)?, call)
+            })
+        }
+        fn post_alltoallv<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            send: ganymede_core::View<'a>,
+            send_counts: &[usize],
+            recv: ganymede_core::ViewMut<'a>,
+            recv_counts: &[usize],
+        ) -> $crate::Result<$crate::Work<'a>> {
+            // Expert parallelism's bf16 rows: moved, never summed.
+            $crate::group::by_dtype!(call, send, [F32 => f32, F64 => f64, BF16 => u16], E => {
+                let s = $crate::group::host::<E>(call.op, send)?;
+                let r = $crate::group::host_mut::<E>(call.op, recv)?;
+                self.alltoallv_t(s, send_counts, r, recv_counts, call)
+            })
+        }
+        fn post_broadcast<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            buf: ganymede_core::ViewMut<'a>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::by_dtype!(call, buf, [F32 => f32, F64 => f64], E => {
+                self.broadcast_t($crate::group::host_mut::<E>(call.op, buf)?, call)
+            })
+        }
+        fn post_reduce<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            buf: ganymede_core::ViewMut<'a>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::by_dtype!(call, buf, [F32 => f32, F64 => f64], E => {
+                self.reduce_t($crate::group::host_mut::<E>(call.op, buf)?, call)
+            })
+        }
+        fn post_gather<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            send: ganymede_core::View<'a>,
+            recv: Option<ganymede_core::ViewMut<'a>>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::by_dtype!(call, send, [F32 => f32, F64 => f64], E => {
+                let s = $crate::group::host::<E>(call.op, send)?;
+                let r = recv.map(|r| $crate::group::host_mut::<E>(call.op, r)).transpose()?;
+                self.gather_t(s, r, call)
+            })
+        }
+        fn post_scatter<'a>(
+            &'a self,
+            call: $crate::group::Call,
+            send: Option<ganymede_core::View<'a>>,
+            recv: ganymede_core::ViewMut<'a>,
+        ) -> $crate::Result<$crate::Work<'a>> {
+            $crate::group::by_dtype!(call, recv, [F32 => f32, F64 => f64], E => {
+                let s = send.map(|s| $crate::group::host::<E>(call.op, s)).transpose()?;
+                self.scatter_t(s, $crate::group::host_mut::<E>(call.op, recv)?, call)
+            })
+        }
+    };
+}
+pub(crate) use host_transport;
+
+/// `$body` with the type `$e` set to the element type of `$view`'s dtype among those listed;
+/// another dtype is `Unsupported` (through [`host`]'s refusal, so the words are the same).
+macro_rules! by_dtype {
+    ($call:expr, $view:expr, [$($d:ident => $t:ty),+], $e:ident => $body:expr) => {
+        match $view.dtype() {
+            $(ganymede_core::DType::$d => {
+                type $e = $t;
+                $body
+            })+
+            _ => Err($crate::group::unserved($call.op, &$view)),
+        }
+    };
+}
+pub(crate) use by_dtype;

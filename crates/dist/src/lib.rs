@@ -5,6 +5,10 @@
 //! the FlexShard [`placement`] policy with its optimizer byte formulas, and the [`rendezvous`]
 //! that launchers without MPI need (torchrun-style or Slurm variables, a TCP store on rank 0).
 //!
+//! A backend implements [`Transport`], the moving of data alone; the checked layer ([`checks`])
+//! makes every transport a [`ProcessGroup`], validating each collective's arguments and counting
+//! its bytes in one place for all backends.
+//!
 //! With the `nccl` feature, [`nccl`]: the NCCL group, one process per GPU. It is the one part of
 //! this crate that depends on a backend, `ganymede-cuda`: NCCL reads and writes the CUDA
 //! backend's memory in place and orders its collectives against that backend's streams, so it
@@ -32,7 +36,7 @@ pub mod trace;
 pub mod watchdog;
 
 pub use error::{CommError, Result};
-pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
+pub use group::{wait_all, Call, Membership, Pending, ProcessGroup, RankCtx, Transport, Work};
 pub use hash::{check_config_hash, config_hash, fnv1a64};
 pub use mesh::{DeviceMesh, MeshError, MeshShape};
 pub use muon_comm::{muon_exchange, root_buffers, NsJob};

@@ -14,11 +14,8 @@
 //! Reductions use `MPI_SUM`: the order is the library's, so results can differ from the threads
 //! backend in the last bits for inexact sums (identical for exact ones, as the check uses).
 
-use crate::checks;
 use crate::error::{invalid, CommError, Result};
-use crate::group::{Pending, ProcessGroup, RankCtx, Work};
-use crate::stats::{Op, Phase};
-use crate::trace::Track;
+use crate::group::{Call, Membership, Pending, ProcessGroup, RankCtx, Transport, Work};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, Partition, PartitionMut};
 use mpi::environment::Universe;
@@ -68,10 +65,12 @@ pub fn init(cfg: &MpiConfig) -> Result<(MpiWorld, Arc<MpiGroup>)> {
     let (rank, size) = (comm.rank() as usize, comm.size() as usize);
     let g = MpiGroup {
         comm,
-        rank,
-        members: (0..size).collect(),
-        name: "world".into(),
-        ctx: RankCtx::new(rank, cfg.trace),
+        m: Membership {
+            rank,
+            world_ranks: (0..size).collect(),
+            name: "world".into(),
+            ctx: RankCtx::new(rank, cfg.trace),
+        },
         timeout: cfg.timeout,
     };
     Ok((
@@ -85,10 +84,7 @@ pub fn init(cfg: &MpiConfig) -> Result<(MpiWorld, Arc<MpiGroup>)> {
 /// A communicator and this process's place in it.
 pub struct MpiGroup {
     comm: SimpleCommunicator,
-    rank: usize,
-    members: Vec<usize>,
-    name: String,
-    ctx: RankCtx,
+    m: Membership,
     timeout: Duration,
 }
 
@@ -112,10 +108,10 @@ impl MpiGroup {
         };
         Arc::new(MpiGroup {
             comm,
-            rank: self.rank,
-            members: self.members.clone(),
-            name: name.into(),
-            ctx: self.ctx.clone(),
+            m: Membership {
+                name: name.into(),
+                ..self.m.clone()
+            },
             timeout,
         })
     }
@@ -159,10 +155,8 @@ struct MpiPending<'a, E: 'static> {
     _send: Box<[E]>,
     recv: Box<[E]>,
     out: Option<&'a mut [E]>,
-    op: Op,
-    phase: Phase,
+    call: Call,
     posted: Instant,
-    sent: u64,
 }
 
 impl<E: Copy + 'static> Pending for MpiPending<'_, E> {
@@ -180,9 +174,9 @@ impl<E: Copy + 'static> Pending for MpiPending<'_, E> {
             }
             if Instant::now() >= deadline {
                 let e = CommError::Timeout {
-                    op: self.op.name(),
-                    group: self.g.name.clone(),
-                    rank: self.g.ctx.world_rank,
+                    op: self.call.op.name(),
+                    group: self.g.m.name.clone(),
+                    rank: self.g.m.ctx.world_rank,
                     waited: self.g.timeout,
                     missing: vec![],
                 };
@@ -197,12 +191,7 @@ impl<E: Copy + 'static> Pending for MpiPending<'_, E> {
         if let Some(out) = self.out.take() {
             out.copy_from_slice(&self.recv);
         }
-        let tr = &self.g.ctx.tracer;
-        if tr.enabled() {
-            let name = format!("{} {}", self.op.name(), self.phase.name());
-            tr.record(name.clone(), Track::Wait, t0, t1, None);
-            tr.record(name, Track::Comm, self.posted, t1, Some(self.sent));
-        }
+        self.call.trace(&self.g.m.ctx.tracer, self.posted, t0, t1);
         Ok(())
     }
     fn ready(&mut self) -> bool {
@@ -231,6 +220,12 @@ fn counts(c: &[usize]) -> Result<Vec<i32>> {
         .map(|&x| i32::try_from(x).map_err(|_| invalid("alltoallv", "count exceeds i32")))
         .collect()
 }
+/// A posted request as `stage`'s `post` returns it, with nothing else to keep.
+fn req<D: ?Sized + 'static>(
+    r: Request<'static, D, StaticScope>,
+) -> (Box<dyn Req>, Vec<Box<dyn std::any::Any>>) {
+    (Box::new(Some(r)), vec![])
+}
 fn displs(c: &[i32]) -> Vec<i32> {
     c.iter()
         .scan(0, |acc, &x| {
@@ -242,16 +237,11 @@ fn displs(c: &[i32]) -> Vec<i32> {
 }
 
 impl MpiGroup {
-    fn size_(&self) -> usize {
-        self.members.len()
-    }
-
     /// Post with staged buffers: `post` gets `'static` views of the staging and returns the
     /// request; the result is copied into `out` by `wait`.
     fn stage<'a, E: Elem>(
         &'a self,
-        (op, phase): (Op, Phase),
-        (sent, recv_b): (u64, u64),
+        call: Call,
         send: Box<[E]>,
         mut recv: Box<[E]>,
         out: Option<&'a mut [E]>,
@@ -269,7 +259,6 @@ impl MpiGroup {
             let _l = lock();
             post(&self.comm, s, r)
         };
-        self.ctx.stats.record(phase, op, sent, recv_b);
         Ok(Work::new(Box::new(MpiPending {
             g: self,
             req,
@@ -277,75 +266,43 @@ impl MpiGroup {
             _send: send,
             recv,
             out,
-            op,
-            phase,
+            call,
             posted,
-            sent,
         })))
     }
+
+    // Typed bodies of the collectives (arguments checked by the layer, `crate::checks`).
 
     fn all_gather_t<'a, E: Elem>(
         &'a self,
         send: &[E],
         out: &'a mut [E],
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        let vol = checks::all_gather(w, n, out.len(), es)?;
-        self.stage(
-            (Op::AllGather, phase),
-            vol,
-            boxed(send),
-            zeros(w * n),
-            Some(out),
-            |c, s, r| {
-                let q = c.immediate_all_gather_into(StaticScope, s, r);
-                (Box::new(Some(q)), vec![])
-            },
-        )
+        let n_out = out.len();
+        self.stage(call, boxed(send), zeros(n_out), Some(out), |c, s, r| {
+            req(c.immediate_all_gather_into(StaticScope, s, r))
+        })
     }
 
     fn reduce_scatter_t<'a, E: Elem>(
         &'a self,
         send: &[E],
         out: &'a mut [E],
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), out.len(), std::mem::size_of::<E>());
-        let vol = checks::reduce_scatter(w, send.len(), n, es)?;
-        self.stage(
-            (Op::ReduceScatter, phase),
-            vol,
-            boxed(send),
-            zeros(n),
-            Some(out),
-            |c, s, r| {
-                let q = c.immediate_reduce_scatter_block_into(
-                    StaticScope,
-                    s,
-                    r,
-                    SystemOperation::sum(),
-                );
-                (Box::new(Some(q)), vec![])
-            },
-        )
+        let n = out.len();
+        self.stage(call, boxed(send), zeros(n), Some(out), |c, s, r| {
+            let sum = SystemOperation::sum();
+            req(c.immediate_reduce_scatter_block_into(StaticScope, s, r, sum))
+        })
     }
 
-    fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], phase: Phase) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let vol = checks::all_reduce(w, n, es);
-        let send = boxed(buf);
-        self.stage(
-            (Op::AllReduce, phase),
-            vol,
-            send,
-            zeros(n),
-            Some(buf),
-            |c, s, r| {
-                let q = c.immediate_all_reduce_into(StaticScope, s, r, SystemOperation::sum());
-                (Box::new(Some(q)), vec![])
-            },
-        )
+    fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], call: Call) -> Result<Work<'a>> {
+        let (send, n) = (boxed(buf), buf.len());
+        self.stage(call, send, zeros(n), Some(buf), |c, s, r| {
+            req(c.immediate_all_reduce_into(StaticScope, s, r, SystemOperation::sum()))
+        })
     }
 
     fn alltoallv_t<'a, E: Elem>(
@@ -354,16 +311,13 @@ impl MpiGroup {
         send_counts: &[usize],
         out: &'a mut [E],
         recv_counts: &[usize],
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, es, me) = (self.size_(), std::mem::size_of::<E>(), self.rank);
-        let vol = checks::alltoallv(w, me, es, send.len(), send_counts, out.len(), recv_counts)?;
         let (sc, rc) = (counts(send_counts)?, counts(recv_counts)?);
         let (sd, rd) = (displs(&sc), displs(&rc));
         let n_out = out.len();
         self.stage(
-            (Op::AllToAllV, phase),
-            vol,
+            call,
             boxed(send),
             zeros(n_out),
             Some(out),
@@ -380,65 +334,37 @@ impl MpiGroup {
         )
     }
 
-    fn broadcast_t<'a, E: Elem>(
-        &'a self,
-        buf: &'a mut [E],
-        root: usize,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let checks::Rooted { is_root, vol } =
-            checks::in_place(Op::Broadcast, w, self.rank, root, n, es)?;
+    fn broadcast_t<'a, E: Elem>(&'a self, buf: &'a mut [E], call: Call) -> Result<Work<'a>> {
+        let Call { root, is_root, .. } = call;
         // The staging receive buffer is the broadcast buffer (root: filled with its data).
-        let stage: Box<[E]> = if is_root { boxed(buf) } else { zeros(n) };
-        self.stage(
-            (Op::Broadcast, phase),
-            vol,
-            Box::new([]),
-            stage,
-            (!is_root).then_some(buf),
-            move |c, _s, r| {
-                let q = c
-                    .process_at_rank(root as i32)
-                    .immediate_broadcast_into(StaticScope, r);
-                (Box::new(Some(q)), vec![])
-            },
-        )
+        let stage: Box<[E]> = if is_root {
+            boxed(buf)
+        } else {
+            zeros(buf.len())
+        };
+        let out = (!is_root).then_some(buf);
+        self.stage(call, Box::new([]), stage, out, move |c, _s, r| {
+            req(c
+                .process_at_rank(root as i32)
+                .immediate_broadcast_into(StaticScope, r))
+        })
     }
 
-    fn reduce_t<'a, E: Elem>(
-        &'a self,
-        buf: &'a mut [E],
-        root: usize,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let checks::Rooted { is_root, vol } =
-            checks::in_place(Op::Reduce, w, self.rank, root, n, es)?;
-        let send = boxed(buf);
+    fn reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], call: Call) -> Result<Work<'a>> {
+        let Call { root, is_root, .. } = call;
+        let (send, n) = (boxed(buf), if is_root { buf.len() } else { 0 });
         self.stage(
-            (Op::Reduce, phase),
-            vol,
+            call,
             send,
-            zeros(if is_root { n } else { 0 }),
+            zeros(n),
             is_root.then_some(buf),
             move |c, s, r| {
-                let p = c.process_at_rank(root as i32);
-                let q: Box<dyn Req> = if is_root {
-                    Box::new(Some(p.immediate_reduce_into_root(
-                        StaticScope,
-                        s,
-                        r,
-                        SystemOperation::sum(),
-                    )))
+                let (p, sum) = (c.process_at_rank(root as i32), SystemOperation::sum());
+                if is_root {
+                    req(p.immediate_reduce_into_root(StaticScope, s, r, sum))
                 } else {
-                    Box::new(Some(p.immediate_reduce_into(
-                        StaticScope,
-                        s,
-                        SystemOperation::sum(),
-                    )))
-                };
-                (q, vec![])
+                    req(p.immediate_reduce_into(StaticScope, s, sum))
+                }
             },
         )
     }
@@ -447,89 +373,53 @@ impl MpiGroup {
         &'a self,
         send: &[E],
         out: Option<&'a mut [E]>,
-        root: usize,
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        let r_len = out.as_ref().map(|r| r.len());
-        let checks::Rooted { is_root, vol } = checks::gather(w, self.rank, root, n, r_len, es)?;
-        self.stage(
-            (Op::Gather, phase),
-            vol,
-            boxed(send),
-            zeros(if is_root { w * n } else { 0 }),
-            out,
-            move |c, s, r| {
-                let p = c.process_at_rank(root as i32);
-                let q: Box<dyn Req> = if is_root {
-                    Box::new(Some(p.immediate_gather_into_root(StaticScope, s, r)))
-                } else {
-                    Box::new(Some(p.immediate_gather_into(StaticScope, s)))
-                };
-                (q, vec![])
-            },
-        )
+        let Call { root, is_root, .. } = call;
+        let n = out.as_ref().map_or(0, |o| o.len());
+        self.stage(call, boxed(send), zeros(n), out, move |c, s, r| {
+            let p = c.process_at_rank(root as i32);
+            if is_root {
+                req(p.immediate_gather_into_root(StaticScope, s, r))
+            } else {
+                req(p.immediate_gather_into(StaticScope, s))
+            }
+        })
     }
 
     fn scatter_t<'a, E: Elem>(
         &'a self,
         send: Option<&[E]>,
         out: &'a mut [E],
-        root: usize,
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), out.len(), std::mem::size_of::<E>());
-        let s_len = send.map(|s| s.len());
-        let checks::Rooted { is_root, vol } = checks::scatter(w, self.rank, root, s_len, n, es)?;
-        self.stage(
-            (Op::Scatter, phase),
-            vol,
-            send.map_or_else(|| Box::new([]) as Box<[E]>, boxed),
-            zeros(n),
-            Some(out),
-            move |c, s, r| {
-                let p = c.process_at_rank(root as i32);
-                let q: Box<dyn Req> = if is_root {
-                    Box::new(Some(p.immediate_scatter_into_root(StaticScope, s, r)))
-                } else {
-                    Box::new(Some(p.immediate_scatter_into(StaticScope, r)))
-                };
-                (q, vec![])
-            },
-        )
+        let Call { root, is_root, .. } = call;
+        let send = send.map_or_else(|| Box::new([]) as Box<[E]>, boxed);
+        let n = out.len();
+        self.stage(call, send, zeros(n), Some(out), move |c, s, r| {
+            let p = c.process_at_rank(root as i32);
+            if is_root {
+                req(p.immediate_scatter_into_root(StaticScope, s, r))
+            } else {
+                req(p.immediate_scatter_into(StaticScope, r))
+            }
+        })
     }
 }
 
-impl ProcessGroup for MpiGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-    fn world_ranks(&self) -> &[usize] {
-        &self.members
-    }
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn ctx(&self) -> &RankCtx {
-        &self.ctx
+impl Transport for MpiGroup {
+    fn membership(&self) -> &Membership {
+        &self.m
     }
 
-    crate::group::host_collectives_by_dtype!();
-    fn ibarrier(&self) -> Result<Work<'_>> {
-        self.stage::<f32>(
-            (Op::Barrier, Phase::Other),
-            (0, 0),
-            Box::new([]),
-            Box::new([]),
-            None,
-            |c, _, _| (Box::new(Some(c.immediate_barrier())), vec![]),
-        )
+    crate::group::host_transport!();
+    fn post_barrier(&self, call: Call) -> Result<Work<'_>> {
+        self.stage::<f32>(call, Box::new([]), Box::new([]), None, |c, _, _| {
+            req(c.immediate_barrier())
+        })
     }
 
-    fn split(
+    fn split_group(
         &self,
         color: Option<usize>,
         key: usize,
@@ -546,21 +436,22 @@ impl ProcessGroup for MpiGroup {
             let _l = lock();
             self.comm.split_by_color_with_key(c, key)
         };
-        self.ctx.stats.record(Phase::Other, Op::Split, 0, 0);
         let Some(comm) = sub else { return Ok(None) };
         // The members' world ranks, in the new group's order.
-        let me = self.ctx.world_rank as u64;
+        let me = self.m.ctx.world_rank as u64;
         let mut all = vec![0u64; comm.size() as usize];
         {
             let _l = lock();
             comm.all_gather_into(&me, &mut all[..]);
         }
         Ok(Some(Arc::new(MpiGroup {
-            rank: comm.rank() as usize,
+            m: Membership {
+                rank: comm.rank() as usize,
+                world_ranks: all.iter().map(|&x| x as usize).collect(),
+                name: name.into(),
+                ctx: self.m.ctx.clone(),
+            },
             comm,
-            members: all.iter().map(|&x| x as usize).collect(),
-            name: name.into(),
-            ctx: self.ctx.clone(),
             timeout: self.timeout,
         })))
     }

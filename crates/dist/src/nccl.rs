@@ -17,18 +17,18 @@
 //! The uneven all-to-all, gather and scatter are grouped `ncclSend`/`ncclRecv`
 //! (`ncclGroupStart`/`ncclGroupEnd`), a rank's piece for itself a device copy; `split` is
 //! `ncclCommSplit`, after a small all-gather of every rank's (color, key) so each group knows
-//! its members' world ranks. Bytes are counted as the threads and MPI groups count them
-//! ([`crate::checks`], which also validates every collective's arguments for the three).
+//! its members' world ranks. The arguments are validated and the bytes counted by the checked
+//! layer ([`crate::checks`]), as for the threads and MPI groups: this module is the transport.
 //!
 //! Communicator creation and split block inside NCCL until every peer joins; they run under a
 //! deadline ([`crate::deadline`]) that ends the process with the same naming.
 //!
 //! Not yet run on a GPU: `ganymede device-check` runs the conformance suite on it at world size 1.
 
-use crate::group::{host_view, host_view_mut};
+use crate::group::{Call, Membership, Transport};
 use crate::{
-    checks, watch, CommError, Op, Pending, Phase, Poll, ProcessGroup, RankCtx, Result, Track,
-    Watch, Watched, Work,
+    checks, watch, CommError, Op, Pending, Phase, Poll, ProcessGroup, RankCtx, Result, Watch,
+    Watched, Work,
 };
 use cudarc::driver::sys as cu;
 use cudarc::driver::CudaEvent;
@@ -110,10 +110,7 @@ impl Drop for Comm {
 pub struct NcclGroup {
     comm: Arc<Comm>,
     be: CudaBackend,
-    rank: usize,
-    members: Vec<usize>,
-    name: String,
-    ctx: RankCtx,
+    m: Membership,
     timeout: Duration,
 }
 
@@ -186,10 +183,12 @@ impl NcclGroup {
                 lock: Mutex::new(()),
             }),
             be: be.clone(),
-            rank,
-            members: (0..size).collect(),
-            name: "world".into(),
-            ctx,
+            m: Membership {
+                rank,
+                world_ranks: (0..size).collect(),
+                name: "world".into(),
+                ctx,
+            },
             timeout,
         }))
     }
@@ -197,8 +196,8 @@ impl NcclGroup {
     fn watch_of(&self, op: Op) -> Watch {
         Watch {
             op: op.name(),
-            group: self.name.clone(),
-            rank: self.ctx.world_rank,
+            group: self.m.name.clone(),
+            rank: self.m.ctx.world_rank,
             timeout: self.timeout,
         }
     }
@@ -211,8 +210,8 @@ impl NcclGroup {
         if self.comm.aborted.load(Ordering::SeqCst) {
             return Err(CommError::Aborted {
                 op: op.name(),
-                group: self.name.clone(),
-                rank: self.ctx.world_rank,
+                group: self.m.name.clone(),
+                rank: self.m.ctx.world_rank,
                 message: "the communicator was aborted by an earlier failure".into(),
             });
         }
@@ -339,13 +338,10 @@ impl<'g> Launch<'g> {
     }
 
     /// Order after compute, copy in, run `body` on the comm stream (under the communicator's
-    /// lock), copy out, record the completion event; count `vol` bytes under `phase` when
-    /// `record`.
+    /// lock), record the completion event (the copies out wait for it, in `wait`).
     fn run<'a>(
         self,
-        phase: Phase,
-        vol: (u64, u64),
-        record: bool,
+        call: Call,
         body: impl FnOnce(&Self, nc::cudaStream_t) -> std::result::Result<(), nc::ncclResult_t>,
     ) -> Result<Work<'a>>
     where
@@ -371,8 +367,8 @@ impl<'g> Launch<'g> {
                 g.comm.abort();
                 return Err(CommError::Aborted {
                     op: self.op.name(),
-                    group: g.name.clone(),
-                    rank: g.ctx.world_rank,
+                    group: g.m.name.clone(),
+                    rank: g.m.ctx.world_rank,
                     message,
                 });
             }
@@ -380,15 +376,10 @@ impl<'g> Launch<'g> {
         // Copies back to host memory wait for the watchdog's all-clear (in `wait`): a copy into
         // pageable memory blocks the host until the collective is done, with no deadline.
         let done = comm.record_event(None).map_err(drv)?;
-        if record {
-            g.ctx.stats.record(phase, self.op, vol.0, vol.1);
-        }
         Ok(Work::new(Box::new(NcclPending {
             g,
-            op: self.op,
-            phase,
+            call,
             posted,
-            bytes: vol.0,
             done: Some(done),
             copy_out: self.copy_out,
             stages: self.stages,
@@ -421,10 +412,8 @@ fn ok(r: nc::ncclResult_t) -> std::result::Result<(), nc::ncclResult_t> {
 /// A launched collective: its completion event and the staging memory it uses.
 struct NcclPending<'a> {
     g: &'a NcclGroup,
-    op: Op,
-    phase: Phase,
+    call: Call,
     posted: Instant,
-    bytes: u64,
     done: Option<CudaEvent>,
     /// (host, staging, bytes): results to copy to host views after completion.
     copy_out: Vec<(u64, u64, usize)>,
@@ -470,19 +459,14 @@ impl Pending for NcclPending<'_> {
             done: &done,
             stream: &stream,
         };
-        let mut r = watch(&self.g.watch_of(self.op), &mut p);
+        let mut r = watch(&self.g.watch_of(self.call.op), &mut p);
         if r.is_ok() {
             // Device results are ordered for the compute stream's later work.
             let _ = self.g.be.stream(Stream::Compute).wait(&done);
             r = self.copy_back();
         }
         let t1 = Instant::now();
-        let tr = &self.g.ctx.tracer;
-        if tr.enabled() {
-            let name = format!("{} {}", self.op.name(), self.phase.name());
-            tr.record(name.clone(), Track::Wait, t0, t1, None);
-            tr.record(name, Track::Comm, self.posted, t1, Some(self.bytes));
-        }
+        self.call.trace(&self.g.m.ctx.tracer, self.posted, t0, t1);
         r
     }
     fn ready(&mut self) -> bool {
@@ -509,7 +493,7 @@ impl NcclPending<'_> {
                 // `bytes` long; the collective that wrote the staging buffer is complete.
                 unsafe { cu::cuMemcpyDtoH_v2(host as usize as *mut std::ffi::c_void, dev, bytes) }
                     .result()
-                    .map_err(|e| nccl_err(self.op.name(), driver_error(&e)))?;
+                    .map_err(|e| nccl_err(self.call.op.name(), driver_error(&e)))?;
             }
         }
         Ok(())
@@ -524,55 +508,18 @@ impl Drop for NcclPending<'_> {
     }
 }
 
-fn same_dtype(op: &'static str, a: DType, b: DType) -> Result<()> {
-    if a != b {
-        return Err(CommError::Unsupported {
-            op,
-            message: format!(
-                "send and receive views must have one dtype ({} and {})",
-                a.name(),
-                b.name()
-            ),
-        });
-    }
-    Ok(())
-}
-
 impl NcclGroup {
-    fn all_gather_raw<'a>(
-        &'a self,
-        send: View<'a>,
-        recv: ViewMut<'a>,
-        phase: Phase,
-        record: bool,
-    ) -> Result<Work<'a>> {
-        let (send, mut recv) = (host_view(send), host_view_mut(recv));
-        let (w, n, dtype) = (self.size(), send.len(), send.dtype());
-        let vol = checks::all_gather(w, n, recv.len(), dtype.size())?;
-        same_dtype("all_gather", dtype, recv.dtype())?;
-        let dt = nccl_dtype("all_gather", dtype)?;
-        let mut l = Launch::new(self, Op::AllGather)?;
-        let s = l.input(&send)?;
-        let r = l.output(&mut recv)?;
-        let raw = self.comm.raw;
-        l.run(phase, vol, record, |_, st| {
-            // SAFETY: device ranges of n and w*n elements, alive until the wait.
-            ok(unsafe { nc::ncclAllGather(s.cv(), r.mv(), n, dt, raw, st) })
-        })
-    }
-
     /// Rank-to-rank sends and receives as one NCCL group; pieces for this rank are copies.
     fn p2p<'a>(
         &'a self,
         l: Launch<'a>,
         sends: Vec<(usize, Ptr)>,
         recvs: Vec<(usize, Ptr)>,
-        phase: Phase,
-        vol: (u64, u64),
+        call: Call,
     ) -> Result<Work<'a>> {
-        let me = self.rank;
+        let me = self.m.rank;
         let raw = self.comm.raw;
-        l.run(phase, vol, true, move |l, st| {
+        l.run(call, move |l, st| {
             for (&(_, s), &(_, r)) in sends
                 .iter()
                 .filter(|(j, _)| *j == me)
@@ -610,48 +557,42 @@ impl NcclGroup {
     }
 }
 
-impl ProcessGroup for NcclGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-    fn world_ranks(&self) -> &[usize] {
-        &self.members
-    }
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn ctx(&self) -> &RankCtx {
-        &self.ctx
+impl Transport for NcclGroup {
+    fn membership(&self) -> &Membership {
+        &self.m
     }
 
-    fn iall_gather<'a>(
+    fn post_all_gather<'a>(
         &'a self,
+        call: Call,
         send: View<'a>,
-        recv: ViewMut<'a>,
-        phase: Phase,
+        mut recv: ViewMut<'a>,
     ) -> Result<Work<'a>> {
-        self.all_gather_raw(send, recv, phase, true)
-    }
-
-    fn ireduce_scatter<'a>(
-        &'a self,
-        send: View<'a>,
-        recv: ViewMut<'a>,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        let (send, mut recv) = (host_view(send), host_view_mut(recv));
-        let (w, n, dtype) = (self.size(), recv.len(), send.dtype());
-        let vol = checks::reduce_scatter(w, send.len(), n, dtype.size())?;
-        same_dtype("reduce_scatter", dtype, recv.dtype())?;
-        let dt = nccl_dtype("reduce_scatter", dtype)?;
-        let mut l = Launch::new(self, Op::ReduceScatter)?;
+        let n = send.len();
+        let dt = nccl_dtype("all_gather", send.dtype())?;
+        let mut l = Launch::new(self, call.op)?;
         let s = l.input(&send)?;
         let r = l.output(&mut recv)?;
         let raw = self.comm.raw;
-        l.run(phase, vol, true, |_, st| {
+        l.run(call, |_, st| {
+            // SAFETY: device ranges of n and w*n elements, alive until the wait.
+            ok(unsafe { nc::ncclAllGather(s.cv(), r.mv(), n, dt, raw, st) })
+        })
+    }
+
+    fn post_reduce_scatter<'a>(
+        &'a self,
+        call: Call,
+        send: View<'a>,
+        mut recv: ViewMut<'a>,
+    ) -> Result<Work<'a>> {
+        let n = recv.len();
+        let dt = nccl_dtype("reduce_scatter", send.dtype())?;
+        let mut l = Launch::new(self, call.op)?;
+        let s = l.input(&send)?;
+        let r = l.output(&mut recv)?;
+        let raw = self.comm.raw;
+        l.run(call, |_, st| {
             // SAFETY: device ranges of w*n and n elements, alive until the wait.
             ok(unsafe {
                 nc::ncclReduceScatter(s.cv(), r.mv(), n, dt, nc::ncclRedOp_t::ncclSum, raw, st)
@@ -659,14 +600,12 @@ impl ProcessGroup for NcclGroup {
         })
     }
 
-    fn iall_reduce<'a>(&'a self, buf: ViewMut<'a>, phase: Phase) -> Result<Work<'a>> {
-        let mut buf = host_view_mut(buf);
-        let vol = checks::all_reduce(self.size(), buf.len(), buf.dtype().size());
+    fn post_all_reduce<'a>(&'a self, call: Call, mut buf: ViewMut<'a>) -> Result<Work<'a>> {
         let dt = nccl_dtype("all_reduce", buf.dtype())?;
-        let mut l = Launch::new(self, Op::AllReduce)?;
+        let mut l = Launch::new(self, call.op)?;
         let b = l.inout(&mut buf)?;
         let raw = self.comm.raw;
-        l.run(phase, vol, true, |_, st| {
+        l.run(call, |_, st| {
             // SAFETY: in place over one device range, alive until the wait.
             ok(unsafe {
                 nc::ncclAllReduce(b.cv(), b.mv(), b.len, dt, nc::ncclRedOp_t::ncclSum, raw, st)
@@ -674,73 +613,55 @@ impl ProcessGroup for NcclGroup {
         })
     }
 
-    fn ialltoallv<'a>(
+    fn post_alltoallv<'a>(
         &'a self,
+        call: Call,
         send: View<'a>,
         send_counts: &[usize],
-        recv: ViewMut<'a>,
+        mut recv: ViewMut<'a>,
         recv_counts: &[usize],
-        phase: Phase,
     ) -> Result<Work<'a>> {
-        let (send, mut recv) = (host_view(send), host_view_mut(recv));
-        let (w, me, dtype) = (self.size(), self.rank, send.dtype());
-        let (s_len, r_len) = (send.len(), recv.len());
-        let vol = checks::alltoallv(w, me, dtype.size(), s_len, send_counts, r_len, recv_counts)?;
-        same_dtype("alltoallv", dtype, recv.dtype())?;
-        nccl_dtype("alltoallv", dtype)?;
+        let me = self.m.rank;
+        nccl_dtype("alltoallv", send.dtype())?;
         // This rank's piece for itself is a device copy, not a send and a receive: the two
         // counts must agree here (the other groups find a disagreement in the exchange).
         if send_counts[me] != recv_counts[me] {
             return Err(CommError::Mismatch {
                 op: "alltoallv",
-                group: self.name.clone(),
+                group: self.m.name.clone(),
                 message: format!(
                     "rank {me} sends itself {} elements but expects {}",
                     send_counts[me], recv_counts[me]
                 ),
             });
         }
-        let mut l = Launch::new(self, Op::AllToAllV)?;
+        let mut l = Launch::new(self, call.op)?;
         let s = l.input(&send)?;
         let r = l.output(&mut recv)?;
-        self.p2p(
-            l,
-            pieces(s, send_counts),
-            pieces(r, recv_counts),
-            phase,
-            vol,
-        )
+        self.p2p(l, pieces(s, send_counts), pieces(r, recv_counts), call)
     }
 
-    fn ibroadcast<'a>(&'a self, buf: ViewMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
-        let mut buf = host_view_mut(buf);
-        let (n, dtype) = (buf.len(), buf.dtype());
-        let checks::Rooted { is_root, vol } =
-            checks::in_place(Op::Broadcast, self.size(), self.rank, root, n, dtype.size())?;
-        let dt = nccl_dtype("broadcast", dtype)?;
-        let mut l = Launch::new(self, Op::Broadcast)?;
+    fn post_broadcast<'a>(&'a self, call: Call, mut buf: ViewMut<'a>) -> Result<Work<'a>> {
+        let dt = nccl_dtype("broadcast", buf.dtype())?;
+        let mut l = Launch::new(self, call.op)?;
         // Only the root's contents matter going in.
         let p = place_mut(&mut buf);
-        let b = l.operand(p, is_root, true)?;
-        let raw = self.comm.raw;
-        l.run(phase, vol, true, |_, st| {
+        let b = l.operand(p, call.is_root, true)?;
+        let (raw, root) = (self.comm.raw, call.root as i32);
+        l.run(call, |_, st| {
             // SAFETY: in place over one device range, alive until the wait.
-            ok(unsafe { nc::ncclBroadcast(b.cv(), b.mv(), b.len, dt, root as i32, raw, st) })
+            ok(unsafe { nc::ncclBroadcast(b.cv(), b.mv(), b.len, dt, root, raw, st) })
         })
     }
 
-    fn ireduce<'a>(&'a self, buf: ViewMut<'a>, root: usize, phase: Phase) -> Result<Work<'a>> {
-        let mut buf = host_view_mut(buf);
-        let (n, dtype) = (buf.len(), buf.dtype());
-        let checks::Rooted { is_root, vol } =
-            checks::in_place(Op::Reduce, self.size(), self.rank, root, n, dtype.size())?;
-        let dt = nccl_dtype("reduce", dtype)?;
-        let mut l = Launch::new(self, Op::Reduce)?;
+    fn post_reduce<'a>(&'a self, call: Call, mut buf: ViewMut<'a>) -> Result<Work<'a>> {
+        let dt = nccl_dtype("reduce", buf.dtype())?;
+        let mut l = Launch::new(self, call.op)?;
         let p = place_mut(&mut buf);
         // Other ranks' buffers are left as they were: only the root's is copied back.
-        let b = l.operand(p, true, is_root)?;
-        let raw = self.comm.raw;
-        l.run(phase, vol, true, |_, st| {
+        let b = l.operand(p, true, call.is_root)?;
+        let (raw, root) = (self.comm.raw, call.root as i32);
+        l.run(call, |_, st| {
             // SAFETY: in place over one device range, alive until the wait; NCCL writes the
             // receive buffer on the root only.
             ok(unsafe {
@@ -750,7 +671,7 @@ impl ProcessGroup for NcclGroup {
                     b.len,
                     dt,
                     nc::ncclRedOp_t::ncclSum,
-                    root as i32,
+                    root,
                     raw,
                     st,
                 )
@@ -758,25 +679,17 @@ impl ProcessGroup for NcclGroup {
         })
     }
 
-    fn igather<'a>(
+    fn post_gather<'a>(
         &'a self,
+        call: Call,
         send: View<'a>,
-        recv: Option<ViewMut<'a>>,
-        root: usize,
-        phase: Phase,
+        mut recv: Option<ViewMut<'a>>,
     ) -> Result<Work<'a>> {
-        let (w, send) = (self.size(), host_view(send));
-        let (n, dtype) = (send.len(), send.dtype());
-        let r_len = recv.as_ref().map(|r| r.len());
-        let vol = checks::gather(w, self.rank, root, n, r_len, dtype.size())?.vol;
-        nccl_dtype("gather", dtype)?;
-        let mut recv = recv.map(host_view_mut);
-        if let Some(r) = &recv {
-            same_dtype("gather", dtype, r.dtype())?;
-        }
-        let mut l = Launch::new(self, Op::Gather)?;
+        let (w, n) = (self.m.world_ranks.len(), send.len());
+        nccl_dtype("gather", send.dtype())?;
+        let mut l = Launch::new(self, call.op)?;
         let s = l.input(&send)?;
-        let sends = vec![(root, s)];
+        let sends = vec![(call.root, s)];
         let recvs = match &mut recv {
             Some(r) => {
                 let r = l.output(r)?;
@@ -784,26 +697,18 @@ impl ProcessGroup for NcclGroup {
             }
             None => Vec::new(),
         };
-        self.p2p(l, sends, recvs, phase, vol)
+        self.p2p(l, sends, recvs, call)
     }
 
-    fn iscatter<'a>(
+    fn post_scatter<'a>(
         &'a self,
+        call: Call,
         send: Option<View<'a>>,
-        recv: ViewMut<'a>,
-        root: usize,
-        phase: Phase,
+        mut recv: ViewMut<'a>,
     ) -> Result<Work<'a>> {
-        let (w, mut recv) = (self.size(), host_view_mut(recv));
-        let (n, dtype) = (recv.len(), recv.dtype());
-        let s_len = send.as_ref().map(|s| s.len());
-        let vol = checks::scatter(w, self.rank, root, s_len, n, dtype.size())?.vol;
-        nccl_dtype("scatter", dtype)?;
-        let send = send.map(host_view);
-        if let Some(s) = &send {
-            same_dtype("scatter", s.dtype(), dtype)?;
-        }
-        let mut l = Launch::new(self, Op::Scatter)?;
+        let (w, n) = (self.m.world_ranks.len(), recv.len());
+        nccl_dtype("scatter", recv.dtype())?;
+        let mut l = Launch::new(self, call.op)?;
         let r = l.output(&mut recv)?;
         let sends = match &send {
             Some(s) => {
@@ -812,12 +717,12 @@ impl ProcessGroup for NcclGroup {
             }
             None => Vec::new(),
         };
-        self.p2p(l, sends, vec![(root, r)], phase, vol)
+        self.p2p(l, sends, vec![(call.root, r)], call)
     }
 
-    fn ibarrier(&self) -> Result<Work<'_>> {
+    fn post_barrier(&self, call: Call) -> Result<Work<'_>> {
         // A one-element all-reduce on device memory the handle owns.
-        let mut l = Launch::new(self, Op::Barrier)?;
+        let mut l = Launch::new(self, call.op)?;
         let m = self
             .be
             .alloc(1, DType::F32)
@@ -826,7 +731,7 @@ impl ProcessGroup for NcclGroup {
         let addr = m.addr;
         l.stages.push(m);
         let raw = self.comm.raw;
-        l.run(Phase::Other, (0, 0), true, move |_, st| {
+        l.run(call, move |_, st| {
             let p = addr as usize as *mut std::ffi::c_void;
             // SAFETY: the one-element staging buffer, alive until the wait.
             ok(unsafe {
@@ -843,7 +748,7 @@ impl ProcessGroup for NcclGroup {
         })
     }
 
-    fn split(
+    fn split_group(
         &self,
         color: Option<usize>,
         key: usize,
@@ -851,17 +756,22 @@ impl ProcessGroup for NcclGroup {
     ) -> Result<Option<Arc<dyn ProcessGroup>>> {
         // Every rank's (color + 1, key), so each new group knows its members (NCCL orders the
         // new ranks by key, then by rank here, as the other backends do).
-        let w = self.size();
+        // The all-gather goes to the transport directly: it is part of the split, which the
+        // layer counts as one call of no bytes.
+        let w = self.m.world_ranks.len();
         let mine = [color.map_or(0, |c| c as u32 + 1), key as u32];
         let mut all = vec![0u32; 2 * w];
-        self.all_gather_raw(
-            View::HostU32(&mine),
-            ViewMut::HostU32(&mut all),
-            Phase::Other,
-            false,
-        )?
-        .wait()?;
-        self.ctx.stats.record(Phase::Other, Op::Split, 0, 0);
+        let (sent, recv) = checks::all_gather(w, 2, 2 * w, DType::U32.size())?;
+        let call = Call {
+            op: Op::AllGather,
+            phase: Phase::Other,
+            root: 0,
+            is_root: false,
+            sent,
+            recv,
+        };
+        self.post_all_gather(call, View::HostU32(&mine), ViewMut::HostU32(&mut all))?
+            .wait()?;
         let mut new: nc::ncclComm_t = std::ptr::null_mut();
         {
             let _l = self.comm.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -885,8 +795,8 @@ impl ProcessGroup for NcclGroup {
                 self.comm.abort();
                 return Err(CommError::Aborted {
                     op: "split",
-                    group: self.name.clone(),
-                    rank: self.ctx.world_rank,
+                    group: self.m.name.clone(),
+                    rank: self.m.ctx.world_rank,
                     message,
                 });
             }
@@ -897,10 +807,10 @@ impl ProcessGroup for NcclGroup {
             .map(|j| (all[2 * j + 1], j))
             .collect();
         mates.sort_unstable();
-        let members: Vec<usize> = mates.iter().map(|&(_, j)| self.members[j]).collect();
+        let members: Vec<usize> = mates.iter().map(|&(_, j)| self.m.world_ranks[j]).collect();
         let rank = mates
             .iter()
-            .position(|&(_, j)| j == self.rank)
+            .position(|&(_, j)| j == self.m.rank)
             .expect("this rank is in its own color");
         Ok(Some(Arc::new(NcclGroup {
             comm: Arc::new(Comm {
@@ -909,10 +819,12 @@ impl ProcessGroup for NcclGroup {
                 lock: Mutex::new(()),
             }),
             be: self.be.clone(),
-            rank,
-            members,
-            name: name.to_string(),
-            ctx: self.ctx.clone(),
+            m: Membership {
+                rank,
+                world_ranks: members,
+                name: name.to_string(),
+                ctx: self.m.ctx.clone(),
+            },
             timeout: self.timeout,
         })))
     }

@@ -146,10 +146,7 @@ pub enum Decision {
 
 /// The private folder for a library file: one per target, so the ranks on a node share it.
 pub fn link_dir(base: &Path, target: &Path) -> PathBuf {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in target.as_os_str().as_encoded_bytes() {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-    }
+    let h = crate::fnv1a64(target.as_os_str().as_encoded_bytes());
     base.join(format!("ganymede-nccl-{h:016x}"))
 }
 

@@ -10,11 +10,9 @@
 //! rank that panics poisons the world (every waiter wakes and fails naming it); a rank whose
 //! world handle is dropped normally is marked exited, so waiting for it fails at once.
 
-use crate::checks;
 use crate::error::{CommError, Result};
-use crate::group::{Pending, ProcessGroup, RankCtx, Work};
-use crate::stats::{Op, Phase};
-use crate::trace::Track;
+use crate::group::{Call, Membership, Pending, ProcessGroup, RankCtx, Transport, Work};
+use crate::stats::Op;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -51,39 +49,24 @@ trait Elem: Copy + std::ops::AddAssign + Send + Sync + 'static {
     fn wrap(v: Vec<Self>) -> Data;
     fn get(d: &Data) -> &[Self];
 }
-impl Elem for f32 {
-    fn wrap(v: Vec<f32>) -> Data {
-        Data::F32(v)
-    }
-    fn get(d: &Data) -> &[f32] {
-        match d {
-            Data::F32(v) => v,
-            _ => &[],
+macro_rules! elem {
+    ($t:ty, $variant:ident) => {
+        impl Elem for $t {
+            fn wrap(v: Vec<$t>) -> Data {
+                Data::$variant(v)
+            }
+            fn get(d: &Data) -> &[$t] {
+                match d {
+                    Data::$variant(v) => v,
+                    _ => &[],
+                }
+            }
         }
-    }
+    };
 }
-impl Elem for u16 {
-    fn wrap(v: Vec<u16>) -> Data {
-        Data::Bf16(v)
-    }
-    fn get(d: &Data) -> &[u16] {
-        match d {
-            Data::Bf16(v) => v,
-            _ => &[],
-        }
-    }
-}
-impl Elem for f64 {
-    fn wrap(v: Vec<f64>) -> Data {
-        Data::F64(v)
-    }
-    fn get(d: &Data) -> &[f64] {
-        match d {
-            Data::F64(v) => v,
-            _ => &[],
-        }
-    }
-}
+elem!(f32, F32);
+elem!(f64, F64);
+elem!(u16, Bf16);
 
 /// What each rank says it is doing; all members must agree.
 #[derive(Clone, Debug, PartialEq)]
@@ -142,11 +125,8 @@ impl World {
 pub struct ThreadGroup {
     world: Arc<World>,
     id: u64,
-    name: String,
-    members: Vec<usize>,
-    rank: usize,
+    m: Membership,
     seq: AtomicU64,
-    ctx: RankCtx,
     /// The world-level handle of a rank: dropping it marks the rank exited (or, while
     /// panicking, poisons the world).
     guard: bool,
@@ -169,11 +149,13 @@ pub fn threads_world(n: usize, cfg: &ThreadsConfig) -> Vec<ThreadGroup> {
         .map(|r| ThreadGroup {
             world: world.clone(),
             id: 0,
-            name: "world".into(),
-            members: (0..n).collect(),
-            rank: r,
+            m: Membership {
+                rank: r,
+                world_ranks: (0..n).collect(),
+                name: "world".into(),
+                ctx: RankCtx::new(r, cfg.trace),
+            },
             seq: AtomicU64::new(0),
-            ctx: RankCtx::new(r, cfg.trace),
             guard: true,
         })
         .collect()
@@ -194,13 +176,13 @@ where
             .map(|g| {
                 let f = &f;
                 std::thread::Builder::new()
-                    .name(format!("rank{}", g.rank))
+                    .name(format!("rank{}", g.m.rank))
                     .spawn_scoped(s, move || {
                         let world = g.world.clone();
                         // Reported below with the panic's own message instead.
                         let mut g = g;
                         g.guard = false;
-                        let rank = g.rank;
+                        let rank = g.m.rank;
                         let g: Arc<dyn ProcessGroup> = Arc::new(g);
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(g)));
                         match &r {
@@ -235,11 +217,11 @@ impl Drop for ThreadGroup {
         if self.guard {
             if std::thread::panicking() {
                 self.world.poison(
-                    self.ctx.world_rank,
+                    self.m.ctx.world_rank,
                     "panicked (world handle dropped)".into(),
                 );
             } else {
-                self.world.mark_exited(self.ctx.world_rank);
+                self.world.mark_exited(self.m.ctx.world_rank);
             }
         }
     }
@@ -257,24 +239,17 @@ type Finish<'a> = Box<dyn FnOnce(&Collected) -> Result<()> + Send + 'a>;
 struct ThreadPending<'a> {
     g: &'a ThreadGroup,
     key: (u64, u64),
-    op: Op,
-    phase: Phase,
+    call: Call,
     posted: Instant,
-    bytes: u64,
     finish: Finish<'a>,
 }
 
 impl Pending for ThreadPending<'_> {
     fn wait(self: Box<Self>) -> Result<()> {
         let t0 = Instant::now();
-        let got = self.g.collect(self.key, self.op);
+        let got = self.g.collect(self.key, self.call.op);
         let t1 = Instant::now();
-        let tr = &self.g.ctx.tracer;
-        if tr.enabled() {
-            let name = format!("{} {}", self.op.name(), self.phase.name());
-            tr.record(name.clone(), Track::Wait, t0, t1, None);
-            tr.record(name, Track::Comm, self.posted, t1, Some(self.bytes));
-        }
+        self.call.trace(&self.g.m.ctx.tracer, self.posted, t0, t1);
         (self.finish)(&got?)
     }
     fn ready(&mut self) -> bool {
@@ -283,7 +258,7 @@ impl Pending for ThreadPending<'_> {
             || st
                 .slots
                 .get(&self.key)
-                .is_none_or(|s| s.arrived == self.g.members.len())
+                .is_none_or(|s| s.arrived == self.g.m.world_ranks.len())
     }
     fn abandon(self: Box<Self>) {
         // The receive buffers are only written in `wait`, so walking away is safe.
@@ -292,7 +267,7 @@ impl Pending for ThreadPending<'_> {
 
 impl ThreadGroup {
     fn size_(&self) -> usize {
-        self.members.len()
+        self.m.world_ranks.len()
     }
 
     /// Deposit this rank's contribution; returns the slot key.
@@ -315,9 +290,10 @@ impl ThreadGroup {
             consumed: 0,
             new_groups: None,
         });
-        slot.sigs[self.rank] = Some(sig);
-        slot.data[self.rank] = Some(Arc::new(data));
-        slot.meta[self.rank] = Arc::new(meta);
+        let me = self.m.rank;
+        slot.sigs[me] = Some(sig);
+        slot.data[me] = Some(Arc::new(data));
+        slot.meta[me] = Arc::new(meta);
         slot.arrived += 1;
         let all = slot.arrived == w;
         drop(st);
@@ -345,12 +321,12 @@ impl ThreadGroup {
             }
             let missing: Vec<usize> = (0..w)
                 .filter(|&j| slot.sigs[j].is_none())
-                .map(|j| self.members[j])
+                .map(|j| self.m.world_ranks[j])
                 .collect();
             if let Some(&dead) = missing.iter().find(|&&m| st.exited[m]) {
                 return Err(CommError::PeerExited {
                     op: op.name(),
-                    group: self.name.clone(),
+                    group: self.m.name.clone(),
                     rank: dead,
                 });
             }
@@ -358,8 +334,8 @@ impl ThreadGroup {
             if now >= deadline {
                 return Err(CommError::Timeout {
                     op: op.name(),
-                    group: self.name.clone(),
-                    rank: self.ctx.world_rank,
+                    group: self.m.name.clone(),
+                    rank: self.m.ctx.world_rank,
                     waited: self.world.timeout,
                     missing,
                 });
@@ -377,7 +353,7 @@ impl ThreadGroup {
         if let Some(j) = (1..w).find(|&j| slot.sigs[j].as_ref() != Some(&sig0)) {
             return Err(CommError::Mismatch {
                 op: op.name(),
-                group: self.name.clone(),
+                group: self.m.name.clone(),
                 message: format!(
                     "rank 0 called {:?}, rank {j} called {:?}",
                     sig0, slot.sigs[j]
@@ -408,99 +384,72 @@ impl ThreadGroup {
         Ok(got)
     }
 
-    fn start<'a>(
+    /// Post this rank's part of `call` (`len`: the length all ranks must agree on, or 0) and
+    /// return the handle that finishes it.
+    fn start<'a, E>(
         &'a self,
-        (op, phase): (Op, Phase),
-        sig: Sig,
+        call: Call,
+        len: usize,
         data: Data,
         meta: Vec<usize>,
-        (sent, recv): (u64, u64),
         finish: Finish<'a>,
     ) -> Result<Work<'a>> {
         let posted = Instant::now();
+        let sig = Sig {
+            op: call.op,
+            root: call.root,
+            elem: std::mem::size_of::<E>(),
+            len,
+        };
         let key = self.post(sig, data, meta)?;
-        self.ctx.stats.record(phase, op, sent, recv);
         Ok(Work::new(Box::new(ThreadPending {
             g: self,
             key,
-            op,
-            phase,
+            call,
             posted,
-            bytes: sent,
             finish,
         })))
     }
 
-    fn sig(&self, op: Op, root: usize, elem: usize, len: usize) -> Sig {
-        Sig {
-            op,
-            root,
-            elem,
-            len,
-        }
-    }
-
-    // Typed bodies of the collectives.
+    // Typed bodies of the collectives (arguments checked by the layer, `crate::checks`).
 
     fn all_gather_t<'a, E: Elem>(
         &'a self,
         send: &[E],
         recv: &'a mut [E],
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        let vol = checks::all_gather(w, n, recv.len(), es)?;
+        let n = send.len();
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             for (j, d) in c.data.iter().enumerate() {
                 recv[j * n..(j + 1) * n].copy_from_slice(E::get(d));
             }
             Ok(())
         });
-        let sig = self.sig(Op::AllGather, 0, es, n);
-        self.start(
-            (Op::AllGather, phase),
-            sig,
-            E::wrap(send.to_vec()),
-            vec![],
-            vol,
-            finish,
-        )
+        self.start::<E>(call, n, E::wrap(send.to_vec()), vec![], finish)
     }
 
     fn reduce_scatter_t<'a, E: Elem>(
         &'a self,
         send: &[E],
         recv: &'a mut [E],
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), recv.len(), std::mem::size_of::<E>());
-        let vol = checks::reduce_scatter(w, send.len(), n, es)?;
-        let me = self.rank;
+        let (n, me) = (recv.len(), self.m.rank);
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             sum_in_order(recv, &c.data, me * n);
             Ok(())
         });
-        let sig = self.sig(Op::ReduceScatter, 0, es, n);
-        self.start(
-            (Op::ReduceScatter, phase),
-            sig,
-            E::wrap(send.to_vec()),
-            vec![],
-            vol,
-            finish,
-        )
+        self.start::<E>(call, n, E::wrap(send.to_vec()), vec![], finish)
     }
 
-    fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], phase: Phase) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let vol = checks::all_reduce(w, n, es);
-        let data = E::wrap(buf.to_vec());
+    fn all_reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], call: Call) -> Result<Work<'a>> {
+        let (n, data) = (buf.len(), E::wrap(buf.to_vec()));
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             sum_in_order(buf, &c.data, 0);
             Ok(())
         });
-        let sig = self.sig(Op::AllReduce, 0, es, n);
-        self.start((Op::AllReduce, phase), sig, data, vec![], vol, finish)
+        self.start::<E>(call, n, data, vec![], finish)
     }
 
     fn alltoallv_t<'a, E: Elem>(
@@ -509,14 +458,13 @@ impl ThreadGroup {
         send_counts: &[usize],
         recv: &'a mut [E],
         recv_counts: &[usize],
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, es, me) = (self.size_(), std::mem::size_of::<E>(), self.rank);
-        let vol = checks::alltoallv(w, me, es, send.len(), send_counts, recv.len(), recv_counts)?;
+        let (w, me) = (self.size_(), self.m.rank);
         // Every rank posts its send and receive counts and checks the whole matrix, so a
         // disagreement fails on all ranks alike.
         let meta: Vec<usize> = send_counts.iter().chain(recv_counts).copied().collect();
-        let group = self.name.clone();
+        let group = self.m.name.clone();
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             for i in 0..w {
                 for j in 0..w {
@@ -542,26 +490,11 @@ impl ThreadGroup {
             }
             Ok(())
         });
-        let sig = self.sig(Op::AllToAllV, 0, es, 0);
-        self.start(
-            (Op::AllToAllV, phase),
-            sig,
-            E::wrap(send.to_vec()),
-            meta,
-            vol,
-            finish,
-        )
+        self.start::<E>(call, 0, E::wrap(send.to_vec()), meta, finish)
     }
 
-    fn broadcast_t<'a, E: Elem>(
-        &'a self,
-        buf: &'a mut [E],
-        root: usize,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let checks::Rooted { is_root, vol } =
-            checks::in_place(Op::Broadcast, w, self.rank, root, n, es)?;
+    fn broadcast_t<'a, E: Elem>(&'a self, buf: &'a mut [E], call: Call) -> Result<Work<'a>> {
+        let (n, Call { root, is_root, .. }) = (buf.len(), call);
         let data = if is_root {
             E::wrap(buf.to_vec())
         } else {
@@ -573,40 +506,27 @@ impl ThreadGroup {
             }
             Ok(())
         });
-        let sig = self.sig(Op::Broadcast, root, es, n);
-        self.start((Op::Broadcast, phase), sig, data, vec![], vol, finish)
+        self.start::<E>(call, n, data, vec![], finish)
     }
 
-    fn reduce_t<'a, E: Elem>(
-        &'a self,
-        buf: &'a mut [E],
-        root: usize,
-        phase: Phase,
-    ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), buf.len(), std::mem::size_of::<E>());
-        let checks::Rooted { is_root, vol } =
-            checks::in_place(Op::Reduce, w, self.rank, root, n, es)?;
-        let data = E::wrap(buf.to_vec());
+    fn reduce_t<'a, E: Elem>(&'a self, buf: &'a mut [E], call: Call) -> Result<Work<'a>> {
+        let (n, data, is_root) = (buf.len(), E::wrap(buf.to_vec()), call.is_root);
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             if is_root {
                 sum_in_order(buf, &c.data, 0);
             }
             Ok(())
         });
-        let sig = self.sig(Op::Reduce, root, es, n);
-        self.start((Op::Reduce, phase), sig, data, vec![], vol, finish)
+        self.start::<E>(call, n, data, vec![], finish)
     }
 
     fn gather_t<'a, E: Elem>(
         &'a self,
         send: &[E],
         recv: Option<&'a mut [E]>,
-        root: usize,
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), send.len(), std::mem::size_of::<E>());
-        let r_len = recv.as_ref().map(|r| r.len());
-        let vol = checks::gather(w, self.rank, root, n, r_len, es)?.vol;
+        let n = send.len();
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             if let Some(recv) = recv {
                 for (j, d) in c.data.iter().enumerate() {
@@ -615,35 +535,22 @@ impl ThreadGroup {
             }
             Ok(())
         });
-        let sig = self.sig(Op::Gather, root, es, n);
-        self.start(
-            (Op::Gather, phase),
-            sig,
-            E::wrap(send.to_vec()),
-            vec![],
-            vol,
-            finish,
-        )
+        self.start::<E>(call, n, E::wrap(send.to_vec()), vec![], finish)
     }
 
     fn scatter_t<'a, E: Elem>(
         &'a self,
         send: Option<&[E]>,
         recv: &'a mut [E],
-        root: usize,
-        phase: Phase,
+        call: Call,
     ) -> Result<Work<'a>> {
-        let (w, n, es) = (self.size_(), recv.len(), std::mem::size_of::<E>());
-        let s_len = send.map(|s| s.len());
-        let vol = checks::scatter(w, self.rank, root, s_len, n, es)?.vol;
+        let (n, me, root) = (recv.len(), self.m.rank, call.root);
         let data = send.map_or(Data::Nothing, |s| E::wrap(s.to_vec()));
-        let me = self.rank;
         let finish: Finish<'a> = Box::new(move |c: &Collected| {
             recv.copy_from_slice(&E::get(&c.data[root])[me * n..(me + 1) * n]);
             Ok(())
         });
-        let sig = self.sig(Op::Scatter, root, es, n);
-        self.start((Op::Scatter, phase), sig, data, vec![], vol, finish)
+        self.start::<E>(call, n, data, vec![], finish)
     }
 }
 
@@ -659,48 +566,32 @@ fn sum_in_order<E: Elem>(out: &mut [E], data: &[Arc<Data>], off: usize) {
     }
 }
 
-impl ProcessGroup for ThreadGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-    fn world_ranks(&self) -> &[usize] {
-        &self.members
-    }
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn ctx(&self) -> &RankCtx {
-        &self.ctx
+impl Transport for ThreadGroup {
+    fn membership(&self) -> &Membership {
+        &self.m
     }
 
-    crate::group::host_collectives_by_dtype!();
-    fn ibarrier(&self) -> Result<Work<'_>> {
-        let sig = self.sig(Op::Barrier, 0, 0, 0);
+    crate::group::host_transport!();
+    fn post_barrier(&self, call: Call) -> Result<Work<'_>> {
         let finish: Finish<'_> = Box::new(|_: &Collected| Ok(()));
-        self.start(
-            (Op::Barrier, Phase::Other),
-            sig,
-            Data::Nothing,
-            vec![],
-            (0, 0),
-            finish,
-        )
+        self.start::<()>(call, 0, Data::Nothing, vec![], finish)
     }
 
-    fn split(
+    fn split_group(
         &self,
         color: Option<usize>,
         key: usize,
         name: &str,
     ) -> Result<Option<Arc<dyn ProcessGroup>>> {
-        let sig = self.sig(Op::Split, 0, 0, 0);
+        let sig = Sig {
+            op: Op::Split,
+            root: 0,
+            elem: 0,
+            len: 0,
+        };
         // Color 0 on the wire means "no group".
         let meta = vec![color.map_or(0, |c| c + 1), key];
         let key_ = self.post(sig, Data::Nothing, meta)?;
-        self.ctx.stats.record(Phase::Other, Op::Split, 0, 0);
         let got = self.collect(key_, Op::Split)?;
         let Some(c) = color else { return Ok(None) };
         let mut mine: Vec<(usize, usize)> = (0..self.size_())
@@ -708,17 +599,19 @@ impl ProcessGroup for ThreadGroup {
             .map(|j| (got.meta[j][1], j))
             .collect();
         mine.sort_unstable();
-        let members: Vec<usize> = mine.iter().map(|&(_, j)| self.members[j]).collect();
-        let rank = mine.iter().position(|&(_, j)| j == self.rank).unwrap();
+        let members: Vec<usize> = mine.iter().map(|&(_, j)| self.m.world_ranks[j]).collect();
+        let rank = mine.iter().position(|&(_, j)| j == self.m.rank).unwrap();
         let id = got.new_groups.as_ref().unwrap()[&(c + 1)];
         Ok(Some(Arc::new(ThreadGroup {
             world: self.world.clone(),
             id,
-            name: name.to_string(),
-            members,
-            rank,
+            m: Membership {
+                rank,
+                world_ranks: members,
+                name: name.to_string(),
+                ctx: self.m.ctx.clone(),
+            },
             seq: AtomicU64::new(0),
-            ctx: self.ctx.clone(),
             guard: false,
         })))
     }
