@@ -159,7 +159,7 @@ fn failed_step(settings: &[&str], refuse: Refuse) -> Vec<String> {
             _ => world,
         };
         let mut st = RankState::new(world, &cfg).unwrap();
-        let e = st.step(&data, 0).err().expect("the step failed");
+        let e = st.step(&data, 0).expect_err("the step failed");
         format!("{e:#}")
     })
     .into_iter()
@@ -171,6 +171,7 @@ fn failed_step(settings: &[&str], refuse: Refuse) -> Vec<String> {
 #[test]
 fn a_failed_block_gather_in_the_forward_pass_is_an_error_naming_it() {
     let e = failed_step(&["parallelism.dp_shard=2"], Refuse::PostedGathers);
+    println!("rank 0: {}\nrank 1: {}", e[0], e[1]);
     // Rank 0's gather of block 0, waited for as the block starts, fails because rank 1 left.
     assert!(
         e[0].contains("gathering block 0's parameters")
@@ -188,6 +189,7 @@ fn a_failed_expert_all_to_all_in_the_forward_pass_is_an_error_naming_it() {
         &["parallelism.dp_shard=2", "parallelism.ep=2"],
         Refuse::AllToAll,
     );
+    println!("rank 0: {}\nrank 1: {}", e[0], e[1]);
     assert!(
         e[0].contains("exchanging expert counts")
             && e[0].contains("alltoallv on group ep")
