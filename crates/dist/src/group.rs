@@ -80,6 +80,14 @@ impl<'a> Work<'a> {
     pub fn ready(&mut self) -> bool {
         self.inner.as_mut().is_none_or(|p| p.ready())
     }
+    /// Walk away without waiting for peers, as a drop during a panic does
+    /// ([`Pending::abandon`]): for a caller that has had a collective fail and is ending, whose
+    /// other posted collectives a failed peer may never join.
+    pub fn abandon(mut self) {
+        if let Some(p) = self.inner.take() {
+            p.abandon();
+        }
+    }
 }
 
 impl Drop for Work<'_> {

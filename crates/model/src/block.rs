@@ -26,6 +26,7 @@ use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::step::chunks;
 use crate::workspace::{BlockActs, ChunkRoute, FfnActs, GradScratch, MoeActs, Routing};
 use crate::{LayerIdx, MlpIdx, Model};
+use anyhow::Result;
 use ganymede_config::ModelConfig;
 use ganymede_core::{
     AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
@@ -236,13 +237,13 @@ pub(crate) fn block_forward(
     y: Option<ViewMut>,
     kv: Kv,
     (layer, psum, ex): (usize, Option<ViewMut>, &mut dyn ExpertExecutor),
-) {
+) -> Result<()> {
     let b = Block::new(cx, layer);
     let cached = matches!(kv, Kv::Cache { .. });
     qkv_forward(&b, a, g, x);
     attend_forward(&b, a, g, kv);
     out_proj_forward(&b, a, g, x, cached);
-    mlp_forward(&b, a, g, y, psum, ex);
+    mlp_forward(&b, a, g, y, psum, ex)
 }
 
 /// `xn1 = rmsnorm(x)` and its projections q, k and v.
@@ -371,7 +372,7 @@ fn mlp_forward(
     mut y: Option<ViewMut>,
     psum: Option<ViewMut>,
     ex: &mut dyn ExpertExecutor,
-) {
+) -> Result<()> {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let (xn2, rstd2) = (a.xn2.view_mut(), a.rstd2.view_mut());
     be.rmsnorm_forward(
@@ -391,13 +392,14 @@ fn mlp_forward(
             ffn_forward(b, f, a.xn2.view(), ffn, y);
         }
         Mlp::Moe { mx, shared } => {
-            moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex);
+            moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex)?;
             if let Some(ffn) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
                 ffn_forward(b, f, a.xn2.view(), ffn, y);
             }
         }
     }
+    Ok(())
 }
 
 /// The router and the routed experts over `a.xn2`, their outputs added into `y` (if any).
@@ -409,7 +411,7 @@ fn moe_forward(
     psum: Option<ViewMut>,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
-) {
+) -> Result<()> {
     let (be, d) = (b.cx.be, b.d);
     let (n, h, e, k) = (d.n, d.hidden, d.experts, d.top_k);
     let m = a.moe.as_mut().expect("MoE activations");
@@ -439,7 +441,7 @@ fn moe_forward(
         if y.is_none() && j + 1 < parts.len() {
             continue;
         }
-        experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex);
+        experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex)?;
         if let Some(y) = y.as_mut() {
             let disp = Dispatched {
                 pos: m.r.pos.slice(t0 * k, tn * k),
@@ -453,6 +455,7 @@ fn moe_forward(
             be.moe_combine(yc, m.ye.slice(0, tn * k * h), rw, disp);
         }
     }
+    Ok(())
 }
 
 /// A MoE layer's router and routed-expert parameters in the table, and the layer.
@@ -525,7 +528,7 @@ fn experts_forward(
     xn2: View,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
-) {
+) -> Result<()> {
     let (h, f, k) = (b.d.hidden, b.d.expert_hidden, b.d.top_k);
     let rows = tn * k;
     let (xe, src) = (m.xe.slice_mut(0, rows * h), m.r.src.slice(t0 * k, rows));
@@ -538,7 +541,7 @@ fn experts_forward(
         a: m.a.slice_mut(0, rows * f),
         ye: m.ye.slice_mut(0, rows * h),
     };
-    ex.forward(b.cx.be, &io, bufs);
+    ex.forward(b.cx.be, &io, bufs)
 }
 
 /// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens and the
@@ -561,7 +564,7 @@ fn moe_chunk_backward(
     c: MoeChunkBwd,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
-) {
+) -> Result<()> {
     let (be, d) = (b.cx.be, b.d);
     let (h, f, k, e) = (d.hidden, d.expert_hidden, d.top_k, d.experts);
     let GradScratch {
@@ -614,7 +617,7 @@ fn moe_chunk_backward(
         du: du.slice_mut(0, rows * f),
         dxe: dxe.slice_mut(0, rows * h),
     };
-    ex.backward(be, &io, grads, bufs);
+    ex.backward(be, &io, grads, bufs)?;
     let (idx, probs) = (m.r.idx.slice(tk, rows), m.probs.slice(t0 * e, tn * e));
     let (dl, dw) = (drl.slice_mut(t0 * e, tn * e), drw.slice(tk, rows));
     be.router_backward(dl, dw, probs, idx, c.dc, d.router());
@@ -625,6 +628,7 @@ fn moe_chunk_backward(
     let gr = Gemm::new(e, h, tn, true, false).beta(1.0);
     be.gemm(grads.get_mut(mx.router).view_mut(), drl, c.xn2, gr);
     be.moe_gather_backward(dxn.slice_mut(t0 * h, tn * h), dxe.slice(0, rows * h), disp);
+    Ok(())
 }
 
 /// An every-token SwiGLU; adds its output into `y`.
@@ -670,12 +674,13 @@ pub(crate) fn block_backward(
     x: View,
     dprob_const: Option<View>,
     (layer, ex): (usize, &mut dyn ExpertExecutor),
-) {
+) -> Result<()> {
     let b = Block::new(cx, layer);
-    mlp_backward(&b, grads, a, g, dprob_const, ex);
+    mlp_backward(&b, grads, a, g, dprob_const, ex)?;
     out_proj_backward(&b, grads, a, g);
     attend_backward(&b, grads, a, g);
     qkv_backward(&b, grads, a, g, x);
+    Ok(())
 }
 
 /// Backward of [`mlp_forward`]: the MLP's gradient into `g.dxn` (the gradient of xn2), then
@@ -687,7 +692,7 @@ fn mlp_backward(
     g: &mut GradScratch,
     dprob_const: Option<View>,
     ex: &mut dyn ExpertExecutor,
-) {
+) -> Result<()> {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     match b.mlp {
         Mlp::Dense(ffn) => {
@@ -695,7 +700,7 @@ fn mlp_backward(
             ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
         Mlp::Moe { mx, shared } => {
-            moe_backward(b, grads, a, g, dprob_const, mx, ex);
+            moe_backward(b, grads, a, g, dprob_const, mx, ex)?;
             if let Some(ffn) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
                 ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 1.0);
@@ -709,6 +714,7 @@ fn mlp_backward(
     };
     let dw = grads.get_mut(li.post_norm).view_mut();
     be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, d.hidden);
+    Ok(())
 }
 
 /// Backward of [`moe_forward`]: the routed experts' and router's gradient into `g.dxn`.
@@ -720,7 +726,7 @@ fn moe_backward(
     dprob_const: Option<View>,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
-) {
+) -> Result<()> {
     let (n, h) = (b.d.n, b.d.hidden);
     let m = a.moe.as_mut().expect("MoE activations");
     let dc = dprob_const.expect("the auxiliary loss's gradient constant");
@@ -730,14 +736,15 @@ fn moe_backward(
     let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
     for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
         if j + 1 < parts.len() {
-            experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex);
+            experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex)?;
         }
         let bwd = MoeChunkBwd {
             xn2: a.xn2.slice(t0 * h, tn * h),
             dc,
         };
-        moe_chunk_backward(b, grads, m, g, (j, t0, tn), bwd, mx, ex);
+        moe_chunk_backward(b, grads, m, g, (j, t0, tn), bwd, mx, ex)?;
     }
+    Ok(())
 }
 
 /// Backward of [`out_proj_forward`]: the residual passes `g.dres` through unchanged; the

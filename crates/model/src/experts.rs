@@ -3,6 +3,7 @@
 //! over rows grouped by expert (`counts[e]` rows of expert `e` from `offsets[e]`); the executor
 //! returns one output row per input row. [`LocalExperts`] runs every expert here.
 
+use anyhow::Result;
 use ganymede_core::{Backend, Gemm, ParamStore, View, ViewMut};
 
 /// What an executor needs besides the rows: routing counts, shapes, where the weights are.
@@ -63,9 +64,10 @@ pub struct RowBufferUse {
     pub regrowths: u64,
 }
 
-/// Runs the routed experts of a MoE layer, forward and backward.
+/// Runs the routed experts of a MoE layer, forward and backward. An executor that moves rows
+/// between processes returns its collectives' errors, which end the step.
 pub trait ExpertExecutor {
-    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs);
+    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) -> Result<()>;
     /// The internals of `layer`'s last forward will not be read by a backward (they are
     /// recomputed under full activation checkpointing, or there is no backward). An executor
     /// that keeps its own copy of them (expert parallelism) frees it here.
@@ -82,7 +84,7 @@ pub trait ExpertExecutor {
         io: &ExpertsIo,
         grads: &mut ParamStore,
         b: ExpertsBwdBufs,
-    );
+    ) -> Result<()>;
 }
 
 /// Every expert on this process: one grouped GEMM per op over all experts with rows.
@@ -109,7 +111,7 @@ fn each(
 }
 
 impl ExpertExecutor for LocalExperts {
-    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) {
+    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) -> Result<()> {
         let ExpertsFwdBufs {
             xe,
             mut g,
@@ -157,6 +159,7 @@ impl ExpertExecutor for LocalExperts {
             )
         });
         be.gemm_grouped(ye, a.as_view(), wd.view(), &gs);
+        Ok(())
     }
 
     fn backward(
@@ -165,7 +168,7 @@ impl ExpertExecutor for LocalExperts {
         io: &ExpertsIo,
         grads: &mut ParamStore,
         b: ExpertsBwdBufs,
-    ) {
+    ) -> Result<()> {
         let ExpertsBwdBufs {
             xe,
             g,
@@ -244,5 +247,6 @@ impl ExpertExecutor for LocalExperts {
         );
         let gw_u = each(&gw, |g| g.unchanged(true, true));
         be.gemm_grouped(grads.get_mut(io.up).view_mut(), du.as_view(), xe, &gw_u);
+        Ok(())
     }
 }

@@ -5,6 +5,7 @@
 
 use crate::block::{block_forward, Ctx, Kv};
 use crate::experts::LocalExperts;
+use crate::step::local;
 use crate::workspace::{moe_slot, Workspace};
 use crate::{Model, Rng};
 use ganymede_config::AcMode;
@@ -61,7 +62,7 @@ fn step_logits(
         // Routing sums go unread here, but the router writes them.
         let e = cfg.experts;
         let psum = (route.as_mut().zip(moe_slot(cfg, l))).map(|(r, s)| r.psum.slice_mut(s * e, e));
-        block_forward(
+        local(block_forward(
             &cx,
             &mut blocks[0],
             grads,
@@ -69,7 +70,7 @@ fn step_logits(
             Some(y),
             kv,
             (l, psum, &mut LocalExperts),
-        );
+        ));
         res.store(be, l + 1, &head.xf);
     }
     res.widen(be, cfg.layers);

@@ -24,6 +24,9 @@
 //!   (told when a block's gradients are complete) and runs the routed experts through an
 //!   [`ExpertExecutor`]; FSDP and expert parallelism (crate `ganymede-parallel`) implement them.
 //!   [`forward_backward`] is the same code with every parameter resident and the experts local.
+//!   The hooks that communicate return a `Result`, and a failed collective ends the pass as an
+//!   error the caller receives; the single-process hooks cannot fail, so [`forward_backward`]
+//!   and [`forward_loss`] return their output directly.
 
 use ganymede_config::ModelConfig;
 use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor};

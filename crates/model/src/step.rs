@@ -6,6 +6,7 @@ use crate::block::{block_backward, block_forward, Ctx, Kv};
 use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::{moe_slot, Workspace};
 use crate::{MlpIdx, Model, StepOutput};
+use anyhow::Result;
 use ganymede_config::AcMode;
 use ganymede_core::{
     embedding_segments, Backend, Category, DType, EmbedIds, Gemm, NormSaved, ParamStore, Tensor,
@@ -23,6 +24,10 @@ pub enum Pass {
 /// Where a step reads its parameters. Parallelism wraps the model through this trait (FSDP
 /// gathers a block's shards in `acquire_block` and frees them in `release_block`) while the
 /// model code stays the same at any rank count; [`LocalParams`] is the single-process source.
+///
+/// The hooks that may communicate return a `Result`: a failed collective (a peer that died or
+/// stalled) ends the step, which returns the error as it is. After an error the source's step
+/// is abandoned midway; its owner drops it rather than step again.
 pub trait ParamSource {
     /// The parameter table as it stands: the final norm always, the embedding until
     /// `acquire_head` and the LM head from then on (FSDP may hold both in one tensor), a
@@ -30,11 +35,17 @@ pub trait ParamSource {
     fn params(&self) -> &ParamStore;
     /// The forward pass is at the final norm: the LM head is about to be read (in this
     /// forward and the backward that follows), the embedding no longer.
-    fn acquire_head(&mut self, _be: &dyn Backend) {}
+    fn acquire_head(&mut self, _be: &dyn Backend) -> Result<()> {
+        Ok(())
+    }
     /// Block `l` is about to run in `pass`.
-    fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {}
+    fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) -> Result<()> {
+        Ok(())
+    }
     /// Block `l` is done in `pass` (its parameters may go).
-    fn release_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {}
+    fn release_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) -> Result<()> {
+        Ok(())
+    }
     /// The number of tokens the loss is a mean over: larger than `local` when this step sees a
     /// slice of a global batch (gradients and losses are then partial sums to be added up).
     fn global_tokens(&self, local: usize) -> usize {
@@ -43,24 +54,37 @@ pub trait ParamSource {
     /// Turn a MoE layer's per-expert counts of this slice (host data: the model reads them
     /// back to size the expert GEMMs) into those of the global batch, in place, so the
     /// auxiliary loss's gradient is the global batch's. Called after the layer's forward.
-    fn reduce_counts(&mut self, _layer: usize, _counts: &mut [usize]) {}
+    fn reduce_counts(&mut self, _layer: usize, _counts: &mut [usize]) -> Result<()> {
+        Ok(())
+    }
     /// Sum the per-expert router probability sums of every MoE layer (`[moe layers, E]` f64,
     /// a device tensor) over the slices of the global batch, in place. Called once, at the
     /// step's end, before the step reads them for the auxiliary loss's value.
-    fn reduce_psum(&mut self, _be: &dyn Backend, _psum: ViewMut) {}
+    fn reduce_psum(&mut self, _be: &dyn Backend, _psum: ViewMut) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Where a step adds its gradients. A block's gradient entries are written only between
 /// `begin_block` and `end_block` (FSDP reduce-scatters them in `end_block`); the final norm's
 /// and LM head's before `end_head` (the head's backward, the step's first); the embedding's
 /// after `begin_embedding` (its backward, the step's last). FSDP reduce-scatters the head's
-/// gradients at `end_head` and reuses their memory for the embedding's.
+/// gradients at `end_head` and reuses their memory for the embedding's. Errors as
+/// [`ParamSource`]'s.
 pub trait GradSink {
     fn grads(&mut self) -> &mut ParamStore;
-    fn begin_block(&mut self, _be: &dyn Backend, _l: usize) {}
-    fn end_block(&mut self, _be: &dyn Backend, _l: usize) {}
-    fn end_head(&mut self, _be: &dyn Backend) {}
-    fn begin_embedding(&mut self, _be: &dyn Backend) {}
+    fn begin_block(&mut self, _be: &dyn Backend, _l: usize) -> Result<()> {
+        Ok(())
+    }
+    fn end_block(&mut self, _be: &dyn Backend, _l: usize) -> Result<()> {
+        Ok(())
+    }
+    fn end_head(&mut self, _be: &dyn Backend) -> Result<()> {
+        Ok(())
+    }
+    fn begin_embedding(&mut self, _be: &dyn Backend) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Every parameter resident: one process, no sharding.
@@ -166,7 +190,7 @@ fn forward(
         doc_starts,
     }: Tokens,
     backward: bool,
-) -> Vec<LayerStats> {
+) -> Result<Vec<LayerStats>> {
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = batch * seq;
@@ -222,7 +246,7 @@ fn forward(
         };
         res.before_write(be, l + 1);
         let (x, y) = res.pair(be, l, &mut head.xf);
-        src.acquire_block(be, l, Pass::Forward);
+        src.acquire_block(be, l, Pass::Forward)?;
         let cx = Ctx {
             be,
             model,
@@ -232,8 +256,8 @@ fn forward(
             docs: doc_starts.and(head.docs.as_ref()).map(|d| d.view()),
         };
         let psum = psum_slot(cfg, route, l);
-        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex));
-        src.release_block(be, l, Pass::Forward);
+        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex))?;
+        src.release_block(be, l, Pass::Forward)?;
         res.store(be, l + 1, &head.xf);
         if backward {
             res.after_write(be, l + 1);
@@ -248,11 +272,11 @@ fn forward(
                 layer: l,
                 counts: m.r.layer_counts(),
             };
-            src.reduce_counts(l, &mut s.counts);
+            src.reduce_counts(l, &mut s.counts)?;
             stats.push(s);
         }
     }
-    src.acquire_head(be);
+    src.acquire_head(be)?;
     let params = src.params();
     let eps = cfg.norm_eps as f32;
     // The last boundary is stored like the others: the head reads it widened, in forward and
@@ -270,7 +294,7 @@ fn forward(
         let (logits, targets) = (head.logits.slice(0, rows * v), head.targets.slice(r0, rows));
         be.cross_entropy_forward(lse, logits, targets, v, head.loss.view_mut());
     }
-    stats
+    Ok(stats)
 }
 
 /// `(first row, rows)` of each chunk of `n` rows, `rows` at a time.
@@ -319,10 +343,10 @@ fn summarise(
     ws: &mut Workspace,
     n: usize,
     stats: &[LayerStats],
-) -> StepOutput {
+) -> Result<StepOutput> {
     let psum = match ws.route.as_mut() {
         Some(r) => {
-            src.reduce_psum(be, r.psum.view_mut());
+            src.reduce_psum(be, r.psum.view_mut())?;
             be.download_f64(r.psum.view())
         }
         None => vec![],
@@ -349,7 +373,7 @@ fn summarise(
                 .collect(),
         );
     }
-    StepOutput {
+    Ok(StepOutput {
         loss: loss_sum / nf,
         aux_loss: if stats.is_empty() {
             0.0
@@ -358,11 +382,12 @@ fn summarise(
         },
         tokens: n,
         expert_load: loads,
-    }
+    })
 }
 
 /// Forward + backward on one batch; ADDS grad_scale * d(loss_total)/dθ into `grads` (caller
-/// zeroes), where loss_total = mean cross-entropy + aux_loss_coef · aux.
+/// zeroes), where loss_total = mean cross-entropy + aux_loss_coef · aux. Nothing here
+/// communicates, so there is no error to return.
 pub fn forward_backward(
     be: &dyn Backend,
     model: &Model,
@@ -377,13 +402,22 @@ pub fn forward_backward(
         grads,
         experts: &mut LocalExperts,
     };
-    forward_backward_with(be, model, hooks, ws, tokens, grad_scale)
+    local(forward_backward_with(
+        be, model, hooks, ws, tokens, grad_scale,
+    ))
+}
+
+/// The result of a pass through the single-process hooks ([`LocalParams`], a [`ParamStore`],
+/// [`LocalExperts`]), none of which can fail.
+pub(crate) fn local<T>(r: Result<T>) -> T {
+    r.unwrap_or_else(|e| unreachable!("a single-process hook failed: {e:#}"))
 }
 
 /// [`forward_backward`] with parameters, gradients and routed experts through `hooks`, which
 /// hear of each block before and after it runs. With a global batch split over ranks
 /// (`params.global_tokens(n) > n`), the loss and gradients are this slice's share of the global
-/// batch's: summed over the slices they equal one process's on the whole batch.
+/// batch's: summed over the slices they equal one process's on the whole batch. A hook's error
+/// (a failed collective) ends the pass and is returned as it is.
 pub fn forward_backward_with(
     be: &dyn Backend,
     model: &Model,
@@ -391,14 +425,14 @@ pub fn forward_backward_with(
     ws: &mut Workspace,
     tokens: Tokens,
     grad_scale: f32,
-) -> StepOutput {
+) -> Result<StepOutput> {
     let Hooks {
         params: src,
         grads: sink,
         experts: ex,
     } = hooks;
     check_batch(model, ws, tokens);
-    let stats = forward(be, model, src, ex, ws, tokens, true);
+    let stats = forward(be, model, src, ex, ws, tokens, true)?;
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -453,7 +487,7 @@ pub fn forward_backward_with(
     };
     let dw = grads.get_mut(model.norm).view_mut();
     be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
-    sink.end_head(be);
+    sink.end_head(be)?;
 
     // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
     let moe_layers = stats.len().max(1) as f64;
@@ -464,8 +498,8 @@ pub fn forward_backward_with(
         // Recompute and backward read it widened, as the forward did.
         res.before_backward(be, l);
         res.widen(be, l);
-        src.acquire_block(be, l, Pass::Backward);
-        sink.begin_block(be, l);
+        src.acquire_block(be, l, Pass::Backward)?;
+        sink.begin_block(be, l)?;
         let cx = Ctx {
             be,
             model,
@@ -479,7 +513,7 @@ pub fn forward_backward_with(
             AcMode::Full => {
                 let a = &mut blocks[0];
                 let psum = psum_slot(cfg, route, l);
-                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, psum, &mut *ex));
+                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, psum, &mut *ex))?;
                 a
             }
         };
@@ -502,11 +536,11 @@ pub fn forward_backward_with(
             dprob_const = Some(r.dprob.view());
         }
         let x = res.get(l);
-        block_backward(&cx, sink.grads(), a, g, x, dprob_const, (l, &mut *ex));
-        sink.end_block(be, l);
-        src.release_block(be, l, Pass::Backward);
+        block_backward(&cx, sink.grads(), a, g, x, dprob_const, (l, &mut *ex))?;
+        sink.end_block(be, l)?;
+        src.release_block(be, l, Pass::Backward)?;
     }
-    sink.begin_embedding(be);
+    sink.begin_embedding(be)?;
     let dwte = sink.grads().get_mut(model.embed).view_mut();
     // This slice's tokens (`n` counts the global batch's), laid out as `forward` wrote them.
     let ln = local_n;
@@ -521,7 +555,7 @@ pub fn forward_backward_with(
     summarise(be, model, src, ws, n, &stats)
 }
 
-/// Forward only (eval): the same losses, no gradients.
+/// Forward only (eval): the same losses, no gradients. Cannot fail, as [`forward_backward`].
 pub fn forward_loss(
     be: &dyn Backend,
     model: &Model,
@@ -530,10 +564,17 @@ pub fn forward_loss(
     tokens: Tokens,
 ) -> StepOutput {
     let src = &mut LocalParams(params);
-    forward_loss_with(be, model, src, &mut LocalExperts, ws, tokens)
+    local(forward_loss_with(
+        be,
+        model,
+        src,
+        &mut LocalExperts,
+        ws,
+        tokens,
+    ))
 }
 
-/// [`forward_loss`] with parameters from `src` (see [`forward_backward_with`]).
+/// [`forward_loss`] with parameters from `src` (see [`forward_backward_with`], errors too).
 pub fn forward_loss_with(
     be: &dyn Backend,
     model: &Model,
@@ -541,9 +582,9 @@ pub fn forward_loss_with(
     ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
     tokens: Tokens,
-) -> StepOutput {
+) -> Result<StepOutput> {
     check_batch(model, ws, tokens);
-    let stats = forward(be, model, src, ex, ws, tokens, false);
+    let stats = forward(be, model, src, ex, ws, tokens, false)?;
     let n = src.global_tokens(ws.batch * ws.seq);
     summarise(be, model, src, ws, n, &stats)
 }

@@ -427,7 +427,7 @@ impl RankState {
 
         // Forward and backward per microbatch, the gradients accumulated.
         self.zero_whole_grads();
-        let out = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer);
+        let out = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer)?;
 
         // Reduce: the loss, the gradient norm and the expert buffers' use, over all ranks.
         let t0 = Instant::now();
@@ -492,7 +492,7 @@ impl RankState {
         targets: &[u32],
         doc_starts: Option<&[u32]>,
         tracer: &Tracer,
-    ) -> StepOutput {
+    ) -> Result<StepOutput> {
         let world = self.mesh.world.size();
         let seq = self.cfg.model.seq_len;
         let micro = self.cfg.training.micro_batch(world);
@@ -511,10 +511,10 @@ impl RankState {
                 targets: &targets[rows.clone()],
                 doc_starts: doc_starts.map(|d| &d[rows]),
             };
-            let one = self.forward_backward(tokens, global, (m, k), tracer);
+            let one = self.forward_backward(tokens, global, (m, k), tracer)?;
             accumulate_output(&mut out, one, k);
         }
-        out
+        Ok(out)
     }
 
     /// The sum of squares of this rank's share of the trainable gradients, toward the global
@@ -574,7 +574,7 @@ impl RankState {
         global: usize,
         (m, k): (usize, usize),
         tracer: &Tracer,
-    ) -> StepOutput {
+    ) -> Result<StepOutput> {
         let be: &dyn Backend = self.be.as_ref();
         let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
         let scale = 1.0 / k as f32;
@@ -610,16 +610,16 @@ impl RankState {
                 forward_backward_with(be, model, hooks, ws, tokens, scale)
             }
             Shards::Fsdp { params, grads, .. } => {
-                params.begin(be, true, global);
-                grads.begin(be, m > 0);
+                params.begin(be, true, global)?;
+                grads.begin(be, m > 0)?;
                 let hooks = Hooks {
                     params,
                     grads,
                     experts: ex,
                 };
-                let one = forward_backward_with(be, model, hooks, ws, tokens, scale);
-                grads.finish(be, m + 1 == k);
-                one
+                let one = forward_backward_with(be, model, hooks, ws, tokens, scale)?;
+                grads.finish(be, m + 1 == k)?;
+                Ok(one)
             }
         }
     }
@@ -674,13 +674,15 @@ impl RankState {
                         params,
                         compute: Some(c),
                         ..
-                    } => forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens).loss,
+                    } => {
+                        forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens)?.loss
+                    }
                     Shards::Whole { params, .. } => {
-                        forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens).loss
+                        forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens)?.loss
                     }
                     Shards::Fsdp { params, .. } => {
-                        params.begin(be, false, w * micro * seq);
-                        forward_loss_with(be, model, params, ex, ws, tokens).loss
+                        params.begin(be, false, w * micro * seq)?;
+                        forward_loss_with(be, model, params, ex, ws, tokens)?.loss
                     }
                 } / k as f64;
             }
@@ -720,13 +722,14 @@ impl ParamSource for TracedBlocks<'_> {
     fn params(&self) -> &ParamStore {
         self.inner.params()
     }
-    fn acquire_head(&mut self, be: &dyn Backend) {
-        self.inner.acquire_head(be);
+    fn acquire_head(&mut self, be: &dyn Backend) -> Result<()> {
+        self.inner.acquire_head(be)
     }
-    fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) {
+    fn acquire_block(&mut self, _be: &dyn Backend, _l: usize, _pass: Pass) -> Result<()> {
         self.started = self.tracer.enabled().then(Instant::now);
+        Ok(())
     }
-    fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) {
+    fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) -> Result<()> {
         if let Some(t0) = self.started.take() {
             let name = match pass {
                 Pass::Forward => format!("block {l} forward"),
@@ -735,6 +738,7 @@ impl ParamSource for TracedBlocks<'_> {
             self.tracer
                 .record(name, Track::Compute, t0, Instant::now(), None);
         }
+        Ok(())
     }
 }
 

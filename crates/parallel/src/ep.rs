@@ -21,6 +21,7 @@
 //! capacity (they read the routed rows only) so that a backend's bf16 cast scratch, sized by
 //! the views, is fixed with it.
 
+use anyhow::{Context, Result};
 use ganymede_core::{Backend, Category, DType, ParamStore, Tensor, View, ViewMut};
 use ganymede_dist::{Phase, ProcessGroup};
 use ganymede_model::{
@@ -145,10 +146,6 @@ pub struct EpExperts {
     scratch: Scratch,
 }
 
-fn fail(what: &str, e: impl std::fmt::Display) -> ! {
-    panic!("{what}: {e}")
-}
-
 /// Counts of local experts and their offsets in expert-major order.
 fn local_layout(recv: &[Vec<usize>]) -> (Vec<usize>, Vec<usize>) {
     let el = recv.first().map_or(0, |r| r.len());
@@ -214,15 +211,15 @@ fn a2a(
     recv_rows: &[usize],
     w: usize,
     phase: Phase,
-) {
+) -> Result<()> {
     let sc: Vec<usize> = send_rows.iter().map(|r| r * w).collect();
     let rc: Vec<usize> = recv_rows.iter().map(|r| r * w).collect();
     ep.alltoallv(send, &sc, recv, &rc, phase)
-        .unwrap_or_else(|e| fail("expert all-to-all", e));
+        .context("expert all-to-all")
 }
 
 impl ExpertExecutor for EpExperts {
-    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) {
+    fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) -> Result<()> {
         let (ep, h, f) = (self.ep.size(), io.h, io.f);
         let e = io.counts.len();
         let el = e / ep;
@@ -239,7 +236,7 @@ impl ExpertExecutor for EpExperts {
                 &per,
                 Phase::A2aDispatch,
             )
-            .unwrap_or_else(|err| fail("exchanging expert counts", err));
+            .context("exchanging expert counts")?;
         let recv: Vec<Vec<usize>> = cnt_recv
             .chunks(el)
             .map(|c| c.iter().map(|&x| x as usize).collect())
@@ -286,7 +283,7 @@ impl ExpertExecutor for EpExperts {
             &recv_rows,
             h,
             Phase::A2aDispatch,
-        );
+        )?;
         k.xe.at_least_of(be, xc, rows_dt);
         be.moe_gather(k.xe.view_mut(xn), inbound.view(xn), k.to_em.view(rows), h);
         // Gate and up in the block's dtype for them: bf16 where the GEMMs write bf16 outputs.
@@ -329,7 +326,7 @@ impl ExpertExecutor for EpExperts {
                 a: a.view_mut(fc),
                 ye: out_y.view_mut(xc),
             },
-        );
+        )?;
         be.moe_gather(out_wire.view_mut(xn), out_y.view(xn), k.to_sm.view(rows), h);
         a2a(
             ep_g,
@@ -339,7 +336,7 @@ impl ExpertExecutor for EpExperts {
             &send_rows,
             h,
             Phase::A2aCombine,
-        );
+        )?;
         self.saved.insert(
             io.layer,
             Saved {
@@ -349,6 +346,7 @@ impl ExpertExecutor for EpExperts {
                 bufs: k,
             },
         );
+        Ok(())
     }
 
     fn take_use(&mut self) -> Option<RowBufferUse> {
@@ -369,7 +367,7 @@ impl ExpertExecutor for EpExperts {
         io: &ExpertsIo,
         grads: &mut ParamStore,
         b: ExpertsBwdBufs,
-    ) {
+    ) -> Result<()> {
         let (h, f) = (io.h, io.f);
         let s = self
             .saved
@@ -407,7 +405,7 @@ impl ExpertExecutor for EpExperts {
             &recv_rows,
             h,
             Phase::A2aCombine,
-        );
+        )?;
         be.moe_gather(
             dy.view_mut(xn),
             inbound.view(xn),
@@ -441,7 +439,7 @@ impl ExpertExecutor for EpExperts {
                 du: du.view_mut(fc),
                 dxe: dxe.view_mut(xc),
             },
-        );
+        )?;
         // Input gradients travel back (the dispatch's backward).
         be.moe_gather(wire.view_mut(xn), dxe.view(xn), s.bufs.to_sm.view(rows), h);
         a2a(
@@ -452,8 +450,9 @@ impl ExpertExecutor for EpExperts {
             &s.send_rows,
             h,
             Phase::A2aDispatch,
-        );
+        )?;
         self.free.push(s.bufs);
+        Ok(())
     }
 }
 

@@ -36,15 +36,18 @@
 //!   replica holds the global batch's gradient shards; the routing statistics (expert counts,
 //!   the auxiliary loss's sums) are summed over all ranks, as each holds its own slice of the batch.
 //!
-//! Collective failures (a peer that died or stalled) panic with the backend's message: the
-//! model's hooks cannot return errors, and the threads driver turns a panic into a poisoned
-//! world, so every rank stops with that message.
+//! Collective failures (a peer that died or stalled) come back from the hooks as errors naming
+//! what was being done (`gathering block 3's parameters: …`) with the backend's message, which
+//! names the collective, the group and the rank; the step returns them. A step that failed
+//! midway leaves gathers and reduce-scatters posted: the owner drops this state (dropping waits
+//! for them) rather than step again.
 
 use crate::layout::Layout;
+use anyhow::{Context, Result};
 use ganymede_config::GatherDtype;
 use ganymede_core::{Backend, Category, DType, ParamStore, Stream, Tensor, ViewMut};
 use ganymede_dist::placement::ShardGroup;
-use ganymede_dist::{DeviceMesh, Phase, ProcessGroup, Track, Work};
+use ganymede_dist::{CommError, DeviceMesh, Phase, ProcessGroup, Track, Work};
 use ganymede_model::{GradSink, ParamSource, Pass};
 use std::sync::Arc;
 use std::time::Instant;
@@ -63,13 +66,27 @@ unsafe fn extend_to_static_mut<X>(x: &mut X) -> &'static mut X {
     &mut *(x as *mut X)
 }
 
+/// Wait for each of `works` in order, calling `then` with its item once it is done. At the first
+/// error, walk away from the rest without waiting (a peer that failed one will not join the
+/// others, and each wait would run to the timeout) and return it.
+fn wait_each<'a, T>(
+    works: impl IntoIterator<Item = (Work<'a>, T)>,
+    mut then: impl FnMut(T),
+) -> std::result::Result<(), CommError> {
+    let mut works = works.into_iter();
+    while let Some((w, item)) = works.next() {
+        if let Err(e) = w.wait() {
+            works.for_each(|(w, _)| w.abandon());
+            return Err(e);
+        }
+        then(item);
+    }
+    Ok(())
+}
+
 /// A bf16 staging tensor (send or receive side of a bf16 gather), in the backend's memory.
 fn bf16(be: &dyn Backend, n: usize) -> Tensor {
     be.zeros_of(&[n], DType::BF16, Category::Buffers)
-}
-
-fn fail(what: &str, e: impl std::fmt::Display) -> ! {
-    panic!("{what}: {e}")
 }
 
 /// Groups by [`ShardGroup`], plus the ones HSDP adds.
@@ -317,7 +334,7 @@ impl FsdpParams {
 
     /// Start a step (`train`: forward and backward; else forward only) over a global batch of
     /// `global_tokens` tokens: gathers the root unit and posts the first blocks' gathers.
-    pub fn begin(&mut self, be: &dyn Backend, train: bool, global_tokens: usize) {
+    pub fn begin(&mut self, be: &dyn Backend, train: bool, global_tokens: usize) -> Result<()> {
         assert!(
             self.pos == self.schedule.len(),
             "previous step left blocks in use"
@@ -343,13 +360,13 @@ impl FsdpParams {
             if self.share.is_some_and(|(_, h)| h == self.layout.root[k]) {
                 continue;
             }
-            self.gather_root(be, k);
+            self.gather_root(be, k)?;
         }
-        self.post_until(be, self.prefetch);
+        self.post_until(be, self.prefetch)
     }
 
     /// Gather the root unit's `k`-th parameter into the store, in the same dtype as the blocks.
-    fn gather_root(&mut self, be: &dyn Backend, k: usize) {
+    fn gather_root(&mut self, be: &dyn Backend, k: usize) -> Result<()> {
         let i = self.layout.root[k];
         let g = self.groups.get(self.layout.group[i]).clone();
         let (n, s) = (self.layout.numel(i), self.layout.shard[i]);
@@ -371,11 +388,12 @@ impl FsdpParams {
             false => self.root_recv.slice_mut(0, padded),
         };
         g.all_gather(send, recv, Phase::ForwardGather)
-            .unwrap_or_else(|e| fail("gathering the root parameters", e));
+            .context("gathering the root parameters")?;
         if !direct {
             // Widened (an f32 parameter gathered in bf16) or rounded (a bf16 weight in f32).
             be.cast(self.store.get_mut(i).view_mut(), self.root_recv.slice(0, n));
         }
+        Ok(())
     }
 
     /// [`direct`] for parameter `i`.
@@ -384,14 +402,15 @@ impl FsdpParams {
     }
 
     /// Post gathers for schedule items up to `last` (inclusive).
-    fn post_until(&mut self, be: &dyn Backend, last: usize) {
+    fn post_until(&mut self, be: &dyn Backend, last: usize) -> Result<()> {
         while self.posted <= last && self.posted < self.schedule.len() {
-            self.post(be, self.posted);
+            self.post(be, self.posted)?;
             self.posted += 1;
         }
+        Ok(())
     }
 
-    fn post(&mut self, be: &dyn Backend, item: usize) {
+    fn post(&mut self, be: &dyn Backend, item: usize) -> Result<()> {
         let (b, pass) = self.schedule[item];
         let phase = match pass {
             Pass::Forward => Phase::ForwardGather,
@@ -470,9 +489,9 @@ impl FsdpParams {
             // gather is waited on (`acquire_block`).
             let (send, recv) = unsafe { (extend_to_static(send), extend_to_static_mut(recv)) };
             let w = g.iall_gather(send.view(), recv.padded_view_mut(), phase);
-            slot.work
-                .push(w.unwrap_or_else(|e| fail("posting a parameter gather", e)));
+            slot.work.push(w.context("posting a parameter gather")?);
         }
+        Ok(())
     }
 
     /// Whether a posted gather may still read the master shards or write a slot.
@@ -501,21 +520,33 @@ impl FsdpParams {
     }
 }
 
+/// Gathers still posted when the state goes are those of a step that failed midway (a step
+/// waits for all of its own): walk away from them, as unwinding would, rather than wait for
+/// peers that may never join.
+impl Drop for FsdpParams {
+    fn drop(&mut self) {
+        for s in &mut self.slots {
+            s.work.drain(..).for_each(Work::abandon);
+        }
+    }
+}
+
 impl ParamSource for FsdpParams {
     fn params(&self) -> &ParamStore {
         &self.store
     }
 
-    fn acquire_head(&mut self, be: &dyn Backend) {
+    fn acquire_head(&mut self, be: &dyn Backend) -> Result<()> {
         if let Some((e, h)) = self.share {
             // The embedding's lookup is done: its tensor takes the LM head.
             self.store.tensors_mut().swap(e, h);
             let k = self.layout.root.iter().position(|&r| r == h).unwrap();
-            self.gather_root(be, k);
+            self.gather_root(be, k)?;
         }
+        Ok(())
     }
 
-    fn acquire_block(&mut self, be: &dyn Backend, l: usize, pass: Pass) {
+    fn acquire_block(&mut self, be: &dyn Backend, l: usize, pass: Pass) -> Result<()> {
         let item = self.pos;
         assert_eq!(
             self.schedule.get(item),
@@ -524,15 +555,13 @@ impl ParamSource for FsdpParams {
         );
         // Keep `prefetch` blocks in flight beyond this one.
         // Posting allocates only when a block of new shapes takes a slot.
-        self.post_until(be, item + self.prefetch);
+        self.post_until(be, item + self.prefetch)?;
         let nslots = self.slots.len();
         let slot = &mut self.slots[item % nslots];
         debug_assert_eq!(slot.block, Some(l));
         // The backend traces each gather (posted to done) and the time blocked here.
-        for w in slot.work.drain(..) {
-            w.wait()
-                .unwrap_or_else(|e| fail(&format!("gathering block {l}'s parameters"), e));
-        }
+        wait_each(slot.work.drain(..).map(|w| (w, ())), |()| {})
+            .with_context(|| format!("gathering block {l}'s parameters"))?;
         let idx = &self.layout.blocks[l];
         for (k, &i) in idx.iter().enumerate() {
             let n = self.layout.numel(i);
@@ -546,9 +575,10 @@ impl ParamSource for FsdpParams {
             std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
         }
         self.started = Some(Instant::now());
+        Ok(())
     }
 
-    fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) {
+    fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) -> Result<()> {
         let item = self.pos;
         let nslots = self.slots.len();
         let slot = &mut self.slots[item % nslots];
@@ -567,31 +597,33 @@ impl ParamSource for FsdpParams {
                 .record(name, Track::Compute, t0, Instant::now(), None);
         }
         self.pos += 1;
+        Ok(())
     }
 
     fn global_tokens(&self, _local: usize) -> usize {
         self.global_tokens
     }
 
-    fn reduce_counts(&mut self, _layer: usize, counts: &mut [usize]) {
+    fn reduce_counts(&mut self, _layer: usize, counts: &mut [usize]) -> Result<()> {
         // Every rank routes its own tokens; the auxiliary loss is the global batch's. Counts are
         // integers, exact in f64; the host holds them already (they size the expert GEMMs).
         let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
         self.groups
             .world
             .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
-            .unwrap_or_else(|e| fail("summing expert counts", e));
+            .context("summing expert counts")?;
         for (c, &x) in counts.iter_mut().zip(&buf) {
             *c = x as usize;
         }
+        Ok(())
     }
 
-    fn reduce_psum(&mut self, _be: &dyn Backend, psum: ViewMut) {
+    fn reduce_psum(&mut self, _be: &dyn Backend, psum: ViewMut) -> Result<()> {
         // On the device tensor itself, so the step reads it once, summed.
         self.groups
             .world
             .all_reduce(psum, Phase::Other)
-            .unwrap_or_else(|e| fail("summing routing statistics", e));
+            .context("summing routing statistics")
     }
 }
 
@@ -607,7 +639,7 @@ unsafe fn post_reduce_scatter(
     i: usize,
     send: &Tensor,
     shard: &mut Tensor,
-) -> Work<'static> {
+) -> Result<Work<'static>> {
     let g: &'static dyn ProcessGroup = extend_to_static(groups.get(layout.group[i]).as_ref());
     let (send, recv) = (extend_to_static(send), extend_to_static_mut(shard));
     g.ireduce_scatter(
@@ -615,7 +647,7 @@ unsafe fn post_reduce_scatter(
         recv.view_mut(),
         Phase::GradReduceScatter,
     )
-    .unwrap_or_else(|e| fail("posting a gradient reduce-scatter", e))
+    .context("posting a gradient reduce-scatter")
 }
 
 /// Where an accumulating reduce-scatter lands before it is added into its shard.
@@ -739,10 +771,10 @@ impl FsdpGrads {
     /// Zero the resident root gradients (start of a microbatch); a shared tensor goes back to
     /// the LM head. `accumulate`: this microbatch's gradients are added to the shards (every
     /// microbatch of a step after the first); else they replace them.
-    pub fn begin(&mut self, be: &dyn Backend, accumulate: bool) {
+    pub fn begin(&mut self, be: &dyn Backend, accumulate: bool) -> Result<()> {
         // A step that ended early (an error between `end_head` and `finish`) left its head's
         // reduce-scatters: done before the tensors are zeroed.
-        self.wait_head(be);
+        self.wait_head(be)?;
         self.accumulate = accumulate;
         if accumulate && self.landing_root.is_empty() {
             let root = &self.layout.root;
@@ -762,6 +794,7 @@ impl FsdpGrads {
         for &i in &self.layout.root {
             be.fill(self.store.get_mut(i).view_mut(), 0.0);
         }
+        Ok(())
     }
 
     /// Whether root parameter `i` is the embedding (reduce-scattered at the step's end; the
@@ -771,9 +804,9 @@ impl FsdpGrads {
     }
 
     /// Wait for the head's reduce-scatters.
-    fn wait_head(&mut self, be: &dyn Backend) {
+    fn wait_head(&mut self, be: &dyn Backend) -> Result<()> {
         let works: Vec<_> = self.head_pending.drain(..).collect();
-        self.settle(be, works, "reduce-scattering the head's gradients");
+        self.settle(be, works, "reduce-scattering the head's gradients")
     }
 
     /// Wait for `works` (reduce-scatters of the parameters they name); when accumulating, add
@@ -783,11 +816,9 @@ impl FsdpGrads {
         be: &dyn Backend,
         works: Vec<(Work<'static>, usize, Landing)>,
         what: &str,
-    ) {
-        for (w, i, at) in works {
-            w.wait().unwrap_or_else(|e| fail(what, e));
-            self.add_landed(be, i, at);
-        }
+    ) -> Result<()> {
+        let works = works.into_iter().map(|(w, i, at)| (w, (i, at)));
+        wait_each(works, |(i, at)| self.add_landed(be, i, at)).with_context(|| what.to_string())
     }
 
     /// Add parameter `i`'s landed shard into its shard (nothing for one that landed there).
@@ -803,7 +834,12 @@ impl FsdpGrads {
     /// Post parameter `i`'s reduce-scatter from `send` to where `at` lands it.
     ///
     /// SAFETY: as [`post_reduce_scatter`]'s.
-    unsafe fn post(&mut self, i: usize, send: &'static Tensor, at: Landing) -> Work<'static> {
+    unsafe fn post(
+        &mut self,
+        i: usize,
+        send: &'static Tensor,
+        at: Landing,
+    ) -> Result<Work<'static>> {
         let recv = landing_tensor(
             at,
             i,
@@ -823,18 +859,19 @@ impl FsdpGrads {
     }
 
     /// Wait for every block reduce-scatter in flight.
-    fn wait_blocks(&mut self, be: &dyn Backend) {
+    fn wait_blocks(&mut self, be: &dyn Backend) -> Result<()> {
         for t in 0..self.pending.len() {
             let works: Vec<_> = self.pending[t].drain(..).collect();
-            self.settle(be, works, "reduce-scattering block gradients");
+            self.settle(be, works, "reduce-scattering block gradients")?;
         }
+        Ok(())
     }
 
     /// Reduce-scatter the root gradients not yet sent and wait for every reduce-scatter (the
     /// end of a microbatch); at the step's `last`, (HSDP) sum the shards across replicas: the
     /// shards then hold the global batch's gradients.
-    pub fn finish(&mut self, be: &dyn Backend, last: bool) {
-        self.wait_head(be);
+    pub fn finish(&mut self, be: &dyn Backend, last: bool) -> Result<()> {
+        self.wait_head(be)?;
         let head_sent = std::mem::take(&mut self.head_sent);
         for &i in self.layout.root.clone().iter() {
             if head_sent && !self.is_embedding(i) {
@@ -851,30 +888,27 @@ impl FsdpGrads {
                 &mut self.landing_root,
             );
             g.reduce_scatter(send, recv.view_mut(), Phase::GradReduceScatter)
-                .unwrap_or_else(|e| fail("reduce-scattering root gradients", e));
+                .context("reduce-scattering root gradients")?;
             self.add_landed(be, i, at);
         }
-        self.wait_blocks(be);
+        self.wait_blocks(be)?;
         if !last {
-            return;
+            return Ok(());
         }
         if let Some(rep) = &self.groups.replicate {
             // Each replica's shards are its slices' share of the global mean (the loss is
             // normalised by the global batch's tokens), so the sum is the global gradient. All
             // posted at once so they travel together; padded tails are zero on every replica.
-            let works: Vec<Work<'_>> = self
+            let works = self
                 .shards
                 .iter_mut()
-                .map(|t| {
-                    rep.iall_reduce(t.view_mut(), Phase::GradReplicaAllReduce)
-                        .unwrap_or_else(|e| {
-                            fail("posting a gradient all-reduce across replicas", e)
-                        })
-                })
-                .collect();
-            ganymede_dist::wait_all(works)
-                .unwrap_or_else(|e| fail("all-reducing gradients across replicas", e));
+                .map(|t| rep.iall_reduce(t.view_mut(), Phase::GradReplicaAllReduce))
+                .collect::<Result<Vec<Work<'_>>, _>>()
+                .context("posting a gradient all-reduce across replicas")?;
+            wait_each(works.into_iter().map(|w| (w, ())), |()| {})
+                .context("all-reducing gradients across replicas")?;
         }
+        Ok(())
     }
 
     fn in_flight(&self) -> bool {
@@ -900,7 +934,7 @@ impl FsdpGrads {
         &mut self.shards
     }
 
-    fn shape_for(&mut self, be: &dyn Backend, l: usize) {
+    fn shape_for(&mut self, be: &dyn Backend, l: usize) -> Result<()> {
         let idx = &self.layout.blocks[l];
         let fits = self.pool[0].len() == idx.len()
             && idx
@@ -908,10 +942,10 @@ impl FsdpGrads {
                 .zip(&self.pool[0])
                 .all(|(&i, t)| t.shape() == self.layout.local_shape[i].as_slice());
         if fits {
-            return;
+            return Ok(());
         }
         let idx = idx.clone();
-        self.wait_blocks(be);
+        self.wait_blocks(be)?;
         // Drop the old sets first, so the ledger's peak does not count both; landing shards
         // are made again for the new shapes when a microbatch accumulates.
         let sets = self.pool.len();
@@ -923,6 +957,16 @@ impl FsdpGrads {
                 .map(|&i| padded_grad(be, &self.layout, &self.groups, i))
                 .collect();
         }
+        Ok(())
+    }
+}
+
+/// As for [`FsdpParams`]: reduce-scatters still posted belong to a failed step.
+impl Drop for FsdpGrads {
+    fn drop(&mut self) {
+        let head = self.head_pending.drain(..);
+        let blocks = self.pending.iter_mut().flat_map(|p| p.drain(..));
+        head.chain(blocks).for_each(|(w, ..)| w.abandon());
     }
 }
 
@@ -931,14 +975,14 @@ impl GradSink for FsdpGrads {
         &mut self.store
     }
 
-    fn begin_block(&mut self, be: &dyn Backend, l: usize) {
-        self.shape_for(be, l);
+    fn begin_block(&mut self, be: &dyn Backend, l: usize) -> Result<()> {
+        self.shape_for(be, l)?;
         self.pool_block = Some(l);
         let t = self.turn;
         // The set about to be written: its reduce-scatters (the block that last took it) must
         // be done.
         let works: Vec<_> = self.pending[t].drain(..).collect();
-        self.settle(be, works, "reduce-scattering block gradients");
+        self.settle(be, works, "reduce-scattering block gradients")?;
         // This block's landing shards in set t, made (again) where their sizes differ: shards
         // can differ between blocks of one shape where ownership does.
         let (shard, idx) = (&self.layout.shard, &self.layout.blocks[l]);
@@ -954,9 +998,10 @@ impl GradSink for FsdpGrads {
             be.fill(self.pool[t][k].view_mut(), 0.0);
             std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
         }
+        Ok(())
     }
 
-    fn end_head(&mut self, _be: &dyn Backend) {
+    fn end_head(&mut self, _be: &dyn Backend) -> Result<()> {
         for i in self.layout.root.clone() {
             if self.is_embedding(i) {
                 continue;
@@ -966,23 +1011,25 @@ impl GradSink for FsdpGrads {
             // (`begin_embedding` or `finish`), nor its target read.
             let w = unsafe {
                 let send = extend_to_static(self.store.get(i));
-                self.post(i, send, at)
+                self.post(i, send, at)?
             };
             self.head_pending.push((w, i, at));
         }
         self.head_sent = true;
+        Ok(())
     }
 
-    fn begin_embedding(&mut self, be: &dyn Backend) {
+    fn begin_embedding(&mut self, be: &dyn Backend) -> Result<()> {
         if let Some((e, h)) = self.share {
             // The LM head's reduce-scatter reads the tensor: done before the embedding writes it.
-            self.wait_head(be);
+            self.wait_head(be)?;
             self.store.tensors_mut().swap(e, h);
             be.fill(self.store.get_mut(e).view_mut(), 0.0);
         }
+        Ok(())
     }
 
-    fn end_block(&mut self, _be: &dyn Backend, l: usize) {
+    fn end_block(&mut self, _be: &dyn Backend, l: usize) -> Result<()> {
         let t = self.turn;
         self.turn = (t + 1) % self.pool.len();
         let idx = self.layout.blocks[l].clone();
@@ -997,10 +1044,11 @@ impl GradSink for FsdpGrads {
             // target read.
             let w = unsafe {
                 let send = extend_to_static(&self.pool[t][k]);
-                self.post(i, send, at)
+                self.post(i, send, at)?
             };
             self.pending[t].push((w, i, at));
         }
         self.pool_block = None;
+        Ok(())
     }
 }

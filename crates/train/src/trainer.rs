@@ -463,8 +463,9 @@ pub fn train_on(
         let world = ganymede_dist::threads_world(1, &tcfg)
             .pop()
             .expect("one rank");
-        // A panic below (an allocation past `device.memory_gib`, say) ends the run with its
-        // message as an error, as it does on several ranks.
+        // Failed collectives come back as errors; this catches a panic (an allocation past
+        // `device.memory_gib`, which the backend cannot return, or a bug) so that it ends the
+        // run with its message as an error, as it does on several ranks.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             rank_loop(Arc::new(world), backends()?, &run, true)
         }));
@@ -662,8 +663,10 @@ fn run_ranks_as_threads(
             .spawn(move || {
                 let rank = g.rank();
                 let world: Arc<dyn ProcessGroup> = Arc::new(g);
-                // A panic drops the world handle while unwinding, which poisons the world, so
-                // every other rank's collective fails at once naming this rank.
+                // Failed collectives come back as errors; this catches a panic (an allocation
+                // past the device's capacity, an injected fault, a bug), which drops the world
+                // handle while unwinding and so poisons the world: every other rank's collective
+                // fails at once naming this rank, and the panic is reported as the root cause.
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     rank_loop(world, backends()?, &shared, rank == 0)
                 }));
@@ -1158,6 +1161,8 @@ fn process_loop(
     run: &Run,
 ) -> std::result::Result<RankOut, String> {
     let rank = world.rank();
+    // Failed collectives come back as errors; a panic (an allocation the backend cannot
+    // return, a bug) is caught too, so the launch still ends the whole job naming this rank.
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         rank_loop(world, be()?, run, rank == 0)
     }));
