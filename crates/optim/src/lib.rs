@@ -22,6 +22,7 @@ mod offload;
 mod optimizer;
 mod schedule;
 mod state;
+mod update;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
@@ -32,4 +33,5 @@ pub use ns_timing::{ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
 pub use schedule::lr_at;
-pub use state::{indexed_state_mut, stream_states, ParamState, StepConsts};
+pub use state::{indexed_state_mut, stream_states, ParamState};
+pub use update::{Grad, MuonParam, StateView, Step};
