@@ -16,10 +16,51 @@ use ganymede_core::{Backend, Category, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Placement, Plan};
 use ganymede_optim::{
     indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_flops, stream_states,
-    update_rule, MuonParam, NsScratch, ParamState, SkipWait, Staging, StateView, Step, UpdateRule,
-    PAR_MATRIX_MAX_FLOPS,
+    update_rule, MuonParam, NsScratch, Optimizer, ParamState, SkipWait, Staging, StateView, Step,
+    UpdateRule, PAR_MATRIX_MAX_FLOPS,
 };
 use std::sync::Arc;
+
+/// What the rank's checkpoints need of its optimizer, whole-parameter or sharded.
+pub trait OptimizerState {
+    /// State tensors as `(parameter index, checkpoint suffix, tensor)`, in parameter order.
+    fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)>;
+    /// Block the host until host-resident state written back by the last step is complete.
+    fn synchronize_state(&self, be: &dyn Backend);
+    /// Steps taken so far (AdamW's bias correction uses it).
+    fn step_count(&self) -> u64;
+    fn set_step_count(&mut self, n: u64);
+}
+
+impl OptimizerState for Optimizer {
+    fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        self.state_indexed_mut()
+    }
+    fn synchronize_state(&self, be: &dyn Backend) {
+        Optimizer::synchronize_state(self, be)
+    }
+    fn step_count(&self) -> u64 {
+        Optimizer::step_count(self)
+    }
+    fn set_step_count(&mut self, n: u64) {
+        Optimizer::set_step_count(self, n)
+    }
+}
+
+impl OptimizerState for ShardedOptimizer {
+    fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        ShardedOptimizer::state_mut(self)
+    }
+    fn synchronize_state(&self, be: &dyn Backend) {
+        ShardedOptimizer::synchronize_state(self, be)
+    }
+    fn step_count(&self) -> u64 {
+        ShardedOptimizer::step_count(self)
+    }
+    fn set_step_count(&mut self, n: u64) {
+        ShardedOptimizer::set_step_count(self, n)
+    }
+}
 
 pub struct ShardedOptimizer {
     cfg: OptimizerConfig,
