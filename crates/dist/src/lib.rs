@@ -1,9 +1,11 @@
 //! Communication for sharded training (issue 4): process groups behind one interface
 //! ([`ProcessGroup`]) with a threads backend ([`threads`]) and an MPI backend (feature `mpi`),
 //! the (dp_shard × ep) [`DeviceMesh`], byte accounting per [`Phase`] ([`CommStats`]), per-rank
-//! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check) and
-//! the FlexShard [`placement`] policy with its optimizer byte formulas, and the [`rendezvous`]
-//! that launchers without MPI need (torchrun-style or Slurm variables, a TCP store on rank 0).
+//! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check), the
+//! Muon [`placement`] plan's format with its optimizer byte formulas and the exchange that
+//! carries a plan out ([`muon_comm`]; the FlexShard policy that makes plans is a layout
+//! decision, `ganymede_parallel::flexshard`), and the [`rendezvous`] that launchers without MPI
+//! need (torchrun-style or Slurm variables, a TCP store on rank 0).
 //!
 //! With the `nccl` feature, [`nccl`]: the NCCL group, one process per GPU. It is the one part of
 //! this crate that depends on a backend, `ganymede-cuda`: NCCL reads and writes the CUDA
@@ -36,7 +38,7 @@ pub use group::{wait_all, Pending, ProcessGroup, RankCtx, Work};
 pub use hash::{check_config_hash, config_hash, fnv1a64};
 pub use mesh::{DeviceMesh, MeshError, MeshShape};
 pub use muon_comm::{muon_exchange, root_buffers, NsJob};
-pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
+pub use placement::{optimizer_bytes, Placement, Plan, Policy};
 pub use stats::{CommSnapshot, CommStats, Op, Phase};
 pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};
 pub use trace::{write_chrome_trace, Tracer, Track};

@@ -18,20 +18,19 @@
 
 use crate::compute_copy::ComputeCopy;
 use crate::ep::EpExperts;
+use crate::flexshard::{plan, policy};
 use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
 use crate::layout::Layout;
 use crate::optim::{OptimizerState, ShardedOptimizer};
 use anyhow::{bail, Context, Result};
-use ganymede_config::{AcMode, DeviceKind, JobConfig, MuonPlacement};
+use ganymede_config::{AcMode, DeviceKind, JobConfig};
 use ganymede_core::{
     Backend, Category, CpuBackend, DType, Ledger, ParamStore, Stream, Tensor, TwoMemoryOptions,
     ViewMut,
 };
 use ganymede_data::Dataset;
-use ganymede_dist::placement::plan;
 use ganymede_dist::{
-    check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, Policy, ProcessGroup, Tracer,
-    Track,
+    check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, ProcessGroup, Tracer, Track,
 };
 use ganymede_model::{
     forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, Hooks,
@@ -167,14 +166,6 @@ pub fn check_finite(loss: f64, grad_norm: f64, step: usize, lr: f64) -> Result<(
         );
     }
     Ok(())
-}
-
-/// The placement policy a config asks for.
-pub fn policy(cfg: &JobConfig) -> Policy {
-    match cfg.parallelism.muon_placement {
-        MuonPlacement::Flexshard => Policy::FlexShard,
-        MuonPlacement::Naive => Policy::Naive,
-    }
 }
 
 /// Where this rank's parameters, gradients and optimizer state live.

@@ -10,10 +10,11 @@
 //! two device slots ([`Staging`]): AdamW's parameter with its moments, Muon's momentum before
 //! Newton–Schulz and its parameter after.
 
+use crate::flexshard::batch_counts;
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{Backend, Category, Tensor, ViewMut};
-use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Placement, Plan};
+use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{
     indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_flops, stream_states,
     update_rule, MuonParam, NsScratch, Optimizer, ParamState, SkipWait, Staging, StateView, Step,
@@ -350,21 +351,4 @@ fn run_ns(
     };
     let scratch = &mut scratch[..lanes];
     newton_schulz_batch(be, job.data, job.count, r, c, steps, bf16, scratch);
-}
-
-/// The matrix sets a rank may orthogonalise, as `(rows, cols, count)` per Muon parameter of
-/// `plan`: a routed stack's owned experts under FlexShard (`per_owner`, the most a rank owns),
-/// any other stack whole (its root's), a dense matrix alone. Every rank sizes its batched
-/// scratch by them alike; the planner counts the same (`ganymede_plan`'s sharded prediction).
-fn batch_counts(plan: &Plan) -> Vec<(usize, usize, usize)> {
-    plan.params
-        .iter()
-        .filter(|p| p.is_muon())
-        .filter_map(|p| match (p.placement, p.local_shape.as_slice()) {
-            (Placement::Expert { per_owner }, &[e, r, c]) => Some((r, c, per_owner.min(e))),
-            (_, &[e, r, c]) => Some((r, c, e)),
-            (_, &[r, c]) => Some((r, c, 1)),
-            _ => None,
-        })
-        .collect()
 }
