@@ -7,6 +7,10 @@
 //!   every matrix, embeddings and the LM head included; norm gains and other vectors get none.
 //!   Checkpoint state: `<param>.muon_momentum`, `<param>.adam_m`, `<param>.adam_v` and the step
 //!   count.
+//! - [`Step::update`]: the one update rule, one parameter at a time, that both [`Optimizer`]
+//!   (whole parameters) and the sharded optimizer (`ganymede_parallel::optim`) iterate, with
+//!   state resident or staged from host memory ([`StateView`]); each optimizer only chooses what
+//!   to iterate and how Muon's whole matrices meet for Newton–Schulz.
 //! - [`newton_schulz`]: the orthogonalisation alone, GEMMs on the backend.
 //! - [`lr_at`]: warmup then constant, cosine or warmup-stable-decay.
 //! - [`clip_grad_norm`]: global gradient-norm clipping.

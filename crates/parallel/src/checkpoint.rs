@@ -77,8 +77,8 @@ impl Shards {
     }
 
     /// This rank's parameter tensors (whole at world size 1, else its master shards), to load
-    /// into.
-    fn params_mut(&mut self) -> &mut [Tensor] {
+    /// into (a bf16 compute copy is cast again from them).
+    pub fn params_mut(&mut self) -> &mut [Tensor] {
         match self {
             Shards::Whole {
                 params, compute, ..

@@ -1,6 +1,7 @@
 //! The optimizer on shards. AdamW, Nesterov momentum and the decayed update are elementwise, so
-//! they run on each rank's shards with the same kernels as one process; only Newton–Schulz needs
-//! whole matrices, and [`ganymede_dist::muon_exchange`] brings them where the plan says
+//! they run on each rank's shards through the single-process optimizer's own update rule
+//! ([`ganymede_optim::Step::update`]); only Newton–Schulz needs whole matrices, and
+//! [`ganymede_dist::muon_exchange`] brings them where the plan ([`crate::flexshard`]) says
 //! (FlexShard: experts on their owners with no communication, dense matrices on LPT owners;
 //! naive: every matrix gathered on a round-robin root). Padding stays zero throughout (zero
 //! gradient, zero state, zero parameter).

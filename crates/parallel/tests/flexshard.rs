@@ -8,21 +8,21 @@ use ganymede_core::{ParamKind, ParamSpec, ViewMut};
 use ganymede_dist::placement::{PlacementError, ShardGroup};
 use ganymede_dist::{
     muon_exchange, optimizer_bytes, root_buffers, run_threads, threads, DeviceMesh, MeshShape,
-    NsJob, Phase, Placement, Plan, Policy, ThreadsConfig,
+    NsJob, Phase, Placement, Plan, Policy, ProcessGroup, ThreadsConfig,
 };
 use ganymede_parallel::flexshard::{ns_cost, ns_load, optimizer_bytes_compare, plan, ShardLayout};
+use std::sync::Arc;
 use std::time::Duration;
 
-fn cfg(timeout_ms: u64) -> ThreadsConfig {
-    ThreadsConfig {
-        timeout: Duration::from_millis(timeout_ms),
+/// `f` on `n` thread ranks (a 10 s collective timeout): each rank's result, a rank's panic
+/// re-raised with its message.
+fn on_ranks<R: Send>(n: usize, f: impl Fn(Arc<dyn ProcessGroup>) -> R + Sync) -> Vec<R> {
+    let cfg = ThreadsConfig {
+        timeout: Duration::from_secs(10),
         trace: false,
-    }
-}
-
-fn ok<R>(v: Vec<std::thread::Result<R>>) -> Vec<R> {
-    v.into_iter()
-        .map(|r| r.unwrap_or_else(|p| panic!("rank panicked: {}", threads::panic_message(&*p))))
+    };
+    let res = run_threads(n, &cfg, f).into_iter();
+    res.map(|r| r.unwrap_or_else(|p| panic!("rank panicked: {}", threads::panic_message(&*p))))
         .collect()
 }
 
@@ -267,10 +267,10 @@ fn optimizer_byte_formulas_equal_the_counted_collectives() {
                 ep,
                 ..Default::default()
             };
-            let res = ok(run_threads(dp, &cfg(10_000), |pg| {
+            let res = on_ranks(dp, |pg| {
                 let mesh = DeviceMesh::new(pg.clone(), &par).unwrap();
                 run_exchange(&mesh, &p)
-            }));
+            });
             let got: Vec<(u64, u64)> = res.iter().map(|r| r.0).collect();
             assert_eq!(got, want, "dp={dp} ep={ep} {policy:?}");
             // Every matrix orthogonalised exactly once per expert-parallel slice.
