@@ -1,9 +1,11 @@
 //! Communication for sharded training (issue 4): process groups behind one interface
 //! ([`ProcessGroup`]) with a threads backend ([`threads`]) and an MPI backend (feature `mpi`),
 //! the (dp_shard × ep) [`DeviceMesh`], byte accounting per [`Phase`] ([`CommStats`]), per-rank
-//! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check) and
-//! the FlexShard [`placement`] policy with its optimizer byte formulas, and the [`rendezvous`]
-//! that launchers without MPI need (torchrun-style or Slurm variables, a TCP store on rank 0).
+//! Chrome traces ([`trace`]), fault handling (timeouts, poisoning, the config-hash check), the
+//! Muon [`placement`] plan's format with its optimizer byte formulas and the exchange that
+//! carries a plan out ([`muon_comm`]; the FlexShard policy that makes plans is a layout
+//! decision, `ganymede_parallel::flexshard`), and the [`rendezvous`] that launchers without MPI
+//! need (torchrun-style or Slurm variables, a TCP store on rank 0).
 //!
 //! A backend implements [`Transport`], the moving of data alone; the checked layer ([`checks`])
 //! makes every transport a [`ProcessGroup`], validating each collective's arguments and counting
@@ -40,7 +42,7 @@ pub use group::{wait_all, Call, Membership, Pending, ProcessGroup, RankCtx, Tran
 pub use hash::{check_config_hash, config_hash, fnv1a64};
 pub use mesh::{DeviceMesh, MeshError, MeshShape};
 pub use muon_comm::{muon_exchange, root_buffers, NsJob};
-pub use placement::{optimizer_bytes, plan, Placement, Plan, Policy};
+pub use placement::{optimizer_bytes, Placement, Plan, Policy};
 pub use stats::{CommSnapshot, CommStats, Op, Phase};
 pub use threads::{run_threads, threads_world, ThreadGroup, ThreadsConfig};
 pub use trace::{write_chrome_trace, Tracer, Track};

@@ -7,6 +7,10 @@
 //!   every matrix, embeddings and the LM head included; norm gains and other vectors get none.
 //!   Checkpoint state: `<param>.muon_momentum`, `<param>.adam_m`, `<param>.adam_v` and the step
 //!   count.
+//! - [`Step::update`]: the one update rule, one parameter at a time, that both [`Optimizer`]
+//!   (whole parameters) and the sharded optimizer (`ganymede_parallel::optim`) iterate, with
+//!   state resident or staged from host memory ([`StateView`]); each optimizer only chooses what
+//!   to iterate and how Muon's whole matrices meet for Newton–Schulz.
 //! - [`newton_schulz`]: the orthogonalisation alone, GEMMs on the backend.
 //! - [`lr_at`]: warmup then constant, cosine or warmup-stable-decay.
 //! - [`clip_grad_norm`]: global gradient-norm clipping.
@@ -22,6 +26,7 @@ mod offload;
 mod optimizer;
 mod schedule;
 mod state;
+mod update;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
@@ -32,4 +37,5 @@ pub use ns_timing::{ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
 pub use schedule::lr_at;
-pub use state::{indexed_state_mut, stream_states, ParamState, StepConsts};
+pub use state::{indexed_state_mut, stream_states, ParamState};
+pub use update::{Grad, MuonParam, StateView, Step};

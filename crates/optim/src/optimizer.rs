@@ -1,9 +1,10 @@
 //! The optimizer the trainer holds: Muon for hidden matrices (each expert's matrix separately),
 //! AdamW for the rest, nothing for buffers.
 
-use crate::ns::{newton_schulz, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes, NsScratch};
+use crate::ns::{newton_schulz, newton_schulz_strided, ns_flops, ns_lanes, NsScratch};
 use crate::offload::{SkipWait, Staging};
-use crate::state::{indexed_state_mut, stream_states, ParamState, StepConsts};
+use crate::state::{indexed_state_mut, stream_states, ParamState};
+use crate::update::{MuonParam, StateView, Step};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
 use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut};
 use rayon::prelude::*;
@@ -101,7 +102,7 @@ fn batched_shapes(rules: &[UpdateRule]) -> Vec<(usize, usize, usize)> {
 /// by strided products, each parameter updated from its slice. Per matrix the calls of
 /// [`run_matrix`], so on a backend whose strided calls are loops the same bits; on a GPU the
 /// Newton–Schulz launches of a batch instead of each matrix's.
-fn run_group(be: &dyn Backend, items: Vec<Item>, st: &mut StackSlot, c: MuonStep) {
+fn run_group(be: &dyn Backend, items: Vec<Item>, st: &mut StackSlot, s: Step) {
     let (rows, cols) = (items[0].rows, items[0].cols);
     let n = rows * cols;
     let batch = ganymede_config::ns_stack_batch(rows, cols, items.len(), st.budget);
@@ -111,34 +112,33 @@ fn run_group(be: &dyn Backend, items: Vec<Item>, st: &mut StackSlot, c: MuonStep
         for (j, it) in chunk.iter_mut().enumerate() {
             debug_assert_eq!((it.rows, it.cols), (rows, cols));
             be.copy(st.u.slice_mut(j * n, n), it.g);
-            let u = st.u.slice_mut(j * n, n);
-            be.nesterov_momentum(it.mom.reborrow(), u, c.momentum, c.grad_scale);
+            s.momentum(be, it.mom.reborrow(), st.u.slice_mut(j * n, n));
         }
         let b = chunk.len();
         let u = st.u.slice_mut(0, b * n);
-        newton_schulz_strided(be, u, b, rows, cols, c.ns_steps, c.ns_bf16, &mut st.ns);
+        newton_schulz_strided(be, u, b, rows, cols, s.ns_steps(), s.ns_bf16, &mut st.ns);
         for (j, it) in chunk.into_iter().enumerate() {
-            let (alpha, decay) = (c.lr * it.scale, c.lr * c.weight_decay);
-            be.decay_update(it.p, st.u.slice(j * n, n), alpha, decay, it.rounded);
+            s.apply(be, it.p, st.u.slice(j * n, n), it.scale, it.rounded);
         }
     }
 }
 
-/// A stack of `count` Muon matrices (a layer's experts, one after another in `p`, `mom`, `g`),
+/// A stack of `count` Muon matrices (a layer's experts, one after another in its views),
 /// [`ganymede_config::ns_stack_batch`] of them at a time: each elementwise step one call over
 /// the batch, Newton–Schulz strided ([`newton_schulz_strided`]). Per matrix the calls of
 /// [`run_matrix`], so on a backend whose strided calls are loops the same bits.
-#[allow(clippy::too_many_arguments)]
-fn run_stack(
-    be: &dyn Backend,
-    mut p: ViewMut,
-    mut mom: ViewMut,
-    g: View,
-    (rows, cols, count, scale): (usize, usize, usize, f64),
-    st: &mut StackSlot,
-    c: MuonStep,
-    mut rounded: Option<ViewMut>,
-) {
+fn run_stack(be: &dyn Backend, m: MuonParam<View>, st: &mut StackSlot, s: Step) {
+    let MuonParam {
+        p,
+        momentum: mut mom,
+        g,
+        rows,
+        cols,
+        count,
+        scale,
+        mut rounded,
+    } = m;
+    let mut p = p.expect("the whole parameter");
     let n = rows * cols;
     let batch = ganymede_config::ns_stack_batch(rows, cols, count, st.budget);
     let mut e0 = 0;
@@ -147,26 +147,17 @@ fn run_stack(
         let (off, len) = (e0 * n, b * n);
         let mut u = st.u.slice_mut(0, len);
         be.copy(u.reborrow(), g.slice(off, len));
-        be.nesterov_momentum(
-            mom.reborrow().slice(off, len),
-            u.reborrow(),
-            c.momentum,
-            c.grad_scale,
-        );
-        newton_schulz_strided(
-            be,
-            u.reborrow(),
-            b,
-            rows,
-            cols,
-            c.ns_steps,
-            c.ns_bf16,
-            &mut st.ns,
-        );
-        let (p, u) = (p.reborrow().slice(off, len), st.u.slice(0, len));
-        let (alpha, decay) = (c.lr * scale, c.lr * c.weight_decay);
+        s.momentum(be, mom.reborrow().slice(off, len), u.reborrow());
+        let (steps, bf16) = (s.ns_steps(), s.ns_bf16);
+        newton_schulz_strided(be, u, b, rows, cols, steps, bf16, &mut st.ns);
         let r = rounded.as_mut().map(|r| r.reborrow().slice(off, len));
-        be.decay_update(p, u, alpha, decay, r);
+        s.apply(
+            be,
+            p.reborrow().slice(off, len),
+            st.u.slice(0, len),
+            scale,
+            r,
+        );
         e0 += b;
     }
 }
@@ -183,62 +174,32 @@ struct Item<'a> {
     rounded: Option<ViewMut<'a>>,
 }
 
-/// The step's constants for Muon matrices.
-#[derive(Clone, Copy)]
-struct MuonStep {
-    lr: f64,
-    momentum: f64,
-    weight_decay: f64,
-    ns_steps: usize,
-    /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
-    ns_bf16: bool,
-    /// The gradients' factor (the clip coefficient, or 1), applied by Nesterov momentum.
-    grad_scale: f32,
-}
-
 /// One Muon matrix: Nesterov momentum into the slot, Newton–Schulz, decayed update. Both the
 /// on-device and the streamed step run every matrix through here.
-fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, c: MuonStep) {
-    let Item {
-        p,
-        mom,
-        g,
-        rows,
-        cols,
-        scale,
-        rounded,
-    } = item;
-    let n = rows * cols;
+fn run_matrix(be: &dyn Backend, item: Item, slot: &mut Slot, s: Step) {
+    let n = item.rows * item.cols;
     // The update is made in the slot, from a copy of the gradient (the caller's to keep).
-    be.copy(slot.u.slice_mut(0, n), g);
-    be.nesterov_momentum(mom, slot.u.slice_mut(0, n), c.momentum, c.grad_scale);
-    newton_schulz(
-        be,
-        slot.u.slice_mut(0, n),
-        rows,
-        cols,
-        c.ns_steps,
-        c.ns_bf16,
-        &mut slot.ns,
-    );
-    let (u, alpha, decay) = (slot.u.slice(0, n), c.lr * scale, c.lr * c.weight_decay);
-    be.decay_update(p, u, alpha, decay, rounded);
+    be.copy(slot.u.slice_mut(0, n), item.g);
+    s.momentum(be, item.mom, slot.u.slice_mut(0, n));
+    let (u, (rows, cols)) = (slot.u.slice_mut(0, n), (item.rows, item.cols));
+    newton_schulz(be, u, rows, cols, s.ns_steps(), s.ns_bf16, &mut slot.ns);
+    s.apply(be, item.p, slot.u.slice(0, n), item.scale, item.rounded);
 }
 
 /// Run Muon matrices on the scratch slots: large ones one after another on `slots[0]` (their
 /// GEMMs split across threads), small ones (NS FLOPs ≤ [`PAR_MATRIX_MAX_FLOPS`]) one per slot
 /// in parallel when `parallel`. Results do not depend on which slot runs a matrix (scratch is
 /// fully overwritten), so every schedule gives the same bits.
-fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: bool, c: MuonStep) {
-    let steps = c.ns_steps;
-    let run = |item: Item, slot: &mut Slot| run_matrix(be, item, slot, c);
+fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: bool, s: Step) {
+    let steps = s.ns_steps();
+    let run = |item: Item, slot: &mut Slot| run_matrix(be, item, slot, s);
     let (small, large): (Vec<Item>, Vec<Item>) = items
         .into_iter()
         .partition(|it| ns_flops(it.rows, it.cols, steps) <= PAR_MATRIX_MAX_FLOPS);
     for item in large {
         run(item, &mut slots[0]);
     }
-    if ns_lanes(be, c.ns_bf16, slots.len()) <= 1 || small.len() <= 1 || !parallel {
+    if ns_lanes(be, s.ns_bf16, slots.len()) <= 1 || small.len() <= 1 || !parallel {
         for item in small {
             run(item, &mut slots[0]);
         }
@@ -258,34 +219,20 @@ fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: b
     });
 }
 
-/// One Muon parameter of `count` matrices: an expert stack batched on `stacks` where the
-/// backend batches matrices (run here), else its matrices as [`Item`]s for [`run_items`].
-#[allow(clippy::too_many_arguments)]
-fn muon_update<'a>(
-    be: &dyn Backend,
-    p: ViewMut<'a>,
-    mom: ViewMut<'a>,
-    g: View<'a>,
-    (rows, cols, count, scale): (usize, usize, usize, f64),
-    stacks: &mut Option<StackSlot>,
-    c: MuonStep,
-    rounded: Option<ViewMut<'a>>,
-) -> Vec<Item<'a>> {
-    if let (Some(st), true) = (stacks.as_mut(), count > 1) {
-        run_stack(be, p, mom, g, (rows, cols, count, scale), st, c, rounded);
-        return vec![];
-    }
+/// A Muon parameter's matrices as [`Item`]s for [`run_items`].
+fn items<'a>(m: MuonParam<'a, View<'a>>) -> Vec<Item<'a>> {
+    let (rows, cols, count, scale) = (m.rows, m.cols, m.count, m.scale);
     let n = rows * cols;
-    let ps = split_views(p, count, n);
-    let ms = split_views(mom, count, n);
-    let mut rs = rounded.map(|r| split_views(r, count, n).into_iter());
+    let ps = split_views(m.p.expect("the whole parameter"), count, n);
+    let ms = split_views(m.momentum, count, n);
+    let mut rs = m.rounded.map(|r| split_views(r, count, n).into_iter());
     ps.into_iter()
         .zip(ms)
         .enumerate()
         .map(|(e, (p, mom))| Item {
             p,
             mom,
-            g: g.slice(e * n, n),
+            g: m.g.slice(e * n, n),
             rows,
             cols,
             scale,
@@ -294,18 +241,65 @@ fn muon_update<'a>(
         .collect()
 }
 
+/// The Newton–Schulz working memory of Muon's whole matrices and how it is scheduled.
+struct Matrices {
+    /// `slots[0]` fits every Muon matrix; the others only those that run in parallel.
+    slots: Vec<Slot>,
+    /// Spread small matrices across threads (see [`PAR_MATRIX_MAX_FLOPS`]).
+    parallel: bool,
+    /// Expert stacks and same-shape matrices batched through strided products (a backend that
+    /// batches matrices; see [`run_stack`], [`run_group`]); `None` runs them matrix by matrix.
+    stacks: Option<StackSlot>,
+}
+
+impl Matrices {
+    /// The Muon updates of `params`: expert stacks batched where the backend batches matrices,
+    /// then the remaining matrices, same-shape ones batched together there, the rest through
+    /// [`run_items`].
+    fn run(&mut self, be: &dyn Backend, params: Vec<MuonParam<View>>, s: Step) {
+        let mut items = Vec::new();
+        for m in params {
+            match self.stacks.as_mut() {
+                Some(st) if m.count > 1 => run_stack(be, m, st, s),
+                _ => items.extend(self::items(m)),
+            }
+        }
+        if let Some(st) = self.stacks.as_mut() {
+            let mut groups: Vec<Vec<Item>> = Vec::new();
+            for it in items {
+                match groups
+                    .iter_mut()
+                    .find(|g| (g[0].rows, g[0].cols) == (it.rows, it.cols))
+                {
+                    Some(g) => g.push(it),
+                    None => groups.push(vec![it]),
+                }
+            }
+            items = Vec::new();
+            for g in groups {
+                match g.len() {
+                    1 => items.extend(g),
+                    _ => run_group(be, g, st, s),
+                }
+            }
+        }
+        if !items.is_empty() {
+            run_items(be, items, &mut self.slots, self.parallel, s);
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        let stacks = self.stacks.as_ref().map_or(0, |s| s.bytes() as u64);
+        self.slots.iter().map(|s| s.bytes() as u64).sum::<u64>() + stacks
+    }
+}
+
 pub struct Optimizer {
     cfg: OptimizerConfig,
     names: Vec<String>,
     rules: Vec<UpdateRule>,
     states: Vec<ParamState>,
-    /// `slots[0]` fits every Muon matrix; the others only those that run in parallel.
-    slots: Vec<Slot>,
-    /// Spread small matrices across threads (see [`PAR_MATRIX_MAX_FLOPS`]).
-    matrix_parallel: bool,
-    /// Expert stacks batched through strided products (a backend that batches matrices; see
-    /// [`run_stack`]); `None` runs them matrix by matrix.
-    stacks: Option<StackSlot>,
+    matrices: Matrices,
     /// With `optimizer.offload`: state in host memory, streamed through these device slots.
     staging: Option<Staging>,
     step: u64,
@@ -374,6 +368,18 @@ pub fn update_rule(cfg: &OptimizerConfig, spec: &ParamSpec) -> UpdateRule {
     }
 }
 
+/// Each parameter's compute copy in `rounded`, where it has one (a non-empty entry).
+fn compute_copies(rounded: Option<&mut ParamStore>, n: usize) -> Vec<Option<ViewMut<'_>>> {
+    match rounded {
+        Some(r) => r
+            .tensors_mut()
+            .iter_mut()
+            .map(|t| (!t.is_empty()).then(|| t.view_mut()))
+            .collect(),
+        None => (0..n).map(|_| None).collect(),
+    }
+}
+
 fn split_views<'a>(mut v: ViewMut<'a>, count: usize, len: usize) -> Vec<ViewMut<'a>> {
     let mut out = Vec::with_capacity(count);
     for _ in 1..count {
@@ -428,9 +434,11 @@ impl Optimizer {
             names: specs.iter().map(|s| s.name.clone()).collect(),
             rules,
             states,
-            slots,
-            matrix_parallel: true,
-            stacks,
+            matrices: Matrices {
+                slots,
+                parallel: true,
+                stacks,
+            },
             staging,
             step: 0,
         }
@@ -490,6 +498,46 @@ impl Optimizer {
         grad_scale: f32,
         rounded: Option<&mut ParamStore>,
     ) {
+        self.check(params, grads);
+        self.step += 1;
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale);
+        let (rules, matrices) = (&self.rules, &mut self.matrices);
+        let (ps, gs) = (params.tensors_mut(), grads.tensors());
+        if let Some(staging) = &mut self.staging {
+            // Host-resident state: one parameter at a time through the device slots (the
+            // parameters stay on the device), its Muon matrices run before the slot is written
+            // back. The caller casts the compute copies (see step_rounded).
+            stream_states(
+                be,
+                staging,
+                &mut self.states,
+                |_| vec![],
+                |i, slot| {
+                    let state = StateView::staged(&rules[i], slot);
+                    let p = Some(ps[i].view_mut());
+                    let muon = s.update(be, &rules[i], state, p, gs[i].view(), None);
+                    matrices.run(be, muon.into_iter().collect(), s);
+                },
+            );
+            return;
+        }
+        // Every parameter's update, Muon's matrices all run together at the end, so that
+        // same-shape ones may share threads or strided batches.
+        let mut muon = Vec::new();
+        let each = self
+            .states
+            .iter_mut()
+            .zip(ps)
+            .zip(compute_copies(rounded, rules.len()));
+        for (i, ((state, p), copy)) in each.enumerate() {
+            let (p, g) = (Some(p.view_mut()), gs[i].view());
+            muon.extend(s.update(be, &rules[i], state.view_mut(), p, g, copy));
+        }
+        matrices.run(be, muon, s);
+    }
+
+    /// That `params` and `grads` are the parameters this optimizer was built for.
+    fn check(&self, params: &ParamStore, grads: &ParamStore) {
         assert_eq!(
             params.len(),
             self.rules.len(),
@@ -508,115 +556,6 @@ impl Optimizer {
                 .all(|(s, n)| &s.name == n),
             "optimizer built for other parameters"
         );
-        self.step += 1;
-        let cfg = &self.cfg;
-        let k = StepConsts {
-            step: self.step,
-            lr,
-            grad_scale,
-        };
-        let mc = MuonStep {
-            lr,
-            momentum: cfg.momentum,
-            weight_decay: cfg.weight_decay,
-            ns_steps: cfg.ns_steps,
-            ns_bf16: ns_bf16(cfg.ns_dtype, be),
-            grad_scale,
-        };
-        let rules = &self.rules;
-        let (slots, parallel, stacks) = (&mut self.slots, self.matrix_parallel, &mut self.stacks);
-        if let Some(staging) = &mut self.staging {
-            // Host-resident state: one parameter at a time through the device slots (the
-            // parameters stay on the device); an expert stack's matrices still spread over the
-            // threads, each matrix's arithmetic the same as on the resident path. The caller
-            // casts the compute copies (see step_rounded).
-            let (ps, gs) = (params.tensors_mut(), grads.tensors());
-            stream_states(
-                be,
-                staging,
-                &mut self.states,
-                |_| vec![],
-                |i, state| {
-                    let (p, g) = (ps[i].view_mut(), gs[i].view());
-                    match rules[i] {
-                        UpdateRule::AdamW { weight_decay } => {
-                            let (m, v) = state.split_at(g.len());
-                            be.adamw_step(p, m, v, g, &k.adamw(cfg, weight_decay), None);
-                        }
-                        UpdateRule::Muon {
-                            rows,
-                            cols,
-                            count,
-                            scale,
-                        } => {
-                            let shape = (rows, cols, count, scale);
-                            let items = muon_update(be, p, state, g, shape, stacks, mc, None);
-                            run_items(be, items, slots, parallel, mc);
-                        }
-                        UpdateRule::Frozen => unreachable!("frozen parameters have no state"),
-                    }
-                },
-            );
-            return;
-        }
-
-        // Each parameter's compute copy, where it has one.
-        let copies: Vec<Option<ViewMut>> = match rounded {
-            Some(r) => r
-                .tensors_mut()
-                .iter_mut()
-                .map(|t| (!t.is_empty()).then(|| t.view_mut()))
-                .collect(),
-            None => (0..rules.len()).map(|_| None).collect(),
-        };
-        let mut items = Vec::new();
-        let each = self.states.iter_mut().zip(copies).zip(params.tensors_mut());
-        for (i, ((state, copy), p)) in each.enumerate() {
-            let g = grads.tensors()[i].view();
-            match (state, rules[i]) {
-                (ParamState::AdamW { m, v }, UpdateRule::AdamW { weight_decay }) => {
-                    let (m, v, h) = (m.view_mut(), v.view_mut(), k.adamw(cfg, weight_decay));
-                    be.adamw_step(p.view_mut(), m, v, g, &h, copy);
-                }
-                (
-                    ParamState::Muon { momentum },
-                    UpdateRule::Muon {
-                        rows,
-                        cols,
-                        count,
-                        scale,
-                    },
-                ) => {
-                    let shape = (rows, cols, count, scale);
-                    let (p, mom) = (p.view_mut(), momentum.view_mut());
-                    items.extend(muon_update(be, p, mom, g, shape, stacks, mc, copy));
-                }
-                _ => {}
-            }
-        }
-        if let Some(st) = stacks.as_mut() {
-            // A backend that batches matrices: same-shape matrices together, the rest alone.
-            let mut groups: Vec<Vec<Item>> = Vec::new();
-            for it in items {
-                match groups
-                    .iter_mut()
-                    .find(|g| (g[0].rows, g[0].cols) == (it.rows, it.cols))
-                {
-                    Some(g) => g.push(it),
-                    None => groups.push(vec![it]),
-                }
-            }
-            items = Vec::new();
-            for g in groups {
-                match g.len() {
-                    1 => items.extend(g),
-                    _ => run_group(be, g, st, mc),
-                }
-            }
-        }
-        if !items.is_empty() {
-            run_items(be, items, slots, parallel, mc);
-        }
     }
 
     /// Block the host until host-resident state (`optimizer.offload`) written back by the last
@@ -646,7 +585,7 @@ impl Optimizer {
     /// Whether small Muon matrices run whole on separate threads (default) or one after another
     /// with each GEMM split across threads. Same results either way; for benchmarks.
     pub fn set_matrix_parallel(&mut self, on: bool) {
-        self.matrix_parallel = on;
+        self.matrices.parallel = on;
     }
 
     /// Optimizer state for checkpoints, in parameter order: `<param>.muon_momentum` for Muon
@@ -692,8 +631,7 @@ impl Optimizer {
 
     /// Bytes of Newton–Schulz working memory (charged to `Category::Buffers`).
     pub fn scratch_bytes(&self) -> u64 {
-        let stacks = self.stacks.as_ref().map_or(0, |s| s.bytes() as u64);
-        self.slots.iter().map(|s| s.bytes() as u64).sum::<u64>() + stacks
+        self.matrices.bytes()
     }
 
     /// Run expert stacks batched (strided products) in batches within `budget` bytes, or
@@ -701,7 +639,8 @@ impl Optimizer {
     /// calls are per-matrix loops (the CPU's), which the tests hold. Batching allocates the
     /// stack scratch.
     pub fn with_stack_batching(mut self, be: &dyn Backend, budget: Option<usize>) -> Self {
-        self.stacks = budget.and_then(|b| StackSlot::new(be, &batched_shapes(&self.rules), b));
+        let shapes = batched_shapes(&self.rules);
+        self.matrices.stacks = budget.and_then(|b| StackSlot::new(be, &shapes, b));
         self
     }
 

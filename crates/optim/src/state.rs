@@ -1,12 +1,11 @@
 //! One parameter's optimizer state and one step's constants: what the whole-parameter
 //! [`crate::Optimizer`] and the sharded optimizer (`ganymede_parallel::optim`) both hold. The
-//! rule ([`UpdateRule`]) says how a parameter is updated; its state, the checkpoint names of
-//! that state, AdamW's constants and the walk over host-resident state are written here once,
-//! whether the tensors are whole parameters or a rank's shards.
+//! rule ([`UpdateRule`]) says how a parameter is updated ([`crate::Step::update`]); its state,
+//! the checkpoint names of that state and the walk over host-resident state are written here
+//! once, whether the tensors are whole parameters or a rank's shards.
 
 use crate::{Staging, UpdateRule};
-use ganymede_config::OptimizerConfig;
-use ganymede_core::{AdamWStep, Backend, Category, Tensor};
+use ganymede_core::{Backend, Category, Tensor};
 
 /// The state of one parameter (or of a rank's shard of it) under its [`UpdateRule`].
 pub enum ParamState {
@@ -68,33 +67,6 @@ pub fn indexed_state_mut(states: &mut [ParamState]) -> Vec<(usize, &'static str,
         out.extend(s.tensors_mut().into_iter().map(|(k, t)| (i, k, t)));
     }
     out
-}
-
-/// The constants of one step: its number (from 1), learning rate and the gradients' factor
-/// (global-norm clipping's coefficient, or 1), which every update kernel applies as it reads a
-/// gradient.
-#[derive(Clone, Copy, Debug)]
-pub struct StepConsts {
-    pub step: u64,
-    pub lr: f64,
-    pub grad_scale: f32,
-}
-
-impl StepConsts {
-    /// AdamW's constants for a parameter of `weight_decay`, bias corrections included.
-    pub fn adamw(&self, cfg: &OptimizerConfig, weight_decay: f64) -> AdamWStep {
-        let t = self.step as i32;
-        AdamWStep {
-            lr: self.lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay,
-            bias_correction1: 1.0 - cfg.beta1.powi(t),
-            bias_correction2: 1.0 - cfg.beta2.powi(t),
-            grad_scale: self.grad_scale,
-        }
-    }
 }
 
 /// Host-resident state (`optimizer.offload`): stream every parameter with state through the

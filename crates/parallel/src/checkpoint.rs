@@ -21,7 +21,7 @@ use ganymede_checkpoint::{
     self as checkpoint, sharded, CheckpointData, HostTensors, Manifest, NamedTensors, Position,
     ShardedParam, ShardsManifest, SHARDS_FILE,
 };
-use ganymede_core::{Tensor, View, ViewMut};
+use ganymede_core::{Backend, Tensor, View, ViewMut};
 use ganymede_dist::DeviceMesh;
 use ganymede_dist::Phase;
 use std::path::{Path, PathBuf};
@@ -51,64 +51,35 @@ fn gather_whole(mesh: &DeviceMesh, layout: &Layout, i: usize, shard: View) -> Re
     Ok(all)
 }
 
-impl RankState {
-    /// Collective: every parameter whole (checks, rank-0 saves).
-    pub fn full_params(&self) -> Result<Vec<Vec<f32>>> {
-        match &self.shards {
-            Shards::Whole { params, .. } => Ok(params
-                .tensors()
-                .iter()
-                .map(|t| self.be.download(t.view()))
-                .collect()),
-            Shards::Fsdp { layout, params, .. } => (0..layout.specs.len())
-                .map(|i| gather_whole(&self.mesh, layout, i, params.shard(i).view()))
-                .collect(),
-        }
+/// Collective over `mesh` where `layout` shards the parameters: this rank's tensor `t` of
+/// parameter `i` whole (downloaded where it is whole already).
+fn whole(
+    be: &dyn Backend,
+    mesh: &DeviceMesh,
+    layout: Option<&Layout>,
+    i: usize,
+    t: &Tensor,
+) -> Result<Vec<f32>> {
+    match layout {
+        None => Ok(be.download(t.view())),
+        Some(layout) => gather_whole(mesh, layout, i, t.view()),
     }
+}
 
-    /// Optimizer state as (parameter index, checkpoint suffix, this rank's tensor).
-    fn opt_state(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
-        match &mut self.shards {
-            Shards::Whole { opt, .. } => opt.state_indexed_mut(),
-            Shards::Fsdp { opt, .. } => opt.state_mut(),
-        }
-    }
-
-    /// Order the host after the last step's write-back of host-resident optimizer state
-    /// (`optimizer.offload`), before checkpoint code reads or overwrites it.
-    fn settle_opt_state(&self) {
-        match &self.shards {
-            Shards::Whole { opt, .. } => opt.synchronize_state(self.be.as_ref()),
-            Shards::Fsdp { opt, .. } => opt.synchronize_state(self.be.as_ref()),
-        }
-    }
-
-    fn set_opt_step(&mut self, n: u64) {
-        match &mut self.shards {
-            Shards::Whole { opt, .. } => opt.set_step_count(n),
-            Shards::Fsdp { opt, .. } => opt.set_step_count(n),
-        }
-    }
-
-    /// Optimizer steps taken so far.
-    pub fn opt_step(&self) -> u64 {
-        match &self.shards {
-            Shards::Whole { opt, .. } => opt.step_count(),
-            Shards::Fsdp { opt, .. } => opt.step_count(),
-        }
-    }
-
+/// The checkpoint's operations on whole parameters or shards.
+impl Shards {
     /// This rank's tensor of parameter `i` (whole at world size 1, else its shard).
-    fn param_tensor(&self, i: usize) -> &Tensor {
-        match &self.shards {
+    fn param(&self, i: usize) -> &Tensor {
+        match self {
             Shards::Whole { params, .. } => params.get(i),
             Shards::Fsdp { params, .. } => params.shard(i),
         }
     }
 
-    /// This rank's parameter tensors (whole at world size 1, else its shards).
-    fn param_tensors(&mut self) -> &mut [Tensor] {
-        match &mut self.shards {
+    /// This rank's parameter tensors (whole at world size 1, else its master shards), to load
+    /// into (a bf16 compute copy is cast again from them).
+    pub fn params_mut(&mut self) -> &mut [Tensor] {
+        match self {
             Shards::Whole {
                 params, compute, ..
             } => {
@@ -120,6 +91,40 @@ impl RankState {
             }
             Shards::Fsdp { params, .. } => params.master_mut(),
         }
+    }
+}
+
+impl RankState {
+    /// Collective: every parameter whole (checks, rank-0 saves).
+    pub fn full_params(&self) -> Result<Vec<Vec<f32>>> {
+        let layout = self.shards.layout().map(|l| l.as_ref());
+        (0..self.model.param_specs().len())
+            .map(|i| {
+                whole(
+                    self.be.as_ref(),
+                    &self.mesh,
+                    layout,
+                    i,
+                    self.shards.param(i),
+                )
+            })
+            .collect()
+    }
+
+    /// Optimizer state as (parameter index, checkpoint suffix, this rank's tensor).
+    fn opt_state(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        self.shards.opt_mut().state_mut()
+    }
+
+    /// Order the host after the last step's write-back of host-resident optimizer state
+    /// (`optimizer.offload`), before checkpoint code reads or overwrites it.
+    fn settle_opt_state(&self) {
+        self.shards.opt().synchronize_state(self.be.as_ref());
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn opt_step(&self) -> u64 {
+        self.shards.opt().step_count()
     }
 
     /// Collective: save a checkpoint under `run_dir`, gathered, or per-rank shards when asked
@@ -158,31 +163,15 @@ impl RankState {
                 params.push(t)
             }
         };
-        match &mut self.shards {
-            Shards::Whole { params, opt, .. } => {
-                for (i, (s, t)) in params.iter().enumerate() {
-                    push(s.name.clone(), i, be.download(t.view()), false);
-                }
-                for (i, suffix, t) in opt.state_indexed_mut() {
-                    let name = format!("{}.{suffix}", specs[i].name);
-                    push(name, i, be.download(t.view()), true);
-                }
-            }
-            Shards::Fsdp {
-                layout,
-                params,
-                opt,
-                ..
-            } => {
-                for (i, s) in specs.iter().enumerate() {
-                    let whole = gather_whole(mesh, layout, i, params.shard(i).view())?;
-                    push(s.name.clone(), i, whole, false);
-                }
-                for (i, suffix, t) in opt.state_mut() {
-                    let whole = gather_whole(mesh, layout, i, t.view())?;
-                    push(format!("{}.{suffix}", specs[i].name), i, whole, true);
-                }
-            }
+        let layout = self.shards.layout().cloned();
+        let layout = layout.as_deref();
+        for (i, s) in specs.iter().enumerate() {
+            let t = whole(be.as_ref(), mesh, layout, i, self.shards.param(i))?;
+            push(s.name.clone(), i, t, false);
+        }
+        for (i, suffix, t) in self.shards.opt_mut().state_mut() {
+            let t = whole(be.as_ref(), mesh, layout, i, t)?;
+            push(format!("{}.{suffix}", specs[i].name), i, t, true);
         }
         if self.mesh.dp_shard.rank() != 0 {
             return Ok(None);
@@ -220,7 +209,7 @@ impl RankState {
                     specs[i].shape
                 );
             }
-            let Shards::Fsdp { layout, .. } = &me.shards else {
+            let Some(layout) = me.shards.layout() else {
                 return Ok(data);
             };
             let g = crate::fsdp::Groups::of(&me.mesh);
@@ -233,7 +222,7 @@ impl RankState {
         for (i, s) in specs.iter().enumerate() {
             let part = mine(self, &mut model, &s.name, i)?;
             let be = self.be.clone();
-            be.write(self.param_tensors()[i].view_mut(), &part);
+            be.write(self.shards.params_mut()[i].view_mut(), &part);
         }
         let names: Vec<(usize, &'static str)> = self
             .opt_state()
@@ -248,7 +237,9 @@ impl RankState {
         if let Some(extra) = model.keys().chain(opt.keys()).next() {
             bail!("{}: unexpected tensor {extra}", dir.display());
         }
-        self.set_opt_step(manifest.optimizer_step);
+        self.shards
+            .opt_mut()
+            .set_step_count(manifest.optimizer_step);
         Ok(manifest)
     }
 
@@ -259,10 +250,8 @@ impl RankState {
         run_dir: &Path,
         at: &Position,
     ) -> Result<Option<PathBuf>> {
-        let Shards::Fsdp { layout, .. } = &self.shards else {
-            unreachable!("sharded checkpoints are written by sharded runs")
-        };
-        let layout = layout.clone();
+        let layout = self.shards.layout().cloned();
+        let layout = layout.expect("sharded checkpoints are written by sharded runs");
         self.settle_opt_state();
         let world = self.mesh.dp_shard.clone();
         let stage = checkpoint::checkpoints_root(run_dir)
@@ -270,7 +259,7 @@ impl RankState {
         std::fs::create_dir_all(&stage)?;
         let mut tensors: NamedTensors = Vec::new();
         for (i, s) in layout.specs.iter().enumerate() {
-            let d = self.be.download(self.param_tensor(i).view());
+            let d = self.be.download(self.shards.param(i).view());
             tensors.push((s.name.clone(), vec![d.len()], d));
         }
         let be = self.be.clone();

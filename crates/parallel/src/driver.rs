@@ -18,20 +18,19 @@
 
 use crate::compute_copy::ComputeCopy;
 use crate::ep::EpExperts;
+use crate::flexshard::{plan, policy};
 use crate::fsdp::{FsdpGrads, FsdpParams, Groups};
 use crate::layout::Layout;
-use crate::optim::ShardedOptimizer;
+use crate::optim::{OptimizerState, ShardedOptimizer};
 use anyhow::{bail, Context, Result};
-use ganymede_config::{AcMode, DeviceKind, JobConfig, MuonPlacement};
+use ganymede_config::{AcMode, DeviceKind, JobConfig};
 use ganymede_core::{
-    Backend, Category, CpuBackend, DType, Ledger, ParamSpec, ParamStore, Stream, Tensor,
-    TwoMemoryOptions, ViewMut,
+    Backend, Category, CpuBackend, DType, Ledger, ParamStore, Stream, Tensor, TwoMemoryOptions,
+    ViewMut,
 };
 use ganymede_data::Dataset;
-use ganymede_dist::placement::plan;
 use ganymede_dist::{
-    check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, Policy, ProcessGroup, Tracer,
-    Track,
+    check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, ProcessGroup, Tracer, Track,
 };
 use ganymede_model::{
     forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, Hooks,
@@ -39,6 +38,7 @@ use ganymede_model::{
     Workspace,
 };
 use ganymede_optim::{clip_coef, lr_at, Optimizer};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -168,14 +168,6 @@ pub fn check_finite(loss: f64, grad_norm: f64, step: usize, lr: f64) -> Result<(
     Ok(())
 }
 
-/// The placement policy a config asks for.
-pub fn policy(cfg: &JobConfig) -> Policy {
-    match cfg.parallelism.muon_placement {
-        MuonPlacement::Flexshard => Policy::FlexShard,
-        MuonPlacement::Naive => Policy::Naive,
-    }
-}
-
 /// Where this rank's parameters, gradients and optimizer state live.
 // One value per rank, built once: the variants' size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
@@ -197,18 +189,188 @@ pub enum Shards {
     },
 }
 
-/// This rank's gradients of the trainable parameters (whole, or its shards).
-fn trainable_grads<'a>(shards: &'a mut Shards, specs: &[ParamSpec]) -> Vec<&'a mut Tensor> {
-    let grads = match shards {
-        Shards::Whole { grads, .. } => grads.tensors_mut(),
-        Shards::Fsdp { grads, .. } => grads.shards_mut(),
-    };
-    grads
-        .iter_mut()
-        .zip(specs)
-        .filter(|(_, s)| s.kind.is_trainable())
-        .map(|(g, _)| g)
-        .collect()
+/// What a microbatch's compute runs on besides the shards: the rank's backend, model,
+/// workspace and expert executor.
+struct Compute<'a> {
+    be: &'a dyn Backend,
+    model: &'a Model,
+    ws: &'a mut Workspace,
+    experts: &'a mut dyn ExpertExecutor,
+}
+
+/// Each operation of the step on whole parameters or on shards: the one place that tells the
+/// two apart (the checkpoint's are in [`crate::checkpoint`]).
+impl Shards {
+    /// The layout of this rank's shards; `None` for whole parameters.
+    pub fn layout(&self) -> Option<&Arc<Layout>> {
+        match self {
+            Shards::Whole { .. } => None,
+            Shards::Fsdp { layout, .. } => Some(layout),
+        }
+    }
+
+    /// This rank's gradients (whole, or its shards), in parameter order.
+    fn grads_mut(&mut self) -> &mut [Tensor] {
+        match self {
+            Shards::Whole { grads, .. } => grads.tensors_mut(),
+            Shards::Fsdp { grads, .. } => grads.shards_mut(),
+        }
+    }
+
+    /// Zero the whole gradients before a step's first microbatch adds into them. FSDP's need
+    /// no pass: the first microbatch's reduce-scatter replaces the shards.
+    fn zero_grads(&mut self, be: &dyn Backend) {
+        if let Shards::Whole { grads, .. } = self {
+            for g in grads.tensors_mut() {
+                be.fill(g.view_mut(), 0.0);
+            }
+        }
+    }
+
+    /// The optimizer update at learning rate `lr`, each gradient scaled by the clipping
+    /// coefficient `coef` as the update kernels read it.
+    fn update(&mut self, be: &dyn Backend, mesh: &DeviceMesh, lr: f64, coef: f32) -> Result<()> {
+        match self {
+            Shards::Whole {
+                params,
+                grads,
+                opt,
+                compute,
+            } => match compute {
+                // The bf16 compute copy written by the update kernels themselves.
+                Some(c) => {
+                    c.update_with(|copy| opt.step_rounded(be, params, grads, lr, coef, copy))
+                }
+                None => opt.step_scaled(be, params, grads, lr, coef),
+            },
+            Shards::Fsdp {
+                params, grads, opt, ..
+            } => {
+                let (master, shards) = (params.master_mut(), grads.shards_mut());
+                opt.step_scaled(be, mesh, master, shards, lr, coef)?
+            }
+        }
+        Ok(())
+    }
+
+    /// Microbatch `m` of `k` of a step: forward and backward on `tokens`, a global microbatch
+    /// of `global` tokens, adding `1/k` of its gradients into the step's (FSDP: reduce-scattered,
+    /// the first microbatch's replacing the shards, the others added to them).
+    fn forward_backward(
+        &mut self,
+        c: Compute,
+        tokens: Tokens,
+        global: usize,
+        (m, k): (usize, usize),
+        tracer: &Tracer,
+    ) -> Result<StepOutput> {
+        let Compute {
+            be,
+            model,
+            ws,
+            experts,
+        } = c;
+        let scale = 1.0 / k as f32;
+        match self {
+            Shards::Whole {
+                params,
+                grads,
+                compute,
+                ..
+            } => {
+                // The bf16 compute copy with the other masters lent in, or the masters alone.
+                let mut local;
+                let mut lent;
+                let inner: &mut dyn ParamSource = match compute {
+                    Some(c) => {
+                        lent = c.lend(be, params);
+                        &mut lent
+                    }
+                    None => {
+                        local = LocalParams(params);
+                        &mut local
+                    }
+                };
+                let hooks = Hooks {
+                    params: &mut TracedBlocks {
+                        inner,
+                        tracer,
+                        started: None,
+                    },
+                    grads,
+                    experts,
+                };
+                forward_backward_with(be, model, hooks, ws, tokens, scale)
+            }
+            Shards::Fsdp { params, grads, .. } => {
+                params.begin(be, true, global)?;
+                grads.begin(be, m > 0)?;
+                let hooks = Hooks {
+                    params,
+                    grads,
+                    experts,
+                };
+                let one = forward_backward_with(be, model, hooks, ws, tokens, scale)?;
+                grads.finish(be, m + 1 == k)?;
+                Ok(one)
+            }
+        }
+    }
+
+    /// The loss of `tokens`, a global microbatch of `global` tokens, without gradients.
+    fn forward_loss(&mut self, c: Compute, tokens: Tokens, global: usize) -> Result<f64> {
+        let Compute {
+            be,
+            model,
+            ws,
+            experts: ex,
+        } = c;
+        match self {
+            Shards::Whole {
+                params,
+                compute: Some(c),
+                ..
+            } => Ok(forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens)?.loss),
+            Shards::Whole { params, .. } => {
+                Ok(forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens)?.loss)
+            }
+            Shards::Fsdp { params, .. } => {
+                params.begin(be, false, global)?;
+                Ok(forward_loss_with(be, model, params, ex, ws, tokens)?.loss)
+            }
+        }
+    }
+
+    /// This rank's tensor of parameter `i` as the optimizer holds it (whole, or its master
+    /// shard) with the range of its experts that is this `dp_shard` rank's.
+    fn expert_part_mut(
+        &mut self,
+        i: usize,
+        experts: usize,
+        rank: usize,
+    ) -> (&mut Tensor, Range<usize>) {
+        match self {
+            Shards::Whole { params, .. } => (params.get_mut(i), 0..experts),
+            Shards::Fsdp { layout, params, .. } => {
+                (&mut params.master_mut()[i], layout.range(i, rank))
+            }
+        }
+    }
+
+    /// The optimizer, whichever it is.
+    pub fn opt(&self) -> &dyn OptimizerState {
+        match self {
+            Shards::Whole { opt, .. } => opt,
+            Shards::Fsdp { opt, .. } => opt,
+        }
+    }
+
+    pub fn opt_mut(&mut self) -> &mut dyn OptimizerState {
+        match self {
+            Shards::Whole { opt, .. } => opt,
+            Shards::Fsdp { opt, .. } => opt,
+        }
+    }
 }
 
 /// The backend `device` asks for, with a fresh ledger, for the CPU kinds. A GPU backend is made
@@ -426,7 +588,7 @@ impl RankState {
         let docs = data.batch_doc_starts(step as u64, batch, seq, world.rank(), world.size());
 
         // Forward and backward per microbatch, the gradients accumulated.
-        self.zero_whole_grads();
+        self.shards.zero_grads(self.be.as_ref());
         let out = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer)?;
 
         // Reduce: the loss, the gradient norm and the expert buffers' use, over all ranks.
@@ -449,7 +611,7 @@ impl RankState {
         // each gradient as they read it (no pass over the gradients of its own).
         let coef = clip_coef(norm, self.cfg.training.grad_clip).unwrap_or(1.0);
         let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
-        self.update(lr, coef)?;
+        self.shards.update(self.be.as_ref(), &self.mesh, lr, coef)?;
         if self.cfg.model.router_bias_update > 0.0 {
             self.update_router_bias(&out.expert_load);
         }
@@ -470,16 +632,6 @@ impl RankState {
             expert_regrowths: sums.expert_regrowths(),
             expert_rows_over_even: sums.expert_rows_over_even(),
         })
-    }
-
-    /// Zero the whole gradients before a step's first microbatch adds into them. FSDP's need
-    /// no pass: the first microbatch's reduce-scatter replaces the shards.
-    fn zero_whole_grads(&mut self) {
-        if let Shards::Whole { grads, .. } = &mut self.shards {
-            for g in grads.tensors_mut() {
-                self.be.fill(g.view_mut(), 0.0);
-            }
-        }
     }
 
     /// Gradient accumulation: forward and backward over this rank's slice (`inputs`, `targets`,
@@ -511,7 +663,15 @@ impl RankState {
                 targets: &targets[rows.clone()],
                 doc_starts: doc_starts.map(|d| &d[rows]),
             };
-            let one = self.forward_backward(tokens, global, (m, k), tracer)?;
+            let c = Compute {
+                be: self.be.as_ref(),
+                model: &self.model,
+                ws: &mut self.ws,
+                experts: &mut *self.experts,
+            };
+            let one = self
+                .shards
+                .forward_backward(c, tokens, global, (m, k), tracer)?;
             accumulate_output(&mut out, one, k);
         }
         Ok(out)
@@ -522,7 +682,8 @@ impl RankState {
     fn local_grad_sumsq(&mut self) -> f64 {
         let specs = self.model.param_specs();
         self.be.fill(self.norm_acc.view_mut(), 0.0);
-        for g in trainable_grads(&mut self.shards, specs) {
+        let grads = self.shards.grads_mut().iter().zip(specs);
+        for (g, _) in grads.filter(|(_, s)| s.kind.is_trainable()) {
             self.be.sumsq_acc(self.norm_acc.view_mut(), g.view());
         }
         let sumsq = self.be.download_f64(self.norm_acc.view())[0];
@@ -533,94 +694,6 @@ impl RankState {
             sumsq
         } else {
             0.0
-        }
-    }
-
-    /// The optimizer update at learning rate `lr`, each gradient scaled by the clipping
-    /// coefficient `coef` as the update kernels read it.
-    fn update(&mut self, lr: f64, coef: f32) -> Result<()> {
-        let be: &dyn Backend = self.be.as_ref();
-        match &mut self.shards {
-            Shards::Whole {
-                params,
-                grads,
-                opt,
-                compute,
-            } => {
-                // The bf16 compute copy written by the update kernels themselves.
-                match compute {
-                    Some(c) => {
-                        c.update_with(|copy| opt.step_rounded(be, params, grads, lr, coef, copy))
-                    }
-                    None => opt.step_scaled(be, params, grads, lr, coef),
-                }
-            }
-            Shards::Fsdp {
-                params, grads, opt, ..
-            } => {
-                let (master, shards) = (params.master_mut(), grads.shards_mut());
-                opt.step_scaled(be, &self.mesh, master, shards, lr, coef)?
-            }
-        }
-        Ok(())
-    }
-
-    /// Microbatch `m` of `k` of a step: forward and backward on `tokens`, a global microbatch of
-    /// `global` tokens, adding 1/k of its gradients into the step's (FSDP: reduce-scattered,
-    /// the first microbatch's replacing the shards, the others added to them).
-    fn forward_backward(
-        &mut self,
-        tokens: Tokens,
-        global: usize,
-        (m, k): (usize, usize),
-        tracer: &Tracer,
-    ) -> Result<StepOutput> {
-        let be: &dyn Backend = self.be.as_ref();
-        let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
-        let scale = 1.0 / k as f32;
-        match &mut self.shards {
-            Shards::Whole {
-                params,
-                grads,
-                compute,
-                ..
-            } => {
-                // The bf16 compute copy with the other masters lent in, or the masters alone.
-                let mut local;
-                let mut lent;
-                let inner: &mut dyn ParamSource = match compute {
-                    Some(c) => {
-                        lent = c.lend(be, params);
-                        &mut lent
-                    }
-                    None => {
-                        local = LocalParams(params);
-                        &mut local
-                    }
-                };
-                let hooks = Hooks {
-                    params: &mut TracedBlocks {
-                        inner,
-                        tracer,
-                        started: None,
-                    },
-                    grads,
-                    experts: ex,
-                };
-                forward_backward_with(be, model, hooks, ws, tokens, scale)
-            }
-            Shards::Fsdp { params, grads, .. } => {
-                params.begin(be, true, global)?;
-                grads.begin(be, m > 0)?;
-                let hooks = Hooks {
-                    params,
-                    grads,
-                    experts: ex,
-                };
-                let one = forward_backward_with(be, model, hooks, ws, tokens, scale)?;
-                grads.finish(be, m + 1 == k)?;
-                Ok(one)
-            }
         }
     }
 
@@ -668,23 +741,13 @@ impl RankState {
                     targets: &y[rows.clone()],
                     doc_starts: docs.as_ref().map(|d| &d[rows]),
                 };
-                let (model, ws, ex) = (&self.model, &mut self.ws, &mut *self.experts);
-                *s += match &mut self.shards {
-                    Shards::Whole {
-                        params,
-                        compute: Some(c),
-                        ..
-                    } => {
-                        forward_loss_with(be, model, &mut c.lend(be, params), ex, ws, tokens)?.loss
-                    }
-                    Shards::Whole { params, .. } => {
-                        forward_loss_with(be, model, &mut LocalParams(params), ex, ws, tokens)?.loss
-                    }
-                    Shards::Fsdp { params, .. } => {
-                        params.begin(be, false, w * micro * seq)?;
-                        forward_loss_with(be, model, params, ex, ws, tokens)?.loss
-                    }
-                } / k as f64;
+                let c = Compute {
+                    be,
+                    model: &self.model,
+                    ws: &mut self.ws,
+                    experts: &mut *self.experts,
+                };
+                *s += self.shards.forward_loss(c, tokens, w * micro * seq)? / k as f64;
             }
         }
         world.all_reduce(ViewMut::Host64(&mut sums), Phase::Other)?;
@@ -699,12 +762,7 @@ impl RankState {
         let biases = self.model.router_biases();
         for (&i, load) in biases.iter().zip(loads) {
             // The selection bias is f32 (not in a bf16 compute copy).
-            let (t, experts) = match &mut self.shards {
-                Shards::Whole { params, .. } => (params.get_mut(i), 0..load.len()),
-                Shards::Fsdp { layout, params, .. } => {
-                    (&mut params.master_mut()[i], layout.range(i, rank))
-                }
-            };
+            let (t, experts) = self.shards.expert_part_mut(i, load.len(), rank);
             router_bias_step(self.be.as_ref(), t, experts, load, coeff);
         }
     }

@@ -10,8 +10,10 @@
 //! - [`layout`]: units (one per block, plus the root unit) and shard ranges.
 //! - [`fsdp`]: per-block all-gathers (bf16 or f32) into a fixed pool with prefetch, gradient
 //!   reduce-scatters in f32.
-//! - [`optim`]: Muon and AdamW on shards; Muon's Newton–Schulz placed by FlexShard or the naive
-//!   baseline through [`ganymede_dist::muon_exchange`].
+//! - [`flexshard`]: the placement policy (FlexShard or the naive baseline): who stores what,
+//!   who runs each matrix's Newton–Schulz.
+//! - [`optim`]: Muon and AdamW on shards; Muon's Newton–Schulz where the plan puts it, through
+//!   [`ganymede_dist::muon_exchange`].
 //! - [`ep`]: expert parallelism, tokens to their experts' ranks with uneven all-to-alls.
 //! - [`checkpoint`]: a rank's state saved gathered (rank 0 writes the single-process files) or
 //!   as per-rank shards with a layout record; either loads at any rank count and mesh shape.
@@ -20,8 +22,10 @@ pub mod checkpoint;
 pub mod compute_copy;
 pub mod driver;
 pub mod ep;
+pub mod flexshard;
 pub mod fsdp;
 pub mod layout;
 pub mod optim;
 
-pub use driver::{policy, RankState, Shards, StepReport};
+pub use driver::{RankState, Shards, StepReport};
+pub use flexshard::policy;

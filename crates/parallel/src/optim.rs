@@ -1,6 +1,7 @@
 //! The optimizer on shards. AdamW, Nesterov momentum and the decayed update are elementwise, so
-//! they run on each rank's shards with the same kernels as one process; only Newton–Schulz needs
-//! whole matrices, and [`ganymede_dist::muon_exchange`] brings them where the plan says
+//! they run on each rank's shards through the single-process optimizer's own update rule
+//! ([`ganymede_optim::Step::update`]); only Newton–Schulz needs whole matrices, and
+//! [`ganymede_dist::muon_exchange`] brings them where the plan ([`crate::flexshard`]) says
 //! (FlexShard: experts on their owners with no communication, dense matrices on LPT owners;
 //! naive: every matrix gathered on a round-robin root). Padding stays zero throughout (zero
 //! gradient, zero state, zero parameter).
@@ -10,16 +11,58 @@
 //! two device slots ([`Staging`]): AdamW's parameter with its moments, Muon's momentum before
 //! Newton–Schulz and its parameter after.
 
+use crate::flexshard::batch_counts;
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{Backend, Category, Tensor, ViewMut};
-use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Placement, Plan};
+use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{
-    indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops,
-    stream_states, update_rule, NsScratch, ParamState, SkipWait, Staging, StepConsts, UpdateRule,
-    PAR_MATRIX_MAX_FLOPS,
+    indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_flops, stream_states,
+    update_rule, MuonParam, NsScratch, Optimizer, ParamState, SkipWait, Staging, StateView, Step,
+    UpdateRule, PAR_MATRIX_MAX_FLOPS,
 };
 use std::sync::Arc;
+
+/// What the rank's checkpoints need of its optimizer, whole-parameter or sharded.
+pub trait OptimizerState {
+    /// State tensors as `(parameter index, checkpoint suffix, tensor)`, in parameter order.
+    fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)>;
+    /// Block the host until host-resident state written back by the last step is complete.
+    fn synchronize_state(&self, be: &dyn Backend);
+    /// Steps taken so far (AdamW's bias correction uses it).
+    fn step_count(&self) -> u64;
+    fn set_step_count(&mut self, n: u64);
+}
+
+impl OptimizerState for Optimizer {
+    fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        self.state_indexed_mut()
+    }
+    fn synchronize_state(&self, be: &dyn Backend) {
+        Optimizer::synchronize_state(self, be)
+    }
+    fn step_count(&self) -> u64 {
+        Optimizer::step_count(self)
+    }
+    fn set_step_count(&mut self, n: u64) {
+        Optimizer::set_step_count(self, n)
+    }
+}
+
+impl OptimizerState for ShardedOptimizer {
+    fn state_mut(&mut self) -> Vec<(usize, &'static str, &mut Tensor)> {
+        ShardedOptimizer::state_mut(self)
+    }
+    fn synchronize_state(&self, be: &dyn Backend) {
+        ShardedOptimizer::synchronize_state(self, be)
+    }
+    fn step_count(&self) -> u64 {
+        ShardedOptimizer::step_count(self)
+    }
+    fn set_step_count(&mut self, n: u64) {
+        ShardedOptimizer::set_step_count(self, n)
+    }
+}
 
 pub struct ShardedOptimizer {
     cfg: OptimizerConfig,
@@ -177,18 +220,11 @@ impl ShardedOptimizer {
         grad_scale: f32,
     ) -> ganymede_dist::Result<()> {
         self.step += 1;
-        let cfg = &self.cfg;
-        let k = StepConsts {
-            step: self.step,
-            lr,
-            grad_scale,
-        };
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale);
         let rules = &self.rules;
-        // Nesterov momentum on each Muon shard (its gradient shard becomes the update), AdamW
-        // on the rest.
-        let muon_items: Vec<usize> = (0..rules.len())
-            .filter(|&i| matches!(rules[i], UpdateRule::Muon { .. }))
-            .collect();
+        // Each shard's update; a Muon shard's gradient becomes its update (Nesterov momentum
+        // in place), orthogonalised and applied below.
+        let momentum = |m: MuonParam<ViewMut>| s.momentum(be, m.momentum, m.g);
         if let Some(staging) = &mut self.staging {
             // Host-resident state and master shards: each shard's through a device slot, an
             // AdamW parameter shard staged before its moments.
@@ -198,15 +234,17 @@ impl ShardedOptimizer {
                 true => vec![ps[i].take().expect("each shard staged once")],
                 false => vec![],
             };
-            stream_states(be, staging, &mut self.states, extra, |i, state| {
-                let g = &mut grads[i];
-                match rules[i] {
-                    UpdateRule::AdamW { weight_decay } => {
-                        let (p, mv) = state.split_at(g.len());
-                        let (m, v) = mv.split_at(g.len());
-                        be.adamw_step(p, m, v, g.view(), &k.adamw(cfg, weight_decay), None);
+            stream_states(be, staging, &mut self.states, extra, |i, slot| {
+                let (p, slot) = match adamw(i) {
+                    true => {
+                        let (p, state) = slot.split_at(grads[i].len());
+                        (Some(p), state)
                     }
-                    _ => be.nesterov_momentum(state, g.view_mut(), cfg.momentum, grad_scale),
+                    false => (None, slot),
+                };
+                let state = StateView::staged(&rules[i], slot);
+                if let Some(m) = s.update(be, &rules[i], state, p, grads[i].view_mut(), None) {
+                    momentum(m);
                 }
             });
         } else {
@@ -215,25 +253,29 @@ impl ShardedOptimizer {
                 .iter_mut()
                 .zip(params.iter_mut().zip(grads.iter_mut()));
             for (i, (state, (p, g))) in each.enumerate() {
-                match (state, rules[i]) {
-                    (ParamState::AdamW { m, v }, UpdateRule::AdamW { weight_decay }) => {
-                        let h = k.adamw(cfg, weight_decay);
-                        be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None);
-                    }
-                    (ParamState::Muon { momentum }, _) => {
-                        let mom = momentum.view_mut();
-                        be.nesterov_momentum(mom, g.view_mut(), cfg.momentum, grad_scale);
-                    }
-                    _ => {}
+                let p = Some(p.view_mut());
+                if let Some(m) = s.update(be, &rules[i], state.view_mut(), p, g.view_mut(), None) {
+                    momentum(m);
                 }
             }
         }
-        if muon_items.is_empty() {
-            self.settle(be);
-            return Ok(());
+        if rules.iter().any(|r| matches!(r, UpdateRule::Muon { .. })) {
+            self.orthogonalise(be, mesh, grads, s)?;
+            self.apply_muon(be, params, grads, s);
         }
-        // Newton–Schulz where the plan puts each matrix; the update slices (in the gradient
-        // shards) come back orthogonalised.
+        self.settle(be);
+        Ok(())
+    }
+
+    /// Newton–Schulz where the plan puts each matrix: the Muon updates (in the gradient shards)
+    /// come back orthogonalised.
+    fn orthogonalise(
+        &mut self,
+        be: &dyn Backend,
+        mesh: &DeviceMesh,
+        grads: &mut [Tensor],
+        s: Step,
+    ) -> ganymede_dist::Result<()> {
         let mut slices: Vec<(usize, ViewMut)> = Vec::new();
         for (i, (rule, g)) in self.rules.iter().zip(grads.iter_mut()).enumerate() {
             if let UpdateRule::Muon { .. } = rule {
@@ -241,82 +283,33 @@ impl ShardedOptimizer {
             }
         }
         let mut roots: Vec<ViewMut> = self.roots.iter_mut().map(|t| t.view_mut()).collect();
-        let steps = cfg.ns_steps;
-        let bf16 = ns_bf16(cfg.ns_dtype, be);
-        let scratch = &mut self.scratch;
-        let batch = &mut self.batch;
-        let mut ns = |job: NsJob<'_>| {
-            let (r, c) = (job.rows, job.cols);
-            if let (Some(st), true) = (batch.as_mut(), job.count > 1) {
-                // A matrix set in strided batches: each matrix gets the calls of its own
-                // Newton–Schulz (the same bits where the strided calls are loops).
-                let n = r * c;
-                let b = ganymede_config::ns_stack_batch(
-                    r,
-                    c,
-                    job.count,
-                    ganymede_config::NS_STACK_BYTES,
-                );
-                let mut data = job.data;
-                let mut e0 = 0;
-                while e0 < job.count {
-                    let k = b.min(job.count - e0);
-                    let x = data.reborrow().slice(e0 * n, k * n);
-                    newton_schulz_strided(be, x, k, r, c, steps, bf16, st);
-                    e0 += k;
-                }
-                return;
+        let (scratch, batch) = (&mut self.scratch, &mut self.batch);
+        let mut ns = |job: NsJob<'_>| run_ns(be, job, scratch, batch.as_mut(), s);
+        muon_exchange(&self.plan, mesh, &mut slices, &mut roots, &mut ns)
+    }
+
+    /// Muon's decayed update of each shard from its orthogonalised update; host-resident
+    /// parameters each through a slot for it.
+    fn apply_muon(&mut self, be: &dyn Backend, params: &mut [Tensor], grads: &[Tensor], s: Step) {
+        let mut ps: Vec<Vec<&mut Tensor>> = Vec::new();
+        let mut updates = Vec::new();
+        for (i, p) in params.iter_mut().enumerate() {
+            if let UpdateRule::Muon { scale, .. } = self.rules[i] {
+                ps.push(vec![p]);
+                updates.push((&grads[i], scale));
             }
-            let lanes = if ns_flops(r, c, steps) <= PAR_MATRIX_MAX_FLOPS {
-                scratch.len()
-            } else {
-                1
-            };
-            newton_schulz_batch(
-                be,
-                job.data,
-                job.count,
-                r,
-                c,
-                steps,
-                bf16,
-                &mut scratch[..lanes],
-            );
-        };
-        muon_exchange(&self.plan, mesh, &mut slices, &mut roots, &mut ns)?;
-        let decay = lr * cfg.weight_decay;
+        }
         match &mut self.staging {
-            Some(staging) => {
-                // Host-resident parameters: each through a slot for its update.
-                let mut ps: Vec<Vec<&mut Tensor>> = Vec::new();
-                let mut updates = Vec::new();
-                for (i, p) in params.iter_mut().enumerate() {
-                    if let UpdateRule::Muon { scale, .. } = &self.rules[i] {
-                        ps.push(vec![p]);
-                        updates.push((&grads[i], lr * scale));
-                    }
-                }
-                staging.stream(be, &mut ps, |k, p| {
-                    let (u, alpha) = updates[k];
-                    be.decay_update(p, u.view(), alpha, decay, None);
-                });
-            }
+            Some(staging) => staging.stream(be, &mut ps, |k, p| {
+                let (u, scale) = updates[k];
+                s.apply(be, p, u.view(), scale, None);
+            }),
             None => {
-                for i in muon_items {
-                    if let UpdateRule::Muon { scale, .. } = &self.rules[i] {
-                        be.decay_update(
-                            params[i].view_mut(),
-                            grads[i].view(),
-                            lr * scale,
-                            decay,
-                            None,
-                        );
-                    }
+                for (p, (u, scale)) in ps.iter_mut().zip(updates) {
+                    s.apply(be, p[0].view_mut(), u.view(), scale, None);
                 }
             }
         }
-        self.settle(be);
-        Ok(())
     }
 
     /// With host-resident parameters: block until the last write-back is complete, so the next
@@ -329,19 +322,34 @@ impl ShardedOptimizer {
     }
 }
 
-/// The matrix sets a rank may orthogonalise, as `(rows, cols, count)` per Muon parameter of
-/// `plan`: a routed stack's owned experts under FlexShard (`per_owner`, the most a rank owns),
-/// any other stack whole (its root's), a dense matrix alone. Every rank sizes its batched
-/// scratch by them alike; the planner counts the same (`ganymede_plan`'s sharded prediction).
-fn batch_counts(plan: &Plan) -> Vec<(usize, usize, usize)> {
-    plan.params
-        .iter()
-        .filter(|p| p.is_muon())
-        .filter_map(|p| match (p.placement, p.local_shape.as_slice()) {
-            (Placement::Expert { per_owner }, &[e, r, c]) => Some((r, c, per_owner.min(e))),
-            (_, &[e, r, c]) => Some((r, c, e)),
-            (_, &[r, c]) => Some((r, c, 1)),
-            _ => None,
-        })
-        .collect()
+/// One Newton–Schulz job of the exchange: a matrix set in strided batches on `batch` where the
+/// backend batches matrices (each matrix gets the calls of its own Newton–Schulz, so the same
+/// bits where the strided calls are loops), else spread over the scratch lanes when small.
+fn run_ns(
+    be: &dyn Backend,
+    job: NsJob<'_>,
+    scratch: &mut [NsScratch],
+    batch: Option<&mut NsScratch>,
+    s: Step,
+) {
+    let (r, c, steps, bf16) = (job.rows, job.cols, s.ns_steps(), s.ns_bf16);
+    if let (Some(st), true) = (batch, job.count > 1) {
+        let n = r * c;
+        let b = ganymede_config::ns_stack_batch(r, c, job.count, ganymede_config::NS_STACK_BYTES);
+        let mut data = job.data;
+        let mut e0 = 0;
+        while e0 < job.count {
+            let k = b.min(job.count - e0);
+            let x = data.reborrow().slice(e0 * n, k * n);
+            newton_schulz_strided(be, x, k, r, c, steps, bf16, st);
+            e0 += k;
+        }
+        return;
+    }
+    let lanes = match ns_flops(r, c, steps) <= PAR_MATRIX_MAX_FLOPS {
+        true => scratch.len(),
+        false => 1,
+    };
+    let scratch = &mut scratch[..lanes];
+    newton_schulz_batch(be, job.data, job.count, r, c, steps, bf16, scratch);
 }

@@ -678,9 +678,10 @@ pub fn ep_capacity_rows(job: &JobConfig) -> Option<usize> {
 }
 
 /// Elements of the whole matrices rank 0 (whose ledger `memory.json` holds) gathers as a
-/// Newton–Schulz root, as `ganymede_dist::placement::plan` assigns them under ep = 1: round-robin
-/// over the Muon tensors (naive), or, under FlexShard, each rank's whole routed experts first,
-/// then the other Muon tensors heaviest first, each to the least-loaded rank (lowest on ties).
+/// Newton–Schulz root, as `ganymede_parallel::flexshard::plan` assigns them under ep = 1:
+/// round-robin over the Muon tensors (naive), or, under FlexShard, each rank's whole routed
+/// experts first, then the other Muon tensors heaviest first, each to the least-loaded rank
+/// (lowest on ties).
 fn root_elems(ts: &[Rt], c: Cut, muon: bool) -> u64 {
     if !muon {
         return 0;

@@ -141,7 +141,9 @@ fn main() {
             } else {
                 Policy::FlexShard
             };
-            let p = ganymede_dist::plan(&specs, MeshShape::new(ranks, ep).unwrap(), pol).unwrap();
+            let p =
+                ganymede_parallel::flexshard::plan(&specs, MeshShape::new(ranks, ep).unwrap(), pol)
+                    .unwrap();
             let f: Vec<u64> = optimizer_bytes(&p, 4).iter().map(|x| x.0).collect();
             assert_eq!(
                 m, f,

@@ -21,7 +21,7 @@ use crate::st_file::{Entry, StFile};
 use anyhow::{bail, Context, Result};
 use ganymede_config::{JobConfig, ModelConfig};
 use ganymede_core::ParamSpec;
-use ganymede_parallel::{RankState, Shards};
+use ganymede_parallel::RankState;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -472,29 +472,20 @@ pub fn load_into(st: &mut RankState, hf: &HfCheckpoint, cfg: &JobConfig) -> Resu
     let specs = st.model.param_specs().to_vec();
     let be = st.be.clone();
     let groups = ganymede_parallel::fsdp::Groups::of(&st.mesh);
-    match &mut st.shards {
-        Shards::Whole {
-            params, compute, ..
-        } => {
-            for (i, s) in specs.iter().enumerate() {
-                let data = hf.read(&plan[&s.name], 0, s.numel())?;
-                be.write(params.tensors_mut()[i].view_mut(), &data);
-            }
-            // The bf16 weights are cast again from the new masters.
-            if let Some(c) = compute {
-                c.invalidate();
-            }
-        }
-        Shards::Fsdp { layout, params, .. } => {
-            let layout = layout.clone();
-            for (i, s) in specs.iter().enumerate() {
+    let layout = st.shards.layout().cloned();
+    for (i, s) in specs.iter().enumerate() {
+        let part = match &layout {
+            None => hf.read(&plan[&s.name], 0, s.numel())?,
+            Some(layout) => {
                 let r = layout.range(i, groups.get(layout.group[i]).rank());
                 let o = layout.offset[i];
                 let mut part = hf.read(&plan[&s.name], o + r.start, o + r.end)?;
                 part.resize(layout.shard[i], 0.0);
-                be.write(params.master_mut()[i].view_mut(), &part);
+                part
             }
-        }
+        };
+        // Whole parameters' bf16 weights are cast again from the new masters.
+        be.write(st.shards.params_mut()[i].view_mut(), &part);
     }
     Ok(())
 }

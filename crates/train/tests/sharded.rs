@@ -263,7 +263,7 @@ fn under_expert_parallelism_too() {
         (ganymede_dist::Policy::FlexShard, &bf),
         (ganymede_dist::Policy::Naive, &bn),
     ] {
-        let p = ganymede_dist::plan(&specs, shape, policy).unwrap();
+        let p = ganymede_parallel::flexshard::plan(&specs, shape, policy).unwrap();
         assert_eq!(&optimizer_bytes(&p, 4), measured, "{policy:?}");
     }
 }
@@ -286,7 +286,7 @@ fn flexshard_and_naive_muon_give_the_same_parameters_and_the_formulas_bytes() {
         (ganymede_dist::Policy::FlexShard, &bf),
         (ganymede_dist::Policy::Naive, &bn),
     ] {
-        let p = ganymede_dist::plan(&specs, shape, policy).unwrap();
+        let p = ganymede_parallel::flexshard::plan(&specs, shape, policy).unwrap();
         assert_eq!(&optimizer_bytes(&p, 4), measured, "{policy:?}");
     }
     assert!(bf.iter().map(|b| b.0).sum::<u64>() * 5 < bn.iter().map(|b| b.0).sum::<u64>());
@@ -370,7 +370,7 @@ fn presets_place() {
     let specs = ganymede_model::param_specs(&e.model);
     let shape = ganymede_dist::MeshShape::new(384, 4).unwrap();
     let (naive, flex) =
-        ganymede_dist::placement::optimizer_bytes_compare(&specs, shape, 4).unwrap();
+        ganymede_parallel::flexshard::optimizer_bytes_compare(&specs, shape, 4).unwrap();
     assert!(flex * 50 < naive);
 }
 

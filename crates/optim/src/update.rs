@@ -1,0 +1,219 @@
+//! The one update rule of both optimizers. [`Step::update`] is one parameter's update, whether
+//! the tensors are a whole parameter ([`crate::Optimizer`]) or a rank's shard of it
+//! (`ganymede_parallel::optim`), and whether its state is resident or staged through a device
+//! slot from host memory ([`StateView`]): AdamW's whole update, and for Muon the parameter
+//! handed back ([`MuonParam`]) with its state, since Newton–Schulz needs whole matrices and each
+//! optimizer brings them together its own way (scratch slots, or the FlexShard exchange). Muon's
+//! two elementwise halves, Nesterov momentum before Newton–Schulz and the decayed update after,
+//! are [`Step::momentum`] and [`Step::apply`].
+
+use crate::{ParamState, UpdateRule};
+use ganymede_config::OptimizerConfig;
+use ganymede_core::{AdamWStep, Backend, View, ViewMut};
+
+/// One parameter's (or shard's) state as views, wherever it lives: its resident tensors
+/// ([`ParamState::view_mut`]) or a device staging slot ([`StateView::staged`]).
+pub enum StateView<'a> {
+    Muon { momentum: ViewMut<'a> },
+    AdamW { m: ViewMut<'a>, v: ViewMut<'a> },
+    Frozen,
+}
+
+impl<'a> StateView<'a> {
+    /// The state of a `rule` parameter staged in `slot`, its tensors one after another in
+    /// [`ParamState::tensors`]'s order.
+    pub fn staged(rule: &UpdateRule, slot: ViewMut<'a>) -> Self {
+        match rule {
+            UpdateRule::Muon { .. } => StateView::Muon { momentum: slot },
+            UpdateRule::AdamW { .. } => {
+                let n = slot.len() / 2;
+                let (m, v) = slot.split_at(n);
+                StateView::AdamW { m, v }
+            }
+            UpdateRule::Frozen => StateView::Frozen,
+        }
+    }
+}
+
+impl ParamState {
+    /// Its resident tensors as views.
+    pub fn view_mut(&mut self) -> StateView<'_> {
+        match self {
+            ParamState::Muon { momentum } => StateView::Muon {
+                momentum: momentum.view_mut(),
+            },
+            ParamState::AdamW { m, v } => StateView::AdamW {
+                m: m.view_mut(),
+                v: v.view_mut(),
+            },
+            ParamState::Frozen => StateView::Frozen,
+        }
+    }
+}
+
+/// A gradient the update reads: a [`View`] of gradients the caller keeps (the single-process
+/// optimizer's), or a [`ViewMut`] of a shard that becomes Muon's update in place (the sharded
+/// optimizer's, so it holds no update buffer).
+pub trait Grad {
+    fn read(&self) -> View<'_>;
+}
+
+impl Grad for View<'_> {
+    fn read(&self) -> View<'_> {
+        *self
+    }
+}
+
+impl Grad for ViewMut<'_> {
+    fn read(&self) -> View<'_> {
+        self.as_view()
+    }
+}
+
+/// A Muon parameter (or shard) whose update waits for Newton–Schulz: `count` matrices of
+/// `rows × cols`, one after another in each view.
+pub struct MuonParam<'a, G> {
+    /// `None` where the optimizer updates the parameter later (host-resident shards are staged
+    /// for [`Step::apply`] after the exchange).
+    pub p: Option<ViewMut<'a>>,
+    pub momentum: ViewMut<'a>,
+    pub g: G,
+    pub rows: usize,
+    pub cols: usize,
+    pub count: usize,
+    pub scale: f64,
+    /// The parameter's bf16 compute copy, written by the update (see `Optimizer::step_rounded`).
+    pub rounded: Option<ViewMut<'a>>,
+}
+
+/// One step's constants and the update kernels they go to: its number (from 1), learning rate
+/// and the gradients' factor (global-norm clipping's coefficient, or 1), which every update
+/// kernel applies as it reads a gradient.
+#[derive(Clone, Copy)]
+pub struct Step {
+    cfg: Hyper,
+    pub step: u64,
+    pub lr: f64,
+    pub grad_scale: f32,
+    /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
+    pub ns_bf16: bool,
+}
+
+/// The hyperparameters (`optimizer.*`) the kernels read, copied so that a step holds no borrow
+/// of its optimizer.
+#[derive(Clone, Copy)]
+struct Hyper {
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    momentum: f64,
+    weight_decay: f64,
+    ns_steps: usize,
+}
+
+impl Step {
+    pub fn new(
+        be: &dyn Backend,
+        cfg: &OptimizerConfig,
+        step: u64,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Self {
+        Step {
+            cfg: Hyper {
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+                momentum: cfg.momentum,
+                weight_decay: cfg.weight_decay,
+                ns_steps: cfg.ns_steps,
+            },
+            step,
+            lr,
+            grad_scale,
+            ns_bf16: crate::ns_bf16(cfg.ns_dtype, be),
+        }
+    }
+
+    /// Newton–Schulz iterations (`optimizer.ns_steps`).
+    pub fn ns_steps(&self) -> usize {
+        self.cfg.ns_steps
+    }
+
+    /// AdamW's constants for a parameter of `weight_decay`, bias corrections included.
+    pub fn adamw_consts(&self, weight_decay: f64) -> AdamWStep {
+        let (cfg, t) = (self.cfg, self.step as i32);
+        AdamWStep {
+            lr: self.lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay,
+            bias_correction1: 1.0 - cfg.beta1.powi(t),
+            bias_correction2: 1.0 - cfg.beta2.powi(t),
+            grad_scale: self.grad_scale,
+        }
+    }
+
+    /// One parameter's (or shard's) update under `rule` with its state `state`: AdamW's whole
+    /// update of `p` (and of its compute copy `rounded`) here; a Muon parameter returned for
+    /// its optimizer to run through [`Step::momentum`], Newton–Schulz and [`Step::apply`].
+    pub fn update<'a, G: Grad>(
+        &self,
+        be: &dyn Backend,
+        rule: &UpdateRule,
+        state: StateView<'a>,
+        p: Option<ViewMut<'a>>,
+        g: G,
+        rounded: Option<ViewMut<'a>>,
+    ) -> Option<MuonParam<'a, G>> {
+        match (*rule, state) {
+            (UpdateRule::AdamW { weight_decay }, StateView::AdamW { m, v }) => {
+                let p = p.expect("an AdamW update needs its parameter");
+                let h = self.adamw_consts(weight_decay);
+                be.adamw_step(p, m, v, g.read(), &h, rounded);
+                None
+            }
+            (
+                UpdateRule::Muon {
+                    rows,
+                    cols,
+                    count,
+                    scale,
+                },
+                StateView::Muon { momentum },
+            ) => Some(MuonParam {
+                p,
+                momentum,
+                g,
+                rows,
+                cols,
+                count,
+                scale,
+                rounded,
+            }),
+            (UpdateRule::Frozen, StateView::Frozen) => None,
+            (rule, _) => panic!("optimizer state does not match the rule {rule:?}"),
+        }
+    }
+
+    /// Muon's Nesterov momentum: `u`, holding the gradient, becomes the update Newton–Schulz
+    /// orthogonalises.
+    pub fn momentum(&self, be: &dyn Backend, momentum: ViewMut, u: ViewMut) {
+        be.nesterov_momentum(momentum, u, self.cfg.momentum, self.grad_scale);
+    }
+
+    /// Muon's decayed update of `p` (and of its compute copy `rounded`) from the orthogonalised
+    /// `u`, at `scale` ([`crate::muon_scale`]).
+    pub fn apply(
+        &self,
+        be: &dyn Backend,
+        p: ViewMut,
+        u: View,
+        scale: f64,
+        rounded: Option<ViewMut>,
+    ) {
+        let (alpha, decay) = (self.lr * scale, self.lr * self.cfg.weight_decay);
+        be.decay_update(p, u, alpha, decay, rounded);
+    }
+}
