@@ -1021,8 +1021,8 @@ impl Launcher for CountingLauncher {
     fn addr_mut(&self, v: ganymede_core::ViewMut) -> *mut c_void {
         self.inner.addr_mut(v)
     }
-    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
-        self.inner.launch(name, cfg, args)
+    unsafe fn launch(&self, k: ganymede_cuda::kernel::Kernel, cfg: LaunchConfig, args: &[Arg]) {
+        self.inner.launch(k, cfg, args)
     }
     fn alloc_scratch(&self, bytes: usize) -> Tensor {
         self.inner.alloc_scratch(bytes)

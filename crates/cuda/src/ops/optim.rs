@@ -37,18 +37,18 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         if n == 0 {
             return;
         }
-        let mut args = vec![
+        let mut args = Args::from([
             self.arg_mut(param),
             self.arg_mut(m),
             self.arg_mut(v),
             self.arg(grad),
-        ];
-        let name = match rounded {
+        ]);
+        let k = match rounded {
             Some(r) => {
                 args.push(self.arg_mut(r));
-                "adamw_step_f32_rounded"
+                kernel!("adamw_step_f32_rounded")
             }
-            None => "adamw_step_f32",
+            None => kernel!("adamw_step_f32"),
         };
         args.extend([
             i64_of(n),
@@ -62,7 +62,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             f(1.0 / h.bias_correction2.sqrt()),
             f(h.eps),
         ]);
-        self.launch(name, self.ew(n), &args);
+        self.launch(k, self.ew(n), &args);
     }
 
     /// `decay_update_f32`, or with `rounded` `decay_update_f32_rounded`.
@@ -84,16 +84,16 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         if n == 0 {
             return;
         }
-        let mut args = vec![self.arg_mut(param), self.arg(update)];
-        let name = match rounded {
+        let mut args = Args::from([self.arg_mut(param), self.arg(update)]);
+        let k = match rounded {
             Some(r) => {
                 args.push(self.arg_mut(r));
-                "decay_update_f32_rounded"
+                kernel!("decay_update_f32_rounded")
             }
-            None => "decay_update_f32",
+            None => kernel!("decay_update_f32"),
         };
         args.extend([i64_of(n), f(alpha), f(1.0 - decay)]);
-        self.launch(name, self.ew(n), &args);
+        self.launch(k, self.ew(n), &args);
     }
 
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
@@ -110,7 +110,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             f(momentum),
             Arg::F32(grad_scale),
         ];
-        self.launch("nesterov_f32", self.ew(n), &args);
+        self.launch(kernel!("nesterov_f32"), self.ew(n), &args);
     }
 
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
@@ -125,7 +125,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         self.zero(sumsq, 8);
         self.sumsq_into(sumsq.into(), x.as_view(), partial, blocks);
         let args = [self.arg_mut(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
-        self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
+        self.launch(kernel!("scale_by_inv_norm_f32"), self.ew(n), &args);
     }
 
     /// Three launches for the whole stack (`sumsq_partial_strided_f32`, `sum_rows_f64`,
@@ -148,11 +148,12 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let per_matrix = cfg(grid(blocks, count, 1), self.tuning.ew_block);
         let x = self.arg_mut(x);
         let pass1 = [partial.into(), x, i64_of(n)];
-        self.launch("sumsq_partial_strided_f32", per_matrix, &pass1);
+        self.launch(kernel!("sumsq_partial_strided_f32"), per_matrix, &pass1);
         let pass2 = [sums.into(), partial.into(), i32_of(blocks)];
-        self.launch("sum_rows_f64", cfg(grid(count, 1, 1), 256), &pass2);
+        let sums_shape = cfg(grid(count, 1, 1), 256);
+        self.launch(kernel!("sum_rows_f64"), sums_shape, &pass2);
         let pass3 = [x, sums.into(), Arg::F64(eps), i64_of(n)];
-        self.launch("scale_by_inv_norm_strided_f32", per_matrix, &pass3);
+        self.launch(kernel!("scale_by_inv_norm_strided_f32"), per_matrix, &pass3);
     }
 }
 
