@@ -152,6 +152,7 @@ fn round(ops: &KernelOps<HostLauncher>, t: &mut Tensors) {
     ops.cast(t.xb.view_mut(), t.y.view());
     ops.sumsq_acc(t.acc.view_mut(), t.xb.view());
     ops.normalize_frobenius_strided(t.y.view_mut(), 4, 1e-7);
+    ops.normalize_frobenius_strided_bf16(t.y.view(), t.yb.view_mut(), 4, 1e-7);
     let h = AdamWStep {
         lr: 1e-3,
         beta1: 0.9,
