@@ -14,7 +14,8 @@
 
 use ganymede_core::sample::Lcg;
 use ganymede_core::{
-    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory, NnOps, Tensor,
+    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory, NnOps,
+    OptimOps, Tensor,
 };
 use ganymede_cuda::bounds::{set_bounds, Bounds};
 use ganymede_cuda::host::{
@@ -1183,13 +1184,15 @@ fn frobenius_normalisation_of_a_stack() {
 }
 
 /// Newton–Schulz in bf16 takes its first operand from the normalisation's own pass
-/// (`scale_by_inv_norm_strided_f32_to_bf16`, issue 32): bit for bit the kernels' f32
+/// (`scale_by_inv_norm_strided_f32_to_bf16`, issue 32; `OptimOps::normalizes_into_bf16` says
+/// so): bit for bit the kernels' f32
 /// normalisation of the stack followed by their cast, and within bf16's rounding of the CPU
 /// backend's normalisation and cast; x is left as it was, at aligned and unaligned matrix sizes
 /// and at an unaligned bf16 copy.
 #[test]
 fn frobenius_normalisation_of_a_stack_into_bf16() {
     let (b, kb) = (cpu(), kernels(SMALL));
+    assert!(kb.normalizes_into_bf16() && !b.normalizes_into_bf16());
     let mut rng = Lcg::new(22);
     for (count, n, at) in [
         (1usize, 1001usize, 0usize),
@@ -1214,7 +1217,7 @@ fn frobenius_normalisation_of_a_stack_into_bf16() {
         let t = up(&kb, &x);
         // The copy `at` elements into its buffer (one: no wide access is aligned).
         let mut r = kb.zeros_of(&[count * n + at], DType::BF16, a);
-        kb.ops().normalize_frobenius_strided_bf16(
+        kb.normalize_frobenius_strided_bf16(
             t.view(),
             r.view_mut().slice(at, count * n),
             count,
@@ -1243,8 +1246,7 @@ fn frobenius_normalisation_of_a_stack_into_bf16() {
     for (dt, len) in [(DType::F32, 8), (DType::BF16, 7)] {
         let mut r = kb.zeros_of(&[len], dt, Category::Activations);
         let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            kb.ops()
-                .normalize_frobenius_strided_bf16(t.view(), r.view_mut(), 2, 1e-7)
+            kb.normalize_frobenius_strided_bf16(t.view(), r.view_mut(), 2, 1e-7)
         }));
         assert!(e.is_err(), "{dt:?} x {len} accepted");
     }

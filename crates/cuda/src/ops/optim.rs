@@ -142,15 +142,17 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let pass3 = [x, sums.into(), Arg::F64(eps), i64_of(n)];
         self.launch(kernel!("scale_by_inv_norm_strided_f32"), per_matrix, &pass3);
     }
-}
 
-impl<L: Launcher> KernelOps<L> {
+    fn normalizes_into_bf16(&self) -> bool {
+        true
+    }
+
     /// [`OptimOps::normalize_frobenius_strided`] of `x` (f32, `count` matrices) into `xb`
     /// (bf16, as long), `x` left as it is: each matrix divided by its norm plus `eps` and
     /// rounded to bf16, the operand Newton–Schulz in bf16 multiplies first. The first two
     /// launches as there, the last (`scale_by_inv_norm_strided_f32_to_bf16`) writing the bf16
     /// copy instead of scaling in place: bitwise the normalisation followed by a cast.
-    pub fn normalize_frobenius_strided_bf16(&self, x: View, xb: ViewMut, count: usize, eps: f64) {
+    fn normalize_frobenius_strided_bf16(&self, x: View, xb: ViewMut, count: usize, eps: f64) {
         let op = "normalize_frobenius_strided_bf16";
         assert_eq!(
             (xb.dtype(), xb.len()),
@@ -167,7 +169,9 @@ impl<L: Launcher> KernelOps<L> {
         let k = kernel!("scale_by_inv_norm_strided_f32_to_bf16");
         self.launch(k, per_matrix, &pass3);
     }
+}
 
+impl<L: Launcher> KernelOps<L> {
     /// The squared Frobenius norms of `count` matrices of `n` f32 at `x` into `sums` (f64, one
     /// a matrix), through `blocks` partials each at `partial`; returns the per-matrix grid
     /// (`blocks` × `count`) that a pass over the stack takes.
