@@ -314,12 +314,39 @@ extern "C" unsigned long long gany_host_wide_accesses() { return gany_wide_count
 extern "C" unsigned gany_host_kernel_count() { return sizeof(kKernels) / sizeof(kKernels[0]); }
 extern "C" const char* gany_host_kernel_name(unsigned i) { return kKernels[i].name; }
 
+namespace {
+int launch_entry(const Entry* e, const unsigned grid[3], const unsigned block[3], size_t shared,
+                 void** args);
+}  // namespace
+
 // Runs `name` over `grid` blocks of `block` threads with `shared` bytes of dynamic shared
 // memory. Returns 0, or 1 for an unknown kernel, 2 for a bad configuration.
 extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const unsigned block[3],
                                 size_t shared, void** args) {
     const Entry* e = find(name);
     if (!e) return 1;
+    return launch_entry(e, grid, block, shared, args);
+}
+
+// The table's index of `name`, or -1: what a launcher resolves once per kernel, so that its
+// later launches skip the search (gany_host_launch_at).
+extern "C" int gany_host_index(const char* name) {
+    const Entry* e = find(name);
+    return e ? (int)(e - kKernels) : -1;
+}
+
+extern "C" const char* gany_host_signature_at(unsigned i) { return kKernels[i].signature; }
+
+// gany_host_launch for the kernel at index `i` of the table; 1 for an index past its end.
+extern "C" int gany_host_launch_at(unsigned i, const unsigned grid[3], const unsigned block[3],
+                                   size_t shared, void** args) {
+    if (i >= sizeof(kKernels) / sizeof(kKernels[0])) return 1;
+    return launch_entry(&kKernels[i], grid, block, shared, args);
+}
+
+namespace {
+int launch_entry(const Entry* e, const unsigned grid[3], const unsigned block[3], size_t shared,
+                 void** args) {
     const unsigned nthreads = block[0] * block[1] * block[2];
     // The device's limits: at most 1024 threads (and 64 in z) a block, a grid's y and z at
     // most 65535 and x below 2^31.
@@ -360,3 +387,4 @@ extern "C" int gany_host_launch(const char* name, const unsigned grid[3], const 
     g_kernel = nullptr;
     return 0;
 }
+}  // namespace

@@ -89,6 +89,16 @@ impl Regions {
     /// # Safety
     /// As [`host::launch`], with every pointer argument an address noted here (null excepted).
     pub unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        let k = host::resolve(name).unwrap_or_else(|| panic!("no kernel named {name}"));
+        self.launch_resolved(&k, cfg, args)
+    }
+
+    /// [`Self::launch`] of a kernel found before.
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    pub unsafe fn launch_resolved(&self, k: &host::HostKernel, cfg: LaunchConfig, args: &[Arg]) {
+        let name = k.name();
         // (start, end, writable) per pointer argument, then merged where they overlap, so
         // aliases (an op in place) stay aliases.
         let mut spans: Vec<(usize, usize, bool)> = Vec::new();
@@ -138,7 +148,7 @@ impl Regions {
                 other => other,
             })
             .collect();
-        host::launch(name, cfg, &moved);
+        host::launch_resolved(k, cfg, &moved);
         for c in &copies {
             c.finish(name);
         }

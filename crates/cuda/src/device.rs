@@ -26,12 +26,10 @@ pub use probe::{probe, probe_nvrtc, ProbeError};
 use memory::CopyTrace;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 use ganymede_core::{Ledger, Stream};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Freed device memory stays in the stream-ordered pool instead of going back to the driver at
 /// each synchronisation (the pool's default), so a step's allocations are reused like
@@ -114,10 +112,13 @@ impl Streams {
     }
 }
 
-/// Kernels loaded into the context, looked up by name (cached).
+/// Kernels loaded into the context, looked up by name (cached); the backend's own kernels
+/// ([`plumbing::PLUMBING_KERNELS`]) also in slots of their own, which a launch reads without a
+/// lock.
 struct Kernels {
     modules: Vec<Arc<CudaModule>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    plumbing: [OnceLock<CudaFunction>; plumbing::PLUMBING_KERNELS.len()],
 }
 
 /// The CUDA backend on one GPU. Cloning it shares the device state (the kernel launcher holds
@@ -228,6 +229,7 @@ impl CudaBackend {
             kernels: Kernels {
                 modules,
                 functions: Mutex::new(HashMap::new()),
+                plumbing: Default::default(),
             },
             ledger,
             ordinal: ordinal as u16,
@@ -314,26 +316,45 @@ impl CudaBackend {
 
     /// Launch one of the backend's own kernels, whose arguments are three 64-bit values
     /// (pointers and counts), over `n` elements with 256-thread blocks.
-    fn launch3(&self, kernel: &str, args: [u64; 3], n: usize) {
+    fn launch3(&self, kernel: &'static str, args: [u64; 3], n: usize) {
         self.launch_u64(kernel, &args, n)
     }
 
-    /// A grid-stride kernel over `n` items whose parameters are all 64-bit values (pointers,
-    /// counts, or a float's bits in the low half).
-    fn launch_u64(&self, kernel: &str, args: &[u64], n: usize) {
-        let f = self.function(kernel).unwrap_or_else(|e| panic!("{e}"));
+    /// A grid-stride kernel of [`plumbing::PLUMBING_KERNELS`] over `n` items whose parameters
+    /// are all 64-bit values (pointers, counts, or a float's bits in the low half), at most 8.
+    /// Its function is looked up once; the launch allocates nothing.
+    fn launch_u64(&self, kernel: &'static str, args: &[u64], n: usize) {
+        let slot = plumbing::PLUMBING_KERNELS
+            .iter()
+            .position(|k| *k == kernel)
+            .unwrap_or_else(|| panic!("{kernel} is not one of the backend's own kernels"));
+        let f = self.kernels.plumbing[slot]
+            .get_or_init(|| self.function(kernel).unwrap_or_else(|e| panic!("{e}")));
         let blocks = (n as u64).div_ceil(256).clamp(1, 4096) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.compute().launch_builder(&f);
-        for a in args {
-            b.arg(a);
+        let mut vals = [0u64; 8];
+        assert!(
+            args.len() <= vals.len(),
+            "{kernel}: {} arguments",
+            args.len()
+        );
+        vals[..args.len()].copy_from_slice(args);
+        let mut ptrs = [std::ptr::null_mut::<std::ffi::c_void>(); 8];
+        for (p, v) in ptrs.iter_mut().zip(&mut vals) {
+            *p = v as *mut u64 as *mut std::ffi::c_void;
         }
+        let stream = self.compute();
         // SAFETY: each of these kernels takes its parameters as 64-bit values, and the callers
-        // pass ranges that hold what the kernel touches.
-        ok(unsafe { b.launch(cfg) }.map(|_| ()), kernel);
+        // pass ranges that hold what the kernel touches; `vals` outlives the call.
+        let r = stream.context().bind_to_thread().and_then(|()| unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                (blocks, 1, 1),
+                (256, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut ptrs[..args.len()],
+            )
+        });
+        ok(r, kernel);
     }
 }

@@ -8,14 +8,16 @@
 use std::ffi::{c_char, c_void, CStr, CString};
 
 extern "C" {
-    fn gany_host_launch(
-        name: *const c_char,
+    fn gany_host_launch_at(
+        i: u32,
         grid: *const u32,
         block: *const u32,
         shared: usize,
         args: *mut *mut c_void,
     ) -> i32;
     fn gany_host_signature(name: *const c_char) -> *const c_char;
+    fn gany_host_index(name: *const c_char) -> i32;
+    fn gany_host_signature_at(i: u32) -> *const c_char;
     fn gany_host_kernel_count() -> u32;
     fn gany_host_set_reverse(reverse: i32);
     fn gany_host_set_defer_copies(defer: i32);
@@ -179,26 +181,86 @@ pub fn kernel_names() -> Vec<String> {
     }
 }
 
+/// Most arguments a kernel takes: launches pass them in arrays of this size on the stack.
+pub const MAX_ARGS: usize = 24;
+
+/// A kernel of the host build's table, found by name once: launching it
+/// ([`launch_resolved`]) searches nothing and allocates nothing on the Rust side.
+#[derive(Clone, Copy, Debug)]
+pub struct HostKernel {
+    index: u32,
+    name: &'static str,
+    signature: &'static str,
+}
+
+impl HostKernel {
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+    /// Its argument kinds (see [`signature`]).
+    pub fn signature(&self) -> &'static str {
+        self.signature
+    }
+}
+
+/// The host build's kernel `name`, or None if it has none of that name.
+pub fn resolve(name: &str) -> Option<HostKernel> {
+    let c = CString::new(name).ok()?;
+    // Safety: the index is the table's; its strings are static and NUL-terminated.
+    unsafe {
+        let i = u32::try_from(gany_host_index(c.as_ptr())).ok()?;
+        let text = |p: *const c_char| CStr::from_ptr(p).to_str().expect("an ASCII name");
+        Some(HostKernel {
+            index: i,
+            name: text(gany_host_kernel_name(i)),
+            signature: text(gany_host_signature_at(i)),
+        })
+    }
+}
+
 /// Runs kernel `name` on the host.
 ///
 /// # Safety
 /// As a CUDA launch: pointers must be valid for everything the kernel reads and writes at this
 /// configuration. The argument kinds are checked (a wrong kind panics), their meaning is not.
 pub unsafe fn launch(name: &str, cfg: LaunchConfig, args: &[Arg]) {
-    let sig = signature(name).unwrap_or_else(|| panic!("no kernel named {name}"));
-    let got: String = args.iter().map(Arg::kind).collect();
-    assert_eq!(got, sig, "kernel {name}: argument kinds");
-    let mut vals = args.to_vec();
-    let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(Arg::value_ptr).collect();
-    let c = CString::new(name).unwrap();
-    let rc = gany_host_launch(
-        c.as_ptr(),
+    let k = resolve(name).unwrap_or_else(|| panic!("no kernel named {name}"));
+    launch_resolved(&k, cfg, args)
+}
+
+/// [`launch`] of a kernel found before: the arguments' kinds checked against its parameters,
+/// their values passed from arrays on the stack.
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_resolved(k: &HostKernel, cfg: LaunchConfig, args: &[Arg]) {
+    let sig = k.signature.as_bytes();
+    let kinds_match =
+        sig.len() == args.len() && args.iter().zip(sig).all(|(a, &s)| a.kind() as u8 == s);
+    if !kinds_match {
+        let got: String = args.iter().map(Arg::kind).collect();
+        assert_eq!(got, k.signature, "kernel {}: argument kinds", k.name);
+    }
+    assert!(
+        args.len() <= MAX_ARGS,
+        "kernel {}: {} arguments",
+        k.name,
+        args.len()
+    );
+    let mut vals = [Arg::I32(0); MAX_ARGS];
+    vals[..args.len()].copy_from_slice(args);
+    let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+    for (p, v) in ptrs.iter_mut().zip(&mut vals[..args.len()]) {
+        *p = v.value_ptr();
+    }
+    let rc = gany_host_launch_at(
+        k.index,
         cfg.grid.as_ptr(),
         cfg.block.as_ptr(),
         cfg.shared,
         ptrs.as_mut_ptr(),
     );
-    assert_eq!(rc, 0, "kernel {name}: launch failed ({cfg:?})");
+    assert_eq!(rc, 0, "kernel {}: launch failed ({cfg:?})", k.name);
 }
 
 /// What `embedding_backward_sorted_*` reads (defined in core, where the batch builder uses it).

@@ -9,7 +9,8 @@
 //! or copy may be asynchronous, but `download` returns with the data.
 
 use crate::bounds::{self, Regions};
-use crate::host::{self, Arg, LaunchConfig};
+use crate::host::{self, Arg, HostKernel, LaunchConfig};
+use crate::kernel::{Kernel, Resolved};
 use ganymede_core::{Category, CpuBackend, DType, Memory, Tensor, View, ViewMut};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -28,12 +29,19 @@ pub trait Launcher: Send + Sync {
     /// # Safety
     /// `addr` must be valid for `bytes` bytes of writes, with no queued work using them.
     unsafe fn mark(&self, _addr: *mut c_void, _bytes: usize) {}
-    /// Launch kernel `name` on the compute stream.
+    /// Launch kernel `k` on the compute stream, with at most [`host::MAX_ARGS`] arguments.
+    /// Each kernel's handle is resolved at its first launch and kept ([`Resolved`]), so a
+    /// launch in the steady state allocates nothing and takes no lock.
     ///
     /// # Safety
     /// As `cuLaunchKernel`: the arguments must match the kernel's parameters, and every address
     /// must be valid for what the kernel reads and writes at this configuration.
-    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]);
+    unsafe fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]);
+    /// How many kernel handles this launcher has resolved from names (see [`Resolved`]): one
+    /// per kernel launched, however often.
+    fn resolutions(&self) -> u64 {
+        0
+    }
     /// A tensor of at least `bytes` bytes, 8-byte aligned, charged to the ledger as
     /// [`Category::Buffers`]. The ops keep it as a grow-only pool, so this is called rarely;
     /// dropping the one it replaces must not free memory that queued work still uses (a GPU
@@ -62,6 +70,7 @@ const _: Option<&dyn Launcher> = None;
 pub struct HostLauncher {
     mem: CpuBackend,
     regions: Arc<Regions>,
+    kernels: Arc<Resolved<HostKernel>>,
 }
 
 impl HostLauncher {
@@ -71,6 +80,7 @@ impl HostLauncher {
         HostLauncher {
             mem,
             regions: Arc::default(),
+            kernels: Arc::default(),
         }
     }
 }
@@ -111,12 +121,18 @@ impl Launcher for HostLauncher {
     unsafe fn mark(&self, addr: *mut c_void, bytes: usize) {
         self.regions.scratch(addr, bytes)
     }
-    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+    unsafe fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]) {
+        let k = self.kernels.get(k, |name| {
+            host::resolve(name).unwrap_or_else(|| panic!("kernel {name} is not in the host build"))
+        });
         if bounds::guarded() {
-            self.regions.launch(name, cfg, args)
+            self.regions.launch_resolved(k, cfg, args)
         } else {
-            host::launch(name, cfg, args)
+            host::launch_resolved(k, cfg, args)
         }
+    }
+    fn resolutions(&self) -> u64 {
+        self.kernels.resolutions()
     }
     fn alloc_scratch(&self, bytes: usize) -> Tensor {
         // f64 elements: 8-byte alignment for the f64 partial sums carved from it.

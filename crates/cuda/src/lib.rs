@@ -10,6 +10,8 @@
 //!   machine without a driver gets one clear error. The prepared self-check behind
 //!   `ganymede device-check` is the `ganymede-device-check` crate's, and the NCCL group is
 //!   `ganymede_dist::nccl`'s: this crate depends on the seam (`ganymede-core`) and cudarc only.
+//! - [`kernel`]: kernels by number, their names resolved at compile time; a launcher keeps each
+//!   kernel's handle once resolved, so a launch formats, looks up and allocates nothing.
 //! - [`cublas_map`]: the seam's row-major GEMMs as column-major cuBLAS calls, a pure function
 //!   tested in CI against the CPU backend.
 
@@ -18,6 +20,7 @@ pub mod cublas_map;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod host;
+pub mod kernel;
 pub mod kernel_backend;
 pub mod launch;
 pub mod ops;

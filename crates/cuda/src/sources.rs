@@ -135,6 +135,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "sumsq_partial_strided_f32",
             "sum_rows_f64",
             "scale_by_inv_norm_strided_f32",
+            "scale_by_inv_norm_strided_f32_to_bf16",
             "decay_update_f32",
             "decay_update_f32_rounded",
         ],

@@ -14,7 +14,8 @@
 
 use ganymede_core::sample::Lcg;
 use ganymede_core::{
-    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory, NnOps, Tensor,
+    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory, NnOps,
+    OptimOps, Tensor,
 };
 use ganymede_cuda::bounds::{set_bounds, Bounds};
 use ganymede_cuda::host::{
@@ -491,6 +492,7 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         "sum_rows_f64",
         "sumsq_partial_strided_f32",
         "scale_by_inv_norm_strided_f32",
+        "scale_by_inv_norm_strided_f32_to_bf16",
     ];
     for k in ganymede_cuda::host::kernel_names() {
         let file = ganymede_cuda::sources::file_of(&k).unwrap();
@@ -1021,8 +1023,8 @@ impl Launcher for CountingLauncher {
     fn addr_mut(&self, v: ganymede_core::ViewMut) -> *mut c_void {
         self.inner.addr_mut(v)
     }
-    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
-        self.inner.launch(name, cfg, args)
+    unsafe fn launch(&self, k: ganymede_cuda::kernel::Kernel, cfg: LaunchConfig, args: &[Arg]) {
+        self.inner.launch(k, cfg, args)
     }
     fn alloc_scratch(&self, bytes: usize) -> Tensor {
         self.inner.alloc_scratch(bytes)
@@ -1178,6 +1180,75 @@ fn frobenius_normalisation_of_a_stack() {
                 ss.sqrt()
             );
         }
+    }
+}
+
+/// Newton–Schulz in bf16 takes its first operand from the normalisation's own pass
+/// (`scale_by_inv_norm_strided_f32_to_bf16`, issue 32; `OptimOps::normalizes_into_bf16` says
+/// so): bit for bit the kernels' f32
+/// normalisation of the stack followed by their cast, and within bf16's rounding of the CPU
+/// backend's normalisation and cast; x is left as it was, at aligned and unaligned matrix sizes
+/// and at an unaligned bf16 copy.
+#[test]
+fn frobenius_normalisation_of_a_stack_into_bf16() {
+    let (b, kb) = (cpu(), kernels(SMALL));
+    assert!(kb.normalizes_into_bf16() && !b.normalizes_into_bf16());
+    let mut rng = Lcg::new(22);
+    for (count, n, at) in [
+        (1usize, 1001usize, 0usize),
+        (5, 63, 0),
+        (3, 96 * 160, 0),
+        (4, 64, 1),
+    ] {
+        let mut x = rng.values(count * n, 0.8);
+        if count > 2 {
+            x[n..2 * n].fill(0.0);
+        }
+        let a = Category::Activations;
+        // The old path: normalise in place, then cast (on the kernels, and on the CPU).
+        let two_passes = |be: &dyn Backend| {
+            let mut t = up(be, &x);
+            be.normalize_frobenius_strided(t.view_mut(), count, 1e-7);
+            let mut r = be.zeros_of(&[count * n], DType::BF16, a);
+            be.cast(r.view_mut(), t.view());
+            r.view().host_bf16().to_vec()
+        };
+        let want = two_passes(&kb);
+        let t = up(&kb, &x);
+        // The copy `at` elements into its buffer (one: no wide access is aligned).
+        let mut r = kb.zeros_of(&[count * n + at], DType::BF16, a);
+        kb.normalize_frobenius_strided_bf16(
+            t.view(),
+            r.view_mut().slice(at, count * n),
+            count,
+            1e-7,
+        );
+        let got = r.view().host_bf16()[at..].to_vec();
+        assert_eq!(
+            got, want,
+            "{count} x {n} at {at}: the bits of normalising then casting"
+        );
+        assert_eq!(down(&kb, &t), x, "{count} x {n}: x is left as it was");
+        let (e, rel) = compare(&from_bf16(&got), &from_bf16(&two_passes(&b)), BF16)
+            .unwrap_or_else(|e| panic!("{count} x {n}: {e}"));
+        println!(
+            "normalize_frobenius_strided_bf16 {count} x {n}: max abs err {e:.3e}, rel {rel:.3e}"
+        );
+        if count > 2 {
+            assert!(
+                got[n..2 * n].iter().all(|&v| v == 0),
+                "the zero matrix stays zero"
+            );
+        }
+    }
+    // An f32 copy, or one of another length, is refused.
+    let t = up(&kb, &[1.0; 8]);
+    for (dt, len) in [(DType::F32, 8), (DType::BF16, 7)] {
+        let mut r = kb.zeros_of(&[len], dt, Category::Activations);
+        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            kb.normalize_frobenius_strided_bf16(t.view(), r.view_mut(), 2, 1e-7)
+        }));
+        assert!(e.is_err(), "{dt:?} x {len} accepted");
     }
 }
 

@@ -65,6 +65,10 @@ const SECTIONS: &[(&str, Section)] = &[
         memory_bound_kernels,
     ),
     (
+        "Launch cost, and Muon's normalisation into bf16 in one pass",
+        launches_and_bf16_normalisation,
+    ),
+    (
         "The tiny model's gradients against the CPU backend, tensor by tensor",
         crate::model::tiny_gradients,
     ),
@@ -806,6 +810,84 @@ fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
     ensure(diff <= 2e-2 * scale, || {
         format!("the batch differs\n\n{md}")
     })?;
+    Ok(md)
+}
+
+/// Issue 32's launcher and normalisation, timed: 10,000 launches of a 1,024-element `scale_f32`
+/// (host µs per launch to enqueue, GPU µs per launch; the kernel handles resolved once, which
+/// the launcher's count of lookups must show), and the Frobenius normalisation of one of
+/// `medium`'s expert stacks (64 × 512×1,024 f32) into its bf16 copy, as Newton–Schulz in bf16
+/// used to make it (in place, then a cast) against the one pass into bf16, whose bits must be
+/// the same. Median of 5 after a warm-up.
+fn launches_and_bf16_normalisation(be: &CudaBackend) -> Result<String, String> {
+    use ganymede_core::OptimOps;
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::launch::Launcher;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
+    let ops = KernelOps::with_tuning(CudaLauncher::new(be.clone()), Tuning::default());
+    let median = |mut ms: Vec<f64>| {
+        ms.sort_by(f64::total_cmp);
+        ms[ms.len() / 2]
+    };
+    let mut small = be.zeros(&[1024], Category::Buffers);
+    ops.scale(small.view_mut(), 1.0);
+    be.synchronize();
+    let resolved = ops.launcher().resolutions();
+    let launches = 10_000;
+    let (t0, a) = (Instant::now(), be.record_event(Stream::Compute));
+    for _ in 0..launches {
+        ops.scale(small.view_mut(), 1.0);
+    }
+    let host_us = t0.elapsed().as_secs_f64() * 1e6 / launches as f64;
+    let b = be.record_event(Stream::Compute);
+    let gpu_us = be.elapsed(&a, &b).as_secs_f64() * 1e6 / launches as f64;
+    ensure(ops.launcher().resolutions() == resolved, || {
+        "a kernel was looked up again after its first launch".into()
+    })?;
+
+    let (count, n) = (64usize, 512usize * 1024);
+    let g = be.upload(&values(count * n, 61), &[count * n], Category::Buffers);
+    let mut x = be.zeros(&[count * n], Category::Buffers);
+    let mut old = be.zeros_of(&[count * n], DType::BF16, Category::Buffers);
+    let mut new = be.zeros_of(&[count * n], DType::BF16, Category::Buffers);
+    let (mut t_old, mut t_new) = (Vec::new(), Vec::new());
+    for i in 0..6 {
+        be.copy(x.view_mut(), g.view());
+        let a = be.record_event(Stream::Compute);
+        ops.normalize_frobenius_strided(x.view_mut(), count, 1e-7);
+        ops.cast(old.view_mut(), x.view());
+        let b = be.record_event(Stream::Compute);
+        ops.normalize_frobenius_strided_bf16(g.view(), new.view_mut(), count, 1e-7);
+        let c = be.record_event(Stream::Compute);
+        if i > 0 {
+            t_old.push(be.elapsed(&a, &b).as_secs_f64() * 1e3);
+            t_new.push(be.elapsed(&b, &c).as_secs_f64() * 1e3);
+        }
+    }
+    let (t_old, t_new) = (median(t_old), median(t_new));
+    let widen = |t: &Tensor| {
+        let mut w = be.zeros(&[count * n], Category::Buffers);
+        be.cast(w.view_mut(), t.view());
+        be.download(w.view())
+    };
+    let same = widen(&old)
+        .iter()
+        .zip(widen(&new))
+        .all(|(p, q)| p.to_bits() == q.to_bits());
+    // Bytes: both read x for the norms (4); the old way then reads and writes x (8) and casts
+    // (6), the new one reads x and writes bf16 (6).
+    let gbs = |bytes: f64, ms: f64| bytes * (count * n) as f64 / (ms * 1e-3) / 1e9;
+    let md = format!(
+        "| | host µs / launch | GPU µs / launch |\n|---|---|---|\n\
+         | {launches} × scale_f32 (1,024) | {host_us:.2} | {gpu_us:.2} |\n\n\
+         | {count} × 512×1,024 into bf16 | ms | GB/s |\n|---|---|---|\n\
+         | normalise in place, then cast | {t_old:.3} | {:.0} |\n\
+         | one pass into bf16 | {t_new:.3} | {:.0} |\n\n\
+         The bf16 copies' bits agree: {same}.\n",
+        gbs(18.0, t_old),
+        gbs(10.0, t_new),
+    );
+    ensure(same, || format!("the bf16 copies differ\n\n{md}"))?;
     Ok(md)
 }
 

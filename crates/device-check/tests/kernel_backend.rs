@@ -13,13 +13,21 @@
 
 use ganymede_config::{preset, AcMode, ModelConfig};
 use ganymede_core::sample::tokens;
-use ganymede_core::{Backend, Blas, Category, CpuBackend, Ledger, Memory, ParamStore};
+use ganymede_core::{
+    Backend, Blas, Category, CpuBackend, Ledger, Memory, OptimOps, ParamStore, Tensor, View,
+    ViewMut,
+};
 use ganymede_cuda::bounds::{set_bounds, Bounds};
+use ganymede_cuda::host::{Arg, LaunchConfig};
+use ganymede_cuda::kernel::Kernel;
 use ganymede_cuda::kernel_backend::HostKernelBackend;
-use ganymede_cuda::ops::Tuning;
+use ganymede_cuda::kernel_backend::KernelBackend;
+use ganymede_cuda::launch::{HostLauncher, Launcher};
+use ganymede_cuda::ops::{KernelOps, Tuning};
 use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
 use ganymede_optim::Optimizer;
-use std::sync::Arc;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
 const BATCH: usize = 2;
 const SEQ: usize = 32;
@@ -542,4 +550,96 @@ fn bf16_compute_case(what: &str, tuning: Tuning, (loss_tol, grad_tol): (f64, f64
     assert_eq!(og.loss.to_bits(), om.loss.to_bits(), "bf16 weights: loss");
     assert_eq!(gg, gm, "bf16 weights: gradients");
     og.loss
+}
+
+/// The host launcher, noting each kernel it launches.
+#[derive(Clone)]
+struct Noting {
+    inner: HostLauncher,
+    launched: Arc<Mutex<Vec<&'static str>>>,
+}
+
+impl Launcher for Noting {
+    fn addr(&self, v: View) -> *mut c_void {
+        self.inner.addr(v)
+    }
+    fn addr_mut(&self, v: ViewMut) -> *mut c_void {
+        self.inner.addr_mut(v)
+    }
+    unsafe fn mark(&self, addr: *mut c_void, bytes: usize) {
+        self.inner.mark(addr, bytes)
+    }
+    unsafe fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]) {
+        self.launched.lock().unwrap().push(k.name());
+        self.inner.launch(k, cfg, args)
+    }
+    fn alloc_scratch(&self, bytes: usize) -> Tensor {
+        self.inner.alloc_scratch(bytes)
+    }
+    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
+        self.inner.upload(dst, src)
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
+        self.inner.download(dst, src)
+    }
+}
+
+/// Newton–Schulz in bf16 on the kernels takes its first operand from the normalisation's bf16
+/// pass (`scale_by_inv_norm_strided_f32_to_bf16`, issue 32) instead of normalising in place
+/// and having its first products cast: the launches say which, and the result is the CPU
+/// backend's, which takes the old way, bit for bit (the same normalisation bits, the same
+/// operand roundings, the same GEMMs). In f32, or with no step, the old way on both.
+#[test]
+fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
+    let cpu = CpuBackend::new(Arc::new(Ledger::new()));
+    set_bounds(Bounds::Guarded);
+    let launched = Arc::new(Mutex::new(Vec::new()));
+    let noting = Noting {
+        inner: HostLauncher::new(cpu.clone()),
+        launched: launched.clone(),
+    };
+    let kern = KernelBackend::new(KernelOps::with_tuning(noting, small()), cpu.clone());
+    assert!(kern.normalizes_into_bf16() && !cpu.normalizes_into_bf16());
+    let count = 3;
+    for (r, c) in [(24usize, 40usize), (40, 24), (16, 16), (1, 9)] {
+        let n = r * c;
+        let g = ganymede_core::sample::Lcg::new(5).values(count * n, 1.0);
+        for (bf16, steps) in [(true, 5), (true, 2), (true, 0), (false, 5)] {
+            let run = |be: &dyn Backend| {
+                let mut t = be.upload(&g, &[count, r, c], Category::Params);
+                let mut scratch = ganymede_optim::NsScratch::for_batch(be, r, c, count);
+                ganymede_optim::newton_schulz_strided(
+                    be,
+                    t.view_mut(),
+                    count,
+                    r,
+                    c,
+                    steps,
+                    bf16,
+                    &mut scratch,
+                );
+                be.download(t.view())
+            };
+            launched.lock().unwrap().clear();
+            let got = run(&kern);
+            let names = std::mem::take(&mut *launched.lock().unwrap());
+            let fused = names.contains(&"scale_by_inv_norm_strided_f32_to_bf16");
+            let in_place = names.contains(&"scale_by_inv_norm_strided_f32");
+            let case = format!("{r}x{c}, bf16 {bf16}, {steps} steps");
+            assert_eq!(
+                (fused, in_place),
+                (bf16 && steps > 0, !(bf16 && steps > 0)),
+                "{case}: {names:?}"
+            );
+            let want = run(&cpu);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{case}: not the CPU's bits");
+            if steps > 0 {
+                assert!(got.iter().zip(&g).any(|(a, b)| (a - b).abs() > 1e-3));
+            }
+        }
+    }
 }

@@ -5,7 +5,7 @@
 //! symmetric, so they go through the backend's symmetric product (`Blas::syrk`), which on the
 //! CPU does about half of their multiply-adds.
 
-use ganymede_core::{Backend, Category, Gemm, Syrk, Tensor, ViewMut};
+use ganymede_core::{Backend, Category, DType, Gemm, Syrk, Tensor, View, ViewMut};
 use rayon::prelude::*;
 
 /// Coefficients of the quintic `p(σ) = a·σ + b·σ³ + c·σ⁵` (Keller Jordan's tuning: steep at 0,
@@ -17,10 +17,16 @@ pub const NS_EPS: f64 = 1e-7;
 
 /// Working memory of [`newton_schulz`]: `A = X·Xᵀ` and `B` (each s×s) and the ping-pong copy of
 /// `X` (s×l), where s ≤ l are the matrix's short and long sides. Allocated once and reused.
+/// In bf16 on a backend that normalises into bf16 ([`OptimOps::normalizes_into_bf16`]), also
+/// the normalised X's bf16 copy (as long as the ping-pong copy, half its bytes), allocated at
+/// its first use.
+///
+/// [`OptimOps::normalizes_into_bf16`]: ganymede_core::OptimOps::normalizes_into_bf16
 pub struct NsScratch {
     a: Tensor,
     b: Tensor,
     y: Tensor,
+    x16: Option<Tensor>,
 }
 
 impl NsScratch {
@@ -36,6 +42,7 @@ impl NsScratch {
             a: be.zeros(&[ss], Category::Buffers),
             b: be.zeros(&[ss], Category::Buffers),
             y: be.zeros(&[sl], Category::Buffers),
+            x16: None,
         }
     }
 
@@ -45,7 +52,10 @@ impl NsScratch {
     }
 
     pub fn bytes(&self) -> usize {
-        self.a.bytes() + self.b.bytes() + self.y.bytes()
+        self.a.bytes()
+            + self.b.bytes()
+            + self.y.bytes()
+            + self.x16.as_ref().map_or(0, Tensor::bytes)
     }
 
     /// Room for `count` matrices of short side `s` and long side `l`.
@@ -59,6 +69,7 @@ impl NsScratch {
             a: be.zeros(&[ss], Category::Buffers),
             b: be.zeros(&[ss], Category::Buffers),
             y: be.zeros(&[sl], Category::Buffers),
+            x16: None,
         }
     }
 
@@ -135,21 +146,42 @@ pub fn newton_schulz_strided(
     }
     let wide = rows <= cols;
     let (shift, offset, cc) = ns_shifted();
-    be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
-    let NsScratch { a, b, y } = scratch;
+    // In bf16, where the backend has the pass, the first step's operand is the normalisation's
+    // bf16 output (the same bits its products would cast to), and X itself is not normalised:
+    // the first step reads only the copy, and its result goes to the ping-pong copy.
+    let into_bf16 = bf16 && steps > 0 && be.normalizes_into_bf16();
+    if into_bf16 {
+        let len = scratch.y.len();
+        let x16 = scratch
+            .x16
+            .get_or_insert_with(|| be.zeros_of(&[len], DType::BF16, Category::Buffers));
+        let x16 = x16.slice_mut(0, count * n);
+        be.normalize_frobenius_strided_bf16(x.as_view(), x16, count, NS_EPS);
+    } else {
+        be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
+    }
+    let NsScratch { a, b, y, x16 } = scratch;
+    let x16: Option<View> = match into_bf16 {
+        true => x16.as_ref().map(|t| t.slice(0, count * n)),
+        false => None,
+    };
     let ss = s * s;
     let mut a = a.slice_mut(0, count * ss);
     let mut b = b.slice_mut(0, count * ss);
     let mut y = y.slice_mut(0, count * n);
     let mut in_x = true;
-    for _ in 0..steps {
+    for step in 0..steps {
         let (src, dst) = if in_x {
             (x.reborrow(), y.reborrow())
         } else {
             (y.reborrow(), x.reborrow())
         };
+        let src = match x16 {
+            Some(x16) if step == 0 => x16,
+            _ => src.as_view(),
+        };
         let sy = Syrk::new(s, l, !wide).diag(shift as f32).bf16_inputs(bf16);
-        be.syrk_strided(a.reborrow(), src.as_view(), sy, count, [n, ss]);
+        be.syrk_strided(a.reborrow(), src, sy, count, [n, ss]);
         let sy = Syrk::new(s, s, false)
             .alpha(cc as f32)
             .diag(offset as f32)
@@ -157,10 +189,10 @@ pub fn newton_schulz_strided(
         be.syrk_strided(b.reborrow(), a.as_view(), sy, count, [ss, ss]);
         if wide {
             let g = Gemm::new(s, l, s, false, false).bf16_inputs(bf16);
-            be.gemm_strided(dst, b.as_view(), src.as_view(), g, count, [ss, n, n]);
+            be.gemm_strided(dst, b.as_view(), src, g, count, [ss, n, n]);
         } else {
             let g = Gemm::new(l, s, s, false, false).bf16_inputs(bf16);
-            be.gemm_strided(dst, src.as_view(), b.as_view(), g, count, [n, ss, n]);
+            be.gemm_strided(dst, src, b.as_view(), g, count, [n, ss, n]);
         }
         in_x = !in_x;
     }

@@ -171,7 +171,8 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         head: f * (n * (h + 7.0) + (1.0 - half) * head_rows(job, n) * m.vocab_size as f64) + f,
     };
 
-    // Muon scratch.
+    // Muon scratch (and its bf16 copy of X on a GPU, bytes per element of s·l).
+    let x16 = ns_x16_bytes(job);
     let slot = |shapes: &[(u64, u64)]| -> f64 {
         let rc = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
         let ss = shapes
@@ -180,7 +181,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
             .max()
             .unwrap_or(0);
         let sl = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
-        f * (rc + 2 * ss + sl) as f64
+        f * (rc + 2 * ss + sl) as f64 + x16 * sl as f64
     };
     let buffers = if muon_on && muon > 0 {
         let mats: Vec<_> = ts.iter().filter(|t| t.handler() == Handler::Muon).collect();
@@ -202,7 +203,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         };
         let stacks = if job.optimizer.ns_batch.on(cuda) {
             let (u, ss, sl) = ns_stack_elems(job);
-            f * (u + 2 * ss + sl) as f64
+            f * (u + 2 * ss + sl) as f64 + x16 * sl as f64
         } else {
             0.0
         };
@@ -265,6 +266,19 @@ fn batched_stacks(job: &JobConfig) -> Vec<(usize, usize, usize)> {
     }
     out.extend(singles.into_iter().filter(|s| s.2 > 1));
     out
+}
+
+/// Bytes per element of a Newton–Schulz scratch's ping-pong copy (`s·l`, or `b·s·l` for a batch)
+/// that its bf16 copy of the normalised X adds: 2 where Muon runs in bf16 on a GPU, whose
+/// kernels normalise straight into bf16 for the first step's products (`ganymede_optim`'s
+/// `NsScratch`, issue 32; made at the scratch's first use, counted here for every slot), else 0.
+pub(crate) fn ns_x16_bytes(job: &JobConfig) -> f64 {
+    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
+    let muon = job.optimizer.name == OptimizerName::Muon;
+    match cuda && muon && job.optimizer.ns_dtype.bf16_on(true) && job.optimizer.ns_steps > 0 {
+        true => 2.0,
+        false => 0.0,
+    }
 }
 
 /// Elements of the batched Newton–Schulz working memory a GPU's optimizer holds for

@@ -68,6 +68,25 @@ pub trait OptimOps: Send + Sync {
         }
     }
 
+    /// Whether [`Self::normalize_frobenius_strided_bf16`] is a pass of this backend's: then
+    /// Newton–Schulz in bf16 takes its first operand from the normalisation instead of
+    /// normalising in place and having its first products cast (issue 32). False by default.
+    fn normalizes_into_bf16(&self) -> bool {
+        false
+    }
+
+    /// `xb` (bf16, as long as `x`) = each of the `count` equal f32 matrices of `x` divided by
+    /// (its Frobenius norm + `eps`) and rounded to bf16, `x` left as it is: the same bits as
+    /// [`Self::normalize_frobenius_strided`] followed by [`crate::Blas::cast`], in one pass.
+    /// Only where [`Self::normalizes_into_bf16`]; the default refuses.
+    fn normalize_frobenius_strided_bf16(&self, x: View, xb: ViewMut, count: usize, eps: f64) {
+        let _ = (x, xb, count, eps);
+        panic!(
+            "normalize_frobenius_strided_bf16: not a pass of this backend (normalizes_into_bf16 \
+             is false)"
+        )
+    }
+
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
     /// `alpha = lr·scale` and `decay = lr·weight_decay`. `rounded` as in [`Self::adamw_step`].
     fn decay_update(
@@ -95,6 +114,14 @@ macro_rules! forward_optim_ops {
         x: $crate::ViewMut, eps: f64)); };
     (@ $t:ident normalize_frobenius_strided) => { $crate::forward_optim_ops!(@fn $t
         normalize_frobenius_strided(x: $crate::ViewMut, count: usize, eps: f64)); };
+    (@ $t:ident normalizes_into_bf16) => {
+        fn normalizes_into_bf16(&self) -> bool {
+            self.$t.normalizes_into_bf16()
+        }
+    };
+    (@ $t:ident normalize_frobenius_strided_bf16) => { $crate::forward_optim_ops!(@fn $t
+        normalize_frobenius_strided_bf16(x: $crate::View, xb: $crate::ViewMut, count: usize,
+        eps: f64)); };
     (@ $t:ident decay_update) => { $crate::forward_optim_ops!(@fn $t decay_update(
         param: $crate::ViewMut, update: $crate::View, alpha: f64, decay: f64,
         rounded: Option<$crate::ViewMut>)); };

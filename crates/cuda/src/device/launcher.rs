@@ -6,12 +6,12 @@
 
 use super::memory::{place, place_mut, Place};
 use super::{ok, CudaBackend, DeviceError};
-use crate::host::{Arg, LaunchConfig};
+use crate::host::{Arg, LaunchConfig, MAX_ARGS};
+use crate::kernel::{Kernel, Resolved};
 use crate::kernel_backend::{Gemms, KernelBackend};
 use crate::launch::Launcher;
 use crate::ops::{KernelOps, Tuning};
-use cudarc::driver::LaunchConfig as CuLaunch;
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::CudaFunction;
 use ganymede_core::Stream;
 use ganymede_core::{Blas, Category, DType, Gemm, Ledger, Memory, Syrk, Tensor, View, ViewMut};
 use std::ffi::c_void;
@@ -21,6 +21,8 @@ use std::sync::Arc;
 #[derive(Clone)]
 pub struct CudaLauncher {
     be: CudaBackend,
+    /// Each kernel's function, looked up in the device's modules at its first launch.
+    functions: Arc<Resolved<CudaFunction>>,
 }
 
 /// The seam on one GPU: memory and GEMMs from the device layer, every other op a kernel.
@@ -39,14 +41,17 @@ pub fn kernel_backend(
 /// state's with [`CudaBackend::beside`] its group's).
 pub fn kernel_backend_on(be: CudaBackend) -> Result<CudaKernelBackend, DeviceError> {
     let tuning = Tuning::for_device(be.compute_major()).map_err(DeviceError::Setting)?;
-    let ops = KernelOps::with_tuning(CudaLauncher { be: be.clone() }, tuning);
+    let ops = KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning);
     Ok(KernelBackend::new(ops, be))
 }
 
 impl CudaLauncher {
     /// Launches on `be`'s compute stream (the device check builds ops of its own tuning).
     pub fn new(be: CudaBackend) -> Self {
-        CudaLauncher { be }
+        CudaLauncher {
+            be,
+            functions: Arc::default(),
+        }
     }
 }
 
@@ -57,39 +62,61 @@ impl Launcher for CudaLauncher {
     fn addr_mut(&self, mut v: ViewMut) -> *mut c_void {
         place_mut(&mut v).addr as *mut c_void
     }
-    unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
-        let f = self.be.function(name).unwrap_or_else(|e| panic!("{e}"));
-        // A pointer travels as its 64-bit value, which needs a place to live during the push.
-        let addrs: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) => p as u64,
-                _ => 0,
-            })
-            .collect();
-        let mut b = self.be.compute().launch_builder(&f);
-        for (a, addr) in args.iter().zip(&addrs) {
-            match a {
-                Arg::Ptr(_) => b.arg(addr),
-                Arg::I32(x) => b.arg(x),
-                Arg::U32(x) => b.arg(x),
-                Arg::I64(x) => b.arg(x),
-                Arg::F32(x) => b.arg(x),
-                Arg::F64(x) => b.arg(x),
-            };
+    unsafe fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]) {
+        let f = self.functions.get(k, |name| {
+            self.be.function(name).unwrap_or_else(|e| panic!("{e}"))
+        });
+        let name = k.name();
+        assert!(
+            args.len() <= MAX_ARGS,
+            "kernel {name}: {} arguments",
+            args.len()
+        );
+        // The driver takes a pointer to each argument's value: the values are copied into an
+        // array on the stack (a pointer travels as its 64-bit value), and pointers to them
+        // into another; nothing is allocated.
+        let mut vals = [0u64; MAX_ARGS];
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for ((a, v), p) in args.iter().zip(&mut vals).zip(&mut ptrs) {
+            let at = v as *mut u64 as *mut u8;
+            // SAFETY: each value is at most 8 bytes, written at the start of its 8-byte slot,
+            // which is where the driver reads a parameter of that size.
+            unsafe {
+                match *a {
+                    Arg::Ptr(x) => (at as *mut u64).write(x as u64),
+                    Arg::I32(x) => (at as *mut i32).write(x),
+                    Arg::U32(x) => (at as *mut u32).write(x),
+                    Arg::I64(x) => (at as *mut i64).write(x),
+                    Arg::F32(x) => (at as *mut f32).write(x),
+                    Arg::F64(x) => (at as *mut f64).write(x),
+                }
+            }
+            *p = at as *mut c_void;
         }
-        let c = CuLaunch {
-            grid_dim: (cfg.grid[0], cfg.grid[1], cfg.grid[2]),
-            block_dim: (cfg.block[0], cfg.block[1], cfg.block[2]),
-            shared_mem_bytes: u32::try_from(cfg.shared).expect("shared memory beyond u32"),
+        let shared = u32::try_from(cfg.shared).expect("shared memory beyond u32");
+        let stream = self.be.compute();
+        let mut go = || {
+            // SAFETY: the caller's (see the trait): arguments match the kernel's parameters
+            // and every address holds what the kernel touches; `vals` outlives the call.
+            let r = stream.context().bind_to_thread().and_then(|()| unsafe {
+                cudarc::driver::result::launch_kernel(
+                    f.cu_function(),
+                    (cfg.grid[0], cfg.grid[1], cfg.grid[2]),
+                    (cfg.block[0], cfg.block[1], cfg.block[2]),
+                    shared,
+                    stream.cu_stream(),
+                    &mut ptrs[..args.len()],
+                )
+            });
+            ok(r, name)
         };
-        // SAFETY: the caller's (see the trait): arguments match the kernel's parameters (a
-        // pointer travels as its 64-bit value) and every address holds what the kernel touches.
-        let mut go = move || ok(unsafe { b.launch(c) }.map(|_| ()), name);
         match super::profile::profile() {
-            Some(p) => p.op(self.be.compute(), || name.to_string(), go),
+            Some(p) => p.op(stream, || name.to_string(), go),
             None => go(),
         }
+    }
+    fn resolutions(&self) -> u64 {
+        self.functions.resolutions()
     }
     fn alloc_scratch(&self, bytes: usize) -> Tensor {
         // f64 elements: 8-byte alignment for the f64 partial sums carved from it. Freed in
@@ -206,8 +233,14 @@ impl Gemms for CudaBackend {
             Gemms::gemm_strided(self, c.reborrow(), a, a, g, batch, [sa, sa, sc])
         });
         let pc = place_mut(&mut c);
-        let args = [pc.addr, s.n as u64, s.ldc as u64, s.diag.to_bits() as u64];
-        let args = [&args[..], &[sc as u64, batch as u64]].concat();
+        let args = [
+            pc.addr,
+            s.n as u64,
+            s.ldc as u64,
+            s.diag.to_bits() as u64,
+            sc as u64,
+            batch as u64,
+        ];
         self.profiled(
             || format!("mirror x{batch} ({}x{})", s.n, s.n),
             || {

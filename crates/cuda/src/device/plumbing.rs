@@ -1,5 +1,16 @@
 //! The backend's own small kernels, compiled with the model's.
 
+/// The kernels [`PLUMBING`] defines, in order: the slots of the backend's table of their
+/// functions, each looked up at its first launch.
+pub const PLUMBING_KERNELS: [&str; 6] = [
+    "ganymede_cast_f32_to_bf16",
+    "ganymede_sumsq_acc_f32",
+    "ganymede_sumsq_acc_bf16",
+    "ganymede_mirror_lower_f32",
+    "ganymede_mirror_lower_batched_f32",
+    "ganymede_cast_bf16_to_f32",
+];
+
 /// The backend's own small kernels (casts, the f64 sum of squares, syrk's mirror), beside the model's in `sources::SOURCES`.
 pub const PLUMBING: (&str, &str) = (
     "ganymede_plumbing.cu",
@@ -94,3 +105,12 @@ extern "C" __global__ void ganymede_cast_bf16_to_f32(float* dst, const unsigned 
 }
 "#,
 );
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_plumbing_kernels_are_listed_in_order() {
+        let found = crate::device::nvrtc::kernel_names(super::PLUMBING.1);
+        assert_eq!(found, super::PLUMBING_KERNELS);
+    }
+}

@@ -11,7 +11,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(y), alpha.into(), self.arg(x), i64_of(n)];
-        self.launch(&kernel_name("axpy", dt), self.ew(n), &args);
+        self.launch(by_dtype!("axpy", dt), self.ew(n), &args);
     }
 
     /// `y *= alpha`.
@@ -21,7 +21,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(y), alpha.into(), i64_of(n)];
-        self.launch(&kernel_name("scale", dt), self.ew(n), &args);
+        self.launch(by_dtype!("scale", dt), self.ew(n), &args);
     }
 
     /// `y += x`.
@@ -32,17 +32,18 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(y), self.arg(x), i64_of(n)];
-        self.launch(&kernel_name("add", dt), self.ew(n), &args);
+        self.launch(by_dtype!("add", dt), self.ew(n), &args);
     }
 
     /// `acc[0] += Σ x²` at the address `acc` (an f64), in two deterministic passes.
     pub(super) fn sumsq_into(&self, acc: Arg, x: View, partial: *mut c_void, blocks: usize) {
         let n = x.len();
-        let name = format!("sumsq_partial_{}", suffix(x.dtype(), "sumsq"));
+        let k = by_dtype!("sumsq_partial", x.dtype());
         let pass1 = LaunchConfig::linear(u32_of(blocks), self.tuning.ew_block);
-        self.launch(&name, pass1, &[partial.into(), self.arg(x), i64_of(n)]);
+        self.launch(k, pass1, &[partial.into(), self.arg(x), i64_of(n)]);
         let pass2 = LaunchConfig::linear(1, 256);
-        self.launch("sum_acc_f64", pass2, &[acc, partial.into(), i32_of(blocks)]);
+        let args = [acc, partial.into(), i32_of(blocks)];
+        self.launch(kernel!("sum_acc_f64"), pass2, &args);
     }
 
     /// Blocks of the first pass of a sum of squares over `n` elements.
@@ -75,15 +76,15 @@ impl<L: Launcher> KernelOps<L> {
     pub fn cast(&self, dst: ViewMut, src: View) {
         let n = dst.len();
         assert_eq!(src.len(), n, "cast between different lengths");
-        let name = match (src.dtype(), dst.dtype()) {
-            (DType::F32, DType::BF16) => "cast_f32_to_bf16",
-            (DType::BF16, DType::F32) => "cast_bf16_to_f32",
+        let k = match (src.dtype(), dst.dtype()) {
+            (DType::F32, DType::BF16) => kernel!("cast_f32_to_bf16"),
+            (DType::BF16, DType::F32) => kernel!("cast_bf16_to_f32"),
             (a, b) => panic!("no cast kernel from {} to {}", a.name(), b.name()),
         };
         if n == 0 {
             return;
         }
         let args = [self.arg_mut(dst), self.arg(src), i64_of(n)];
-        self.launch(name, self.ew(n), &args);
+        self.launch(k, self.ew(n), &args);
     }
 }

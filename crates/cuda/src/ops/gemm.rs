@@ -58,12 +58,17 @@ impl<L: Launcher> KernelOps<L> {
         let groups_arg = i32::try_from(groups.len()).expect("gemm_grouped_tc: groups beyond i32");
         let (_held, [table]) = self.scratch([desc.len() * 8]);
         self.put(table, &desc);
-        let name = format!(
-            "gemm_grouped_{}_{}_{}",
-            suffix(a.dtype(), "gemm_grouped_tc"),
-            suffix(b.dtype(), "gemm_grouped_tc"),
-            suffix(c.dtype(), "gemm_grouped_tc")
-        );
+        const GROUPED: Family<8> = Family::new(&[
+            &["gemm_grouped_"],
+            &["f32", "bf16"],
+            &["_"],
+            &["f32", "bf16"],
+            &["_"],
+            &["f32", "bf16"],
+        ]);
+        let op = "gemm_grouped_tc";
+        let at = [a, b].map(|v| dt_at(v.dtype(), op));
+        let k = GROUPED.get(&[at[0], at[1], dt_at(c.dtype(), op)]);
         let args = [
             self.arg_mut(c),
             self.arg(a),
@@ -71,6 +76,6 @@ impl<L: Launcher> KernelOps<L> {
             table.into(),
             groups_arg.into(),
         ];
-        self.launch(&name, cfg(grid(tiles, 1, 1), THREADS), &args);
+        self.launch(k, cfg(grid(tiles, 1, 1), THREADS), &args);
     }
 }

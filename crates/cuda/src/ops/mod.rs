@@ -16,7 +16,9 @@ mod gemm;
 mod nn;
 mod optim;
 
-use crate::host::{Arg, LaunchConfig};
+use crate::host::{Arg, LaunchConfig, MAX_ARGS};
+use crate::kernel;
+use crate::kernel::{Family, Kernel};
 use crate::launch::Launcher;
 use ganymede_core::{DType, Tensor, View, ViewMut};
 use std::ffi::c_void;
@@ -197,10 +199,10 @@ impl<L: Launcher> KernelOps<L> {
     fn arg_mut(&self, v: ViewMut) -> Arg {
         Arg::Ptr(self.launcher.addr_mut(v))
     }
-    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+    fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]) {
         // Safety: every op checks its views' lengths against the sizes it passes, and carves
         // scratch of the sizes its kernels index, before calling this.
-        unsafe { self.launcher.launch(name, cfg, args) }
+        unsafe { self.launcher.launch(k, cfg, args) }
     }
 
     /// Threads for one block per row of `dim`: a warp per 32 columns, up to the tuning's cap.
@@ -274,7 +276,7 @@ impl<L: Launcher> KernelOps<L> {
         assert!(bytes.is_multiple_of(4), "zero: {bytes} bytes");
         let n = bytes / 4;
         if n > 0 {
-            self.launch("zero_u32", self.ew(n), &[dst.into(), i64_of(n)]);
+            self.launch(kernel!("zero_u32"), self.ew(n), &[dst.into(), i64_of(n)]);
         }
     }
 
@@ -305,18 +307,68 @@ struct Scratch<'a> {
     _guard: MutexGuard<'a, Option<Tensor>>,
 }
 
-/// The storage suffix (`f32`, `bf16`) naming an op's kernel variant for `dt`.
-fn suffix(dt: DType, op: &str) -> &'static str {
+/// `{op}_f32` and `{op}_bf16`, indexed by [`dt_at`]: an op's kernel for its storage type.
+const fn dtypes(op: &str) -> Family<2> {
+    Family::new(&[&[op], &["_f32", "_bf16"]])
+}
+
+/// Storage `dt`'s index among an op's variants (`f32`, `bf16`; see [`dtypes`]).
+fn dt_at(dt: DType, op: &str) -> usize {
     match dt {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
+        DType::F32 => 0,
+        DType::BF16 => 1,
         DType::F64 | DType::U32 => panic!("{op}: the kernels have no {} variant", dt.name()),
     }
 }
 
-/// The name of `op`'s kernel for storage `dt`: `{op}_f32` or `{op}_bf16`.
-fn kernel_name(op: &str, dt: DType) -> String {
-    format!("{op}_{}", suffix(dt, op))
+/// `op`'s kernel for storage `dt`: `{op}_f32` or `{op}_bf16`, resolved at compile time (`op`
+/// a literal or constant).
+macro_rules! by_dtype {
+    ($op:expr, $dt:expr) => {{
+        const F: Family<2> = dtypes($op);
+        F.get(&[dt_at($dt, $op)])
+    }};
+}
+use by_dtype;
+
+/// A kernel's arguments gathered in steps, on the stack (at most [`MAX_ARGS`]).
+struct Args {
+    args: [Arg; MAX_ARGS],
+    len: usize,
+}
+
+impl Args {
+    fn new() -> Self {
+        Args {
+            args: [Arg::I32(0); MAX_ARGS],
+            len: 0,
+        }
+    }
+    fn push(&mut self, a: Arg) {
+        assert!(self.len < MAX_ARGS, "more than {MAX_ARGS} kernel arguments");
+        self.args[self.len] = a;
+        self.len += 1;
+    }
+    fn extend(&mut self, args: impl IntoIterator<Item = Arg>) {
+        for a in args {
+            self.push(a);
+        }
+    }
+}
+
+impl std::ops::Deref for Args {
+    type Target = [Arg];
+    fn deref(&self) -> &[Arg] {
+        &self.args[..self.len]
+    }
+}
+
+impl<const N: usize> From<[Arg; N]> for Args {
+    fn from(a: [Arg; N]) -> Self {
+        let mut args = Args::new();
+        args.extend(a);
+        args
+    }
 }
 
 fn i32_of(x: usize) -> Arg {

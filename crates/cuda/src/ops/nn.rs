@@ -43,20 +43,49 @@ fn check(op: &str, what: &str, v: &impl Extent, want: (DType, usize)) {
     assert_eq!(v.extent(), want, "{op}: {what} (dtype, length)");
 }
 
-/// The kernel suffix of an op reading `input` storage and writing `output`: one storage
-/// (`f32`, `bf16`), or f32 in and bf16 out (`f32_to_bf16`: the experts' and SwiGLUs' rows
-/// that bf16-input GEMMs read, rounded once where they are made).
-fn suffix_to(input: DType, output: DType, op: &str) -> &'static str {
+/// `{op}_f32`, `{op}_bf16` and `{op}_f32_to_bf16`, indexed by [`to_at`].
+const fn dtypes_to(op: &str) -> Family<3> {
+    Family::new(&[&[op], &["_f32", "_bf16", "_f32_to_bf16"]])
+}
+
+/// The variant of an op reading `input` storage and writing `output` among [`dtypes_to`]'s:
+/// one storage (`f32`, `bf16`), or f32 in and bf16 out (`f32_to_bf16`: the experts' and
+/// SwiGLUs' rows that bf16-input GEMMs read, rounded once where they are made).
+fn to_at(input: DType, output: DType, op: &str) -> usize {
     match (input, output) {
-        (DType::F32, DType::BF16) => "f32_to_bf16",
-        (i, o) if i == o => suffix(i, op),
+        (DType::F32, DType::BF16) => 2,
+        (i, o) if i == o => dt_at(i, op),
         (i, o) => panic!("{op}: no kernel from {} to {}", i.name(), o.name()),
     }
 }
 
-/// The name of `op`'s kernel from `input` storage to `output` (see [`suffix_to`]).
-fn kernel_name_to(op: &str, input: DType, output: DType) -> String {
-    format!("{op}_{}", suffix_to(input, output, op))
+/// `op`'s kernel from `input` storage to `output` (see [`to_at`]), resolved at compile time.
+macro_rules! by_dtypes_to {
+    ($op:expr, $input:expr, $output:expr) => {{
+        const F: Family<3> = dtypes_to($op);
+        F.get(&[to_at($input, $output, $op)])
+    }};
+}
+
+/// `{prefix}{doc}{dtype}` for `doc` in (``, `doc_`) and the storage types: the norm and
+/// attention kernels with and without document masking, indexed by
+/// `[doc.is_some() as usize, dt_at(dt, op)]`.
+const fn docs_dtypes(prefix: &str) -> Family<4> {
+    Family::new(&[&[prefix], &["", "doc_"], &["f32", "bf16"]])
+}
+
+/// The tensor-core attention kernels' head sizes, as their names spell them.
+const TC_HEAD_DIMS: [&str; 4] = ["16", "32", "64", "128"];
+
+/// Head size `d`'s index among [`TC_HEAD_DIMS`].
+fn tc_at(d: usize) -> usize {
+    match d {
+        16 => 0,
+        32 => 1,
+        64 => 2,
+        128 => 3,
+        _ => panic!("no tensor-core attention kernel for head_dim {d}"),
+    }
 }
 
 /// Whether the experts' outputs are bf16 beside f32 tokens (bf16 GEMM outputs: the
@@ -96,11 +125,11 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let args = [self.arg_mut(out), self.arg(wte), self.arg(ids), i32_of(dim)];
-        let name = match widen {
-            true => "embedding_forward_f32_bf16".to_string(),
-            false => kernel_name("embedding_forward", dt),
+        let k = match widen {
+            true => kernel!("embedding_forward_f32_bf16"),
+            false => by_dtype!("embedding_forward", dt),
         };
-        self.launch(&name, self.per_row(n, dim), &args);
+        self.launch(k, self.per_row(n, dim), &args);
     }
 
     /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: blocks per distinct id (one per
@@ -132,10 +161,7 @@ impl<L: Launcher> KernelOps<L> {
         if e.segments == 0 {
             return;
         }
-        let name = format!(
-            "embedding_backward_sorted_{}",
-            suffix(dout.dtype(), "embedding_backward")
-        );
+        let k = by_dtype!("embedding_backward_sorted", dout.dtype());
         let args = [
             self.arg_mut(dwte),
             self.arg(dout),
@@ -148,7 +174,7 @@ impl<L: Launcher> KernelOps<L> {
         // the columns allow.
         let block = self.row_block(dim);
         let chunks = dim.div_ceil(block as usize);
-        self.launch(&name, cfg(grid(e.segments, chunks, 1), block), &args);
+        self.launch(k, cfg(grid(e.segments, chunks, 1), block), &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -163,11 +189,8 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(parts),
             i32_of(cols),
         ];
-        self.launch(
-            "col_sum_acc_f32",
-            cfg(grid(cols.div_ceil(32), 1, 1), 32),
-            &args,
-        );
+        let shape = cfg(grid(cols.div_ceil(32), 1, 1), 32);
+        self.launch(kernel!("col_sum_acc_f32"), shape, &args);
     }
 
     pub fn rmsnorm_forward(
@@ -195,8 +218,8 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(dim),
             eps.into(),
         ];
-        let name = kernel_name("rmsnorm_forward", dt);
-        self.launch(&name, self.per_row(rows, dim), &args);
+        let k = by_dtype!("rmsnorm_forward", dt);
+        self.launch(k, self.per_row(rows, dim), &args);
     }
 
     pub fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize) {
@@ -211,7 +234,10 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let sfx = suffix(dt, "rmsnorm_backward");
+        let (dx_kernel, dw_kernel) = (
+            by_dtype!("rmsnorm_backward_dx", dt),
+            by_dtype!("rmsnorm_backward_dw_partial", dt),
+        );
         let args = [
             self.arg_mut(dx),
             self.arg(dout),
@@ -221,7 +247,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(dim),
         ];
         let blocks = self.per_row(rows, dim);
-        self.launch(&format!("rmsnorm_backward_dx_{sfx}"), blocks, &args);
+        self.launch(dx_kernel, blocks, &args);
         let chunks = rows.div_ceil(CHUNK_ROWS);
         let (_s, [partial]) = self.scratch([chunks * dim * 4]);
         let args = [
@@ -233,11 +259,8 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(dim),
             i32_of(CHUNK_ROWS),
         ];
-        self.launch(
-            &format!("rmsnorm_backward_dw_partial_{sfx}"),
-            cfg(grid(dim.div_ceil(32), chunks, 1), 32),
-            &args,
-        );
+        let shape = cfg(grid(dim.div_ceil(32), chunks, 1), 32);
+        self.launch(dw_kernel, shape, &args);
         self.col_sum_acc(dw, partial, chunks);
     }
 
@@ -314,19 +337,20 @@ impl<L: Launcher> KernelOps<L> {
         }
         let doc = self.doc_arg(op, docs, rows);
         let freq = self.inv_freq(&d);
-        let mut args = vec![
+        let mut args = Args::from([
             self.arg_mut(out),
             self.arg_mut(rstd),
             self.arg(x),
             self.arg(w),
-        ];
+        ]);
         args.extend(self.rope_args(&d, freq));
         args.push(d.eps.into());
         args.push(i64_of(rows * d.heads));
         args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
-        let name = format!("{op}_{}{}", doc_sfx(&doc), suffix(dt, op));
-        self.launch(&name, blocks, &args);
+        const FWD: Family<4> = docs_dtypes("head_norm_rope_forward_");
+        let k = FWD.get(&[doc.is_some() as usize, dt_at(dt, op)]);
+        self.launch(k, blocks, &args);
     }
 
     /// The document starts' kernel argument, their length checked (`n`: one a row or query),
@@ -383,38 +407,37 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let doc = self.doc_arg(op, docs, rows);
-        let sfx = format!("{}{}", doc_sfx(&doc), suffix(dt, op));
+        const DX: Family<4> = docs_dtypes("head_norm_rope_backward_dx_");
+        const DW: Family<4> = docs_dtypes("head_norm_rope_backward_dw_partial_");
+        let at = [doc.is_some() as usize, dt_at(dt, op)];
         // The weight gradient's chunks are of head rows (a position's heads one after another).
         let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
         let freq = self.inv_freq(&d);
         let (_s, [partial]) = self.scratch([chunks * d.head_dim * 4]);
-        let mut args = vec![
+        let mut args = Args::from([
             self.arg_mut(dx),
             self.arg(dout),
             self.arg(s.x),
             self.arg(s.w),
             self.arg(s.rstd),
-        ];
+        ]);
         args.extend(self.rope_args(&d, freq));
         args.push(i64_of(rows * d.heads));
         args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
-        self.launch(&format!("{op}_dx_{sfx}"), blocks, &args);
-        let mut args = vec![
+        self.launch(DX.get(&at), blocks, &args);
+        let mut args = Args::from([
             partial.into(),
             self.arg(dout),
             self.arg(s.x),
             self.arg(s.rstd),
             i32_of(rows),
-        ];
+        ]);
         args.extend(self.rope_args(&d, freq));
         args.push(i32_of(CHUNK_ROWS));
         args.extend(doc);
-        self.launch(
-            &format!("{op}_dw_partial_{sfx}"),
-            cfg(grid(d.head_dim.div_ceil(32), chunks.min(65535), 1), 32),
-            &args,
-        );
+        let shape = cfg(grid(d.head_dim.div_ceil(32), chunks.min(65535), 1), 32);
+        self.launch(DW.get(&at), shape, &args);
         self.col_sum_acc(dw, partial, chunks);
     }
 
@@ -441,7 +464,7 @@ impl<L: Launcher> KernelOps<L> {
         let nq = d.batch * d.tq * d.heads * d.head_dim;
         let nk = d.batch * d.tk * d.kv_heads * d.head_dim;
         assert_eq!((q, k, v), (nq, nk, nk), "{op}: q, k, v lengths for {d:?}");
-        let _ = suffix(dt, op);
+        let _ = dt_at(dt, op);
         nq
     }
 
@@ -501,32 +524,38 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let doc = self.doc_arg(op, docs, d.batch * d.tq);
-        let ds = doc_sfx(&doc);
-        let mut args = vec![
+        let ds = doc.is_some() as usize;
+        let mut args = Args::from([
             self.arg_mut(out),
             self.arg_mut(lse),
             self.arg(q),
             self.arg(k),
             self.arg(v),
-        ];
+        ]);
         args.extend(Self::attn_dims(&d));
         args.push(Self::attn_scale(&d));
         args.extend(doc);
         if self.attn_tc(dt, &d) {
             // Two m-tiles a warp where chosen: twice the queries a block.
             let wide = self.tuning.attn_wide_fwd && d.head_dim <= 64;
-            let (rows, x) = if wide {
-                (2 * TC_TILE, "x2")
-            } else {
-                (TC_TILE, "")
-            };
+            const TC: Family<16> = Family::new(&[
+                &["attention_forward_tc"],
+                &TC_HEAD_DIMS,
+                &["", "x2"],
+                &["_"],
+                &["", "doc_"],
+                &["bf16"],
+            ]);
+            let rows = if wide { 2 * TC_TILE } else { TC_TILE };
             let shape = cfg(grid(d.tq.div_ceil(rows), d.heads, d.batch), TC_BLOCK);
-            self.launch(&format!("{op}_tc{}{x}_{ds}bf16", d.head_dim), shape, &args);
+            let k = TC.get(&[tc_at(d.head_dim), wide as usize, ds]);
+            self.launch(k, shape, &args);
             return;
         }
+        const SIMT: Family<4> = docs_dtypes("attention_forward_");
         let w = self.tuning.attn_rows as usize;
         let shape = cfg(grid(d.tq.div_ceil(w), d.heads, d.batch), 32 * w as u32);
-        self.launch(&format!("{op}_{ds}{}", suffix(dt, op)), shape, &args);
+        self.launch(SIMT.get(&[ds, dt_at(dt, op)]), shape, &args);
     }
 
     pub fn attention_backward(&self, g: AttnGrads, dout: View, s: AttnSaved, d: AttnDims) {
@@ -546,7 +575,7 @@ impl<L: Launcher> KernelOps<L> {
     }
 
     /// The backward's first pass: each query row's `Σ dout·out` into `delta` (f32, a row each).
-    fn attn_delta(&self, delta: *mut c_void, dout: View, out: View, d: &AttnDims, sfx: &str) {
+    fn attn_delta(&self, delta: *mut c_void, dout: View, out: View, d: &AttnDims) {
         let nl = d.batch * d.heads * d.tq;
         let args = [
             delta.into(),
@@ -557,8 +586,8 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.head_dim),
             i64_of(nl),
         ];
-        let name = format!("attention_backward_delta_{sfx}");
-        self.launch(&name, self.warp_per_row(nl), &args);
+        let k = by_dtype!("attention_backward_delta", dout.dtype());
+        self.launch(k, self.warp_per_row(nl), &args);
     }
 
     fn attention_bwd(
@@ -588,8 +617,7 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let doc = self.doc_arg(op, docs, d.batch * d.tq);
-        let ds = doc_sfx(&doc);
-        let sfx = suffix(dt, op);
+        let ds = doc.is_some() as usize;
         let tc = self.attn_tc(dt, &d);
         let fused = tc && self.tuning.attn_fused_dq && d.head_dim <= 64;
         let (_s, [delta]) = self.scratch([nl * 4]);
@@ -601,26 +629,48 @@ impl<L: Launcher> KernelOps<L> {
             }
             false => (None, std::ptr::null_mut()),
         };
-        self.attn_delta(delta, dout, s.out, &d, sfx);
+        self.attn_delta(delta, dout, s.out, &d);
         let AttnGrads { dq, dk, dv } = g;
-        let tail = |args: &mut Vec<Arg>| {
+        let tail = |args: &mut Args| {
             args.extend(Self::attn_dims(&d));
             args.push(Self::attn_scale(&d));
             args.extend(doc);
         };
+        // The passes (`FUSED`, `DKDV`, `DQ`) on the tensor cores by head size and documents,
+        // and the plain ones by documents and storage (no fused one).
+        const PASSES: [&str; 3] = ["fused", "dkdv", "dq"];
+        const FUSED: usize = 0;
+        const DKDV: usize = 1;
+        const DQ: usize = 2;
+        const TC: Family<24> = Family::new(&[
+            &["attention_backward_"],
+            &PASSES,
+            &["_tc"],
+            &TC_HEAD_DIMS,
+            &["_"],
+            &["", "doc_"],
+            &["bf16"],
+        ]);
+        const SIMT: Family<12> = Family::new(&[
+            &["attention_backward_"],
+            &PASSES,
+            &["_"],
+            &["", "doc_"],
+            &["f32", "bf16"],
+        ]);
         // A pass's grid (tiles of `len` positions, by head and sequence) and kernel: the
         // tensor-core variant in tiles of TC_TILE, the plain one in tiles of `tile`.
-        let pass = |name: &str, tc: bool, len: usize, heads: usize, tile: usize| match tc {
+        let pass = |p: usize, tc: bool, len: usize, heads: usize, tile: usize| match tc {
             true => (
                 cfg(grid(len.div_ceil(TC_TILE), heads, d.batch), TC_BLOCK),
-                format!("{op}_{name}_tc{}_{ds}bf16", d.head_dim),
+                TC.get(&[p, tc_at(d.head_dim), ds]),
             ),
             false => (
                 cfg(grid(len.div_ceil(tile), heads, d.batch), 128),
-                format!("{op}_{name}_{ds}{sfx}"),
+                SIMT.get(&[p, ds, dt_at(dt, op)]),
             ),
         };
-        let mut args = vec![self.arg_mut(dk), self.arg_mut(dv)];
+        let mut args = Args::from([self.arg_mut(dk), self.arg_mut(dv)]);
         if fused {
             self.zero(acc, nq * 4);
             args.push(acc.into());
@@ -635,16 +685,16 @@ impl<L: Launcher> KernelOps<L> {
         ]);
         tail(&mut args);
         if fused {
-            let (shape, name) = pass("fused", true, d.tk, d.kv_heads, TC_TILE);
-            self.launch(&name, shape, &args);
+            let (shape, k) = pass(FUSED, true, d.tk, d.kv_heads, TC_TILE);
+            self.launch(k, shape, &args);
             // The sums are scaled already: dq is their bf16 rounding.
             let args = [self.arg_mut(dq), acc.into(), i64_of(nq)];
-            self.launch("cast_f32_to_bf16", self.ew(nq), &args);
+            self.launch(kernel!("cast_f32_to_bf16"), self.ew(nq), &args);
             return;
         }
-        let (shape, name) = pass("dkdv", tc, d.tk, d.kv_heads, 16);
-        self.launch(&name, shape, &args);
-        let mut args = vec![
+        let (shape, k) = pass(DKDV, tc, d.tk, d.kv_heads, 16);
+        self.launch(k, shape, &args);
+        let mut args = Args::from([
             self.arg_mut(dq),
             self.arg(dout),
             self.arg(s.q),
@@ -652,10 +702,10 @@ impl<L: Launcher> KernelOps<L> {
             self.arg(s.v),
             self.arg(s.lse),
             delta.into(),
-        ];
+        ]);
         tail(&mut args);
-        let (shape, name) = pass("dq", tc, d.tq, d.heads, 8);
-        self.launch(&name, shape, &args);
+        let (shape, k) = pass(DQ, tc, d.tq, d.heads, 8);
+        self.launch(k, shape, &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -670,9 +720,9 @@ impl<L: Launcher> KernelOps<L> {
         if n == 0 {
             return;
         }
-        let name = kernel_name_to(op, dt, out.dtype());
+        let k = by_dtypes_to!("swiglu_forward", dt, out.dtype());
         let args = [self.arg_mut(out), self.arg(gate), self.arg(up), i64_of(n)];
-        self.launch(&name, self.ew(n), &args);
+        self.launch(k, self.ew(n), &args);
     }
 
     /// `dgate`, `dup` in the inputs' storage, or bf16 from f32 inputs.
@@ -695,7 +745,8 @@ impl<L: Launcher> KernelOps<L> {
             self.arg(up),
             i64_of(n),
         ];
-        self.launch(&kernel_name_to(op, dt, out), self.ew(n), &args);
+        let k = by_dtypes_to!("swiglu_backward", dt, out);
+        self.launch(k, self.ew(n), &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -743,7 +794,8 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(k),
             Arg::I32(renorm as i32),
         ];
-        self.launch("router_forward_f32", cfg(grid(rows, 1, 1), 32), &args);
+        let shape = cfg(grid(rows, 1, 1), 32);
+        self.launch(kernel!("router_forward_f32"), shape, &args);
         let col_blocks = experts.div_ceil(32);
         let args = [
             partial.into(),
@@ -752,13 +804,11 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(experts),
             i32_of(CHUNK_ROWS),
         ];
-        self.launch(
-            "col_sum_partial_f64",
-            cfg(grid(col_blocks, chunks, 1), 32),
-            &args,
-        );
+        let shape = cfg(grid(col_blocks, chunks, 1), 32);
+        self.launch(kernel!("col_sum_partial_f64"), shape, &args);
         let args = [psum.into(), partial.into(), i32_of(chunks), i32_of(experts)];
-        self.launch("col_sum_set_f64", cfg(grid(col_blocks, 1, 1), 32), &args);
+        let shape = cfg(grid(col_blocks, 1, 1), 32);
+        self.launch(kernel!("col_sum_set_f64"), shape, &args);
     }
 
     pub fn router_backward(
@@ -792,7 +842,8 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(k),
             Arg::I32(renorm as i32),
         ];
-        self.launch("router_backward_f32", cfg(grid(rows, 1, 1), 32), &args);
+        let shape = cfg(grid(rows, 1, 1), 32);
+        self.launch(kernel!("router_backward_f32"), shape, &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -835,18 +886,13 @@ impl<L: Launcher> KernelOps<L> {
         let block = cfg(grid(tiles, 1, 1), 256);
         let (n32, e32, tile) = (i32_of(n), i32_of(experts), i32_of(DISPATCH_TILE));
         if n > 0 {
-            self.launch(
-                "dispatch_tile_counts",
-                block,
-                &[t.into(), idx, n32, e32, tile],
-            );
+            let args = [t.into(), idx, n32, e32, tile];
+            self.launch(kernel!("dispatch_tile_counts"), block, &args);
         }
         // With no choices: zero counts and offsets.
-        self.launch(
-            "dispatch_tile_scan",
-            cfg(grid(1, 1, 1), u32_of(experts.max(1).next_multiple_of(32))),
-            &[t.into(), counts.into(), offsets.into(), i32_of(tiles), e32],
-        );
+        let shape = cfg(grid(1, 1, 1), u32_of(experts.max(1).next_multiple_of(32)));
+        let args = [t.into(), counts.into(), offsets.into(), i32_of(tiles), e32];
+        self.launch(kernel!("dispatch_tile_scan"), shape, &args);
         if n > 0 {
             let args = [
                 self.arg_mut(out.src),
@@ -858,7 +904,7 @@ impl<L: Launcher> KernelOps<L> {
                 e32,
                 tile,
             ];
-            self.launch("dispatch_place", block, &args);
+            self.launch(kernel!("dispatch_place"), block, &args);
         }
     }
 
@@ -874,10 +920,10 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let n = src.len();
-        let name = kernel_name_to(op, dt, out);
+        let k = by_dtypes_to!("moe_gather", dt, out);
         let args = [self.arg_mut(xe), self.arg(x), self.arg(src), i32_of(dim)];
         let shape = self.per_row(n, dim);
-        self.launch(&name, shape, &args);
+        self.launch(k, shape, &args);
     }
 
     pub fn moe_gather_backward(&self, dx: ViewMut, dxe: View, d: Dispatched) {
@@ -897,7 +943,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        self.launch(&kernel_name(op, dt), shape, &args);
+        self.launch(by_dtype!("moe_gather_backward", dt), shape, &args);
     }
 
     /// `ye` in `out`'s storage, or bf16 into f32 tokens (bf16 GEMM outputs).
@@ -920,11 +966,11 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        let name = match ye16 {
-            true => format!("{op}_ye_bf16"),
-            false => kernel_name(op, dt),
+        let k = match ye16 {
+            true => kernel!("moe_combine_ye_bf16"),
+            false => by_dtype!("moe_combine", dt),
         };
-        self.launch(&name, shape, &args);
+        self.launch(k, shape, &args);
     }
 
     /// `dye` in the inputs' storage, or bf16 from f32 ones (`dw` f32); `ye` may be bf16 beside
@@ -961,14 +1007,14 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(d.dim),
         ];
         let shape = self.per_row(tokens, d.dim);
-        let name = match ye16 {
+        let k = match ye16 {
             true => {
                 assert_eq!(out, DType::BF16, "{op}: bf16 ye writes bf16 dye");
-                format!("{op}_ye_bf16")
+                kernel!("moe_combine_backward_ye_bf16")
             }
-            false => kernel_name_to(op, dt, out),
+            false => by_dtypes_to!("moe_combine_backward", dt, out),
         };
-        self.launch(&name, shape, &args);
+        self.launch(k, shape, &args);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -994,16 +1040,15 @@ impl<L: Launcher> KernelOps<L> {
         if rows == 0 {
             return;
         }
-        let sfx = suffix(dt, op);
+        let (fwd, acc) = (
+            by_dtype!("cross_entropy_forward", dt),
+            by_dtype!("cross_entropy_loss_acc", dt),
+        );
         let tg = self.arg(targets);
         let mut lse = lse;
         let lse_addr = self.arg_mut(lse.reborrow());
         let args = [lse_addr, self.arg(logits), i32_of(vocab)];
-        self.launch(
-            &format!("cross_entropy_forward_{sfx}"),
-            cfg(grid(rows, 1, 1), 128),
-            &args,
-        );
+        self.launch(fwd, cfg(grid(rows, 1, 1), 128), &args);
         let args = [
             self.arg_mut(loss),
             lse_addr,
@@ -1012,11 +1057,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(rows),
             i32_of(vocab),
         ];
-        self.launch(
-            &format!("cross_entropy_loss_acc_{sfx}"),
-            cfg([1, 1, 1], 128),
-            &args,
-        );
+        self.launch(acc, cfg([1, 1, 1], 128), &args);
     }
 
     pub fn cross_entropy_backward(
@@ -1042,15 +1083,7 @@ impl<L: Launcher> KernelOps<L> {
             i32_of(vocab),
             scale.into(),
         ];
-        self.launch(&kernel_name(op, dt), cfg(grid(rows, 1, 1), 128), &args);
-    }
-}
-
-/// The kernel name's infix for document masking: `doc_` with the starts' argument, else none.
-fn doc_sfx(doc: &Option<Arg>) -> &'static str {
-    if doc.is_some() {
-        "doc_"
-    } else {
-        ""
+        let k = by_dtype!("cross_entropy_backward", dt);
+        self.launch(k, cfg(grid(rows, 1, 1), 128), &args);
     }
 }

@@ -37,18 +37,18 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         if n == 0 {
             return;
         }
-        let mut args = vec![
+        let mut args = Args::from([
             self.arg_mut(param),
             self.arg_mut(m),
             self.arg_mut(v),
             self.arg(grad),
-        ];
-        let name = match rounded {
+        ]);
+        let k = match rounded {
             Some(r) => {
                 args.push(self.arg_mut(r));
-                "adamw_step_f32_rounded"
+                kernel!("adamw_step_f32_rounded")
             }
-            None => "adamw_step_f32",
+            None => kernel!("adamw_step_f32"),
         };
         args.extend([
             i64_of(n),
@@ -62,7 +62,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             f(1.0 / h.bias_correction2.sqrt()),
             f(h.eps),
         ]);
-        self.launch(name, self.ew(n), &args);
+        self.launch(k, self.ew(n), &args);
     }
 
     /// `decay_update_f32`, or with `rounded` `decay_update_f32_rounded`.
@@ -84,16 +84,16 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         if n == 0 {
             return;
         }
-        let mut args = vec![self.arg_mut(param), self.arg(update)];
-        let name = match rounded {
+        let mut args = Args::from([self.arg_mut(param), self.arg(update)]);
+        let k = match rounded {
             Some(r) => {
                 args.push(self.arg_mut(r));
-                "decay_update_f32_rounded"
+                kernel!("decay_update_f32_rounded")
             }
-            None => "decay_update_f32",
+            None => kernel!("decay_update_f32"),
         };
         args.extend([i64_of(n), f(alpha), f(1.0 - decay)]);
-        self.launch(name, self.ew(n), &args);
+        self.launch(k, self.ew(n), &args);
     }
 
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
@@ -110,7 +110,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             f(momentum),
             Arg::F32(grad_scale),
         ];
-        self.launch("nesterov_f32", self.ew(n), &args);
+        self.launch(kernel!("nesterov_f32"), self.ew(n), &args);
     }
 
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
@@ -125,35 +125,90 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         self.zero(sumsq, 8);
         self.sumsq_into(sumsq.into(), x.as_view(), partial, blocks);
         let args = [self.arg_mut(x), sumsq.into(), Arg::F64(eps), i64_of(n)];
-        self.launch("scale_by_inv_norm_f32", self.ew(n), &args);
+        self.launch(kernel!("scale_by_inv_norm_f32"), self.ew(n), &args);
     }
 
     /// Three launches for the whole stack (`sumsq_partial_strided_f32`, `sum_rows_f64`,
     /// `scale_by_inv_norm_strided_f32`), each matrix's partials and sum as
     /// [`Self::normalize_frobenius`] makes them alone: the same bits.
     fn normalize_frobenius_strided(&self, x: ViewMut, count: usize, eps: f64) {
-        let len = x.len();
-        check_f32("normalize_frobenius_strided", &[(x.dtype(), len)], len);
-        if len == 0 {
+        let op = "normalize_frobenius_strided";
+        let Some((n, blocks)) = stack_shape(self, op, (x.dtype(), x.len()), count) else {
             return;
-        }
-        let n = len / count.max(1);
-        assert_eq!(
-            n * count,
-            len,
-            "normalize_frobenius_strided: {count} matrices"
-        );
-        let blocks = self.sumsq_blocks(n);
+        };
         let (_s, [partial, sums]) = self.scratch([count * blocks * 8, count * 8]);
-        let per_matrix = cfg(grid(blocks, count, 1), self.tuning.ew_block);
         let x = self.arg_mut(x);
-        let pass1 = [partial.into(), x, i64_of(n)];
-        self.launch("sumsq_partial_strided_f32", per_matrix, &pass1);
-        let pass2 = [sums.into(), partial.into(), i32_of(blocks)];
-        self.launch("sum_rows_f64", cfg(grid(count, 1, 1), 256), &pass2);
+        let per_matrix = self.matrix_norms(x, n, count, blocks, [partial, sums]);
         let pass3 = [x, sums.into(), Arg::F64(eps), i64_of(n)];
-        self.launch("scale_by_inv_norm_strided_f32", per_matrix, &pass3);
+        self.launch(kernel!("scale_by_inv_norm_strided_f32"), per_matrix, &pass3);
     }
+
+    fn normalizes_into_bf16(&self) -> bool {
+        true
+    }
+
+    /// [`OptimOps::normalize_frobenius_strided`] of `x` (f32, `count` matrices) into `xb`
+    /// (bf16, as long), `x` left as it is: each matrix divided by its norm plus `eps` and
+    /// rounded to bf16, the operand Newton–Schulz in bf16 multiplies first. The first two
+    /// launches as there, the last (`scale_by_inv_norm_strided_f32_to_bf16`) writing the bf16
+    /// copy instead of scaling in place: bitwise the normalisation followed by a cast.
+    fn normalize_frobenius_strided_bf16(&self, x: View, xb: ViewMut, count: usize, eps: f64) {
+        let op = "normalize_frobenius_strided_bf16";
+        assert_eq!(
+            (xb.dtype(), xb.len()),
+            (DType::BF16, x.len()),
+            "{op}: the copy is bf16 of x's length"
+        );
+        let Some((n, blocks)) = stack_shape(self, op, (x.dtype(), x.len()), count) else {
+            return;
+        };
+        let (_s, [partial, sums]) = self.scratch([count * blocks * 8, count * 8]);
+        let (x, xb) = (self.arg(x), self.arg_mut(xb));
+        let per_matrix = self.matrix_norms(x, n, count, blocks, [partial, sums]);
+        let pass3 = [xb, x, sums.into(), Arg::F64(eps), i64_of(n)];
+        let k = kernel!("scale_by_inv_norm_strided_f32_to_bf16");
+        self.launch(k, per_matrix, &pass3);
+    }
+}
+
+impl<L: Launcher> KernelOps<L> {
+    /// The squared Frobenius norms of `count` matrices of `n` f32 at `x` into `sums` (f64, one
+    /// a matrix), through `blocks` partials each at `partial`; returns the per-matrix grid
+    /// (`blocks` × `count`) that a pass over the stack takes.
+    fn matrix_norms(
+        &self,
+        x: Arg,
+        n: usize,
+        count: usize,
+        blocks: usize,
+        [partial, sums]: [*mut c_void; 2],
+    ) -> LaunchConfig {
+        let per_matrix = cfg(grid(blocks, count, 1), self.tuning.ew_block);
+        let pass1 = [partial.into(), x, i64_of(n)];
+        self.launch(kernel!("sumsq_partial_strided_f32"), per_matrix, &pass1);
+        let pass2 = [sums.into(), partial.into(), i32_of(blocks)];
+        let sums_shape = cfg(grid(count, 1, 1), 256);
+        self.launch(kernel!("sum_rows_f64"), sums_shape, &pass2);
+        per_matrix
+    }
+}
+
+/// A stack of `count` f32 matrices, `x` = (dtype, length): each matrix's length and the
+/// blocks of a pass over one; None when it is empty (nothing to launch).
+fn stack_shape<L: Launcher>(
+    ops: &KernelOps<L>,
+    op: &str,
+    x: (DType, usize),
+    count: usize,
+) -> Option<(usize, usize)> {
+    let len = x.1;
+    check_f32(op, &[x], len);
+    if len == 0 {
+        return None;
+    }
+    let n = len / count.max(1);
+    assert_eq!(n * count, len, "{op}: {count} matrices");
+    Some((n, ops.sumsq_blocks(n)))
 }
 
 /// The compute copy a fused update writes: bf16, as long as the parameter.
