@@ -7,6 +7,7 @@
 use ganymede_core::{ParamKind, ParamSpec, ViewMut};
 use ganymede_dist::mpi::{init, MpiConfig};
 use ganymede_dist::*;
+use ganymede_parallel::flexshard::plan;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
