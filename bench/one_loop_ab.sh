@@ -7,9 +7,12 @@ A=${A:?set A to the binary before the change}
 B=${B:?set B to the binary after the change}
 reps=${REPS:-3}
 EXTRA=${EXTRA:-}  # more --set flags for both sides (e.g. to pin a default that changed)
+# CONFIGS: "preset optimizer steps" triples separated by commas (default: the four below).
+CONFIGS=${CONFIGS:-"tiny muon 60,tiny adamw 60,small muon 12,small adamw 12"}
 out=/tmp/seam_ab; rm -rf $out; mkdir -p $out
 for rep in $(seq 1 $reps); do
-  for cfg in "tiny muon 60" "tiny adamw 60" "small muon 12" "small adamw 12"; do
+  IFS=, read -ra cfgs <<<"$CONFIGS"
+  for cfg in "${cfgs[@]}"; do
     set -- $cfg
     for side in A B; do
       bin=${!side}
