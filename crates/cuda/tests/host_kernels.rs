@@ -1104,16 +1104,7 @@ fn optimizer_updates() {
     let v: Vec<f32> = rng.values(n, 0.01).iter().map(|x| x.abs()).collect();
     let g = rng.values(n, 0.5);
     let (b, kb) = (cpu(), kernels(SMALL));
-    let h = AdamWStep {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bias_correction1: 1.0 - 0.9f64.powi(3),
-        bias_correction2: 1.0 - 0.95f64.powi(3),
-        grad_scale: 1.0,
-    };
+    let h = AdamWStep::at_step(1e-2, (0.9, 0.95), 1e-8, 0.1, 3);
     // Unscaled, and with a clip coefficient folded in.
     for gs in [1.0f32, 0.37] {
         optimizer_updates_at(

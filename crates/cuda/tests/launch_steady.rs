@@ -153,16 +153,7 @@ fn round(ops: &KernelOps<HostLauncher>, t: &mut Tensors) {
     ops.sumsq_acc(t.acc.view_mut(), t.xb.view());
     ops.normalize_frobenius_strided(t.y.view_mut(), 4, 1e-7);
     ops.normalize_frobenius_strided_bf16(t.y.view(), t.yb.view_mut(), 4, 1e-7);
-    let h = AdamWStep {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bias_correction1: 0.1,
-        bias_correction2: 0.05,
-        grad_scale: 1.0,
-    };
+    let h = AdamWStep::at_step(1e-3, (0.9, 0.95), 1e-8, 0.1, 10);
     let (p, m, v, g) = (&mut t.x, &mut t.m, &mut t.v, &t.y);
     ops.adamw_step(
         p.view_mut(),

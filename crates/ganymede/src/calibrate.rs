@@ -256,16 +256,7 @@ pub fn measure(threads: usize, quick: bool) -> Result<CpuSpec> {
     let n = 1 << 22;
     let buf = |x: f32| be.upload(&vec![x; n], &[n], Category::Buffers);
     let (mut p, g, mut m, mut v) = (buf(0.1), buf(0.01), buf(0.0), buf(0.0));
-    let h = AdamWStep {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bias_correction1: 0.1,
-        bias_correction2: 0.05,
-        grad_scale: 1.0,
-    };
+    let h = AdamWStep::at_step(1e-3, (0.9, 0.95), 1e-8, 0.1, 10);
     let t = pool.install(|| {
         median_time(batch_s.max(0.02), 5, || {
             be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None)
@@ -624,16 +615,7 @@ pub fn measure_device(be: &dyn Backend, sizes: &DeviceSizes, device: &str) -> Gp
         be.zeros(&[n], Category::Buffers),
         be.zeros(&[n], Category::Buffers),
     );
-    let h = AdamWStep {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bias_correction1: 0.1,
-        bias_correction2: 0.05,
-        grad_scale: 1.0,
-    };
+    let h = AdamWStep::at_step(1e-3, (0.9, 0.95), 1e-8, 0.1, 10);
     let t = event_time(be, Stream::Compute, reps, || {
         be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None)
     });

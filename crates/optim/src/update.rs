@@ -144,14 +144,8 @@ impl Step {
     pub fn adamw_consts(&self, weight_decay: f64) -> AdamWStep {
         let (cfg, t) = (self.cfg, self.step as i32);
         AdamWStep {
-            lr: self.lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay,
-            bias_correction1: 1.0 - cfg.beta1.powi(t),
-            bias_correction2: 1.0 - cfg.beta2.powi(t),
             grad_scale: self.grad_scale,
+            ..AdamWStep::at_step(self.lr, (cfg.beta1, cfg.beta2), cfg.eps, weight_decay, t)
         }
     }
 

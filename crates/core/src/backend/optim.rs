@@ -25,6 +25,29 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+impl AdamWStep {
+    /// Step `t` (counted from 1) of AdamW with these hyperparameters: the bias corrections
+    /// `1 − β^t`, the gradient unscaled.
+    pub fn at_step(
+        lr: f64,
+        (beta1, beta2): (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+        t: i32,
+    ) -> Self {
+        AdamWStep {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            bias_correction1: 1.0 - beta1.powi(t),
+            bias_correction2: 1.0 - beta2.powi(t),
+            grad_scale: 1.0,
+        }
+    }
+}
+
 pub trait OptimOps: Send + Sync {
     /// AdamW (PyTorch's formulation), all four views the same length, with
     /// `g = grad·grad_scale` (the gradient is not written):
