@@ -34,6 +34,16 @@ pub trait Gemms: Send + Sync {
     );
     /// [`Blas::syrk_strided`].
     fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]);
+    /// [`Blas::syrk_strided_into_bf16`].
+    fn syrk_strided_into_bf16(
+        &self,
+        work: ViewMut,
+        c16: ViewMut,
+        a: View,
+        s: Syrk,
+        batch: usize,
+        strides: [usize; 2],
+    );
     /// [`Blas::batches_matrices`].
     fn batches_matrices(&self) -> bool;
 }
@@ -52,6 +62,17 @@ impl Gemms for CpuBackend {
     }
     fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
         Blas::syrk_strided(self, c, a, s, batch, strides)
+    }
+    fn syrk_strided_into_bf16(
+        &self,
+        work: ViewMut,
+        c16: ViewMut,
+        a: View,
+        s: Syrk,
+        batch: usize,
+        strides: [usize; 2],
+    ) {
+        Blas::syrk_strided_into_bf16(self, work, c16, a, s, batch, strides)
     }
     fn batches_matrices(&self) -> bool {
         Blas::batches_matrices(self)
@@ -226,6 +247,17 @@ impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
     }
     fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
         Gemms::syrk_strided(&self.dev, c, a, s, batch, strides)
+    }
+    fn syrk_strided_into_bf16(
+        &self,
+        work: ViewMut,
+        c16: ViewMut,
+        a: View,
+        s: Syrk,
+        batch: usize,
+        strides: [usize; 2],
+    ) {
+        Gemms::syrk_strided_into_bf16(&self.dev, work, c16, a, s, batch, strides)
     }
     fn batches_matrices(&self) -> bool {
         Gemms::batches_matrices(&self.dev)

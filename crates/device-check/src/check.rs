@@ -53,6 +53,10 @@ const SECTIONS: &[(&str, Section)] = &[
         newton_schulz_stack,
     ),
     (
+        "Newton–Schulz's symmetric products into bf16: one kernel against mirror then cast",
+        syrk_into_bf16,
+    ),
+    (
         "Expert GEMMs: one strided batch against a loop",
         expert_gemms,
     ),
@@ -813,6 +817,71 @@ fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
     Ok(md)
 }
 
+/// Newton–Schulz in bf16 keeps X, A and B in bf16 (issue 32): each symmetric product's f32
+/// result is mirrored, given its diagonal term and rounded by one kernel
+/// (`syrk_strided_into_bf16`) where it was mirrored in place and then cast by the next product.
+/// On one of `medium`'s expert stacks (64 × 512×1,024, bf16 operand) both ways, timed (median
+/// of 5 after a warm-up); the same strided GEMM feeds both, so the bits must agree.
+fn syrk_into_bf16(be: &CudaBackend) -> Result<String, String> {
+    use ganymede_cuda::kernel_backend::Gemms;
+    let (count, s, l) = (64usize, 512usize, 1024usize);
+    let (n, ss) = (s * l, s * s);
+    let x = be.upload(&values(count * n, 62), &[count * n], Category::Buffers);
+    let mut x16 = be.zeros_of(&[count * n], DType::BF16, Category::Buffers);
+    be.cast(x16.view_mut(), x.view());
+    let sy = Syrk::new(s, l, false).diag(-1.2).bf16_inputs(true);
+    let mut w = be.zeros(&[count * ss], Category::Buffers);
+    let mut old = be.zeros_of(&[count * ss], DType::BF16, Category::Buffers);
+    let mut new = be.zeros_of(&[count * ss], DType::BF16, Category::Buffers);
+    let (mut t_old, mut t_new) = (Vec::new(), Vec::new());
+    for i in 0..6 {
+        let a = be.record_event(Stream::Compute);
+        Gemms::syrk_strided(be, w.view_mut(), x16.view(), sy, count, [n, ss]);
+        be.cast(old.view_mut(), w.view());
+        let b = be.record_event(Stream::Compute);
+        Gemms::syrk_strided_into_bf16(
+            be,
+            w.view_mut(),
+            new.view_mut(),
+            x16.view(),
+            sy,
+            count,
+            [n, ss],
+        );
+        let c = be.record_event(Stream::Compute);
+        if i > 0 {
+            t_old.push(be.elapsed(&a, &b).as_secs_f64() * 1e3);
+            t_new.push(be.elapsed(&b, &c).as_secs_f64() * 1e3);
+        }
+    }
+    let median = |mut ms: Vec<f64>| {
+        ms.sort_by(f64::total_cmp);
+        ms[ms.len() / 2]
+    };
+    let widen = |t: &Tensor| {
+        let mut f = be.zeros(&[count * ss], Category::Buffers);
+        be.cast(f.view_mut(), t.view());
+        be.download(f.view())
+    };
+    let (o, q) = (widen(&old), widen(&new));
+    let differ = o
+        .iter()
+        .zip(&q)
+        .filter(|(p, q)| p.to_bits() != q.to_bits())
+        .count();
+    let md = format!(
+        "| {count} × X·Xᵀ of 512×1,024, bf16 | ms |\n|---|---|\n\
+         | syrk, mirror in place, cast | {:.3} |\n\
+         | syrk, mirror into bf16 | {:.3} |\n\n\
+         Entries whose bits differ: {differ} of {}.\n",
+        median(t_old),
+        median(t_new),
+        o.len(),
+    );
+    ensure(differ == 0, || format!("the bf16 results differ\n\n{md}"))?;
+    Ok(md)
+}
+
 /// Issue 32's launcher and normalisation, timed: 10,000 launches of a 1,024-element `scale_f32`
 /// (host µs per launch to enqueue, GPU µs per launch; the kernel handles resolved once, which
 /// the launcher's count of lookups must show), and the Frobenius normalisation of one of
@@ -1423,16 +1492,7 @@ fn memory_bound_kernels(be: &CudaBackend) -> Result<String, String> {
         ms.sort_by(f64::total_cmp);
         ms[2]
     };
-    let h = ganymede_core::AdamWStep {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bias_correction1: 0.1,
-        bias_correction2: 0.05,
-        grad_scale: 1.0,
-    };
+    let h = ganymede_core::AdamWStep::at_step(1e-3, (0.9, 0.95), 1e-8, 0.1, 10);
     // The dispatched rows: k passes over the tokens in order (each expert's rows are in token
     // order), every token read k times.
     let src: Vec<u32> = (0..tokens * k).map(|r| (r % tokens) as u32).collect();

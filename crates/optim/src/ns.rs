@@ -15,18 +15,32 @@ pub const NS_COEFFS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
 /// Added to the Frobenius norm before dividing, so a zero gradient stays zero.
 pub const NS_EPS: f64 = 1e-7;
 
-/// Working memory of [`newton_schulz`]: `A = X·Xᵀ` and `B` (each s×s) and the ping-pong copy of
-/// `X` (s×l), where s ≤ l are the matrix's short and long sides. Allocated once and reused.
-/// In bf16 on a backend that normalises into bf16 ([`OptimOps::normalizes_into_bf16`]), also
-/// the normalised X's bf16 copy (as long as the ping-pong copy, half its bytes), allocated at
-/// its first use.
+/// Working memory of [`newton_schulz`], for matrices of short side s and long side l, allocated
+/// once and reused. In f32 products: `A = X·Xᵀ` and `B` (each s×s) and the ping-pong copy of `X`
+/// (s×l), all f32. In bf16 on a backend that normalises into bf16
+/// ([`OptimOps::normalizes_into_bf16`], a GPU) the iterates stay in bf16 (issue 32): the f32 A
+/// (each symmetric product's f32 result, read once), A and B in bf16 and two bf16 copies of X
+/// (`4·s² + 2·s² + 2·s² + 2·s·l + 2·s·l` bytes: what the f32 set takes, `4·(2·s² + s·l)`). Such
+/// a backend gets that set at construction and the f32 B and ping-pong copy only if asked for
+/// f32 products; any other backend the f32 set.
 ///
 /// [`OptimOps::normalizes_into_bf16`]: ganymede_core::OptimOps::normalizes_into_bf16
 pub struct NsScratch {
+    /// Capacity in elements: s² of each square matrix, s·l of each copy of X.
+    ss: usize,
+    sl: usize,
+    a: Tensor,
+    b: Option<Tensor>,
+    y: Option<Tensor>,
+    half: Option<HalfScratch>,
+}
+
+/// The bf16 iterates: A and B (s² each) and X's two copies (s·l each).
+struct HalfScratch {
     a: Tensor,
     b: Tensor,
+    x: Tensor,
     y: Tensor,
-    x16: Option<Tensor>,
 }
 
 impl NsScratch {
@@ -38,12 +52,7 @@ impl NsScratch {
             ss = ss.max(s * s);
             sl = sl.max(s * l);
         }
-        NsScratch {
-            a: be.zeros(&[ss], Category::Buffers),
-            b: be.zeros(&[ss], Category::Buffers),
-            y: be.zeros(&[sl], Category::Buffers),
-            x16: None,
-        }
+        Self::from_lens(be, ss, sl)
     }
 
     /// Scratch for one shape.
@@ -52,31 +61,63 @@ impl NsScratch {
     }
 
     pub fn bytes(&self) -> usize {
+        let half = self
+            .half
+            .as_ref()
+            .map_or(0, |h| h.a.bytes() + h.b.bytes() + h.x.bytes() + h.y.bytes());
         self.a.bytes()
-            + self.b.bytes()
-            + self.y.bytes()
-            + self.x16.as_ref().map_or(0, Tensor::bytes)
+            + self.b.as_ref().map_or(0, Tensor::bytes)
+            + self.y.as_ref().map_or(0, Tensor::bytes)
+            + half
     }
 
     /// Room for `count` matrices of short side `s` and long side `l`.
     fn fits(&self, count: usize, s: usize, l: usize) -> bool {
-        self.a.len() >= count * s * s && self.y.len() >= count * s * l
+        self.ss >= count * s * s && self.sl >= count * s * l
     }
 
-    /// Scratch with `ss` elements for each of A and B and `sl` for the ping-pong copy.
+    /// Scratch with `ss` elements for each of A and B and `sl` for each copy of X.
     pub fn from_lens(be: &dyn Backend, ss: usize, sl: usize) -> Self {
-        NsScratch {
+        let mut s = NsScratch {
+            ss,
+            sl,
             a: be.zeros(&[ss], Category::Buffers),
-            b: be.zeros(&[ss], Category::Buffers),
-            y: be.zeros(&[sl], Category::Buffers),
-            x16: None,
-        }
+            b: None,
+            y: None,
+            half: None,
+        };
+        match be.normalizes_into_bf16() {
+            true => s.half(be),
+            false => s.f32_set(be),
+        };
+        s
     }
 
     /// Scratch for [`newton_schulz_strided`] on `count` matrices of `rows × cols`.
     pub fn for_batch(be: &dyn Backend, rows: usize, cols: usize, count: usize) -> Self {
         let (s, l) = (rows.min(cols), rows.max(cols));
         Self::from_lens(be, count * s * s, count * s * l)
+    }
+
+    /// The f32 B and ping-pong copy, made at first need.
+    fn f32_set(&mut self, be: &dyn Backend) {
+        let (ss, sl) = (self.ss, self.sl);
+        self.b
+            .get_or_insert_with(|| be.zeros(&[ss], Category::Buffers));
+        self.y
+            .get_or_insert_with(|| be.zeros(&[sl], Category::Buffers));
+    }
+
+    /// The bf16 iterates, made at first need.
+    fn half(&mut self, be: &dyn Backend) {
+        let (ss, sl) = (self.ss, self.sl);
+        let bf = |n| be.zeros_of(&[n], DType::BF16, Category::Buffers);
+        self.half.get_or_insert_with(|| HalfScratch {
+            a: bf(ss),
+            b: bf(ss),
+            x: bf(sl),
+            y: bf(sl),
+        });
     }
 }
 
@@ -86,9 +127,11 @@ impl NsScratch {
 ///
 /// With `bf16`, every product takes its operands rounded to bf16 (nearest even) and
 /// accumulates and writes f32 ([`Syrk::bf16_inputs`], [`Gemm::bf16_inputs`]), as PyTorch's Muon
-/// iterates in bf16 on a GPU; X, A and P stay f32 between products, so the only extra error is
-/// the operand rounding (relative 2⁻⁹), which the iteration does not amplify: its fixed point
-/// is a band, not a value (`optimizer.ns_dtype`).
+/// iterates in bf16 on a GPU, so the only extra error is the operand rounding (relative 2⁻⁹),
+/// which the iteration does not amplify: its fixed point is a band, not a value
+/// (`optimizer.ns_dtype`). X, A and P are held in f32 between products, except on a backend
+/// that normalises into bf16 (a GPU), which keeps them in bf16, rounded as its next product
+/// would round them (the same values, no cast passes).
 ///
 /// A tall matrix (rows > cols) is not transposed in memory: with `X` tall the same iteration on
 /// `Xᵀ` reads `A = Xᵀ·X, X = X·P` (the polynomial `P` is symmetric), which the GEMM's transpose flags
@@ -144,60 +187,116 @@ pub fn newton_schulz_strided(
     if count == 0 {
         return;
     }
-    let wide = rows <= cols;
-    let (shift, offset, cc) = ns_shifted();
-    // In bf16, where the backend has the pass, the first step's operand is the normalisation's
-    // bf16 output (the same bits its products would cast to), and X itself is not normalised:
-    // the first step reads only the copy, and its result goes to the ping-pong copy.
-    let into_bf16 = bf16 && steps > 0 && be.normalizes_into_bf16();
-    if into_bf16 {
-        let len = scratch.y.len();
-        let x16 = scratch
-            .x16
-            .get_or_insert_with(|| be.zeros_of(&[len], DType::BF16, Category::Buffers));
-        let x16 = x16.slice_mut(0, count * n);
-        be.normalize_frobenius_strided_bf16(x.as_view(), x16, count, NS_EPS);
-    } else {
-        be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
+    if bf16 && steps > 0 && be.normalizes_into_bf16() {
+        return iterate_in_bf16(be, x, count, rows, cols, steps, scratch);
     }
-    let NsScratch { a, b, y, x16 } = scratch;
-    let x16: Option<View> = match into_bf16 {
-        true => x16.as_ref().map(|t| t.slice(0, count * n)),
-        false => None,
-    };
+    be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
     let ss = s * s;
+    scratch.f32_set(be);
+    let NsScratch { a, b, y, .. } = scratch;
     let mut a = a.slice_mut(0, count * ss);
-    let mut b = b.slice_mut(0, count * ss);
-    let mut y = y.slice_mut(0, count * n);
+    let mut b = b.as_mut().expect("made above").slice_mut(0, count * ss);
+    let mut y = y.as_mut().expect("made above").slice_mut(0, count * n);
     let mut in_x = true;
-    for step in 0..steps {
+    for _ in 0..steps {
         let (src, dst) = if in_x {
             (x.reborrow(), y.reborrow())
         } else {
             (y.reborrow(), x.reborrow())
         };
-        let src = match x16 {
-            Some(x16) if step == 0 => x16,
-            _ => src.as_view(),
-        };
-        let sy = Syrk::new(s, l, !wide).diag(shift as f32).bf16_inputs(bf16);
-        be.syrk_strided(a.reborrow(), src, sy, count, [n, ss]);
-        let sy = Syrk::new(s, s, false)
-            .alpha(cc as f32)
-            .diag(offset as f32)
-            .bf16_inputs(bf16);
-        be.syrk_strided(b.reborrow(), a.as_view(), sy, count, [ss, ss]);
-        if wide {
-            let g = Gemm::new(s, l, s, false, false).bf16_inputs(bf16);
-            be.gemm_strided(dst, b.as_view(), src, g, count, [ss, n, n]);
-        } else {
-            let g = Gemm::new(l, s, s, false, false).bf16_inputs(bf16);
-            be.gemm_strided(dst, src, b.as_view(), g, count, [n, ss, n]);
-        }
+        let src = src.as_view();
+        let (sa, sb) = ns_syrks(rows, cols, bf16);
+        be.syrk_strided(a.reborrow(), src, sa, count, [n, ss]);
+        be.syrk_strided(b.reborrow(), a.as_view(), sb, count, [ss, ss]);
+        polynomial_times_x(be, dst, b.as_view(), src, rows, cols, count, bf16);
         in_x = !in_x;
     }
     if !in_x {
         be.copy(x, y.as_view());
+    }
+}
+
+/// [`newton_schulz_strided`] in bf16 on a backend that normalises into bf16, with X, A and B
+/// held in bf16 between products: the normalisation writes X's first bf16 copy, each symmetric
+/// product goes through an f32 result rounded once ([`Blas::syrk_strided_into_bf16`]), and
+/// `P·X` writes the next copy of X in bf16, the last step writing f32 into `x`. Every value is
+/// rounded where the f32 path's next product would have rounded it as its operand, so the
+/// result is that path's, bit for bit where the backend's bf16-output GEMM rounds its f32
+/// result (the CPU's, the host build's), with no cast passes and half the bytes read.
+///
+/// [`Blas::syrk_strided_into_bf16`]: ganymede_core::Blas::syrk_strided_into_bf16
+fn iterate_in_bf16(
+    be: &dyn Backend,
+    x: ViewMut,
+    count: usize,
+    rows: usize,
+    cols: usize,
+    steps: usize,
+    scratch: &mut NsScratch,
+) {
+    let n = rows * cols;
+    let ss = rows.min(cols).pow(2);
+    scratch.half(be);
+    let NsScratch { a, half, .. } = scratch;
+    let h = half.as_mut().expect("made above");
+    let mut a = a.slice_mut(0, count * ss);
+    let (mut a16, mut b16) = (h.a.slice_mut(0, count * ss), h.b.slice_mut(0, count * ss));
+    let (mut x16, mut y16) = (h.x.slice_mut(0, count * n), h.y.slice_mut(0, count * n));
+    be.normalize_frobenius_strided_bf16(x.as_view(), x16.reborrow(), count, NS_EPS);
+    let mut out = Some(x);
+    for step in 0..steps {
+        let (src, dst) = match step % 2 {
+            0 => (x16.as_view(), y16.reborrow()),
+            _ => (y16.as_view(), x16.reborrow()),
+        };
+        let dst = match step + 1 == steps {
+            true => out.take().expect("one last step"),
+            false => dst,
+        };
+        let (sa, sb) = ns_syrks(rows, cols, true);
+        be.syrk_strided_into_bf16(a.reborrow(), a16.reborrow(), src, sa, count, [n, ss]);
+        let a16 = a16.as_view();
+        be.syrk_strided_into_bf16(a.reborrow(), b16.reborrow(), a16, sb, count, [ss, ss]);
+        polynomial_times_x(be, dst, b16.as_view(), src, rows, cols, count, true);
+    }
+}
+
+/// The two symmetric products of a Newton–Schulz step on `rows × cols` matrices:
+/// `A = X·Xᵀ + β·I` (`Xᵀ·X` for a tall X) and `B = c·A·A + δ·I` ([`ns_shifted`]).
+fn ns_syrks(rows: usize, cols: usize, bf16: bool) -> (Syrk, Syrk) {
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    let (shift, offset, cc) = ns_shifted();
+    let a = Syrk::new(s, l, rows > cols)
+        .diag(shift as f32)
+        .bf16_inputs(bf16);
+    let b = Syrk::new(s, s, false)
+        .alpha(cc as f32)
+        .diag(offset as f32)
+        .bf16_inputs(bf16);
+    (a, b)
+}
+
+/// The step's new X: `B·X` for a wide X, `X·B` for a tall one (B is symmetric), over `count`
+/// matrices.
+#[allow(clippy::too_many_arguments)]
+fn polynomial_times_x(
+    be: &dyn Backend,
+    dst: ViewMut,
+    b: View,
+    x: View,
+    rows: usize,
+    cols: usize,
+    count: usize,
+    bf16: bool,
+) {
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    let (n, ss) = (rows * cols, s * s);
+    if rows <= cols {
+        let g = Gemm::new(s, l, s, false, false).bf16_inputs(bf16);
+        be.gemm_strided(dst, b, x, g, count, [ss, n, n]);
+    } else {
+        let g = Gemm::new(l, s, s, false, false).bf16_inputs(bf16);
+        be.gemm_strided(dst, x, b, g, count, [n, ss, n]);
     }
 }
 

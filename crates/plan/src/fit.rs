@@ -573,7 +573,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             + gather_staging
             + ep_scratch
             + crate::ledger::step_scalars(&job.model)
-            + crate::ledger::gemm_scratch(&local, Some(&stacks)),
+            + crate::ledger::bf16_gemm_scratch(&local),
     };
     let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;
     Sharded {
@@ -595,8 +595,6 @@ fn ns_scratch_elems(
     muon: bool,
     threads: usize,
 ) -> f64 {
-    // The bf16 copy of X, in f32 elements (4 bytes) per element of s·l.
-    let x16 = crate::ledger::ns_x16_bytes(job) / 4.0;
     let scratch = |small_only: bool| {
         let (ss, sl) = ts
             .iter()
@@ -610,14 +608,14 @@ fn ns_scratch_elems(
                 let (s, l) = (r.min(c), r.max(c));
                 (ss.max(s * s), sl.max(s * l))
             });
-        (2 * ss + sl) as f64 + x16 * sl as f64
+        (2 * ss + sl) as f64
     };
     let small = scratch(true);
     let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
     let batched = muon && job.optimizer.ns_batch.on(cuda);
     let ns_batch = if batched {
         let (_, ss, sl) = crate::ledger::ns_batch_elems(stacks);
-        (2 * ss + sl) as f64 + x16 * sl as f64
+        (2 * ss + sl) as f64
     } else {
         0.0
     };

@@ -171,8 +171,8 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         head: f * (n * (h + 7.0) + (1.0 - half) * head_rows(job, n) * m.vocab_size as f64) + f,
     };
 
-    // Muon scratch (and its bf16 copy of X on a GPU, bytes per element of s·l).
-    let x16 = ns_x16_bytes(job);
+    // Muon scratch: f32 A, B and a copy of X; on a GPU in bf16 the f32 A, bf16 A and B and two
+    // bf16 copies of X, the same bytes (`ganymede_optim::NsScratch`).
     let slot = |shapes: &[(u64, u64)]| -> f64 {
         let rc = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
         let ss = shapes
@@ -181,7 +181,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
             .max()
             .unwrap_or(0);
         let sl = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
-        f * (rc + 2 * ss + sl) as f64 + x16 * sl as f64
+        f * (rc + 2 * ss + sl) as f64
     };
     let buffers = if muon_on && muon > 0 {
         let mats: Vec<_> = ts.iter().filter(|t| t.handler() == Handler::Muon).collect();
@@ -203,7 +203,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         };
         let stacks = if job.optimizer.ns_batch.on(cuda) {
             let (u, ss, sl) = ns_stack_elems(job);
-            f * (u + 2 * ss + sl) as f64 + x16 * sl as f64
+            f * (u + 2 * ss + sl) as f64
         } else {
             0.0
         };
@@ -217,10 +217,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers
-            + step_scalars(m)
-            + gemm_scratch(job, Some(&batched_stacks(job)))
-            + bf16_weight_copy(job),
+        buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job) + bf16_weight_copy(job),
     }
 }
 
@@ -268,19 +265,6 @@ fn batched_stacks(job: &JobConfig) -> Vec<(usize, usize, usize)> {
     out
 }
 
-/// Bytes per element of a Newton–Schulz scratch's ping-pong copy (`s·l`, or `b·s·l` for a batch)
-/// that its bf16 copy of the normalised X adds: 2 where Muon runs in bf16 on a GPU, whose
-/// kernels normalise straight into bf16 for the first step's products (`ganymede_optim`'s
-/// `NsScratch`, issue 32; made at the scratch's first use, counted here for every slot), else 0.
-pub(crate) fn ns_x16_bytes(job: &JobConfig) -> f64 {
-    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
-    let muon = job.optimizer.name == OptimizerName::Muon;
-    match cuda && muon && job.optimizer.ns_dtype.bf16_on(true) && job.optimizer.ns_steps > 0 {
-        true => 2.0,
-        false => 0.0,
-    }
-}
-
 /// Elements of the batched Newton–Schulz working memory a GPU's optimizer holds for
 /// [`batched_stacks`]: the largest batch's Nesterov outputs, `s²` (each of A and B) and `s·l`,
 /// batches of [`ganymede_config::ns_stack_batch`]. Zeros without a batch.
@@ -292,40 +276,6 @@ fn ns_stack_elems(job: &JobConfig) -> (u64, u64, u64) {
 pub(crate) fn ns_batch_elems(stacks: &[(usize, usize, usize)]) -> (u64, u64, u64) {
     let (u, ss, sl) = ganymede_config::ns_batch_elems(stacks, ganymede_config::NS_STACK_BYTES);
     (u as u64, ss as u64, sl as u64)
-}
-
-/// The operand views Newton–Schulz's bf16 products hand a GPU's cast scratch (slot A, slot B),
-/// elements: per Muon matrix or batch of `b` (with `batched`, one process's, a stack's batch,
-/// else 1) of `n = s·l`, the first symmetric product casts `b·n` and the second `b·s²` into
-/// slot A, and `P·X` (wide) takes `b·s²` into A and `b·n` into B, `X·P` (tall) `b·n` and
-/// `b·s²`. Zeros unless Muon runs in bf16 on a GPU.
-fn ns_cast_elems(job: &JobConfig, batched: Option<&[(usize, usize, usize)]>) -> (f64, f64) {
-    let cuda = job.device.kind == ganymede_config::DeviceKind::Cuda;
-    if !(cuda && job.optimizer.name == OptimizerName::Muon && job.optimizer.ns_dtype.bf16_on(true))
-    {
-        return (0.0, 0.0);
-    }
-    // Matrix by matrix: every Muon matrix alone; batched: the given stacks' batches too.
-    let one: Vec<_> = muon_stacks(job)
-        .into_iter()
-        .map(|(r, c, _)| (r, c, 1))
-        .collect();
-    let stacks = match batched {
-        Some(s) if job.optimizer.ns_batch.on(cuda) => s,
-        _ => &one[..],
-    };
-    let (mut a, mut b) = (0.0f64, 0.0f64);
-    for &(r, c, count) in stacks.iter().chain(&one) {
-        let batch = if count > 1 {
-            ganymede_config::ns_stack_batch(r, c, count, ganymede_config::NS_STACK_BYTES)
-        } else {
-            1
-        } as f64;
-        let (s, n) = (r.min(c) as f64, (r * c) as f64);
-        a = a.max(batch * n);
-        b = b.max(batch * if r <= c { n } else { s * s });
-    }
-    (a, b)
 }
 
 /// Whether the run stores its block boundaries in bf16 (`activation_checkpoint.boundary_dtype`
@@ -351,9 +301,7 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
         .sum::<u64>() as f64
 }
 
-/// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`; on a GPU
-/// also Muon's bf16 products, [`ns_cast_elems`], at any compute dtype, here matrix by matrix as
-/// several ranks run them; else 0):
+/// Bytes of the bf16-input GEMMs' operand scratch (`training.compute_dtype = "bf16"`, else 0):
 /// the backend keeps one slot per operand position, each grown to the longest view it has seen
 /// there, bf16 on a GPU, bf16 values held in f32 on the CPU. With N this rank's tokens, slot A
 /// holds at most the logits `N·V` (`C·V` under a loss chunk of C tokens; the LM head's weight
@@ -369,18 +317,12 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// f32 scratch like any operand, and keeps an f32 output slot for the GEMMs that write bf16
 /// (gate, up, the SwiGLU product's gradient, the experts' outputs and the logits:
 /// `max(N·k, capacity)·max(F, H)`, an FFN's `N·W` or the head's `C·V`), which it rounds from.
+///
+/// Muon's bf16 products on a GPU take their operands in bf16 already (`NsScratch` keeps its
+/// iterates in bf16), so nothing of theirs is cast here.
 pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
-    gemm_scratch(job, None)
-}
-
-/// [`bf16_gemm_scratch`], with Muon's products batched over `stacks` (`rows, cols, count` of
-/// the matrix sets a rank orthogonalises) where `optimizer.ns_batch` batches, else (and with
-/// `None`) matrix by matrix.
-pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usize)]>) -> f64 {
-    // Muon's bf16 products on a GPU use the same two slots, at any compute dtype.
-    let (ns_a, ns_b) = ns_cast_elems(job, stacks);
     if job.training.compute_dtype != ganymede_config::ComputeDtype::Bf16 {
-        return 2.0 * (ns_a + ns_b);
+        return 0.0;
     }
     let m = &job.model;
     let size = match job.device.kind {
@@ -427,7 +369,7 @@ pub(crate) fn gemm_scratch(job: &JobConfig, stacks: Option<&[(usize, usize, usiz
     };
     let a = a.into_iter().fold(0.0, f64::max);
     let b = b.into_iter().fold(0.0, f64::max);
-    size * (a.max(ns_a) + b.max(ns_b)) + out
+    size * (a + b) + out
 }
 
 /// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the

@@ -436,6 +436,32 @@ pub trait Blas: Send + Sync {
             );
         }
     }
+    /// [`Blas::syrk_strided`] whose result is wanted in bf16: `c16` (bf16, laid out as the f32
+    /// `work`) = each product, diagonal term included, rounded once to bf16, the bits of a
+    /// strided syrk into `work` followed by [`Blas::cast`]. `work` may be left holding anything.
+    /// Newton–Schulz keeps its iterates in bf16 this way (issue 32). The default is exactly
+    /// those two calls; a GPU mirrors, adds the diagonal and rounds in one kernel.
+    fn syrk_strided_into_bf16(
+        &self,
+        mut work: ViewMut,
+        mut c16: ViewMut,
+        a: View,
+        s: Syrk,
+        batch: usize,
+        strides: [usize; 2],
+    ) {
+        if batch == 0 {
+            return;
+        }
+        assert_eq!(
+            c16.dtype(),
+            DType::BF16,
+            "syrk_strided_into_bf16: c16 is bf16"
+        );
+        let len = (batch - 1) * strides[1] + s.extents()[1];
+        self.syrk_strided(work.reborrow(), a, s, batch, strides);
+        self.cast(c16.reborrow().slice(0, len), work.as_view().slice(0, len));
+    }
     /// Whether one call over many matrices beats a call each (a GPU, where every call costs a
     /// kernel launch and small products leave most of the chip idle): Muon then runs an expert
     /// stack's Newton–Schulz through [`Blas::gemm_strided`] and [`Blas::syrk_strided`]. False

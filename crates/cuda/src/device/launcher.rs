@@ -252,6 +252,62 @@ impl Gemms for CudaBackend {
             },
         );
     }
+    /// The strided product into `work` as [`Gemms::syrk_strided`] makes it, less the mirror;
+    /// then one kernel reads every matrix's lower triangle, adds the diagonal term and writes
+    /// both triangles to `c16` rounded to bf16: the bits of the mirror followed by a cast, in
+    /// one pass over the batch. Newton–Schulz's products are bf16-input; others take the
+    /// seam's two calls.
+    fn syrk_strided_into_bf16(
+        &self,
+        mut work: ViewMut,
+        mut c16: ViewMut,
+        a: View,
+        s: Syrk,
+        batch: usize,
+        strides: [usize; 2],
+    ) {
+        if !s.bf16_inputs || work.dtype() != DType::F32 {
+            return Blas::syrk_strided_into_bf16(self, work, c16, a, s, batch, strides);
+        }
+        if batch == 0 || s.n == 0 {
+            return;
+        }
+        assert_eq!(
+            c16.dtype(),
+            DType::BF16,
+            "syrk_strided_into_bf16: c16 is bf16"
+        );
+        let [sa, sc] = strides;
+        let lc = (batch - 1) * sc + s.extents()[1];
+        assert!(
+            work.len() >= lc && c16.len() >= lc,
+            "syrk_strided_into_bf16: {batch} results of {s:?} at stride {sc}"
+        );
+        let g = s.as_gemm();
+        self.with_bf16_operand_if(a.dtype() != DType::BF16, a, |a| {
+            Gemms::gemm_strided(self, work.reborrow(), a, a, g, batch, [sa, sa, sc])
+        });
+        let (pw, pc) = (place_mut(&mut work), place_mut(&mut c16));
+        let args = [
+            pc.addr,
+            pw.addr,
+            s.n as u64,
+            s.ldc as u64,
+            s.diag.to_bits() as u64,
+            sc as u64,
+            batch as u64,
+        ];
+        self.profiled(
+            || format!("mirror to bf16 x{batch} ({}x{})", s.n, s.n),
+            || {
+                self.launch_u64(
+                    "ganymede_mirror_lower_batched_f32_to_bf16",
+                    &args,
+                    batch * s.n * s.n,
+                )
+            },
+        );
+    }
     fn batches_matrices(&self) -> bool {
         true
     }

@@ -2,13 +2,14 @@
 
 /// The kernels [`PLUMBING`] defines, in order: the slots of the backend's table of their
 /// functions, each looked up at its first launch.
-pub const PLUMBING_KERNELS: [&str; 6] = [
+pub const PLUMBING_KERNELS: [&str; 7] = [
     "ganymede_cast_f32_to_bf16",
     "ganymede_sumsq_acc_f32",
     "ganymede_sumsq_acc_bf16",
     "ganymede_mirror_lower_f32",
     "ganymede_mirror_lower_batched_f32",
     "ganymede_cast_bf16_to_f32",
+    "ganymede_mirror_lower_batched_f32_to_bf16",
 ];
 
 /// The backend's own small kernels (casts, the f64 sum of squares, syrk's mirror), beside the model's in `sources::SOURCES`.
@@ -17,16 +18,17 @@ pub const PLUMBING: (&str, &str) = (
     r#"
 // f32 to bf16 rounding to nearest even; NaN stays NaN (quieted, sign kept), as
 // ganymede_core::bf16::from_f32 does bit for bit.
+__device__ unsigned short ganymede_bf16_rne(float v) {
+    unsigned int b = __float_as_uint(v);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 extern "C" __global__ void ganymede_cast_f32_to_bf16(unsigned short* dst, const float* src,
                                                      unsigned long long n) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        unsigned int b = __float_as_uint(src[i]);
-        if ((b & 0x7fffffffu) > 0x7f800000u) {
-            dst[i] = (unsigned short)((b >> 16) | 0x40u);
-        } else {
-            dst[i] = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-        }
+        dst[i] = ganymede_bf16_rne(src[i]);
     }
 }
 
@@ -101,6 +103,24 @@ extern "C" __global__ void ganymede_cast_bf16_to_f32(float* dst, const unsigned 
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         dst[i] = __uint_as_float(((unsigned int)src[i]) << 16);
+    }
+}
+
+// ganymede_mirror_lower_batched_f32 read from `w` (left as it is) and written rounded to bf16
+// into `c16`, laid out as `w`: each matrix's lower triangle, its mirror and its diagonal plus
+// the term, the bits of that kernel followed by ganymede_cast_f32_to_bf16 in one pass
+// (Newton-Schulz's iterates kept in bf16).
+extern "C" __global__ void ganymede_mirror_lower_batched_f32_to_bf16(
+    unsigned short* c16, const float* w, unsigned long long n, unsigned long long ldc,
+    unsigned long long diag_bits, unsigned long long stride, unsigned long long batch) {
+    float diag = __uint_as_float((unsigned int)diag_bits);
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < batch * n * n; i += (unsigned long long)gridDim.x * blockDim.x) {
+        unsigned long long j = i % (n * n), r = j / n, col = j % n;
+        unsigned long long base = (i / (n * n)) * stride;
+        float v = r >= col ? w[base + r * ldc + col] : w[base + col * ldc + r];
+        if (r == col && diag != 0.0f) v += diag;
+        c16[base + r * ldc + col] = ganymede_bf16_rne(v);
     }
 }
 "#,
