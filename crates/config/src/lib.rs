@@ -242,6 +242,12 @@ pub struct TrainingConfig {
     /// v, as autocast's SDPA). Master weights, gradient reduction and optimizer state stay f32
     /// either way.
     pub compute_dtype: ComputeDtype,
+    /// Operand precision of the router's GEMMs under bf16 compute: `auto` (bf16 where the
+    /// backend multiplies bf16 natively, a GPU; f32 on the CPU, which only emulates it), `f32`
+    /// (as Megatron's `--moe-router-dtype fp32`), or `bf16` (inputs rounded, f32 accumulation
+    /// and logits, as TorchTitan's router under FSDP's mixed precision). Under f32 compute the
+    /// router is f32 whatever this says.
+    pub router_dtype: RouterDtype,
     /// Tokens whose logits the head holds at once (0 = every token of the rank's batch): the
     /// loss and its gradients go a chunk at a time, so the head keeps `chunk × vocab` logits
     /// instead of `tokens × vocab` (64 GiB at 65,536 tokens and a 256k vocabulary), at the
@@ -264,6 +270,12 @@ pub struct TrainingConfig {
 }
 
 impl TrainingConfig {
+    /// Whether the router's GEMMs take bf16 operands on a backend that does (`native_bf16`)
+    /// or does not multiply bf16 natively (`training.router_dtype`; only under bf16 compute).
+    pub fn router_bf16(&self, native_bf16: bool) -> bool {
+        self.compute_dtype == ComputeDtype::Bf16 && self.router_dtype.bf16_on(native_bf16)
+    }
+
     /// Sequences per forward and backward on each of `ranks` ranks.
     pub fn micro_batch(&self, ranks: usize) -> usize {
         match self.micro_batch_size {
@@ -301,6 +313,7 @@ impl Default for TrainingConfig {
             grad_clip: 1.0,
             threads: 0,
             compute_dtype: ComputeDtype::F32,
+            router_dtype: RouterDtype::Auto,
             loss_chunk_tokens: 0,
             moe_chunk_tokens: 0,
             micro_batch_size: 0,
@@ -459,6 +472,39 @@ impl NsDtype {
 impl<'de> Deserialize<'de> for NsDtype {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         auto_f32_bf16(d, "optimizer.ns_dtype", [Self::Auto, Self::F32, Self::Bf16])
+    }
+}
+
+/// Operand precision of the router's GEMMs under bf16 compute (`training.router_dtype`): the
+/// choices of [`NsDtype`], `auto` being bf16 on a backend that multiplies bf16 natively.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouterDtype {
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl RouterDtype {
+    /// As [`NsDtype::bf16_on`].
+    pub fn bf16_on(self, native_bf16: bool) -> bool {
+        let ns = match self {
+            RouterDtype::Auto => NsDtype::Auto,
+            RouterDtype::F32 => NsDtype::F32,
+            RouterDtype::Bf16 => NsDtype::Bf16,
+        };
+        ns.bf16_on(native_bf16)
+    }
+}
+
+impl<'de> Deserialize<'de> for RouterDtype {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        auto_f32_bf16(
+            d,
+            "training.router_dtype",
+            [Self::Auto, Self::F32, Self::Bf16],
+        )
     }
 }
 

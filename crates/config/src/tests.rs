@@ -309,3 +309,46 @@ fn boundary_dtype_parses_round_trips_follows_compute_and_names_bad_values() {
         assert!(BoundaryDtype::Bf16.bf16_under(compute));
     }
 }
+
+#[test]
+fn router_dtype_parses_applies_only_under_bf16_compute_and_names_bad_values() {
+    let c = JobConfig::load(Some("tiny"), None, &[]).unwrap();
+    assert_eq!(c.training.router_dtype, RouterDtype::Auto);
+    for (v, want) in [
+        ("auto", RouterDtype::Auto),
+        ("f32", RouterDtype::F32),
+        ("bf16", RouterDtype::Bf16),
+    ] {
+        let set = [format!("training.router_dtype={v}")];
+        let c = JobConfig::load(Some("tiny"), None, &set).unwrap();
+        assert_eq!(c.training.router_dtype, want);
+        let back = JobConfig::from_toml_str(&c.to_toml(), "round trip").unwrap();
+        assert_eq!(back, c);
+    }
+    // (compute, router_dtype, native bf16) -> bf16 router operands.
+    for (compute, router, native, want) in [
+        (ComputeDtype::F32, RouterDtype::Bf16, true, false),
+        (ComputeDtype::Bf16, RouterDtype::Auto, false, false),
+        (ComputeDtype::Bf16, RouterDtype::Auto, true, true),
+        (ComputeDtype::Bf16, RouterDtype::F32, true, false),
+        (ComputeDtype::Bf16, RouterDtype::Bf16, false, true),
+    ] {
+        let t = TrainingConfig {
+            compute_dtype: compute,
+            router_dtype: router,
+            ..TrainingConfig::default()
+        };
+        assert_eq!(
+            t.router_bf16(native),
+            want,
+            "{compute:?} {router:?} {native}"
+        );
+    }
+    let e = JobConfig::load(Some("tiny"), None, &["training.router_dtype=fp8".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("training.router_dtype") && e.contains("fp8"),
+        "{e}"
+    );
+}

@@ -110,6 +110,8 @@ struct Dims {
     renorm: bool,
     /// bf16 GEMM operands (`Model::bf16`).
     bf16: bool,
+    /// bf16 operands for the router's GEMMs (`Model::with_router_bf16`).
+    router_bf16: bool,
 }
 
 impl Dims {
@@ -132,6 +134,7 @@ impl Dims {
             expert_hidden: cfg.expert_hidden,
             renorm: cfg.norm_topk_prob,
             bf16: cx.model.bf16,
+            router_bf16: cx.model.bf16 && cx.model.router_bf16,
         }
     }
 
@@ -420,8 +423,8 @@ fn moe_forward(
         rl.view_mut(),
         a.xn2.view(),
         b.w(mx.router),
-        // The router stays f32 (see `Model::bf16`).
-        Gemm::new(n, e, h, false, true),
+        // f32 logits from f32 or bf16 operands (`Model::with_router_bf16`).
+        Gemm::new(n, e, h, false, true).bf16_inputs(d.router_bf16),
     );
     let r = &mut m.r;
     let out = RouterOut {
@@ -624,8 +627,14 @@ fn moe_chunk_backward(
     let drl = drl.slice(t0 * e, tn * e);
     let wr = b.w(mx.router);
     let dxn_c = dxn.slice_mut(t0 * h, tn * h);
-    be.gemm(dxn_c, drl, wr, Gemm::new(tn, h, e, false, false));
-    let gr = Gemm::new(e, h, tn, true, false).beta(1.0);
+    let rb = d.router_bf16;
+    be.gemm(
+        dxn_c,
+        drl,
+        wr,
+        Gemm::new(tn, h, e, false, false).bf16_inputs(rb),
+    );
+    let gr = Gemm::new(e, h, tn, true, false).beta(1.0).bf16_inputs(rb);
     be.gemm(grads.get_mut(mx.router).view_mut(), drl, c.xn2, gr);
     be.moe_gather_backward(dxn.slice_mut(t0 * h, tn * h), dxe.slice(0, rows * h), disp);
     Ok(())

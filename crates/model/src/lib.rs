@@ -112,8 +112,8 @@ pub struct Model {
     pub(crate) lm_head: usize,
     pub(crate) layers: Vec<LayerIdx>,
     /// bf16 × bf16 → f32 GEMMs (`training.compute_dtype = "bf16"`) for every linear layer but
-    /// the router's, whose top-k choice is discrete and whose GEMM is tiny (as Megatron's fp32
-    /// router). Master parameters, gradients and optimizer state stay f32; the weights the
+    /// the router's, whose top-k choice is discrete (as Megatron's fp32 router), unless
+    /// [`Model::with_router_bf16`] says otherwise. Master parameters, gradients and optimizer state stay f32; the weights the
     /// GEMMs and the embedding read may be handed over in bf16 ([`Model::bf16_weight`]).
     /// Attention then runs on bf16 q, k, v with a bf16 output and bf16 gradients (see
     /// `block.rs`).
@@ -125,6 +125,8 @@ pub struct Model {
     /// Under bf16 compute, have the GEMMs whose outputs only element-wise ops read write them
     /// in f32 ([`Model::with_f32_outputs`]); by default they write bf16.
     f32_outputs: bool,
+    /// Under bf16 compute, bf16 operands for the router's GEMMs too ([`Model::with_router_bf16`]).
+    router_bf16: bool,
     /// Storage precision of the residual stream at block boundaries
     /// (`activation_checkpoint.boundary_dtype`; see [`Model::bf16_boundaries`]).
     boundary: ganymede_config::BoundaryDtype,
@@ -169,6 +171,15 @@ impl Model {
     /// The model with its GEMMs' operand precision set (see `training.compute_dtype`).
     pub fn with_compute_dtype(mut self, dtype: ganymede_config::ComputeDtype) -> Model {
         self.bf16 = dtype == ganymede_config::ComputeDtype::Bf16;
+        self
+    }
+
+    /// Under bf16 compute, the router's GEMMs (its logits, and in backward the input's and the
+    /// weight's gradients) with bf16 operands and f32 accumulation and output, as the other
+    /// linear layers (`training.router_dtype`). The router's weight stays f32 and is rounded by
+    /// the GEMM. No effect under f32 compute.
+    pub fn with_router_bf16(mut self, on: bool) -> Model {
+        self.router_bf16 = on;
         self
     }
 
@@ -296,6 +307,7 @@ impl Model {
             bf16: false,
             f32_rows: false,
             f32_outputs: false,
+            router_bf16: false,
             boundary: ganymede_config::BoundaryDtype::Auto,
             loss_chunk: 0,
             moe_chunk: 0,

@@ -753,15 +753,7 @@ fn bf16_gemm_outputs_move_the_gradients_by_bf16_rounding_only() {
     // through a strided view), both checkpointing modes.
     let (tiny, ffn) = tiny_and_ffn(2);
     let be = CpuBackend::default();
-    // The gradients' distance relative to the reference's size (L2 over every tensor).
-    let dist = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-        let (mut d, mut r) = (0f64, 0f64);
-        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
-            d += ((x - y) as f64).powi(2);
-            r += (*y as f64).powi(2);
-        }
-        (d / r).sqrt()
-    };
+    let dist = rel_l2;
     for c in [&tiny, &ffn] {
         for mode in [AcMode::None, AcMode::Full] {
             let model = |f32_outputs| {
@@ -786,6 +778,58 @@ fn bf16_gemm_outputs_move_the_gradients_by_bf16_rounding_only() {
             let dl = (o1.loss - o0.loss).abs() / o0.loss.abs();
             assert!(dl < 1e-3, "{what}: loss {} against {}", o1.loss, o0.loss);
         }
+    }
+}
+
+/// The distance of gradients `a` from `b` relative to `b`'s size (L2 over every tensor).
+fn rel_l2(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut d, mut r) = (0f64, 0f64);
+    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+        d += ((x - y) as f64).powi(2);
+        r += (*y as f64).powi(2);
+    }
+    (d / r).sqrt()
+}
+
+#[test]
+fn a_bf16_router_moves_the_gradients_by_operand_rounding_only() {
+    // Under bf16 compute the router's three GEMMs (logits; the input's and the weight's
+    // gradients) may take bf16 operands (`training.router_dtype`): the logits move by operand
+    // rounding (relative 2^-9), the router's own gradient with them and the rest a little
+    // through the routing weights. Under f32 compute the switch changes nothing. tiny (the
+    // router in every layer), both checkpointing modes.
+    let (tiny, _) = tiny_and_ffn(0);
+    let be = CpuBackend::default();
+    for mode in [AcMode::None, AcMode::Full] {
+        let m = |on| {
+            Model::new(&tiny)
+                .with_compute_dtype(ComputeDtype::Bf16)
+                .with_router_bf16(on)
+        };
+        let (model, reference) = (m(true), m(false));
+        let (g1, o1) = tiny_grads_of(&model, &be, mode);
+        let (g0, o0) = tiny_grads_of(&reference, &be, mode);
+        let routers: Vec<usize> = (0..g1.len())
+            .filter(|&i| model.param_specs()[i].name.ends_with("mlp.gate.weight"))
+            .collect();
+        assert!(!routers.is_empty());
+        for &i in &routers {
+            let name = &model.param_specs()[i].name;
+            assert_ne!(g1[i], g0[i], "{mode:?}: {name} did not move");
+            let d = rel_l2(&g1[i..=i], &g0[i..=i]);
+            assert!(d < 2e-2, "{mode:?}: {name} moved by {d}");
+        }
+        let d = rel_l2(&g1, &g0);
+        println!(
+            "{mode:?}: gradients {d:.2e}, loss {} against {}",
+            o1.loss, o0.loss
+        );
+        assert!(d > 0.0 && d < 1e-2, "{mode:?}: {d}");
+        assert!((o1.loss - o0.loss).abs() < 1e-3 * o0.loss.abs());
+        let f32_compute = |on| Model::new(&tiny).with_router_bf16(on);
+        let (f1, p1) = tiny_grads_of(&f32_compute(true), &be, mode);
+        let (f0, p0) = tiny_grads_of(&f32_compute(false), &be, mode);
+        assert_eq!((f1, p1.loss.to_bits()), (f0, p0.loss.to_bits()), "{mode:?}");
     }
 }
 

@@ -465,6 +465,7 @@ impl RankState {
         let be: &dyn Backend = shared.as_ref();
         let model = Model::new(m)
             .with_compute_dtype(t.compute_dtype)
+            .with_router_bf16(t.router_bf16(be.native_bf16()))
             .with_boundary_dtype(cfg.activation_checkpoint.boundary_dtype)
             .with_loss_chunk(t.loss_chunk_tokens)
             .with_moe_chunk(t.moe_chunk_tokens);
