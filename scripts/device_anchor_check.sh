@@ -14,8 +14,9 @@
 #   GANYMEDE_CHECK_KIND (default cuda; cpu with GANYMEDE_ANCHOR_PRESET=tiny dry-runs the script
 #   without a GPU), GANYMEDE_ANCHOR_PRESET (default large), GANYMEDE_ANCHOR_LAYERS (default the
 #   preset's, 8 for `large` on a GPU under 100 GiB: an 80 GB H100 cannot hold its 12 layers with
-#   AdamW), GANYMEDE_ANCHOR_STEPS (ganymede's optimizer steps, default 5),
-#   GANYMEDE_ANCHOR_TORCH_STEPS (TorchTitan's timed steps after 2 of warm-up, default 3),
+#   AdamW), GANYMEDE_ANCHOR_STEPS (ganymede's optimizer steps, default 4: steps 3 and 4 timed),
+#   GANYMEDE_ANCHOR_TORCH_STEPS (TorchTitan's timed steps, default 2),
+#   GANYMEDE_ANCHOR_TORCH_WARMUP (its untimed steps first, default 1),
 #   GANYMEDE_ANCHOR_MEDIUM (1: TorchTitan at medium too, the default), GANYMEDE_PEAK_TFLOPS
 #   (default 989), GANYMEDE_WHEELHOUSE (default bench/wheelhouse).
 set -uo pipefail
@@ -27,8 +28,9 @@ bin=${GANYMEDE_BIN:-$root/target/dist/ganymede}
 py=${GANYMEDE_PYTHON:-python3}
 kind=${GANYMEDE_CHECK_KIND:-cuda}
 preset=${GANYMEDE_ANCHOR_PRESET:-large}
-steps=${GANYMEDE_ANCHOR_STEPS:-5}
-tsteps=${GANYMEDE_ANCHOR_TORCH_STEPS:-3}
+steps=${GANYMEDE_ANCHOR_STEPS:-4}
+tsteps=${GANYMEDE_ANCHOR_TORCH_STEPS:-2}
+twarm=${GANYMEDE_ANCHOR_TORCH_WARMUP:-1}
 with_medium=${GANYMEDE_ANCHOR_MEDIUM:-1}
 peak=${GANYMEDE_PEAK_TFLOPS:-989}
 wheelhouse=${GANYMEDE_WHEELHOUSE:-$root/bench/wheelhouse}
@@ -83,6 +85,8 @@ else
     echo "- no wheels in $wheelhouse (scripts/fetch_wheelhouse.sh, and carry bench/wheelhouse): TorchTitan's rows will fail" >>"$md"
 fi
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+# Fewer out-of-memory failures from fragmentation at `large` (PyTorch's own advice).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # Model FLOPs per token from ganymede's planner, for every MFU here (one numerator for all).
 set_layers=()
@@ -97,7 +101,7 @@ echo "- model FLOPs per token (ganymede plan): $preset $fpt, medium $fpt_medium;
 echo >>"$md"
 
 # 1. The attention ceiling: torch SDPA at the presets' attention shapes.
-lim=$(fit 90)
+lim=$(fit 45)
 if [ "$lim" = 0 ]; then
     skipped sdpa
 else
@@ -148,23 +152,23 @@ titan() {
     local extra=()
     [ "$kind" = cuda ] && extra+=(--fused)
     timeout "$limit" "$py" "$root/bench/torchtitan_qwen3moe.py" --preset "$p" --device "$tdev" \
-        --steps "$tsteps" --warmup 2 --flops-per-token "$f" --peak-tflops "$peak" "${extra[@]}" "$@" \
+        --steps "$tsteps" --warmup "$twarm" --flops-per-token "$f" --peak-tflops "$peak" "${extra[@]}" "$@" \
         >"$runs/$name.json" 2>"$runs/$name.log"
     local rc=$?
     [ $rc = 0 ] || echo "- \`$name\`: exit $rc$([ $rc = 124 ] && echo ' (timed out)'): \`$(tail -1 "$runs/$name.log")\`" >>"$md"
 }
 tl=()
 [ -n "$layers" ] && tl=(--layers "$layers")
-gany "ganymede-$preset-adamw" 120 "$preset" --steps "$steps" --set optimizer.name=adamw "${set_layers[@]}"
-titan "torchtitan-$preset-adamw" 120 "$preset" "$fpt" "${tl[@]}"
-gany "ganymede-$preset-muon" 120 "$preset" --steps "$steps" --set optimizer.name=muon "${set_layers[@]}"
-titan "torchtitan-$preset-muon" 120 "$preset" "$fpt" --optimizer muon "${tl[@]}"
+gany "ganymede-$preset-adamw" 100 "$preset" --steps "$steps" --set optimizer.name=adamw "${set_layers[@]}"
+titan "torchtitan-$preset-adamw" 100 "$preset" "$fpt" "${tl[@]}"
+gany "ganymede-$preset-muon" 100 "$preset" --steps "$steps" --set optimizer.name=muon "${set_layers[@]}"
+titan "torchtitan-$preset-muon" 100 "$preset" "$fpt" --optimizer muon "${tl[@]}"
 if [ "$with_medium" = 1 ] && [ "$preset" != medium ] && [ "$kind" = cuda ]; then
-    titan torchtitan-medium-adamw 90 medium "$fpt_medium"
-    titan torchtitan-medium-muon 90 medium "$fpt_medium" --optimizer muon
+    titan torchtitan-medium-adamw 60 medium "$fpt_medium"
+    titan torchtitan-medium-muon 60 medium "$fpt_medium" --optimizer muon
 fi
 # torch.compile last: the slowest to start.
-titan "torchtitan-$preset-adamw-compile" 200 "$preset" "$fpt" --compile "${tl[@]}"
+titan "torchtitan-$preset-adamw-compile" 150 "$preset" "$fpt" --compile "${tl[@]}"
 
 # 4. The tables and the verdicts.
 "$py" - "$runs" "$out/runs" "$out/report.md" "$preset" "$fpt" "$fpt_medium" "$peak" >>"$md" <<'EOF'
@@ -212,6 +216,11 @@ for name in sorted(rows, key=lambda n: ("-medium-" not in n, n)):
         notes.append("shim: " + ", ".join(r["shims"]))
     if r.get("accum"):
         notes.append(f"{r['accum']} x {r['micro_batch']} sequences a step")
+    if r.get("steps") is not None:
+        notes.append(f"{r['steps']} steps logged, median of steps 3.." if r["steps"] >= 3
+                     else f"only {r['steps']} steps logged, warm-up included")
+    if r.get("step_s") and isinstance(r["step_s"], list):
+        notes.append(f"{len(r['step_s'])} timed steps")
     if r.get("args"):
         notes.append(f"`{r['args']}`")
     pk = r.get("peak_memory_gib")
