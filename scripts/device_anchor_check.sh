@@ -17,6 +17,8 @@
 #   AdamW), GANYMEDE_ANCHOR_STEPS (ganymede's optimizer steps, default 4: steps 3 and 4 timed),
 #   GANYMEDE_ANCHOR_TORCH_STEPS (TorchTitan's timed steps, default 2),
 #   GANYMEDE_ANCHOR_TORCH_WARMUP (its untimed steps first, default 1),
+#   GANYMEDE_ANCHOR_ACCUM (microbatches an optimizer step, both frameworks; default the
+#   preset's, `large` 16 of 2 sequences),
 #   GANYMEDE_ANCHOR_MEDIUM (1: TorchTitan at medium too, the default), GANYMEDE_PEAK_TFLOPS
 #   (default 989), GANYMEDE_WHEELHOUSE (default bench/wheelhouse).
 set -uo pipefail
@@ -159,6 +161,15 @@ titan() {
 }
 tl=()
 [ -n "$layers" ] && tl=(--layers "$layers")
+if [ -n "${GANYMEDE_ANCHOR_ACCUM:-}" ]; then
+    # The preset's microbatch (ganymede's training.micro_batch_size, the anchor's table) times
+    # the accumulation is the step's batch on both sides.
+    mb=$("$bin" plan --preset "$preset" --json 2>/dev/null | "$py" -c \
+        'import json, sys; print(json.load(sys.stdin)["layout"]["micro_batch"])' 2>/dev/null || echo 1)
+    set_layers+=(--set "training.batch_size=$((GANYMEDE_ANCHOR_ACCUM * mb))" --set "training.micro_batch_size=$mb")
+    tl+=(--accum "$GANYMEDE_ANCHOR_ACCUM")
+    echo "- accumulation $GANYMEDE_ANCHOR_ACCUM microbatches of $mb sequences a step (GANYMEDE_ANCHOR_ACCUM), both frameworks" >>"$md"
+fi
 gany "ganymede-$preset-adamw" 100 "$preset" --steps "$steps" --set optimizer.name=adamw "${set_layers[@]}"
 titan "torchtitan-$preset-adamw" 100 "$preset" "$fpt" "${tl[@]}"
 gany "ganymede-$preset-muon" 100 "$preset" --steps "$steps" --set optimizer.name=muon "${set_layers[@]}"
