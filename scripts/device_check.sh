@@ -31,7 +31,7 @@ start=$(date +%s)
 dirs=()
 add() { [ -d "$1" ] && case " ${dirs[*]-} " in *" $1 "*) ;; *) dirs+=("$1") ;; esac; }
 pythons=("${GANYMEDE_PYTHON:-}" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" python3 python)
-for v in /opt/venv /venv "$HOME/.venv" "$HOME/venv" "$HOME/.cache/ganymede/venv" "$root/.venv"; do
+for v in /opt/torch/.venv /opt/venv /venv "$HOME/.venv" "$HOME/venv" "$HOME/.cache/ganymede/venv" "$root/.venv"; do
     pythons+=("$v/bin/python")
 done
 for py in "${pythons[@]}"; do
