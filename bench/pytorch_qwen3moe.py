@@ -37,7 +37,10 @@ PRESETS = {
     "tiny": (256, 64, 2, 4, 2, 16, 8, 2, 128, 128, 8),
     "small": (4096, 256, 4, 8, 4, 32, 16, 4, 256, 256, 8),
     "medium": (32768, 1024, 12, 16, 4, 64, 64, 8, 512, 4096, 4),
+    # batch here is the microbatch: large accumulates 16 of them a step (ACCUM).
+    "large": (32768, 2048, 12, 32, 4, 64, 64, 8, 1024, 4096, 2),
 }
+ACCUM = {"large": 16}
 
 
 def make_optimizers(model, name, expert_hidden):
@@ -132,6 +135,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--accum", type=int, default=0, help="microbatches a step (preset's default)")
+    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     ap.add_argument("--attn", default="sdpa", help="sdpa or eager")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "muon-f32"])
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -160,6 +165,8 @@ def main():
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     v, h, layers, heads, kvh, hd, e, k, f, seq, batch = PRESETS[args.preset]
+    layers = args.layers or layers
+    accum = args.accum or ACCUM.get(args.preset, 1)
     cfg = Qwen3MoeConfig(
         vocab_size=v,
         hidden_size=h,
@@ -197,8 +204,7 @@ def main():
         if args.precision == "autocast-bf16"
         else contextlib.nullcontext()
     )
-    tokens = torch.randint(0, v, (batch, seq + 1), device=dev)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    tokens = torch.randint(0, v, (accum, batch, seq + 1), device=dev)
     times, cpus, losses = [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -206,17 +212,20 @@ def main():
         if cuda:
             torch.cuda.synchronize(dev)
         t0, c0 = time.perf_counter(), time.process_time()
-        with autocast:
-            out = fwd(input_ids=inputs, output_router_logits=True)
-            logits = out.logits
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, v).float(), labels.reshape(-1)
-            )
-            if out.aux_loss is not None:
-                loss = loss + cfg.router_aux_loss_coef * out.aux_loss
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # Gradient accumulation (large): each microbatch's loss over `accum`, one step.
+        for micro in range(accum):
+            inputs, labels = tokens[micro, :, :-1], tokens[micro, :, 1:]
+            with autocast:
+                out = fwd(input_ids=inputs, output_router_logits=True)
+                logits = out.logits
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, v).float(), labels.reshape(-1)
+                )
+                if out.aux_loss is not None:
+                    loss = loss + cfg.router_aux_loss_coef * out.aux_loss
+            (loss / accum).backward()
         for opt in opts:
             opt.step()
         # loss.item() waits for the step on a GPU; synchronize anyway so the time is the step's.
@@ -231,7 +240,7 @@ def main():
             cpus.append(dc)
     med = statistics.median(times)
     med_cpu = statistics.median(cpus)
-    tps = batch * seq / med
+    tps = accum * batch * seq / med
     extra = {}
     if cuda:
         extra["gpu"] = torch.cuda.get_device_name(dev)
@@ -254,7 +263,10 @@ def main():
                 "median_step_s": med,
                 "median_cpu_s": med_cpu,
                 "tokens_per_s": tps,
-                "tokens_per_cpu_s": batch * seq / med_cpu,
+                "tokens_per_cpu_s": accum * batch * seq / med_cpu,
+                "layers": layers,
+                "accum": accum,
+                "micro_batch": batch,
                 "first_loss": losses[0],
                 "last_loss": losses[-1],
                 **extra,

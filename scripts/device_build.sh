@@ -12,10 +12,13 @@ limit=$((64 * 1024 * 1024))
 bin_bytes=$(stat -c %s "$bin")
 # Tracked and untracked-but-not-ignored files travel too.
 tree_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-total=$((bin_bytes + tree_bytes))
+# TorchTitan's wheels (scripts/fetch_wheelhouse.sh) travel too, in the carry list.
+wheel_bytes=$(du -cb bench/wheelhouse/*.whl 2>/dev/null | tail -1 | cut -f1)
+wheel_bytes=${wheel_bytes:-0}
+total=$((bin_bytes + tree_bytes + wheel_bytes))
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 echo "binary: $bin, $(mib "$bin_bytes")"
-echo "working tree: $(mib "$tree_bytes"); together $(mib "$total") of $(mib "$limit")"
+echo "working tree: $(mib "$tree_bytes"); wheelhouse: $(mib "$wheel_bytes"); together $(mib "$total") of $(mib "$limit")"
 if [ "$total" -gt "$limit" ]; then
     echo "too large to carry" >&2
     exit 1
@@ -24,5 +27,8 @@ fi
 if ! "$bin" train --set device.kind=cuda --steps 1 --out "$(mktemp -d)" 2>/tmp/ganymede-cuda-refusal.txt; then
     echo "refusal here: $(cat /tmp/ganymede-cuda-refusal.txt)"
 fi
-echo "carry: $bin   (the run tool's carry list: [\"$bin\"])"
+if [ "$wheel_bytes" = 0 ]; then
+    echo "no bench/wheelhouse: run scripts/fetch_wheelhouse.sh for the TorchTitan anchor"
+fi
+echo "carry: $bin bench/wheelhouse   (the run tool's carry list: [\"$bin\", \"bench/wheelhouse\"])"
 echo "then on the GPU machine: scripts/device_check.sh OUTDIR"

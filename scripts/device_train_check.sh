@@ -11,7 +11,9 @@
 # Usage: scripts/device_train_check.sh OUTDIR
 #   GANYMEDE_BIN (default target/dist/ganymede), GANYMEDE_PYTHON (for PyTorch and the tables),
 #   GANYMEDE_CHECK_KIND (default cuda; cpu-two-memory dry-runs the script without a GPU),
-#   GANYMEDE_CHECK_STEPS (default 50), GANYMEDE_CHECK_SPEED (0 skips part 3).
+#   GANYMEDE_CHECK_STEPS (default 50), GANYMEDE_CHECK_SPEED (0 skips part 3),
+#   GANYMEDE_CHECK_PROFILE (0 skips the op profile of part 3), GANYMEDE_CHECK_TORCH (the PyTorch
+#   runs of part 3: default "eager compile"; "eager" leaves torch.compile out).
 set -uo pipefail
 out=${1:?usage: $0 OUTDIR}
 mkdir -p "$out"
@@ -22,6 +24,8 @@ kind=${GANYMEDE_CHECK_KIND:-cuda}
 steps=${GANYMEDE_CHECK_STEPS:-50}
 speed=${GANYMEDE_CHECK_SPEED:-1}
 py=${GANYMEDE_PYTHON:-python3}
+profile=${GANYMEDE_CHECK_PROFILE:-1}
+torch_runs=${GANYMEDE_CHECK_TORCH:-eager compile}
 md=$out/train.md
 runs=$out/runs
 mkdir -p "$runs"
@@ -280,12 +284,12 @@ EOF
 }
 # Eager PyTorch right after ganymede, torch.compile (the slowest to start) last.
 speed medium-adamw 150 12 --set optimizer.name=adamw
-torch_run torch-eager 150
+case " $torch_runs " in *" eager "*) torch_run torch-eager 150 ;; esac
 speed medium-muon 120 8
 # Where medium's GPU time goes, op by op (3 AdamW steps, the first one's allocations included;
 # events after every op slow the step, so this run is timed by nobody).
 # On the fallback kernels where the speed run needed them.
-(
+[ "$profile" = 1 ] && (
     export GANYMEDE_CUDA_PROFILE=$out/profile-medium.md
     [ $use_fallback = 1 ] && export "${fallback_env[@]}"
     train medium-profile 90 --preset medium --steps 3 --set "device.kind=$kind" --set optimizer.name=adamw
@@ -293,7 +297,7 @@ speed medium-muon 120 8
 if [ -f "$out/profile-medium.md" ]; then
     echo "- op profile of 3 AdamW steps: \`profile-medium.md\` ($(sed -n 1p "$out/profile-medium.md" | sed 's/.*: //'))" >>"$md"
 fi
-torch_run torch-compile 200 --compile
+case " $torch_runs " in *" compile "*) torch_run torch-compile 200 --compile ;; esac
 # The verdict the issue asks for: ganymede's AdamW run against PyTorch's best that finished.
 "$py" - "$runs" >>"$md" <<'EOF'
 import glob, os, sys

@@ -2,7 +2,14 @@
 
 use crate::{ConfigError, JobConfig};
 
-pub const PRESETS: &[&str] = &["tiny", "small", "medium", "europa-1t", "europa-1t-slice"];
+pub const PRESETS: &[&str] = &[
+    "tiny",
+    "small",
+    "medium",
+    "large",
+    "europa-1t",
+    "europa-1t-slice",
+];
 
 const TINY: &str = r#"
 # About 0.45M parameters: byte vocabulary, the default for `ganymede train`.
@@ -86,6 +93,42 @@ compute_dtype = "bf16"
 mode = "none"
 "#;
 
+const LARGE: &str = r#"
+# About 5.08B total / 0.85B active parameters, the showcase shape for one H200 (issue 32): hidden
+# 2048, 12 layers, 32 query / 4 KV heads of 64, 64 experts top-8 of hidden 1024, sequence 4096.
+# One optimizer step is 32 sequences (131,072 tokens) in 16 microbatches of 2, as a real job
+# accumulates gradients. Compute as `medium`'s: bf16 GEMM operands over fp32 master weights,
+# every activation kept. `ganymede plan --preset large --cluster dgx-h200 --nodes 1
+# --gpus-per-node 1` predicts 102.3 GiB of the H200's usable 138.4 with AdamW, 84.3 GiB with Muon.
+# An 80 GB H100 cannot hold it with AdamW (fp32 weights, gradients and two moments are 16 bytes
+# a parameter, 75.7 GiB before any activation): there `--set model.layers=8` (3.43B, 69.7 GiB
+# with AdamW) keeps every per-layer shape.
+[model]
+vocab_size = 32768
+hidden = 2048
+layers = 12
+heads = 32
+kv_heads = 4
+head_dim = 64
+experts = 64
+top_k = 8
+expert_hidden = 1024
+seq_len = 4096
+aux_loss_coef = 0.03
+
+[training]
+steps = 50
+batch_size = 32
+micro_batch_size = 2
+compute_dtype = "bf16"
+
+[activation_checkpoint]
+mode = "none"
+
+[device]
+kind = "cuda"
+"#;
+
 const EUROPA_1T: &str = r#"
 # The write-up's ~1T model. The write-up gives layers, hidden, experts, top-k, expert hidden,
 # vocabulary and sequence; the attention shape and the shared expert are our reconstruction:
@@ -158,6 +201,7 @@ pub fn preset(name: &str) -> Result<JobConfig, ConfigError> {
         "tiny" => TINY,
         "small" => SMALL,
         "medium" => MEDIUM,
+        "large" => LARGE,
         "europa-1t" => EUROPA_1T,
         "europa-1t-slice" => EUROPA_1T_SLICE,
         other => return Err(ConfigError::UnknownPreset(other.to_string())),

@@ -1015,3 +1015,24 @@ fn a_missing_prefetch_wait_is_caught() {
 fn overwriting_a_slot_before_its_offload_is_caught() {
     offload_run(3, Some(OffloadFault::SkipSlotFreeWait));
 }
+
+/// The parallel fill draws the same normals as one generator drawing them in turn, bit for bit,
+/// across chunk boundaries (so initial weights did not change when it came in).
+#[test]
+fn parallel_normals_equal_the_sequential_stream() {
+    let seed = 0x1234_5678_9abc_def0;
+    let n = 3 * (1 << 16) + 12_345;
+    let mut rng = Rng::new(seed);
+    let want: Vec<f64> = (0..n).map(|_| 0.02 * rng.normal()).collect();
+    let mut got = vec![0.0; n];
+    fill_normals(&mut got, seed, 0.02);
+    let first_diff = want
+        .iter()
+        .zip(&got)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    assert_eq!(first_diff, None);
+    // One draw off is another stream.
+    let mut off = vec![0.0; 8];
+    fill_normals(&mut off, seed.wrapping_add(0x9E37_79B9_7F4A_7C15), 0.02);
+    assert_ne!(off[..], want[..8]);
+}

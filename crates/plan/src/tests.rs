@@ -128,6 +128,77 @@ fn medium_runs_as_pytorch_does_and_fits_an_h200() {
     assert!(!small_card.fits, "{}", small_card.message());
 }
 
+/// `large`, issue 32's showcase: its parameters by hand, 128k tokens an optimizer step in
+/// microbatches of two sequences, and the trainer's own CUDA prediction fits one H200 with either
+/// optimizer. An 80 GB H100 holds it with 8 of its 12 layers (the device check's variant there),
+/// not whole with AdamW: fp32 weights, gradients and two moments alone are 75.7 GiB.
+#[test]
+fn large_fills_an_h200_and_fits_an_h100_at_eight_layers() {
+    // embedding = LM head = 32,768·2,048 = 67,108,864; final norm 2,048.
+    // per layer: attention 2·2048² + 2·256·2048 = 9,437,184; norms 2·2048 + 2·64 = 4,224;
+    // router 64·2048 = 131,072; experts 64·3·1024·2048 = 402,653,184 → 412,225,664, ×12 =
+    // 4,946,707,968; total 5,080,927,744.
+    // active per layer: 9,437,184 + 4,224 + 131,072 + 8·3·1024·2048 = 59,904,128; ×12 =
+    // 718,849,536; + 134,219,776 = 853,069,312.
+    let job = preset("large").unwrap();
+    let p = params::count(&job.model);
+    assert_eq!(p.total, 5_080_927_744);
+    assert_eq!(p.active, 853_069_312);
+    let t = &job.training;
+    assert_eq!(t.batch_size * job.model.seq_len, 131_072);
+    assert_eq!((t.micro_batch(1), t.batch_size / t.micro_batch(1)), (2, 16));
+    assert_eq!(t.compute_dtype, ganymede_config::ComputeDtype::Bf16);
+    assert_eq!(job.activation_checkpoint.mode, AcMode::None);
+    assert_eq!(job.device.kind, ganymede_config::DeviceKind::Cuda);
+    let usable = |name: &str| {
+        let c = Cluster::preset(name).unwrap();
+        c.gpu.memory_bytes - c.gpu.reserved_bytes
+    };
+    let (h200, h100) = (("H200", usable("dgx-h200")), ("H100", usable("dgx-h100")));
+    let with = |layers: usize, opt: OptimizerName| {
+        let mut j = job.clone();
+        j.model.layers = layers;
+        j.optimizer.name = opt;
+        j
+    };
+    use OptimizerName::{Adamw, Muon};
+    for opt in [Adamw, Muon] {
+        let fit = crate::fit::cuda_fit(&with(12, opt), 1, 1, h200);
+        assert!(fit.fits, "{opt:?} on an H200: {}", fit.message());
+        // Filled: more than half the H200 either way.
+        assert!(
+            fit.prediction.device_peak > 0.5 * h200.1,
+            "{}",
+            fit.message()
+        );
+        let fit = crate::fit::cuda_fit(&with(8, opt), 1, 1, h100);
+        assert!(
+            fit.fits,
+            "{opt:?} at 8 layers on an H100: {}",
+            fit.message()
+        );
+    }
+    let fit = crate::fit::cuda_fit(&with(12, Adamw), 1, 1, h100);
+    assert!(!fit.fits, "{}", fit.message());
+    // The cluster planner agrees on the H200, one GPU.
+    let c = Cluster::preset("dgx-h200").unwrap();
+    let mut l = Layout::from_job(&job, &c);
+    l.nodes = 1;
+    l.gpus_per_node = 1;
+    for opt in [Adamw, Muon] {
+        let j = with(12, opt);
+        let p = plan(
+            &j,
+            &c,
+            &l,
+            &MemoryPolicy::from_job(&j),
+            &OptimizerSetup::from_job(&j),
+        )
+        .unwrap();
+        assert!(p.fits, "{opt:?}: {}", p.verdict);
+    }
+}
+
 #[test]
 fn europa_total_and_active_parameters() {
     // embedding = LM head = 256,000·6,144 = 1,572,864,000; final norm 6,144.
