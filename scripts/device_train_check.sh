@@ -82,7 +82,9 @@ echo >>"$md"
 # The CPU runs go in the background, 4 threads each, while the device runs take turns: the
 # device's time is what is scarce.
 parity="tiny:f32:1e-3 small:f32:1e-3 tiny:bf16:3e-2:10:1e-4"
-same=(--set optimizer.ns_dtype=f32)
+# The router likewise (training.router_dtype's auto is bf16 operands on a GPU under bf16
+# compute, f32 on the CPU): pinned to f32 on both, as the earlier runs' tolerances were set.
+same=(--set optimizer.ns_dtype=f32 --set training.router_dtype=f32)
 cpu_jobs=()
 for run in $parity; do
     IFS=: read -r preset dtype _ <<<"$run"
