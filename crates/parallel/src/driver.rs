@@ -446,91 +446,25 @@ impl RankState {
         check_config_hash(world.as_ref(), config_hash(cfg))
             .context("ranks started with different configurations")?;
         let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
-        // The batch is split over every rank (all replicas); parameters over one replica's.
-        let w = world.size();
-        if mesh.shape.dp_replicate > 1 && mesh.shape.dp_shard == 1 {
-            bail!("parallelism.dp_replicate > 1 needs parallelism.dp_shard > 1 (plain DDP is not implemented)");
-        }
-        let (m, t) = (&cfg.model, &cfg.training);
-        if !t.batch_size.is_multiple_of(w) {
-            bail!(
-                "training.batch_size = {} cannot be split evenly over {w} ranks",
-                t.batch_size
-            );
-        }
+        let micro = check_split(cfg, &mesh)?;
         let shared = match be {
             Some(be) => be,
             None => backend(cfg)?,
         };
         let be: &dyn Backend = shared.as_ref();
+        let (m, t) = (&cfg.model, &cfg.training);
         let model = Model::new(m)
             .with_compute_dtype(t.compute_dtype)
             .with_router_bf16(t.router_bf16(be.native_bf16()))
             .with_boundary_dtype(cfg.activation_checkpoint.boundary_dtype)
             .with_loss_chunk(t.loss_chunk_tokens)
             .with_moe_chunk(t.moe_chunk_tokens);
-        let shards = if mesh.shape.dp_shard == 1 {
-            let params = model.init_params(be, t.seed);
-            let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
-            let opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
-            let compute = ComputeCopy::new(be, &model).filter(|_| bf16_weights);
-            Shards::Whole {
-                params,
-                grads,
-                opt,
-                compute,
-            }
-        } else {
-            let pl = plan(model.param_specs(), mesh.shape, policy(cfg))?;
-            let layout = Arc::new(Layout::new(
-                model.param_specs(),
-                m.layers,
-                &pl,
-                mesh.ep.rank(),
-            ));
-            // Every rank draws the same initial tensors, one at a time, keeping its shard of
-            // each.
-            let groups = Groups::of(&mesh);
-            let p = &cfg.parallelism;
-            let init = |i: usize| model.init_param(be, i, t.seed);
-            let bf16 = (0..layout.specs.len())
-                .map(|i| bf16_weights && model.bf16_weight(i))
-                .collect();
-            let params = FsdpParams::new(
-                be,
-                layout.clone(),
-                groups.clone(),
-                p.gather_dtype,
-                bf16,
-                p.prefetch,
-                cfg.optimizer.offload,
-                &init,
-            );
-            let sets = cfg.parallelism.gradient_sets;
-            let grads = FsdpGrads::new(be, layout.clone(), groups, sets);
-            let opt = ShardedOptimizer::new(be, &cfg.optimizer, &layout, &mesh, pl);
-            Shards::Fsdp {
-                layout,
-                params,
-                grads,
-                opt,
-            }
-        };
+        let shards = build_shards(be, cfg, &model, &mesh, bf16_weights)?;
         let ac = &cfg.activation_checkpoint;
         let offloaded = match ac.mode {
             AcMode::Full => ganymede_config::offloaded_layers(ac.offload_fraction, m.layers),
             AcMode::None => 0,
         };
-        let micro = t.micro_batch(w);
-        if micro == 0 || !(t.batch_size / w).is_multiple_of(micro) {
-            bail!(
-                "training.micro_batch_size = {} does not divide a rank's {} sequences \
-                 (training.batch_size = {} over {w} ranks)",
-                t.micro_batch_size,
-                t.batch_size / w,
-                t.batch_size
-            );
-        }
         let ws = Workspace::with_offload(be, &model, micro, m.seq_len, ac.mode, offloaded);
         let experts: Box<dyn ExpertExecutor> = if mesh.shape.ep > 1 {
             Box::new(EpExperts::new(
@@ -767,6 +701,90 @@ impl RankState {
             router_bias_step(self.be.as_ref(), t, experts, load, coeff);
         }
     }
+}
+
+/// The layout's checks on how the batch splits (every rank's share, whole microbatches of it);
+/// the sequences in one microbatch.
+fn check_split(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<usize> {
+    // The batch is split over every rank (all replicas); parameters over one replica's.
+    let (w, t) = (mesh.world.size(), &cfg.training);
+    if mesh.shape.dp_replicate > 1 && mesh.shape.dp_shard == 1 {
+        bail!("parallelism.dp_replicate > 1 needs parallelism.dp_shard > 1 (plain DDP is not implemented)");
+    }
+    if !t.batch_size.is_multiple_of(w) {
+        bail!(
+            "training.batch_size = {} cannot be split evenly over {w} ranks",
+            t.batch_size
+        );
+    }
+    let micro = t.micro_batch(w);
+    if micro == 0 || !(t.batch_size / w).is_multiple_of(micro) {
+        bail!(
+            "training.micro_batch_size = {} does not divide a rank's {} sequences \
+             (training.batch_size = {} over {w} ranks)",
+            t.micro_batch_size,
+            t.batch_size / w,
+            t.batch_size
+        );
+    }
+    Ok(micro)
+}
+
+/// The rank's parameters, gradients and optimizer: whole on one process (`dp_shard` 1), else
+/// sharded by FlexShard's plan, every rank drawing the same initial tensors one at a time and
+/// keeping its shard of each.
+fn build_shards(
+    be: &dyn Backend,
+    cfg: &JobConfig,
+    model: &Model,
+    mesh: &DeviceMesh,
+    bf16_weights: bool,
+) -> Result<Shards> {
+    let seed = cfg.training.seed;
+    if mesh.shape.dp_shard == 1 {
+        let params = model.init_params(be, seed);
+        let grads = ParamStore::zeros(be, model.param_specs(), Category::Grads);
+        let opt = Optimizer::new(be, &cfg.optimizer, model.param_specs());
+        let compute = ComputeCopy::new(be, model).filter(|_| bf16_weights);
+        return Ok(Shards::Whole {
+            params,
+            grads,
+            opt,
+            compute,
+        });
+    }
+    let pl = plan(model.param_specs(), mesh.shape, policy(cfg))?;
+    let layers = cfg.model.layers;
+    let layout = Arc::new(Layout::new(
+        model.param_specs(),
+        layers,
+        &pl,
+        mesh.ep.rank(),
+    ));
+    let groups = Groups::of(mesh);
+    let p = &cfg.parallelism;
+    let init = |i: usize| model.init_param(be, i, seed);
+    let bf16 = (0..layout.specs.len())
+        .map(|i| bf16_weights && model.bf16_weight(i))
+        .collect();
+    let params = FsdpParams::new(
+        be,
+        layout.clone(),
+        groups.clone(),
+        p.gather_dtype,
+        bf16,
+        p.prefetch,
+        cfg.optimizer.offload,
+        &init,
+    );
+    let grads = FsdpGrads::new(be, layout.clone(), groups, p.gradient_sets);
+    let opt = ShardedOptimizer::new(be, &cfg.optimizer, &layout, mesh, pl);
+    Ok(Shards::Fsdp {
+        layout,
+        params,
+        grads,
+        opt,
+    })
 }
 
 /// The single-process parameter source, recording each block's compute on the trace as the
