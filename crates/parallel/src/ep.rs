@@ -204,7 +204,8 @@ impl EpExperts {
     }
 }
 
-/// Uneven all-to-all over `ep` of rows of `w` elements, timed as communication.
+/// Uneven all-to-all over `ep` of rows of `w` elements, timed as communication on `be`.
+#[allow(clippy::too_many_arguments)]
 fn a2a(
     be: &dyn Backend,
     ep: &dyn ProcessGroup,

@@ -79,7 +79,8 @@ pub fn phase_summary(steps: &[ganymede_core::PhaseTimes], step_s: &[f64]) -> Opt
     let mut parts = vec![];
     for p in ganymede_core::StepPhase::ALL {
         let ms = median(&steps.iter().map(|t| t.get(p)).collect::<Vec<_>>())?;
-        if ms <= 0.0 {
+        // What would print as 0.0 (a world of one's no-op collectives, say) is left out.
+        if ms < 0.05 {
             continue;
         }
         parts.push(match step_ms {
@@ -635,12 +636,16 @@ mod tests {
             t
         };
         // The first step (slow) is left out; medians of the other three.
-        let steps = [
+        let mut steps = [
             step(500.0, 90.0),
             step(30.0, 9.0),
             step(40.0, 10.0),
             step(20.0, 11.0),
         ];
+        // A phase that rounds to 0.0 ms (a world of one's collectives) is left out.
+        for s in &mut steps {
+            s.add(StepPhase::Communication, 0.01);
+        }
         let line = phase_summary(&steps, &[1.0, 0.08, 0.1, 0.09]).unwrap();
         assert_eq!(
             line,
