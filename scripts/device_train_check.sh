@@ -245,6 +245,22 @@ if t:
                 if name.endswith("-fallback") else "")
     print(f"- ganymede `{name}` ({len(rows)} steps, median of steps 3..; `{args or 'the preset'}`)"
           f"{fallback}: {tps:,.0f} tokens/s, MFU {tps * fpt / (peak * 1e12) * 100:.1f}%")
+    # Time by phase (metrics.phase_times): events on the compute stream; a step's update is
+    # read at the next step's end, so steps 3.. hold one update each.
+    timed = rows[2:] or rows
+    ph = [r["phase_ms"] for r in timed if "phase_ms" in r]
+    if ph:
+        step_ms = statistics.median(r["step_s"] for r in timed) * 1e3
+        names = ["head", "attention", "dense", "router", "experts", "elementwise", "optimizer",
+                 "communication"]
+        names += sorted({k for p in ph for k in p} - set(names))
+        cells = []
+        for n in names:
+            ms = statistics.median(p.get(n, 0.0) for p in ph)
+            cells.append(f"{n} {ms:.1f} ms ({100 * ms / step_ms:.0f}%)")
+        marks = statistics.median(r.get("phase_marks", 0) for r in timed)
+        print(f"  - time by phase, median ms per step of {step_ms:.1f} ms ({marks:.0f} marks a "
+              f"step): " + ", ".join(cells))
 else:
     print(f"- ganymede `{name}`: no steps")
 EOF

@@ -675,6 +675,10 @@ pub struct MetricsConfig {
     /// Warn when a step's loss exceeds this many times the median of the previous steps' (up
     /// to 50, from the 11th step on); 0 = never.
     pub spike_factor: f64,
+    /// Time each step by phase (attention, dense GEMMs, router, experts, element-wise, head,
+    /// optimizer, communication) and write it as `phase_ms` (wall clock on the CPU, events on
+    /// the compute stream on a GPU).
+    pub phase_times: bool,
 }
 
 impl Default for MetricsConfig {
@@ -686,6 +690,7 @@ impl Default for MetricsConfig {
             tensorboard: false,
             dead_check: DeadCheck::Stop,
             spike_factor: 3.0,
+            phase_times: true,
         }
     }
 }

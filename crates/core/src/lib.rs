@@ -48,20 +48,22 @@ pub mod cpu;
 pub mod hash;
 pub mod ledger;
 pub mod params;
+pub mod phase;
 pub mod sample;
 pub mod staging;
 pub mod stream;
 pub mod tensor;
 
 pub use backend::{
-    embedding_segments, extent, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas, CastSlot,
-    DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Memory, NnOps, NormSaved, OptimOps,
-    RouterDims, RouterOut, Syrk,
+    embedding_segments, extent, in_phase, AdamWStep, AttnDims, AttnGrads, AttnSaved, Backend, Blas,
+    CastSlot, DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, Memory, NnOps, NormSaved,
+    OptimOps, RouterDims, RouterOut, Syrk,
 };
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use hash::fnv1a64;
 pub use ledger::{Category, Device, Ledger, LedgerReport};
 pub use params::{ParamKind, ParamSpec, ParamStore};
+pub use phase::{PhaseTimes, StepPhase};
 pub use stream::{CopySpan, Event, MemoryError, Stream};
 pub use tensor::{
     Buffer, DType, DeviceBuffer, DeviceView, DeviceViewMut, Scalar, Tensor, View, ViewMut,

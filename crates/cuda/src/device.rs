@@ -13,6 +13,7 @@ mod blas;
 mod launcher;
 mod memory;
 pub mod nvrtc;
+mod phases;
 mod plumbing;
 pub mod probe;
 pub mod profile;
@@ -153,6 +154,8 @@ pub struct Inner {
     /// bf16 copies of the f32 A and B operands of bf16-input GEMMs (see
     /// `CudaBackend::with_bf16_operands`).
     bf16_scratch: Mutex<[ganymede_core::CastSlot; 2]>,
+    /// The step's phase clock: events on the compute stream (see `phases`).
+    phases: Mutex<ganymede_core::phase::PhaseClock<cudarc::driver::CudaEvent>>,
 }
 
 impl Drop for Inner {
@@ -240,6 +243,7 @@ impl CudaBackend {
             grouped: Mutex::new(blas::PtrArrays::default()),
             staging: Mutex::new(staging::Staging::default()),
             bf16_scratch: Mutex::default(),
+            phases: Mutex::default(),
         })))
     }
 

@@ -9,7 +9,7 @@ use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};
 use ganymede_core::{
     Blas, CopySpan, CpuBackend, DType, Device, Event, Gemm, Ledger, Memory, MemoryError, NnOps,
-    OptimOps, Stream, Syrk, Tensor, View, ViewMut,
+    OptimOps, PhaseTimes, StepPhase, Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,6 +222,15 @@ impl<L: Launcher, D: Memory + Gemms> Memory for KernelBackend<L, D> {
     fn take_copy_spans(&self) -> Vec<CopySpan> {
         self.dev.take_copy_spans()
     }
+    fn start_phases(&self) {
+        self.dev.start_phases()
+    }
+    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
+        self.dev.phase(p)
+    }
+    fn take_phase_times(&self) -> Option<PhaseTimes> {
+        self.dev.take_phase_times()
+    }
 }
 
 impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
@@ -312,4 +321,26 @@ impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
         adamw_step, nesterov_momentum, normalize_frobenius, normalize_frobenius_strided,
         normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostKernelBackend;
+    use crate::ops::Tuning;
+    use ganymede_core::{CpuBackend, Memory, StepPhase};
+
+    /// The host build's phase clock is its CPU memory's: marks reach it through the kernel
+    /// backend (a missing forward would leave the seam's no-op and report nothing).
+    #[test]
+    fn phase_marks_reach_the_device_memorys_clock() {
+        let be = HostKernelBackend::host(CpuBackend::default(), Tuning::default());
+        assert_eq!(be.take_phase_times(), None);
+        be.start_phases();
+        assert_eq!(be.phase(StepPhase::Attention), None);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(be.phase(StepPhase::Optimizer), Some(StepPhase::Attention));
+        let t = be.take_phase_times().expect("a running clock");
+        assert_eq!(t.marks, 2);
+        assert!(t.get(StepPhase::Attention) >= 5.0, "{t:?}");
+    }
 }

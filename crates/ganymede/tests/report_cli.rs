@@ -39,6 +39,7 @@ fn report_of_a_single_process_and_a_four_rank_run() {
         "tokens_per_s",
         "load_cv",
         "memory",
+        "phase_ms",
     ] {
         assert!(html.contains(&format!("id=\"{id}\"")), "chart {id}");
     }
@@ -46,6 +47,13 @@ fn report_of_a_single_process_and_a_four_rank_run() {
     assert!(html.contains(&format!("data-name=\"train loss\" data-points=\"{n}\"")));
     assert!(!html.contains("id=\"comm\""), "one process sends nothing");
     assert!(html.contains("planner"), "memory against the planner");
+    // Time by phase: the table has the model's phases (a MoE model: experts too).
+    for phase in ["attention", "experts", "optimizer"] {
+        assert!(
+            html.contains(&format!("<tr><td>{phase}</td>")),
+            "phase {phase}"
+        );
+    }
 
     let four = tmp.path().join("four");
     ok(ganymede(
@@ -65,6 +73,10 @@ fn report_of_a_single_process_and_a_four_rank_run() {
     assert!(html.contains("id=\"comm\""), "bytes per phase");
     assert!(html.contains("<td>grad_reduce_scatter</td>"));
     assert!(html.contains("<th>ranks</th><td>4</td>"));
+    assert!(
+        html.contains("<tr><td>communication</td>"),
+        "four ranks communicate"
+    );
 }
 
 #[test]

@@ -30,7 +30,7 @@ use anyhow::Result;
 use ganymede_config::ModelConfig;
 use ganymede_core::{
     AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
-    ParamStore, RouterDims, RouterOut, Tensor, View, ViewMut,
+    ParamStore, RouterDims, RouterOut, StepPhase, Tensor, View, ViewMut,
 };
 
 /// What every kernel call of a block shares: the backend, the model, its parameters as they
@@ -253,6 +253,7 @@ pub(crate) fn block_forward(
 fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let (n, h) = (d.n, d.hidden);
+    be.phase(StepPhase::Elementwise);
     be.rmsnorm_forward(
         a.xn1.view_mut(),
         a.rstd1.view_mut(),
@@ -261,6 +262,7 @@ fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View) {
         h,
         d.eps,
     );
+    be.phase(StepPhase::Dense);
     be.gemm(
         a.q.view_mut(),
         a.xn1.view(),
@@ -304,6 +306,7 @@ fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
     // Document masking applies to training and evaluation windows, not to a KV cache.
     let docs = if cached { None } else { b.cx.docs };
     let (q, qn) = (a.q.view(), b.w(li.q_norm));
+    be.phase(StepPhase::Elementwise);
     match docs {
         Some(dd) => be.head_norm_rope_forward_docs(qr, rstdq, q, qn, dd, d.rope(d.heads, 0)),
         None => be.head_norm_rope_forward(qr, rstdq, q, qn, d.rope(d.heads, pos0)),
@@ -326,6 +329,7 @@ fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
             let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
             let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
             let dims = d.attn(d.batch, d.seq);
+            be.phase(StepPhase::Attention);
             match docs {
                 Some(dd) => be.attention_forward_docs(att, lse, q, k, v, dd, dims),
                 None => be.attention_forward(att, lse, q, k, v, dims),
@@ -344,6 +348,7 @@ fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
             let (att, lse) = (att32.view_mut(), a.lse.view_mut());
             let q = if bf16 { g.dqr.view() } else { a.qr.view() };
             let (k, v) = (k.slice(0, tk * kd), v.slice(0, tk * kd));
+            be.phase(StepPhase::Attention);
             be.attention_forward(att, lse, q, k, v, d.attn(1, tk));
         }
     }
@@ -357,12 +362,14 @@ fn out_proj_forward(b: &Block, a: &mut BlockActs, g: &GradScratch, x: View, cach
     } else {
         a.att.view()
     };
+    be.phase(StepPhase::Dense);
     be.gemm(
         a.xmid.view_mut(),
         att,
         b.w(li.o),
         Gemm::new(d.n, d.hidden, d.q_dim, false, true).bf16_inputs(d.bf16),
     );
+    be.phase(StepPhase::Elementwise);
     be.add(a.xmid.view_mut(), x);
 }
 
@@ -378,6 +385,7 @@ fn mlp_forward(
 ) -> Result<()> {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let (xn2, rstd2) = (a.xn2.view_mut(), a.rstd2.view_mut());
+    be.phase(StepPhase::Elementwise);
     be.rmsnorm_forward(
         xn2,
         rstd2,
@@ -392,12 +400,14 @@ fn mlp_forward(
     match b.mlp {
         Mlp::Dense(ffn) => {
             let f = a.ffn.as_mut().expect("dense activations");
+            be.phase(StepPhase::Dense);
             ffn_forward(b, f, a.xn2.view(), ffn, y);
         }
         Mlp::Moe { mx, shared } => {
             moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex)?;
             if let Some(ffn) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
+                be.phase(StepPhase::Dense);
                 ffn_forward(b, f, a.xn2.view(), ffn, y);
             }
         }
@@ -419,6 +429,7 @@ fn moe_forward(
     let (n, h, e, k) = (d.n, d.hidden, d.experts, d.top_k);
     let m = a.moe.as_mut().expect("MoE activations");
     let rl = g.drl.as_mut().expect("router scratch");
+    be.phase(StepPhase::Router);
     be.gemm(
         rl.view_mut(),
         a.xn2.view(),
@@ -440,10 +451,12 @@ fn moe_forward(
     // there and recomputes the others itself.
     let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
     for (j, &(t0, tn)) in parts.iter().enumerate() {
+        be.phase(StepPhase::Router);
         dispatch_chunk(be, &mut m.r, j, (t0, tn), (e, k));
         if y.is_none() && j + 1 < parts.len() {
             continue;
         }
+        be.phase(StepPhase::Experts);
         experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex)?;
         if let Some(y) = y.as_mut() {
             let disp = Dispatched {
@@ -600,6 +613,7 @@ fn moe_chunk_backward(
         dim: h,
     };
     let (ye, rw) = (m.ye.slice(0, rows * h), m.rw.slice(tk, rows));
+    be.phase(StepPhase::Experts);
     be.moe_combine_backward(
         dye.slice_mut(0, rows * h),
         drw.slice_mut(tk, rows),
@@ -621,6 +635,7 @@ fn moe_chunk_backward(
         dxe: dxe.slice_mut(0, rows * h),
     };
     ex.backward(be, &io, grads, bufs)?;
+    be.phase(StepPhase::Router);
     let (idx, probs) = (m.r.idx.slice(tk, rows), m.probs.slice(t0 * e, tn * e));
     let (dl, dw) = (drl.slice_mut(t0 * e, tn * e), drw.slice(tk, rows));
     be.router_backward(dl, dw, probs, idx, c.dc, d.router());
@@ -636,6 +651,7 @@ fn moe_chunk_backward(
     );
     let gr = Gemm::new(e, h, tn, true, false).beta(1.0).bf16_inputs(rb);
     be.gemm(grads.get_mut(mx.router).view_mut(), drl, c.xn2, gr);
+    be.phase(StepPhase::Experts);
     be.moe_gather_backward(dxn.slice_mut(t0 * h, tn * h), dxe.slice(0, rows * h), disp);
     Ok(())
 }
@@ -706,16 +722,19 @@ fn mlp_backward(
     match b.mlp {
         Mlp::Dense(ffn) => {
             let f = a.ffn.as_ref().expect("dense activations");
+            be.phase(StepPhase::Dense);
             ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
         Mlp::Moe { mx, shared } => {
             moe_backward(b, grads, a, g, dprob_const, mx, ex)?;
             if let Some(ffn) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
+                be.phase(StepPhase::Dense);
                 ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 1.0);
             }
         }
     }
+    be.phase(StepPhase::Elementwise);
     let saved = NormSaved {
         x: a.xmid.view(),
         w: b.w(li.post_norm),
@@ -745,6 +764,7 @@ fn moe_backward(
     let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
     for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
         if j + 1 < parts.len() {
+            b.cx.be.phase(StepPhase::Experts);
             experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex)?;
         }
         let bwd = MoeChunkBwd {
@@ -761,6 +781,7 @@ fn moe_backward(
 fn out_proj_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let (n, h, qd) = (d.n, d.hidden, d.q_dim);
+    be.phase(StepPhase::Dense);
     be.gemm(
         g.datt.view_mut(),
         g.dres.view(),
@@ -786,6 +807,7 @@ fn out_proj_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut G
 fn attend_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let docs = b.cx.docs;
+    be.phase(StepPhase::Elementwise);
     // Under bf16 compute attention's gradients are bf16: the output's rounded here, dq and dk
     // widened for the norms' backward below, dv read by its GEMMs as a bf16 operand.
     if let Some(a16) = g.attn16.as_mut() {
@@ -817,10 +839,12 @@ fn attend_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut Gra
         lse: a.lse.view(),
     };
     let dims = d.attn(d.batch, d.seq);
+    be.phase(StepPhase::Attention);
     match docs {
         Some(dd) => be.attention_backward_docs(ag, dout, saved, dd, dims),
         None => be.attention_backward(ag, dout, saved, dims),
     }
+    be.phase(StepPhase::Elementwise);
     if let Some(a16) = g.attn16.as_ref() {
         be.cast(g.dqr.view_mut(), a16.dq.view());
         be.cast(g.dkr.view_mut(), a16.dk.view());
@@ -862,6 +886,7 @@ fn qkv_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradSc
         .beta(1.0);
     let gq = Gemm::new(qd, h, n, true, false).bf16_inputs(bf16).beta(1.0);
     let gk = Gemm::new(kd, h, n, true, false).bf16_inputs(bf16).beta(1.0);
+    be.phase(StepPhase::Dense);
     be.gemm(
         g.dxn.view_mut(),
         g.datt.view(),
@@ -894,6 +919,7 @@ fn qkv_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradSc
         rstd: a.rstd1.view(),
     };
     let dw = grads.get_mut(li.in_norm).view_mut();
+    be.phase(StepPhase::Elementwise);
     be.rmsnorm_backward(g.dres.view_mut(), dw, g.dxn.view(), saved, h);
 }
 

@@ -9,8 +9,8 @@ use crate::{MlpIdx, Model, StepOutput};
 use anyhow::Result;
 use ganymede_config::AcMode;
 use ganymede_core::{
-    embedding_segments, Backend, Category, DType, EmbedIds, Gemm, NormSaved, ParamStore, Tensor,
-    ViewMut,
+    embedding_segments, Backend, Category, DType, EmbedIds, Gemm, NormSaved, ParamStore, StepPhase,
+    Tensor, ViewMut,
 };
 
 /// Which pass wants a block's parameters.
@@ -54,7 +54,12 @@ pub trait ParamSource {
     /// Turn a MoE layer's per-expert counts of this slice (host data: the model reads them
     /// back to size the expert GEMMs) into those of the global batch, in place, so the
     /// auxiliary loss's gradient is the global batch's. Called after the layer's forward.
-    fn reduce_counts(&mut self, _layer: usize, _counts: &mut [usize]) -> Result<()> {
+    fn reduce_counts(
+        &mut self,
+        _be: &dyn Backend,
+        _layer: usize,
+        _counts: &mut [usize],
+    ) -> Result<()> {
         Ok(())
     }
     /// Sum the per-expert router probability sums of every MoE layer (`[moe layers, E]` f64,
@@ -205,6 +210,7 @@ fn forward(
         ..
     } = ws;
     // The step's one upload of its tokens (host to device: no read).
+    be.phase(StepPhase::Head);
     be.write_u32(head.ids.view_mut(), inputs);
     be.write_u32(head.targets.view_mut(), targets);
     if let Some(d) = doc_starts {
@@ -244,6 +250,8 @@ fn forward(
             AcMode::None => &mut blocks[l],
             AcMode::Full => &mut blocks[0],
         };
+        // The block boundaries' copies and casts.
+        be.phase(StepPhase::Elementwise);
         res.before_write(be, l + 1);
         let (x, y) = res.pair(be, l, &mut head.xf);
         src.acquire_block(be, l, Pass::Forward)?;
@@ -258,6 +266,7 @@ fn forward(
         let psum = psum_slot(cfg, route, l);
         block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex))?;
         src.release_block(be, l, Pass::Forward)?;
+        be.phase(StepPhase::Elementwise);
         res.store(be, l + 1, &head.xf);
         if backward {
             res.after_write(be, l + 1);
@@ -272,11 +281,12 @@ fn forward(
                 layer: l,
                 counts: m.r.layer_counts(),
             };
-            src.reduce_counts(l, &mut s.counts)?;
+            src.reduce_counts(be, l, &mut s.counts)?;
             stats.push(s);
         }
     }
     src.acquire_head(be)?;
+    be.phase(StepPhase::Head);
     let params = src.params();
     let eps = cfg.norm_eps as f32;
     // The last boundary is stored like the others: the head reads it widened, in forward and
@@ -453,6 +463,7 @@ pub fn forward_backward_with(
     // Head: in place, logits become their gradient, a chunk at a time from the last (whose
     // logits the forward left), the others' recomputed.
     let scale = grad_scale / n as f32;
+    be.phase(StepPhase::Head);
     for (r0, rows) in chunks(local_n, model.head_rows(local_n)).rev() {
         if r0 + rows != local_n {
             head_logits(be, model, params, head, r0, rows);
@@ -496,6 +507,7 @@ pub fn forward_backward_with(
     for (l, li) in model.layers.iter().enumerate().rev() {
         // The input comes back from host memory if it was offloaded; the next one starts to.
         // Recompute and backward read it widened, as the forward did.
+        be.phase(StepPhase::Elementwise);
         res.before_backward(be, l);
         res.widen(be, l);
         src.acquire_block(be, l, Pass::Backward)?;
@@ -541,6 +553,7 @@ pub fn forward_backward_with(
         src.release_block(be, l, Pass::Backward)?;
     }
     sink.begin_embedding(be)?;
+    be.phase(StepPhase::Head);
     let dwte = sink.grads().get_mut(model.embed).view_mut();
     // This slice's tokens (`n` counts the global batch's), laid out as `forward` wrote them.
     let ln = local_n;

@@ -25,8 +25,8 @@ use crate::optim::{OptimizerState, ShardedOptimizer};
 use anyhow::{bail, Context, Result};
 use ganymede_config::{AcMode, DeviceKind, JobConfig};
 use ganymede_core::{
-    Backend, Category, CpuBackend, DType, Ledger, ParamStore, Stream, Tensor, TwoMemoryOptions,
-    ViewMut,
+    in_phase, Backend, Category, CpuBackend, DType, Ledger, ParamStore, PhaseTimes, StepPhase,
+    Stream, Tensor, TwoMemoryOptions, ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::{
@@ -61,6 +61,8 @@ pub struct StepReport {
     /// Expert parallelism: the most rows one layer's experts received on any rank in the step,
     /// over an even routing's (what `parallelism.ep_capacity_factor` is held against).
     pub expert_rows_over_even: Option<f64>,
+    /// This rank's milliseconds per phase (`metrics.phase_times`; see `ganymede_core::phase`).
+    pub phase_times: Option<PhaseTimes>,
 }
 
 /// Add microbatch output `one` into `out`, the mean of `k`: loss, aux loss and expert loads
@@ -303,15 +305,19 @@ impl Shards {
                 forward_backward_with(be, model, hooks, ws, tokens, scale)
             }
             Shards::Fsdp { params, grads, .. } => {
-                params.begin(be, true, global)?;
-                grads.begin(be, m > 0)?;
+                in_phase(be, StepPhase::Communication, || -> Result<()> {
+                    params.begin(be, true, global)?;
+                    grads.begin(be, m > 0)
+                })?;
                 let hooks = Hooks {
                     params,
                     grads,
                     experts,
                 };
                 let one = forward_backward_with(be, model, hooks, ws, tokens, scale)?;
-                grads.finish(be, m + 1 == k)?;
+                in_phase(be, StepPhase::Communication, || {
+                    grads.finish(be, m + 1 == k)
+                })?;
                 Ok(one)
             }
         }
@@ -516,6 +522,10 @@ impl RankState {
         let world = self.mesh.world.clone();
         let ctx = world.ctx().clone();
         ctx.stats.reset();
+        let be = self.be.clone();
+        if self.cfg.metrics.phase_times {
+            be.start_phases();
+        }
 
         // Batch: this rank's slice of the global batch.
         let (batch, seq) = (self.cfg.training.batch_size, self.cfg.model.seq_len);
@@ -523,11 +533,13 @@ impl RankState {
         let docs = data.batch_doc_starts(step as u64, batch, seq, world.rank(), world.size());
 
         // Forward and backward per microbatch, the gradients accumulated.
+        be.phase(StepPhase::Elementwise);
         self.shards.zero_grads(self.be.as_ref());
         let out = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer)?;
 
         // Reduce: the loss, the gradient norm and the expert buffers' use, over all ranks.
         let t0 = Instant::now();
+        be.phase(StepPhase::Optimizer);
         let grad_sumsq = self.local_grad_sumsq();
         let expert_rows = self.experts.take_use();
         let sums = StepSums::pack(
@@ -535,8 +547,10 @@ impl RankState {
             grad_sumsq,
             expert_rows,
             (world.rank(), world.size()),
-        )
-        .all_reduce(world.as_ref())?;
+        );
+        let sums = in_phase(be.as_ref(), StepPhase::Communication, || {
+            sums.all_reduce(world.as_ref())
+        })?;
         let (loss, norm) = (sums.loss(), sums.grad_norm());
         // Every rank holds the same reduced values, so every rank stops here alike, before
         // the update: the weights (and the last checkpoint) stay as they were.
@@ -553,6 +567,7 @@ impl RankState {
         ctx.tracer
             .record("optimizer", Track::Compute, t0, Instant::now(), None);
         self.trace_copies(&ctx.tracer);
+        let phase_times = be.take_phase_times();
 
         // Metrics.
         Ok(StepReport {
@@ -566,6 +581,7 @@ impl RankState {
             expert_rows,
             expert_regrowths: sums.expert_regrowths(),
             expert_rows_over_even: sums.expert_rows_over_even(),
+            phase_times,
         })
     }
 

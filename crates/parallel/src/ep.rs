@@ -22,7 +22,9 @@
 //! the views, is fixed with it.
 
 use anyhow::{Context, Result};
-use ganymede_core::{Backend, Category, DType, ParamStore, Tensor, View, ViewMut};
+use ganymede_core::{
+    in_phase, Backend, Category, DType, ParamStore, StepPhase, Tensor, View, ViewMut,
+};
 use ganymede_dist::{Phase, ProcessGroup};
 use ganymede_model::{
     ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo, LocalExperts, RowBufferUse,
@@ -202,8 +204,10 @@ impl EpExperts {
     }
 }
 
-/// Uneven all-to-all over `ep` of rows of `w` elements.
+/// Uneven all-to-all over `ep` of rows of `w` elements, timed as communication on `be`.
+#[allow(clippy::too_many_arguments)]
 fn a2a(
+    be: &dyn Backend,
     ep: &dyn ProcessGroup,
     send: View,
     send_rows: &[usize],
@@ -214,8 +218,10 @@ fn a2a(
 ) -> Result<()> {
     let sc: Vec<usize> = send_rows.iter().map(|r| r * w).collect();
     let rc: Vec<usize> = recv_rows.iter().map(|r| r * w).collect();
-    ep.alltoallv(send, &sc, recv, &rc, phase)
-        .context("expert all-to-all")
+    in_phase(be, StepPhase::Communication, || {
+        ep.alltoallv(send, &sc, recv, &rc, phase)
+    })
+    .context("expert all-to-all")
 }
 
 impl ExpertExecutor for EpExperts {
@@ -228,15 +234,16 @@ impl ExpertExecutor for EpExperts {
         let cnt_send: Vec<f32> = io.counts.iter().map(|&n| n as f32).collect();
         let mut cnt_recv = vec![0f32; e];
         let per = vec![el; ep];
-        self.ep
-            .alltoallv(
+        in_phase(be, StepPhase::Communication, || {
+            self.ep.alltoallv(
                 View::Host(&cnt_send),
                 &per,
                 ViewMut::Host(&mut cnt_recv),
                 &per,
                 Phase::A2aDispatch,
             )
-            .context("exchanging expert counts")?;
+        })
+        .context("exchanging expert counts")?;
         let recv: Vec<Vec<usize>> = cnt_recv
             .chunks(el)
             .map(|c| c.iter().map(|&x| x as usize).collect())
@@ -276,6 +283,7 @@ impl ExpertExecutor for EpExperts {
         inbound.at_least_of(be, xc, rows_dt);
         let ep_g = self.ep.as_ref();
         a2a(
+            be,
             ep_g,
             b.xe,
             &send_rows,
@@ -329,6 +337,7 @@ impl ExpertExecutor for EpExperts {
         )?;
         be.moe_gather(out_wire.view_mut(xn), out_y.view(xn), k.to_sm.view(rows), h);
         a2a(
+            be,
             ep_g,
             out_wire.view(xn),
             &recv_rows,
@@ -398,6 +407,7 @@ impl ExpertExecutor for EpExperts {
         inbound.at_least_of(be, xc, rows_dt);
         dy.at_least_of(be, xc, rows_dt);
         a2a(
+            be,
             ep_g,
             b.dye,
             &s.send_rows,
@@ -443,6 +453,7 @@ impl ExpertExecutor for EpExperts {
         // Input gradients travel back (the dispatch's backward).
         be.moe_gather(wire.view_mut(xn), dxe.view(xn), s.bufs.to_sm.view(rows), h);
         a2a(
+            be,
             ep_g,
             wire.view(xn),
             &recv_rows,

@@ -45,7 +45,9 @@
 use crate::layout::Layout;
 use anyhow::{Context, Result};
 use ganymede_config::GatherDtype;
-use ganymede_core::{Backend, Category, DType, ParamStore, Stream, Tensor, ViewMut};
+use ganymede_core::{
+    in_phase, Backend, Category, DType, ParamStore, StepPhase, Stream, Tensor, ViewMut,
+};
 use ganymede_dist::placement::ShardGroup;
 use ganymede_dist::{CommError, DeviceMesh, Phase, ProcessGroup, Track, Work};
 use ganymede_model::{GradSink, ParamSource, Pass};
@@ -537,45 +539,49 @@ impl ParamSource for FsdpParams {
     }
 
     fn acquire_head(&mut self, be: &dyn Backend) -> Result<()> {
-        if let Some((e, h)) = self.share {
-            // The embedding's lookup is done: its tensor takes the LM head.
-            self.store.tensors_mut().swap(e, h);
-            let k = self.layout.root.iter().position(|&r| r == h).unwrap();
-            self.gather_root(be, k)?;
-        }
-        Ok(())
+        in_phase(be, StepPhase::Communication, || {
+            if let Some((e, h)) = self.share {
+                // The embedding's lookup is done: its tensor takes the LM head.
+                self.store.tensors_mut().swap(e, h);
+                let k = self.layout.root.iter().position(|&r| r == h).unwrap();
+                self.gather_root(be, k)?;
+            }
+            Ok(())
+        })
     }
 
     fn acquire_block(&mut self, be: &dyn Backend, l: usize, pass: Pass) -> Result<()> {
-        let item = self.pos;
-        assert_eq!(
-            self.schedule.get(item),
-            Some(&(l, pass)),
-            "blocks used out of the FSDP schedule"
-        );
-        // Keep `prefetch` blocks in flight beyond this one.
-        // Posting allocates only when a block of new shapes takes a slot.
-        self.post_until(be, item + self.prefetch)?;
-        let nslots = self.slots.len();
-        let slot = &mut self.slots[item % nslots];
-        debug_assert_eq!(slot.block, Some(l));
-        // The backend traces each gather (posted to done) and the time blocked here.
-        wait_each(slot.work.drain(..).map(|w| (w, ())), |()| {})
-            .with_context(|| format!("gathering block {l}'s parameters"))?;
-        let idx = &self.layout.blocks[l];
-        for (k, &i) in idx.iter().enumerate() {
-            let n = self.layout.numel(i);
-            if !direct(self.dtype, &self.bf16_weight, i) {
-                let recv = match self.dtype {
-                    GatherDtype::F32 => slot.recv32[k].slice(0, n),
-                    GatherDtype::Bf16 => slot.recv16[k].slice(0, n),
-                };
-                be.cast(slot.full[k].view_mut(), recv);
+        in_phase(be, StepPhase::Communication, || {
+            let item = self.pos;
+            assert_eq!(
+                self.schedule.get(item),
+                Some(&(l, pass)),
+                "blocks used out of the FSDP schedule"
+            );
+            // Keep `prefetch` blocks in flight beyond this one.
+            // Posting allocates only when a block of new shapes takes a slot.
+            self.post_until(be, item + self.prefetch)?;
+            let nslots = self.slots.len();
+            let slot = &mut self.slots[item % nslots];
+            debug_assert_eq!(slot.block, Some(l));
+            // The backend traces each gather (posted to done) and the time blocked here.
+            wait_each(slot.work.drain(..).map(|w| (w, ())), |()| {})
+                .with_context(|| format!("gathering block {l}'s parameters"))?;
+            let idx = &self.layout.blocks[l];
+            for (k, &i) in idx.iter().enumerate() {
+                let n = self.layout.numel(i);
+                if !direct(self.dtype, &self.bf16_weight, i) {
+                    let recv = match self.dtype {
+                        GatherDtype::F32 => slot.recv32[k].slice(0, n),
+                        GatherDtype::Bf16 => slot.recv16[k].slice(0, n),
+                    };
+                    be.cast(slot.full[k].view_mut(), recv);
+                }
+                std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
             }
-            std::mem::swap(self.store.get_mut(i), &mut slot.full[k]);
-        }
-        self.started = Some(Instant::now());
-        Ok(())
+            self.started = Some(Instant::now());
+            Ok(())
+        })
     }
 
     fn release_block(&mut self, _be: &dyn Backend, l: usize, pass: Pass) -> Result<()> {
@@ -604,26 +610,35 @@ impl ParamSource for FsdpParams {
         self.global_tokens
     }
 
-    fn reduce_counts(&mut self, _layer: usize, counts: &mut [usize]) -> Result<()> {
-        // Every rank routes its own tokens; the auxiliary loss is the global batch's. Counts are
-        // integers, exact in f64; the host holds them already (they size the expert GEMMs).
-        let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
-        self.groups
-            .world
-            .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
-            .context("summing expert counts")?;
-        for (c, &x) in counts.iter_mut().zip(&buf) {
-            *c = x as usize;
-        }
-        Ok(())
+    fn reduce_counts(
+        &mut self,
+        be: &dyn Backend,
+        _layer: usize,
+        counts: &mut [usize],
+    ) -> Result<()> {
+        in_phase(be, StepPhase::Communication, || {
+            // Every rank routes its own tokens; the auxiliary loss is the global batch's. Counts are
+            // integers, exact in f64; the host holds them already (they size the expert GEMMs).
+            let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+            self.groups
+                .world
+                .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
+                .context("summing expert counts")?;
+            for (c, &x) in counts.iter_mut().zip(&buf) {
+                *c = x as usize;
+            }
+            Ok(())
+        })
     }
 
-    fn reduce_psum(&mut self, _be: &dyn Backend, psum: ViewMut) -> Result<()> {
-        // On the device tensor itself, so the step reads it once, summed.
-        self.groups
-            .world
-            .all_reduce(psum, Phase::Other)
-            .context("summing routing statistics")
+    fn reduce_psum(&mut self, be: &dyn Backend, psum: ViewMut) -> Result<()> {
+        in_phase(be, StepPhase::Communication, || {
+            // On the device tensor itself, so the step reads it once, summed.
+            self.groups
+                .world
+                .all_reduce(psum, Phase::Other)
+                .context("summing routing statistics")
+        })
     }
 }
 
@@ -976,79 +991,87 @@ impl GradSink for FsdpGrads {
     }
 
     fn begin_block(&mut self, be: &dyn Backend, l: usize) -> Result<()> {
-        self.shape_for(be, l)?;
-        self.pool_block = Some(l);
-        let t = self.turn;
-        // The set about to be written: its reduce-scatters (the block that last took it) must
-        // be done.
-        let works: Vec<_> = self.pending[t].drain(..).collect();
-        self.settle(be, works, "reduce-scattering block gradients")?;
-        // This block's landing shards in set t, made (again) where their sizes differ: shards
-        // can differ between blocks of one shape where ownership does.
-        let (shard, idx) = (&self.layout.shard, &self.layout.blocks[l]);
-        let fits = self.landing[t].len() == idx.len()
-            && (idx.iter().zip(&self.landing[t])).all(|(&i, x)| x.shape() == [shard[i]]);
-        if self.accumulate && !fits {
-            self.landing[t] = Vec::new();
-            self.landing[t] = (idx.iter())
-                .map(|&i| be.zeros(&[shard[i]], Category::Grads))
-                .collect();
-        }
-        for (k, &i) in self.layout.blocks[l].iter().enumerate() {
-            be.fill(self.pool[t][k].view_mut(), 0.0);
-            std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
-        }
-        Ok(())
+        in_phase(be, StepPhase::Communication, || {
+            self.shape_for(be, l)?;
+            self.pool_block = Some(l);
+            let t = self.turn;
+            // The set about to be written: its reduce-scatters (the block that last took it) must
+            // be done.
+            let works: Vec<_> = self.pending[t].drain(..).collect();
+            self.settle(be, works, "reduce-scattering block gradients")?;
+            // This block's landing shards in set t, made (again) where their sizes differ: shards
+            // can differ between blocks of one shape where ownership does.
+            let (shard, idx) = (&self.layout.shard, &self.layout.blocks[l]);
+            let fits = self.landing[t].len() == idx.len()
+                && (idx.iter().zip(&self.landing[t])).all(|(&i, x)| x.shape() == [shard[i]]);
+            if self.accumulate && !fits {
+                self.landing[t] = Vec::new();
+                self.landing[t] = (idx.iter())
+                    .map(|&i| be.zeros(&[shard[i]], Category::Grads))
+                    .collect();
+            }
+            for (k, &i) in self.layout.blocks[l].iter().enumerate() {
+                be.fill(self.pool[t][k].view_mut(), 0.0);
+                std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
+            }
+            Ok(())
+        })
     }
 
-    fn end_head(&mut self, _be: &dyn Backend) -> Result<()> {
-        for i in self.layout.root.clone() {
-            if self.is_embedding(i) {
-                continue;
+    fn end_head(&mut self, be: &dyn Backend) -> Result<()> {
+        in_phase(be, StepPhase::Communication, || {
+            for i in self.layout.root.clone() {
+                if self.is_embedding(i) {
+                    continue;
+                }
+                let at = self.root_landing();
+                // SAFETY: the head's gradient is not written again before this work is waited on
+                // (`begin_embedding` or `finish`), nor its target read.
+                let w = unsafe {
+                    let send = extend_to_static(self.store.get(i));
+                    self.post(i, send, at)?
+                };
+                self.head_pending.push((w, i, at));
             }
-            let at = self.root_landing();
-            // SAFETY: the head's gradient is not written again before this work is waited on
-            // (`begin_embedding` or `finish`), nor its target read.
-            let w = unsafe {
-                let send = extend_to_static(self.store.get(i));
-                self.post(i, send, at)?
-            };
-            self.head_pending.push((w, i, at));
-        }
-        self.head_sent = true;
-        Ok(())
+            self.head_sent = true;
+            Ok(())
+        })
     }
 
     fn begin_embedding(&mut self, be: &dyn Backend) -> Result<()> {
-        if let Some((e, h)) = self.share {
-            // The LM head's reduce-scatter reads the tensor: done before the embedding writes it.
-            self.wait_head(be)?;
-            self.store.tensors_mut().swap(e, h);
-            be.fill(self.store.get_mut(e).view_mut(), 0.0);
-        }
-        Ok(())
+        in_phase(be, StepPhase::Communication, || {
+            if let Some((e, h)) = self.share {
+                // The LM head's reduce-scatter reads the tensor: done before the embedding writes it.
+                self.wait_head(be)?;
+                self.store.tensors_mut().swap(e, h);
+                be.fill(self.store.get_mut(e).view_mut(), 0.0);
+            }
+            Ok(())
+        })
     }
 
-    fn end_block(&mut self, _be: &dyn Backend, l: usize) -> Result<()> {
-        let t = self.turn;
-        self.turn = (t + 1) % self.pool.len();
-        let idx = self.layout.blocks[l].clone();
-        for (k, &i) in idx.iter().enumerate() {
-            std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
-            let at = match self.accumulate {
-                true => Landing::Block(t, k),
-                false => Landing::Shard,
-            };
-            // SAFETY: the send set and the landing shards are not written again before this
-            // work is waited on (`begin_block` of the next block to take this set), nor its
-            // target read.
-            let w = unsafe {
-                let send = extend_to_static(&self.pool[t][k]);
-                self.post(i, send, at)?
-            };
-            self.pending[t].push((w, i, at));
-        }
-        self.pool_block = None;
-        Ok(())
+    fn end_block(&mut self, be: &dyn Backend, l: usize) -> Result<()> {
+        in_phase(be, StepPhase::Communication, || {
+            let t = self.turn;
+            self.turn = (t + 1) % self.pool.len();
+            let idx = self.layout.blocks[l].clone();
+            for (k, &i) in idx.iter().enumerate() {
+                std::mem::swap(self.store.get_mut(i), &mut self.pool[t][k]);
+                let at = match self.accumulate {
+                    true => Landing::Block(t, k),
+                    false => Landing::Shard,
+                };
+                // SAFETY: the send set and the landing shards are not written again before this
+                // work is waited on (`begin_block` of the next block to take this set), nor its
+                // target read.
+                let w = unsafe {
+                    let send = extend_to_static(&self.pool[t][k]);
+                    self.post(i, send, at)?
+                };
+                self.pending[t].push((w, i, at));
+            }
+            self.pool_block = None;
+            Ok(())
+        })
     }
 }

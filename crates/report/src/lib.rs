@@ -1,7 +1,8 @@
 //! `ganymede report RUN`: one self-contained HTML page (no network, no script) of a run
 //! directory: loss, learning rate, gradient norm, throughput and expert balance over steps;
-//! memory by category against the planner; bytes per communication phase for sharded runs; step
-//! time against the planner; the resolved configuration.
+//! step time by phase (attention, experts, ...); memory by category against the planner; bytes
+//! per communication phase for sharded runs; step time against the planner; the resolved
+//! configuration.
 //!
 //! Every input but `metrics.jsonl` is optional, and so is every key of its lines but `step`:
 //! a chart whose data is absent is left out with a note saying so.
@@ -159,6 +160,7 @@ pub fn render(run: &Run) -> String {
     );
     summary(&mut h, run);
     training_charts(&mut h, run);
+    phase_section(&mut h, run);
     balance_charts(&mut h, run);
     memory_section(&mut h, run);
     comm_section(&mut h, run);
@@ -285,6 +287,91 @@ fn training_charts(h: &mut String, run: &Run) {
         ));
     }
     chart_or_note(h, "step_time", "Step time (s)", st);
+    h.push_str("</div>\n");
+}
+
+/// Time by phase (`phase_ms`, `metrics.phase_times`): each phase's median milliseconds per step
+/// and its share of the median step (the first step left out when there are others: it warms
+/// caches and allocators), and each phase over the steps.
+fn phase_section(h: &mut String, run: &Run) {
+    let lines: Vec<(f64, &serde_json::Map<String, Value>)> = run
+        .lines
+        .iter()
+        .filter_map(|l| Some((l["step"].as_f64()?, l.get("phase_ms")?.as_object()?)))
+        .collect();
+    if lines.is_empty() {
+        return;
+    }
+    // The seam's phases in their order, then any others a line names.
+    let mut names: Vec<String> = ganymede_core::StepPhase::ALL
+        .iter()
+        .map(|p| p.name().to_string())
+        .filter(|n| lines.iter().any(|(_, m)| m.contains_key(n)))
+        .collect();
+    for (_, m) in &lines {
+        for k in m.keys() {
+            if !names.contains(k) {
+                names.push(k.clone());
+            }
+        }
+    }
+    let skip = usize::from(lines.len() > 1);
+    let steps: Vec<f64> = lines[skip..].iter().map(|l| l.0).collect();
+    let step_ms = median(
+        &run.step_times()
+            .into_iter()
+            .filter(|(s, _)| steps.contains(s))
+            .map(|(_, t)| t * 1e3)
+            .collect::<Vec<_>>(),
+    );
+    let of = |name: &str, from: usize| -> Vec<(f64, f64)> {
+        lines[from..]
+            .iter()
+            .filter_map(|(s, m)| Some((*s, m.get(name)?.as_f64()?)))
+            .collect()
+    };
+    h.push_str("<h2>Time by phase (rank 0)</h2>\n");
+    h.push_str(
+        "<p class=\"note\">Each step's time between phase marks: wall clock on the CPU, \
+         events on the compute stream on a GPU (where a step's last intervals, its update, \
+         are read at the next step's end). Medians over the steps",
+    );
+    h.push_str(if skip == 1 {
+        " after the first.</p>\n"
+    } else {
+        ".</p>\n"
+    });
+    h.push_str(
+        "<table id=\"phase-table\"><tr><th>phase</th><th>median ms per step</th>\
+         <th>share of the step</th></tr>\n",
+    );
+    let share = |ms: f64| match step_ms {
+        Some(st) if st > 0.0 => format!("{:.1}%", 100.0 * ms / st),
+        _ => "–".to_string(),
+    };
+    let mut total = 0.0;
+    for n in &names {
+        let vals: Vec<f64> = of(n, skip).into_iter().map(|p| p.1).collect();
+        let Some(ms) = median(&vals) else { continue };
+        total += ms;
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td>{ms:.3}</td><td>{}</td></tr>",
+            escape(n),
+            share(ms)
+        );
+    }
+    let _ = writeln!(
+        h,
+        "<tr><td>all phases</td><td>{total:.3}</td><td>{}</td></tr>",
+        share(total)
+    );
+    if let Some(st) = step_ms {
+        let _ = writeln!(h, "<tr><td>step</td><td>{st:.3}</td><td>100%</td></tr>");
+    }
+    h.push_str("</table>\n<div class=\"grid\">\n");
+    let series = names.iter().map(|n| named(n, of(n, 0))).collect();
+    chart_or_note(h, "phase_ms", "Time by phase (ms per step)", series);
     h.push_str("</div>\n");
 }
 

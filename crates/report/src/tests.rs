@@ -68,6 +68,13 @@ fn full_run_in(tag: &str) -> PathBuf {
             "expert_load": [[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]],
             "ep_rows_over_even": 1.0 + 0.05 * s,
             "ep_regrowths": if step == 7 { 3 } else { 0 },
+            // The first step slow (left out of the medians), then 100 ms of the 500 ms
+            // step in attention and 50 in experts (medians of 90..110 and 50).
+            "phase_ms": if step == 1 {
+                serde_json::json!({"attention": 400.0, "experts": 90.0})
+            } else {
+                serde_json::json!({"attention": 90.0 + (step % 5) as f64 * 5.0, "experts": 50.0})
+            },
         });
         if step % 10 == 0 {
             v["val_loss"] = (5.5 - 0.01 * s).into();
@@ -112,6 +119,7 @@ fn a_full_run_has_every_chart_and_its_values() {
         "grad_norm",
         "tokens_per_s",
         "step_time",
+        "phase_ms",
         "load_max",
         "load_cv",
         "ep_rows",
@@ -134,6 +142,11 @@ fn a_full_run_has_every_chart_and_its_values() {
     assert!(html.contains(r#"data-name="layer 1""#));
     assert_eq!(html.matches("class=\"cell\"").count(), 8);
     assert!(html.contains("layer 1, expert 0: 0.7000 (2.80x mean)"));
+    // Time by phase: medians without the first step, shares of the 500 ms step.
+    assert!(html.contains("<td>attention</td><td>100.000</td><td>20.0%</td>"));
+    assert!(html.contains("<td>experts</td><td>50.000</td><td>10.0%</td>"));
+    assert!(html.contains("<td>all phases</td><td>150.000</td><td>30.0%</td>"));
+    assert!(html.contains(r#"data-name="attention" data-points="20""#));
     // Memory: measured against the planner, per category.
     assert!(html.contains("<td>activations</td><td>3.0 MiB</td><td>2.0 MiB</td>"));
     // Communication: mean bytes per step per phase.
@@ -186,6 +199,10 @@ fn a_bare_run_renders_with_notes_for_what_is_missing() {
         assert!(html.contains(id), "{id}");
     }
     assert!(!html.contains("Communication"));
+    assert!(
+        !html.contains("phase-table"),
+        "no phase table without phase_ms"
+    );
     assert!(
         !html.contains("ep_rows"),
         "no expert-parallel chart without its metrics"

@@ -58,6 +58,48 @@ pub struct StepMetrics {
     /// validation steps only, so a report can draw the loads without bloating every line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_load: Option<Vec<Vec<f32>>>,
+    /// Rank 0's milliseconds per phase of the step (`metrics.phase_times`), by phase name:
+    /// head, attention, dense, router, experts, elementwise, optimizer, communication.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_ms: Option<std::collections::BTreeMap<&'static str, f64>>,
+    /// Marks (phase changes, each an event on a GPU) the step's phase clock took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_marks: Option<u32>,
+}
+
+/// The end-of-run line of time by phase: each phase's median milliseconds per step and its
+/// share of the median step (`step_s`, seconds), the first step left out when there are others
+/// (it warms caches and allocators). `None` without phase times.
+pub fn phase_summary(steps: &[ganymede_core::PhaseTimes], step_s: &[f64]) -> Option<String> {
+    use ganymede_core::sample::median;
+    let skip = usize::from(steps.len() > 1);
+    let steps = steps.get(skip..).filter(|s| !s.is_empty())?;
+    let step_ms = median(step_s.get(skip..).unwrap_or_default()).map(|s| s * 1e3);
+    let marks = median(&steps.iter().map(|t| f64::from(t.marks)).collect::<Vec<_>>())?;
+    let mut parts = vec![];
+    for p in ganymede_core::StepPhase::ALL {
+        let ms = median(&steps.iter().map(|t| t.get(p)).collect::<Vec<_>>())?;
+        // What would print as 0.0 (a world of one's no-op collectives, say) is left out.
+        if ms < 0.05 {
+            continue;
+        }
+        parts.push(match step_ms {
+            Some(step) if step > 0.0 => {
+                format!("{} {ms:.1} ({:.0}%)", p.name(), 100.0 * ms / step)
+            }
+            _ => format!("{} {ms:.1}", p.name()),
+        });
+    }
+    Some(format!(
+        "time by phase, median ms per step{}: {} ({marks:.0} marks a step)",
+        step_ms.map_or(String::new(), |s| format!(" of {s:.1}")),
+        parts.join(", ")
+    ))
+}
+
+/// `phase_ms` of a step's phase times.
+pub fn phase_ms(t: &ganymede_core::PhaseTimes) -> std::collections::BTreeMap<&'static str, f64> {
+    t.named().collect()
 }
 
 /// (max over layers of max/mean, per-layer coefficient of variation) of expert loads.
@@ -580,6 +622,38 @@ pub fn human_bytes(b: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phase_summary_takes_medians_without_the_first_step() {
+        use ganymede_core::{PhaseTimes, StepPhase};
+        let step = |attn: f64, opt: f64| {
+            let mut t = PhaseTimes {
+                marks: 30,
+                ..Default::default()
+            };
+            t.add(StepPhase::Attention, attn);
+            t.add(StepPhase::Optimizer, opt);
+            t
+        };
+        // The first step (slow) is left out; medians of the other three.
+        let mut steps = [
+            step(500.0, 90.0),
+            step(30.0, 9.0),
+            step(40.0, 10.0),
+            step(20.0, 11.0),
+        ];
+        // A phase that rounds to 0.0 ms (a world of one's collectives) is left out.
+        for s in &mut steps {
+            s.add(StepPhase::Communication, 0.01);
+        }
+        let line = phase_summary(&steps, &[1.0, 0.08, 0.1, 0.09]).unwrap();
+        assert_eq!(
+            line,
+            "time by phase, median ms per step of 90.0: attention 30.0 (33%), optimizer 10.0 \
+             (11%) (30 marks a step)"
+        );
+        assert_eq!(phase_summary(&[], &[]), None);
+    }
 
     #[test]
     fn balance_statistics() {

@@ -103,6 +103,8 @@ pub struct TrainSummary {
     pub last_comm: Vec<CommSnapshot>,
     /// The signal that stopped the run early (after checkpointing at `end_step`), if any.
     pub stopped: Option<i32>,
+    /// Rank 0's time by phase of each step (empty with `metrics.phase_times = false`).
+    pub phase_times: Vec<ganymede_core::PhaseTimes>,
 }
 
 /// Size rayon's global pool from `training.threads` (0 = all cores; more than the cores is
@@ -570,6 +572,8 @@ struct Run {
 /// What one rank reports.
 struct RankOut {
     losses: Vec<f64>,
+    /// Each step's time by phase (`metrics.phase_times`).
+    phases: Vec<ganymede_core::PhaseTimes>,
     comm: Vec<CommSnapshot>,
     step_secs: Vec<f64>,
     /// Tokens of one global batch.
@@ -589,6 +593,7 @@ impl RankOut {
     fn new(start: usize, end: usize, tracer: Arc<Tracer>) -> Self {
         RankOut {
             losses: vec![],
+            phases: vec![],
             comm: vec![],
             step_secs: vec![],
             tokens: 0,
@@ -604,6 +609,7 @@ impl RankOut {
     /// A step's loss, seconds and global batch.
     fn record_step(&mut self, r: &StepReport, secs: f64) {
         self.losses.push(r.loss);
+        self.phases.extend(r.phase_times);
         self.step_secs.push(secs);
         self.tokens = r.tokens;
     }
@@ -1015,6 +1021,9 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
                 run.run_dir.display()
             );
         }
+        if let Some(line) = metrics::phase_summary(&o0.phases, &o0.step_secs) {
+            println!("{line}");
+        }
         if let Some(sig) = o0.stopped {
             println!(
                 "stopped by {} after step {}: {}; resume with: ganymede train --resume {}{}",
@@ -1060,6 +1069,7 @@ fn summary(outs: &[RankOut], run: &Run) -> TrainSummary {
             .map(|o| o.comm.last().cloned().unwrap_or_default())
             .collect(),
         stopped: o0.stopped,
+        phase_times: o0.phases.clone(),
     }
 }
 

@@ -39,6 +39,12 @@ fn metrics(step: usize) -> StepMetrics {
         ep_rows_over_even: None,
         ep_regrowths: None,
         expert_load: None,
+        phase_ms: Some(
+            [("attention", 12.5 + s), ("optimizer", 3.25)]
+                .into_iter()
+                .collect(),
+        ),
+        phase_marks: Some(40),
     }
 }
 
@@ -74,6 +80,7 @@ fn tensorboard_reads_back_the_metrics() {
         }
     }
     assert!(want.contains_key("val_loss") && want.contains_key("load_cv/1"));
+    assert!(want.contains_key("phase_ms/attention") && want.contains_key("phase_marks"));
 
     let Some(py) = python_with_tensorboard() else {
         // Straight to stderr, past the test harness's capture, so CI logs show it.

@@ -13,6 +13,7 @@ pub use nn::{
 pub use optim::{AdamWStep, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
+use crate::phase::{PhaseTimes, StepPhase};
 use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{DType, Tensor, View, ViewMut};
 use std::sync::Arc;
@@ -115,6 +116,33 @@ pub trait Memory: Send + Sync {
     fn take_copy_spans(&self) -> Vec<CopySpan> {
         Vec::new()
     }
+    /// Start timing a step by phase ([`crate::phase`]): marks until
+    /// [`Memory::take_phase_times`] are timed, others ignored. A backend without a clock
+    /// ignores it.
+    fn start_phases(&self) {}
+    /// Work issued to the compute stream from now on is `p`'s. Returns the phase it replaces
+    /// (`None` when the clock is not running or nothing was marked yet): [`in_phase`] restores
+    /// it after a nested phase.
+    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
+        let _ = p;
+        None
+    }
+    /// End the step's clock: milliseconds per phase read so far, without waiting (`None` when
+    /// the clock did not run).
+    fn take_phase_times(&self) -> Option<PhaseTimes> {
+        None
+    }
+}
+
+/// Run `f` as phase `p`, then go back to the phase that ran before (a collective inside the
+/// experts' phase, say).
+pub fn in_phase<M: Memory + ?Sized, R>(be: &M, p: StepPhase, f: impl FnOnce() -> R) -> R {
+    let prev = be.phase(p);
+    let r = f();
+    if let Some(prev) = prev {
+        be.phase(prev);
+    }
+    r
 }
 
 /// Shape of one GEMM: `C[m,n] = alpha * op(A)[m,k] · op(B)[k,n] + beta * C`, all row-major with

@@ -12,11 +12,12 @@ pub mod two_memory;
 use crate::backend::Memory;
 use crate::bf16;
 use crate::ledger::{Category, Device, Ledger};
+use crate::phase::{HostClock, PhaseClock, PhaseTimes, StepPhase};
 use crate::stream::{CopySpan, Event, MemoryError, Stream};
 use crate::tensor::{Buffer, DType, Tensor, View, ViewMut};
 pub use blas::{gemm_host, gemm_host_matrixmultiply, syrk_host, syrk_host_strips};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use two_memory::TwoMemory;
 pub use two_memory::TwoMemoryOptions;
 
@@ -55,6 +56,8 @@ pub struct CpuBackend {
     /// bf16-input GEMM casts its operands, the bits every promise must keep (tests hold the
     /// model's promises to that).
     cast_promises: bool,
+    /// The step's phase clock: the wall clock, kernels running on the calling thread.
+    phases: Arc<Mutex<PhaseClock<Instant>>>,
 }
 
 impl CpuBackend {
@@ -85,6 +88,7 @@ impl CpuBackend {
             bf16_scratch: Default::default(),
             bf16_out: Default::default(),
             cast_promises: true,
+            phases: Default::default(),
         }
     }
     /// An f64 backend, for gradient checks.
@@ -96,6 +100,7 @@ impl CpuBackend {
             bf16_scratch: Default::default(),
             bf16_out: Default::default(),
             cast_promises: true,
+            phases: Default::default(),
         }
     }
     /// An f32 backend with two memories, as a GPU has: `zeros`/`upload` allocate on an
@@ -111,6 +116,7 @@ impl CpuBackend {
             bf16_scratch: Default::default(),
             bf16_out: Default::default(),
             cast_promises: true,
+            phases: Default::default(),
         }
     }
     pub fn dtype(&self) -> DType {
@@ -306,5 +312,20 @@ impl Memory for CpuBackend {
         self.two
             .as_ref()
             .map_or_else(Vec::new, |two| two.take_copy_spans())
+    }
+    fn start_phases(&self) {
+        self.phase_clock().start(&HostClock)
+    }
+    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
+        self.phase_clock().mark(&HostClock, p)
+    }
+    fn take_phase_times(&self) -> Option<PhaseTimes> {
+        self.phase_clock().take(&HostClock)
+    }
+}
+
+impl CpuBackend {
+    fn phase_clock(&self) -> std::sync::MutexGuard<'_, PhaseClock<Instant>> {
+        self.phases.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

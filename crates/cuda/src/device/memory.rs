@@ -7,7 +7,7 @@ use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, DevicePtr, DriverError, PinnedHostSlice};
 use ganymede_core::{
     bf16, Category, CopySpan, DType, Device, DeviceBuffer, Event, Ledger, Memory, MemoryError,
-    Stream, Tensor, View, ViewMut,
+    PhaseTimes, StepPhase, Stream, Tensor, View, ViewMut,
 };
 use std::any::Any;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -597,6 +597,15 @@ impl Memory for CudaBackend {
             "elapsed",
         );
         Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)
+    }
+    fn start_phases(&self) {
+        CudaBackend::start_phases(self)
+    }
+    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
+        CudaBackend::phase(self, p)
+    }
+    fn take_phase_times(&self) -> Option<PhaseTimes> {
+        CudaBackend::take_phase_times(self)
     }
 }
 

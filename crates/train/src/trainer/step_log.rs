@@ -149,6 +149,8 @@ impl StepLog {
             ep_rows_over_even: r.expert_rows_over_even,
             ep_regrowths: r.expert_rows.map(|_| r.expert_regrowths),
             expert_load: val_due.then(|| r.expert_load.clone()),
+            phase_ms: r.phase_times.as_ref().map(metrics::phase_ms),
+            phase_marks: r.phase_times.as_ref().map(|t| t.marks),
         }
     }
 
