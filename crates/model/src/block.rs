@@ -243,14 +243,14 @@ pub(crate) fn block_forward(
 ) -> Result<()> {
     let b = Block::new(cx, layer);
     let cached = matches!(kv, Kv::Cache { .. });
-    qkv_forward(&b, a, g, x);
+    qkv_forward(&b, a, g, x, cached);
     attend_forward(&b, a, g, kv);
     out_proj_forward(&b, a, g, x, cached);
     mlp_forward(&b, a, g, y, psum, ex)
 }
 
 /// `xn1 = rmsnorm(x)` and its projections q, k and v.
-fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View) {
+fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View, cached: bool) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let (n, h) = (d.n, d.hidden);
     be.phase(StepPhase::Elementwise);
@@ -278,9 +278,10 @@ fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View) {
             .bf16_inputs(d.bf16)
             .unchanged(true, false),
     );
-    // Under bf16 compute, v and the normed, rotated q and k are made in f32 in the gradient
-    // scratch (free during forward) and rounded into the saved bf16 tensors.
-    let v32 = if d.bf16 { &mut g.dv } else { &mut a.v };
+    // Under bf16 compute the normed, rotated q and k are made in f32 in the gradient scratch
+    // (free during forward) and rounded into the saved bf16 tensors; v is written in bf16 by
+    // its GEMM (the f32 product rounded once, the same bits), except for an f32 KV cache.
+    let v32 = if d.bf16 && cached { &mut g.dv } else { &mut a.v };
     be.gemm(
         v32.view_mut(),
         a.xn1.view(),
@@ -324,7 +325,6 @@ fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
             if bf16 {
                 be.cast(a.qr.view_mut(), g.dqr.view());
                 be.cast(a.kr.view_mut(), g.dkr.view());
-                be.cast(a.v.view_mut(), g.dv.view());
             }
             let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
             let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
