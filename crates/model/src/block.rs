@@ -281,7 +281,11 @@ fn qkv_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, x: View, cache
     // Under bf16 compute the normed, rotated q and k are made in f32 in the gradient scratch
     // (free during forward) and rounded into the saved bf16 tensors; v is written in bf16 by
     // its GEMM (the f32 product rounded once, the same bits), except for an f32 KV cache.
-    let v32 = if d.bf16 && cached { &mut g.dv } else { &mut a.v };
+    let v32 = if d.bf16 && cached {
+        &mut g.dv
+    } else {
+        &mut a.v
+    };
     be.gemm(
         v32.view_mut(),
         a.xn1.view(),
@@ -777,13 +781,18 @@ fn moe_backward(
 }
 
 /// Backward of [`out_proj_forward`]: the residual passes `g.dres` through unchanged; the
-/// gradient of attention's output goes to `g.datt`.
+/// gradient of attention's output goes to `g.datt`, or under bf16 compute to its bf16 copy,
+/// which attention's backward reads (the f32 product rounded once, as a cast of it would be).
 fn out_proj_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let (n, h, qd) = (d.n, d.hidden, d.q_dim);
     be.phase(StepPhase::Dense);
+    let datt = match g.attn16.as_mut() {
+        Some(a16) => a16.datt.view_mut(),
+        None => g.datt.view_mut(),
+    };
     be.gemm(
-        g.datt.view_mut(),
+        datt,
         g.dres.view(),
         b.w(li.o),
         Gemm::new(n, qd, h, false, false).bf16_inputs(d.bf16),
@@ -801,18 +810,15 @@ fn out_proj_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut G
     );
 }
 
-/// Backward of [`attend_forward`] (the block's own keys and values): from `g.datt`, the
-/// gradients of q and k before their norms in `g.datt` and `g.dk`, of v in `g.dv` (or its
-/// bf16 copy).
+/// Backward of [`attend_forward`] (the block's own keys and values): from `g.datt` (its bf16
+/// copy under bf16 compute), the gradients of q and k before their norms in `g.datt` and
+/// `g.dk`, of v in `g.dv` (or its bf16 copy).
 fn attend_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut GradScratch) {
     let (be, li, d) = (b.cx.be, b.li, b.d);
     let docs = b.cx.docs;
     be.phase(StepPhase::Elementwise);
-    // Under bf16 compute attention's gradients are bf16: the output's rounded here, dq and dk
-    // widened for the norms' backward below, dv read by its GEMMs as a bf16 operand.
-    if let Some(a16) = g.attn16.as_mut() {
-        be.cast(a16.datt.view_mut(), g.datt.view());
-    }
+    // Under bf16 compute attention's gradients are bf16: the output's written so by its GEMM,
+    // dq and dk widened for the norms' backward below, dv read by its GEMMs as a bf16 operand.
     let (ag, dout) = match g.attn16.as_mut() {
         Some(a16) => (
             AttnGrads {
