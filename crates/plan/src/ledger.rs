@@ -315,8 +315,9 @@ pub fn bf16_weight_copy(job: &JobConfig) -> f64 {
 /// are: there slot A holds an f32 activation (`N·H`, a query gradient `N·Q`) and slot B only
 /// the normed rows the weight gradients read (`N·H`). The CPU widens bf16 operands into its
 /// f32 scratch like any operand, and keeps an f32 output slot for the GEMMs that write bf16
-/// (gate, up, the SwiGLU product's gradient, the experts' outputs and the logits:
-/// `max(N·k, capacity)·max(F, H)`, an FFN's `N·W` or the head's `C·V`), which it rounds from.
+/// (gate, up, the SwiGLU product's gradient, the experts' outputs, the logits, v and the
+/// gradient of attention's output: `max(N·k, capacity)·max(F, H)`, an FFN's `N·W`, the head's
+/// `C·V`, `N·KV` or `N·Q`), which it rounds from.
 ///
 /// Muon's bf16 products on a GPU take their operands in bf16 already (`NsScratch` keeps its
 /// iterates in bf16), so nothing of theirs is cast here.
@@ -350,12 +351,18 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     let rows = crate::fit::ep_capacity_rows(job).map_or(nk, |c| (c as f64).max(nk));
     let e = e / job.parallelism.ep.max(1) as f64;
     // The CPU's f32 output slot for the GEMMs that write bf16 (gate, up, the SwiGLU product's
-    // gradient and the experts' outputs: an expert buffer of F or H, an FFN's `N·W`, or the
-    // head's logits); a GPU writes bf16 directly.
+    // gradient and the experts' outputs: an expert buffer of F or H, an FFN's `N·W`, the head's
+    // logits, v `N·KV` and the gradient of attention's output `N·Q`); a GPU writes bf16
+    // directly.
     let logits = head_rows(job, n) * v;
     let out = match job.device.kind {
         ganymede_config::DeviceKind::Cuda => 0.0,
-        _ => 4.0 * (rows * ff.max(h)).max(n * width).max(logits),
+        _ => {
+            4.0 * (rows * ff.max(h))
+                .max(n * width)
+                .max(logits)
+                .max(n * q.max(kv))
+        }
     };
     let rows = rows * h.max(ff);
     let (a, b) = match job.device.kind {
