@@ -227,30 +227,11 @@ impl Gemms for CudaBackend {
             return Gemms::syrk(self, c, a, s);
         }
         assert_eq!(c.dtype(), DType::F32, "strided syrk writes f32");
-        let [sa, sc] = strides;
-        let g = s.as_gemm();
-        self.with_bf16_operand_if(s.bf16_inputs, a, |a| {
-            Gemms::gemm_strided(self, c.reborrow(), a, a, g, batch, [sa, sa, sc])
-        });
+        self.self_products(c.reborrow(), a, &s, batch, strides);
         let pc = place_mut(&mut c);
-        let args = [
-            pc.addr,
-            s.n as u64,
-            s.ldc as u64,
-            s.diag.to_bits() as u64,
-            sc as u64,
-            batch as u64,
-        ];
-        self.profiled(
-            || format!("mirror x{batch} ({}x{})", s.n, s.n),
-            || {
-                self.launch_u64(
-                    "ganymede_mirror_lower_batched_f32",
-                    &args,
-                    batch * s.n * s.n,
-                )
-            },
-        );
+        let tail = mirror_args(&s, strides[1], batch);
+        let args = [pc.addr, tail[0], tail[1], tail[2], tail[3], tail[4]];
+        self.mirror("ganymede_mirror_lower_batched_f32", &args, &s, batch);
     }
     /// The strided product into `work` as [`Gemms::syrk_strided`] makes it, less the mirror;
     /// then one kernel reads every matrix's lower triangle, adds the diagonal term and writes
@@ -283,29 +264,15 @@ impl Gemms for CudaBackend {
             work.len() >= lc && c16.len() >= lc,
             "syrk_strided_into_bf16: {batch} results of {s:?} at stride {sc}"
         );
-        let g = s.as_gemm();
-        self.with_bf16_operand_if(a.dtype() != DType::BF16, a, |a| {
-            Gemms::gemm_strided(self, work.reborrow(), a, a, g, batch, [sa, sa, sc])
-        });
+        self.self_products(work.reborrow(), a, &s, batch, [sa, sc]);
         let (pw, pc) = (place_mut(&mut work), place_mut(&mut c16));
-        let args = [
-            pc.addr,
-            pw.addr,
-            s.n as u64,
-            s.ldc as u64,
-            s.diag.to_bits() as u64,
-            sc as u64,
-            batch as u64,
-        ];
-        self.profiled(
-            || format!("mirror to bf16 x{batch} ({}x{})", s.n, s.n),
-            || {
-                self.launch_u64(
-                    "ganymede_mirror_lower_batched_f32_to_bf16",
-                    &args,
-                    batch * s.n * s.n,
-                )
-            },
+        let t = mirror_args(&s, sc, batch);
+        let args = [pc.addr, pw.addr, t[0], t[1], t[2], t[3], t[4]];
+        self.mirror(
+            "ganymede_mirror_lower_batched_f32_to_bf16",
+            &args,
+            &s,
+            batch,
         );
     }
     fn batches_matrices(&self) -> bool {
@@ -417,4 +384,35 @@ impl CudaBackend {
             );
         }
     }
+}
+
+impl CudaBackend {
+    /// The batch's products of each A with itself, both triangles, into the f32 `c` (one
+    /// strided-batched GEMM; a bf16-input operand cast once unless it is bf16 already).
+    fn self_products(&self, c: ViewMut, a: View, s: &Syrk, batch: usize, [sa, sc]: [usize; 2]) {
+        let g = s.as_gemm();
+        self.with_bf16_operand_if(s.bf16_inputs, a, |a| {
+            Gemms::gemm_strided(self, c, a, a, g, batch, [sa, sa, sc])
+        });
+    }
+
+    /// One mirror kernel over the batch's `s.n × s.n` results (see the plumbing kernels).
+    fn mirror(&self, kernel: &'static str, args: &[u64], s: &Syrk, batch: usize) {
+        self.profiled(
+            || format!("{kernel} x{batch} ({}x{})", s.n, s.n),
+            || self.launch_u64(kernel, args, batch * s.n * s.n),
+        );
+    }
+}
+
+/// The mirror kernels' arguments after their pointers: size, row stride, the diagonal term's
+/// bits, the matrices' stride and their number.
+fn mirror_args(s: &Syrk, stride: usize, batch: usize) -> [u64; 5] {
+    [
+        s.n as u64,
+        s.ldc as u64,
+        s.diag.to_bits() as u64,
+        stride as u64,
+        batch as u64,
+    ]
 }
