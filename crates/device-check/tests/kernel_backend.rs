@@ -609,7 +609,9 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
         for (bf16, steps) in [(true, 5), (true, 2), (true, 0), (false, 5)] {
             let run = |be: &dyn Backend| {
                 let mut t = be.upload(&g, &[count, r, c], Category::Params);
-                let mut scratch = ganymede_optim::NsScratch::for_batch(be, r, c, count);
+                let mut scratch =
+                    ganymede_optim::NsScratch::for_batch(be, r, c, count).prepared(be, steps, bf16);
+                let prepared = scratch.bytes();
                 ganymede_optim::newton_schulz_strided(
                     be,
                     t.view_mut(),
@@ -620,6 +622,7 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
                     bf16,
                     &mut scratch,
                 );
+                assert_eq!(scratch.bytes(), prepared, "the run made more scratch");
                 (be.download(t.view()), scratch.bytes())
             };
             launched.lock().unwrap().clear();
@@ -634,11 +637,10 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
                 "{case}: {names:?}"
             );
             let (want, want_bytes) = run(&cpu);
-            if bf16 && steps > 0 {
-                // The bf16 iterates (f32 A; bf16 A, B and two copies of X) take what the f32
-                // set (A, B, one copy of X) takes, which is what the planner counts.
-                assert_eq!(got_bytes, want_bytes, "{case}: scratch bytes");
-            }
+            // The bf16 iterates (f32 A; bf16 A, B and two copies of X) take what the f32 set
+            // (A, B, one copy of X) takes, which is what the planner counts; f32 products make
+            // only the f32 set on either backend.
+            assert_eq!(got_bytes, want_bytes, "{case}: scratch bytes");
             let same = got
                 .iter()
                 .zip(&want)

@@ -20,9 +20,10 @@ pub const NS_EPS: f64 = 1e-7;
 /// (s×l), all f32. In bf16 on a backend that normalises into bf16
 /// ([`OptimOps::normalizes_into_bf16`], a GPU) the iterates stay in bf16 (issue 32): the f32 A
 /// (each symmetric product's f32 result, read once), A and B in bf16 and two bf16 copies of X
-/// (`4·s² + 2·s² + 2·s² + 2·s·l + 2·s·l` bytes: what the f32 set takes, `4·(2·s² + s·l)`). Such
-/// a backend gets that set at construction and the f32 B and ping-pong copy only if asked for
-/// f32 products; any other backend the f32 set.
+/// (`4·s² + 2·s² + 2·s² + 2·s·l + 2·s·l` bytes: what the f32 set takes, `4·(2·s² + s·l)`).
+/// A constructor makes A; [`NsScratch::prepared`] makes the set the products will use (the
+/// optimizers call it, so their working memory is on the ledger from the start, as the
+/// planner counts it), else it is made at first use.
 ///
 /// [`OptimOps::normalizes_into_bf16`]: ganymede_core::OptimOps::normalizes_into_bf16
 pub struct NsScratch {
@@ -78,19 +79,24 @@ impl NsScratch {
 
     /// Scratch with `ss` elements for each of A and B and `sl` for each copy of X.
     pub fn from_lens(be: &dyn Backend, ss: usize, sl: usize) -> Self {
-        let mut s = NsScratch {
+        NsScratch {
             ss,
             sl,
             a: be.zeros(&[ss], Category::Buffers),
             b: None,
             y: None,
             half: None,
-        };
-        match be.normalizes_into_bf16() {
-            true => s.half(be),
-            false => s.f32_set(be),
-        };
-        s
+        }
+    }
+
+    /// This scratch with the set made now that [`newton_schulz_strided`] with `steps` steps
+    /// and `bf16` products will use on `be`.
+    pub fn prepared(mut self, be: &dyn Backend, steps: usize, bf16: bool) -> Self {
+        match iterates_in_bf16(be, steps, bf16) {
+            true => self.half(be),
+            false => self.f32_set(be),
+        }
+        self
     }
 
     /// Scratch for [`newton_schulz_strided`] on `count` matrices of `rows × cols`.
@@ -187,7 +193,7 @@ pub fn newton_schulz_strided(
     if count == 0 {
         return;
     }
-    if bf16 && steps > 0 && be.normalizes_into_bf16() {
+    if iterates_in_bf16(be, steps, bf16) {
         return iterate_in_bf16(be, x, count, rows, cols, steps, scratch);
     }
     be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
@@ -214,6 +220,12 @@ pub fn newton_schulz_strided(
     if !in_x {
         be.copy(x, y.as_view());
     }
+}
+
+/// Whether Newton–Schulz keeps its iterates in bf16: bf16 products on a backend that
+/// normalises into bf16 (a GPU), with at least one step.
+fn iterates_in_bf16(be: &dyn Backend, steps: usize, bf16: bool) -> bool {
+    bf16 && steps > 0 && be.normalizes_into_bf16()
 }
 
 /// [`newton_schulz_strided`] in bf16 on a backend that normalises into bf16, with X, A and B

@@ -1,7 +1,7 @@
 //! The optimizer the trainer holds: Muon for hidden matrices (each expert's matrix separately),
 //! AdamW for the rest, nothing for buffers.
 
-use crate::ns::{newton_schulz, newton_schulz_strided, ns_flops, ns_lanes, NsScratch};
+use crate::ns::{newton_schulz, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes, NsScratch};
 use crate::offload::{SkipWait, Staging};
 use crate::state::{indexed_state_mut, stream_states, ParamState};
 use crate::update::{MuonParam, StateView, Step};
@@ -26,11 +26,15 @@ struct Slot {
 }
 
 impl Slot {
-    fn new(be: &dyn Backend, shapes: &[(usize, usize)]) -> Self {
+    fn new(be: &dyn Backend, shapes: &[(usize, usize)], cfg: &OptimizerConfig) -> Self {
         let n = shapes.iter().map(|&(r, c)| r * c).max().unwrap_or(0);
         Slot {
             u: be.zeros(&[n], Category::Buffers),
-            ns: NsScratch::for_shapes(be, shapes.iter().copied()),
+            ns: NsScratch::for_shapes(be, shapes.iter().copied()).prepared(
+                be,
+                cfg.ns_steps,
+                ns_bf16(cfg.ns_dtype, be),
+            ),
         }
     }
     fn bytes(&self) -> usize {
@@ -53,11 +57,17 @@ struct StackSlot {
 impl StackSlot {
     /// Sized for every stack (`count > 1`) of `stacks` (`rows, cols, count`) in batches within
     /// `budget` bytes; `None` if there is none.
-    fn new(be: &dyn Backend, stacks: &[(usize, usize, usize)], budget: usize) -> Option<Self> {
+    fn new(
+        be: &dyn Backend,
+        stacks: &[(usize, usize, usize)],
+        budget: usize,
+        cfg: &OptimizerConfig,
+    ) -> Option<Self> {
         let (u, ss, sl) = ganymede_config::ns_batch_elems(stacks, budget);
+        let bf16 = ns_bf16(cfg.ns_dtype, be);
         (u > 0).then(|| StackSlot {
             u: be.zeros(&[u], Category::Buffers),
-            ns: NsScratch::from_lens(be, ss, sl),
+            ns: NsScratch::from_lens(be, ss, sl).prepared(be, cfg.ns_steps, bf16),
             budget,
         })
     }
@@ -415,17 +425,18 @@ impl Optimizer {
         });
         let mut slots = Vec::new();
         if !all.is_empty() {
-            slots.push(Slot::new(be, &all));
+            slots.push(Slot::new(be, &all, cfg));
             // Lanes of small matrices on the CPU's threads; a backend that batches matrices (a
             // GPU) runs one stream, where lanes would only queue on it and hold scratch.
             let extra = match be.batches_matrices() {
                 true => 0,
                 false => rayon::current_num_threads().min(n_small.max(1)) - 1,
             };
-            slots.extend((0..extra).map(|_| Slot::new(be, &small)));
+            slots.extend((0..extra).map(|_| Slot::new(be, &small, cfg)));
         }
         let stacks = if cfg.ns_batch.on(be.batches_matrices()) {
-            StackSlot::new(be, &batched_shapes(&rules), ganymede_config::NS_STACK_BYTES)
+            let budget = ganymede_config::NS_STACK_BYTES;
+            StackSlot::new(be, &batched_shapes(&rules), budget, cfg)
         } else {
             None
         };
@@ -640,7 +651,8 @@ impl Optimizer {
     /// stack scratch.
     pub fn with_stack_batching(mut self, be: &dyn Backend, budget: Option<usize>) -> Self {
         let shapes = batched_shapes(&self.rules);
-        self.matrices.stacks = budget.and_then(|b| StackSlot::new(be, &shapes, b));
+        let cfg = &self.cfg;
+        self.matrices.stacks = budget.and_then(|b| StackSlot::new(be, &shapes, b, cfg));
         self
     }
 

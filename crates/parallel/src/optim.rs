@@ -121,16 +121,19 @@ impl ShardedOptimizer {
             .copied()
             .filter(|&(r, c)| ns_flops(r, c, cfg.ns_steps) <= PAR_MATRIX_MAX_FLOPS)
             .collect();
-        let mut scratch = vec![NsScratch::for_shapes(be, shapes)];
+        let (steps, bf16) = (cfg.ns_steps, ganymede_optim::ns_bf16(cfg.ns_dtype, be));
+        let mut scratch = vec![NsScratch::for_shapes(be, shapes).prepared(be, steps, bf16)];
         if !small.is_empty() {
             let extra = rayon::current_num_threads() - 1;
-            scratch.extend((0..extra).map(|_| NsScratch::for_shapes(be, small.iter().copied())));
+            scratch.extend((0..extra).map(|_| {
+                NsScratch::for_shapes(be, small.iter().copied()).prepared(be, steps, bf16)
+            }));
         }
         // In place on the gradient shards: no Nesterov copy.
         let batch = cfg.ns_batch.on(be.batches_matrices()).then(|| {
             let budget = ganymede_config::NS_STACK_BYTES;
             let (_, ss, sl) = ganymede_config::ns_batch_elems(&batch_counts(&plan), budget);
-            NsScratch::from_lens(be, ss, sl)
+            NsScratch::from_lens(be, ss, sl).prepared(be, steps, bf16)
         });
         // The matrices this rank gathers whole for Newton–Schulz, made once.
         let roots = root_buffers(&plan, mesh)
