@@ -70,8 +70,10 @@ extern "C" __global__ void dispatch_tile_counts(unsigned* tiles, const unsigned*
 // with offsets[experts] = n, and in place tiles[t * experts + e] = offsets[e] + Σ_{t' < t} (the
 // counts of t'), tile t's first row of expert e. Launch: one block, experts threads rounded up
 // to a multiple of 32 (at most 1024).
+// totals (f64 [E], may be null) has each count added: a layer's counts over its chunks.
 extern "C" __global__ void dispatch_tile_scan(unsigned* tiles, unsigned* counts,
-                                              unsigned* offsets, int n_tiles, int experts) {
+                                              unsigned* offsets, double* totals, int n_tiles,
+                                              int experts) {
     GANY_REQUIRE(gridDim.x == 1 && (int)blockDim.x >= experts);
     const int e = threadIdx.x;
     unsigned total = 0;
@@ -81,6 +83,7 @@ extern "C" __global__ void dispatch_tile_scan(unsigned* tiles, unsigned* counts,
     const unsigned first = block_exclusive_scan(total, &all);
     if (e < experts) {
         counts[e] = total;
+        if (totals) totals[e] += (double)total;
         offsets[e] = first;
         unsigned run = first;
         for (int t = 0; t < n_tiles; t++) {

@@ -79,27 +79,14 @@ __device__ __forceinline__ unsigned gg_pair(const bf16* p) {
     return (unsigned)p[0] | ((unsigned)p[1] << 16);
 }
 
+// One 64 × 64 tile of group g's C at (m0, n0): C = alpha op(A) op(B) + beta C over all of k
+// (an empty k leaves beta C).
 template <typename TA, typename TB, typename TC>
-__device__ void gemm_grouped(TC* c, const TA* a, const TB* b, const long long* desc,
-                             int groups) {
-#if !defined(GANY_HOST) && __CUDA_ARCH__ < 800
-    __trap();
-#endif
-    // This block's group: the last whose first tile is at or before it.
-    const long long tile = blockIdx.x;
-    int gi = 0;
-    while (gi + 1 < groups && desc[(long long)(gi + 1) * GG_DESC + 13] <= tile) gi++;
-    const gg_desc g = gg_load(desc + (long long)gi * GG_DESC);
-    const long long tn = (g.n + GG_BN - 1) / GG_BN, t = tile - g.tile_start;
-    const long long m0 = (t / tn) * GG_BM, n0 = (t % tn) * GG_BN;
-    const TA* ag = a + g.a_off;
-    const TB* bg = b + g.b_off;
-    TC* cg = c + g.c_off;
-
+__device__ void gg_tile(TC* cg, const TA* ag, const TB* bg, const gg_desc& g, long long m0,
+                        long long n0) {
     __shared__ __align__(16) bf16 sa[GG_BM][GG_BK + GG_PAD];
     // op(B) transposed: sb[col][kk] = op(B)[kk][col], so a B fragment's k pair is contiguous.
     __shared__ __align__(16) bf16 sb[GG_BN][GG_BK + GG_PAD];
-
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gq = lane / 4, tq = lane % 4;
     const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;  // the warp's 32 × 32 of the tile
@@ -157,6 +144,82 @@ __device__ void gemm_grouped(TC* c, const TA* a, const TB* b, const long long* d
             }
 }
 
+
+template <typename TA, typename TB, typename TC>
+__device__ void gemm_grouped(TC* c, const TA* a, const TB* b, const long long* desc,
+                             int groups) {
+#if !defined(GANY_HOST) && __CUDA_ARCH__ < 800
+    __trap();
+#endif
+    // This block's group: the last whose first tile is at or before it.
+    const long long tile = blockIdx.x;
+    int gi = 0;
+    while (gi + 1 < groups && desc[(long long)(gi + 1) * GG_DESC + 13] <= tile) gi++;
+    const gg_desc g = gg_load(desc + (long long)gi * GG_DESC);
+    const long long tn = (g.n + GG_BN - 1) / GG_BN, t = tile - g.tile_start;
+    gg_tile(c + g.c_off, a + g.a_off, b + g.b_off, g, (t / tn) * GG_BM, (t % tn) * GG_BN);
+}
+
+// The routed experts' GEMMs with their rows read from device memory (offsets, u32 [E + 1], as
+// the dispatch wrote them): no host read of the counts, so a step can run without waiting
+// for them (and be captured as a graph). Expert e with rows r0 = offsets[e] .. offsets[e + 1]
+// runs the template's GEMM with m (routed = 0) or k (routed = 1) set to its rows, on A, B and
+// C from element offsets r0 · *_row + e · *_ex.
+// Launch, routed on m: grid (ceil(max_rows / 64) + E, ceil(n / 64)); each block.x is one
+// 64-row tile of one expert, tiles numbered expert after expert, blocks past the last exit.
+// Routed on k: grid (E · ceil(m / 64), ceil(n / 64)); an expert without rows writes beta C
+// (nothing at beta one).
+template <typename TA, typename TB, typename TC>
+__device__ void gemm_experts(TC* c, const TA* a, const TB* b, const unsigned* offsets,
+                             int experts, int routed, long long m, long long n, long long k,
+                             long long lda, long long ldb, long long ldc, int ta, int tb,
+                             float alpha, float beta, long long a_row, long long a_ex,
+                             long long b_row, long long b_ex, long long c_row,
+                             long long c_ex) {
+#if !defined(GANY_HOST) && __CUDA_ARCH__ < 800
+    __trap();
+#endif
+    gg_desc g;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.lda = lda;
+    g.ldb = ldb;
+    g.ldc = ldc;
+    g.ta = ta != 0;
+    g.tb = tb != 0;
+    g.alpha = alpha;
+    g.beta = beta;
+    g.tile_start = 0;
+    int e;
+    long long m0;
+    if (routed == 0) {
+        // The expert whose tiles hold this one: a walk over the offsets (the same for every
+        // thread, so broadcast reads).
+        long long slot = blockIdx.x, first = 0;
+        for (e = 0; e < experts; e++) {
+            const long long rows = (long long)offsets[e + 1] - offsets[e];
+            const long long tiles = (rows + GG_BM - 1) / GG_BM;
+            if (slot < first + tiles) break;
+            first += tiles;
+        }
+        if (e == experts) return;
+        g.m = (long long)offsets[e + 1] - offsets[e];
+        m0 = (slot - first) * GG_BM;
+    } else {
+        const long long tm = (m + GG_BM - 1) / GG_BM;
+        e = (int)(blockIdx.x / tm);
+        m0 = (blockIdx.x % tm) * GG_BM;
+        g.k = (long long)offsets[e + 1] - offsets[e];
+        if (g.k == 0 && beta == 1.f) return;
+    }
+    const long long r0 = offsets[e];
+    g.a_off = r0 * a_row + e * a_ex;
+    g.b_off = r0 * b_row + e * b_ex;
+    g.c_off = r0 * c_row + e * c_ex;
+    gg_tile(c + g.c_off, a + g.a_off, b + g.b_off, g, m0, (long long)blockIdx.y * GG_BN);
+}
+
 #define GEMM_GROUPED(NA, TA, NB, TB, NC, TC)                                                    \
     extern "C" __global__ void gemm_grouped_##NA##_##NB##_##NC(                                 \
         TC* c, const TA* a, const TB* b, const long long* desc, int groups) {                  \
@@ -170,3 +233,21 @@ GEMM_GROUPED(f32, float, f32, float, bf16, bf16)
 GEMM_GROUPED(f32, float, bf16, bf16, bf16, bf16)
 GEMM_GROUPED(bf16, bf16, f32, float, bf16, bf16)
 GEMM_GROUPED(bf16, bf16, bf16, bf16, bf16, bf16)
+
+#define GEMM_EXPERTS(NA, TA, NB, TB, NC, TC)                                                    \
+    extern "C" __global__ void gemm_experts_##NA##_##NB##_##NC(                                 \
+        TC* c, const TA* a, const TB* b, const unsigned* offsets, int experts, int routed,     \
+        long long m, long long n, long long k, long long lda, long long ldb, long long ldc,    \
+        int ta, int tb, float alpha, float beta, long long a_row, long long a_ex,              \
+        long long b_row, long long b_ex, long long c_row, long long c_ex) {                    \
+        gemm_experts<TA, TB, TC>(c, a, b, offsets, experts, routed, m, n, k, lda, ldb, ldc,    \
+                                 ta, tb, alpha, beta, a_row, a_ex, b_row, b_ex, c_row, c_ex);  \
+    }
+GEMM_EXPERTS(f32, float, f32, float, f32, float)
+GEMM_EXPERTS(f32, float, bf16, bf16, f32, float)
+GEMM_EXPERTS(bf16, bf16, f32, float, f32, float)
+GEMM_EXPERTS(bf16, bf16, bf16, bf16, f32, float)
+GEMM_EXPERTS(f32, float, f32, float, bf16, bf16)
+GEMM_EXPERTS(f32, float, bf16, bf16, bf16, bf16)
+GEMM_EXPERTS(bf16, bf16, f32, float, bf16, bf16)
+GEMM_EXPERTS(bf16, bf16, bf16, bf16, bf16, bf16)

@@ -68,10 +68,12 @@ extern "C" __global__ void router_forward_f32(float* probs, float* weights, unsi
 
 // dlogits (overwritten) from dweights and the per-expert constant dprob_const (f64).
 // Launch: grid rows, block 32.
+// The auxiliary loss's constant of expert e is coef · counts[e] / tokens, in f64 (AuxGrad::at),
+// from the layer's global counts on the device.
 extern "C" __global__ void router_backward_f32(float* dlogits, const float* dweights,
                                                const float* probs, const unsigned* idx,
-                                               const double* dprob_const, int experts, int k,
-                                               int renorm) {
+                                               const double* counts, double coef,
+                                               double tokens, int experts, int k, int renorm) {
     GANY_REQUIRE(blockDim.x == 32);
     const int lane = threadIdx.x;
     const long long row = blockIdx.x;
@@ -79,7 +81,7 @@ extern "C" __global__ void router_backward_f32(float* dlogits, const float* dwei
     const float* dw = dweights + row * k;
     const unsigned* ix = idx + row * k;
     float* dp = dlogits + row * experts;
-    for (int e = lane; e < experts; e += 32) dp[e] = (float)dprob_const[e];
+    for (int e = lane; e < experts; e += 32) dp[e] = (float)(coef * counts[e] / tokens);
     __syncwarp();
     if (lane == 0) {
         // k is small: one lane, in the CPU's order.

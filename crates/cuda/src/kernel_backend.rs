@@ -8,8 +8,8 @@
 use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};
 use ganymede_core::{
-    Blas, CopySpan, CpuBackend, DType, Device, Event, Gemm, Ledger, Memory, MemoryError, NnOps,
-    OptimOps, PhaseTimes, StepPhase, Stream, Syrk, Tensor, View, ViewMut,
+    Blas, CopySpan, CpuBackend, DType, Device, Event, ExpertGemm, ExpertRows, Gemm, Ledger, Memory,
+    MemoryError, NnOps, OptimOps, PhaseTimes, StepPhase, Stream, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -305,6 +305,28 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
         } else {
             Gemms::gemm_grouped(&self.dev, c, a, b, groups)
         }
+    }
+    fn gemm_experts(&self, c: ViewMut, a: View, b: View, rows: ExpertRows, g: &ExpertGemm) {
+        match rows {
+            ExpertRows::Device { offsets, rows } if self.experts_on_device(g.gemm.bf16_inputs) => {
+                self.ops.gemm_experts_tc(c, a, b, (offsets, rows), g)
+            }
+            // Sizes for a library's grouped GEMM: the host's, or read back (a wait).
+            ExpertRows::Device { offsets, .. } => {
+                let o: Vec<usize> = self
+                    .dev
+                    .download_u32(offsets)
+                    .iter()
+                    .map(|&x| x as usize)
+                    .collect();
+                NnOps::gemm_grouped(self, c, a, b, &g.groups(&o))
+            }
+            ExpertRows::Host(o) => NnOps::gemm_grouped(self, c, a, b, &g.groups(o)),
+        }
+    }
+    fn experts_on_device(&self, bf16_inputs: bool) -> bool {
+        // gemm.cu's kernel rounds its operands to bf16, so f32 GEMMs take the library's.
+        self.ops.tuning().grouped_tc && bf16_inputs
     }
     ganymede_core::forward_nn_ops!(ops:
         embedding_forward, embedding_backward, rmsnorm_forward, rmsnorm_backward,

@@ -14,8 +14,8 @@
 
 use ganymede_core::sample::Lcg;
 use ganymede_core::{
-    bf16, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory, NnOps,
-    OptimOps, Tensor,
+    bf16, AuxGrad, Backend, Blas, Category, CpuBackend, DType, EmbedIds, Gemm, Ledger, Memory,
+    NnOps, OptimOps, Tensor,
 };
 use ganymede_cuda::bounds::{set_bounds, Bounds};
 use ganymede_cuda::host::{
@@ -1407,7 +1407,12 @@ fn router_forward_backward() {
                 up(be, &v[2]).view(),
                 probs.view(),
                 idx_t.view(),
-                dconst_t.view(),
+                // Not one: the f64 formula itself, on both sides.
+                AuxGrad {
+                    counts: dconst_t.view(),
+                    coef: 3.0,
+                    tokens: 7.0,
+                },
                 d,
             );
             let idx = be.download_u32(idx_t.view());
@@ -1514,6 +1519,8 @@ fn dispatch_kernels(
                 ptr(&mut per_tile),
                 ptr(&mut counts),
                 ptr(&mut offsets),
+                // No totals.
+                Arg::Ptr(std::ptr::null_mut()),
                 (tiles as i32).into(),
                 e32.into(),
             ],
@@ -1581,14 +1588,22 @@ fn moe_dispatch_through_the_ops_equals_the_cpu() {
         be.write_u32(c.view_mut(), &vec![7; experts]);
         be.write_u32(o.view_mut(), &vec![7; experts + 1]);
         let idx = be.upload_u32(idx, &[n], Category::Activations);
+        // The layer's totals, added to.
+        let mut t = be.zeros_of(&[experts], DType::F64, Category::Buffers);
+        be.write_f64(t.view_mut(), &vec![0.25; experts]);
         let out = DispatchOut {
             counts: c.view_mut(),
             offsets: o.view_mut(),
             src: s.view_mut(),
             pos: p.view_mut(),
+            totals: Some(t.view_mut()),
         };
         be.moe_dispatch(out, idx.view(), experts, k);
-        [c, o, s, p].map(|t| be.download_u32(t.view()))
+        let totals = be.download_f64(t.view());
+        let got = [c, o, s, p].map(|t| be.download_u32(t.view()));
+        let want: Vec<f64> = got[0].iter().map(|&c| c as f64 + 0.25).collect();
+        assert_eq!(totals, want, "totals: counts added");
+        got
     };
     let (b, kb) = (cpu(), kernels(SMALL));
     let want = run(&b, &idx);
@@ -2481,5 +2496,154 @@ fn grouped_gemm_on_the_tensor_cores_equals_the_cpu() {
             moved.iter().all(|&i| i >= co && i < co + g.extents()[2]),
             "{what}: a changed alpha moved elements outside its group"
         );
+    }
+}
+
+/// The experts' GEMMs with their rows read from device offsets (`gemm_experts_*`): bitwise
+/// what the grouped kernel computes from the same groups given by the host (one tile's
+/// arithmetic for both), for the forward, input-gradient and weight-gradient products (the
+/// last at beta 1 and at beta 0, where an expert without rows must leave zeros), in both block
+/// orders, under the bounds check; and through `NnOps::gemm_experts`, whose host-sized
+/// fallback (read back, then the library's GEMMs) and tensor-core form agree with the CPU's.
+/// A changed offset must change the result.
+#[test]
+fn expert_gemms_read_their_rows_from_device_offsets() {
+    use ganymede_core::{ExpertGemm, ExpertRows, Routed};
+    let (b, kb) = (cpu(), kernels(SMALL));
+    let tc = kernels(Tuning {
+        grouped_tc: true,
+        ..SMALL
+    });
+    let (n, k) = (20, 40);
+    let counts = [0usize, 1, 17, 64, 100, 0, 3];
+    let e = counts.len();
+    let mut offsets = vec![0usize];
+    for c in counts {
+        offsets.push(offsets.last().unwrap() + c);
+    }
+    let rows = *offsets.last().unwrap();
+    let mut rng = Lcg::new(43);
+    let (xa, xb) = (
+        rng.values(rows * n.max(k), 1.0),
+        rng.values(e * n * k.max(rows), 1.0),
+    );
+    let c0 = rng.values(rows * n.max(k) + e * n * k, 1.0);
+    let spec = |gemm: Gemm, routed, a, b, c| ExpertGemm {
+        gemm: gemm.bf16_inputs(true),
+        routed,
+        a,
+        b,
+        c,
+    };
+    let mut dw = Gemm::new(n, k, 0, true, false);
+    dw.alpha = 0.5;
+    let cases = [
+        (
+            "forward",
+            spec(
+                Gemm::new(0, n, k, false, true),
+                Routed::M,
+                [k, 0],
+                [0, n * k],
+                [n, 0],
+            ),
+        ),
+        (
+            "input gradient",
+            spec(
+                Gemm::new(0, k, n, false, false),
+                Routed::M,
+                [n, 0],
+                [0, n * k],
+                [k, 0],
+            ),
+        ),
+        (
+            "weight gradient, beta 1",
+            spec(dw.beta(1.0), Routed::K, [n, 0], [k, 0], [0, n * k]),
+        ),
+        (
+            "weight gradient, beta 0",
+            spec(dw, Routed::K, [n, 0], [k, 0], [0, n * k]),
+        ),
+    ];
+    let offs_u32: Vec<u32> = offsets.iter().map(|&x| x as u32).collect();
+    for (what, s) in cases {
+        let len_c = (rows * n.max(k)).max(e * n * k);
+        let run_tc = |o: &[u32], sched| {
+            let (a, bm) = (up(&kb, &xa), up(&kb, &xb));
+            let off = kb.upload_u32(o, &[e + 1], Category::Activations);
+            let mut c = up(&kb, &c0[..len_c]);
+            set_schedule(sched);
+            kb.ops()
+                .gemm_experts_tc(c.view_mut(), a.view(), bm.view(), (off.view(), rows), &s);
+            set_schedule(Schedule::FirstToLast);
+            down(&kb, &c)
+        };
+        // The grouped kernel over the host's groups: the same tiles' arithmetic.
+        let want = {
+            let (a, bm) = (up(&kb, &xa), up(&kb, &xb));
+            let mut c = up(&kb, &c0[..len_c]);
+            kb.ops()
+                .gemm_grouped_tc(c.view_mut(), a.view(), bm.view(), &s.groups(&offsets));
+            down(&kb, &c)
+        };
+        for sched in [Schedule::FirstToLast, Schedule::LastToFirst] {
+            assert_eq!(run_tc(&offs_u32, sched), want, "{what}, {sched:?}");
+        }
+        if s.routed == Routed::K && s.gemm.beta == 0.0 {
+            // Expert 0 has no rows: its block is beta · C = 0.
+            let (g, _, _, co) = s.at(0, 0, 0);
+            assert!(
+                want[co..co + g.extents()[2]].iter().all(|&x| x == 0.0),
+                "{what}"
+            );
+        }
+        // One row moved from expert 3 to expert 4: the result must move.
+        let mut moved = offs_u32.clone();
+        moved[4] -= 1;
+        assert_ne!(
+            run_tc(&moved, Schedule::FirstToLast),
+            want,
+            "{what}: offsets unread"
+        );
+        // Through the seam: the CPU's, the kernel backend's fallback and its tensor cores.
+        let seam = |be: &dyn Backend| {
+            let (a, bm) = (up(be, &xa), up(be, &xb));
+            let off = be.upload_u32(&offs_u32, &[e + 1], Category::Activations);
+            let mut c = up(be, &c0[..len_c]);
+            let r = ExpertRows::Device {
+                offsets: off.view(),
+                rows,
+            };
+            be.gemm_experts(c.view_mut(), a.view(), bm.view(), r, &s);
+            down(be, &c)
+        };
+        let cpu_host = {
+            let (a, bm) = (up(&b, &xa), up(&b, &xb));
+            let mut c = up(&b, &c0[..len_c]);
+            b.gemm_experts(
+                c.view_mut(),
+                a.view(),
+                bm.view(),
+                ExpertRows::Host(&offsets),
+                &s,
+            );
+            down(&b, &c)
+        };
+        assert_eq!(
+            seam(&b),
+            cpu_host,
+            "{what}: the CPU's device and host offsets"
+        );
+        assert!(!kb.experts_on_device(true) && tc.experts_on_device(true));
+        assert!(!tc.experts_on_device(false), "f32 GEMMs are the library's");
+        for (name, got) in [("fallback", seam(&kb)), ("tensor cores", seam(&tc))] {
+            let tol = Tol {
+                rtol: 1e-5,
+                atol: 2e-5,
+            };
+            compare(&got, &cpu_host, tol).unwrap_or_else(|err| panic!("{what}, {name}: {err}"));
+        }
     }
 }

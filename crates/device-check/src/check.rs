@@ -1035,12 +1035,14 @@ fn expert_gemms(be: &CudaBackend) -> Result<String, String> {
 /// (`gemm_grouped_batched`, what training runs) against one GEMM per expert, equal up to
 /// summation order (1e-4 of the largest |C|), and their times. Twice in a row, so the second
 /// call reuses the pointer slots (no allocation). And gemm.cu's tensor-core kernel on the same
-/// groups (`Tuning::grouped_tc`), equal to the loop up to summation order, and its time.
+/// groups (`Tuning::grouped_tc`), equal to the loop up to summation order, and its time; and
+/// its form that reads the experts' rows from device offsets (`gemm_experts_tc`, what a step
+/// with no count read-back runs), bitwise equal to it, and its time.
 fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
     use ganymede_cuda::device::CudaLauncher;
     use ganymede_cuda::ops::{KernelOps, Tuning};
     let mut md = String::from(
-        "| experts (empty) | tokens | k → n | loop ms | grouped ms | grouped TFLOP/s | rel. diff | gemm.cu kernel ms | kernel TFLOP/s | kernel rel. diff |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| experts (empty) | tokens | k → n | loop ms | grouped ms | grouped TFLOP/s | rel. diff | gemm.cu kernel ms | kernel TFLOP/s | kernel rel. diff | device-offsets kernel ms | its TFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     // gemm.cu's tensor-core grouped GEMM (`Tuning::grouped_tc`, `GANYMEDE_CUDA_GROUPED=kernel`).
     let ops = KernelOps::with_tuning(CudaLauncher::new(be.clone()), Tuning::default());
@@ -1138,10 +1140,42 @@ fn grouped_expert_gemms(be: &CudaBackend) -> Result<String, String> {
             )
         })?;
         let t_tc = time(&mut || ops.gemm_grouped_tc(tc.view_mut(), xb.view(), wb.view(), &gb));
+        // The same products with the rows' offsets read on the device.
+        let mut offsets = vec![0u32];
+        for &c in &counts {
+            offsets.push(offsets.last().unwrap() + c as u32);
+        }
+        let off = be.upload_u32(&offsets, &[experts + 1], Category::Buffers);
+        let spec = ganymede_core::ExpertGemm {
+            gemm: Gemm::new(0, n, k, false, true).bf16_inputs(true),
+            routed: ganymede_core::Routed::M,
+            a: [k, 0],
+            b: [0, n * k],
+            c: [n, 0],
+        };
+        let mut dev = be.zeros(&[tokens * n], Category::Buffers);
+        let mut run_dev = || {
+            ops.gemm_experts_tc(
+                dev.view_mut(),
+                xb.view(),
+                wb.view(),
+                (off.view(), tokens),
+                &spec,
+            )
+        };
+        run_dev();
+        let t_dev = time(&mut run_dev);
+        ensure(be.download(dev.view()) == be.download(tc.view()), || {
+            format!(
+                "mean {mean} tokens/expert: the device-offsets kernel differs from the grouped one"
+            )
+        })?;
         let kernel = format!(
-            "{:.3} | {:.1} | {d_tc:.1e}",
+            "{:.3} | {:.1} | {d_tc:.1e} | {:.3} | {:.1}",
             t_tc * 1e3,
-            flops / t_tc / 1e12
+            flops / t_tc / 1e12,
+            t_dev * 1e3,
+            flops / t_dev / 1e12
         );
         if let Some(e) = refused {
             // What a bf16 result would give instead (cuBLAS's table has bf16 → bf16 for this

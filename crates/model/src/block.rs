@@ -24,13 +24,13 @@
 
 use crate::experts::{ExpertExecutor, ExpertsBwdBufs, ExpertsFwdBufs, ExpertsIo};
 use crate::step::chunks;
-use crate::workspace::{BlockActs, ChunkRoute, FfnActs, GradScratch, MoeActs, Routing};
+use crate::workspace::{BlockActs, FfnActs, GradScratch, MoeActs, Routing};
 use crate::{LayerIdx, MlpIdx, Model};
 use anyhow::Result;
 use ganymede_config::ModelConfig;
 use ganymede_core::{
-    AttnDims, AttnGrads, AttnSaved, Backend, DispatchOut, Dispatched, Gemm, HeadRope, NormSaved,
-    ParamStore, RouterDims, RouterOut, StepPhase, Tensor, View, ViewMut,
+    AttnDims, AttnGrads, AttnSaved, AuxGrad, Backend, DispatchOut, Dispatched, ExpertRows, Gemm,
+    HeadRope, NormSaved, ParamStore, RouterDims, RouterOut, StepPhase, Tensor, View, ViewMut,
 };
 
 /// What every kernel call of a block shares: the backend, the model, its parameters as they
@@ -229,9 +229,17 @@ impl<'c, 'a> Block<'c, 'a> {
     }
 }
 
+/// A MoE layer's rows of the step's routing statistics: the per-expert sums of router
+/// probabilities (`[E]` f64, written) and counts of routed rows (`[E]` f64, added to by each
+/// chunk's dispatch; `None` where they must not be counted again, as in a recompute).
+pub(crate) struct LayerRoute<'a> {
+    pub psum: ViewMut<'a>,
+    pub counts: Option<ViewMut<'a>>,
+}
+
 /// Forward through block `layer`. `y` receives the output; `None` recomputes the internals
 /// only (activation checkpointing: the output is already known). A MoE layer writes its
-/// per-expert sums of router probabilities into `psum` (`[E]` f64).
+/// routing statistics into `route`.
 pub(crate) fn block_forward(
     cx: &Ctx,
     a: &mut BlockActs,
@@ -239,14 +247,14 @@ pub(crate) fn block_forward(
     x: View,
     y: Option<ViewMut>,
     kv: Kv,
-    (layer, psum, ex): (usize, Option<ViewMut>, &mut dyn ExpertExecutor),
+    (layer, route, ex): (usize, Option<LayerRoute>, &mut dyn ExpertExecutor),
 ) -> Result<()> {
     let b = Block::new(cx, layer);
     let cached = matches!(kv, Kv::Cache { .. });
     qkv_forward(&b, a, g, x, cached);
     attend_forward(&b, a, g, kv);
     out_proj_forward(&b, a, g, x, cached);
-    mlp_forward(&b, a, g, y, psum, ex)
+    mlp_forward(&b, a, g, y, route, ex)
 }
 
 /// `xn1 = rmsnorm(x)` and its projections q, k and v.
@@ -384,7 +392,7 @@ fn mlp_forward(
     a: &mut BlockActs,
     g: &mut GradScratch,
     mut y: Option<ViewMut>,
-    psum: Option<ViewMut>,
+    route: Option<LayerRoute>,
     ex: &mut dyn ExpertExecutor,
 ) -> Result<()> {
     let (be, li, d) = (b.cx.be, b.li, b.d);
@@ -408,7 +416,7 @@ fn mlp_forward(
             ffn_forward(b, f, a.xn2.view(), ffn, y);
         }
         Mlp::Moe { mx, shared } => {
-            moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), psum, mx, ex)?;
+            moe_forward(b, a, g, y.as_mut().map(|y| y.reborrow()), route, mx, ex)?;
             if let Some(ffn) = shared {
                 let f = a.ffn.as_mut().expect("shared-expert activations");
                 be.phase(StepPhase::Dense);
@@ -425,7 +433,7 @@ fn moe_forward(
     a: &mut BlockActs,
     g: &mut GradScratch,
     mut y: Option<ViewMut>,
-    psum: Option<ViewMut>,
+    route: Option<LayerRoute>,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
 ) -> Result<()> {
@@ -442,11 +450,12 @@ fn moe_forward(
         Gemm::new(n, e, h, false, true).bf16_inputs(d.router_bf16),
     );
     let r = &mut m.r;
+    let LayerRoute { psum, mut counts } = route.expect("a MoE layer's routing statistics");
     let out = RouterOut {
         probs: m.probs.view_mut(),
         weights: m.rw.view_mut(),
         idx: r.idx.view_mut(),
-        psum: psum.expect("a MoE layer's routing sums"),
+        psum,
     };
     be.router_forward(out, rl.slice(0, n * e), mx.bias.map(|i| b.w(i)), d.router());
     // The routed experts a chunk of tokens at a time (one chunk unless
@@ -456,7 +465,8 @@ fn moe_forward(
     let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
     for (j, &(t0, tn)) in parts.iter().enumerate() {
         be.phase(StepPhase::Router);
-        dispatch_chunk(be, &mut m.r, j, (t0, tn), (e, k));
+        let totals = counts.as_mut().map(|c| c.reborrow());
+        dispatch_chunk(b, &mut m.r, (j, t0, tn), totals, &*ex);
         if y.is_none() && j + 1 < parts.len() {
             continue;
         }
@@ -490,26 +500,39 @@ struct MoeIdx {
     bias: Option<usize>,
 }
 
+/// Whether a MoE layer's per-expert counts must come to the host after each dispatch: for an
+/// executor that sizes an all-to-all with them, or a backend whose grouped GEMMs take host
+/// sizes. Otherwise the expert GEMMs read them where the dispatch wrote them, and the step
+/// reads nothing back before its end.
+fn counts_on_host(b: &Block, ex: &dyn ExpertExecutor) -> bool {
+    ex.host_counts() || !b.cx.be.experts_on_device(b.d.bf16)
+}
+
 /// Dispatch chunk `j` of a MoE layer's tokens (`tn` from `t0`): its rows grouped by expert
-/// into its slice of `src` and `pos` (chunk-relative tokens and rows), and its per-expert
-/// counts read back into the chunk's host copy (reused: no allocation a step).
+/// into its slice of `src` and `pos` (chunk-relative tokens and rows), its per-expert counts
+/// added to the layer's `totals` (where given), and where [`counts_on_host`] says so, read back
+/// into the chunk's host copy (reused: no allocation a step).
 fn dispatch_chunk(
-    be: &dyn Backend,
+    b: &Block,
     r: &mut Routing,
-    j: usize,
-    (t0, tn): (usize, usize),
-    (e, k): (usize, usize),
+    (j, t0, tn): (usize, usize, usize),
+    totals: Option<ViewMut>,
+    ex: &dyn ExpertExecutor,
 ) {
+    let (be, e, k) = (b.cx.be, b.d.experts, b.d.top_k);
     let d = DispatchOut {
         counts: r.counts.view_mut(),
         offsets: r.offsets.view_mut(),
         src: r.src.slice_mut(t0 * k, tn * k),
         pos: r.pos.slice_mut(t0 * k, tn * k),
+        totals,
     };
     be.moe_dispatch(d, r.idx.slice(t0 * k, tn * k), e, k);
-    // The only host read before the step's end, once a chunk: the per-expert counts size the
-    // expert GEMMs and the expert-parallel all-to-all, which take host sizes (as cuBLAS's
-    // grouped GEMM and NCCL's send/recv do). The offsets follow on the host.
+    if !counts_on_host(b, ex) {
+        return;
+    }
+    // The host read: the counts size the all-to-all or a library's grouped GEMM (as NCCL's
+    // send/recv and cuBLAS's grouped GEMM take host sizes). The offsets follow on the host.
     let counts = be.download_u32(r.counts.view());
     let c = &mut r.chunks[j];
     c.counts.clear();
@@ -521,12 +544,34 @@ fn dispatch_chunk(
     }
 }
 
-/// What the expert executor needs of a chunk `c` of layer `mx.layer`'s tokens.
-fn chunk_io<'a>(b: &Block<'_, 'a>, c: &'a ChunkRoute, mx: MoeIdx) -> ExpertsIo<'a> {
+/// What the expert executor needs of chunk `j` (`tn` tokens) of layer `mx.layer`'s tokens,
+/// dispatched last: its rows by expert on the host, or in device memory.
+fn chunk_io<'a>(
+    b: &Block<'_, 'a>,
+    r: &'a Routing,
+    (j, tn): (usize, usize),
+    mx: MoeIdx,
+    ex: &dyn ExpertExecutor,
+) -> ExpertsIo<'a> {
+    let routed = tn * b.d.top_k;
+    let (rows, counts) = if counts_on_host(b, ex) {
+        let c = &r.chunks[j];
+        (ExpertRows::Host(&c.offsets), &c.counts[..])
+    } else {
+        let offsets = r.offsets.view();
+        (
+            ExpertRows::Device {
+                offsets,
+                rows: routed,
+            },
+            &[][..],
+        )
+    };
     ExpertsIo {
         layer: mx.layer,
-        counts: &c.counts,
-        offsets: &c.offsets,
+        rows,
+        routed,
+        counts,
         f: b.d.expert_hidden,
         h: b.d.hidden,
         top_k: b.d.top_k,
@@ -553,7 +598,7 @@ fn experts_forward(
     let rows = tn * k;
     let (xe, src) = (m.xe.slice_mut(0, rows * h), m.r.src.slice(t0 * k, rows));
     b.cx.be.moe_gather(xe, xn2.slice(t0 * h, tn * h), src, h);
-    let io = chunk_io(b, &m.r.chunks[j], mx);
+    let io = chunk_io(b, &m.r, (j, tn), mx, &*ex);
     let bufs = ExpertsFwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice_mut(0, rows * f),
@@ -565,10 +610,10 @@ fn experts_forward(
 }
 
 /// What a MoE chunk's backward reads besides the experts: the chunk's normed tokens and the
-/// auxiliary loss's gradient constant.
+/// auxiliary loss's gradient.
 struct MoeChunkBwd<'a> {
     xn2: View<'a>,
-    dc: View<'a>,
+    dc: AuxGrad<'a>,
 }
 
 /// Backward through chunk `j`'s routed experts and router (its internals in `m`), with the
@@ -626,7 +671,7 @@ fn moe_chunk_backward(
         rw,
         disp,
     );
-    let io = chunk_io(b, &m.r.chunks[j], mx);
+    let io = chunk_io(b, &m.r, (j, tn), mx, &*ex);
     let bufs = ExpertsBwdBufs {
         xe: m.xe.slice(0, rows * h),
         g: m.g.slice(0, rows * f),
@@ -693,19 +738,19 @@ fn ffn_forward(b: &Block, f: &mut FfnActs, xn: View, ffn: Ffn, y: Option<ViewMut
 
 /// Backward through one block whose internals are in `a`. On entry `g.dres` holds the gradient
 /// of the block's output; on return, of its input `x`. Weight gradients are added to `grads`.
-/// `dprob_const` (`[E]` f64) is the auxiliary loss's gradient with respect to each router
-/// probability (unused in a dense layer).
+/// `aux` is the auxiliary loss's gradient with respect to each router probability (unused in a
+/// dense layer).
 pub(crate) fn block_backward(
     cx: &Ctx,
     grads: &mut ParamStore,
     a: &mut BlockActs,
     g: &mut GradScratch,
     x: View,
-    dprob_const: Option<View>,
+    aux: Option<AuxGrad>,
     (layer, ex): (usize, &mut dyn ExpertExecutor),
 ) -> Result<()> {
     let b = Block::new(cx, layer);
-    mlp_backward(&b, grads, a, g, dprob_const, ex)?;
+    mlp_backward(&b, grads, a, g, aux, ex)?;
     out_proj_backward(&b, grads, a, g);
     attend_backward(&b, grads, a, g);
     qkv_backward(&b, grads, a, g, x);
@@ -719,7 +764,7 @@ fn mlp_backward(
     grads: &mut ParamStore,
     a: &mut BlockActs,
     g: &mut GradScratch,
-    dprob_const: Option<View>,
+    aux: Option<AuxGrad>,
     ex: &mut dyn ExpertExecutor,
 ) -> Result<()> {
     let (be, li, d) = (b.cx.be, b.li, b.d);
@@ -730,7 +775,7 @@ fn mlp_backward(
             ffn_backward(b, grads, f, a.xn2.view(), ffn, g, 0.0);
         }
         Mlp::Moe { mx, shared } => {
-            moe_backward(b, grads, a, g, dprob_const, mx, ex)?;
+            moe_backward(b, grads, a, g, aux, mx, ex)?;
             if let Some(ffn) = shared {
                 let f = a.ffn.as_ref().expect("shared-expert activations");
                 be.phase(StepPhase::Dense);
@@ -755,19 +800,23 @@ fn moe_backward(
     grads: &mut ParamStore,
     a: &mut BlockActs,
     g: &mut GradScratch,
-    dprob_const: Option<View>,
+    aux: Option<AuxGrad>,
     mx: MoeIdx,
     ex: &mut dyn ExpertExecutor,
 ) -> Result<()> {
     let (n, h) = (b.d.n, b.d.hidden);
     let m = a.moe.as_mut().expect("MoE activations");
-    let dc = dprob_const.expect("the auxiliary loss's gradient constant");
+    let dc = aux.expect("the auxiliary loss's gradient");
     // Chunk by chunk, last first: the forward (or its recompute) left the last chunk's
     // internals; every other chunk's are recomputed here. The router's backward is per
     // token, so each chunk finishes its tokens' gradient of xn2.
     let parts: Vec<_> = chunks(n, b.cx.model.moe_rows(n)).collect();
     for (j, &(t0, tn)) in parts.iter().enumerate().rev() {
         if j + 1 < parts.len() {
+            // Dispatched again (the device's offsets are the last chunk's; integer work next
+            // to the GEMMs), its counts not added again.
+            b.cx.be.phase(StepPhase::Router);
+            dispatch_chunk(b, &mut m.r, (j, t0, tn), None, &*ex);
             b.cx.be.phase(StepPhase::Experts);
             experts_forward(b, m, (j, t0, tn), a.xn2.view(), mx, ex)?;
         }

@@ -1,16 +1,23 @@
 //! The routed experts' compute, behind [`ExpertExecutor`] so expert parallelism can move the
 //! rows to the ranks that hold their experts without the block code knowing. The block hands
-//! over rows grouped by expert (`counts[e]` rows of expert `e` from `offsets[e]`); the executor
-//! returns one output row per input row. [`LocalExperts`] runs every expert here.
+//! over rows grouped by expert (expert `e`'s rows from `offsets[e]` to `offsets[e + 1]`, on the
+//! host or in device memory, see [`ExpertRows`]); the executor returns one output row per input
+//! row. [`LocalExperts`] runs every expert here.
 
 use anyhow::Result;
-use ganymede_core::{Backend, Gemm, ParamStore, View, ViewMut};
+use ganymede_core::{Backend, ExpertGemm, ExpertRows, Gemm, ParamStore, Routed, View, ViewMut};
 
 /// What an executor needs besides the rows: routing counts, shapes, where the weights are.
 pub struct ExpertsIo<'a> {
     pub layer: usize,
+    /// Each expert's rows.
+    pub rows: ExpertRows<'a>,
+    /// The routed rows (`offsets[E]`; the buffers may hold more).
+    pub routed: usize,
+    /// Rows per expert on the host: read back for an executor that asks for them
+    /// ([`ExpertExecutor::host_counts`]), or where the backend cannot leave them on the device;
+    /// empty otherwise.
     pub counts: &'a [usize],
-    pub offsets: &'a [usize],
     /// Expert hidden size and model width.
     pub f: usize,
     pub h: usize,
@@ -50,6 +57,19 @@ pub struct ExpertsBwdBufs<'a> {
     pub dxe: ViewMut<'a>,
 }
 
+impl<'a> ExpertsIo<'a> {
+    /// The same layer and shapes over rows laid out on the host (an expert-parallel owner's
+    /// received rows, say).
+    pub fn on_host(&self, counts: &'a [usize], offsets: &'a [usize]) -> ExpertsIo<'a> {
+        ExpertsIo {
+            rows: ExpertRows::Host(offsets),
+            routed: offsets.last().copied().unwrap_or(0),
+            counts,
+            ..*self
+        }
+    }
+}
+
 /// What an executor's fixed row buffers held in the steps since it was last asked
 /// ([`ExpertExecutor::take_use`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -67,6 +87,11 @@ pub struct RowBufferUse {
 /// Runs the routed experts of a MoE layer, forward and backward. An executor that moves rows
 /// between processes returns its collectives' errors, which end the step.
 pub trait ExpertExecutor {
+    /// Whether it needs each chunk's per-expert counts on the host (an all-to-all's sizes),
+    /// which the block then reads back after the dispatch.
+    fn host_counts(&self) -> bool {
+        false
+    }
     fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) -> Result<()>;
     /// The internals of `layer`'s last forward will not be read by a backward (they are
     /// recomputed under full activation checkpointing, or there is no backward). An executor
@@ -90,24 +115,23 @@ pub trait ExpertExecutor {
 /// Every expert on this process: one grouped GEMM per op over all experts with rows.
 pub struct LocalExperts;
 
-/// The per-expert GEMMs of a grouped call: `f(first_row, rows, expert)` for experts with rows.
-pub(crate) fn expert_groups(
-    offsets: &[usize],
-    counts: &[usize],
-    f: impl Fn(usize, usize, usize) -> (Gemm, usize, usize, usize),
-) -> Vec<(Gemm, usize, usize, usize)> {
-    (0..counts.len())
-        .filter(|&ex| counts[ex] > 0)
-        .map(|ex| f(offsets[ex], counts[ex], ex))
-        .collect()
-}
-
-/// `groups` with `f` applied to each GEMM (a promise of `Gemm::unchanged`, a beta).
-fn each(
-    groups: &[(Gemm, usize, usize, usize)],
-    f: impl Fn(Gemm) -> Gemm,
-) -> Vec<(Gemm, usize, usize, usize)> {
-    groups.iter().map(|&(g, x, y, z)| (f(g), x, y, z)).collect()
+/// A GEMM per expert, routed on `m` (a product over each expert's rows) or `k` (a sum over
+/// them): `gemm` with the routed dimension left 0, and each operand's offset per routed row and
+/// per expert.
+fn per_expert(
+    gemm: Gemm,
+    routed: Routed,
+    a: [usize; 2],
+    b: [usize; 2],
+    c: [usize; 2],
+) -> ExpertGemm {
+    ExpertGemm {
+        gemm,
+        routed,
+        a,
+        b,
+        c,
+    }
 }
 
 impl ExpertExecutor for LocalExperts {
@@ -119,46 +143,30 @@ impl ExpertExecutor for LocalExperts {
             mut a,
             ye,
         } = b;
-        let (f, h) = (io.f, io.h);
+        let (f, h, rows) = (io.f, io.h, io.rows);
         let (wg, wu, wd) = (
             io.params.get(io.gate),
             io.params.get(io.up),
             io.params.get(io.down),
         );
         // One GEMM per expert over its tokens: rows r0..r0+c of the dispatched buffers.
-        let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
-            (
-                Gemm::new(c, f, h, false, true).bf16_inputs(io.bf16),
-                r0 * h,
-                ex * f * h,
-                r0 * f,
-            )
-        });
-        be.gemm_grouped(g.reborrow(), xe, wg.view(), &gs);
+        let gm = Gemm::new(0, f, h, false, true).bf16_inputs(io.bf16);
+        let gate = per_expert(gm, Routed::M, [h, 0], [0, f * h], [f, 0]);
+        be.gemm_experts(g.reborrow(), xe, wg.view(), rows, &gate);
         // The same rows again: a bf16 backend reuses their cast (`Gemm::unchanged`).
-        be.gemm_grouped(
-            u.reborrow(),
-            xe,
-            wu.view(),
-            &each(&gs, |g| g.unchanged(true, false)),
-        );
+        let up = gate.with(|g| g.unchanged(true, false));
+        be.gemm_experts(u.reborrow(), xe, wu.view(), rows, &up);
         // The views may be longer than the routed rows (an expert-parallel owner's buffers are
         // sized for the most it can receive): the element-wise op covers the rows only.
-        let n = io.offsets.last().copied().unwrap_or(0) * f;
+        let n = io.routed * f;
         be.swiglu_forward(
             a.reborrow().slice(0, n),
             g.as_view().slice(0, n),
             u.as_view().slice(0, n),
         );
-        let gs = expert_groups(io.offsets, io.counts, |r0, c, ex| {
-            (
-                Gemm::new(c, h, f, false, true).bf16_inputs(io.bf16),
-                r0 * f,
-                ex * h * f,
-                r0 * h,
-            )
-        });
-        be.gemm_grouped(ye, a.as_view(), wd.view(), &gs);
+        let gm = Gemm::new(0, h, f, false, true).bf16_inputs(io.bf16);
+        let down = per_expert(gm, Routed::M, [f, 0], [0, h * f], [h, 0]);
+        be.gemm_experts(ye, a.as_view(), wd.view(), rows, &down);
         Ok(())
     }
 
@@ -180,38 +188,25 @@ impl ExpertExecutor for LocalExperts {
             mut du,
             mut dxe,
         } = b;
-        let (f, h) = (io.f, io.h);
+        let (f, h, rows) = (io.f, io.h, io.rows);
         let (wg, wu, wd) = (
             io.params.get(io.gate),
             io.params.get(io.up),
             io.params.get(io.down),
         );
-        let (off, cnt) = (io.offsets, io.counts);
         // dA = dY·W_down[e];  dW_down[e] += dYᵀ·A
-        let gs = expert_groups(off, cnt, |r0, c, ex| {
-            (
-                Gemm::new(c, f, h, false, false).bf16_inputs(io.bf16),
-                r0 * h,
-                ex * h * f,
-                r0 * f,
-            )
-        });
-        be.gemm_grouped(da.reborrow(), dye, wd.view(), &gs);
-        let gs = expert_groups(off, cnt, |r0, c, ex| {
-            let gm = Gemm::new(h, f, c, true, false)
-                .bf16_inputs(io.bf16)
-                .beta(1.0);
-            (gm, r0 * h, r0 * f, ex * h * f)
-        });
+        let gm = Gemm::new(0, f, h, false, false).bf16_inputs(io.bf16);
+        let da_e = per_expert(gm, Routed::M, [h, 0], [0, h * f], [f, 0]);
+        be.gemm_experts(da.reborrow(), dye, wd.view(), rows, &da_e);
         // dye again in A (cast by the last call).
-        be.gemm_grouped(
-            grads.get_mut(io.down).view_mut(),
-            dye,
-            a,
-            &each(&gs, |g| g.unchanged(true, false)),
-        );
+        let gm = Gemm::new(h, f, 0, true, false)
+            .bf16_inputs(io.bf16)
+            .beta(1.0)
+            .unchanged(true, false);
+        let dwd = per_expert(gm, Routed::K, [h, 0], [f, 0], [0, h * f]);
+        be.gemm_experts(grads.get_mut(io.down).view_mut(), dye, a, rows, &dwd);
         // Routed rows only, as in the forward.
-        let n = off.last().copied().unwrap_or(0) * f;
+        let n = io.routed * f;
         be.swiglu_backward(
             dg.reborrow().slice(0, n),
             du.reborrow().slice(0, n),
@@ -222,31 +217,31 @@ impl ExpertExecutor for LocalExperts {
         // dXe = dG·W_gate[e] + dU·W_up[e];  dW_gate[e] += dGᵀ·Xe;  dW_up[e] += dUᵀ·Xe, in the
         // order that reads each of dG and dU twice in a row in A, and Xe in B twice with only a
         // bf16 weight in B between (so a bf16 backend casts each once; dXe's sum is unchanged).
-        let gx = expert_groups(off, cnt, |r0, c, ex| {
-            (
-                Gemm::new(c, h, f, false, false).bf16_inputs(io.bf16),
-                r0 * f,
-                ex * f * h,
-                r0 * h,
-            )
-        });
-        let gw = expert_groups(off, cnt, |r0, c, ex| {
-            let gm = Gemm::new(f, h, c, true, false)
-                .bf16_inputs(io.bf16)
-                .beta(1.0);
-            (gm, r0 * f, r0 * h, ex * f * h)
-        });
-        be.gemm_grouped(dxe.reborrow(), dg.as_view(), wg.view(), &gx);
-        let gw_g = each(&gw, |g| g.unchanged(true, false));
-        be.gemm_grouped(grads.get_mut(io.gate).view_mut(), dg.as_view(), xe, &gw_g);
-        be.gemm_grouped(
-            dxe.reborrow(),
-            du.as_view(),
-            wu.view(),
-            &each(&gx, |g| g.beta(1.0)),
+        let gm = Gemm::new(0, h, f, false, false).bf16_inputs(io.bf16);
+        let gx = per_expert(gm, Routed::M, [f, 0], [0, f * h], [h, 0]);
+        let gm = Gemm::new(f, h, 0, true, false)
+            .bf16_inputs(io.bf16)
+            .beta(1.0);
+        let gw = per_expert(gm, Routed::K, [f, 0], [h, 0], [0, f * h]);
+        be.gemm_experts(dxe.reborrow(), dg.as_view(), wg.view(), rows, &gx);
+        let gw_g = gw.with(|g| g.unchanged(true, false));
+        be.gemm_experts(
+            grads.get_mut(io.gate).view_mut(),
+            dg.as_view(),
+            xe,
+            rows,
+            &gw_g,
         );
-        let gw_u = each(&gw, |g| g.unchanged(true, true));
-        be.gemm_grouped(grads.get_mut(io.up).view_mut(), du.as_view(), xe, &gw_u);
+        let gx_u = gx.with(|g| g.beta(1.0));
+        be.gemm_experts(dxe.reborrow(), du.as_view(), wu.view(), rows, &gx_u);
+        let gw_u = gw.with(|g| g.unchanged(true, true));
+        be.gemm_experts(
+            grads.get_mut(io.up).view_mut(),
+            du.as_view(),
+            xe,
+            rows,
+            &gw_u,
+        );
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 //! attending to the cache. Past `seq_len` tokens the context is the most recent `seq_len`
 //! (see [`decode`]).
 
-use crate::block::{block_forward, Ctx, Kv};
+use crate::block::{block_forward, Ctx, Kv, LayerRoute};
 use crate::experts::LocalExperts;
 use crate::step::local;
 use crate::workspace::{moe_slot, Workspace};
@@ -61,7 +61,10 @@ fn step_logits(
         };
         // Routing sums go unread here, but the router writes them.
         let e = cfg.experts;
-        let psum = (route.as_mut().zip(moe_slot(cfg, l))).map(|(r, s)| r.psum.slice_mut(s * e, e));
+        let psum = (route.as_mut().zip(moe_slot(cfg, l))).map(|(r, s)| LayerRoute {
+            psum: r.psum.slice_mut(s * e, e),
+            counts: None,
+        });
         local(block_forward(
             &cx,
             &mut blocks[0],

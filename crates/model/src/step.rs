@@ -2,15 +2,15 @@
 //! `AcMode::Full` only the block boundaries survive the forward, and backward recomputes each
 //! block's internals right before backpropagating through it.
 
-use crate::block::{block_backward, block_forward, Ctx, Kv};
+use crate::block::{block_backward, block_forward, Ctx, Kv, LayerRoute};
 use crate::experts::{ExpertExecutor, LocalExperts};
 use crate::workspace::{moe_slot, Workspace};
 use crate::{MlpIdx, Model, StepOutput};
 use anyhow::Result;
 use ganymede_config::AcMode;
 use ganymede_core::{
-    embedding_segments, Backend, Category, DType, EmbedIds, Gemm, NormSaved, ParamStore, StepPhase,
-    Tensor, ViewMut,
+    embedding_segments, AuxGrad, Backend, Category, DType, EmbedIds, Gemm, NormSaved, ParamStore,
+    StepPhase, Tensor, ViewMut,
 };
 
 /// Which pass wants a block's parameters.
@@ -51,15 +51,10 @@ pub trait ParamSource {
     fn global_tokens(&self, local: usize) -> usize {
         local
     }
-    /// Turn a MoE layer's per-expert counts of this slice (host data: the model reads them
-    /// back to size the expert GEMMs) into those of the global batch, in place, so the
-    /// auxiliary loss's gradient is the global batch's. Called after the layer's forward.
-    fn reduce_counts(
-        &mut self,
-        _be: &dyn Backend,
-        _layer: usize,
-        _counts: &mut [usize],
-    ) -> Result<()> {
+    /// Sum the per-expert counts of routed rows of every MoE layer (`[moe layers, E]` f64, a
+    /// device tensor) over the slices of the global batch, in place, so that the auxiliary
+    /// loss's gradient is the global batch's. Called once, after the forward's last layer.
+    fn reduce_counts(&mut self, _be: &dyn Backend, _counts: ViewMut) -> Result<()> {
         Ok(())
     }
     /// Sum the per-expert router probability sums of every MoE layer (`[moe layers, E]` f64,
@@ -128,13 +123,6 @@ pub struct Hooks<'a> {
     pub experts: &'a mut dyn ExpertExecutor,
 }
 
-/// Routing statistics of one MoE layer in a step: the global batch's per-expert counts (its
-/// probability sums stay on the device until the step's end).
-struct LayerStats {
-    layer: usize,
-    counts: Vec<usize>,
-}
-
 fn check_batch(model: &Model, ws: &Workspace, t: Tokens) {
     let Tokens {
         inputs,
@@ -195,7 +183,7 @@ fn forward(
         doc_starts,
     }: Tokens,
     backward: bool,
-) -> Result<Vec<LayerStats>> {
+) -> Result<()> {
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = batch * seq;
@@ -244,8 +232,11 @@ fn forward(
     if backward {
         res.after_write(be, 0);
     }
-    let mut stats = vec![];
-    for (l, li) in model.layers.iter().enumerate() {
+    // Each dispatch adds its counts to its layer's row.
+    if let Some(r) = route.as_mut() {
+        be.fill(r.counts.view_mut(), 0.0);
+    }
+    for l in 0..model.layers.len() {
         let a = match mode {
             AcMode::None => &mut blocks[l],
             AcMode::Full => &mut blocks[0],
@@ -263,8 +254,8 @@ fn forward(
             seq,
             docs: doc_starts.and(head.docs.as_ref()).map(|d| d.view()),
         };
-        let psum = psum_slot(cfg, route, l);
-        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, psum, &mut *ex))?;
+        let slot = route_slot(cfg, route, l, true);
+        block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, slot, &mut *ex))?;
         src.release_block(be, l, Pass::Forward)?;
         be.phase(StepPhase::Elementwise);
         res.store(be, l + 1, &head.xf);
@@ -276,14 +267,10 @@ fn forward(
         if !backward || *mode == AcMode::Full {
             ex.discard(l);
         }
-        if let (MlpIdx::Moe { .. }, Some(m)) = (&li.mlp, &a.moe) {
-            let mut s = LayerStats {
-                layer: l,
-                counts: m.r.layer_counts(),
-            };
-            src.reduce_counts(be, l, &mut s.counts)?;
-            stats.push(s);
-        }
+    }
+    // The global batch's counts, which the auxiliary loss's gradient reads (on the device).
+    if let Some(r) = route.as_mut() {
+        src.reduce_counts(be, r.counts.view_mut())?;
     }
     src.acquire_head(be)?;
     be.phase(StepPhase::Head);
@@ -304,7 +291,7 @@ fn forward(
         let (logits, targets) = (head.logits.slice(0, rows * v), head.targets.slice(r0, rows));
         be.cross_entropy_forward(lse, logits, targets, v, head.loss.view_mut());
     }
-    Ok(stats)
+    Ok(())
 }
 
 /// `(first row, rows)` of each chunk of `n` rows, `rows` at a time.
@@ -331,35 +318,42 @@ fn head_logits(
     );
 }
 
-/// Layer `l`'s row of the step's routing sums (`None` for a dense layer).
-fn psum_slot<'a>(
+/// Layer `l`'s rows of the step's routing statistics (`None` for a dense layer), its counts
+/// only where they are to be `counted` (not in a recompute).
+fn route_slot<'a>(
     cfg: &ganymede_config::ModelConfig,
     route: &'a mut Option<crate::workspace::RouteStats>,
     l: usize,
-) -> Option<ViewMut<'a>> {
+    counted: bool,
+) -> Option<LayerRoute<'a>> {
     let e = cfg.experts;
     let (r, slot) = route.as_mut().zip(moe_slot(cfg, l))?;
-    Some(r.psum.slice_mut(slot * e, e))
+    Some(LayerRoute {
+        psum: r.psum.slice_mut(slot * e, e),
+        counts: counted.then(|| r.counts.slice_mut(slot * e, e)),
+    })
 }
 
 /// Switch auxiliary loss per layer (`E · Σ_i f_i · P_i`, f_i = selections of i / tokens,
 /// P_i = mean probability of i), averaged over MoE layers; and each layer's load.
-/// The step's one read of its scalars, at its end: the loss sum and the routing sums (summed
-/// over the global batch's slices first).
+/// The step's one read of its scalars, at its end: the loss sum, the routing sums (summed
+/// over the global batch's slices first) and the global counts.
 fn summarise(
     be: &dyn Backend,
     model: &Model,
     src: &mut dyn ParamSource,
     ws: &mut Workspace,
     n: usize,
-    stats: &[LayerStats],
 ) -> Result<StepOutput> {
-    let psum = match ws.route.as_mut() {
+    let (psum, counts) = match ws.route.as_mut() {
         Some(r) => {
             src.reduce_psum(be, r.psum.view_mut())?;
-            be.download_f64(r.psum.view())
+            (
+                be.download_f64(r.psum.view()),
+                be.download_f64(r.counts.view()),
+            )
         }
-        None => vec![],
+        None => (vec![], vec![]),
     };
     let loss_sum = be.download_f64(ws.head.loss.view())[0];
     let cfg = model.config();
@@ -367,28 +361,22 @@ fn summarise(
     let nf = n as f64;
     let mut aux = 0.0;
     let mut loads = vec![];
-    for s in stats {
-        let slot = moe_slot(cfg, s.layer).expect("a MoE layer");
-        let psum = &psum[slot * cfg.experts..(slot + 1) * cfg.experts];
-        aux += e * s
-            .counts
+    // Layer by layer, in order (their slots).
+    let per = cfg.experts.max(1);
+    for (counts, psum) in counts.chunks(per).zip(psum.chunks(per)) {
+        aux += e * counts
             .iter()
             .zip(psum)
-            .map(|(&c, &p)| (c as f64 / nf) * (p / nf))
+            .map(|(&c, &p)| (c / nf) * (p / nf))
             .sum::<f64>();
-        loads.push(
-            s.counts
-                .iter()
-                .map(|&c| (c as f64 / (nf * k)) as f32)
-                .collect(),
-        );
+        loads.push(counts.iter().map(|&c| (c / (nf * k)) as f32).collect());
     }
     Ok(StepOutput {
         loss: loss_sum / nf,
-        aux_loss: if stats.is_empty() {
+        aux_loss: if loads.is_empty() {
             0.0
         } else {
-            aux / stats.len() as f64
+            aux / loads.len() as f64
         },
         tokens: n,
         expert_load: loads,
@@ -442,7 +430,7 @@ pub fn forward_backward_with(
         experts: ex,
     } = hooks;
     check_batch(model, ws, tokens);
-    let stats = forward(be, model, src, ex, ws, tokens, true)?;
+    forward(be, model, src, ex, ws, tokens, true)?;
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -501,9 +489,11 @@ pub fn forward_backward_with(
     sink.end_head(be)?;
 
     // d(coef · mean_l aux_l)/d p[t, i] = coef · E · f_i / (N · M), the same for every token.
-    let moe_layers = stats.len().max(1) as f64;
+    let moe_layers = (0..cfg.layers)
+        .filter(|&l| cfg.is_moe_layer(l))
+        .count()
+        .max(1) as f64;
     let nf = n as f64;
-    let mut dprob = vec![0.0f64; cfg.experts];
     for (l, li) in model.layers.iter().enumerate().rev() {
         // The input comes back from host memory if it was offloaded; the next one starts to.
         // Recompute and backward read it widened, as the forward did.
@@ -524,31 +514,23 @@ pub fn forward_backward_with(
             AcMode::None => &mut blocks[l],
             AcMode::Full => {
                 let a = &mut blocks[0];
-                let psum = psum_slot(cfg, route, l);
-                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, psum, &mut *ex))?;
+                let slot = route_slot(cfg, route, l, false);
+                block_forward(&cx, a, g, res.get(l), None, Kv::Own, (l, slot, &mut *ex))?;
                 a
             }
         };
-        let mut dprob_const = None;
-        if let (MlpIdx::Moe { .. }, Some(r)) = (&li.mlp, route.as_mut()) {
-            let s = stats.iter().find(|s| s.layer == l).expect("layer stats");
-            if local_n == n {
-                debug_assert_eq!(
-                    a.moe.as_ref().unwrap().r.layer_counts(),
-                    s.counts,
-                    "recompute changed routing"
-                );
-            }
-            // From the global counts the host already holds: a small upload, no read.
-            let c = grad_scale as f64 * cfg.aux_loss_coef * cfg.experts as f64 / (nf * moe_layers);
-            for (d, &cnt) in dprob.iter_mut().zip(&s.counts) {
-                *d = c * cnt as f64 / nf;
-            }
-            be.write_f64(r.dprob.view_mut(), &dprob);
-            dprob_const = Some(r.dprob.view());
-        }
+        // From the global counts on the device: no read, no upload.
+        let aux = match (&li.mlp, route.as_ref(), moe_slot(cfg, l)) {
+            (MlpIdx::Moe { .. }, Some(r), Some(slot)) => Some(AuxGrad {
+                counts: r.counts.slice(slot * cfg.experts, cfg.experts),
+                coef: grad_scale as f64 * cfg.aux_loss_coef * cfg.experts as f64
+                    / (nf * moe_layers),
+                tokens: nf,
+            }),
+            _ => None,
+        };
         let x = res.get(l);
-        block_backward(&cx, sink.grads(), a, g, x, dprob_const, (l, &mut *ex))?;
+        block_backward(&cx, sink.grads(), a, g, x, aux, (l, &mut *ex))?;
         sink.end_block(be, l)?;
         src.release_block(be, l, Pass::Backward)?;
     }
@@ -565,7 +547,7 @@ pub fn forward_backward_with(
         segments: head.segments,
     };
     be.embedding_backward(dwte, g.dres.view(), ids, h);
-    summarise(be, model, src, ws, n, &stats)
+    summarise(be, model, src, ws, n)
 }
 
 /// Forward only (eval): the same losses, no gradients. Cannot fail, as [`forward_backward`].
@@ -597,9 +579,9 @@ pub fn forward_loss_with(
     tokens: Tokens,
 ) -> Result<StepOutput> {
     check_batch(model, ws, tokens);
-    let stats = forward(be, model, src, ex, ws, tokens, false)?;
+    forward(be, model, src, ex, ws, tokens, false)?;
     let n = src.global_tokens(ws.batch * ws.seq);
-    summarise(be, model, src, ws, n, &stats)
+    summarise(be, model, src, ws, n)
 }
 
 /// DeepSeek-V3 auxiliary-loss-free balancing, after a step: per MoE layer

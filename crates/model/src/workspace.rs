@@ -31,20 +31,9 @@ pub(crate) struct Routing {
     pub counts: Tensor,
     /// `[E+1]` first dispatched row of each expert.
     pub offsets: Tensor,
-    /// Each token chunk's per-expert counts (downloaded after its dispatch) and the offsets
-    /// derived from them (`training.moe_chunk_tokens`; one chunk by default).
+    /// Each token chunk's per-expert counts and the offsets derived from them, where they are
+    /// read back after its dispatch (`training.moe_chunk_tokens`; one chunk by default).
     pub chunks: Vec<ChunkRoute>,
-}
-
-impl Routing {
-    /// The layer's rows per expert: its chunks' counts summed (host data).
-    pub fn layer_counts(&self) -> Vec<usize> {
-        let mut total = vec![0; self.counts.len()];
-        for c in &self.chunks {
-            total.iter_mut().zip(&c.counts).for_each(|(t, &x)| *t += x);
-        }
-        total
-    }
 }
 
 /// The host's copy of one token chunk's dispatch: rows per expert and each expert's first row.
@@ -161,15 +150,16 @@ pub(crate) struct HeadActs {
     pub docs: Option<Tensor>,
 }
 
-/// The step's routing scalars (f64, `Category::Buffers`, outside the activation plan, like the
-/// loss): per MoE layer the sum over tokens of each expert's router probability, read once at
-/// the step's end (for the auxiliary loss's value), and the auxiliary loss's per-expert
-/// gradient constant, written by the host before each MoE layer's backward.
+/// The step's routing statistics (f64, `Category::Buffers`, outside the activation plan, like
+/// the loss), per MoE layer and expert: the sum over tokens of the router probability, and the
+/// routed rows, which the dispatches add up on the device. The counts are summed over the
+/// global batch after the forward (the auxiliary loss's gradient reads them there); both are
+/// read once, at the step's end.
 pub(crate) struct RouteStats {
     /// `[moe layers, E]`.
     pub psum: Tensor,
-    /// `[E]`.
-    pub dprob: Tensor,
+    /// `[moe layers, E]`.
+    pub counts: Tensor,
 }
 
 /// All activation memory of a step, allocated once for (model, batch, seq, mode).
@@ -641,7 +631,7 @@ impl Workspace {
         let moe_layers = (0..cfg.layers).filter(|&l| cfg.is_moe_layer(l)).count();
         let route = (moe_layers > 0).then(|| RouteStats {
             psum: be.zeros_of(&[moe_layers * cfg.experts], DType::F64, Category::Buffers),
-            dprob: be.zeros_of(&[cfg.experts], DType::F64, Category::Buffers),
+            counts: be.zeros_of(&[moe_layers * cfg.experts], DType::F64, Category::Buffers),
         });
         Workspace {
             batch,

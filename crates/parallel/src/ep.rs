@@ -225,6 +225,10 @@ fn a2a(
 }
 
 impl ExpertExecutor for EpExperts {
+    fn host_counts(&self) -> bool {
+        // The all-to-all's sizes.
+        true
+    }
     fn forward(&mut self, be: &dyn Backend, io: &ExpertsIo, b: ExpertsFwdBufs) -> Result<()> {
         let (ep, h, f) = (self.ep.size(), io.h, io.f);
         let e = io.counts.len();
@@ -318,11 +322,7 @@ impl ExpertExecutor for EpExperts {
         out_wire.at_least_of(be, xc, ye_dt);
         out_y.at_least_of(be, xc, ye_dt);
         let (counts, offsets) = local_layout(&recv);
-        let lio = ExpertsIo {
-            counts: &counts,
-            offsets: &offsets,
-            ..*io
-        };
+        let lio = io.on_host(&counts, &offsets);
         let Kept { xe, g, u, a, .. } = &mut k;
         LocalExperts.forward(
             be,
@@ -428,11 +428,7 @@ impl ExpertExecutor for EpExperts {
         }
         dxe.at_least(be, xc);
         let (counts, offsets) = local_layout(&s.recv);
-        let lio = ExpertsIo {
-            counts: &counts,
-            offsets: &offsets,
-            ..*io
-        };
+        let lio = io.on_host(&counts, &offsets);
         let k = &s.bufs;
         LocalExperts.backward(
             be,

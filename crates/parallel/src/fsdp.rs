@@ -610,24 +610,14 @@ impl ParamSource for FsdpParams {
         self.global_tokens
     }
 
-    fn reduce_counts(
-        &mut self,
-        be: &dyn Backend,
-        _layer: usize,
-        counts: &mut [usize],
-    ) -> Result<()> {
+    fn reduce_counts(&mut self, be: &dyn Backend, counts: ViewMut) -> Result<()> {
         in_phase(be, StepPhase::Communication, || {
-            // Every rank routes its own tokens; the auxiliary loss is the global batch's. Counts are
-            // integers, exact in f64; the host holds them already (they size the expert GEMMs).
-            let mut buf: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+            // Every rank routes its own tokens; the auxiliary loss's gradient is the global
+            // batch's. Counts are integers, exact in f64; summed on the device tensor itself.
             self.groups
                 .world
-                .all_reduce(ViewMut::Host64(&mut buf), Phase::Other)
-                .context("summing expert counts")?;
-            for (c, &x) in counts.iter_mut().zip(&buf) {
-                *c = x as usize;
-            }
-            Ok(())
+                .all_reduce(counts, Phase::Other)
+                .context("summing expert counts")
         })
     }
 

@@ -384,14 +384,10 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
 pub const STEP_SCALARS: f64 = 16.0;
 
 /// Bytes of the step's f64 scalars: [`STEP_SCALARS`] and, with MoE layers, each MoE layer's
-/// per-expert router probability sums and the auxiliary loss's per-expert gradient constant.
+/// per-expert router probability sums and counts of routed rows.
 pub fn step_scalars(m: &ganymede_config::ModelConfig) -> f64 {
     let moe_layers = m.layers - m.dense_layers.min(m.layers);
-    let routing = match moe_layers {
-        0 => 0,
-        l => 8 * m.experts * (l + 1),
-    };
-    STEP_SCALARS + routing as f64
+    STEP_SCALARS + (2 * 8 * m.experts * moe_layers) as f64
 }
 
 /// [`ganymede_config::moe_rows`] for `n` of a rank's tokens, as f64.

@@ -7,8 +7,8 @@ mod nn;
 mod optim;
 
 pub use nn::{
-    embedding_segments, AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds,
-    HeadRope, NnOps, NormSaved, RouterDims, RouterOut,
+    embedding_segments, AttnDims, AttnGrads, AttnSaved, AuxGrad, DispatchOut, Dispatched, EmbedIds,
+    ExpertGemm, ExpertRows, HeadRope, NnOps, NormSaved, Routed, RouterDims, RouterOut,
 };
 pub use optim::{AdamWStep, OptimOps};
 

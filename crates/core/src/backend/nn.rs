@@ -6,9 +6,10 @@
 //!   flow into the residual stream where noted; other outputs are overwritten;
 //! - integer data (token ids, targets, routing indices) are u32 tensors ([`crate::DType::U32`])
 //!   in the backend's memory, like everything else a kernel reads: a step uploads its tokens
-//!   once and routing stays on the device. The one exception the model makes is a MoE layer's
-//!   per-expert counts, which it downloads after [`NnOps::moe_dispatch`]: grouped GEMMs and the
-//!   expert-parallel all-to-all take their sizes from the host (as cuBLAS and NCCL do).
+//!   once and routing stays on the device. A MoE layer's per-expert counts stay there too on a
+//!   backend whose [`NnOps::gemm_experts`] reads them there ([`NnOps::experts_on_device`]);
+//!   otherwise, and for the expert-parallel all-to-all, the model downloads them after
+//!   [`NnOps::moe_dispatch`] (cuBLAS's grouped GEMM and NCCL take their sizes from the host).
 
 use crate::backend::Gemm;
 use crate::tensor::{View, ViewMut};
@@ -82,11 +83,98 @@ pub struct RouterOut<'a> {
 /// What [`NnOps::moe_dispatch`] writes, all u32: `[E]` rows per expert, `[E+1]` first row of
 /// each expert, and for the `[n*k]` dispatched rows the token each came from (`src`) and, per
 /// (token, choice), the row it went to (`pos`).
+/// `totals` (f64 `[E]`), where given, has each count ADDED to it: a layer's counts summed over
+/// its token chunks, kept on the device for the auxiliary loss.
 pub struct DispatchOut<'a> {
     pub counts: ViewMut<'a>,
     pub offsets: ViewMut<'a>,
     pub src: ViewMut<'a>,
     pub pos: ViewMut<'a>,
+    pub totals: Option<ViewMut<'a>>,
+}
+
+/// The auxiliary loss's gradient with respect to each router probability, the same for every
+/// row: `coef · counts[e] / tokens` for expert `e`, computed in f64 from the layer's global
+/// per-expert counts (`[E]` f64 on the device, [`DispatchOut::totals`] summed over ranks).
+#[derive(Clone, Copy)]
+pub struct AuxGrad<'a> {
+    pub counts: View<'a>,
+    pub coef: f64,
+    pub tokens: f64,
+}
+
+impl AuxGrad<'_> {
+    /// Expert `e`'s constant given its count: the one formula, for every backend.
+    pub fn at(&self, count: f64) -> f64 {
+        self.coef * count / self.tokens
+    }
+}
+
+/// Where a grouped expert GEMM finds its experts' rows: `offsets[e]..offsets[e + 1]` are
+/// expert `e`'s dispatched rows, on the host or (u32 `[E + 1]`) in the backend's memory, as
+/// [`NnOps::moe_dispatch`] wrote them.
+#[derive(Clone, Copy)]
+pub enum ExpertRows<'a> {
+    Host(&'a [usize]),
+    /// `rows` bounds the dispatched rows (`offsets[E]`): what the operands' views hold.
+    Device {
+        offsets: View<'a>,
+        rows: usize,
+    },
+}
+
+/// Which dimension of an expert's GEMM is its routed rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routed {
+    /// `m`: a product over the expert's rows (forward, input gradients).
+    M,
+    /// `k`: a sum over them (the weight gradients).
+    K,
+}
+
+/// One GEMM per expert over its routed rows (see [`ExpertRows`]). Expert `e` with rows
+/// `r0..r0 + c` runs `gemm` with the routed dimension set to `c`, on A, B and C from the
+/// element offsets `r0 · per_row + e · per_expert` (`a`, `b`, `c`, each `[per_row,
+/// per_expert]`). Leading dimensions, transposes, alpha, beta and the bf16 flags are
+/// `gemm`'s, and must not depend on the routed dimension.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertGemm {
+    pub gemm: Gemm,
+    pub routed: Routed,
+    pub a: [usize; 2],
+    pub b: [usize; 2],
+    pub c: [usize; 2],
+}
+
+impl ExpertGemm {
+    /// Expert `e`'s GEMM over `rows` from `r0`, as [`NnOps::gemm_grouped`] takes it.
+    pub fn at(&self, e: usize, r0: usize, rows: usize) -> (Gemm, usize, usize, usize) {
+        let mut g = self.gemm;
+        match self.routed {
+            Routed::M => g.m = rows,
+            Routed::K => g.k = rows,
+        }
+        let off = |[row, ex]: [usize; 2]| r0 * row + e * ex;
+        (g, off(self.a), off(self.b), off(self.c))
+    }
+
+    /// The groups, from host offsets: every expert with rows, and one routed on `k` without
+    /// rows where beta is not one (its `C = beta · C`, the empty sum's).
+    pub fn groups(&self, offsets: &[usize]) -> Vec<(Gemm, usize, usize, usize)> {
+        let keep_empty = self.routed == Routed::K && self.gemm.beta != 1.0;
+        offsets
+            .windows(2)
+            .enumerate()
+            .filter(|(_, w)| w[1] > w[0] || keep_empty)
+            .map(|(e, w)| self.at(e, w[0], w[1] - w[0]))
+            .collect()
+    }
+
+    /// The same GEMMs with `f` applied to the shape (a promise of `Gemm::unchanged`, a beta).
+    pub fn with(mut self, f: impl Fn(Gemm) -> Gemm) -> Self {
+        self.gemm = f(self.gemm);
+        self
+    }
 }
 
 /// Where each (token, choice) went in the dispatched layout: `pos[t*k + j]` (u32) is the row of
@@ -139,6 +227,19 @@ pub trait NnOps: Send + Sync {
     /// `(shape, a_offset, b_offset, c_offset)` computes, on the views starting at those element
     /// offsets, what [`crate::Blas::gemm`] would. Output blocks must not overlap.
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]);
+
+    /// The routed experts' GEMMs, one per expert over its rows ([`ExpertGemm`]): what
+    /// [`NnOps::gemm_grouped`] does with [`ExpertGemm::groups`] of the offsets. A backend that
+    /// cannot read [`ExpertRows::Device`] offsets where they are reads them back first
+    /// ([`NnOps::experts_on_device`] says which).
+    fn gemm_experts(&self, c: ViewMut, a: View, b: View, rows: ExpertRows, g: &ExpertGemm);
+
+    /// Whether [`NnOps::gemm_experts`] reads [`ExpertRows::Device`] offsets in device memory
+    /// itself, with no host read (for bf16-input GEMMs, or f32 ones), so that a step need not
+    /// read a MoE layer's counts back.
+    fn experts_on_device(&self, _bf16_inputs: bool) -> bool {
+        false
+    }
 
     /// `out[t] = wte[ids[t]]`, rows of `dim`; `ids` is u32.
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize);
@@ -239,15 +340,14 @@ pub trait NnOps: Send + Sync {
     /// over rows of `probs[:, e]` (for the auxiliary loss).
     fn router_forward(&self, out: RouterOut, logits: View, bias: Option<View>, d: RouterDims);
     /// `dlogits` (overwritten) from the gradient of the weights and a per-expert constant added
-    /// to every row's probability gradient (`dprob_const`, `[experts]` f64, from the auxiliary
-    /// loss).
+    /// to every row's probability gradient (the auxiliary loss's, [`AuxGrad`]).
     fn router_backward(
         &self,
         dlogits: ViewMut,
         dweights: View,
         probs: View,
         idx: View,
-        dprob_const: View,
+        aux: AuxGrad,
         d: RouterDims,
     );
 
@@ -349,7 +449,7 @@ macro_rules! forward_nn_ops {
         d: $crate::RouterDims)); };
     (@ $t:ident router_backward) => { $crate::forward_nn_ops!(@fn $t router_backward(
         dlogits: $crate::ViewMut, dweights: $crate::View, probs: $crate::View, idx: $crate::View,
-        dprob_const: $crate::View, d: $crate::RouterDims)); };
+        aux: $crate::AuxGrad, d: $crate::RouterDims)); };
     (@ $t:ident moe_dispatch) => { $crate::forward_nn_ops!(@fn $t moe_dispatch(
         out: $crate::DispatchOut, idx: $crate::View, experts: usize, k: usize)); };
     (@ $t:ident moe_gather) => { $crate::forward_nn_ops!(@fn $t moe_gather(

@@ -6,8 +6,8 @@
 use super::blas::Region;
 use super::CpuBackend;
 use crate::backend::{
-    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds, Gemm, HeadRope, NnOps,
-    NormSaved, RouterDims, RouterOut,
+    AttnDims, AttnGrads, AttnSaved, AuxGrad, DispatchOut, Dispatched, EmbedIds, ExpertGemm,
+    ExpertRows, Gemm, HeadRope, NnOps, NormSaved, RouterDims, RouterOut,
 };
 use crate::by_dtype;
 use crate::tensor::{DType, Scalar, View, ViewMut};
@@ -518,7 +518,7 @@ fn router_backward<S: Scalar>(
     dweights: View,
     probs: View,
     idx: View,
-    dprob_const: View,
+    aux: AuxGrad,
     d: RouterDims,
 ) {
     let RouterDims {
@@ -527,8 +527,9 @@ fn router_backward<S: Scalar>(
         renorm,
     } = d;
     let (dl, dw, probs): (&mut [S], &[S], &[S]) = (dlogits.host(), dweights.host(), probs.host());
-    let (idx, dprob_const) = (idx.host_u32(), dprob_const.host::<f64>());
-    let c: Vec<S> = dprob_const.iter().map(|&v| s::<S>(v)).collect();
+    let (idx, counts) = (idx.host_u32(), aux.counts.host::<f64>());
+    assert_eq!(counts.len(), e, "router_backward: counts are [experts]");
+    let c: Vec<S> = counts.iter().map(|&n| s::<S>(aux.at(n))).collect();
     dl.par_chunks_mut(e)
         .zip(dw.par_chunks(k))
         .zip(probs.par_chunks(e))
@@ -570,6 +571,7 @@ fn moe_dispatch(out: DispatchOut, idx: View, experts: usize, k: usize) {
         offsets,
         src,
         pos,
+        totals,
     } = out;
     let (counts, offsets) = (counts.host_u32(), offsets.host_u32());
     let (src, pos, idx) = (src.host_u32(), pos.host_u32(), idx.host_u32());
@@ -586,6 +588,13 @@ fn moe_dispatch(out: DispatchOut, idx: View, experts: usize, k: usize) {
     offsets[0] = 0;
     for x in 0..experts {
         offsets[x + 1] = offsets[x] + counts[x];
+    }
+    if let Some(t) = totals {
+        let t = t.host::<f64>();
+        assert_eq!(t.len(), experts, "moe_dispatch: totals are [experts]");
+        t.iter_mut()
+            .zip(counts.iter())
+            .for_each(|(t, &c)| *t += c as f64);
     }
     let mut next = offsets[..experts].to_vec();
     for (tj, &i) in idx.iter().enumerate() {
@@ -885,6 +894,19 @@ impl NnOps for CpuBackend {
             DType::U32 => panic!("a u32 tensor where a float one is expected"),
         }
     }
+    fn gemm_experts(&self, c: ViewMut, a: View, b: View, rows: ExpertRows, g: &ExpertGemm) {
+        // This backend's memory is the host's: offsets "on the device" are read where they are.
+        let offsets: Vec<usize> = match rows {
+            ExpertRows::Host(o) => o.to_vec(),
+            ExpertRows::Device { offsets, .. } => {
+                offsets.host_u32().iter().map(|&x| x as usize).collect()
+            }
+        };
+        self.gemm_grouped(c, a, b, &g.groups(&offsets))
+    }
+    fn experts_on_device(&self, _bf16_inputs: bool) -> bool {
+        true
+    }
     fn embedding_forward(&self, out: ViewMut, wte: View, ids: View, dim: usize) {
         match (out.dtype(), wte.dtype()) {
             (DType::F32, DType::BF16) => embedding_forward_bf16(out, wte, ids, dim),
@@ -1021,12 +1043,12 @@ impl NnOps for CpuBackend {
         dweights: View,
         probs: View,
         idx: View,
-        dprob_const: View,
+        aux: AuxGrad,
         d: RouterDims,
     ) {
         by_dtype!(
             dt(&probs),
-            router_backward(dlogits, dweights, probs, idx, dprob_const, d)
+            router_backward(dlogits, dweights, probs, idx, aux, d)
         )
     }
     fn moe_dispatch(&self, out: DispatchOut, idx: View, experts: usize, k: usize) {

@@ -1,7 +1,7 @@
 //! The routed experts' grouped GEMM on the tensor cores: `gemm.cu`.
 
 use super::*;
-use ganymede_core::Gemm;
+use ganymede_core::{ExpertGemm, Gemm, Routed};
 
 /// `i64`s describing one group to `gemm_grouped_*` (gemm.cu's `gg_desc`).
 const DESC: usize = 14;
@@ -67,8 +67,7 @@ impl<L: Launcher> KernelOps<L> {
             &["f32", "bf16"],
         ]);
         let op = "gemm_grouped_tc";
-        let at = [a, b].map(|v| dt_at(v.dtype(), op));
-        let k = GROUPED.get(&[at[0], at[1], dt_at(c.dtype(), op)]);
+        let k = GROUPED.get(&dtypes_at([&a, &b], &c, op));
         let args = [
             self.arg_mut(c),
             self.arg(a),
@@ -77,5 +76,95 @@ impl<L: Launcher> KernelOps<L> {
             groups_arg.into(),
         ];
         self.launch(k, cfg(grid(tiles, 1, 1), THREADS), &args);
+    }
+}
+
+/// The dtype choices of a grouped kernel's A, B and C (f32 0, bf16 1).
+fn dtypes_at(ab: [&View; 2], c: &ViewMut, op: &str) -> [usize; 3] {
+    [
+        dt_at(ab[0].dtype(), op),
+        dt_at(ab[1].dtype(), op),
+        dt_at(c.dtype(), op),
+    ]
+}
+
+impl<L: Launcher> KernelOps<L> {
+    /// [`ganymede_core::NnOps::gemm_experts`] with the offsets in device memory, bf16 inputs,
+    /// on the tensor cores (as [`KernelOps::gemm_grouped_tc`]) in one launch, with no host
+    /// read: each block finds its expert and tile from the offsets. `rows` bounds the
+    /// dispatched rows (`offsets[E]`), which sizes the grid of a GEMM routed on `m`.
+    pub fn gemm_experts_tc(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        (offsets, rows): (View, usize),
+        s: &ExpertGemm,
+    ) {
+        let op = "gemm_experts_tc";
+        let g = s.gemm;
+        assert!(
+            g.bf16_inputs || (a.dtype() == DType::BF16 && b.dtype() == DType::BF16),
+            "{op}: f32 operands without bf16 inputs (the tensor cores round them)"
+        );
+        assert_eq!(offsets.dtype(), DType::U32, "{op}: offsets are u32");
+        let experts = offsets.len().checked_sub(1).expect("offsets are [E + 1]");
+        // Every expert's block lies inside the views when the rows do (all of them at the
+        // last expert: the largest offsets any expert's block can have).
+        if experts > 0 {
+            let (gm, ao, bo, co) = s.at(experts - 1, 0, rows);
+            let [la, lb, lc] = gm.extents();
+            assert!(
+                ao + la <= a.len() && bo + lb <= b.len() && co + lc <= c.len(),
+                "{op}: {rows} rows of {experts} experts ({s:?}) reach past the views ({}, {}, \
+                 {})",
+                a.len(),
+                b.len(),
+                c.len()
+            );
+        }
+        let tiles = |x: usize| x.div_ceil(TILE);
+        let (gx, gy) = match s.routed {
+            Routed::M => (tiles(rows) + experts, tiles(g.n)),
+            Routed::K => (experts * tiles(g.m), tiles(g.n)),
+        };
+        if experts == 0 || g.n == 0 || gx == 0 || (s.routed == Routed::K && g.m == 0) {
+            return;
+        }
+        const EXPERTS: Family<8> = Family::new(&[
+            &["gemm_experts_"],
+            &["f32", "bf16"],
+            &["_"],
+            &["f32", "bf16"],
+            &["_"],
+            &["f32", "bf16"],
+        ]);
+        let k = EXPERTS.get(&dtypes_at([&a, &b], &c, op));
+        let l = |x: usize| Arg::I64(x as i64);
+        let args = [
+            self.arg_mut(c),
+            self.arg(a),
+            self.arg(b),
+            self.arg(offsets),
+            i32_of(experts),
+            Arg::I32((s.routed == Routed::K) as i32),
+            l(g.m),
+            l(g.n),
+            l(g.k),
+            l(g.lda),
+            l(g.ldb),
+            l(g.ldc),
+            Arg::I32(g.trans_a as i32),
+            Arg::I32(g.trans_b as i32),
+            Arg::F32(g.alpha),
+            Arg::F32(g.beta),
+            l(s.a[0]),
+            l(s.a[1]),
+            l(s.b[0]),
+            l(s.b[1]),
+            l(s.c[0]),
+            l(s.c[1]),
+        ];
+        self.launch(k, cfg(grid(gx, gy, 1), THREADS), &args);
     }
 }

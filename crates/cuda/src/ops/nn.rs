@@ -4,8 +4,8 @@
 use super::*;
 use crate::host::rope_inv_freq;
 use ganymede_core::{
-    AttnDims, AttnGrads, AttnSaved, DispatchOut, Dispatched, EmbedIds, HeadRope, NormSaved,
-    RouterDims, RouterOut,
+    AttnDims, AttnGrads, AttnSaved, AuxGrad, DispatchOut, Dispatched, EmbedIds, HeadRope,
+    NormSaved, RouterDims, RouterOut,
 };
 
 /// Queries (forward, dq) or keys (dk, dv) per block of the tensor-core attention kernels, and
@@ -817,7 +817,7 @@ impl<L: Launcher> KernelOps<L> {
         dweights: View,
         probs: View,
         idx: View,
-        dprob_const: View,
+        aux: AuxGrad,
         d: RouterDims,
     ) {
         let op = "router_backward";
@@ -828,7 +828,7 @@ impl<L: Launcher> KernelOps<L> {
         check(op, "dlogits", &dlogits, (f, rows * experts));
         check(op, "dweights", &dweights, (f, rows * k));
         check(op, "idx", &idx, (DType::U32, rows * k));
-        check(op, "dprob_const", &dprob_const, (DType::F64, experts));
+        check(op, "aux counts", &aux.counts, (DType::F64, experts));
         if rows == 0 {
             return;
         }
@@ -837,7 +837,9 @@ impl<L: Launcher> KernelOps<L> {
             self.arg(dweights),
             self.arg(probs),
             self.arg(idx),
-            self.arg(dprob_const),
+            self.arg(aux.counts),
+            Arg::F64(aux.coef),
+            Arg::F64(aux.tokens),
             i32_of(experts),
             i32_of(k),
             Arg::I32(renorm as i32),
@@ -875,6 +877,13 @@ impl<L: Launcher> KernelOps<L> {
         check(op, "offsets", &out.offsets, (u, experts + 1));
         check(op, "src", &out.src, (u, n));
         check(op, "pos", &out.pos, (u, n));
+        let totals = match out.totals {
+            Some(t) => {
+                check(op, "totals", &t, (DType::F64, experts));
+                self.arg_mut(t)
+            }
+            None => Arg::Ptr(std::ptr::null_mut()),
+        };
         let (counts, offsets) = (
             self.launcher.addr_mut(out.counts),
             self.launcher.addr_mut(out.offsets),
@@ -891,7 +900,14 @@ impl<L: Launcher> KernelOps<L> {
         }
         // With no choices: zero counts and offsets.
         let shape = cfg(grid(1, 1, 1), u32_of(experts.max(1).next_multiple_of(32)));
-        let args = [t.into(), counts.into(), offsets.into(), i32_of(tiles), e32];
+        let args = [
+            t.into(),
+            counts.into(),
+            offsets.into(),
+            totals,
+            i32_of(tiles),
+            e32,
+        ];
         self.launch(kernel!("dispatch_tile_scan"), shape, &args);
         if n > 0 {
             let args = [

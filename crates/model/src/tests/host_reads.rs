@@ -4,8 +4,8 @@
 use crate::*;
 use ganymede_config::{preset, AcMode};
 use ganymede_core::{
-    embedding_segments, Blas, Category, CpuBackend, DType, Device, EmbedIds, Gemm, Ledger, Memory,
-    NnOps, OptimOps, ParamStore, Syrk, Tensor, View, ViewMut,
+    embedding_segments, Blas, Category, CpuBackend, DType, Device, EmbedIds, ExpertGemm,
+    ExpertRows, Gemm, Ledger, Memory, NnOps, OptimOps, ParamStore, Syrk, Tensor, View, ViewMut,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -13,6 +13,9 @@ use std::sync::{Arc, Mutex};
 #[derive(Default)]
 struct CountingReads {
     be: CpuBackend,
+    /// Whether its expert GEMMs read device offsets themselves (as gemm.cu's kernel does);
+    /// otherwise it takes host sizes only, as cuBLAS's grouped GEMM.
+    on_device: bool,
     /// (dtype, elements) of each read, in order.
     reads: Mutex<Vec<(DType, usize)>>,
     sumsq: AtomicUsize,
@@ -110,6 +113,16 @@ impl NnOps for CountingReads {
     fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
         self.be.gemm_grouped(c, a, b, groups)
     }
+    fn gemm_experts(&self, c: ViewMut, a: View, b: View, rows: ExpertRows, g: &ExpertGemm) {
+        assert!(
+            self.on_device || matches!(rows, ExpertRows::Host(_)),
+            "device offsets to a backend that takes host sizes (a hidden read)"
+        );
+        self.be.gemm_experts(c, a, b, rows, g)
+    }
+    fn experts_on_device(&self, _bf16_inputs: bool) -> bool {
+        self.on_device
+    }
     fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
         // The CPU backend ignores the grouping the step uploaded: check it here (uncounted
         // reads, the test's own), as a kernel backend would use it.
@@ -137,16 +150,16 @@ impl OptimOps for CountingReads {
     );
 }
 
-/// One training step of `tiny` (two MoE layers, 8 experts) reads back each MoE layer's `[8]`
-/// counts after each dispatch (forward, and the backward's recompute under full
-/// checkpointing), then, at its end, the `[2 × 8]` routing sums and the one loss sum: nothing
-/// else, and no `sumsq`. An evaluation step does the same without the recompute.
+/// One training step of `tiny` (two MoE layers, 8 experts) on a backend whose expert GEMMs
+/// read their rows' offsets in device memory reads back nothing but, at its end, the `[2 × 8]`
+/// routing sums and counts and the one loss sum, and no `sumsq`, with the MoE layers' tokens
+/// in one chunk or two. On a backend that takes host sizes it reads each MoE layer's `[8]`
+/// counts after each dispatch too (forward, the backward's recompute under full
+/// checkpointing, and a chunk's dispatch again in backward). An evaluation step does the same
+/// without the backward. Both give the same losses.
 #[test]
-fn a_step_reads_back_only_the_expert_counts_and_its_metrics() {
+fn a_step_reads_back_only_its_metrics_where_the_expert_gemms_read_device_offsets() {
     let c = preset("tiny").unwrap().model;
-    let be = CountingReads::default();
-    let model = Model::new(&c);
-    let params = model.init_params(&be, 3);
     let (batch, seq) = (2, 16);
     let inputs = (0..batch * seq).map(|i| (i * 7 % c.vocab_size) as u32);
     let inputs: Vec<u32> = inputs.collect();
@@ -160,21 +173,42 @@ fn a_step_reads_back_only_the_expert_counts_and_its_metrics() {
         doc_starts: None,
     };
     let counts = (DType::U32, c.experts);
-    let end = [(DType::F64, 2 * c.experts), (DType::F64, 1)];
-    for (mode, passes) in [(AcMode::Full, 2), (AcMode::None, 1)] {
-        let mut ws = Workspace::new(&be, &model, batch, seq, mode);
-        let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
-        be.take();
-        forward_backward(&be, &model, &params, &mut grads, &mut ws, tokens, 1.0);
-        let mut want = vec![counts; 2 * passes];
-        want.extend(end);
-        assert_eq!(be.take(), want, "{mode:?}");
-        forward_loss(&be, &model, &params, &mut ws, tokens);
-        assert_eq!(
-            be.take(),
-            [vec![counts; 2], end.to_vec()].concat(),
-            "{mode:?}"
-        );
+    let end = [
+        (DType::F64, 2 * c.experts),
+        (DType::F64, 2 * c.experts),
+        (DType::F64, 1),
+    ];
+    let n = batch * seq;
+    for chunk in [0, n / 2] {
+        let parts = if chunk == 0 { 1 } else { 2 };
+        let mut losses = vec![];
+        for on_device in [false, true] {
+            let be = CountingReads {
+                on_device,
+                ..Default::default()
+            };
+            let model = Model::new(&c).with_moe_chunk(chunk);
+            let params = model.init_params(&be, 3);
+            for (mode, recompute) in [(AcMode::Full, 1), (AcMode::None, 0)] {
+                let mut ws = Workspace::new(&be, &model, batch, seq, mode);
+                let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+                be.take();
+                let out = forward_backward(&be, &model, &params, &mut grads, &mut ws, tokens, 1.0);
+                // Per MoE layer: the forward's chunks, the recompute's, and every chunk but
+                // the last again in backward.
+                let reads = 2 * (parts * (1 + recompute) + parts - 1);
+                let mut want = vec![counts; if on_device { 0 } else { reads }];
+                want.extend(end);
+                let what = format!("{mode:?}, on device {on_device}, {parts} chunk(s)");
+                assert_eq!(be.take(), want, "{what}");
+                let eval = forward_loss(&be, &model, &params, &mut ws, tokens);
+                let want = vec![counts; if on_device { 0 } else { 2 * parts }];
+                assert_eq!(be.take(), [want, end.to_vec()].concat(), "{what}");
+                losses.push((out.loss, out.aux_loss, eval.loss, eval.aux_loss));
+            }
+            assert_eq!(be.sumsq.load(Relaxed), 0);
+        }
+        assert!(losses.windows(2).all(|w| w[0] == w[1]), "{losses:?}");
+        assert!(losses[0].1 > 0.0, "an auxiliary loss to compare");
     }
-    assert_eq!(be.sumsq.load(Relaxed), 0);
 }

@@ -652,7 +652,12 @@ fn router_case(renorm: bool, with_bias: bool) {
         rwt.view(),
         p.view(),
         idx_t.view(),
-        ct.view(),
+        // coef · count / tokens with both one: the constants exactly.
+        crate::AuxGrad {
+            counts: ct.view(),
+            coef: 1.0,
+            tokens: 1.0,
+        },
         dims,
     );
     let _ = w;
@@ -787,13 +792,19 @@ fn moe_dispatch_matches_a_reference_sort() {
             let (mut counts, mut offsets, mut src, mut pos) = (u(e), u(e + 1), u(n * k), u(n * k));
             b.fill(counts.view_mut(), 7.0);
             b.fill(src.view_mut(), 9.0);
+            // The layer's totals are added to (a chunk after others).
+            let mut totals = b.zeros_of(&[e], crate::DType::F64, Category::Buffers);
+            b.write_f64(totals.view_mut(), &vec![0.5; e]);
             let out = DispatchOut {
                 counts: counts.view_mut(),
                 offsets: offsets.view_mut(),
                 src: src.view_mut(),
                 pos: pos.view_mut(),
+                totals: Some(totals.view_mut()),
             };
             b.moe_dispatch(out, it.view(), e, k);
+            let want_totals: Vec<f64> = want_counts.iter().map(|&c| c as f64 + 0.5).collect();
+            assert_eq!(b.download_f64(totals.view()), want_totals);
             assert_eq!(
                 b.download_u32(counts.view()),
                 want_counts,
