@@ -7,8 +7,8 @@
 // written in its dtype (a bf16 C rounded once). Deterministic: each output element is one
 // thread's, its k summed in a fixed order.
 //
-// Groups are described in device memory (GG_DESC long longs each, see gg_desc below), so a
-// later version can take row counts the device computed. Launch: one block of GG_THREADS per
+// Groups are described in device memory (GG_DESC long longs each, see gg_desc below);
+// gemm_experts_* below takes the experts' rows from offsets the device computed instead. Launch: one block of GG_THREADS per
 // 64 × 64 output tile, tiles numbered group after group (desc's tile_start); grid.x = all tiles.
 // Needs sm_80 (traps on older devices).
 
@@ -51,26 +51,74 @@ __device__ __forceinline__ gg_desc gg_load(const long long* d) {
 __device__ __forceinline__ bf16 gg_round(float x) { return f32_to_bf16(x); }
 __device__ __forceinline__ bf16 gg_round(bf16 x) { return x; }
 
-// Stage a BM (or BN) × BK tile of op(X) into shared memory as s[row][kk], zeros outside the
-// matrix. op(X)[r][c] is X[r·ld + c], or X[c·ld + r] transposed; consecutive threads walk the
-// stored rows' contiguous index either way.
+// A BM (or BN) × BK tile of op(X), staged through registers so that the next tile's global
+// loads are in flight while the current one is multiplied: each thread holds GG_VECS runs of
+// GG_VW elements, rounded to bf16. op(X)[r][c] is X[r·ld + c], or X[c·ld + r] transposed; a run
+// lies along the stored rows' contiguous index (kk, or r transposed), so consecutive threads
+// read consecutive runs. A run loads as one wide access where X and ld allow it (`wide`) and
+// it lies inside the matrix; otherwise element by element, zeros outside. Either way the
+// shared tile holds the same values.
+#define GG_VW GANY_VW
+#define GG_VECS (GG_BM * GG_BK / (GG_VW * GG_THREADS))
+struct gg_regs {
+    bf16 v[GG_VECS][GG_VW];
+};
+
+// Run j of this thread: its first (row, kk) in the tile.
+__device__ __forceinline__ void gg_run(int j, bool trans, int* r, int* kk) {
+    const int i = threadIdx.x + j * GG_THREADS;
+    if (trans) {
+        *r = (i % (GG_BM / GG_VW)) * GG_VW;
+        *kk = i / (GG_BM / GG_VW);
+    } else {
+        *r = i / (GG_BK / GG_VW);
+        *kk = (i % (GG_BK / GG_VW)) * GG_VW;
+    }
+}
+
 template <typename T>
-__device__ __forceinline__ void gg_stage(bf16 (*s)[GG_BK + GG_PAD], const T* x, long long ld,
-                                         bool trans, long long r0, long long rows, long long k0,
-                                         long long k) {
-    for (int i = threadIdx.x; i < GG_BM * GG_BK; i += GG_THREADS) {
+__device__ __forceinline__ bool gg_wide(const T* x, long long ld) {
+    return vec_aligned(x) && ld % GG_VW == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ void gg_fetch(gg_regs& g, const T* x, long long ld, bool trans,
+                                        bool wide, long long r0, long long rows, long long k0,
+                                        long long k) {
+#pragma unroll
+    for (int j = 0; j < GG_VECS; j++) {
         int r, kk;
-        if (trans) {
-            r = i % GG_BM;
-            kk = i / GG_BM;
-        } else {
-            r = i / GG_BK;
-            kk = i % GG_BK;
-        }
+        gg_run(j, trans, &r, &kk);
         const long long gr = r0 + r, gk = k0 + kk;
-        bf16 v = 0;
-        if (gr < rows && gk < k) v = gg_round(trans ? x[gk * ld + gr] : x[gr * ld + gk]);
-        s[r][kk] = v;
+        // The run's elements step along kk (stored rows) or r (transposed).
+        const bool inside = trans ? (gk < k && gr + GG_VW <= rows) : (gr < rows && gk + GG_VW <= k);
+        if (wide && inside) {
+            const gany_vec<T> t = vload(trans ? x + gk * ld + gr : x + gr * ld + gk);
+#pragma unroll
+            for (int e = 0; e < GG_VW; e++) g.v[j][e] = gg_round(t.v[e]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < GG_VW; e++) {
+                const long long er = gr + (trans ? e : 0), ek = gk + (trans ? 0 : e);
+                g.v[j][e] = er < rows && ek < k ? gg_round(trans ? x[ek * ld + er] : x[er * ld + ek])
+                                                : (bf16)0;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void gg_store(bf16 (*s)[GG_BK + GG_PAD], const gg_regs& g, bool trans) {
+#pragma unroll
+    for (int j = 0; j < GG_VECS; j++) {
+        int r, kk;
+        gg_run(j, trans, &r, &kk);
+#pragma unroll
+        for (int e = 0; e < GG_VW; e++) {
+            if (trans)
+                s[r + e][kk] = g.v[j][e];
+            else
+                s[r][kk + e] = g.v[j][e];
+        }
     }
 }
 
@@ -98,12 +146,23 @@ __device__ void gg_tile(TC* cg, const TA* ag, const TB* bg, const gg_desc& g, lo
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
 
+    // op(A) is m × k: A stored [m, k], or [k, m] transposed. op(B)ᵀ is n × k: B stored [n, k]
+    // when transposed, else [k, n] (so the other way).
+    const bool wa = gg_wide(ag, g.lda), wb = gg_wide(bg, g.ldb);
+    gg_regs ra, rb;
+    if (g.k > 0) {
+        gg_fetch(ra, ag, g.lda, g.ta, wa, m0, g.m, 0, g.k);
+        gg_fetch(rb, bg, g.ldb, !g.tb, wb, n0, g.n, 0, g.k);
+    }
     for (long long k0 = 0; k0 < g.k; k0 += GG_BK) {
-        // op(A) is m × k: A stored [m, k], or [k, m] transposed.
-        gg_stage(sa, ag, g.lda, g.ta, m0, g.m, k0, g.k);
-        // op(B)ᵀ is n × k: B stored [n, k] when transposed, else [k, n] (so the other way).
-        gg_stage(sb, bg, g.ldb, !g.tb, n0, g.n, k0, g.k);
+        gg_store(sa, ra, g.ta);
+        gg_store(sb, rb, !g.tb);
         __syncthreads();
+        // The next tile's loads, in flight during this one's products.
+        if (k0 + GG_BK < g.k) {
+            gg_fetch(ra, ag, g.lda, g.ta, wa, m0, g.m, k0 + GG_BK, g.k);
+            gg_fetch(rb, bg, g.ldb, !g.tb, wb, n0, g.n, k0 + GG_BK, g.k);
+        }
 #pragma unroll
         for (int ks = 0; ks < GG_BK; ks += 16) {
             unsigned fa[2][4];

@@ -2589,7 +2589,13 @@ fn expert_gemms_read_their_rows_from_device_offsets() {
             down(&kb, &c)
         };
         for sched in [Schedule::FirstToLast, Schedule::LastToFirst] {
+            let before = ganymede_cuda::host::wide_accesses();
             assert_eq!(run_tc(&offs_u32, sched), want, "{what}, {sched:?}");
+            // Aligned operands: runs of four elements load as one access.
+            assert!(
+                ganymede_cuda::host::wide_accesses() > before,
+                "{what}: no wide loads"
+            );
         }
         if s.routed == Routed::K && s.gemm.beta == 0.0 {
             // Expert 0 has no rows: its block is beta · C = 0.
