@@ -139,8 +139,10 @@ __device__ __forceinline__ void rope_cs(int i, const float* inv_freq, int pos, f
 // consecutive head rows and reduce with shuffles, no block barrier. Lane l takes the rotation's
 // pairs (i, i + half) for i = l, l + 32, ...
 // Launch: grid ceil(nrh / warps per block), block 32 × warps per block; nrh = rows × heads.
-template <class T>
-__device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, int heads,
+// out may be bf16 where x is f32 (the rows attention reads under bf16 compute: each value
+// rounded once, as a cast of the f32 result would).
+template <class T, class O>
+__device__ void head_norm_rope_fwd(O* out, float* rstd, const T* x, const T* w, int heads,
                                    int hd, int seq, int pos0, const float* inv_freq, float eps,
                                    long long nrh, const unsigned* docs) {
     const long long rh = warp_row();
@@ -168,9 +170,10 @@ __device__ void head_norm_rope_fwd(T* out, float* rstd, const T* x, const T* w, 
     }
 }
 
-// dx overwritten. Launch: as the forward.
-template <class T>
-__device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T* w,
+// dx overwritten. dout may be bf16 where x is f32 (attention's bf16 gradients, read widened,
+// as a cast to f32 would). Launch: as the forward.
+template <class T, class G>
+__device__ void head_norm_rope_bwd_dx(T* dx, const G* dout, const T* x, const T* w,
                                       const float* rstd, int heads, int hd, int seq, int pos0,
                                       const float* inv_freq, long long nrh,
                                       const unsigned* docs) {
@@ -210,8 +213,8 @@ __device__ void head_norm_rope_bwd_dx(T* dx, const T* dout, const T* x, const T*
 // gave the GPU too few threads, each with too long a loop.
 // Launch: grid (ceil(head_dim / block), min(chunks, 65535)), 1-D block; a block takes chunks
 // blockIdx.y, + gridDim.y, ...
-template <class T>
-__device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, const T* x,
+template <class T, class G>
+__device__ void head_norm_rope_bwd_dw_partial(float* partial, const G* dout, const T* x,
                                               const float* rstd, int rows, int heads, int hd,
                                               int seq, int pos0, const float* inv_freq,
                                               int chunk_rows, const unsigned* docs) {
@@ -239,44 +242,46 @@ __device__ void head_norm_rope_bwd_dw_partial(float* partial, const T* dout, con
 
 // The `_doc_` kernels: the same with each row's document start (docs, u32 a row) taken off
 // its position (document masking; the ops layer checks the starts).
-#define GANY_HEAD_NORM_ROPE(S, T)                                                                \
+#define GANY_HEAD_NORM_ROPE(S, T, G)                                                             \
     extern "C" __global__ void head_norm_rope_forward_##S(                                       \
-        T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
+        G* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
         const float* inv_freq, float eps, long long nrh) {                                       \
         head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps, nrh,      \
                            nullptr);                                                             \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dx_##S(                                   \
-        T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
+        T* dx, const G* dout, const T* x, const T* w, const float* rstd, int heads,              \
         int head_dim, int seq, int pos0, const float* inv_freq, long long nrh) {                 \
         head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq, nrh,   \
                               nullptr);                                                          \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dw_partial_##S(                           \
-        float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \
+        float* partial, const G* dout, const T* x, const float* rstd, int rows, int heads,       \
         int head_dim, int seq, int pos0, const float* inv_freq, int chunk_rows) {                \
         head_norm_rope_bwd_dw_partial(partial, dout, x, rstd, rows, heads, head_dim, seq, pos0,  \
                                       inv_freq, chunk_rows, nullptr);                            \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_forward_doc_##S(                                   \
-        T* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
+        G* out, float* rstd, const T* x, const T* w, int heads, int head_dim, int seq, int pos0, \
         const float* inv_freq, float eps, long long nrh, const unsigned* docs) {                 \
         head_norm_rope_fwd(out, rstd, x, w, heads, head_dim, seq, pos0, inv_freq, eps, nrh,      \
                            docs);                                                                \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dx_doc_##S(                               \
-        T* dx, const T* dout, const T* x, const T* w, const float* rstd, int heads,              \
+        T* dx, const G* dout, const T* x, const T* w, const float* rstd, int heads,              \
         int head_dim, int seq, int pos0, const float* inv_freq, long long nrh,                   \
         const unsigned* docs) {                                                                  \
         head_norm_rope_bwd_dx(dx, dout, x, w, rstd, heads, head_dim, seq, pos0, inv_freq, nrh,   \
                               docs);                                                             \
     }                                                                                            \
     extern "C" __global__ void head_norm_rope_backward_dw_partial_doc_##S(                       \
-        float* partial, const T* dout, const T* x, const float* rstd, int rows, int heads,       \
+        float* partial, const G* dout, const T* x, const float* rstd, int rows, int heads,       \
         int head_dim, int seq, int pos0, const float* inv_freq, int chunk_rows,                  \
         const unsigned* docs) {                                                                  \
         head_norm_rope_bwd_dw_partial(partial, dout, x, rstd, rows, heads, head_dim, seq, pos0,  \
                                       inv_freq, chunk_rows, docs);                               \
     }
-GANY_HEAD_NORM_ROPE(f32, float)
-GANY_HEAD_NORM_ROPE(bf16, bf16)
+GANY_HEAD_NORM_ROPE(f32, float, float)
+GANY_HEAD_NORM_ROPE(bf16, bf16, bf16)
+// f32 rows with bf16 attention-side values: the forward's output, the backward's dout.
+GANY_HEAD_NORM_ROPE(f32_bf16, float, bf16)

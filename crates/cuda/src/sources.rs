@@ -113,6 +113,12 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "head_norm_rope_forward_doc_bf16",
             "head_norm_rope_backward_dx_doc_bf16",
             "head_norm_rope_backward_dw_partial_doc_bf16",
+            "head_norm_rope_forward_f32_bf16",
+            "head_norm_rope_backward_dx_f32_bf16",
+            "head_norm_rope_backward_dw_partial_f32_bf16",
+            "head_norm_rope_forward_doc_f32_bf16",
+            "head_norm_rope_backward_dx_doc_f32_bf16",
+            "head_norm_rope_backward_dw_partial_doc_f32_bf16",
         ],
     ),
     (

@@ -882,6 +882,91 @@ fn head_norm_rope_case(docs: bool) {
     }
 }
 
+/// The head norm with a bf16 side on f32 rows, as bf16 attention meets it: the forward
+/// writing bf16 equals the f32 forward cast, and the backward reading a bf16 gradient equals
+/// it reading that gradient widened, bit for bit, on the CPU and through the kernels (the
+/// `_f32_bf16` ones), with and without document starts.
+#[test]
+fn head_norm_rope_with_bf16_attention_rows_equals_the_casts() {
+    use ganymede_core::{HeadRope, NormSaved, View, ViewMut};
+    let d = HeadRope {
+        heads: 3,
+        head_dim: 70,
+        seq: 13,
+        pos0: 0,
+        theta: 10_000.0,
+        eps: 1e-6,
+    };
+    let rows = 52usize;
+    let n = rows * d.heads * d.head_dim;
+    let mut rng = Lcg::new(61);
+    let (x, dout) = (rng.values(n, 2.0), rng.values(n, 1.0));
+    let w: Vec<f32> = rng
+        .values(d.head_dim, 0.5)
+        .iter()
+        .map(|v| 1.0 + v)
+        .collect();
+    let starts = row_doc_starts(rows, d.seq, 5, 17);
+    let kb = kernels(SMALL);
+    for be in [&cpu() as &dyn Backend, &kb] {
+        for docs in [None, Some(&starts)] {
+            let docs = docs.map(|s| be.upload_u32(s, &[rows], Category::Activations));
+            let (xt, wt) = (up(be, &x), up(be, &w));
+            let bf = |len| be.zeros_of(&[len], DType::BF16, Category::Activations);
+            let fwd = |out: ViewMut, rstd: ViewMut| match &docs {
+                Some(t) => {
+                    be.head_norm_rope_forward_docs(out, rstd, xt.view(), wt.view(), t.view(), d)
+                }
+                None => be.head_norm_rope_forward(out, rstd, xt.view(), wt.view(), d),
+            };
+            let (mut o32, mut o16, mut cast) = (zeros(be, n), bf(n), bf(n));
+            let (mut r1, mut r2) = (zeros(be, rows * d.heads), zeros(be, rows * d.heads));
+            fwd(o32.view_mut(), r1.view_mut());
+            fwd(o16.view_mut(), r2.view_mut());
+            be.cast(cast.view_mut(), o32.view());
+            let what = format!("{:?}, docs {}", be.device(), docs.is_some());
+            assert_eq!(
+                be.download(o16.view()),
+                be.download(cast.view()),
+                "forward, {what}"
+            );
+            assert_eq!(down(be, &r1), down(be, &r2), "rstd, {what}");
+            // The gradient as bf16, and the same values widened.
+            let mut g16 = bf(n);
+            be.cast(g16.view_mut(), up(be, &dout).view());
+            let mut g32 = zeros(be, n);
+            be.cast(g32.view_mut(), g16.view());
+            let bwd = |g: View| {
+                let (mut dx, mut dw) = (zeros(be, n), up(be, &vec![0.25; d.head_dim]));
+                let saved = NormSaved {
+                    x: xt.view(),
+                    w: wt.view(),
+                    rstd: r1.view(),
+                };
+                match &docs {
+                    Some(t) => be.head_norm_rope_backward_docs(
+                        dx.view_mut(),
+                        dw.view_mut(),
+                        g,
+                        saved,
+                        t.view(),
+                        d,
+                    ),
+                    None => be.head_norm_rope_backward(dx.view_mut(), dw.view_mut(), g, saved, d),
+                }
+                (down(be, &dx), down(be, &dw))
+            };
+            let want = bwd(g32.view());
+            assert_eq!(bwd(g16.view()), want, "backward, {what}");
+            assert_ne!(
+                bwd(up(be, &dout).view()),
+                want,
+                "{what}: the widening made no difference"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding
 

@@ -313,9 +313,15 @@ fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
         Kv::Own => 0,
         Kv::Cache { pos0, .. } => *pos0,
     };
-    let qr32 = if bf16 { &mut g.dqr } else { &mut a.qr };
-    let (qr, rstdq) = (qr32.view_mut(), a.rstdq.view_mut());
     let cached = matches!(kv, Kv::Cache { .. });
+    // Under bf16 compute the norms write attention's bf16 rows directly (each value rounded
+    // once, as a cast would); a KV cache is f32, so q stays in the f32 staging there.
+    let qr = if bf16 && cached {
+        &mut g.dqr
+    } else {
+        &mut a.qr
+    };
+    let (qr, rstdq) = (qr.view_mut(), a.rstdq.view_mut());
     // Document masking applies to training and evaluation windows, not to a KV cache.
     let docs = if cached { None } else { b.cx.docs };
     let (q, qn) = (a.q.view(), b.w(li.q_norm));
@@ -326,17 +332,12 @@ fn attend_forward(b: &Block, a: &mut BlockActs, g: &mut GradScratch, kv: Kv) {
     }
     match kv {
         Kv::Own => {
-            let kr32 = if bf16 { &mut g.dkr } else { &mut a.kr };
-            let (kr, rstdk) = (kr32.view_mut(), a.rstdk.view_mut());
+            let (kr, rstdk) = (a.kr.view_mut(), a.rstdk.view_mut());
             let (k, kn) = (a.k.view(), b.w(li.k_norm));
             let rope = d.rope(d.kv_heads, 0);
             match docs {
                 Some(dd) => be.head_norm_rope_forward_docs(kr, rstdk, k, kn, dd, rope),
                 None => be.head_norm_rope_forward(kr, rstdk, k, kn, rope),
-            }
-            if bf16 {
-                be.cast(a.qr.view_mut(), g.dqr.view());
-                be.cast(a.kr.view_mut(), g.dkr.view());
             }
             let (att, lse) = (a.att.view_mut(), a.lse.view_mut());
             let (q, k, v) = (a.qr.view(), a.kr.view(), a.v.view());
@@ -900,15 +901,17 @@ fn attend_backward(b: &Block, grads: &mut ParamStore, a: &BlockActs, g: &mut Gra
         None => be.attention_backward(ag, dout, saved, dims),
     }
     be.phase(StepPhase::Elementwise);
-    if let Some(a16) = g.attn16.as_ref() {
-        be.cast(g.dqr.view_mut(), a16.dq.view());
-        be.cast(g.dkr.view_mut(), a16.dk.view());
-    }
+    // Under bf16 compute the norms' backward reads attention's bf16 gradients (widened
+    // exactly, as a cast would).
+    let (dq, dk) = match g.attn16.as_ref() {
+        Some(a16) => (&a16.dq, &a16.dk),
+        None => (&g.dqr, &g.dkr),
+    };
     // q's gradient goes where the output's was: attention's backward has read that (or, under
     // bf16, its bf16 copy).
     for (dx, norm, dout, x, rstd, heads) in [
-        (&mut g.datt, li.q_norm, &g.dqr, &a.q, &a.rstdq, d.heads),
-        (&mut g.dk, li.k_norm, &g.dkr, &a.k, &a.rstdk, d.kv_heads),
+        (&mut g.datt, li.q_norm, dq, &a.q, &a.rstdq, d.heads),
+        (&mut g.dk, li.k_norm, dk, &a.k, &a.rstdk, d.kv_heads),
     ] {
         let saved = NormSaved {
             x: x.view(),

@@ -252,9 +252,11 @@ pub trait NnOps: Send + Sync {
     fn rmsnorm_backward(&self, dx: ViewMut, dw: ViewMut, dout: View, s: NormSaved, dim: usize);
 
     /// Per-head RMSNorm (weight `w` of `head_dim`) followed by rotate-half RoPE (see
-    /// [`HeadRope`]); `rstd` is `[rows, heads]`.
+    /// [`HeadRope`]); `rstd` is `[rows, heads]`. `out` may be bf16 where `x` is f32 (the rows
+    /// bf16 attention reads): each value rounded once, as a cast of the f32 result would be.
     fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope);
-    /// `dx` overwritten, `dw += ∂/∂w`.
+    /// `dx` overwritten, `dw += ∂/∂w`. `dout` may be bf16 where `x` is f32 (bf16 attention's
+    /// gradients), read widened.
     fn head_norm_rope_backward(
         &self,
         dx: ViewMut,

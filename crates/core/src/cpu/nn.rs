@@ -842,6 +842,34 @@ fn dt(v: &View) -> DType {
     v.dtype()
 }
 
+/// An op on f32 rows whose output is bf16 (attention's rows under bf16 compute): `f` writes
+/// f32, rounded once into `out` after, as a cast would. Otherwise `f` writes `out` itself.
+fn rounded_into(out: ViewMut, rows: DType, f: impl FnOnce(ViewMut)) {
+    if out.dtype() == DType::BF16 && rows == DType::F32 {
+        let o = out.host_bf16();
+        let mut t = vec![0.0f32; o.len()];
+        f(ViewMut::Host(&mut t));
+        round_piece(o, &t);
+    } else {
+        f(out)
+    }
+}
+
+/// An op on f32 rows that reads a bf16 input (attention's gradients under bf16 compute):
+/// widened first (exactly), as a cast would. Otherwise `f` reads `x` itself.
+fn widened(x: View, rows: DType, f: impl FnOnce(View)) {
+    if x.dtype() == DType::BF16 && rows == DType::F32 {
+        let t: Vec<f32> = x
+            .host_bf16()
+            .iter()
+            .map(|&h| crate::bf16::to_f32(h))
+            .collect();
+        f(View::Host(&t))
+    } else {
+        f(x)
+    }
+}
+
 fn attention_fwd(
     out: ViewMut,
     lse: ViewMut,
@@ -927,7 +955,9 @@ impl NnOps for CpuBackend {
         by_dtype!(dt(&s.x), rmsnorm_backward(dx, dw, dout, s, dim))
     }
     fn head_norm_rope_forward(&self, out: ViewMut, rstd: ViewMut, x: View, w: View, d: HeadRope) {
-        by_dtype!(dt(&x), head_norm_rope_forward(out, rstd, (x, w), None, d))
+        rounded_into(out, dt(&x), |out| {
+            by_dtype!(dt(&x), head_norm_rope_forward(out, rstd, (x, w), None, d))
+        })
     }
     fn head_norm_rope_backward(
         &self,
@@ -937,7 +967,9 @@ impl NnOps for CpuBackend {
         s: NormSaved,
         d: HeadRope,
     ) {
-        by_dtype!(dt(&s.x), head_norm_rope_backward(dx, dw, dout, s, None, d))
+        widened(dout, dt(&s.x), |dout| {
+            by_dtype!(dt(&s.x), head_norm_rope_backward(dx, dw, dout, s, None, d))
+        })
     }
     fn head_norm_rope_forward_docs(
         &self,
@@ -948,10 +980,12 @@ impl NnOps for CpuBackend {
         docs: View,
         d: HeadRope,
     ) {
-        by_dtype!(
-            dt(&x),
-            head_norm_rope_forward(out, rstd, (x, w), Some(docs), d)
-        )
+        rounded_into(out, dt(&x), |out| {
+            by_dtype!(
+                dt(&x),
+                head_norm_rope_forward(out, rstd, (x, w), Some(docs), d)
+            )
+        })
     }
     fn head_norm_rope_backward_docs(
         &self,
@@ -962,10 +996,12 @@ impl NnOps for CpuBackend {
         docs: View,
         d: HeadRope,
     ) {
-        by_dtype!(
-            dt(&s.x),
-            head_norm_rope_backward(dx, dw, dout, s, Some(docs), d)
-        )
+        widened(dout, dt(&s.x), |dout| {
+            by_dtype!(
+                dt(&s.x),
+                head_norm_rope_backward(dx, dw, dout, s, Some(docs), d)
+            )
+        })
     }
     fn attention_forward(
         &self,

@@ -74,6 +74,21 @@ const fn docs_dtypes(prefix: &str) -> Family<4> {
     Family::new(&[&[prefix], &["", "doc_"], &["f32", "bf16"]])
 }
 
+/// [`docs_dtypes`] with a third choice, `f32_bf16`: f32 rows with a bf16 side (the head norm's
+/// output in forward, its incoming gradient in backward); indexed by [`mixed_at`].
+const fn docs_dtypes_mixed(prefix: &str) -> Family<6> {
+    Family::new(&[&[prefix], &["", "doc_"], &["f32", "bf16", "f32_bf16"]])
+}
+
+/// The choice of [`docs_dtypes_mixed`] for rows of `dt` with a side of `side`.
+fn mixed_at(op: &str, what: &str, dt: DType, side: DType) -> usize {
+    match (dt, side) {
+        (DType::F32, DType::BF16) => 2,
+        _ if dt == side => dt_at(dt, op),
+        _ => panic!("{op}: {what} is {side:?} with {dt:?} rows"),
+    }
+}
+
 /// The tensor-core attention kernels' head sizes, as their names spell them.
 const TC_HEAD_DIMS: [&str; 4] = ["16", "32", "64", "128"];
 
@@ -329,7 +344,8 @@ impl<L: Launcher> KernelOps<L> {
         let op = "head_norm_rope_forward";
         let dt = x.dtype();
         let rows = rows_of(op, x.len(), d.heads * d.head_dim);
-        check(op, "out", &out, (dt, x.len()));
+        let mixed = mixed_at(op, "out", dt, out.dtype());
+        check(op, "out", &out, (out.dtype(), x.len()));
         check(op, "w", &w, (dt, d.head_dim));
         check(op, "rstd", &rstd, (DType::F32, rows * d.heads));
         if rows == 0 {
@@ -348,8 +364,8 @@ impl<L: Launcher> KernelOps<L> {
         args.push(i64_of(rows * d.heads));
         args.extend(doc);
         let blocks = self.warp_per_row(rows * d.heads);
-        const FWD: Family<4> = docs_dtypes("head_norm_rope_forward_");
-        let k = FWD.get(&[doc.is_some() as usize, dt_at(dt, op)]);
+        const FWD: Family<6> = docs_dtypes_mixed("head_norm_rope_forward_");
+        let k = FWD.get(&[doc.is_some() as usize, mixed]);
         self.launch(k, blocks, &args);
     }
 
@@ -399,7 +415,8 @@ impl<L: Launcher> KernelOps<L> {
         let n = s.x.len();
         let rows = rows_of(op, n, d.heads * d.head_dim);
         check(op, "dx", &dx, (dt, n));
-        check(op, "dout", &dout, (dt, n));
+        let mixed = mixed_at(op, "dout", dt, dout.dtype());
+        check(op, "dout", &dout, (dout.dtype(), n));
         check(op, "w", &s.w, (dt, d.head_dim));
         check(op, "dw", &dw, (DType::F32, d.head_dim));
         check(op, "rstd", &s.rstd, (DType::F32, rows * d.heads));
@@ -407,9 +424,9 @@ impl<L: Launcher> KernelOps<L> {
             return;
         }
         let doc = self.doc_arg(op, docs, rows);
-        const DX: Family<4> = docs_dtypes("head_norm_rope_backward_dx_");
-        const DW: Family<4> = docs_dtypes("head_norm_rope_backward_dw_partial_");
-        let at = [doc.is_some() as usize, dt_at(dt, op)];
+        const DX: Family<6> = docs_dtypes_mixed("head_norm_rope_backward_dx_");
+        const DW: Family<6> = docs_dtypes_mixed("head_norm_rope_backward_dw_partial_");
+        let at = [doc.is_some() as usize, mixed];
         // The weight gradient's chunks are of head rows (a position's heads one after another).
         let chunks = (rows * d.heads).div_ceil(CHUNK_ROWS);
         let freq = self.inv_freq(&d);
