@@ -44,6 +44,7 @@
 
 pub mod backend;
 pub mod bf16;
+pub mod counting;
 pub mod cpu;
 pub mod hash;
 pub mod ledger;

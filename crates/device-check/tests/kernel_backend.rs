@@ -652,3 +652,55 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
         }
     }
 }
+
+/// A bf16 training step through the kernels, as a GPU runs it, reads nothing back before its
+/// end where the experts' GEMMs read their rows from device offsets (`Tuning::grouped_tc`):
+/// then only the `[2 × 8]` routing sums and counts and the one loss sum, and the host never
+/// waits for the device (a CUDA graph could hold the step). With the library's grouped GEMM
+/// (host sizes) each MoE layer's `[8]` counts come back after each dispatch too (forward and
+/// the recompute). Both give the same loss.
+#[test]
+fn a_kernel_step_reads_back_only_its_metrics_with_device_offsets() {
+    use ganymede_core::counting::CountingReads;
+    use ganymede_core::DType;
+    let c = tiny();
+    let model = Model::new(&c).with_compute_dtype(ganymede_config::ComputeDtype::Bf16);
+    let inputs = tokens(BATCH * SEQ, c.vocab_size, 7);
+    let targets = tokens(BATCH * SEQ, c.vocab_size, 5);
+    let end = [
+        (DType::F64, 2 * c.experts),
+        (DType::F64, 2 * c.experts),
+        (DType::F64, 1),
+    ];
+    let mut losses = vec![];
+    for grouped_tc in [true, false] {
+        let tuning = Tuning {
+            grouped_tc,
+            attn_tc: true,
+            ..small()
+        };
+        let be = CountingReads::new(kernels_on(CpuBackend::new(Arc::new(Ledger::new())), tuning));
+        let params = model.init_params(&be, 3);
+        let mut ws = Workspace::new(&be, &model, BATCH, SEQ, AcMode::Full);
+        let mut grads = ParamStore::zeros(&be, model.param_specs(), Category::Grads);
+        be.take();
+        let waits = be.waits();
+        let t = Tokens {
+            inputs: &inputs,
+            targets: &targets,
+            doc_starts: None,
+        };
+        let out = forward_backward(&be, &model, &params, &mut grads, &mut ws, t, 1.0);
+        // Per MoE layer (two): the forward's dispatch and the recompute's.
+        let counts = vec![(DType::U32, c.experts); if grouped_tc { 0 } else { 4 }];
+        assert_eq!(
+            be.take(),
+            [counts, end.to_vec()].concat(),
+            "grouped_tc {grouped_tc}"
+        );
+        assert_eq!(be.waits(), waits, "the host waited for the device");
+        assert_eq!(be.sumsqs(), 0);
+        losses.push(out.loss);
+    }
+    assert_eq!(losses[0], losses[1]);
+}

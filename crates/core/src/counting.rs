@@ -1,0 +1,260 @@
+//! A backend that counts what it reads back from the device and how often the host waits for
+//! it, everything else delegated to the backend inside, so that a test can hold a training
+//! step to the reads it should make: a read slipped into the step shows up as a failing count.
+//! Over the CPU backend it checks the model; over the kernels' host build, the very launch
+//! logic a GPU runs.
+
+use crate::backend::{
+    Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, Memory, NnOps, OptimOps, Syrk,
+};
+use crate::ledger::{Category, Device, Ledger};
+use crate::phase::{PhaseTimes, StepPhase};
+use crate::stream::{CopySpan, Event, MemoryError, Stream};
+use crate::tensor::{DType, Tensor, View, ViewMut};
+use crate::{embedding_segments, forward_nn_ops, forward_optim_ops};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// `inner` with its reads counted: each download's (dtype, elements), in order, the host's
+/// waits for the device (`synchronize`, `synchronize_event`) and the calls of `sumsq` (whose
+/// result is a read).
+pub struct CountingReads<B> {
+    pub inner: B,
+    /// Where set, what [`NnOps::experts_on_device`] answers instead of `inner` (as a backend
+    /// that takes host sizes, say); device offsets given to a backend that answers no are then
+    /// refused, as a hidden read.
+    pub experts_on_device: Option<bool>,
+    reads: Mutex<Vec<(DType, usize)>>,
+    waits: AtomicUsize,
+    sumsq: AtomicUsize,
+}
+
+impl<B: Backend> CountingReads<B> {
+    pub fn new(inner: B) -> Self {
+        CountingReads {
+            inner,
+            experts_on_device: None,
+            reads: Mutex::new(vec![]),
+            waits: AtomicUsize::new(0),
+            sumsq: AtomicUsize::new(0),
+        }
+    }
+    /// The reads since the last call.
+    pub fn take(&self) -> Vec<(DType, usize)> {
+        std::mem::take(&mut self.reads.lock().unwrap())
+    }
+    /// The host's waits for the device so far.
+    pub fn waits(&self) -> usize {
+        self.waits.load(Relaxed)
+    }
+    /// The `sumsq` calls so far.
+    pub fn sumsqs(&self) -> usize {
+        self.sumsq.load(Relaxed)
+    }
+    fn read(&self, v: &View) {
+        self.reads.lock().unwrap().push((v.dtype(), v.len()));
+    }
+}
+
+impl<B: Backend> Memory for CountingReads<B> {
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn ledger(&self) -> &Arc<Ledger> {
+        self.inner.ledger()
+    }
+    fn zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.inner.zeros(shape, category)
+    }
+    fn zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
+        self.inner.zeros_of(shape, dtype, category)
+    }
+    fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor {
+        self.inner.upload(data, shape, category)
+    }
+    fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor {
+        self.inner.upload_f64(data, shape, category)
+    }
+    fn download(&self, src: View) -> Vec<f32> {
+        self.read(&src);
+        self.inner.download(src)
+    }
+    fn download_f64(&self, src: View) -> Vec<f64> {
+        self.read(&src);
+        self.inner.download_f64(src)
+    }
+    fn write(&self, dst: ViewMut, data: &[f32]) {
+        self.inner.write(dst, data)
+    }
+    fn write_f64(&self, dst: ViewMut, data: &[f64]) {
+        self.inner.write_f64(dst, data)
+    }
+    fn upload_u32(&self, data: &[u32], shape: &[usize], category: Category) -> Tensor {
+        self.inner.upload_u32(data, shape, category)
+    }
+    fn write_u32(&self, dst: ViewMut, data: &[u32]) {
+        self.inner.write_u32(dst, data)
+    }
+    fn download_u32(&self, src: View) -> Vec<u32> {
+        self.read(&src);
+        self.inner.download_u32(src)
+    }
+    fn copy(&self, dst: ViewMut, src: View) {
+        self.inner.copy(dst, src)
+    }
+    fn fill(&self, dst: ViewMut, value: f32) {
+        self.inner.fill(dst, value)
+    }
+    fn synchronize(&self) {
+        self.waits.fetch_add(1, Relaxed);
+        self.inner.synchronize()
+    }
+    fn try_zeros(&self, shape: &[usize], category: Category) -> Result<Tensor, MemoryError> {
+        self.inner.try_zeros(shape, category)
+    }
+    fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
+        self.inner.pinned_zeros(shape, category)
+    }
+    fn pinned_zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
+        self.inner.pinned_zeros_of(shape, dtype, category)
+    }
+    fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
+        self.inner.copy_async(dst, src, stream)
+    }
+    fn record_event(&self, stream: Stream) -> Event {
+        self.inner.record_event(stream)
+    }
+    fn wait_event(&self, stream: Stream, event: &Event) {
+        self.inner.wait_event(stream, event)
+    }
+    fn synchronize_event(&self, event: &Event) {
+        self.waits.fetch_add(1, Relaxed);
+        self.inner.synchronize_event(event)
+    }
+    fn query_event(&self, event: &Event) -> bool {
+        self.inner.query_event(event)
+    }
+    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
+        self.inner.elapsed(start, end)
+    }
+    fn trace_copies(&self, on: bool) {
+        self.inner.trace_copies(on)
+    }
+    fn take_copy_spans(&self) -> Vec<CopySpan> {
+        self.inner.take_copy_spans()
+    }
+    fn start_phases(&self) {
+        self.inner.start_phases()
+    }
+    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
+        self.inner.phase(p)
+    }
+    fn take_phase_times(&self) -> Option<PhaseTimes> {
+        self.inner.take_phase_times()
+    }
+}
+
+impl<B: Backend> Blas for CountingReads<B> {
+    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
+        self.inner.gemm(c, a, b, g)
+    }
+    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
+        self.inner.syrk(c, a, s)
+    }
+    fn native_bf16(&self) -> bool {
+        self.inner.native_bf16()
+    }
+    fn gemm_strided(
+        &self,
+        c: ViewMut,
+        a: View,
+        b: View,
+        g: Gemm,
+        batch: usize,
+        strides: [usize; 3],
+    ) {
+        self.inner.gemm_strided(c, a, b, g, batch, strides)
+    }
+    fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
+        self.inner.syrk_strided(c, a, s, batch, strides)
+    }
+    fn syrk_strided_into_bf16(
+        &self,
+        work: ViewMut,
+        c16: ViewMut,
+        a: View,
+        s: Syrk,
+        batch: usize,
+        strides: [usize; 2],
+    ) {
+        self.inner
+            .syrk_strided_into_bf16(work, c16, a, s, batch, strides)
+    }
+    fn batches_matrices(&self) -> bool {
+        self.inner.batches_matrices()
+    }
+    fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
+        self.inner.axpy(y, alpha, x)
+    }
+    fn scale(&self, y: ViewMut, alpha: f32) {
+        self.inner.scale(y, alpha)
+    }
+    fn add(&self, y: ViewMut, x: View) {
+        self.inner.add(y, x)
+    }
+    fn sumsq(&self, x: View) -> f64 {
+        self.sumsq.fetch_add(1, Relaxed);
+        self.inner.sumsq(x)
+    }
+    fn sumsq_acc(&self, acc: ViewMut, x: View) {
+        self.inner.sumsq_acc(acc, x)
+    }
+    fn cast(&self, dst: ViewMut, src: View) {
+        self.inner.cast(dst, src)
+    }
+}
+
+impl<B: Backend> NnOps for CountingReads<B> {
+    fn gemm_grouped(&self, c: ViewMut, a: View, b: View, groups: &[(Gemm, usize, usize, usize)]) {
+        self.inner.gemm_grouped(c, a, b, groups)
+    }
+    fn gemm_experts(&self, c: ViewMut, a: View, b: View, rows: ExpertRows, g: &ExpertGemm) {
+        let device = matches!(rows, ExpertRows::Device { .. });
+        assert!(
+            !device || self.experts_on_device(g.gemm.bf16_inputs),
+            "device offsets to a backend that takes host sizes (a hidden read)"
+        );
+        self.inner.gemm_experts(c, a, b, rows, g)
+    }
+    fn experts_on_device(&self, bf16_inputs: bool) -> bool {
+        self.experts_on_device
+            .unwrap_or_else(|| self.inner.experts_on_device(bf16_inputs))
+    }
+    fn embedding_backward(&self, dwte: ViewMut, dout: View, ids: EmbedIds, dim: usize) {
+        // The grouping the step uploaded, checked here (uncounted reads, the check's own): a
+        // backend that ignores it would not notice it wrong.
+        let got = |v: View, len: usize| self.inner.download_u32(v)[..len].to_vec();
+        let (order, seg_start, seg_id) = embedding_segments(&self.inner.download_u32(ids.ids));
+        assert_eq!(ids.segments, seg_id.len());
+        assert_eq!(got(ids.order, order.len()), order);
+        assert_eq!(got(ids.seg_start, seg_start.len()), seg_start);
+        assert_eq!(got(ids.seg_id, seg_id.len()), seg_id);
+        self.inner.embedding_backward(dwte, dout, ids, dim)
+    }
+    forward_nn_ops!(inner:
+        embedding_forward, rmsnorm_forward, rmsnorm_backward, head_norm_rope_forward,
+        head_norm_rope_backward, attention_forward, attention_backward, swiglu_forward,
+        swiglu_backward, router_forward, router_backward, moe_dispatch, moe_gather,
+        moe_gather_backward, moe_combine, moe_combine_backward, cross_entropy_forward,
+        cross_entropy_backward, head_norm_rope_forward_docs, head_norm_rope_backward_docs,
+        attention_forward_docs, attention_backward_docs,
+    );
+}
+
+impl<B: Backend> OptimOps for CountingReads<B> {
+    forward_optim_ops!(inner:
+        adamw_step, nesterov_momentum, normalize_frobenius, normalize_frobenius_strided,
+        normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update,
+    );
+}
