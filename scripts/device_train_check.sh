@@ -304,6 +304,27 @@ EOF
 speed medium-adamw 150 12 --set optimizer.name=adamw
 case " $torch_runs " in *" eager "*) torch_run torch-eager 150 ;; esac
 speed medium-muon 120 8
+# Issue 32: the experts' GEMMs on gemm.cu's kernel, which reads their rows from the device
+# (GANYMEDE_CUDA_GROUPED=kernel: no count read-back in the step), against the library's grouped
+# GEMM above. In a subshell, so that its failure sends no later run to the fallback kernels.
+if [ $use_fallback = 0 ]; then
+    (
+        export GANYMEDE_CUDA_GROUPED=kernel
+        speed medium-adamw-grouped-kernel 90 8 --set optimizer.name=adamw
+    )
+    "$py" - "$runs" >>"$md" <<'EOF'
+import os, sys
+def tps(n):
+    try:
+        return float(open(os.path.join(sys.argv[1], n + ".tps")).read())
+    except (OSError, ValueError):
+        return None
+a, k = tps("medium-adamw"), tps("medium-adamw-grouped-kernel")
+if a and k:
+    print(f"- experts on gemm.cu's kernel (device offsets, no read-back) / the library's grouped "
+          f"GEMM: **{k / a:.3f}x** tokens/s (AdamW, medium)")
+EOF
+fi
 # Where medium's GPU time goes, op by op (3 AdamW steps, the first one's allocations included;
 # events after every op slow the step, so this run is timed by nobody).
 # On the fallback kernels where the speed run needed them.
