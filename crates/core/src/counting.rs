@@ -7,14 +7,11 @@
 use crate::backend::{
     Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, Memory, NnOps, OptimOps, Syrk,
 };
-use crate::ledger::{Category, Device, Ledger};
-use crate::phase::{PhaseTimes, StepPhase};
-use crate::stream::{CopySpan, Event, MemoryError, Stream};
-use crate::tensor::{DType, Tensor, View, ViewMut};
-use crate::{embedding_segments, forward_nn_ops, forward_optim_ops};
+use crate::stream::Event;
+use crate::tensor::{DType, View, ViewMut};
+use crate::{embedding_segments, forward_memory, forward_nn_ops, forward_optim_ops};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Mutex;
 
 /// `inner` with its reads counted: each download's (dtype, elements), in order, the host's
 /// waits for the device (`synchronize`, `synchronize_event`) and the calls of `sumsq` (whose
@@ -58,24 +55,6 @@ impl<B: Backend> CountingReads<B> {
 }
 
 impl<B: Backend> Memory for CountingReads<B> {
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
-    fn ledger(&self) -> &Arc<Ledger> {
-        self.inner.ledger()
-    }
-    fn zeros(&self, shape: &[usize], category: Category) -> Tensor {
-        self.inner.zeros(shape, category)
-    }
-    fn zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
-        self.inner.zeros_of(shape, dtype, category)
-    }
-    fn upload(&self, data: &[f32], shape: &[usize], category: Category) -> Tensor {
-        self.inner.upload(data, shape, category)
-    }
-    fn upload_f64(&self, data: &[f64], shape: &[usize], category: Category) -> Tensor {
-        self.inner.upload_f64(data, shape, category)
-    }
     fn download(&self, src: View) -> Vec<f32> {
         self.read(&src);
         self.inner.download(src)
@@ -84,75 +63,24 @@ impl<B: Backend> Memory for CountingReads<B> {
         self.read(&src);
         self.inner.download_f64(src)
     }
-    fn write(&self, dst: ViewMut, data: &[f32]) {
-        self.inner.write(dst, data)
-    }
-    fn write_f64(&self, dst: ViewMut, data: &[f64]) {
-        self.inner.write_f64(dst, data)
-    }
-    fn upload_u32(&self, data: &[u32], shape: &[usize], category: Category) -> Tensor {
-        self.inner.upload_u32(data, shape, category)
-    }
-    fn write_u32(&self, dst: ViewMut, data: &[u32]) {
-        self.inner.write_u32(dst, data)
-    }
     fn download_u32(&self, src: View) -> Vec<u32> {
         self.read(&src);
         self.inner.download_u32(src)
-    }
-    fn copy(&self, dst: ViewMut, src: View) {
-        self.inner.copy(dst, src)
-    }
-    fn fill(&self, dst: ViewMut, value: f32) {
-        self.inner.fill(dst, value)
     }
     fn synchronize(&self) {
         self.waits.fetch_add(1, Relaxed);
         self.inner.synchronize()
     }
-    fn try_zeros(&self, shape: &[usize], category: Category) -> Result<Tensor, MemoryError> {
-        self.inner.try_zeros(shape, category)
-    }
-    fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
-        self.inner.pinned_zeros(shape, category)
-    }
-    fn pinned_zeros_of(&self, shape: &[usize], dtype: DType, category: Category) -> Tensor {
-        self.inner.pinned_zeros_of(shape, dtype, category)
-    }
-    fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
-        self.inner.copy_async(dst, src, stream)
-    }
-    fn record_event(&self, stream: Stream) -> Event {
-        self.inner.record_event(stream)
-    }
-    fn wait_event(&self, stream: Stream, event: &Event) {
-        self.inner.wait_event(stream, event)
-    }
     fn synchronize_event(&self, event: &Event) {
         self.waits.fetch_add(1, Relaxed);
         self.inner.synchronize_event(event)
     }
-    fn query_event(&self, event: &Event) -> bool {
-        self.inner.query_event(event)
-    }
-    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
-        self.inner.elapsed(start, end)
-    }
-    fn trace_copies(&self, on: bool) {
-        self.inner.trace_copies(on)
-    }
-    fn take_copy_spans(&self) -> Vec<CopySpan> {
-        self.inner.take_copy_spans()
-    }
-    fn start_phases(&self) {
-        self.inner.start_phases()
-    }
-    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
-        self.inner.phase(p)
-    }
-    fn take_phase_times(&self) -> Option<PhaseTimes> {
-        self.inner.take_phase_times()
-    }
+    forward_memory!(inner:
+        device, ledger, zeros, zeros_of, upload, upload_f64, write, write_f64, upload_u32,
+        write_u32, copy, fill, try_zeros, pinned_zeros, pinned_zeros_of, copy_async,
+        record_event, wait_event, query_event, elapsed, trace_copies, take_copy_spans,
+        start_phases, phase, take_phase_times,
+    );
 }
 
 impl<B: Backend> Blas for CountingReads<B> {

@@ -8,11 +8,9 @@
 use crate::launch::{HostLauncher, Launcher};
 use crate::ops::{KernelOps, Tuning};
 use ganymede_core::{
-    Blas, CopySpan, CpuBackend, DType, Device, Event, ExpertGemm, ExpertRows, Gemm, Ledger, Memory,
-    MemoryError, NnOps, OptimOps, PhaseTimes, StepPhase, Stream, Syrk, Tensor, View, ViewMut,
+    Blas, CpuBackend, DType, ExpertGemm, ExpertRows, Gemm, Memory, NnOps, OptimOps, Syrk, View,
+    ViewMut,
 };
-use std::sync::Arc;
-use std::time::Duration;
 
 /// The matrix products a BLAS library provides (cuBLAS on a GPU), with the seam's semantics
 /// ([`Blas::gemm`], [`Blas::syrk`], [`NnOps::gemm_grouped`]).
@@ -122,115 +120,7 @@ impl HostKernelBackend {
 }
 
 impl<L: Launcher, D: Memory + Gemms> Memory for KernelBackend<L, D> {
-    fn device(&self) -> Device {
-        self.dev.device()
-    }
-    fn ledger(&self) -> &Arc<Ledger> {
-        self.dev.ledger()
-    }
-    fn zeros(&self, shape: &[usize], category: ganymede_core::Category) -> Tensor {
-        self.dev.zeros(shape, category)
-    }
-    fn zeros_of(&self, shape: &[usize], dtype: DType, category: ganymede_core::Category) -> Tensor {
-        self.dev.zeros_of(shape, dtype, category)
-    }
-    fn upload(&self, data: &[f32], shape: &[usize], category: ganymede_core::Category) -> Tensor {
-        self.dev.upload(data, shape, category)
-    }
-    fn upload_f64(
-        &self,
-        data: &[f64],
-        shape: &[usize],
-        category: ganymede_core::Category,
-    ) -> Tensor {
-        self.dev.upload_f64(data, shape, category)
-    }
-    fn download(&self, src: View) -> Vec<f32> {
-        self.dev.download(src)
-    }
-    fn download_f64(&self, src: View) -> Vec<f64> {
-        self.dev.download_f64(src)
-    }
-    fn write(&self, dst: ViewMut, data: &[f32]) {
-        self.dev.write(dst, data)
-    }
-    fn write_f64(&self, dst: ViewMut, data: &[f64]) {
-        self.dev.write_f64(dst, data)
-    }
-    fn upload_u32(
-        &self,
-        data: &[u32],
-        shape: &[usize],
-        category: ganymede_core::Category,
-    ) -> Tensor {
-        self.dev.upload_u32(data, shape, category)
-    }
-    fn write_u32(&self, dst: ViewMut, data: &[u32]) {
-        self.dev.write_u32(dst, data)
-    }
-    fn download_u32(&self, src: View) -> Vec<u32> {
-        self.dev.download_u32(src)
-    }
-    fn copy(&self, dst: ViewMut, src: View) {
-        self.dev.copy(dst, src)
-    }
-    fn fill(&self, dst: ViewMut, value: f32) {
-        self.dev.fill(dst, value)
-    }
-    fn synchronize(&self) {
-        self.dev.synchronize()
-    }
-    fn try_zeros(
-        &self,
-        shape: &[usize],
-        category: ganymede_core::Category,
-    ) -> Result<Tensor, MemoryError> {
-        self.dev.try_zeros(shape, category)
-    }
-    fn pinned_zeros(&self, shape: &[usize], category: ganymede_core::Category) -> Tensor {
-        self.dev.pinned_zeros(shape, category)
-    }
-    fn pinned_zeros_of(
-        &self,
-        shape: &[usize],
-        dtype: DType,
-        category: ganymede_core::Category,
-    ) -> Tensor {
-        self.dev.pinned_zeros_of(shape, dtype, category)
-    }
-    fn copy_async(&self, dst: ViewMut, src: View, stream: Stream) {
-        self.dev.copy_async(dst, src, stream)
-    }
-    fn record_event(&self, stream: Stream) -> Event {
-        self.dev.record_event(stream)
-    }
-    fn wait_event(&self, stream: Stream, event: &Event) {
-        self.dev.wait_event(stream, event)
-    }
-    fn synchronize_event(&self, event: &Event) {
-        self.dev.synchronize_event(event)
-    }
-    fn query_event(&self, event: &Event) -> bool {
-        self.dev.query_event(event)
-    }
-    fn elapsed(&self, start: &Event, end: &Event) -> Duration {
-        self.dev.elapsed(start, end)
-    }
-    fn trace_copies(&self, on: bool) {
-        self.dev.trace_copies(on)
-    }
-    fn take_copy_spans(&self) -> Vec<CopySpan> {
-        self.dev.take_copy_spans()
-    }
-    fn start_phases(&self) {
-        self.dev.start_phases()
-    }
-    fn phase(&self, p: StepPhase) -> Option<StepPhase> {
-        self.dev.phase(p)
-    }
-    fn take_phase_times(&self) -> Option<PhaseTimes> {
-        self.dev.take_phase_times()
-    }
+    ganymede_core::forward_all_memory!(dev);
 }
 
 impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {

@@ -134,6 +134,63 @@ pub trait Memory: Send + Sync {
     }
 }
 
+/// [`Memory`] methods that forward to a field, as [`crate::forward_nn_ops`] does for
+/// [`NnOps`]: `forward_memory!(dev: device, ledger, …)` inside an `impl Memory` writes each named
+/// method as `self.dev.method(args)`. A wrapper writes out only the methods it changes.
+#[macro_export]
+macro_rules! forward_memory {
+    ($t:ident: $($m:ident),+ $(,)?) => { $( $crate::forward_memory!(@ $t $m); )+ };
+    (@ $t:ident device) => { $crate::forward_memory!(@fn $t device() -> $crate::Device); };
+    (@ $t:ident ledger) => { $crate::forward_memory!(@fn $t ledger() -> &std::sync::Arc<$crate::Ledger>); };
+    (@ $t:ident zeros) => { $crate::forward_memory!(@fn $t zeros(shape: &[usize], category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident zeros_of) => { $crate::forward_memory!(@fn $t zeros_of(shape: &[usize], dtype: $crate::DType, category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident upload) => { $crate::forward_memory!(@fn $t upload(data: &[f32], shape: &[usize], category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident upload_f64) => { $crate::forward_memory!(@fn $t upload_f64(data: &[f64], shape: &[usize], category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident download) => { $crate::forward_memory!(@fn $t download(src: $crate::View) -> Vec<f32>); };
+    (@ $t:ident download_f64) => { $crate::forward_memory!(@fn $t download_f64(src: $crate::View) -> Vec<f64>); };
+    (@ $t:ident write) => { $crate::forward_memory!(@fn $t write(dst: $crate::ViewMut, data: &[f32]) -> ()); };
+    (@ $t:ident write_f64) => { $crate::forward_memory!(@fn $t write_f64(dst: $crate::ViewMut, data: &[f64]) -> ()); };
+    (@ $t:ident upload_u32) => { $crate::forward_memory!(@fn $t upload_u32(data: &[u32], shape: &[usize], category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident write_u32) => { $crate::forward_memory!(@fn $t write_u32(dst: $crate::ViewMut, data: &[u32]) -> ()); };
+    (@ $t:ident download_u32) => { $crate::forward_memory!(@fn $t download_u32(src: $crate::View) -> Vec<u32>); };
+    (@ $t:ident copy) => { $crate::forward_memory!(@fn $t copy(dst: $crate::ViewMut, src: $crate::View) -> ()); };
+    (@ $t:ident fill) => { $crate::forward_memory!(@fn $t fill(dst: $crate::ViewMut, value: f32) -> ()); };
+    (@ $t:ident synchronize) => { $crate::forward_memory!(@fn $t synchronize() -> ()); };
+    (@ $t:ident try_zeros) => { $crate::forward_memory!(@fn $t try_zeros(shape: &[usize], category: $crate::Category) -> Result<$crate::Tensor, $crate::MemoryError>); };
+    (@ $t:ident pinned_zeros) => { $crate::forward_memory!(@fn $t pinned_zeros(shape: &[usize], category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident pinned_zeros_of) => { $crate::forward_memory!(@fn $t pinned_zeros_of(shape: &[usize], dtype: $crate::DType, category: $crate::Category) -> $crate::Tensor); };
+    (@ $t:ident copy_async) => { $crate::forward_memory!(@fn $t copy_async(dst: $crate::ViewMut, src: $crate::View, stream: $crate::Stream) -> ()); };
+    (@ $t:ident record_event) => { $crate::forward_memory!(@fn $t record_event(stream: $crate::Stream) -> $crate::Event); };
+    (@ $t:ident wait_event) => { $crate::forward_memory!(@fn $t wait_event(stream: $crate::Stream, event: &$crate::Event) -> ()); };
+    (@ $t:ident synchronize_event) => { $crate::forward_memory!(@fn $t synchronize_event(event: &$crate::Event) -> ()); };
+    (@ $t:ident query_event) => { $crate::forward_memory!(@fn $t query_event(event: &$crate::Event) -> bool); };
+    (@ $t:ident elapsed) => { $crate::forward_memory!(@fn $t elapsed(start: &$crate::Event, end: &$crate::Event) -> std::time::Duration); };
+    (@ $t:ident trace_copies) => { $crate::forward_memory!(@fn $t trace_copies(on: bool) -> ()); };
+    (@ $t:ident take_copy_spans) => { $crate::forward_memory!(@fn $t take_copy_spans() -> Vec<$crate::CopySpan>); };
+    (@ $t:ident start_phases) => { $crate::forward_memory!(@fn $t start_phases() -> ()); };
+    (@ $t:ident phase) => { $crate::forward_memory!(@fn $t phase(p: $crate::StepPhase) -> Option<$crate::StepPhase>); };
+    (@ $t:ident take_phase_times) => { $crate::forward_memory!(@fn $t take_phase_times() -> Option<$crate::PhaseTimes>); };
+    (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?) -> $r:ty) => {
+        fn $m(&self, $($a: $ty),*) -> $r {
+            self.$t.$m($($a),*)
+        }
+    };
+}
+
+/// All of [`Memory`] for `forward_memory!` (a wrapper that changes nothing of it).
+#[macro_export]
+macro_rules! forward_all_memory {
+    ($t:ident) => {
+        $crate::forward_memory!($t:
+            device, ledger, zeros, zeros_of, upload, upload_f64, download, download_f64, write,
+            write_f64, upload_u32, write_u32, download_u32, copy, fill, synchronize, try_zeros,
+            pinned_zeros, pinned_zeros_of, copy_async, record_event, wait_event,
+            synchronize_event, query_event, elapsed, trace_copies, take_copy_spans,
+            start_phases, phase, take_phase_times,
+        );
+    };
+}
+
 /// Run `f` as phase `p`, then go back to the phase that ran before (a collective inside the
 /// experts' phase, say).
 pub fn in_phase<M: Memory + ?Sized, R>(be: &M, p: StepPhase, f: impl FnOnce() -> R) -> R {
