@@ -5,11 +5,11 @@
 //! logic a GPU runs.
 
 use crate::backend::{
-    Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, Memory, NnOps, OptimOps, Syrk,
+    Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, Memory, NnOps, OptimOps,
 };
 use crate::stream::Event;
 use crate::tensor::{DType, View, ViewMut};
-use crate::{embedding_segments, forward_memory, forward_nn_ops, forward_optim_ops};
+use crate::{embedding_segments, forward_blas, forward_memory, forward_nn_ops, forward_optim_ops};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -84,63 +84,14 @@ impl<B: Backend> Memory for CountingReads<B> {
 }
 
 impl<B: Backend> Blas for CountingReads<B> {
-    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
-        self.inner.gemm(c, a, b, g)
-    }
-    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
-        self.inner.syrk(c, a, s)
-    }
-    fn native_bf16(&self) -> bool {
-        self.inner.native_bf16()
-    }
-    fn gemm_strided(
-        &self,
-        c: ViewMut,
-        a: View,
-        b: View,
-        g: Gemm,
-        batch: usize,
-        strides: [usize; 3],
-    ) {
-        self.inner.gemm_strided(c, a, b, g, batch, strides)
-    }
-    fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
-        self.inner.syrk_strided(c, a, s, batch, strides)
-    }
-    fn syrk_strided_into_bf16(
-        &self,
-        work: ViewMut,
-        c16: ViewMut,
-        a: View,
-        s: Syrk,
-        batch: usize,
-        strides: [usize; 2],
-    ) {
-        self.inner
-            .syrk_strided_into_bf16(work, c16, a, s, batch, strides)
-    }
-    fn batches_matrices(&self) -> bool {
-        self.inner.batches_matrices()
-    }
-    fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
-        self.inner.axpy(y, alpha, x)
-    }
-    fn scale(&self, y: ViewMut, alpha: f32) {
-        self.inner.scale(y, alpha)
-    }
-    fn add(&self, y: ViewMut, x: View) {
-        self.inner.add(y, x)
-    }
     fn sumsq(&self, x: View) -> f64 {
         self.sumsq.fetch_add(1, Relaxed);
         self.inner.sumsq(x)
     }
-    fn sumsq_acc(&self, acc: ViewMut, x: View) {
-        self.inner.sumsq_acc(acc, x)
-    }
-    fn cast(&self, dst: ViewMut, src: View) {
-        self.inner.cast(dst, src)
-    }
+    forward_blas!(inner:
+        gemm, syrk, native_bf16, gemm_strided, syrk_strided, syrk_strided_into_bf16,
+        batches_matrices, axpy, scale, add, sumsq_acc, cast,
+    );
 }
 
 impl<B: Backend> NnOps for CountingReads<B> {

@@ -124,58 +124,12 @@ impl<L: Launcher, D: Memory + Gemms> Memory for KernelBackend<L, D> {
 }
 
 impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
-    fn gemm(&self, c: ViewMut, a: View, b: View, g: Gemm) {
-        Gemms::gemm(&self.dev, c, a, b, g)
-    }
-    fn syrk(&self, c: ViewMut, a: View, s: Syrk) {
-        Gemms::syrk(&self.dev, c, a, s)
-    }
-    fn native_bf16(&self) -> bool {
-        Gemms::native_bf16(&self.dev)
-    }
-    fn gemm_strided(
-        &self,
-        c: ViewMut,
-        a: View,
-        b: View,
-        g: Gemm,
-        batch: usize,
-        strides: [usize; 3],
-    ) {
-        Gemms::gemm_strided(&self.dev, c, a, b, g, batch, strides)
-    }
-    fn syrk_strided(&self, c: ViewMut, a: View, s: Syrk, batch: usize, strides: [usize; 2]) {
-        Gemms::syrk_strided(&self.dev, c, a, s, batch, strides)
-    }
-    fn syrk_strided_into_bf16(
-        &self,
-        work: ViewMut,
-        c16: ViewMut,
-        a: View,
-        s: Syrk,
-        batch: usize,
-        strides: [usize; 2],
-    ) {
-        Gemms::syrk_strided_into_bf16(&self.dev, work, c16, a, s, batch, strides)
-    }
-    fn batches_matrices(&self) -> bool {
-        Gemms::batches_matrices(&self.dev)
-    }
-    fn axpy(&self, y: ViewMut, alpha: f32, x: View) {
-        self.ops.axpy(y, alpha, x)
-    }
-    fn scale(&self, y: ViewMut, alpha: f32) {
-        self.ops.scale(y, alpha)
-    }
-    fn add(&self, y: ViewMut, x: View) {
-        self.ops.add(y, x)
-    }
-    fn sumsq(&self, x: View) -> f64 {
-        self.ops.sumsq(x)
-    }
-    fn sumsq_acc(&self, acc: ViewMut, x: View) {
-        self.ops.sumsq_acc(acc, x)
-    }
+    // The products are the library's (`Gemms`), the vector ops the kernels'.
+    ganymede_core::forward_blas!(dev:
+        gemm, syrk, native_bf16, gemm_strided, syrk_strided, syrk_strided_into_bf16,
+        batches_matrices,
+    );
+    ganymede_core::forward_blas!(ops: axpy, scale, add, sumsq, sumsq_acc);
     fn cast(&self, dst: ViewMut, src: View) {
         // A same-dtype "cast" is a copy, which is the memory's.
         if dst.dtype() == src.dtype() {

@@ -177,6 +177,33 @@ macro_rules! forward_memory {
     };
 }
 
+/// [`Blas`] methods that forward to a field, as [`crate::forward_memory`] does for [`Memory`]:
+/// `forward_blas!(dev: gemm, syrk, …)` inside an `impl Blas` writes each named method as
+/// `self.dev.method(args)` (a field's own method of that name: a BLAS library's, a kernel op's).
+#[macro_export]
+macro_rules! forward_blas {
+    ($t:ident: $($m:ident),+ $(,)?) => { $( $crate::forward_blas!(@ $t $m); )+ };
+    (@ $t:ident gemm) => { $crate::forward_blas!(@fn $t gemm(c: $crate::ViewMut, a: $crate::View, b: $crate::View, g: $crate::Gemm) -> ()); };
+    (@ $t:ident syrk) => { $crate::forward_blas!(@fn $t syrk(c: $crate::ViewMut, a: $crate::View, s: $crate::Syrk) -> ()); };
+    (@ $t:ident native_bf16) => { $crate::forward_blas!(@fn $t native_bf16() -> bool); };
+    (@ $t:ident gemm_strided) => { $crate::forward_blas!(@fn $t gemm_strided(c: $crate::ViewMut, a: $crate::View, b: $crate::View, g: $crate::Gemm, batch: usize, strides: [usize; 3]) -> ()); };
+    (@ $t:ident syrk_strided) => { $crate::forward_blas!(@fn $t syrk_strided(c: $crate::ViewMut, a: $crate::View, s: $crate::Syrk, batch: usize, strides: [usize; 2]) -> ()); };
+    (@ $t:ident syrk_strided_into_bf16) => { $crate::forward_blas!(@fn $t syrk_strided_into_bf16(work: $crate::ViewMut, c16: $crate::ViewMut, a: $crate::View, s: $crate::Syrk, batch: usize, strides: [usize; 2]) -> ()); };
+    (@ $t:ident batches_matrices) => { $crate::forward_blas!(@fn $t batches_matrices() -> bool); };
+    (@ $t:ident axpy) => { $crate::forward_blas!(@fn $t axpy(y: $crate::ViewMut, alpha: f32, x: $crate::View) -> ()); };
+    (@ $t:ident scale) => { $crate::forward_blas!(@fn $t scale(y: $crate::ViewMut, alpha: f32) -> ()); };
+    (@ $t:ident add) => { $crate::forward_blas!(@fn $t add(y: $crate::ViewMut, x: $crate::View) -> ()); };
+    (@ $t:ident sumsq) => { $crate::forward_blas!(@fn $t sumsq(x: $crate::View) -> f64); };
+    (@ $t:ident sumsq_acc) => { $crate::forward_blas!(@fn $t sumsq_acc(acc: $crate::ViewMut, x: $crate::View) -> ()); };
+    (@ $t:ident cast) => { $crate::forward_blas!(@fn $t cast(dst: $crate::ViewMut, src: $crate::View) -> ()); };
+    (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?) -> $r:ty) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $m(&self, $($a: $ty),*) -> $r {
+            self.$t.$m($($a),*)
+        }
+    };
+}
+
 /// All of [`Memory`] for `forward_memory!` (a wrapper that changes nothing of it).
 #[macro_export]
 macro_rules! forward_all_memory {
