@@ -5,7 +5,8 @@
 //! logic a GPU runs.
 
 use crate::backend::{
-    Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, Memory, NnOps, OptimOps,
+    AdamWStep, Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, GradScale, Memory, NnOps,
+    OptimOps,
 };
 use crate::stream::Event;
 use crate::tensor::{DType, View, ViewMut};
@@ -15,7 +16,9 @@ use std::sync::Mutex;
 
 /// `inner` with its reads counted: each download's (dtype, elements), in order, the host's
 /// waits for the device (`synchronize`, `synchronize_event`) and the calls of `sumsq` (whose
-/// result is a read).
+/// result is a read); and, for each update kernel (`adamw_step`, `nesterov_momentum`,
+/// `decay_update`), how many reads and `sumsq`s came before it, so that a test can hold an
+/// optimizer step to reading nothing before its update.
 pub struct CountingReads<B> {
     pub inner: B,
     /// Where set, what [`NnOps::experts_on_device`] answers instead of `inner` (as a backend
@@ -25,6 +28,8 @@ pub struct CountingReads<B> {
     reads: Mutex<Vec<(DType, usize)>>,
     waits: AtomicUsize,
     sumsq: AtomicUsize,
+    /// Per update kernel: the reads (since the last [`Self::take`]) and `sumsq`s before it.
+    updates: Mutex<Vec<(usize, usize)>>,
 }
 
 impl<B: Backend> CountingReads<B> {
@@ -35,11 +40,23 @@ impl<B: Backend> CountingReads<B> {
             reads: Mutex::new(vec![]),
             waits: AtomicUsize::new(0),
             sumsq: AtomicUsize::new(0),
+            updates: Mutex::new(vec![]),
         }
     }
-    /// The reads since the last call.
+    /// The reads since the last call (which starts the update kernels' log afresh too).
     pub fn take(&self) -> Vec<(DType, usize)> {
+        self.updates.lock().unwrap().clear();
         std::mem::take(&mut self.reads.lock().unwrap())
+    }
+    /// Each update kernel since the last [`Self::take`], in order: how many reads had come
+    /// since that `take`, and how many `sumsq`s in all, when it was called.
+    pub fn updates(&self) -> Vec<(usize, usize)> {
+        self.updates.lock().unwrap().clone()
+    }
+    fn update(&self) {
+        let reads = self.reads.lock().unwrap().len();
+        let mut u = self.updates.lock().unwrap();
+        u.push((reads, self.sumsqs()));
     }
     /// The host's waits for the device so far.
     pub fn waits(&self) -> usize {
@@ -132,8 +149,37 @@ impl<B: Backend> NnOps for CountingReads<B> {
 }
 
 impl<B: Backend> OptimOps for CountingReads<B> {
+    fn adamw_step(
+        &self,
+        param: ViewMut,
+        m: ViewMut,
+        v: ViewMut,
+        grad: View,
+        h: &AdamWStep,
+        rounded: Option<ViewMut>,
+    ) {
+        self.update();
+        self.inner.adamw_step(param, m, v, grad, h, rounded)
+    }
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, scale: GradScale) {
+        self.update();
+        self.inner.nesterov_momentum(buf, grad, momentum, scale)
+    }
+    fn decay_update(
+        &self,
+        param: ViewMut,
+        update: View,
+        alpha: f64,
+        decay: f64,
+        rounded: Option<ViewMut>,
+        gate: GradScale,
+    ) {
+        self.update();
+        self.inner
+            .decay_update(param, update, alpha, decay, rounded, gate)
+    }
     forward_optim_ops!(inner:
-        adamw_step, nesterov_momentum, normalize_frobenius, normalize_frobenius_strided,
-        normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update,
+        normalize_frobenius, normalize_frobenius_strided, normalizes_into_bf16,
+        normalize_frobenius_strided_bf16, step_scale,
     );
 }

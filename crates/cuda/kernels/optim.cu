@@ -3,6 +3,17 @@
 // CPU backend rounds them. Compiled after common.cuh (see src/sources.rs).
 // Launch: 1-D, any grid and block (grid-stride loops), unless a kernel says otherwise.
 
+// The step's gradient scale where the device worked it out (step_scale_f64): gsp, an f64 holding
+// an f32 value, replaces gs; NaN stops the update (the kernel writes nothing). Null: gs as given.
+// Returns false where the kernel must return at once.
+__device__ __forceinline__ bool grad_scale(const double* gsp, float& gs) {
+    if (!gsp) return true;
+    const double d = *gsp;
+    if (d != d) return false;
+    gs = (float)d;
+    return true;
+}
+
 // AdamW on g = grad·gs (gs: the clip coefficient or 1, so clipping needs no pass of its own):
 // m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²; p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
 // with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2). ROUND: the new p also
@@ -34,21 +45,26 @@ __device__ void adamw(float* p, float* m, float* v, const float* g, bf16* p16, l
     });
 }
 extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
-                                          long long n, float gs, float b1, float b2, float omb1,
-                                          float omb2, float keep, float step, float inv_sqrt_bc2,
-                                          float eps) {
+                                          long long n, float gs, const double* gsp, float b1,
+                                          float b2, float omb1, float omb2, float keep, float step,
+                                          float inv_sqrt_bc2, float eps) {
+    if (!grad_scale(gsp, gs)) return;
     adamw<false>(p, m, v, g, nullptr, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
 }
 extern "C" __global__ void adamw_step_f32_rounded(float* p, float* m, float* v, const float* g,
-                                                  bf16* p16, long long n, float gs, float b1,
-                                                  float b2, float omb1, float omb2, float keep,
-                                                  float step, float inv_sqrt_bc2, float eps) {
+                                                  bf16* p16, long long n, float gs,
+                                                  const double* gsp, float b1, float b2,
+                                                  float omb1, float omb2, float keep, float step,
+                                                  float inv_sqrt_bc2, float eps) {
+    if (!grad_scale(gsp, gs)) return;
     adamw<true>(p, m, v, g, p16, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
 }
 
 // Nesterov momentum, in place on the gradient: g = g·gs; buf = mu·buf + g; g = g + mu·buf (the
-// new buf).
-extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu, float gs) {
+// new buf). gsp as in adamw_step_f32.
+extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu, float gs,
+                                        const double* gsp) {
+    if (!grad_scale(gsp, gs)) return;
     ew_loop(n, vec_aligned(buf, g), [&](long long i, auto w) {
         constexpr int W = decltype(w)::n;
         float gi[W], b[W];
@@ -160,11 +176,38 @@ __device__ void decay_update(float* p, const float* u, bf16* p16, long long n, f
         if constexpr (ROUND) stw(p16 + i, a);
     });
 }
+// gate: the step's device gradient scale or null; NaN stops the update, as in adamw_step_f32.
 extern "C" __global__ void decay_update_f32(float* p, const float* u, long long n, float alpha,
-                                            float keep) {
+                                            float keep, const double* gate) {
+    float unused = 1.0f;
+    if (!grad_scale(gate, unused)) return;
     decay_update<false>(p, u, nullptr, n, alpha, keep);
 }
 extern "C" __global__ void decay_update_f32_rounded(float* p, const float* u, bf16* p16,
-                                                    long long n, float alpha, float keep) {
+                                                    long long n, float alpha, float keep,
+                                                    const double* gate) {
+    float unused = 1.0f;
+    if (!grad_scale(gate, unused)) return;
     decay_update<true>(p, u, p16, n, alpha, keep);
+}
+
+// The step's gradient scale from sums (n f64: the global squared gradient norm, then figures
+// that must be finite too), as the host's step_scale_value: NaN where one is not finite, else
+// max_norm / (norm + 1e-6) rounded to f32 where the norm exceeds max_norm > 0, else 1. One
+// thread: the update kernels read it (their gsp) instead of the host reading the norm.
+extern "C" __global__ void step_scale_f64(double* scale, const double* sums, long long n,
+                                          double max_norm) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    for (long long i = 0; i < n; i++) {
+        // d − d is 0 for a finite d and NaN for an infinity or a NaN (no fast math here).
+        const double z = sums[i] - sums[i];
+        if (z != 0.0) {
+            scale[0] = z;
+            return;
+        }
+    }
+    const double norm = sqrt(sums[0]);
+    double s = 1.0;
+    if (max_norm > 0.0 && norm > max_norm) s = (double)(float)(max_norm / (norm + 1e-6));
+    scale[0] = s;
 }

@@ -185,7 +185,7 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
     ganymede_core::forward_optim_ops!(ops:
         adamw_step, nesterov_momentum, normalize_frobenius, normalize_frobenius_strided,
-        normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update,
+        normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update, step_scale,
     );
 }
 

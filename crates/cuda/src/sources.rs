@@ -137,6 +137,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "adamw_step_f32",
             "adamw_step_f32_rounded",
             "nesterov_f32",
+            "step_scale_f64",
             "scale_by_inv_norm_f32",
             "sumsq_partial_strided_f32",
             "sum_rows_f64",

@@ -368,6 +368,7 @@ fn ew_placements(
 #[test]
 fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
     let f = |x: f32| Arg::F32(x);
+    const NULL: Arg = Arg::Ptr(std::ptr::null_mut());
     let sq = EwArray {
         bytes: 8,
         len: Some(EW.grid[0] as usize),
@@ -445,22 +446,23 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         "adamw_step_f32",
         vec![A_F32; 4],
         Box::new(move |p, n| {
-            let h = [0.8, 0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
-            [&p[..4], &[n][..], &h[..]].concat()
+            // The scale given (a null device scale), then the constants.
+            let h = [0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
+            [&p[..4], &[n, f(0.8), NULL][..], &h[..]].concat()
         }),
     ));
     cases.push((
         "adamw_step_f32_rounded",
         vec![A_F32, A_F32, A_F32, A_F32, A_BF16],
         Box::new(move |p, n| {
-            let h = [0.8, 0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
-            [&p[..5], &[n][..], &h[..]].concat()
+            let h = [0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
+            [&p[..5], &[n, f(0.8), NULL][..], &h[..]].concat()
         }),
     ));
     cases.push((
         "nesterov_f32",
         vec![A_F32; 2],
-        Box::new(move |p, n| vec![p[0], p[1], n, f(0.95), f(0.7)]),
+        Box::new(move |p, n| vec![p[0], p[1], n, f(0.95), f(0.7), NULL]),
     ));
     cases.push((
         "scale_by_inv_norm_f32",
@@ -476,16 +478,18 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
     cases.push((
         "decay_update_f32",
         vec![A_F32; 2],
-        Box::new(move |p, n| vec![p[0], p[1], n, f(0.02), f(0.999)]),
+        Box::new(move |p, n| vec![p[0], p[1], n, f(0.02), f(0.999), NULL]),
     ));
     cases.push((
         "decay_update_f32_rounded",
         vec![A_F32, A_F32, A_BF16],
-        Box::new(move |p, n| vec![p[0], p[1], p[2], n, f(0.02), f(0.999)]),
+        Box::new(move |p, n| vec![p[0], p[1], p[2], n, f(0.02), f(0.999), NULL]),
     ));
     // Every elementwise and optimizer kernel but the partials' final sums and the stack
     // kernels on a 2-D grid: frobenius_normalisation_of_a_stack holds those to the bits of
-    // the per-matrix kernels checked here, at aligned and unaligned matrix sizes.
+    // the per-matrix kernels checked here, at aligned and unaligned matrix sizes; and the
+    // one-thread step_scale_f64 (step_scale_matches_the_host). The update kernels' scale is
+    // given here (a null device scale); optimizer_updates reads it from the device too.
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
     let elsewhere = [
         "sum_acc_f64",
@@ -493,6 +497,7 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         "sumsq_partial_strided_f32",
         "scale_by_inv_norm_strided_f32",
         "scale_by_inv_norm_strided_f32_to_bf16",
+        "step_scale_f64",
     ];
     for k in ganymede_cuda::host::kernel_names() {
         let file = ganymede_cuda::sources::file_of(&k).unwrap();
@@ -1190,17 +1195,93 @@ fn optimizer_updates() {
     let g = rng.values(n, 0.5);
     let (b, kb) = (cpu(), kernels(SMALL));
     let h = AdamWStep::at_step(1e-2, (0.9, 0.95), 1e-8, 0.1, 3);
-    // Unscaled, and with a clip coefficient folded in.
+    // Unscaled, and with a clip coefficient folded in; the factor given by the host, and read
+    // by the kernels from device memory.
     for gs in [1.0f32, 0.37] {
-        optimizer_updates_at(
-            &b,
-            &kb,
-            [&p, &m, &v, &g],
-            AdamWStep {
-                grad_scale: gs,
-                ..h
-            },
+        for on_device in [false, true] {
+            optimizer_updates_at(&b, &kb, [&p, &m, &v, &g], h, (gs, on_device));
+        }
+    }
+}
+
+/// The step's scale worked out on the device (`step_scale_f64`): clipping's coefficient, bit
+/// for bit the host's [`step_scale_value`] and the CPU backend's, 1 where the norm is within
+/// bounds or clipping is off, NaN where any figure is not finite.
+#[test]
+fn step_scale_matches_the_host() {
+    use ganymede_core::step_scale_value;
+    let (b, kb) = (cpu(), kernels(SMALL));
+    let cases: [(&[f64], f64); 8] = [
+        (&[4.0], 1.0),
+        (&[0.25], 1.0),
+        (&[1234.5678, 3.0, 7.0], 1.0),
+        (&[1234.5678], 0.0),
+        (&[0.0, 0.0], 1.0),
+        (&[f64::INFINITY, 1.0], 1.0),
+        (&[4.0, f64::NAN], 1.0),
+        (&[4.0, 1.0, f64::NEG_INFINITY], 0.0),
+    ];
+    for (sums, max_norm) in cases {
+        let want = step_scale_value(sums, max_norm);
+        for be in [&b as &dyn Backend, &kb] {
+            let mut t = be.zeros_of(&[sums.len()], DType::F64, Category::Activations);
+            be.write_f64(t.view_mut(), sums);
+            let mut s = be.zeros_of(&[1], DType::F64, Category::Activations);
+            be.step_scale(s.view_mut(), t.view(), max_norm);
+            let got = be.download_f64(s.view())[0];
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{sums:?}, max {max_norm}: {got} against {want}"
+            );
+        }
+    }
+    // The closed form where it clips: 1 / (2 + 1e-6) in f32.
+    assert_eq!(
+        step_scale_value(&[4.0], 1.0),
+        f64::from((1.0 / 2.000001f64) as f32)
+    );
+    assert_eq!(step_scale_value(&[0.25], 1.0), 1.0);
+}
+
+/// A NaN device scale (a gradient norm that is not finite) stops every update kernel: the
+/// weights, their state and their rounded copies are left as they were, on the kernels and on
+/// the CPU backend alike.
+#[test]
+fn a_nan_device_scale_writes_nothing() {
+    use ganymede_core::{AdamWStep, GradScale};
+    let n = 300usize;
+    let mut rng = Lcg::new(9);
+    let x: Vec<Vec<f32>> = (0..4).map(|_| rng.values(n, 0.5)).collect();
+    let v: Vec<f32> = x[2].iter().map(|x| x.abs()).collect();
+    for be in [&cpu() as &dyn Backend, &kernels(SMALL)] {
+        let mut s = be.zeros_of(&[1], DType::F64, Category::Activations);
+        be.write_f64(s.view_mut(), &[f64::NAN]);
+        let stop = GradScale::Device(s.view());
+        let (mut p, mut m, mut vt) = (up(be, &x[0]), up(be, &x[1]), up(be, &v));
+        let mut g = up(be, &x[3]);
+        let mut r = be.zeros_of(&[n], DType::BF16, Category::Activations);
+        let r0 = r.view().host_bf16().to_vec();
+        let h = AdamWStep {
+            grad_scale: stop,
+            ..AdamWStep::at_step(1e-2, (0.9, 0.95), 1e-8, 0.1, 3)
+        };
+        let (pv, mv, vv) = (p.view_mut(), m.view_mut(), vt.view_mut());
+        be.adamw_step(pv, mv, vv, g.view(), &h, Some(r.view_mut()));
+        be.nesterov_momentum(m.view_mut(), g.view_mut(), 0.95, stop);
+        let u = up(be, &x[1]);
+        be.decay_update(
+            p.view_mut(),
+            u.view(),
+            0.02,
+            0.001,
+            Some(r.view_mut()),
+            stop,
         );
+        assert_eq!(down(be, &p), x[0], "the weights");
+        assert_eq!(down(be, &m), x[1], "the first moment / momentum");
+        assert_eq!(down(be, &vt), v, "the second moment");
+        assert_eq!(down(be, &g), x[3], "the gradient");
+        assert_eq!(r.view().host_bf16(), &r0[..], "the rounded copy");
     }
 }
 
@@ -1333,12 +1414,32 @@ fn optimizer_updates_at(
     kb: &HostKernelBackend,
     [p, m, v, g]: [&Vec<f32>; 4],
     h: ganymede_core::AdamWStep,
+    (gs, on_device): (f32, bool),
 ) {
+    use ganymede_core::GradScale;
+    // The factor as the backend's own device memory holds it, or as the host gives it.
+    let scale = |be: &dyn Backend| {
+        let mut t = be.zeros_of(&[1], DType::F64, Category::Activations);
+        be.write_f64(t.view_mut(), &[f64::from(gs)]);
+        t
+    };
+    fn pick(t: &Tensor, gs: f32, on_device: bool) -> GradScale<'_> {
+        match on_device {
+            true => GradScale::Device(t.view()),
+            false => GradScale::Host(gs),
+        }
+    }
+    let label = format!("grad_scale {gs}, on the device {on_device}");
     // And the update rounded into a bf16 copy, as the compute copy is written.
     let adamw = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut p, mut m, mut v) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
         let (mut p2, mut m2, mut v2) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
         let g = up(be, &x[3]);
+        let t = scale(be);
+        let h = ganymede_core::AdamWStep {
+            grad_scale: pick(&t, gs, on_device),
+            ..h
+        };
         be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None);
         let mut r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
         let (pv, mv, vv) = (p2.view_mut(), m2.view_mut(), v2.view_mut());
@@ -1350,7 +1451,7 @@ fn optimizer_updates_at(
         vec![down(be, &p), down(be, &m), down(be, &v), rounded]
     };
     parity(
-        &format!("adamw_step_f32, grad_scale {}", h.grad_scale),
+        &format!("adamw_step_f32, {label}"),
         &[p.clone(), m.clone(), v.clone(), g.clone()],
         3,
         &[F32],
@@ -1360,11 +1461,12 @@ fn optimizer_updates_at(
     let mu = 0.95;
     let nesterov = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut buf, mut g) = (up(be, &x[0]), up(be, &x[1]));
-        be.nesterov_momentum(buf.view_mut(), g.view_mut(), mu, h.grad_scale);
+        let t = scale(be);
+        be.nesterov_momentum(buf.view_mut(), g.view_mut(), mu, pick(&t, gs, on_device));
         vec![down(be, &buf), down(be, &g)]
     };
     parity(
-        &format!("nesterov_f32, grad_scale {}", h.grad_scale),
+        &format!("nesterov_f32, {label}"),
         &[m.clone(), g.clone()],
         1,
         &[F32],
@@ -1388,15 +1490,25 @@ fn optimizer_updates_at(
     let (alpha, decay) = (0.02, 0.001);
     let decay_update = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut p, mut p2) = (up(be, &x[0]), up(be, &x[0]));
-        be.decay_update(p.view_mut(), up(be, &x[1]).view(), alpha, decay, None);
+        // Only the gate's stop counts here: a finite factor leaves the update as it is.
+        let t = scale(be);
+        let gate = pick(&t, gs, on_device);
+        be.decay_update(p.view_mut(), up(be, &x[1]).view(), alpha, decay, None, gate);
         let mut r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
         let u = up(be, &x[1]);
-        be.decay_update(p2.view_mut(), u.view(), alpha, decay, Some(r.view_mut()));
+        be.decay_update(
+            p2.view_mut(),
+            u.view(),
+            alpha,
+            decay,
+            Some(r.view_mut()),
+            gate,
+        );
         assert_eq!(down(be, &p2), down(be, &p));
         vec![down(be, &p), from_bf16(r.view().host_bf16())]
     };
     parity(
-        "decay_update_f32",
+        &format!("decay_update_f32, {label}"),
         &[p.clone(), g.clone()],
         1,
         &[F32],

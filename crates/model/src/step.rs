@@ -334,10 +334,17 @@ fn route_slot<'a>(
     })
 }
 
-/// Switch auxiliary loss per layer (`E · Σ_i f_i · P_i`, f_i = selections of i / tokens,
-/// P_i = mean probability of i), averaged over MoE layers; and each layer's load.
-/// The step's one read of its scalars, at its end: the loss sum, the routing sums (summed
-/// over the global batch's slices first) and the global counts.
+/// The routing sums summed over the global batch's slices, on the device (the counts were
+/// summed after the forward): what [`summarise`] and [`stash_output`] take.
+fn reduce_route(be: &dyn Backend, src: &mut dyn ParamSource, ws: &mut Workspace) -> Result<()> {
+    match ws.route.as_mut() {
+        Some(r) => src.reduce_psum(be, r.psum.view_mut()),
+        None => Ok(()),
+    }
+}
+
+/// The step's one read of its scalars, at its end: the loss sum, the routing sums and the
+/// global counts.
 fn summarise(
     be: &dyn Backend,
     model: &Model,
@@ -345,17 +352,50 @@ fn summarise(
     ws: &mut Workspace,
     n: usize,
 ) -> Result<StepOutput> {
-    let (psum, counts) = match ws.route.as_mut() {
-        Some(r) => {
-            src.reduce_psum(be, r.psum.view_mut())?;
-            (
-                be.download_f64(r.psum.view()),
-                be.download_f64(r.counts.view()),
-            )
-        }
+    reduce_route(be, src, ws)?;
+    let (psum, counts) = match ws.route.as_ref() {
+        Some(r) => (
+            be.download_f64(r.psum.view()),
+            be.download_f64(r.counts.view()),
+        ),
         None => (vec![], vec![]),
     };
     let loss_sum = be.download_f64(ws.head.loss.view())[0];
+    Ok(output_of(model, loss_sum, &psum, &counts, n))
+}
+
+/// f64s of a step's routing figures in device memory: each MoE layer's routing sums, then
+/// its counts (`[moe layers, E]` each; none without MoE layers). See
+/// [`forward_backward_into`], [`read_output`].
+pub fn route_len(model: &Model) -> usize {
+    let cfg = model.config();
+    let moe = (0..cfg.layers).filter(|&l| cfg.is_moe_layer(l)).count();
+    2 * moe * cfg.experts
+}
+
+/// The step's figures copied device to device: the loss sum to `loss` (one f64), the routing
+/// figures to `route` ([`route_len`]), to be read after the update with [`read_output`].
+fn stash_output(be: &dyn Backend, ws: &Workspace, loss: ViewMut, mut route: ViewMut) {
+    be.copy(loss, ws.head.loss.view());
+    if let Some(r) = ws.route.as_ref() {
+        let s = r.psum.len();
+        be.copy(route.reborrow().slice(0, s), r.psum.view());
+        be.copy(route.slice(s, s), r.counts.view());
+    }
+}
+
+/// The [`StepOutput`] of the figures [`forward_backward_into`] stashed, read back: the loss
+/// sum and the routing figures, for a global batch of `n` tokens.
+pub fn read_output(model: &Model, loss_sum: f64, route: &[f64], n: usize) -> StepOutput {
+    assert_eq!(route.len(), route_len(model), "a step's routing figures");
+    let (psum, counts) = route.split_at(route.len() / 2);
+    output_of(model, loss_sum, psum, counts, n)
+}
+
+/// Switch auxiliary loss per layer (`E · Σ_i f_i · P_i`, f_i = selections of i / tokens,
+/// P_i = mean probability of i), averaged over MoE layers; and each layer's load; from the
+/// loss sum, the routing sums and the global counts of a global batch of `n` tokens.
+fn output_of(model: &Model, loss_sum: f64, psum: &[f64], counts: &[f64], n: usize) -> StepOutput {
     let cfg = model.config();
     let (e, k) = (cfg.experts as f64, cfg.top_k as f64);
     let nf = n as f64;
@@ -371,7 +411,7 @@ fn summarise(
             .sum::<f64>();
         loads.push(counts.iter().map(|&c| (c / (nf * k)) as f32).collect());
     }
-    Ok(StepOutput {
+    StepOutput {
         loss: loss_sum / nf,
         aux_loss: if loads.is_empty() {
             0.0
@@ -380,7 +420,7 @@ fn summarise(
         },
         tokens: n,
         expert_load: loads,
-    })
+    }
 }
 
 /// Forward + backward on one batch; ADDS grad_scale * d(loss_total)/dθ into `grads` (caller
@@ -424,6 +464,45 @@ pub fn forward_backward_with(
     tokens: Tokens,
     grad_scale: f32,
 ) -> Result<StepOutput> {
+    let (src, n) = forward_backward_core(be, model, hooks, ws, tokens, grad_scale)?;
+    summarise(be, model, src, ws, n)
+}
+
+/// [`forward_backward_with`] that reads nothing back: the step's figures are copied, device
+/// to device, into `(loss, route)` (one f64, [`route_len`] f64s; the routing sums reduced over
+/// the slices first) for the caller to read when it will, with [`read_output`]: a step's
+/// update can then run before any read (issue 32). Returns the global batch's tokens, which
+/// `read_output` takes.
+pub fn forward_backward_into(
+    be: &dyn Backend,
+    model: &Model,
+    hooks: Hooks,
+    ws: &mut Workspace,
+    tokens: Tokens,
+    grad_scale: f32,
+    (loss, route): (ViewMut, ViewMut),
+) -> Result<usize> {
+    assert_eq!(
+        (loss.len(), route.len()),
+        (1, route_len(model)),
+        "forward_backward_into: the figures' places"
+    );
+    let (src, n) = forward_backward_core(be, model, hooks, ws, tokens, grad_scale)?;
+    reduce_route(be, src, ws)?;
+    stash_output(be, ws, loss, route);
+    Ok(n)
+}
+
+/// Forward and backward, the figures left in `ws`; returns the parameter source (for the
+/// routing sums' reduction) and the global batch's tokens.
+fn forward_backward_core<'h>(
+    be: &dyn Backend,
+    model: &Model,
+    hooks: Hooks<'h>,
+    ws: &mut Workspace,
+    tokens: Tokens,
+    grad_scale: f32,
+) -> Result<(&'h mut dyn ParamSource, usize)> {
     let Hooks {
         params: src,
         grads: sink,
@@ -547,7 +626,7 @@ pub fn forward_backward_with(
         segments: head.segments,
     };
     be.embedding_backward(dwte, g.dres.view(), ids, h);
-    summarise(be, model, src, ws, n)
+    Ok((src, n))
 }
 
 /// Forward only (eval): the same losses, no gradients. Cannot fail, as [`forward_backward`].

@@ -7,8 +7,10 @@ use ganymede_core::{Backend, Category, DType, ParamStore};
 /// Returns the norm before clipping. `max_norm <= 0` disables clipping. A non-finite norm leaves
 /// the gradients untouched (scaling would only spread the NaN); the caller sees it and decides
 /// (the trainer stops before the update, `ganymede_parallel::driver::check_finite`).
-/// The trainer instead passes [`clip_coef`] to `Optimizer::step_scaled`, whose update kernels
-/// scale each gradient as they read it: the same bits without this pass over the gradients.
+/// The trainer instead works the coefficient out on the device
+/// ([`ganymede_core::OptimOps::step_scale`], [`clip_coef`]'s value) and passes it to
+/// `Optimizer::step_scaled`, whose update kernels read it there and scale each gradient as
+/// they read it: the same bits without this pass, and no read before the update.
 pub fn clip_grad_norm(be: &dyn Backend, grads: &mut ParamStore, max_norm: f64) -> f64 {
     let norm = global_norm(be, grads);
     if let Some(coef) = clip_coef(norm, max_norm) {
@@ -36,4 +38,28 @@ pub fn global_norm(be: &dyn Backend, grads: &ParamStore) -> f64 {
 pub fn clip_coef(norm: f64, max_norm: f64) -> Option<f32> {
     (max_norm > 0.0 && norm.is_finite() && norm > max_norm)
         .then(|| (max_norm / (norm + 1e-6)) as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clip_coef;
+    use ganymede_core::step_scale_value;
+
+    /// The host's coefficient and the one the step works out on the device agree bit for bit
+    /// where clipping applies and where it does not; only a norm that is not finite differs on
+    /// purpose (no clipping here, a stop there).
+    #[test]
+    fn the_device_coefficient_is_clip_coefs() {
+        for (sumsq, max) in [(16.0, 1.0), (1e6, 0.5), (0.81, 1.0), (9.0, 3.0), (9.0, 0.0)] {
+            let want = clip_coef(f64::sqrt(sumsq), max).unwrap_or(1.0);
+            assert_eq!(
+                step_scale_value(&[sumsq], max),
+                f64::from(want),
+                "{sumsq}, {max}"
+            );
+        }
+        assert_eq!(step_scale_value(&[16.0], 1.0), f64::from(1.0 / 4.000001f32));
+        assert_eq!(clip_coef(f64::NAN, 1.0), None);
+        assert!(step_scale_value(&[f64::NAN], 1.0).is_nan());
+    }
 }

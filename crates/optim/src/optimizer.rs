@@ -6,7 +6,9 @@ use crate::offload::{SkipWait, Staging};
 use crate::state::{indexed_state_mut, stream_states, ParamState};
 use crate::update::{MuonParam, StateView, Step};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
-use ganymede_core::{Backend, Category, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut};
+use ganymede_core::{
+    Backend, Category, GradScale, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut,
+};
 use rayon::prelude::*;
 
 /// Matrices whose Newton–Schulz costs at most this many FLOPs are spread across threads whole
@@ -457,20 +459,21 @@ impl Optimizer {
 
     /// One update with learning rate `lr` (from [`crate::lr_at`]) from `grads` as they are.
     pub fn step(&mut self, be: &dyn Backend, params: &mut ParamStore, grads: &ParamStore, lr: f64) {
-        self.step_scaled(be, params, grads, lr, 1.0)
+        self.step_scaled(be, params, grads, lr, GradScale::Host(1.0))
     }
 
     /// One update from the gradients times `grad_scale` (global-norm clipping's coefficient,
-    /// [`crate::clip_coef`]), which the update kernels apply as they read each gradient: the
-    /// same bits as scaling the gradients first, without a pass over them. `grads` are not
-    /// written.
+    /// [`crate::clip_coef`], on the host or in device memory), which the update kernels apply
+    /// as they read each gradient: the same bits as scaling the gradients first, without a
+    /// pass over them. `grads` are not written. A device scale that is NaN stops the update:
+    /// nothing is written (see [`GradScale`]).
     pub fn step_scaled(
         &mut self,
         be: &dyn Backend,
         params: &mut ParamStore,
         grads: &ParamStore,
         lr: f64,
-        grad_scale: f32,
+        grad_scale: GradScale,
     ) {
         self.step_into(be, params, grads, lr, grad_scale, None);
     }
@@ -487,7 +490,7 @@ impl Optimizer {
         params: &mut ParamStore,
         grads: &ParamStore,
         lr: f64,
-        grad_scale: f32,
+        grad_scale: GradScale,
         rounded: &mut ParamStore,
     ) -> bool {
         assert_eq!(
@@ -506,7 +509,7 @@ impl Optimizer {
         params: &mut ParamStore,
         grads: &ParamStore,
         lr: f64,
-        grad_scale: f32,
+        grad_scale: GradScale,
         rounded: Option<&mut ParamStore>,
     ) {
         self.check(params, grads);

@@ -9,7 +9,7 @@
 
 use crate::{ParamState, UpdateRule};
 use ganymede_config::OptimizerConfig;
-use ganymede_core::{AdamWStep, Backend, View, ViewMut};
+use ganymede_core::{AdamWStep, Backend, GradScale, View, ViewMut};
 
 /// One parameter's (or shard's) state as views, wherever it lives: its resident tensors
 /// ([`ParamState::view_mut`]) or a device staging slot ([`StateView::staged`]).
@@ -87,14 +87,14 @@ pub struct MuonParam<'a, G> {
 }
 
 /// One step's constants and the update kernels they go to: its number (from 1), learning rate
-/// and the gradients' factor (global-norm clipping's coefficient, or 1), which every update
-/// kernel applies as it reads a gradient.
+/// and the gradients' factor (global-norm clipping's coefficient, or 1; on the host or the
+/// device, see [`GradScale`]), which every update kernel applies as it reads a gradient.
 #[derive(Clone, Copy)]
-pub struct Step {
+pub struct Step<'s> {
     cfg: Hyper,
     pub step: u64,
     pub lr: f64,
-    pub grad_scale: f32,
+    pub grad_scale: GradScale<'s>,
     /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
     pub ns_bf16: bool,
 }
@@ -111,13 +111,13 @@ struct Hyper {
     ns_steps: usize,
 }
 
-impl Step {
+impl<'s> Step<'s> {
     pub fn new(
         be: &dyn Backend,
         cfg: &OptimizerConfig,
         step: u64,
         lr: f64,
-        grad_scale: f32,
+        grad_scale: GradScale<'s>,
     ) -> Self {
         Step {
             cfg: Hyper {
@@ -141,7 +141,7 @@ impl Step {
     }
 
     /// AdamW's constants for a parameter of `weight_decay`, bias corrections included.
-    pub fn adamw_consts(&self, weight_decay: f64) -> AdamWStep {
+    pub fn adamw_consts(&self, weight_decay: f64) -> AdamWStep<'s> {
         let (cfg, t) = (self.cfg, self.step as i32);
         AdamWStep {
             grad_scale: self.grad_scale,
@@ -208,6 +208,6 @@ impl Step {
         rounded: Option<ViewMut>,
     ) {
         let (alpha, decay) = (self.lr * scale, self.lr * self.cfg.weight_decay);
-        be.decay_update(p, u, alpha, decay, rounded);
+        be.decay_update(p, u, alpha, decay, rounded, self.grad_scale);
     }
 }

@@ -6,7 +6,7 @@ mod common;
 use common::Rng;
 use ganymede_config::{OptimizerConfig, OptimizerName};
 use ganymede_core::{
-    Category, CpuBackend, Device, Ledger, Memory, ParamKind, ParamSpec, ParamStore,
+    Category, CpuBackend, Device, GradScale, Ledger, Memory, ParamKind, ParamSpec, ParamStore,
     TwoMemoryOptions,
 };
 use ganymede_optim::{Optimizer, SkipWait};
@@ -58,7 +58,7 @@ fn three_steps(be: &CpuBackend, opt: &mut Optimizer) -> (Vec<Vec<f32>>, Vec<Vec<
     // A clip coefficient folded into the update in one of the steps, as the trainer passes it.
     for coef in [1.0, 0.43, 1.0] {
         let grads = store(be, &specs, &mut rng, Category::Grads);
-        opt.step_scaled(be, &mut params, &grads, 0.02, coef);
+        opt.step_scaled(be, &mut params, &grads, 0.02, GradScale::Host(coef));
     }
     opt.synchronize_state(be);
     let p = params.tensors().iter().map(|t| be.download(t.view()));

@@ -4,7 +4,9 @@
 mod common;
 use common::*;
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName, Schedule};
-use ganymede_core::{Blas, Category, CpuBackend, Device, Memory, ParamKind, ParamSpec, ParamStore};
+use ganymede_core::{
+    Blas, Category, CpuBackend, DType, Device, GradScale, Memory, ParamKind, ParamSpec, ParamStore,
+};
 use ganymede_optim::{lr_at, Optimizer};
 
 fn specs() -> Vec<ParamSpec> {
@@ -496,7 +498,8 @@ fn parallel_and_sequential_muon_agree_bitwise() {
 
 /// Clipping folded into the update kernels (`step_scaled`) gives the parameters of scaling the
 /// gradients first and stepping, bit for bit, for Muon (through Nesterov momentum) and AdamW
-/// parameters; and the coefficient does change them.
+/// parameters, whether the host gives the coefficient or the kernels read it from device
+/// memory; and the coefficient does change them.
 #[test]
 fn a_scaled_step_equals_scaling_the_gradients_first() {
     let specs = specs();
@@ -506,7 +509,8 @@ fn a_scaled_step_equals_scaling_the_gradients_first() {
     let be = CpuBackend::default();
     let coefs = [0.37f32, 1.0, 0.052];
     for name in [OptimizerName::Muon, OptimizerName::Adamw] {
-        // how: 0 scale the gradients then step, 1 step_scaled, 2 no clipping at all.
+        // how: 0 scale the gradients then step, 1 step_scaled, 2 no clipping at all, 3
+        // step_scaled with the coefficient in device memory.
         let run = |how: usize| {
             let mut params = store(&be, &specs, &init, Category::Params);
             let mut opt = Optimizer::new(&be, &cfg(name), &specs);
@@ -521,13 +525,20 @@ fn a_scaled_step_equals_scaling_the_gradients_first() {
                         }
                         opt.step(&be, &mut params, &grads, 0.02);
                     }
-                    1 => opt.step_scaled(&be, &mut params, &grads, 0.02, coef),
+                    1 => opt.step_scaled(&be, &mut params, &grads, 0.02, GradScale::Host(coef)),
+                    3 => {
+                        let mut t = be.zeros_of(&[1], DType::F64, Category::Activations);
+                        be.write_f64(t.view_mut(), &[f64::from(coef)]);
+                        let scale = GradScale::Device(t.view());
+                        opt.step_scaled(&be, &mut params, &grads, 0.02, scale)
+                    }
                     _ => opt.step(&be, &mut params, &grads, 0.02),
                 }
             }
             download(&be, &params)
         };
         let (first, fused) = (run(0), run(1));
+        assert!(fused == run(3), "{name:?}: the device coefficient differs");
         for (s, (a, b)) in specs.iter().zip(first.iter().zip(&fused)) {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same, "{name:?} {}: step_scaled differs", s.name);
@@ -593,10 +604,10 @@ fn a_rounded_step_writes_the_cast_of_the_update() {
                         &mut params,
                         &grads,
                         0.02,
-                        0.5,
+                        GradScale::Host(0.5),
                         &mut copy,
                     )),
-                    false => opt.step_scaled(&be, &mut params, &grads, 0.02, 0.5),
+                    false => opt.step_scaled(&be, &mut params, &grads, 0.02, GradScale::Host(0.5)),
                 }
             }
             opt.synchronize_state(&be);

@@ -25,19 +25,19 @@ use crate::optim::{OptimizerState, ShardedOptimizer};
 use anyhow::{bail, Context, Result};
 use ganymede_config::{AcMode, DeviceKind, JobConfig};
 use ganymede_core::{
-    in_phase, Backend, Category, CpuBackend, DType, Ledger, ParamStore, PhaseTimes, StepPhase,
-    Stream, Tensor, TwoMemoryOptions, ViewMut,
+    in_phase, Backend, Category, CpuBackend, DType, GradScale, Ledger, ParamStore, PhaseTimes,
+    StepPhase, Stream, Tensor, TwoMemoryOptions, ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::{
     check_config_hash, config_hash, CommSnapshot, DeviceMesh, Phase, ProcessGroup, Tracer, Track,
 };
 use ganymede_model::{
-    forward_backward_with, forward_loss_with, router_bias_step, ExpertExecutor, Hooks,
-    LocalExperts, LocalParams, Model, ParamSource, Pass, RowBufferUse, StepOutput, Tokens,
-    Workspace,
+    forward_backward_into, forward_loss_with, read_output, route_len, router_bias_step,
+    ExpertExecutor, Hooks, LocalExperts, LocalParams, Model, ParamSource, Pass, RowBufferUse,
+    StepOutput, Tokens, Workspace,
 };
-use ganymede_optim::{clip_coef, lr_at, Optimizer};
+use ganymede_optim::{lr_at, Optimizer};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -82,44 +82,30 @@ fn accumulate_output(out: &mut StepOutput, one: StepOutput, k: usize) {
     }
 }
 
-/// The step's figures that every rank needs summed over all ranks, packed into one buffer so
-/// that they cost one small all-reduce:
+/// Expert parallelism's figures of a step, summed over all ranks in one small host
+/// all-reduce after the update:
 ///
 /// ```text
-/// [ loss | grad sumsq | expert regrowths | rows over even: rank 0, rank 1, … ]
+/// [ expert regrowths | rows over even: rank 0, rank 1, … ]
 /// ```
 ///
-/// Each rank's loss is its slice's share of the global mean, so the sum is the global loss;
-/// the squared gradient norm is summed over one replica's shards (see
-/// [`RankState::local_grad_sumsq`]); the aux loss is already global and not here. With expert
-/// parallelism each rank puts its most rows over an even routing in its own slot (zeros in
-/// the others'), so that after the sum the most over ranks is known without a max collective.
+/// Each rank puts its most rows over an even routing in its own slot (zeros in the others'),
+/// so that after the sum the most over ranks is known without a max collective. (The loss and
+/// the gradient norm are summed on the device, see [`StepScalars`].)
 struct StepSums {
     packed: Vec<f64>,
 }
 
 impl StepSums {
-    const LOSS: usize = 0;
-    const GRAD_SUMSQ: usize = 1;
-    const EXPERT_REGROWTHS: usize = 2;
-    /// The first of the per-rank slots (present only with expert parallelism).
-    const ROWS_OVER_EVEN: usize = 3;
+    const EXPERT_REGROWTHS: usize = 0;
+    /// The first of the per-rank slots.
+    const ROWS_OVER_EVEN: usize = 1;
 
     /// Rank `rank` of `world_size`'s figures, in its slots.
-    fn pack(
-        loss: f64,
-        grad_sumsq: f64,
-        expert_rows: Option<RowBufferUse>,
-        (rank, world_size): (usize, usize),
-    ) -> Self {
-        let mut packed = vec![0.0; Self::ROWS_OVER_EVEN];
-        packed[Self::LOSS] = loss;
-        packed[Self::GRAD_SUMSQ] = grad_sumsq;
-        if let Some(u) = expert_rows {
-            packed[Self::EXPERT_REGROWTHS] = u.regrowths as f64;
-            packed.resize(Self::ROWS_OVER_EVEN + world_size, 0.0);
-            packed[Self::ROWS_OVER_EVEN + rank] = u.peak as f64 / u.even.max(1) as f64;
-        }
+    fn pack(u: RowBufferUse, (rank, world_size): (usize, usize)) -> Self {
+        let mut packed = vec![0.0; Self::ROWS_OVER_EVEN + world_size];
+        packed[Self::EXPERT_REGROWTHS] = u.regrowths as f64;
+        packed[Self::ROWS_OVER_EVEN + rank] = u.peak as f64 / u.even.max(1) as f64;
         StepSums { packed }
     }
 
@@ -129,25 +115,88 @@ impl StepSums {
         Ok(self)
     }
 
-    fn loss(&self) -> f64 {
-        self.packed[Self::LOSS]
-    }
-
-    fn grad_norm(&self) -> f64 {
-        self.packed[Self::GRAD_SUMSQ].sqrt()
-    }
-
     fn expert_regrowths(&self) -> u64 {
         self.packed[Self::EXPERT_REGROWTHS] as u64
     }
 
-    /// The most over ranks (`None` without expert parallelism).
-    fn expert_rows_over_even(&self) -> Option<f64> {
-        let slots = self
-            .packed
-            .get(Self::ROWS_OVER_EVEN..)
-            .filter(|s| !s.is_empty())?;
-        Some(slots.iter().copied().fold(0.0, f64::max))
+    /// The most over ranks.
+    fn expert_rows_over_even(&self) -> f64 {
+        let slots = &self.packed[Self::ROWS_OVER_EVEN..];
+        slots.iter().copied().fold(0.0, f64::max)
+    }
+}
+
+/// The step's f64 figures in device memory, written by the step and read back once, after its
+/// update (issue 32: nothing is read inside a step on one GPU):
+///
+/// ```text
+/// t: [ grad sumsq | loss sum: microbatch 0 … k−1 | routing figures: microbatch 0 … k−1 ]
+/// scale: [ clipping's coefficient ]
+/// ```
+///
+/// Each microbatch's loss sum (this rank's slice's share of the global microbatch's) and
+/// routing figures ([`route_len`], already global) are copied here as it ends. `grad sumsq`
+/// is this rank's share of the squared gradient norm (over one replica's shards); the norm and
+/// the losses are then summed over all ranks in one device all-reduce, so that every rank
+/// holds the global figures. `scale`, which the update kernels read, is clipping's
+/// coefficient worked out from them ([`ganymede_core::OptimOps::step_scale`]): NaN where one
+/// is not finite, on every rank alike, which stops every rank's update.
+struct StepScalars {
+    t: Tensor,
+    scale: Tensor,
+    /// Microbatches per step.
+    k: usize,
+    route: usize,
+}
+
+impl StepScalars {
+    const SUMSQ: usize = 0;
+    const LOSSES: usize = 1;
+
+    fn new(be: &dyn Backend, model: &Model, k: usize) -> Self {
+        let route = route_len(model);
+        let len = Self::LOSSES + k * (1 + route);
+        StepScalars {
+            t: be.zeros_of(&[len], DType::F64, Category::Buffers),
+            scale: be.zeros_of(&[1], DType::F64, Category::Buffers),
+            k,
+            route,
+        }
+    }
+
+    /// Microbatch `m`'s places: its loss sum and its routing figures.
+    fn slot(&mut self, m: usize) -> (ViewMut<'_>, ViewMut<'_>) {
+        let (k, r) = (self.k, self.route);
+        let (head, routes) = self.t.view_mut().split_at(Self::LOSSES + k);
+        (head.slice(Self::LOSSES + m, 1), routes.slice(m * r, r))
+    }
+
+    /// The squared gradient norm's place.
+    fn sumsq(&mut self) -> ViewMut<'_> {
+        self.t.slice_mut(Self::SUMSQ, 1)
+    }
+
+    /// The figures summed over the ranks: the squared norm and the losses.
+    fn summed(&mut self) -> ViewMut<'_> {
+        self.t.slice_mut(Self::SUMSQ, Self::LOSSES + self.k)
+    }
+
+    /// Clipping's coefficient (NaN: no update) from the squared norm and the losses.
+    fn set_scale(&mut self, be: &dyn Backend, max_norm: f64) {
+        let sums = self.t.slice(Self::SUMSQ, Self::LOSSES + self.k);
+        be.step_scale(self.scale.view_mut(), sums, max_norm);
+    }
+
+    /// Read back (the step's one read): the global squared norm, and each microbatch's
+    /// output, `n` tokens each.
+    fn read(&self, be: &dyn Backend, model: &Model, n: usize) -> (f64, Vec<StepOutput>) {
+        let all = be.download_f64(self.t.view());
+        let (k, r) = (self.k, self.route);
+        let routes = &all[Self::LOSSES + k..];
+        let outs = (0..k)
+            .map(|m| read_output(model, all[Self::LOSSES + m], &routes[m * r..][..r], n))
+            .collect();
+        (all[Self::SUMSQ], outs)
     }
 }
 
@@ -231,7 +280,13 @@ impl Shards {
 
     /// The optimizer update at learning rate `lr`, each gradient scaled by the clipping
     /// coefficient `coef` as the update kernels read it.
-    fn update(&mut self, be: &dyn Backend, mesh: &DeviceMesh, lr: f64, coef: f32) -> Result<()> {
+    fn update(
+        &mut self,
+        be: &dyn Backend,
+        mesh: &DeviceMesh,
+        lr: f64,
+        coef: GradScale,
+    ) -> Result<()> {
         match self {
             Shards::Whole {
                 params,
@@ -265,7 +320,8 @@ impl Shards {
         global: usize,
         (m, k): (usize, usize),
         tracer: &Tracer,
-    ) -> Result<StepOutput> {
+        out: (ViewMut, ViewMut),
+    ) -> Result<usize> {
         let Compute {
             be,
             model,
@@ -302,7 +358,7 @@ impl Shards {
                     grads,
                     experts,
                 };
-                forward_backward_with(be, model, hooks, ws, tokens, scale)
+                forward_backward_into(be, model, hooks, ws, tokens, scale, out)
             }
             Shards::Fsdp { params, grads, .. } => {
                 in_phase(be, StepPhase::Communication, || -> Result<()> {
@@ -314,7 +370,7 @@ impl Shards {
                     grads,
                     experts,
                 };
-                let one = forward_backward_with(be, model, hooks, ws, tokens, scale)?;
+                let one = forward_backward_into(be, model, hooks, ws, tokens, scale, out)?;
                 in_phase(be, StepPhase::Communication, || {
                     grads.finish(be, m + 1 == k)
                 })?;
@@ -410,8 +466,8 @@ pub struct RankState {
     pub mesh: DeviceMesh,
     pub shards: Shards,
     pub ws: Workspace,
-    /// The squared gradient norm, one f64 summed on the device and read once per step.
-    norm_acc: Tensor,
+    /// The step's figures on the device, read once after the update.
+    scalars: StepScalars,
     /// Routed experts: here (ep = 1) or over the ep group.
     pub experts: Box<dyn ExpertExecutor>,
     cfg: JobConfig,
@@ -483,9 +539,10 @@ impl RankState {
         if mesh.dp_shard.ctx().tracer.enabled() {
             be.trace_copies(true);
         }
-        let norm_acc = be.zeros_of(&[1], DType::F64, Category::Buffers);
+        let k = cfg.training.batch_size / mesh.world.size() / micro;
+        let scalars = StepScalars::new(be, &model, k);
         Ok(RankState {
-            norm_acc,
+            scalars,
             experts,
             be: shared,
             model,
@@ -516,8 +573,9 @@ impl RankState {
     }
 
     /// One optimizer step on global batch `step` (0-based): this rank's slice of the batch,
-    /// forward and backward per microbatch, the cross-rank sums, the finite check, clipping
-    /// and the update, the router bias.
+    /// forward and backward per microbatch, the gradient norm and clipping on the device, the
+    /// update; then the step's one read, the cross-rank sums, the finite check and the router
+    /// bias.
     pub fn step(&mut self, data: &Dataset, step: usize) -> Result<StepReport> {
         let world = self.mesh.world.clone();
         let ctx = world.ctx().clone();
@@ -532,35 +590,49 @@ impl RankState {
         let (x, y) = data.batch_slice(step as u64, batch, seq, world.rank(), world.size());
         let docs = data.batch_doc_starts(step as u64, batch, seq, world.rank(), world.size());
 
-        // Forward and backward per microbatch, the gradients accumulated.
+        // Forward and backward per microbatch, the gradients accumulated; the figures stay on
+        // the device.
         be.phase(StepPhase::Elementwise);
         self.shards.zero_grads(self.be.as_ref());
-        let out = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer)?;
+        let n = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer)?;
 
-        // Reduce: the loss, the gradient norm and the expert buffers' use, over all ranks.
+        // The gradient norm and clipping's coefficient on the device, which the update kernels
+        // read there: nothing is read back before the update. A norm or loss that is not
+        // finite makes the coefficient NaN, and the kernels then write nothing.
         let t0 = Instant::now();
         be.phase(StepPhase::Optimizer);
-        let grad_sumsq = self.local_grad_sumsq();
-        let expert_rows = self.experts.take_use();
-        let sums = StepSums::pack(
-            out.loss,
-            grad_sumsq,
-            expert_rows,
-            (world.rank(), world.size()),
-        );
-        let sums = in_phase(be.as_ref(), StepPhase::Communication, || {
-            sums.all_reduce(world.as_ref())
-        })?;
-        let (loss, norm) = (sums.loss(), sums.grad_norm());
-        // Every rank holds the same reduced values, so every rank stops here alike, before
-        // the update: the weights (and the last checkpoint) stay as they were.
-        check_finite(loss, norm, step, self.cfg.optimizer.lr)?;
-
-        // Clip and update. Clipping's coefficient goes into the update kernels, which scale
-        // each gradient as they read it (no pass over the gradients of its own).
-        let coef = clip_coef(norm, self.cfg.training.grad_clip).unwrap_or(1.0);
+        self.global_grad_sumsq()?;
+        self.scalars
+            .set_scale(be.as_ref(), self.cfg.training.grad_clip);
         let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
-        self.shards.update(self.be.as_ref(), &self.mesh, lr, coef)?;
+        let scale = GradScale::Device(self.scalars.scale.view());
+        self.shards.update(be.as_ref(), &self.mesh, lr, scale)?;
+
+        // The step's one read (global figures), then expert parallelism's summed over ranks.
+        let (sumsq, outs) = self.scalars.read(be.as_ref(), &self.model, n);
+        let k = outs.len();
+        let mut out = StepOutput {
+            loss: 0.0,
+            aux_loss: 0.0,
+            tokens: 0,
+            expert_load: Vec::new(),
+        };
+        for one in outs {
+            accumulate_output(&mut out, one, k);
+        }
+        let expert_rows = self.experts.take_use();
+        // Whether there are figures is the config's (expert parallelism), alike on all ranks.
+        let sums = match expert_rows {
+            Some(u) => Some(in_phase(be.as_ref(), StepPhase::Communication, || {
+                StepSums::pack(u, (world.rank(), world.size())).all_reduce(world.as_ref())
+            })?),
+            None => None,
+        };
+        let (loss, norm) = (out.loss, sumsq.sqrt());
+        // Every rank holds the same reduced values, so every rank stops here alike; the
+        // update stopped itself on every rank (a NaN scale), so the weights (and the last
+        // checkpoint) stay as they were.
+        check_finite(loss, norm, step, self.cfg.optimizer.lr)?;
         if self.cfg.model.router_bias_update > 0.0 {
             self.update_router_bias(&out.expert_load);
         }
@@ -579,34 +651,29 @@ impl RankState {
             expert_load: out.expert_load,
             comm: ctx.stats.snapshot(),
             expert_rows,
-            expert_regrowths: sums.expert_regrowths(),
-            expert_rows_over_even: sums.expert_rows_over_even(),
+            expert_regrowths: sums.as_ref().map_or(0, StepSums::expert_regrowths),
+            expert_rows_over_even: sums.as_ref().map(StepSums::expert_rows_over_even),
             phase_times,
         })
     }
 
     /// Gradient accumulation: forward and backward over this rank's slice (`inputs`, `targets`,
     /// `doc_starts`) in microbatches, each one's gradients its own global microbatch's mean
-    /// times 1/k, added up before the one update. Returns the step's output, the microbatches'
-    /// mean.
+    /// times 1/k, added up before the one update; each one's figures stashed in
+    /// [`StepScalars`]. Returns the tokens of a global microbatch.
     fn forward_backward_microbatches(
         &mut self,
         inputs: &[u32],
         targets: &[u32],
         doc_starts: Option<&[u32]>,
         tracer: &Tracer,
-    ) -> Result<StepOutput> {
+    ) -> Result<usize> {
         let world = self.mesh.world.size();
         let seq = self.cfg.model.seq_len;
         let micro = self.cfg.training.micro_batch(world);
         let k = self.cfg.training.batch_size / world / micro;
-        let mut out = StepOutput {
-            loss: 0.0,
-            aux_loss: 0.0,
-            tokens: 0,
-            expert_load: Vec::new(),
-        };
         let global = world * micro * seq;
+        let mut n = global;
         for m in 0..k {
             let rows = m * micro * seq..(m + 1) * micro * seq;
             let tokens = Tokens {
@@ -620,32 +687,39 @@ impl RankState {
                 ws: &mut self.ws,
                 experts: &mut *self.experts,
             };
-            let one = self
+            let out = self.scalars.slot(m);
+            n = self
                 .shards
-                .forward_backward(c, tokens, global, (m, k), tracer)?;
-            accumulate_output(&mut out, one, k);
+                .forward_backward(c, tokens, global, (m, k), tracer, out)?;
         }
-        Ok(out)
+        Ok(n)
     }
 
-    /// The sum of squares of this rank's share of the trainable gradients, toward the global
-    /// norm. Summed on the device; the step's one read of it comes with the loss's.
-    fn local_grad_sumsq(&mut self) -> f64 {
+    /// The global squared gradient norm into [`StepScalars`], on the device: this rank's
+    /// share of the trainable gradients summed there, then summed over the ranks with the
+    /// losses.
+    fn global_grad_sumsq(&mut self) -> Result<()> {
         let specs = self.model.param_specs();
-        self.be.fill(self.norm_acc.view_mut(), 0.0);
-        let grads = self.shards.grads_mut().iter().zip(specs);
-        for (g, _) in grads.filter(|(_, s)| s.kind.is_trainable()) {
-            self.be.sumsq_acc(self.norm_acc.view_mut(), g.view());
-        }
-        let sumsq = self.be.download_f64(self.norm_acc.view())[0];
-        // The gradient norm is over one replica's shards only: after the cross-replica
-        // all-reduce every replica holds the same gradients, so counting them all would
-        // multiply the norm by the replica count.
+        let be = self.be.as_ref();
+        be.fill(self.scalars.sumsq(), 0.0);
+        // The norm is over one replica's shards only: after the cross-replica all-reduce every
+        // replica holds the same gradients, so counting them all would multiply the norm by
+        // the replica count.
         if self.replica() == 0 {
-            sumsq
-        } else {
-            0.0
+            let grads = self.shards.grads_mut().iter().zip(specs);
+            for (g, _) in grads.filter(|(_, s)| s.kind.is_trainable()) {
+                be.sumsq_acc(self.scalars.sumsq(), g.view());
+            }
         }
+        let world = &self.mesh.world;
+        if world.size() > 1 {
+            in_phase(be, StepPhase::Communication, || {
+                world
+                    .all_reduce(self.scalars.summed(), Phase::Other)
+                    .context("summing the gradient norm and the loss")
+            })?;
+        }
+        Ok(())
     }
 
     /// Move the backend's finished asynchronous copies onto the trace's copy tracks.
@@ -839,8 +913,8 @@ impl ParamSource for TracedBlocks<'_> {
 mod tests {
     use super::{check_finite, RowBufferUse, StepSums};
 
-    /// Two ranks' packed figures, summed slot by slot as the all-reduce would: the global
-    /// loss, the norm from the summed squares, the regrowths summed, the most rows over even.
+    /// Two ranks' packed figures, summed slot by slot as the all-reduce would: the regrowths
+    /// summed, the most rows over even.
     #[test]
     fn step_sums_name_their_slots() {
         let rows = |peak, regrowths| RowBufferUse {
@@ -849,21 +923,14 @@ mod tests {
             even: 16,
             regrowths,
         };
-        let a = StepSums::pack(1.25, 9.0, Some(rows(40, 2)), (0, 2));
-        let b = StepSums::pack(0.5, 16.0, Some(rows(24, 1)), (1, 2));
-        assert_eq!(a.packed, [1.25, 9.0, 2.0, 2.5, 0.0]);
-        assert_eq!(b.packed, [0.5, 16.0, 1.0, 0.0, 1.5]);
+        let a = StepSums::pack(rows(40, 2), (0, 2));
+        let b = StepSums::pack(rows(24, 1), (1, 2));
+        assert_eq!(a.packed, [2.0, 2.5, 0.0]);
+        assert_eq!(b.packed, [1.0, 0.0, 1.5]);
         let packed = a.packed.iter().zip(&b.packed).map(|(x, y)| x + y).collect();
         let sum = StepSums { packed };
-        assert_eq!(sum.loss(), 1.75);
-        assert_eq!(sum.grad_norm(), 5.0);
         assert_eq!(sum.expert_regrowths(), 3);
-        assert_eq!(sum.expert_rows_over_even(), Some(2.5));
-        // Without expert parallelism: three slots, and no rows figure.
-        let dense = StepSums::pack(1.0, 4.0, None, (1, 2));
-        assert_eq!(dense.packed, [1.0, 4.0, 0.0]);
-        assert_eq!(dense.grad_norm(), 2.0);
-        assert_eq!(dense.expert_rows_over_even(), None);
+        assert_eq!(sum.expert_rows_over_even(), 2.5);
     }
 
     #[test]

@@ -14,7 +14,7 @@
 use crate::flexshard::batch_counts;
 use crate::layout::Layout;
 use ganymede_config::OptimizerConfig;
-use ganymede_core::{Backend, Category, Tensor, ViewMut};
+use ganymede_core::{Backend, Category, GradScale, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{
     indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_flops, stream_states,
@@ -207,7 +207,7 @@ impl ShardedOptimizer {
         grads: &mut [Tensor],
         lr: f64,
     ) -> ganymede_dist::Result<()> {
-        self.step_scaled(be, mesh, params, grads, lr, 1.0)
+        self.step_scaled(be, mesh, params, grads, lr, GradScale::Host(1.0))
     }
 
     /// [`Self::step`] from the gradients times `grad_scale` (global-norm clipping's coefficient),
@@ -220,7 +220,7 @@ impl ShardedOptimizer {
         params: &mut [Tensor],
         grads: &mut [Tensor],
         lr: f64,
-        grad_scale: f32,
+        grad_scale: GradScale,
     ) -> ganymede_dist::Result<()> {
         self.step += 1;
         let s = Step::new(be, &self.cfg, self.step, lr, grad_scale);

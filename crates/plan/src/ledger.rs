@@ -217,7 +217,10 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         optimizer,
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
-        buffers: buffers + step_scalars(m) + bf16_gemm_scratch(job) + bf16_weight_copy(job),
+        buffers: buffers
+            + step_scalars(m, microbatches(job, 1))
+            + bf16_gemm_scratch(job)
+            + bf16_weight_copy(job),
     }
 }
 
@@ -379,15 +382,24 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     size * (a + b) + out
 }
 
-/// The step's scalars: the loss sum (in the workspace) and the squared gradient norm (in the
-/// step driver), one f64 each.
-pub const STEP_SCALARS: f64 = 16.0;
+/// The step's scalars besides the routing figures: the loss sum (in the workspace), and in
+/// the step driver the squared gradient norm and clipping's coefficient, one f64 each.
+pub const STEP_SCALARS: f64 = 24.0;
 
-/// Bytes of the step's f64 scalars: [`STEP_SCALARS`] and, with MoE layers, each MoE layer's
-/// per-expert router probability sums and counts of routed rows.
-pub fn step_scalars(m: &ganymede_config::ModelConfig) -> f64 {
+/// Bytes of the step's f64 scalars in a step of `k` microbatches: [`STEP_SCALARS`]; with MoE
+/// layers, each MoE layer's per-expert router probability sums and counts of routed rows (in
+/// the workspace); and the step driver's copy of each microbatch's loss sum and routing
+/// figures, read once after the update (`ganymede_parallel`'s `StepScalars`).
+pub fn step_scalars(m: &ganymede_config::ModelConfig, k: usize) -> f64 {
     let moe_layers = m.layers - m.dense_layers.min(m.layers);
-    STEP_SCALARS + (2 * 8 * m.experts * moe_layers) as f64
+    let route = 2 * m.experts * moe_layers;
+    STEP_SCALARS + (8 * route + 8 * k * (1 + route)) as f64
+}
+
+/// Microbatches in a step of `job` on one of `ranks` ranks (at least one).
+pub fn microbatches(job: &JobConfig, ranks: usize) -> usize {
+    let t = &job.training;
+    (t.batch_size / ranks.max(1) / t.micro_batch(ranks).max(1)).max(1)
 }
 
 /// [`ganymede_config::moe_rows`] for `n` of a rank's tokens, as f64.

@@ -8,7 +8,7 @@
 //! Threads: `training.threads` (0 = RAYON_NUM_THREADS, else all cores). Prints one JSON line.
 
 use ganymede_config::JobConfig;
-use ganymede_core::{sample, Backend, Category, CpuBackend, ParamStore};
+use ganymede_core::{sample, Backend, Category, CpuBackend, GradScale, ParamStore};
 use ganymede_model::{forward_backward, update_router_bias, Model, Tokens, Workspace};
 use ganymede_optim::{clip_coef, global_norm, lr_at, Optimizer};
 use std::time::Instant;
@@ -89,7 +89,7 @@ fn main() -> anyhow::Result<()> {
         // As the trainer: the clip coefficient goes into the update kernels.
         let coef = clip_coef(global_norm(be, &grads), t.grad_clip).unwrap_or(1.0);
         let lr = lr_at(&cfg.optimizer, step, total);
-        opt.step_scaled(be, &mut params, &grads, lr, coef);
+        opt.step_scaled(be, &mut params, &grads, lr, GradScale::Host(coef));
         if m.router_bias_update > 0.0 {
             update_router_bias(be, &model, &mut params, &out);
         }

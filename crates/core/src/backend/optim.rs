@@ -5,11 +5,82 @@
 //! Hyperparameters are f64 so that an f64 backend reproduces a reference exactly; f32 kernels
 //! round them once.
 
-use crate::tensor::{View, ViewMut};
+use crate::tensor::{DType, View, ViewMut};
+
+/// The factor every update kernel applies to a gradient as it reads it (global-norm clipping's
+/// coefficient, or 1), so that clipping costs no pass of its own.
+///
+/// `Host` is a value the caller knows. `Device` is an f64 `[1]` in device memory that
+/// [`OptimOps::step_scale`] wrote, which the kernels read themselves: the step then reads
+/// nothing back before its update (issue 32). A device factor that is NaN, a gradient norm
+/// that is not finite, stops the update: the kernels write nothing, so the weights and the
+/// optimizer state stay as they were for the caller to find when it reads the norm.
+#[derive(Clone, Copy)]
+pub enum GradScale<'a> {
+    Host(f32),
+    Device(View<'a>),
+}
+
+impl std::fmt::Debug for GradScale<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GradScale::Host(v) => write!(f, "Host({v})"),
+            GradScale::Device(v) => write!(f, "Device({:?}[{}])", v.dtype(), v.len()),
+        }
+    }
+}
+
+impl<'a> GradScale<'a> {
+    /// The device scalar, checked to be the f64 `[1]` the kernels read.
+    pub fn device(&self) -> Option<View<'a>> {
+        match *self {
+            GradScale::Host(_) => None,
+            GradScale::Device(v) => {
+                assert_eq!(
+                    (v.dtype(), v.len()),
+                    (DType::F64, 1),
+                    "a device gradient scale is one f64"
+                );
+                Some(v)
+            }
+        }
+    }
+
+    /// The factor, or `None` where the update stops, for a backend whose device memory the
+    /// host reads directly (the CPU's).
+    pub fn on_host(&self) -> Option<f32> {
+        match self.device() {
+            None => match *self {
+                GradScale::Host(v) => Some(v),
+                GradScale::Device(_) => unreachable!(),
+            },
+            Some(v) => {
+                let s = v.host::<f64>()[0];
+                // The factor was an f32 before it was stored: exact.
+                (!s.is_nan()).then_some(s as f32)
+            }
+        }
+    }
+}
+
+/// [`OptimOps::step_scale`]'s value from the global squared gradient norm, as the host
+/// computes it: clipping's coefficient `max_norm / (‖g‖ + 1e-6)` rounded to f32 where the norm
+/// exceeds `max_norm > 0`, else 1; NaN where any of `sums` (the squared norm first) is not
+/// finite.
+pub fn step_scale_value(sums: &[f64], max_norm: f64) -> f64 {
+    if sums.iter().any(|s| !s.is_finite()) {
+        return f64::NAN;
+    }
+    let norm = sums[0].sqrt();
+    match max_norm > 0.0 && norm > max_norm {
+        true => f64::from((max_norm / (norm + 1e-6)) as f32),
+        false => 1.0,
+    }
+}
 
 /// One AdamW step's constants. The caller computes the bias corrections from the step count.
 #[derive(Clone, Copy, Debug)]
-pub struct AdamWStep {
+pub struct AdamWStep<'a> {
     pub lr: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -22,10 +93,10 @@ pub struct AdamWStep {
     pub bias_correction2: f64,
     /// Each gradient element is multiplied by this first (in the kernel's precision), so that
     /// global-norm clipping costs no pass of its own: the clip coefficient, or 1.
-    pub grad_scale: f32,
+    pub grad_scale: GradScale<'a>,
 }
 
-impl AdamWStep {
+impl AdamWStep<'_> {
     /// Step `t` (counted from 1) of AdamW with these hyperparameters: the bias corrections
     /// `1 − β^t`, the gradient unscaled.
     pub fn at_step(
@@ -43,7 +114,7 @@ impl AdamWStep {
             weight_decay,
             bias_correction1: 1.0 - beta1.powi(t),
             bias_correction2: 1.0 - beta2.powi(t),
-            grad_scale: 1.0,
+            grad_scale: GradScale::Host(1.0),
         }
     }
 }
@@ -68,9 +139,16 @@ pub trait OptimOps: Send + Sync {
 
     /// Nesterov momentum, in place on the gradient, which becomes the update:
     /// `g = g·grad_scale; buf = μ·buf + g; g = g + μ·buf` (with the new `buf`); `grad_scale` is
-    /// the clip coefficient or 1, as [`AdamWStep::grad_scale`]. Sharded Muon keeps no update
-    /// buffer of its own: the gradient shard is not read again in the step.
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32);
+    /// the clip coefficient or 1, as [`AdamWStep::grad_scale`] (a stopped update writes
+    /// neither). Sharded Muon keeps no update buffer of its own: the gradient shard is not read
+    /// again in the step.
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: GradScale);
+
+    /// `scale` (f64 `[1]`) = [`step_scale_value`] of `sums` (f64: the global squared gradient
+    /// norm, then any other figures that must be finite for the update to go ahead): clipping's
+    /// coefficient, worked out on the device for [`GradScale::Device`] so that the host need
+    /// not read the norm before the update.
+    fn step_scale(&self, scale: ViewMut, sums: View, max_norm: f64);
 
     /// `x = x / (‖x‖_F + eps)` with the norm accumulated in f64: Newton–Schulz's normalisation,
     /// on the device so a GPU backend needs no host round trip per matrix.
@@ -112,6 +190,8 @@ pub trait OptimOps: Send + Sync {
 
     /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
     /// `alpha = lr·scale` and `decay = lr·weight_decay`. `rounded` as in [`Self::adamw_step`].
+    /// `gate`: the step's gradient scale, which the momentum already applied; here only its
+    /// stop counts (a NaN device scale writes nothing).
     fn decay_update(
         &self,
         param: ViewMut,
@@ -119,6 +199,7 @@ pub trait OptimOps: Send + Sync {
         alpha: f64,
         decay: f64,
         rounded: Option<ViewMut>,
+        gate: GradScale,
     );
 }
 
@@ -132,7 +213,10 @@ macro_rules! forward_optim_ops {
         param: $crate::ViewMut, m: $crate::ViewMut, v: $crate::ViewMut, grad: $crate::View,
         h: &$crate::AdamWStep, rounded: Option<$crate::ViewMut>)); };
     (@ $t:ident nesterov_momentum) => { $crate::forward_optim_ops!(@fn $t nesterov_momentum(
-        buf: $crate::ViewMut, grad: $crate::ViewMut, momentum: f64, grad_scale: f32)); };
+        buf: $crate::ViewMut, grad: $crate::ViewMut, momentum: f64,
+        grad_scale: $crate::GradScale)); };
+    (@ $t:ident step_scale) => { $crate::forward_optim_ops!(@fn $t step_scale(
+        scale: $crate::ViewMut, sums: $crate::View, max_norm: f64)); };
     (@ $t:ident normalize_frobenius) => { $crate::forward_optim_ops!(@fn $t normalize_frobenius(
         x: $crate::ViewMut, eps: f64)); };
     (@ $t:ident normalize_frobenius_strided) => { $crate::forward_optim_ops!(@fn $t
@@ -147,7 +231,7 @@ macro_rules! forward_optim_ops {
         eps: f64)); };
     (@ $t:ident decay_update) => { $crate::forward_optim_ops!(@fn $t decay_update(
         param: $crate::ViewMut, update: $crate::View, alpha: f64, decay: f64,
-        rounded: Option<$crate::ViewMut>)); };
+        rounded: Option<$crate::ViewMut>, gate: $crate::GradScale)); };
     (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?)) => {
         fn $m(&self, $($a: $ty),*) {
             self.$t.$m($($a),*)

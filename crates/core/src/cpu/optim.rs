@@ -3,11 +3,11 @@
 //! element's update is independent).
 
 use super::{CpuBackend, PAR_MIN};
-use crate::backend::{AdamWStep, Blas, OptimOps};
+use crate::backend::{step_scale_value, AdamWStep, Blas, GradScale, OptimOps};
 use crate::tensor::{Scalar, View, ViewMut};
 use rayon::prelude::*;
 
-fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep) {
+fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep, gs: f32) {
     let (p, m, v, g): (&mut [S], &mut [S], &mut [S], &[S]) =
         (p.host(), m.host(), v.host(), g.host());
     let n = p.len();
@@ -21,7 +21,7 @@ fn adamw<S: Scalar>(p: ViewMut, m: ViewMut, v: ViewMut, g: View, h: &AdamWStep) 
     let step = c(h.lr / h.bias_correction1);
     let inv_sqrt_bc2 = c(1.0 / h.bias_correction2.sqrt());
     let eps = c(h.eps);
-    let gs = c(f64::from(h.grad_scale));
+    let gs = c(f64::from(gs));
     let kernel = |p: &mut [S], m: &mut [S], v: &mut [S], g: &[S]| {
         for i in 0..p.len() {
             let gi = g[i] * gs;
@@ -113,13 +113,28 @@ impl OptimOps for CpuBackend {
         h: &AdamWStep,
         rounded: Option<ViewMut>,
     ) {
-        crate::by_dtype!(param.dtype(), adamw(param.reborrow(), m, v, grad, h));
+        // A stopped update (see GradScale) writes nothing.
+        let Some(gs) = h.grad_scale.on_host() else {
+            return;
+        };
+        crate::by_dtype!(param.dtype(), adamw(param.reborrow(), m, v, grad, h, gs));
         if let Some(r) = rounded {
             self.cast(r, param.as_view());
         }
     }
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
-        crate::by_dtype!(buf.dtype(), nesterov(buf, grad, momentum, grad_scale))
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, scale: GradScale) {
+        if let Some(gs) = scale.on_host() {
+            crate::by_dtype!(buf.dtype(), nesterov(buf, grad, momentum, gs))
+        }
+    }
+    fn step_scale(&self, scale: ViewMut, sums: View, max_norm: f64) {
+        assert_eq!(
+            (scale.dtype(), scale.len()),
+            (crate::DType::F64, 1),
+            "step_scale: one f64"
+        );
+        let s = step_scale_value(sums.host::<f64>(), max_norm);
+        scale.host::<f64>()[0] = s;
     }
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
         crate::by_dtype!(x.dtype(), normalize(x, eps))
@@ -131,7 +146,11 @@ impl OptimOps for CpuBackend {
         alpha: f64,
         decay: f64,
         rounded: Option<ViewMut>,
+        gate: GradScale,
     ) {
+        if gate.on_host().is_none() {
+            return;
+        }
         let dt = param.dtype();
         crate::by_dtype!(dt, decay_update(param.reborrow(), update, alpha, decay));
         if let Some(r) = rounded {

@@ -2,7 +2,7 @@
 //! f32 once on the host, as the CPU backend rounds them.
 
 use super::*;
-use ganymede_core::{AdamWStep, OptimOps};
+use ganymede_core::{AdamWStep, GradScale, OptimOps};
 
 fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
@@ -50,9 +50,11 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             }
             None => kernel!("adamw_step_f32"),
         };
+        let [gs, gsp] = self.grad_scale_args(h.grad_scale);
         args.extend([
             i64_of(n),
-            Arg::F32(h.grad_scale),
+            gs,
+            gsp,
             f(h.beta1),
             f(h.beta2),
             f(1.0 - h.beta1),
@@ -73,6 +75,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         alpha: f64,
         decay: f64,
         rounded: Option<ViewMut>,
+        gate: GradScale,
     ) {
         let n = param.len();
         check_f32(
@@ -92,25 +95,49 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             }
             None => kernel!("decay_update_f32"),
         };
-        args.extend([i64_of(n), f(alpha), f(1.0 - decay)]);
+        let [_, gate] = self.grad_scale_args(gate);
+        args.extend([i64_of(n), f(alpha), f(1.0 - decay), gate]);
         self.launch(k, self.ew(n), &args);
     }
 
-    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, grad_scale: f32) {
+    fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, scale: GradScale) {
         let n = buf.len();
         let views = [(buf.dtype(), n), (grad.dtype(), grad.len())];
         check_f32("nesterov_momentum", &views, n);
         if n == 0 {
             return;
         }
+        let [gs, gsp] = self.grad_scale_args(scale);
         let args = [
             self.arg_mut(buf),
             self.arg_mut(grad),
             i64_of(n),
             f(momentum),
-            Arg::F32(grad_scale),
+            gs,
+            gsp,
         ];
         self.launch(kernel!("nesterov_f32"), self.ew(n), &args);
+    }
+
+    /// `step_scale_f64`, one thread: the norm stays on the device.
+    fn step_scale(&self, scale: ViewMut, sums: View, max_norm: f64) {
+        assert_eq!(
+            (scale.dtype(), scale.len()),
+            (DType::F64, 1),
+            "step_scale: one f64"
+        );
+        assert!(
+            sums.dtype() == DType::F64 && !sums.is_empty(),
+            "step_scale: the squared norm and the figures to check, f64"
+        );
+        let n = sums.len();
+        let args = [
+            self.arg_mut(scale),
+            self.arg(sums),
+            i64_of(n),
+            Arg::F64(max_norm),
+        ];
+        self.launch(kernel!("step_scale_f64"), cfg(grid(1, 1, 1), 32), &args);
     }
 
     fn normalize_frobenius(&self, x: ViewMut, eps: f64) {
@@ -172,6 +199,16 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
 }
 
 impl<L: Launcher> KernelOps<L> {
+    /// A gradient scale as the update kernels take it: the value (`gs`, 1 where the device holds
+    /// it) and the device scalar's address or null (`gsp`).
+    fn grad_scale_args(&self, s: GradScale) -> [Arg; 2] {
+        match (s, s.device()) {
+            (GradScale::Host(v), _) => [Arg::F32(v), Arg::Ptr(std::ptr::null_mut())],
+            (_, Some(d)) => [Arg::F32(1.0), self.arg(d)],
+            (GradScale::Device(_), None) => unreachable!("device() checks a device scale"),
+        }
+    }
+
     /// The squared Frobenius norms of `count` matrices of `n` f32 at `x` into `sums` (f64, one
     /// a matrix), through `blocks` partials each at `partial`; returns the per-matrix grid
     /// (`blocks` × `count`) that a pass over the stack takes.
