@@ -80,6 +80,11 @@ const SECTIONS: &[(&str, Section)] = &[
         "Attention at medium's shape: SIMT against tensor-core kernels",
         attention_kernels,
     ),
+    // After the timings: the experts' device-offset GEMMs run here first on a GPU.
+    (
+        "A training step reads nothing back before its update",
+        crate::reads::gpu_step_reads,
+    ),
     (
         "NCCL group at world size 1: the conformance suite",
         ganymede_dist::nccl::conformance_world1,

@@ -1,0 +1,153 @@
+//! The device check's step-reads section (issue 32: "no host read inside a step on one GPU"):
+//! whole training steps of `RankState` (bf16 compute, two microbatches, Muon and AdamW) on a
+//! backend wrapped in the read-counting one ([`CountingReads`]). Each step must run every
+//! update kernel before anything is read back, never make the host wait for the device, and
+//! read its figures once after the update: the squared norm, then each microbatch's loss sum
+//! and routing sums and counts (`tiny`: two MoE layers of eight experts, `1 + 2·(1 + 32)` f64s).
+//! The losses are held against the CPU backend's. CI runs it on the kernels' host build, the
+//! device check on the GPU (with the experts' GEMMs reading their rows from device offsets:
+//! the library's grouped GEMM reads each layer's counts back).
+
+use ganymede_config::JobConfig;
+use ganymede_core::counting::CountingReads;
+use ganymede_core::{Backend, CpuBackend, DType, Ledger};
+use ganymede_data::Dataset;
+use ganymede_dist::{run_threads, ThreadsConfig};
+use ganymede_parallel::RankState;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+/// Steps per optimizer.
+const STEPS: usize = 2;
+/// The losses of the device against the CPU's, relative (bf16 compute, after updates).
+const LOSS_TOL: f64 = 1e-3;
+
+/// `tiny` small enough for the kernels' host build: 2 × 2 sequences of 64 a step, bf16.
+fn job(optimizer: &str) -> Result<JobConfig, String> {
+    let sets = [
+        format!("training.steps={STEPS}"),
+        "training.batch_size=4".into(),
+        "training.micro_batch_size=2".into(),
+        "model.seq_len=64".into(),
+        "training.compute_dtype=bf16".into(),
+        "checkpoint.enable=false".into(),
+        format!("optimizer.name={optimizer}"),
+    ];
+    let cfg = JobConfig::load(Some("tiny"), None, &sets).map_err(|e| e.to_string())?;
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok(cfg)
+}
+
+/// What one step showed.
+struct Seen {
+    loss: f64,
+    /// Per update kernel: reads and `sumsq`s before it (see [`CountingReads::updates`]).
+    updates: Vec<(usize, usize)>,
+    sumsqs: usize,
+    reads: Vec<(DType, usize)>,
+    waits: usize,
+}
+
+/// `STEPS` steps of `cfg` on `be` (one rank), each step's figures.
+fn run<B: Backend + 'static>(
+    be: Arc<CountingReads<B>>,
+    cfg: &JobConfig,
+    data: &Dataset,
+) -> Result<Vec<Seen>, String> {
+    let r = run_threads(1, &ThreadsConfig::default(), |world| {
+        let dyn_be: Arc<dyn Backend> = be.clone();
+        let mut st = RankState::with_backend(world, cfg, dyn_be).map_err(|e| format!("{e:#}"))?;
+        let mut seen = vec![];
+        for s in 0..STEPS {
+            be.take();
+            let (sumsqs, waits) = (be.sumsqs(), be.waits());
+            let loss = st.step(data, s).map_err(|e| format!("{e:#}"))?.loss;
+            seen.push(Seen {
+                loss,
+                updates: be.updates(),
+                sumsqs,
+                reads: be.take(),
+                waits: be.waits() - waits,
+            });
+        }
+        Ok(seen)
+    });
+    r.into_iter().next().expect("one rank").unwrap_or_else(|p| {
+        Err(p
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_else(|| "panicked".into()))
+    })
+}
+
+/// The section's body for `dev` (wrapped here in the read-counting backend), against the CPU
+/// backend: markdown on success, the table and the reasons on failure.
+pub fn step_reads<B: Backend + 'static>(make: impl Fn() -> B) -> Result<String, String> {
+    let mut md = String::from(
+        "| optimizer | step | update kernels | reads before the first update | host waits | reads after | loss (device / CPU) |\n|---|---|---|---|---|---|---|\n",
+    );
+    let mut failures = vec![];
+    let want = [(DType::F64, 1 + 2 * 33)];
+    for optimizer in ["muon", "adamw"] {
+        let cfg = job(optimizer)?;
+        let m = &cfg.model;
+        let data = Dataset::build(&cfg.data, m.vocab_size, m.seq_len, cfg.training.seed, None)
+            .map_err(|e| e.to_string())?;
+        let dev = run(Arc::new(CountingReads::new(make())), &cfg, &data)?;
+        let cpu = CpuBackend::new(Arc::new(Ledger::new()));
+        let cpu = run(Arc::new(CountingReads::new(cpu)), &cfg, &data)?;
+        for (s, (d, c)) in dev.iter().zip(&cpu).enumerate() {
+            let before = d.updates.first().map_or(0, |u| u.0);
+            let rel = (d.loss - c.loss).abs() / c.loss.abs().max(1e-30);
+            let _ = writeln!(
+                md,
+                "| {optimizer} | {s} | {} | {before} | {} | {:?} | {:.6} / {:.6} ({rel:.1e}) |",
+                d.updates.len(),
+                d.waits,
+                d.reads,
+                d.loss,
+                c.loss
+            );
+            let at = format!("{optimizer}, step {s}");
+            if d.updates.is_empty() {
+                failures.push(format!("{at}: no update kernel ran"));
+            }
+            if d.updates.iter().any(|&u| u != (0, d.sumsqs)) {
+                failures.push(format!("{at}: reads before an update: {:?}", d.updates));
+            }
+            if d.reads != want {
+                failures.push(format!("{at}: read {:?}, not {want:?}", d.reads));
+            }
+            if d.waits > 0 {
+                failures.push(format!("{at}: the host waited {} times", d.waits));
+            }
+            if rel > LOSS_TOL {
+                failures.push(format!(
+                    "{at}: loss {rel:.1e} from the CPU's (tol {LOSS_TOL})"
+                ));
+            }
+        }
+    }
+    match failures.is_empty() {
+        true => Ok(md),
+        false => Err(format!("{md}\n{}", failures.join("\n\n"))),
+    }
+}
+
+/// The section on the GPU: the device's tuning with the experts' GEMMs on device offsets.
+#[cfg(feature = "cuda")]
+pub fn gpu_step_reads(be: &ganymede_cuda::device::CudaBackend) -> Result<String, String> {
+    use ganymede_cuda::device::CudaLauncher;
+    use ganymede_cuda::kernel_backend::KernelBackend;
+    use ganymede_cuda::ops::{KernelOps, Tuning};
+    let tuning = Tuning {
+        grouped_tc: true,
+        ..Tuning::for_device(be.compute_major())?
+    };
+    step_reads(|| {
+        KernelBackend::new(
+            KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
+            be.clone(),
+        )
+    })
+}
