@@ -283,6 +283,11 @@ impl TrainingConfig {
             m => m,
         }
     }
+
+    /// Forward and backward passes per optimizer step on each of `ranks` ranks (at least one).
+    pub fn microbatches(&self, ranks: usize) -> usize {
+        (self.batch_size / ranks.max(1) / self.micro_batch(ranks).max(1)).max(1)
+    }
 }
 
 /// Operand precision of the model's GEMMs (`training.compute_dtype`).

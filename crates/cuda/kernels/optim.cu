@@ -5,12 +5,11 @@
 
 // The step's gradient scale where the device worked it out (step_scale_f64): gsp, an f64 holding
 // an f32 value, replaces gs; NaN stops the update (the kernel writes nothing). Null: gs as given.
-// Returns false where the kernel must return at once.
+__device__ __forceinline__ bool stopped(const double* gsp) { return gsp && *gsp != *gsp; }
+// False where the kernel must return at once; else gs is the factor to apply.
 __device__ __forceinline__ bool grad_scale(const double* gsp, float& gs) {
-    if (!gsp) return true;
-    const double d = *gsp;
-    if (d != d) return false;
-    gs = (float)d;
+    if (stopped(gsp)) return false;
+    if (gsp) gs = (float)*gsp;
     return true;
 }
 
@@ -179,15 +178,13 @@ __device__ void decay_update(float* p, const float* u, bf16* p16, long long n, f
 // gate: the step's device gradient scale or null; NaN stops the update, as in adamw_step_f32.
 extern "C" __global__ void decay_update_f32(float* p, const float* u, long long n, float alpha,
                                             float keep, const double* gate) {
-    float unused = 1.0f;
-    if (!grad_scale(gate, unused)) return;
+    if (stopped(gate)) return;
     decay_update<false>(p, u, nullptr, n, alpha, keep);
 }
 extern "C" __global__ void decay_update_f32_rounded(float* p, const float* u, bf16* p16,
                                                     long long n, float alpha, float keep,
                                                     const double* gate) {
-    float unused = 1.0f;
-    if (!grad_scale(gate, unused)) return;
+    if (stopped(gate)) return;
     decay_update<true>(p, u, p16, n, alpha, keep);
 }
 

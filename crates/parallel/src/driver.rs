@@ -176,14 +176,19 @@ impl StepScalars {
         self.t.slice_mut(Self::SUMSQ, 1)
     }
 
-    /// The figures summed over the ranks: the squared norm and the losses.
+    /// The figures summed over the ranks (and checked to be finite): the squared norm and the
+    /// losses.
     fn summed(&mut self) -> ViewMut<'_> {
-        self.t.slice_mut(Self::SUMSQ, Self::LOSSES + self.k)
+        self.t.slice_mut(Self::SUMSQ, self.summed_len())
+    }
+
+    fn summed_len(&self) -> usize {
+        Self::LOSSES + self.k
     }
 
     /// Clipping's coefficient (NaN: no update) from the squared norm and the losses.
     fn set_scale(&mut self, be: &dyn Backend, max_norm: f64) {
-        let sums = self.t.slice(Self::SUMSQ, Self::LOSSES + self.k);
+        let sums = self.t.slice(Self::SUMSQ, self.summed_len());
         be.step_scale(self.scale.view_mut(), sums, max_norm);
     }
 
@@ -200,9 +205,10 @@ impl StepScalars {
     }
 }
 
-/// Stop a step whose loss or gradient norm is not finite, before its update. A NaN or an
-/// infinity in any gradient makes the norm (a sum over all of them) non-finite even when the
-/// loss is finite, and an update from it would spread it through every weight it touches.
+/// Stop a run whose step had a loss or gradient norm that is not finite. A NaN or an infinity
+/// in any gradient makes the norm (a sum over all of them) non-finite even when the loss is
+/// finite, and an update from it would spread it through every weight it touches: the update
+/// kernels already skipped it (the step's NaN scale, [`StepScalars`]), and this says why.
 pub fn check_finite(loss: f64, grad_norm: f64, step: usize, lr: f64) -> Result<()> {
     let at = step + 1;
     if !loss.is_finite() {
@@ -539,8 +545,7 @@ impl RankState {
         if mesh.dp_shard.ctx().tracer.enabled() {
             be.trace_copies(true);
         }
-        let k = cfg.training.batch_size / mesh.world.size() / micro;
-        let scalars = StepScalars::new(be, &model, k);
+        let scalars = StepScalars::new(be, &model, cfg.training.microbatches(mesh.world.size()));
         Ok(RankState {
             scalars,
             experts,
@@ -671,9 +676,8 @@ impl RankState {
         let world = self.mesh.world.size();
         let seq = self.cfg.model.seq_len;
         let micro = self.cfg.training.micro_batch(world);
-        let k = self.cfg.training.batch_size / world / micro;
         let global = world * micro * seq;
-        let mut n = global;
+        let (mut n, k) = (global, self.scalars.k);
         for m in 0..k {
             let rows = m * micro * seq..(m + 1) * micro * seq;
             let tokens = Tokens {

@@ -163,7 +163,7 @@ pub fn predict_memory(job: &JobConfig, threads: usize, ranks: usize) -> MemoryPr
     let one: CpuLedger = predict_cpu_ledger(&one_microbatch(job, 1), threads);
     // The step driver keeps each microbatch's figures until the step's end: the whole step's
     // copies, not one microbatch's.
-    let (m, k) = (&job.model, crate::ledger::microbatches(job, 1));
+    let (m, k) = (&job.model, job.training.microbatches(1));
     let stash = crate::ledger::step_scalars(m, k) - crate::ledger::step_scalars(m, 1);
     let all = Categories {
         params: one.params,
@@ -576,7 +576,7 @@ fn sharded(job: &JobConfig, w: usize, ranks: usize, threads: usize) -> Sharded {
             + f * (root_elems(&ts, cut, muon) as f64 + ns_scratch)
             + gather_staging
             + ep_scratch
-            + crate::ledger::step_scalars(m, crate::ledger::microbatches(job, ranks))
+            + crate::ledger::step_scalars(m, job.training.microbatches(ranks))
             + crate::ledger::bf16_gemm_scratch(&local),
     };
     let init_whole = ts.iter().map(Rt::numel).max().unwrap_or(0) as f64;

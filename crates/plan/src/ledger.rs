@@ -218,7 +218,7 @@ pub fn predict_cpu_ledger(job: &JobConfig, threads: usize) -> CpuLedger {
         activations: terms.boundaries + terms.layer_sets + terms.grad_scratch + terms.head,
         activation_terms: terms,
         buffers: buffers
-            + step_scalars(m, microbatches(job, 1))
+            + step_scalars(m, job.training.microbatches(1))
             + bf16_gemm_scratch(job)
             + bf16_weight_copy(job),
     }
@@ -394,12 +394,6 @@ pub fn step_scalars(m: &ganymede_config::ModelConfig, k: usize) -> f64 {
     let moe_layers = m.layers - m.dense_layers.min(m.layers);
     let route = 2 * m.experts * moe_layers;
     STEP_SCALARS + (8 * route + 8 * k * (1 + route)) as f64
-}
-
-/// Microbatches in a step of `job` on one of `ranks` ranks (at least one).
-pub fn microbatches(job: &JobConfig, ranks: usize) -> usize {
-    let t = &job.training;
-    (t.batch_size / ranks.max(1) / t.micro_batch(ranks).max(1)).max(1)
 }
 
 /// [`ganymede_config::moe_rows`] for `n` of a rank's tokens, as f64.

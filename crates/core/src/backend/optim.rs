@@ -31,17 +31,18 @@ impl std::fmt::Debug for GradScale<'_> {
 }
 
 impl<'a> GradScale<'a> {
-    /// The device scalar, checked to be the f64 `[1]` the kernels read.
-    pub fn device(&self) -> Option<View<'a>> {
+    /// As a kernel takes it: the host's factor (1 where the device holds it) and the device
+    /// scalar, checked to be the f64 `[1]` the kernels read.
+    pub fn parts(&self) -> (f32, Option<View<'a>>) {
         match *self {
-            GradScale::Host(_) => None,
+            GradScale::Host(v) => (v, None),
             GradScale::Device(v) => {
                 assert_eq!(
                     (v.dtype(), v.len()),
                     (DType::F64, 1),
                     "a device gradient scale is one f64"
                 );
-                Some(v)
+                (1.0, Some(v))
             }
         }
     }
@@ -49,16 +50,12 @@ impl<'a> GradScale<'a> {
     /// The factor, or `None` where the update stops, for a backend whose device memory the
     /// host reads directly (the CPU's).
     pub fn on_host(&self) -> Option<f32> {
-        match self.device() {
-            None => match *self {
-                GradScale::Host(v) => Some(v),
-                GradScale::Device(_) => unreachable!(),
-            },
-            Some(v) => {
-                let s = v.host::<f64>()[0];
-                // The factor was an f32 before it was stored: exact.
-                (!s.is_nan()).then_some(s as f32)
-            }
+        match self.parts() {
+            (v, None) => Some(v),
+            // The factor was an f32 before it was stored: exact.
+            (_, Some(d)) => Some(d.host::<f64>()[0])
+                .filter(|s| !s.is_nan())
+                .map(|s| s as f32),
         }
     }
 }

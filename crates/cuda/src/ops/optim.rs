@@ -202,11 +202,9 @@ impl<L: Launcher> KernelOps<L> {
     /// A gradient scale as the update kernels take it: the value (`gs`, 1 where the device holds
     /// it) and the device scalar's address or null (`gsp`).
     fn grad_scale_args(&self, s: GradScale) -> [Arg; 2] {
-        match (s, s.device()) {
-            (GradScale::Host(v), _) => [Arg::F32(v), Arg::Ptr(std::ptr::null_mut())],
-            (_, Some(d)) => [Arg::F32(1.0), self.arg(d)],
-            (GradScale::Device(_), None) => unreachable!("device() checks a device scale"),
-        }
+        let (v, d) = s.parts();
+        let ptr = d.map_or(Arg::Ptr(std::ptr::null_mut()), |d| self.arg(d));
+        [Arg::F32(v), ptr]
     }
 
     /// The squared Frobenius norms of `count` matrices of `n` f32 at `x` into `sums` (f64, one
