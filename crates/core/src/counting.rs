@@ -5,8 +5,8 @@
 //! logic a GPU runs.
 
 use crate::backend::{
-    AdamWStep, Backend, Blas, EmbedIds, ExpertGemm, ExpertRows, Gemm, GradScale, Memory, NnOps,
-    OptimOps,
+    AdamWStep, Backend, Blas, DecayStep, EmbedIds, ExpertGemm, ExpertRows, Gemm, GradScale, Memory,
+    NnOps, OptimOps,
 };
 use crate::stream::Event;
 use crate::tensor::{DType, View, ViewMut};
@@ -165,18 +165,9 @@ impl<B: Backend> OptimOps for CountingReads<B> {
         self.update();
         self.inner.nesterov_momentum(buf, grad, momentum, scale)
     }
-    fn decay_update(
-        &self,
-        param: ViewMut,
-        update: View,
-        alpha: f64,
-        decay: f64,
-        rounded: Option<ViewMut>,
-        gate: GradScale,
-    ) {
+    fn decay_update(&self, param: ViewMut, update: View, h: &DecayStep, rounded: Option<ViewMut>) {
         self.update();
-        self.inner
-            .decay_update(param, update, alpha, decay, rounded, gate)
+        self.inner.decay_update(param, update, h, rounded)
     }
     forward_optim_ops!(inner:
         normalize_frobenius, normalize_frobenius_strided, normalizes_into_bf16,

@@ -13,10 +13,32 @@ __device__ __forceinline__ bool grad_scale(const double* gsp, float& gs) {
     return true;
 }
 
+// The step's rate in device memory (ganymede_core::DeviceRate: [lr, bc1, bc2] in f64), from
+// which a kernel works out the constants the host would pass, each f64 operation rounded as the
+// host rounds it (no contraction) and the result rounded to f32 once: the same bits. With it
+// the update launches are the same at every step (a CUDA graph's replay); null: the host's.
+struct Rate {
+    const double* r;
+    // AdamW's keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2).
+    __device__ void adamw(double wd, float& keep, float& step, float& inv_sqrt_bc2) const {
+        if (!r) return;
+        keep = (float)__dsub_rn(1.0, __dmul_rn(r[0], wd));
+        step = (float)__ddiv_rn(r[0], r[1]);
+        inv_sqrt_bc2 = (float)__ddiv_rn(1.0, __dsqrt_rn(r[2]));
+    }
+    // Muon's alpha = lr·scale and keep = 1 − lr·wd.
+    __device__ void decay(double scale, double wd, float& alpha, float& keep) const {
+        if (!r) return;
+        alpha = (float)__dmul_rn(r[0], scale);
+        keep = (float)__dsub_rn(1.0, __dmul_rn(r[0], wd));
+    }
+};
+
 // AdamW on g = grad·gs (gs: the clip coefficient or 1, so clipping needs no pass of its own):
 // m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²; p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
-// with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2). ROUND: the new p also
-// into p16, rounded to bf16 (the compute copy, without a cast pass of its own).
+// with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2) (from `rate` where it is
+// not null, see Rate). ROUND: the new p also into p16, rounded to bf16 (the compute copy,
+// without a cast pass of its own).
 template <bool ROUND>
 __device__ void adamw(float* p, float* m, float* v, const float* g, bf16* p16, long long n,
                       float gs, float b1, float b2, float omb1, float omb2, float keep, float step,
@@ -46,16 +68,20 @@ __device__ void adamw(float* p, float* m, float* v, const float* g, bf16* p16, l
 extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
                                           long long n, float gs, const double* gsp, float b1,
                                           float b2, float omb1, float omb2, float keep, float step,
-                                          float inv_sqrt_bc2, float eps) {
+                                          float inv_sqrt_bc2, float eps, const double* rate,
+                                          double wd) {
     if (!grad_scale(gsp, gs)) return;
+    Rate{rate}.adamw(wd, keep, step, inv_sqrt_bc2);
     adamw<false>(p, m, v, g, nullptr, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
 }
 extern "C" __global__ void adamw_step_f32_rounded(float* p, float* m, float* v, const float* g,
                                                   bf16* p16, long long n, float gs,
                                                   const double* gsp, float b1, float b2,
                                                   float omb1, float omb2, float keep, float step,
-                                                  float inv_sqrt_bc2, float eps) {
+                                                  float inv_sqrt_bc2, float eps,
+                                                  const double* rate, double wd) {
     if (!grad_scale(gsp, gs)) return;
+    Rate{rate}.adamw(wd, keep, step, inv_sqrt_bc2);
     adamw<true>(p, m, v, g, p16, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
 }
 
@@ -176,15 +202,20 @@ __device__ void decay_update(float* p, const float* u, bf16* p16, long long n, f
     });
 }
 // gate: the step's device gradient scale or null; NaN stops the update, as in adamw_step_f32.
+// rate: as there, alpha = lr·scale and keep = 1 − lr·wd from the device's lr.
 extern "C" __global__ void decay_update_f32(float* p, const float* u, long long n, float alpha,
-                                            float keep, const double* gate) {
+                                            float keep, const double* gate, const double* rate,
+                                            double scale, double wd) {
     if (stopped(gate)) return;
+    Rate{rate}.decay(scale, wd, alpha, keep);
     decay_update<false>(p, u, nullptr, n, alpha, keep);
 }
 extern "C" __global__ void decay_update_f32_rounded(float* p, const float* u, bf16* p16,
                                                     long long n, float alpha, float keep,
-                                                    const double* gate) {
+                                                    const double* gate, const double* rate,
+                                                    double scale, double wd) {
     if (stopped(gate)) return;
+    Rate{rate}.decay(scale, wd, alpha, keep);
     decay_update<true>(p, u, p16, n, alpha, keep);
 }
 

@@ -233,6 +233,12 @@ inline double atomicAdd(double* p, double v) { return gany_atomic_add_float(p, v
 
 // Intrinsics the kernels use, as their exact host equivalents.
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// f64 arithmetic rounded as written (the device's intrinsics never contract into an FMA; the
+// host build is compiled with -ffp-contract=off).
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double x) { return std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }

@@ -37,6 +37,19 @@ pub enum Arg {
 }
 
 impl Arg {
+    /// The argument as a kernel receives it: its kind and its bits (so that two launches can
+    /// be compared exactly, NaN and -0.0 included).
+    pub fn bits(&self) -> (char, u64) {
+        let bits = match *self {
+            Arg::Ptr(p) => p as u64,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::U32(v) => v as u64,
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+            Arg::F64(v) => v.to_bits(),
+        };
+        (self.kind(), bits)
+    }
     fn kind(&self) -> char {
         match self {
             Arg::Ptr(_) => 'p',

@@ -13,7 +13,7 @@ use crate::host::{self, Arg, HostKernel, LaunchConfig};
 use crate::kernel::{Kernel, Resolved};
 use ganymede_core::{Category, CpuBackend, DType, Memory, Tensor, View, ViewMut};
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A device as the kernel ops see it. Object-safe.
 pub trait Launcher: Send + Sync {
@@ -144,5 +144,104 @@ impl Launcher for HostLauncher {
     }
     unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
         std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
+    }
+}
+
+/// One launch as [`Recording`] saw it: the kernel, its shape and its arguments' bits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub kernel: &'static str,
+    pub cfg: LaunchConfig,
+    pub args: Vec<(char, u64)>,
+}
+
+impl std::fmt::Display for Launch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (g, b) = (self.cfg.grid, self.cfg.block);
+        write!(
+            f,
+            "{} <<<{g:?}, {b:?}, {}>>> (",
+            self.kernel, self.cfg.shared
+        )?;
+        for (i, (kind, bits)) in self.args.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            match kind {
+                'f' => write!(f, "{sep}{}", f32::from_bits(*bits as u32))?,
+                'd' => write!(f, "{sep}{}", f64::from_bits(*bits))?,
+                'p' => write!(f, "{sep}{bits:#x}")?,
+                _ => write!(f, "{sep}{}", *bits as i64)?,
+            }
+        }
+        write!(f, ")")
+    }
+}
+
+/// The launches a [`Recording`] launcher has seen, shared with whoever reads them.
+#[derive(Clone, Default)]
+pub struct LaunchLog(Arc<Mutex<Vec<Launch>>>);
+
+impl LaunchLog {
+    /// The launches since the last take.
+    pub fn take(&self) -> Vec<Launch> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// `L` noting every launch in a [`LaunchLog`]: what a test of a training step's launches reads
+/// (a CUDA graph replays a step's launches exactly, so a step that launches the same kernels
+/// with the same arguments every time is one a graph can replay). Everything else is `L`'s.
+#[derive(Clone)]
+pub struct Recording<L> {
+    inner: L,
+    log: LaunchLog,
+}
+
+impl<L: Launcher> Recording<L> {
+    pub fn new(inner: L) -> (Self, LaunchLog) {
+        let log = LaunchLog::default();
+        (
+            Recording {
+                inner,
+                log: log.clone(),
+            },
+            log,
+        )
+    }
+}
+
+impl<L: Launcher> Launcher for Recording<L> {
+    fn addr(&self, v: View) -> *mut c_void {
+        self.inner.addr(v)
+    }
+    fn addr_mut(&self, v: ViewMut) -> *mut c_void {
+        self.inner.addr_mut(v)
+    }
+    unsafe fn mark(&self, addr: *mut c_void, bytes: usize) {
+        self.inner.mark(addr, bytes)
+    }
+    unsafe fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]) {
+        let launch = Launch {
+            kernel: k.name(),
+            cfg,
+            args: args.iter().map(Arg::bits).collect(),
+        };
+        self.log
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(launch);
+        self.inner.launch(k, cfg, args)
+    }
+    fn resolutions(&self) -> u64 {
+        self.inner.resolutions()
+    }
+    fn alloc_scratch(&self, bytes: usize) -> Tensor {
+        self.inner.alloc_scratch(bytes)
+    }
+    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
+        self.inner.upload(dst, src)
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
+        self.inner.download(dst, src)
     }
 }

@@ -446,9 +446,15 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         "adamw_step_f32",
         vec![A_F32; 4],
         Box::new(move |p, n| {
-            // The scale given (a null device scale), then the constants.
+            // The scale given (a null device scale), then the constants (a null device rate).
             let h = [0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
-            [&p[..4], &[n, f(0.8), NULL][..], &h[..]].concat()
+            [
+                &p[..4],
+                &[n, f(0.8), NULL][..],
+                &h[..],
+                &[NULL, Arg::F64(0.1)],
+            ]
+            .concat()
         }),
     ));
     cases.push((
@@ -456,7 +462,13 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
         vec![A_F32, A_F32, A_F32, A_F32, A_BF16],
         Box::new(move |p, n| {
             let h = [0.9, 0.95, 0.1, 0.05, 0.999, 0.01, 1.2, 1e-8].map(f);
-            [&p[..5], &[n, f(0.8), NULL][..], &h[..]].concat()
+            [
+                &p[..5],
+                &[n, f(0.8), NULL][..],
+                &h[..],
+                &[NULL, Arg::F64(0.1)],
+            ]
+            .concat()
         }),
     ));
     cases.push((
@@ -478,12 +490,18 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
     cases.push((
         "decay_update_f32",
         vec![A_F32; 2],
-        Box::new(move |p, n| vec![p[0], p[1], n, f(0.02), f(0.999), NULL]),
+        Box::new(move |p, n| {
+            let rate = [NULL, Arg::F64(2.0), Arg::F64(0.1)];
+            [&[p[0], p[1], n, f(0.02), f(0.999), NULL][..], &rate].concat()
+        }),
     ));
     cases.push((
         "decay_update_f32_rounded",
         vec![A_F32, A_F32, A_BF16],
-        Box::new(move |p, n| vec![p[0], p[1], p[2], n, f(0.02), f(0.999), NULL]),
+        Box::new(move |p, n| {
+            let rate = [NULL, Arg::F64(2.0), Arg::F64(0.1)];
+            [&[p[0], p[1], p[2], n, f(0.02), f(0.999), NULL][..], &rate].concat()
+        }),
     ));
     // Every elementwise and optimizer kernel but the partials' final sums and the stack
     // kernels on a 2-D grid: frobenius_normalisation_of_a_stack holds those to the bits of
@@ -1243,12 +1261,81 @@ fn step_scale_matches_the_host() {
     assert_eq!(step_scale_value(&[0.25], 1.0), 1.0);
 }
 
+/// The kernels work out the step's constants from the learning rate and bias corrections in
+/// device memory (`DeviceRate`) to the bits the host passes without it, over learning rates,
+/// step counts, weight decays and update scales (taking bc1 for bc2, or wd for the update
+/// scale, fails it); and the CPU backend refuses a device rate that is not its host values.
+#[test]
+fn a_device_rate_gives_the_hosts_constants_bit_for_bit() {
+    use ganymede_core::{AdamWStep, DecayStep, DeviceRate, GradScale};
+    let n = 257usize;
+    let mut rng = Lcg::new(31);
+    let x: Vec<Vec<f32>> = (0..4).map(|_| rng.values(n, 0.5)).collect();
+    let v: Vec<f32> = x[2].iter().map(|x| x.abs()).collect();
+    let kb = kernels(SMALL);
+    let be: &dyn Backend = &kb;
+    let mut cases = 0;
+    for (i, t) in [1, 2, 3, 7, 50, 999, 12345].into_iter().enumerate() {
+        for (lr, wd, scale) in [(3e-4, 0.1, 1.3), (1.7e-2, 0.013, 0.2 * 45f64.sqrt())] {
+            let lr = lr * (1.0 + i as f64 / 7.0);
+            let h = AdamWStep::at_step(lr, (0.9, 0.95), 1e-8, wd, t);
+            let mut rt = be.zeros_of(&[3], DType::F64, Category::Activations);
+            be.write_f64(rt.view_mut(), &h.rate_values());
+            let run = |rate: Option<DeviceRate>| {
+                let (mut p, mut m, mut vt) = (up(be, &x[0]), up(be, &x[1]), up(be, &v));
+                let h = AdamWStep { rate, ..h };
+                let (pv, mv, vv) = (p.view_mut(), m.view_mut(), vt.view_mut());
+                be.adamw_step(pv, mv, vv, up(be, &x[3]).view(), &h, None);
+                let mut q = up(be, &x[0]);
+                let d = DecayStep {
+                    lr,
+                    scale,
+                    weight_decay: wd,
+                    rate,
+                    gate: GradScale::Host(1.0),
+                };
+                be.decay_update(q.view_mut(), up(be, &x[1]).view(), &d, None);
+                [down(be, &p), down(be, &m), down(be, &vt), down(be, &q)]
+            };
+            let (host, dev) = (run(None), run(Some(DeviceRate::new(rt.view()))));
+            for (k, (a, b)) in host.iter().zip(&dev).enumerate() {
+                let differ = a.iter().zip(b).filter(|(a, b)| a.to_bits() != b.to_bits());
+                let differ = differ.count();
+                assert_eq!(
+                    differ, 0,
+                    "output {k}, lr {lr}, t {t}, wd {wd}, scale {scale}"
+                );
+            }
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 14);
+    // The CPU reads its host values and holds the device's to them.
+    let b = cpu();
+    let h = AdamWStep::at_step(1e-3, (0.9, 0.95), 1e-8, 0.1, 4);
+    let mut rt = b.zeros_of(&[3], DType::F64, Category::Activations);
+    b.write_f64(rt.view_mut(), &[1e-3, 0.5, 0.5]);
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let (mut p, mut m, mut vt) = (up(&b, &x[0]), up(&b, &x[1]), up(&b, &v));
+        let h = AdamWStep {
+            rate: Some(DeviceRate::new(rt.view())),
+            ..h
+        };
+        let (pv, mv, vv) = (p.view_mut(), m.view_mut(), vt.view_mut());
+        b.adamw_step(pv, mv, vv, up(&b, &x[3]).view(), &h, None);
+    }));
+    assert!(
+        e.is_err(),
+        "the CPU took a device rate other than its host values"
+    );
+}
+
 /// A NaN device scale (a gradient norm that is not finite) stops every update kernel: the
 /// weights, their state and their rounded copies are left as they were, on the kernels and on
 /// the CPU backend alike.
 #[test]
 fn a_nan_device_scale_writes_nothing() {
-    use ganymede_core::{AdamWStep, GradScale};
+    use ganymede_core::{AdamWStep, DecayStep, GradScale};
     let n = 300usize;
     let mut rng = Lcg::new(9);
     let x: Vec<Vec<f32>> = (0..4).map(|_| rng.values(n, 0.5)).collect();
@@ -1269,14 +1356,14 @@ fn a_nan_device_scale_writes_nothing() {
         be.adamw_step(pv, mv, vv, g.view(), &h, Some(r.view_mut()));
         be.nesterov_momentum(m.view_mut(), g.view_mut(), 0.95, stop);
         let u = up(be, &x[1]);
-        be.decay_update(
-            p.view_mut(),
-            u.view(),
-            0.02,
-            0.001,
-            Some(r.view_mut()),
-            stop,
-        );
+        let d = DecayStep {
+            lr: 0.02,
+            scale: 1.0,
+            weight_decay: 0.05,
+            rate: None,
+            gate: stop,
+        };
+        be.decay_update(p.view_mut(), u.view(), &d, Some(r.view_mut()));
         assert_eq!(down(be, &p), x[0], "the weights");
         assert_eq!(down(be, &m), x[1], "the first moment / momentum");
         assert_eq!(down(be, &vt), v, "the second moment");
@@ -1416,13 +1503,22 @@ fn optimizer_updates_at(
     h: ganymede_core::AdamWStep,
     (gs, on_device): (f32, bool),
 ) {
-    use ganymede_core::GradScale;
-    // The factor as the backend's own device memory holds it, or as the host gives it.
+    use ganymede_core::{DecayStep, DeviceRate, GradScale};
+    // The factor as the backend's own device memory holds it, or as the host gives it; with it
+    // on the device, the learning rate and bias corrections too.
     let scale = |be: &dyn Backend| {
         let mut t = be.zeros_of(&[1], DType::F64, Category::Activations);
         be.write_f64(t.view_mut(), &[f64::from(gs)]);
         t
     };
+    let rate = |be: &dyn Backend| {
+        let mut t = be.zeros_of(&[3], DType::F64, Category::Activations);
+        be.write_f64(t.view_mut(), &h.rate_values());
+        t
+    };
+    fn pick_rate(t: &Tensor, on_device: bool) -> Option<DeviceRate<'_>> {
+        on_device.then(|| DeviceRate::new(t.view()))
+    }
     fn pick(t: &Tensor, gs: f32, on_device: bool) -> GradScale<'_> {
         match on_device {
             true => GradScale::Device(t.view()),
@@ -1435,9 +1531,10 @@ fn optimizer_updates_at(
         let (mut p, mut m, mut v) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
         let (mut p2, mut m2, mut v2) = (up(be, &x[0]), up(be, &x[1]), up(be, &x[2]));
         let g = up(be, &x[3]);
-        let t = scale(be);
+        let (t, r) = (scale(be), rate(be));
         let h = ganymede_core::AdamWStep {
             grad_scale: pick(&t, gs, on_device),
+            rate: pick_rate(&r, on_device),
             ..h
         };
         be.adamw_step(p.view_mut(), m.view_mut(), v.view_mut(), g.view(), &h, None);
@@ -1487,23 +1584,21 @@ fn optimizer_updates_at(
         |x| normalize(kb, x),
         |x| normalize(b, x),
     );
-    let (alpha, decay) = (0.02, 0.001);
     let decay_update = |be: &dyn Backend, x: &[Vec<f32>]| {
         let (mut p, mut p2) = (up(be, &x[0]), up(be, &x[0]));
         // Only the gate's stop counts here: a finite factor leaves the update as it is.
-        let t = scale(be);
-        let gate = pick(&t, gs, on_device);
-        be.decay_update(p.view_mut(), up(be, &x[1]).view(), alpha, decay, None, gate);
+        let (t, rt) = (scale(be), rate(be));
+        let d = DecayStep {
+            lr: h.lr,
+            scale: 2.0,
+            weight_decay: 0.1,
+            rate: pick_rate(&rt, on_device),
+            gate: pick(&t, gs, on_device),
+        };
+        be.decay_update(p.view_mut(), up(be, &x[1]).view(), &d, None);
         let mut r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
         let u = up(be, &x[1]);
-        be.decay_update(
-            p2.view_mut(),
-            u.view(),
-            alpha,
-            decay,
-            Some(r.view_mut()),
-            gate,
-        );
+        be.decay_update(p2.view_mut(), u.view(), &d, Some(r.view_mut()));
         assert_eq!(down(be, &p2), down(be, &p));
         vec![down(be, &p), from_bf16(r.view().host_bf16())]
     };

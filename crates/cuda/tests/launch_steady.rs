@@ -9,8 +9,8 @@
 //! Its own test binary: the counting allocator is process-wide.
 
 use ganymede_core::{
-    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, DType, GradScale,
-    HeadRope, Ledger, Memory, NormSaved, OptimOps, Tensor,
+    AdamWStep, AttnDims, AttnGrads, AttnSaved, Blas, Category, CpuBackend, DType, DecayStep,
+    GradScale, HeadRope, Ledger, Memory, NormSaved, OptimOps, Tensor,
 };
 use ganymede_cuda::launch::{HostLauncher, Launcher};
 use ganymede_cuda::ops::{KernelOps, Tuning};
@@ -163,14 +163,14 @@ fn round(ops: &KernelOps<HostLauncher>, t: &mut Tensors) {
         &h,
         Some(t.yb.view_mut()),
     );
-    ops.decay_update(
-        t.x.view_mut(),
-        t.y.view(),
-        1e-3,
-        1e-4,
-        None,
-        GradScale::Host(1.0),
-    );
+    let d = DecayStep {
+        lr: 1e-3,
+        scale: 1.0,
+        weight_decay: 0.1,
+        rate: None,
+        gate: GradScale::Host(1.0),
+    };
+    ops.decay_update(t.x.view_mut(), t.y.view(), &d, None);
     ops.rmsnorm_forward(
         t.m.view_mut(),
         t.rstd.view_mut().slice(0, N / DIM),

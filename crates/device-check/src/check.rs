@@ -82,7 +82,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ),
     // After the timings: the experts' device-offset GEMMs run here first on a GPU.
     (
-        "A training step reads nothing back before its update",
+        "A training step reads nothing back before its update, and launches what the step before launched",
         crate::reads::gpu_step_reads,
     ),
     (

@@ -707,11 +707,13 @@ fn a_kernel_step_reads_back_only_its_metrics_with_device_offsets() {
 
 /// Whole training steps as one GPU runs them (`RankState` on the kernels, bf16 compute, the
 /// experts' GEMMs from device offsets, two microbatches, Muon and AdamW): every update kernel
-/// runs before anything is read back, the host never waits, and the step's one read comes
-/// after the update (the device check's section, `ganymede_device_check::reads`). With the
-/// library's grouped GEMM each layer's counts come back before the update, and it fails.
+/// runs before anything is read back, the host never waits, the step's one read comes after
+/// the update, and after the first step each step launches exactly what the one before did
+/// (the device check's section, `ganymede_device_check::reads`). With the library's grouped
+/// GEMM each layer's counts come back before the update, and it fails.
 #[test]
 fn a_kernel_training_step_reads_nothing_before_its_update() {
+    use ganymede_cuda::launch::Recording;
     use ganymede_device_check::reads::step_reads;
     let kernels = |grouped_tc| {
         move || {
@@ -720,12 +722,17 @@ fn a_kernel_training_step_reads_nothing_before_its_update() {
                 attn_tc: true,
                 ..small()
             };
-            kernels_on(CpuBackend::new(Arc::new(Ledger::new())), tuning)
+            set_bounds(Bounds::Guarded);
+            let cpu = CpuBackend::new(Arc::new(Ledger::new()));
+            let (launcher, log) = Recording::new(HostLauncher::new(cpu.clone()));
+            let ops = KernelOps::with_tuning(launcher, tuning);
+            (KernelBackend::new(ops, cpu), log)
         }
     };
     let md = step_reads(kernels(true)).unwrap_or_else(|e| panic!("{e}"));
     println!("{md}");
-    assert_eq!(md.lines().count(), 2 + 2 * 2, "{md}");
+    assert_eq!(md.lines().count(), 2 + 2 * 3, "{md}");
+    assert_eq!(md.matches("(same)").count(), 2, "{md}");
     let e = step_reads(kernels(false)).expect_err("the counts' reads passed");
     assert!(e.contains("reads before an update"), "{e}");
 }

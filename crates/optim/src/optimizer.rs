@@ -4,7 +4,7 @@
 use crate::ns::{newton_schulz, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes, NsScratch};
 use crate::offload::{SkipWait, Staging};
 use crate::state::{indexed_state_mut, stream_states, ParamState};
-use crate::update::{MuonParam, StateView, Step};
+use crate::update::{MuonParam, RateBuffer, StateView, Step};
 use ganymede_config::{MuonScale, OptimizerConfig, OptimizerName};
 use ganymede_core::{
     Backend, Category, GradScale, ParamKind, ParamSpec, ParamStore, Tensor, View, ViewMut,
@@ -314,6 +314,8 @@ pub struct Optimizer {
     matrices: Matrices,
     /// With `optimizer.offload`: state in host memory, streamed through these device slots.
     staging: Option<Staging>,
+    /// The step's learning rate and bias corrections in device memory.
+    rate: RateBuffer,
     step: u64,
 }
 
@@ -453,6 +455,7 @@ impl Optimizer {
                 stacks,
             },
             staging,
+            rate: RateBuffer::new(be),
             step: 0,
         }
     }
@@ -514,7 +517,7 @@ impl Optimizer {
     ) {
         self.check(params, grads);
         self.step += 1;
-        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale);
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &mut self.rate);
         let (rules, matrices) = (&self.rules, &mut self.matrices);
         let (ps, gs) = (params.tensors_mut(), grads.tensors());
         if let Some(staging) = &mut self.staging {

@@ -9,7 +9,9 @@
 
 use crate::{ParamState, UpdateRule};
 use ganymede_config::OptimizerConfig;
-use ganymede_core::{AdamWStep, Backend, GradScale, View, ViewMut};
+use ganymede_core::{
+    AdamWStep, Backend, Category, DType, DecayStep, DeviceRate, GradScale, Tensor, View, ViewMut,
+};
 
 /// One parameter's (or shard's) state as views, wherever it lives: its resident tensors
 /// ([`ParamState::view_mut`]) or a device staging slot ([`StateView::staged`]).
@@ -95,8 +97,33 @@ pub struct Step<'s> {
     pub step: u64,
     pub lr: f64,
     pub grad_scale: GradScale<'s>,
+    /// The learning rate and bias corrections also in device memory ([`RateBuffer`]).
+    pub rate: Option<DeviceRate<'s>>,
     /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
     pub ns_bf16: bool,
+}
+
+/// Where an optimizer keeps its step's [`DeviceRate`]: three f64 of device memory (buffers),
+/// written by the host at the start of each step, so that the update kernels' launches are the
+/// same at every step (a CUDA graph's replay, issue 32).
+pub struct RateBuffer(Tensor);
+
+impl RateBuffer {
+    pub fn new(be: &dyn Backend) -> Self {
+        RateBuffer(be.zeros_of(&[3], DType::F64, Category::Buffers))
+    }
+    /// `s`'s learning rate and bias corrections into device memory (a write, stream-ordered
+    /// after the previous step's kernels that read them).
+    fn write(&mut self, be: &dyn Backend, s: &Step) {
+        be.write_f64(self.0.view_mut(), &s.adamw_consts(0.0).rate_values());
+    }
+    /// What [`Self::write`] wrote, for [`Step::rate`].
+    fn get(&self) -> DeviceRate<'_> {
+        DeviceRate::new(self.0.view())
+    }
+    pub fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
 }
 
 /// The hyperparameters (`optimizer.*`) the kernels read, copied so that a step holds no borrow
@@ -112,14 +139,16 @@ struct Hyper {
 }
 
 impl<'s> Step<'s> {
+    /// Step `step` at `lr`, its rate also written into `rate` (device memory) for the kernels.
     pub fn new(
         be: &dyn Backend,
         cfg: &OptimizerConfig,
         step: u64,
         lr: f64,
         grad_scale: GradScale<'s>,
+        rate: &'s mut RateBuffer,
     ) -> Self {
-        Step {
+        let mut s = Step {
             cfg: Hyper {
                 beta1: cfg.beta1,
                 beta2: cfg.beta2,
@@ -131,8 +160,14 @@ impl<'s> Step<'s> {
             step,
             lr,
             grad_scale,
+            rate: None,
             ns_bf16: crate::ns_bf16(cfg.ns_dtype, be),
-        }
+        };
+        rate.write(be, &s);
+        // Read-only from here on, for as long as the step.
+        let rate: &'s RateBuffer = rate;
+        s.rate = Some(rate.get());
+        s
     }
 
     /// Newton–Schulz iterations (`optimizer.ns_steps`).
@@ -145,6 +180,7 @@ impl<'s> Step<'s> {
         let (cfg, t) = (self.cfg, self.step as i32);
         AdamWStep {
             grad_scale: self.grad_scale,
+            rate: self.rate,
             ..AdamWStep::at_step(self.lr, (cfg.beta1, cfg.beta2), cfg.eps, weight_decay, t)
         }
     }
@@ -207,7 +243,13 @@ impl<'s> Step<'s> {
         scale: f64,
         rounded: Option<ViewMut>,
     ) {
-        let (alpha, decay) = (self.lr * scale, self.lr * self.cfg.weight_decay);
-        be.decay_update(p, u, alpha, decay, rounded, self.grad_scale);
+        let h = DecayStep {
+            lr: self.lr,
+            scale,
+            weight_decay: self.cfg.weight_decay,
+            rate: self.rate,
+            gate: self.grad_scale,
+        };
+        be.decay_update(p, u, &h, rounded);
     }
 }

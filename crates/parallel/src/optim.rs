@@ -18,8 +18,8 @@ use ganymede_core::{Backend, Category, GradScale, Tensor, ViewMut};
 use ganymede_dist::{muon_exchange, root_buffers, DeviceMesh, NsJob, Plan};
 use ganymede_optim::{
     indexed_state_mut, newton_schulz_batch, newton_schulz_strided, ns_flops, stream_states,
-    update_rule, MuonParam, NsScratch, Optimizer, ParamState, SkipWait, Staging, StateView, Step,
-    UpdateRule, PAR_MATRIX_MAX_FLOPS,
+    update_rule, MuonParam, NsScratch, Optimizer, ParamState, RateBuffer, SkipWait, Staging,
+    StateView, Step, UpdateRule, PAR_MATRIX_MAX_FLOPS,
 };
 use std::sync::Arc;
 
@@ -79,6 +79,8 @@ pub struct ShardedOptimizer {
     staging: Option<Staging>,
     /// The whole matrices this rank gathers as a Newton–Schulz root (`root_buffers` order).
     roots: Vec<Tensor>,
+    /// The step's learning rate and bias corrections in device memory (taken out during a step).
+    rate: Option<RateBuffer>,
     step: u64,
 }
 
@@ -150,6 +152,7 @@ impl ShardedOptimizer {
             batch,
             staging,
             roots,
+            rate: Some(RateBuffer::new(be)),
             step: 0,
         }
     }
@@ -223,7 +226,12 @@ impl ShardedOptimizer {
         grad_scale: GradScale,
     ) -> ganymede_dist::Result<()> {
         self.step += 1;
-        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale);
+        // Out of `self` for the step, which borrows it while `self`'s methods run.
+        let mut rate = self
+            .rate
+            .take()
+            .expect("the rate buffer is back after each step");
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &mut rate);
         let rules = &self.rules;
         // Each shard's update; a Muon shard's gradient becomes its update (Nesterov momentum
         // in place), orthogonalised and applied below.
@@ -262,10 +270,15 @@ impl ShardedOptimizer {
                 }
             }
         }
+        let mut done = Ok(());
         if rules.iter().any(|r| matches!(r, UpdateRule::Muon { .. })) {
-            self.orthogonalise(be, mesh, grads, s)?;
-            self.apply_muon(be, params, grads, s);
+            done = self.orthogonalise(be, mesh, grads, s);
+            if done.is_ok() {
+                self.apply_muon(be, params, grads, s);
+            }
         }
+        self.rate = Some(rate);
+        done?;
         self.settle(be);
         Ok(())
     }

@@ -382,9 +382,10 @@ pub fn bf16_gemm_scratch(job: &JobConfig) -> f64 {
     size * (a + b) + out
 }
 
-/// The step's scalars besides the routing figures: the loss sum (in the workspace), and in
-/// the step driver the squared gradient norm and clipping's coefficient, one f64 each.
-pub const STEP_SCALARS: f64 = 24.0;
+/// The step's scalars besides the routing figures: the loss sum (in the workspace), in the step
+/// driver the squared gradient norm and clipping's coefficient, one f64 each, and the
+/// optimizer's learning rate and bias corrections in device memory (`RateBuffer`, three f64).
+pub const STEP_SCALARS: f64 = 48.0;
 
 /// Bytes of the step's f64 scalars in a step of `k` microbatches: [`STEP_SCALARS`]; with MoE
 /// layers, each MoE layer's per-expert router probability sums and counts of routed rows (in

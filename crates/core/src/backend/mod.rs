@@ -10,7 +10,7 @@ pub use nn::{
     embedding_segments, AttnDims, AttnGrads, AttnSaved, AuxGrad, DispatchOut, Dispatched, EmbedIds,
     ExpertGemm, ExpertRows, HeadRope, NnOps, NormSaved, Routed, RouterDims, RouterOut,
 };
-pub use optim::{step_scale_value, AdamWStep, GradScale, OptimOps};
+pub use optim::{step_scale_value, AdamWStep, DecayStep, DeviceRate, GradScale, OptimOps};
 
 use crate::ledger::{Category, Device, Ledger};
 use crate::phase::{PhaseTimes, StepPhase};

@@ -195,7 +195,9 @@ pub struct EmbedIds<'a> {
     pub ids: View<'a>,
     /// At least `[n]`: the tokens sorted by id, stably.
     pub order: View<'a>,
-    /// At least `[segments + 1]`: segment `s` is `order[seg_start[s]..seg_start[s + 1]]`.
+    /// At least `[n + 1]`: segment `s` is `order[seg_start[s]..seg_start[s + 1]]`, and past
+    /// the last segment it holds `n` (empty segments), so that a kernel may take segments up to
+    /// `n` without knowing how many there are (its launch the same for every batch).
     pub seg_start: View<'a>,
     /// At least `[segments]`: the id of segment `s`.
     pub seg_id: View<'a>,
@@ -206,7 +208,8 @@ pub struct EmbedIds<'a> {
 /// The grouping [`EmbedIds`] carries, computed on the host from the ids the host uploads:
 /// `(order, seg_start, seg_id)` — `order` lists the tokens sorted by id, stably (ties in token
 /// order), and segment `s` is `order[seg_start[s]..seg_start[s + 1]]`, all of id `seg_id[s]`.
-/// The one definition of it (the batch builder and the tests use it).
+/// `seg_start` has `n + 1` entries whatever the number of segments: past the last it holds `n`
+/// (empty segments). The one definition of it (the batch builder and the tests use it).
 pub fn embedding_segments(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let mut order: Vec<u32> = (0..ids.len() as u32).collect();
     order.sort_by_key(|&t| ids[t as usize]);
@@ -218,7 +221,7 @@ pub fn embedding_segments(ids: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
             seg_id.push(id);
         }
     }
-    seg_start.push(ids.len() as u32);
+    seg_start.resize(ids.len() + 1, ids.len() as u32);
     (order, seg_start, seg_id)
 }
 

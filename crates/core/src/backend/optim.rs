@@ -75,6 +75,44 @@ pub fn step_scale_value(sums: &[f64], max_norm: f64) -> f64 {
     }
 }
 
+/// The step's rate in device memory: `[lr, 1 − β1^t, 1 − β2^t]` (f64 `[3]`), written by the
+/// host before the update, equal to the host values beside it ([`AdamWStep`], [`DecayStep`]).
+/// A backend that launches kernels reads them there, so that its update launches are the same
+/// from step to step (what a CUDA graph replays, issue 32); the CPU reads the host's, and checks
+/// that they are equal.
+#[derive(Clone, Copy)]
+pub struct DeviceRate<'a>(View<'a>);
+
+impl std::fmt::Debug for DeviceRate<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceRate({:?}[{}])", self.0.dtype(), self.0.len())
+    }
+}
+
+impl<'a> DeviceRate<'a> {
+    /// `v`: f64 `[3]`, `[lr, bias_correction1, bias_correction2]`.
+    pub fn new(v: View<'a>) -> Self {
+        assert_eq!(
+            (v.dtype(), v.len()),
+            (DType::F64, 3),
+            "a device rate is [lr, bias_correction1, bias_correction2] in f64"
+        );
+        DeviceRate(v)
+    }
+    pub fn view(&self) -> View<'a> {
+        self.0
+    }
+    /// For a backend whose device memory the host reads (the CPU's): panics unless the device
+    /// holds `host`, the values the caller passed beside it.
+    pub fn check(&self, host: [f64; 3]) {
+        let d = self.0.host::<f64>();
+        assert!(
+            d.iter().zip(host).all(|(&d, h)| d.to_bits() == h.to_bits()),
+            "the device rate {d:?} is not the host's {host:?}"
+        );
+    }
+}
+
 /// One AdamW step's constants. The caller computes the bias corrections from the step count.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWStep<'a> {
@@ -91,6 +129,8 @@ pub struct AdamWStep<'a> {
     /// Each gradient element is multiplied by this first (in the kernel's precision), so that
     /// global-norm clipping costs no pass of its own: the clip coefficient, or 1.
     pub grad_scale: GradScale<'a>,
+    /// `lr` and the bias corrections also in device memory, if the caller keeps them there.
+    pub rate: Option<DeviceRate<'a>>,
 }
 
 impl AdamWStep<'_> {
@@ -112,7 +152,39 @@ impl AdamWStep<'_> {
             bias_correction1: 1.0 - beta1.powi(t),
             bias_correction2: 1.0 - beta2.powi(t),
             grad_scale: GradScale::Host(1.0),
+            rate: None,
         }
+    }
+
+    /// `[lr, bias_correction1, bias_correction2]`, as a [`DeviceRate`] holds them.
+    pub fn rate_values(&self) -> [f64; 3] {
+        [self.lr, self.bias_correction1, self.bias_correction2]
+    }
+}
+
+/// Muon's decayed update of one parameter (see [`OptimOps::decay_update`]):
+/// `θ = θ·(1 − lr·weight_decay) − lr·scale·update`.
+#[derive(Clone, Copy, Debug)]
+pub struct DecayStep<'a> {
+    pub lr: f64,
+    /// The parameter's update scale (Muon's shape factor).
+    pub scale: f64,
+    pub weight_decay: f64,
+    /// `lr` also in device memory (its first value), if the caller keeps it there.
+    pub rate: Option<DeviceRate<'a>>,
+    /// The step's gradient scale, which the momentum already applied; here only its stop
+    /// counts (a NaN device scale writes nothing).
+    pub gate: GradScale<'a>,
+}
+
+impl DecayStep<'_> {
+    /// The update's factor, `lr·scale`, in f64.
+    pub fn alpha(&self) -> f64 {
+        self.lr * self.scale
+    }
+    /// The decay, `lr·weight_decay`, in f64.
+    pub fn decay(&self) -> f64 {
+        self.lr * self.weight_decay
     }
 }
 
@@ -185,19 +257,10 @@ pub trait OptimOps: Send + Sync {
         )
     }
 
-    /// Decay and update: `θ = θ·(1 − decay) − alpha·update`. Muon calls it with
-    /// `alpha = lr·scale` and `decay = lr·weight_decay`. `rounded` as in [`Self::adamw_step`].
-    /// `gate`: the step's gradient scale, which the momentum already applied; here only its
-    /// stop counts (a NaN device scale writes nothing).
-    fn decay_update(
-        &self,
-        param: ViewMut,
-        update: View,
-        alpha: f64,
-        decay: f64,
-        rounded: Option<ViewMut>,
-        gate: GradScale,
-    );
+    /// Decay and update: `θ = θ·(1 − decay) − alpha·update` with `alpha = lr·scale` and
+    /// `decay = lr·weight_decay` ([`DecayStep`], each product in f64). `rounded` as in
+    /// [`Self::adamw_step`].
+    fn decay_update(&self, param: ViewMut, update: View, h: &DecayStep, rounded: Option<ViewMut>);
 }
 
 /// [`OptimOps`] methods that forward to a field, as [`crate::forward_nn_ops`] does for
@@ -227,8 +290,8 @@ macro_rules! forward_optim_ops {
         normalize_frobenius_strided_bf16(x: $crate::View, xb: $crate::ViewMut, count: usize,
         eps: f64)); };
     (@ $t:ident decay_update) => { $crate::forward_optim_ops!(@fn $t decay_update(
-        param: $crate::ViewMut, update: $crate::View, alpha: f64, decay: f64,
-        rounded: Option<$crate::ViewMut>, gate: $crate::GradScale)); };
+        param: $crate::ViewMut, update: $crate::View, h: &$crate::DecayStep,
+        rounded: Option<$crate::ViewMut>)); };
     (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?)) => {
         fn $m(&self, $($a: $ty),*) {
             self.$t.$m($($a),*)

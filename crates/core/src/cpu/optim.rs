@@ -3,7 +3,7 @@
 //! element's update is independent).
 
 use super::{CpuBackend, PAR_MIN};
-use crate::backend::{step_scale_value, AdamWStep, Blas, GradScale, OptimOps};
+use crate::backend::{step_scale_value, AdamWStep, Blas, DecayStep, GradScale, OptimOps};
 use crate::tensor::{Scalar, View, ViewMut};
 use rayon::prelude::*;
 
@@ -117,6 +117,9 @@ impl OptimOps for CpuBackend {
         let Some(gs) = h.grad_scale.on_host() else {
             return;
         };
+        if let Some(r) = h.rate {
+            r.check(h.rate_values());
+        }
         crate::by_dtype!(param.dtype(), adamw(param.reborrow(), m, v, grad, h, gs));
         if let Some(r) = rounded {
             self.cast(r, param.as_view());
@@ -143,14 +146,20 @@ impl OptimOps for CpuBackend {
         &self,
         mut param: ViewMut,
         update: View,
-        alpha: f64,
-        decay: f64,
+        h: &DecayStep,
         rounded: Option<ViewMut>,
-        gate: GradScale,
     ) {
-        if gate.on_host().is_none() {
+        if h.gate.on_host().is_none() {
             return;
         }
+        if let Some(r) = h.rate {
+            assert_eq!(
+                r.view().host::<f64>()[0].to_bits(),
+                h.lr.to_bits(),
+                "device lr"
+            );
+        }
+        let (alpha, decay) = (h.alpha(), h.decay());
         let dt = param.dtype();
         crate::by_dtype!(dt, decay_update(param.reborrow(), update, alpha, decay));
         if let Some(r) = rounded {

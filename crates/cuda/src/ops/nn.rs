@@ -149,7 +149,7 @@ impl<L: Launcher> KernelOps<L> {
 
     /// `dwte[ids[t]] += dout[t]` (dwte f32), without atomics: blocks per distinct id (one per
     /// chunk of its columns) over the grouping the host uploaded with the batch (`EmbedIds`), so
-    /// nothing is read back here.
+    /// nothing is read back here, in a launch that is the same for every batch of `n` tokens.
     pub fn embedding_backward(&self, dwte: ViewMut, dout: View, e: EmbedIds, dim: usize) {
         let n = e.ids.len();
         for (v, what) in [
@@ -167,7 +167,7 @@ impl<L: Launcher> KernelOps<L> {
         assert!(
             e.segments <= n
                 && e.order.len() >= n
-                && e.seg_start.len() > e.segments
+                && e.seg_start.len() > n
                 && e.seg_id.len() >= e.segments
                 && (n == 0) == (e.segments == 0),
             "embedding_backward: grouping of {} segments for {n} tokens",
@@ -184,12 +184,16 @@ impl<L: Launcher> KernelOps<L> {
             self.arg(e.seg_start),
             self.arg(e.seg_id),
             i32_of(dim),
+            i64_of(n),
         ];
         // A thread per column of a segment: long segments (byte ids) are then as parallel as
         // the columns allow.
+        // Segments in a grid-stride loop up to the empty ones, so that the launch does not
+        // depend on the batch (a CUDA graph's replay).
         let block = self.row_block(dim);
         let chunks = dim.div_ceil(block as usize);
-        self.launch(k, cfg(grid(e.segments, chunks, 1), block), &args);
+        let blocks = n.min(self.tuning.ew_max_blocks as usize);
+        self.launch(k, cfg(grid(blocks, chunks, 1), block), &args);
     }
 
     // -----------------------------------------------------------------------------------------

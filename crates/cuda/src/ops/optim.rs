@@ -2,7 +2,7 @@
 //! f32 once on the host, as the CPU backend rounds them.
 
 use super::*;
-use ganymede_core::{AdamWStep, GradScale, OptimOps};
+use ganymede_core::{AdamWStep, DecayStep, DeviceRate, GradScale, OptimOps};
 
 fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
@@ -51,6 +51,9 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             None => kernel!("adamw_step_f32"),
         };
         let [gs, gsp] = self.grad_scale_args(h.grad_scale);
+        // The step's constants from the host, or 0 where the kernel works them out from the
+        // device rate: then no argument changes from step to step.
+        let host = |x: f64| f(if h.rate.is_some() { 0.0 } else { x });
         args.extend([
             i64_of(n),
             gs,
@@ -59,24 +62,18 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             f(h.beta2),
             f(1.0 - h.beta1),
             f(1.0 - h.beta2),
-            f(1.0 - h.lr * h.weight_decay),
-            f(h.lr / h.bias_correction1),
-            f(1.0 / h.bias_correction2.sqrt()),
+            host(1.0 - h.lr * h.weight_decay),
+            host(h.lr / h.bias_correction1),
+            host(1.0 / h.bias_correction2.sqrt()),
             f(h.eps),
+            self.rate_arg(h.rate),
+            Arg::F64(h.weight_decay),
         ]);
         self.launch(k, self.ew(n), &args);
     }
 
     /// `decay_update_f32`, or with `rounded` `decay_update_f32_rounded`.
-    fn decay_update(
-        &self,
-        param: ViewMut,
-        update: View,
-        alpha: f64,
-        decay: f64,
-        rounded: Option<ViewMut>,
-        gate: GradScale,
-    ) {
+    fn decay_update(&self, param: ViewMut, update: View, h: &DecayStep, rounded: Option<ViewMut>) {
         let n = param.len();
         check_f32(
             "decay_update",
@@ -95,8 +92,18 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             }
             None => kernel!("decay_update_f32"),
         };
-        let [_, gate] = self.grad_scale_args(gate);
-        args.extend([i64_of(n), f(alpha), f(1.0 - decay), gate]);
+        let [_, gate] = self.grad_scale_args(h.gate);
+        // As in adamw_step: the host's alpha and keep, or the device rate's.
+        let host = |x: f64| f(if h.rate.is_some() { 0.0 } else { x });
+        args.extend([
+            i64_of(n),
+            host(h.alpha()),
+            host(1.0 - h.decay()),
+            gate,
+            self.rate_arg(h.rate),
+            Arg::F64(h.scale),
+            Arg::F64(h.weight_decay),
+        ]);
         self.launch(k, self.ew(n), &args);
     }
 
@@ -199,6 +206,11 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
 }
 
 impl<L: Launcher> KernelOps<L> {
+    /// The device rate's address, or null (the host's constants).
+    fn rate_arg(&self, r: Option<DeviceRate>) -> Arg {
+        r.map_or(Arg::Ptr(std::ptr::null_mut()), |r| self.arg(r.view()))
+    }
+
     /// A gradient scale as the update kernels take it: the value (`gs`, 1 where the device holds
     /// it) and the device scalar's address or null (`gsp`).
     fn grad_scale_args(&self, s: GradScale) -> [Arg; 2] {
