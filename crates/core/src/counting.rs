@@ -5,8 +5,8 @@
 //! logic a GPU runs.
 
 use crate::backend::{
-    AdamWStep, Backend, Blas, DecayStep, EmbedIds, ExpertGemm, ExpertRows, Gemm, GradScale, Memory,
-    NnOps, OptimOps,
+    AdamWStep, AdamWTensor, Backend, Blas, DecayStep, EmbedIds, ExpertGemm, ExpertRows, Gemm,
+    GradScale, Memory, NnOps, OptimOps,
 };
 use crate::stream::Event;
 use crate::tensor::{DType, View, ViewMut};
@@ -107,7 +107,7 @@ impl<B: Backend> Blas for CountingReads<B> {
     }
     forward_blas!(inner:
         gemm, syrk, native_bf16, gemm_strided, syrk_strided, syrk_strided_into_bf16,
-        batches_matrices, axpy, scale, add, sumsq_acc, cast,
+        batches_matrices, axpy, scale, add, sumsq_acc, sumsq_acc_many, cast,
     );
 }
 
@@ -160,6 +160,10 @@ impl<B: Backend> OptimOps for CountingReads<B> {
     ) {
         self.update();
         self.inner.adamw_step(param, m, v, grad, h, rounded)
+    }
+    fn adamw_step_many(&self, ts: Vec<AdamWTensor>, h: &AdamWStep) {
+        self.update();
+        self.inner.adamw_step_many(ts, h)
     }
     fn nesterov_momentum(&self, buf: ViewMut, grad: ViewMut, momentum: f64, scale: GradScale) {
         self.update();

@@ -574,6 +574,20 @@ impl<'a> ViewMut<'a> {
             }),
         }
     }
+    /// A read-only view of the same memory, for as long as this one's borrow.
+    pub fn into_view(self) -> View<'a> {
+        match self {
+            ViewMut::Host(s) => View::Host(s),
+            ViewMut::Host64(s) => View::Host64(s),
+            ViewMut::HostBf16(s) => View::HostBf16(s),
+            ViewMut::HostU32(s) => View::HostU32(s),
+            ViewMut::Device(d) => View::Device(DeviceView {
+                buf: d.buf,
+                offset: d.offset,
+                len: d.len,
+            }),
+        }
+    }
     /// A read-only view of the same memory.
     pub fn as_view(&self) -> View<'_> {
         match self {

@@ -100,6 +100,53 @@ extern "C" __global__ void sum_acc_f64(double* acc, const double* partial, int n
     if (threadIdx.x == 0) acc[0] += s;
 }
 
+// The sum of squares of many f32 tensors (a step's gradients) in two launches, with the bits of
+// one sumsq_partial_f32 + sum_acc_f64 pair per tensor in table order. `table` holds four i64
+// per tensor: its address, its length n, the blocks b that sumsq_partial_f32 would take for it
+// and where its partials start. Pass 1, grid (the largest b, tensors): block x of tensor y,
+// x < b, writes the f64 sum of its share (the grid-stride share of a b-block launch) to
+// partial[start + x].
+extern "C" __global__ void sumsq_partial_multi_f32(double* partial, const long long* table) {
+    const long long* t = table + 4 * (long long)blockIdx.y;
+    const long long n = t[1], b = t[2];
+    if ((long long)blockIdx.x >= b) return;  // the whole block: no barrier is left waiting
+    const float* x = (const float*)t[0];
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long threads = b * blockDim.x;
+    double s = 0.0;
+    long long done = 0;
+    // ew_loop's shares with b blocks in the grid.
+    if (vec_aligned(x)) {
+        const long long nv = n / GANY_VW;
+        for (long long j = tid; j < nv; j += threads) {
+            float v[GANY_VW];
+            ldw(v, x + j * GANY_VW);
+#pragma unroll
+            for (int k = 0; k < GANY_VW; k++) s += (double)v[k] * (double)v[k];
+        }
+        done = nv * GANY_VW;
+    }
+    for (long long i = done + tid; i < n; i += threads) {
+        const float v = ld(x + i);
+        s += (double)v * (double)v;
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) partial[t[3] + blockIdx.x] = s;
+}
+
+// Pass 2, one block (size a multiple of 32): acc[0] += each tensor's partials' sum, tensor by
+// tensor, each sum in sum_acc_f64's order.
+extern "C" __global__ void sum_acc_multi_f64(double* acc, const double* partial,
+                                             const long long* table, int count) {
+    for (int y = 0; y < count; y++) {
+        const long long b = table[4 * y + 2], start = table[4 * y + 3];
+        double s = 0.0;
+        for (long long i = threadIdx.x; i < b; i += blockDim.x) s += partial[start + i];
+        s = block_sum(s);
+        if (threadIdx.x == 0) acc[0] += s;
+    }
+}
+
 // SwiGLU: out = silu(gate) * up, in the CPU backend's order of operations.
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(0.0f - g)); }
 

@@ -85,6 +85,61 @@ extern "C" __global__ void adamw_step_f32_rounded(float* p, float* m, float* v, 
     adamw<true>(p, m, v, g, p16, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
 }
 
+// adamw_step_f32 (or _rounded) of many tensors in one launch: `table` holds eight i64 per
+// tensor: p, m, v, g, p16 (0: no compute copy), n, the blocks b of its own launch, and its
+// weight decay's f64 bits. Grid (the largest b, tensors): block x < b of tensor y takes the
+// share block x of a b-block launch would (elementwise, so any share gives the same bits).
+// keep = 1 − lr·wd per tensor, from the device rate or from `lr` (the host's, rounded as the
+// host rounds it); step and inv_sqrt_bc2 as in adamw_step_f32.
+extern "C" __global__ void adamw_step_multi_f32(const long long* table, float gs,
+                                                const double* gsp, float b1, float b2,
+                                                float omb1, float omb2, float step,
+                                                float inv_sqrt_bc2, float eps,
+                                                const double* rate, double lr) {
+    if (!grad_scale(gsp, gs)) return;
+    const long long* t = table + 8 * (long long)blockIdx.y;
+    const long long b = t[6];
+    if ((long long)blockIdx.x >= b) return;
+    const double wd = __longlong_as_double(t[7]);
+    float keep = (float)__dsub_rn(1.0, __dmul_rn(lr, wd));
+    Rate{rate}.adamw(wd, keep, step, inv_sqrt_bc2);
+    float* p = (float*)t[0];
+    float* m = (float*)t[1];
+    float* v = (float*)t[2];
+    const float* g = (const float*)t[3];
+    bf16* p16 = (bf16*)t[4];
+    const long long n = t[5];
+    // The launch of this tensor alone, as ew_loop sees it: b blocks.
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long threads = b * blockDim.x;
+    auto body = [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float gi[W], mi[W], vi[W], pi[W];
+        ldw(gi, g + i);
+        ldw(mi, m + i);
+        ldw(vi, v + i);
+        ldw(pi, p + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            gi[k] = gi[k] * gs;
+            mi[k] = b1 * mi[k] + omb1 * gi[k];
+            vi[k] = b2 * vi[k] + omb2 * gi[k] * gi[k];
+            pi[k] = pi[k] * keep - step * mi[k] / (sqrtf(vi[k]) * inv_sqrt_bc2 + eps);
+        }
+        stw(m + i, mi);
+        stw(v + i, vi);
+        stw(p + i, pi);
+        if (p16) stw(p16 + i, pi);
+    };
+    long long done = 0;
+    if (vec_aligned(p, m, v, g) && (!p16 || vec_aligned(p16))) {
+        const long long nv = n / GANY_VW;
+        for (long long j = tid; j < nv; j += threads) body(j * GANY_VW, gany_width<GANY_VW>{});
+        done = nv * GANY_VW;
+    }
+    for (long long i = done + tid; i < n; i += threads) body(i, gany_width<1>{});
+}
+
 // Nesterov momentum, in place on the gradient: g = g·gs; buf = mu·buf + g; g = g + mu·buf (the
 // new buf). gsp as in adamw_step_f32.
 extern "C" __global__ void nesterov_f32(float* buf, float* g, long long n, float mu, float gs,

@@ -239,6 +239,11 @@ inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dsqrt_rn(double x) { return std::sqrt(x); }
+inline double __longlong_as_double(long long x) {
+    double d;
+    std::memcpy(&d, &x, sizeof d);
+    return d;
+}
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }

@@ -129,7 +129,7 @@ impl<L: Launcher, D: Memory + Gemms> Blas for KernelBackend<L, D> {
         gemm, syrk, native_bf16, gemm_strided, syrk_strided, syrk_strided_into_bf16,
         batches_matrices,
     );
-    ganymede_core::forward_blas!(ops: axpy, scale, add, sumsq, sumsq_acc);
+    ganymede_core::forward_blas!(ops: axpy, scale, add, sumsq, sumsq_acc, sumsq_acc_many);
     fn cast(&self, dst: ViewMut, src: View) {
         // A same-dtype "cast" is a copy, which is the memory's.
         if dst.dtype() == src.dtype() {
@@ -184,7 +184,8 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
 
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
     ganymede_core::forward_optim_ops!(ops:
-        adamw_step, nesterov_momentum, normalize_frobenius, normalize_frobenius_strided,
+        adamw_step, adamw_step_many, nesterov_momentum, normalize_frobenius,
+        normalize_frobenius_strided,
         normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update, step_scale,
     );
 }

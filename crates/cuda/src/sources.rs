@@ -83,6 +83,8 @@ pub const KERNELS: &[(&str, &[&str])] = &[
             "sumsq_partial_f32",
             "sumsq_partial_bf16",
             "sum_acc_f64",
+            "sumsq_partial_multi_f32",
+            "sum_acc_multi_f64",
             "swiglu_forward_f32",
             "swiglu_forward_bf16",
             "swiglu_backward_f32",
@@ -136,6 +138,7 @@ pub const KERNELS: &[(&str, &[&str])] = &[
         &[
             "adamw_step_f32",
             "adamw_step_f32_rounded",
+            "adamw_step_multi_f32",
             "nesterov_f32",
             "step_scale_f64",
             "scale_by_inv_norm_f32",

@@ -55,6 +55,10 @@ fn up(b: &dyn Backend, x: &[f32]) -> Tensor {
 fn down(b: &dyn Backend, t: &Tensor) -> Vec<f32> {
     b.download(t.view())
 }
+/// A tensor's values as f32, whatever its dtype (bf16 widened exactly).
+fn down_any(b: &dyn Backend, t: &Tensor) -> Vec<f32> {
+    b.download(t.view())
+}
 fn set_f64(t: &mut Tensor, v: f64) {
     t.view_mut().host::<f64>()[0] = v;
 }
@@ -506,11 +510,17 @@ fn elementwise_kernels_are_bitwise_the_same_on_both_paths() {
     // Every elementwise and optimizer kernel but the partials' final sums and the stack
     // kernels on a 2-D grid: frobenius_normalisation_of_a_stack holds those to the bits of
     // the per-matrix kernels checked here, at aligned and unaligned matrix sizes; and the
-    // one-thread step_scale_f64 (step_scale_matches_the_host). The update kernels' scale is
-    // given here (a null device scale); optimizer_updates reads it from the device too.
+    // one-thread step_scale_f64 (step_scale_matches_the_host); and the multi-tensor sum of
+    // squares, held to the per-tensor kernels' bits at aligned and unaligned tensors by
+    // sumsq_of_many_tensors_in_two_launches, and multi-tensor AdamW, held to adamw_step_f32's
+    // bits by adamw_over_many_tensors_in_one_launch. The update kernels' scale is given here (a
+    // null device scale); optimizer_updates reads it from the device too.
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
     let elsewhere = [
         "sum_acc_f64",
+        "sumsq_partial_multi_f32",
+        "sum_acc_multi_f64",
+        "adamw_step_multi_f32",
         "sum_rows_f64",
         "sumsq_partial_strided_f32",
         "scale_by_inv_norm_strided_f32",
@@ -585,6 +595,85 @@ fn sumsq_accumulates_in_f64() {
     let err = ((got - want) / want).abs();
     println!("sumsq_partial_bf16: rel err {err:.3e} (tol 1e-12)");
     assert!(err < 1e-12);
+}
+
+/// A step's gradient norm over many tensors in two launches (`sumsq_acc_many`): the bits of
+/// `sumsq_acc` on each tensor in turn, over lengths below one block, ragged ones, ones that fill
+/// the grid, views one element off alignment and an empty one; the CPU's sum within rounding.
+/// The table of tensors is uploaded once: a second call with the same tensors uploads nothing
+/// and launches with the same arguments. A bf16 tensor among them takes the per-tensor path.
+#[test]
+fn sumsq_of_many_tensors_in_two_launches() {
+    use ganymede_cuda::launch::Recording;
+    let mut rng = Lcg::new(17);
+    let lens = [5usize, 64, 1237, 0, 4099, 3, 777, 190, 2, 1500];
+    // Magnitudes far apart, so that adding the tensors' sums in another order rounds otherwise.
+    let xs: Vec<Vec<f32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| rng.values(n + 1, 1.5 * 7f32.powi(i as i32 % 5)))
+        .collect();
+    set_bounds(Bounds::Guarded);
+    let c = cpu();
+    let (launcher, log) = Recording::new(HostLauncher::new(c.clone()));
+    let kb = KernelBackend::new(KernelOps::with_tuning(launcher, SMALL), c);
+    let b = cpu();
+    // Every other tensor one element off its start (unaligned for the wide loads).
+    let run = |be: &dyn Backend, many: bool| {
+        let ts: Vec<Tensor> = xs.iter().map(|x| up(be, x)).collect();
+        let views: Vec<ganymede_core::View> = ts
+            .iter()
+            .zip(&lens)
+            .enumerate()
+            .map(|(i, (t, &n))| t.view().slice(i % 2, n))
+            .collect();
+        let mut a = be.zeros_of(&[1], DType::F64, Category::Activations);
+        let mut again = be.zeros_of(&[1], DType::F64, Category::Activations);
+        set_f64(&mut a, 0.5);
+        set_f64(&mut again, 0.5);
+        match many {
+            true => {
+                be.sumsq_acc_many(a.view_mut(), &views);
+                be.sumsq_acc_many(again.view_mut(), &views);
+            }
+            false => {
+                for v in &views {
+                    be.sumsq_acc(a.view_mut(), *v);
+                    be.sumsq_acc(again.view_mut(), *v);
+                }
+            }
+        }
+        let (a, again) = (
+            be.download_f64(a.view())[0],
+            be.download_f64(again.view())[0],
+        );
+        assert_eq!(a.to_bits(), again.to_bits());
+        a
+    };
+    log.take();
+    let many = run(&kb, true);
+    let launches = log.take();
+    let names: Vec<&str> = launches.iter().map(|l| l.kernel).collect();
+    assert_eq!(
+        names,
+        ["sumsq_partial_multi_f32", "sum_acc_multi_f64"].repeat(2),
+        "two launches a call"
+    );
+    assert_eq!(launches[0], launches[2], "the same table, the same launch");
+    let each = run(&kb, false);
+    assert_eq!(many.to_bits(), each.to_bits(), "{many} vs {each}");
+    let want = run(&b, false);
+    assert!(((many - want) / want).abs() < 1e-12, "{many} vs {want}");
+    // A bf16 tensor among them: each on its own, the same bits.
+    let x16 = St::Bf16.up(&kb, &xs[2]);
+    let f = up(&kb, &xs[1]);
+    let mut a = kb.zeros_of(&[1], DType::F64, Category::Activations);
+    let mut e = kb.zeros_of(&[1], DType::F64, Category::Activations);
+    kb.sumsq_acc_many(a.view_mut(), &[f.view(), x16.view()]);
+    kb.sumsq_acc(e.view_mut(), f.view());
+    kb.sumsq_acc(e.view_mut(), x16.view());
+    let (a, e) = (kb.download_f64(a.view())[0], kb.download_f64(e.view())[0]);
+    assert_eq!(a.to_bits(), e.to_bits());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1328,6 +1417,149 @@ fn a_device_rate_gives_the_hosts_constants_bit_for_bit() {
         e.is_err(),
         "the CPU took a device rate other than its host values"
     );
+}
+
+/// AdamW over many tensors in one launch (`adamw_step_many`, a step's AdamW parameters): the
+/// bits of `adamw_step` on each, over lengths below one block, ragged ones and ones that fill
+/// the grid, views one element off alignment, weight decay 0 and not, a compute copy on some,
+/// with the constants from the host and from device memory (the rate and the gradient scale).
+/// The table of tensors is uploaded once: the next step launches with the same arguments.
+#[test]
+fn adamw_over_many_tensors_in_one_launch() {
+    use ganymede_core::{AdamWStep, AdamWTensor, DeviceRate, GradScale};
+    use ganymede_cuda::launch::Recording;
+    let mut rng = Lcg::new(23);
+    let lens = [3usize, 64, 1237, 0, 4099, 190, 2];
+    let xs: Vec<[Vec<f32>; 4]> = lens
+        .iter()
+        .map(|&n| {
+            let v: Vec<f32> = rng.values(n + 1, 0.01).iter().map(|x| x.abs()).collect();
+            [
+                rng.values(n + 1, 1.0),
+                rng.values(n + 1, 0.1),
+                v,
+                rng.values(n + 1, 0.5),
+            ]
+        })
+        .collect();
+    set_bounds(Bounds::Guarded);
+    let c = cpu();
+    let (launcher, log) = Recording::new(HostLauncher::new(c.clone()));
+    let kb = KernelBackend::new(KernelOps::with_tuning(launcher, SMALL), c);
+    let be: &dyn Backend = &kb;
+    for on_device in [false, true] {
+        // Two steps, so that the second's launch can be held to the first's.
+        let mut state: Vec<[Tensor; 5]> = xs
+            .iter()
+            .map(|x| {
+                let r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
+                [
+                    up(be, &x[0]),
+                    up(be, &x[1]),
+                    up(be, &x[2]),
+                    up(be, &x[3]),
+                    r,
+                ]
+            })
+            .collect();
+        let mut each = state
+            .iter()
+            .map(|t| t.iter().map(|t| down_any(be, t)).collect::<Vec<_>>())
+            .collect::<Vec<_>>();
+        let mut launches = vec![];
+        // The step's scalars in device memory, at one address for both steps (as a trainer's).
+        let mut rt = be.zeros_of(&[3], DType::F64, Category::Activations);
+        let mut gs = be.zeros_of(&[1], DType::F64, Category::Activations);
+        for t in [3, 4] {
+            let h = AdamWStep::at_step(1e-2 + t as f64 * 1e-4, (0.9, 0.95), 1e-8, 0.0, t);
+            be.write_f64(rt.view_mut(), &h.rate_values());
+            be.write_f64(gs.view_mut(), &[0.75]);
+            let h = match on_device {
+                true => AdamWStep {
+                    grad_scale: GradScale::Device(gs.view()),
+                    rate: Some(DeviceRate::new(rt.view())),
+                    ..h
+                },
+                false => AdamWStep {
+                    grad_scale: GradScale::Host(0.75),
+                    ..h
+                },
+            };
+            let wd = |i: usize| if i % 3 == 1 { 0.0 } else { 0.1 };
+            // Every other tensor one element off its start; a compute copy on every third.
+            let ts = state
+                .iter_mut()
+                .zip(&lens)
+                .enumerate()
+                .map(|(i, ([p, m, v, g, r], &n))| {
+                    let o = i % 2;
+                    AdamWTensor {
+                        param: p.view_mut().slice(o, n),
+                        m: m.view_mut().slice(o, n),
+                        v: v.view_mut().slice(o, n),
+                        grad: g.view().slice(o, n),
+                        rounded: (i % 3 == 0).then(|| r.view_mut().slice(o, n)),
+                        weight_decay: wd(i),
+                    }
+                })
+                .collect();
+            log.take();
+            be.adamw_step_many(ts, &h);
+            launches.push(log.take());
+            // The same, tensor by tensor, on copies of the state before this step.
+            let mut one: Vec<[Tensor; 5]> = each
+                .iter()
+                .map(|x| {
+                    let mut r = be.zeros_of(&[x[0].len()], DType::BF16, Category::Activations);
+                    be.write(r.view_mut(), &x[4]);
+                    [
+                        up(be, &x[0]),
+                        up(be, &x[1]),
+                        up(be, &x[2]),
+                        up(be, &x[3]),
+                        r,
+                    ]
+                })
+                .collect();
+            for (i, ([p, m, v, g, r], &n)) in one.iter_mut().zip(&lens).enumerate() {
+                let o = i % 2;
+                let h = AdamWStep {
+                    weight_decay: wd(i),
+                    ..h
+                };
+                let r = (i % 3 == 0).then(|| r.view_mut().slice(o, n));
+                let (pv, mv, vv) = (p.view_mut(), m.view_mut(), v.view_mut());
+                let (pv, mv, vv) = (pv.slice(o, n), mv.slice(o, n), vv.slice(o, n));
+                be.adamw_step(pv, mv, vv, g.view().slice(o, n), &h, r);
+            }
+            let now: Vec<Vec<Vec<f32>>> = state
+                .iter()
+                .map(|t| t.iter().map(|t| down_any(be, t)).collect())
+                .collect();
+            let want: Vec<Vec<Vec<f32>>> = one
+                .iter()
+                .map(|t| t.iter().map(|t| down_any(be, t)).collect())
+                .collect();
+            for (i, (a, b)) in now.iter().zip(&want).enumerate() {
+                for (k, (a, b)) in a.iter().zip(b).enumerate() {
+                    let differ = a.iter().zip(b).filter(|(a, b)| a.to_bits() != b.to_bits());
+                    let differ = differ.count();
+                    assert_eq!(
+                        differ, 0,
+                        "step {t}, device {on_device}: tensor {i}, array {k}"
+                    );
+                }
+            }
+            each = now;
+        }
+        let names: Vec<&str> = launches.iter().flatten().map(|l| l.kernel).collect();
+        assert_eq!(names, ["adamw_step_multi_f32"; 2], "one launch a step");
+        assert_eq!(
+            launches[0] == launches[1],
+            on_device,
+            "the same launch at each step exactly when the constants are in device memory"
+        );
+    }
 }
 
 /// A NaN device scale (a gradient norm that is not finite) stops every update kernel: the

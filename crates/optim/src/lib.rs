@@ -38,4 +38,4 @@ pub use offload::{SkipWait, Staging};
 pub use optimizer::{muon_scale, update_rule, Optimizer, UpdateRule, PAR_MATRIX_MAX_FLOPS};
 pub use schedule::lr_at;
 pub use state::{indexed_state_mut, stream_states, ParamState};
-pub use update::{Grad, MuonParam, RateBuffer, StateView, Step};
+pub use update::{Grad, MuonParam, RateBuffer, StateView, Step, UpdateOf};

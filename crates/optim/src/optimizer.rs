@@ -540,16 +540,17 @@ impl Optimizer {
         }
         // Every parameter's update, Muon's matrices all run together at the end, so that
         // same-shape ones may share threads or strided batches.
-        let mut muon = Vec::new();
         let each = self
             .states
             .iter_mut()
             .zip(ps)
-            .zip(compute_copies(rounded, rules.len()));
-        for (i, ((state, p), copy)) in each.enumerate() {
-            let (p, g) = (Some(p.view_mut()), gs[i].view());
-            muon.extend(s.update(be, &rules[i], state.view_mut(), p, g, copy));
-        }
+            .zip(compute_copies(rounded, rules.len()))
+            .enumerate()
+            .map(|(i, ((state, p), copy))| {
+                let (p, g) = (Some(p.view_mut()), gs[i].view());
+                (&rules[i], state.view_mut(), p, g, copy)
+            });
+        let muon = s.update_all(be, each);
         matrices.run(be, muon, s);
     }
 

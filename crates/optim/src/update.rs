@@ -10,7 +10,8 @@
 use crate::{ParamState, UpdateRule};
 use ganymede_config::OptimizerConfig;
 use ganymede_core::{
-    AdamWStep, Backend, Category, DType, DecayStep, DeviceRate, GradScale, Tensor, View, ViewMut,
+    AdamWStep, AdamWTensor, Backend, Category, DType, DecayStep, DeviceRate, GradScale, Tensor,
+    View, ViewMut,
 };
 
 /// One parameter's (or shard's) state as views, wherever it lives: its resident tensors
@@ -56,19 +57,27 @@ impl ParamState {
 /// A gradient the update reads: a [`View`] of gradients the caller keeps (the single-process
 /// optimizer's), or a [`ViewMut`] of a shard that becomes Muon's update in place (the sharded
 /// optimizer's, so it holds no update buffer).
-pub trait Grad {
+pub trait Grad<'a> {
     fn read(&self) -> View<'_>;
+    /// Read-only for the rest of its borrow (an AdamW gradient, read by a later launch).
+    fn into_read(self) -> View<'a>;
 }
 
-impl Grad for View<'_> {
+impl<'a> Grad<'a> for View<'a> {
     fn read(&self) -> View<'_> {
         *self
     }
+    fn into_read(self) -> View<'a> {
+        self
+    }
 }
 
-impl Grad for ViewMut<'_> {
+impl<'a> Grad<'a> for ViewMut<'a> {
     fn read(&self) -> View<'_> {
         self.as_view()
+    }
+    fn into_read(self) -> View<'a> {
+        self.into_view()
     }
 }
 
@@ -102,6 +111,16 @@ pub struct Step<'s> {
     /// Newton–Schulz's products in bf16 (`optimizer.ns_dtype`, resolved for the backend).
     pub ns_bf16: bool,
 }
+
+/// One parameter for [`Step::update_all`]: its rule, state, parameter (`None` where staged
+/// later), gradient and compute copy.
+pub type UpdateOf<'a, 'r, G> = (
+    &'r UpdateRule,
+    StateView<'a>,
+    Option<ViewMut<'a>>,
+    G,
+    Option<ViewMut<'a>>,
+);
 
 /// Where an optimizer keeps its step's [`DeviceRate`]: three f64 of device memory (buffers),
 /// written by the host at the start of each step, so that the update kernels' launches are the
@@ -188,7 +207,7 @@ impl<'s> Step<'s> {
     /// One parameter's (or shard's) update under `rule` with its state `state`: AdamW's whole
     /// update of `p` (and of its compute copy `rounded`) here; a Muon parameter returned for
     /// its optimizer to run through [`Step::momentum`], Newton–Schulz and [`Step::apply`].
-    pub fn update<'a, G: Grad>(
+    pub fn update<'a, G: Grad<'a>>(
         &self,
         be: &dyn Backend,
         rule: &UpdateRule,
@@ -225,6 +244,36 @@ impl<'s> Step<'s> {
             (UpdateRule::Frozen, StateView::Frozen) => None,
             (rule, _) => panic!("optimizer state does not match the rule {rule:?}"),
         }
+    }
+
+    /// [`Step::update`] of every parameter of `each` (rule, state, parameter, gradient, compute
+    /// copy), the AdamW ones all in one [`ganymede_core::OptimOps::adamw_step_many`] (one launch
+    /// on a GPU, whatever their number); the Muon ones returned.
+    pub fn update_all<'a, 'r, G: Grad<'a>>(
+        &self,
+        be: &dyn Backend,
+        each: impl IntoIterator<Item = UpdateOf<'a, 'r, G>>,
+    ) -> Vec<MuonParam<'a, G>> {
+        let (mut adamw, mut muon) = (Vec::new(), Vec::new());
+        for (rule, state, p, g, rounded) in each {
+            match (*rule, state) {
+                (UpdateRule::AdamW { weight_decay }, StateView::AdamW { m, v }) => {
+                    adamw.push(AdamWTensor {
+                        param: p.expect("an AdamW update needs its parameter"),
+                        m,
+                        v,
+                        grad: g.into_read(),
+                        rounded,
+                        weight_decay,
+                    })
+                }
+                (_, state) => muon.extend(self.update(be, rule, state, p, g, rounded)),
+            }
+        }
+        if !adamw.is_empty() {
+            be.adamw_step_many(adamw, &self.adamw_consts(0.0));
+        }
+        muon
     }
 
     /// Muon's Nesterov momentum: `u`, holding the gradient, becomes the update Newton–Schulz

@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use ganymede_config::{AcMode, DeviceKind, JobConfig};
 use ganymede_core::{
     in_phase, Backend, Category, CpuBackend, DType, GradScale, Ledger, ParamStore, PhaseTimes,
-    StepPhase, Stream, Tensor, TwoMemoryOptions, ViewMut,
+    StepPhase, Stream, Tensor, TwoMemoryOptions, View, ViewMut,
 };
 use ganymede_data::Dataset;
 use ganymede_dist::{
@@ -711,9 +711,9 @@ impl RankState {
         // the replica count.
         if self.replica() == 0 {
             let grads = self.shards.grads_mut().iter().zip(specs);
-            for (g, _) in grads.filter(|(_, s)| s.kind.is_trainable()) {
-                be.sumsq_acc(self.scalars.sumsq(), g.view());
-            }
+            let trainable = grads.filter(|(_, s)| s.kind.is_trainable());
+            let views: Vec<View> = trainable.map(|(g, _)| g.view()).collect();
+            be.sumsq_acc_many(self.scalars.sumsq(), &views);
         }
         let world = &self.mesh.world;
         if world.size() > 1 {

@@ -262,12 +262,14 @@ impl ShardedOptimizer {
             let each = self
                 .states
                 .iter_mut()
-                .zip(params.iter_mut().zip(grads.iter_mut()));
-            for (i, (state, (p, g))) in each.enumerate() {
-                let p = Some(p.view_mut());
-                if let Some(m) = s.update(be, &rules[i], state.view_mut(), p, g.view_mut(), None) {
-                    momentum(m);
-                }
+                .zip(params.iter_mut().zip(grads.iter_mut()))
+                .enumerate()
+                .map(|(i, (state, (p, g)))| {
+                    let p = Some(p.view_mut());
+                    (&rules[i], state.view_mut(), p, g.view_mut(), None)
+                });
+            for m in s.update_all(be, each) {
+                momentum(m);
             }
         }
         let mut done = Ok(());

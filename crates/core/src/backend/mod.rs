@@ -10,7 +10,9 @@ pub use nn::{
     embedding_segments, AttnDims, AttnGrads, AttnSaved, AuxGrad, DispatchOut, Dispatched, EmbedIds,
     ExpertGemm, ExpertRows, HeadRope, NnOps, NormSaved, Routed, RouterDims, RouterOut,
 };
-pub use optim::{step_scale_value, AdamWStep, DecayStep, DeviceRate, GradScale, OptimOps};
+pub use optim::{
+    step_scale_value, AdamWStep, AdamWTensor, DecayStep, DeviceRate, GradScale, OptimOps,
+};
 
 use crate::ledger::{Category, Device, Ledger};
 use crate::phase::{PhaseTimes, StepPhase};
@@ -195,6 +197,7 @@ macro_rules! forward_blas {
     (@ $t:ident add) => { $crate::forward_blas!(@fn $t add(y: $crate::ViewMut, x: $crate::View) -> ()); };
     (@ $t:ident sumsq) => { $crate::forward_blas!(@fn $t sumsq(x: $crate::View) -> f64); };
     (@ $t:ident sumsq_acc) => { $crate::forward_blas!(@fn $t sumsq_acc(acc: $crate::ViewMut, x: $crate::View) -> ()); };
+    (@ $t:ident sumsq_acc_many) => { $crate::forward_blas!(@fn $t sumsq_acc_many(acc: $crate::ViewMut, xs: &[$crate::View]) -> ()); };
     (@ $t:ident cast) => { $crate::forward_blas!(@fn $t cast(dst: $crate::ViewMut, src: $crate::View) -> ()); };
     (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?) -> $r:ty) => {
         #[allow(clippy::too_many_arguments)]
@@ -594,6 +597,13 @@ pub trait Blas: Send + Sync {
     /// `acc[0] += Σ x²`, with `acc` an f64 tensor, so a step sums many tensors and reads the
     /// total once at its end.
     fn sumsq_acc(&self, acc: ViewMut, x: View);
+    /// [`Blas::sumsq_acc`] of each of `xs` in turn (a step's gradients): a GPU backend does them
+    /// all in a few launches.
+    fn sumsq_acc_many(&self, mut acc: ViewMut, xs: &[View]) {
+        for &x in xs {
+            self.sumsq_acc(acc.reborrow(), x);
+        }
+    }
     /// `dst = src` converted to `dst`'s dtype: to bf16 rounding to nearest even (NaN stays NaN),
     /// from bf16 exactly (FSDP's bf16 gathers: cast the shard, gather, cast back).
     fn cast(&self, dst: ViewMut, src: View);

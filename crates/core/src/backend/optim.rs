@@ -162,6 +162,17 @@ impl AdamWStep<'_> {
     }
 }
 
+/// One tensor of [`OptimOps::adamw_step_many`]: a parameter (f32), its moments and gradient,
+/// its bf16 compute copy if it has one, and its weight decay.
+pub struct AdamWTensor<'a> {
+    pub param: ViewMut<'a>,
+    pub m: ViewMut<'a>,
+    pub v: ViewMut<'a>,
+    pub grad: View<'a>,
+    pub rounded: Option<ViewMut<'a>>,
+    pub weight_decay: f64,
+}
+
 /// Muon's decayed update of one parameter (see [`OptimOps::decay_update`]):
 /// `θ = θ·(1 − lr·weight_decay) − lr·scale·update`.
 #[derive(Clone, Copy, Debug)]
@@ -205,6 +216,18 @@ pub trait OptimOps: Send + Sync {
         h: &AdamWStep,
         rounded: Option<ViewMut>,
     );
+
+    /// [`Self::adamw_step`] of each of `ts` with `h`'s constants and the tensor's own weight
+    /// decay (`h.weight_decay` is not read): a GPU backend updates them all in one launch.
+    fn adamw_step_many(&self, ts: Vec<AdamWTensor>, h: &AdamWStep) {
+        for t in ts {
+            let h = AdamWStep {
+                weight_decay: t.weight_decay,
+                ..*h
+            };
+            self.adamw_step(t.param, t.m, t.v, t.grad, &h, t.rounded);
+        }
+    }
 
     /// Nesterov momentum, in place on the gradient, which becomes the update:
     /// `g = g·grad_scale; buf = μ·buf + g; g = g + μ·buf` (with the new `buf`); `grad_scale` is
@@ -272,6 +295,8 @@ macro_rules! forward_optim_ops {
     (@ $t:ident adamw_step) => { $crate::forward_optim_ops!(@fn $t adamw_step(
         param: $crate::ViewMut, m: $crate::ViewMut, v: $crate::ViewMut, grad: $crate::View,
         h: &$crate::AdamWStep, rounded: Option<$crate::ViewMut>)); };
+    (@ $t:ident adamw_step_many) => { $crate::forward_optim_ops!(@fn $t adamw_step_many(
+        ts: Vec<$crate::AdamWTensor>, h: &$crate::AdamWStep)); };
     (@ $t:ident nesterov_momentum) => { $crate::forward_optim_ops!(@fn $t nesterov_momentum(
         buf: $crate::ViewMut, grad: $crate::ViewMut, momentum: f64,
         grad_scale: $crate::GradScale)); };

@@ -46,6 +46,46 @@ impl<L: Launcher> KernelOps<L> {
         self.launch(kernel!("sum_acc_f64"), pass2, &args);
     }
 
+    /// `acc[0] += Σ x²` over every tensor of `xs` (f32), in two launches whatever their number
+    /// (`sumsq_partial_multi_f32`, `sum_acc_multi_f64`): the bits of [`Self::sumsq_acc`] on each
+    /// in turn, which other dtypes take.
+    pub fn sumsq_acc_many(&self, mut acc: ViewMut, xs: &[View]) {
+        assert_eq!(acc.dtype(), DType::F64, "sumsq_acc_many: acc must be f64");
+        assert!(!acc.is_empty(), "sumsq_acc_many: empty acc");
+        let xs: Vec<View> = xs.iter().copied().filter(|x| !x.is_empty()).collect();
+        if xs.iter().any(|x| x.dtype() != DType::F32) || xs.len() > u16::MAX as usize {
+            for x in xs {
+                self.sumsq_acc(acc.reborrow(), x);
+            }
+            return;
+        }
+        if xs.is_empty() {
+            return;
+        }
+        // Per tensor: its address, length, first pass's blocks and where its partials start.
+        let (mut table, mut start, mut most) = (Vec::with_capacity(4 * xs.len()), 0, 0);
+        for x in &xs {
+            let blocks = self.sumsq_blocks(x.len());
+            let addr = self.launcher.addr(*x) as i64;
+            table.extend([addr, x.len() as i64, blocks as i64, start as i64]);
+            start += blocks;
+            most = most.max(blocks);
+        }
+        let table = self.table(table);
+        let (_s, [partial]) = self.scratch([start * 8]);
+        let pass1 = cfg(grid(most, xs.len(), 1), self.tuning.ew_block);
+        let k = kernel!("sumsq_partial_multi_f32");
+        self.launch(k, pass1, &[partial.into(), table.into()]);
+        let args = [
+            self.arg_mut(acc),
+            partial.into(),
+            table.into(),
+            i32_of(xs.len()),
+        ];
+        let pass2 = LaunchConfig::linear(1, 256);
+        self.launch(kernel!("sum_acc_multi_f64"), pass2, &args);
+    }
+
     /// Blocks of the first pass of a sum of squares over `n` elements.
     pub(super) fn sumsq_blocks(&self, n: usize) -> usize {
         self.ew(n).grid[0] as usize

@@ -150,7 +150,13 @@ pub struct KernelOps<L: Launcher> {
     /// RoPE's frequency tables by (head_dim, theta's bits), uploaded once each: an upload per
     /// op from pageable host memory may wait for the stream.
     freqs: Mutex<Vec<((usize, u64), Tensor)>>,
+    /// Multi-tensor ops' tables (i64 per tensor: address, length, ...) by content, uploaded once
+    /// each (a step's gradients are the same tensors every step), at most [`TABLES`] kept.
+    tables: Mutex<Vec<(Vec<i64>, Tensor)>>,
 }
+
+/// How many multi-tensor tables [`KernelOps`] keeps (the oldest goes first).
+const TABLES: usize = 8;
 
 impl<L: Launcher> KernelOps<L> {
     pub fn new(launcher: L) -> Self {
@@ -182,6 +188,7 @@ impl<L: Launcher> KernelOps<L> {
             pool: Mutex::new(None),
             dq_sums: Mutex::new(None),
             freqs: Mutex::new(Vec::new()),
+            tables: Mutex::new(Vec::new()),
         }
     }
     pub fn launcher(&self) -> &L {
@@ -254,6 +261,39 @@ impl<L: Launcher> KernelOps<L> {
             unsafe { self.launcher.mark(p, s) };
         }
         (Scratch { _guard: guard }, ptrs)
+    }
+
+    /// The device address of a table holding `table`, uploaded at its first use and kept: a
+    /// step that passes the same tensors every time uploads nothing after its first (its
+    /// launches are then the same from step to step).
+    fn table(&self, table: Vec<i64>) -> *mut c_void {
+        self.kept(&self.tables, table, TABLES, |t| t.clone())
+    }
+
+    /// The device address of `make(key)`'s values, uploaded at the first use of `key` and kept
+    /// in `cache`, which holds at most `keep` (the oldest goes first).
+    fn kept<K: PartialEq, T: Copy>(
+        &self,
+        cache: &Mutex<Vec<(K, Tensor)>>,
+        key: K,
+        keep: usize,
+        make: impl FnOnce(&K) -> Vec<T>,
+    ) -> *mut c_void {
+        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, t)) = cache.iter_mut().find(|(k, _)| *k == key) {
+            return self.launcher.addr_mut(t.view_mut());
+        }
+        if cache.len() == keep {
+            cache.remove(0);
+        }
+        let values = make(&key);
+        let mut t = self
+            .launcher
+            .alloc_scratch(std::mem::size_of_val(&values[..]));
+        let p = self.launcher.addr_mut(t.view_mut());
+        self.put(p, &values);
+        cache.push((key, t));
+        p
     }
 
     /// The dq sums' slot of at least `bytes`, grown to exactly that where smaller.

@@ -298,18 +298,9 @@ impl<L: Launcher> KernelOps<L> {
     /// (head_dim, theta) is asked for and kept.
     fn inv_freq(&self, d: &HeadRope) -> *mut c_void {
         let key = (d.head_dim, d.theta.to_bits());
-        let mut freqs = self.freqs.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, t)) = freqs.iter_mut().find(|(k, _)| *k == key) {
-            return self.launcher.addr_mut(t.view_mut());
-        }
-        let table = rope_inv_freq(d.head_dim, d.theta);
-        let mut t = self
-            .launcher
-            .alloc_scratch(std::mem::size_of_val(&table[..]));
-        let p = self.launcher.addr_mut(t.view_mut());
-        self.put(p, &table);
-        freqs.push((key, t));
-        p
+        self.kept(&self.freqs, key, usize::MAX, |_| {
+            rope_inv_freq(d.head_dim, d.theta)
+        })
     }
 
     pub fn head_norm_rope_forward(

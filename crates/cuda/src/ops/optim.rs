@@ -2,7 +2,7 @@
 //! f32 once on the host, as the CPU backend rounds them.
 
 use super::*;
-use ganymede_core::{AdamWStep, DecayStep, DeviceRate, GradScale, OptimOps};
+use ganymede_core::{AdamWStep, AdamWTensor, DecayStep, DeviceRate, GradScale, OptimOps};
 
 fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
@@ -70,6 +70,71 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             Arg::F64(h.weight_decay),
         ]);
         self.launch(k, self.ew(n), &args);
+    }
+
+    /// `adamw_step_multi_f32`: every tensor in one launch over a table of them, uploaded once
+    /// (the same tensors every step then launch with the same arguments), bit for bit
+    /// `adamw_step_f32` on each.
+    fn adamw_step_many(&self, ts: Vec<AdamWTensor>, h: &AdamWStep) {
+        let mut table = Vec::with_capacity(8 * ts.len());
+        let mut most = 0;
+        for t in ts {
+            let n = t.param.len();
+            let views = [
+                (t.param.dtype(), n),
+                (t.m.dtype(), t.m.len()),
+                (t.v.dtype(), t.v.len()),
+                (t.grad.dtype(), t.grad.len()),
+            ];
+            check_f32("adamw_step_many", &views, n);
+            check_rounded("adamw_step_many", t.rounded.as_ref(), n);
+            if n == 0 {
+                continue;
+            }
+            let blocks = self.ew(n).grid[0] as usize;
+            most = most.max(blocks);
+            let p16 = t
+                .rounded
+                .map_or(std::ptr::null_mut(), |r| self.launcher.addr_mut(r));
+            table.extend([
+                self.launcher.addr_mut(t.param) as i64,
+                self.launcher.addr_mut(t.m) as i64,
+                self.launcher.addr_mut(t.v) as i64,
+                self.launcher.addr(t.grad) as i64,
+                p16 as i64,
+                n as i64,
+                blocks as i64,
+                t.weight_decay.to_bits() as i64,
+            ]);
+        }
+        let count = table.len() / 8;
+        if count == 0 {
+            return;
+        }
+        assert!(
+            count <= u16::MAX as usize,
+            "adamw_step_many: {count} tensors"
+        );
+        let table = self.table(table);
+        let [gs, gsp] = self.grad_scale_args(h.grad_scale);
+        // As in adamw_step: the host's constants, or 0 where the device rate gives them.
+        let host = |x: f64| if h.rate.is_some() { 0.0 } else { x };
+        let args = [
+            table.into(),
+            gs,
+            gsp,
+            f(h.beta1),
+            f(h.beta2),
+            f(1.0 - h.beta1),
+            f(1.0 - h.beta2),
+            f(host(h.lr / h.bias_correction1)),
+            f(host(1.0 / h.bias_correction2.sqrt())),
+            f(h.eps),
+            self.rate_arg(h.rate),
+            Arg::F64(host(h.lr)),
+        ];
+        let k = kernel!("adamw_step_multi_f32");
+        self.launch(k, cfg(grid(most, count, 1), self.tuning.ew_block), &args);
     }
 
     /// `decay_update_f32`, or with `rounded` `decay_update_f32_rounded`.
