@@ -13,21 +13,15 @@
 
 use ganymede_config::{preset, AcMode, ModelConfig};
 use ganymede_core::sample::tokens;
-use ganymede_core::{
-    Backend, Blas, Category, CpuBackend, Ledger, Memory, OptimOps, ParamStore, Tensor, View,
-    ViewMut,
-};
+use ganymede_core::{Backend, Blas, Category, CpuBackend, Ledger, Memory, OptimOps, ParamStore};
 use ganymede_cuda::bounds::{set_bounds, Bounds};
-use ganymede_cuda::host::{Arg, LaunchConfig};
-use ganymede_cuda::kernel::Kernel;
 use ganymede_cuda::kernel_backend::HostKernelBackend;
 use ganymede_cuda::kernel_backend::KernelBackend;
-use ganymede_cuda::launch::{HostLauncher, Launcher};
+use ganymede_cuda::launch::{HostLauncher, Recording};
 use ganymede_cuda::ops::{KernelOps, Tuning};
 use ganymede_model::{forward_backward, Model, StepOutput, Tokens, Workspace};
 use ganymede_optim::Optimizer;
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 const BATCH: usize = 2;
 const SEQ: usize = 32;
@@ -552,38 +546,6 @@ fn bf16_compute_case(what: &str, tuning: Tuning, (loss_tol, grad_tol): (f64, f64
     og.loss
 }
 
-/// The host launcher, noting each kernel it launches.
-#[derive(Clone)]
-struct Noting {
-    inner: HostLauncher,
-    launched: Arc<Mutex<Vec<&'static str>>>,
-}
-
-impl Launcher for Noting {
-    fn addr(&self, v: View) -> *mut c_void {
-        self.inner.addr(v)
-    }
-    fn addr_mut(&self, v: ViewMut) -> *mut c_void {
-        self.inner.addr_mut(v)
-    }
-    unsafe fn mark(&self, addr: *mut c_void, bytes: usize) {
-        self.inner.mark(addr, bytes)
-    }
-    unsafe fn launch(&self, k: Kernel, cfg: LaunchConfig, args: &[Arg]) {
-        self.launched.lock().unwrap().push(k.name());
-        self.inner.launch(k, cfg, args)
-    }
-    fn alloc_scratch(&self, bytes: usize) -> Tensor {
-        self.inner.alloc_scratch(bytes)
-    }
-    unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
-        self.inner.upload(dst, src)
-    }
-    unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {
-        self.inner.download(dst, src)
-    }
-}
-
 /// Newton–Schulz in bf16 on the kernels takes its first operand from the normalisation's bf16
 /// pass (`scale_by_inv_norm_strided_f32_to_bf16`, issue 32) instead of normalising in place
 /// and having its first products cast, and keeps X, A and B in bf16 between products
@@ -595,11 +557,7 @@ impl Launcher for Noting {
 fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
     let cpu = CpuBackend::new(Arc::new(Ledger::new()));
     set_bounds(Bounds::Guarded);
-    let launched = Arc::new(Mutex::new(Vec::new()));
-    let noting = Noting {
-        inner: HostLauncher::new(cpu.clone()),
-        launched: launched.clone(),
-    };
+    let (noting, launched) = Recording::new(HostLauncher::new(cpu.clone()));
     let kern = KernelBackend::new(KernelOps::with_tuning(noting, small()), cpu.clone());
     assert!(kern.normalizes_into_bf16() && !cpu.normalizes_into_bf16());
     let count = 3;
@@ -625,9 +583,9 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
                 assert_eq!(scratch.bytes(), prepared, "the run made more scratch");
                 (be.download(t.view()), scratch.bytes())
             };
-            launched.lock().unwrap().clear();
+            launched.take();
             let (got, got_bytes) = run(&kern);
-            let names = std::mem::take(&mut *launched.lock().unwrap());
+            let names: Vec<&str> = launched.take().iter().map(|l| l.kernel).collect();
             let fused = names.contains(&"scale_by_inv_norm_strided_f32_to_bf16");
             let in_place = names.contains(&"scale_by_inv_norm_strided_f32");
             let case = format!("{r}x{c}, bf16 {bf16}, {steps} steps");
@@ -713,7 +671,6 @@ fn a_kernel_step_reads_back_only_its_metrics_with_device_offsets() {
 /// GEMM each layer's counts come back before the update, and it fails.
 #[test]
 fn a_kernel_training_step_reads_nothing_before_its_update() {
-    use ganymede_cuda::launch::Recording;
     use ganymede_device_check::reads::step_reads;
     let kernels = |grouped_tc| {
         move || {
