@@ -28,6 +28,12 @@ profile=${GANYMEDE_CHECK_PROFILE:-1}
 torch_runs=${GANYMEDE_CHECK_TORCH:-eager compile}
 md=$out/train.md
 runs=$out/runs
+# A run refuses a directory that holds another's metrics, and the comparisons would then read
+# the old ones: an earlier check's runs are refused here instead.
+if [ -n "$(ls -A "$runs" 2>/dev/null)" ]; then
+    echo "$0: $runs holds an earlier check's runs: pick an empty OUTDIR" >&2
+    exit 2
+fi
 mkdir -p "$runs"
 
 # GANYMEDE_CHECK_DEADLINE (seconds since the epoch, set by scripts/device_check.sh): every run's
