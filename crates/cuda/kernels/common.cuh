@@ -188,16 +188,22 @@ __device__ __forceinline__ void row_loop(int dim, bool wide, F body) {
 // The grid-stride loop of an elementwise kernel over n elements: body(i, gany_width<W>) takes
 // elements i .. i + W, W = GANY_VW where `wide` (every array aligned, see vec_aligned), then 1
 // for what is left.
+// ew_loop as thread `tid` of `threads` (a multi-tensor kernel's share of one tensor: the share
+// that thread would have in that tensor's own launch).
 template <class F>
-__device__ __forceinline__ void ew_loop(long long n, bool wide, F body) {
+__device__ __forceinline__ void ew_loop_as(long long n, bool wide, long long tid,
+                                           long long threads, F body) {
     long long done = 0;
     if (wide) {
         const long long nv = n / GANY_VW;
-        for (long long j = global_tid(); j < nv; j += grid_threads())
-            body(j * GANY_VW, gany_width<GANY_VW>{});
+        for (long long j = tid; j < nv; j += threads) body(j * GANY_VW, gany_width<GANY_VW>{});
         done = nv * GANY_VW;
     }
-    for (long long i = done + global_tid(); i < n; i += grid_threads()) body(i, gany_width<1>{});
+    for (long long i = done + tid; i < n; i += threads) body(i, gany_width<1>{});
+}
+template <class F>
+__device__ __forceinline__ void ew_loop(long long n, bool wide, F body) {
+    ew_loop_as(n, wide, global_tid(), grid_threads(), body);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

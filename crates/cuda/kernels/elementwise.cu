@@ -111,25 +111,16 @@ extern "C" __global__ void sumsq_partial_multi_f32(double* partial, const long l
     const long long n = t[1], b = t[2];
     if ((long long)blockIdx.x >= b) return;  // the whole block: no barrier is left waiting
     const float* x = (const float*)t[0];
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long threads = b * blockDim.x;
     double s = 0.0;
-    long long done = 0;
-    // ew_loop's shares with b blocks in the grid.
-    if (vec_aligned(x)) {
-        const long long nv = n / GANY_VW;
-        for (long long j = tid; j < nv; j += threads) {
-            float v[GANY_VW];
-            ldw(v, x + j * GANY_VW);
+    // sumsq_partial's body, as that block of a b-block launch.
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    ew_loop_as(n, vec_aligned(x), tid, b * blockDim.x, [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float v[W];
+        ldw(v, x + i);
 #pragma unroll
-            for (int k = 0; k < GANY_VW; k++) s += (double)v[k] * (double)v[k];
-        }
-        done = nv * GANY_VW;
-    }
-    for (long long i = done + tid; i < n; i += threads) {
-        const float v = ld(x + i);
-        s += (double)v * (double)v;
-    }
+        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
+    });
     s = block_sum(s);
     if (threadIdx.x == 0) partial[t[3] + blockIdx.x] = s;
 }

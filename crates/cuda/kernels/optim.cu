@@ -37,34 +37,36 @@ struct Rate {
 // AdamW on g = grad·gs (gs: the clip coefficient or 1, so clipping needs no pass of its own):
 // m = b1·m + (1−b1)·g; v = b2·v + (1−b2)·g²; p = p·keep − step·m / (sqrt(v)·inv_sqrt_bc2 + eps)
 // with keep = 1 − lr·wd, step = lr / bc1, inv_sqrt_bc2 = 1 / sqrt(bc2) (from `rate` where it is
-// not null, see Rate). ROUND: the new p also into p16, rounded to bf16 (the compute copy,
-// without a cast pass of its own).
-template <bool ROUND>
-__device__ void adamw(float* p, float* m, float* v, const float* g, bf16* p16, long long n,
-                      float gs, float b1, float b2, float omb1, float omb2, float keep, float step,
-                      float inv_sqrt_bc2, float eps) {
-    // Every load before any store: four independent accesses in flight per thread.
-    const bool wide = vec_aligned(p, m, v, g) && (!ROUND || vec_aligned(p16));
-    ew_loop(n, wide, [&](long long i, auto w) {
-        constexpr int W = decltype(w)::n;
-        float gi[W], mi[W], vi[W], pi[W];
-        ldw(gi, g + i);
-        ldw(mi, m + i);
-        ldw(vi, v + i);
-        ldw(pi, p + i);
+// not null, see Rate). With p16 (not null) the new p also goes there, rounded to bf16 (the
+// compute copy, without a cast pass of its own).
+struct AdamW {
+    float gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps;
+    // Thread `tid` of `threads` over one tensor of n elements.
+    __device__ void run(float* p, float* m, float* v, const float* g, bf16* p16, long long n,
+                        long long tid, long long threads) const {
+        // Every load before any store: four independent accesses in flight per thread.
+        const bool wide = vec_aligned(p, m, v, g) && (!p16 || vec_aligned(p16));
+        ew_loop_as(n, wide, tid, threads, [&](long long i, auto w) {
+            constexpr int W = decltype(w)::n;
+            float gi[W], mi[W], vi[W], pi[W];
+            ldw(gi, g + i);
+            ldw(mi, m + i);
+            ldw(vi, v + i);
+            ldw(pi, p + i);
 #pragma unroll
-        for (int k = 0; k < W; k++) {
-            gi[k] = gi[k] * gs;
-            mi[k] = b1 * mi[k] + omb1 * gi[k];
-            vi[k] = b2 * vi[k] + omb2 * gi[k] * gi[k];
-            pi[k] = pi[k] * keep - step * mi[k] / (sqrtf(vi[k]) * inv_sqrt_bc2 + eps);
-        }
-        stw(m + i, mi);
-        stw(v + i, vi);
-        stw(p + i, pi);
-        if constexpr (ROUND) stw(p16 + i, pi);
-    });
-}
+            for (int k = 0; k < W; k++) {
+                gi[k] = gi[k] * gs;
+                mi[k] = b1 * mi[k] + omb1 * gi[k];
+                vi[k] = b2 * vi[k] + omb2 * gi[k] * gi[k];
+                pi[k] = pi[k] * keep - step * mi[k] / (sqrtf(vi[k]) * inv_sqrt_bc2 + eps);
+            }
+            stw(m + i, mi);
+            stw(v + i, vi);
+            stw(p + i, pi);
+            if (p16) stw(p16 + i, pi);
+        });
+    }
+};
 extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const float* g,
                                           long long n, float gs, const double* gsp, float b1,
                                           float b2, float omb1, float omb2, float keep, float step,
@@ -72,7 +74,8 @@ extern "C" __global__ void adamw_step_f32(float* p, float* m, float* v, const fl
                                           double wd) {
     if (!grad_scale(gsp, gs)) return;
     Rate{rate}.adamw(wd, keep, step, inv_sqrt_bc2);
-    adamw<false>(p, m, v, g, nullptr, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
+    const AdamW a{gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps};
+    a.run(p, m, v, g, nullptr, n, global_tid(), grid_threads());
 }
 extern "C" __global__ void adamw_step_f32_rounded(float* p, float* m, float* v, const float* g,
                                                   bf16* p16, long long n, float gs,
@@ -82,7 +85,8 @@ extern "C" __global__ void adamw_step_f32_rounded(float* p, float* m, float* v, 
                                                   const double* rate, double wd) {
     if (!grad_scale(gsp, gs)) return;
     Rate{rate}.adamw(wd, keep, step, inv_sqrt_bc2);
-    adamw<true>(p, m, v, g, p16, n, gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps);
+    const AdamW a{gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps};
+    a.run(p, m, v, g, p16, n, global_tid(), grid_threads());
 }
 
 // adamw_step_f32 (or _rounded) of many tensors in one launch: `table` holds eight i64 per
@@ -103,41 +107,11 @@ extern "C" __global__ void adamw_step_multi_f32(const long long* table, float gs
     const double wd = __longlong_as_double(t[7]);
     float keep = (float)__dsub_rn(1.0, __dmul_rn(lr, wd));
     Rate{rate}.adamw(wd, keep, step, inv_sqrt_bc2);
-    float* p = (float*)t[0];
-    float* m = (float*)t[1];
-    float* v = (float*)t[2];
-    const float* g = (const float*)t[3];
-    bf16* p16 = (bf16*)t[4];
-    const long long n = t[5];
-    // The launch of this tensor alone, as ew_loop sees it: b blocks.
+    const AdamW a{gs, b1, b2, omb1, omb2, keep, step, inv_sqrt_bc2, eps};
+    // This tensor's launch as adamw_step_f32 would make it alone: b blocks.
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long threads = b * blockDim.x;
-    auto body = [&](long long i, auto w) {
-        constexpr int W = decltype(w)::n;
-        float gi[W], mi[W], vi[W], pi[W];
-        ldw(gi, g + i);
-        ldw(mi, m + i);
-        ldw(vi, v + i);
-        ldw(pi, p + i);
-#pragma unroll
-        for (int k = 0; k < W; k++) {
-            gi[k] = gi[k] * gs;
-            mi[k] = b1 * mi[k] + omb1 * gi[k];
-            vi[k] = b2 * vi[k] + omb2 * gi[k] * gi[k];
-            pi[k] = pi[k] * keep - step * mi[k] / (sqrtf(vi[k]) * inv_sqrt_bc2 + eps);
-        }
-        stw(m + i, mi);
-        stw(v + i, vi);
-        stw(p + i, pi);
-        if (p16) stw(p16 + i, pi);
-    };
-    long long done = 0;
-    if (vec_aligned(p, m, v, g) && (!p16 || vec_aligned(p16))) {
-        const long long nv = n / GANY_VW;
-        for (long long j = tid; j < nv; j += threads) body(j * GANY_VW, gany_width<GANY_VW>{});
-        done = nv * GANY_VW;
-    }
-    for (long long i = done + tid; i < n; i += threads) body(i, gany_width<1>{});
+    a.run((float*)t[0], (float*)t[1], (float*)t[2], (const float*)t[3], (bf16*)t[4], t[5], tid,
+          b * blockDim.x);
 }
 
 // Nesterov momentum, in place on the gradient: g = g·gs; buf = mu·buf + g; g = g + mu·buf (the

@@ -8,6 +8,30 @@ fn f(x: f64) -> Arg {
     Arg::F32(x as f32)
 }
 
+/// A step constant from the host, or 0 where the kernel works it out from the device rate:
+/// then no argument changes from step to step.
+fn host(h: &AdamWStep, x: f64) -> f64 {
+    if h.rate.is_some() {
+        0.0
+    } else {
+        x
+    }
+}
+
+/// AdamW's constants as its kernels take them, past the gradient scale: β1, β2, 1 − β1, 1 − β2,
+/// lr / bc1 and 1 / sqrt(bc2) (each [`host`]), ε.
+fn adamw_args(h: &AdamWStep) -> [Arg; 7] {
+    [
+        f(h.beta1),
+        f(h.beta2),
+        f(1.0 - h.beta1),
+        f(1.0 - h.beta2),
+        f(host(h, h.lr / h.bias_correction1)),
+        f(host(h, 1.0 / h.bias_correction2.sqrt())),
+        f(h.eps),
+    ]
+}
+
 fn check_f32(op: &str, views: &[(DType, usize)], n: usize) {
     for &(dt, len) in views {
         assert_eq!((dt, len), (DType::F32, n), "{op}: f32 views of one length");
@@ -51,24 +75,22 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
             None => kernel!("adamw_step_f32"),
         };
         let [gs, gsp] = self.grad_scale_args(h.grad_scale);
-        // The step's constants from the host, or 0 where the kernel works them out from the
-        // device rate: then no argument changes from step to step.
-        let host = |x: f64| f(if h.rate.is_some() { 0.0 } else { x });
+        let [b1, b2, omb1, omb2, step, inv_sqrt_bc2, eps] = adamw_args(h);
+        let keep = f(host(h, 1.0 - h.lr * h.weight_decay));
         args.extend([
             i64_of(n),
             gs,
             gsp,
-            f(h.beta1),
-            f(h.beta2),
-            f(1.0 - h.beta1),
-            f(1.0 - h.beta2),
-            host(1.0 - h.lr * h.weight_decay),
-            host(h.lr / h.bias_correction1),
-            host(1.0 / h.bias_correction2.sqrt()),
-            f(h.eps),
-            self.rate_arg(h.rate),
-            Arg::F64(h.weight_decay),
+            b1,
+            b2,
+            omb1,
+            omb2,
+            keep,
+            step,
+            inv_sqrt_bc2,
+            eps,
         ]);
+        args.extend([self.rate_arg(h.rate), Arg::F64(h.weight_decay)]);
         self.launch(k, self.ew(n), &args);
     }
 
@@ -117,21 +139,20 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         );
         let table = self.table(table);
         let [gs, gsp] = self.grad_scale_args(h.grad_scale);
-        // As in adamw_step: the host's constants, or 0 where the device rate gives them.
-        let host = |x: f64| if h.rate.is_some() { 0.0 } else { x };
+        let [b1, b2, omb1, omb2, step, inv_sqrt_bc2, eps] = adamw_args(h);
         let args = [
             table.into(),
             gs,
             gsp,
-            f(h.beta1),
-            f(h.beta2),
-            f(1.0 - h.beta1),
-            f(1.0 - h.beta2),
-            f(host(h.lr / h.bias_correction1)),
-            f(host(1.0 / h.bias_correction2.sqrt())),
-            f(h.eps),
+            b1,
+            b2,
+            omb1,
+            omb2,
+            step,
+            inv_sqrt_bc2,
+            eps,
             self.rate_arg(h.rate),
-            Arg::F64(host(h.lr)),
+            Arg::F64(host(h, h.lr)),
         ];
         let k = kernel!("adamw_step_multi_f32");
         self.launch(k, cfg(grid(most, count, 1), self.tuning.ew_block), &args);
