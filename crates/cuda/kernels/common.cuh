@@ -240,6 +240,22 @@ __device__ __forceinline__ T block_sum(T v) {
     return warp_sum(t);
 }
 
+// The f64 sum of squares of thread `tid`'s share (of `threads`, as ew_loop_as) of x's n
+// elements, summed over the block (every thread gets it): one block's partial of a sum of
+// squares, in one order wherever it is taken.
+template <class T>
+__device__ double sumsq_share(const T* x, long long n, long long tid, long long threads) {
+    double s = 0.0;
+    ew_loop_as(n, vec_aligned(x), tid, threads, [&](long long i, auto w) {
+        constexpr int W = decltype(w)::n;
+        float v[W];
+        ldw(v, x + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
+    });
+    return block_sum(s);
+}
+
 __device__ __forceinline__ float block_max(float v) {
     GANY_SHARED(float, part, [32]);
     GANY_REQUIRE(blockDim.x % 32 == 0);

@@ -74,15 +74,7 @@ GANY_VECTOR_OPS(bf16, bf16)
 // partials, in order, to acc[0]. Block size a multiple of 32.
 template <class T>
 __device__ void sumsq_partial(double* partial, const T* x, long long n) {
-    double s = 0.0;
-    ew_loop(n, vec_aligned(x), [&](long long i, auto w) {
-        constexpr int W = decltype(w)::n;
-        float v[W];
-        ldw(v, x + i);
-#pragma unroll
-        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
-    });
-    s = block_sum(s);
+    const double s = sumsq_share(x, n, global_tid(), grid_threads());
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 extern "C" __global__ void sumsq_partial_f32(double* partial, const float* x, long long n) {
@@ -110,18 +102,9 @@ extern "C" __global__ void sumsq_partial_multi_f32(double* partial, const long l
     const long long* t = table + 4 * (long long)blockIdx.y;
     const long long n = t[1], b = t[2];
     if ((long long)blockIdx.x >= b) return;  // the whole block: no barrier is left waiting
-    const float* x = (const float*)t[0];
-    double s = 0.0;
-    // sumsq_partial's body, as that block of a b-block launch.
+    // sumsq_partial, as that block of a b-block launch.
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    ew_loop_as(n, vec_aligned(x), tid, b * blockDim.x, [&](long long i, auto w) {
-        constexpr int W = decltype(w)::n;
-        float v[W];
-        ldw(v, x + i);
-#pragma unroll
-        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
-    });
-    s = block_sum(s);
+    const double s = sumsq_share((const float*)t[0], n, tid, b * blockDim.x);
     if (threadIdx.x == 0) partial[t[3] + blockIdx.x] = s;
 }
 

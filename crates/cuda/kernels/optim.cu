@@ -158,15 +158,7 @@ extern "C" __global__ void scale_by_inv_norm_f32(float* x, const double* sumsq, 
 extern "C" __global__ void sumsq_partial_strided_f32(double* partial, const float* x,
                                                      long long n) {
     const float* xm = x + (long long)blockIdx.y * n;
-    double s = 0.0;
-    ew_loop(n, vec_aligned(xm), [&](long long i, auto w) {
-        constexpr int W = decltype(w)::n;
-        float v[W];
-        ldw(v, xm + i);
-#pragma unroll
-        for (int k = 0; k < W; k++) s += (double)v[k] * (double)v[k];
-    });
-    s = block_sum(s);
+    const double s = sumsq_share(xm, n, global_tid(), grid_threads());
     if (threadIdx.x == 0) partial[(long long)blockIdx.y * gridDim.x + blockIdx.x] = s;
 }
 

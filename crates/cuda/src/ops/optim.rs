@@ -49,15 +49,7 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         h: &AdamWStep,
         rounded: Option<ViewMut>,
     ) {
-        let n = param.len();
-        let views = [
-            (param.dtype(), n),
-            (m.dtype(), m.len()),
-            (v.dtype(), v.len()),
-            (grad.dtype(), grad.len()),
-        ];
-        check_f32("adamw_step", &views, n);
-        check_rounded("adamw_step", rounded.as_ref(), n);
+        let n = check_adamw("adamw_step", [&param, &m, &v], &grad, rounded.as_ref());
         if n == 0 {
             return;
         }
@@ -101,15 +93,8 @@ impl<L: Launcher> OptimOps for KernelOps<L> {
         let mut table = Vec::with_capacity(8 * ts.len());
         let mut most = 0;
         for t in ts {
-            let n = t.param.len();
-            let views = [
-                (t.param.dtype(), n),
-                (t.m.dtype(), t.m.len()),
-                (t.v.dtype(), t.v.len()),
-                (t.grad.dtype(), t.grad.len()),
-            ];
-            check_f32("adamw_step_many", &views, n);
-            check_rounded("adamw_step_many", t.rounded.as_ref(), n);
+            let (pmv, rounded) = ([&t.param, &t.m, &t.v], t.rounded.as_ref());
+            let n = check_adamw("adamw_step_many", pmv, &t.grad, rounded);
             if n == 0 {
                 continue;
             }
@@ -342,6 +327,21 @@ fn stack_shape<L: Launcher>(
     let n = len / count.max(1);
     assert_eq!(n * count, len, "{op}: {count} matrices");
     Some((n, ops.sumsq_blocks(n)))
+}
+
+/// An AdamW tensor's views: f32 parameter, moments and gradient of one length (returned), and
+/// a compute copy as [`check_rounded`] wants it.
+fn check_adamw(op: &str, [p, m, v]: [&ViewMut; 3], g: &View, rounded: Option<&ViewMut>) -> usize {
+    let n = p.len();
+    let views = [
+        (p.dtype(), n),
+        (m.dtype(), m.len()),
+        (v.dtype(), v.len()),
+        (g.dtype(), g.len()),
+    ];
+    check_f32(op, &views, n);
+    check_rounded(op, rounded, n);
+    n
 }
 
 /// The compute copy a fused update writes: bf16, as long as the parameter.
