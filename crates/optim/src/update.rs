@@ -140,9 +140,6 @@ impl RateBuffer {
     fn get(&self) -> DeviceRate<'_> {
         DeviceRate::new(self.0.view())
     }
-    pub fn bytes(&self) -> usize {
-        self.0.bytes()
-    }
 }
 
 /// The hyperparameters (`optimizer.*`) the kernels read, copied so that a step holds no borrow

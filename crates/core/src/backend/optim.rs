@@ -103,11 +103,12 @@ impl<'a> DeviceRate<'a> {
         self.0
     }
     /// For a backend whose device memory the host reads (the CPU's): panics unless the device
-    /// holds `host`, the values the caller passed beside it.
-    pub fn check(&self, host: [f64; 3]) {
-        let d = self.0.host::<f64>();
+    /// holds `host`, the values the caller passed beside it (the first of them: `[lr]` for a
+    /// caller that has no bias corrections).
+    pub fn check(&self, host: &[f64]) {
+        let d = &self.0.host::<f64>()[..host.len()];
         assert!(
-            d.iter().zip(host).all(|(&d, h)| d.to_bits() == h.to_bits()),
+            d.iter().zip(host).all(|(d, h)| d.to_bits() == h.to_bits()),
             "the device rate {d:?} is not the host's {host:?}"
         );
     }

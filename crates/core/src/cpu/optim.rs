@@ -118,7 +118,7 @@ impl OptimOps for CpuBackend {
             return;
         };
         if let Some(r) = h.rate {
-            r.check(h.rate_values());
+            r.check(&h.rate_values());
         }
         crate::by_dtype!(param.dtype(), adamw(param.reborrow(), m, v, grad, h, gs));
         if let Some(r) = rounded {
@@ -153,11 +153,7 @@ impl OptimOps for CpuBackend {
             return;
         }
         if let Some(r) = h.rate {
-            assert_eq!(
-                r.view().host::<f64>()[0].to_bits(),
-                h.lr.to_bits(),
-                "device lr"
-            );
+            r.check(&[h.lr]);
         }
         let (alpha, decay) = (h.alpha(), h.decay());
         let dt = param.dtype();
