@@ -96,7 +96,7 @@ impl<B: Backend> Memory for CountingReads<B> {
         device, ledger, zeros, zeros_of, upload, upload_f64, write, write_f64, upload_u32,
         write_u32, copy, fill, try_zeros, pinned_zeros, pinned_zeros_of, copy_async,
         record_event, wait_event, query_event, elapsed, trace_copies, take_copy_spans,
-        start_phases, phase, take_phase_times,
+        start_phases, phase, take_phase_times, graph, forget_graph,
     );
 }
 

@@ -46,6 +46,7 @@ pub mod backend;
 pub mod bf16;
 pub mod counting;
 pub mod cpu;
+pub mod graph_check;
 pub mod hash;
 pub mod ledger;
 pub mod params;
@@ -56,10 +57,10 @@ pub mod stream;
 pub mod tensor;
 
 pub use backend::{
-    embedding_segments, extent, in_phase, step_scale_value, AdamWStep, AdamWTensor, AttnDims,
-    AttnGrads, AttnSaved, AuxGrad, Backend, Blas, CastSlot, DecayStep, DeviceRate, DispatchOut,
-    Dispatched, EmbedIds, ExpertGemm, ExpertRows, Gemm, GradScale, HeadRope, Memory, NnOps,
-    NormSaved, OptimOps, Routed, RouterDims, RouterOut, Syrk,
+    embedding_segments, extent, graph_keys, in_phase, step_scale_value, AdamWStep, AdamWTensor,
+    AttnDims, AttnGrads, AttnSaved, AuxGrad, Backend, Blas, CastSlot, DecayStep, DeviceRate,
+    DispatchOut, Dispatched, EmbedIds, ExpertGemm, ExpertRows, Gemm, GradScale, GraphRun, HeadRope,
+    Memory, NnOps, NormSaved, OptimOps, Routed, RouterDims, RouterOut, Syrk,
 };
 pub use cpu::{CpuBackend, TwoMemoryOptions};
 pub use hash::fnv1a64;

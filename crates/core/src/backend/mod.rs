@@ -134,6 +134,43 @@ pub trait Memory: Send + Sync {
     fn take_phase_times(&self) -> Option<PhaseTimes> {
         None
     }
+    /// Run `body`'s work as graph `key` (a CUDA graph): the first call for a key captures
+    /// what `body` issues on the compute stream and launches it; later calls launch that work
+    /// again without calling `body`. So `body` must issue the same work every time: the same
+    /// kernels on the same memory with the same arguments, no read and no host wait, and no
+    /// host data whose bytes change from call to call (such data goes to the device before
+    /// the call, into memory the body reads). A backend without graphs calls `body` every
+    /// time ([`GraphRun::Eager`]); [`crate::graph_check::GraphCheck`] holds a body to these
+    /// rules on such a backend.
+    fn graph(&self, key: u64, body: &mut dyn FnMut()) -> GraphRun {
+        let _ = key;
+        body();
+        GraphRun::Eager
+    }
+    /// Drop graph `key` (its owner is done with it): a later [`Memory::graph`] of that key
+    /// captures afresh. Keys are the backend's, shared by everything that runs on it, so an
+    /// owner takes keys of its own ([`graph_keys`]) and forgets them when it goes.
+    fn forget_graph(&self, key: u64) {
+        let _ = key;
+    }
+}
+
+/// `n` graph keys no other caller of this function in the process gets (see
+/// [`Memory::forget_graph`]): the first, and then the next `n - 1`.
+pub fn graph_keys(n: u64) -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(n, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// How [`Memory::graph`] ran its body's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphRun {
+    /// Issued as it came (no graphs on this backend).
+    Eager,
+    /// Captured into a new graph, which then ran.
+    Captured,
+    /// The graph captured before ran again; the body was not called.
+    Replayed,
 }
 
 /// [`Memory`] methods that forward to a field, as [`crate::forward_nn_ops`] does for
@@ -172,6 +209,8 @@ macro_rules! forward_memory {
     (@ $t:ident start_phases) => { $crate::forward_memory!(@fn $t start_phases() -> ()); };
     (@ $t:ident phase) => { $crate::forward_memory!(@fn $t phase(p: $crate::StepPhase) -> Option<$crate::StepPhase>); };
     (@ $t:ident take_phase_times) => { $crate::forward_memory!(@fn $t take_phase_times() -> Option<$crate::PhaseTimes>); };
+    (@ $t:ident graph) => { $crate::forward_memory!(@fn $t graph(key: u64, body: &mut dyn FnMut()) -> $crate::GraphRun); };
+    (@ $t:ident forget_graph) => { $crate::forward_memory!(@fn $t forget_graph(key: u64) -> ()); };
     (@fn $t:ident $m:ident($($a:ident: $ty:ty),* $(,)?) -> $r:ty) => {
         fn $m(&self, $($a: $ty),*) -> $r {
             self.$t.$m($($a),*)
@@ -216,7 +255,7 @@ macro_rules! forward_all_memory {
             write_f64, upload_u32, write_u32, download_u32, copy, fill, synchronize, try_zeros,
             pinned_zeros, pinned_zeros_of, copy_async, record_event, wait_event,
             synchronize_event, query_event, elapsed, trace_copies, take_copy_spans,
-            start_phases, phase, take_phase_times,
+            start_phases, phase, take_phase_times, graph, forget_graph,
         );
     };
 }
