@@ -47,8 +47,8 @@ pub use generate::{continuation_losses, generate, generate_streaming, Sampling};
 pub use offload::OffloadFault;
 pub use step::{
     forward_backward, forward_backward_into, forward_backward_with, forward_loss,
-    forward_loss_with, read_output, route_len, router_bias_step, update_router_bias, GradSink,
-    Hooks, LocalParams, ParamSource, Pass, Tokens,
+    forward_loss_with, read_output, route_len, router_bias_step, update_router_bias, upload_tokens,
+    Batch, GradSink, Hooks, LocalParams, ParamSource, Pass, Tokens, Uploaded,
 };
 pub use workspace::{
     activation_bytes, activation_bytes_at, activation_bytes_bf16, activation_bytes_offloaded,

@@ -114,6 +114,98 @@ pub struct Tokens<'a> {
     pub doc_starts: Option<&'a [u32]>,
 }
 
+/// Where a pass finds its batch: tokens on the host, which it uploads first, or the ones
+/// [`upload_tokens`] put in the workspace before it (a pass that a CUDA graph replays reads its
+/// batch from device memory: the upload comes before the graph).
+#[derive(Clone, Copy)]
+pub enum Batch<'a> {
+    Host(Tokens<'a>),
+    Uploaded,
+}
+
+impl<'a> From<Tokens<'a>> for Batch<'a> {
+    fn from(t: Tokens<'a>) -> Self {
+        Batch::Host(t)
+    }
+}
+
+/// What [`upload_tokens`] wrote into a workspace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Uploaded {
+    /// Document starts (document masking).
+    pub docs: bool,
+    /// The ids' grouping, which a backward pass reads.
+    pub backward: bool,
+}
+
+/// A batch's tokens into the workspace (host to device, no read): the ids and targets, the
+/// document starts, and for a pass with a backward (`backward`) the ids' grouping by id, which
+/// the embedding's backward reads. A pass then runs on [`Batch::Uploaded`].
+pub fn upload_tokens(
+    be: &dyn Backend,
+    model: &Model,
+    ws: &mut Workspace,
+    tokens: Tokens,
+    backward: bool,
+) {
+    check_batch(model, ws, tokens);
+    let Tokens {
+        inputs,
+        targets,
+        doc_starts,
+    } = tokens;
+    let n = ws.batch * ws.seq;
+    let head = &mut ws.head;
+    be.phase(StepPhase::Head);
+    be.write_u32(head.ids.view_mut(), inputs);
+    be.write_u32(head.targets.view_mut(), targets);
+    if let Some(d) = doc_starts {
+        // Made by the first masked step, outside the activation plan (N u32, like the loss).
+        let t = head
+            .docs
+            .get_or_insert_with(|| be.zeros_of(&[n], DType::U32, Category::Buffers));
+        be.write_u32(t.view_mut(), d);
+    }
+    if backward {
+        // With the ids, their grouping by id: the host has them, the embedding's backward
+        // would otherwise read them back.
+        let (order, seg_start, seg_id) = embedding_segments(inputs);
+        let mut groups = order;
+        groups.extend(&seg_start);
+        groups.resize(2 * n + 1, 0);
+        groups.extend(&seg_id);
+        groups.resize(3 * n + 1, 0);
+        be.write_u32(head.id_groups.view_mut(), &groups);
+        head.segments = seg_id.len();
+    }
+    head.uploaded = Some(Uploaded {
+        docs: doc_starts.is_some(),
+        backward,
+    });
+}
+
+/// `batch` into the workspace unless it is there already; whether it has document starts.
+fn take_batch(
+    be: &dyn Backend,
+    model: &Model,
+    ws: &mut Workspace,
+    batch: Batch,
+    backward: bool,
+) -> bool {
+    if let Batch::Host(t) = batch {
+        upload_tokens(be, model, ws, t, backward);
+    }
+    let up = ws
+        .head
+        .uploaded
+        .expect("a pass on uploaded tokens before any upload_tokens");
+    assert!(
+        up.backward || !backward,
+        "a backward pass on tokens uploaded without their grouping (upload_tokens(.., false))"
+    );
+    up.docs
+}
+
 /// What parallelism plugs into a training step: where parameters come from, where gradients
 /// go, and who runs the routed experts. One process uses [`LocalParams`], a [`ParamStore`] and
 /// [`LocalExperts`].
@@ -177,13 +269,10 @@ fn forward(
     src: &mut dyn ParamSource,
     ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
-    Tokens {
-        inputs,
-        targets,
-        doc_starts,
-    }: Tokens,
+    batch: Batch,
     backward: bool,
 ) -> Result<()> {
+    let docs = take_batch(be, model, ws, batch, backward);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = batch * seq;
@@ -197,29 +286,7 @@ fn forward(
         route,
         ..
     } = ws;
-    // The step's one upload of its tokens (host to device: no read).
     be.phase(StepPhase::Head);
-    be.write_u32(head.ids.view_mut(), inputs);
-    be.write_u32(head.targets.view_mut(), targets);
-    if let Some(d) = doc_starts {
-        // Made by the first masked step, outside the activation plan (N u32, like the loss).
-        let t = head
-            .docs
-            .get_or_insert_with(|| be.zeros_of(&[n], DType::U32, Category::Buffers));
-        be.write_u32(t.view_mut(), d);
-    }
-    if backward {
-        // With the ids, their grouping by id: the host has them, the embedding's backward
-        // would otherwise read them back.
-        let (order, seg_start, seg_id) = embedding_segments(inputs);
-        let mut groups = order;
-        groups.extend(&seg_start);
-        groups.resize(2 * n + 1, 0);
-        groups.extend(&seg_id);
-        groups.resize(3 * n + 1, 0);
-        be.write_u32(head.id_groups.view_mut(), &groups);
-        head.segments = seg_id.len();
-    }
     // `head.xf` is free until the final norm: it stages what is rounded into bf16 boundaries.
     res.before_write(be, 0);
     be.embedding_forward(
@@ -252,7 +319,7 @@ fn forward(
             params: src.params(),
             batch,
             seq,
-            docs: doc_starts.and(head.docs.as_ref()).map(|d| d.view()),
+            docs: head.docs.as_ref().filter(|_| docs).map(|d| d.view()),
         };
         let slot = route_slot(cfg, route, l, true);
         block_forward(&cx, a, grads, x, Some(y), Kv::Own, (l, slot, &mut *ex))?;
@@ -464,7 +531,7 @@ pub fn forward_backward_with(
     tokens: Tokens,
     grad_scale: f32,
 ) -> Result<StepOutput> {
-    let (src, n) = forward_backward_core(be, model, hooks, ws, tokens, grad_scale)?;
+    let (src, n) = forward_backward_core(be, model, hooks, ws, tokens.into(), grad_scale)?;
     summarise(be, model, src, ws, n)
 }
 
@@ -473,12 +540,12 @@ pub fn forward_backward_with(
 /// the slices first) for the caller to read when it will, with [`read_output`]: a step's
 /// update can then run before any read (issue 32). Returns the global batch's tokens, which
 /// `read_output` takes.
-pub fn forward_backward_into(
+pub fn forward_backward_into<'t>(
     be: &dyn Backend,
     model: &Model,
     hooks: Hooks,
     ws: &mut Workspace,
-    tokens: Tokens,
+    batch: impl Into<Batch<'t>>,
     grad_scale: f32,
     (loss, route): (ViewMut, ViewMut),
 ) -> Result<usize> {
@@ -487,7 +554,7 @@ pub fn forward_backward_into(
         (1, route_len(model)),
         "forward_backward_into: the figures' places"
     );
-    let (src, n) = forward_backward_core(be, model, hooks, ws, tokens, grad_scale)?;
+    let (src, n) = forward_backward_core(be, model, hooks, ws, batch.into(), grad_scale)?;
     reduce_route(be, src, ws)?;
     stash_output(be, ws, loss, route);
     Ok(n)
@@ -500,7 +567,7 @@ fn forward_backward_core<'h>(
     model: &Model,
     hooks: Hooks<'h>,
     ws: &mut Workspace,
-    tokens: Tokens,
+    batch: Batch,
     grad_scale: f32,
 ) -> Result<(&'h mut dyn ParamSource, usize)> {
     let Hooks {
@@ -508,8 +575,8 @@ fn forward_backward_core<'h>(
         grads: sink,
         experts: ex,
     } = hooks;
-    check_batch(model, ws, tokens);
-    forward(be, model, src, ex, ws, tokens, true)?;
+    forward(be, model, src, ex, ws, batch, true)?;
+    let docs = ws.head.uploaded.is_some_and(|u| u.docs);
     let cfg = model.config();
     let (batch, seq) = (ws.batch, ws.seq);
     let n = src.global_tokens(batch * seq);
@@ -587,7 +654,7 @@ fn forward_backward_core<'h>(
             params: src.params(),
             batch,
             seq,
-            docs: tokens.doc_starts.and(head.docs.as_ref()).map(|d| d.view()),
+            docs: head.docs.as_ref().filter(|_| docs).map(|d| d.view()),
         };
         let a = match mode {
             AcMode::None => &mut blocks[l],
@@ -649,16 +716,15 @@ pub fn forward_loss(
 }
 
 /// [`forward_loss`] with parameters from `src` (see [`forward_backward_with`], errors too).
-pub fn forward_loss_with(
+pub fn forward_loss_with<'t>(
     be: &dyn Backend,
     model: &Model,
     src: &mut dyn ParamSource,
     ex: &mut dyn ExpertExecutor,
     ws: &mut Workspace,
-    tokens: Tokens,
+    batch: impl Into<Batch<'t>>,
 ) -> Result<StepOutput> {
-    check_batch(model, ws, tokens);
-    forward(be, model, src, ex, ws, tokens, false)?;
+    forward(be, model, src, ex, ws, batch.into(), false)?;
     let n = src.global_tokens(ws.batch * ws.seq);
     summarise(be, model, src, ws, n)
 }

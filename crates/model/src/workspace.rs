@@ -13,6 +13,7 @@
 //! one f32 working copy `res_f32` is added (see [`crate::offload`]).
 
 use crate::offload::Boundaries;
+use crate::step::Uploaded;
 use crate::{MlpIdx, Model};
 use ganymede_config::{AcMode, ModelConfig};
 use ganymede_core::{Backend, Category, DType, Tensor};
@@ -145,6 +146,9 @@ pub(crate) struct HeadActs {
     /// backward: the embedding's backward then needs no read of the ids.
     pub id_groups: Tensor,
     pub segments: usize,
+    /// What the last upload ([`crate::step::upload_tokens`]) put in `ids`, `targets`,
+    /// `id_groups` and `docs`: none before the first.
+    pub uploaded: Option<Uploaded>,
     /// Each input's document start under document masking (u32 `[N]`, `Category::Buffers`,
     /// outside the activation plan): made by the first step that brings them.
     pub docs: Option<Tensor>,
@@ -625,6 +629,7 @@ impl Workspace {
             targets: t("targets"),
             id_groups: t("id_groups"),
             segments: 0,
+            uploaded: None,
             docs: None,
         };
         assert!(it.next().is_none(), "workspace plan not fully allocated");

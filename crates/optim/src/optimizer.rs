@@ -506,6 +506,13 @@ impl Optimizer {
         written
     }
 
+    /// The next step's number and learning rate `lr`, into device memory ahead of its update
+    /// (which may then be a CUDA graph's replay, see `ganymede_core::Memory::graph`); the
+    /// update that follows, at the same `lr`, uses them instead of writing its own.
+    pub fn begin_step(&mut self, be: &dyn Backend, lr: f64) {
+        self.rate.begin(be, &self.cfg, &mut self.step, lr)
+    }
+
     fn step_into(
         &mut self,
         be: &dyn Backend,
@@ -516,8 +523,11 @@ impl Optimizer {
         rounded: Option<&mut ParamStore>,
     ) {
         self.check(params, grads);
-        self.step += 1;
-        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &mut self.rate);
+        if !self.rate.take_begun() {
+            self.rate.begin(be, &self.cfg, &mut self.step, lr);
+            self.rate.take_begun();
+        }
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &self.rate);
         let (rules, matrices) = (&self.rules, &mut self.matrices);
         let (ps, gs) = (params.tensors_mut(), grads.tensors());
         if let Some(staging) = &mut self.staging {

@@ -123,22 +123,42 @@ pub type UpdateOf<'a, 'r, G> = (
 );
 
 /// Where an optimizer keeps its step's [`DeviceRate`]: three f64 of device memory (buffers),
-/// written by the host at the start of each step, so that the update kernels' launches are the
-/// same at every step (a CUDA graph's replay, issue 32).
-pub struct RateBuffer(Tensor);
+/// written by the host before each step's update, so that the update kernels' launches are the
+/// same at every step, and a CUDA graph that replays the update reads each step's rate there
+/// (issue 32).
+pub struct RateBuffer {
+    t: Tensor,
+    /// The step whose rate [`Self::begin`] wrote and no update has used yet.
+    begun: Option<u64>,
+}
 
 impl RateBuffer {
     pub fn new(be: &dyn Backend) -> Self {
-        RateBuffer(be.zeros_of(&[3], DType::F64, Category::Buffers))
+        RateBuffer {
+            t: be.zeros_of(&[3], DType::F64, Category::Buffers),
+            begun: None,
+        }
     }
-    /// `s`'s learning rate and bias corrections into device memory (a write, stream-ordered
-    /// after the previous step's kernels that read them).
-    fn write(&mut self, be: &dyn Backend, s: &Step) {
-        be.write_f64(self.0.view_mut(), &s.adamw_consts(0.0).rate_values());
+    /// Step `*step + 1`'s number into `step` and its rate (learning rate `lr`, bias corrections
+    /// under `cfg`) into device memory, a write stream-ordered after the previous step's
+    /// kernels that read it: what an optimizer does before the update kernels of a step, or,
+    /// earlier, before a graph that replays them ([`Self::take_begun`]).
+    pub fn begin(&mut self, be: &dyn Backend, cfg: &OptimizerConfig, step: &mut u64, lr: f64) {
+        *step += 1;
+        let t = *step as i32;
+        let consts = AdamWStep::at_step(lr, (cfg.beta1, cfg.beta2), cfg.eps, 0.0, t);
+        be.write_f64(self.t.view_mut(), &consts.rate_values());
+        self.begun = Some(*step);
     }
-    /// What [`Self::write`] wrote, for [`Step::rate`].
+    /// Whether a step was begun ahead of its update (and is now taken): the update then
+    /// neither counts it nor writes its rate again. A graph's replay never takes it, so
+    /// [`Self::begin`] overwrites an untaken one.
+    pub fn take_begun(&mut self) -> bool {
+        self.begun.take().is_some()
+    }
+    /// What [`Self::begin`] wrote, for [`Step::rate`].
     fn get(&self) -> DeviceRate<'_> {
-        DeviceRate::new(self.0.view())
+        DeviceRate::new(self.t.view())
     }
 }
 
@@ -155,16 +175,17 @@ struct Hyper {
 }
 
 impl<'s> Step<'s> {
-    /// Step `step` at `lr`, its rate also written into `rate` (device memory) for the kernels.
+    /// Step `step` at `lr`, whose rate [`RateBuffer::begin`] wrote into `rate` (device memory)
+    /// for the kernels.
     pub fn new(
         be: &dyn Backend,
         cfg: &OptimizerConfig,
         step: u64,
         lr: f64,
         grad_scale: GradScale<'s>,
-        rate: &'s mut RateBuffer,
+        rate: &'s RateBuffer,
     ) -> Self {
-        let mut s = Step {
+        Step {
             cfg: Hyper {
                 beta1: cfg.beta1,
                 beta2: cfg.beta2,
@@ -176,14 +197,9 @@ impl<'s> Step<'s> {
             step,
             lr,
             grad_scale,
-            rate: None,
+            rate: Some(rate.get()),
             ns_bf16: crate::ns_bf16(cfg.ns_dtype, be),
-        };
-        rate.write(be, &s);
-        // Read-only from here on, for as long as the step.
-        let rate: &'s RateBuffer = rate;
-        s.rate = Some(rate.get());
-        s
+        }
     }
 
     /// Newton–Schulz iterations (`optimizer.ns_steps`).
