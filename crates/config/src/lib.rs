@@ -267,6 +267,12 @@ pub struct TrainingConfig {
     /// microbatch's. Each microbatch's loss, auxiliary loss included, is its own global batch's
     /// mean (as Megatron's), and the step's is their mean.
     pub micro_batch_size: usize,
+    /// Replay each step's work as CUDA graphs (one GPU only): after a first eager step, the
+    /// gradients' zeroing, a microbatch's forward and backward, and the update are each
+    /// captured once and replayed, the batch's tokens and the learning rate written to the
+    /// device before them. Off: every kernel is launched from the host each step. No effect on
+    /// a backend without graphs (the CPU).
+    pub cuda_graphs: bool,
 }
 
 impl TrainingConfig {
@@ -322,6 +328,7 @@ impl Default for TrainingConfig {
             loss_chunk_tokens: 0,
             moe_chunk_tokens: 0,
             micro_batch_size: 0,
+            cuda_graphs: false,
         }
     }
 }

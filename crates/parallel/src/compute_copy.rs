@@ -62,9 +62,9 @@ impl ComputeCopy {
         self.stale |= !written;
     }
 
-    /// The table the model reads for one step: bf16 copies (cast first if stale) and, lent
-    /// until the returned source is dropped, the other f32 masters of `masters`.
-    pub fn lend<'a>(&'a mut self, be: &dyn Backend, masters: &'a mut ParamStore) -> Lent<'a> {
+    /// Cast the copies from `masters` if they are stale: what [`Self::lend`] does first, and
+    /// what a step replayed as a CUDA graph (which holds no cast) does before it.
+    pub fn refresh(&mut self, be: &dyn Backend, masters: &ParamStore) {
         if self.stale {
             for (i, &b) in self.bf16.iter().enumerate() {
                 if b {
@@ -73,6 +73,12 @@ impl ComputeCopy {
             }
             self.stale = false;
         }
+    }
+
+    /// The table the model reads for one step: bf16 copies (cast first if stale) and, lent
+    /// until the returned source is dropped, the other f32 masters of `masters`.
+    pub fn lend<'a>(&'a mut self, be: &dyn Backend, masters: &'a mut ParamStore) -> Lent<'a> {
+        self.refresh(be, masters);
         swap_unlisted(&self.bf16, &mut self.store, masters);
         Lent {
             copy: self,

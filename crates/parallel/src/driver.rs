@@ -34,8 +34,8 @@ use ganymede_dist::{
 };
 use ganymede_model::{
     forward_backward_into, forward_loss_with, read_output, route_len, router_bias_step,
-    ExpertExecutor, Hooks, LocalExperts, LocalParams, Model, ParamSource, Pass, RowBufferUse,
-    StepOutput, Tokens, Workspace,
+    upload_tokens, Batch, ExpertExecutor, Hooks, LocalExperts, LocalParams, Model, ParamSource,
+    Pass, RowBufferUse, StepOutput, Tokens, Workspace,
 };
 use ganymede_optim::{lr_at, Optimizer};
 use std::ops::Range;
@@ -143,6 +143,10 @@ impl StepSums {
 /// is not finite, on every rank alike, which stops every rank's update.
 struct StepScalars {
     t: Tensor,
+    /// A microbatch's figures as its pass writes them (loss sum, routing figures), copied
+    /// into its slot of `t` after it: every microbatch's pass then writes the same memory,
+    /// one CUDA graph for all of them.
+    current: Tensor,
     scale: Tensor,
     /// Microbatches per step.
     k: usize,
@@ -158,17 +162,26 @@ impl StepScalars {
         let len = Self::LOSSES + k * (1 + route);
         StepScalars {
             t: be.zeros_of(&[len], DType::F64, Category::Buffers),
+            current: be.zeros_of(&[1 + route], DType::F64, Category::Buffers),
             scale: be.zeros_of(&[1], DType::F64, Category::Buffers),
             k,
             route,
         }
     }
 
-    /// Microbatch `m`'s places: its loss sum and its routing figures.
-    fn slot(&mut self, m: usize) -> (ViewMut<'_>, ViewMut<'_>) {
+    /// Where a microbatch's pass writes its loss sum and routing figures.
+    fn current(&mut self) -> (ViewMut<'_>, ViewMut<'_>) {
+        self.current.view_mut().split_at(1)
+    }
+
+    /// The figures of the microbatch just run into microbatch `m`'s places.
+    fn keep(&mut self, be: &dyn Backend, m: usize) {
         let (k, r) = (self.k, self.route);
         let (head, routes) = self.t.view_mut().split_at(Self::LOSSES + k);
-        (head.slice(Self::LOSSES + m, 1), routes.slice(m * r, r))
+        be.copy(head.slice(Self::LOSSES + m, 1), self.current.slice(0, 1));
+        if r > 0 {
+            be.copy(routes.slice(m * r, r), self.current.slice(1, r));
+        }
     }
 
     /// The squared gradient norm's place.
@@ -284,6 +297,26 @@ impl Shards {
         }
     }
 
+    /// Before a step's work, what it must not do inside a CUDA graph: the bf16 compute copies
+    /// cast if they are stale (a checkpoint load), and the update's step number and learning
+    /// rate `lr` written to the device.
+    fn begin_step(&mut self, be: &dyn Backend, lr: f64) {
+        match self {
+            Shards::Whole {
+                params,
+                opt,
+                compute,
+                ..
+            } => {
+                if let Some(c) = compute {
+                    c.refresh(be, params);
+                }
+                opt.begin_step(be, lr)
+            }
+            Shards::Fsdp { opt, .. } => opt.begin_step(be, lr),
+        }
+    }
+
     /// The optimizer update at learning rate `lr`, each gradient scaled by the clipping
     /// coefficient `coef` as the update kernels read it.
     fn update(
@@ -322,7 +355,7 @@ impl Shards {
     fn forward_backward(
         &mut self,
         c: Compute,
-        tokens: Tokens,
+        tokens: Batch,
         global: usize,
         (m, k): (usize, usize),
         tracer: &Tracer,
@@ -477,6 +510,22 @@ pub struct RankState {
     /// Routed experts: here (ep = 1) or over the ep group.
     pub experts: Box<dyn ExpertExecutor>,
     cfg: JobConfig,
+    /// Steps this state has run: the first runs eagerly under `training.cuda_graphs` (it makes
+    /// the scratch and state the graphs then reuse).
+    steps_run: usize,
+    /// The first of this state's graph keys (`ganymede_core::graph_keys`), one per
+    /// [`StepGraph`].
+    graph_keys: u64,
+}
+
+impl Drop for RankState {
+    fn drop(&mut self) {
+        if self.cfg.training.cuda_graphs {
+            for g in StepGraph::ALL {
+                self.be.forget_graph(self.graph_keys + g as u64);
+            }
+        }
+    }
 }
 
 impl RankState {
@@ -515,6 +564,7 @@ impl RankState {
             .context("ranks started with different configurations")?;
         let mesh = DeviceMesh::new(world.clone(), &cfg.parallelism)?;
         let micro = check_split(cfg, &mesh)?;
+        check_graphs(cfg, &mesh)?;
         let shared = match be {
             Some(be) => be,
             None => backend(cfg)?,
@@ -555,6 +605,8 @@ impl RankState {
             shards,
             ws,
             cfg: cfg.clone(),
+            steps_run: 0,
+            graph_keys: ganymede_core::graph_keys(StepGraph::ALL.len() as u64),
         })
     }
 
@@ -596,22 +648,30 @@ impl RankState {
         let docs = data.batch_doc_starts(step as u64, batch, seq, world.rank(), world.size());
 
         // Forward and backward per microbatch, the gradients accumulated; the figures stay on
-        // the device.
+        // the device. Then the gradient norm and clipping's coefficient on the device, which
+        // the update kernels read there: nothing is read back before the update. A norm or
+        // loss that is not finite makes the coefficient NaN, and the kernels then write
+        // nothing. Under `training.cuda_graphs`, after the first step, each of the three is a
+        // graph's replay: what changes from step to step (tokens, learning rate) is written to
+        // the device before them.
+        let graphs =
+            (self.cfg.training.cuda_graphs && self.steps_run > 0).then_some(self.graph_keys);
+        let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
+        self.shards.begin_step(be.as_ref(), lr);
         be.phase(StepPhase::Elementwise);
-        self.shards.zero_grads(self.be.as_ref());
-        let n = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer)?;
-
-        // The gradient norm and clipping's coefficient on the device, which the update kernels
-        // read there: nothing is read back before the update. A norm or loss that is not
-        // finite makes the coefficient NaN, and the kernels then write nothing.
+        let shards = &mut self.shards;
+        in_graph(be.as_ref(), graphs, StepGraph::ZeroGrads, &mut || {
+            shards.zero_grads(be.as_ref())
+        });
+        let n = self.forward_backward_microbatches(&x, &y, docs.as_deref(), &ctx.tracer, graphs)?;
         let t0 = Instant::now();
         be.phase(StepPhase::Optimizer);
-        self.global_grad_sumsq()?;
-        self.scalars
-            .set_scale(be.as_ref(), self.cfg.training.grad_clip);
-        let lr = lr_at(&self.cfg.optimizer, step, self.cfg.training.steps);
-        let scale = GradScale::Device(self.scalars.scale.view());
-        self.shards.update(be.as_ref(), &self.mesh, lr, scale)?;
+        let mut done = Ok(());
+        in_graph(be.as_ref(), graphs, StepGraph::Update, &mut || {
+            done = self.norm_and_update(lr);
+        });
+        done?;
+        self.steps_run += 1;
 
         // The step's one read (global figures), then expert parallelism's summed over ranks.
         let (sumsq, outs) = self.scalars.read(be.as_ref(), &self.model, n);
@@ -662,22 +722,36 @@ impl RankState {
         })
     }
 
+    /// The gradient norm, clipping's coefficient and the update at learning rate `lr`, all on
+    /// the device (after [`Shards::begin_step`]).
+    fn norm_and_update(&mut self, lr: f64) -> Result<()> {
+        let be = self.be.clone();
+        self.global_grad_sumsq()?;
+        self.scalars
+            .set_scale(be.as_ref(), self.cfg.training.grad_clip);
+        let scale = GradScale::Device(self.scalars.scale.view());
+        self.shards.update(be.as_ref(), &self.mesh, lr, scale)
+    }
+
     /// Gradient accumulation: forward and backward over this rank's slice (`inputs`, `targets`,
     /// `doc_starts`) in microbatches, each one's gradients its own global microbatch's mean
     /// times 1/k, added up before the one update; each one's figures stashed in
-    /// [`StepScalars`]. Returns the tokens of a global microbatch.
+    /// [`StepScalars`]. Each microbatch's tokens go to the device first, then its pass runs on
+    /// them (a graph's replay where `graphs`, the state's first graph key). Returns the tokens of a global microbatch.
     fn forward_backward_microbatches(
         &mut self,
         inputs: &[u32],
         targets: &[u32],
         doc_starts: Option<&[u32]>,
         tracer: &Tracer,
+        graphs: Option<u64>,
     ) -> Result<usize> {
         let world = self.mesh.world.size();
         let seq = self.cfg.model.seq_len;
         let micro = self.cfg.training.micro_batch(world);
         let global = world * micro * seq;
         let (mut n, k) = (global, self.scalars.k);
+        let be = self.be.clone();
         for m in 0..k {
             let rows = m * micro * seq..(m + 1) * micro * seq;
             let tokens = Tokens {
@@ -685,16 +759,23 @@ impl RankState {
                 targets: &targets[rows.clone()],
                 doc_starts: doc_starts.map(|d| &d[rows]),
             };
-            let c = Compute {
-                be: self.be.as_ref(),
-                model: &self.model,
-                ws: &mut self.ws,
-                experts: &mut *self.experts,
-            };
-            let out = self.scalars.slot(m);
-            n = self
-                .shards
-                .forward_backward(c, tokens, global, (m, k), tracer, out)?;
+            upload_tokens(be.as_ref(), &self.model, &mut self.ws, tokens, true);
+            let mut done = Ok(());
+            in_graph(be.as_ref(), graphs, StepGraph::Microbatch, &mut || {
+                let c = Compute {
+                    be: be.as_ref(),
+                    model: &self.model,
+                    ws: &mut self.ws,
+                    experts: &mut *self.experts,
+                };
+                let out = self.scalars.current();
+                let one =
+                    self.shards
+                        .forward_backward(c, Batch::Uploaded, global, (m, k), tracer, out);
+                done = one.map(|one| n = one);
+            });
+            done?;
+            self.scalars.keep(be.as_ref(), m);
         }
         Ok(n)
     }
@@ -795,6 +876,54 @@ impl RankState {
             router_bias_step(self.be.as_ref(), t, experts, load, coeff);
         }
     }
+}
+
+/// The graphs of a step under `training.cuda_graphs` (see [`RankState::step`]).
+#[derive(Clone, Copy)]
+enum StepGraph {
+    ZeroGrads = 0,
+    Microbatch = 1,
+    Update = 2,
+}
+
+impl StepGraph {
+    const ALL: [StepGraph; 3] = [
+        StepGraph::ZeroGrads,
+        StepGraph::Microbatch,
+        StepGraph::Update,
+    ];
+}
+
+/// `body` as graph `g` of the keys from `keys` on where `Some`, else run as it is (see
+/// `Memory::graph`).
+fn in_graph(be: &dyn Backend, keys: Option<u64>, g: StepGraph, body: &mut dyn FnMut()) {
+    match keys {
+        Some(k) => {
+            be.graph(k + g as u64, body);
+        }
+        None => body(),
+    }
+}
+
+/// What `training.cuda_graphs` cannot capture: collectives (more than one rank) and the
+/// offloads' copies on other streams, which wait on the host.
+fn check_graphs(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<()> {
+    if !cfg.training.cuda_graphs {
+        return Ok(());
+    }
+    let why = if mesh.world.size() > 1 {
+        format!("{} ranks (one GPU only)", mesh.world.size())
+    } else if cfg.optimizer.offload {
+        "optimizer.offload = true".into()
+    } else if cfg.activation_checkpoint.offload_fraction > 0.0 {
+        format!(
+            "activation_checkpoint.offload_fraction = {}",
+            cfg.activation_checkpoint.offload_fraction
+        )
+    } else {
+        return Ok(());
+    };
+    bail!("training.cuda_graphs = true does not go with {why}: set it to false")
 }
 
 /// The layout's checks on how the batch splits (every rank's share, whole microbatches of it);

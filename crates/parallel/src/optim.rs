@@ -197,6 +197,16 @@ impl ShardedOptimizer {
             .skip_wait(w);
     }
 
+    /// The next step's number and learning rate `lr`, into device memory ahead of its update
+    /// (see `Optimizer::begin_step`).
+    pub fn begin_step(&mut self, be: &dyn Backend, lr: f64) {
+        let rate = self
+            .rate
+            .as_mut()
+            .expect("the rate buffer is back after each step");
+        rate.begin(be, &self.cfg, &mut self.step, lr)
+    }
+
     /// One update of the shards `params` from the gradient shards `grads`; collective over the
     /// mesh when Muon is in use. With `optimizer.offload`, `params` are in host memory too, and
     /// complete when this returns. A Muon parameter's gradient shard becomes its update (Nesterov
@@ -225,13 +235,16 @@ impl ShardedOptimizer {
         lr: f64,
         grad_scale: GradScale,
     ) -> ganymede_dist::Result<()> {
-        self.step += 1;
         // Out of `self` for the step, which borrows it while `self`'s methods run.
         let mut rate = self
             .rate
             .take()
             .expect("the rate buffer is back after each step");
-        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &mut rate);
+        if !rate.take_begun() {
+            rate.begin(be, &self.cfg, &mut self.step, lr);
+            rate.take_begun();
+        }
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &rate);
         let rules = &self.rules;
         // Each shard's update; a Muon shard's gradient becomes its update (Nesterov momentum
         // in place), orthogonalised and applied below.

@@ -390,11 +390,12 @@ pub const STEP_SCALARS: f64 = 48.0;
 /// Bytes of the step's f64 scalars in a step of `k` microbatches: [`STEP_SCALARS`]; with MoE
 /// layers, each MoE layer's per-expert router probability sums and counts of routed rows (in
 /// the workspace); and the step driver's copy of each microbatch's loss sum and routing
-/// figures, read once after the update (`ganymede_parallel`'s `StepScalars`).
+/// figures, read once after the update, and the one place every microbatch's pass writes them
+/// first (`ganymede_parallel`'s `StepScalars`).
 pub fn step_scalars(m: &ganymede_config::ModelConfig, k: usize) -> f64 {
     let moe_layers = m.layers - m.dense_layers.min(m.layers);
     let route = 2 * m.experts * moe_layers;
-    STEP_SCALARS + (8 * route + 8 * k * (1 + route)) as f64
+    STEP_SCALARS + (8 * route + 8 * (k + 1) * (1 + route)) as f64
 }
 
 /// [`ganymede_config::moe_rows`] for `n` of a rank's tokens, as f64.
