@@ -10,6 +10,7 @@
 //! another stream is freed on the compute stream only after that stream's work so far.
 
 mod blas;
+mod graphs;
 mod launcher;
 mod memory;
 pub mod nvrtc;
@@ -105,6 +106,8 @@ fn ok<T>(r: Result<T, DriverError>, what: &str) -> T {
 /// The four CUDA streams, indexed by [`Stream::index`].
 pub struct Streams {
     streams: [Arc<CudaStream>; 4],
+    /// What a graph's capture on the compute stream holds while it runs (see `graphs`).
+    capture: Mutex<Option<graphs::Capture>>,
 }
 
 impl Streams {
@@ -156,6 +159,10 @@ pub struct Inner {
     bf16_scratch: Mutex<[ganymede_core::CastSlot; 2]>,
     /// The step's phase clock: events on the compute stream (see `phases`).
     phases: Mutex<ganymede_core::phase::PhaseClock<cudarc::driver::CudaEvent>>,
+    /// CUDA graphs by key, with what each keeps alive (see `graphs`).
+    graphs: Mutex<HashMap<u64, graphs::Captured>>,
+    /// cuBLAS's workspace, set once (a graph's capture cannot let cuBLAS allocate its own).
+    _blas_workspace: Option<cudarc::driver::CudaSlice<u8>>,
 }
 
 impl Drop for Inner {
@@ -197,6 +204,7 @@ impl CudaBackend {
             Some(s) => s,
             None => Arc::new(Streams {
                 streams: [mk()?, mk()?, mk()?, mk()?],
+                capture: Mutex::default(),
             }),
         };
         let blas = CudaBlas::new(streams.get(Stream::Compute).clone()).map_err(|e| {
@@ -206,6 +214,7 @@ impl CudaBackend {
             }
         })?;
         keep_freed_memory(&ctx);
+        let blas_workspace = graphs::set_blas_workspace(&blas, streams.get(Stream::Compute))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(driver("compute capability"))?;
@@ -244,6 +253,8 @@ impl CudaBackend {
             staging: Mutex::new(staging::Staging::default()),
             bf16_scratch: Mutex::default(),
             phases: Mutex::default(),
+            graphs: Mutex::default(),
+            _blas_workspace: blas_workspace,
         })))
     }
 

@@ -125,6 +125,10 @@ impl Launcher for CudaLauncher {
             .zeros_of(&[bytes.div_ceil(8)], DType::F64, Category::Buffers)
     }
     unsafe fn upload(&self, dst: *mut c_void, src: &[u8]) {
+        if self.be.streams.capturing() {
+            // A capture cannot copy from pageable memory: from pinned memory the graph keeps.
+            return self.be.stage_in_capture(dst as u64, src);
+        }
         self.copy_bytes(dst as u64, src.as_ptr() as u64, src.len());
     }
     unsafe fn download(&self, dst: &mut [u8], src: *mut c_void) {

@@ -46,7 +46,8 @@ fn bind_for_drop(ctx: &CudaContext) {
 
 /// Device memory: `len` elements of `dtype`, allocated (and freed) on the compute stream.
 pub struct DeviceMemory {
-    _slice: CudaSlice<u8>,
+    /// None only once a graph's capture has taken it (see `Drop`).
+    slice: Option<CudaSlice<u8>>,
     pub addr: u64,
     dtype: DType,
     len: usize,
@@ -57,6 +58,13 @@ pub struct DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
+        // Let go inside a graph's capture: the graph keeps it (see `Streams::keep`).
+        if let Some(slice) = self.slice.take() {
+            match self.streams.keep(self.addr, slice) {
+                Some(slice) => self.slice = Some(slice),
+                None => return,
+            }
+        }
         // Stream-ordered free: the slice is freed on the compute stream (cudarc's drop), so make
         // compute wait for the other streams that used it, as far as they have been issued.
         let compute = self.streams.get(Stream::Compute);
@@ -93,7 +101,8 @@ impl DeviceBuffer for DeviceMemory {
 /// Page-locked host memory (not write-combined: the CPU reads it), the end of asynchronous
 /// copies to and from the device.
 pub struct PinnedMemory {
-    _slice: PinnedHostSlice<u8>,
+    /// None only once a graph's capture has taken it (see `Drop`).
+    slice: Option<PinnedHostSlice<u8>>,
     ptr: *mut u8,
     dtype: DType,
     len: usize,
@@ -101,13 +110,20 @@ pub struct PinnedMemory {
     streams: Arc<Streams>,
 }
 
-// SAFETY: `ptr` points into `_slice`'s allocation, which lives as long as this value; access is
+// SAFETY: `ptr` points into `slice`'s allocation, which lives as long as this value; access is
 // ordered by the seam's events like any other memory of the backend.
 unsafe impl Send for PinnedMemory {}
 unsafe impl Sync for PinnedMemory {}
 
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
+        // Let go inside a graph's capture: the graph keeps it, as it may copy from it.
+        if let Some(slice) = self.slice.take() {
+            match self.streams.keep_pinned(slice) {
+                Some(slice) => self.slice = Some(slice),
+                None => return,
+            }
+        }
         // Host memory cannot be freed in stream order: wait for the streams that copied it.
         bind_for_drop(self.streams.get(Stream::Compute).context());
         for s in Stream::ALL {
@@ -237,8 +253,9 @@ impl CudaBackend {
         let (addr, _) = slice.device_ptr(compute);
         // SAFETY: `addr` is this allocation, `bytes` within it.
         unsafe { sys::cuMemsetD8Async(addr, 0, bytes, compute.cu_stream()) }.result()?;
+        self.streams.allocated(addr);
         Ok(DeviceMemory {
-            _slice: slice,
+            slice: Some(slice),
             addr,
             dtype,
             len,
@@ -311,6 +328,10 @@ impl CudaBackend {
     }
 
     pub(super) fn sync_compute(&self) {
+        self.streams.refuse_in_capture(
+            "a host wait for the compute stream (a read, or a write not staged; the experts' \
+             GEMMs read their row counts back unless GANYMEDE_CUDA_GROUPED=kernel)",
+        );
         ok(self.compute().synchronize(), "synchronize");
     }
 
@@ -469,8 +490,9 @@ impl Memory for CudaBackend {
                 DType::BF16 => sys::cuMemsetD16Async(p.addr, bf16::from_f32(value), p.len, s),
                 DType::F64 if value == 0.0 => sys::cuMemsetD8Async(p.addr, 0, p.bytes, s),
                 DType::F64 => {
+                    // Staged: no host wait (and a graph may hold it, the value being its own).
                     let v = vec![f64::from(value); p.len];
-                    self.write_raw(&mut dst, &v, DType::F64);
+                    self.write_raw_staged(&mut dst, &v, DType::F64, true);
                     sys::CUresult::CUDA_SUCCESS
                 }
                 DType::U32 => sys::cuMemsetD32Async(p.addr, value as u32, p.len, s),
@@ -479,6 +501,7 @@ impl Memory for CudaBackend {
         ok(r.result(), "fill");
     }
     fn synchronize(&self) {
+        self.streams.refuse_in_capture("a host wait (synchronize)");
         ok(self.ctx.synchronize(), "synchronize");
     }
     fn pinned_zeros(&self, shape: &[usize], category: Category) -> Tensor {
@@ -497,7 +520,7 @@ impl Memory for CudaBackend {
         // SAFETY: `bytes` bytes were just allocated at `ptr`.
         unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
         let m = PinnedMemory {
-            _slice: slice,
+            slice: Some(slice),
             ptr,
             dtype,
             len,
@@ -586,6 +609,8 @@ impl Memory for CudaBackend {
         );
     }
     fn synchronize_event(&self, event: &Event) {
+        self.streams
+            .refuse_in_capture("a host wait (synchronize_event)");
         ok(seam_event(event).0.synchronize(), "event synchronize");
     }
     fn query_event(&self, event: &Event) -> bool {
@@ -606,6 +631,12 @@ impl Memory for CudaBackend {
     }
     fn take_phase_times(&self) -> Option<PhaseTimes> {
         CudaBackend::take_phase_times(self)
+    }
+    fn graph(&self, key: u64, body: &mut dyn FnMut()) -> ganymede_core::GraphRun {
+        CudaBackend::graph(self, key, body)
+    }
+    fn forget_graph(&self, key: u64) {
+        CudaBackend::forget_graph(self, key)
     }
 }
 

@@ -41,6 +41,10 @@ impl CudaBackend {
             .start(&StreamEvents(self.stream(Stream::Compute)))
     }
     pub(super) fn phase(&self, p: StepPhase) -> Option<StepPhase> {
+        if self.streams.capturing() {
+            // A graph's capture: its time is the phase's that launches it.
+            return None;
+        }
         self.phase_clock()
             .mark(&StreamEvents(self.stream(Stream::Compute)), p)
     }

@@ -50,6 +50,10 @@ impl CudaBackend {
         if src.is_empty() {
             return true;
         }
+        if self.streams.capturing() {
+            self.stage_in_capture(dst.addr, src);
+            return true;
+        }
         let mut ring = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let i = ring.next;
         ring.next = (i + 1) % SLOTS;
@@ -89,6 +93,31 @@ impl CudaBackend {
         );
         slot.copied = Some(ok(self.compute().record_event(None), "staged write"));
         true
+    }
+}
+
+impl CudaBackend {
+    /// A staged write inside a graph's capture: from pinned memory of its own, which the graph
+    /// keeps and copies from at every replay, so the bytes are the ones written now (a write
+    /// that changes from step to step belongs before the graph). No ring slot: a replay must
+    /// not read a slot rewritten since.
+    /// `dst` is a device address with room for `src`.
+    pub(super) fn stage_in_capture(&self, dst: u64, src: &[u8]) {
+        let words = src.len().div_ceil(4);
+        let host = self.pinned_zeros_of(&[words], DType::U32, Category::Buffers);
+        let at = super::memory::place(&host.view());
+        // SAFETY: `host` holds at least `src.len()` bytes, and nothing reads it yet.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at.addr as *mut u8, src.len()) };
+        let dst = Place {
+            addr: dst,
+            bytes: src.len(),
+            dtype: DType::F32,
+            len: src.len(),
+            uses: None,
+            on_device: true,
+        };
+        self.memcpy(&dst, &in_bytes(&at, src.len()), Stream::Compute);
+        self.streams.hold(host);
     }
 }
 
