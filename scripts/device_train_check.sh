@@ -317,6 +317,9 @@ if [ $use_fallback = 0 ]; then
     (
         export GANYMEDE_CUDA_GROUPED=kernel
         speed medium-adamw-grouped-kernel 90 8 --set optimizer.name=adamw
+        # The same step replayed as CUDA graphs (training.cuda_graphs), which needs the
+        # experts' rows on the device (no read-back inside a graph).
+        speed medium-adamw-graphs 90 8 --set optimizer.name=adamw --set training.cuda_graphs=true
     )
     "$py" - "$runs" >>"$md" <<'EOF'
 import os, sys
@@ -326,9 +329,13 @@ def tps(n):
     except (OSError, ValueError):
         return None
 a, k = tps("medium-adamw"), tps("medium-adamw-grouped-kernel")
+g = tps("medium-adamw-graphs")
 if a and k:
     print(f"- experts on gemm.cu's kernel (device offsets, no read-back) / the library's grouped "
           f"GEMM: **{k / a:.3f}x** tokens/s (AdamW, medium)")
+if k and g:
+    print(f"- the step as CUDA graphs / launched from the host, both on gemm.cu's expert kernel: "
+          f"**{g / k:.3f}x** tokens/s (AdamW, medium)")
 EOF
 fi
 # Where medium's GPU time goes, op by op (3 AdamW steps, the first one's allocations included;

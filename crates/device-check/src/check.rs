@@ -86,6 +86,10 @@ const SECTIONS: &[(&str, Section)] = &[
         crate::reads::gpu_step_reads,
     ),
     (
+        "Training steps replayed as CUDA graphs against eager ones, bit for bit",
+        crate::graphs::gpu_graph_replay,
+    ),
+    (
         "NCCL group at world size 1: the conformance suite",
         ganymede_dist::nccl::conformance_world1,
     ),

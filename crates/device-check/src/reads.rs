@@ -31,8 +31,13 @@ const LOSS_TOL: f64 = 1e-3;
 /// Newton–Schulz as a GPU runs it (bf16 products, matrices in batches; `auto` picks these on a
 /// GPU), so that the host build, too, runs Muon's matrices one after another, in the order a
 /// GPU launches them (on the CPU's threads they would interleave).
-fn job(optimizer: &str) -> Result<JobConfig, String> {
-    let sets = [
+pub(crate) fn job(optimizer: &str) -> Result<JobConfig, String> {
+    job_with(optimizer, &[])
+}
+
+/// [`job`] with more `--set`s.
+pub(crate) fn job_with(optimizer: &str, more: &[&str]) -> Result<JobConfig, String> {
+    let mut sets = vec![
         "optimizer.ns_dtype=bf16".into(),
         "optimizer.ns_batch=on".into(),
         format!("training.steps={STEPS}"),
@@ -43,6 +48,7 @@ fn job(optimizer: &str) -> Result<JobConfig, String> {
         "checkpoint.enable=false".into(),
         format!("optimizer.name={optimizer}"),
     ];
+    sets.extend(more.iter().map(|s| s.to_string()));
     let cfg = JobConfig::load(Some("tiny"), None, &sets).map_err(|e| e.to_string())?;
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)

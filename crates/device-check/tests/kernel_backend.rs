@@ -693,3 +693,37 @@ fn a_kernel_training_step_reads_nothing_before_its_update() {
     let e = step_reads(kernels(false)).expect_err("the counts' reads passed");
     assert!(e.contains("reads before an update"), "{e}");
 }
+
+/// Training steps replayed as CUDA graphs give the bits of eager ones (the device check's
+/// section, `ganymede_device_check::graphs`): on the host build every later run of a graph's
+/// body is held to its first run's host writes, so the tokens and the learning rate must reach
+/// the device before the graphs.
+#[test]
+fn training_steps_as_graphs_give_the_bits_of_eager_ones() {
+    use ganymede_device_check::graphs::graph_replay;
+    let kernels = || {
+        let tuning = Tuning {
+            grouped_tc: true,
+            attn_tc: true,
+            ..small()
+        };
+        kernels_on(CpuBackend::new(Arc::new(Ledger::new())), tuning)
+    };
+    let md = graph_replay(kernels).unwrap_or_else(|e| panic!("{e}"));
+    println!("{md}");
+    assert_eq!(md.matches("| yes |").count(), 2 * 3, "{md}");
+    assert_eq!(md.matches("3 graphs captured").count(), 2, "{md}");
+    assert_eq!(md.matches("5 replays").count(), 2, "{md}");
+}
+
+/// The same on the CPU backend, quicker: and a step that wrote its learning rate inside the
+/// update's graph, where a replay would keep the captured one, fails (the rate changes every
+/// step of the warm-up).
+#[test]
+fn cpu_training_steps_as_graphs_give_the_bits_of_eager_ones() {
+    use ganymede_device_check::graphs::graph_replay;
+    let md =
+        graph_replay(|| CpuBackend::new(Arc::new(Ledger::new()))).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(md.matches("| yes |").count(), 2 * 3, "{md}");
+    assert_eq!(md.matches("5 replays").count(), 2, "{md}");
+}
