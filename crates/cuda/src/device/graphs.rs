@@ -6,8 +6,9 @@
 //!   (`staging::stage_in_capture`): a replay copies the captured bytes;
 //! - device memory allocated before the capture and let go inside it is kept with the graph
 //!   (the graph still uses it); memory allocated inside it is the graph's own (allocation
-//!   nodes), freed inside it or, if kept, at the graph's next launch
-//!   (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`);
+//!   nodes) and must be freed inside it: the graph frees its allocations at its next launch
+//!   (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`), so one that outlived the body would
+//!   be freed under its owner, and the capture panics instead;
 //! - a host wait panics (a read, a blocking write, `synchronize`): a capture cannot hold one;
 //! - phase marks are skipped: the graph is timed as one piece, under the phase that launches it.
 //!
@@ -31,7 +32,7 @@ const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// What a capture holds while it runs, then its graph for as long as the graph lives.
 #[derive(Default)]
 pub(super) struct Capture {
-    /// Device addresses allocated inside the capture: the graph's own.
+    /// Device addresses allocated inside the capture and not freed there: the graph's own.
     allocated: HashSet<u64>,
     /// Device memory from before the capture that its body let go: the graph still reads or
     /// writes it.
@@ -77,13 +78,16 @@ impl Streams {
     /// `slice` (at `addr`) is let go: kept by the capture that runs if it is older than the
     /// capture (`None`), else handed back to be freed (in stream order: inside the graph).
     pub(super) fn keep(&self, addr: u64, slice: CudaSlice<u8>) -> Option<CudaSlice<u8>> {
-        match self.lock_capture().as_mut() {
-            Some(c) if !c.allocated.contains(&addr) => {
-                c.kept.push(slice);
-                None
-            }
-            _ => Some(slice),
+        let mut capture = self.lock_capture();
+        let Some(c) = capture.as_mut() else {
+            return Some(slice);
+        };
+        if c.allocated.remove(&addr) {
+            // The graph's own, freed inside it (a free node).
+            return Some(slice);
         }
+        c.kept.push(slice);
+        None
     }
     /// Pinned memory let go: kept by the capture that runs (`None`), else handed back.
     pub(super) fn keep_pinned(&self, slice: PinnedHostSlice<u8>) -> Option<PinnedHostSlice<u8>> {
@@ -164,6 +168,15 @@ impl CudaBackend {
         if let Err(p) = ran {
             resume_unwind(p);
         }
+        // The graph frees its allocations at its next launch: one that outlives the body
+        // would be freed under its owner.
+        let outliving = holds.allocated.len();
+        assert!(
+            outliving == 0,
+            "graph {key}: its body made {outliving} device buffer(s) that outlive it, which a \
+             replay would free: they must be made before the graph (training.cuda_graphs = \
+             false runs the step without graphs)"
+        );
         let graph = ok(graph, &format!("capturing graph {key}"));
         if let Some(g) = &graph {
             ok(g.launch(), "graph launch");
