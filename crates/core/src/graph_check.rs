@@ -15,7 +15,7 @@ use crate::backend::{Backend, Blas, GraphRun, Memory, NnOps, OptimOps};
 use crate::ledger::Category;
 use crate::stream::Event;
 use crate::tensor::{DType, Tensor, View, ViewMut};
-use crate::{forward_blas, forward_memory, forward_nn_ops, forward_optim_ops, MemoryError};
+use crate::{forward_all_optim_ops, forward_blas, forward_memory, forward_nn_kernels, MemoryError};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -318,22 +318,11 @@ impl<B: Backend> NnOps for GraphCheck<B> {
     fn experts_on_device(&self, bf16_inputs: bool) -> bool {
         self.inner.experts_on_device(bf16_inputs)
     }
-    forward_nn_ops!(inner:
-        embedding_forward, embedding_backward, rmsnorm_forward, rmsnorm_backward,
-        head_norm_rope_forward, head_norm_rope_backward, attention_forward, attention_backward,
-        swiglu_forward, swiglu_backward, router_forward, router_backward, moe_dispatch,
-        moe_gather, moe_gather_backward, moe_combine, moe_combine_backward,
-        cross_entropy_forward, cross_entropy_backward, head_norm_rope_forward_docs,
-        head_norm_rope_backward_docs, attention_forward_docs, attention_backward_docs,
-    );
+    forward_nn_kernels!(inner);
 }
 
 impl<B: Backend> OptimOps for GraphCheck<B> {
-    forward_optim_ops!(inner:
-        adamw_step, adamw_step_many, nesterov_momentum, normalize_frobenius,
-        normalize_frobenius_strided, normalizes_into_bf16, normalize_frobenius_strided_bf16,
-        decay_update, step_scale,
-    );
+    forward_all_optim_ops!(inner);
 }
 
 #[cfg(test)]

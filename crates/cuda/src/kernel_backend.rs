@@ -172,22 +172,11 @@ impl<L: Launcher, D: Memory + Gemms> NnOps for KernelBackend<L, D> {
         // gemm.cu's kernel rounds its operands to bf16, so f32 GEMMs take the library's.
         self.ops.tuning().grouped_tc && bf16_inputs
     }
-    ganymede_core::forward_nn_ops!(ops:
-        embedding_forward, embedding_backward, rmsnorm_forward, rmsnorm_backward,
-        head_norm_rope_forward, head_norm_rope_backward, attention_forward, attention_backward,
-        swiglu_forward, swiglu_backward, router_forward, router_backward, moe_dispatch,
-        moe_gather, moe_gather_backward, moe_combine, moe_combine_backward,
-        cross_entropy_forward, cross_entropy_backward, head_norm_rope_forward_docs,
-        head_norm_rope_backward_docs, attention_forward_docs, attention_backward_docs,
-    );
+    ganymede_core::forward_nn_kernels!(ops);
 }
 
 impl<L: Launcher, D: Memory + Gemms> OptimOps for KernelBackend<L, D> {
-    ganymede_core::forward_optim_ops!(ops:
-        adamw_step, adamw_step_many, nesterov_momentum, normalize_frobenius,
-        normalize_frobenius_strided,
-        normalizes_into_bf16, normalize_frobenius_strided_bf16, decay_update, step_scale,
-    );
+    ganymede_core::forward_all_optim_ops!(ops);
 }
 
 #[cfg(test)]

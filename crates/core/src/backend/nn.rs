@@ -478,3 +478,19 @@ macro_rules! forward_nn_ops {
         }
     };
 }
+
+/// Every kernel op of [`NnOps`] (all but the GEMMs and `experts_on_device`) forwarded to a field
+/// with [`crate::forward_nn_ops`]: for a wrapper that changes none of them.
+#[macro_export]
+macro_rules! forward_nn_kernels {
+    ($t:ident) => {
+        $crate::forward_nn_ops!($t:
+            embedding_forward, embedding_backward, rmsnorm_forward, rmsnorm_backward,
+            head_norm_rope_forward, head_norm_rope_backward, attention_forward,
+            attention_backward, swiglu_forward, swiglu_backward, router_forward, router_backward,
+            moe_dispatch, moe_gather, moe_gather_backward, moe_combine, moe_combine_backward,
+            cross_entropy_forward, cross_entropy_backward, head_norm_rope_forward_docs,
+            head_norm_rope_backward_docs, attention_forward_docs, attention_backward_docs,
+        );
+    };
+}

@@ -324,3 +324,15 @@ macro_rules! forward_optim_ops {
         }
     };
 }
+
+/// All of [`OptimOps`] forwarded to a field with [`crate::forward_optim_ops`].
+#[macro_export]
+macro_rules! forward_all_optim_ops {
+    ($t:ident) => {
+        $crate::forward_optim_ops!($t:
+            adamw_step, adamw_step_many, nesterov_momentum, normalize_frobenius,
+            normalize_frobenius_strided, normalizes_into_bf16, normalize_frobenius_strided_bf16,
+            decay_update, step_scale,
+        );
+    };
+}
