@@ -13,7 +13,7 @@ bin_bytes=$(stat -c %s "$bin")
 # Tracked and untracked-but-not-ignored files travel too.
 tree_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 # TorchTitan's wheels (scripts/fetch_wheelhouse.sh) travel too, in the carry list.
-wheel_bytes=$(du -cb bench/wheelhouse/*.whl 2>/dev/null | tail -1 | cut -f1)
+wheel_bytes=$(du -cb bench/wheelhouse/*.whl 2>/dev/null | tail -1 | cut -f1 || true)
 wheel_bytes=${wheel_bytes:-0}
 total=$((bin_bytes + tree_bytes + wheel_bytes))
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }

@@ -523,11 +523,8 @@ impl Optimizer {
         rounded: Option<&mut ParamStore>,
     ) {
         self.check(params, grads);
-        if !self.rate.take_begun() {
-            self.rate.begin(be, &self.cfg, &mut self.step, lr);
-            self.rate.take_begun();
-        }
-        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &self.rate);
+        let rate = self.rate.for_update(be, &self.cfg, &mut self.step, lr);
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, rate);
         let (rules, matrices) = (&self.rules, &mut self.matrices);
         let (ps, gs) = (params.tensors_mut(), grads.tensors());
         if let Some(staging) = &mut self.staging {

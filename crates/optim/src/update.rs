@@ -128,33 +128,42 @@ pub type UpdateOf<'a, 'r, G> = (
 /// (issue 32).
 pub struct RateBuffer {
     t: Tensor,
-    /// The step whose rate [`Self::begin`] wrote and no update has used yet.
-    begun: Option<u64>,
+    /// A step was begun ([`Self::begin`]) and no update has used it yet.
+    begun: bool,
 }
 
 impl RateBuffer {
     pub fn new(be: &dyn Backend) -> Self {
         RateBuffer {
             t: be.zeros_of(&[3], DType::F64, Category::Buffers),
-            begun: None,
+            begun: false,
         }
     }
     /// Step `*step + 1`'s number into `step` and its rate (learning rate `lr`, bias corrections
     /// under `cfg`) into device memory, a write stream-ordered after the previous step's
-    /// kernels that read it: what an optimizer does before the update kernels of a step, or,
-    /// earlier, before a graph that replays them ([`Self::take_begun`]).
+    /// kernels that read it: ahead of the update, which may then be a graph's replay. A
+    /// replay never takes the step ([`Self::for_update`]), so this overwrites an untaken one.
     pub fn begin(&mut self, be: &dyn Backend, cfg: &OptimizerConfig, step: &mut u64, lr: f64) {
         *step += 1;
         let t = *step as i32;
         let consts = AdamWStep::at_step(lr, (cfg.beta1, cfg.beta2), cfg.eps, 0.0, t);
         be.write_f64(self.t.view_mut(), &consts.rate_values());
-        self.begun = Some(*step);
+        self.begun = true;
     }
-    /// Whether a step was begun ahead of its update (and is now taken): the update then
-    /// neither counts it nor writes its rate again. A graph's replay never takes it, so
-    /// [`Self::begin`] overwrites an untaken one.
-    pub fn take_begun(&mut self) -> bool {
-        self.begun.take().is_some()
+    /// What an update's kernels read: the step begun ahead of it, or else one begun now (an
+    /// update called on its own).
+    pub fn for_update(
+        &mut self,
+        be: &dyn Backend,
+        cfg: &OptimizerConfig,
+        step: &mut u64,
+        lr: f64,
+    ) -> &Self {
+        if !std::mem::take(&mut self.begun) {
+            self.begin(be, cfg, step, lr);
+            self.begun = false;
+        }
+        self
     }
     /// What [`Self::begin`] wrote, for [`Step::rate`].
     fn get(&self) -> DeviceRate<'_> {

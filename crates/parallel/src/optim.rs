@@ -240,11 +240,8 @@ impl ShardedOptimizer {
             .rate
             .take()
             .expect("the rate buffer is back after each step");
-        if !rate.take_begun() {
-            rate.begin(be, &self.cfg, &mut self.step, lr);
-            rate.take_begun();
-        }
-        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, &rate);
+        let rate_now = rate.for_update(be, &self.cfg, &mut self.step, lr);
+        let s = Step::new(be, &self.cfg, self.step, lr, grad_scale, rate_now);
         let rules = &self.rules;
         // Each shard's update; a Muon shard's gradient becomes its update (Nesterov momentum
         // in place), orthogonalised and applied below.
