@@ -387,6 +387,30 @@ pub struct OptimizerConfig {
     pub ns_dtype: NsDtype,
     /// Whether expert stacks' Newton–Schulz runs as strided batches (see [`NsBatch`]).
     pub ns_batch: NsBatch,
+    /// Newton–Schulz's polynomial at each iteration (see [`NsCoefficients`]).
+    pub ns_coefficients: NsCoefficients,
+}
+
+/// The odd quintic each Newton–Schulz iteration applies to the singular values
+/// (`optimizer.ns_coefficients`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NsCoefficients {
+    /// One quintic every iteration, Keller Jordan's (3.4445, −4.7750, 2.0315): fast growth of
+    /// small singular values, which end in roughly [0.7, 1.2].
+    #[default]
+    Muon,
+    /// Polar Express (Amsel et al., arXiv 2505.16932): each iteration's quintic the best one
+    /// for the interval the singular values are in by then, from [0.001, 1], so they converge
+    /// to 1 (within 0.12 after five iterations, 0.001 after six).
+    PolarExpress,
+}
+
+impl<'de> Deserialize<'de> for NsCoefficients {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let choices = [("muon", Self::Muon), ("polar_express", Self::PolarExpress)];
+        one_of(d, "optimizer.ns_coefficients", &choices)
+    }
 }
 
 /// Whether Muon orthogonalises an expert stack (on several ranks, the experts a rank owns of
@@ -539,6 +563,7 @@ impl Default for OptimizerConfig {
             offload: false,
             ns_dtype: NsDtype::Auto,
             ns_batch: NsBatch::Auto,
+            ns_coefficients: NsCoefficients::Muon,
         }
     }
 }

@@ -761,7 +761,7 @@ fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
     use ganymede_cuda::device::CudaLauncher;
     use ganymede_cuda::kernel_backend::KernelBackend;
     use ganymede_cuda::ops::{KernelOps, Tuning};
-    use ganymede_optim::{newton_schulz, newton_schulz_strided, NsScratch};
+    use ganymede_optim::{newton_schulz, newton_schulz_strided, NsScratch, NsSteps};
     let tuning = Tuning::for_device(be.compute_major())?;
     let full = KernelBackend::new(
         KernelOps::with_tuning(CudaLauncher::new(be.clone()), tuning),
@@ -777,12 +777,29 @@ fn newton_schulz_stack(be: &CudaBackend) -> Result<String, String> {
     let mut per_matrix = |t: &mut Tensor| {
         be.copy(t.view_mut(), g.view());
         for e in 0..count {
-            newton_schulz(&full, t.slice_mut(e * n, n), rows, cols, 5, true, &mut sc1);
+            newton_schulz(
+                &full,
+                t.slice_mut(e * n, n),
+                rows,
+                cols,
+                NsSteps::muon(5),
+                true,
+                &mut sc1,
+            );
         }
     };
     let mut strided = |t: &mut Tensor| {
         be.copy(t.view_mut(), g.view());
-        newton_schulz_strided(&full, t.view_mut(), count, rows, cols, 5, true, &mut scb);
+        newton_schulz_strided(
+            &full,
+            t.view_mut(),
+            count,
+            rows,
+            cols,
+            NsSteps::muon(5),
+            true,
+            &mut scb,
+        );
     };
     // Warm-up (the cast scratch grows), then timed by events.
     per_matrix(&mut one);

@@ -564,7 +564,22 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
     for (r, c) in [(24usize, 40usize), (40, 24), (16, 16), (1, 9)] {
         let n = r * c;
         let g = ganymede_core::sample::Lcg::new(5).values(count * n, 1.0);
-        for (bf16, steps) in [(true, 5), (true, 2), (true, 0), (false, 5)] {
+        // The last case takes Polar Express's quintics, a different one each step.
+        let cases = [
+            (true, 5, false),
+            (true, 2, false),
+            (true, 0, false),
+            (false, 5, false),
+        ];
+        for (bf16, steps, polar) in cases.into_iter().chain([(true, 5, true)]) {
+            let coefficients = match polar {
+                true => ganymede_config::NsCoefficients::PolarExpress,
+                false => ganymede_config::NsCoefficients::Muon,
+            };
+            let ns = ganymede_optim::NsSteps {
+                n: steps,
+                coefficients,
+            };
             let run = |be: &dyn Backend| {
                 let mut t = be.upload(&g, &[count, r, c], Category::Params);
                 let mut scratch =
@@ -576,7 +591,7 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
                     count,
                     r,
                     c,
-                    steps,
+                    ns,
                     bf16,
                     &mut scratch,
                 );
@@ -588,7 +603,7 @@ fn newton_schulz_in_bf16_starts_from_the_normalisations_bf16_copy() {
             let names: Vec<&str> = launched.take().iter().map(|l| l.kernel).collect();
             let fused = names.contains(&"scale_by_inv_norm_strided_f32_to_bf16");
             let in_place = names.contains(&"scale_by_inv_norm_strided_f32");
-            let case = format!("{r}x{c}, bf16 {bf16}, {steps} steps");
+            let case = format!("{r}x{c}, bf16 {bf16}, {ns:?}");
             assert_eq!(
                 (fused, in_place),
                 (bf16 && steps > 0, !(bf16 && steps > 0)),

@@ -7,7 +7,7 @@
 use ganymede_config::{OptimizerConfig, OptimizerName};
 use ganymede_core::sample::median;
 use ganymede_core::{Backend, Category, CpuBackend, Memory, ParamKind, ParamSpec, ParamStore};
-use ganymede_optim::{newton_schulz, ns_flops, NsScratch, Optimizer};
+use ganymede_optim::{newton_schulz, ns_flops, NsScratch, NsSteps, Optimizer};
 use std::time::Instant;
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
@@ -144,7 +144,15 @@ fn main() {
             3.0,
             &mut [&mut || {
                 be.write(x.view_mut(), &g);
-                newton_schulz(dynbe, x.view_mut(), r, c, 5, false, &mut scratch);
+                newton_schulz(
+                    dynbe,
+                    x.view_mut(),
+                    r,
+                    c,
+                    NsSteps::muon(5),
+                    false,
+                    &mut scratch,
+                );
             }],
         )
         .remove(0);

@@ -30,8 +30,9 @@ mod update;
 
 pub use clip::{clip_coef, clip_grad_norm, global_norm};
 pub use ns::{
-    newton_schulz, newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops, ns_lanes,
-    ns_shifted, NsScratch, NS_COEFFS, NS_EPS,
+    minimax_quintic, newton_schulz, newton_schulz_batch, newton_schulz_strided, ns_bf16, ns_flops,
+    ns_lanes, ns_shifted, ns_shifted_of, polar_express, NsScratch, NsSteps, Quintic, NS_COEFFS,
+    NS_EPS, POLAR_EXPRESS_LOW,
 };
 pub use ns_timing::{ns_timings, ns_timings_markdown, NsTiming};
 pub use offload::{SkipWait, Staging};

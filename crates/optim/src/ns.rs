@@ -4,13 +4,160 @@
 //! a device backend runs it where the matrix lives with no host round trip. `X·Xᵀ` and `A·A` are
 //! symmetric, so they go through the backend's symmetric product (`Blas::syrk`), which on the
 //! CPU does about half of their multiply-adds.
+//!
+//! Each iteration's quintic is [`NsSteps::coeffs`]'s: Muon's one quintic every time, or Polar
+//! Express's list ([`polar_express`]), each the minimax quintic for the interval the singular
+//! values are in by then, which takes them to 1 rather than into a band.
 
+use ganymede_config::NsCoefficients;
 use ganymede_core::{Backend, Category, DType, Gemm, Syrk, Tensor, View, ViewMut};
 use rayon::prelude::*;
 
 /// Coefficients of the quintic `p(σ) = a·σ + b·σ³ + c·σ⁵` (Keller Jordan's tuning: steep at 0,
 /// so small singular values grow fast, at the price of not converging to exactly 1).
 pub const NS_COEFFS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
+
+/// How many Newton–Schulz iterations, and the quintic of each (`optimizer.ns_steps`,
+/// `optimizer.ns_coefficients`). A bare count is that many of Muon's ([`NS_COEFFS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NsSteps {
+    pub n: usize,
+    pub coefficients: NsCoefficients,
+}
+
+impl NsSteps {
+    /// `n` iterations of Muon's quintic.
+    pub const fn muon(n: usize) -> Self {
+        NsSteps {
+            n,
+            coefficients: NsCoefficients::Muon,
+        }
+    }
+    /// The optimizer's (`optimizer.ns_steps`, `optimizer.ns_coefficients`).
+    pub fn of(cfg: &ganymede_config::OptimizerConfig) -> Self {
+        NsSteps {
+            n: cfg.ns_steps,
+            coefficients: cfg.ns_coefficients,
+        }
+    }
+    /// Iteration `i`'s `(a, b, c)`: `p(σ) = a·σ + b·σ³ + c·σ⁵`.
+    pub fn coeffs(&self, i: usize) -> Quintic {
+        match self.coefficients {
+            NsCoefficients::Muon => NS_COEFFS,
+            NsCoefficients::PolarExpress => {
+                let pe = polar_express();
+                pe[i.min(pe.len() - 1)].0
+            }
+        }
+    }
+}
+
+impl From<usize> for NsSteps {
+    fn from(n: usize) -> Self {
+        NsSteps::muon(n)
+    }
+}
+
+/// An odd quintic's `(a, b, c)`: `p(x) = a·x + b·x³ + c·x⁵`.
+pub type Quintic = (f64, f64, f64);
+
+/// The lower end of the singular values Polar Express is made for, relative to the Frobenius
+/// norm that divides the matrix first (which bounds the largest by 1).
+pub const POLAR_EXPRESS_LOW: f64 = 1e-3;
+
+/// Polar Express's quintics (Amsel, Persson, Musco, Gower, arXiv 2505.16932), each with the
+/// interval's worst error: the odd quintic closest to 1 in the maximum norm on `[ℓ, u]`
+/// ([`minimax_quintic`]), from `[`[`POLAR_EXPRESS_LOW`]`, 1]`; the singular values then lie in
+/// `[1 − E, 1 + E]`, the next iteration's interval. The list ends at the first `E` below 10⁻⁶
+/// (the seventh); later iterations repeat it. Computed once, in f64. Without the paper's
+/// safety factor for bf16 rounding: a value just past the interval's ends maps just past
+/// `1 ± E` (the quintics rise through both ends), which the next interval absorbs.
+pub fn polar_express() -> &'static [(Quintic, f64)] {
+    static LIST: std::sync::OnceLock<Vec<(Quintic, f64)>> = std::sync::OnceLock::new();
+    LIST.get_or_init(|| {
+        let (mut l, mut u) = (POLAR_EXPRESS_LOW, 1.0);
+        let mut list = vec![];
+        loop {
+            let (p, e) = minimax_quintic(l, u);
+            list.push((p, e));
+            if e < 1e-6 || list.len() == 16 {
+                return list;
+            }
+            (l, u) = (1.0 - e, 1.0 + e);
+        }
+    })
+}
+
+/// The odd quintic `p(x) = a·x + b·x³ + c·x⁵` with the least `E = max |1 − p(x)|` over
+/// `[l, u]` (`0 < l < u`), and that `E`, by the Remez exchange: the best one equioscillates,
+/// `1 − p = ±E` with alternating signs at `l`, its two interior extrema and `u` (four points
+/// for three coefficients). Each round solves for the coefficients and `E` on the current
+/// points, then moves the interior points to the new polynomial's extrema.
+pub fn minimax_quintic(l: f64, u: f64) -> (Quintic, f64) {
+    assert!(0.0 < l && l < u, "minimax_quintic: interval [{l}, {u}]");
+    let mut xs = [l, l + (u - l) / 3.0, l + 2.0 * (u - l) / 3.0, u];
+    let mut sol = [0.0; 4];
+    for _ in 0..200 {
+        let mut m = [[0.0; 5]; 4];
+        for (i, &x) in xs.iter().enumerate() {
+            let sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+            m[i] = [x, x.powi(3), x.powi(5), sign, 1.0];
+        }
+        sol = solve4(m);
+        let (a, b, c) = (sol[0], sol[1], sol[2]);
+        // p'(x) = a + 3b·x² + 5c·x⁴: its roots in x² solve 5c·y² + 3b·y + a = 0.
+        let disc = 9.0 * b * b - 20.0 * a * c;
+        if disc <= 0.0 || c == 0.0 {
+            break;
+        }
+        let (y1, y2) = (
+            (-3.0 * b - disc.sqrt()) / (10.0 * c),
+            (-3.0 * b + disc.sqrt()) / (10.0 * c),
+        );
+        let (y1, y2) = (y1.min(y2), y1.max(y2));
+        if y1 <= 0.0 {
+            break;
+        }
+        let next = [l, y1.sqrt(), y2.sqrt(), u];
+        if !(l < next[1] && next[1] < next[2] && next[2] < u) {
+            break;
+        }
+        let moved = next
+            .iter()
+            .zip(&xs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        xs = next;
+        if moved <= 1e-15 * u {
+            break;
+        }
+    }
+    ((sol[0], sol[1], sol[2]), sol[3].abs())
+}
+
+/// `m`'s 4×4 system (its last column the right-hand side) by Gaussian elimination with partial
+/// pivoting.
+fn solve4(mut m: [[f64; 5]; 4]) -> [f64; 4] {
+    for k in 0..4 {
+        let p = (k..4)
+            .max_by(|&i, &j| m[i][k].abs().total_cmp(&m[j][k].abs()))
+            .expect("rows");
+        m.swap(k, p);
+        let pivot = m[k];
+        for row in &mut m[k + 1..] {
+            let f = row[k] / pivot[k];
+            for (x, p) in row[k..].iter_mut().zip(&pivot[k..]) {
+                *x -= f * p;
+            }
+        }
+    }
+    let mut x = [0.0; 4];
+    for k in (0..4).rev() {
+        let s: f64 = (k + 1..4).map(|j| m[k][j] * x[j]).sum();
+        x[k] = (m[k][4] - s) / m[k][k];
+    }
+    x
+}
 
 /// Added to the Frobenius norm before dividing, so a zero gradient stays zero.
 pub const NS_EPS: f64 = 1e-7;
@@ -147,10 +294,11 @@ pub fn newton_schulz(
     x: ViewMut,
     rows: usize,
     cols: usize,
-    steps: usize,
+    steps: impl Into<NsSteps>,
     bf16: bool,
     scratch: &mut NsScratch,
 ) {
+    let steps = steps.into();
     assert_eq!(
         x.len(),
         rows * cols,
@@ -175,10 +323,11 @@ pub fn newton_schulz_strided(
     count: usize,
     rows: usize,
     cols: usize,
-    steps: usize,
+    steps: impl Into<NsSteps>,
     bf16: bool,
     scratch: &mut NsScratch,
 ) {
+    let steps = steps.into();
     let n = rows * cols;
     assert_eq!(
         x.len(),
@@ -193,7 +342,7 @@ pub fn newton_schulz_strided(
     if count == 0 {
         return;
     }
-    if iterates_in_bf16(be, steps, bf16) {
+    if iterates_in_bf16(be, steps.n, bf16) {
         return iterate_in_bf16(be, x, count, rows, cols, steps, scratch);
     }
     be.normalize_frobenius_strided(x.reborrow(), count, NS_EPS);
@@ -204,14 +353,14 @@ pub fn newton_schulz_strided(
     let mut b = b.as_mut().expect("made above").slice_mut(0, count * ss);
     let mut y = y.as_mut().expect("made above").slice_mut(0, count * n);
     let mut in_x = true;
-    for _ in 0..steps {
+    for i in 0..steps.n {
         let (src, dst) = if in_x {
             (x.reborrow(), y.reborrow())
         } else {
             (y.reborrow(), x.reborrow())
         };
         let src = src.as_view();
-        let (sa, sb) = ns_syrks(rows, cols, bf16);
+        let (sa, sb) = ns_syrks(rows, cols, bf16, steps.coeffs(i));
         be.syrk_strided(a.reborrow(), src, sa, count, [n, ss]);
         be.syrk_strided(b.reborrow(), a.as_view(), sb, count, [ss, ss]);
         polynomial_times_x(be, dst, b.as_view(), src, rows, cols, count, bf16);
@@ -243,7 +392,7 @@ fn iterate_in_bf16(
     count: usize,
     rows: usize,
     cols: usize,
-    steps: usize,
+    steps: NsSteps,
     scratch: &mut NsScratch,
 ) {
     let n = rows * cols;
@@ -256,16 +405,16 @@ fn iterate_in_bf16(
     let (mut x16, mut y16) = (h.x.slice_mut(0, count * n), h.y.slice_mut(0, count * n));
     be.normalize_frobenius_strided_bf16(x.as_view(), x16.reborrow(), count, NS_EPS);
     let mut out = Some(x);
-    for step in 0..steps {
+    for step in 0..steps.n {
         let (src, dst) = match step % 2 {
             0 => (x16.as_view(), y16.reborrow()),
             _ => (y16.as_view(), x16.reborrow()),
         };
-        let dst = match step + 1 == steps {
+        let dst = match step + 1 == steps.n {
             true => out.take().expect("one last step"),
             false => dst,
         };
-        let (sa, sb) = ns_syrks(rows, cols, true);
+        let (sa, sb) = ns_syrks(rows, cols, true, steps.coeffs(step));
         be.syrk_strided_into_bf16(a.reborrow(), a16.reborrow(), src, sa, count, [n, ss]);
         let a16 = a16.as_view();
         be.syrk_strided_into_bf16(a.reborrow(), b16.reborrow(), a16, sb, count, [ss, ss]);
@@ -275,9 +424,9 @@ fn iterate_in_bf16(
 
 /// The two symmetric products of a Newton–Schulz step on `rows × cols` matrices:
 /// `A = X·Xᵀ + β·I` (`Xᵀ·X` for a tall X) and `B = c·A·A + δ·I` ([`ns_shifted`]).
-fn ns_syrks(rows: usize, cols: usize, bf16: bool) -> (Syrk, Syrk) {
+fn ns_syrks(rows: usize, cols: usize, bf16: bool, coeffs: (f64, f64, f64)) -> (Syrk, Syrk) {
     let (s, l) = (rows.min(cols), rows.max(cols));
-    let (shift, offset, cc) = ns_shifted();
+    let (shift, offset, cc) = ns_shifted_of(coeffs);
     let a = Syrk::new(s, l, rows > cols)
         .diag(shift as f32)
         .bf16_inputs(bf16);
@@ -317,7 +466,11 @@ fn polynomial_times_x(
 /// symmetric products with a diagonal term and one GEMM, with no copy of A (for `b·A`) or of X
 /// (for `a·X`); the same polynomial, rounded differently.
 pub fn ns_shifted() -> (f64, f64, f64) {
-    let (ca, cb, cc) = NS_COEFFS;
+    ns_shifted_of(NS_COEFFS)
+}
+
+/// [`ns_shifted`] for the quintic `(a, b, c)`.
+pub fn ns_shifted_of((ca, cb, cc): (f64, f64, f64)) -> (f64, f64, f64) {
     let shift = cb / (2.0 * cc);
     (shift, ca - cc * shift * shift, cc)
 }
@@ -337,10 +490,11 @@ pub fn newton_schulz_batch(
     count: usize,
     rows: usize,
     cols: usize,
-    steps: usize,
+    steps: impl Into<NsSteps>,
     bf16: bool,
     scratch: &mut [NsScratch],
 ) {
+    let steps = steps.into();
     let n = rows * cols;
     assert_eq!(
         x.len(),

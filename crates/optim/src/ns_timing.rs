@@ -111,6 +111,7 @@ pub fn ns_timings_markdown(rows: &[NsTiming]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::NsSteps;
     use ganymede_core::{CpuBackend, Memory};
 
     #[test]
@@ -127,7 +128,7 @@ mod tests {
             let outs = [false, true].map(|bf16| {
                 let mut x = be.upload(&input, &[r * c], Category::Buffers);
                 let mut sc = NsScratch::new(&be, r, c);
-                newton_schulz(&be, x.view_mut(), r, c, 5, bf16, &mut sc);
+                newton_schulz(&be, x.view_mut(), r, c, NsSteps::muon(5), bf16, &mut sc);
                 be.download(x.view())
             });
             let [f, b] = &outs;

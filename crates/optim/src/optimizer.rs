@@ -207,7 +207,7 @@ fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: b
     let run = |item: Item, slot: &mut Slot| run_matrix(be, item, slot, s);
     let (small, large): (Vec<Item>, Vec<Item>) = items
         .into_iter()
-        .partition(|it| ns_flops(it.rows, it.cols, steps) <= PAR_MATRIX_MAX_FLOPS);
+        .partition(|it| ns_flops(it.rows, it.cols, steps.n) <= PAR_MATRIX_MAX_FLOPS);
     for item in large {
         run(item, &mut slots[0]);
     }
@@ -220,7 +220,7 @@ fn run_items(be: &dyn Backend, items: Vec<Item>, slots: &mut [Slot], parallel: b
     // One task per slot, each taking the largest matrix left until none are: dynamic, so a
     // thread slowed by another process simply does fewer matrices.
     let mut small = small;
-    small.sort_by_key(|it| ns_flops(it.rows, it.cols, steps));
+    small.sort_by_key(|it| ns_flops(it.rows, it.cols, steps.n));
     let queue = std::sync::Mutex::new(small);
     slots.par_iter_mut().for_each(|slot| loop {
         let item = queue.lock().unwrap().pop();

@@ -180,7 +180,7 @@ struct Hyper {
     eps: f64,
     momentum: f64,
     weight_decay: f64,
-    ns_steps: usize,
+    ns_steps: crate::NsSteps,
 }
 
 impl<'s> Step<'s> {
@@ -201,7 +201,7 @@ impl<'s> Step<'s> {
                 eps: cfg.eps,
                 momentum: cfg.momentum,
                 weight_decay: cfg.weight_decay,
-                ns_steps: cfg.ns_steps,
+                ns_steps: crate::NsSteps::of(cfg),
             },
             step,
             lr,
@@ -211,8 +211,9 @@ impl<'s> Step<'s> {
         }
     }
 
-    /// Newton–Schulz iterations (`optimizer.ns_steps`).
-    pub fn ns_steps(&self) -> usize {
+    /// Newton–Schulz iterations and their quintics (`optimizer.ns_steps`,
+    /// `optimizer.ns_coefficients`).
+    pub fn ns_steps(&self) -> crate::NsSteps {
         self.cfg.ns_steps
     }
 

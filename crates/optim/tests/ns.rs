@@ -5,7 +5,9 @@
 mod common;
 use common::*;
 use ganymede_core::{Backend, Category, CpuBackend, Memory};
-use ganymede_optim::{newton_schulz, newton_schulz_batch, newton_schulz_strided, NsScratch};
+use ganymede_optim::{
+    newton_schulz, newton_schulz_batch, newton_schulz_strided, NsScratch, NsSteps,
+};
 
 fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
     let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
@@ -175,12 +177,28 @@ fn zero_input_stays_zero_and_scratch_is_reused() {
     for &(r, c) in &[(16usize, 64usize), (64, 16), (32, 32), (8, 8)] {
         let g = rng.normals(r * c);
         let mut t = be.upload_f64(&g, &[r, c], Category::Params);
-        newton_schulz(&be, t.view_mut(), r, c, 5, false, &mut scratch);
+        newton_schulz(
+            &be,
+            t.view_mut(),
+            r,
+            c,
+            NsSteps::muon(5),
+            false,
+            &mut scratch,
+        );
         let want = ns_reference(&g, r, c, 5);
         assert!(max_abs_diff(&be.download_f64(t.view()), &want) < 1e-4);
     }
     let mut z = be.zeros(&[8, 8], Category::Params);
-    newton_schulz(&be, z.view_mut(), 8, 8, 5, false, &mut scratch);
+    newton_schulz(
+        &be,
+        z.view_mut(),
+        8,
+        8,
+        NsSteps::muon(5),
+        false,
+        &mut scratch,
+    );
     assert!(be.download(z.view()).iter().all(|&x| x == 0.0));
 }
 
@@ -203,7 +221,15 @@ fn batch_equals_one_call_per_matrix_bitwise() {
         let mut scratch = NsScratch::new(&be, r, c);
         for e in 0..count {
             let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
-            newton_schulz(&be, t.view_mut(), r, c, 5, false, &mut scratch);
+            newton_schulz(
+                &be,
+                t.view_mut(),
+                r,
+                c,
+                NsSteps::muon(5),
+                false,
+                &mut scratch,
+            );
             want.extend(be.download(t.view()));
         }
         for threads in [1, 2] {
@@ -216,7 +242,16 @@ fn batch_equals_one_call_per_matrix_bitwise() {
                     (0..lanes).map(|_| NsScratch::new(&be, r, c)).collect();
                 let mut t = be.upload(&g, &[count, r, c], Category::Params);
                 pool.install(|| {
-                    newton_schulz_batch(&be, t.view_mut(), count, r, c, 5, false, &mut scratch)
+                    newton_schulz_batch(
+                        &be,
+                        t.view_mut(),
+                        count,
+                        r,
+                        c,
+                        NsSteps::muon(5),
+                        false,
+                        &mut scratch,
+                    )
                 });
                 let got = be.download(t.view());
                 let same = got
@@ -273,7 +308,15 @@ fn the_strided_form_is_the_per_matrix_one() {
 fn run_ns_prec(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, bf16: bool) -> Vec<f64> {
     let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
     let mut scratch = NsScratch::new(be, rows, cols);
-    newton_schulz(be, t.view_mut(), rows, cols, 5, bf16, &mut scratch);
+    newton_schulz(
+        be,
+        t.view_mut(),
+        rows,
+        cols,
+        NsSteps::muon(5),
+        bf16,
+        &mut scratch,
+    );
     be.download_f64(t.view())
 }
 
@@ -404,7 +447,15 @@ fn bf16_batch_equals_one_call_per_matrix() {
     let mut want = Vec::new();
     for e in 0..count {
         let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
-        newton_schulz(&be, t.view_mut(), r, c, 5, true, &mut scratch);
+        newton_schulz(
+            &be,
+            t.view_mut(),
+            r,
+            c,
+            NsSteps::muon(5),
+            true,
+            &mut scratch,
+        );
         want.extend(be.download(t.view()));
     }
     let pool = rayon::ThreadPoolBuilder::new()
@@ -413,10 +464,129 @@ fn bf16_batch_equals_one_call_per_matrix() {
         .unwrap();
     let mut scratch: Vec<NsScratch> = (0..3).map(|_| NsScratch::new(&be, r, c)).collect();
     let mut t = be.upload(&g, &[count, r, c], Category::Params);
-    pool.install(|| newton_schulz_batch(&be, t.view_mut(), count, r, c, 5, true, &mut scratch));
+    pool.install(|| {
+        newton_schulz_batch(
+            &be,
+            t.view_mut(),
+            count,
+            r,
+            c,
+            NsSteps::muon(5),
+            true,
+            &mut scratch,
+        )
+    });
     let got = be.download(t.view());
     assert!(got
         .iter()
         .zip(&want)
         .all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+/// Polar Express's quintics are each the best for their interval: `1 − p` equioscillates,
+/// `+E` at the interval's low end, `−E` at its high end and `∓E` at the two interior extrema,
+/// and nowhere exceeds `E` (Chebyshev's criterion for the minimax polynomial). Each interval
+/// is the one the quintic before it leaves, `[1 − E, 1 + E]`, and the errors shrink to the
+/// figures docs/config.md states: below 0.12 after five iterations, 0.001 after six.
+#[test]
+fn polar_express_quintics_equioscillate() {
+    use ganymede_optim::{polar_express, POLAR_EXPRESS_LOW};
+    let list = polar_express();
+    assert_eq!(list.len(), 7, "{list:?}");
+    let (mut l, mut u) = (POLAR_EXPRESS_LOW, 1.0);
+    for (i, &((a, b, c), e)) in list.iter().enumerate() {
+        let p = |x: f64| a * x + b * x.powi(3) + c * x.powi(5);
+        let n = 20_000;
+        let xs: Vec<f64> = (0..=n).map(|k| l + (u - l) * k as f64 / n as f64).collect();
+        let worst = xs.iter().map(|&x| (1.0 - p(x)).abs()).fold(0.0, f64::max);
+        let tol = 1e-9 * e.max(1e-6);
+        assert!(
+            worst <= e + tol,
+            "iteration {i}: max |1 - p| {worst} > E {e}"
+        );
+        assert!(
+            (1.0 - p(l) - e).abs() <= tol,
+            "iteration {i}: 1 - p(l) = {}",
+            1.0 - p(l)
+        );
+        assert!(
+            (1.0 - p(u) + e).abs() <= tol,
+            "iteration {i}: 1 - p(u) = {}",
+            1.0 - p(u)
+        );
+        // The interior extrema: p's largest value left of its interior minimum, and that minimum.
+        let inner = &xs[1..n];
+        let lo = inner.iter().copied().fold(f64::MAX, |m, x| m.min(p(x)));
+        let hi = inner.iter().copied().fold(f64::MIN, |m, x| m.max(p(x)));
+        assert!(
+            (lo - (1.0 - e)).abs() <= 1e-6 * e.max(1e-3),
+            "iteration {i}: min {lo}"
+        );
+        assert!(
+            (hi - (1.0 + e)).abs() <= 1e-6 * e.max(1e-3),
+            "iteration {i}: max {hi}"
+        );
+        (l, u) = (1.0 - e, 1.0 + e);
+    }
+    assert!(list[4].1 < 0.12 && list[5].1 < 1e-3, "{list:?}");
+}
+
+/// Orthogonalisation on the CPU backend from a known SVD whose normalised singular values lie
+/// in Polar Express's interval [0.001, 1] (one at 1, the rest from 0.003 to 0.1): each comes out
+/// as the composition of the quintics (the closed form, to f32 rounding); after five
+/// iterations all are within 0.12 of 1, where Muon's quintic leaves some 0.25 or more away;
+/// after six within 0.002.
+#[test]
+fn polar_express_takes_singular_values_to_one() {
+    use ganymede_config::NsCoefficients;
+    let be = CpuBackend::default();
+    let mut rng = Rng::new(5);
+    let (r, c) = (48usize, 80usize);
+    let s = r.min(c);
+    let u = orthonormal_columns(r, s, &mut rng);
+    let v = orthonormal_columns(c, s, &mut rng);
+    let mut sigma: Vec<f64> = (0..s)
+        .map(|i| 0.003 * (0.1f64 / 0.003).powf(i as f64 / (s - 2) as f64))
+        .collect();
+    sigma[s - 1] = 1.0;
+    let x = from_svd(&u, &sigma, &v, r, c);
+    let fro = sigma.iter().map(|s| s * s).sum::<f64>().sqrt();
+    let worst = |steps: NsSteps| {
+        let mut t = be.upload_f64(&x, &[r, c], Category::Params);
+        let mut scratch = NsScratch::new(&be, r, c);
+        newton_schulz(
+            &be as &dyn Backend,
+            t.view_mut(),
+            r,
+            c,
+            steps,
+            false,
+            &mut scratch,
+        );
+        let out = be.download_f64(t.view());
+        // Closed form: each σ/(‖σ‖ + ε) through the iterations' quintics.
+        let mapped: Vec<f64> = sigma
+            .iter()
+            .map(|&sg| {
+                (0..steps.n).fold(sg / (fro + 1e-7), |x, i| {
+                    let (a, b, c) = steps.coeffs(i);
+                    a * x + b * x.powi(3) + c * x.powi(5)
+                })
+            })
+            .collect();
+        let want = from_svd(&u, &mapped, &v, r, c);
+        let err = max_abs_diff(&out, &want);
+        assert!(err < 2e-4, "{steps:?}: off the closed form by {err}");
+        let sv = singular_values(&out, r, c);
+        sv.iter().map(|s| (s - 1.0).abs()).fold(0.0, f64::max)
+    };
+    let pe = |n| NsSteps {
+        n,
+        coefficients: NsCoefficients::PolarExpress,
+    };
+    let (pe5, muon5, pe6) = (worst(pe(5)), worst(NsSteps::from(5)), worst(pe(6)));
+    eprintln!("max |σ - 1|: Polar Express 5 {pe5:.4}, 6 {pe6:.5}; Muon 5 {muon5:.4}");
+    assert!(pe5 < 0.12, "{pe5}");
+    assert!(muon5 > 0.25, "{muon5}");
+    assert!(pe6 < 2e-3, "{pe6}");
 }

@@ -374,7 +374,7 @@ fn run_ns(
         }
         return;
     }
-    let lanes = match ns_flops(r, c, steps) <= PAR_MATRIX_MAX_FLOPS {
+    let lanes = match ns_flops(r, c, steps.n) <= PAR_MATRIX_MAX_FLOPS {
         true => scratch.len(),
         false => 1,
     };
