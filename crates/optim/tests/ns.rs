@@ -24,6 +24,9 @@ fn run_ns(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, steps: usize) ->
     be.download_f64(t.view())
 }
 
+/// Five iterations of Muon's quintic.
+const MUON5: NsSteps = NsSteps::muon(5);
+
 const SHAPES: [(usize, usize); 5] = [(48, 48), (32, 80), (80, 32), (1, 40), (64, 96)];
 
 /// The quintic's behaviour at σ = 1 (an orthogonal matrix with all singular values equal, after
@@ -177,28 +180,12 @@ fn zero_input_stays_zero_and_scratch_is_reused() {
     for &(r, c) in &[(16usize, 64usize), (64, 16), (32, 32), (8, 8)] {
         let g = rng.normals(r * c);
         let mut t = be.upload_f64(&g, &[r, c], Category::Params);
-        newton_schulz(
-            &be,
-            t.view_mut(),
-            r,
-            c,
-            NsSteps::muon(5),
-            false,
-            &mut scratch,
-        );
+        newton_schulz(&be, t.view_mut(), r, c, MUON5, false, &mut scratch);
         let want = ns_reference(&g, r, c, 5);
         assert!(max_abs_diff(&be.download_f64(t.view()), &want) < 1e-4);
     }
     let mut z = be.zeros(&[8, 8], Category::Params);
-    newton_schulz(
-        &be,
-        z.view_mut(),
-        8,
-        8,
-        NsSteps::muon(5),
-        false,
-        &mut scratch,
-    );
+    newton_schulz(&be, z.view_mut(), 8, 8, MUON5, false, &mut scratch);
     assert!(be.download(z.view()).iter().all(|&x| x == 0.0));
 }
 
@@ -221,15 +208,7 @@ fn batch_equals_one_call_per_matrix_bitwise() {
         let mut scratch = NsScratch::new(&be, r, c);
         for e in 0..count {
             let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
-            newton_schulz(
-                &be,
-                t.view_mut(),
-                r,
-                c,
-                NsSteps::muon(5),
-                false,
-                &mut scratch,
-            );
+            newton_schulz(&be, t.view_mut(), r, c, MUON5, false, &mut scratch);
             want.extend(be.download(t.view()));
         }
         for threads in [1, 2] {
@@ -242,16 +221,7 @@ fn batch_equals_one_call_per_matrix_bitwise() {
                     (0..lanes).map(|_| NsScratch::new(&be, r, c)).collect();
                 let mut t = be.upload(&g, &[count, r, c], Category::Params);
                 pool.install(|| {
-                    newton_schulz_batch(
-                        &be,
-                        t.view_mut(),
-                        count,
-                        r,
-                        c,
-                        NsSteps::muon(5),
-                        false,
-                        &mut scratch,
-                    )
+                    newton_schulz_batch(&be, t.view_mut(), count, r, c, MUON5, false, &mut scratch)
                 });
                 let got = be.download(t.view());
                 let same = got
@@ -308,15 +278,7 @@ fn the_strided_form_is_the_per_matrix_one() {
 fn run_ns_prec(be: &CpuBackend, g: &[f64], rows: usize, cols: usize, bf16: bool) -> Vec<f64> {
     let mut t = be.upload_f64(g, &[rows, cols], Category::Params);
     let mut scratch = NsScratch::new(be, rows, cols);
-    newton_schulz(
-        be,
-        t.view_mut(),
-        rows,
-        cols,
-        NsSteps::muon(5),
-        bf16,
-        &mut scratch,
-    );
+    newton_schulz(be, t.view_mut(), rows, cols, MUON5, bf16, &mut scratch);
     be.download_f64(t.view())
 }
 
@@ -447,15 +409,7 @@ fn bf16_batch_equals_one_call_per_matrix() {
     let mut want = Vec::new();
     for e in 0..count {
         let mut t = be.upload(&g[e * n..(e + 1) * n], &[r, c], Category::Params);
-        newton_schulz(
-            &be,
-            t.view_mut(),
-            r,
-            c,
-            NsSteps::muon(5),
-            true,
-            &mut scratch,
-        );
+        newton_schulz(&be, t.view_mut(), r, c, MUON5, true, &mut scratch);
         want.extend(be.download(t.view()));
     }
     let pool = rayon::ThreadPoolBuilder::new()
@@ -464,18 +418,7 @@ fn bf16_batch_equals_one_call_per_matrix() {
         .unwrap();
     let mut scratch: Vec<NsScratch> = (0..3).map(|_| NsScratch::new(&be, r, c)).collect();
     let mut t = be.upload(&g, &[count, r, c], Category::Params);
-    pool.install(|| {
-        newton_schulz_batch(
-            &be,
-            t.view_mut(),
-            count,
-            r,
-            c,
-            NsSteps::muon(5),
-            true,
-            &mut scratch,
-        )
-    });
+    pool.install(|| newton_schulz_batch(&be, t.view_mut(), count, r, c, MUON5, true, &mut scratch));
     let got = be.download(t.view());
     assert!(got
         .iter()
