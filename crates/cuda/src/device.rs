@@ -108,6 +108,9 @@ pub struct Streams {
     streams: [Arc<CudaStream>; 4],
     /// What a graph's capture on the compute stream holds while it runs (see `graphs`).
     capture: Mutex<Option<graphs::Capture>>,
+    /// Whether `capture` holds one: what every allocation, free, staged write and phase mark
+    /// asks, without the lock.
+    capturing: std::sync::atomic::AtomicBool,
 }
 
 impl Streams {
@@ -205,6 +208,7 @@ impl CudaBackend {
             None => Arc::new(Streams {
                 streams: [mk()?, mk()?, mk()?, mk()?],
                 capture: Mutex::default(),
+                capturing: Default::default(),
             }),
         };
         let blas = CudaBlas::new(streams.get(Stream::Compute).clone()).map_err(|e| {

@@ -23,6 +23,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, PinnedHostSlice};
 use ganymede_core::{GraphRun, Tensor};
 use std::collections::HashSet;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// cuBLAS's workspace: 32 MiB, what NVIDIA advises for Hopper (4 MiB suffices before it). Not
@@ -58,7 +59,13 @@ impl Streams {
     }
     /// Whether a graph's capture runs on the compute stream.
     pub(super) fn capturing(&self) -> bool {
-        self.lock_capture().is_some()
+        self.capturing.load(Ordering::Acquire)
+    }
+    /// Start (`Some`) or end (`None`, returning it) a capture's holdings.
+    fn set_capture(&self, c: Option<Capture>) -> Option<Capture> {
+        let mut capture = self.lock_capture();
+        self.capturing.store(c.is_some(), Ordering::Release);
+        std::mem::replace(&mut *capture, c)
     }
     /// Panic where a capture runs: `what` cannot be captured.
     pub(super) fn refuse_in_capture(&self, what: &str) {
@@ -71,6 +78,9 @@ impl Streams {
     }
     /// Device memory at `addr` was allocated now.
     pub(super) fn allocated(&self, addr: u64) {
+        if !self.capturing() {
+            return;
+        }
         if let Some(c) = self.lock_capture().as_mut() {
             c.allocated.insert(addr);
         }
@@ -78,6 +88,9 @@ impl Streams {
     /// `slice` (at `addr`) is let go: kept by the capture that runs if it is older than the
     /// capture (`None`), else handed back to be freed (in stream order: inside the graph).
     pub(super) fn keep(&self, addr: u64, slice: CudaSlice<u8>) -> Option<CudaSlice<u8>> {
+        if !self.capturing() {
+            return Some(slice);
+        }
         let mut capture = self.lock_capture();
         let Some(c) = capture.as_mut() else {
             return Some(slice);
@@ -91,6 +104,9 @@ impl Streams {
     }
     /// Pinned memory let go: kept by the capture that runs (`None`), else handed back.
     pub(super) fn keep_pinned(&self, slice: PinnedHostSlice<u8>) -> Option<PinnedHostSlice<u8>> {
+        if !self.capturing() {
+            return Some(slice);
+        }
         match self.lock_capture().as_mut() {
             Some(c) => {
                 c.kept_pinned.push(slice);
@@ -152,11 +168,11 @@ impl CudaBackend {
                 return GraphRun::Replayed;
             }
         }
-        {
-            let mut capture = self.streams.lock_capture();
-            assert!(capture.is_none(), "graph {key} inside another's capture");
-            *capture = Some(Capture::default());
-        }
+        assert!(
+            !self.streams.capturing(),
+            "graph {key} inside another's capture"
+        );
+        self.streams.set_capture(Some(Capture::default()));
         let compute = self.compute();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         ok(compute.begin_capture(mode), "graph capture");
@@ -164,7 +180,7 @@ impl CudaBackend {
         // Ended however the body ended, so that the stream works again after a panic.
         let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = compute.end_capture(flags);
-        let holds = self.streams.lock_capture().take().unwrap_or_default();
+        let holds = self.streams.set_capture(None).unwrap_or_default();
         if let Err(p) = ran {
             resume_unwind(p);
         }
