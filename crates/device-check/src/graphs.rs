@@ -82,7 +82,8 @@ pub fn graph_replay<B: Backend + 'static>(make: impl Fn() -> B) -> Result<String
     let mut failures = vec![];
     let mut notes = vec![];
     for optimizer in ["muon", "adamw"] {
-        let eager = run(make(), &job_with(optimizer, &[])?)?;
+        let cfg = job_with(optimizer, &[])?;
+        let eager = run(make(), &cfg)?;
         let graphs = run(
             make(),
             &job_with(optimizer, &["training.cuda_graphs=true"])?,
@@ -104,7 +105,8 @@ pub fn graph_replay<B: Backend + 'static>(make: impl Fn() -> B) -> Result<String
                 ));
             }
         }
-        if let Some((i, j)) = first_param_difference(&eager.params, &graphs.params) {
+        let differs = first_param_difference(&eager.params, &graphs.params);
+        if let Some((i, j)) = differs {
             failures.push(format!(
                 "{optimizer}: after {STEPS} steps, parameter {i}'s element {j} differs: {:?} eagerly, {:?} from graphs",
                 eager.params[i].get(j),
@@ -112,7 +114,7 @@ pub fn graph_replay<B: Backend + 'static>(make: impl Fn() -> B) -> Result<String
             ));
         }
         // Steps after the first: the zeroing, each microbatch and the update.
-        let k = 2;
+        let k = cfg.training.microbatches(1);
         let want = (STEPS - 1) * (2 + k);
         let GraphRuns {
             captured, replayed, ..
@@ -133,7 +135,7 @@ pub fn graph_replay<B: Backend + 'static>(make: impl Fn() -> B) -> Result<String
             "- {optimizer}: {captured} graphs captured ({} host writes or allocations in their bodies), {replayed} replays; all {} parameters' bits equal: {}",
             graphs.runs.captured_effects,
             eager.params.iter().map(Vec::len).sum::<usize>(),
-            first_param_difference(&eager.params, &graphs.params).is_none()
+            differs.is_none()
         ));
     }
     let _ = writeln!(md, "\n{}", notes.join("\n"));

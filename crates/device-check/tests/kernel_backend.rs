@@ -742,3 +742,33 @@ fn cpu_training_steps_as_graphs_give_the_bits_of_eager_ones() {
     assert_eq!(md.matches("| yes |").count(), 2 * 3, "{md}");
     assert_eq!(md.matches("5 replays").count(), 2, "{md}");
 }
+
+/// What a graph cannot capture is refused when the run is set up, naming the setting.
+#[test]
+fn cuda_graphs_refuse_offload_and_more_ranks() {
+    use ganymede_config::JobConfig;
+    use ganymede_dist::{run_threads, ThreadsConfig};
+    use ganymede_parallel::RankState;
+    let refusal = |ranks: usize, sets: &[&str]| {
+        let mut all = vec!["training.cuda_graphs=true".to_string()];
+        all.extend(sets.iter().map(|s| s.to_string()));
+        let cfg = JobConfig::load(Some("tiny"), None, &all).unwrap();
+        let r = run_threads(ranks, &ThreadsConfig::default(), |world| {
+            RankState::new(world, &cfg).err().map(|e| format!("{e:#}"))
+        });
+        r.into_iter().next().unwrap().unwrap()
+    };
+    assert_eq!(refusal(1, &[]), None);
+    let e = refusal(1, &["optimizer.offload=true"]).expect("refused");
+    assert!(
+        e.contains("training.cuda_graphs = true does not go with optimizer.offload"),
+        "{e}"
+    );
+    let e = refusal(1, &["activation_checkpoint.offload_fraction=0.5"]).expect("refused");
+    assert!(
+        e.contains("activation_checkpoint.offload_fraction = 0.5"),
+        "{e}"
+    );
+    let e = refusal(2, &[]).expect("refused");
+    assert!(e.contains("2 ranks"), "{e}");
+}

@@ -737,7 +737,8 @@ impl RankState {
     /// `doc_starts`) in microbatches, each one's gradients its own global microbatch's mean
     /// times 1/k, added up before the one update; each one's figures stashed in
     /// [`StepScalars`]. Each microbatch's tokens go to the device first, then its pass runs on
-    /// them (a graph's replay where `graphs`, the state's first graph key). Returns the tokens of a global microbatch.
+    /// them (a graph's replay where `graphs`, the state's first graph key). Returns the tokens
+    /// of a global microbatch.
     fn forward_backward_microbatches(
         &mut self,
         inputs: &[u32],
